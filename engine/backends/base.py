@@ -1,0 +1,146 @@
+"""The Backend protocol: the few operations the model files need, and nothing else.
+
+Model files (engine/models/*.py) are pure functions over a weights dict and a Backend; they never import
+numpy or cupy. `numpy_backend.NumpyBackend` is the specification (float32, float64 where it protects
+accuracy, written for reading); `cupy_backend.CupyBackend` has the same signatures and calls the
+hand-written kernels. A test runs both on the same inputs.
+
+Conventions
+- An "Array" is the backend's own array type (numpy.ndarray, cupy.ndarray). Model code may use only
+  `.shape`, `.reshape(...)` and basic slicing on it; everything else goes through the backend.
+- Activations are float32. Shapes are written as comments: T tokens, H hidden, nh heads, d head dim.
+- A "Weight" is what `load_weight` returned: opaque to the model, with `.shape` (logical row-major
+  shape, GGUF `ne` reversed) and `.type_name` (GGML type name, e.g. "Q8_0").
+- Matmuls compute x @ W.T (W is (n_out, n_in), as GGUF stores it).
+- Ops that own state (KV cache, GDN conv/recurrent state) update it in place; the state objects are made
+  by the same backend (`new_kv_cache`, `zeros`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+Array = Any
+Weight = Any
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """Per-layer attention cache for one sequence. `length` = tokens stored so far."""
+
+    length: int
+    capacity: int
+
+    def truncate(self, length: int) -> None:
+        """Forget everything after `length` tokens (for regenerate / edit-and-resend)."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str  # "numpy", "cupy"
+    device: str  # "cpu:0", "cuda:1", ...
+
+    # ---- data movement -------------------------------------------------------------------------
+    def asarray(self, host_array) -> Array:
+        """Copy a host (numpy) array to this backend; float arrays become float32."""
+
+    def to_numpy(self, x: Array):
+        """Copy to a host numpy array (synchronizes)."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: str = "float32") -> Array: ...
+
+    def load_weight(self, info, *, role: str = "matmul") -> Weight:
+        """Prepare a GGUF tensor (engine.gguf_file.TensorInfo) for use on this backend.
+
+        role: "matmul" (x @ W.T), "embedding" (row lookup, may also be the tied LM head), "vector"
+        (norm weights, biases, small F32 tensors: returned as a float32 Array of the logical shape),
+        "experts" (3-D expert stack (E, n_out, n_in)).
+        """
+
+    def free(self, obj: Any) -> None:
+        """Release device memory held by a weight or state (no-op on the CPU)."""
+
+    # ---- elementwise and norms -----------------------------------------------------------------
+    def add(self, a: Array, b: Array) -> Array: ...
+
+    def mul(self, a: Array, b: Array) -> Array: ...
+
+    def scale(self, x: Array, s: float) -> Array: ...
+
+    def sigmoid(self, x: Array) -> Array: ...
+
+    def silu(self, x: Array) -> Array: ...
+
+    def swiglu(self, gate: Array, up: Array) -> Array:
+        """silu(gate) * up."""
+
+    def geglu(self, gate: Array, up: Array) -> Array:
+        """gelu_tanh(gate) * up (Gemma)."""
+
+    def rms_norm(self, x: Array, w: Array | None, eps: float) -> Array:
+        """x / sqrt(mean(x^2, last axis) + eps) * w (w broadcast over the last axis; None = no weight)."""
+
+    def add_rms_norm(self, x: Array, delta: Array, w: Array, eps: float) -> tuple[Array, Array]:
+        """Fused residual: s = x + delta; returns (s, rms_norm(s, w, eps))."""
+
+    def l2_norm(self, x: Array, eps: float) -> Array:
+        """x / sqrt(sum(x^2, last axis) + eps)."""
+
+    def gated_rms_norm(self, x: Array, z: Array, w: Array, eps: float) -> Array:
+        """rms_norm(x, w, eps) * silu(z), per head over the last axis (Gated DeltaNet output)."""
+
+    # ---- matmuls and lookups -------------------------------------------------------------------
+    def embed(self, table: Weight, ids) -> Array:
+        """Rows of an embedding table (any quant type) for integer ids (host sequence) -> (T, H)."""
+
+    def matmul(self, x: Array, w: Weight) -> Array:
+        """(T, n_in) @ W.T -> (T, n_out), W quantized as stored; fp32 accumulation."""
+
+    # ---- positions and attention ---------------------------------------------------------------
+    def rope(self, x: Array, positions, n_rot: int, base: float, *, sections: tuple[int, ...] = (),
+             scale: float = 1.0) -> Array:
+        """NEOX (half-split) rotary embedding on the first n_rot dims of each head.
+
+        x (T, nh, d); positions: host int array (T,) for text, or (3, T) for M-RoPE (t, h, w) with
+        `sections` pairs per component (interleaved rule, qwen35-architecture.md 3.3.1).
+        Position p is divided by `scale` (linear scaling). Dims >= n_rot pass through.
+        """
+
+    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int) -> KVCache:
+        ...
+
+    def attention(self, q: Array, k: Array, v: Array, cache: KVCache, *, scale: float,
+                  window: int = 0) -> Array:
+        """Append k, v (T, n_kv, d) to `cache`, then causal GQA attention of q (T, nh, d) over the
+        whole cache. Query head h uses KV head h // (nh // n_kv). window > 0 restricts each query at
+        position p to keys at positions > p - window (sliding window). Softmax in fp32.
+        Returns (T, nh, dv)."""
+
+    # ---- Gated DeltaNet ------------------------------------------------------------------------
+    def conv1d_silu(self, x: Array, state: Array, w: Array) -> Array:
+        """Causal depthwise conv + SiLU. x (T, C) new inputs; state (K-1, C) previous raw inputs,
+        updated in place to the last K-1 raw inputs; w (C, K) with w[:, K-1] on the current token."""
+
+    def gdn_gates(self, alpha: Array, beta: Array, ssm_a: Array, dt_bias: Array) -> tuple[Array, Array]:
+        """g = ssm_a * softplus(alpha + dt_bias) (log decay, <= 0), b = sigmoid(beta); (T, n_v) each."""
+
+    def gdn_chunk(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array,
+                  chunk: int = 64) -> Array:
+        """Chunked delta rule over T tokens. q, k (T, n_k, dk) normalized (q scaled); v (T, n_v, dv);
+        g, beta (T, n_v); value head j uses key head j % n_k. state (n_v, dk, dv) fp32, updated in
+        place. Returns o (T, n_v, dv)."""
+
+    def gdn_step(self, q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array) -> Array:
+        """The same for T == 1 by the recurrence (also valid token by token for any T)."""
+
+    # ---- mixture of experts ----------------------------------------------------------------------
+    def moe(self, x: Array, router: Weight, gate_exps: Weight, up_exps: Weight, down_exps: Weight,
+            k: int) -> Array:
+        """Routed SwiGLU experts: softmax over router logits (fp32), top-k, renormalize, weighted sum
+        of the selected experts' SwiGLU outputs. x (T, H) -> (T, H)."""
+
+    # ---- sampling helpers --------------------------------------------------------------------------
+    def top_k(self, logits: Array, k: int):
+        """Largest k logits of each row on the device -> host (values (T, k), ids (T, k)), descending."""
+
+    def synchronize(self) -> None: ...

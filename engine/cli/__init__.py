@@ -1,0 +1,62 @@
+"""The `minecart` command line: one subcommand per module in this package.
+
+Each subcommand module defines `register(subparsers)`, which adds its parser and sets `func` (a callable
+taking the parsed args and returning an exit code). The `minecart` script itself lives in
+app/launcher.py: with no arguments it opens the desktop app, otherwise it calls `main` here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, in the order `minecart --help` lists them.
+COMMANDS = [
+    "inspect_cmd",
+    "synth_cmd",
+    "run_cmd",
+    "chat_cmd",
+    "serve_cmd",
+    "bench_cmd",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="minecart",
+        description="Run Qwen3.5/3.6 and Gemma 3 GGUF models on GPUs without tensor cores. "
+        "The `minecart` script with no subcommand opens the desktop app.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            mod = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"{__name__}.{name}":
+                continue  # subcommand not built yet
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..errors import MinecartError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except MinecartError as exc:
+        print(f"minecart: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nminecart: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
