@@ -14,10 +14,16 @@ Conventions
 - Matmuls compute x @ W.T (W is (n_out, n_in), as GGUF stores it).
 - Ops that own state (KV cache, GDN conv/recurrent state) update it in place; the state objects are made
   by the same backend (`new_kv_cache`, `zeros`).
+- Elementwise ops (`add`, `mul`) broadcast like NumPy (e.g. (T, F) * (T, 1)).
+- A "matmul" weight stored 1-D (n,) acts as a (1, n) matrix (e.g. the MoE shared-expert gate that
+  llama.cpp's C++ tools write 1-D).
+- Per-layer sequence state is a `LayerState` (below): a KV cache and/or named recurrent arrays. Sessions
+  snapshot and restore it generically (KV: by length; recurrent arrays: by copy through the host).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 Array = Any
@@ -33,6 +39,23 @@ class KVCache(Protocol):
 
     def truncate(self, length: int) -> None:
         """Forget everything after `length` tokens (for regenerate / edit-and-resend)."""
+
+    def clone(self) -> KVCache:
+        """An independent copy (same device) holding the same `length` tokens (Session.fork)."""
+
+
+@dataclass
+class LayerState:
+    """Per-sequence state of one layer, as returned by a model module's `new_layer_state`.
+
+    kv: the attention cache (None for recurrent layers). It can be truncated to any earlier length.
+    recurrent: fixed-size arrays that summarize all tokens seen so far (GDN: "conv" (K-1, C) and
+    "ssm" (n_v, dk, dv)); they cannot be rewound, only snapshotted and restored. Ops update them in
+    place; restoring replaces the dict entries with arrays of the same shape.
+    """
+
+    kv: KVCache | None = None
+    recurrent: dict[str, Any] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -134,10 +157,14 @@ class Backend(Protocol):
         """The same for T == 1 by the recurrence (also valid token by token for any T)."""
 
     # ---- mixture of experts ----------------------------------------------------------------------
-    def moe(self, x: Array, router: Weight, gate_exps: Weight, up_exps: Weight, down_exps: Weight,
-            k: int) -> Array:
+    def moe(self, x: Array, router: Weight, gate_exps: Weight, up_exps: Weight | None,
+            down_exps: Weight, k: int) -> Array:
         """Routed SwiGLU experts: softmax over router logits (fp32), top-k, renormalize, weighted sum
-        of the selected experts' SwiGLU outputs. x (T, H) -> (T, H)."""
+        of the selected experts' SwiGLU outputs. x (T, H) -> (T, H).
+
+        router (E, H); gate_exps, up_exps (E, Fe, H); down_exps (E, H, Fe). up_exps None means
+        gate_exps is the fused gate_up tensor (E, 2*Fe, H): rows [0, Fe) gate, [Fe, 2*Fe) up.
+        Ties in the top-k go to the lower expert index. The shared expert is not part of this op."""
 
     # ---- sampling helpers --------------------------------------------------------------------------
     def top_k(self, logits: Array, k: int):
