@@ -137,24 +137,39 @@ def _qwen35(gf, arch: str) -> ModelConfig:
 
 
 def _gemma3(gf) -> ModelConfig:
+    """Gemma 3 text model. llama.cpp (`llama_load_hparams_gemma3`) hard-codes several values that the
+    GGUF does not carry; they are repeated here, and read from the file where a newer converter writes
+    them. Checked against the demo GGUF (gemma-3-270m, 18 layers) and transformers' Gemma3TextConfig."""
     r = lambda k: gf.require(f"gemma3.{k}")  # noqa: E731
     g = lambda k, d=None: gf.get(f"gemma3.{k}", d)  # noqa: E731
     n_layers = int(r("block_count"))
-    # llama.cpp: every 6th layer (il % 6 == 5) is global, the others use the sliding window.
-    kinds = tuple(ATTN if i % 6 == 5 else SLIDING for i in range(n_layers))
-    head_dim = int(g("attention.key_length", 0) or 0) or int(r("embedding_length")) // int(
-        r("attention.head_count")
-    )
+    hidden = int(r("embedding_length"))
+    n_heads = int(r("attention.head_count"))
+    # Every 6th layer (i % 6 == 5) attends globally, the others through the sliding window (llama.cpp
+    # set_swa_pattern(6), HF sliding_window_pattern 6). A file may spell the pattern out: an integer
+    # period, or one boolean per layer (true = sliding).
+    pattern = g("attention.sliding_window_pattern")
+    if isinstance(pattern, (list, tuple)) and len(pattern) >= n_layers:
+        kinds = tuple(SLIDING if bool(x) else ATTN for x in list(pattern)[:n_layers])
+    else:
+        period = int(pattern) if isinstance(pattern, (int, float)) and int(pattern) > 0 else 6
+        kinds = tuple(ATTN if i % period == period - 1 else SLIDING for i in range(n_layers))
+    head_dim = int(g("attention.key_length", 0) or 0) or hidden // n_heads
+    # Linear position scaling (4B/12B/27B: factor 8) applies to the global layers only; local layers
+    # keep base 10 000 and scale 1 (llama.cpp rope_freq_scale_train_swa = 1).
     scale_type = g("rope.scaling.type")
     rope_scale = float(g("rope.scaling.factor", 1.0) or 1.0) if scale_type in (None, "linear") else 1.0
+    # Query scale 1/sqrt(query_pre_attn_scalar): head_dim for every size except 27B (62 layers), whose
+    # scalar is hidden / n_heads = 168 (gemma_pytorch config; llama.cpp's f_attention_scale).
+    query_pre_attn_scalar = float(hidden // n_heads) if n_layers == 62 else float(head_dim)
     return ModelConfig(
         architecture="gemma3",
         name=str(gf.get("general.name", gf.path.stem)),
         n_layers=n_layers,
-        hidden=int(r("embedding_length")),
+        hidden=hidden,
         vocab_size=_vocab_size(gf),
         context_length=int(r("context_length")),
-        n_heads=int(r("attention.head_count")),
+        n_heads=n_heads,
         n_kv_heads=int(r("attention.head_count_kv")),
         head_dim=head_dim,
         value_head_dim=int(g("attention.value_length", head_dim) or head_dim),
@@ -164,8 +179,8 @@ def _gemma3(gf) -> ModelConfig:
         layer_types=kinds,
         ffn=int(r("feed_forward_length")),
         tied_embeddings="output.weight" not in gf.tensors,
-        sliding_window=int(g("attention.sliding_window", 512) or 512),
-        rope_base_local=10_000.0,
+        sliding_window=int(r("attention.sliding_window")),
+        rope_base_local=float(g("rope.freq_base_swa", 10_000.0) or 10_000.0),
         rope_scale=rope_scale,
-        query_pre_attn_scalar=float(head_dim),
+        query_pre_attn_scalar=query_pre_attn_scalar,
     )
