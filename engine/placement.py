@@ -1,0 +1,854 @@
+"""Placement: which device runs each part of a model, and how many bytes each device needs.
+
+Plain data, no Qt, no numpy. A model is split into ordered *parts*: "global" (token embedding), "layer.0"
+... "layer.{n-1}", and "head" (output norm + LM head). A `Placement` assigns every part to a device name
+("cuda:N" or "cpu:N") and estimates, per device, the bytes of
+
+- weights: exact, from the GGUF tensor infos (quantized blocks as stored; a tied embedding used by
+  "global" and "head" on two devices is counted on both, once if they share a device);
+- KV cache: attention layers, K and V at the chosen context and KV type (f32, f16, q8, q3 = 3-bit);
+- recurrent state: Gated DeltaNet conv state and delta-rule state, fp32, independent of context;
+- activations and scratch: the peak live activations of the widest part on the device at the chosen
+  prefill chunk (an estimate: fused attention is assumed, so no T x context score matrix is counted);
+- overhead: the CUDA context of a "cuda:*" device (CUDA_CONTEXT_BYTES, a guess until measured).
+
+What this module is not: it does not load weights or run anything (engine/multidevice.py executes a
+Placement), and it does not know about GPUs beyond their names and free bytes (callers pass DeviceSpec).
+
+Typical use:
+
+    costs = model_costs(config, gguf_file)                      # or plan_auto(config, gguf_file, ...)
+    plan = plan_auto(config, gguf_file, [DeviceSpec("cuda:0", 8 * GiB), DeviceSpec("cuda:1", 4 * GiB)],
+                     context=32768, chunk=512, kv_type="f16")
+    for issue in validate(plan, devices): print(issue)         # messages a person can act on
+    plan.move_boundary(0, 20)                                   # cuda:1 now starts at part 20
+    text = plan.to_json(); plan2 = Placement.from_json(text)
+
+Sizes of the released Qwen3.5 models can be computed without the file: `config_and_tensors_for_shape()`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+from .config import ATTN, GDN, SLIDING, ModelConfig
+from .errors import PlacementError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# What one CUDA context costs on the device before any allocation (driver, module images, cuBLAS-free).
+# Measured values go between 300 and 500 MiB depending on card and driver; this is the middle until the
+# GPU teammate measures it on the device.
+CUDA_CONTEXT_BYTES = 400 * MiB
+
+# Bytes per stored KV value. q8 = Q8_0 blocks (32 int8 + fp16 scale); q3 = 3-bit codes in blocks of 32
+# (12 bytes) plus an fp16 scale (2 bytes), as the Walsh-Hadamard + Lloyd-Max cache of seeds.md stores.
+KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8": 34 / 32, "q3": 14 / 32}
+
+GLOBAL = "global"
+HEAD = "head"
+FORMAT = "minecart.placement"
+FORMAT_VERSION = 1
+
+
+def layer_part(i: int) -> str:
+    return f"layer.{i}"
+
+
+def part_index_of_layer(i: int) -> int:
+    """Index of layer i in the ordered part list (the embedding is part 0)."""
+    return i + 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Devices
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device a placement may use: its name ("cuda:0", "cpu:0") and how many bytes are free on it."""
+
+    name: str
+    free_bytes: int
+    label: str = ""  # for people: "GTX 1070 (riser 3)"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.name.startswith("cuda:")
+
+
+_DEVICE_RE = re.compile(r"^(cuda|cpu):\d+$")
+
+
+def check_device_name(name: str) -> str:
+    if not _DEVICE_RE.match(name):
+        raise PlacementError(f"device name '{name}' is not understood; use 'cuda:N' or 'cpu:N' (N = 0, 1, ...)")
+    return name
+
+
+def device_overhead(name: str, cuda_context_bytes: int = CUDA_CONTEXT_BYTES) -> int:
+    return cuda_context_bytes if name.startswith("cuda:") else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Costs of the parts of one model
+
+
+@dataclass(frozen=True)
+class PartCost:
+    """What one part needs wherever it runs.
+
+    tensors: (GGUF name, stored bytes) of every tensor the part reads. A tied embedding appears in both
+             "global" and "head"; bytes_per_device counts it once per device.
+    kv_values_per_token: K and V values the part caches per token (attention layers), n_kv * (d_k + d_v).
+    state_bytes: fixed per-sequence recurrent state (GDN conv + delta-rule state, fp32).
+    act_values_per_token: peak live float32 activations per token while the part runs.
+    act_values_fixed: activations independent of the chunk (e.g. logits rows of the LM head), floats.
+    """
+
+    name: str
+    kind: str  # "embedding", "gdn", "attention", "sliding", "head"
+    tensors: tuple[tuple[str, int], ...]
+    kv_values_per_token: int = 0
+    state_bytes: int = 0
+    act_values_per_token: int = 0
+    act_values_fixed: int = 0
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(b for _, b in self.tensors)
+
+    def kv_bytes(self, context: int, kv_type: str) -> int:
+        return int(round(self.kv_values_per_token * context * _kv_bytes_per_value(kv_type)))
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """The per-part costs of one model file (or one model shape), in part order."""
+
+    name: str
+    architecture: str
+    n_layers: int
+    hidden: int
+    vocab: int
+    layer_kinds: tuple[str, ...]
+    parts: tuple[PartCost, ...]
+    source: str = ""  # path of the GGUF file, or "shape:<name>"
+
+    @property
+    def part_names(self) -> list[str]:
+        return [p.name for p in self.parts]
+
+    def part(self, name: str) -> PartCost:
+        for p in self.parts:
+            if p.name == name:
+                return p
+        raise PlacementError(f"'{name}' is not a part of {self.name}; parts are global, layer.0-"
+                             f"layer.{self.n_layers - 1} and head")
+
+    @property
+    def weight_bytes(self) -> int:
+        """Whole-model weight bytes, each tensor once."""
+        seen: dict[str, int] = {}
+        for p in self.parts:
+            seen.update(p.tensors)
+        return sum(seen.values())
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["parts"] = [dict(asdict(p), tensors=[list(t) for t in p.tensors]) for p in self.parts]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> ModelCosts:
+        parts = tuple(
+            PartCost(**dict(p, tensors=tuple((str(n), int(b)) for n, b in p["tensors"]))) for p in d["parts"]
+        )
+        return cls(name=d["name"], architecture=d["architecture"], n_layers=int(d["n_layers"]),
+                   hidden=int(d["hidden"]), vocab=int(d["vocab"]), layer_kinds=tuple(d["layer_kinds"]),
+                   parts=parts, source=d.get("source", ""))
+
+
+def _kv_bytes_per_value(kv_type: str) -> float:
+    if kv_type not in KV_BYTES_PER_VALUE:
+        raise PlacementError(f"KV cache type '{kv_type}' is not known; use one of "
+                             f"{', '.join(KV_BYTES_PER_VALUE)}")
+    return KV_BYTES_PER_VALUE[kv_type]
+
+
+_BLK_RE = re.compile(r"^blk\.(\d+)\.")
+
+
+def _tensor_parts(config: ModelConfig, names: Iterable[str]) -> dict[str, list[str]]:
+    """Group GGUF tensor names by part. MTP blocks (blk.{n_layers}+) are not used for ordinary
+    next-token prediction and are left out; so are tensors of other towers (vision)."""
+    groups: dict[str, list[str]] = {GLOBAL: [], HEAD: []}
+    for i in range(config.n_layers):
+        groups[layer_part(i)] = []
+    for name in names:
+        m = _BLK_RE.match(name)
+        if m:
+            i = int(m.group(1))
+            if i < config.n_layers:
+                groups[layer_part(i)].append(name)
+        elif name == "token_embd.weight":
+            groups[GLOBAL].append(name)
+            if config.tied_embeddings:
+                groups[HEAD].append(name)
+        elif name.startswith("output"):  # output_norm.weight, output.weight
+            groups[HEAD].append(name)
+    return groups
+
+
+def _roles_from_model_module(config: ModelConfig) -> dict[str, list[str]] | None:
+    """The model module's own tensor list per part, when it has one (it is the truth of what gets loaded)."""
+    try:
+        from .models import module_for
+
+        roles = module_for(config.architecture).tensor_roles(config)
+    except Exception:  # the module may not exist yet for this architecture; names then decide
+        return None
+    return {part: list(tensors) for part, tensors in roles.items()}
+
+
+def _layer_activation_values(config: ModelConfig, kind: str) -> int:
+    """Peak live float32 values per token inside one layer: the residual, its normed copy and the output
+    (3 x H) plus the widest intermediate group of the mixer or the FFN, counted with its inputs."""
+    h = config.hidden
+    if kind == GDN:
+        value_dim = config.gdn_v_heads * config.gdn_value_dim
+        mixer = 2 * config.gdn_conv_dim + 2 * value_dim + 2 * config.gdn_v_heads
+    else:
+        q = config.n_heads * config.head_dim
+        kv = config.n_kv_heads * (config.head_dim + config.value_head_dim)
+        mixer = 2 * q + kv + config.n_heads * config.value_head_dim
+    if config.is_moe:
+        ffn = (config.n_experts + 3 * config.n_experts_used * config.expert_ffn + 3 * config.shared_expert_ffn)
+    else:
+        ffn = 3 * config.ffn
+    return 3 * h + max(mixer, ffn)
+
+
+def _layer_state_bytes(config: ModelConfig, kind: str) -> int:
+    if kind != GDN:
+        return 0
+    conv = max(config.conv_kernel - 1, 0) * config.gdn_conv_dim * 4
+    ssm = config.gdn_v_heads * config.gdn_key_dim * config.gdn_value_dim * 4
+    return conv + ssm
+
+
+def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1) -> ModelCosts:
+    """Per-part costs from the tensor infos of an opened GGUF (or anything with `.tensors`: a mapping of
+    name -> object with `n_bytes`, and optionally `.path`).
+
+    logits_rows: rows of logits the LM head keeps per step (1 when generating; the chunk length when a
+    caller asks for every position's logits, as Model.logits does).
+    """
+    tensors = gguf_file.tensors
+    groups = _roles_from_model_module(config) or _tensor_parts(config, tensors)
+    missing = [n for names in groups.values() for n in names if n not in tensors]
+    if missing:
+        groups = _tensor_parts(config, tensors)
+    parts: list[PartCost] = []
+    sized = lambda names: tuple((n, int(tensors[n].n_bytes)) for n in names)  # noqa: E731
+    parts.append(PartCost(GLOBAL, "embedding", sized(groups.get(GLOBAL, [])),
+                          act_values_per_token=config.hidden))
+    for i, kind in enumerate(config.layer_types):
+        kv = config.n_kv_heads * (config.head_dim + config.value_head_dim) if kind in (ATTN, SLIDING) else 0
+        parts.append(PartCost(layer_part(i), kind, sized(groups.get(layer_part(i), [])),
+                              kv_values_per_token=kv, state_bytes=_layer_state_bytes(config, kind),
+                              act_values_per_token=_layer_activation_values(config, kind)))
+    parts.append(PartCost(HEAD, "head", sized(groups.get(HEAD, [])), act_values_per_token=2 * config.hidden,
+                          act_values_fixed=logits_rows * config.vocab_size))
+    path = getattr(gguf_file, "path", "")
+    return ModelCosts(name=config.name, architecture=config.architecture, n_layers=config.n_layers,
+                      hidden=config.hidden, vocab=config.vocab_size, layer_kinds=tuple(config.layer_types),
+                      parts=tuple(parts), source=str(path))
+
+
+# ------------------------------------------------------------------------------------------------
+# Model shapes without a file
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor that exists only on paper: name, logical row-major shape, GGML type, stored bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_name: str
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class _Shape:
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    gdn_v_heads: int
+    ffn: int = 0
+    tied: bool = False
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0
+
+
+# The released Qwen3.5/3.6 text models (qwen35-architecture.md section 1). Common: head dim 256, GDN
+# d_k = d_v = 128 with 16 key heads, conv kernel 4, vocab 248,320, full attention every 4th layer.
+QWEN35_SHAPES = {
+    "qwen35-0.8b": _Shape(1024, 24, 8, 2, 16, ffn=3584, tied=True),
+    "qwen35-2b": _Shape(2048, 24, 8, 2, 16, ffn=6144, tied=True),
+    "qwen35-4b": _Shape(2560, 32, 16, 4, 32, ffn=9216, tied=True),
+    "qwen35-9b": _Shape(4096, 32, 16, 4, 32, ffn=12288),
+    "qwen35-27b": _Shape(5120, 64, 24, 4, 48, ffn=17408),
+    "qwen35-35b-a3b": _Shape(2048, 40, 16, 2, 32, n_experts=256, n_experts_used=8, expert_ffn=512,
+                             shared_expert_ffn=512),
+}
+
+
+def _stored_bytes(shape: tuple[int, ...], type_name: str) -> int:
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    n = 1
+    for s in shape:
+        n *= s
+    if shape[-1] % block:
+        raise PlacementError(f"a row of {shape[-1]} values cannot be stored as {type_name} (blocks of {block})")
+    return n // block * type_size
+
+
+def config_and_tensors_for_shape(name: str, quant: str = "Q8_0", n_layers: int | None = None
+                                 ) -> tuple[ModelConfig, dict[str, TensorSpec]]:
+    """ModelConfig and the tensor list (with stored bytes) of a released Qwen3.5 shape, no file needed.
+
+    name: one of QWEN35_SHAPES ("qwen35-9b", "qwen35-27b", ...); quant: GGML type of the matrices (the
+    1-D tensors, ssm_conv1d, ssm_a, ssm_dt.bias and the MoE router stay F32, as the converter writes
+    them); n_layers: keep only the first n layers (the pattern stays "every 4th is attention").
+    Pass the result to model_costs(config, SimpleNamespace(tensors=...)) or plan_auto.
+    """
+    if name not in QWEN35_SHAPES:
+        raise PlacementError(f"unknown model shape '{name}'; known: {', '.join(QWEN35_SHAPES)}")
+    s = QWEN35_SHAPES[name]
+    layers = s.n_layers if n_layers is None else int(n_layers)
+    h, d, dk, nk, vocab = s.hidden, 256, 128, 16, 248320
+    nv = s.gdn_v_heads
+    conv_dim = 2 * nk * dk + nv * dk
+    moe = s.n_experts > 0
+    arch = "qwen35moe" if moe else "qwen35"
+    kinds = tuple(ATTN if (i + 1) % 4 == 0 else GDN for i in range(layers))
+    config = ModelConfig(
+        architecture=arch, name=name, n_layers=layers, hidden=h, vocab_size=vocab, context_length=262144,
+        n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=d, value_head_dim=d, rms_eps=1e-6,
+        rope_base=1e7, rope_dims=64, rope_sections=(11, 11, 10, 0), layer_types=kinds, ffn=s.ffn,
+        tied_embeddings=s.tied, conv_kernel=4, gdn_key_dim=dk, gdn_value_dim=dk, gdn_k_heads=nk,
+        gdn_v_heads=nv, n_experts=s.n_experts, n_experts_used=s.n_experts_used, expert_ffn=s.expert_ffn,
+        shared_expert_ffn=s.shared_expert_ffn,
+    )
+    specs: dict[str, TensorSpec] = {}
+
+    def add(tname: str, shape: tuple[int, ...], type_name: str) -> None:
+        specs[tname] = TensorSpec(tname, shape, type_name, _stored_bytes(shape, type_name))
+
+    add("token_embd.weight", (vocab, h), quant)
+    for i, kind in enumerate(kinds):
+        p = f"blk.{i}."
+        add(p + "attn_norm.weight", (h,), "F32")
+        add(p + "post_attention_norm.weight", (h,), "F32")
+        if kind == ATTN:
+            add(p + "attn_q.weight", (2 * s.n_heads * d, h), quant)
+            add(p + "attn_k.weight", (s.n_kv_heads * d, h), quant)
+            add(p + "attn_v.weight", (s.n_kv_heads * d, h), quant)
+            add(p + "attn_output.weight", (h, s.n_heads * d), quant)
+            add(p + "attn_q_norm.weight", (d,), "F32")
+            add(p + "attn_k_norm.weight", (d,), "F32")
+        else:
+            add(p + "attn_qkv.weight", (conv_dim, h), quant)
+            add(p + "attn_gate.weight", (nv * dk, h), quant)
+            add(p + "ssm_alpha.weight", (nv, h), quant)
+            add(p + "ssm_beta.weight", (nv, h), quant)
+            add(p + "ssm_conv1d.weight", (conv_dim, 4), "F32")
+            add(p + "ssm_dt.bias", (nv,), "F32")
+            add(p + "ssm_a", (nv,), "F32")
+            add(p + "ssm_norm.weight", (dk,), "F32")
+            add(p + "ssm_out.weight", (h, nv * dk), quant)
+        if moe:
+            e, fe, fs = s.n_experts, s.expert_ffn, s.shared_expert_ffn
+            add(p + "ffn_gate_inp.weight", (e, h), "F32")
+            add(p + "ffn_gate_exps.weight", (e, fe, h), quant)
+            add(p + "ffn_up_exps.weight", (e, fe, h), quant)
+            add(p + "ffn_down_exps.weight", (e, h, fe), quant)
+            add(p + "ffn_gate_inp_shexp.weight", (1, h), "F32")
+            add(p + "ffn_gate_shexp.weight", (fs, h), quant)
+            add(p + "ffn_up_shexp.weight", (fs, h), quant)
+            add(p + "ffn_down_shexp.weight", (h, fs), quant)
+        else:
+            add(p + "ffn_gate.weight", (s.ffn, h), quant)
+            add(p + "ffn_up.weight", (s.ffn, h), quant)
+            add(p + "ffn_down.weight", (h, s.ffn), quant)
+    add("output_norm.weight", (h,), "F32")
+    if not s.tied:
+        add("output.weight", (vocab, h), quant)
+    return config, specs
+
+
+@dataclass(frozen=True)
+class _PaperModel:
+    tensors: dict
+    path: str
+
+
+def costs_for_shape(name: str, quant: str = "Q8_0", n_layers: int | None = None) -> ModelCosts:
+    """ModelCosts of a released shape without its file (see config_and_tensors_for_shape)."""
+    config, specs = config_and_tensors_for_shape(name, quant, n_layers)
+    return _costs_without_module(config, _PaperModel(specs, f"shape:{name}:{quant}"))
+
+
+def _costs_without_module(config: ModelConfig, paper) -> ModelCosts:
+    return model_costs(config, paper)
+
+
+# ------------------------------------------------------------------------------------------------
+# The placement itself
+
+
+@dataclass(frozen=True)
+class DeviceBytes:
+    """Estimated bytes one device needs for a placement."""
+
+    device: str
+    weights: int = 0
+    kv_cache: int = 0
+    recurrent: int = 0
+    activations: int = 0
+    overhead: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.recurrent + self.activations + self.overhead
+
+    @property
+    def resident(self) -> int:
+        """What stays allocated between requests: weights, KV cache and recurrent state."""
+        return self.weights + self.kv_cache + self.recurrent
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of consecutive parts on one device: parts[start:stop]."""
+
+    device: str
+    start: int
+    stop: int
+
+
+@dataclass
+class Placement:
+    """Ordered assignment of a model's parts to devices, with the settings the byte estimate depends on.
+
+    assignment[i] is the device of costs.parts[i]. Edit through move_part / move_boundary /
+    assign_range so the checks run; read through devices_used(), segments(), bytes_per_device().
+    """
+
+    costs: ModelCosts
+    assignment: list[str]
+    context: int = 4096
+    chunk: int = 512
+    kv_type: str = "f16"
+    n_sequences: int = 1  # sequences held at once (each has its own KV cache and recurrent state)
+    cuda_context_bytes: int = CUDA_CONTEXT_BYTES
+    extra: dict = field(default_factory=dict)  # free-form, kept through JSON (e.g. the app's notes)
+
+    def __post_init__(self):
+        if len(self.assignment) != len(self.costs.parts):
+            raise PlacementError(f"the placement names {len(self.assignment)} devices for "
+                                 f"{len(self.costs.parts)} parts of {self.costs.name}")
+        for d in self.assignment:
+            check_device_name(d)
+        _kv_bytes_per_value(self.kv_type)
+        if self.context < 1 or self.chunk < 1:
+            raise PlacementError("context and chunk must be at least 1 token")
+
+    # ---- construction -----------------------------------------------------------------------------
+    @classmethod
+    def single(cls, costs: ModelCosts, device: str = "cpu:0", **settings) -> Placement:
+        """Everything on one device."""
+        return cls(costs, [device] * len(costs.parts), **settings)
+
+    @classmethod
+    def from_layer_counts(cls, costs: ModelCosts, counts: Mapping[str, int] | Sequence[tuple[str, int]],
+                          **settings) -> Placement:
+        """Contiguous split by layer counts in device order, e.g. [("cuda:0", 20), ("cuda:1", 12)]: the
+        embedding goes with the first device, the LM head with the last."""
+        items = list(counts.items()) if isinstance(counts, Mapping) else list(counts)
+        if sum(n for _, n in items) != costs.n_layers:
+            raise PlacementError(f"layer counts add up to {sum(n for _, n in items)}, but "
+                                 f"{costs.name} has {costs.n_layers} layers")
+        assignment = [items[0][0]]
+        for dev, n in items:
+            assignment += [dev] * n
+        assignment.append(items[-1][0])
+        return cls(costs, assignment, **settings)
+
+    # ---- reading ------------------------------------------------------------------------------------
+    @property
+    def parts(self) -> list[str]:
+        return self.costs.part_names
+
+    def device_of(self, part: str | int) -> str:
+        return self.assignment[self._index(part)]
+
+    def devices_used(self) -> list[str]:
+        """Devices in the order the hidden state first reaches them."""
+        seen: list[str] = []
+        for d in self.assignment:
+            if d not in seen:
+                seen.append(d)
+        return seen
+
+    def segments(self) -> list[Segment]:
+        """Maximal runs of consecutive parts on one device, in order (one per device when contiguous)."""
+        out: list[Segment] = []
+        start = 0
+        for i in range(1, len(self.assignment) + 1):
+            if i == len(self.assignment) or self.assignment[i] != self.assignment[start]:
+                out.append(Segment(self.assignment[start], start, i))
+                start = i
+        return out
+
+    def parts_on(self, device: str) -> list[str]:
+        return [p for p, d in zip(self.parts, self.assignment, strict=True) if d == device]
+
+    def is_contiguous(self) -> bool:
+        return len(self.segments()) == len(self.devices_used())
+
+    def crossings(self) -> int:
+        """Hidden-state hops from one device to another per forward pass."""
+        return len(self.segments()) - 1
+
+    def bytes_per_device(self) -> dict[str, DeviceBytes]:
+        """Estimated bytes per device used, in devices_used() order."""
+        out: dict[str, DeviceBytes] = {}
+        per_value = _kv_bytes_per_value(self.kv_type)
+        for dev in self.devices_used():
+            tensors: dict[str, int] = {}
+            kv = state = act_tok = act_fixed = 0
+            for p, d in zip(self.costs.parts, self.assignment, strict=True):
+                if d != dev:
+                    continue
+                tensors.update(p.tensors)
+                kv += p.kv_values_per_token
+                state += p.state_bytes
+                act_tok = max(act_tok, p.act_values_per_token)
+                act_fixed = max(act_fixed, p.act_values_fixed)
+            # Two buffers of the incoming hidden state (the bridge's landing buffer and the one in use)
+            # plus the widest part's live activations.
+            hidden_in = 2 * self.chunk * self.costs.hidden * 4
+            out[dev] = DeviceBytes(
+                device=dev,
+                weights=sum(tensors.values()),
+                kv_cache=int(round(kv * self.context * per_value)) * self.n_sequences,
+                recurrent=state * self.n_sequences,
+                activations=4 * (act_tok * self.chunk + act_fixed) + hidden_in,
+                overhead=device_overhead(dev, self.cuda_context_bytes),
+            )
+        return out
+
+    def describe(self, indices: Iterable[int]) -> str:
+        """People's words for a set of part indices: "the embedding, layers 0-11 and the LM head"."""
+        idx = sorted(set(indices))
+        words: list[str] = []
+        layers = [i - 1 for i in idx if 0 < i <= self.costs.n_layers]
+        if 0 in idx:
+            words.append("the embedding")
+        if layers:
+            runs = _runs(layers)
+            txt = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+            words.append(("layer " if len(layers) == 1 else "layers ") + txt)
+        if len(self.assignment) - 1 in idx:
+            words.append("the LM head")
+        if not words:
+            return "nothing"
+        return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+    def summary(self) -> str:
+        """One line per segment: device, parts, estimated bytes."""
+        per = self.bytes_per_device()
+        lines = []
+        for seg in self.segments():
+            b = per[seg.device]
+            lines.append(f"{seg.device}: {self.describe(range(seg.start, seg.stop))} "
+                         f"(device total {format_bytes(b.total)})")
+        return "\n".join(lines)
+
+    # ---- editing --------------------------------------------------------------------------------------
+    def move_part(self, part: str | int, device: str) -> None:
+        """Put one part (e.g. "layer.7") on `device`. May leave a device non-contiguous (validate warns)."""
+        self.assignment[self._index(part)] = check_device_name(device)
+
+    def assign_range(self, start: int, stop: int, device: str) -> None:
+        """Put parts[start:stop] on `device`."""
+        if not (0 <= start <= stop <= len(self.assignment)):
+            raise PlacementError(f"part range {start}-{stop} is outside 0-{len(self.assignment)}")
+        check_device_name(device)
+        for i in range(start, stop):
+            self.assignment[i] = device
+
+    def move_boundary(self, boundary: int, first_part: int) -> None:
+        """Move the boundary between segment `boundary` and segment `boundary + 1` so that the later
+        segment starts at part index `first_part` (parts between change device). A segment cannot be
+        emptied this way: remove a device with assign_range instead."""
+        segs = self.segments()
+        if not 0 <= boundary < len(segs) - 1:
+            raise PlacementError(f"boundary {boundary} does not exist; this placement has "
+                                 f"{len(segs) - 1} boundaries (0-{len(segs) - 2})")
+        left, right = segs[boundary], segs[boundary + 1]
+        if not left.start < first_part < right.stop:
+            raise PlacementError(
+                f"the boundary between {left.device} and {right.device} can move to a part index in "
+                f"{left.start + 1}-{right.stop - 1}, not {first_part} (each side keeps at least one part)")
+        for i in range(left.start, right.stop):
+            self.assignment[i] = left.device if i < first_part else right.device
+
+    def with_settings(self, **settings) -> Placement:
+        """A copy with other estimate settings (context, chunk, kv_type, n_sequences, ...)."""
+        return replace(self, assignment=list(self.assignment), **settings)
+
+    def copy(self) -> Placement:
+        return self.with_settings()
+
+    # ---- JSON -----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "model": self.costs.to_dict(),
+            "assignment": {p: d for p, d in zip(self.parts, self.assignment, strict=True)},
+            "settings": {"context": self.context, "chunk": self.chunk, "kv_type": self.kv_type,
+                         "n_sequences": self.n_sequences, "cuda_context_bytes": self.cuda_context_bytes},
+            "extra": self.extra,
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping, costs: ModelCosts | None = None) -> Placement:
+        """Rebuild a placement. Pass `costs` (from the model file now on disk) to re-price a saved
+        assignment; a saved placement whose parts do not match the model raises PlacementError."""
+        if d.get("format") != FORMAT:
+            raise PlacementError(f"not a minecart placement (format '{d.get('format')}'); expected '{FORMAT}'")
+        if int(d.get("version", 0)) > FORMAT_VERSION:
+            raise PlacementError(f"placement format version {d.get('version')} is newer than this minecart "
+                                 f"understands ({FORMAT_VERSION}); update minecart or plan again")
+        saved = ModelCosts.from_dict(d["model"])
+        costs = costs or saved
+        assignment = d["assignment"]
+        if set(assignment) != set(costs.part_names):
+            raise PlacementError(
+                f"the saved placement was made for {saved.name} ({saved.n_layers} layers), which does not "
+                f"match {costs.name} ({costs.n_layers} layers); plan again for this model")
+        s = d.get("settings", {})
+        return cls(costs, [assignment[p] for p in costs.part_names], context=int(s.get("context", 4096)),
+                   chunk=int(s.get("chunk", 512)), kv_type=s.get("kv_type", "f16"),
+                   n_sequences=int(s.get("n_sequences", 1)),
+                   cuda_context_bytes=int(s.get("cuda_context_bytes", CUDA_CONTEXT_BYTES)),
+                   extra=dict(d.get("extra", {})))
+
+    @classmethod
+    def from_json(cls, text: str, costs: ModelCosts | None = None) -> Placement:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlacementError(f"the saved placement is not valid JSON ({exc}); delete it and plan again") from exc
+        return cls.from_dict(d, costs)
+
+    # ---- helpers ----------------------------------------------------------------------------------------
+    def _index(self, part: str | int) -> int:
+        if isinstance(part, int):
+            if not 0 <= part < len(self.assignment):
+                raise PlacementError(f"part index {part} is outside 0-{len(self.assignment) - 1}")
+            return part
+        try:
+            return self.parts.index(part)
+        except ValueError:
+            raise PlacementError(f"'{part}' is not a part of {self.costs.name}; parts are global, "
+                                 f"layer.0-layer.{self.costs.n_layers - 1} and head") from None
+
+
+def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
+
+
+def format_bytes(n: float) -> str:
+    n = float(n)
+    if abs(n) >= GiB:
+        return f"{n / GiB:.1f} GiB"
+    if abs(n) >= MiB:
+        return f"{n / MiB:.0f} MiB"
+    if abs(n) >= KiB:
+        return f"{n / KiB:.0f} KiB"
+    return f"{int(n)} B"
+
+
+# ------------------------------------------------------------------------------------------------
+# Automatic planning and validation
+
+
+def plan_auto(config: ModelConfig | ModelCosts, gguf_file=None, devices: Sequence[DeviceSpec] = (), *,
+              context: int = 4096, chunk: int = 512, kv_type: str = "f16", reserve: int = 256 * MiB,
+              n_sequences: int = 1, cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
+              logits_rows: int = 1) -> Placement:
+    """Split the model over `devices` in proportion to their usable memory, keeping parts contiguous.
+
+    Usable memory of a device = free_bytes - reserve - CUDA context - its scratch (activations).
+    Devices are filled in the given order (put the card on the fastest link first, CPU devices last).
+    A device whose share rounds to no part is left out. When the model does not fit at all the plan is
+    still made (proportional), and validate() says how much is missing where.
+    `config` may instead be a ModelCosts (then gguf_file is ignored).
+    """
+    if not devices:
+        raise PlacementError("no devices to place the model on; pass at least one DeviceSpec")
+    names = [check_device_name(d.name) for d in devices]
+    if len(set(names)) != len(names):
+        raise PlacementError(f"a device is listed twice in {names}")
+    costs = config if isinstance(config, ModelCosts) else model_costs(config, gguf_file, logits_rows=logits_rows)
+    probe = Placement.single(costs, names[0], context=context, chunk=chunk, kv_type=kv_type,
+                             n_sequences=n_sequences, cuda_context_bytes=cuda_context_bytes)
+    per_value = _kv_bytes_per_value(kv_type)
+    item = [p.weight_bytes + int(round(p.kv_values_per_token * context * per_value)) * n_sequences
+            + p.state_bytes * n_sequences for p in costs.parts]
+    # Scratch is priced at the widest part of the whole model so the budgets do not depend on the split.
+    scratch = probe.bytes_per_device()[names[0]].activations
+    usable = [max(0, d.free_bytes - reserve - device_overhead(d.name, cuda_context_bytes) - scratch)
+              for d in devices]
+    total_usable = sum(usable)
+    if total_usable <= 0:
+        assignment = [names[0]] * len(item)
+    else:
+        assignment = _proportional_split(item, names, usable)
+    return Placement(costs, assignment, context=context, chunk=chunk, kv_type=kv_type,
+                     n_sequences=n_sequences, cuda_context_bytes=cuda_context_bytes)
+
+
+def _proportional_split(item: Sequence[int], names: Sequence[str], usable: Sequence[int]) -> list[str]:
+    """Contiguous split of `item` costs over devices, each boundary where the running total of cost
+    is nearest the running total of the devices' shares, then moved back where a device would overflow
+    its usable bytes (when the model fits at all)."""
+    total = sum(item)
+    n_dev = len(names)
+    fits = total <= sum(usable)
+    prefix = [0]
+    for c in item:
+        prefix.append(prefix[-1] + c)
+    bounds = [0]  # part index where device k starts
+    share_sum = 0
+    for k in range(n_dev - 1):
+        share_sum += usable[k]
+        target = total * share_sum / sum(usable)
+        lo = bounds[-1]
+        best = min(range(lo, len(item) + 1), key=lambda j: (abs(prefix[j] - target), j))
+        if fits:
+            # never more than this device holds, never so little that the rest cannot fit
+            while best > lo and prefix[best] - prefix[lo] > usable[k]:
+                best -= 1
+            rest_cap = sum(usable[k + 1:])
+            while best < len(item) and prefix[-1] - prefix[best] > rest_cap and \
+                    prefix[best + 1] - prefix[lo] <= usable[k]:
+                best += 1
+        bounds.append(best)
+    bounds.append(len(item))
+    assignment: list[str] = []
+    for k in range(n_dev):
+        assignment += [names[k]] * (bounds[k + 1] - bounds[k])
+    return assignment
+
+
+@dataclass(frozen=True)
+class PlanIssue:
+    """One finding of validate(): severity "error" (will not run) or "warning" (runs, but slower)."""
+
+    severity: str
+    message: str
+    device: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.message}"
+
+
+def validate(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 0) -> list[PlanIssue]:
+    """Check a placement against the devices present. Errors first; empty list = good to go."""
+    by_name = {d.name: d for d in devices}
+    errors: list[PlanIssue] = []
+    warnings: list[PlanIssue] = []
+    present = ", ".join(by_name) or "none"
+    per = plan.bytes_per_device()
+    for dev in plan.devices_used():
+        idx = [i for i, d in enumerate(plan.assignment) if d == dev]
+        what = plan.describe(idx)
+        if dev not in by_name:
+            errors.append(PlanIssue("error", f"{what} {'is' if len(idx) == 1 else 'are'} placed on {dev}, "
+                                    f"which is not present (devices: {present}); move them to a present device",
+                                    dev))
+            continue
+        need = per[dev].total + reserve
+        free = by_name[dev].free_bytes
+        if need > free:
+            short = need - free
+            others = [d for d in devices if d.name != dev]
+            room = {d.name: d.free_bytes - (per[d.name].total if d.name in per else
+                                             device_overhead(d.name, plan.cuda_context_bytes)) - reserve
+                    for d in others}
+            hint = ""
+            best = max(room, key=room.get) if room else None
+            if best is not None and room[best] > 0:
+                hint = f"; {best} has {format_bytes(room[best])} to spare"
+            kv = per[dev].kv_cache
+            kv_hint = ""
+            if kv > short and plan.kv_type in ("f32", "f16"):
+                kv_hint = f", or use a smaller KV cache (context {plan.context}, {plan.kv_type} now)"
+            errors.append(PlanIssue(
+                "error",
+                f"{what} {'needs' if len(idx) == 1 else 'need'} {format_bytes(short)} more than {dev} has free "
+                f"({format_bytes(need)} needed: weights {format_bytes(per[dev].weights)}, KV cache "
+                f"{format_bytes(kv)}, state {format_bytes(per[dev].recurrent)}, scratch "
+                f"{format_bytes(per[dev].activations)}, overhead {format_bytes(per[dev].overhead)}; "
+                f"{format_bytes(free)} free); move some of them to another device{hint}{kv_hint}",
+                dev))
+    if not errors:
+        for dev in plan.devices_used():
+            segs = [s for s in plan.segments() if s.device == dev]
+            if len(segs) > 1:
+                pieces = " and ".join(plan.describe(range(s.start, s.stop)) for s in segs)
+                warnings.append(PlanIssue(
+                    "warning", f"{dev} holds {pieces} in {len(segs)} separate runs: each extra run adds two "
+                    f"transfers over the PCIe link per step; make its parts contiguous", dev))
+    tied_devices = {plan.assignment[0], plan.assignment[-1]}
+    emb = dict(plan.costs.parts[0].tensors)
+    if len(tied_devices) == 2 and any(n in emb for n, _ in plan.costs.parts[-1].tensors):
+        warnings.append(PlanIssue(
+            "warning", f"the embedding ({plan.assignment[0]}) and the LM head ({plan.assignment[-1]}) share "
+            f"the tied embedding table, which is therefore stored on both devices "
+            f"({format_bytes(sum(emb.values()))} each); put them on one device to save it"))
+    return errors + warnings
+
+
+def check(plan: Placement, devices: Sequence[DeviceSpec], **kwargs) -> None:
+    """Raise PlacementError listing every error validate() finds (warnings pass)."""
+    errors = [i for i in validate(plan, devices, **kwargs) if i.severity == "error"]
+    if errors:
+        raise PlacementError("the placement does not fit: " + "; ".join(i.message for i in errors))

@@ -1,0 +1,245 @@
+"""Placement: byte estimates, automatic split, validation messages, editing and JSON round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minecart.engine.errors import PlacementError
+from minecart.engine.placement import (
+    CUDA_CONTEXT_BYTES,
+    GiB,
+    MiB,
+    DeviceSpec,
+    Placement,
+    check,
+    config_and_tensors_for_shape,
+    costs_for_shape,
+    model_costs,
+    plan_auto,
+    validate,
+)
+
+Q8_FIXTURE = "dense/qwen35-tiny-dense-q8_0.gguf"
+
+
+@pytest.fixture(scope="module")
+def tiny(fixtures_dir):
+    from minecart.engine.config import ModelConfig
+    from minecart.engine.gguf_file import GGUFFile
+
+    gf = GGUFFile(fixtures_dir / Q8_FIXTURE)
+    return ModelConfig.from_gguf(gf), gf
+
+
+# ---- sizes ------------------------------------------------------------------------------------------
+
+
+def test_shape_sizes_match_the_sizing_section():
+    # qwen35-architecture.md 6.2: bytes per layer at Q8_0 (matrices + F32 tensors) and model totals.
+    c9 = costs_for_shape("qwen35-9b")
+    assert c9.part("layer.3").weight_bytes == 222_822_400 + 34_816
+    assert c9.part("layer.0").weight_bytes == 232_013_824 + 164_608
+    assert c9.part("global").weight_bytes == 1_080_688_640
+    assert abs(c9.weight_bytes / 1e9 - 9.52) < 0.01
+    c27 = costs_for_shape("qwen35-27b")
+    assert c27.part("layer.7").weight_bytes == 395_509_760 + 43_008
+    assert c27.part("layer.4").weight_bytes == 407_173_120 + 205_696
+    assert abs(c27.weight_bytes / 1e9 - 28.58) < 0.01
+    # 6.3: recurrent state 9B 50.25 MiB over 24 GDN layers, 27B 149.6 MiB over 48.
+    assert sum(p.state_bytes for p in c9.parts) == int(50.25 * MiB)
+    assert abs(sum(p.state_bytes for p in c27.parts) / MiB - 149.6) < 0.1
+    # Q4_K GDN layer of 9B ~ 122.8 MB of matrices
+    c9q4 = costs_for_shape("qwen35-9b", "Q4_K")
+    assert abs((c9q4.part("layer.0").weight_bytes - 164_608) / 1e6 - 122.8) < 0.1
+
+
+@pytest.mark.parametrize("name,kv_f16_per_token", [("qwen35-9b", 32 * 1024), ("qwen35-27b", 64 * 1024),
+                                                   ("qwen35-35b-a3b", 20 * 1024), ("qwen35-0.8b", 12 * 1024)])
+def test_kv_cache_per_token(name, kv_f16_per_token):
+    plan = Placement.single(costs_for_shape(name), "cuda:0", context=1000, kv_type="f16")
+    assert plan.bytes_per_device()["cuda:0"].kv_cache == 1000 * kv_f16_per_token
+    f32 = plan.with_settings(kv_type="f32").bytes_per_device()["cuda:0"].kv_cache
+    q8 = plan.with_settings(kv_type="q8").bytes_per_device()["cuda:0"].kv_cache
+    q3 = plan.with_settings(kv_type="q3").bytes_per_device()["cuda:0"].kv_cache
+    assert f32 == 2 * 1000 * kv_f16_per_token
+    assert q3 < q8 < 1000 * kv_f16_per_token
+
+
+def test_full_context_kv_of_27b_is_16_gib():
+    plan = Placement.single(costs_for_shape("qwen35-27b"), "cuda:0", context=262144, kv_type="f16")
+    assert plan.bytes_per_device()["cuda:0"].kv_cache == 16 * GiB
+
+
+def test_fixture_costs_are_exact(tiny):
+    config, gf = tiny
+    costs = model_costs(config, gf)
+    assert [p.name for p in costs.parts] == ["global"] + [f"layer.{i}" for i in range(8)] + ["head"]
+    # every tensor of the 8 main layers + embedding + output norm, MTP block (blk.8) left out
+    used = {n for p in costs.parts for n, _ in p.tensors}
+    expected = {n for n in gf.tensors if not n.startswith("blk.8.")}
+    assert used == expected
+    assert costs.weight_bytes == sum(gf.tensors[n].n_bytes for n in expected)
+    # tied embedding: the head reads token_embd too
+    assert "token_embd.weight" in dict(costs.part("head").tensors)
+    # GDN layer state: conv (3 x 128) + delta state (4 x 16 x 16), fp32
+    assert costs.part("layer.0").state_bytes == (3 * 128 + 4 * 16 * 16) * 4
+    assert costs.part("layer.3").state_bytes == 0
+    assert costs.part("layer.3").kv_values_per_token == 2 * (64 + 64)
+
+
+def test_tied_embedding_counted_once_per_device(tiny):
+    config, gf = tiny
+    costs = model_costs(config, gf)
+    emb = gf.tensors["token_embd.weight"].n_bytes
+    one = Placement.single(costs, "cpu:0").bytes_per_device()["cpu:0"].weights
+    assert one == costs.weight_bytes
+    two = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cpu:1", 4)]).bytes_per_device()
+    assert two["cpu:0"].weights + two["cpu:1"].weights == costs.weight_bytes + emb
+
+
+def test_cuda_overhead_only_on_cuda():
+    costs = costs_for_shape("qwen35-0.8b")
+    per = Placement.from_layer_counts(costs, [("cuda:0", 12), ("cpu:0", 12)]).bytes_per_device()
+    assert per["cuda:0"].overhead == CUDA_CONTEXT_BYTES
+    assert per["cpu:0"].overhead == 0
+
+
+# ---- automatic split --------------------------------------------------------------------------------
+
+
+def _layer_counts(plan):
+    return {d: sum(1 for p in plan.parts_on(d) if p.startswith("layer.")) for d in plan.devices_used()}
+
+
+def test_auto_split_follows_free_memory():
+    costs = costs_for_shape("qwen35-27b", "Q4_K")
+    devices = [DeviceSpec("cuda:0", 12 * GiB), DeviceSpec("cuda:1", 6 * GiB), DeviceSpec("cuda:2", 6 * GiB)]
+    plan = plan_auto(costs, devices=devices, context=8192, reserve=128 * MiB)
+    assert plan.is_contiguous()
+    assert plan.devices_used() == ["cuda:0", "cuda:1", "cuda:2"]
+    counts = _layer_counts(plan)
+    assert sum(counts.values()) == 64
+    # the 12 GiB card takes about twice the layers of each 6 GiB card (the head/embedding shift it a bit)
+    assert 1.6 < counts["cuda:0"] / counts["cuda:1"] < 2.6
+    assert abs(counts["cuda:1"] - counts["cuda:2"]) <= 3
+    assert validate(plan, devices) == []
+    per = plan.bytes_per_device()
+    for d in devices:
+        assert per[d.name].total <= d.free_bytes
+
+
+def test_auto_split_equal_cards_is_nearly_equal():
+    costs = costs_for_shape("qwen35-9b")
+    devices = [DeviceSpec(f"cuda:{i}", 8 * GiB) for i in range(4)]
+    plan = plan_auto(costs, devices=devices, context=4096)
+    totals = [b.total for b in plan.bytes_per_device().values()]
+    assert len(totals) == 4
+    assert max(totals) - min(totals) < 0.7 * GiB  # within about two layers + one embedding row block
+
+
+def test_auto_split_skips_a_card_too_small_for_anything():
+    costs = costs_for_shape("qwen35-9b")
+    devices = [DeviceSpec("cuda:0", 16 * GiB), DeviceSpec("cuda:1", 500 * MiB)]
+    plan = plan_auto(costs, devices=devices, context=4096)
+    assert plan.devices_used() == ["cuda:0"]
+    assert validate(plan, devices) == []
+
+
+def test_auto_split_keeps_within_each_card_when_it_fits():
+    # 9B Q8_0 (~8.9 GiB) on three cards whose free memory differs: nobody overflows.
+    costs = costs_for_shape("qwen35-9b")
+    devices = [DeviceSpec("cuda:0", 3 * GiB), DeviceSpec("cuda:1", 5 * GiB), DeviceSpec("cuda:2", 4 * GiB)]
+    plan = plan_auto(costs, devices=devices, context=2048)
+    assert [i for i in validate(plan, devices) if i.severity == "error"] == []
+
+
+# ---- validation messages ----------------------------------------------------------------------------
+
+
+def test_validate_names_the_layers_and_the_shortfall():
+    costs = costs_for_shape("qwen35-9b")
+    plan = Placement.from_layer_counts(costs, [("cuda:0", 28), ("cuda:1", 4)], context=4096)
+    per = plan.bytes_per_device()
+    devices = [DeviceSpec("cuda:0", per["cuda:0"].total + GiB),
+               DeviceSpec("cuda:1", per["cuda:1"].total - int(1.9 * GiB))]
+    issues = validate(plan, devices)
+    assert len(issues) == 1 and issues[0].severity == "error"
+    msg = issues[0].message
+    assert msg.startswith("layers 28-31 and the LM head need 1.9 GiB more than cuda:1 has free")
+    assert "cuda:0 has 1.0 GiB to spare" in msg
+    with pytest.raises(PlacementError, match="layers 28-31"):
+        check(plan, devices)
+
+
+def test_validate_missing_device_and_non_contiguous():
+    costs = costs_for_shape("qwen35-0.8b")
+    plan = Placement.single(costs, "cuda:0")
+    plan.move_part("layer.5", "cuda:3")
+    issues = validate(plan, [DeviceSpec("cuda:0", 24 * GiB)])
+    assert [i.severity for i in issues] == ["error"]
+    assert "layer 5 is placed on cuda:3, which is not present (devices: cuda:0)" in issues[0].message
+    plan.move_part("layer.5", "cuda:1")
+    plan.move_part("layer.9", "cuda:1")
+    issues = validate(plan, [DeviceSpec("cuda:0", 24 * GiB), DeviceSpec("cuda:1", 8 * GiB)])
+    assert len(issues) >= 1
+    assert "cuda:0 holds the embedding and layers 0-4 and layers 6-8 and layers 10-23 and the LM head in 3 " \
+           "separate runs" in issues[0].message
+    assert "cuda:1 holds layer 5 and layer 9 in 2 separate runs" in issues[1].message
+
+
+def test_tied_embedding_on_two_devices_warns(tiny):
+    config, gf = tiny
+    plan = Placement.from_layer_counts(model_costs(config, gf), [("cpu:0", 4), ("cpu:1", 4)])
+    issues = validate(plan, [DeviceSpec("cpu:0", GiB), DeviceSpec("cpu:1", GiB)])
+    assert [i.severity for i in issues] == ["warning"]
+    assert "tied embedding" in issues[0].message
+
+
+# ---- editing and JSON -------------------------------------------------------------------------------
+
+
+def test_move_boundary_and_errors():
+    costs = costs_for_shape("qwen35-9b")
+    plan = Placement.from_layer_counts(costs, [("cuda:0", 16), ("cuda:1", 16)])
+    assert plan.segments()[1].start == 17
+    plan.move_boundary(0, 21)  # cuda:1 now starts at layer 20 (part 21)
+    assert _layer_counts(plan) == {"cuda:0": 20, "cuda:1": 12}
+    assert plan.device_of("layer.19") == "cuda:0" and plan.device_of("layer.20") == "cuda:1"
+    with pytest.raises(PlacementError, match="each side keeps at least one part"):
+        plan.move_boundary(0, 34)
+    with pytest.raises(PlacementError, match="boundary 1 does not exist"):
+        plan.move_boundary(1, 5)
+    with pytest.raises(PlacementError, match="not understood"):
+        plan.move_part("layer.0", "gpu0")
+    with pytest.raises(PlacementError, match="'layer.32' is not a part"):
+        plan.move_part("layer.32", "cuda:0")
+
+
+def test_json_round_trip_and_reprice(tiny):
+    config, gf = tiny
+    costs = model_costs(config, gf)
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 3), ("cuda:1", 5)], context=1234, kv_type="q8",
+                                       chunk=64)
+    plan.extra["note"] = "from the app"
+    text = plan.to_json()
+    json.loads(text)
+    back = Placement.from_json(text)
+    assert back.assignment == plan.assignment and back.costs == plan.costs
+    assert (back.context, back.chunk, back.kv_type, back.extra) == (1234, 64, "q8", {"note": "from the app"})
+    assert back.bytes_per_device() == plan.bytes_per_device()
+    # re-priced against another model with other layer count: refused with a reason
+    with pytest.raises(PlacementError, match="plan again"):
+        Placement.from_json(text, costs_for_shape("qwen35-9b"))
+    with pytest.raises(PlacementError, match="not valid JSON"):
+        Placement.from_json("{")
+
+
+def test_config_and_tensors_for_shape_truncated():
+    config, tensors = config_and_tensors_for_shape("qwen35-27b", "Q8_0", n_layers=4)
+    assert config.n_layers == 4 and config.layer_types[3] == "attention"
+    assert sum(1 for n in tensors if n.startswith("blk.3.")) == 11
+    assert tensors["output.weight"].shape == (248320, 5120)
+    with pytest.raises(PlacementError, match="unknown model shape"):
+        config_and_tensors_for_shape("qwen35-1t")
