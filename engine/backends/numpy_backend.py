@@ -1,0 +1,414 @@
+"""NumpyBackend: the reference implementation of the Backend protocol (engine/backends/base.py).
+
+This file is the specification every fast path is checked against, so it is written for reading, not
+for speed: activations are float32, and the places where rounding could add up (norm reductions,
+softmax, RoPE angles, the whole Gated DeltaNet recurrence and its chunked form) run in float64 and
+are rounded to float32 at the end of each op. Weights are dequantized to float32 once at load time;
+an embedding table stays quantized and only the looked-up rows are decoded (unless the same table is
+also the tied LM head, which then gets one full float32 copy).
+
+What this file is not: a fast CPU engine. It has no threading, no int8 dot products, no fused kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import KVCache
+
+F32 = np.float32
+F64 = np.float64
+
+
+# ------------------------------------------------------------------------------------------------
+# weights
+
+
+def _dequantize(info) -> np.ndarray:
+    from .. import quants
+
+    return np.ascontiguousarray(quants.dequantize(info), dtype=F32)
+
+
+def _dequantize_rows(info, ids: np.ndarray) -> np.ndarray:
+    """float32 rows `ids` of a 2-D GGUF tensor, decoding only those rows."""
+    from .. import quants
+
+    rows_fn = getattr(quants, "dequantize_rows", None)
+    if rows_fn is not None:
+        return np.asarray(rows_fn(info, ids), dtype=F32).reshape(len(ids), info.shape[-1])
+    # Fallback until quants.dequantize_rows exists: quantization blocks never cross a row, so the
+    # raw bytes of the selected rows decode on their own.
+    import gguf
+
+    raw = np.asarray(info.raw).reshape(info.shape[0], -1)[ids]
+    out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.ggml_type))
+    return np.asarray(out, dtype=F32).reshape(len(ids), info.shape[-1])
+
+
+class NumpyWeight:
+    """A weight on the CPU: float32 data (decoded at load), or, for embeddings, the raw GGUF tensor.
+
+    shape is the logical row-major shape; a 1-D "matmul" weight is seen as (1, n).
+    """
+
+    def __init__(self, info, role: str, data: np.ndarray | None):
+        self.name = info.name
+        self.type_name = info.type_name
+        self.role = role
+        self.info = info
+        self._data = data
+        shape = tuple(info.shape)
+        self.shape = (1, shape[0]) if role == "matmul" and len(shape) == 1 else shape
+
+    def dense(self) -> np.ndarray:
+        """The whole tensor in float32; decoded once and kept (the tied LM head case)."""
+        if self._data is None:
+            self._data = _dequantize(self.info)
+        if self._data.shape != self.shape:
+            self._data = self._data.reshape(self.shape)
+        return self._data
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        if self._data is not None:
+            return self._data[ids]
+        return _dequantize_rows(self.info, ids)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._data.nbytes) if self._data is not None else int(self.info.n_bytes)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention cache
+
+
+class NumpyKVCache(KVCache):
+    """K and V of one attention layer for one sequence: (capacity, n_kv, d) arrays, first `length` valid.
+
+    `capacity` is the initial allocation; appending past it doubles the arrays (the reference never
+    refuses a long sequence; the GPU backend sizes its caches from the placement plan instead).
+    """
+
+    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.value_dim = value_dim
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self.k = np.zeros((self.capacity, n_kv_heads, head_dim), F32)
+        self.v = np.zeros((self.capacity, n_kv_heads, value_dim), F32)
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        need = self.length + k.shape[0]
+        if need > self.capacity:
+            new_cap = max(need, 2 * self.capacity)
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                grown = np.zeros((new_cap,) + old.shape[1:], F32)
+                grown[: self.length] = old[: self.length]
+                setattr(self, name, grown)
+            self.capacity = new_cap
+        self.k[self.length : need] = k
+        self.v[self.length : need] = v
+        self.length = need
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of {self.length} tokens to {length}")
+        self.length = int(length)
+
+    def clone(self) -> NumpyKVCache:
+        twin = NumpyKVCache(self.n_kv_heads, self.head_dim, self.value_dim, self.capacity)
+        twin.k[: self.length] = self.k[: self.length]
+        twin.v[: self.length] = self.v[: self.length]
+        twin.length = self.length
+        return twin
+
+
+# ------------------------------------------------------------------------------------------------
+# the backend
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    # log(1 + e^x), and x itself above 20 (the threshold both references use)
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def _sigmoid64(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, F64)
+    return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free form of 1 / (1 + e^-x)
+
+
+class NumpyBackend:
+    name = "numpy"
+
+    def __init__(self, device: str = "cpu:0"):
+        if not str(device).startswith("cpu"):
+            raise ValueError(f"NumpyBackend runs on the CPU; got device '{device}' (use 'cpu:0')")
+        self.device = str(device)
+
+    def __repr__(self) -> str:
+        return f"NumpyBackend({self.device!r})"
+
+    # ---- data movement -------------------------------------------------------------------------
+    def asarray(self, host_array) -> np.ndarray:
+        a = np.asarray(host_array)
+        if a.dtype.kind == "f":
+            return np.ascontiguousarray(a, dtype=F32)
+        return np.ascontiguousarray(a)
+
+    def to_numpy(self, x) -> np.ndarray:
+        return np.array(x, copy=True)
+
+    def zeros(self, shape, dtype: str = "float32") -> np.ndarray:
+        return np.zeros(shape, dtype=dtype)
+
+    def load_weight(self, info, *, role: str = "matmul"):
+        if role == "vector":
+            return _dequantize(info)
+        if role == "embedding":
+            return NumpyWeight(info, role, None)
+        if role in ("matmul", "experts"):
+            return NumpyWeight(info, role, _dequantize(info))
+        raise ValueError(f"unknown weight role '{role}' for tensor '{info.name}'")
+
+    def free(self, obj) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    # ---- elementwise and norms -----------------------------------------------------------------
+    def add(self, a, b):
+        return np.add(a, b, dtype=F32)
+
+    def mul(self, a, b):
+        return np.multiply(a, b, dtype=F32)
+
+    def scale(self, x, s: float):
+        return (np.asarray(x, F64) * s).astype(F32)
+
+    def sigmoid(self, x):
+        return _sigmoid64(x).astype(F32)
+
+    def silu(self, x):
+        x64 = np.asarray(x, F64)
+        return (x64 * _sigmoid64(x64)).astype(F32)
+
+    def swiglu(self, gate, up):
+        g = np.asarray(gate, F64)
+        return (g * _sigmoid64(g) * up).astype(F32)
+
+    def geglu(self, gate, up):
+        g = np.asarray(gate, F64)
+        gelu = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3)))
+        return (gelu * up).astype(F32)
+
+    def rms_norm(self, x, w, eps: float):
+        x64 = np.asarray(x, F64)
+        y = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+        if w is not None:
+            y = y * w
+        return y.astype(F32)
+
+    def add_rms_norm(self, x, delta, w, eps: float):
+        s = self.add(x, delta)
+        return s, self.rms_norm(s, w, eps)
+
+    def l2_norm(self, x, eps: float):
+        x64 = np.asarray(x, F64)
+        return (x64 / np.sqrt(np.sum(x64 * x64, axis=-1, keepdims=True) + eps)).astype(F32)
+
+    def gated_rms_norm(self, x, z, w, eps: float):
+        z64 = np.asarray(z, F64)
+        normed = self.rms_norm(x, w, eps).astype(F64)
+        return (normed * z64 * _sigmoid64(z64)).astype(F32)
+
+    # ---- matmuls and lookups -------------------------------------------------------------------
+    def embed(self, table: NumpyWeight, ids) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n_rows = table.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+            raise ValueError(f"token id out of range [0, {n_rows}) for '{table.name}'")
+        return np.ascontiguousarray(table.rows(ids), dtype=F32)
+
+    def matmul(self, x, w: NumpyWeight):
+        # float32 BLAS with float32 accumulation: relative error ~1e-7 * sqrt(n_in), well inside the
+        # 1e-4 budget, and the same arithmetic class as the float32 references.
+        return np.asarray(x, F32) @ w.dense().T
+
+    # ---- positions and attention ---------------------------------------------------------------
+    def rope(self, x, positions, n_rot: int, base: float, *, sections=(), scale: float = 1.0):
+        x = np.asarray(x, F32)
+        T = x.shape[0]
+        half = n_rot // 2
+        pair = np.arange(half)
+        inv_freq = np.asarray(base, F64) ** (-2.0 * pair / n_rot)  # (half,)
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.ndim == 2:  # M-RoPE: (3, T) components (t, h, w)
+            comp = np.zeros(half, dtype=np.int64)
+            if sections:
+                s = list(sections) + [0, 0, 0]
+                comp[(pair % 3 == 1) & (pair < 3 * s[1])] = 1
+                comp[(pair % 3 == 2) & (pair < 3 * s[2])] = 2
+            pos_pair = pos[comp, :].T.astype(F64)  # (T, half)
+        else:
+            pos_pair = np.broadcast_to(pos.reshape(T, 1).astype(F64), (T, half))
+        angle = pos_pair / scale * inv_freq  # (T, half), float64 angles (doc 3.3.1 "better choice")
+        cos = np.cos(angle)[:, None, :]
+        sin = np.sin(angle)[:, None, :]
+        x1 = x[..., :half].astype(F64)
+        x2 = x[..., half:n_rot].astype(F64)
+        y = x.copy()
+        y[..., :half] = x1 * cos - x2 * sin
+        y[..., half:n_rot] = x1 * sin + x2 * cos
+        return y
+
+    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+        return NumpyKVCache(n_kv_heads, head_dim, value_dim, capacity)
+
+    def attention(self, q, k, v, cache: NumpyKVCache, *, scale: float, window: int = 0):
+        T, nh, _ = q.shape
+        cache.append(k, v)
+        L = cache.length
+        n_kv = cache.n_kv_heads
+        group = nh // n_kv
+        keys = cache.k[:L].astype(F64)  # (L, n_kv, d)
+        values = cache.v[:L].astype(F64)
+        q_pos = np.arange(L - T, L)  # absolute index of each query in the sequence
+        k_pos = np.arange(L)
+        visible = k_pos[None, :] <= q_pos[:, None]  # (T, L) causal
+        if window > 0:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
+        out = np.empty((T, nh, cache.value_dim), F32)
+        for h in range(nh):
+            kv = h // group  # contiguous GQA grouping
+            scores = (q[:, h, :].astype(F64) @ keys[:, kv, :].T) * scale  # (T, L)
+            scores = np.where(visible, scores, -np.inf)
+            scores -= scores.max(axis=1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=1, keepdims=True)
+            out[:, h, :] = p @ values[:, kv, :]
+        return out
+
+    # ---- Gated DeltaNet ------------------------------------------------------------------------
+    def conv1d_silu(self, x, state, w):
+        K = w.shape[1]
+        T = x.shape[0]
+        X = np.concatenate([state, x], axis=0).astype(F64)  # (K-1+T, C): history then new rows
+        conv = np.zeros((T, x.shape[1]), F64)
+        for tap in range(K):  # tap K-1 multiplies the current token
+            conv += X[tap : tap + T] * np.asarray(w[:, tap], F64)
+        state[...] = X[T:].astype(F32)  # last K-1 raw inputs
+        return (conv * _sigmoid64(conv)).astype(F32)
+
+    def gdn_gates(self, alpha, beta, ssm_a, dt_bias):
+        a = np.asarray(alpha, F64) + np.asarray(dt_bias, F64)
+        g = np.asarray(ssm_a, F64) * _softplus(a)
+        return g.astype(F32), _sigmoid64(beta).astype(F32)
+
+    @staticmethod
+    def _heads_for_values(q, k, n_v):
+        """q, k per value head: value head j uses key head j % n_k (GGUF tiled order)."""
+        n_k = q.shape[1]
+        key_head = np.arange(n_v) % n_k
+        return np.asarray(q, F64)[:, key_head], np.asarray(k, F64)[:, key_head]
+
+    def gdn_step(self, q, k, v, g, beta, state):
+        T, n_v, dv = v.shape
+        qv, kv = self._heads_for_values(q, k, n_v)  # (T, n_v, dk)
+        S = state.astype(F64)  # (n_v, dk, dv)
+        vv = np.asarray(v, F64)
+        decay = np.exp(np.asarray(g, F64))  # (T, n_v)
+        b = np.asarray(beta, F64)
+        out = np.empty((T, n_v, dv), F64)
+        for t in range(T):
+            S *= decay[t][:, None, None]
+            predicted = np.einsum("hkv,hk->hv", S, kv[t])  # S^T k
+            delta = b[t][:, None] * (vv[t] - predicted)
+            S += kv[t][:, :, None] * delta[:, None, :]  # rank-1 write k delta^T
+            out[t] = np.einsum("hkv,hk->hv", S, qv[t])  # S^T q
+        state[...] = S.astype(F32)
+        return out.astype(F32)
+
+    def gdn_chunk(self, q, k, v, g, beta, state, chunk: int = 64):
+        """qwen35-architecture.md 3.4.1, per chunk of `chunk` tokens, all heads at once.
+
+        The last chunk is shorter instead of zero-padded: padding rows (g = 0, beta = 0) contribute
+        nothing, so this is the same algebra.
+        """
+        T, n_v, dv = v.shape
+        qv, kv = self._heads_for_values(q, k, n_v)
+        S = state.astype(F64)  # (n_v, dk, dv), S[key, value]
+        out = np.empty((T, n_v, dv), F64)
+        for start in range(0, T, chunk):
+            stop = min(start + chunk, T)
+            C = stop - start
+            Q = qv[start:stop].transpose(1, 0, 2)  # (n_v, C, dk)
+            Kc = kv[start:stop].transpose(1, 0, 2)  # (n_v, C, dk)
+            V = np.asarray(v[start:stop], F64).transpose(1, 0, 2)  # (n_v, C, dv)
+            B = np.asarray(beta[start:stop], F64).T  # (n_v, C)
+            gamma = np.cumsum(np.asarray(g[start:stop], F64).T, axis=1)  # (n_v, C)
+            causal = np.tril(np.ones((C, C), dtype=bool))  # j <= i
+            strict = np.tril(np.ones((C, C), dtype=bool), -1)  # j < i
+            diff = gamma[:, :, None] - gamma[:, None, :]  # gamma_i - gamma_j
+            D = np.where(causal, np.exp(np.where(causal, diff, 0.0)), 0.0)  # mask BEFORE exp
+            A = np.where(strict, B[:, :, None] * (Kc @ Kc.transpose(0, 2, 1)) * D, 0.0)
+            # U = (I + A)^-1 (beta V), W = (I + A)^-1 (beta e^gamma K): forward substitution
+            rhs = np.concatenate(
+                [B[:, :, None] * V, (B * np.exp(gamma))[:, :, None] * Kc], axis=2
+            )  # (n_v, C, dv + dk)
+            sol = np.empty_like(rhs)
+            for i in range(C):
+                sol[:, i] = rhs[:, i] - np.einsum("hj,hjc->hc", A[:, i, :i], sol[:, :i])
+            U, W = sol[:, :, :dv], sol[:, :, dv:]
+            Vnew = U - W @ S  # corrected values (n_v, C, dv)
+            P = np.where(causal, (Q @ Kc.transpose(0, 2, 1)) * D, 0.0)
+            O = (np.exp(gamma)[:, :, None] * Q) @ S + P @ Vnew
+            tail = np.exp(gamma[:, -1:] - gamma)  # exp(gamma_C - gamma_j), (n_v, C)
+            S = np.exp(gamma[:, -1])[:, None, None] * S + (Kc * tail[:, :, None]).transpose(0, 2, 1) @ Vnew
+            out[start:stop] = O.transpose(1, 0, 2)
+        state[...] = S.astype(F32)
+        return out.astype(F32)
+
+    # ---- mixture of experts ----------------------------------------------------------------------
+    def moe_route(self, x, router: NumpyWeight, k: int):
+        """(ids (T, k) int64, weights (T, k) float64): softmax, top-k (ties -> lower index), renormalize."""
+        logits = np.asarray(x, F64) @ router.dense().astype(F64).T  # (T, E)
+        logits -= logits.max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        p /= p.sum(axis=1, keepdims=True)
+        ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
+        w = np.take_along_axis(p, ids, axis=1)
+        w /= np.maximum(w.sum(axis=1, keepdims=True), 6.1e-5)
+        return ids, w
+
+    def moe(self, x, router, gate_exps, up_exps, down_exps, k: int):
+        x = np.asarray(x, F32)
+        ids, weights = self.moe_route(x, router, k)
+        gate_all = gate_exps.dense()
+        if up_exps is None:  # fused (E, 2 Fe, H): gate rows first, then up rows
+            fe = gate_all.shape[1] // 2
+            gate_all, up_all = gate_all[:, :fe], gate_all[:, fe:]
+        else:
+            up_all = up_exps.dense()
+        down_all = down_exps.dense()
+        out = np.zeros(x.shape, F64)
+        for e in np.unique(ids):
+            rows, slot = np.nonzero(ids == e)
+            xe = x[rows]
+            h = self.swiglu(xe @ gate_all[e].T, xe @ up_all[e].T)
+            out[rows] += weights[rows, slot][:, None] * (h @ down_all[e].T)
+        return out.astype(F32)
+
+    # ---- sampling helpers --------------------------------------------------------------------------
+    def top_k(self, logits, k: int):
+        logits = np.asarray(logits, F32)
+        if logits.ndim == 1:
+            logits = logits[None, :]
+        k = min(int(k), logits.shape[1])
+        part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+        vals = np.take_along_axis(logits, part, axis=1)
+        order = np.argsort(-vals, axis=1, kind="stable")
+        return np.take_along_axis(vals, order, axis=1), np.take_along_axis(part, order, axis=1)

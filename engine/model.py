@@ -1,0 +1,354 @@
+"""Model and load_model: a GGUF file opened, its weights placed on backends, ready to run.
+
+The runner here is architecture-agnostic: it asks the model module (engine/models/<arch>.py) which
+tensors each part needs ("global" = embedding, "layer.<i>", "head" = final norm + LM head), loads each
+part on its own backend, and runs the parts in order, moving the hidden state through the host when
+two consecutive parts sit on different backends. Sequence state lives in sessions (session.py); the
+generate loop in generation.py; sampling in sampling.py.
+
+What this file is not: a scheduler. One call runs one sequence on the calling thread; the runtime
+(one thread owning the model) serializes requests.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import DeviceError, GenerationCancelled, TokenizerError
+from .gguf_file import GGUFFile
+from .models import module_for
+
+DEFAULT_CAPACITY = 8192  # initial KV capacity of a session (tokens), capped by the model's context
+
+
+def _normalize_device(device: str) -> str:
+    device = str(device).strip().lower()
+    if device in ("cpu", "cuda"):
+        return device + ":0"
+    return device
+
+
+def _cupy_backend_module():
+    """engine.backends.cupy_backend, or None when it (or CuPy) cannot be imported here."""
+    try:
+        from .backends import cupy_backend
+    except Exception:  # ImportError, or CUDA libraries failing to load
+        return None
+    return cupy_backend
+
+
+def default_devices() -> list[str]:
+    """["cuda:0"] when the CuPy backend imports and a GPU answers, else ["cpu:0"]."""
+    mod = _cupy_backend_module()
+    if mod is not None:
+        count_fn = getattr(mod, "device_count", None)
+        try:
+            if count_fn is not None:
+                if int(count_fn()) > 0:
+                    return ["cuda:0"]
+            else:
+                mod.CupyBackend(device="cuda:0")
+                return ["cuda:0"]
+        except Exception:
+            pass
+    return ["cpu:0"]
+
+
+def make_backend(device: str):
+    """A backend for one device string ("cpu:0", "cuda:1")."""
+    device = _normalize_device(device)
+    if device.startswith("cpu"):
+        from .backends.numpy_backend import NumpyBackend
+
+        return NumpyBackend(device=device)
+    if device.startswith("cuda"):
+        mod = _cupy_backend_module()
+        if mod is None:
+            raise DeviceError(f"device '{device}': the CuPy backend is not available (install minecart "
+                              "with the cuda12 or cuda13 extra, or use devices=['cpu:0'])")
+        try:
+            return mod.CupyBackend(device=device)
+        except Exception as exc:
+            raise DeviceError(f"device '{device}' could not be opened ({exc}); check the GPU index and "
+                              "driver, or use devices=['cpu:0']") from exc
+    raise DeviceError(f"unknown device '{device}'; use 'cpu:0' or 'cuda:N'")
+
+
+def part_names(config: ModelConfig) -> list[str]:
+    return ["global"] + [f"layer.{i}" for i in range(config.n_layers)] + ["head"]
+
+
+def plan_devices(config: ModelConfig, placement=None, devices=None) -> dict[str, str]:
+    """part -> device. A placement is a Mapping part -> device, or an object with `device_for(part)`
+    (or a `parts` mapping). Without one, the layers are split into contiguous, nearly equal runs over
+    `devices` (embedding with the first device, head with the last)."""
+    parts = part_names(config)
+    if placement is not None:
+        if hasattr(placement, "device_for"):
+            lookup = placement.device_for
+        elif isinstance(placement, Mapping):
+            lookup = placement.__getitem__
+        elif isinstance(getattr(placement, "parts", None), Mapping):
+            lookup = placement.parts.__getitem__
+        else:
+            raise TypeError("placement must map part names ('global', 'layer.<i>', 'head') to devices")
+        return {part: _normalize_device(lookup(part)) for part in parts}
+    devs = [_normalize_device(d) for d in (devices or default_devices())]
+    plan = {"global": devs[0], "head": devs[-1]}
+    n = config.n_layers
+    for i in range(n):
+        plan[f"layer.{i}"] = devs[min(len(devs) - 1, i * len(devs) // max(n, 1))]
+    return plan
+
+
+def _load_tokenizer(gf):
+    try:
+        from .tokenizer import Tokenizer
+    except ImportError:
+        return None
+    try:
+        return Tokenizer.from_gguf(gf)
+    except TokenizerError:
+        return None  # e.g. synthetic test models without tokenizer metadata: run by token ids
+
+
+def _load_chat_template(gf):
+    try:
+        from .chat_template import ChatTemplate
+    except ImportError:
+        return None
+    if gf.get("tokenizer.chat_template") is None:
+        return None
+    return ChatTemplate.from_gguf(gf)
+
+
+class Model:
+    """A loaded model. Attributes: config, tokenizer, chat_template, path, placement (part -> device
+    plan in use), backends (part -> backend), weights (part -> {gguf name: Weight}), module."""
+
+    def __init__(self, path, gguf: GGUFFile, config: ModelConfig, module, plan: dict[str, str],
+                 backends: dict, weights: dict, tokenizer, chat_template, placement, roles):
+        self.path = Path(path)
+        self.gguf = gguf
+        self.config = config
+        self.module = module
+        self.device_plan = plan
+        self.backends = backends
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.placement = placement
+        self._roles = roles
+        self.load_seconds = 0.0
+
+    # ---- running ---------------------------------------------------------------------------------
+    def backend_of(self, part: str):
+        return self.backends[part]
+
+    def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None):
+        """Run `ids` through every layer, updating `states` (one per layer) in place.
+
+        rows: "last" -> logits (1, vocab) of the last token; "all" -> (T, vocab); None -> no head.
+        hidden_hook(index, host_array) receives the residual stream after the embedding (0) and after
+        each layer (1..L). Returns host float32 logits or None.
+        """
+        cfg, mod = self.config, self.module
+        be = self.backends["global"]
+        x = mod.embed(cfg, be, self.weights["global"], ids)
+        if hidden_hook is not None:
+            hidden_hook(0, be.to_numpy(x))
+        for i in range(cfg.n_layers):
+            part = f"layer.{i}"
+            x, be = self._move(x, be, self.backends[part])
+            x = mod.layer(cfg, be, self.weights[part], i, x, states[i], positions)
+            if hidden_hook is not None:
+                hidden_hook(i + 1, be.to_numpy(x))
+        if rows is None:
+            return None
+        if rows == "last":
+            x = x[x.shape[0] - 1 :]
+        x, be = self._move(x, be, self.backends["head"])
+        logits = mod.head(cfg, be, self.weights["head"], x)
+        return np.asarray(be.to_numpy(logits), dtype=np.float32)
+
+    @staticmethod
+    def _move(x, src, dst):
+        if dst is src:
+            return x, src
+        return dst.asarray(src.to_numpy(x)), dst  # device -> host -> device (no peer-to-peer)
+
+    def new_state(self, capacity: int | None = None) -> list:
+        cap = capacity or min(self.config.context_length or DEFAULT_CAPACITY, DEFAULT_CAPACITY)
+        return [self.module.new_layer_state(self.config, self.backends[f"layer.{i}"], i, cap)
+                for i in range(self.config.n_layers)]
+
+    def logits(self, token_ids) -> np.ndarray:
+        """Full logit rows (T, vocab) float32 for a fresh sequence (no session state is touched)."""
+        ids = [int(t) for t in token_ids]
+        states = self.new_state(max(len(ids), 1))
+        try:
+            return self.forward(ids, states, np.arange(len(ids)), rows="all")
+        finally:
+            self._free_states(states)
+
+    def hidden_states(self, token_ids) -> dict[str, np.ndarray]:
+        """Debug/test view of a fresh forward pass: "layers" (L+1, T, H) = embeddings then the output
+        of each layer, "final" (T, H) = the LM head's input (after the final norm)."""
+        ids = [int(t) for t in token_ids]
+        states = self.new_state(max(len(ids), 1))
+        layers: list[np.ndarray] = []
+        try:
+            self.forward(ids, states, np.arange(len(ids)), rows=None,
+                         hidden_hook=lambda i, h: layers.append(h))
+        finally:
+            self._free_states(states)
+        be = self.backends["head"]
+        final = self.module.final_norm(self.config, be, self.weights["head"], be.asarray(layers[-1]))
+        return {"layers": np.stack(layers), "final": be.to_numpy(final)}
+
+    def _free_states(self, states) -> None:
+        for i, st in enumerate(states):
+            be = self.backends[f"layer.{i}"]
+            if getattr(st, "kv", None) is not None:
+                be.free(st.kv)
+            for arr in getattr(st, "recurrent", {}).values():
+                be.free(arr)
+
+    def new_session(self, capacity: int | None = None):
+        from .session import Session
+
+        return Session(self, capacity=capacity)
+
+    def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking: bool = True):
+        """Yield GenerationEvents for a prompt (token ids, text, or chat messages); see generation.py."""
+        from .generation import generate
+
+        return generate(self, prompt, params, session=session, cancel=cancel,
+                        enable_thinking=enable_thinking)
+
+    # ---- placement -------------------------------------------------------------------------------
+    def reload_placement(self, placement, *, progress=None, cancel=None) -> None:
+        """Move parts whose device changed to their new device. Existing sessions keep state on the
+        old devices and must be recreated afterwards."""
+        new_plan = plan_devices(self.config, placement)
+        moved = [p for p in new_plan if new_plan[p] != self.device_plan.get(p)]
+        backends = dict(self.backends)
+        by_device = {self.device_plan[p]: self.backends[p] for p in self.backends}
+        for p in moved:
+            dev = new_plan[p]
+            if dev not in by_device:
+                by_device[dev] = make_backend(dev)
+            backends[p] = by_device[dev]
+        new_weights = _load_parts(self.gguf, {p: self._roles[p] for p in moved}, backends,
+                                  progress=progress, cancel=cancel, shared_from=self.weights)
+        for p in moved:
+            for wt in self.weights[p].values():
+                if not _used_elsewhere(wt, p, self.weights, moved):
+                    self.backends[p].free(wt)
+            self.weights[p] = new_weights[p]
+        self.backends = backends
+        self.device_plan = new_plan
+        self.placement = placement
+
+    def close(self) -> None:
+        """Release device memory; the Model is unusable afterwards."""
+        for part, ws in getattr(self, "weights", {}).items():
+            be = self.backends.get(part)
+            for wt in ws.values():
+                if be is not None:
+                    be.free(wt)
+        self.weights = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        devices = sorted(set(self.device_plan.values()))
+        return f"Model({self.path.name!r}, {self.config.architecture}, devices={devices})"
+
+
+def _used_elsewhere(wt, part, weights, moved) -> bool:
+    return any(w2 is wt for p, ws in weights.items() if p != part and p not in moved for w2 in ws.values())
+
+
+def _load_parts(gf: GGUFFile, roles: dict, backends: dict, *, progress=None, cancel=None,
+                shared_from: dict | None = None) -> dict:
+    """{part: {name: Weight}}. A tensor needed by two parts on the same backend with the same role is
+    loaded once (the tied embedding / LM head). On cancel, everything loaded here is freed."""
+    total = sum(len(r) for r in roles.values()) or 1
+    loaded: dict = {}  # (id(backend), name, role) -> weight
+    if shared_from:
+        for part, ws in shared_from.items():
+            be = backends.get(part)
+            for name, wt in ws.items():
+                loaded.setdefault((id(be), name, getattr(wt, "role", None)), wt)
+    fresh = []
+    out: dict = {}
+    done = 0
+    try:
+        for part, part_roles in roles.items():
+            be = backends[part]
+            out[part] = {}
+            for name, role in part_roles.items():
+                if cancel is not None and cancel.is_set():
+                    raise GenerationCancelled(f"{gf.path}: loading cancelled")
+                key = (id(be), name, role)
+                wt = loaded.get(key)
+                if wt is None:
+                    wt = be.load_weight(gf.tensor(name), role=role)
+                    loaded[key] = wt
+                    fresh.append((be, wt))
+                out[part][name] = wt
+                done += 1
+                if progress is not None:
+                    progress(done / total, f"{part}: {name}")
+    except BaseException:
+        for be, wt in fresh:
+            be.free(wt)
+        raise
+    return out
+
+
+def load_model(path, placement=None, devices=None, *, backend=None,
+               progress: Callable[[float, str], None] | None = None, cancel=None) -> Model:
+    """Open a GGUF model and load its weights.
+
+    placement: a part -> device plan (see plan_devices); devices: device strings to spread the layers
+    over (default: cuda:0 when available, else cpu:0); backend: one ready Backend instance for every
+    part (tests, custom backends). progress(fraction, message) is called while weights load; when
+    `cancel` (threading.Event) is set, loading stops and raises GenerationCancelled with nothing kept.
+    """
+    t0 = time.perf_counter()
+    gf = GGUFFile(path)
+    config = ModelConfig.from_gguf(gf)
+    module = module_for(config.architecture)
+    params = inspect.signature(module.tensor_roles).parameters
+    if "available" in params:
+        roles = module.tensor_roles(config, available=set(gf.tensors))
+    else:
+        roles = module.tensor_roles(config)
+    if backend is not None:
+        plan = {p: str(getattr(backend, "device", "cpu:0")) for p in part_names(config)}
+        backends = dict.fromkeys(plan, backend)
+    else:
+        plan = plan_devices(config, placement, devices)
+        by_device = {dev: make_backend(dev) for dev in dict.fromkeys(plan.values())}
+        backends = {p: by_device[d] for p, d in plan.items()}
+    if progress is not None:
+        progress(0.0, f"opening {Path(path).name}")
+    weights = _load_parts(gf, roles, backends, progress=progress, cancel=cancel)
+    model = Model(path, gf, config, module, plan, backends, weights, _load_tokenizer(gf),
+                  _load_chat_template(gf), placement, roles)
+    model.load_seconds = time.perf_counter() - t0
+    if progress is not None:
+        progress(1.0, "loaded")
+    return model
