@@ -1,0 +1,864 @@
+"""Runtime: one worker thread owns the loaded model; clients send requests and read events back.
+
+Every client (the desktop app's Qt worker, the HTTP server, the CLI) talks to the model through one
+`Runtime`. A request goes onto a queue together with its own reply queue; the worker thread takes requests
+one at a time (so generations are serialized and the model, its sessions and its device memory are only
+ever touched from that thread) and streams `RuntimeEvent`s back. A client gets a `RequestHandle` at once:
+it iterates the events (blocking, with a timeout) and may `cancel()` at any moment. Cancellation is a
+`threading.Event` the engine polls between tokens, so it works while a generation is running without the
+worker having to read its queue.
+
+Every request ends with exactly one terminal event: "done", "error" or "cancelled". Engine exceptions
+become "error" events (the worker thread never dies); a cancelled generation leaves its conversation's
+session usable for the next turn.
+
+Requests: load (path, devices, placement; "progress" events, cancellable), unload, chat (messages with
+text and image parts, tools) and completion (raw prompt text or token ids), re-place (apply a new
+placement), forget a conversation. Conversations: a `conversation_id` maps to one model session, so the
+next turn of that chat reuses the cached prefix; sessions are kept in LRU order, at most `max_sessions`.
+
+This module does not render HTTP or terminal output, and does not parse tool calls: clients do that.
+It does split a reply into thinking and answer text (`<think>...</think>`), because all clients need it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import GenerationCancelled, MinecartError, RequestError
+from .metrics import Metrics, RequestTiming
+
+TERMINAL_KINDS = frozenset({"done", "error", "cancelled"})
+EVENT_KINDS = frozenset({"started", "progress", "token"}) | TERMINAL_KINDS
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+_request_ids = itertools.count(1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Events and handles
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts and speeds of one generation."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the session (prefix reuse)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class RuntimeEvent:
+    """One event of one request.
+
+    kind:     "started" (the worker picked the request up), "progress" (loading: `fraction`, `text`),
+              "token" (generation: `text` = answer delta, `thinking` = reasoning delta, either may be
+              ""), or a terminal kind: "done", "error" (`text` = message, `error` = exception),
+              "cancelled".
+    usage, finish_reason: on the terminal event of a generation ("stop", "length", "cancelled").
+    generation: the engine's GenerationEvent behind a "token" event (token id, raw text, counters).
+    data:     extra facts: the model info after a load, the RequestTiming after a generation.
+    """
+
+    kind: str
+    request_id: int
+    text: str = ""
+    thinking: str = ""
+    fraction: float | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    generation: Any = None
+    error: BaseException | None = None
+    data: dict = field(default_factory=dict)
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind in TERMINAL_KINDS
+
+
+@dataclass
+class _Request:
+    kind: str  # "load", "unload", "chat", "completion", "replace", "forget"
+    args: dict
+    id: int = field(default_factory=lambda: next(_request_ids))
+    replies: queue.Queue = field(default_factory=queue.Queue)
+    cancel_event: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.time)
+    finished: bool = False
+
+    def emit(self, kind: str, **kwargs) -> None:
+        if self.finished:
+            return
+        if kind in TERMINAL_KINDS:
+            self.finished = True
+        self.replies.put(RuntimeEvent(kind, self.id, **kwargs))
+
+
+class RequestHandle:
+    """The client's side of one request: read its events, cancel it."""
+
+    def __init__(self, request: _Request, runtime: Runtime):
+        self._request = request
+        self._runtime = runtime
+        self._final: RuntimeEvent | None = None
+
+    @property
+    def id(self) -> int:
+        return self._request.id
+
+    @property
+    def kind(self) -> str:
+        return self._request.kind
+
+    @property
+    def final(self) -> RuntimeEvent | None:
+        """The terminal event, once it has been read."""
+        return self._final
+
+    @property
+    def done(self) -> bool:
+        return self._final is not None
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; its terminal event will be "cancelled" (or "done" if
+        it finished first). Safe from any thread, any number of times."""
+        self._request.cancel_event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._request.cancel_event.is_set()
+
+    def get(self, timeout: float | None = None) -> RuntimeEvent:
+        """The next event; raises TimeoutError if none arrives within `timeout` seconds, and
+        RuntimeError once the terminal event was already read."""
+        if self._final is not None:
+            raise RuntimeError(f"request {self.id} already ended with '{self._final.kind}'")
+        try:
+            event = self._request.replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(
+                f"request {self.id} ({self.kind}): no event within {timeout} s"
+            ) from None
+        if event.terminal:
+            self._final = event
+        return event
+
+    def poll(self) -> RuntimeEvent | None:
+        """The next event if one is waiting, else None (for GUI timers)."""
+        if self._final is not None:
+            return None
+        try:
+            event = self._request.replies.get_nowait()
+        except queue.Empty:
+            return None
+        if event.terminal:
+            self._final = event
+        return event
+
+    def events(self, timeout: float | None = None) -> Iterator[RuntimeEvent]:
+        """Iterate events up to and including the terminal one. `timeout` bounds the wait for each
+        event (TimeoutError); None waits forever."""
+        while self._final is None:
+            yield self.get(timeout)
+
+    __iter__ = events
+
+    def wait(self, timeout: float | None = None) -> RuntimeEvent:
+        """Drain the events and return the terminal one (`timeout` bounds each wait)."""
+        for _ in self.events(timeout):
+            pass
+        assert self._final is not None
+        return self._final
+
+    def result(self, timeout: float | None = None) -> RuntimeEvent:
+        """Like wait(), but raise the engine's error (or GenerationCancelled) instead of returning it."""
+        final = self.wait(timeout)
+        if final.kind == "error":
+            raise final.error if final.error is not None else MinecartError(final.text)
+        if final.kind == "cancelled":
+            raise GenerationCancelled(f"request {self.id} ({self.kind}) was cancelled")
+        return final
+
+
+# ---------------------------------------------------------------------------------------------------
+# Thinking / answer split
+
+
+class ThinkingSplitter:
+    """Splits streamed text into (thinking, answer) at `<think>` / `</think>`, holding back a partial tag
+    that a later delta may complete. `inside=True` when the prompt already opened `<think>` (Qwen3.5's
+    generation prompt ends with "<think>\\n"). An opening tag is only honoured before any answer text,
+    so an answer that talks about the tag is left alone."""
+
+    def __init__(self, inside: bool = False):
+        self.inside = inside
+        self._pending = ""
+        self._answer_started = False  # once answer text (or a closed think block) came, no reopening
+        self._thinking_started = False
+        self._strip_newlines = False  # drop the blank lines the template puts after </think>
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        text = self._pending + delta
+        self._pending = ""
+        thinking: list[str] = []
+        answer: list[str] = []
+        while text:
+            if self.inside:
+                cut = text.find(THINK_CLOSE)
+                if cut >= 0:
+                    thinking.append(text[:cut])
+                    text = text[cut + len(THINK_CLOSE) :]
+                    self.inside = False
+                    self._answer_started = True
+                    self._strip_newlines = True
+                    continue
+                keep = _partial_suffix(text, THINK_CLOSE)
+                thinking.append(text[: len(text) - keep])
+                self._pending = text[len(text) - keep :]
+                break
+            if self._strip_newlines:
+                text = text.lstrip("\n")
+                if not text:
+                    break
+                self._strip_newlines = False
+            if not self._answer_started:
+                stripped = text.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    text = stripped[len(THINK_OPEN) :]
+                    self.inside = True
+                    continue
+                if THINK_OPEN.startswith(stripped):  # maybe the start of "<think>"
+                    self._pending = text
+                    break
+            self._answer_started = True
+            answer.append(text)
+            break
+        think_text = "".join(thinking)
+        if not self._thinking_started and think_text:
+            think_text = think_text.lstrip("\n")  # "<think>\n" leaves a newline before the thoughts
+            self._thinking_started = bool(think_text)
+        return think_text, "".join(answer)
+
+    def flush(self) -> tuple[str, str]:
+        """Whatever is held back, at the end of the stream."""
+        rest, self._pending = self._pending, ""
+        if not rest:
+            return "", ""
+        return (rest, "") if self.inside else ("", rest)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def prompt_opens_thinking(prompt_text: str) -> bool:
+    """True when a rendered prompt leaves a `<think>` block open (the model continues inside it)."""
+    tail = prompt_text.rstrip()
+    return tail.endswith(THINK_OPEN)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The runtime
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What clients may know about the loaded model without touching it."""
+
+    path: str
+    name: str
+    architecture: str
+    context_length: int
+    devices: tuple[str, ...]
+    placement: Any = None
+    has_vision: bool = False
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path,
+            "name": self.name,
+            "architecture": self.architecture,
+            "context_length": self.context_length,
+            "devices": list(self.devices),
+            "has_vision": self.has_vision,
+        }
+
+
+def _default_loader(path, devices=None, placement=None, progress=None, cancel=None):
+    from .model import load_model
+
+    return load_model(path, devices=devices, placement=placement, progress=progress, cancel=cancel)
+
+
+_SHUTDOWN = object()
+
+
+class Runtime:
+    """Owns one worker thread and (at most) one loaded model. Methods return a RequestHandle at once.
+
+    `loader(path, devices=, placement=, progress=, cancel=)` builds the model; the default is
+    engine.model.load_model (tests pass a fake). `metrics` receives timings and rates (a new Metrics
+    when None); `sample_memory_s` > 0 starts its memory sampler.
+    """
+
+    def __init__(
+        self,
+        loader: Callable | None = None,
+        metrics: Metrics | None = None,
+        max_sessions: int = 8,
+        sample_memory_s: float = 0.5,
+    ):
+        self._loader = loader or _default_loader
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.max_sessions = max(1, int(max_sessions))
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._live: dict[int, _Request] = {}  # submitted and not yet finished
+        self._model = None  # only the worker thread touches these two
+        self._sessions: OrderedDict[Any, Any] = OrderedDict()
+        self._model_info: ModelInfo | None = None
+        self._load_args: dict | None = None
+        self._current: _Request | None = None
+        self.state_version = 0  # bumps when the loaded model changes (GUI timers compare it)
+        self._closed = False
+        self._thread = threading.Thread(target=self._worker, name="minecart-runtime", daemon=True)
+        self._thread.start()
+        if sample_memory_s and sample_memory_s > 0:
+            self.metrics.start_sampler(sample_memory_s)
+
+    # -- client API (any thread) ---------------------------------------------------------------------
+
+    def load(self, path, devices=None, placement=None) -> RequestHandle:
+        """Load a GGUF model (replacing the current one). Events: "progress"..., then "done" with
+        data["model"] = ModelInfo."""
+        return self._submit("load", path=str(path), devices=devices, placement=placement)
+
+    def unload(self) -> RequestHandle:
+        return self._submit("unload")
+
+    def chat(
+        self,
+        messages: list[dict],
+        params=None,
+        *,
+        enable_thinking: bool = True,
+        conversation_id: Any = None,
+        tools: list[dict] | None = None,
+        stop: list[str] | None = None,
+    ) -> RequestHandle:
+        """Generate the assistant's reply to `messages` (OpenAI-style dicts; content a string or a list
+        of parts {"type": "text"|"image_url"|"image", ...}, passed through to the model). Give the same
+        `conversation_id` on every turn of a chat to reuse its cached prefix. `stop` strings end the
+        answer (not the thinking) early and are not included."""
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("chat needs a non-empty list of messages")
+        return self._submit(
+            "chat",
+            messages=messages,
+            params=params,
+            enable_thinking=bool(enable_thinking),
+            conversation_id=conversation_id,
+            tools=tools or None,
+            stop=list(stop or []),
+        )
+
+    def complete(
+        self, prompt, params=None, *, conversation_id: Any = None, stop: list[str] | None = None
+    ) -> RequestHandle:
+        """Continue raw `prompt` text (or a list of token ids) without the chat template."""
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+            raise RequestError("a completion needs a prompt string or a non-empty list of token ids")
+        return self._submit(
+            "completion",
+            prompt=prompt,
+            params=params,
+            conversation_id=conversation_id,
+            stop=list(stop or []),
+        )
+
+    def replace(self, placement) -> RequestHandle:
+        """Apply a new placement to the loaded model (sessions are dropped)."""
+        return self._submit("replace", placement=placement)
+
+    def forget(self, conversation_id) -> RequestHandle:
+        """Drop a conversation's session (its cached prefix and device memory)."""
+        return self._submit("forget", conversation_id=conversation_id)
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a request by id; False when it is unknown or already over."""
+        with self._lock:
+            req = self._live.get(request_id)
+        if req is None:
+            return False
+        req.cancel_event.set()
+        return True
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            reqs = list(self._live.values())
+        for req in reqs:
+            req.cancel_event.set()
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self._model_info
+
+    @property
+    def loaded(self) -> bool:
+        return self._model_info is not None
+
+    def status(self) -> dict:
+        """A JSON-ready picture of the runtime: model, busy request, queue length."""
+        with self._lock:
+            current = self._current
+            pending = sum(1 for r in self._live.values() if r is not current)
+        info = self._model_info
+        return {
+            "model": info.to_dict() if info else None,
+            "busy": current is not None,
+            "current_request": {"id": current.id, "kind": current.kind} if current else None,
+            "queued": pending,
+            "sessions": len(self._sessions),
+            "alive": self._thread.is_alive(),
+        }
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel everything, unload the model and stop the worker thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self.cancel_all()
+        self._queue.put(_SHUTDOWN)
+        self._thread.join(timeout)
+        self.metrics.stop_sampler()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _submit(self, kind: str, **args) -> RequestHandle:
+        if self._closed:
+            raise RuntimeError("the runtime is closed")
+        req = _Request(kind, args)
+        with self._lock:
+            self._live[req.id] = req
+        self._queue.put(req)
+        return RequestHandle(req, self)
+
+    # -- worker thread ---------------------------------------------------------------------------------
+
+    def _worker(self) -> None:
+        while True:
+            req = self._queue.get()
+            if req is _SHUTDOWN:
+                break
+            with self._lock:
+                self._current = req
+            try:
+                if req.cancel_event.is_set():
+                    req.emit("cancelled", finish_reason="cancelled")
+                    continue
+                req.emit("started", data={"queue_wait_s": time.time() - req.submitted})
+                handler = getattr(self, f"_do_{req.kind}")
+                handler(req)
+            except GenerationCancelled:
+                req.emit("cancelled", finish_reason="cancelled")
+            except Exception as exc:  # noqa: BLE001 - engine errors go to the client, the thread lives on
+                if req.cancel_event.is_set() and req.kind == "load":
+                    req.emit("cancelled", finish_reason="cancelled")
+                else:
+                    req.emit("error", text=_error_text(exc), error=exc)
+            except BaseException as exc:  # noqa: BLE001 - even SystemExit from a model must not kill us
+                req.emit("error", text=_error_text(exc), error=exc)
+            finally:
+                if not req.finished:  # a handler that forgot its terminal event
+                    req.emit("done")
+                with self._lock:
+                    self._current = None
+                    self._live.pop(req.id, None)
+        self._drop_model()
+        # Anything still queued after shutdown is cancelled, so no client waits forever.
+        while True:
+            try:
+                req = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if req is not _SHUTDOWN:
+                req.emit("cancelled", finish_reason="cancelled")
+
+    def _drop_model(self) -> None:
+        self._sessions.clear()
+        model, self._model = self._model, None
+        self._model_info = None
+        self._load_args = None
+        if model is not None:
+            closer = getattr(model, "close", None) or getattr(model, "unload", None)
+            if callable(closer):
+                closer()
+        self.state_version += 1
+
+    def _do_load(self, req: _Request) -> None:
+        a = req.args
+        # Free the old model first: two models rarely fit in the same VRAM.
+        self._drop_model()
+
+        def progress(fraction, message=""):
+            req.emit("progress", fraction=float(fraction), text=str(message))
+
+        model = self._loader(
+            a["path"],
+            devices=a["devices"],
+            placement=a["placement"],
+            progress=progress,
+            cancel=req.cancel_event,
+        )
+        if req.cancel_event.is_set():
+            closer = getattr(model, "close", None)
+            if callable(closer):
+                closer()
+            req.emit("cancelled", finish_reason="cancelled")
+            return
+        self._install(model, a)
+        req.emit("done", data={"model": self._model_info})
+
+    def _install(self, model, load_args: dict) -> None:
+        self._model = model
+        self._load_args = dict(load_args)
+        self._sessions.clear()
+        self._model_info = _describe(model, load_args)
+        self.metrics.set_devices(self._model_info.devices)
+        self.state_version += 1
+
+    def _do_unload(self, req: _Request) -> None:
+        self._drop_model()
+        req.emit("done")
+
+    def _do_forget(self, req: _Request) -> None:
+        self._sessions.pop(req.args["conversation_id"], None)
+        req.emit("done")
+
+    def _do_replace(self, req: _Request) -> None:
+        model = self._require_model()
+        placement = req.args["placement"]
+        self._sessions.clear()  # their state lives on the old devices
+        for name in ("apply_placement", "replace", "set_placement"):
+            method = getattr(model, name, None)
+            if callable(method):
+                method(placement)
+                args = dict(self._load_args or {}, placement=placement)
+                self._install(model, args)
+                req.emit("done", data={"model": self._model_info})
+                return
+        # The model cannot move its layers in place: load it again with the new placement.
+        args = dict(self._load_args or {}, placement=placement)
+        self._drop_model()
+
+        def progress(fraction, message=""):
+            req.emit("progress", fraction=float(fraction), text=str(message))
+
+        model = self._loader(
+            args["path"],
+            devices=args.get("devices"),
+            placement=placement,
+            progress=progress,
+            cancel=req.cancel_event,
+        )
+        self._install(model, args)
+        req.emit("done", data={"model": self._model_info})
+
+    def _require_model(self):
+        if self._model is None:
+            raise RequestError("no model is loaded; load a GGUF file first")
+        return self._model
+
+    def _session(self, conversation_id):
+        """The session of a conversation (LRU), or a fresh one for a one-off request."""
+        model = self._model
+        if conversation_id is None:
+            return model.new_session()
+        session = self._sessions.get(conversation_id)
+        if session is None:
+            session = model.new_session()
+            self._sessions[conversation_id] = session
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        else:
+            self._sessions.move_to_end(conversation_id)
+        return session
+
+    def _do_chat(self, req: _Request) -> None:
+        model = self._require_model()
+        a = req.args
+        messages, tools = a["messages"], a["tools"]
+        prompt, opens_thinking = _chat_prompt(model, messages, tools, a["enable_thinking"])
+        self._generate(req, model, prompt, a["enable_thinking"], opens_thinking)
+
+    def _do_completion(self, req: _Request) -> None:
+        model = self._require_model()
+        prompt = req.args["prompt"]
+        if isinstance(prompt, str):
+            prompt = model.tokenizer.encode(prompt, add_special=True)
+        if not prompt:
+            raise RequestError("the prompt is empty after tokenization")
+        self._generate(req, model, [int(t) for t in prompt], False, False)
+
+    def _generate(self, req, model, prompt, enable_thinking: bool, opens_thinking: bool) -> None:
+        a = req.args
+        conversation_id = a.get("conversation_id")
+        session = self._session(conversation_id)
+        stops = StopMatcher(a.get("stop") or [])
+        splitter = ThinkingSplitter(inside=opens_thinking)
+        started = time.time()
+        first_token_at = None
+        last = None
+        finish_reason = None
+        n_events = 0
+        kwargs = {"session": session, "cancel": req.cancel_event}
+        if _accepts(model.generate, "enable_thinking"):
+            kwargs["enable_thinking"] = enable_thinking
+        ok = False
+        stream = model.generate(prompt, _params(a.get("params")), **kwargs)
+        try:
+            for ev in stream:
+                last = ev
+                n_events += 1
+                now = time.time()
+                if first_token_at is None:
+                    first_token_at = now
+                if req.cancel_event.is_set():
+                    break  # the engine may yield one more token before it notices
+                delta = _field(ev, "text", "delta", "text_delta", default="") or ""
+                reason = _field(ev, "finish_reason", default=None)
+                thinking, answer = splitter.feed(delta)
+                if reason:  # nothing follows a finish: release what the splitter held back
+                    more_thinking, more_answer = splitter.flush()
+                    thinking, answer = thinking + more_thinking, answer + more_answer
+                answer, hit = stops.feed(answer)
+                if hit:
+                    finish_reason = "stop"
+                elif reason:
+                    answer += stops.flush()
+                if thinking or answer or _field(ev, "token", "token_id", default=None) is not None:
+                    req.emit("token", text=answer, thinking=thinking, generation=ev)
+                rate = _field(ev, "generation_tps", "decode_tps", "tokens_per_s", default=None)
+                if rate:
+                    self.metrics.record_live_decode_rate(float(rate))
+                if finish_reason or reason:
+                    finish_reason = finish_reason or reason
+                    break
+            ok = True
+        except GenerationCancelled:
+            ok = True
+        finally:
+            # Closing the generator lets the engine finish its bookkeeping (the session records
+            # which tokens its cache holds) when we stop early: cancel, stop string, finish.
+            close = getattr(stream, "close", None)
+            if callable(close):
+                close()
+            if not ok and not req.cancel_event.is_set():
+                # A failed step may leave the session's cache half-written: do not reuse it.
+                self._sessions.pop(conversation_id, None)
+        cancelled = req.cancel_event.is_set() and finish_reason is None
+        if not cancelled and finish_reason is None:  # the stream ended without a finish reason
+            thinking, answer = splitter.flush()
+            answer = stops.feed(answer)[0] + stops.flush()
+            if thinking or answer:
+                req.emit("token", text=answer, thinking=thinking)
+        usage = _usage(last, n_events)
+        finish = "cancelled" if cancelled else (finish_reason or "stop")
+        timing = self._timing(req, started, first_token_at, time.time(), usage, finish)
+        data = {"timing": timing}
+        if cancelled:
+            req.emit("cancelled", finish_reason="cancelled", usage=usage, generation=last, data=data)
+        else:
+            req.emit("done", finish_reason=finish, usage=usage, generation=last, data=data)
+
+    def _timing(self, req, started, first_at, ended, usage: Usage, finish: str) -> RequestTiming:
+        prefill_s = (first_at - started) if first_at else None
+        decode_s = (ended - first_at) if first_at else None
+        prefill_tps = usage.prompt_tokens_per_s
+        if prefill_tps is None and prefill_s and usage.prompt_tokens:
+            prefill_tps = usage.prompt_tokens / prefill_s
+        decode_tps = usage.decode_tokens_per_s
+        if decode_tps is None and decode_s and usage.completion_tokens > 1:
+            decode_tps = (usage.completion_tokens - 1) / decode_s
+        timing = RequestTiming(
+            request_id=req.id,
+            kind=req.kind,
+            submitted=req.submitted,
+            queue_wait_s=started - req.submitted,
+            prefill_s=prefill_s,
+            time_to_first_token_s=(first_at - req.submitted) if first_at else None,
+            decode_s=decode_s,
+            prompt_tokens=usage.prompt_tokens,
+            generated_tokens=usage.completion_tokens,
+            prefill_tokens_per_s=prefill_tps,
+            decode_tokens_per_s=decode_tps,
+            finish_reason=finish,
+        )
+        self.metrics.record_request(timing)
+        return timing
+
+
+# ---------------------------------------------------------------------------------------------------
+# Adapters to the model's interface
+
+
+def _field(obj, *names, default=None):
+    """The first attribute of `obj` among `names` (GenerationEvent field names vary by version)."""
+    if obj is None:
+        return default
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def _params(params):
+    if params is not None:
+        return params
+    from .generation import SamplingParams
+
+    return SamplingParams()
+
+
+def _usage(last, n_events: int) -> Usage:
+    prompt = _field(last, "prompt_tokens", "n_prompt", "prompt_token_count", default=0)
+    completion = _field(
+        last, "generation_tokens", "completion_tokens", "n_generated", "generation_token_count",
+        default=n_events,
+    )
+    return Usage(
+        prompt_tokens=int(prompt or 0),
+        completion_tokens=int(completion or 0),
+        prompt_tokens_per_s=_float_or_none(_field(last, "prompt_tps", "prefill_tps")),
+        decode_tokens_per_s=_float_or_none(_field(last, "generation_tps", "decode_tps")),
+        cached_tokens=int(_field(last, "cached_tokens", "reused_tokens", default=0) or 0),
+    )
+
+
+def _float_or_none(x):
+    return None if x is None else float(x)
+
+
+class StopMatcher:
+    """Cuts streamed text at the first stop string, holding back a tail that may be the start of one
+    (so "STO" is not shown before "P" arrives). `feed` returns (text safe to show, stop hit?)."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.hit = False
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        if not self.stops or self.hit:
+            return ("" if self.hit else delta), self.hit
+        text = self._held + delta
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self._held = ""
+            self.hit = True
+            return text[:cut], True
+        keep = max(_partial_suffix(text, s) for s in self.stops)
+        self._held = text[len(text) - keep :]
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return "" if self.hit else held
+
+
+def _chat_prompt(model, messages, tools, enable_thinking: bool):
+    """What to hand model.generate for a chat, and whether the prompt leaves `<think>` open.
+
+    Text-only chats are rendered here with the model's template and tokenized, so the runtime knows
+    where the thinking starts and tools reach the template. Chats with images go to the model as
+    messages (it owns the vision preprocessing); the template is still rendered to learn the
+    thinking state."""
+    template = getattr(model, "chat_template", None)
+    text = None
+    if template is not None:
+        render = getattr(template, "render", None)
+        if callable(render):
+            kwargs = {"add_generation_prompt": True, "enable_thinking": enable_thinking}
+            if tools:
+                kwargs["tools"] = tools
+            text = render(messages, **kwargs)
+    opens = prompt_opens_thinking(text) if text is not None else False
+    if text is None or _has_images(messages):
+        if tools and text is None:
+            raise RequestError("this model has no chat template, so it cannot be given tools")
+        return messages, opens
+    ids = model.tokenizer.encode(text, add_special=False)
+    return list(ids), opens
+
+
+def _has_images(messages) -> bool:
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and (
+                    part.get("type") in ("image", "image_url") or "image" in part or "image_url" in part
+                ):
+                    return True
+    return False
+
+
+def _describe(model, load_args: dict) -> ModelInfo:
+    config = getattr(model, "config", None)
+    path = str(load_args.get("path", ""))
+    name = getattr(config, "name", "") or Path(path).stem
+    placement = getattr(model, "placement", None) or load_args.get("placement")
+    devices = getattr(model, "devices", None) or load_args.get("devices") or ()
+    if isinstance(devices, str):
+        devices = [d.strip() for d in devices.split(",") if d.strip()]
+    return ModelInfo(
+        path=path,
+        name=str(name),
+        architecture=str(getattr(config, "architecture", "")),
+        context_length=int(getattr(config, "context_length", 0) or 0),
+        devices=tuple(str(getattr(d, "id", d)) for d in devices),
+        placement=placement,
+        has_vision=bool(getattr(model, "has_vision", False) or getattr(model, "vision", None)),
+    )
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, MinecartError):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,368 @@
+"""Runtime: one worker thread owns the model; requests queue up, events stream back, cancel works.
+
+Uses the fake model in fake_chat_model.py (scripted replies, records threads and sessions); an end-to-end
+test on the fixture GGUF runs the real engine through the same runtime.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from minecart.engine.errors import GGUFError, RequestError
+from minecart.engine.runtime import Runtime, ThinkingSplitter, prompt_opens_thinking
+
+from tests.engine.fake_chat_model import FakeModel, FakeParams, fake_loader
+
+TIMEOUT = 10.0
+
+
+def make_runtime(model=None, **loader_kwargs):
+    loader = fake_loader(model, **loader_kwargs)
+    rt = Runtime(loader=loader, sample_memory_s=0)
+    return rt, loader
+
+
+def loaded_runtime(model=None):
+    rt, loader = make_runtime(model)
+    rt.load("fake.gguf", devices=["cpu"]).result(TIMEOUT)
+    return rt, loader.made[-1]
+
+
+def collect(handle):
+    events = list(handle.events(TIMEOUT))
+    answer = "".join(e.text for e in events if e.kind == "token")
+    thinking = "".join(e.thinking for e in events if e.kind == "token")
+    return events, thinking, answer
+
+
+def test_load_reports_progress_then_done():
+    rt, loader = make_runtime(progress_steps=5)
+    try:
+        events = list(rt.load("some/model.gguf", devices=["cpu"]).events(TIMEOUT))
+        kinds = [e.kind for e in events]
+        assert kinds[0] == "started" and kinds[-1] == "done"
+        fractions = [e.fraction for e in events if e.kind == "progress"]
+        assert fractions == [0.2, 0.4, 0.6, 0.8, 1.0]
+        assert [e.text for e in events if e.kind == "progress"][0] == "layer 0"
+        info = events[-1].data["model"]
+        assert info.name == "fake-chat" and info.devices == ("cpu",)
+        assert rt.model_info is info and rt.loaded
+    finally:
+        rt.close()
+
+
+def test_chat_streams_thinking_and_answer_with_usage():
+    rt, model = loaded_runtime()
+    try:
+        handle = rt.chat([{"role": "user", "content": "hi"}], FakeParams(), enable_thinking=True)
+        events, thinking, answer = collect(handle)
+        assert thinking == "I should echo.\n"
+        prompt = model.prompts[-1]
+        assert answer == f"echo[{len(prompt)}]"
+        final = events[-1]
+        assert final.kind == "done" and final.finish_reason == "stop"
+        assert final.usage.prompt_tokens == len(prompt)
+        assert final.usage.completion_tokens == len(model.reply(prompt, True))
+        timing = final.data["timing"]
+        assert timing.generated_tokens == final.usage.completion_tokens
+        assert timing.queue_wait_s >= 0 and timing.prefill_s >= 0
+        assert rt.metrics.requests()[-1] == timing
+        # generation happened on the runtime's thread, never the caller's
+        assert threading.get_ident() not in model.generate_threads
+        assert len(model.generate_threads) == 1
+    finally:
+        rt.close()
+
+
+def test_no_think_gives_answer_only():
+    rt, model = loaded_runtime()
+    try:
+        events, thinking, answer = collect(
+            rt.chat([{"role": "user", "content": "hi"}], FakeParams(), enable_thinking=False)
+        )
+        assert thinking == ""
+        assert answer == f"echo[{len(model.prompts[-1])}]"
+        assert "<think>" not in model.prompts[-1]
+    finally:
+        rt.close()
+
+
+def test_conversation_reuses_its_session_and_one_offs_do_not():
+    rt, model = loaded_runtime()
+    try:
+        msgs = [{"role": "user", "content": "first question"}]
+        rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
+        first_answer = model.reply(model.prompts[-1], False)
+        msgs = msgs + [
+            {"role": "assistant", "content": first_answer},
+            {"role": "user", "content": "second"},
+        ]
+        made_before = model.sessions_made
+        rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
+        assert model.sessions_made == made_before  # same session object came back
+        # the fake session reports how many prompt tokens matched its cache
+        rt.chat(msgs, FakeParams(), enable_thinking=False).result(TIMEOUT)
+        assert model.sessions_made == made_before + 1
+        rt.forget("c1").result(TIMEOUT)
+        rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
+        assert model.sessions_made == made_before + 2
+    finally:
+        rt.close()
+
+
+def test_session_prefix_is_reused_across_turns():
+    rt, model = loaded_runtime()
+    sessions = []
+    original = model.new_session
+
+    def tracking():
+        s = original()
+        sessions.append(s)
+        return s
+
+    model.new_session = tracking
+    try:
+        msgs = [{"role": "user", "content": "hello there"}]
+        rt.chat(msgs, FakeParams(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
+        msgs += [{"role": "assistant", "content": model.reply(model.prompts[-1], False)}]
+        msgs += [{"role": "user", "content": "more"}]
+        rt.chat(msgs, FakeParams(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
+        (session,) = sessions
+        assert session.reused[0] == 0
+        # turn two starts with turn one's prompt + answer: all of it comes from the cache
+        assert session.reused[1] > len(model.prompts[0])
+    finally:
+        rt.close()
+
+
+def test_cancel_while_generating_is_prompt_and_leaves_session_usable():
+    model = FakeModel(reply=lambda p, t: "x" * 2000, delay_s=0.005)
+    rt, model = loaded_runtime(model)
+    try:
+        handle = rt.chat([{"role": "user", "content": "go"}], FakeParams(max_tokens=5000),
+                         conversation_id="c", enable_thinking=False)
+        first = None
+        for ev in handle.events(TIMEOUT):
+            if ev.kind == "token":
+                first = ev
+                break
+        assert first is not None
+        t0 = time.monotonic()
+        handle.cancel()
+        final = handle.wait(TIMEOUT)
+        assert final.kind == "cancelled"
+        assert time.monotonic() - t0 < 2.0
+        assert 0 < final.usage.completion_tokens < 2000
+        assert rt.metrics.requests()[-1].finish_reason == "cancelled"
+        # same conversation, next turn works
+        model.reply = lambda p, t: "ok"
+        final = rt.chat([{"role": "user", "content": "again"}], FakeParams(),
+                        conversation_id="c", enable_thinking=False).result(TIMEOUT)
+        assert final.kind == "done"
+        assert model.active == 0
+    finally:
+        rt.close()
+
+
+def test_cancel_by_id_and_of_a_queued_request():
+    model = FakeModel(reply=lambda p, t: "y" * 500, delay_s=0.005)
+    rt, model = loaded_runtime(model)
+    try:
+        busy = rt.chat([{"role": "user", "content": "a"}], FakeParams(max_tokens=1000), enable_thinking=False)
+        queued = rt.chat([{"role": "user", "content": "b"}], FakeParams(), enable_thinking=False)
+        assert rt.status()["queued"] >= 1
+        queued.cancel()
+        assert rt.cancel(busy.id)
+        assert busy.wait(TIMEOUT).kind == "cancelled"
+        q_events = list(queued.events(TIMEOUT))
+        assert [e.kind for e in q_events] == ["cancelled"]  # never started
+        assert not rt.cancel(busy.id)  # already over
+    finally:
+        rt.close()
+
+
+def test_engine_error_becomes_error_event_and_thread_survives():
+    model = FakeModel(fail_after=3)
+    rt, model = loaded_runtime(model)
+    try:
+        events, _, answer = collect(rt.chat([{"role": "user", "content": "x"}], FakeParams(), enable_thinking=False))
+        assert events[-1].kind == "error"
+        assert "fake engine failure" in events[-1].text
+        assert isinstance(events[-1].error, ValueError)
+        assert len(answer) == 3
+        model.fail_after = None
+        final = rt.chat([{"role": "user", "content": "x"}], FakeParams(), enable_thinking=False).result(TIMEOUT)
+        assert final.kind == "done"
+        assert rt.status()["alive"]
+    finally:
+        rt.close()
+
+
+def test_errors_without_a_model_and_for_a_bad_file():
+    rt, _ = make_runtime()
+    try:
+        final = rt.chat([{"role": "user", "content": "x"}], FakeParams()).wait(TIMEOUT)
+        assert final.kind == "error" and isinstance(final.error, RequestError)
+        assert "no model is loaded" in final.text
+        with pytest.raises(GGUFError, match="missing.gguf"):
+            rt.load("missing.gguf").result(TIMEOUT)
+        assert not rt.loaded
+        with pytest.raises(RequestError):
+            rt.chat([], FakeParams())
+    finally:
+        rt.close()
+
+
+def test_load_can_be_cancelled():
+    rt, loader = make_runtime(progress_steps=400, delay_s=0.005)
+    try:
+        handle = rt.load("slow.gguf")
+        for ev in handle.events(TIMEOUT):
+            if ev.kind == "progress":
+                break
+        handle.cancel()
+        assert handle.wait(TIMEOUT).kind == "cancelled"
+        assert not rt.loaded
+        assert loader.made == []
+    finally:
+        rt.close()
+
+
+def test_replace_applies_placement_and_drops_sessions():
+    rt, model = loaded_runtime()
+    try:
+        rt.chat([{"role": "user", "content": "x"}], FakeParams(), conversation_id="c").result(TIMEOUT)
+        assert rt.status()["sessions"] == 1
+        version = rt.state_version
+        final = rt.replace({"layers": "all on cpu"}).result(TIMEOUT)
+        assert model.placement == {"layers": "all on cpu"}
+        assert final.data["model"].placement == {"layers": "all on cpu"}
+        assert rt.status()["sessions"] == 0
+        assert rt.state_version > version
+        rt.unload().result(TIMEOUT)
+        assert not rt.loaded and model.closed
+    finally:
+        rt.close()
+
+
+def test_stop_strings_cut_the_answer():
+    model = FakeModel(reply=lambda p, t: "alpha beta STOP gamma delta")
+    rt, model = loaded_runtime(model)
+    try:
+        events, _, answer = collect(
+            rt.chat([{"role": "user", "content": "x"}], FakeParams(), stop=["STOP", "delta"],
+                    enable_thinking=False)
+        )
+        assert answer == "alpha beta "
+        assert events[-1].kind == "done" and events[-1].finish_reason == "stop"
+        assert events[-1].usage.completion_tokens == len("alpha beta STOP")
+    finally:
+        rt.close()
+
+
+def test_max_tokens_gives_length_and_completion_takes_raw_text():
+    rt, model = loaded_runtime()
+    try:
+        events, _, answer = collect(rt.complete("raw text", FakeParams(max_tokens=4)))
+        assert model.prompts[-1] == "raw text"  # no template around a completion
+        assert events[-1].finish_reason == "length"
+        assert len(answer) == 4
+        final = rt.complete([104, 105], FakeParams()).result(TIMEOUT)
+        assert model.prompts[-1] == "hi" and final.kind == "done"
+    finally:
+        rt.close()
+
+
+def test_many_clients_share_one_runtime_and_generations_are_serialized():
+    model = FakeModel(delay_s=0.001)
+    rt, model = loaded_runtime(model)
+    results = {}
+    errors = []
+
+    def client(k):
+        try:
+            h = rt.chat([{"role": "user", "content": f"client {k}" + "!" * k}], FakeParams(),
+                        conversation_id=k, enable_thinking=False)
+            _, _, answer = collect(h)
+            results[k] = answer
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        assert not errors
+        assert len(results) == 6
+        assert model.max_active == 1
+        assert len(model.generate_threads) == 1
+        # each client got the answer to its own prompt
+        for k, answer in results.items():
+            prompt = next(p for p in model.prompts if f"client {k}" + "!" * k + "\n" in p)
+            assert answer == f"echo[{len(prompt)}]"
+    finally:
+        rt.close()
+
+
+def test_get_times_out_and_close_cancels_pending_work():
+    model = FakeModel(reply=lambda p, t: "z" * 1000, delay_s=0.01)
+    rt, model = loaded_runtime(model)
+    handle = rt.chat([{"role": "user", "content": "x"}], FakeParams(max_tokens=2000), enable_thinking=False)
+    queued = rt.chat([{"role": "user", "content": "y"}], FakeParams(), enable_thinking=False)
+    with pytest.raises(TimeoutError):
+        while True:  # the first events come quickly; a gap between tokens is 10 ms
+            handle.get(timeout=0.001)
+    rt.close()
+    assert handle.wait(TIMEOUT).kind == "cancelled"
+    assert queued.wait(TIMEOUT).kind == "cancelled"
+    assert model.closed
+    with pytest.raises(RuntimeError):
+        rt.chat([{"role": "user", "content": "x"}], FakeParams())
+
+
+# -- thinking split ----------------------------------------------------------------------------------
+
+
+def split_all(chunks, inside):
+    s = ThinkingSplitter(inside=inside)
+    thinking, answer = "", ""
+    for c in chunks:
+        t, a = s.feed(c)
+        thinking += t
+        answer += a
+    t, a = s.flush()
+    return thinking + t, answer + a
+
+
+@pytest.mark.parametrize(
+    "text, inside, expected",
+    [
+        ("\nweigh options\n</think>\n\nThe answer.", True, ("weigh options\n", "The answer.")),
+        ("<think>\nhmm</think>Yes", False, ("hmm", "Yes")),
+        ("Plain answer mentioning </think> and <think>", False,
+         ("", "Plain answer mentioning </think> and <think>")),
+        ("unfinished thought <", True, ("unfinished thought <", "")),
+        ("<thi", False, ("", "<thi")),
+        ("</think>\n\nonly answer", True, ("", "only answer")),
+    ],
+)
+def test_thinking_split_is_independent_of_chunking(text, inside, expected):
+    assert split_all([text], inside) == expected
+    rng = random.Random(len(text))
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 6))))
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        assert split_all(chunks, inside) == expected, chunks
+    assert split_all(list(text), inside) == expected  # one character per token
+
+
+def test_prompt_opens_thinking():
+    assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_thinking("<start_of_turn>model\n")
