@@ -143,7 +143,8 @@ class Metrics:
 
     def set_devices(self, devices) -> None:
         """The devices whose memory the sampler reads ("cpu", "cuda:0", ...). "cpu" is always kept."""
-        names = ["cpu"] + [str(d) for d in devices if str(d) != "cpu"]
+        # "cpu:0" and "cpu" are the same memory (this process's RSS): one series called "cpu".
+        names = ["cpu"] + [str(d) for d in devices if not str(d).startswith("cpu")]
         with self._lock:
             self._devices = list(dict.fromkeys(names))
 

@@ -525,15 +525,11 @@ class Runtime:
         a = req.args
         # Free the old model first: two models rarely fit in the same VRAM.
         self._drop_model()
-
-        def progress(fraction, message=""):
-            req.emit("progress", fraction=float(fraction), text=str(message))
-
         model = self._loader(
             a["path"],
             devices=a["devices"],
             placement=a["placement"],
-            progress=progress,
+            progress=_progress_emitter(req),
             cancel=req.cancel_event,
         )
         if req.cancel_event.is_set():
@@ -565,10 +561,14 @@ class Runtime:
         model = self._require_model()
         placement = req.args["placement"]
         self._sessions.clear()  # their state lives on the old devices
-        for name in ("apply_placement", "replace", "set_placement"):
+        progress = _progress_emitter(req)
+        for name in ("reload_placement", "apply_placement"):
             method = getattr(model, name, None)
             if callable(method):
-                method(placement)
+                kwargs = {}
+                if _accepts(method, "progress"):
+                    kwargs = {"progress": progress, "cancel": req.cancel_event}
+                method(placement, **kwargs)
                 args = dict(self._load_args or {}, placement=placement)
                 self._install(model, args)
                 req.emit("done", data={"model": self._model_info})
@@ -576,10 +576,6 @@ class Runtime:
         # The model cannot move its layers in place: load it again with the new placement.
         args = dict(self._load_args or {}, placement=placement)
         self._drop_model()
-
-        def progress(fraction, message=""):
-            req.emit("progress", fraction=float(fraction), text=str(message))
-
         model = self._loader(
             args["path"],
             devices=args.get("devices"),
@@ -728,6 +724,13 @@ class Runtime:
 # Adapters to the model's interface
 
 
+def _progress_emitter(req: _Request):
+    def progress(fraction, message=""):
+        req.emit("progress", fraction=float(fraction), text=str(message))
+
+    return progress
+
+
 def _field(obj, *names, default=None):
     """The first attribute of `obj` among `names` (GenerationEvent field names vary by version)."""
     if obj is None:
@@ -843,7 +846,11 @@ def _describe(model, load_args: dict) -> ModelInfo:
     path = str(load_args.get("path", ""))
     name = getattr(config, "name", "") or Path(path).stem
     placement = getattr(model, "placement", None) or load_args.get("placement")
-    devices = getattr(model, "devices", None) or load_args.get("devices") or ()
+    plan = getattr(model, "device_plan", None)  # part -> device actually in use
+    if isinstance(plan, dict) and plan:
+        devices = list(dict.fromkeys(plan.values()))
+    else:
+        devices = getattr(model, "devices", None) or load_args.get("devices") or ()
     if isinstance(devices, str):
         devices = [d.strip() for d in devices.split(",") if d.strip()]
     return ModelInfo(

@@ -103,7 +103,9 @@ class FakeModel:
         self.sessions_made += 1
         return FakeSession()
 
-    def apply_placement(self, placement) -> None:
+    def reload_placement(self, placement, *, progress=None, cancel=None) -> None:
+        if progress:
+            progress(1.0, "moved")
         self.placement = placement
 
     def close(self) -> None:
@@ -130,7 +132,7 @@ class FakeModel:
         self.prompts.append(text)
         session = session if session is not None else self.new_session()
         common = 0
-        for a, b in zip(session.tokens, ids):
+        for a, b in zip(session.tokens, ids, strict=False):
             if a != b:
                 break
             common += 1

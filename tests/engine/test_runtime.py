@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-
 from minecart.engine.errors import GGUFError, RequestError
 from minecart.engine.runtime import Runtime, ThinkingSplitter, prompt_opens_thinking
 
@@ -357,7 +356,7 @@ def test_thinking_split_is_independent_of_chunking(text, inside, expected):
     rng = random.Random(len(text))
     for _ in range(50):
         cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 6))))
-        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)], strict=True)]
         assert split_all(chunks, inside) == expected, chunks
     assert split_all(list(text), inside) == expected  # one character per token
 
