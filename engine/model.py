@@ -85,17 +85,17 @@ def part_names(config: ModelConfig) -> list[str]:
 
 
 def plan_devices(config: ModelConfig, placement=None, devices=None) -> dict[str, str]:
-    """part -> device. A placement is a Mapping part -> device, or an object with `device_for(part)`
-    (or a `parts` mapping). Without one, the layers are split into contiguous, nearly equal runs over
+    """part -> device. A placement is an engine.placement.Placement (`device_of(part)`), a Mapping
+    part -> device, or an object with `device_for(part)`. Without one, the layers are split into contiguous, nearly equal runs over
     `devices` (embedding with the first device, head with the last)."""
     parts = part_names(config)
     if placement is not None:
-        if hasattr(placement, "device_for"):
+        if hasattr(placement, "device_of"):
+            lookup = placement.device_of
+        elif hasattr(placement, "device_for"):
             lookup = placement.device_for
         elif isinstance(placement, Mapping):
             lookup = placement.__getitem__
-        elif isinstance(getattr(placement, "parts", None), Mapping):
-            lookup = placement.parts.__getitem__
         else:
             raise TypeError("placement must map part names ('global', 'layer.<i>', 'head') to devices")
         return {part: _normalize_device(lookup(part)) for part in parts}

@@ -1,0 +1,273 @@
+"""Session: the state of one sequence (one chat) on a loaded Model, so later turns only pay for new tokens.
+
+A session holds, per layer, the LayerState its model module made (attention KV cache, Gated DeltaNet
+conv + recurrent state), the token history, and the next position. `prefill` and `step` append tokens;
+`sync(ids)` makes the history equal to `ids` at the lowest cost and returns the last logits (the
+generate loop uses it, so regenerate and edit-and-resend only compute the changed suffix).
+
+Rewinding. Attention caches can be truncated to any length. Recurrent (GDN) state cannot be rewound:
+it summarizes every token seen. So the session keeps *snapshots*: host copies of the recurrent arrays
+plus the KV lengths (not the KV contents) and the last logits, taken at turn boundaries (after each
+prompt and after each generation; see `checkpoint`). To go back to n tokens, the session restores the
+latest snapshot at or before n whose tokens are still a prefix of the history (so the KV prefix it refers
+to is intact), then prefills the remaining known tokens up to n. With no usable snapshot it starts from
+zero state and prefills `tokens[:n]` again: truncation always works, its cost depends on the snapshots.
+Models without recurrent layers (Gemma 3) truncate their caches directly.
+
+What this file is not: sampling or text handling (generation.py), or a scheduler for many sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backends.base import LayerState
+
+MAX_SNAPSHOTS = 6
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A point in a session's history. Host copies of the recurrent arrays; KV by length only."""
+
+    tokens: tuple[int, ...]
+    next_positions: tuple[int, ...]  # next position after each token (positions can jump after images)
+    recurrent: tuple[dict, ...]  # per layer: {name: host array}
+    kv_lengths: tuple[int | None, ...]
+    last_logits: np.ndarray | None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def _as_layer_state(state) -> LayerState:
+    if isinstance(state, LayerState):
+        return state
+    return LayerState(kv=state)  # a model module that returns a bare KV cache
+
+
+class Session:
+    """One sequence's state on `model`. Not thread-safe: use it from the thread that owns the model."""
+
+    def __init__(self, model, capacity: int | None = None):
+        self.model = model
+        self.capacity = capacity
+        self.states: list[LayerState] = [_as_layer_state(s) for s in model.new_state(capacity)]
+        self.tokens: list[int] = []
+        self._next_positions: list[int] = []
+        self.last_logits: np.ndarray | None = None  # (vocab,) after the last token of `tokens`
+        self.snapshots: list[Snapshot] = []
+        self.computed_tokens = 0  # tokens run through the model by the last sync/prefill (stats)
+
+    # ---- basic properties ----------------------------------------------------------------------------
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def position(self) -> int:
+        """The position the next token gets."""
+        return self._next_positions[-1] if self._next_positions else 0
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        return any(st.recurrent for st in self.states)
+
+    def _layer_backend(self, i: int):
+        return self.model.backend_of(f"layer.{i}")
+
+    # ---- running tokens ----------------------------------------------------------------------------
+    def _advance(self, ids: list[int], positions=None, rows: str | None = "last"):
+        T = len(ids)
+        if positions is None:
+            start = self.position
+            positions = np.arange(start, start + T)
+            next_pos = list(range(start + 1, start + T + 1))
+        else:
+            positions = np.asarray(positions)
+            flat = positions if positions.ndim == 1 else positions.max(axis=0)
+            next_pos = [int(p) + 1 for p in np.maximum.accumulate(flat)]
+        logits = self.model.forward(ids, self.states, positions, rows=rows)
+        self.tokens.extend(ids)
+        self._next_positions.extend(next_pos)
+        self.computed_tokens += T
+        if logits is not None:
+            self.last_logits = logits[-1]
+        else:
+            self.last_logits = None
+        return logits
+
+    def prefill(self, ids, chunk: int | None = None, positions=None, cancel=None) -> np.ndarray | None:
+        """Append `ids` (split into runs of `chunk` tokens; None = one run) and return the logits
+        (vocab,) after the last one. `positions` overrides the positions ((T,) or (3, T) for M-RoPE).
+        `cancel` (threading.Event) is checked between chunks; on cancel the tokens run so far stay."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            return self.last_logits
+        step = len(ids) if not chunk else int(chunk)
+        self.computed_tokens = 0
+        for start in range(0, len(ids), step):
+            if cancel is not None and cancel.is_set():
+                from .errors import GenerationCancelled
+
+                raise GenerationCancelled("prefill cancelled")
+            piece = ids[start : start + step]
+            pos = None
+            if positions is not None:
+                positions = np.asarray(positions)
+                pos = positions[..., start : start + step]
+            last = start + step >= len(ids)
+            self._advance(piece, pos, rows="last" if last else None)
+        return self.last_logits
+
+    def step(self, token: int) -> np.ndarray:
+        """Append one token; return its logits (vocab,)."""
+        self.computed_tokens = 0
+        self._advance([int(token)])
+        return self.last_logits
+
+    # ---- snapshots -----------------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """The current point (recurrent arrays copied to the host, KV by length)."""
+        recurrent = []
+        for i, st in enumerate(self.states):
+            be = self._layer_backend(i)
+            recurrent.append({name: be.to_numpy(arr) for name, arr in st.recurrent.items()})
+        return Snapshot(
+            tokens=tuple(self.tokens),
+            next_positions=tuple(self._next_positions),
+            recurrent=tuple(recurrent),
+            kv_lengths=tuple(st.kv.length if st.kv is not None else None for st in self.states),
+            last_logits=None if self.last_logits is None else self.last_logits.copy(),
+        )
+
+    def can_restore(self, snap: Snapshot) -> bool:
+        """True while the KV prefix the snapshot refers to is intact (its tokens prefix the history)."""
+        n = snap.n_tokens
+        return n <= len(self.tokens) and tuple(self.tokens[:n]) == snap.tokens
+
+    def restore(self, snap: Snapshot) -> None:
+        """Return to `snap`. Raises ValueError if the history diverged before the snapshot's end."""
+        if not self.can_restore(snap):
+            raise ValueError("snapshot no longer matches this session's history (the tokens before it "
+                             "changed); take a fork() instead when you need to come back later")
+        for i, st in enumerate(self.states):
+            be = self._layer_backend(i)
+            for name, host in snap.recurrent[i].items():
+                st.recurrent[name] = be.asarray(host)
+            if st.kv is not None:
+                st.kv.truncate(snap.kv_lengths[i])
+        self.tokens = list(snap.tokens)
+        self._next_positions = list(snap.next_positions)
+        self.last_logits = None if snap.last_logits is None else snap.last_logits.copy()
+
+    def checkpoint(self) -> None:
+        """Remember the current point as a turn boundary (no-op without recurrent state, or when it is
+        already remembered). Keeps the newest MAX_SNAPSHOTS still-valid snapshots."""
+        if not self.has_recurrent_state or not self.tokens:
+            return
+        self.snapshots = [s for s in self.snapshots if self.can_restore(s)]
+        if any(s.n_tokens == len(self.tokens) for s in self.snapshots):
+            return
+        self.snapshots.append(self.snapshot())
+        self.snapshots.sort(key=lambda s: s.n_tokens)
+        del self.snapshots[:-MAX_SNAPSHOTS]
+
+    def reset(self) -> None:
+        """Back to an empty sequence (zero state)."""
+        for i, st in enumerate(self.states):
+            be = self._layer_backend(i)
+            for name, arr in st.recurrent.items():
+                st.recurrent[name] = be.zeros(tuple(arr.shape))
+            if st.kv is not None:
+                st.kv.truncate(0)
+        self.tokens = []
+        self._next_positions = []
+        self.last_logits = None
+
+    # ---- rewinding -------------------------------------------------------------------------------------
+    def _rewind(self, n: int) -> int:
+        """Cheaply bring the state to at most n tokens of the current history; returns the length
+        reached (<= n). Attention-only: exactly n. Recurrent: the best valid snapshot, or 0."""
+        if n >= len(self.tokens):
+            return len(self.tokens)
+        if not self.has_recurrent_state:
+            for st in self.states:
+                if st.kv is not None:
+                    st.kv.truncate(n)
+            del self.tokens[n:]
+            del self._next_positions[n:]
+            self.last_logits = None
+            return n
+        usable = [s for s in self.snapshots if s.n_tokens <= n and self.can_restore(s)]
+        if usable:
+            self.restore(max(usable, key=lambda s: s.n_tokens))
+        else:
+            self.reset()
+        return len(self.tokens)
+
+    def truncate(self, n_tokens: int, chunk: int | None = None) -> None:
+        """Keep only the first n_tokens of the history (re-prefilling from a snapshot where needed)."""
+        n = int(n_tokens)
+        if not 0 <= n <= len(self.tokens):
+            raise ValueError(f"cannot truncate a session of {len(self.tokens)} tokens to {n}")
+        known = list(self.tokens[:n])
+        reached = self._rewind(n)
+        self.prefill(known[reached:], chunk=chunk)
+
+    def sync(self, ids, chunk: int | None = None, cancel=None) -> np.ndarray:
+        """Make the history equal to `ids` and return the logits (vocab,) after its last token.
+
+        Reuses the longest common prefix with the current history; `computed_tokens` tells how many
+        tokens actually ran."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("sync needs at least one token")
+        common = 0
+        limit = min(len(ids), len(self.tokens))
+        while common < limit and ids[common] == self.tokens[common]:
+            common += 1
+        if common == len(ids) == len(self.tokens) and self.last_logits is not None:
+            self.computed_tokens = 0
+            return self.last_logits
+        # Rewind to `common`, but keep at least one token to run, so there are logits to return
+        # (unless a snapshot exactly at len(ids) carries them).
+        exact = [s for s in self.snapshots if s.tokens == tuple(ids) and s.last_logits is not None
+                 and self.can_restore(s)]
+        if common == len(ids) and exact:
+            self.restore(exact[0])
+            self.computed_tokens = 0
+            return self.last_logits
+        target = common if common < len(ids) else len(ids) - 1
+        reached = self._rewind(target)
+        logits = self.prefill(ids[reached:], chunk=chunk, cancel=cancel)
+        return logits
+
+    # ---- copies ----------------------------------------------------------------------------------------
+    def fork(self) -> Session:
+        """An independent session with the same history and state (KV caches copied on their devices)."""
+        twin = Session.__new__(Session)
+        twin.model = self.model
+        twin.capacity = self.capacity
+        twin.states = []
+        for i, st in enumerate(self.states):
+            be = self._layer_backend(i)
+            twin.states.append(LayerState(
+                kv=st.kv.clone() if st.kv is not None else None,
+                recurrent={name: be.asarray(be.to_numpy(arr)) for name, arr in st.recurrent.items()},
+            ))
+        twin.tokens = list(self.tokens)
+        twin._next_positions = list(self._next_positions)
+        twin.last_logits = None if self.last_logits is None else self.last_logits.copy()
+        twin.snapshots = list(self.snapshots)  # immutable host data; validity is checked per session
+        twin.computed_tokens = 0
+        return twin
+
+    def close(self) -> None:
+        """Release device memory held by this session's state."""
+        self.model._free_states(self.states)
+        self.states = []
+        self.snapshots = []
