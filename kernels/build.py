@@ -1,0 +1,96 @@
+"""Which CUDA modules exist, what each instantiates, and compiling them with cupy.RawModule.
+
+A module is common.cuh plus one or more .cu files, textually joined (NVRTC gets no include path), with
+template instantiations named through `name_expressions`. Compiled modules are cached in-process per
+(module, compute capability); CuPy also caches the binaries on disk keyed by source and options, so a
+second start does not recompile. `module_specs()` is also what kernels/check.py compiles for every
+architecture, so the guard sees exactly what runs.
+
+Not here: launch geometry (ops.py) and the tensor-core guard (check.py). Imports cupy lazily so that
+check.py can use the specs on a machine without CuPy.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# GGML type ids (the template argument QT of the kernels).
+QT = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
+DP4A_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split into these
+HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
+GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
+
+COMPILE_OPTIONS = ("-std=c++17",)
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    name: str
+    files: tuple[str, ...]
+    name_expressions: tuple[str, ...] = ()
+    extern_c: tuple[str, ...] = field(default=())  # plain extern "C" kernels (for documentation/tests)
+
+
+def _matmul_spec(type_name: str) -> ModuleSpec:
+    q = QT[type_name]
+    names = [f"gemv_fma<{q}, {nt}>" for nt in GEMV_TOKENS] + [f"gemm_fma<{q}>"]
+    if type_name in DP4A_TYPES:
+        names += [f"gemv_dp4a<{q}, {nt}>" for nt in GEMV_TOKENS] + [f"gemm_dp4a<{q}>"]
+    names += [f"embed_rows<{q}>"]
+    return ModuleSpec(f"matmul_{type_name}", ("gemv.cu", "gemm.cu", "embed.cu"), tuple(names))
+
+
+def module_specs() -> list[ModuleSpec]:
+    """Every module the engine can load, with every template instantiation it can ask for."""
+    specs = [_matmul_spec(t) for t in QT]
+    specs.append(ModuleSpec("quantize", ("quantize.cu",), (), ("quantize_q8_1",)))
+    norms = [f"row_norm<{w}, {m}>" for w in ("true", "false") for m in range(4)]
+    ew = [f"ewise<{op}>" for op in range(8)]
+    specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew), ("gdn_gates", "rope_neox")))
+    att = [f"flash_prefill<{d}>" for d in HEAD_DIMS] + [f"flash_decode<{d}>" for d in HEAD_DIMS]
+    specs.append(ModuleSpec("attention", ("attention.cu",), tuple(att), ("flash_merge",)))
+    specs.append(ModuleSpec("gdn", ("gdn.cu",), tuple(f"gdn_scan<{d}>" for d in GDN_KEY_DIMS),
+                            ("conv1d_silu", "conv_state_update")))
+    specs.append(ModuleSpec("sampling", ("sampling.cu",), (),
+                            ("topk_stage1", "topk_stage2", "moe_route", "moe_combine")))
+    specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))
+    return specs
+
+
+def module_source(spec: ModuleSpec) -> str:
+    parts = [(HERE / "common.cuh").read_text()]
+    for f in spec.files:
+        parts.append(f"// ---- {f} ----\n" + (HERE / f).read_text())
+    return "\n".join(parts)
+
+
+_SPECS = {s.name: s for s in module_specs()}
+_cache: dict[tuple[str, int], object] = {}
+_lock = threading.Lock()
+
+
+def get_module(name: str):
+    """The compiled cupy.RawModule `name` for the current device (compiled once per capability)."""
+    import cupy as cp
+
+    dev = cp.cuda.Device()
+    key = (name, int(dev.compute_capability))
+    mod = _cache.get(key)
+    if mod is None:
+        with _lock:
+            mod = _cache.get(key)
+            if mod is None:
+                spec = _SPECS[name]
+                mod = cp.RawModule(code=module_source(spec), options=COMPILE_OPTIONS,
+                                   name_expressions=list(spec.name_expressions) or None)
+                _cache[key] = mod
+    return mod
+
+
+def get_kernel(module: str, name: str):
+    return get_module(module).get_function(name)

@@ -1,0 +1,182 @@
+"""CI guard: compile every kernel for every supported architecture and reject tensor-core instructions.
+
+    python -m minecart.kernels.check [--arch sm_61 ...] [--dump DIR] [--jobs N]
+
+Compiles each module of build.module_specs() (every template instantiation) to PTX with NVRTC 12.x,
+loaded through ctypes from the PyPI wheel `nvidia-cuda-nvrtc-cu12` (no CuPy, no GPU, no driver), for
+sm_61, sm_70, sm_75, sm_86 and sm_90, and fails if any PTX contains mma, wmma, wgmma, ldmatrix or
+tcgen05 instructions (architecture.md, "GPU rules"). Exit status 0 = clean, 1 = tensor-core
+instruction found, 2 = compile error or NVRTC missing. `--dump DIR` writes DIR/<arch>/<module>.ptx.
+
+This checks the PTX that NVRTC emits; it is not a performance or correctness test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import os
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .build import COMPILE_OPTIONS, ModuleSpec, module_source, module_specs
+
+ARCHS = ("sm_61", "sm_70", "sm_75", "sm_86", "sm_90")
+FORBIDDEN = ("mma", "wmma", "wgmma", "ldmatrix", "tcgen05")
+# An instruction line: optional predicate, then the opcode; the opcode's first dotted part is checked,
+# so names like "gemma" in a symbol or comment never match.
+_INSTR = re.compile(r"^\s*(?:@!?%?\w+\s+)?([a-z_][a-z0-9_]*)(?:\.|\s|;)")
+
+
+class NvrtcError(RuntimeError):
+    pass
+
+
+def _find_nvrtc() -> str:
+    env = os.environ.get("MINECART_NVRTC")
+    if env:
+        return env
+    cands: list[str] = []
+    try:
+        import nvidia.cuda_nvrtc as pkg  # the PyPI wheel nvidia-cuda-nvrtc-cu12
+
+        for base in pkg.__path__:
+            cands += sorted(glob.glob(os.path.join(base, "lib", "libnvrtc.so.12*")))
+            cands += sorted(glob.glob(os.path.join(base, "bin", "nvrtc64_12*.dll")))
+    except ImportError:
+        pass
+    import ctypes.util
+
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        cands.append(found)
+    if not cands:
+        raise NvrtcError("NVRTC 12 not found: pip install nvidia-cuda-nvrtc-cu12 (or set MINECART_NVRTC "
+                         "to the path of libnvrtc.so.12)")
+    return cands[0]
+
+
+class Nvrtc:
+    """The handful of NVRTC entry points the guard needs."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or _find_nvrtc()
+        self.lib = ctypes.CDLL(self.path)
+        lib = self.lib
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        lib.nvrtcCreateProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_char_p,
+                                           ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.nvrtcAddNameExpression.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.nvrtcCompileProgram.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.nvrtcGetPTXSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvrtcGetPTX.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.nvrtcGetProgramLogSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvrtcGetProgramLog.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+
+    def version(self) -> tuple[int, int]:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+        return major.value, minor.value
+
+    def _ok(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise NvrtcError(f"{what}: {self.lib.nvrtcGetErrorString(rc).decode()}")
+
+    def compile_ptx(self, source: str, name: str, arch: str, name_expressions=(), options=()) -> str:
+        prog = ctypes.c_void_p()
+        self._ok(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
+                                             0, None, None), "nvrtcCreateProgram")
+        try:
+            for expr in name_expressions:
+                self._ok(self.lib.nvrtcAddNameExpression(prog, expr.encode()), f"name expression {expr}")
+            opts = [f"--gpu-architecture=compute_{arch.split('_')[1]}", *options]
+            arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+            rc = self.lib.nvrtcCompileProgram(prog, len(opts), arr)
+            if rc != 0:
+                size = ctypes.c_size_t()
+                self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value)
+                self.lib.nvrtcGetProgramLog(prog, log)
+                raise NvrtcError(f"{name} for {arch} does not compile:\n{log.value.decode(errors='replace')}")
+            size = ctypes.c_size_t()
+            self._ok(self.lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
+            buf = ctypes.create_string_buffer(size.value)
+            self._ok(self.lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+            return buf.value.decode()
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def tensor_core_lines(ptx: str) -> list[str]:
+    """PTX instruction lines whose opcode is a tensor-core instruction."""
+    bad = []
+    for line in ptx.splitlines():
+        s = line.split("//", 1)[0]
+        m = _INSTR.match(s)
+        if m and m.group(1) in FORBIDDEN:
+            bad.append(line.strip())
+    return bad
+
+
+def check(specs: list[ModuleSpec] | None = None, archs=ARCHS, dump: Path | None = None, jobs: int = 2,
+          sources: dict[str, str] | None = None, out=sys.stdout) -> int:
+    """Compile and scan; returns the exit status. `sources` overrides a module's source (for tests)."""
+    nvrtc = Nvrtc()
+    specs = module_specs() if specs is None else specs
+    sources = sources or {}
+    jobs_list = [(s, a) for s in specs for a in archs]
+
+    def one(item):
+        spec, arch = item
+        src = sources.get(spec.name) or module_source(spec)
+        ptx = nvrtc.compile_ptx(src, spec.name, arch, spec.name_expressions, COMPILE_OPTIONS)
+        if dump is not None:
+            d = Path(dump) / arch
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{spec.name}.ptx").write_text(ptx)
+        return spec, arch, tensor_core_lines(ptx)
+
+    status = 0
+    print(f"NVRTC {'.'.join(map(str, nvrtc.version()))} ({nvrtc.path}); {len(specs)} modules x "
+          f"{len(archs)} architectures", file=out)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = [pool.submit(one, it) for it in jobs_list]
+        for fut in futures:
+            try:
+                spec, arch, bad = fut.result()
+            except NvrtcError as exc:
+                print(f"COMPILE ERROR {exc}", file=out)
+                status = max(status, 2)
+                continue
+            if bad:
+                status = max(status, 1) if status != 2 else 2
+                print(f"TENSOR CORE {spec.name} {arch}: {len(bad)} instruction(s), e.g. {bad[0]}", file=out)
+            else:
+                print(f"ok {spec.name:<16} {arch} ({len(spec.name_expressions)} instantiations)", file=out)
+    print("PASS: no tensor-core instructions" if status == 0 else "FAIL", file=out)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minecart.kernels.check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", action="append", choices=ARCHS, help="architecture to check (repeatable; default all)")
+    p.add_argument("--module", action="append", help="only this module (repeatable; default all)")
+    p.add_argument("--dump", type=Path, help="write each module's PTX to DIR/<arch>/<module>.ptx")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compilations")
+    a = p.parse_args(argv)
+    specs = module_specs()
+    if a.module:
+        specs = [s for s in specs if s.name in a.module]
+    try:
+        return check(specs, tuple(a.arch or ARCHS), a.dump, a.jobs)
+    except NvrtcError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+// Matrix-vector products for decode (a few tokens): y[t, r] = sum_k x[t, k] * W[r, k].
+// One warp per weight row, each lane one 32-value block at a time, so a warp streams 32 consecutive
+// blocks of its row; NT tokens (1..8) share every weight load, which is what makes decode cheap.
+//
+// gemv_dp4a: weights stay int8/int4, activations come from quantize_q8_1, int32 dot products by DP4A,
+//            fp32 scaling and accumulation.
+// gemv_fma:  weights dequantized to fp32 in registers, fp32 FMA against fp32 activations (the fallback
+//            for cards whose DP4A is throttled, and the path of F32/F16/BF16 weights).
+// Both take optional `ids` for mixture-of-experts: then grid.y enumerates (token, slot) pairs p, the
+// weight is expert ids[p] of a stack of experts with R rows each, and the input row is p / x_div.
+
+struct WBlock {
+    int q[8];      // 32 signed int8 weights, 4 per int
+    float dlo, dhi;  // scale of values 0..15 and 16..31
+    float m;       // constant added per unit of the activation sum (Q4_0 -8d, Q4_K -dmin*m)
+};
+
+template <int QT>
+__device__ __forceinline__ void load_wblock(const u8* wrow, const u16* wdrow, int b, WBlock& w) {
+    if (QT == QT_Q8_0) {
+        const int4* p = (const int4*)(wrow) + b * 2;
+        int4 a = p[0], c = p[1];
+        w.q[0] = a.x; w.q[1] = a.y; w.q[2] = a.z; w.q[3] = a.w;
+        w.q[4] = c.x; w.q[5] = c.y; w.q[6] = c.z; w.q[7] = c.w;
+        w.dlo = w.dhi = h2f(wdrow[b]);
+        w.m = 0.0f;
+    } else if (QT == QT_Q4_0) {
+        int4 a = ((const int4*)(wrow))[b];
+        int v[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            w.q[i] = v[i] & 0x0f0f0f0f;
+            w.q[4 + i] = (v[i] >> 4) & 0x0f0f0f0f;
+        }
+        float d = h2f(wdrow[b]);
+        w.dlo = w.dhi = d;
+        w.m = -8.0f * d;
+    } else if (QT == QT_Q4_K) {
+        const u8* p = wrow + (b >> 3) * 144;
+        int j = b & 7;
+        float d = h2f(*(const u16*)p), dmin = h2f(*(const u16*)(p + 2));
+        const u8* sc = p + 4;
+        int s, m;
+        if (j < 4) { s = sc[j] & 63; m = sc[j + 4] & 63; }
+        else { s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4); m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
+        const int4* q = (const int4*)(p + 16 + 32 * (j >> 1));
+        int4 a = q[0], c = q[1];
+        int v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        int shift = 4 * (j & 1);
+#pragma unroll
+        for (int i = 0; i < 8; i++) w.q[i] = (v[i] >> shift) & 0x0f0f0f0f;
+        w.dlo = w.dhi = d * (float)s;
+        w.m = -dmin * (float)m;
+    } else {  // Q6_K
+        const u8* p = wrow + (b >> 3) * 210;
+        int j = b & 7, n = j >> 2, s = j & 3;
+        const u8* ql = p + 64 * n + 32 * (s & 1);
+        const u8* qh = p + 128 + 32 * n;
+        const i8* sc = (const i8*)(p + 192 + 8 * n + 2 * s);
+        float d = h2f(*(const u16*)(p + 208));
+        int shl = 4 * (s >> 1), shh = 2 * s;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int lo = (ld_u16x2(ql + 4 * i) >> shl) & 0x0f0f0f0f;
+            int hi = (ld_u16x2(qh + 4 * i) >> shh) & 0x03030303;
+            int q = lo | (hi << 4);  // 0..63 per byte
+            // q - 32 as signed bytes without borrows: bit 5 set -> clear it; else add 0xE0.
+            w.q[i] = (q ^ 0x20202020) | (((~q) & 0x20202020) * 6);
+        }
+        w.dlo = d * (float)sc[0];
+        w.dhi = d * (float)sc[1];
+        w.m = 0.0f;
+    }
+}
+
+template <int QT, int NT>
+__global__ void gemv_dp4a(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+                          const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
+                          int R, int K, const int* __restrict__ ids, int x_div) {
+    int warps = blockDim.x >> 5;
+    int row = blockIdx.x * warps + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= R) return;
+    int nb = K >> 5;
+    i64 wrow_idx = row;
+    int xt0 = 0, yt0 = 0;
+    if (ids != 0) {
+        int p = blockIdx.y;
+        wrow_idx = (i64)ids[p] * R + row;
+        xt0 = p / x_div;
+        yt0 = p;
+    }
+    const u8* wrow = wq + wrow_idx * row_bytes<QT>(K);
+    const u16* wdrow = wd + wrow_idx * nb;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+#pragma unroll 2
+    for (int b = lane; b < nb; b += 32) {
+        WBlock w;
+        load_wblock<QT>(wrow, wdrow, b, w);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            i64 xb = (i64)(xt0 + t) * nb + b;
+            const int4* xp = (const int4*)(xq + xb * 32);
+            int4 a = xp[0], c = xp[1];
+            int lo = dp4a(w.q[0], a.x, 0);
+            lo = dp4a(w.q[1], a.y, lo);
+            lo = dp4a(w.q[2], a.z, lo);
+            lo = dp4a(w.q[3], a.w, lo);
+            int hi = dp4a(w.q[4], c.x, 0);
+            hi = dp4a(w.q[5], c.y, hi);
+            hi = dp4a(w.q[6], c.z, hi);
+            hi = dp4a(w.q[7], c.w, hi);
+            acc[t] += xd[xb] * (w.dlo * (float)lo + w.dhi * (float)hi) + w.m * xs[xb];
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0) y[(i64)(yt0 + t) * R + row] = v;
+    }
+}
+
+template <int QT, int NT>
+__global__ void gemv_fma(const u8* __restrict__ wq, const u16* __restrict__ wd, const float* __restrict__ x,
+                         float* __restrict__ y, int R, int K, const int* __restrict__ ids, int x_div) {
+    int warps = blockDim.x >> 5;
+    int row = blockIdx.x * warps + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (row >= R) return;
+    int nb = K >> 5;
+    i64 wrow_idx = row;
+    int xt0 = 0, yt0 = 0;
+    if (ids != 0) {
+        int p = blockIdx.y;
+        wrow_idx = (i64)ids[p] * R + row;
+        xt0 = p / x_div;
+        yt0 = p;
+    }
+    const u8* wrow = wq + wrow_idx * row_bytes<QT>(K);
+    const u16* wdrow = wd + wrow_idx * nb;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    for (int b = lane; b < nb; b += 32) {
+        float w[32];
+        deq_block32<QT>(wrow, wdrow, b, w);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float4* xp = (const float4*)(x + (i64)(xt0 + t) * K + 32 * b);
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                float4 v = xp[i];
+                s = fmaf(w[4 * i], v.x, s);
+                s = fmaf(w[4 * i + 1], v.y, s);
+                s = fmaf(w[4 * i + 2], v.z, s);
+                s = fmaf(w[4 * i + 3], v.w, s);
+            }
+            acc[t] += s;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = warp_sum(acc[t]);
+        if (lane == 0) y[(i64)(yt0 + t) * R + row] = v;
+    }
+}

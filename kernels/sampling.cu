@@ -1,0 +1,160 @@
+// Top-k of logit rows on the device (k = 1 is greedy argmax), and mixture-of-experts routing.
+//
+// topk_stage1: a block per (slice of TOPK_SLICE logits, row); the slice sits in shared memory and k
+//   rounds of block argmax (ties -> lower index) pull out its k largest.
+// topk_stage2: a block per row over the slices' candidates, the same k rounds.
+// moe_route:   a block per token: fp32 softmax over E router logits, top-k, renormalized weights.
+// moe_combine: out[t] = sum_s w[t, s] * y[t * k + s].
+
+#define TOPK_SLICE 4096
+#define TOPK_THREADS 256
+
+__device__ __forceinline__ void block_argmax(float v, int i, float* sv, int* si, float& best_v, int& best_i) {
+    // (v, i) of every thread -> the block's best, in best_v / best_i for all threads.
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    if (lane == 0) { sv[wid] = v; si[wid] = i; }
+    __syncthreads();
+    if (wid == 0) {
+        int nw = blockDim.x >> 5;
+        v = lane < nw ? sv[lane] : -INFINITY;
+        i = lane < nw ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            int oi = __shfl_xor_sync(0xffffffffu, i, o);
+            if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+        }
+        if (lane == 0) { sv[0] = v; si[0] = i; }
+    }
+    __syncthreads();
+    best_v = sv[0];
+    best_i = si[0];
+    __syncthreads();
+}
+
+// Local (value, position) maximum over buf[0..n) strided by thread.
+__device__ __forceinline__ void local_max(const float* buf, int n, float& v, int& i) {
+    v = -INFINITY;
+    i = 0x7fffffff;
+    for (int p = threadIdx.x; p < n; p += blockDim.x)
+        if (buf[p] > v) { v = buf[p]; i = p; }
+}
+
+extern "C" __global__ void topk_stage1(const float* __restrict__ logits, int V, int k,
+                                       float* __restrict__ cand_v, int* __restrict__ cand_i) {
+    __shared__ float buf[TOPK_SLICE];
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    int row = blockIdx.y, slice = blockIdx.x, n_slices = gridDim.x;
+    int base = slice * TOPK_SLICE;
+    int n = min(TOPK_SLICE, V - base);
+    for (int p = threadIdx.x; p < TOPK_SLICE; p += blockDim.x)
+        buf[p] = p < n ? logits[(i64)row * V + base + p] : -INFINITY;
+    __syncthreads();
+    for (int r = 0; r < k; r++) {
+        float v; int i;
+        local_max(buf, TOPK_SLICE, v, i);
+        float bv; int bi;
+        block_argmax(v, i, sv, si, bv, bi);
+        i64 o = ((i64)row * n_slices + slice) * k + r;
+        if (threadIdx.x == 0) {
+            cand_v[o] = bv;
+            cand_i[o] = (bi < n) ? base + bi : -1;
+            if (bi < TOPK_SLICE) buf[bi] = -INFINITY;
+        }
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void topk_stage2(const float* __restrict__ cand_v, const int* __restrict__ cand_i,
+                                       int n_cand, int k, float* __restrict__ out_v, int* __restrict__ out_i) {
+    extern __shared__ float cbuf[];
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    int row = blockIdx.x;
+    for (int p = threadIdx.x; p < n_cand; p += blockDim.x) {
+        int id = cand_i[(i64)row * n_cand + p];
+        cbuf[p] = id >= 0 ? cand_v[(i64)row * n_cand + p] : -INFINITY;
+    }
+    __syncthreads();
+    for (int r = 0; r < k; r++) {
+        float v; int i;
+        // ties between candidates: prefer the lower vocabulary id (candidate order is not id order)
+        v = -INFINITY; i = 0x7fffffff;
+        int best_id = 0x7fffffff;
+        for (int p = threadIdx.x; p < n_cand; p += blockDim.x) {
+            float c = cbuf[p];
+            int id = cand_i[(i64)row * n_cand + p];
+            if (c > v || (c == v && c != -INFINITY && id < best_id)) { v = c; i = p; best_id = id; }
+        }
+        float bv; int bi;
+        block_argmax(v, best_id, sv, si, bv, bi);  // reduce on (value, vocabulary id)
+        if (threadIdx.x == 0) {
+            out_v[(i64)row * k + r] = bv;
+            out_i[(i64)row * k + r] = bi;
+        }
+        // the thread holding the winner removes it
+        if (i != 0x7fffffff && best_id == bi && v == bv) cbuf[i] = -INFINITY;
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, int k, int* __restrict__ ids,
+                                     float* __restrict__ wts) {
+    extern __shared__ float p[];
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    __shared__ float scratch[32];
+    int t = blockIdx.x;
+    const float* l = logits + (i64)t * E;
+    float mx = -INFINITY;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) mx = fmaxf(mx, l[e]);
+    mx = warp_max(mx);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = mx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = scratch[0];
+        for (int w = 1; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, scratch[w]);
+        scratch[0] = m;
+    }
+    __syncthreads();
+    mx = scratch[0];
+    __syncthreads();
+    float s = 0.0f;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) { float v = __expf(l[e] - mx); p[e] = v; s += v; }
+    s = block_sum(s, scratch);
+    float sel_sum = 0.0f;
+    for (int r = 0; r < k; r++) {
+        float v; int i;
+        local_max(p, E, v, i);
+        float bv; int bi;
+        block_argmax(v, i, sv, si, bv, bi);
+        if (threadIdx.x == 0) {
+            ids[t * k + r] = bi;
+            wts[t * k + r] = bv / s;
+            p[bi] = -INFINITY;
+        }
+        sel_sum += bv / s;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float norm = 1.0f / fmaxf(sel_sum, 6.1e-5f);
+        for (int r = 0; r < k; r++) wts[t * k + r] *= norm;
+    }
+}
+
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ wts,
+                                       float* __restrict__ out, int T, int k, int H) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)T * H) return;
+    int t = (int)(i / H), c = (int)(i % H);
+    float acc = 0.0f;
+    for (int s = 0; s < k; s++) acc = fmaf(wts[t * k + s], y[((i64)t * k + s) * H + c], acc);
+    out[i] = acc;
+}
