@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import UnsupportedArchitectureError
+from .errors import (
+    GGUFError,
+    MissingKeyError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnsupportedArchitectureError,
+)
 
 SUPPORTED_ARCHITECTURES = ("qwen35", "qwen35moe", "gemma3")
 
@@ -184,3 +190,215 @@ def _gemma3(gf) -> ModelConfig:
         rope_scale=rope_scale,
         query_pre_attn_scalar=query_pre_attn_scalar,
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tensor inventory check: every tensor the architecture needs is present, and its shape follows from the
+# metadata. Runs before any weight is uploaded, so a wrong or truncated file fails with the tensor's name
+# instead of a broadcasting error deep inside a layer.
+
+
+def validate_tensors(config: ModelConfig, gguf_file) -> None:
+    """Raise MissingTensorError / ShapeMismatchError (naming the tensor and the metadata keys that
+    imply its shape) unless the file holds every tensor `config` needs, each with the right shape.
+    Tensors of MTP blocks are optional but checked when present; extra tensors are ignored."""
+    arch = config.architecture
+    if arch in ("qwen35", "qwen35moe"):
+        specs = _qwen35_specs(config, gguf_file)
+    elif arch == "gemma3":
+        specs = _gemma3_specs(config, gguf_file)
+    else:
+        raise UnsupportedArchitectureError(gguf_file.path, f"architecture '{arch}' is not supported",
+                                           key="general.architecture")
+    tensors = gguf_file.tensors
+    for spec in specs:
+        present = [name for name in spec.names if name in tensors]
+        if not present:
+            if spec.optional:
+                continue
+            alt = f" (or {' / '.join(spec.names[1:])})" if len(spec.names) > 1 else ""
+            raise MissingTensorError(
+                gguf_file.path,
+                f"required by {arch} {spec.role}{alt} but absent; the file is incomplete, was converted "
+                "for another architecture, or its layer-pattern metadata is wrong: re-convert it with a "
+                "current llama.cpp",
+                tensor=spec.names[0],
+            )
+        for name in present:
+            actual = tuple(int(x) for x in tensors[name].shape)
+            allowed = spec.shapes[spec.names.index(name)]
+            if actual not in allowed:
+                raise ShapeMismatchError(
+                    gguf_file.path,
+                    f"{name} has shape {_fmt(actual)}, the metadata ({spec.why}) implies "
+                    f"{' or '.join(_fmt(s) for s in allowed)}; the file's metadata and tensors disagree: "
+                    "re-convert the model",
+                    tensor=name,
+                )
+    _check_vocab(config, gguf_file)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    names: tuple[str, ...]  # alternatives, first = canonical
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]  # per name: the accepted shapes
+    why: str  # "key=value, ..." that implies the shape
+    role: str
+    optional: bool = False
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join(str(x) for x in shape) + (",)" if len(shape) == 1 else ")")
+
+
+def _spec(name, shape, why, role, optional=False) -> _Spec:
+    return _Spec((name,), ((tuple(shape),),), why, role, optional)
+
+
+def _qwen35_specs(c: ModelConfig, gf) -> list[_Spec]:
+    a = c.architecture
+    k = lambda key: f"{a}.{key}={gf.get(f'{a}.{key}')}"  # noqa: E731
+    H, V = c.hidden, c.vocab_size
+    emb = k("embedding_length")
+    if c.n_heads <= 0 or c.n_kv_heads <= 0 or c.n_heads % c.n_kv_heads:
+        raise GGUFError(gf.path, f"{c.n_heads} query heads cannot share {c.n_kv_heads} KV heads; "
+                        "re-convert the model", key=f"{a}.attention.head_count_kv")
+    n_v = c.gdn_v_heads
+    inner = int(gf.get(f"{a}.ssm.inner_size", 0) or 0)
+    if GDN in c.layer_types and (n_v <= 0 or c.gdn_k_heads <= 0 or inner % n_v or n_v % c.gdn_k_heads):
+        raise GGUFError(gf.path, f"ssm.inner_size={inner}, time_step_rank={n_v} and group_count="
+                        f"{c.gdn_k_heads} do not describe whole heads; re-convert the model",
+                        key=f"{a}.ssm.inner_size")
+    conv_dim = c.gdn_conv_dim
+    value_dim = n_v * c.gdn_value_dim
+    specs = [
+        _spec("token_embd.weight", (V, H), emb, "token embedding"),
+        _spec("output_norm.weight", (H,), emb, "final norm"),
+        _spec("output.weight", (V, H), f"{emb}, vocabulary rows {V}", "LM head", optional=True),
+    ]
+    attn_why = f"{emb}, {k('attention.head_count')}, {k('attention.head_count_kv')}, {k('attention.key_length')}"
+    gdn_why = (f"{emb}, {k('ssm.state_size')}, {k('ssm.group_count')}, {k('ssm.time_step_rank')}, "
+               f"{k('ssm.inner_size')}")
+
+    def attention(i, role, optional=False):
+        q_out = 2 * c.n_heads * c.head_dim  # query and output gate, interleaved per head
+        kv = c.n_kv_heads
+        return [
+            _spec(f"blk.{i}.attn_q.weight", (q_out, H), attn_why, role, optional),
+            _spec(f"blk.{i}.attn_k.weight", (kv * c.head_dim, H), attn_why, role, optional),
+            _spec(f"blk.{i}.attn_v.weight", (kv * c.value_head_dim, H),
+                  f"{attn_why}, {k('attention.value_length')}", role, optional),
+            _spec(f"blk.{i}.attn_output.weight", (H, c.n_heads * c.value_head_dim),
+                  f"{attn_why}, {k('attention.value_length')}", role, optional),
+            _spec(f"blk.{i}.attn_q_norm.weight", (c.head_dim,), k("attention.key_length"), role, optional),
+            _spec(f"blk.{i}.attn_k_norm.weight", (c.head_dim,), k("attention.key_length"), role, optional),
+        ]
+
+    def gdn(i, role):
+        return [
+            _spec(f"blk.{i}.attn_qkv.weight", (conv_dim, H), gdn_why, role),
+            _spec(f"blk.{i}.attn_gate.weight", (value_dim, H), gdn_why, role),
+            _spec(f"blk.{i}.ssm_beta.weight", (n_v, H), gdn_why, role),
+            _spec(f"blk.{i}.ssm_alpha.weight", (n_v, H), gdn_why, role),
+            _spec(f"blk.{i}.ssm_conv1d.weight", (conv_dim, c.conv_kernel),
+                  f"{gdn_why}, {k('ssm.conv_kernel')}", role),
+            _spec(f"blk.{i}.ssm_dt.bias", (n_v,), k("ssm.time_step_rank"), role),
+            _spec(f"blk.{i}.ssm_a", (n_v,), k("ssm.time_step_rank"), role),
+            _spec(f"blk.{i}.ssm_norm.weight", (c.gdn_value_dim,), gdn_why, role),
+            _spec(f"blk.{i}.ssm_out.weight", (H, value_dim), gdn_why, role),
+        ]
+
+    def dense_ffn(i, role, optional=False):
+        F = c.ffn if c.ffn else int(gf.get(f"{a}.feed_forward_length", 0) or 0)
+        why = f"{emb}, {k('feed_forward_length')}"
+        return [
+            _spec(f"blk.{i}.ffn_gate.weight", (F, H), why, role, optional),
+            _spec(f"blk.{i}.ffn_up.weight", (F, H), why, role, optional),
+            _spec(f"blk.{i}.ffn_down.weight", (H, F), why, role, optional),
+        ]
+
+    def moe_ffn(i, role):
+        E, Fe, Fs = c.n_experts, c.expert_ffn, c.shared_expert_ffn
+        why = f"{emb}, {k('expert_count')}, {k('expert_feed_forward_length')}"
+        out = [
+            _spec(f"blk.{i}.ffn_gate_inp.weight", (E, H), f"{emb}, {k('expert_count')}", role),
+            # routed experts: gate and up stacked separately, or fused (--fuse-gate-up-exps)
+            _Spec((f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_gate_up_exps.weight"),
+                  (((E, Fe, H),), ((E, 2 * Fe, H),)), why, role),
+            _spec(f"blk.{i}.ffn_down_exps.weight", (E, H, Fe), why, role),
+        ]
+        if f"blk.{i}.ffn_gate_up_exps.weight" not in gf.tensors:
+            out.append(_spec(f"blk.{i}.ffn_up_exps.weight", (E, Fe, H), why, role))
+        has_shared = any(f"blk.{i}.ffn_{p}_shexp.weight" in gf.tensors for p in ("gate", "up", "down"))
+        if has_shared and Fs <= 0:
+            raise MissingKeyError(gf.path, f"layer {i} has a shared expert but its width is not in the "
+                                  "metadata; re-convert the model",
+                                  key=f"{a}.expert_shared_feed_forward_length")
+        if Fs > 0:
+            swhy = f"{emb}, {k('expert_shared_feed_forward_length')}"
+            out += [
+                _spec(f"blk.{i}.ffn_gate_shexp.weight", (Fs, H), swhy, role),
+                _spec(f"blk.{i}.ffn_up_shexp.weight", (Fs, H), swhy, role),
+                _spec(f"blk.{i}.ffn_down_shexp.weight", (H, Fs), swhy, role),
+                # written 2-D by the converter, 1-D after llama.cpp's C++ tools drop the trailing 1
+                _Spec((f"blk.{i}.ffn_gate_inp_shexp.weight",), (((1, H), (H,)),), emb, role),
+            ]
+        return out
+
+    for i, kind in enumerate(c.layer_types):
+        role = f"layer {i} ({'Gated DeltaNet' if kind == GDN else 'full attention'})"
+        specs.append(_spec(f"blk.{i}.attn_norm.weight", (H,), emb, role))
+        specs.append(_spec(f"blk.{i}.post_attention_norm.weight", (H,), emb, role))
+        specs += gdn(i, role) if kind == GDN else attention(i, role)
+        specs += moe_ffn(i, role) if c.is_moe else dense_ffn(i, role)
+    for i in range(c.n_layers, c.n_layers + c.n_mtp_layers):
+        role = f"MTP block {i}"
+        specs += [_spec(f"blk.{i}.{n}.weight", (H,), emb, role, optional=True)
+                  for n in ("attn_norm", "post_attention_norm", "nextn.enorm", "nextn.hnorm",
+                            "nextn.shared_head_norm")]
+        specs.append(_spec(f"blk.{i}.nextn.eh_proj.weight", (H, 2 * H), emb, role, optional=True))
+        specs += attention(i, role, optional=True)
+        if not c.is_moe:
+            specs += dense_ffn(i, role, optional=True)
+    return specs
+
+
+def _gemma3_specs(c: ModelConfig, gf) -> list[_Spec]:
+    k = lambda key: f"gemma3.{key}={gf.get(f'gemma3.{key}')}"  # noqa: E731
+    H, V, F = c.hidden, c.vocab_size, c.ffn
+    emb = k("embedding_length")
+    attn_why = f"{emb}, {k('attention.head_count')}, {k('attention.head_count_kv')}, {k('attention.key_length')}"
+    ffn_why = f"{emb}, {k('feed_forward_length')}"
+    specs = [
+        _spec("token_embd.weight", (V, H), emb, "token embedding"),
+        _spec("output_norm.weight", (H,), emb, "final norm"),
+        _spec("output.weight", (V, H), f"{emb}, vocabulary rows {V}", "LM head", optional=True),
+    ]
+    for i in range(c.n_layers):
+        role = f"layer {i}"
+        specs += [_spec(f"blk.{i}.{n}.weight", (H,), emb, role)
+                  for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")]
+        specs += [
+            _spec(f"blk.{i}.attn_q.weight", (c.n_heads * c.head_dim, H), attn_why, role),
+            _spec(f"blk.{i}.attn_k.weight", (c.n_kv_heads * c.head_dim, H), attn_why, role),
+            _spec(f"blk.{i}.attn_v.weight", (c.n_kv_heads * c.value_head_dim, H), attn_why, role),
+            _spec(f"blk.{i}.attn_output.weight", (H, c.n_heads * c.value_head_dim), attn_why, role),
+            _spec(f"blk.{i}.attn_q_norm.weight", (c.head_dim,), k("attention.key_length"), role),
+            _spec(f"blk.{i}.attn_k_norm.weight", (c.head_dim,), k("attention.key_length"), role),
+            _spec(f"blk.{i}.ffn_gate.weight", (F, H), ffn_why, role),
+            _spec(f"blk.{i}.ffn_up.weight", (F, H), ffn_why, role),
+            _spec(f"blk.{i}.ffn_down.weight", (H, F), ffn_why, role),
+        ]
+    return specs
+
+
+def _check_vocab(c: ModelConfig, gf) -> None:
+    tokens = gf.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) > c.vocab_size:
+        raise ShapeMismatchError(
+            gf.path,
+            f"token_embd.weight has {c.vocab_size} rows but the tokenizer has {len(tokens)} tokens, so "
+            "some token ids have no embedding; the file mixes a tokenizer and weights of different "
+            "models: re-convert it",
+            tensor="token_embd.weight",
+        )
