@@ -151,13 +151,21 @@ class Model:
     def backend_of(self, part: str):
         return self.backends[part]
 
-    def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None):
+    def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None,
+                chunk: int | None = None, cancel=None):
         """Run `ids` through every layer, updating `states` (one per layer) in place.
 
         rows: "last" -> logits (1, vocab) of the last token; "all" -> (T, vocab); None -> no head.
         hidden_hook(index, host_array) receives the residual stream after the embedding (0) and after
         each layer (1..L). Returns host float32 logits or None.
         """
+        if getattr(self, "pipeline", None) is not None:  # several devices: multidevice.Pipeline
+            return self.pipeline.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
+                                         chunk=chunk, cancel=cancel)
+        if chunk and len(ids) > chunk:  # one device: the chunks run one after another
+            from .multidevice import forward_in_chunks
+
+            return forward_in_chunks(self, ids, states, positions, rows=rows, chunk=chunk, cancel=cancel)
         cfg, mod = self.config, self.module
         be = self.backends["global"]
         x = mod.embed(cfg, be, self.weights["global"], ids)
@@ -255,9 +263,15 @@ class Model:
         self.backends = backends
         self.device_plan = new_plan
         self.placement = placement
+        from .multidevice import attach_pipeline
+
+        attach_pipeline(self)  # workers and bridges for the new split (none on one device)
 
     def close(self) -> None:
         """Release device memory; the Model is unusable afterwards."""
+        if getattr(self, "pipeline", None) is not None:
+            self.pipeline.close()
+            self.pipeline = None
         for part, ws in getattr(self, "weights", {}).items():
             be = self.backends.get(part)
             for wt in ws.values():
@@ -340,14 +354,18 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         plan = {p: str(getattr(backend, "device", "cpu:0")) for p in part_names(config)}
         backends = dict.fromkeys(plan, backend)
     else:
-        plan = plan_devices(config, placement, devices)
-        by_device = {dev: make_backend(dev) for dev in dict.fromkeys(plan.values())}
+        from .multidevice import resolve_devices
+
+        placement, plan, by_device = resolve_devices(config, gf, placement, devices)
         backends = {p: by_device[d] for p, d in plan.items()}
     if progress is not None:
         progress(0.0, f"opening {Path(path).name}")
     weights = _load_parts(gf, roles, backends, progress=progress, cancel=cancel)
     model = Model(path, gf, config, module, plan, backends, weights, _load_tokenizer(gf),
                   _load_chat_template(gf), placement, roles)
+    from .multidevice import attach_pipeline
+
+    attach_pipeline(model)
     model.load_seconds = time.perf_counter() - t0
     if progress is not None:
         progress(1.0, "loaded")

@@ -1,0 +1,478 @@
+"""Running one model across several devices without peer-to-peer: bridges, workers, pipelined prefill.
+
+A loaded Model (engine/model.py) whose parts sit on more than one device gets a `Pipeline`:
+
+- one worker thread per device runs every part placed there (CUDA contexts are per thread, and one
+  thread per device keeps each device's work in order);
+- one `HostBridge` per cross-device edge (consecutive parts on different devices) owns one host
+  staging buffer — pinned when the backend can allocate pinned memory (`pinned_empty`), plain NumPy on
+  CPU devices — and a link thread that moves the hidden state source -> host buffer -> destination.
+  Peer access is never enabled; nothing here calls a device-to-device copy;
+- chunked prefill is pipelined: the caller feeds chunk k+1 to the first device while chunk k is on the
+  wire or on the next device, so device A computes chunk k+1 while device B computes chunk k. Each
+  layer still sees its chunks in order (one worker per device, FIFO queues and links), so the result
+  equals running the chunks one after another on one device; at most `max_in_flight` chunks are
+  between the caller and the head at once, which bounds the memory of hidden states in flight.
+
+Also here: `resolve_devices` (placement + devices -> part plan and backends, used by load_model),
+`attach_pipeline`, and `bench_split` (the measurement `minecart bench --devices` prints).
+
+What this is not: a scheduler for several sequences, or tensor parallelism (a layer never spans two
+devices). Timing of slow links and memory caps live in engine/rig.py.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import GenerationCancelled
+from .placement import DeviceSpec, GiB, Placement, model_costs, plan_auto
+
+# ------------------------------------------------------------------------------------------------
+# Threads
+
+
+class DeviceWorker:
+    """A thread that runs submitted callables in order. `bind_thread()` of the backend, when it has
+    one, runs first on the thread (the CuPy backend makes its device current there)."""
+
+    def __init__(self, name: str, backend=None):
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._backend = backend
+        self._thread = threading.Thread(target=self._run, name=f"minecart-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        bind = getattr(self._backend, "bind_thread", None)
+        if bind is not None:
+            bind()
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            task()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._queue.put(task)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+
+class HostBridge:
+    """One cross-device edge: src -> host staging buffer -> dst, on its own link thread.
+
+    The buffer is allocated once (pinned through `pinned_empty(shape, dtype)` on the source or
+    destination backend when either has it) and grows if a larger hidden state arrives. The link
+    thread copies one hidden state at a time, so the single buffer is never written while read.
+    """
+
+    def __init__(self, src, dst, *, rows: int = 1, width: int = 1, name: str = ""):
+        self.src = src
+        self.dst = dst
+        self.name = name or f"{getattr(src, 'device', '?')}->{getattr(dst, 'device', '?')}"
+        self.buffer = self._allocate(max(1, rows * width))
+        self.worker = DeviceWorker(f"link {self.name}")
+        self.bytes_moved = 0
+        self.seconds = 0.0
+
+    def _allocate(self, n: int) -> np.ndarray:
+        for be in (self.src, self.dst):
+            alloc = getattr(be, "pinned_empty", None)
+            if alloc is not None:
+                return alloc((n,), "float32")
+        return np.empty(n, np.float32)
+
+    def move(self, x):
+        """x (an array of src) -> the same values as an array of dst. Runs on the link thread."""
+        t0 = time.perf_counter()
+        shape = tuple(x.shape)
+        n = int(np.prod(shape)) if shape else 1
+        if n > self.buffer.size:
+            self.buffer = self._allocate(n)
+        host = self.buffer[:n].reshape(shape)
+        into = getattr(self.src, "to_numpy_into", None)
+        if into is not None:
+            into(x, host)
+        else:
+            np.copyto(host, self.src.to_numpy(x), casting="same_kind")
+        y = self.dst.asarray(host)
+        if isinstance(y, np.ndarray) and np.shares_memory(y, self.buffer):
+            y = y.copy()  # a CPU backend may wrap the host array as is; the buffer is reused next hop
+        self.bytes_moved += host.nbytes
+        self.seconds += time.perf_counter() - t0
+        return y
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# One forward pass split into chunks
+
+
+@dataclass
+class _Stage:
+    """A run of consecutive parts on one device."""
+
+    device: str
+    backend: object
+    parts: list[str]
+    worker: DeviceWorker
+
+
+@dataclass
+class _Job:
+    """One forward call in flight: results per chunk, the first error, completion."""
+
+    n_chunks: int
+    rows: str | None
+    results: list = field(default_factory=list)
+    error: BaseException | None = None
+    cancelled_at: int | None = None
+    ended: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+    slots: threading.Semaphore | None = None
+
+    def end_chunk(self) -> None:
+        with self.lock:
+            self.ended += 1
+            finished = self.ended == self.n_chunks
+        if self.slots is not None:
+            self.slots.release()
+        if finished:
+            self.done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = exc
+
+
+class Pipeline:
+    """Runs a Model whose parts sit on several devices (see the module docstring).
+
+    Built from the model's own `device_plan` (part -> device), `backends` (part -> backend) and
+    `weights` (part -> {name: Weight}), so loading stays in engine/model.py.
+    """
+
+    def __init__(self, model, *, max_in_flight: int | None = None):
+        self.model = model
+        self.config = model.config
+        self.module = model.module
+        plan = model.device_plan
+        parts = ["global"] + [f"layer.{i}" for i in range(self.config.n_layers)] + ["head"]
+        workers: dict[str, DeviceWorker] = {}
+        self.stages: list[_Stage] = []
+        for part in parts:
+            dev = plan[part]
+            if dev not in workers:
+                workers[dev] = DeviceWorker(dev, model.backends[part])
+            if self.stages and self.stages[-1].device == dev:
+                self.stages[-1].parts.append(part)
+            else:
+                self.stages.append(_Stage(dev, model.backends[part], [part], workers[dev]))
+        self.workers = workers
+        hidden = self.config.hidden
+        self.bridges = [HostBridge(a.backend, b.backend, rows=512, width=hidden)
+                        for a, b in zip(self.stages, self.stages[1:], strict=False)]
+        self.max_in_flight = max_in_flight or (2 * len(self.stages) + 1)
+        self._call_lock = threading.Lock()
+
+    @property
+    def devices(self) -> list[str]:
+        return list(self.workers)
+
+    def close(self) -> None:
+        for b in self.bridges:
+            b.close()
+        for w in self.workers.values():
+            w.close()
+        self.bridges = []
+        self.workers = {}
+
+    # ---- the forward pass ----------------------------------------------------------------------------
+    def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None,
+                chunk: int | None = None, cancel: threading.Event | None = None):
+        """Same contract as Model.forward, with `chunk` (tokens per pipelined chunk; None = one) and
+        `cancel` (checked before each chunk enters the pipeline; chunks already in flight finish, then
+        GenerationCancelled is raised with `tokens_done`, the tokens that went through every layer).
+
+        rows: "last" -> logits (1, vocab) of the last token; "all" -> (T, vocab); None -> no head.
+        """
+        ids = [int(t) for t in ids]
+        positions = np.asarray(positions)
+        T = len(ids)
+        step = T if not chunk else max(1, int(chunk))
+        starts = list(range(0, T, step)) or [0]
+        if hidden_hook is not None and len(starts) > 1:
+            raise ValueError("hidden_hook needs the whole sequence in one chunk")
+        with self._call_lock:  # one sequence at a time: states are updated in place
+            job = _Job(len(starts), rows, results=[None] * len(starts),
+                       slots=threading.Semaphore(self.max_in_flight))
+            for c, s in enumerate(starts):
+                job.slots.acquire()
+                if job.error is not None or (cancel is not None and cancel.is_set()):
+                    if job.error is None:
+                        job.cancelled_at = c
+                    job.slots.release()
+                    for _ in range(c, len(starts)):
+                        job.end_chunk()
+                    break
+                piece = ids[s : s + step]
+                pos = positions[..., s : s + step]
+                want = rows == "all" or (rows == "last" and c == len(starts) - 1)
+                task = self._stage_task(job, 0, c, piece, pos, states, want, hidden_hook)
+                self.stages[0].worker.submit(task)
+            job.done.wait()
+        if job.error is not None:
+            raise job.error
+        if job.cancelled_at is not None:
+            exc = GenerationCancelled("prefill cancelled")
+            exc.tokens_done = min(T, job.cancelled_at * step)
+            raise exc
+        if rows is None:
+            return None
+        out = [r for r in job.results if r is not None]
+        if rows == "last":
+            return out[-1]
+        return np.concatenate(out, axis=0)
+
+    def _stage_task(self, job: _Job, s: int, c: int, x, positions, states, want: bool, hook):
+        def run() -> None:
+            if job.error is not None:
+                job.end_chunk()
+                return
+            try:
+                self._run_stage(job, s, c, x, positions, states, want, hook)
+            except BaseException as exc:  # reported to the caller, who re-raises it
+                job.fail(exc)
+                job.end_chunk()
+
+        return run
+
+    def _run_stage(self, job: _Job, s: int, c: int, x, positions, states, want: bool, hook) -> None:
+        cfg, mod, weights = self.config, self.module, self.model.weights
+        stage = self.stages[s]
+        be = stage.backend
+        for part in stage.parts:
+            if part == "global":
+                x = mod.embed(cfg, be, weights[part], x)
+                if hook is not None:
+                    hook(0, be.to_numpy(x))
+            elif part == "head":
+                if want:
+                    if job.rows == "last":
+                        x = x[x.shape[0] - 1 :]
+                    logits = mod.head(cfg, be, weights[part], x)
+                    job.results[c] = np.asarray(be.to_numpy(logits), dtype=np.float32)
+            else:
+                i = int(part.split(".")[1])
+                x = mod.layer(cfg, be, weights[part], i, x, states[i], positions)
+                if hook is not None:
+                    hook(i + 1, be.to_numpy(x))
+        if s == len(self.stages) - 1:
+            be.synchronize()
+            job.end_chunk()
+            return
+        be.synchronize()  # the link thread reads x; make sure this device finished writing it
+        bridge = self.bridges[s]
+        nxt = self.stages[s + 1]
+
+        def hop() -> None:
+            if job.error is not None:
+                job.end_chunk()
+                return
+            try:
+                y = bridge.move(x)
+            except BaseException as exc:
+                job.fail(exc)
+                job.end_chunk()
+                return
+            nxt.worker.submit(self._stage_task(job, s + 1, c, y, positions, states, want, hook))
+
+        bridge.worker.submit(hop)
+
+
+# ------------------------------------------------------------------------------------------------
+# Hooks used by engine/model.py
+
+
+def attach_pipeline(model) -> Pipeline | None:
+    """Give `model` a Pipeline when its parts use more than one device (replacing an old one)."""
+    old = getattr(model, "pipeline", None)
+    if old is not None:
+        old.close()
+    model.pipeline = None
+    if len(set(model.device_plan.values())) > 1:
+        model.pipeline = Pipeline(model)
+    return model.pipeline
+
+
+def _device_specs(config, devices) -> list[DeviceSpec]:
+    """DeviceSpecs for plan_auto from what the caller passed: DeviceSpecs as they are, a Rig's specs,
+    device names with the free memory the device listing reports (CPU devices share the RAM)."""
+    if hasattr(devices, "device_specs"):
+        return devices.device_specs()
+    items = list(devices)
+    if all(isinstance(d, DeviceSpec) for d in items):
+        return items
+    names = [d.name if isinstance(d, DeviceSpec) else str(d) for d in items]
+    free: dict[str, int] = {}
+    try:
+        from .devices import list_devices
+
+        for info in list_devices(include_cpu=True, with_probe=False):
+            free[info.id] = int(info.free_bytes)
+    except Exception:  # the listing is a convenience: without it every device counts as equal
+        pass
+    cpu_names = [n for n in names if n.startswith("cpu:")]
+    ram = free.get("cpu:0", 0)
+    out = []
+    for n in names:
+        if n.startswith("cpu:"):
+            f = ram // max(1, len(cpu_names)) if ram > 0 else 64 * GiB
+        else:
+            f = free.get(n, -1)
+            if f <= 0:
+                f = 64 * GiB
+        out.append(DeviceSpec(n, f))
+    return out
+
+
+def resolve_devices(config, gguf_file, placement=None, devices=None, *, make_backend=None):
+    """What load_model needs from a placement and/or devices: (Placement, part -> device, device ->
+    backend).
+
+    placement: a Placement, a part -> device Mapping, or None; devices: device names, DeviceSpecs, or
+    an engine.rig.Rig (its logical devices then provide the backends). Several devices without a
+    placement are planned with plan_auto (in proportion to free memory, contiguous).
+    """
+    from .model import make_backend as default_make_backend
+    from .model import part_names, plan_devices
+
+    parts = part_names(config)
+    rig = devices if hasattr(devices, "backend") and hasattr(devices, "device_specs") else None
+    names = None
+    if devices is not None:
+        names = rig.names if rig is not None else [d.name if isinstance(d, DeviceSpec) else str(d)
+                                                   for d in devices]
+    if placement is None and names is not None and len(names) > 1:
+        placement = plan_auto(config, gguf_file, _device_specs(config, devices))
+    if isinstance(placement, Placement):
+        plan = {p: placement.device_of(p) for p in parts}
+    else:
+        plan = plan_devices(config, placement, names)
+        placement = Placement(model_costs(config, gguf_file), [plan[p] for p in parts])
+    make = rig.backend if rig is not None else (make_backend or default_make_backend)
+    by_device = {dev: make(dev) for dev in dict.fromkeys(plan.values())}
+    return placement, plan, by_device
+
+
+# ------------------------------------------------------------------------------------------------
+# Benchmark of a split (called by `minecart bench --devices ...`)
+
+
+@dataclass(frozen=True)
+class SplitBenchResult:
+    devices: list[str]
+    segments: list[str]  # "cuda:0: the embedding and layers 0-15", ...
+    prompt_tokens: int
+    chunk: int
+    prefill_seconds: float
+    prefill_tokens_per_s: float
+    sequential_prefill_seconds: float  # the same chunks without overlap (one chunk in flight)
+    decode_tokens: int
+    decode_seconds: float
+    decode_tokens_per_s: float
+    bytes_per_device: dict = field(default_factory=dict)  # device -> estimated total bytes
+    link_bytes: int = 0
+
+    @property
+    def overlap_speedup(self) -> float:
+        return self.sequential_prefill_seconds / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    def lines(self) -> list[str]:
+        out = [f"split over {', '.join(self.devices)}:"]
+        out += [f"  {s}" for s in self.segments]
+        out.append(f"  prefill {self.prompt_tokens} tokens in chunks of {self.chunk}: "
+                   f"{self.prefill_tokens_per_s:.1f} tok/s ({self.prefill_seconds:.3f} s; without "
+                   f"overlap {self.sequential_prefill_seconds:.3f} s, overlap speedup "
+                   f"{self.overlap_speedup:.2f}x)")
+        out.append(f"  decode {self.decode_tokens} tokens: {self.decode_tokens_per_s:.1f} tok/s")
+        return out
+
+
+def bench_split(model, *, prompt_tokens: int = 512, chunk: int = 128, decode_tokens: int = 16,
+                seed: int = 0) -> SplitBenchResult:
+    """Time pipelined chunked prefill (and the same chunks with one chunk in flight, i.e. no
+    overlap) and greedy decode on a loaded multi-device Model. Token ids are random (seeded)."""
+    rng = np.random.default_rng(seed)
+    ids = [int(t) for t in rng.integers(0, model.config.vocab_size, size=prompt_tokens)]
+    pipeline = getattr(model, "pipeline", None)
+
+    def prefill(in_flight: int | None) -> tuple[float, list, np.ndarray]:
+        states = model.new_state(prompt_tokens + decode_tokens + 1)
+        old = pipeline.max_in_flight if pipeline is not None else None
+        if pipeline is not None and in_flight is not None:
+            pipeline.max_in_flight = in_flight
+        try:
+            t0 = time.perf_counter()
+            logits = model.forward(ids, states, np.arange(prompt_tokens), rows="last", chunk=chunk)
+            return time.perf_counter() - t0, states, logits
+        finally:
+            if pipeline is not None:
+                pipeline.max_in_flight = old
+
+    prefill(None)  # warm-up (kernel compilation, first allocations)
+    seq_s, states, _ = prefill(1)
+    model._free_states(states)
+    pre_s, states, logits = prefill(None)
+    token = int(np.argmax(logits[-1]))
+    t0 = time.perf_counter()
+    for k in range(decode_tokens):
+        logits = model.forward([token], states, np.array([prompt_tokens + k]), rows="last")
+        token = int(np.argmax(logits[-1]))
+    dec_s = time.perf_counter() - t0
+    model._free_states(states)
+    placement = model.placement
+    segs = [f"{s.device}: {placement.describe(range(s.start, s.stop))}" for s in placement.segments()]
+    link = sum(b.bytes_moved for b in pipeline.bridges) if pipeline is not None else 0
+    return SplitBenchResult(
+        devices=placement.devices_used(), segments=segs, prompt_tokens=prompt_tokens, chunk=chunk,
+        prefill_seconds=pre_s, prefill_tokens_per_s=prompt_tokens / pre_s, sequential_prefill_seconds=seq_s,
+        decode_tokens=decode_tokens, decode_seconds=dec_s,
+        decode_tokens_per_s=decode_tokens / dec_s if dec_s else 0.0,
+        bytes_per_device={d: b.total for d, b in placement.bytes_per_device().items()}, link_bytes=link)
+
+
+
+def forward_in_chunks(model, ids, states, positions, *, rows: str | None, chunk: int, cancel=None):
+    """Model.forward on one device for `chunk`-token pieces, one after another (no pipeline); the
+    same contract and cancel behaviour as Pipeline.forward."""
+    ids = [int(t) for t in ids]
+    positions = np.asarray(positions)
+    out = []
+    for s in range(0, len(ids), chunk):
+        if cancel is not None and cancel.is_set():
+            exc = GenerationCancelled("prefill cancelled")
+            exc.tokens_done = s
+            raise exc
+        last = s + chunk >= len(ids)
+        want = "all" if rows == "all" else ("last" if rows == "last" and last else None)
+        logits = model.forward(ids[s : s + chunk], states, positions[..., s : s + chunk], rows=want)
+        if logits is not None:
+            out.append(logits)
+    if rows is None:
+        return None
+    return out[-1] if rows == "last" else np.concatenate(out, axis=0)

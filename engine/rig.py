@@ -1,0 +1,377 @@
+"""Rig emulation: make one machine behave like a mining rig of small cards on slow risers.
+
+A `Rig` is a list of logical devices. Each has a name the placement uses ("cuda:1"), the physical
+device that really computes ("cuda:0": several logical devices may share one GPU; "cpu:N": separate
+NumPy backends), an optional memory cap, and an optional simulated link (a PCIe Gen1 x1 riser moves
+about 250 MB/s). `Rig.backend(name)` returns a `RigBackend`: the real backend behind a thin proxy that
+
+- counts the bytes of what it allocates (weights, KV caches, recurrent state, `zeros`), and raises
+  DeviceError when a logical device would go over its cap — the error names the device, the cap and
+  the allocation, so a plan that would not fit a 4 GiB card fails the same way on a 140 GiB one;
+- charges every host<->device copy (`asarray`, `to_numpy`) to the device's link: a copy of N bytes
+  waits latency + N / bandwidth, measured from when the copy starts, so compute that overlaps it
+  elsewhere is not slowed.
+
+What this is not: a memory allocator (the real backend allocates; the cap is bookkeeping over what the
+proxy sees, which is everything resident; transient activations are not capped) or a timing model of
+compute. `allocated_bytes(obj)` (the sum of the arrays an object holds, file-mapped data excluded) is
+also what tests use to compare the placement estimate with what a backend really holds.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+
+from .errors import DeviceError
+from .placement import DeviceSpec, GiB, KiB, MiB, check_device_name, format_bytes
+
+# ------------------------------------------------------------------------------------------------
+# Links
+
+
+@dataclass(frozen=True)
+class Link:
+    """A host<->device link: one-way bandwidth in bytes/s and a fixed cost per copy in seconds."""
+
+    bandwidth: float
+    latency: float = 20e-6
+    name: str = ""
+
+    def seconds(self, n_bytes: int) -> float:
+        return self.latency + n_bytes / self.bandwidth
+
+
+# Usable one-way rates (after encoding overhead). Gen1 x1 is the riser every mining rig uses.
+LINKS = {
+    "gen1x1": Link(250e6, 20e-6, "PCIe Gen1 x1"),
+    "gen2x1": Link(500e6, 15e-6, "PCIe Gen2 x1"),
+    "gen3x1": Link(985e6, 10e-6, "PCIe Gen3 x1"),
+    "gen3x4": Link(3.94e9, 10e-6, "PCIe Gen3 x4"),
+    "gen3x16": Link(15.75e9, 10e-6, "PCIe Gen3 x16"),
+}
+
+
+def parse_link(text: str) -> Link:
+    """ "gen1x1", or a rate such as "250MB/s" (optionally "+20us" latency)."""
+    key = text.strip().lower()
+    if key in LINKS:
+        return LINKS[key]
+    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)b/s(?:\+([\d.]+)us)?", key)
+    if not m:
+        raise DeviceError(f"link '{text}' is not understood; use one of {', '.join(LINKS)} or a rate like "
+                          f"'250MB/s' or '250MB/s+20us'")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    latency = float(m.group(3)) * 1e-6 if m.group(3) else 20e-6
+    return Link(float(m.group(1)) * scale, latency, text)
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([\d.]+)\s*(b|kib|mib|gib|kb|mb|gb)?\s*", text.lower())
+    if not m:
+        raise DeviceError(f"memory size '{text}' is not understood; write e.g. '4GiB' or '3500MiB'")
+    unit = {None: 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "kb": 1e3, "mb": 1e6, "gb": 1e9}[m.group(2)]
+    return int(float(m.group(1)) * unit)
+
+
+# ------------------------------------------------------------------------------------------------
+# Measuring what an object holds
+
+
+def _root(a):
+    """The array that owns the memory of a view (or the file map / buffer it was made from)."""
+    seen = 0
+    while getattr(a, "base", None) is not None and seen < 64:
+        a = a.base
+        seen += 1
+    return a
+
+
+def _is_array(obj) -> bool:
+    return hasattr(obj, "nbytes") and hasattr(obj, "dtype") and hasattr(obj, "shape")
+
+
+def _file_backed(obj) -> bool:
+    """True for numpy views of a memory-mapped file: they cost page cache, not allocations."""
+    import numpy as np
+
+    a = obj
+    for _ in range(64):
+        if isinstance(a, np.memmap) or isinstance(a, mmap.mmap):
+            return True
+        base = getattr(a, "base", None)
+        if base is None:
+            return False
+        a = base
+    return False
+
+
+def allocated_bytes(obj, _seen: set | None = None, _depth: int = 0) -> int:
+    """Bytes of the arrays `obj` holds (arrays, dicts, lists, tuples, plain objects), each buffer once.
+
+    Views count their owning buffer; memory-mapped file data counts nothing (that is where an
+    embedding table left in the GGUF file lives). GGUF TensorInfo objects are skipped for that reason.
+    """
+    seen = set() if _seen is None else _seen
+    if obj is None or isinstance(obj, (str, bytes, int, float, bool)) or _depth > 8:
+        return 0
+    if _is_array(obj):
+        if _file_backed(obj):
+            return 0
+        root = _root(obj)
+        owner = root if _is_array(root) else obj
+        if id(owner) in seen:
+            return 0
+        seen.add(id(owner))
+        return int(owner.nbytes)
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        return sum(allocated_bytes(v, seen, _depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return sum(allocated_bytes(v, seen, _depth + 1) for v in obj)
+    if hasattr(obj, "raw") and hasattr(obj, "ggml_type"):  # engine.gguf_file.TensorInfo: file data
+        return 0
+    if isinstance(obj, (type, types.FunctionType, types.MethodType, types.ModuleType)):
+        return 0
+    fields = dict(getattr(obj, "__dict__", {}))
+    for slot in getattr(type(obj), "__slots__", ()):
+        if hasattr(obj, slot):
+            fields[slot] = getattr(obj, slot)
+    return sum(allocated_bytes(v, seen, _depth + 1) for v in fields.values())
+
+
+# ------------------------------------------------------------------------------------------------
+# Logical devices
+
+
+@dataclass(frozen=True)
+class RigDevice:
+    """One logical device: placement name, physical device, memory cap (None = none), link (None = free)."""
+
+    name: str
+    physical: str
+    memory_cap: int | None = None
+    link: Link | None = None
+
+    def __post_init__(self):
+        check_device_name(self.name)
+        check_device_name(self.physical)
+        if self.name.split(":")[0] != self.physical.split(":")[0]:
+            raise DeviceError(f"logical device {self.name} cannot run on {self.physical}: "
+                              f"cuda devices map to a GPU, cpu devices to the CPU")
+
+
+class RigBackend:
+    """A real backend behind a proxy that enforces its logical device's cap and link (see module doc).
+
+    Every attribute not defined here is the real backend's (so all ops run unchanged).
+    """
+
+    def __init__(self, inner, device: RigDevice):
+        self._inner = inner
+        self.rig_device = device
+        self.device = device.name
+        self.name = getattr(inner, "name", "backend")
+        self._lock = threading.Lock()
+        self._held: dict[int, int] = {}  # id(object) -> bytes counted for it
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self.transferred_bytes = 0
+        self.transfer_seconds = 0.0
+
+    def __getattr__(self, attr):
+        return getattr(self._inner, attr)
+
+    def __repr__(self) -> str:
+        cap = format_bytes(self.rig_device.memory_cap) if self.rig_device.memory_cap else "no cap"
+        link = self.rig_device.link.name if self.rig_device.link else "no link limit"
+        return f"RigBackend({self.device} on {self.rig_device.physical}, {cap}, {link})"
+
+    @property
+    def inner(self):
+        return self._inner
+
+    @property
+    def free_bytes(self) -> int | None:
+        cap = self.rig_device.memory_cap
+        return None if cap is None else cap - self.used_bytes
+
+    # ---- memory ---------------------------------------------------------------------------------------
+    def _charge(self, obj, what: str):
+        n = allocated_bytes(obj)
+        with self._lock:
+            cap = self.rig_device.memory_cap
+            if cap is not None and self.used_bytes + n > cap:
+                over = True
+            else:
+                over = False
+                self._held[id(obj)] = self._held.get(id(obj), 0) + n
+                self.used_bytes += n
+                self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        if over:
+            self._inner.free(obj)
+            raise DeviceError(
+                f"{self.device} is out of memory: {what} needs {format_bytes(n)}, "
+                f"{format_bytes(self.used_bytes)} of its {format_bytes(cap)} cap are in use; "
+                f"move layers to another device or lower the context")
+        return obj
+
+    def load_weight(self, info, *, role: str = "matmul"):
+        return self._charge(self._inner.load_weight(info, role=role), f"weight '{info.name}'")
+
+    def zeros(self, shape, dtype: str = "float32"):
+        return self._charge(self._inner.zeros(shape, dtype), f"a {dtype} array of shape {tuple(shape)}")
+
+    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+        return self._charge(self._inner.new_kv_cache(n_kv_heads, head_dim, value_dim, capacity),
+                            f"a KV cache of {capacity} tokens")
+
+    def free(self, obj) -> None:
+        with self._lock:
+            n = self._held.pop(id(obj), 0)
+            self.used_bytes -= n
+        self._inner.free(obj)
+
+    def measure(self, objects) -> int:
+        """Re-measure everything resident (e.g. after lazy allocations) and check the cap again."""
+        n = allocated_bytes(objects)
+        cap = self.rig_device.memory_cap
+        if cap is not None and n > cap:
+            raise DeviceError(f"{self.device} holds {format_bytes(n)}, more than its {format_bytes(cap)} cap; "
+                              f"move layers to another device or lower the context")
+        return n
+
+    # ---- link -------------------------------------------------------------------------------------------
+    def _wait_link(self, n_bytes: int, started: float) -> None:
+        link = self.rig_device.link
+        if link is None:
+            return
+        remaining = link.seconds(n_bytes) - (time.perf_counter() - started)
+        if remaining > 0:
+            time.sleep(remaining)
+        with self._lock:
+            self.transferred_bytes += n_bytes
+            self.transfer_seconds += link.seconds(n_bytes)
+
+    def asarray(self, host_array):
+        started = time.perf_counter()
+        out = self._inner.asarray(host_array)
+        self._wait_link(int(getattr(out, "nbytes", 0)), started)
+        return out
+
+    def to_numpy(self, x):
+        started = time.perf_counter()
+        out = self._inner.to_numpy(x)
+        self._wait_link(int(out.nbytes), started)
+        return out
+
+    def to_numpy_into(self, x, out) -> None:
+        """Copy x into the host array `out` (the bridges' staging buffer), charged to the link."""
+        started = time.perf_counter()
+        into = getattr(self._inner, "to_numpy_into", None)
+        if into is not None:
+            into(x, out)
+        else:
+            out[...] = self._inner.to_numpy(x)
+        self._wait_link(int(out.nbytes), started)
+
+
+def _make_backend(physical: str):
+    if physical.startswith("cpu:"):
+        from .backends.numpy_backend import NumpyBackend
+
+        return NumpyBackend(device=physical)
+    try:
+        from .backends.cupy_backend import CupyBackend
+    except ImportError as exc:
+        raise DeviceError(f"{physical} needs the CUDA backend, which could not be imported ({exc}); "
+                          f"install minecart[cuda12] or use cpu devices") from exc
+    return CupyBackend(device=physical)
+
+
+@dataclass
+class Rig:
+    """A set of logical devices (see module doc). `backend(name)` makes each backend once."""
+
+    devices: list[RigDevice]
+    backend_factory: object = None  # callable(physical) -> backend; default: NumPy for cpu, CuPy for cuda
+    _backends: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        names = [d.name for d in self.devices]
+        if len(set(names)) != len(names):
+            raise DeviceError(f"a logical device is listed twice in {names}")
+
+    @classmethod
+    def logical(cls, physical: str, caps, link: Link | str | None = None, prefix: str | None = None,
+                **kwargs) -> Rig:
+        """len(caps) logical devices on one physical device: names "<kind>:0", "<kind>:1", ...
+        caps: bytes per logical device (None = no cap)."""
+        kind = prefix or physical.split(":")[0]
+        lk = parse_link(link) if isinstance(link, str) else link
+        return cls([RigDevice(f"{kind}:{i}", physical, cap, lk) for i, cap in enumerate(caps)], **kwargs)
+
+    @classmethod
+    def cpus(cls, n: int, caps=None, link: Link | str | None = None, **kwargs) -> Rig:
+        """n CPU devices "cpu:0".."cpu:{n-1}", each its own NumPy backend."""
+        lk = parse_link(link) if isinstance(link, str) else link
+        caps = list(caps) if caps is not None else [None] * n
+        return cls([RigDevice(f"cpu:{i}", f"cpu:{i}", caps[i], lk) for i in range(n)], **kwargs)
+
+    @classmethod
+    def parse(cls, text: str, physical_gpus: int = 1, **kwargs) -> Rig:
+        """From a command-line description: comma-separated `NAME[=CAP][@LINK]`, e.g.
+        "cuda:0=4GiB@gen1x1,cuda:1=4GiB@gen1x1,cpu:0". Logical cuda:N runs on physical
+        cuda:(N mod physical_gpus); cpu:N on its own NumPy backend."""
+        devices = []
+        for item in filter(None, (s.strip() for s in text.split(","))):
+            m = re.fullmatch(r"((?:cuda|cpu):\d+)(?:=([^@]+))?(?:@(.+))?", item)
+            if not m:
+                raise DeviceError(f"rig device '{item}' is not understood; write NAME[=CAP][@LINK], e.g. "
+                                  f"'cuda:1=4GiB@gen1x1'")
+            name = m.group(1)
+            kind, idx = name.split(":")
+            physical = f"cuda:{int(idx) % max(1, physical_gpus)}" if kind == "cuda" else name
+            cap = parse_bytes(m.group(2)) if m.group(2) else None
+            link = parse_link(m.group(3)) if m.group(3) else None
+            devices.append(RigDevice(name, physical, cap, link))
+        if not devices:
+            raise DeviceError("the rig description names no devices")
+        return cls(devices, **kwargs)
+
+    @property
+    def names(self) -> list[str]:
+        return [d.name for d in self.devices]
+
+    def device(self, name: str) -> RigDevice:
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise DeviceError(f"{name} is not a device of this rig ({', '.join(self.names)})")
+
+    def backend(self, name: str) -> RigBackend:
+        if name not in self._backends:
+            dev = self.device(name)
+            factory = self.backend_factory or _make_backend
+            self._backends[name] = RigBackend(factory(dev.physical), dev)
+        return self._backends[name]
+
+    def backends(self) -> dict[str, RigBackend]:
+        return {n: self.backend(n) for n in self.names}
+
+    def device_specs(self, default_free: int = 1 << 40) -> list[DeviceSpec]:
+        """DeviceSpecs for plan_auto: the cap minus what is already held (default_free when uncapped).
+        The CUDA context is not part of a logical device's use, so plan with cuda_context_bytes=0 when
+        several logical devices share one physical GPU (they share one context)."""
+        out = []
+        for d in self.devices:
+            used = self._backends[d.name].used_bytes if d.name in self._backends else 0
+            free = (d.memory_cap - used) if d.memory_cap is not None else default_free
+            out.append(DeviceSpec(d.name, free, label=f"on {d.physical}"))
+        return out
