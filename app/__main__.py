@@ -1,13 +1,90 @@
-"""`python -m minecart.app`: the desktop window (placeholder until the app lands)."""
+"""`python -m minecart.app` (and `minecart` with no arguments): open the desktop window.
+
+Options: `--model PATH` selects (and loads) a GGUF instead of the default (the last model used, else the
+demo model); `--screenshot PATH [--view chat|models|layers|graphs]` renders the window offscreen with the
+model loaded, saves a PNG and exits (`--prompt TEXT` first sends one chat message and waits for the
+reply, so the chat view has something to show). The engine itself lives in minecart.engine.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
+import time
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m minecart.app", description="The minecart desktop app.")
+    p.add_argument("--model", help="GGUF file to select and load (default: the last one used, else the demo model)")
+    p.add_argument("--no-load", action="store_true", help="select the model but do not load it")
+    p.add_argument("--screenshot", metavar="PATH", help="render the window offscreen to this PNG and exit")
+    p.add_argument("--view", choices=["chat", "models", "layers", "graphs"], default="chat",
+                   help="page to show (with --screenshot: the page captured)")
+    p.add_argument("--prompt", help="with --screenshot: send this chat message first and wait for the reply")
+    p.add_argument("--thinking", action="store_true", help="with --prompt: turn thinking on for that message")
+    p.add_argument("--size", default="1440x900", help="window size WxH (default 1440x900)")
+    p.add_argument("--timeout", type=float, default=600.0, help="with --screenshot: give up waiting after this many seconds")
+    return p
+
+
+def _wait(app, predicate, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        app.processEvents()
+        time.sleep(0.01)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("The desktop app is not built yet; use `minecart --help` for the CLI.")
-    return 0
+    args = build_parser().parse_args(argv)
+    if args.screenshot and not os.environ.get("QT_QPA_PLATFORM"):
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    from PySide6.QtWidgets import QApplication
+
+    from . import theme
+    from .main_window import MainWindow
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("minecart")
+    app.setOrganizationName("minecart")
+    theme.apply(app)
+    win = MainWindow()
+    try:
+        w, h = (int(x) for x in args.size.lower().split("x"))
+    except ValueError:
+        w, h = 1440, 900
+    win.resize(w, h)
+    win.show_page(args.view)
+    win.show()
+    win.start(args.model, autoload=not args.no_load)
+    if not args.screenshot:
+        return app.exec()
+
+    # Screenshot mode: wait for the load (or its failure), optionally one chat turn, then grab.
+    ok = _wait(app, lambda: not win.bridge.loading and win.selected is not None, args.timeout)
+    if not ok:
+        print("minecart: timed out waiting for the model to load", file=sys.stderr)
+    _wait(app, lambda: win.layer_model.plan is not None, 30)
+    _wait(app, lambda: win.library.scan_thread is None or win.library.scan_thread.isFinished(), 60)
+    if args.prompt and win.chat.model_loaded:
+        win.chat.think_btn.setChecked(args.thinking)
+        win.chat.input.setPlainText(args.prompt)
+        win.chat.send()
+        _wait(app, lambda: not win.bridge.generating, args.timeout)
+    win.show_page(args.view)
+    end = time.monotonic() + 1.2  # let the graphs timer and layouts settle
+    while time.monotonic() < end:
+        app.processEvents()
+        time.sleep(0.02)
+    pix = win.grab()
+    saved = pix.save(args.screenshot, "PNG")
+    print(f"{'saved' if saved else 'could not save'} {args.screenshot} ({pix.width()}x{pix.height()})")
+    win.close()
+    app.processEvents()
+    return 0 if saved else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,128 @@
+"""The hardware panel: one card per device (each GPU, then the CPU) with its name, compute capability,
+memory total/used/free as a bar, and what the kernel probe found for it.
+
+Reads `engine.devices.list_devices()` only (NVML numbers; nothing is allocated on a GPU). Refreshing is
+cheap, so the panel re-reads on a slow timer while visible.
+"""
+
+from __future__ import annotations
+
+from minecart.engine.devices import DeviceInfo, format_bytes
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import (
+    QFrame,
+    QGridLayout,
+    QHBoxLayout,
+    QLabel,
+    QProgressBar,
+    QVBoxLayout,
+    QWidget,
+)
+
+from . import theme
+
+
+class DeviceCard(QFrame):
+    def __init__(self, dev: DeviceInfo, parent=None):
+        super().__init__(parent)
+        self.setObjectName("Card")
+        self.setMinimumWidth(260)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(14, 12, 14, 12)
+        lay.setSpacing(6)
+        head = QHBoxLayout()
+        ic = QLabel()
+        ic.setPixmap(theme.icon_pixmap("gpu" if dev.kind == "cuda" else "cpu", theme.ACCENT, 22))
+        head.addWidget(ic)
+        name = QLabel(f"<b>{dev.name}</b>")
+        name.setWordWrap(True)
+        head.addWidget(name, 1)
+        lay.addLayout(head)
+        bits = [dev.id]
+        if dev.compute_capability:
+            bits.append(f"compute {dev.compute_capability[0]}.{dev.compute_capability[1]} ({dev.sm})")
+        if dev.kind == "cpu":
+            bits.append(f"{dev.extra.get('threads', '?')} threads")
+        if dev.source == "simulated":
+            bits.append("simulated")
+        self.sub = QLabel(" · ".join(bits))
+        self.sub.setObjectName("Subtle")
+        lay.addWidget(self.sub)
+        self.bar = QProgressBar()
+        self.bar.setTextVisible(False)
+        self.bar.setFixedHeight(8)
+        lay.addWidget(self.bar)
+        self.mem = QLabel()
+        self.mem.setObjectName("Subtle")
+        lay.addWidget(self.mem)
+        self.probe = QLabel()
+        self.probe.setWordWrap(True)
+        lay.addWidget(self.probe)
+        if dev.uuid:
+            u = QLabel(dev.uuid)
+            u.setObjectName("Subtle")
+            u.setStyleSheet("font-size: 8pt;")
+            lay.addWidget(u)
+        self.set_device(dev)
+
+    def set_device(self, dev: DeviceInfo) -> None:
+        self.device = dev
+        kind = "VRAM" if dev.kind == "cuda" else "RAM"
+        if dev.total_bytes > 0:
+            self.bar.setRange(0, 1000)
+            self.bar.setValue(int(1000 * max(dev.used_bytes, 0) / dev.total_bytes))
+            self.mem.setText(f"{kind} {format_bytes(dev.total_bytes)} total · {format_bytes(dev.used_bytes)} used · "
+                             f"<span style='color:#e4e7ee'>{format_bytes(dev.free_bytes)} free</span>")
+        else:
+            self.bar.setRange(0, 0)
+            self.mem.setText(f"{kind}: unknown")
+        if dev.probe:
+            self.probe.setText(f"<span style='color:{theme.OK}'>●</span> probe: {dev.probe}")
+        elif dev.kind == "cuda":
+            self.probe.setText("<span style='color:#6f7889'>○ not probed yet (runs on first load)</span>")
+        else:
+            self.probe.setText("<span style='color:#6f7889'>NumPy reference backend</span>")
+
+
+class DevicesPanel(QWidget):
+    """A row of device cards; `refresh()` re-reads memory numbers."""
+
+    def __init__(self, list_devices, parent=None):
+        super().__init__(parent)
+        self._list_devices = list_devices
+        self.cards: list[DeviceCard] = []
+        self.grid = QGridLayout(self)
+        self.grid.setContentsMargins(0, 0, 0, 0)
+        self.grid.setSpacing(10)
+        self.refresh()
+        self.timer = QTimer(self)
+        self.timer.setInterval(2000)
+        self.timer.timeout.connect(self.refresh)
+
+    def showEvent(self, e):
+        super().showEvent(e)
+        self.timer.start()
+
+    def hideEvent(self, e):
+        super().hideEvent(e)
+        self.timer.stop()
+
+    def refresh(self) -> None:
+        try:
+            devices = self._list_devices()
+        except Exception as exc:  # device listing must never take the window down
+            devices = []
+            self.setToolTip(str(exc))
+        if [d.id for d in devices] == [c.device.id for c in self.cards]:
+            for card, dev in zip(self.cards, devices, strict=True):
+                card.set_device(dev)
+            return
+        for c in self.cards:
+            c.setParent(None)
+            c.deleteLater()
+        self.cards = []
+        cols = 3
+        for i, dev in enumerate(devices):
+            card = DeviceCard(dev)
+            self.cards.append(card)
+            self.grid.addWidget(card, i // cols, i % cols)

@@ -1,0 +1,245 @@
+"""The app's side of the engine: a QObject on the GUI thread that owns one engine Runtime and turns its
+request events into Qt signals.
+
+The Runtime (engine/runtime.py) runs the model on its own thread. For each request this bridge starts a
+small QThread (`_Watcher`) that blocks on the request's event stream and re-emits every event as a
+signal, which Qt queues to the GUI thread. So the GUI thread never waits on the engine: it only calls
+methods that return at once (`load`, `chat`, `stop`, `replace`) and reacts to signals. An engine exception
+arrives as an "error" event and becomes `chat_error` / `load_failed`; the window shows it and keeps
+working.
+
+Not here: widgets, or any knowledge of how a model runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import traceback
+
+from PySide6.QtCore import QObject, QThread, Signal
+
+
+class _Watcher(QThread):
+    """Reads one request's events on its own thread; each event becomes `event` (queued to the GUI)."""
+
+    event = Signal(object)
+    failed = Signal(str)
+
+    def __init__(self, handle, parent=None):
+        super().__init__(parent)
+        self.handle = handle
+
+    def run(self) -> None:
+        try:
+            for ev in self.handle.events():
+                self.event.emit(ev)
+        except Exception as exc:  # a broken stream must not kill the app
+            self.failed.emit(f"{type(exc).__name__}: {exc}")
+
+
+def _sampling_params(settings: dict):
+    """The engine's SamplingParams from the sampling settings, passing only fields it knows."""
+    try:
+        from minecart.engine.generation import SamplingParams
+    except Exception:
+        return None
+    names = {"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed",
+             "repetition_penalty", "max_new_tokens"}
+    try:
+        accepted = set(inspect.signature(SamplingParams).parameters)
+    except (TypeError, ValueError):
+        accepted = names
+    values = {}
+    for k, v in settings.items():
+        if k == "seed" and (v is None or int(v) < 0):
+            continue
+        if k in accepted:
+            values[k] = v
+        elif k == "repeat_penalty" and "repetition_penalty" in accepted:
+            values["repetition_penalty"] = v
+        elif k == "max_tokens" and "max_new_tokens" in accepted:
+            values["max_new_tokens"] = v
+    try:
+        return SamplingParams(**values)
+    except Exception:
+        return None
+
+
+class EngineBridge(QObject):
+    """Qt face of the engine runtime. All methods return immediately; results come as signals."""
+
+    load_progress = Signal(float, str)
+    loaded = Signal(object)  # runtime ModelInfo
+    load_failed = Signal(str)
+    load_cancelled = Signal()
+    token = Signal(str, str)  # answer delta, thinking delta
+    chat_done = Signal(dict)  # {"finish_reason", "usage", "timing"}
+    chat_error = Signal(str)
+    chat_cancelled = Signal(dict)
+    busy_changed = Signal(bool)
+
+    def __init__(self, runtime=None, parent=None):
+        super().__init__(parent)
+        self.runtime = runtime
+        self.runtime_error = ""
+        if self.runtime is None:
+            try:
+                from minecart.engine.runtime import Runtime
+
+                self.runtime = Runtime()
+            except Exception as exc:
+                self.runtime_error = f"the engine runtime could not start: {exc}"
+        self._load = None
+        self._chat = None
+        self._watchers: set[_Watcher] = set()
+        self.model_info = None
+
+    # ---- state -----------------------------------------------------------------------------------
+    @property
+    def metrics(self):
+        return getattr(self.runtime, "metrics", None)
+
+    @property
+    def loading(self) -> bool:
+        return self._load is not None
+
+    @property
+    def generating(self) -> bool:
+        return self._chat is not None
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _watch(self, handle, on_event) -> None:
+        w = _Watcher(handle, self)
+        w.event.connect(on_event)
+        w.failed.connect(lambda msg: on_event(_SyntheticError(msg)))
+        w.finished.connect(lambda: self._watchers.discard(w))
+        w.finished.connect(w.deleteLater)
+        self._watchers.add(w)
+        w.start()
+
+    def load(self, path, placement=None, devices=None) -> bool:
+        if self.runtime is None:
+            self.load_failed.emit(self.runtime_error or "the engine is not available")
+            return False
+        if self._chat is not None:
+            self._chat.cancel()
+        if self._load is not None:
+            self._load.cancel()
+        try:
+            handle = self.runtime.load(path, devices=devices, placement=placement)
+        except Exception as exc:
+            self.load_failed.emit(str(exc))
+            return False
+        self._load = handle
+        self.busy_changed.emit(True)
+        self._watch(handle, lambda ev, h=handle: self._on_load_event(h, ev))
+        return True
+
+    def replace(self, placement) -> bool:
+        """Apply a new placement to the loaded model (reloads through the runtime when needed)."""
+        if self.runtime is None or not getattr(self.runtime, "loaded", False):
+            self.load_failed.emit("load a model before applying a layer plan")
+            return False
+        try:
+            handle = self.runtime.replace(placement)
+        except Exception as exc:
+            self.load_failed.emit(str(exc))
+            return False
+        self._load = handle
+        self.busy_changed.emit(True)
+        self._watch(handle, lambda ev, h=handle: self._on_load_event(h, ev))
+        return True
+
+    def cancel_load(self) -> None:
+        if self._load is not None:
+            self._load.cancel()
+
+    def _on_load_event(self, handle, ev) -> None:
+        if handle is not self._load:
+            return  # a superseded load still draining its events
+        kind = ev.kind
+        if kind == "progress":
+            self.load_progress.emit(float(ev.fraction or 0.0), ev.text or "")
+        elif kind == "done":
+            self._load = None
+            info = (ev.data or {}).get("model") or getattr(self.runtime, "model_info", None)
+            self.model_info = info
+            self.busy_changed.emit(False)
+            self.loaded.emit(info)
+        elif kind == "cancelled":
+            self._load = None
+            self.busy_changed.emit(False)
+            self.load_cancelled.emit()
+        elif kind == "error":
+            self._load = None
+            self.busy_changed.emit(False)
+            self.load_failed.emit(ev.text or "loading failed")
+
+    def chat(self, messages: list[dict], sampling: dict | None = None, thinking: bool = False,
+             conversation_id=None) -> bool:
+        if self.runtime is None:
+            self.chat_error.emit(self.runtime_error or "the engine is not available")
+            return False
+        if self._chat is not None:
+            self._chat.cancel()
+        try:
+            handle = self.runtime.chat(messages, _sampling_params(sampling or {}), enable_thinking=thinking,
+                                       conversation_id=conversation_id)
+        except Exception as exc:
+            self.chat_error.emit(str(exc))
+            return False
+        self._chat = handle
+        self.busy_changed.emit(True)
+        self._watch(handle, lambda ev, h=handle: self._on_chat_event(h, ev))
+        return True
+
+    def stop(self) -> None:
+        if self._chat is not None:
+            self._chat.cancel()
+
+    def _on_chat_event(self, handle, ev) -> None:
+        if handle is not self._chat:
+            return
+        kind = ev.kind
+        if kind == "token":
+            if ev.text or ev.thinking:
+                self.token.emit(ev.text or "", ev.thinking or "")
+            return
+        if kind not in ("done", "cancelled", "error"):
+            return
+        self._chat = None
+        self.busy_changed.emit(False)
+        info = {"finish_reason": ev.finish_reason, "usage": ev.usage,
+                "timing": (ev.data or {}).get("timing")}
+        if kind == "done":
+            self.chat_done.emit(info)
+        elif kind == "cancelled":
+            self.chat_cancelled.emit(info)
+        else:
+            self.chat_error.emit(ev.text or "generation failed")
+
+    def shutdown(self) -> None:
+        for h in (self._chat, self._load):
+            if h is not None:
+                h.cancel()
+        if self.runtime is not None:
+            try:
+                self.runtime.close(timeout=3.0)
+            except Exception:
+                traceback.print_exc()
+        for w in list(self._watchers):
+            w.wait(3000)
+
+
+class _SyntheticError:
+    """Stands in for an "error" event when reading the event stream itself failed."""
+
+    kind = "error"
+    finish_reason = "error"
+    usage = None
+    data: dict = {}
+    fraction = None
+    thinking = ""
+
+    def __init__(self, text: str):
+        self.text = text

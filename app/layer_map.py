@@ -1,0 +1,771 @@
+"""The layer map: every part of the model (embedding, each layer, LM head) as a block, grouped per
+device, with a memory bar per device; drag blocks (or a boundary) onto another device, Auto-split, Apply.
+
+`LayerMapModel` is a QAbstractItemModel over an engine `Placement` (engine/placement.py): top-level rows
+are devices, their children the parts placed on them. Drag flags, MIME encoding and drops live in the
+model, so any view (and the keyboard) edits the plan the same way. `LayerMapPanel` shows one
+`DeviceLane` per device; each lane is a QListView on the shared model rooted at its device row.
+The engine executes a plan only when the user presses Apply (through the runtime's `replace`).
+"""
+
+from __future__ import annotations
+
+import json
+
+from minecart.engine import placement as pl
+from minecart.engine.devices import DeviceInfo, format_bytes
+from PySide6.QtCore import (
+    QAbstractItemModel,
+    QByteArray,
+    QMimeData,
+    QModelIndex,
+    QPoint,
+    QRectF,
+    QSize,
+    Qt,
+    Signal,
+)
+from PySide6.QtGui import QAction, QColor, QFont, QPainter, QPainterPath, QPen
+from PySide6.QtWidgets import (
+    QAbstractItemView,
+    QCheckBox,
+    QComboBox,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QListView,
+    QMenu,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QSpinBox,
+    QStyle,
+    QStyledItemDelegate,
+    QVBoxLayout,
+    QWidget,
+)
+
+from . import theme
+
+MIME_PARTS = "application/x-minecart-parts"
+
+KIND_ROLE = Qt.ItemDataRole.UserRole + 1
+PART_INDEX_ROLE = Qt.ItemDataRole.UserRole + 2
+DEVICE_ID_ROLE = Qt.ItemDataRole.UserRole + 3
+BYTES_ROLE = Qt.ItemDataRole.UserRole + 4
+
+KIND_NAMES = {"embedding": "Token embedding", "head": "LM head (output norm + projection)",
+              "gdn": "Gated DeltaNet layer (recurrent state, no KV cache)",
+              "attention": "Full attention layer (KV cache)", "sliding": "Sliding-window attention layer"}
+
+
+def device_spec(dev: DeviceInfo) -> pl.DeviceSpec:
+    """What placement needs to know about a device: its name and the bytes it can give us."""
+    free = dev.free_bytes if dev.free_bytes >= 0 else max(dev.total_bytes, 0)
+    return pl.DeviceSpec(dev.id, int(free), dev.name)
+
+
+class LayerMapModel(QAbstractItemModel):
+    """Devices (top level) and the parts on each (children), over a mutable engine Placement."""
+
+    plan_changed = Signal()
+
+    def __init__(self, devices: list[DeviceInfo], parent=None):
+        super().__init__(parent)
+        self.devices = list(devices)
+        self.plan: pl.Placement | None = None
+        self.keep_contiguous = True
+        self._children: list[list[int]] = [[] for _ in self.devices]
+
+    # ---- data in and out ----------------------------------------------------------------------------
+    def set_devices(self, devices: list[DeviceInfo]) -> None:
+        self.beginResetModel()
+        self.devices = list(devices)
+        self._rebuild()
+        self.endResetModel()
+
+    def set_plan(self, plan: pl.Placement | None) -> None:
+        self.beginResetModel()
+        self.plan = plan
+        # a saved plan may name a device that is gone; it still shows (as a lane) so the user can move off it
+        if plan is not None:
+            known = {d.id for d in self.devices}
+            for dev in plan.devices_used():
+                if dev not in known:
+                    self.devices.append(DeviceInfo(id=dev, kind="missing", name=f"{dev} (not present)",
+                                                   total_bytes=0, used_bytes=0, free_bytes=0))
+        self._rebuild()
+        self.endResetModel()
+        self.plan_changed.emit()
+
+    def _rebuild(self) -> None:
+        self._children = [[] for _ in self.devices]
+        if self.plan is None:
+            return
+        row_of = {d.id: r for r, d in enumerate(self.devices)}
+        for i, dev in enumerate(self.plan.assignment):
+            if dev in row_of:
+                self._children[row_of[dev]].append(i)
+
+    def device_specs(self) -> list[pl.DeviceSpec]:
+        return [device_spec(d) for d in self.devices if d.kind != "missing"]
+
+    def bytes_per_device(self) -> dict[str, pl.DeviceBytes]:
+        return self.plan.bytes_per_device() if self.plan is not None else {}
+
+    def issues(self) -> list[pl.PlanIssue]:
+        if self.plan is None:
+            return []
+        return pl.validate(self.plan, self.device_specs())
+
+    def overflowing(self) -> list[str]:
+        return [i.device for i in self.issues() if i.severity == "error" and i.device]
+
+    # ---- editing ------------------------------------------------------------------------------------
+    def move_parts(self, part_indices: list[int], device: str) -> bool:
+        """Move parts to `device`. With keep_contiguous, the parts between them and the device's nearest
+        block come along, so the drop moves the boundary instead of scattering layers."""
+        if self.plan is None or not part_indices:
+            return False
+        sel = sorted(set(int(i) for i in part_indices))
+        if all(self.plan.assignment[i] == device for i in sel):
+            return False
+        targets = [i for i, d in enumerate(self.plan.assignment) if d == device]
+        indices = sel
+        if self.keep_contiguous and targets:
+            lo, hi = sel[0], sel[-1]
+            if hi < targets[0]:
+                indices = list(range(lo, targets[0]))
+            elif lo > targets[-1]:
+                indices = list(range(targets[-1] + 1, hi + 1))
+        self.beginResetModel()
+        for i in indices:
+            self.plan.move_part(i, device)
+        self._rebuild()
+        self.endResetModel()
+        self.plan_changed.emit()
+        return True
+
+    def move_boundary(self, boundary: int, first_part: int) -> None:
+        if self.plan is None:
+            return
+        self.beginResetModel()
+        try:
+            self.plan.move_boundary(boundary, first_part)
+        finally:
+            self._rebuild()
+            self.endResetModel()
+        self.plan_changed.emit()
+
+    def auto_split(self, context: int | None = None, kv_type: str | None = None) -> None:
+        if self.plan is None:
+            return
+        devices = [s for s in self.device_specs()]
+        # GPUs first, the CPU last: the CPU only takes what the cards cannot hold.
+        gpus = [d for d in devices if d.is_cuda]
+        order = gpus or devices
+        if gpus and self._needs_cpu(gpus, context, kv_type):
+            order = gpus + [d for d in devices if not d.is_cuda]
+        plan = pl.plan_auto(self.plan.costs, None, order, context=context or self.plan.context,
+                            chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
+                            n_sequences=self.plan.n_sequences)
+        self.set_plan(plan)
+
+    def _needs_cpu(self, gpus, context, kv_type) -> bool:
+        trial = pl.plan_auto(self.plan.costs, None, gpus, context=context or self.plan.context,
+                             chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type)
+        return any(i.severity == "error" for i in pl.validate(trial, gpus))
+
+    def set_settings(self, **settings) -> None:
+        if self.plan is None:
+            return
+        self.set_plan(self.plan.with_settings(**settings))
+
+    # ---- QAbstractItemModel -------------------------------------------------------------------------
+    def index(self, row, column=0, parent=QModelIndex()):
+        if column != 0 or row < 0:
+            return QModelIndex()
+        if not parent.isValid():
+            return self.createIndex(row, 0, 0) if row < len(self.devices) else QModelIndex()
+        if parent.internalId() != 0:
+            return QModelIndex()
+        drow = parent.row()
+        if drow >= len(self._children) or row >= len(self._children[drow]):
+            return QModelIndex()
+        return self.createIndex(row, 0, drow + 1)
+
+    def parent(self, index=QModelIndex()):
+        if not index.isValid() or index.internalId() == 0:
+            return QModelIndex()
+        return self.createIndex(int(index.internalId()) - 1, 0, 0)
+
+    def rowCount(self, parent=QModelIndex()):
+        if not parent.isValid():
+            return len(self.devices)
+        if parent.internalId() != 0:
+            return 0
+        return len(self._children[parent.row()]) if parent.row() < len(self._children) else 0
+
+    def columnCount(self, parent=QModelIndex()):
+        return 1
+
+    def part_of(self, index) -> int | None:
+        if not index.isValid() or index.internalId() == 0:
+            return None
+        return self._children[int(index.internalId()) - 1][index.row()]
+
+    def device_row_of(self, index) -> int | None:
+        if not index.isValid():
+            return None
+        return index.row() if index.internalId() == 0 else int(index.internalId()) - 1
+
+    def part_label(self, i: int) -> str:
+        cost = self.plan.costs.parts[i]
+        if cost.kind == "embedding":
+            return "EMB"
+        if cost.kind == "head":
+            return "HEAD"
+        return cost.name.split(".", 1)[1]
+
+    def data(self, index, role=Qt.ItemDataRole.DisplayRole):
+        if not index.isValid():
+            return None
+        part = self.part_of(index)
+        if part is None:
+            dev = self.devices[index.row()]
+            if role == Qt.ItemDataRole.DisplayRole:
+                return dev.name
+            if role == DEVICE_ID_ROLE:
+                return dev.id
+            if role == BYTES_ROLE:
+                b = self.bytes_per_device().get(dev.id)
+                return b.total if b else 0
+            return None
+        cost = self.plan.costs.parts[part]
+        if role == Qt.ItemDataRole.DisplayRole:
+            return self.part_label(part)
+        if role == Qt.ItemDataRole.ToolTipRole:
+            kv = cost.kv_bytes(self.plan.context, self.plan.kv_type)
+            lines = [f"<b>{cost.name}</b> — {KIND_NAMES.get(cost.kind, cost.kind)}",
+                     f"weights {format_bytes(cost.weight_bytes)}"]
+            if kv:
+                lines.append(f"KV cache {format_bytes(kv)} at {self.plan.context} tokens ({self.plan.kv_type})")
+            if cost.state_bytes:
+                lines.append(f"recurrent state {format_bytes(cost.state_bytes)}")
+            lines.append(f"on {self.plan.assignment[part]} · drag to another device, or Alt+↑/↓")
+            return "<br>".join(lines)
+        if role == Qt.ItemDataRole.AccessibleTextRole:
+            return f"{cost.name} ({cost.kind}) on {self.plan.assignment[part]}"
+        if role == KIND_ROLE:
+            return cost.kind
+        if role == PART_INDEX_ROLE:
+            return part
+        if role == DEVICE_ID_ROLE:
+            return self.plan.assignment[part]
+        if role == BYTES_ROLE:
+            return cost.weight_bytes
+        return None
+
+    def flags(self, index):
+        if not index.isValid():
+            return Qt.ItemFlag.ItemIsDropEnabled
+        if index.internalId() == 0:
+            return Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsDropEnabled
+        return (Qt.ItemFlag.ItemIsEnabled | Qt.ItemFlag.ItemIsSelectable | Qt.ItemFlag.ItemIsDragEnabled)
+
+    def supportedDropActions(self):
+        return Qt.DropAction.MoveAction
+
+    def supportedDragActions(self):
+        return Qt.DropAction.MoveAction
+
+    def mimeTypes(self):
+        return [MIME_PARTS]
+
+    def mimeData(self, indexes):
+        parts = sorted({p for p in (self.part_of(i) for i in indexes) if p is not None})
+        md = QMimeData()
+        md.setData(MIME_PARTS, QByteArray(json.dumps(parts).encode()))
+        return md
+
+    @staticmethod
+    def parts_from_mime(data) -> list[int]:
+        if data is None or not data.hasFormat(MIME_PARTS):
+            return []
+        try:
+            return [int(x) for x in json.loads(bytes(data.data(MIME_PARTS)).decode())]
+        except (ValueError, TypeError):
+            return []
+
+    def canDropMimeData(self, data, action, row, column, parent):
+        return bool(self.parts_from_mime(data)) and self.device_row_of(parent) is not None
+
+    def dropMimeData(self, data, action, row, column, parent):
+        parts = self.parts_from_mime(data)
+        drow = self.device_row_of(parent)
+        if not parts or drow is None or action == Qt.DropAction.IgnoreAction:
+            return False
+        self.move_parts(parts, self.devices[drow].id)
+        # False: the move already happened here; the view must not also remove the source rows.
+        return False
+
+
+class BlockDelegate(QStyledItemDelegate):
+    """Paints one part as a rounded block: colour by kind, a glyph that tells GDN from attention."""
+
+    SIZE = QSize(46, 42)
+
+    def sizeHint(self, option, index):
+        return self.SIZE
+
+    def paint(self, painter: QPainter, option, index):
+        kind = index.data(KIND_ROLE) or "gdn"
+        label = index.data(Qt.ItemDataRole.DisplayRole) or ""
+        selected = bool(option.state & QStyle.StateFlag.State_Selected)
+        focused = bool(option.state & QStyle.StateFlag.State_HasFocus)
+        r = QRectF(option.rect).adjusted(3, 3, -3, -3)
+        painter.save()
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        base = QColor(theme.KIND_COLORS.get(kind, "#6b7a99"))
+        fill = QColor(base)
+        fill.setAlpha(235 if selected else 170)
+        path = QPainterPath()
+        path.addRoundedRect(r, 6, 6)
+        painter.fillPath(path, fill)
+        if selected or focused:
+            painter.setPen(QPen(QColor("#ffffff"), 2))
+            painter.drawPath(path)
+        # glyphs: GDN = a recurrence wave, attention = a dotted grid (KV cache), sliding = a short grid
+        painter.setPen(QPen(QColor(15, 17, 21, 170), 1.4))
+        gy = r.bottom() - 8
+        if kind == "gdn":
+            wave = QPainterPath()
+            x0 = r.left() + 8
+            wave.moveTo(x0, gy)
+            step = (r.width() - 16) / 4
+            for k in range(4):
+                wave.quadTo(x0 + step * (k + 0.5), gy - 4 if k % 2 == 0 else gy + 4, x0 + step * (k + 1), gy)
+            painter.drawPath(wave)
+        elif kind in ("attention", "sliding"):
+            cols = 5 if kind == "attention" else 3
+            painter.setBrush(QColor(15, 17, 21, 170))
+            for c in range(cols):
+                for rr in range(2):
+                    painter.drawEllipse(QRectF(r.left() + 8 + c * 6, gy - 4 + rr * 5, 2.6, 2.6))
+        else:
+            painter.drawLine(int(r.left() + 9), int(gy), int(r.right() - 9), int(gy))
+        f = QFont(option.font)
+        f.setBold(True)
+        f.setPointSizeF(8.5 if len(label) > 3 else 9.5)
+        painter.setFont(f)
+        painter.setPen(QColor("#101216"))
+        painter.drawText(r.adjusted(0, 2, 0, -10), Qt.AlignmentFlag.AlignCenter, label)
+        painter.restore()
+
+
+class MemoryBar(QWidget):
+    """Stacked bar: weights + KV cache + state + scratch/overhead against the device's free memory."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.segments: list[tuple[str, int]] = []
+        self.capacity = 0
+        self.setMinimumHeight(12)
+        self.setMaximumHeight(12)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+
+    def set_usage(self, bytes_: pl.DeviceBytes | None, capacity: int) -> None:
+        self.capacity = max(int(capacity), 0)
+        if bytes_ is None:
+            self.segments = []
+        else:
+            self.segments = [("weights", bytes_.weights), ("kv", bytes_.kv_cache), ("state", bytes_.recurrent),
+                             ("scratch", bytes_.activations + bytes_.overhead)]
+        self.update()
+
+    @property
+    def used(self) -> int:
+        return sum(v for _, v in self.segments)
+
+    @property
+    def overflow(self) -> bool:
+        return self.capacity > 0 and self.used > self.capacity
+
+    def paintEvent(self, _):
+        p = QPainter(self)
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        r = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
+        bg = QPainterPath()
+        bg.addRoundedRect(r, 5, 5)
+        p.fillPath(bg, QColor("#232833"))
+        scale = max(self.capacity, self.used, 1)
+        x = r.left()
+        p.setClipPath(bg)
+        for name, v in self.segments:
+            w = r.width() * v / scale
+            if w <= 0:
+                continue
+            p.fillRect(QRectF(x, r.top(), w, r.height()), QColor(theme.MEM_COLORS[name]))
+            x += w
+        p.setClipping(False)
+        if self.overflow:
+            cap_x = r.left() + r.width() * self.capacity / scale
+            p.setPen(QPen(QColor(theme.DANGER), 2))
+            p.drawLine(int(cap_x), int(r.top()) - 1, int(cap_x), int(r.bottom()) + 1)
+            p.setPen(QPen(QColor(theme.DANGER), 1.2))
+            p.drawPath(bg)
+        p.end()
+
+
+class LaneView(QListView):
+    """One device's blocks: icon mode, wrapping, drag and drop, keyboard moves (Alt+Up/Down)."""
+
+    move_requested = Signal(list, int)  # part indices, direction (-1 previous device, +1 next)
+    menu_requested = Signal(list, QPoint)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setViewMode(QListView.ViewMode.IconMode)
+        self.setFlow(QListView.Flow.LeftToRight)
+        self.setWrapping(True)
+        self.setResizeMode(QListView.ResizeMode.Adjust)
+        self.setMovement(QListView.Movement.Static)
+        self.setSpacing(1)
+        self.setUniformItemSizes(True)
+        self.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
+        self.setDragEnabled(True)
+        self.setAcceptDrops(True)
+        self.setDropIndicatorShown(True)
+        self.setDragDropMode(QAbstractItemView.DragDropMode.DragDrop)
+        self.setDefaultDropAction(Qt.DropAction.MoveAction)
+        self.setItemDelegate(BlockDelegate(self))
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setMinimumHeight(52)
+        self.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.customContextMenuRequested.connect(
+            lambda pos: self.menu_requested.emit(self.selected_parts(), self.viewport().mapToGlobal(pos)))
+        self.setStyleSheet("QListView { background: #15181e; border: 1px dashed #2c313c; border-radius: 8px; }")
+
+    def selected_parts(self) -> list[int]:
+        return sorted(int(i.data(PART_INDEX_ROLE)) for i in self.selectedIndexes()
+                      if i.data(PART_INDEX_ROLE) is not None)
+
+    def keyPressEvent(self, event):
+        alt = event.modifiers() & Qt.KeyboardModifier.AltModifier
+        if alt and event.key() in (Qt.Key.Key_Up, Qt.Key.Key_Down):
+            parts = self.selected_parts()
+            if not parts and self.currentIndex().isValid():
+                parts = [int(self.currentIndex().data(PART_INDEX_ROLE))]
+            if parts:
+                self.move_requested.emit(parts, -1 if event.key() == Qt.Key.Key_Up else 1)
+            event.accept()
+            return
+        super().keyPressEvent(event)
+
+    def fit_height(self) -> None:
+        """Grow to show every block (lanes scroll together in the panel, not one by one)."""
+        n = self.model().rowCount(self.rootIndex()) if self.model() else 0
+        per_row = max(1, (self.viewport().width() - 4) // BlockDelegate.SIZE.width())
+        rows = max(1, -(-n // per_row))
+        self.setFixedHeight(rows * (BlockDelegate.SIZE.height() + 2) + 10)
+
+    def resizeEvent(self, e):
+        super().resizeEvent(e)
+        self.fit_height()
+
+
+class DeviceLane(QFrame):
+    """A device card: name and specs, the memory bar with numbers, and its blocks."""
+
+    def __init__(self, model: LayerMapModel, row: int, parent=None):
+        super().__init__(parent)
+        self.model = model
+        self.row = row
+        self.setObjectName("Card")
+        dev = model.devices[row]
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(14, 12, 14, 12)
+        lay.setSpacing(8)
+        head = QHBoxLayout()
+        ic = QLabel()
+        ic.setPixmap(theme.icon_pixmap("gpu" if dev.kind == "cuda" else "cpu", theme.MUTED, 20))
+        head.addWidget(ic)
+        title = QLabel(f"<b>{dev.name}</b>")
+        head.addWidget(title)
+        sub_bits = [dev.id]
+        if dev.sm:
+            sub_bits.append(dev.sm)
+        if dev.total_bytes > 0:
+            sub_bits.append(f"{format_bytes(dev.total_bytes)} {'VRAM' if dev.kind == 'cuda' else 'RAM'}")
+        if dev.source == "simulated":
+            sub_bits.append("simulated")
+        sub = QLabel(" · ".join(sub_bits))
+        sub.setObjectName("Subtle")
+        head.addWidget(sub)
+        head.addStretch(1)
+        self.numbers = QLabel()
+        self.numbers.setObjectName("Subtle")
+        head.addWidget(self.numbers)
+        lay.addLayout(head)
+        self.bar = MemoryBar()
+        lay.addWidget(self.bar)
+        self.warning = QLabel()
+        self.warning.setObjectName("ErrorText")
+        self.warning.setWordWrap(True)
+        self.warning.hide()
+        lay.addWidget(self.warning)
+        self.view = LaneView()
+        self.view.setModel(model)
+        self.view.setRootIndex(model.index(row, 0))
+        lay.addWidget(self.view)
+        model.modelReset.connect(self._reroot)
+
+    def _reroot(self) -> None:
+        if self.row < self.model.rowCount():
+            self.view.setRootIndex(self.model.index(self.row, 0))
+            self.view.fit_height()
+
+    def refresh(self, per: dict, issues: list) -> None:
+        dev = self.model.devices[self.row]
+        b = per.get(dev.id)
+        cap = device_spec(dev).free_bytes if dev.kind != "missing" else 0
+        self.bar.set_usage(b, cap)
+        need = b.total if b else 0
+        if b:
+            parts = [f"weights {format_bytes(b.weights)}"]
+            if b.kv_cache:
+                parts.append(f"KV {format_bytes(b.kv_cache)}")
+            if b.recurrent:
+                parts.append(f"state {format_bytes(b.recurrent)}")
+            parts.append(f"scratch {format_bytes(b.activations + b.overhead)}")
+            self.numbers.setText(f"<span style='color:#e4e7ee'><b>{format_bytes(need)}</b></span> of "
+                                 f"{format_bytes(cap)} free  ·  " + "  ·  ".join(parts))
+        else:
+            self.numbers.setText(f"empty  ·  {format_bytes(cap)} free — drop layers here")
+        errs = [i.message for i in issues if i.device == dev.id and i.severity == "error"]
+        self.warning.setText("⚠ " + errs[0] if errs else "")
+        self.warning.setVisible(bool(errs))
+
+
+class LayerMapPanel(QWidget):
+    """The page: toolbar (context, KV type, contiguous, Auto-split, Apply), legend, lanes, issues."""
+
+    apply_requested = Signal(object)  # Placement
+
+    def __init__(self, model: LayerMapModel, parent=None):
+        super().__init__(parent)
+        self.model = model
+        self.lanes: list[DeviceLane] = []
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(24, 18, 24, 18)
+        outer.setSpacing(12)
+
+        top = QHBoxLayout()
+        title_box = QVBoxLayout()
+        t = QLabel("Layer map")
+        t.setObjectName("PageTitle")
+        title_box.addWidget(t)
+        self.subtitle = QLabel("Select a model to plan where its layers run.")
+        self.subtitle.setObjectName("Subtle")
+        title_box.addWidget(self.subtitle)
+        top.addLayout(title_box)
+        top.addStretch(1)
+        top.addWidget(self._small("Context"))
+        self.context = QSpinBox()
+        self.context.setRange(256, 1 << 20)
+        self.context.setSingleStep(1024)
+        self.context.setValue(4096)
+        self.context.setSuffix(" tok")
+        self.context.setToolTip("Context length the KV cache is sized for")
+        top.addWidget(self.context)
+        top.addWidget(self._small("KV"))
+        self.kv_type = QComboBox()
+        self.kv_type.addItems(list(pl.KV_BYTES_PER_VALUE))
+        self.kv_type.setCurrentText("f16")
+        self.kv_type.setToolTip("Storage type of the attention KV cache")
+        top.addWidget(self.kv_type)
+        self.contiguous = QCheckBox("Keep contiguous")
+        self.contiguous.setChecked(True)
+        self.contiguous.setToolTip("Dropping a layer on a device moves the boundary: the layers between come along")
+        top.addWidget(self.contiguous)
+        self.auto_btn = QPushButton(theme.icon("auto"), " Auto-split")
+        self.auto_btn.setToolTip("Split by free memory, GPUs first, the CPU only for what does not fit")
+        top.addWidget(self.auto_btn)
+        self.apply_btn = QPushButton(theme.icon("check", "#1a1307"), " Apply")
+        self.apply_btn.setObjectName("Primary")
+        self.apply_btn.setToolTip("Re-place the loaded model with this plan (and remember it for this model)")
+        top.addWidget(self.apply_btn)
+        outer.addLayout(top)
+
+        legend = QHBoxLayout()
+        legend.setSpacing(14)
+        for kind, text in (("embedding", "Embedding / LM head"), ("gdn", "Gated DeltaNet"),
+                           ("attention", "Full attention"), ("sliding", "Sliding window")):
+            legend.addWidget(self._swatch(theme.KIND_COLORS[kind], text))
+        legend.addSpacing(16)
+        for key, text in (("weights", "weights"), ("kv", "KV cache"), ("state", "state"), ("scratch", "scratch")):
+            legend.addWidget(self._swatch(theme.MEM_COLORS[key], text, bar=True))
+        legend.addStretch(1)
+        hint = QLabel("Drag blocks between devices · Alt+↑/↓ moves the selection · right-click for more")
+        hint.setObjectName("Subtle")
+        legend.addWidget(hint)
+        outer.addLayout(legend)
+
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.lane_host = QWidget()
+        self.lane_layout = QVBoxLayout(self.lane_host)
+        self.lane_layout.setContentsMargins(0, 0, 4, 0)
+        self.lane_layout.setSpacing(10)
+        self.scroll.setWidget(self.lane_host)
+        outer.addWidget(self.scroll, 1)
+
+        self.issues = QLabel()
+        self.issues.setWordWrap(True)
+        self.issues.setObjectName("WarnText")
+        self.issues.hide()
+        outer.addWidget(self.issues)
+
+        self.context.editingFinished.connect(self._settings_changed)
+        self.kv_type.currentTextChanged.connect(self._settings_changed)
+        self.contiguous.toggled.connect(lambda on: setattr(self.model, "keep_contiguous", on))
+        self.auto_btn.clicked.connect(self._auto)
+        self.apply_btn.clicked.connect(self._apply)
+        model.plan_changed.connect(self.refresh)
+        model.modelReset.connect(self._maybe_rebuild_lanes)
+        self._rebuild_lanes()
+        self.refresh()
+
+    @staticmethod
+    def _small(text: str) -> QLabel:
+        lab = QLabel(text)
+        lab.setObjectName("Subtle")
+        return lab
+
+    @staticmethod
+    def _swatch(color: str, text: str, bar: bool = False) -> QWidget:
+        w = QWidget()
+        h = QHBoxLayout(w)
+        h.setContentsMargins(0, 0, 0, 0)
+        h.setSpacing(6)
+        sw = QLabel()
+        sw.setFixedSize(QSize(14, 8) if bar else QSize(12, 12))
+        sw.setStyleSheet(f"background:{color}; border-radius:{2 if bar else 3}px;")
+        h.addWidget(sw)
+        lab = QLabel(text)
+        lab.setObjectName("Subtle")
+        h.addWidget(lab)
+        return w
+
+    def _maybe_rebuild_lanes(self) -> None:
+        if len(self.lanes) != self.model.rowCount():
+            self._rebuild_lanes()
+
+    def _rebuild_lanes(self) -> None:
+        for lane in self.lanes:
+            lane.setParent(None)
+            lane.deleteLater()
+        self.lanes = []
+        while self.lane_layout.count():
+            self.lane_layout.takeAt(0)
+        for row in range(self.model.rowCount()):
+            lane = DeviceLane(self.model, row)
+            lane.view.move_requested.connect(lambda parts, d, r=row: self._move_dir(parts, r, d))
+            lane.view.menu_requested.connect(self._menu)
+            self.lanes.append(lane)
+            self.lane_layout.addWidget(lane)
+        self.lane_layout.addStretch(1)
+
+    def _move_dir(self, parts: list[int], row: int, direction: int) -> None:
+        target = row + direction
+        if 0 <= target < self.model.rowCount():
+            self.model.move_parts(parts, self.model.devices[target].id)
+            lane = self.lanes[target]
+            lane.view.setFocus()
+
+    def _menu(self, parts: list[int], pos: QPoint) -> None:
+        if not parts:
+            return
+        menu = QMenu(self)
+        for dev in self.model.devices:
+            act = QAction(f"Move to {dev.name} ({dev.id})", menu)
+            act.triggered.connect(lambda _=False, d=dev.id: self.model.move_parts(parts, d))
+            menu.addAction(act)
+        menu.exec(pos)
+
+    def _settings_changed(self) -> None:
+        if self.model.plan is None:
+            return
+        ctx, kv = int(self.context.value()), self.kv_type.currentText()
+        if ctx != self.model.plan.context or kv != self.model.plan.kv_type:
+            self.model.set_settings(context=ctx, kv_type=kv)
+
+    def _auto(self) -> None:
+        self.model.auto_split(int(self.context.value()), self.kv_type.currentText())
+
+    def _apply(self) -> None:
+        if self.model.plan is not None:
+            self.apply_requested.emit(self.model.plan.copy())
+
+    def refresh(self) -> None:
+        plan = self.model.plan
+        per = self.model.bytes_per_device()
+        issues = self.model.issues()
+        for lane in self.lanes:
+            lane.refresh(per, issues)
+        has_plan = plan is not None
+        self.apply_btn.setEnabled(has_plan and not any(i.severity == "error" for i in issues))
+        self.auto_btn.setEnabled(has_plan)
+        if has_plan:
+            self.context.blockSignals(True)
+            self.context.setValue(plan.context)
+            self.context.blockSignals(False)
+            self.kv_type.blockSignals(True)
+            self.kv_type.setCurrentText(plan.kv_type)
+            self.kv_type.blockSignals(False)
+            c = plan.costs
+            n_gdn = sum(1 for k in c.layer_kinds if k == "gdn")
+            n_att = len(c.layer_kinds) - n_gdn
+            self.subtitle.setText(f"{c.name} · {c.n_layers} layers ({n_gdn} GDN, {n_att} attention) · "
+                                  f"weights {format_bytes(c.weight_bytes)} · {plan.crossings()} device crossing"
+                                  f"{'' if plan.crossings() == 1 else 's'} per token")
+        if issues:
+            self.issues.setText("\n".join(("⛔ " if i.severity == "error" else "⚠ ") + i.message for i in issues))
+            self.issues.setObjectName("ErrorText" if issues[0].severity == "error" else "WarnText")
+            self.issues.style().unpolish(self.issues)
+            self.issues.style().polish(self.issues)
+        self.issues.setVisible(bool(issues))
+        self.apply_btn.setToolTip("Fix the errors below first" if any(i.severity == "error" for i in issues)
+                                  else "Re-place the loaded model with this plan (and remember it for this model)")
+
+
+def costs_for_file(path) -> pl.ModelCosts:
+    """Per-part costs of a GGUF file (reads its header and tensor table)."""
+    from minecart.engine.config import ModelConfig
+    from minecart.engine.gguf_file import GGUFFile
+
+    gf = GGUFFile(path)
+    return pl.model_costs(ModelConfig.from_gguf(gf), gf)
+
+
+def initial_plan(costs: pl.ModelCosts, devices: list[DeviceInfo], saved: dict | None = None,
+                 context: int = 4096) -> tuple[pl.Placement, str]:
+    """The remembered plan for this model if it still fits the file, else an automatic one.
+    Returns (plan, note) where note explains a discarded saved plan."""
+    note = ""
+    if saved:
+        try:
+            return pl.Placement.from_dict(saved, costs), "restored your saved plan"
+        except Exception as exc:
+            note = f"saved plan ignored: {exc}"
+    specs = [device_spec(d) for d in devices]
+    gpus = [s for s in specs if s.is_cuda]
+    order = gpus or specs
+    plan = pl.plan_auto(costs, None, order, context=context)
+    if gpus and any(i.severity == "error" for i in pl.validate(plan, gpus)):
+        plan = pl.plan_auto(costs, None, gpus + [s for s in specs if not s.is_cuda], context=context)
+    return plan, note
+
+
+__all__ = ["LayerMapModel", "LayerMapPanel", "costs_for_file", "initial_plan", "MIME_PARTS"]

