@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backends.base import LayerState
+from .errors import GenerationCancelled
 
 MAX_SNAPSHOTS = 6
 
@@ -80,7 +81,7 @@ class Session:
         return self.model.backend_of(f"layer.{i}")
 
     # ---- running tokens ----------------------------------------------------------------------------
-    def _advance(self, ids: list[int], positions=None, rows: str | None = "last"):
+    def _advance(self, ids: list[int], positions=None, rows: str | None = "last", **pipelined):
         T = len(ids)
         if positions is None:
             start = self.position
@@ -90,7 +91,14 @@ class Session:
             positions = np.asarray(positions)
             flat = positions if positions.ndim == 1 else positions.max(axis=0)
             next_pos = [int(p) + 1 for p in np.maximum.accumulate(flat)]
-        logits = self.model.forward(ids, self.states, positions, rows=rows)
+        try:
+            logits = self.model.forward(ids, self.states, positions, rows=rows, **pipelined)
+        except GenerationCancelled as exc:  # pipelined prefill: the chunks that went through stay
+            done = getattr(exc, "tokens_done", 0)
+            self.tokens.extend(ids[:done])
+            self._next_positions.extend(next_pos[:done])
+            self.last_logits = None
+            raise
         self.tokens.extend(ids)
         self._next_positions.extend(next_pos)
         self.computed_tokens += T
@@ -109,6 +117,11 @@ class Session:
             return self.last_logits
         step = len(ids) if not chunk else int(chunk)
         self.computed_tokens = 0
+        if getattr(self.model, "pipeline", None) is not None and len(ids) > step:
+            # several devices: all chunks enter the pipeline at once so the devices overlap
+            # (engine/multidevice.py); it checks `cancel` between chunks like the loop below
+            self._advance(ids, positions, rows="last", chunk=step, cancel=cancel)
+            return self.last_logits
         for start in range(0, len(ids), step):
             if cancel is not None and cancel.is_set():
                 from .errors import GenerationCancelled
