@@ -94,8 +94,15 @@ def layer(config, backend, w, i: int, x, state: LayerState, positions):
     else:
         raise ValueError(f"layer {i}: kind '{config.layer_types[i]}' is not a qwen35 layer")
     x, f = backend.add_rms_norm(x, mixed, w[p + "post_attention_norm.weight"], eps)
-    ffn_out = _moe(config, backend, w, p, f) if config.is_moe else _swiglu_ffn(backend, w, p + "ffn_", "", f)
-    return backend.add(x, ffn_out)
+    return backend.add(x, feed_forward(config, backend, w, i, f))
+
+
+def feed_forward(config, backend, w, i: int, f):
+    """Layer i's FFN on its normed input f (T, H): dense SwiGLU (3.5) or MoE (3.6)."""
+    p = f"blk.{i}."
+    if config.is_moe:
+        return _moe(config, backend, w, p, f)
+    return _swiglu_ffn(backend, w, p + "ffn_", "", f)
 
 
 def final_norm(config, backend, w, x):
