@@ -1,0 +1,84 @@
+"""Sampler: greedy, seeds, top-k / top-p / min-p supports, frequencies, penalties, parameter checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from minecart.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_penalties,
+    filtered_probs,
+    greedy_params,
+)
+
+LOGITS = np.log(np.array([0.05, 0.5, 0.15, 0.3], dtype=np.float64)).astype(np.float32)  # p known
+
+
+def _draws(params, logits=LOGITS, n=2000):
+    s = Sampler(params)
+    return np.array([s.pick(logits) for _ in range(n)])
+
+
+def test_greedy_is_argmax_with_lowest_id_on_ties():
+    s = Sampler(greedy_params())
+    assert s(LOGITS) == 1
+    assert s(np.array([0.0, 2.0, 2.0, 1.0], np.float32)) == 1
+    assert s.generated == [1, 1]
+
+
+def test_seed_reproducible_and_seeds_differ():
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=123)
+    a, b = _draws(p, n=200), _draws(p, n=200)
+    np.testing.assert_array_equal(a, b)
+    c = _draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=124), n=200)
+    assert (a != c).any()
+
+
+def test_frequencies_follow_the_distribution():
+    draws = _draws(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=1), n=6000)
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    np.testing.assert_allclose(freq, [0.05, 0.5, 0.15, 0.3], atol=0.025)
+    # temperature 0.5 squares and renormalizes the probabilities
+    p = filtered_probs(LOGITS, SamplingParams(temperature=0.5, top_k=0, top_p=1.0))
+    q = np.array([0.05, 0.5, 0.15, 0.3]) ** 2
+    np.testing.assert_allclose(p, q / q.sum(), rtol=1e-6)
+
+
+def test_filter_supports():
+    base = dict(temperature=1.0, seed=0)
+    assert set(_draws(SamplingParams(top_k=1, top_p=1.0, **base), n=300)) == {1}
+    assert set(_draws(SamplingParams(top_k=2, top_p=1.0, **base))) == {1, 3}
+    # top_p: 0.5 + 0.3 reaches 0.8 -> {1, 3}; 0.81 needs the 0.15 token too
+    assert set(_draws(SamplingParams(top_k=0, top_p=0.8, **base))) == {1, 3}
+    assert set(_draws(SamplingParams(top_k=0, top_p=0.81, **base))) == {1, 2, 3}
+    # min_p 0.25 keeps p >= 0.125 -> {1, 2, 3}; 0.35 keeps p >= 0.175 -> {1, 3}
+    assert set(_draws(SamplingParams(top_k=0, top_p=1.0, min_p=0.25, **base))) == {1, 2, 3}
+    assert set(_draws(SamplingParams(top_k=0, top_p=1.0, min_p=0.35, **base))) == {1, 3}
+    p = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=1.0))
+    np.testing.assert_allclose(p, np.array([0, 0.5, 0.15, 0.3]) / 0.95, rtol=1e-6)
+
+
+def test_penalties():
+    logits = np.array([2.0, -1.0, 0.5, 3.0, 1.0], np.float32)
+    rep = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), prompt_ids=[0, 1], generated_ids=[1])
+    np.testing.assert_allclose(rep, [1.0, -2.0, 0.5, 3.0, 1.0])
+    pf = apply_penalties(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+                         prompt_ids=[4], generated_ids=[3, 3, 2])
+    np.testing.assert_allclose(pf, [2.0, -1.0, 0.5 - 0.75, 3.0 - 1.0, 1.0])
+    # a strong presence penalty moves greedy off a generated token
+    s = Sampler(greedy_params(presence_penalty=5.0))
+    assert s(logits) == 3
+    assert s(logits) == 0
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=1.0),
+                                 dict(top_k=-1), dict(repetition_penalty=0.0), dict(max_tokens=-1)])
+def test_invalid_params(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_stop_string_normalization():
+    assert SamplingParams(stop="END").stop == ("END",)
+    assert SamplingParams(stop=["", "x"], stop_token_ids=[np.int64(5)]).stop_token_ids == (5,)
