@@ -1,0 +1,265 @@
+"""The generate loop and sessions.
+
+Part 1 (nanochat style): a scripted fake model and a byte tokenizer, to test text streaming, UTF-8
+hold-back, stop strings, end tokens, max tokens and cancellation without any real model.
+Part 2: sessions on the real fixture model: prefix reuse across turns, regenerate from a snapshot,
+edit-and-resend, truncate, fork, restore; every reused state checked against a fresh computation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from minecart.engine.generation import GenerationEvent, StopStrings, TextStream, generate
+from minecart.engine.model import load_model
+from minecart.engine.sampling import greedy_params
+
+EOS = 256
+
+
+class ByteTokenizer:
+    """Token i < 256 is byte i; 256 is the end-of-turn token (decodes to nothing)."""
+
+    eos_ids = (EOS,)
+
+    def encode(self, text, add_special=False):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class ScriptedSession:
+    """Emits the scripted tokens in order (one-hot logits), whatever it is fed."""
+
+    def __init__(self, script, delay=0.0):
+        self.script = list(script)
+        self.delay = delay
+        self.tokens: list[int] = []
+        self.computed_tokens = 0
+        self.checkpoints = 0
+        self._i = 0
+
+    def _logits(self):
+        row = np.zeros(EOS + 1, np.float32)
+        row[self.script[min(self._i, len(self.script) - 1)]] = 10.0
+        self._i += 1
+        return row
+
+    def sync(self, ids, chunk=None, cancel=None):
+        self.tokens = list(ids)
+        self.computed_tokens = len(ids)
+        return self._logits()
+
+    def step(self, token):
+        time.sleep(self.delay)
+        self.tokens.append(token)
+        return self._logits()
+
+    def checkpoint(self):
+        self.checkpoints += 1
+
+
+class ScriptedModel:
+    def __init__(self, script, delay=0.0):
+        self.tokenizer = ByteTokenizer()
+        self.chat_template = None
+        self.session = ScriptedSession(script, delay)
+
+    def new_session(self):
+        return self.session
+
+
+def _run(text, **params):
+    model = ScriptedModel(list(text.encode("utf-8")) + [EOS])
+    events = list(generate(model, [1, 2, 3], greedy_params(**params)))
+    return events, model
+
+
+def test_text_stream_and_end_token():
+    events, model = _run("Hello, world")
+    assert "".join(e.text for e in events) == "Hello, world"
+    assert [e.finish_reason for e in events[:-1]] == [None] * 12
+    last = events[-1]
+    assert last.token == EOS and last.text == "" and last.finish_reason == "stop"
+    assert last.generated_tokens == 13 and last.prompt_tokens == 3 and last.cached_tokens == 0
+    assert isinstance(last, GenerationEvent) and last.elapsed > 0
+    assert model.session.tokens == [1, 2, 3] + list(b"Hello, world")  # the end token is not fed
+    assert model.session.checkpoints >= 2  # after the prompt and at the end
+
+
+def test_utf8_is_held_until_complete():
+    text = "héllo 😀 ok"
+    events, _ = _run(text)
+    assert "".join(e.text for e in events) == text
+    assert not any("\ufffd" in e.text for e in events)
+    assert sum(1 for e in events if e.text == "") >= 3  # continuation bytes emit nothing yet
+
+
+def test_stop_string_cut_and_hold_back():
+    events, _ = _run("abc STOP def", stop=["STOP"])
+    assert "".join(e.text for e in events) == "abc "
+    assert events[-1].finish_reason == "stop" and events[-1].token == ord("P")
+    # the partial "S", "ST", "STO" were never shown before the match
+    shown = ""
+    for e in events[:-1]:
+        shown += e.text
+        assert "S" not in shown
+    # a near miss is released
+    events, _ = _run("a STOx STOP", stop=["STOP", "xyz"])
+    assert "".join(e.text for e in events) == "a STOx "
+
+
+def test_held_text_released_at_the_end():
+    events, _ = _run("tail ST", stop=["STOP"])
+    assert "".join(e.text for e in events) == "tail ST"
+    assert events[-1].finish_reason == "stop" and events[-1].token == EOS
+
+
+def test_max_tokens_and_stop_token_ids():
+    events, _ = _run("abcdefgh", max_tokens=5)
+    assert len(events) == 5 and events[-1].finish_reason == "length"
+    assert "".join(e.text for e in events) == "abcde"
+    events, _ = _run("abcdefgh", stop_token_ids=[ord("d")])
+    assert "".join(e.text for e in events) == "abc" and events[-1].token == ord("d")
+    events, _ = _run("abc", max_tokens=0)
+    assert len(events) == 1 and events[0].finish_reason == "length" and events[0].token is None
+
+
+def test_cancel_takes_effect_within_one_token():
+    model = ScriptedModel([ord("x")] * 10_000)
+    cancel = threading.Event()
+    events = []
+    for ev in generate(model, [1], greedy_params(max_tokens=10_000), cancel=cancel):
+        events.append(ev)
+        if len(events) == 5:
+            cancel.set()
+    assert len(events) == 6
+    assert events[-1].finish_reason == "cancelled" and events[-1].token is None
+    assert events[-1].generated_tokens == 5
+
+
+def test_cancel_from_another_thread():
+    model = ScriptedModel([ord("y")] * 100_000, delay=0.002)
+    cancel = threading.Event()
+    timer = threading.Timer(0.2, cancel.set)
+    timer.start()
+    t0 = time.perf_counter()
+    events = list(generate(model, [1], greedy_params(max_tokens=100_000), cancel=cancel))
+    assert time.perf_counter() - t0 < 5.0
+    assert events[-1].finish_reason == "cancelled"
+    assert 10 < len(events) < 100_000
+    cancel2 = threading.Event()
+    cancel2.set()
+    events = list(generate(ScriptedModel([1]), [1], greedy_params(), cancel=cancel2))
+    assert [e.finish_reason for e in events] == ["cancelled"]
+
+
+def test_stop_strings_helper_multiple():
+    s = StopStrings(["</a>", "##"])
+    assert s.feed("x</") == ("x", False)
+    assert s.feed("b>#") == ("</b>", False)
+    assert s.feed("#rest") == ("", True)
+
+
+def test_text_stream_flush_incomplete():
+    ts = TextStream(ByteTokenizer().decode)
+    assert ts.add(0xE2) == "" and ts.add(0x82) == ""
+    assert ts.flush() == "\ufffd"
+
+
+# ---------------------------------------------------------------------------------------------------
+# sessions on the real fixture model
+
+
+@pytest.fixture(scope="module")
+def model(fixtures_dir):
+    m = load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"])
+    yield m
+    m.close()
+
+
+def _fresh_last_logits(model, ids):
+    s = model.new_session()
+    out = s.prefill(ids)
+    s.close()
+    return out
+
+
+def _close(a, b, tol=1e-4):
+    return np.linalg.norm(a - b) / np.linalg.norm(b) < tol
+
+
+def _greedy(model, ids, session, n=6):
+    events = list(model.generate(ids, greedy_params(max_tokens=n), session=session))
+    return [e.token for e in events], events[-1]
+
+
+def test_multi_turn_prefix_reuse_regenerate_and_edit(model):
+    rng = np.random.default_rng(0)
+    turn1 = [int(t) for t in rng.integers(0, 248000, 40)]
+    session = model.new_session()
+    out1, last = _greedy(model, turn1, session)
+    assert last.cached_tokens == 0 and last.prompt_tokens == 40
+    fed = session.tokens[:]  # prompt + the generated tokens that were fed back (all but the last)
+    assert fed == turn1 + out1[:-1]
+
+    # next turn: the whole history plus new user tokens -> only the new tokens are computed
+    user2 = [int(t) for t in rng.integers(0, 248000, 12)]
+    turn2 = fed + [out1[-1]] + user2
+    out2, last = _greedy(model, turn2, session)
+    assert last.cached_tokens == len(fed)
+    assert _close(session.last_logits, _fresh_last_logits(model, session.tokens))
+    fresh_session = model.new_session()
+    assert _greedy(model, turn2, fresh_session)[0] == out2
+
+    # regenerate: the same prompt again -> nothing recomputed (snapshot with logits), same tokens
+    again, last = _greedy(model, turn2, session)
+    assert last.cached_tokens == len(turn2) and again == out2
+
+    # edit-and-resend the second user message: resumes from the end-of-turn-1 snapshot
+    edited = fed + [out1[-1]] + user2[:5] + [7, 8, 9]
+    out3, last = _greedy(model, edited, session)
+    assert last.cached_tokens == len(fed)
+    assert out3 == _greedy(model, edited, model.new_session())[0]
+
+
+def test_truncate_fork_restore(model):
+    rng = np.random.default_rng(1)
+    ids = [int(t) for t in rng.integers(0, 248000, 50)]
+    s = model.new_session()
+    s.prefill(ids[:20])
+    s.checkpoint()
+    s.prefill(ids[20:])
+    twin = s.fork()
+    # truncate to a point after the snapshot: restore + re-prefill 10 known tokens
+    s.truncate(30)
+    assert s.tokens == ids[:30] and s.position == 30
+    assert _close(s.step(5), _fresh_last_logits(model, ids[:30] + [5]))
+    # truncate before any snapshot: recomputed from zero state
+    s.truncate(7)
+    assert _close(s.step(6), _fresh_last_logits(model, ids[:7] + [6]))
+    # the fork was untouched by all of this
+    assert twin.tokens == ids and _close(twin.step(4), _fresh_last_logits(model, ids + [4]))
+    # a snapshot whose tokens are no longer a prefix cannot be restored
+    snap = twin.snapshot()
+    twin.truncate(10)
+    twin.prefill([1, 2, 3])
+    with pytest.raises(ValueError):
+        twin.restore(snap)
+    s.close()
+    twin.close()
+
+
+def test_logits_fresh_state_and_session_agree(model):
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    full = model.logits(ids)
+    s = model.new_session()
+    for t in ids:
+        row = s.step(t)
+    assert _close(row, full[-1])
+    assert s.position == len(ids) and s.n_tokens == len(ids)
+    s.close()
