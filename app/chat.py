@@ -265,7 +265,7 @@ class SettingsPanel(QFrame):
         form.setVerticalSpacing(6)
         s = settings.get("sampling", {})
         self.temperature = self._dspin(0, 2, 0.05, s.get("temperature", 0.7))
-        self.top_p = self._dspin(0, 1, 0.01, s.get("top_p", 0.9))
+        self.top_p = self._dspin(0.01, 1, 0.01, s.get("top_p", 0.9))
         self.top_k = self._ispin(0, 1000, s.get("top_k", 40))
         self.min_p = self._dspin(0, 1, 0.01, s.get("min_p", 0.05))
         self.repeat = self._dspin(0.5, 2, 0.01, s.get("repeat_penalty", 1.05))
@@ -386,8 +386,10 @@ class ChatPanel(QWidget):
         self.empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.empty.setWordWrap(True)
         self.empty.setObjectName("Subtle")
-        self.column.addWidget(self.empty)
         self.column.addStretch(1)
+        self.column.addWidget(self.empty)
+        self.column.addStretch(2)
+        self._empty_stretch = True
         hl.addWidget(col, 100)
         hl.addStretch(1)
         self.scroll.setWidget(host)
@@ -506,6 +508,8 @@ class ChatPanel(QWidget):
         self.attach_notice.setVisible(bool(self.pending_images) and not has_vision)
 
     def _update_empty(self) -> None:
+        # the stretch above the empty-state text centres it; with messages, they start at the top
+        self.column.setStretch(0, 0 if self.widgets else 1)
         if self.widgets:
             self.empty.hide()
             return

@@ -42,7 +42,10 @@ def _sampling_params(settings: dict):
     try:
         from minecart.engine.generation import SamplingParams
     except Exception:
-        return None
+        try:
+            from minecart.engine.sampling import SamplingParams
+        except Exception:
+            return None
     names = {"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed",
              "repetition_penalty", "max_new_tokens"}
     try:

@@ -435,6 +435,7 @@ class LaneView(QListView):
         self.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
         self.setDragEnabled(True)
         self.setAcceptDrops(True)
+        self.viewport().setAcceptDrops(True)  # drops land on the viewport; it must accept them itself
         self.setDropIndicatorShown(True)
         self.setDragDropMode(QAbstractItemView.DragDropMode.DragDrop)
         self.setDefaultDropAction(Qt.DropAction.MoveAction)
@@ -607,9 +608,6 @@ class LayerMapPanel(QWidget):
         for key, text in (("weights", "weights"), ("kv", "KV cache"), ("state", "state"), ("scratch", "scratch")):
             legend.addWidget(self._swatch(theme.MEM_COLORS[key], text, bar=True))
         legend.addStretch(1)
-        hint = QLabel("Drag blocks between devices · Alt+↑/↓ moves the selection · right-click for more")
-        hint.setObjectName("Subtle")
-        legend.addWidget(hint)
         outer.addLayout(legend)
 
         self.scroll = QScrollArea()
@@ -621,6 +619,11 @@ class LayerMapPanel(QWidget):
         self.scroll.setWidget(self.lane_host)
         outer.addWidget(self.scroll, 1)
 
+        hint = QLabel("Drag blocks (or the first/last block of a device, to move the boundary) onto another device · "
+                      "Alt+↑/↓ moves the selection to the device above/below · right-click for a menu")
+        hint.setObjectName("Subtle")
+        hint.setWordWrap(True)
+        outer.addWidget(hint)
         self.issues = QLabel()
         self.issues.setWordWrap(True)
         self.issues.setObjectName("WarnText")

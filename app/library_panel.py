@@ -137,10 +137,12 @@ class LibraryPanel(QWidget):
     selection_changed = Signal(object)  # ModelSummary or None
     folders_changed = Signal(list)
 
-    def __init__(self, folders: list[str] | None = None, include_defaults: bool = True, parent=None):
+    def __init__(self, folders: list[str] | None = None, include_defaults: bool = True, include_demo: bool = True,
+                 parent=None):
         super().__init__(parent)
         self.folders = list(folders or [])
         self.include_defaults = include_defaults
+        self.include_demo = include_demo
         self.scan_thread: ScanThread | None = None
         lay = QVBoxLayout(self)
         lay.setContentsMargins(24, 18, 24, 18)
@@ -192,6 +194,7 @@ class LibraryPanel(QWidget):
         for c in range(1, len(COLUMNS)):
             hh.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
         hh.setHighlightSections(False)
+        hh.setDefaultAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
         lay.addWidget(self.table, 1)
         self.places = QLabel()
         self.places.setObjectName("Subtle")
@@ -210,7 +213,8 @@ class LibraryPanel(QWidget):
     def _show_places(self) -> None:
         places = [str(p) for _, p in ml.default_locations() if p.is_dir()] if self.include_defaults else []
         places += self.folders
-        self.places.setText("Searched: demo model" + ("; " + "; ".join(places) if places else "") +
+        first = "Searched: demo model" if self.include_demo else "Searched"
+        self.places.setText(first + ("; " + "; ".join(places) if places else "") +
                             ". Add folders with “Add folder…”; open any .gguf with “Open file…”.")
 
     def rescan(self) -> None:
@@ -218,7 +222,7 @@ class LibraryPanel(QWidget):
             return
         self.status.setText("Scanning…")
         self.rescan_btn.setEnabled(False)
-        self.scan_thread = ScanThread(self.folders, self.include_defaults, parent=self)
+        self.scan_thread = ScanThread(self.folders, self.include_defaults, self.include_demo, parent=self)
         self.scan_thread.found.connect(self._scanned)
         self.scan_thread.start()
 

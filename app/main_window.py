@@ -160,6 +160,7 @@ class TopBar(QFrame):
         for text, kind in chips:
             c = QLabel(text)
             c.setObjectName({"ok": "ChipOk", "warn": "ChipWarn"}.get(kind, "Chip"))
+            c.setFixedHeight(22)
             self.chips.addWidget(c)
 
     def set_loading(self, loading: bool) -> None:
@@ -172,7 +173,7 @@ class TopBar(QFrame):
 class MainWindow(QMainWindow):
     def __init__(self, settings: Settings | None = None, bridge: EngineBridge | None = None,
                  devices: list[DeviceInfo] | None = None, store: ConversationStore | None = None,
-                 scan_defaults: bool | None = None, parent=None):
+                 scan_defaults: bool | None = None, include_demo: bool = True, parent=None):
         super().__init__(parent)
         self.setWindowTitle("minecart")
         self.resize(1400, 880)
@@ -204,7 +205,7 @@ class MainWindow(QMainWindow):
 
         self.chat = ChatPanel(self.bridge, self.settings, store)
         include_defaults = self.settings.get("scan_default_locations", True) if scan_defaults is None else scan_defaults
-        self.library = LibraryPanel(self.settings.get("model_folders", []), include_defaults)
+        self.library = LibraryPanel(self.settings.get("model_folders", []), include_defaults, include_demo)
         self.layer_model = LayerMapModel(self.devices, self)
         self.layer_model.keep_contiguous = bool(self.settings.get("keep_layers_contiguous", True))
         self.layers = LayerMapPanel(self.layer_model)

@@ -1,0 +1,156 @@
+"""Fixtures for the desktop app tests: offscreen Qt, private settings/data folders, and a scripted fake
+model behind the real engine Runtime (so the bridge, threads and signals are the production ones; only
+the maths is fake). The real engine is exercised in test_end_to_end.py on the fixture GGUF."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["QT_QPA_PLATFORM"] = "offscreen"  # before any Qt import
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+from minecart.engine.devices import DeviceInfo
+from minecart.engine.errors import GenerationCancelled
+
+
+@pytest.fixture(autouse=True)
+def private_dirs(tmp_path, monkeypatch):
+    """Settings, conversations and pasted images go to a temporary folder, never the user's."""
+    monkeypatch.setenv("MINECART_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("MINECART_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.delenv("MINECART_SIMULATE_DEVICES", raising=False)
+    return tmp_path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _theme(qapp):
+    from minecart.app import theme
+
+    theme.apply(qapp)
+    return qapp
+
+
+@dataclass(frozen=True)
+class FakeConfig:
+    name: str = "Scripted"
+    architecture: str = "fake"
+    context_length: int = 4096
+
+
+@dataclass(frozen=True)
+class FakeEvent:
+    token: int
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    generation_tokens: int
+    prompt_tps: float = 500.0
+    generation_tps: float = 50.0
+
+
+class FakeTokenizer:
+    def encode(self, text, add_special=True):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", "replace")
+
+
+class ScriptedModel:
+    """Replies with `reply` (chunks of 3 characters), thinking first when asked. `fail_on` makes
+    generate raise on a prompt containing that text; `token_delay` slows the stream (for Stop)."""
+
+    def __init__(self, reply="Hello **there**.\n\n```python\nprint(1)\n```", thinking="Let me think.",
+                 fail_on=None, token_delay=0.0, has_vision=False):
+        self.config = FakeConfig()
+        self.tokenizer = FakeTokenizer()
+        self.chat_template = None
+        self.reply = reply
+        self.thinking = thinking
+        self.fail_on = fail_on
+        self.token_delay = token_delay
+        self.has_vision = has_vision
+        self.prompts = []
+
+    def new_session(self):
+        return object()
+
+    def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking=True):
+        self.prompts.append(prompt)
+        text = repr(prompt)
+        if self.fail_on and self.fail_on in text:
+            raise RuntimeError(f"simulated engine crash on {self.fail_on!r}")
+        out = (f"<think>{self.thinking}</think>" if enable_thinking else "") + self.reply
+        chunks = [out[i:i + 3] for i in range(0, len(out), 3)]
+        for n, chunk in enumerate(chunks, 1):
+            if cancel is not None and cancel.is_set():
+                raise GenerationCancelled("stopped")
+            if self.token_delay:
+                time.sleep(self.token_delay)
+            yield FakeEvent(n, chunk, "stop" if n == len(chunks) else None, 12, n)
+
+
+def make_loader(model_factory, steps=4, step_delay=0.0, block: threading.Event | None = None):
+    """A Runtime loader reporting progress; with `block`, it waits there (so a test can cancel midway)."""
+
+    def loader(path, devices=None, placement=None, progress=None, cancel=None):
+        for i in range(steps):
+            if cancel is not None and cancel.is_set():
+                raise GenerationCancelled("load cancelled")
+            if progress:
+                progress((i + 1) / steps, f"loading part {i + 1}/{steps}")
+            if block is not None and i == 1:
+                while not (cancel is not None and cancel.is_set()):
+                    time.sleep(0.01)
+                raise GenerationCancelled("load cancelled")
+            if step_delay:
+                time.sleep(step_delay)
+        return model_factory()
+
+    return loader
+
+
+@pytest.fixture
+def make_bridge(qapp):
+    """make_bridge(model=..., loader=...) -> EngineBridge over a real Runtime with a fake loader."""
+    from minecart.app.engine_bridge import EngineBridge
+    from minecart.engine.runtime import Runtime
+
+    made = []
+
+    def factory(model=None, loader=None):
+        model = model or ScriptedModel()
+        rt = Runtime(loader=loader or make_loader(lambda: model), sample_memory_s=0)
+        bridge = EngineBridge(runtime=rt)
+        bridge.fake_model = model
+        made.append(bridge)
+        return bridge
+
+    yield factory
+    for b in made:
+        b.shutdown()
+
+
+@pytest.fixture
+def two_gpus():
+    gib = 1 << 30
+    return [
+        DeviceInfo(id="cuda:0", kind="cuda", name="Test GPU A", total_bytes=8 * gib, used_bytes=gib // 4,
+                   free_bytes=8 * gib - gib // 4, compute_capability=(6, 1), source="simulated"),
+        DeviceInfo(id="cuda:1", kind="cuda", name="Test GPU B", total_bytes=6 * gib, used_bytes=gib // 4,
+                   free_bytes=6 * gib - gib // 4, compute_capability=(7, 5), source="simulated"),
+        DeviceInfo(id="cpu:0", kind="cpu", name="Test CPU", total_bytes=32 * gib, used_bytes=4 * gib,
+                   free_bytes=28 * gib, extra={"threads": 8}, source="os"),
+    ]
+
+
+@pytest.fixture
+def tiny_model(fixtures_dir):
+    path = fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf"
+    if not path.is_file():
+        pytest.skip("fixture model missing")
+    return path

@@ -1,0 +1,179 @@
+"""Layer map: the item model over engine.placement, drag and drop between device lanes, keyboard moves,
+memory bars and overflow warnings, auto-split, and the plan remembered per model."""
+
+from __future__ import annotations
+
+from minecart.app.layer_map import LayerMapModel, LayerMapPanel, costs_for_file, initial_plan
+from minecart.engine import placement as pl
+from PySide6.QtCore import QPointF, Qt
+from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtTest import QTest
+from PySide6.QtWidgets import QApplication
+
+_COSTS = {}
+
+
+def _costs(path):
+    # reading the tensor table (and the 250k-token vocabulary) takes a while: once per test run
+    if path not in _COSTS:
+        _COSTS[path] = costs_for_file(path)
+    return _COSTS[path]
+
+
+def _panel(qtbot, devices, model_path):
+    costs = _costs(model_path)
+    model = LayerMapModel(devices)
+    plan, _ = initial_plan(costs, devices)
+    model.set_plan(plan)
+    panel = LayerMapPanel(model)
+    qtbot.addWidget(panel)
+    panel.resize(1100, 700)
+    panel.show()
+    qtbot.waitExposed(panel)
+    return model, panel
+
+
+def test_model_tree_matches_plan(qtbot, two_gpus, tiny_model):
+    model, panel = _panel(qtbot, two_gpus, tiny_model)
+    plan = model.plan
+    n_parts = len(plan.assignment)
+    assert n_parts == plan.costs.n_layers + 2  # embedding + layers + LM head
+    assert model.rowCount() == 3
+    children = sum(model.rowCount(model.index(r, 0)) for r in range(3))
+    assert children == n_parts
+    # every child reports the device of its parent row, and kinds tell GDN from attention apart
+    kinds = set()
+    for r in range(3):
+        dev = model.devices[r].id
+        parent = model.index(r, 0)
+        for c in range(model.rowCount(parent)):
+            idx = model.index(c, 0, parent)
+            assert idx.data(Qt.ItemDataRole.UserRole + 3) == dev
+            assert model.parent(idx) == parent
+            kinds.add(idx.data(Qt.ItemDataRole.UserRole + 1))
+            assert model.flags(idx) & Qt.ItemFlag.ItemIsDragEnabled
+    assert {"embedding", "gdn", "attention", "head"} <= kinds
+    assert model.flags(model.index(0, 0)) & Qt.ItemFlag.ItemIsDropEnabled
+    assert len(panel.lanes) == 3
+
+
+def _drop(view, parts, model):
+    """Deliver a drop of `parts` onto a lane the way Qt does at the end of a drag."""
+    src_indexes = []
+    for r in range(model.rowCount()):
+        parent = model.index(r, 0)
+        for c in range(model.rowCount(parent)):
+            idx = model.index(c, 0, parent)
+            if model.part_of(idx) in parts:
+                src_indexes.append(idx)
+    mime = model.mimeData(src_indexes)
+    pos = QPointF(view.viewport().width() - 5, view.viewport().height() - 5)
+    assert view.viewport().acceptDrops()
+    enter = QDragEnterEvent(pos.toPoint(), Qt.DropAction.MoveAction, mime, Qt.MouseButton.LeftButton,
+                            Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(view.viewport(), enter)
+    assert enter.isAccepted()  # the lane says it takes these blocks
+    ev = QDropEvent(pos, Qt.DropAction.MoveAction, mime, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier)
+    QApplication.sendEvent(view.viewport(), ev)
+
+
+def test_drag_layers_to_another_device_moves_them(qtbot, two_gpus, tiny_model):
+    model, panel = _panel(qtbot, two_gpus, tiny_model)
+    model.set_plan(pl.Placement.single(model.plan.costs, "cuda:0"))
+    model.keep_contiguous = False
+    last_layer = model.plan.costs.n_layers  # part index of the last layer
+    before = list(model.plan.assignment)
+    _drop(panel.lanes[1].view, [last_layer - 1, last_layer], model)
+    after = model.plan.assignment
+    assert after[last_layer] == "cuda:1" and after[last_layer - 1] == "cuda:1"
+    assert sum(a != b for a, b in zip(before, after, strict=True)) == 2
+    assert model.rowCount(model.index(1, 0)) == 2
+    # the lane's view follows the model (rooted at its device again after the reset)
+    assert panel.lanes[1].view.model().rowCount(panel.lanes[1].view.rootIndex()) == 2
+
+
+def test_drop_with_contiguity_moves_the_boundary(qtbot, two_gpus, tiny_model):
+    model, panel = _panel(qtbot, two_gpus, tiny_model)
+    costs = model.plan.costs
+    n = costs.n_layers
+    model.set_plan(pl.Placement.from_layer_counts(costs, [("cuda:0", n - 2), ("cuda:1", 2)]))
+    model.keep_contiguous = True
+    first_b = model.plan.assignment.index("cuda:1")
+    # drag one block three places before the boundary onto B: the blocks between come along
+    _drop(panel.lanes[1].view, [first_b - 3], model)
+    assert model.plan.assignment.index("cuda:1") == first_b - 3
+    assert model.plan.is_contiguous()
+
+
+def test_keyboard_moves_selection_to_next_device(qtbot, two_gpus, tiny_model):
+    model, panel = _panel(qtbot, two_gpus, tiny_model)
+    model.set_plan(pl.Placement.single(model.plan.costs, "cuda:0"))
+    view = panel.lanes[0].view
+    view.setFocus()
+    root = view.rootIndex()
+    last = model.index(model.rowCount(root) - 1, 0, root)  # the LM head
+    view.setCurrentIndex(last)
+    view.selectionModel().select(last, view.selectionModel().SelectionFlag.ClearAndSelect)
+    QTest.keyClick(view, Qt.Key.Key_Down, Qt.KeyboardModifier.AltModifier)
+    assert model.plan.assignment[-1] == "cuda:1"
+    assert model.plan.assignment[:-1] == ["cuda:0"] * (len(model.plan.assignment) - 1)
+
+
+def test_memory_bars_warn_before_overflow(qtbot, two_gpus, tiny_model):
+    from dataclasses import replace
+
+    small = [replace(two_gpus[0], free_bytes=300 << 20)] + two_gpus[1:]
+    model, panel = _panel(qtbot, small, tiny_model)
+    model.set_plan(pl.Placement.single(model.plan.costs, "cuda:0"))
+    lane = panel.lanes[0]
+    assert lane.bar.overflow
+    assert lane.warning.isVisibleTo(panel) and "more than cuda:0 has free" in lane.warning.text()
+    assert not panel.apply_btn.isEnabled()
+    assert panel.issues.isVisibleTo(panel)
+    # moving everything to the roomy GPU clears the warning and enables Apply
+    model.move_parts(list(range(len(model.plan.assignment))), "cuda:1")
+    assert not lane.bar.overflow and not lane.warning.isVisibleTo(panel)
+    assert panel.apply_btn.isEnabled()
+
+
+def test_auto_split_uses_gpus_and_apply_emits_plan(qtbot, two_gpus, tiny_model):
+    model, panel = _panel(qtbot, two_gpus, tiny_model)
+    model.set_plan(pl.Placement.single(model.plan.costs, "cpu:0"))
+    panel.auto_btn.click()
+    assert set(model.plan.devices_used()) <= {"cuda:0", "cuda:1"}
+    with qtbot.waitSignal(panel.apply_requested, timeout=2000) as sig:
+        panel.apply_btn.click()
+    assert sig.args[0].assignment == model.plan.assignment
+    assert sig.args[0] is not model.plan  # a copy: later edits do not change the applied plan
+
+
+def test_context_and_kv_type_change_the_estimate(qtbot, two_gpus, tiny_model):
+    model, panel = _panel(qtbot, two_gpus, tiny_model)
+    kv_before = sum(b.kv_cache for b in model.bytes_per_device().values())
+    panel.context.setValue(model.plan.context * 4)
+    panel.context.editingFinished.emit()
+    kv_after = sum(b.kv_cache for b in model.bytes_per_device().values())
+    assert kv_after == 4 * kv_before > 0
+    panel.kv_type.setCurrentText("q8")
+    assert model.plan.kv_type == "q8"
+    assert sum(b.kv_cache for b in model.bytes_per_device().values()) < kv_after
+
+
+def test_plan_is_remembered_per_model(qtbot, two_gpus, tiny_model, make_bridge):
+    from minecart.app.main_window import MainWindow
+    from minecart.app.settings import Settings
+
+    win = MainWindow(settings=Settings(), bridge=make_bridge(), devices=two_gpus, scan_defaults=False,
+                     include_demo=False)
+    qtbot.addWidget(win)
+    win.select_model(tiny_model)
+    qtbot.waitUntil(lambda: win.layer_model.plan is not None, timeout=10000)
+    plan = pl.Placement.single(win.layer_model.plan.costs, "cuda:1")
+    win.apply_plan(plan)
+    # a new window (fresh settings read from disk) restores it for the same file
+    win2 = MainWindow(settings=Settings(), bridge=make_bridge(), devices=two_gpus, scan_defaults=False,
+                      include_demo=False)
+    qtbot.addWidget(win2)
+    win2.select_model(tiny_model)
+    qtbot.waitUntil(lambda: win2.layer_model.plan is not None, timeout=10000)
+    assert win2.layer_model.plan.assignment == ["cuda:1"] * len(plan.assignment)
