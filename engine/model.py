@@ -13,6 +13,7 @@ What this file is not: a scheduler. One call runs one sequence on the calling th
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from .errors import DeviceError, GenerationCancelled, TokenizerError
 from .gguf_file import GGUFFile
 from .models import module_for
 
+_NOT_LOADED = object()
 DEFAULT_CAPACITY = 8192  # initial KV capacity of a session (tokens), capped by the model's context
 
 
@@ -129,11 +131,12 @@ def _load_chat_template(gf):
 
 
 class Model:
-    """A loaded model. Attributes: config, tokenizer, chat_template, path, placement (part -> device
-    plan in use), backends (part -> backend), weights (part -> {gguf name: Weight}), module."""
+    """A loaded model. Attributes: config, tokenizer and chat_template (built on first access), path,
+    placement (as given; None = automatic), device_plan (part -> device in use), backends (part ->
+    backend), weights (part -> {gguf name: Weight}), module, load_seconds."""
 
     def __init__(self, path, gguf: GGUFFile, config: ModelConfig, module, plan: dict[str, str],
-                 backends: dict, weights: dict, tokenizer, chat_template, placement, roles):
+                 backends: dict, weights: dict, placement, roles):
         self.path = Path(path)
         self.gguf = gguf
         self.config = config
@@ -141,11 +144,38 @@ class Model:
         self.device_plan = plan
         self.backends = backends
         self.weights = weights
-        self.tokenizer = tokenizer
-        self.chat_template = chat_template
+        self._tokenizer = _NOT_LOADED
+        self._chat_template = _NOT_LOADED
+        self._lazy_lock = threading.Lock()
         self.placement = placement
         self._roles = roles
         self.load_seconds = 0.0
+
+    # ---- text side (built on first use: a 248k-entry BPE vocabulary takes seconds to build, and
+    # logits-only users such as tests and benchmarks never need it) --------------------------------
+    @property
+    def tokenizer(self):
+        """engine.tokenizer.Tokenizer, or None when the file has no usable tokenizer metadata."""
+        with self._lazy_lock:
+            if self._tokenizer is _NOT_LOADED:
+                self._tokenizer = _load_tokenizer(self.gguf)
+            return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer = value
+
+    @property
+    def chat_template(self):
+        """engine.chat_template.ChatTemplate, or None when the file has no template."""
+        with self._lazy_lock:
+            if self._chat_template is _NOT_LOADED:
+                self._chat_template = _load_chat_template(self.gguf)
+            return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, value) -> None:
+        self._chat_template = value
 
     # ---- running ---------------------------------------------------------------------------------
     def backend_of(self, part: str):
@@ -361,8 +391,7 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     if progress is not None:
         progress(0.0, f"opening {Path(path).name}")
     weights = _load_parts(gf, roles, backends, progress=progress, cancel=cancel)
-    model = Model(path, gf, config, module, plan, backends, weights, _load_tokenizer(gf),
-                  _load_chat_template(gf), placement, roles)
+    model = Model(path, gf, config, module, plan, backends, weights, placement, roles)
     from .multidevice import attach_pipeline
 
     attach_pipeline(model)
