@@ -1,0 +1,381 @@
+"""CupyBackend: the Backend protocol (backends/base.py) on one NVIDIA GPU, through minecart.kernels.
+
+Same signatures and semantics as numpy_backend.NumpyBackend (the specification); every op launches
+hand-written CUDA kernels (DP4A int8, fp32 FMA; never tensor cores) on this device's current stream and
+returns without synchronizing. Only `to_numpy`, `top_k` (its result goes to the host) and
+`synchronize` wait for the GPU, so a decode step has no host sync per layer.
+
+Weights go to the device still quantized (Q8_0/Q4_0 re-laid out as int8/int4 quants + fp16 scales;
+Q4_K/Q6_K as GGUF blocks; F32/F16/BF16 as rows); formats without a kernel are decoded to F32 once.
+Matmuls take the DP4A path or the FMA path according to the per-card probe (kernels/probe.py, cached
+per GPU UUID by engine/probe_cache.py); MINECART_MATMUL_PATH=dp4a|fma overrides it.
+
+Not here: the decode step is not captured in a CUDA graph (model code runs op by op), the Gated DeltaNet
+prefill uses the exact recurrence kernel rather than the chunked WY form, and there is no HFMA2 path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import cupy as cp
+import numpy as np
+from minecart.kernels import ops
+from minecart.kernels.build import QT
+
+from .base import KVCache
+
+
+def device_count() -> int:
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except cp.cuda.runtime.CUDARuntimeError:
+        return 0
+
+
+def gpu_uuid(index: int) -> str:
+    """The NVML-style UUID ("GPU-xxxxxxxx-xxxx-...") of CUDA device `index`."""
+    raw = cp.cuda.runtime.getDeviceProperties(index).get("uuid", b"")
+    if isinstance(raw, str):
+        raw = raw.encode("latin-1")
+    h = bytes(raw).hex()
+    if len(h) != 32:
+        return f"cuda-{index}"
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+class CupyWeight:
+    """A weight on the GPU. `.shape` is the logical shape, `.type_name` the GGML type as stored here."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], type_name: str, q: ops.QWeight, role: str):
+        self.name = name
+        self.shape = shape
+        self.type_name = type_name
+        self.q = q
+        self.role = role
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes
+
+
+class CupyKVCache(KVCache):
+    """K and V of one attention layer: fp32 (capacity, n_kv, d) device arrays, first `length` valid.
+
+    fp32 (not fp16) so that results match the fp32 references to ~1e-5; appending past `capacity`
+    doubles the arrays."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.value_dim = value_dim
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self.k = cp.zeros((self.capacity, n_kv_heads, head_dim), cp.float32)
+        self.v = cp.zeros((self.capacity, n_kv_heads, value_dim), cp.float32)
+
+    def append(self, k, v) -> None:
+        need = self.length + k.shape[0]
+        if need > self.capacity:
+            new_cap = max(need, 2 * self.capacity)
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                grown = cp.zeros((new_cap,) + old.shape[1:], cp.float32)
+                grown[: self.length] = old[: self.length]
+                setattr(self, name, grown)
+            self.capacity = new_cap
+        self.k[self.length : need] = k
+        self.v[self.length : need] = v
+        self.length = need
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of {self.length} tokens to {length}")
+        self.length = int(length)
+
+    def clone(self) -> CupyKVCache:
+        twin = CupyKVCache(self.n_kv_heads, self.head_dim, self.value_dim, self.capacity)
+        twin.k[: self.length] = self.k[: self.length]
+        twin.v[: self.length] = self.v[: self.length]
+        twin.length = self.length
+        return twin
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
+def _f32(x):
+    return cp.ascontiguousarray(x, dtype=cp.float32)
+
+
+class CupyBackend:
+    name = "cupy"
+
+    def __init__(self, device: str = "cuda:0", *, path: str | None = None, probe: bool = True):
+        dev = str(device)
+        if not dev.startswith("cuda"):
+            raise ValueError(f"CupyBackend runs on a CUDA GPU; got device '{device}' (use 'cuda:N')")
+        self.index = int(dev.split(":", 1)[1]) if ":" in dev else 0
+        n = device_count()
+        if self.index >= n:
+            raise ValueError(f"device '{device}' does not exist: this machine has {n} CUDA device(s)")
+        self.device = f"cuda:{self.index}"
+        self._dev = cp.cuda.Device(self.index)
+        self._rope_tables: dict = {}
+        self.probe_record: dict | None = None
+        forced = path or os.environ.get("MINECART_MATMUL_PATH")
+        self.gemv_path = self.gemm_path = "dp4a"
+        if forced:
+            if forced not in ("dp4a", "fma"):
+                raise ValueError(f"matmul path must be 'dp4a' or 'fma', got '{forced}'")
+            self.gemv_path = self.gemm_path = forced
+        elif probe:
+            self._choose_paths()
+
+    def __repr__(self) -> str:
+        return f"CupyBackend({self.device!r}, decode={self.gemv_path}, prefill={self.gemm_path})"
+
+    def _choose_paths(self) -> None:
+        """Reuse this card's cached probe result, or probe now (< 1 s) and cache it."""
+        from .. import probe_cache
+
+        uuid = gpu_uuid(self.index)
+        rec = probe_cache.get(uuid)
+        if rec is None:
+            from minecart.kernels import probe
+
+            with self._dev:
+                rec = probe.run_probe()
+            try:
+                probe_cache.save(uuid, rec)
+            except OSError:
+                pass  # a read-only cache dir only costs a re-probe next time
+        self.probe_record = rec
+        self.gemv_path = rec.get("gemv", "dp4a")
+        self.gemm_path = rec.get("gemm", "dp4a")
+
+    # ---- data movement -------------------------------------------------------------------------
+    def asarray(self, host_array):
+        a = np.asarray(host_array)
+        with self._dev:
+            if a.dtype.kind == "f":
+                return cp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+            return cp.asarray(np.ascontiguousarray(a))
+
+    def to_numpy(self, x):
+        with self._dev:
+            return cp.asnumpy(x)
+
+    def zeros(self, shape, dtype: str = "float32"):
+        with self._dev:
+            return cp.zeros(shape, dtype=dtype)
+
+    def load_weight(self, info, *, role: str = "matmul"):
+        with self._dev:
+            if role == "vector":
+                from .. import quants
+
+                return cp.asarray(np.ascontiguousarray(quants.dequantize(info), dtype=np.float32))
+            if role not in ("matmul", "embedding", "experts"):
+                raise ValueError(f"unknown weight role '{role}' for tensor '{info.name}'")
+            shape = tuple(int(s) for s in info.shape)
+            logical = (1, shape[0]) if role == "matmul" and len(shape) == 1 else shape
+            type_name = info.type_name
+            if type_name in QT and logical[-1] % 32 == 0 and (type_name not in ("Q4_K", "Q6_K") or logical[-1] % 256 == 0):
+                q = ops.upload_weight(np.asarray(info.raw), type_name, logical)
+            else:
+                # No kernel for this format (Q5_0, Q5_K, ...): decode once to F32 on the host.
+                from .. import quants
+
+                dense = np.ascontiguousarray(quants.dequantize(info), dtype=np.float32).reshape(logical)
+                if logical[-1] % 32:
+                    raise ValueError(f"tensor '{info.name}': row length {logical[-1]} is not a multiple of 32")
+                q = ops.upload_weight(dense.view(np.uint8), "F32", logical)
+                type_name = "F32"
+            return CupyWeight(info.name, logical, type_name, q, role)
+
+    def free(self, obj) -> None:
+        if isinstance(obj, CupyWeight):
+            obj.q.wq = None
+            obj.q.wd = None
+        elif isinstance(obj, CupyKVCache):
+            obj.k = obj.v = None
+
+    def synchronize(self) -> None:
+        with self._dev:
+            cp.cuda.get_current_stream().synchronize()
+
+    # ---- elementwise and norms -----------------------------------------------------------------
+    def _binary(self, op: str, a, b):
+        with self._dev:
+            if a.shape == b.shape:
+                return ops.ewise(op, a, b)
+            # general broadcasting (e.g. (T, H) * (T, 1)) through CuPy's own elementwise kernels
+            a32, b32 = _f32(a), _f32(b)
+            return (a32 + b32) if op == "add" else (a32 * b32)
+
+    def add(self, a, b):
+        return self._binary("add", a, b)
+
+    def mul(self, a, b):
+        return self._binary("mul", a, b)
+
+    def scale(self, x, s: float):
+        with self._dev:
+            return ops.ewise("scale", x, None, float(s))
+
+    def sigmoid(self, x):
+        with self._dev:
+            return ops.ewise("sigmoid", x)
+
+    def silu(self, x):
+        with self._dev:
+            return ops.ewise("silu", x)
+
+    def swiglu(self, gate, up):
+        with self._dev:
+            return ops.ewise("swiglu", gate, up)
+
+    def geglu(self, gate, up):
+        with self._dev:
+            return ops.ewise("geglu", gate, up)
+
+    def rms_norm(self, x, w, eps: float):
+        with self._dev:
+            return ops.rms_norm(x, w, eps)
+
+    def add_rms_norm(self, x, delta, w, eps: float):
+        with self._dev:
+            return ops.add_rms_norm(x, delta, w, eps)
+
+    def l2_norm(self, x, eps: float):
+        with self._dev:
+            return ops.l2_norm(x, eps)
+
+    def gated_rms_norm(self, x, z, w, eps: float):
+        with self._dev:
+            return ops.gated_rms_norm(x, z, w, eps)
+
+    # ---- matmuls and lookups -------------------------------------------------------------------
+    def embed(self, table: CupyWeight, ids):
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n_rows = table.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+            raise ValueError(f"token id out of range [0, {n_rows}) for '{table.name}'")
+        with self._dev:
+            return ops.embed(table.q, cp.asarray(ids.astype(np.int32)))
+
+    def matmul(self, x, w: CupyWeight):
+        with self._dev:
+            lead = x.shape[:-1]
+            x2 = _f32(x).reshape(-1, x.shape[-1])
+            path = self.gemv_path if x2.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
+            y = ops.matmul(x2, w.q, path)
+            return y.reshape(*lead, w.q.rows)
+
+    # ---- positions and attention ---------------------------------------------------------------
+    def _rope_table(self, n_rot: int, base: float, sections):
+        key = (n_rot, float(base), tuple(sections))
+        tab = self._rope_tables.get(key)
+        if tab is None:
+            half = n_rot // 2
+            pair = np.arange(half)
+            comp = np.zeros(half, dtype=np.int32)
+            if sections:
+                s = list(sections) + [0, 0, 0]
+                comp[(pair % 3 == 1) & (pair < 3 * s[1])] = 1
+                comp[(pair % 3 == 2) & (pair < 3 * s[2])] = 2
+            inv_freq = (np.float64(base) ** (-2.0 * pair / n_rot)).astype(np.float32)
+            tab = (cp.asarray(comp), cp.asarray(inv_freq), comp)
+            self._rope_tables[key] = tab
+        return tab
+
+    def rope(self, x, positions, n_rot: int, base: float, *, sections=(), scale: float = 1.0):
+        with self._dev:
+            comp_d, inv_freq, comp = self._rope_table(n_rot, base, sections)
+            pos = np.asarray(positions, dtype=np.int64)
+            T = x.shape[0]
+            if pos.ndim == 1 and T and (T == 1 or np.all(np.diff(pos) == 1)):
+                # Consecutive text positions: built on the device, no host-to-device copy (no sync).
+                pos3 = cp.broadcast_to(cp.arange(int(pos[0]), int(pos[0]) + T, dtype=cp.int32), (3, T))
+                pos3 = cp.ascontiguousarray(pos3)
+            else:
+                p = pos.reshape(1, T) if pos.ndim == 1 else pos.reshape(3, T)
+                pos3 = cp.asarray(np.ascontiguousarray(np.broadcast_to(p, (3, T)), dtype=np.int32))
+            return ops.rope(x, pos3, comp_d, inv_freq, n_rot, scale)
+
+    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+        with self._dev:
+            return CupyKVCache(n_kv_heads, head_dim, value_dim, capacity)
+
+    def attention(self, q, k, v, cache: CupyKVCache, *, scale: float, window: int = 0):
+        with self._dev:
+            start = cache.length
+            cache.append(_f32(k), _f32(v))
+            return ops.attention(q, cache.k, cache.v, start, cache.length, float(scale), int(window))
+
+    # ---- Gated DeltaNet ------------------------------------------------------------------------
+    def conv1d_silu(self, x, state, w):
+        with self._dev:
+            return ops.conv1d_silu(x, state, _f32(w))
+
+    def gdn_gates(self, alpha, beta, ssm_a, dt_bias):
+        with self._dev:
+            return ops.gdn_gates(alpha, beta, _f32(ssm_a), _f32(dt_bias))
+
+    def gdn_chunk(self, q, k, v, g, beta, state, chunk: int = 64):
+        # The recurrence kernel computes the same function exactly (the chunked form differs only in
+        # fp32 rounding) and runs the whole prompt in one launch; `chunk` does not change the result.
+        with self._dev:
+            return ops.gdn_scan(q, k, v, g, beta, state)
+
+    def gdn_step(self, q, k, v, g, beta, state):
+        with self._dev:
+            return ops.gdn_scan(q, k, v, g, beta, state)
+
+    # ---- mixture of experts ----------------------------------------------------------------------
+    def moe(self, x, router: CupyWeight, gate_exps: CupyWeight, up_exps, down_exps: CupyWeight, k: int):
+        with self._dev:
+            x = _f32(x)
+            T = x.shape[0]
+            logits = ops.matmul(x, router.q, "fma")  # router stays fp32 (doc 3.6)
+            ids, wts = ops.moe_route(logits, int(k))
+            path = self.gemv_path
+            if up_exps is None:  # fused gate+up: first Fe rows gate, next Fe rows up
+                gu = ops.matmul_experts(x, gate_exps.q, ids, int(k), path)
+                fe = gu.shape[1] // 2
+                h = ops.ewise("swiglu", cp.ascontiguousarray(gu[:, :fe]), cp.ascontiguousarray(gu[:, fe:]))
+            else:
+                gate = ops.matmul_experts(x, gate_exps.q, ids, int(k), path)
+                up = ops.matmul_experts(x, up_exps.q, ids, int(k), path)
+                h = ops.ewise("swiglu", gate, up)
+            y = ops.matmul_experts(h, down_exps.q, ids, 1, path)
+            return ops.moe_combine(y, wts, T, int(k))
+
+    # ---- sampling helpers --------------------------------------------------------------------------
+    def top_k(self, logits, k: int):
+        with self._dev:
+            vals, ids = ops.top_k(logits, int(k))
+            return cp.asnumpy(vals), cp.asnumpy(ids).astype(np.int64)
+
+    # ---- measurements (bench, probe) --------------------------------------------------------------
+    def measure_ceilings(self, seconds: float = 0.3) -> dict:
+        """Copy bandwidth (GB/s, bytes read + written), DP4A (TOPS) and fp32 FMA (TFLOP/s) of this card."""
+        from minecart.kernels import probe
+
+        with self._dev:
+            return probe.measure_ceilings(seconds)
+
+    def memory_used(self) -> int:
+        """Bytes held by CuPy's pool on this device (weights, caches, scratch)."""
+        with self._dev:
+            return int(cp.get_default_memory_pool().total_bytes())
+
+    def peak_memory(self) -> int:
+        with self._dev:
+            free, total = cp.cuda.runtime.memGetInfo()
+            return int(total - free)
+
+
+__all__ = ["CupyBackend", "CupyKVCache", "CupyWeight", "device_count", "gpu_uuid"]

@@ -1,0 +1,392 @@
+"""Thin launch wrappers: cupy arrays in, cupy arrays out; grid and block sizes are decided here.
+
+Every function takes and returns cupy arrays on the current device, launches on the current stream and
+never synchronizes. Shapes follow the Backend protocol (engine/backends/base.py). The weight container
+`QWeight` holds a matmul/embedding tensor in its device layout (see common.cuh): Q8_0 and Q4_0 re-laid
+out as contiguous quants + fp16 scales, K-quants as raw GGUF blocks, F32/F16/BF16 as plain rows.
+
+Not here: choosing between DP4A and FMA for a card (probe.py decides; the backend passes `path`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+
+from .build import DP4A_TYPES, GDN_KEY_DIMS, GEMV_TOKENS, HEAD_DIMS, QT, get_kernel
+
+_BLOCK_BYTES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210),
+                "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}
+_DUMMY: dict[int, cp.ndarray] = {}
+
+
+def _dummy():
+    dev = cp.cuda.Device().id
+    if dev not in _DUMMY:
+        _DUMMY[dev] = cp.zeros(8, dtype=cp.uint16)
+    return _DUMMY[dev]
+
+
+def supported_types() -> tuple[str, ...]:
+    return tuple(QT)
+
+
+@dataclass
+class QWeight:
+    """A quantized matrix (or stack of E expert matrices) on the device, rows R x K values each."""
+
+    type_name: str
+    rows: int  # rows per expert (R)
+    cols: int  # K
+    experts: int
+    wq: cp.ndarray
+    wd: cp.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.wq.nbytes + (0 if self.wd is None else self.wd.nbytes))
+
+    @property
+    def dp4a_ok(self) -> bool:
+        return self.type_name in DP4A_TYPES
+
+
+def upload_weight(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> QWeight:
+    """Copy a GGUF tensor's raw bytes to the device and lay them out for the kernels (no precision change).
+
+    shape: logical (R, K) or (E, R, K). raw: the tensor's bytes (any shape; C order)."""
+    if type_name not in _BLOCK_BYTES:
+        raise ValueError(f"weight type {type_name} has no GPU kernel (supported: {', '.join(QT)})")
+    if len(shape) == 1:
+        shape = (1, shape[0])
+    experts = shape[0] if len(shape) == 3 else 1
+    R, K = int(shape[-2]), int(shape[-1])
+    per, nbytes = _BLOCK_BYTES[type_name]
+    if K % 32 or K % per:
+        raise ValueError(f"row length {K} is not a multiple of the {type_name} block ({max(per, 32)} values)")
+    rows = experts * R
+    nb_row = K // per * nbytes
+    dev = cp.asarray(np.ascontiguousarray(raw).reshape(-1).view(np.uint8)).reshape(rows, nb_row)
+    wd = None
+    if type_name in ("Q8_0", "Q4_0"):
+        blk = dev.reshape(rows, K // 32, nbytes)
+        wd = cp.ascontiguousarray(blk[:, :, :2]).view(cp.uint16).reshape(rows, K // 32)
+        wq = cp.ascontiguousarray(blk[:, :, 2:]).reshape(rows, -1)
+        del blk, dev
+    else:
+        wq = dev
+    return QWeight(type_name, R, K, experts, wq, wd)
+
+
+# ---- activation quantization and matmuls ------------------------------------------------------------
+
+def quantize_q8_1(x: cp.ndarray):
+    """x (T, K) fp32 -> (xq int8 (T, K), xd fp32 (T, K/32), xs fp32 (T, K/32))."""
+    T, K = x.shape
+    nb = T * (K // 32)
+    xq = cp.empty((T, K), dtype=cp.int8)
+    xd = cp.empty((T, K // 32), dtype=cp.float32)
+    xs = cp.empty((T, K // 32), dtype=cp.float32)
+    warps = 8
+    get_kernel("quantize", "quantize_q8_1")((math.ceil(nb / warps),), (32 * warps,),
+                                           (x, xq, xd, xs, np.int64(nb)))
+    return xq, xd, xs
+
+
+def _mm_kernel(w: QWeight, name: str):
+    return get_kernel(f"matmul_{w.type_name}", name)
+
+
+def _chunks(T: int):
+    """Split T tokens into GEMV launches of the compiled token counts (8, 4, 2, 1)."""
+    t = 0
+    while t < T:
+        nt = max(n for n in GEMV_TOKENS if n <= T - t)
+        yield t, nt
+        t += nt
+
+
+GEMV_MAX_T = 8  # above this, the tiled GEMM reads each weight fewer times
+
+
+def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None = None) -> cp.ndarray:
+    """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations) or "fma" (fp32)."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    T, K = x.shape
+    if K != w.cols:
+        raise ValueError(f"matmul: input has {K} columns, weight has {w.cols}")
+    R = w.rows
+    y = out if out is not None else cp.empty((T, R), dtype=cp.float32)
+    if T == 0:
+        return y
+    wd = w.wd if w.wd is not None else _dummy()
+    use_dp4a = path == "dp4a" and w.dp4a_ok
+    q = QT[w.type_name]
+    if use_dp4a:
+        xq, xd, xs = quantize_q8_1(x)
+    nb = K // 32
+    if T <= GEMV_MAX_T:
+        warps = 4
+        grid = (math.ceil(R / warps),)
+        for t0, nt in _chunks(T):
+            if use_dp4a:
+                k = _mm_kernel(w, f"gemv_dp4a<{q}, {nt}>")
+                k(grid, (32 * warps,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
+                                        np.int32(K), np.uint64(0), np.int32(1)))
+            else:
+                k = _mm_kernel(w, f"gemv_fma<{q}, {nt}>")
+                k(grid, (32 * warps,), (w.wq, wd, x[t0:], y[t0:], np.int32(R), np.int32(K),
+                                        np.uint64(0), np.int32(1)))
+        del nb
+        return y
+    if use_dp4a:
+        k = _mm_kernel(w, f"gemm_dp4a<{q}>")
+        k((math.ceil(R / 128), math.ceil(T / 128)), (256,),
+          (w.wq, wd, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K)))
+    else:
+        k = _mm_kernel(w, f"gemm_fma<{q}>")
+        k((math.ceil(R / 64), math.ceil(T / 64)), (256,), (w.wq, wd, x, y, np.int32(T), np.int32(R), np.int32(K)))
+    return y
+
+
+def matmul_experts(x: cp.ndarray, w: QWeight, ids: cp.ndarray, x_div: int, path: str = "dp4a") -> cp.ndarray:
+    """Row p of the result = x[p // x_div] @ W[ids[p]]^T, for p < len(ids) (mixture of experts)."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    P = int(ids.size)
+    R, K = w.rows, w.cols
+    y = cp.empty((P, R), dtype=cp.float32)
+    if P == 0:
+        return y
+    wd = w.wd if w.wd is not None else _dummy()
+    q = QT[w.type_name]
+    warps = 4
+    grid = (math.ceil(R / warps), P)
+    if path == "dp4a" and w.dp4a_ok:
+        xq, xd, xs = quantize_q8_1(x)
+        _mm_kernel(w, f"gemv_dp4a<{q}, 1>")(grid, (32 * warps,), (w.wq, wd, xq, xd, xs, y, np.int32(R), np.int32(K),
+                                                                   ids, np.int32(x_div)))
+    else:
+        _mm_kernel(w, f"gemv_fma<{q}, 1>")(grid, (32 * warps,), (w.wq, wd, x, y, np.int32(R), np.int32(K),
+                                                                  ids, np.int32(x_div)))
+    return y
+
+
+def embed(w: QWeight, ids: cp.ndarray) -> cp.ndarray:
+    """Rows ids (int32 device array) of an embedding table -> (T, K) fp32."""
+    T = int(ids.size)
+    K = w.cols
+    out = cp.empty((T, K), dtype=cp.float32)
+    n = T * (K // 32)
+    if n:
+        wd = w.wd if w.wd is not None else _dummy()
+        _mm_kernel(w, f"embed_rows<{QT[w.type_name]}>")((math.ceil(n / 128),), (128,),
+                                                        (w.wq, wd, ids, out, np.int32(T), np.int32(K)))
+    return out
+
+
+# ---- norms and elementwise ------------------------------------------------------------------------
+
+def _row_norm(mode: int, x, other, w, eps: float, want_sum: bool = False):
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    N = x.shape[-1]
+    rows = x.size // N if N else 0
+    out = cp.empty_like(x)
+    s_out = cp.empty_like(x) if want_sum else None
+    if rows == 0:
+        return (s_out, out) if want_sum else out
+    other = cp.ascontiguousarray(other, dtype=cp.float32) if other is not None else None
+    args = (x, other if other is not None else x, w if w is not None else np.uint64(0), out,
+            s_out if s_out is not None else out, np.int32(rows), np.int32(N), np.float32(eps))
+    if N <= 1024:
+        warps = 8
+        get_kernel("elementwise", f"row_norm<true, {mode}>")((math.ceil(rows / warps),), (32 * warps,), args)
+    else:
+        get_kernel("elementwise", f"row_norm<false, {mode}>")((rows,), (256,), args)
+    return (s_out, out) if want_sum else out
+
+
+def rms_norm(x, w, eps: float):
+    return _row_norm(0, x, None, w, eps)
+
+
+def add_rms_norm(x, delta, w, eps: float):
+    return _row_norm(1, x, delta, w, eps, want_sum=True)
+
+
+def l2_norm(x, eps: float):
+    return _row_norm(2, x, None, None, eps)
+
+
+def gated_rms_norm(x, z, w, eps: float):
+    return _row_norm(3, x, z, w, eps)
+
+
+_EW = {"add": 0, "mul": 1, "scale": 2, "sigmoid": 3, "silu": 4, "swiglu": 5, "geglu": 6, "gate": 7}
+
+
+def ewise(op: str, a, b=None, s: float = 0.0):
+    a = cp.ascontiguousarray(a, dtype=cp.float32)
+    if b is not None:
+        b = cp.ascontiguousarray(b, dtype=cp.float32)
+        if b.size != a.size:
+            if b.size == 0 or a.size % b.size:
+                raise ValueError(f"{op}: cannot broadcast {b.shape} over {a.shape}")
+        elif b.shape != a.shape:
+            raise ValueError(f"{op}: shapes {a.shape} and {b.shape} differ")
+    out = cp.empty_like(a)
+    n = a.size
+    if n:
+        get_kernel("elementwise", f"ewise<{_EW[op]}>")((math.ceil(n / 256),), (256,),
+                                                       (a, b if b is not None else a, out, np.int64(n),
+                                                        np.int64(b.size if b is not None else n), np.float32(s)))
+    return out
+
+
+def gdn_gates(alpha, beta, ssm_a, dt_bias):
+    alpha = cp.ascontiguousarray(alpha, dtype=cp.float32)
+    beta = cp.ascontiguousarray(beta, dtype=cp.float32)
+    n_v = alpha.shape[-1]
+    g = cp.empty_like(alpha)
+    b = cp.empty_like(beta)
+    n = alpha.size
+    if n:
+        get_kernel("elementwise", "gdn_gates")((math.ceil(n / 256),), (256,),
+                                               (alpha, beta, ssm_a, dt_bias, g, b, np.int32(n), np.int32(n_v)))
+    return g, b
+
+
+def rope(x, pos3: cp.ndarray, comp: cp.ndarray, inv_freq: cp.ndarray, n_rot: int, scale: float):
+    """x (T, nh, d); pos3 (3, T) int32; comp (n_rot/2,) int32; inv_freq (n_rot/2,) fp32."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    T, nh, d = x.shape
+    out = cp.empty_like(x)
+    n = x.size
+    if n:
+        get_kernel("elementwise", "rope_neox")((math.ceil(n / 256),), (256,),
+                                               (x, out, pos3, comp, inv_freq, np.int32(T), np.int32(nh),
+                                                np.int32(d), np.int32(n_rot), np.float32(1.0 / scale)))
+    return out
+
+
+# ---- attention --------------------------------------------------------------------------------------
+
+def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0) -> cp.ndarray:
+    """Causal GQA flash attention of q (T, nh, D) at positions start.. over cache rows [0, kv_len)."""
+    q = cp.ascontiguousarray(q, dtype=cp.float32)
+    T, nh, D = q.shape
+    n_kv = kc.shape[1]
+    if D not in HEAD_DIMS or vc.shape[2] != D:
+        raise ValueError(f"attention kernels are compiled for head dims {HEAD_DIMS} with equal K/V dims; "
+                         f"got {D}/{vc.shape[2]}")
+    out = cp.empty((T, nh, D), dtype=cp.float32)
+    G = nh // n_kv
+    if T == 1 and G <= 8:
+        # Split the context so that there are about two blocks per multiprocessor.
+        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+        want = max(1, (2 * sms) // n_kv)
+        split_len = max(64, math.ceil(kv_len / want / 32) * 32)
+        n_splits = max(1, math.ceil(kv_len / split_len))
+        po = cp.empty((n_splits, nh, D), dtype=cp.float32)
+        pm = cp.empty((n_splits, nh), dtype=cp.float32)
+        pl = cp.empty((n_splits, nh), dtype=cp.float32)
+        get_kernel("attention", f"flash_decode<{D}>")(
+            (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
+                                       np.int32(split_len), np.float32(scale), np.int32(window)))
+        get_kernel("attention", "flash_merge")((nh,), (min(256, max(32, D)),),
+                                               (po, pm, pl, out, np.int32(n_splits), np.int32(nh), np.int32(D)))
+        return out
+    get_kernel("attention", f"flash_prefill<{D}>")(
+        (math.ceil(T / 32), nh), (128,), (q, kc, vc, out, np.int32(T), np.int32(nh), np.int32(n_kv),
+                                          np.int32(start), np.int32(kv_len), np.float32(scale), np.int32(window)))
+    return out
+
+
+# ---- Gated DeltaNet ---------------------------------------------------------------------------------
+
+def conv1d_silu(x, state, w):
+    """x (T, C); state (K-1, C) updated in place; w (C, K). Returns silu(conv) (T, C)."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    T, C = x.shape
+    KW = w.shape[1]
+    out = cp.empty_like(x)
+    if T:
+        get_kernel("gdn", "conv1d_silu")((math.ceil(T * C / 256),), (256,),
+                                         (x, state, w, out, np.int32(T), np.int32(C), np.int32(KW)))
+        get_kernel("gdn", "conv_state_update")((math.ceil(C / 256),), (256,),
+                                               (x, state, np.int32(T), np.int32(C), np.int32(KW)))
+    return out
+
+
+def gdn_scan(q, k, v, g, beta, state):
+    """Delta-rule recurrence over T tokens; state (n_v, dk, dv) fp32 updated in place; -> (T, n_v, dv)."""
+    q = cp.ascontiguousarray(q, dtype=cp.float32)
+    k = cp.ascontiguousarray(k, dtype=cp.float32)
+    v = cp.ascontiguousarray(v, dtype=cp.float32)
+    g = cp.ascontiguousarray(g, dtype=cp.float32)
+    beta = cp.ascontiguousarray(beta, dtype=cp.float32)
+    T, n_k, dk = q.shape
+    _, n_v, dv = v.shape
+    if dk not in GDN_KEY_DIMS:
+        raise ValueError(f"Gated DeltaNet kernels are compiled for key dims {GDN_KEY_DIMS}; got {dk}")
+    if not state.flags.c_contiguous or state.dtype != cp.float32:
+        raise ValueError("GDN state must be a contiguous float32 array made by the backend")
+    out = cp.empty((T, n_v, dv), dtype=cp.float32)
+    if T:
+        slices = math.ceil(dv / 32)
+        get_kernel("gdn", f"gdn_scan<{dk}>")((n_v * slices,), (32,),
+                                             (q, k, v, g, beta, state, out, np.int32(T), np.int32(n_k),
+                                              np.int32(n_v), np.int32(dv)))
+    return out
+
+
+# ---- sampling and routing ---------------------------------------------------------------------------
+
+TOPK_SLICE = 4096
+TOPK_MAX = 128
+
+
+def top_k(logits: cp.ndarray, k: int):
+    """Largest k of each row -> (values (T, k) fp32, ids (T, k) int32) on the device, descending."""
+    logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+    if logits.ndim == 1:
+        logits = logits[None, :]
+    T, V = logits.shape
+    k = max(1, min(int(k), V))
+    if k > TOPK_MAX or math.ceil(V / TOPK_SLICE) * k > 8192:
+        idx = cp.argsort(-logits, axis=1)[:, :k].astype(cp.int32)
+        return cp.take_along_axis(logits, idx, axis=1), idx
+    n_slices = math.ceil(V / TOPK_SLICE)
+    cand_v = cp.empty((T, n_slices * k), dtype=cp.float32)
+    cand_i = cp.empty((T, n_slices * k), dtype=cp.int32)
+    get_kernel("sampling", "topk_stage1")((n_slices, T), (256,), (logits, np.int32(V), np.int32(k), cand_v, cand_i))
+    out_v = cp.empty((T, k), dtype=cp.float32)
+    out_i = cp.empty((T, k), dtype=cp.int32)
+    n_cand = n_slices * k
+    get_kernel("sampling", "topk_stage2")((T,), (256,), (cand_v, cand_i, np.int32(n_cand), np.int32(k), out_v, out_i),
+                                          shared_mem=4 * n_cand)
+    return out_v, out_i
+
+
+def moe_route(logits: cp.ndarray, k: int):
+    """Router logits (T, E) -> (ids (T*k,) int32, weights (T*k,) fp32): softmax, top-k, renormalized."""
+    logits = cp.ascontiguousarray(logits, dtype=cp.float32)
+    T, E = logits.shape
+    ids = cp.empty(T * k, dtype=cp.int32)
+    wts = cp.empty(T * k, dtype=cp.float32)
+    if T:
+        get_kernel("sampling", "moe_route")((T,), (256,), (logits, np.int32(E), np.int32(k), ids, wts),
+                                            shared_mem=4 * E)
+    return ids, wts
+
+
+def moe_combine(y: cp.ndarray, wts: cp.ndarray, T: int, k: int) -> cp.ndarray:
+    H = y.shape[1]
+    out = cp.empty((T, H), dtype=cp.float32)
+    n = T * H
+    if n:
+        get_kernel("sampling", "moe_combine")((math.ceil(n / 256),), (256,),
+                                              (y, wts, out, np.int32(T), np.int32(k), np.int32(H)))
+    return out

@@ -1,0 +1,99 @@
+"""Per-card probe: which matmul path (DP4A int8 or fp32 FMA) is faster on this GPU, and its ceilings.
+
+Mining cards throttle different units (CMP 100-210: tensor cores; CMP 30HX-170HX: also DP4A or FMA),
+so the path is measured, not assumed. `run_probe()` times the Q8_0 GEMV (decode) and GEMM (prefill)
+in both variants on random data and returns a plain dict (stored per GPU UUID by
+engine/probe_cache.py). It takes well under a second after the kernels are compiled.
+`measure_ceilings()` measures copy bandwidth and the peak DP4A / FMA rates for `minecart bench`.
+
+Not here: the cache file (engine/probe_cache.py) and the decision's use (engine/backends/cupy_backend.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import cupy as cp
+import numpy as np
+
+from . import ops
+from .build import get_kernel
+
+
+def _time(fn, reps: int) -> float:
+    """Mean seconds per call of fn on the current stream (after one warm-up)."""
+    fn()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+
+
+def random_q8_0(R: int, K: int, seed: int = 0) -> ops.QWeight:
+    """A random Q8_0 matrix built directly on the device (for probes and benchmarks)."""
+    rs = cp.random.RandomState(seed)
+    wq = rs.randint(-127, 128, size=(R, K), dtype=cp.int32).astype(cp.int8).view(cp.uint8)
+    d = (rs.random_sample((R, K // 32), dtype=cp.float32) * 0.01 + 0.001).astype(cp.float16)
+    return ops.QWeight("Q8_0", R, K, 1, wq, d.view(cp.uint16))
+
+
+def measure_copy(n_bytes: int = 256 << 20, reps: int = 10) -> float:
+    """Device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    n4 = n_bytes // 16
+    src = cp.ones(n4 * 4, dtype=cp.float32)
+    dst = cp.empty_like(src)
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    k = get_kernel("bench", "copy_f4")
+    t = _time(lambda: k((sms * 8,), (512,), (src, dst, np.int64(n4))), reps)
+    return 2 * n4 * 16 / t / 1e9
+
+
+def measure_dp4a(iters: int = 2048) -> float:
+    """Peak DP4A rate in TOPS (8 int8 operations per instruction: 4 multiplies, 4 adds)."""
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    out = cp.zeros(1, dtype=cp.int32)
+    blocks, threads = sms * 8, 256
+    k = get_kernel("bench", "peak_dp4a")
+    t = _time(lambda: k((blocks,), (threads,), (out, np.int32(iters), np.int32(3))), 3)
+    return blocks * threads * iters * 16 * 8 * 8 / t / 1e12
+
+
+def measure_fma(iters: int = 2048) -> float:
+    """Peak fp32 FMA rate in TFLOP/s (2 flops per FMA)."""
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    out = cp.zeros(1, dtype=cp.float32)
+    blocks, threads = sms * 8, 256
+    k = get_kernel("bench", "peak_fma")
+    t = _time(lambda: k((blocks,), (threads,), (out, np.int32(iters), np.float32(1.0001))), 3)
+    return blocks * threads * iters * 16 * 8 * 2 / t / 1e12
+
+
+def measure_ceilings(seconds: float = 0.3) -> dict:
+    del seconds  # sizes are fixed; each measurement takes a few milliseconds
+    return {"copy_gbs": measure_copy(), "dp4a_tops": measure_dp4a(), "fma_tflops": measure_fma()}
+
+
+def run_probe() -> dict:
+    """Time DP4A vs FMA matmuls on this card; return the choice and the measurements."""
+    t_start = time.perf_counter()
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    R, K = 4096, 4096
+    w = random_q8_0(R, K)
+    x1 = cp.random.RandomState(1).standard_normal((1, K), dtype=cp.float32)
+    xp = cp.random.RandomState(2).standard_normal((256, K), dtype=cp.float32)
+    rec: dict = {"name": name, "cc": int(dev.compute_capability)}
+    for label, x in (("gemv", x1), ("gemm", xp)):
+        times = {}
+        for path in ("dp4a", "fma"):
+            times[path] = _time(lambda x=x, path=path: ops.matmul(x, w, path), 5)
+        rec[f"{label}_us"] = {p: round(t * 1e6, 1) for p, t in times.items()}
+        rec[label] = min(times, key=times.get)
+    rec.update(measure_ceilings())
+    rec["dp4a_throttled"] = rec["gemm"] == "fma"
+    rec["probe_s"] = round(time.perf_counter() - t_start, 3)
+    return rec

@@ -1,0 +1,285 @@
+"""Every CUDA kernel against its NumPy twin (engine/backends/numpy_backend.py) on fresh random inputs.
+
+Odd and tail sizes everywhere, outputs poisoned with NaN before each kernel runs (fixture `poison`),
+errors normalized: ||gpu - ref|| / ||ref||. Tolerances: 1e-5 for fp32 paths (only summation order
+differs), a few 1e-3 for DP4A (activations rounded to int8 per 32 values), and 1e-5 against an exact
+NumPy emulation of the DP4A arithmetic (same int8 activations), which pins the kernel itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from minecart.engine import quants as Q
+from minecart.engine.backends.numpy_backend import NumpyBackend
+from minecart.engine.gguf_file import TensorInfo
+
+cp = pytest.importorskip("cupy")
+
+pytestmark = pytest.mark.gpu
+
+TYPES = {"F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16, "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_K": Q.Q4_K,
+         "Q6_K": Q.Q6_K}
+
+
+def nerr(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite values in the GPU result (an output left unwritten?)"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def nb():
+    return NumpyBackend()
+
+
+@pytest.fixture(scope="module")
+def gb():
+    from minecart.engine.backends.cupy_backend import CupyBackend
+
+    return CupyBackend("cuda:0", probe=False)
+
+
+@pytest.fixture(scope="module")
+def gb_fma():
+    from minecart.engine.backends.cupy_backend import CupyBackend
+
+    return CupyBackend("cuda:0", path="fma")
+
+
+def make_tensor(rng, type_name: str, shape, std: float = 1.0, name: str = "w") -> TensorInfo:
+    vals = (rng.standard_normal(shape) * std).astype(np.float32)
+    tid = TYPES[type_name]
+    raw = Q.quantize(vals, tid)
+    raw2 = raw.reshape(-1, raw.shape[-1]) if raw.ndim > 1 else raw
+    return TensorInfo(name=name, ggml_type=tid, type_name=type_name, shape=tuple(shape), raw=raw2,
+                      n_bytes=int(raw.nbytes))
+
+
+def q8_1_emulation(x: np.ndarray, w_dense: np.ndarray) -> np.ndarray:
+    """The DP4A path's arithmetic in NumPy: x rounded to int8 per 32 values, exact products."""
+    T, K = x.shape
+    xb = x.reshape(T, K // 32, 32).astype(np.float32)
+    d = np.abs(xb).max(axis=2, keepdims=True) / np.float32(127.0)
+    q = np.where(d > 0, np.rint(xb / np.where(d > 0, d, 1)), 0)
+    xr = (q * d).reshape(T, K).astype(np.float64)
+    return xr @ w_dense.astype(np.float64).T
+
+
+@pytest.mark.parametrize("type_name", list(TYPES))
+@pytest.mark.parametrize("T", [1, 3, 8, 13, 130])
+def test_matmul(nb, gb, gb_fma, poison, type_name, T):
+    rng = np.random.default_rng(hash((type_name, T)) % 2**32)
+    R, K = 259, 512
+    info = make_tensor(rng, type_name, (R, K), 0.05)
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    ref = nb.matmul(x, nb.load_weight(info))
+    for be, is_dp4a in ((gb, type_name in ("Q8_0", "Q4_0", "Q4_K", "Q6_K")), (gb_fma, False)):
+        poison()
+        y = be.to_numpy(be.matmul(be.asarray(x), be.load_weight(info)))
+        assert y.shape == (T, R)
+        if is_dp4a:
+            assert nerr(y, ref) < 1.5e-2
+            emu = q8_1_emulation(x, nb.load_weight(info).dense())
+            assert nerr(y, emu) < 2e-5
+        else:
+            assert nerr(y, ref) < 2e-5
+
+
+@pytest.mark.parametrize("type_name", list(TYPES))
+def test_embed(nb, gb, poison, type_name):
+    rng = np.random.default_rng(7)
+    info = make_tensor(rng, type_name, (301, 256), 0.5)
+    ids = [0, 300, 17, 17, 150]
+    ref = nb.embed(nb.load_weight(info, role="embedding"), ids)
+    y = gb.to_numpy(gb.embed(gb.load_weight(info, role="embedding"), ids))
+    assert nerr(y, ref) < 1e-6
+
+
+@pytest.mark.parametrize("N", [16, 80, 1000, 4104])
+def test_norms(nb, gb, poison, N):
+    rng = np.random.default_rng(N)
+    x = rng.standard_normal((5, 3, N)).astype(np.float32) * 3
+    d = rng.standard_normal((5, 3, N)).astype(np.float32)
+    z = rng.standard_normal((5, 3, N)).astype(np.float32)
+    w = (1 + 0.2 * rng.standard_normal(N)).astype(np.float32)
+    gx, gd, gz, gw = gb.asarray(x), gb.asarray(d), gb.asarray(z), gb.asarray(w)
+    assert nerr(gb.to_numpy(gb.rms_norm(gx, gw, 1e-6)), nb.rms_norm(x, w, 1e-6)) < 1e-6
+    assert nerr(gb.to_numpy(gb.rms_norm(gx, None, 1e-6)), nb.rms_norm(x, None, 1e-6)) < 1e-6
+    s, o = gb.add_rms_norm(gx, gd, gw, 1e-6)
+    rs, ro = nb.add_rms_norm(x, d, w, 1e-6)
+    assert nerr(gb.to_numpy(s), rs) < 1e-7 and nerr(gb.to_numpy(o), ro) < 1e-6
+    assert nerr(gb.to_numpy(gb.l2_norm(gx, 1e-6)), nb.l2_norm(x, 1e-6)) < 1e-6
+    assert nerr(gb.to_numpy(gb.gated_rms_norm(gx, gz, gw, 1e-6)), nb.gated_rms_norm(x, z, w, 1e-6)) < 1e-6
+
+
+def test_elementwise(nb, gb, poison):
+    rng = np.random.default_rng(3)
+    a = (rng.standard_normal((7, 333)) * 4).astype(np.float32)
+    b = rng.standard_normal((7, 333)).astype(np.float32)
+    col = rng.standard_normal((7, 1)).astype(np.float32)
+    ga, gbb = gb.asarray(a), gb.asarray(b)
+    for name in ("add", "mul", "swiglu", "geglu"):
+        assert nerr(gb.to_numpy(getattr(gb, name)(ga, gbb)), getattr(nb, name)(a, b)) < 1e-6, name
+    for name in ("sigmoid", "silu"):
+        assert nerr(gb.to_numpy(getattr(gb, name)(ga)), getattr(nb, name)(a)) < 1e-6, name
+    assert nerr(gb.to_numpy(gb.scale(ga, 0.37)), nb.scale(a, 0.37)) < 1e-7
+    assert nerr(gb.to_numpy(gb.mul(ga, gb.asarray(col))), nb.mul(a, col)) < 1e-7
+    al = rng.standard_normal((9, 6)).astype(np.float32) * 5
+    be = rng.standard_normal((9, 6)).astype(np.float32)
+    A = -np.exp(rng.uniform(-3, 1, 6)).astype(np.float32)
+    dt = rng.standard_normal(6).astype(np.float32)
+    g, bt = gb.gdn_gates(gb.asarray(al), gb.asarray(be), gb.asarray(A), gb.asarray(dt))
+    rg, rbt = nb.gdn_gates(al, be, A, dt)
+    assert nerr(gb.to_numpy(g), rg) < 1e-6 and nerr(gb.to_numpy(bt), rbt) < 1e-6
+
+
+@pytest.mark.parametrize("d,n_rot,sections", [(64, 16, ()), (256, 64, (11, 11, 10)), (128, 128, ())])
+def test_rope(nb, gb, poison, d, n_rot, sections):
+    rng = np.random.default_rng(d)
+    T, nh = 11, 3
+    x = rng.standard_normal((T, nh, d)).astype(np.float32)
+    for pos in (np.arange(5, 5 + T), rng.integers(0, 500, T)):
+        y = gb.to_numpy(gb.rope(gb.asarray(x), pos, n_rot, 1e7, sections=sections))
+        assert nerr(y, nb.rope(x, pos, n_rot, 1e7, sections=sections)) < 2e-6
+    if sections:
+        pos3 = rng.integers(0, 60, (3, T))
+        y = gb.to_numpy(gb.rope(gb.asarray(x), pos3, n_rot, 1e7, sections=sections))
+        assert nerr(y, nb.rope(x, pos3, n_rot, 1e7, sections=sections)) < 2e-6
+    y = gb.to_numpy(gb.rope(gb.asarray(x), np.arange(T), n_rot, 1e4, scale=4.0))
+    assert nerr(y, nb.rope(x, np.arange(T), n_rot, 1e4, scale=4.0)) < 2e-6
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("window", [0, 19])
+def test_attention(nb, gb, poison, D, window):
+    rng = np.random.default_rng(D + window)
+    nh, n_kv = 8, 2
+    c_np = nb.new_kv_cache(n_kv, D, D, 16)
+    c_gp = gb.new_kv_cache(n_kv, D, D, 16)
+    # prefill of 37, a second chunk of 33 (non-empty cache), then single-token decode steps
+    for T in (37, 33, 1, 1, 5, 1):
+        poison()
+        q = rng.standard_normal((T, nh, D)).astype(np.float32)
+        k = rng.standard_normal((T, n_kv, D)).astype(np.float32)
+        v = rng.standard_normal((T, n_kv, D)).astype(np.float32)
+        ref = nb.attention(q, k, v, c_np, scale=D ** -0.5, window=window)
+        y = gb.to_numpy(gb.attention(gb.asarray(q), gb.asarray(k), gb.asarray(v), c_gp, scale=D ** -0.5,
+                                     window=window))
+        assert c_gp.length == c_np.length
+        assert nerr(y, ref) < 1e-5, (T, c_np.length)
+
+
+def test_attention_long_decode_split(nb, gb, poison):
+    """Decode over a 3,001-token context: many context slices merged by log-sum-exp."""
+    rng = np.random.default_rng(11)
+    D, nh, n_kv, L = 128, 6, 1, 3000
+    c_np = nb.new_kv_cache(n_kv, D, D, L + 1)
+    c_gp = gb.new_kv_cache(n_kv, D, D, L + 1)
+    k = rng.standard_normal((L, n_kv, D)).astype(np.float32)
+    v = rng.standard_normal((L, n_kv, D)).astype(np.float32)
+    c_np.append(k, v)
+    c_gp.append(gb.asarray(k), gb.asarray(v))
+    q = (rng.standard_normal((1, nh, D)) * 2).astype(np.float32)
+    k1 = rng.standard_normal((1, n_kv, D)).astype(np.float32)
+    v1 = rng.standard_normal((1, n_kv, D)).astype(np.float32)
+    ref = nb.attention(q, k1, v1, c_np, scale=D ** -0.5)
+    y = gb.to_numpy(gb.attention(gb.asarray(q), gb.asarray(k1), gb.asarray(v1), c_gp, scale=D ** -0.5))
+    assert nerr(y, ref) < 1e-5
+
+
+def test_conv1d(nb, gb, poison):
+    rng = np.random.default_rng(5)
+    C, KW = 100, 4
+    w = rng.standard_normal((C, KW)).astype(np.float32)
+    s_np = np.zeros((KW - 1, C), np.float32)
+    s_gp = gb.zeros((KW - 1, C))
+    for T in (7, 1, 1, 2, 1):
+        x = rng.standard_normal((T, C)).astype(np.float32)
+        ref = nb.conv1d_silu(x, s_np, w)
+        y = gb.to_numpy(gb.conv1d_silu(gb.asarray(x), s_gp, gb.asarray(w)))
+        assert nerr(y, ref) < 1e-6
+        assert nerr(gb.to_numpy(s_gp), s_np) < 1e-7
+
+
+@pytest.mark.parametrize("dk,n_k,n_v,T", [(16, 2, 4, 150), (128, 2, 4, 70), (64, 1, 3, 9)])
+def test_gdn(nb, gb, poison, dk, n_k, n_v, T):
+    rng = np.random.default_rng(dk + T)
+    dv = dk
+
+    def unit(a):
+        return a / np.linalg.norm(a, axis=-1, keepdims=True)
+
+    q = (unit(rng.standard_normal((T, n_k, dk))) / np.sqrt(dk)).astype(np.float32)
+    k = unit(rng.standard_normal((T, n_k, dk))).astype(np.float32)
+    v = rng.standard_normal((T, n_v, dv)).astype(np.float32)
+    g = -np.exp(rng.uniform(-4, 1, (T, n_v))).astype(np.float32)
+    beta = rng.uniform(0, 1, (T, n_v)).astype(np.float32)
+    s0 = (rng.standard_normal((n_v, dk, dv)) * 0.1).astype(np.float32)
+    s_np = s0.copy()
+    ref = nb.gdn_chunk(q, k, v, g, beta, s_np)
+    s_gp = gb.asarray(s0)
+    poison()
+    y = gb.to_numpy(gb.gdn_chunk(*(gb.asarray(a) for a in (q, k, v, g, beta)), s_gp))
+    assert nerr(y, ref) < 1e-5
+    assert nerr(gb.to_numpy(s_gp), s_np) < 1e-5
+    # token by token continues from the same state
+    s_np2 = s_np.copy()
+    for t in range(3):
+        sl = slice(t, t + 1)
+        r = nb.gdn_step(q[sl], k[sl], v[sl], g[sl], beta[sl], s_np2)
+        o = gb.gdn_step(*(gb.asarray(a[sl]) for a in (q, k, v, g, beta)), s_gp)
+        assert nerr(gb.to_numpy(o), r) < 1e-5
+    assert nerr(gb.to_numpy(s_gp), s_np2) < 1e-5
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("T", [1, 6])
+def test_moe(nb, gb, gb_fma, poison, fused, T):
+    rng = np.random.default_rng(T + 10 * fused)
+    E, H, F, k = 8, 256, 96, 3
+    router = make_tensor(rng, "F32", (E, H), 0.5, "router")
+    if fused:
+        gate = make_tensor(rng, "Q8_0", (E, 2 * F, H), 0.1, "gate_up")
+        up = None
+    else:
+        gate = make_tensor(rng, "Q8_0", (E, F, H), 0.1, "gate")
+        up = make_tensor(rng, "Q4_K", (E, F, H), 0.1, "up")
+    down = make_tensor(rng, "Q8_0", (E, H, F), 0.1, "down")
+    x = rng.standard_normal((T, H)).astype(np.float32)
+
+    def run(be):
+        ws = [be.load_weight(router, role="matmul")] + [
+            None if t is None else be.load_weight(t, role="experts") for t in (gate, up, down)]
+        return be.to_numpy(be.moe(be.asarray(x), ws[0], ws[1], ws[2], ws[3], k)) if be is not nb else \
+            be.moe(x, ws[0], ws[1], ws[2], ws[3], k)
+
+    ref = run(nb)
+    assert nerr(run(gb_fma), ref) < 2e-5
+    assert nerr(run(gb), ref) < 3e-2
+
+
+@pytest.mark.parametrize("V", [1000, 100003, 248320])
+@pytest.mark.parametrize("k", [1, 5, 40])
+def test_top_k(nb, gb, V, k):
+    rng = np.random.default_rng(V + k)
+    logits = (rng.standard_normal((3, V)) * 4).astype(np.float32)
+    rv, ri = nb.top_k(logits, k)
+    gv, gi = gb.top_k(gb.asarray(logits), k)
+    np.testing.assert_array_equal(gi, ri)
+    np.testing.assert_array_equal(gv, rv)
+
+
+def test_probe_and_cache(tmp_path, monkeypatch):
+    from minecart.engine import probe_cache
+    from minecart.kernels import probe
+
+    monkeypatch.setenv("MINECART_CACHE_DIR", str(tmp_path))
+    rec = probe.run_probe()
+    assert rec["gemv"] in ("dp4a", "fma") and rec["gemm"] in ("dp4a", "fma")
+    assert rec["copy_gbs"] > 10 and rec["dp4a_tops"] > 0.5 and rec["fma_tflops"] > 0.5
+    probe_cache.save("GPU-test", rec)
+    assert probe_cache.get("GPU-test")["gemv"] == rec["gemv"]
+    assert "decode path" in probe_cache.summary_for("GPU-test")
+    print("probe:", rec)

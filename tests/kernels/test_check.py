@@ -1,0 +1,88 @@
+"""The CI guard (python -m minecart.kernels.check): every kernel compiles for every supported
+architecture with NVRTC 12 and no PTX holds a tensor-core instruction; a planted `mma` is caught.
+
+Runs without a GPU or CuPy; needs the `nvidia-cuda-nvrtc-cu12` wheel (the `test` extra)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from minecart.kernels import check
+from minecart.kernels.build import ModuleSpec, module_source, module_specs
+
+try:
+    check.Nvrtc()
+    HAVE_NVRTC = True
+except (check.NvrtcError, OSError):
+    HAVE_NVRTC = False
+
+needs_nvrtc = pytest.mark.skipif(not HAVE_NVRTC, reason="nvidia-cuda-nvrtc-cu12 is not installed")
+
+PLANTED = r"""
+extern "C" __global__ void planted_mma(float* out, const unsigned* a, const unsigned* b) {
+    float d0, d1, d2, d3, d4, d5, d6, d7;
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9}, {%10,%11}, "
+                 "{%12,%12,%12,%12,%12,%12,%12,%12};"
+                 : "=f"(d0), "=f"(d1), "=f"(d2), "=f"(d3), "=f"(d4), "=f"(d5), "=f"(d6), "=f"(d7)
+                 : "r"(a[0]), "r"(a[1]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+    out[threadIdx.x] = d0 + d1 + d2 + d3 + d4 + d5 + d6 + d7;
+}
+"""
+
+
+def test_tensor_core_lines_matches_opcodes_only():
+    ptx = "\n".join([
+        "// gemma and mma in a comment",
+        ".visible .entry gemma_kernel(",
+        "\tmma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f2};",
+        "\t@%p1 wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%f1}, %rd1, %rd2;",
+        "\tldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%rd3];",
+        "\ttcgen05.mma.cta_group::1.kind::f16 [%r1], %rd1, %rd2, %r2;",
+        "\tdp4a.s32.s32 %r5, %r6, %r7, %r8;",
+        "\tfma.rn.f32 %f3, %f4, %f5, %f6;",
+    ])
+    bad = check.tensor_core_lines(ptx)
+    assert [b.split(".")[0].lstrip("@%p1 ") for b in bad] == ["mma", "wgmma", "ldmatrix", "tcgen05"]
+
+
+@needs_nvrtc
+def test_guard_fails_on_planted_mma():
+    spec = ModuleSpec("planted", ("bench.cu",), ())
+    src = module_source(spec) + PLANTED
+    out = io.StringIO()
+    status = check.check([spec], archs=("sm_70", "sm_90"), sources={"planted": src}, out=out)
+    assert status == 1, out.getvalue()
+    assert "TENSOR CORE planted sm_70" in out.getvalue()
+
+
+@needs_nvrtc
+def test_guard_passes_all_kernels_all_archs(tmp_path):
+    out = io.StringIO()
+    status = check.check(archs=check.ARCHS, dump=tmp_path, jobs=2, out=out)
+    assert status == 0, out.getvalue()
+    for arch in check.ARCHS:
+        for spec in module_specs():
+            ptx = (tmp_path / arch / f"{spec.name}.ptx").read_text()
+            assert ".entry" in ptx
+            assert not check.tensor_core_lines(ptx)
+    # the DP4A kernels really use DP4A
+    assert "dp4a.s32.s32" in (tmp_path / "sm_61" / "matmul_Q8_0.ptx").read_text()
+
+
+def test_probe_cache_roundtrip(tmp_path, monkeypatch):
+    from minecart.engine import probe_cache
+
+    monkeypatch.setenv("MINECART_CACHE_DIR", str(tmp_path))
+    assert probe_cache.load_all() == {}
+    probe_cache.save("GPU-1234", {"name": "CMP 100-210", "gemv": "dp4a", "gemm": "fma", "dp4a_tops": 17.0,
+                                  "fma_tflops": 14.1, "copy_gbs": 818.0})
+    rec = probe_cache.get("GPU-1234")
+    assert rec["gemm"] == "fma" and rec["version"] == probe_cache.VERSION
+    line = probe_cache.summary_for("GPU-1234")
+    assert "DP4A 17.0 TOPS" in line and "prefill path fma" in line
+    assert probe_cache.summary_for("GPU-none") == ""
+    (tmp_path / probe_cache.FILE_NAME).write_text("{not json")
+    assert probe_cache.load_all() == {}
