@@ -50,6 +50,10 @@ CUDA_CONTEXT_BYTES = 400 * MiB
 # (12 bytes) plus an fp16 scale (2 bytes), as the Walsh-Hadamard + Lloyd-Max cache of seeds.md stores.
 KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8": 34 / 32, "q3": 14 / 32}
 
+# How a backend holds weights: "stored" = GGUF blocks as in the file (CUDA backend); "numpy" = the
+# reference backend (float32, embedding rows read from the file, float32 copy of a tied LM head).
+WEIGHT_LAYOUTS = ("stored", "numpy")
+
 GLOBAL = "global"
 HEAD = "head"
 FORMAT = "minecart.placement"
@@ -139,6 +143,7 @@ class ModelCosts:
     layer_kinds: tuple[str, ...]
     parts: tuple[PartCost, ...]
     source: str = ""  # path of the GGUF file, or "shape:<name>"
+    layout: str = "stored"  # how the weights are held (WEIGHT_LAYOUTS)
 
     @property
     def part_names(self) -> list[str]:
@@ -153,11 +158,8 @@ class ModelCosts:
 
     @property
     def weight_bytes(self) -> int:
-        """Whole-model weight bytes, each tensor once."""
-        seen: dict[str, int] = {}
-        for p in self.parts:
-            seen.update(p.tensors)
-        return sum(seen.values())
+        """Whole-model weight bytes, each tensor once (at its largest form)."""
+        return sum(_union_bytes(self.parts).values())
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -171,7 +173,17 @@ class ModelCosts:
         )
         return cls(name=d["name"], architecture=d["architecture"], n_layers=int(d["n_layers"]),
                    hidden=int(d["hidden"]), vocab=int(d["vocab"]), layer_kinds=tuple(d["layer_kinds"]),
-                   parts=parts, source=d.get("source", ""))
+                   parts=parts, source=d.get("source", ""), layout=d.get("layout", "stored"))
+
+
+def _union_bytes(parts: Iterable[PartCost]) -> dict[str, int]:
+    """Tensor -> bytes over several parts; a tensor two parts share (the tied embedding) counts once,
+    at the larger of its two forms (the reference backend's LM head copy is float32)."""
+    out: dict[str, int] = {}
+    for p in parts:
+        for name, b in p.tensors:
+            out[name] = max(out.get(name, 0), b)
+    return out
 
 
 def _kv_bytes_per_value(kv_type: str) -> float:
@@ -205,15 +217,52 @@ def _tensor_parts(config: ModelConfig, names: Iterable[str]) -> dict[str, list[s
     return groups
 
 
-def _roles_from_model_module(config: ModelConfig) -> dict[str, list[str]] | None:
-    """The model module's own tensor list per part, when it has one (it is the truth of what gets loaded)."""
+def _roles_by_name(config: ModelConfig, tensors: Mapping) -> dict[str, dict[str, str]]:
+    """part -> {tensor: role} from names alone (used when the model module cannot say)."""
+    out: dict[str, dict[str, str]] = {}
+    for part, names in _tensor_parts(config, tensors).items():
+        out[part] = {n: "embedding" if n == "token_embd.weight" else
+                     ("vector" if len(_shape_of(tensors[n])) == 1 else "matmul") for n in names}
+    return out
+
+
+def _roles_from_model_module(config: ModelConfig, tensors: Mapping) -> dict[str, dict[str, str]] | None:
+    """The model module's own tensor roles per part (the truth of what gets loaded), or None."""
     try:
+        import inspect
+
         from .models import module_for
 
-        roles = module_for(config.architecture).tensor_roles(config)
+        fn = module_for(config.architecture).tensor_roles
+        if "available" in inspect.signature(fn).parameters:
+            roles = fn(config, available=set(tensors))
+        else:
+            roles = fn(config)
     except Exception:  # the module may not exist yet for this architecture; names then decide
         return None
-    return {part: list(tensors) for part, tensors in roles.items()}
+    if any(n not in tensors for r in roles.values() for n in r):
+        return None
+    return {part: dict(r) for part, r in roles.items()}
+
+
+def _shape_of(info) -> tuple[int, ...]:
+    return tuple(int(s) for s in info.shape)
+
+
+def _tensor_bytes(info, role: str, part: str, layout: str) -> int:
+    """Bytes a backend holds for one tensor. "stored": the GGUF blocks as they are (the CUDA backend).
+    "numpy": the reference backend, which decodes weights to float32 at load, reads embedding rows
+    from the memory-mapped file, and keeps one float32 copy of a tied table used as the LM head."""
+    if layout == "stored":
+        return int(info.n_bytes)
+    if layout != "numpy":
+        raise PlacementError(f"weight layout '{layout}' is not known; use one of {', '.join(WEIGHT_LAYOUTS)}")
+    if role == "embedding" and part == GLOBAL:
+        return 0
+    n = 1
+    for d in _shape_of(info):
+        n *= d
+    return 4 * n
 
 
 def _layer_activation_values(config: ModelConfig, kind: str) -> int:
@@ -242,33 +291,34 @@ def _layer_state_bytes(config: ModelConfig, kind: str) -> int:
     return conv + ssm
 
 
-def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1) -> ModelCosts:
+def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout: str = "stored") -> ModelCosts:
     """Per-part costs from the tensor infos of an opened GGUF (or anything with `.tensors`: a mapping of
-    name -> object with `n_bytes`, and optionally `.path`).
+    name -> object with `shape` and `n_bytes`, and optionally `.path`).
 
     logits_rows: rows of logits the LM head keeps per step (1 when generating; the chunk length when a
     caller asks for every position's logits, as Model.logits does).
+    layout: how the backend holds weights (WEIGHT_LAYOUTS): "stored" for the CUDA backend (quantized
+    blocks as in the file), "numpy" for the float32 reference backend.
     """
     tensors = gguf_file.tensors
-    groups = _roles_from_model_module(config) or _tensor_parts(config, tensors)
-    missing = [n for names in groups.values() for n in names if n not in tensors]
-    if missing:
-        groups = _tensor_parts(config, tensors)
+    roles = _roles_from_model_module(config, tensors) or _roles_by_name(config, tensors)
     parts: list[PartCost] = []
-    sized = lambda names: tuple((n, int(tensors[n].n_bytes)) for n in names)  # noqa: E731
-    parts.append(PartCost(GLOBAL, "embedding", sized(groups.get(GLOBAL, [])),
-                          act_values_per_token=config.hidden))
+
+    def sized(part: str) -> tuple[tuple[str, int], ...]:
+        return tuple((n, _tensor_bytes(tensors[n], role, part, layout)) for n, role in roles.get(part, {}).items())
+
+    parts.append(PartCost(GLOBAL, "embedding", sized(GLOBAL), act_values_per_token=config.hidden))
     for i, kind in enumerate(config.layer_types):
         kv = config.n_kv_heads * (config.head_dim + config.value_head_dim) if kind in (ATTN, SLIDING) else 0
-        parts.append(PartCost(layer_part(i), kind, sized(groups.get(layer_part(i), [])),
+        parts.append(PartCost(layer_part(i), kind, sized(layer_part(i)),
                               kv_values_per_token=kv, state_bytes=_layer_state_bytes(config, kind),
                               act_values_per_token=_layer_activation_values(config, kind)))
-    parts.append(PartCost(HEAD, "head", sized(groups.get(HEAD, [])), act_values_per_token=2 * config.hidden,
+    parts.append(PartCost(HEAD, "head", sized(HEAD), act_values_per_token=2 * config.hidden,
                           act_values_fixed=logits_rows * config.vocab_size))
     path = getattr(gguf_file, "path", "")
     return ModelCosts(name=config.name, architecture=config.architecture, n_layers=config.n_layers,
                       hidden=config.hidden, vocab=config.vocab_size, layer_kinds=tuple(config.layer_types),
-                      parts=tuple(parts), source=str(path))
+                      parts=tuple(parts), source=str(path), layout=layout)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -409,11 +459,7 @@ class _PaperModel:
 def costs_for_shape(name: str, quant: str = "Q8_0", n_layers: int | None = None) -> ModelCosts:
     """ModelCosts of a released shape without its file (see config_and_tensors_for_shape)."""
     config, specs = config_and_tensors_for_shape(name, quant, n_layers)
-    return _costs_without_module(config, _PaperModel(specs, f"shape:{name}:{quant}"))
-
-
-def _costs_without_module(config: ModelConfig, paper) -> ModelCosts:
-    return model_costs(config, paper)
+    return model_costs(config, _PaperModel(specs, f"shape:{name}:{quant}"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -539,12 +585,10 @@ class Placement:
         out: dict[str, DeviceBytes] = {}
         per_value = _kv_bytes_per_value(self.kv_type)
         for dev in self.devices_used():
-            tensors: dict[str, int] = {}
+            on_dev = [p for p, d in zip(self.costs.parts, self.assignment, strict=True) if d == dev]
+            tensors = _union_bytes(on_dev)
             kv = state = act_tok = act_fixed = 0
-            for p, d in zip(self.costs.parts, self.assignment, strict=True):
-                if d != dev:
-                    continue
-                tensors.update(p.tensors)
+            for p in on_dev:
                 kv += p.kv_values_per_token
                 state += p.state_bytes
                 act_tok = max(act_tok, p.act_values_per_token)

@@ -101,8 +101,10 @@ def _file_backed(obj) -> bool:
 
     a = obj
     for _ in range(64):
-        if isinstance(a, np.memmap) or isinstance(a, mmap.mmap):
+        if isinstance(a, (np.memmap, mmap.mmap)):
             return True
+        if isinstance(a, memoryview):  # a buffer over the file map (engine.gguf_file's reader)
+            return isinstance(a.obj, mmap.mmap)
         base = getattr(a, "base", None)
         if base is None:
             return False

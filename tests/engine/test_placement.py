@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from minecart.engine.errors import PlacementError
 from minecart.engine.placement import (
     CUDA_CONTEXT_BYTES,
+    DeviceSpec,
     GiB,
     MiB,
-    DeviceSpec,
     Placement,
     check,
     config_and_tensors_for_shape,

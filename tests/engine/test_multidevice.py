@@ -1,0 +1,317 @@
+"""Layer splits over several CPU devices: same logits as one device, pipelined chunks, rig emulation.
+
+The NumPy backend is deterministic and a split runs the same ops in the same order, so split logits
+must be bit-identical to single-device logits (whole prefill, chunked prefill, decode).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from minecart.engine.errors import DeviceError, GenerationCancelled
+from minecart.engine.model import load_model
+from minecart.engine.multidevice import HostBridge, bench_split
+from minecart.engine.placement import DeviceSpec, MiB, Placement, model_costs
+from minecart.engine.rig import Link, Rig, RigDevice, allocated_bytes, parse_bytes, parse_link
+
+Q8 = "dense/qwen35-tiny-dense-q8_0.gguf"
+PROMPT = [int(t) for t in np.random.default_rng(7).integers(0, 248_000, size=45)]
+
+
+@pytest.fixture(scope="module")
+def path(fixtures_dir):
+    return fixtures_dir / Q8
+
+
+@pytest.fixture(scope="module")
+def costs(path):
+    from minecart.engine.config import ModelConfig
+    from minecart.engine.gguf_file import GGUFFile
+
+    gf = GGUFFile(path)
+    return model_costs(ModelConfig.from_gguf(gf), gf, layout="numpy")
+
+
+@pytest.fixture(scope="module")
+def single(path):
+    model = load_model(path, devices=["cpu:0"])
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def reference(single):
+    """Single-device results: whole prefill logits, chunked prefill logits, 4 greedy decode rows."""
+    whole = single.logits(PROMPT)
+    states = single.new_state(64)
+    chunked = single.forward(PROMPT, states, np.arange(len(PROMPT)), rows="all", chunk=8)
+    decode, token = [], int(np.argmax(chunked[-1]))
+    for k in range(4):
+        row = single.forward([token], states, np.array([len(PROMPT) + k]))[-1]
+        decode.append(row)
+        token = int(np.argmax(row))
+    return whole, chunked, np.stack(decode)
+
+
+SPLITS = {
+    "2 devices": [("cpu:0", 4), ("cpu:1", 4)],
+    "3 devices": [("cpu:0", 2), ("cpu:1", 3), ("cpu:2", 3)],
+    "3 devices, head apart": [("cpu:0", 5), ("cpu:1", 3), ("cpu:2", 0)],
+}
+
+
+def _plan(costs, name):
+    counts = SPLITS[name]
+    plan = Placement.from_layer_counts(costs, [(d, n) for d, n in counts if n])
+    if name == "3 devices, head apart":
+        plan.move_part("head", "cpu:2")
+    return plan
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_split_logits_identical_to_one_device(path, costs, reference, split):
+    whole, chunked, decode = reference
+    plan = _plan(costs, split)
+    with load_model(path, placement=plan) as model:
+        assert model.placement.devices_used() == plan.devices_used()
+        assert model.pipeline is not None and len(model.pipeline.workers) == len(plan.devices_used())
+        np.testing.assert_array_equal(model.logits(PROMPT), whole)
+        states = model.new_state(64)
+        got = model.forward(PROMPT, states, np.arange(len(PROMPT)), rows="all", chunk=8)
+        np.testing.assert_array_equal(got, chunked)  # 6 chunks in flight through the pipeline
+        token = int(np.argmax(got[-1]))
+        for k in range(4):
+            row = model.forward([token], states, np.array([len(PROMPT) + k]))[-1]
+            np.testing.assert_array_equal(row, decode[k])
+            token = int(np.argmax(row))
+        # the bridges really carried the hidden state (embedding output + per chunk + decode steps)
+        assert sum(b.bytes_moved for b in model.pipeline.bridges) > 0
+
+
+def test_whole_and_chunked_prefill_agree(reference):
+    whole, chunked, _ = reference
+    np.testing.assert_allclose(chunked, whole, atol=2e-4, rtol=0)
+
+
+def test_non_contiguous_split_and_session_prefill(path, costs, single):
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 2), ("cpu:1", 2), ("cpu:2", 4)])
+    plan.assign_range(5, 7, "cpu:0")  # parts 5-6 = layers 4-5: cpu:0 -> cpu:1 -> cpu:0 -> cpu:2
+    assert not plan.is_contiguous() and plan.crossings() == 3
+    ref = single.new_session()
+    ref_logits = ref.prefill(PROMPT, chunk=10)
+    with load_model(path, placement=plan) as model:
+        assert [s.device for s in model.pipeline.stages] == ["cpu:0", "cpu:1", "cpu:0", "cpu:2"]
+        sess = model.new_session()
+        np.testing.assert_array_equal(sess.prefill(PROMPT, chunk=10), ref_logits)
+        assert sess.tokens == PROMPT and sess.position == len(PROMPT)
+        nxt = int(np.argmax(ref_logits))
+        np.testing.assert_array_equal(sess.step(nxt), ref.step(nxt))
+
+
+def test_auto_placement_from_device_names(path, single):
+    with load_model(path, devices=["cpu:0", "cpu:1"]) as model:
+        assert isinstance(model.placement, Placement)
+        assert model.placement.is_contiguous()
+        assert set(model.placement.bytes_per_device()) == set(model.placement.devices_used())
+        np.testing.assert_array_equal(model.logits(PROMPT[:9]), single.logits(PROMPT[:9]))
+
+
+def test_cancel_keeps_whole_chunks(path, costs, single):
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cpu:1", 4)])
+    with load_model(path, placement=plan) as model:
+        cancel = threading.Event()
+        calls = []
+        be = model.pipeline.stages[0].backend
+        real_embed = be.embed
+
+        def embed_then_cancel(table, ids):  # cancel once the second chunk is embedded
+            calls.append(len(ids))
+            if len(calls) == 2:
+                cancel.set()
+            return real_embed(table, ids)
+
+        be.embed = embed_then_cancel
+        try:
+            sess = model.new_session()
+            with pytest.raises(GenerationCancelled) as info:
+                sess.prefill(PROMPT, chunk=5, cancel=cancel)
+        finally:
+            del be.embed
+        done = info.value.tokens_done
+        assert done % 5 == 0 and 10 <= done < len(PROMPT)
+        assert sess.tokens == PROMPT[:done]
+        # the state is exactly that of `done` tokens: continuing gives the uncancelled result
+        rest = sess.prefill(PROMPT[done:], chunk=5)
+        ref = single.new_session()
+        np.testing.assert_array_equal(rest, ref.prefill(PROMPT, chunk=5))
+
+
+def test_an_error_on_a_worker_reaches_the_caller(path, costs):
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cpu:1", 4)])
+    with load_model(path, placement=plan) as model:
+        be = model.pipeline.stages[1].backend
+
+        def broken(*a, **k):
+            raise RuntimeError("kernel exploded")
+
+        be.matmul = broken
+        try:
+            with pytest.raises(RuntimeError, match="kernel exploded"):
+                model.forward(PROMPT, model.new_state(64), np.arange(len(PROMPT)), rows="last", chunk=8)
+        finally:
+            del be.matmul
+        assert model.logits(PROMPT[:3]).shape == (3, 248320)  # still usable
+
+
+# ---- overlap --------------------------------------------------------------------------------------
+
+
+class _SlowBackend:
+    """A NumPy backend whose matmuls take at least `delay` seconds (a stand-in for a slow card)."""
+
+    def __init__(self, device, delay):
+        from minecart.engine.backends.numpy_backend import NumpyBackend
+
+        self._inner = NumpyBackend(device)
+        self.delay = delay
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def matmul(self, x, w):
+        time.sleep(self.delay)
+        return self._inner.matmul(x, w)
+
+
+def test_chunks_overlap_across_devices(path, costs):
+    rig = Rig.cpus(2, link="gen1x1", backend_factory=lambda phys: _SlowBackend(phys, 0.002))
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cpu:1", 4)])
+    with load_model(path, placement=plan, devices=rig) as model:
+        pipe = model.pipeline
+        default = pipe.max_in_flight
+        ids, pos = PROMPT[:40], np.arange(40)
+
+        def run(in_flight):
+            pipe.max_in_flight = in_flight
+            t0 = time.perf_counter()
+            out = model.forward(ids, model.new_state(64), pos, rows="last", chunk=5)
+            return time.perf_counter() - t0, out
+
+        run(default)
+        sequential, a = run(1)  # one chunk at a time: devices take turns
+        pipelined, b = run(default)
+        np.testing.assert_array_equal(a, b)
+        # 8 chunks, each ~4 layers x 7 matmuls x 2 ms per device: ~0.9 s in turns, ~0.5 s overlapped
+        assert pipelined < 0.8 * sequential, (pipelined, sequential)
+
+
+# ---- rig ------------------------------------------------------------------------------------------
+
+
+def test_memory_estimate_matches_numpy_allocations(path, costs):
+    """Placement estimate (numpy layout, f32 KV) vs the arrays the NumPy backends really hold."""
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 3), ("cpu:1", 3), ("cpu:2", 2)], context=300,
+                                       kv_type="f32")
+    with load_model(path, placement=plan, devices=Rig.cpus(3)) as model:
+        model.logits(PROMPT[:4])  # the tied LM head decodes its float32 table on first use
+        states = model.new_state(300)
+        estimate = plan.bytes_per_device()
+        for dev in plan.devices_used():
+            parts = plan.parts_on(dev)
+            held = allocated_bytes([model.weights[p] for p in parts])
+            held += allocated_bytes([states[int(p.split(".")[1])] for p in parts if p.startswith("layer.")])
+            assert held > 0
+            assert abs(held - estimate[dev].resident) <= 0.05 * estimate[dev].resident, dev
+
+
+def test_memory_cap_raises_a_clear_error(path, costs):
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cpu:1", 4)])
+    # what cpu:1 holds at load: layers 4-7 and the output norm (the tied table is decoded on first use)
+    need = sum(p.weight_bytes for p in costs.parts if plan.device_of(p.name) == "cpu:1" and p.name != "head")
+    rig = Rig.cpus(2, caps=[None, need // 2])
+    with pytest.raises(DeviceError, match=r"cpu:1 is out of memory: .* cap are in use; move layers"):
+        load_model(path, placement=plan, devices=rig)
+    rig = Rig.cpus(2, caps=[None, need + MiB])
+    with load_model(path, placement=plan, devices=rig) as model:
+        used = rig.backend("cpu:1").used_bytes
+        assert need <= used <= need + 1024
+        assert rig.device_specs()[1].free_bytes == need + MiB - used
+        # the LM head's float32 table (31.8 MB) appears on first use; re-measuring catches it
+        model.logits(PROMPT[:2])
+        with pytest.raises(DeviceError, match="more than its"):
+            rig.backend("cpu:1").measure([model.weights[p] for p in plan.parts_on("cpu:1")])
+
+
+def test_link_charges_transfers():
+    rig = Rig([RigDevice("cpu:0", "cpu:0", None, Link(10e6, 1e-3))])
+    be = rig.backend("cpu:0")
+    host = np.arange(50_000, dtype=np.float32)  # 200 kB at 10 MB/s: 20 ms + 1 ms
+    t0 = time.perf_counter()
+    dev = be.asarray(host)
+    back = be.to_numpy(dev)
+    elapsed = time.perf_counter() - t0
+    np.testing.assert_array_equal(back, host)
+    assert elapsed >= 0.042
+    assert be.transferred_bytes == 2 * host.nbytes
+    assert abs(be.transfer_seconds - 0.042) < 1e-9
+
+
+def test_host_bridge_copies_and_reuses_one_buffer():
+    from minecart.engine.backends.numpy_backend import NumpyBackend
+
+    bridge = HostBridge(NumpyBackend("cpu:0"), NumpyBackend("cpu:1"), rows=4, width=8)
+    try:
+        buf = bridge.buffer
+        a = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+        y = bridge.move(a)
+        z = bridge.move(a * 2)
+        np.testing.assert_array_equal(y, a)  # not overwritten by the second hop
+        np.testing.assert_array_equal(z, a * 2)
+        assert bridge.buffer is buf and not np.shares_memory(y, buf)
+        big = bridge.move(np.ones((9, 8), np.float32))  # grows when a larger chunk arrives
+        assert big.shape == (9, 8) and bridge.buffer.size >= 72
+    finally:
+        bridge.close()
+
+
+def test_rig_parse_and_logical_devices():
+    rig = Rig.parse("cuda:0=4GiB@gen1x1, cuda:1=3500MiB@250MB/s+30us, cuda:2, cpu:0=8GiB", physical_gpus=2)
+    assert [d.physical for d in rig.devices] == ["cuda:0", "cuda:1", "cuda:0", "cpu:0"]
+    assert rig.devices[0].memory_cap == 4 << 30 and rig.devices[1].memory_cap == 3500 << 20
+    assert rig.devices[1].link.bandwidth == 250e6 and abs(rig.devices[1].link.latency - 30e-6) < 1e-12
+    assert rig.devices[2].memory_cap is None and rig.devices[2].link is None
+    assert parse_link("gen1x1").bandwidth == 250e6 and parse_bytes("1.5GiB") == 3 << 29
+    with pytest.raises(DeviceError, match="not understood"):
+        Rig.parse("gpu0=4GiB")
+    with pytest.raises(DeviceError, match="cannot run on"):
+        RigDevice("cuda:1", "cpu:0")
+    logical = Rig.logical("cuda:0", [4 << 30, 4 << 30, 8 << 30], link="gen1x1")
+    assert logical.names == ["cuda:0", "cuda:1", "cuda:2"]
+    assert {d.physical for d in logical.devices} == {"cuda:0"}
+    specs = logical.device_specs()
+    assert [s.free_bytes for s in specs] == [4 << 30, 4 << 30, 8 << 30]
+    assert all(isinstance(s, DeviceSpec) for s in specs)
+
+
+def test_allocated_bytes_skips_file_data(path):
+    from minecart.engine.gguf_file import GGUFFile
+
+    gf = GGUFFile(path)
+    info = gf.tensors["token_embd.weight"]
+    assert allocated_bytes(info) == 0 and allocated_bytes(info.raw) == 0
+    a = np.zeros((10, 10), np.float32)
+    assert allocated_bytes({"a": a, "view": a[2:], "again": [a]}) == 400
+
+
+def test_bench_split_reports(path, costs):
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cpu:1", 4)])
+    with load_model(path, placement=plan, devices=Rig.cpus(2, link="gen1x1")) as model:
+        result = bench_split(model, prompt_tokens=24, chunk=8, decode_tokens=3)
+    assert result.devices == ["cpu:0", "cpu:1"]
+    assert result.prefill_tokens_per_s > 0 and result.decode_tokens_per_s > 0
+    assert result.link_bytes > 0
+    text = "\n".join(result.lines())
+    assert "cpu:0: the embedding and layers 0-3" in text and "overlap speedup" in text
