@@ -1,0 +1,249 @@
+"""`minecart bench`: prefill and decode speed of a model on one device, each beside its ceiling.
+
+    minecart bench MODEL.gguf [--device cuda:0]
+    minecart bench --shape qwen3.5-9b --quant q8_0        # synthesizes the file first (engine/synth.py)
+
+In the same run it measures the card's ceilings (copy bandwidth, DP4A and fp32 FMA rates; see
+kernels/probe.py), then:
+- GEMM and GEMV kernel rates on one of the model's own FFN weights (int8 TOPS vs the DP4A ceiling,
+  GB/s vs the copy ceiling);
+- prefill tokens/s at 512, 2K, 8K and 18K prompt tokens (one pass), ceiling = DP4A rate / int8
+  operations per token (2 x matrix weights, embedding and LM head excluded);
+- decode tokens/s at context 0, 4K and 18K, ceiling = copy bandwidth / weight bytes read per token
+  (every weight but the token-embedding table);
+- peak VRAM.
+Prints a table (or JSON with --json). Not here: any comparison with other engines (docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="measure prefill/decode speed against the card's ceilings",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", help="GGUF file to benchmark (or use --shape)")
+    p.add_argument("--shape", help="synthesize a model of this shape (e.g. qwen3.5-9b) instead of a file")
+    p.add_argument("--quant", default="q8_0", help="quant type for --shape (default q8_0)")
+    p.add_argument("--layers", type=int, help="keep only the first N layers of a --shape model")
+    p.add_argument("--workdir", default=None, help="where --shape writes its file (default: a temp dir)")
+    p.add_argument("--device", default="cuda:0", help="device to run on (default cuda:0)")
+    p.add_argument("--prefill", default="512,2048,8192,18432", help="prompt lengths, comma separated")
+    p.add_argument("--decode-ctx", default="0,4096,18432", help="decode contexts, comma separated")
+    p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed per context")
+    p.add_argument("--chunk", type=int, default=0, help="prefill chunk size (0 = one pass)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=run)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every main-layer tensor, the final norm and the LM head
+    (the token-embedding table only when it is the tied LM head)."""
+    cfg = model.config
+    total = 0
+    for name, info in model.gguf.tensors.items():
+        m = re.match(r"blk\.(\d+)\.", name)
+        if m:
+            if int(m.group(1)) < cfg.n_layers:
+                total += int(info.n_bytes)
+        elif name == "token_embd.weight":
+            if cfg.tied_embeddings:
+                total += int(info.n_bytes)
+        else:
+            total += int(info.n_bytes)
+    return total
+
+
+def matrix_params_per_token(model) -> int:
+    """Multiply-adds per prompt token in the main layers' matrices (no embedding, no LM head)."""
+    cfg = model.config
+    total = 0
+    for name, info in model.gguf.tensors.items():
+        m = re.match(r"blk\.(\d+)\.", name)
+        if m and int(m.group(1)) < cfg.n_layers and len(info.shape) >= 2:
+            n = int(np.prod(info.shape))
+            if len(info.shape) == 3:  # experts: only the used ones run per token
+                n = n // info.shape[0] * max(1, int(getattr(cfg, "n_experts_used", 1) or 1))
+            total += n
+    return total
+
+
+def _timed(fn, backend) -> float:
+    backend.synchronize()
+    t = time.perf_counter()
+    fn()
+    backend.synchronize()
+    return time.perf_counter() - t
+
+
+def kernel_rates(model, backend, ceil: dict) -> dict:
+    """GEMM (T=4096) and GEMV (T=1) on the first layer's FFN up-projection, vs the ceilings."""
+    w = None
+    for ws in model.weights.values():
+        for name, wt in ws.items():
+            if name.endswith("ffn_up.weight"):
+                w = wt
+                break
+        if w is not None:
+            break
+    if w is None:
+        return {}
+    R, K = w.shape[-2], w.shape[-1]
+    rng = np.random.default_rng(0)
+    out = {"weight": f"{w.name} {w.type_name} {R}x{K}"}
+    xg = backend.asarray(rng.standard_normal((4096, K)).astype(np.float32))
+    backend.matmul(xg, w)
+    t = min(_timed(lambda: backend.matmul(xg, w), backend) for _ in range(3))
+    out["gemm_tops"] = 2 * 4096 * R * K / t / 1e12
+    x1 = backend.asarray(rng.standard_normal((1, K)).astype(np.float32))
+    backend.matmul(x1, w)
+    reps = 50
+    t = _timed(lambda: [backend.matmul(x1, w) for _ in range(reps)], backend) / reps
+    nbytes = getattr(w, "nbytes", R * K)
+    out["gemv_gbs"] = nbytes / t / 1e9
+    if ceil.get("dp4a_tops"):
+        out["gemm_vs_dp4a"] = out["gemm_tops"] / ceil["dp4a_tops"]
+    if ceil.get("copy_gbs"):
+        out["gemv_vs_copy"] = out["gemv_gbs"] / ceil["copy_gbs"]
+    return out
+
+
+def bench(model, *, prefill=(512, 2048, 8192, 18432), decode_ctx=(0, 4096, 18432), decode_tokens=32,
+          chunk=0, log=None) -> dict:
+    backend = model.backends.get("global") or next(iter(model.backends.values()))
+    ceil = backend.measure_ceilings() if hasattr(backend, "measure_ceilings") else {}
+    wbytes = weight_bytes_per_token(model)
+    params = matrix_params_per_token(model)
+    res: dict = {"model": str(model.path), "device": getattr(backend, "device", "?"),
+                 "backend": repr(backend), "weight_bytes_per_token": wbytes,
+                 "int8_ops_per_token": 2 * params, "ceilings": ceil, "prefill": [], "decode": []}
+    say = log or (lambda s: None)
+    say(f"ceilings: {ceil}")
+    res["kernels"] = kernel_rates(model, backend, ceil)
+    say(f"kernels: {res['kernels']}")
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    # warm-up: compiles every kernel the model uses
+    s = model.new_session(80)
+    s.prefill(list(rng.integers(0, min(vocab, 50000), 70)))
+    s.step(1)
+    s.close()
+    for n in prefill:
+        ids = list(rng.integers(0, min(vocab, 50000), n))
+        s = model.new_session(n + 8)
+        backend.synchronize()
+        t = time.perf_counter()
+        s.prefill(ids, chunk=chunk or None)
+        backend.synchronize()
+        dt = time.perf_counter() - t
+        s.close()
+        tps = n / dt
+        row = {"tokens": n, "seconds": dt, "tokens_per_s": tps}
+        if ceil.get("dp4a_tops"):
+            row["ceiling_tokens_per_s"] = ceil["dp4a_tops"] * 1e12 / (2 * params)
+            row["ratio"] = tps / row["ceiling_tokens_per_s"]
+        res["prefill"].append(row)
+        say(f"prefill {row}")
+    for ctx in decode_ctx:
+        ids = list(rng.integers(0, min(vocab, 50000), max(ctx, 1)))
+        s = model.new_session(len(ids) + decode_tokens + 8)
+        logits = s.prefill(ids, chunk=chunk or None)
+        tok = int(np.argmax(logits))
+        logits = s.step(tok)  # first step outside the timing
+        backend.synchronize()
+        t = time.perf_counter()
+        for _ in range(decode_tokens):
+            tok = int(np.argmax(logits))
+            logits = s.step(tok)
+        backend.synchronize()
+        dt = time.perf_counter() - t
+        s.close()
+        tps = decode_tokens / dt
+        row = {"context": ctx, "tokens": decode_tokens, "tokens_per_s": tps}
+        if ceil.get("copy_gbs"):
+            row["ceiling_tokens_per_s"] = ceil["copy_gbs"] * 1e9 / wbytes
+            row["ratio"] = tps / row["ceiling_tokens_per_s"]
+        res["decode"].append(row)
+        say(f"decode {row}")
+    if res["decode"] and len(res["decode"]) > 1:
+        res["long_vs_short_decode"] = res["decode"][-1]["tokens_per_s"] / res["decode"][0]["tokens_per_s"]
+    if hasattr(backend, "peak_memory"):
+        res["peak_vram_bytes"] = backend.peak_memory()
+    return res
+
+
+def format_table(res: dict) -> str:
+    c = res.get("ceilings", {})
+    lines = [f"model: {res['model']}", f"backend: {res['backend']}",
+             f"ceilings (measured now): copy {c.get('copy_gbs', 0):,.0f} GB/s, DP4A {c.get('dp4a_tops', 0):.1f} TOPS, "
+             f"FP32 {c.get('fma_tflops', 0):.1f} TFLOP/s",
+             f"weights read per decode token: {res['weight_bytes_per_token'] / 1e9:.2f} GB; "
+             f"int8 ops per prompt token: {res['int8_ops_per_token'] / 1e9:.2f} G"]
+    k = res.get("kernels") or {}
+    if k:
+        lines.append(f"kernels on {k.get('weight')}: GEMM T=4096 {k.get('gemm_tops', 0):.1f} TOPS "
+                     f"({k.get('gemm_vs_dp4a', 0):.0%} of DP4A), GEMV {k.get('gemv_gbs', 0):,.0f} GB/s "
+                     f"({k.get('gemv_vs_copy', 0):.0%} of copy)")
+    lines.append(f"{'test':<22}{'tokens/s':>12}{'ceiling':>12}{'ratio':>8}")
+    for r in res["prefill"]:
+        lines.append(f"{'prefill ' + str(r['tokens']):<22}{r['tokens_per_s']:>12,.1f}"
+                     f"{r.get('ceiling_tokens_per_s', 0):>12,.0f}{r.get('ratio', 0):>8.0%}")
+    for r in res["decode"]:
+        lines.append(f"{'decode @ ' + str(r['context']):<22}{r['tokens_per_s']:>12,.1f}"
+                     f"{r.get('ceiling_tokens_per_s', 0):>12,.0f}{r.get('ratio', 0):>8.0%}")
+    if "long_vs_short_decode" in res:
+        lines.append(f"longest-context decode / short-context decode: {res['long_vs_short_decode']:.0%}")
+    if "peak_vram_bytes" in res:
+        lines.append(f"peak VRAM: {res['peak_vram_bytes'] / 2**30:.2f} GiB")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from ..errors import MinecartError
+    from ..model import load_model
+
+    if not args.model and not args.shape:
+        raise MinecartError("give a GGUF file or --shape NAME (e.g. --shape qwen3.5-9b --quant q8_0)")
+    tmp = None
+    path = args.model
+    if args.shape:
+        from ..synth import write_synthetic
+
+        work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="minecart-bench-"))
+        work.mkdir(parents=True, exist_ok=True)
+        path = work / f"{args.shape}-{args.quant}.gguf"
+        if not path.exists():
+            print(f"synthesizing {path} ...", file=sys.stderr)
+            info = write_synthetic(path, args.shape, args.quant, seed=0, n_layers=args.layers)
+            print(f"  {info['bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", file=sys.stderr)
+        tmp = path if not args.workdir else None
+    t = time.perf_counter()
+    model = load_model(path, devices=[args.device])
+    print(f"loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+
+    def log(s):
+        print(s, file=sys.stderr, flush=True)
+
+    res = bench(model, prefill=_ints(args.prefill), decode_ctx=_ints(args.decode_ctx),
+                decode_tokens=args.decode_tokens, chunk=args.chunk, log=log)
+    res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(json.dumps(res, indent=1) if args.json else format_table(res))
+    model.close()
+    if tmp is not None:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+    return 0

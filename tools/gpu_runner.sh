@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The one script to run on a lent GPU machine (device tool `run`, carry [".gpu"]), from the repo root:
+#   bash tools/gpu_runner.sh [tests|bench|all] [extra pytest args...]
+# Installs the payload that tools/../shared/tools/gpu-payload put in .gpu/ (gguf, platformdirs wheels and
+# the fixtures), makes `minecart` importable without a build (links the package folders), runs the GPU
+# tests and/or the benchmark, and writes logs and JSON to $OUT (at most 8 files come back).
+# Env: BENCH_ARGS (default: --shape qwen3.5-9b --quant q8_0), BENCH_TIMEOUT (s, default 420),
+#      TEST_TIMEOUT (s, default 300).
+set -u
+MODE=${1:-all}
+shift || true
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+ROOT=$(pwd)
+
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl >"$OUT/env.txt" 2>&1
+mkdir -p /tmp/mc/minecart
+for d in app engine kernels resources; do ln -sfn "$ROOT/$d" "/tmp/mc/minecart/$d"; done
+export PYTHONPATH=/tmp/mc:/tmp/site
+export MINECART_FIXTURES="$ROOT/.gpu/fixtures"
+export MINECART_CACHE_DIR=/tmp/minecart-cache
+{
+  nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,clocks.max.sm --format=csv
+  python3 -c "import cupy, numpy; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda', cupy.cuda.runtime.runtimeGetVersion())"
+  python3 -c "import minecart.kernels.ops, minecart.engine.backends.cupy_backend as c; print('backend import ok; gpus', c.device_count())"
+} >>"$OUT/env.txt" 2>&1
+
+if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider --timeout 240 -s tests/gpu "$@" \
+    >"$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests exit $?" | tee -a "$OUT/gpu_tests.log"
+  tail -5 "$OUT/gpu_tests.log"
+fi
+
+if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m minecart.engine.cli bench ${BENCH_ARGS:---shape qwen3.5-9b --quant q8_0} \
+    --workdir /tmp/bench --json >"$OUT/bench.json" 2>"$OUT/bench.log"
+  echo "bench exit $?" | tee -a "$OUT/bench.log"
+  tail -25 "$OUT/bench.log"
+fi
