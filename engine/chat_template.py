@@ -1,0 +1,294 @@
+"""Chat templates: a list of messages -> the prompt text a model was trained on.
+
+A GGUF carries its model's Jinja template (`tokenizer.chat_template`). Templates are untrusted code, so
+they run in jinja2's `ImmutableSandboxedEnvironment`, configured the way Hugging Face transformers
+renders them (`trim_blocks`, `lstrip_blocks`, loop controls, a `tojson` that does not HTML-escape,
+`raise_exception`, `strftime_now`), so a template renders here exactly as it does there. A file without
+a template gets a built-in one chosen by architecture (`engine/templates/*.jinja`).
+
+Also here: `split_thinking`, which separates `<think>...</think>` reasoning from the answer in model
+output, complete or still streaming. This module does not tokenize (tokenizer.py) and does not decide
+sampling settings.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from .errors import TemplateError
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+# GGUF general.architecture -> built-in template used when the file has none
+BUILTIN_BY_ARCHITECTURE = {
+    "qwen35": "chatml_qwen35",
+    "qwen35moe": "chatml_qwen35",
+    "gemma": "gemma3",
+    "gemma2": "gemma3",
+    "gemma3": "gemma3",
+}
+DEFAULT_BUILTIN = "chatml"
+
+# Message keys under which clients send reasoning; templates read `reasoning_content`.
+_REASONING_ALIASES = ("reasoning_content", "reasoning", "thinking")
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    """The sandboxed Jinja environment shared by all templates (it holds no per-render state)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2 import nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationBlock(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks in HF);
+        rendering only needs its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    class GuardedNamespace(jinja2.utils.Namespace):
+        """`namespace()` that refuses underscore names, so a template cannot plant dunder attributes."""
+
+        def __init__(*args, **kwargs):  # noqa: N805 - mirrors jinja2.utils.Namespace's signature
+            self, rest = args[0], args[1:]
+            values = dict(*rest, **kwargs)
+            for key in values:
+                GuardedNamespace._check(key)
+            jinja2.utils.Namespace.__init__(self, values)
+
+        def __setitem__(self, key, value):
+            GuardedNamespace._check(key)
+            jinja2.utils.Namespace.__setitem__(self, key, value)
+
+        @staticmethod
+        def _check(key):
+            if isinstance(key, str) and key.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"namespace attribute {key!r} is not allowed")
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(str(message))
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes <, >, & and ' for HTML; model templates want plain JSON.
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.globals["namespace"] = GuardedNamespace
+    return env
+
+
+def builtin_template_source(name: str) -> str:
+    """Text of a built-in template from engine/templates/ (`chatml`, `chatml_qwen35`, `gemma3`)."""
+    try:
+        return resources.files("minecart.engine").joinpath("templates", f"{name}.jinja").read_text("utf-8")
+    except FileNotFoundError as exc:
+        raise TemplateError(f"no built-in chat template named '{name}'") from exc
+
+
+class ChatTemplate:
+    """One compiled chat template. `render(messages)` gives the prompt text to tokenize with
+    `Tokenizer.encode(text, add_special=True)`."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *, origin: str = "<string>"):
+        import jinja2
+
+        self.source = source
+        self.bos_token = bos_token or ""
+        self.eos_token = eos_token or ""
+        self.origin = origin
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise TemplateError(
+                f"chat template ({origin}) has a syntax error at line {exc.lineno}: {exc.message}. "
+                "Fix the template, or override it with a known-good one."
+            ) from exc
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template ({origin}) cannot be compiled: {exc}") from exc
+
+    @classmethod
+    def builtin(cls, name: str, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+        return cls(builtin_template_source(name), bos_token, eos_token, origin=f"built-in '{name}'")
+
+    @classmethod
+    def from_gguf(cls, gguf_file: Any, name: str | None = None) -> ChatTemplate:
+        """The file's `tokenizer.chat_template` (or `tokenizer.chat_template.<name>`), else the
+        built-in template for its architecture."""
+        meta = gguf_file.metadata
+        path = str(getattr(gguf_file, "path", "<gguf>"))
+        tokens = meta.get("tokenizer.ggml.tokens") or []
+
+        def token_text(key: str) -> str:
+            tid = meta.get(key)
+            if tid is None or not 0 <= int(tid) < len(tokens):
+                return ""
+            return str(tokens[int(tid)])
+
+        bos, eos = token_text("tokenizer.ggml.bos_token_id"), token_text("tokenizer.ggml.eos_token_id")
+        key = "tokenizer.chat_template" + (f".{name}" if name else "")
+        source = meta.get(key)
+        if source:
+            return cls(str(source), bos, eos, origin=f"{path}, key '{key}'")
+        if name:
+            raise TemplateError(f"{path}: no chat template named '{name}' (key '{key}' is absent).")
+        arch = str(meta.get("general.architecture", ""))
+        builtin = BUILTIN_BY_ARCHITECTURE.get(arch, DEFAULT_BUILTIN)
+        return cls(builtin_template_source(builtin), bos, eos, origin=f"built-in '{builtin}' ({path} has none)")
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        enable_thinking: bool | None = True,
+        **extra: Any,
+    ) -> str:
+        """The prompt text for `messages` (dicts with `role` and `content`).
+
+        content: a string, None, or a list of parts `{"type": "text", "text": ...}`, `{"type": "image"}`,
+        `{"type": "image_url", ...}`. Assistant messages may carry `reasoning_content` (also accepted as
+        `reasoning`/`thinking`) and `tool_calls` (OpenAI style; JSON-string arguments are parsed).
+        enable_thinking=None leaves the template's own default (Qwen3.5 <= 2B: off). Extra keyword
+        arguments become template variables (e.g. `preserve_thinking=True` for Qwen3.6,
+        `add_vision_id=True`).
+        """
+        import jinja2
+
+        variables = dict(extra)
+        variables.update(
+            messages=normalize_messages(messages),
+            tools=[dict(t) for t in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+        if enable_thinking is not None:
+            variables["enable_thinking"] = bool(enable_thinking)
+        try:
+            return self._template.render(**variables)
+        except jinja2.exceptions.SecurityError as exc:
+            raise TemplateError(
+                f"chat template ({self.origin}) tried an unsafe operation and was stopped: {exc}"
+            ) from exc
+        except jinja2.TemplateError as exc:
+            # raise_exception() from the template lands here with the template's own message
+            raise TemplateError(f"chat template ({self.origin}) refused the conversation: {exc}") from exc
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError,
+                RecursionError, OverflowError) as exc:
+            raise TemplateError(
+                f"chat template ({self.origin}) failed while rendering: {type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Deep-copied messages in the shape HF-style templates read.
+
+    - `reasoning`/`thinking` are also exposed as `reasoning_content`;
+    - content parts of type `image_url`/`input_image` also get type `image` (`video_url` -> `video`),
+      so templates that test `item.type == 'image'` see them;
+    - tool-call arguments sent as a JSON string (OpenAI API) become a dict, as templates iterate them.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TemplateError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise TemplateError(f"message {i} must be a dict with a 'role' (got {message!r:.80})")
+        msg = copy.deepcopy(dict(message))
+        if msg.get("reasoning_content") is None:
+            for alias in _REASONING_ALIASES[1:]:
+                if isinstance(msg.get(alias), str):
+                    msg["reasoning_content"] = msg[alias]
+                    break
+        content = msg.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict):
+                    kind = part.get("type")
+                    if kind in ("image_url", "input_image"):
+                        part["type"] = "image"
+                    elif kind == "video_url":
+                        part["type"] = "video"
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            for call in calls:
+                if not isinstance(call, dict):
+                    continue
+                fn = call.get("function") if isinstance(call.get("function"), dict) else call
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        parsed = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError:
+                        parsed = None
+                    if isinstance(parsed, dict):
+                        fn["arguments"] = parsed
+        out.append(msg)
+    return out
+
+
+def prompt_opens_thinking(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside an open `<think>` block (Qwen3.5 with thinking on), so
+    the model's output starts with reasoning rather than with `<think>`."""
+    tail = prompt.rstrip()
+    return tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
+
+
+def split_thinking(text: str, *, in_thinking: bool = False) -> tuple[str, str]:
+    """Split model output into (reasoning, answer).
+
+    in_thinking: the prompt already opened `<think>` (see `prompt_opens_thinking`), so text before
+    any `</think>` is reasoning even without an opening tag. Works on partial (streaming) text: an
+    unclosed block is all reasoning so far, and a tag cut in half at the end (`</thi`) is held back
+    rather than shown. Whitespace around the reasoning and before the answer is stripped.
+    """
+    body = text
+    lead = body.lstrip()
+    if lead.startswith(THINK_OPEN):
+        body = lead[len(THINK_OPEN):]
+        in_thinking = True
+    elif not in_thinking:
+        # no reasoning unless a block opens at the very start (a partial '<thi' is held back too)
+        if lead and THINK_OPEN.startswith(lead):
+            return "", ""
+        return "", text
+    close = body.find(THINK_CLOSE)
+    if close < 0:
+        return _drop_partial_tag(body, THINK_CLOSE).strip(), ""
+    return body[:close].strip(), body[close + len(THINK_CLOSE):].lstrip()
+
+
+def _drop_partial_tag(text: str, tag: str) -> str:
+    """`text` without a trailing prefix of `tag` (streaming may stop mid-tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return text[:-n]
+    return text
