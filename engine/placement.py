@@ -352,14 +352,15 @@ class _Shape:
 
 # The released Qwen3.5/3.6 text models (qwen35-architecture.md section 1). Common: head dim 256, GDN
 # d_k = d_v = 128 with 16 key heads, conv kernel 4, vocab 248,320, full attention every 4th layer.
+# Names as in engine/synth.py (which writes such files with random weights).
 QWEN35_SHAPES = {
-    "qwen35-0.8b": _Shape(1024, 24, 8, 2, 16, ffn=3584, tied=True),
-    "qwen35-2b": _Shape(2048, 24, 8, 2, 16, ffn=6144, tied=True),
-    "qwen35-4b": _Shape(2560, 32, 16, 4, 32, ffn=9216, tied=True),
-    "qwen35-9b": _Shape(4096, 32, 16, 4, 32, ffn=12288),
-    "qwen35-27b": _Shape(5120, 64, 24, 4, 48, ffn=17408),
-    "qwen35-35b-a3b": _Shape(2048, 40, 16, 2, 32, n_experts=256, n_experts_used=8, expert_ffn=512,
-                             shared_expert_ffn=512),
+    "qwen3.5-0.8b": _Shape(1024, 24, 8, 2, 16, ffn=3584, tied=True),
+    "qwen3.5-2b": _Shape(2048, 24, 8, 2, 16, ffn=6144, tied=True),
+    "qwen3.5-4b": _Shape(2560, 32, 16, 4, 32, ffn=9216, tied=True),
+    "qwen3.5-9b": _Shape(4096, 32, 16, 4, 32, ffn=12288),
+    "qwen3.5-27b": _Shape(5120, 64, 24, 4, 48, ffn=17408),
+    "qwen3.6-35b-a3b": _Shape(2048, 40, 16, 2, 32, n_experts=256, n_experts_used=8, expert_ffn=512,
+                              shared_expert_ffn=512),
 }
 
 
@@ -380,7 +381,7 @@ def config_and_tensors_for_shape(name: str, quant: str = "Q8_0", n_layers: int |
                                  ) -> tuple[ModelConfig, dict[str, TensorSpec]]:
     """ModelConfig and the tensor list (with stored bytes) of a released Qwen3.5 shape, no file needed.
 
-    name: one of QWEN35_SHAPES ("qwen35-9b", "qwen35-27b", ...); quant: GGML type of the matrices (the
+    name: one of QWEN35_SHAPES ("qwen3.5-9b", "qwen3.5-27b", ...); quant: GGML type of the matrices (the
     1-D tensors, ssm_conv1d, ssm_a, ssm_dt.bias and the MoE router stay F32, as the converter writes
     them); n_layers: keep only the first n layers (the pattern stays "every 4th is attention").
     Pass the result to model_costs(config, SimpleNamespace(tensors=...)) or plan_auto.

@@ -167,6 +167,22 @@ class CupyBackend:
         with self._dev:
             return cp.asnumpy(x)
 
+    # used by engine/multidevice.py: pinned staging buffers for cross-device hops, and the worker
+    # thread of this device making it current once
+    def pinned_empty(self, shape, dtype: str = "float32") -> np.ndarray:
+        """A host array in page-locked memory (device <-> pinned host copies run at full link speed)."""
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        mem = cp.cuda.alloc_pinned_memory(max(n, 1))
+        return np.frombuffer(mem, dtype, int(np.prod(shape))).reshape(shape)
+
+    def to_numpy_into(self, x, out: np.ndarray) -> None:
+        """Copy x into the host array `out` (blocking)."""
+        with self._dev:
+            cp.ascontiguousarray(x).get(out=out)
+
+    def bind_thread(self) -> None:
+        self._dev.use()
+
     def zeros(self, shape, dtype: str = "float32"):
         with self._dev:
             return cp.zeros(shape, dtype=dtype)

@@ -37,12 +37,12 @@ def tiny(fixtures_dir):
 
 def test_shape_sizes_match_the_sizing_section():
     # qwen35-architecture.md 6.2: bytes per layer at Q8_0 (matrices + F32 tensors) and model totals.
-    c9 = costs_for_shape("qwen35-9b")
+    c9 = costs_for_shape("qwen3.5-9b")
     assert c9.part("layer.3").weight_bytes == 222_822_400 + 34_816
     assert c9.part("layer.0").weight_bytes == 232_013_824 + 164_608
     assert c9.part("global").weight_bytes == 1_080_688_640
     assert abs(c9.weight_bytes / 1e9 - 9.52) < 0.01
-    c27 = costs_for_shape("qwen35-27b")
+    c27 = costs_for_shape("qwen3.5-27b")
     assert c27.part("layer.7").weight_bytes == 395_509_760 + 43_008
     assert c27.part("layer.4").weight_bytes == 407_173_120 + 205_696
     assert abs(c27.weight_bytes / 1e9 - 28.58) < 0.01
@@ -50,12 +50,12 @@ def test_shape_sizes_match_the_sizing_section():
     assert sum(p.state_bytes for p in c9.parts) == int(50.25 * MiB)
     assert abs(sum(p.state_bytes for p in c27.parts) / MiB - 149.6) < 0.1
     # Q4_K GDN layer of 9B ~ 122.8 MB of matrices
-    c9q4 = costs_for_shape("qwen35-9b", "Q4_K")
+    c9q4 = costs_for_shape("qwen3.5-9b", "Q4_K")
     assert abs((c9q4.part("layer.0").weight_bytes - 164_608) / 1e6 - 122.8) < 0.1
 
 
-@pytest.mark.parametrize("name,kv_f16_per_token", [("qwen35-9b", 32 * 1024), ("qwen35-27b", 64 * 1024),
-                                                   ("qwen35-35b-a3b", 20 * 1024), ("qwen35-0.8b", 12 * 1024)])
+@pytest.mark.parametrize("name,kv_f16_per_token", [("qwen3.5-9b", 32 * 1024), ("qwen3.5-27b", 64 * 1024),
+                                                   ("qwen3.6-35b-a3b", 20 * 1024), ("qwen3.5-0.8b", 12 * 1024)])
 def test_kv_cache_per_token(name, kv_f16_per_token):
     plan = Placement.single(costs_for_shape(name), "cuda:0", context=1000, kv_type="f16")
     assert plan.bytes_per_device()["cuda:0"].kv_cache == 1000 * kv_f16_per_token
@@ -67,7 +67,7 @@ def test_kv_cache_per_token(name, kv_f16_per_token):
 
 
 def test_full_context_kv_of_27b_is_16_gib():
-    plan = Placement.single(costs_for_shape("qwen35-27b"), "cuda:0", context=262144, kv_type="f16")
+    plan = Placement.single(costs_for_shape("qwen3.5-27b"), "cuda:0", context=262144, kv_type="f16")
     assert plan.bytes_per_device()["cuda:0"].kv_cache == 16 * GiB
 
 
@@ -99,7 +99,7 @@ def test_tied_embedding_counted_once_per_device(tiny):
 
 
 def test_cuda_overhead_only_on_cuda():
-    costs = costs_for_shape("qwen35-0.8b")
+    costs = costs_for_shape("qwen3.5-0.8b")
     per = Placement.from_layer_counts(costs, [("cuda:0", 12), ("cpu:0", 12)]).bytes_per_device()
     assert per["cuda:0"].overhead == CUDA_CONTEXT_BYTES
     assert per["cpu:0"].overhead == 0
@@ -113,7 +113,7 @@ def _layer_counts(plan):
 
 
 def test_auto_split_follows_free_memory():
-    costs = costs_for_shape("qwen35-27b", "Q4_K")
+    costs = costs_for_shape("qwen3.5-27b", "Q4_K")
     devices = [DeviceSpec("cuda:0", 12 * GiB), DeviceSpec("cuda:1", 6 * GiB), DeviceSpec("cuda:2", 6 * GiB)]
     plan = plan_auto(costs, devices=devices, context=8192, reserve=128 * MiB)
     assert plan.is_contiguous()
@@ -130,7 +130,7 @@ def test_auto_split_follows_free_memory():
 
 
 def test_auto_split_equal_cards_is_nearly_equal():
-    costs = costs_for_shape("qwen35-9b")
+    costs = costs_for_shape("qwen3.5-9b")
     devices = [DeviceSpec(f"cuda:{i}", 8 * GiB) for i in range(4)]
     plan = plan_auto(costs, devices=devices, context=4096)
     totals = [b.total for b in plan.bytes_per_device().values()]
@@ -139,7 +139,7 @@ def test_auto_split_equal_cards_is_nearly_equal():
 
 
 def test_auto_split_skips_a_card_too_small_for_anything():
-    costs = costs_for_shape("qwen35-9b")
+    costs = costs_for_shape("qwen3.5-9b")
     devices = [DeviceSpec("cuda:0", 16 * GiB), DeviceSpec("cuda:1", 500 * MiB)]
     plan = plan_auto(costs, devices=devices, context=4096)
     assert plan.devices_used() == ["cuda:0"]
@@ -148,7 +148,7 @@ def test_auto_split_skips_a_card_too_small_for_anything():
 
 def test_auto_split_keeps_within_each_card_when_it_fits():
     # 9B Q8_0 (~8.9 GiB) on three cards whose free memory differs: nobody overflows.
-    costs = costs_for_shape("qwen35-9b")
+    costs = costs_for_shape("qwen3.5-9b")
     devices = [DeviceSpec("cuda:0", 3 * GiB), DeviceSpec("cuda:1", 5 * GiB), DeviceSpec("cuda:2", 4 * GiB)]
     plan = plan_auto(costs, devices=devices, context=2048)
     assert [i for i in validate(plan, devices) if i.severity == "error"] == []
@@ -158,7 +158,7 @@ def test_auto_split_keeps_within_each_card_when_it_fits():
 
 
 def test_validate_names_the_layers_and_the_shortfall():
-    costs = costs_for_shape("qwen35-9b")
+    costs = costs_for_shape("qwen3.5-9b")
     plan = Placement.from_layer_counts(costs, [("cuda:0", 28), ("cuda:1", 4)], context=4096)
     per = plan.bytes_per_device()
     devices = [DeviceSpec("cuda:0", per["cuda:0"].total + GiB),
@@ -173,7 +173,7 @@ def test_validate_names_the_layers_and_the_shortfall():
 
 
 def test_validate_missing_device_and_non_contiguous():
-    costs = costs_for_shape("qwen35-0.8b")
+    costs = costs_for_shape("qwen3.5-0.8b")
     plan = Placement.single(costs, "cuda:0")
     plan.move_part("layer.5", "cuda:3")
     issues = validate(plan, [DeviceSpec("cuda:0", 24 * GiB)])
@@ -200,7 +200,7 @@ def test_tied_embedding_on_two_devices_warns(tiny):
 
 
 def test_move_boundary_and_errors():
-    costs = costs_for_shape("qwen35-9b")
+    costs = costs_for_shape("qwen3.5-9b")
     plan = Placement.from_layer_counts(costs, [("cuda:0", 16), ("cuda:1", 16)])
     assert plan.segments()[1].start == 17
     plan.move_boundary(0, 21)  # cuda:1 now starts at layer 20 (part 21)
@@ -230,15 +230,33 @@ def test_json_round_trip_and_reprice(tiny):
     assert back.bytes_per_device() == plan.bytes_per_device()
     # re-priced against another model with other layer count: refused with a reason
     with pytest.raises(PlacementError, match="plan again"):
-        Placement.from_json(text, costs_for_shape("qwen35-9b"))
+        Placement.from_json(text, costs_for_shape("qwen3.5-9b"))
     with pytest.raises(PlacementError, match="not valid JSON"):
         Placement.from_json("{")
 
 
 def test_config_and_tensors_for_shape_truncated():
-    config, tensors = config_and_tensors_for_shape("qwen35-27b", "Q8_0", n_layers=4)
+    config, tensors = config_and_tensors_for_shape("qwen3.5-27b", "Q8_0", n_layers=4)
     assert config.n_layers == 4 and config.layer_types[3] == "attention"
     assert sum(1 for n in tensors if n.startswith("blk.3.")) == 11
     assert tensors["output.weight"].shape == (248320, 5120)
     with pytest.raises(PlacementError, match="unknown model shape"):
-        config_and_tensors_for_shape("qwen35-1t")
+        config_and_tensors_for_shape("qwen3.5-1t")
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3.6-35b-a3b", "qwen3.5-0.8b"])
+def test_paper_shapes_match_what_synth_writes(name):
+    """The tensor list priced without a file is the one engine/synth.py would write (MTP aside)."""
+    synth = pytest.importorskip("minecart.engine.synth")
+    import dataclasses
+
+    import gguf
+
+    _, specs = config_and_tensors_for_shape(name, "Q8_0", n_layers=4)
+    shape, type_id = synth.resolve(name, "q8_0")
+    planned = synth.plan_tensors(dataclasses.replace(shape, n_layers=4), type_id)
+    written = {t.name: t for t in planned if not t.name.startswith("blk.4.")}
+    assert set(written) == set(specs)
+    for n, spec in specs.items():
+        assert tuple(written[n].shape) == spec.shape, n
+        assert gguf.GGMLQuantizationType(int(written[n].type_id)).name == spec.type_name, n
