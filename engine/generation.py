@@ -119,7 +119,9 @@ def prompt_ids(model, prompt, enable_thinking: bool = True) -> list[int]:
             raise ValueError("this model has no chat template/tokenizer; pass token ids or text")
         text = model.chat_template.render(items, add_generation_prompt=True,
                                           enable_thinking=enable_thinking)
-        return [int(t) for t in model.tokenizer.encode(text, add_special=False)]
+        # add_special=True: the rendered template's <|im_start|>/<start_of_turn> must become single
+        # special ids (a BOS the template already wrote is not doubled)
+        return [int(t) for t in model.tokenizer.encode(text, add_special=True)]
     return [int(t) for t in items]
 
 

@@ -125,8 +125,8 @@ def _load_chat_template(gf):
         from .chat_template import ChatTemplate
     except ImportError:
         return None
-    if gf.get("tokenizer.chat_template") is None:
-        return None
+    if gf.get("tokenizer.ggml.tokens") is None:
+        return None  # no tokenizer at all; a file with one but no template gets a built-in template
     return ChatTemplate.from_gguf(gf)
 
 
