@@ -27,6 +27,7 @@ from .models import module_for
 
 _NOT_LOADED = object()
 DEFAULT_CAPACITY = 8192  # initial KV capacity of a session (tokens), capped by the model's context
+HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
 
 
 def _normalize_device(device: str) -> str:
@@ -211,9 +212,23 @@ class Model:
             return None
         if rows == "last":
             x = x[x.shape[0] - 1 :]
+        return self.run_head(x, be)
+
+    def run_head(self, x, be) -> np.ndarray:
+        """Host float32 logits (T, vocab) of hidden states x (on backend `be`). The LM head runs in
+        blocks of HEAD_ROWS rows, so full rows of a long prompt never sit on the device at once."""
         x, be = self._move(x, be, self.backends["head"])
-        logits = mod.head(cfg, be, self.weights["head"], x)
-        return np.asarray(be.to_numpy(logits), dtype=np.float32)
+        T = x.shape[0]
+        out = None
+        for start in range(0, T, HEAD_ROWS):
+            block = self.module.head(self.config, be, self.weights["head"], x[start : start + HEAD_ROWS])
+            block = np.asarray(be.to_numpy(block), dtype=np.float32)
+            if T <= HEAD_ROWS:
+                return block
+            if out is None:
+                out = np.empty((T, block.shape[1]), np.float32)
+            out[start : start + block.shape[0]] = block
+        return out
 
     @staticmethod
     def _move(x, src, dst):
@@ -222,7 +237,9 @@ class Model:
         return dst.asarray(src.to_numpy(x)), dst  # device -> host -> device (no peer-to-peer)
 
     def new_state(self, capacity: int | None = None) -> list:
-        cap = capacity or min(self.config.context_length or DEFAULT_CAPACITY, DEFAULT_CAPACITY)
+        # default: the placement's planned context (its memory estimate assumed it), else 8192 tokens
+        planned = getattr(self.placement, "context", None)
+        cap = capacity or planned or min(self.config.context_length or DEFAULT_CAPACITY, DEFAULT_CAPACITY)
         return [self.module.new_layer_state(self.config, self.backends[f"layer.{i}"], i, cap)
                 for i in range(self.config.n_layers)]
 
