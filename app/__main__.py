@@ -18,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minecart.app", description="The minecart desktop app.")
     p.add_argument("--model", help="GGUF file to select and load (default: the last one used, else the demo model)")
     p.add_argument("--no-load", action="store_true", help="select the model but do not load it")
+    p.add_argument("--no-scan", action="store_true",
+                   help="do not scan model folders or the demo model at start (only --model is listed)")
     p.add_argument("--screenshot", metavar="PATH", help="render the window offscreen to this PNG and exit")
     p.add_argument("--view", choices=["chat", "models", "layers", "graphs"], default="chat",
                    help="page to show (with --screenshot: the page captured)")
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     app.setApplicationName("minecart")
     app.setOrganizationName("minecart")
     theme.apply(app)
-    win = MainWindow()
+    win = MainWindow(scan_defaults=False if args.no_scan else None, include_demo=not args.no_scan)
     try:
         w, h = (int(x) for x in args.size.lower().split("x"))
     except ValueError:

@@ -488,6 +488,15 @@ class ChatPanel(QWidget):
         self.render_timer.setInterval(33)
         self.render_timer.timeout.connect(self._render_dirty)
         self.render_timer.start()
+        self._scroll_timer = QTimer(self)
+        self._scroll_timer.setSingleShot(True)
+        self._scroll_timer.setInterval(0)
+        self._scroll_timer.timeout.connect(
+            lambda: self.scroll.verticalScrollBar().setValue(self.scroll.verticalScrollBar().maximum()))
+        self._hint_timer = QTimer(self)
+        self._hint_timer.setSingleShot(True)
+        self._hint_timer.setInterval(1500)
+        self._hint_timer.timeout.connect(self.hint.clear)
         self._settings_save = QTimer(self)
         self._settings_save.setSingleShot(True)
         self._settings_save.setInterval(800)
@@ -616,7 +625,7 @@ class ChatPanel(QWidget):
         return w
 
     def _scroll_to_end(self) -> None:
-        QTimer.singleShot(0, lambda: self.scroll.verticalScrollBar().setValue(self.scroll.verticalScrollBar().maximum()))
+        self._scroll_timer.start()  # after the layout has grown to fit the new content
 
     def _near_bottom(self) -> bool:
         sb = self.scroll.verticalScrollBar()
@@ -625,7 +634,7 @@ class ChatPanel(QWidget):
     def _copy(self, w: MessageWidget) -> None:
         QGuiApplication.clipboard().setText(w.message.get("content", ""))
         self.hint.setText("copied")
-        QTimer.singleShot(1500, lambda: self.hint.setText(""))
+        self._hint_timer.start()
 
     def _edit(self, w: MessageWidget) -> None:
         """Put a user message back into the composer; sending replaces it and everything after it."""

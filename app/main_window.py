@@ -285,7 +285,8 @@ class MainWindow(QMainWindow):
     # ---- model selection and loading -----------------------------------------------------------------
     def start(self, model_path=None, autoload: bool = True) -> None:
         """Scan the library and select (and load) the default model: the last one used, else the demo."""
-        self.library.rescan()
+        if self.library.include_defaults or self.library.include_demo or self.library.folders:
+            self.library.rescan()
         path = Path(model_path) if model_path else None
         if path is None:
             last = self.settings.get("last_model") or ""

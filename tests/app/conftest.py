@@ -81,7 +81,7 @@ class ScriptedModel:
 
     def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking=True):
         self.prompts.append(prompt)
-        text = repr(prompt)
+        text = repr(prompt[-1] if isinstance(prompt, list) and prompt else prompt)  # the newest message
         if self.fail_on and self.fail_on in text:
             raise RuntimeError(f"simulated engine crash on {self.fail_on!r}")
         out = (f"<think>{self.thinking}</think>" if enable_thinking else "") + self.reply
@@ -154,3 +154,15 @@ def tiny_model(fixtures_dir):
     if not path.is_file():
         pytest.skip("fixture model missing")
     return path
+
+
+@pytest.fixture
+def scripted():
+    """The ScriptedModel class, for tests that build one with other replies."""
+    return ScriptedModel
+
+
+@pytest.fixture
+def loader_factory():
+    """make_loader, for tests that need a slow or blocking load."""
+    return make_loader
