@@ -367,13 +367,18 @@ def resolve_devices(config, gguf_file, placement=None, devices=None, *, make_bac
     if devices is not None:
         names = rig.names if rig is not None else [d.name if isinstance(d, DeviceSpec) else str(d)
                                                    for d in devices]
+    def costs(device_names) -> object:
+        # CPU devices run the NumPy reference backend, which holds float32 weights
+        cpu_only = all(str(d).startswith("cpu") for d in device_names)
+        return model_costs(config, gguf_file, layout="numpy" if cpu_only else "stored")
+
     if placement is None and names is not None and len(names) > 1:
-        placement = plan_auto(config, gguf_file, _device_specs(config, devices))
+        placement = plan_auto(costs(names), devices=_device_specs(config, devices))
     if isinstance(placement, Placement):
         plan = {p: placement.device_of(p) for p in parts}
     else:
         plan = plan_devices(config, placement, names)
-        placement = Placement(model_costs(config, gguf_file), [plan[p] for p in parts])
+        placement = Placement(costs(plan.values()), [plan[p] for p in parts])
     make = rig.backend if rig is not None else (make_backend or default_make_backend)
     by_device = {dev: make(dev) for dev in dict.fromkeys(plan.values())}
     return placement, plan, by_device
