@@ -263,3 +263,57 @@ def test_logits_fresh_state_and_session_agree(model):
     assert _close(row, full[-1])
     assert s.position == len(ids) and s.n_tokens == len(ids)
     s.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# loading: progress, cancel, devices
+
+
+def test_load_progress_and_cancel_leave_nothing_loaded(fixtures_dir):
+    from minecart.engine.backends.numpy_backend import NumpyBackend
+    from minecart.engine.errors import GenerationCancelled
+
+    class CountingBackend(NumpyBackend):
+        def __init__(self):
+            super().__init__()
+            self.live = set()
+
+        def load_weight(self, info, *, role="matmul"):
+            wt = super().load_weight(info, role=role)
+            self.live.add(id(wt))
+            return wt
+
+        def free(self, obj):
+            self.live.discard(id(obj))
+
+    path = fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf"
+    seen = []
+    be = CountingBackend()
+    m = load_model(path, backend=be, progress=lambda f, msg: seen.append((f, msg)))
+    fractions = [f for f, _ in seen]
+    assert fractions[0] == 0.0 and fractions[-1] == 1.0 and fractions == sorted(fractions)
+    assert len(be.live) > 50
+    m.close()
+    assert not be.live
+
+    cancel = threading.Event()
+    be = CountingBackend()
+
+    def progress(fraction, message):
+        if fraction > 0.3:
+            cancel.set()
+
+    with pytest.raises(GenerationCancelled):
+        load_model(path, backend=be, progress=progress, cancel=cancel)
+    assert not be.live  # everything loaded before the cancel was released
+
+
+def test_cuda_device_without_cupy_is_a_clear_error(fixtures_dir):
+    from minecart.engine import model as model_mod
+    from minecart.engine.errors import DeviceError
+
+    if model_mod._cupy_backend_module() is not None:
+        pytest.skip("the CuPy backend imports here; tests/gpu covers it")
+    with pytest.raises(DeviceError, match="cuda:0"):
+        load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf", devices=["cuda:0"])
+    assert model_mod.default_devices() == ["cpu:0"]
