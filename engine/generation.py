@@ -23,7 +23,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .errors import GenerationCancelled
+from .errors import GenerationCancelled, RequestError
 from .sampling import Sampler, SamplingParams
 
 __all__ = ["GenerationEvent", "SamplingParams", "generate"]
@@ -109,14 +109,16 @@ class StopStrings:
 
 def prompt_ids(model, prompt, enable_thinking: bool = True) -> list[int]:
     """Token ids for a prompt given as ids, text, or chat messages."""
+    name = getattr(getattr(model, "path", None), "name", None) or "this model"
     if isinstance(prompt, str):
         if model.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass token ids")
+            raise RequestError(f"{name} has no tokenizer; pass token ids")
         return [int(t) for t in model.tokenizer.encode(prompt, add_special=True)]
     items = list(prompt)
     if items and isinstance(items[0], dict):
         if model.chat_template is None or model.tokenizer is None:
-            raise ValueError("this model has no chat template/tokenizer; pass token ids or text")
+            raise RequestError(f"{name} has no chat template or tokenizer; pass token ids "
+                               "(or text, if it has a tokenizer)")
         text = model.chat_template.render(items, add_generation_prompt=True,
                                           enable_thinking=enable_thinking)
         # add_special=True: the rendered template's <|im_start|>/<start_of_turn> must become single
@@ -139,7 +141,7 @@ def generate(model, prompt, params: SamplingParams | None = None, *, session=Non
     params = params or SamplingParams()
     ids = prompt_ids(model, prompt, enable_thinking)
     if not ids:
-        raise ValueError("the prompt is empty")
+        raise RequestError("the prompt is empty")
     return _generate(model, ids, params, session, cancel, prefill_chunk)
 
 

@@ -18,6 +18,7 @@ from .base import KVCache
 
 F32 = np.float32
 F64 = np.float64
+ATTN_QUERY_BLOCK = 256  # queries per block in attention (bounds the score matrix memory)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -276,20 +277,23 @@ class NumpyBackend:
         group = nh // n_kv
         keys = cache.k[:L].astype(F64)  # (L, n_kv, d)
         values = cache.v[:L].astype(F64)
-        q_pos = np.arange(L - T, L)  # absolute index of each query in the sequence
         k_pos = np.arange(L)
-        visible = k_pos[None, :] <= q_pos[:, None]  # (T, L) causal
-        if window > 0:
-            visible &= k_pos[None, :] > q_pos[:, None] - window
         out = np.empty((T, nh, cache.value_dim), F32)
-        for h in range(nh):
-            kv = h // group  # contiguous GQA grouping
-            scores = (q[:, h, :].astype(F64) @ keys[:, kv, :].T) * scale  # (T, L)
-            scores = np.where(visible, scores, -np.inf)
-            scores -= scores.max(axis=1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=1, keepdims=True)
-            out[:, h, :] = p @ values[:, kv, :]
+        # queries in blocks, so a long prompt never materializes a (T, L) float64 score matrix
+        for q0 in range(0, T, ATTN_QUERY_BLOCK):
+            q1 = min(q0 + ATTN_QUERY_BLOCK, T)
+            q_pos = np.arange(L - T + q0, L - T + q1)  # absolute index of each query
+            visible = k_pos[None, :] <= q_pos[:, None]  # causal
+            if window > 0:
+                visible &= k_pos[None, :] > q_pos[:, None] - window
+            for h in range(nh):
+                kv = h // group  # contiguous GQA grouping
+                scores = (q[q0:q1, h, :].astype(F64) @ keys[:, kv, :].T) * scale
+                scores = np.where(visible, scores, -np.inf)
+                scores -= scores.max(axis=1, keepdims=True)
+                p = np.exp(scores)
+                p /= p.sum(axis=1, keepdims=True)
+                out[q0:q1, h, :] = p @ values[:, kv, :]
         return out
 
     # ---- Gated DeltaNet ------------------------------------------------------------------------
