@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -610,8 +610,8 @@ class Runtime:
         model = self._require_model()
         a = req.args
         messages, tools = a["messages"], a["tools"]
-        prompt, opens_thinking = _chat_prompt(model, messages, tools, a["enable_thinking"])
-        self._generate(req, model, prompt, a["enable_thinking"], opens_thinking)
+        prompt, opens_thinking, boundary = _chat_prompt(model, messages, tools, a["enable_thinking"])
+        self._generate(req, model, prompt, a["enable_thinking"], opens_thinking, boundary)
 
     def _do_completion(self, req: _Request) -> None:
         model = self._require_model()
@@ -622,13 +622,17 @@ class Runtime:
             raise RequestError("the prompt is empty after tokenization")
         self._generate(req, model, [int(t) for t in prompt], False, False)
 
-    def _generate(self, req, model, prompt, enable_thinking: bool, opens_thinking: bool) -> None:
+    def _generate(self, req, model, prompt, enable_thinking: bool, opens_thinking: bool,
+                  boundary: int | None = None) -> None:
         a = req.args
         conversation_id = a.get("conversation_id")
         session = self._session(conversation_id)
+        started = time.time()
+        pre_computed = 0
+        if boundary and conversation_id is not None:
+            pre_computed = _checkpoint_turn_boundary(session, prompt[:boundary], req.cancel_event)
         stops = StopMatcher(a.get("stop") or [])
         splitter = ThinkingSplitter(inside=opens_thinking)
-        started = time.time()
         first_token_at = None
         last = None
         finish_reason = None
@@ -685,6 +689,10 @@ class Runtime:
             if thinking or answer:
                 req.emit("token", text=answer, thinking=thinking)
         usage = _usage(last, n_events)
+        if pre_computed:
+            # The engine counts the turn boundary we ran just before as cached: it was not.
+            usage = replace(usage, cached_tokens=max(0, usage.cached_tokens - pre_computed),
+                            prompt_tokens_per_s=None)
         finish = "cancelled" if cancelled else (finish_reason or "stop")
         timing = self._timing(req, started, first_token_at, time.time(), usage, finish)
         data = {"timing": timing}
@@ -697,8 +705,9 @@ class Runtime:
         prefill_s = (first_at - started) if first_at else None
         decode_s = (ended - first_at) if first_at else None
         prefill_tps = usage.prompt_tokens_per_s
-        if prefill_tps is None and prefill_s and usage.prompt_tokens:
-            prefill_tps = usage.prompt_tokens / prefill_s
+        computed = usage.prompt_tokens - usage.cached_tokens
+        if prefill_tps is None and prefill_s and computed > 0:
+            prefill_tps = computed / prefill_s
         decode_tps = usage.decode_tokens_per_s
         if decode_tps is None and decode_s and usage.completion_tokens > 1:
             decode_tps = (usage.completion_tokens - 1) / decode_s
@@ -805,28 +814,58 @@ class StopMatcher:
 
 
 def _chat_prompt(model, messages, tools, enable_thinking: bool):
-    """What to hand model.generate for a chat, and whether the prompt leaves `<think>` open.
+    """(what to hand model.generate, whether the prompt leaves `<think>` open, turn boundary).
 
     Text-only chats are rendered here with the model's template and tokenized, so the runtime knows
     where the thinking starts and tools reach the template. Chats with images go to the model as
     messages (it owns the vision preprocessing); the template is still rendered to learn the
-    thinking state."""
+    thinking state. The turn boundary is the number of prompt tokens before the generation prompt
+    (`<|im_start|>assistant\n<think>\n`), or None: see _checkpoint_turn_boundary."""
     template = getattr(model, "chat_template", None)
-    text = None
-    if template is not None:
-        render = getattr(template, "render", None)
-        if callable(render):
-            kwargs = {"add_generation_prompt": True, "enable_thinking": enable_thinking}
-            if tools:
-                kwargs["tools"] = tools
-            text = render(messages, **kwargs)
-    opens = prompt_opens_thinking(text) if text is not None else False
-    if text is None or _has_images(messages):
-        if tools and text is None:
+    render = getattr(template, "render", None) if template is not None else None
+    if not callable(render):
+        if tools:
             raise RequestError("this model has no chat template, so it cannot be given tools")
-        return messages, opens
-    ids = model.tokenizer.encode(text, add_special=False)
-    return list(ids), opens
+        return messages, False, None
+    kwargs = {"enable_thinking": enable_thinking}
+    if tools:
+        kwargs["tools"] = tools
+    text = render(messages, add_generation_prompt=True, **kwargs)
+    opens = prompt_opens_thinking(text)
+    if _has_images(messages):
+        return messages, opens, None
+    # add_special=True: the rendered template's control tokens (<|im_start|>, <bos>) must become their
+    # ids, and a BOS the template already wrote is not doubled.
+    ids = [int(t) for t in model.tokenizer.encode(text, add_special=True)]
+    boundary = None
+    if messages[-1].get("role") in ("user", "tool"):
+        try:
+            base = render(messages, add_generation_prompt=False, **kwargs)
+        except MinecartError:
+            base = None
+        if base and text.startswith(base):
+            base_ids = model.tokenizer.encode(base, add_special=True)
+            if 0 < len(base_ids) < len(ids) and ids[: len(base_ids)] == list(base_ids):
+                boundary = len(base_ids)
+    return ids, opens, boundary
+
+
+def _checkpoint_turn_boundary(session, ids, cancel) -> int:
+    """Run the prompt up to the end of the last user message and checkpoint the session there.
+
+    Why: a hybrid model's recurrent (Gated DeltaNet) state cannot be rewound, only restored from a
+    snapshot. The next turn re-renders this turn's assistant message without the generation prompt's
+    `<think>` block (Qwen3.5 drops past thinking), so its tokens diverge right after this boundary;
+    with a snapshot here the next turn reuses everything up to it instead of starting from zero.
+    Returns the tokens computed (0 when the session cannot do this or had them already)."""
+    sync = getattr(session, "sync", None)
+    checkpoint = getattr(session, "checkpoint", None)
+    if not (callable(sync) and callable(checkpoint) and getattr(session, "has_recurrent_state", False)):
+        return 0
+    sync(ids, cancel=cancel)
+    computed = int(getattr(session, "computed_tokens", 0) or 0)
+    checkpoint()
+    return computed
 
 
 def _has_images(messages) -> bool:

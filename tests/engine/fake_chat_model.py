@@ -42,8 +42,7 @@ class FakeParams:
 
 class ByteTokenizer:
     def encode(self, text: str, add_special: bool = True) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        return ([256] if add_special else []) + ids
+        return list(text.encode("utf-8"))  # no BOS, like Qwen's tokenizer
 
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

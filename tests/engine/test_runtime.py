@@ -365,3 +365,63 @@ def test_prompt_opens_thinking():
     assert prompt_opens_thinking("<|im_start|>assistant\n<think>\n")
     assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_thinking("<start_of_turn>model\n")
+
+
+# -- end to end on the fixture GGUF (real engine, NumPy backend) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_runtime(fixtures_dir):
+    rt = Runtime(sample_memory_s=0)
+    final = rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf", devices=["cpu"]).result(120)
+    assert final.data["model"].architecture == "qwen35"
+    yield rt
+    rt.close()
+
+
+def test_real_model_chat_matches_reference_and_reuses_prefix(real_runtime, fixtures_dir):
+    import json
+
+    import numpy as np
+    from minecart.engine.sampling import greedy_params
+
+    rt = real_runtime
+    seqs = json.loads((fixtures_dir / "sequences.json").read_text())
+    ref = np.load(fixtures_dir / "dense" / "ref_hf_q8_0_dequant" / "chat.npz")
+    n = 6
+    handle = rt.chat(seqs["chat_messages"], greedy_params(max_tokens=n), conversation_id="ref")
+    events = list(handle.events(120))
+    final = events[-1]
+    assert final.kind == "done", final.text
+    # the template rendered to exactly the reference prompt, and greedy decoding follows it
+    assert final.usage.prompt_tokens == len(ref["tokens"])
+    tokens = [e.generation.token for e in events if e.kind == "token" and e.generation is not None]
+    assert tokens == [int(t) for t in ref["gen_tokens"][:n]]
+    assert final.finish_reason == "length" and final.usage.completion_tokens == n
+    timing = final.data["timing"]
+    assert timing.prefill_tokens_per_s > 0 and timing.decode_tokens_per_s > 0
+    # next turn of the same conversation: everything up to this turn's answer comes from the session
+    answer = "".join(e.text for e in events if e.kind == "token")
+    messages = seqs["chat_messages"] + [{"role": "assistant", "content": answer},
+                                        {"role": "user", "content": "Thanks!"}]
+    final2 = rt.chat(messages, greedy_params(max_tokens=2), conversation_id="ref").result(120)
+    assert final2.usage.cached_tokens >= len(ref["tokens"]) - 8
+    assert final2.usage.prompt_tokens > len(ref["tokens"])
+
+
+def test_real_model_cancel_then_continue(real_runtime):
+    from minecart.engine.sampling import SamplingParams
+
+    rt = real_runtime
+    msgs = [{"role": "user", "content": "Count to a thousand."}]
+    handle = rt.chat(msgs, SamplingParams(max_tokens=2000, seed=1), conversation_id="cancel")
+    for ev in handle.events(120):
+        if ev.kind == "token":
+            break
+    handle.cancel()
+    final = handle.wait(60)
+    assert final.kind == "cancelled"
+    assert final.usage.completion_tokens < 2000
+    again = rt.chat(msgs + [{"role": "user", "content": "again"}], SamplingParams(max_tokens=3, seed=1),
+                    conversation_id="cancel").result(120)
+    assert again.kind == "done" and again.usage.completion_tokens == 3

@@ -1,0 +1,276 @@
+"""`minecart run`: load a model, answer one prompt, stream the answer to stdout, print the speeds.
+
+Thinking text goes to stdout dimmed when stdout is a terminal, else to stderr (so `minecart run ... >
+answer.txt` keeps only the answer); `--hide-thinking` drops it. Load progress and the closing line
+("prompt: N tokens, X tok/s | generation: M tokens, Y tok/s") go to stderr.
+
+This module also holds what `chat` and `serve` share: the model/sampling/device flags, model loading
+through a Runtime with a progress line, and the streaming printer. It never imports Qt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import mimetypes
+import sys
+import time
+from pathlib import Path
+
+from ..errors import ImageError, RequestError
+
+DIM = "\x1b[2m"
+RESET = "\x1b[0m"
+IMAGE_MAX_BYTES = 32 * 2**20
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="path of a GGUF file (default: the Gemma 3 270M demo model from the `demo` extra)")
+    p.add_argument("--devices", default=None, metavar="LIST",
+                   help="comma-separated devices to spread the layers over, e.g. cuda:0,cuda:1 or cpu "
+                        "(default: the first GPU, else the CPU)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
+    p.add_argument("--no-think", action="store_true",
+                   help="turn thinking off (the chat template's enable_thinking=false)")
+    p.add_argument("--hide-thinking", action="store_true", help="do not print the thinking text")
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=None, metavar="T",
+                   help="sampling temperature, 0 = greedy (default: 0.7)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the K likeliest tokens, 0 = off (default: 20)")
+    p.add_argument("--min-p", type=float, default=None, metavar="P",
+                   help="drop tokens below P times the top probability, 0 = off (default: 0)")
+    p.add_argument("--repeat-penalty", type=float, default=None, metavar="R",
+                   help="repetition penalty over prompt and output, 1 = off (default: 1)")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="stop after N generated tokens (default: 2048)")
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="random seed, for repeatable sampling")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "run", help="answer one prompt and print the speeds",
+        description="Load a model, answer one prompt (streamed to stdout) and print prompt and "
+                    "generation tokens/s to stderr.",
+    )
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", default=None,
+                   help="the user message (default: read stdin when it is not a terminal)")
+    add_sampling_args(p)
+    p.add_argument("--image", action="append", default=[], metavar="PIC",
+                   help="attach a picture to the prompt (repeatable; vision models only)")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as raw text without the chat template (a plain completion)")
+    p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def model_path(arg: str | None) -> str:
+    if arg:
+        path = Path(arg).expanduser()
+        if not path.is_file():
+            raise RequestError(f"model file not found: {path} (give the path of a .gguf file)")
+        return str(path)
+    from ..demo import demo_model_path
+
+    return str(demo_model_path())
+
+
+def device_list(arg: str | None) -> list[str] | None:
+    if not arg:
+        return None
+    devices = [d.strip() for d in arg.split(",") if d.strip()]
+    if not devices:
+        raise RequestError(f"--devices '{arg}' names no device; use e.g. cuda:0,cuda:1 or cpu")
+    return devices
+
+
+def sampling_params(args):
+    from ..sampling import SamplingParams
+
+    overrides = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repeat_penalty,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+    }
+    try:
+        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as exc:
+        raise RequestError(f"invalid sampling option: {exc}") from exc
+
+
+def start_runtime(args, *, quiet: bool = False):
+    """A Runtime with the model of `args` loaded; progress on stderr."""
+    from ..runtime import Runtime
+
+    path = model_path(args.model)
+    devices = device_list(args.devices)
+    runtime = Runtime(sample_memory_s=0)
+    t0 = time.perf_counter()
+    handle = runtime.load(path, devices=devices)
+    tty = sys.stderr.isatty()
+    try:
+        for ev in handle.events():
+            if ev.kind == "progress" and tty and not quiet:
+                sys.stderr.write(f"\rloading {Path(path).name}: {ev.fraction * 100:5.1f}%")
+                sys.stderr.flush()
+        if tty and not quiet:
+            sys.stderr.write("\r\x1b[K")
+        handle.result()
+    except BaseException:
+        runtime.close()
+        raise
+    info = runtime.model_info
+    if not quiet:
+        print(f"loaded {Path(path).name} ({info.architecture}, on {', '.join(info.devices)}) in "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return runtime
+
+
+def image_part(path_text: str) -> dict:
+    """An OpenAI image_url content part (data: URL) for a picture file, checked with Pillow."""
+    path = Path(path_text).expanduser()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ImageError(f"cannot read the image {path}: {exc.strerror or exc}") from exc
+    if len(data) > IMAGE_MAX_BYTES:
+        raise ImageError(f"{path} is {len(data) / 2**20:.0f} MiB; pictures up to "
+                         f"{IMAGE_MAX_BYTES // 2**20} MiB are accepted")
+    try:
+        from io import BytesIO
+
+        from PIL import Image
+
+        with Image.open(BytesIO(data)) as im:
+            im.verify()
+            fmt = (im.format or "").lower()
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
+        raise ImageError(f"{path} is not a picture Pillow can read ({exc})") from exc
+    mime = f"image/{fmt}" if fmt else (mimetypes.guess_type(path.name)[0] or "image/png")
+    url = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+class StreamPrinter:
+    """Writes token events: the answer to stdout, thinking dimmed on a terminal or to stderr."""
+
+    def __init__(self, hide_thinking: bool = False):
+        self.hide_thinking = hide_thinking
+        self.tty = sys.stdout.isatty()
+        self._dim_open = False
+        self._thought = False
+        self.answer: list[str] = []
+
+    def feed(self, ev) -> None:
+        if ev.thinking and not self.hide_thinking:
+            if self.tty:
+                if not self._dim_open:
+                    sys.stdout.write(DIM)
+                    self._dim_open = True
+                sys.stdout.write(ev.thinking)
+                sys.stdout.flush()
+            else:
+                sys.stderr.write(ev.thinking)
+                sys.stderr.flush()
+            self._thought = True
+        if ev.text:
+            if self._dim_open:
+                sys.stdout.write(RESET)
+                self._dim_open = False
+            if self._thought and not self.answer:
+                (sys.stdout if self.tty else sys.stderr).write("\n")
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            self.answer.append(ev.text)
+
+    def close(self) -> None:
+        if self._dim_open:
+            sys.stdout.write(RESET)
+            self._dim_open = False
+        if self._thought and not self.answer and not self.tty:
+            sys.stderr.write("\n")
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.answer)
+
+
+def stats_line(final) -> str:
+    u = final.usage
+    if u is None:
+        return f"[{final.kind}]"
+    timing = (final.data or {}).get("timing")
+    prompt_tps = u.prompt_tokens_per_s or (timing.prefill_tokens_per_s if timing else None)
+    decode_tps = u.decode_tokens_per_s or (timing.decode_tokens_per_s if timing else None)
+
+    def rate(x):
+        return f"{x:.1f} tok/s" if x else "n/a"
+
+    cached = f" ({u.cached_tokens} cached)" if u.cached_tokens else ""
+    reason = final.finish_reason or final.kind
+    return (f"prompt: {u.prompt_tokens} tokens{cached}, {rate(prompt_tps)} | generation: "
+            f"{u.completion_tokens} tokens, {rate(decode_tps)} | {reason}")
+
+
+def stream_reply(handle, printer: StreamPrinter):
+    """Print a generation as it streams; Ctrl+C cancels it. Returns the terminal event."""
+    try:
+        for ev in handle.events():
+            if ev.kind == "token":
+                printer.feed(ev)
+    except KeyboardInterrupt:
+        handle.cancel()
+        final = handle.wait(30)
+        printer.close()
+        return final
+    printer.close()
+    return handle.final
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def run(args) -> int:
+    prompt = args.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise RequestError("give a prompt with -p/--prompt (or pipe it on stdin)")
+        prompt = sys.stdin.read().strip()
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    params = sampling_params(args)
+    images = [image_part(p) for p in args.image]  # check the files before loading the model
+    if args.raw and (images or args.system):
+        raise RequestError("--raw sends plain text: it cannot carry --system or --image")
+    runtime = start_runtime(args)
+    try:
+        if args.raw:
+            handle = runtime.complete(prompt, params)
+        else:
+            messages = []
+            if args.system:
+                messages.append({"role": "system", "content": args.system})
+            content = [{"type": "text", "text": prompt}, *images] if images else prompt
+            messages.append({"role": "user", "content": content})
+            handle = runtime.chat(messages, params, enable_thinking=not args.no_think)
+        final = stream_reply(handle, StreamPrinter(hide_thinking=args.hide_thinking))
+        if final.kind == "error":
+            print(f"minecart: error: {final.text}", file=sys.stderr)
+            return 1
+        print(stats_line(final), file=sys.stderr)
+        return 130 if final.kind == "cancelled" else 0
+    finally:
+        runtime.close()

@@ -1,0 +1,54 @@
+"""`minecart serve`: load a model and serve the OpenAI-compatible HTTP API (engine/server.py).
+
+Point any OpenAI client at http://HOST:PORT/v1. There is no authentication: keep the default
+127.0.0.1 unless the network is trusted. This module only parses flags, loads the model and starts
+uvicorn; the endpoints live in engine/server.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..errors import RequestError
+from .run_cmd import add_model_args, start_runtime
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API",
+        description="Load a model and serve /v1/chat/completions, /v1/completions, /v1/models, "
+                    "/health and /metrics.",
+    )
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: 127.0.0.1; 0.0.0.0 exposes the API, which has "
+                        "no authentication, to the network)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port (default: 8080)")
+    p.add_argument("--model-name", default=None, metavar="NAME",
+                   help="model id reported by /v1/models (default: the GGUF file name)")
+    p.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="default max_tokens for requests that give none (default: the engine's 2048)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level (default: info)")
+    p.set_defaults(func=serve_main)
+
+
+def serve_main(args) -> int:
+    import uvicorn
+
+    from ..server import create_app
+
+    if not 0 <= args.port <= 65535:
+        raise RequestError(f"--port {args.port} is not a TCP port (0-65535)")
+    runtime = start_runtime(args)
+    try:
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"warning: listening on {args.host}: anyone who can reach this address can use the "
+                  "API (there is no authentication)", file=sys.stderr)
+        app = create_app(runtime, model_name=args.model_name, default_max_tokens=args.max_tokens)
+        print(f"serving on http://{args.host}:{args.port}/v1 (Ctrl+C stops)", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=3)
+    finally:
+        runtime.close()
+    return 0
