@@ -327,7 +327,7 @@ class Runtime:
         self,
         loader: Callable | None = None,
         metrics: Metrics | None = None,
-        max_sessions: int = 8,
+        max_sessions: int = 4,
         sample_memory_s: float = 0.5,
     ):
         self._loader = loader or _default_loader

@@ -331,3 +331,38 @@ def test_tool_call_hold_is_independent_of_chunking():
         assert hold.buffer.startswith("<tool_call>") and hold.buffer.endswith("</tool_call>")
     hold = ToolCallHold(active=True)
     assert hold.feed("a <tool") == "a" and hold.feed("box>") == " <toolbox>"
+
+
+# -- end to end: the fixture GGUF through the real engine --------------------------------------------
+
+
+def test_real_model_over_http(fixtures_dir):
+    seqs = json.loads((fixtures_dir / "sequences.json").read_text())
+    rt = Runtime(sample_memory_s=0)
+    try:
+        rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf", devices=["cpu"]).result(120)
+        with ServerThread(create_app(rt)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120,
+                                   max_retries=0)
+            assert client.models.list().data[0].id == "qwen35-tiny-dense-q8_0"
+            # raw completion of the "short" reference sequence: greedy continuation is known
+            resp = client.completions.create(model="m", prompt="The quick brown fox jumps over the lazy dog.",
+                                             max_tokens=4, temperature=0)
+            assert resp.choices[0].text == " Sunt" * 4
+            assert resp.usage.prompt_tokens == 10 and resp.choices[0].finish_reason == "length"
+            # chat: the reference conversation renders to the reference prompt (62 tokens)
+            kwargs = dict(model="m", messages=seqs["chat_messages"], max_tokens=5, temperature=0)
+            full = client.chat.completions.create(**kwargs)
+            assert full.usage.prompt_tokens == 62 and full.usage.completion_tokens == 5
+            parts = []
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for ch in chunk.choices:
+                    parts.append((ch.delta.content or "", getattr(ch.delta, "reasoning_content", None) or ""))
+            assert "".join(p[0] for p in parts) == (full.choices[0].message.content or "")
+            assert "".join(p[1] for p in parts) == (getattr(full.choices[0].message, "reasoning_content", None) or "")
+            no_think = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi /no_think"}], max_tokens=3,
+                temperature=0, seed=3)
+            assert getattr(no_think.choices[0].message, "reasoning_content", None) is None
+    finally:
+        rt.close()
