@@ -143,7 +143,11 @@ template <int D>
 __global__ void __launch_bounds__(128) flash_decode(
         const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
-        int nh, int n_kv, int kv_len, int split_len, float scale, int window) {
+        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
+        int window) {
+    // Inside a captured decode graph the context length is read from the device (length before this
+    // token's append, + 1), so one graph serves every step.
+    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
     __shared__ float qs[FD_G][D];
     __shared__ float KV[FD_BK * (D + 1)];
     __shared__ float P[FD_G][FD_BK];
@@ -244,5 +248,16 @@ extern "C" __global__ void flash_merge(const float* __restrict__ po, const float
         for (int s = 0; s < n_splits; s++)
             acc += __expf(pm[(i64)s * nh + h] - m) * po[((i64)s * nh + h) * D + c];
         out[(i64)h * D + c] = acc * inv;
+    }
+}
+
+// Append one token's K and V (n values each) at the row given on the device (graph-captured decode).
+extern "C" __global__ void kv_append(const float* __restrict__ k, const float* __restrict__ v,
+                                     float* __restrict__ kc, float* __restrict__ vc,
+                                     const int* __restrict__ row_ptr, int n_k, int n_v) {
+    i64 row = *row_ptr;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_k || i < n_v; i += gridDim.x * blockDim.x) {
+        if (i < n_k) kc[row * n_k + i] = k[i];
+        if (i < n_v) vc[row * n_v + i] = v[i];
     }
 }

@@ -53,7 +53,7 @@ def module_specs() -> list[ModuleSpec]:
     ew = [f"ewise<{op}>" for op in range(8)]
     specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew), ("gdn_gates", "rope_neox")))
     att = [f"flash_prefill<{d}>" for d in HEAD_DIMS] + [f"flash_decode<{d}>" for d in HEAD_DIMS]
-    specs.append(ModuleSpec("attention", ("attention.cu",), tuple(att), ("flash_merge",)))
+    specs.append(ModuleSpec("attention", ("attention.cu",), tuple(att), ("flash_merge", "kv_append")))
     specs.append(ModuleSpec("gdn", ("gdn.cu",), tuple(f"gdn_scan<{d}>" for d in GDN_KEY_DIMS),
                             ("conv1d_silu", "conv_state_update")))
     specs.append(ModuleSpec("sampling", ("sampling.cu",), (),

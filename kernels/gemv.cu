@@ -95,24 +95,32 @@ __global__ void gemv_dp4a(const u8* __restrict__ wq, const u16* __restrict__ wd,
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
-#pragma unroll 2
-    for (int b = lane; b < nb; b += 32) {
-        WBlock w;
-        load_wblock<QT>(wrow, wdrow, b, w);
+    // Four blocks per lane are loaded before any is used, so each warp keeps 4 KB of weights in
+    // flight: decode GEMVs are short (a 4096-wide row is 4 blocks per lane) and latency-bound otherwise.
+    for (int b0 = lane; b0 < nb; b0 += 32 * 4) {
+        WBlock w[4];
 #pragma unroll
-        for (int t = 0; t < NT; t++) {
-            i64 xb = (i64)(xt0 + t) * nb + b;
-            const int4* xp = (const int4*)(xq + xb * 32);
-            int4 a = xp[0], c = xp[1];
-            int lo = dp4a(w.q[0], a.x, 0);
-            lo = dp4a(w.q[1], a.y, lo);
-            lo = dp4a(w.q[2], a.z, lo);
-            lo = dp4a(w.q[3], a.w, lo);
-            int hi = dp4a(w.q[4], c.x, 0);
-            hi = dp4a(w.q[5], c.y, hi);
-            hi = dp4a(w.q[6], c.z, hi);
-            hi = dp4a(w.q[7], c.w, hi);
-            acc[t] += xd[xb] * (w.dlo * (float)lo + w.dhi * (float)hi) + w.m * xs[xb];
+        for (int u = 0; u < 4; u++)
+            if (b0 + 32 * u < nb) load_wblock<QT>(wrow, wdrow, b0 + 32 * u, w[u]);
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int b = b0 + 32 * u;
+            if (b >= nb) break;
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                i64 xb = (i64)(xt0 + t) * nb + b;
+                const int4* xp = (const int4*)(xq + xb * 32);
+                int4 a = xp[0], c = xp[1];
+                int lo = dp4a(w[u].q[0], a.x, 0);
+                lo = dp4a(w[u].q[1], a.y, lo);
+                lo = dp4a(w[u].q[2], a.z, lo);
+                lo = dp4a(w[u].q[3], a.w, lo);
+                int hi = dp4a(w[u].q[4], c.x, 0);
+                hi = dp4a(w[u].q[5], c.y, hi);
+                hi = dp4a(w[u].q[6], c.z, hi);
+                hi = dp4a(w[u].q[7], c.w, hi);
+                acc[t] += xd[xb] * (w[u].dlo * (float)lo + w[u].dhi * (float)hi) + w[u].m * xs[xb];
+            }
         }
     }
 #pragma unroll

@@ -273,8 +273,23 @@ def rope(x, pos3: cp.ndarray, comp: cp.ndarray, inv_freq: cp.ndarray, n_rot: int
 
 # ---- attention --------------------------------------------------------------------------------------
 
-def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0) -> cp.ndarray:
-    """Causal GQA flash attention of q (T, nh, D) at positions start.. over cache rows [0, kv_len)."""
+_SMS: dict[int, int] = {}
+
+
+def sm_count() -> int:
+    dev = cp.cuda.Device().id
+    if dev not in _SMS:
+        _SMS[dev] = int(cp.cuda.Device().attributes["MultiProcessorCount"])
+    return _SMS[dev]
+
+
+def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
+              kv_len_ptr: cp.ndarray | None = None) -> cp.ndarray:
+    """Causal GQA flash attention of q (T, nh, D) at positions start.. over cache rows [0, kv_len).
+
+    kv_len_ptr (decode only): a device int32 holding the length before this token's append; the
+    kernel then reads the context length from the device (CUDA-graph replay) and the context split
+    is sized for the whole cache capacity."""
     q = cp.ascontiguousarray(q, dtype=cp.float32)
     T, nh, D = q.shape
     n_kv = kc.shape[1]
@@ -285,23 +300,35 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0)
     G = nh // n_kv
     if T == 1 and G <= 8:
         # Split the context so that there are about two blocks per multiprocessor.
-        sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-        want = max(1, (2 * sms) // n_kv)
-        split_len = max(64, math.ceil(kv_len / want / 32) * 32)
-        n_splits = max(1, math.ceil(kv_len / split_len))
+        span = kc.shape[0] if kv_len_ptr is not None else kv_len
+        want = max(1, (2 * sm_count()) // n_kv)
+        split_len = max(64, math.ceil(span / want / 32) * 32)
+        n_splits = max(1, math.ceil(span / split_len))
         po = cp.empty((n_splits, nh, D), dtype=cp.float32)
         pm = cp.empty((n_splits, nh), dtype=cp.float32)
         pl = cp.empty((n_splits, nh), dtype=cp.float32)
         get_kernel("attention", f"flash_decode<{D}>")(
             (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
+                                       kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
                                        np.int32(split_len), np.float32(scale), np.int32(window)))
         get_kernel("attention", "flash_merge")((nh,), (min(256, max(32, D)),),
                                                (po, pm, pl, out, np.int32(n_splits), np.int32(nh), np.int32(D)))
         return out
+    if kv_len_ptr is not None:
+        raise ValueError("device-side context length is only supported for single-token decode")
     get_kernel("attention", f"flash_prefill<{D}>")(
         (math.ceil(T / 32), nh), (128,), (q, kc, vc, out, np.int32(T), np.int32(nh), np.int32(n_kv),
                                           np.int32(start), np.int32(kv_len), np.float32(scale), np.int32(window)))
     return out
+
+
+def kv_append(k, v, kc, vc, row_ptr: cp.ndarray) -> None:
+    """Write one token's k (1, n_kv, d) and v into the caches at the row held on the device."""
+    k = cp.ascontiguousarray(k, dtype=cp.float32)
+    v = cp.ascontiguousarray(v, dtype=cp.float32)
+    n_k, n_v = k.size, v.size
+    get_kernel("attention", "kv_append")((max(1, math.ceil(max(n_k, n_v) / 256)),), (256,),
+                                         (k, v, kc, vc, row_ptr, np.int32(n_k), np.int32(n_v)))
 
 
 # ---- Gated DeltaNet ---------------------------------------------------------------------------------

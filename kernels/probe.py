@@ -4,6 +4,7 @@ Mining cards throttle different units (CMP 100-210: tensor cores; CMP 30HX-170HX
 so the path is measured, not assumed. `run_probe()` times the Q8_0 GEMV (decode) and GEMM (prefill)
 in both variants on random data and returns a plain dict (stored per GPU UUID by
 engine/probe_cache.py). It takes well under a second after the kernels are compiled.
+Timings are GPU time (calls captured into a CUDA graph), not Python launch overhead.
 `measure_ceilings()` measures copy bandwidth and the peak DP4A / FMA rates for `minecart bench`.
 
 Not here: the cache file (engine/probe_cache.py) and the decision's use (engine/backends/cupy_backend.py).
@@ -30,6 +31,49 @@ def _time(fn, reps: int) -> float:
     stop.record()
     stop.synchronize()
     return cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+
+
+def time_gpu(fn, reps: int = 20) -> float:
+    """GPU seconds per call of fn, free of Python launch overhead: `reps` calls are captured into one
+    CUDA graph, which is launched once to warm up and once timed."""
+    stream = cp.cuda.Stream(non_blocking=False)
+    fn()  # compile and warm the allocator outside the capture
+    pool = cp.get_default_memory_pool()
+    kept = []
+
+    def keep_alloc(size):
+        mem = pool.malloc(size)
+        kept.append(mem)
+        return mem
+
+    with stream:
+        cp.cuda.set_allocator(keep_alloc)
+        try:
+            begin_capture(stream)
+            try:
+                for _ in range(reps):
+                    fn()
+            finally:
+                graph = stream.end_capture()
+        finally:
+            cp.cuda.set_allocator(pool.malloc)
+        graph.launch(stream)
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+    kept.clear()
+    return cp.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+
+
+def begin_capture(stream) -> None:
+    """Start stream capture in relaxed mode (allocations may happen while capturing)."""
+    mode = getattr(cp.cuda.runtime, "streamCaptureModeRelaxed", None)
+    if mode is None:
+        stream.begin_capture()
+    else:
+        stream.begin_capture(mode)
 
 
 def random_q8_0(R: int, K: int, seed: int = 0) -> ops.QWeight:
@@ -90,7 +134,7 @@ def run_probe() -> dict:
     for label, x in (("gemv", x1), ("gemm", xp)):
         times = {}
         for path in ("dp4a", "fma"):
-            times[path] = _time(lambda x=x, path=path: ops.matmul(x, w, path), 5)
+            times[path] = time_gpu(lambda x=x, path=path: ops.matmul(x, w, path), 10)
         rec[f"{label}_us"] = {p: round(t * 1e6, 1) for p, t in times.items()}
         rec[label] = min(times, key=times.get)
     rec.update(measure_ceilings())

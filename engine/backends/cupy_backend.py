@@ -3,15 +3,17 @@
 Same signatures and semantics as numpy_backend.NumpyBackend (the specification); every op launches
 hand-written CUDA kernels (DP4A int8, fp32 FMA; never tensor cores) on this device's current stream and
 returns without synchronizing. Only `to_numpy`, `top_k` (its result goes to the host) and
-`synchronize` wait for the GPU, so a decode step has no host sync per layer.
+`synchronize` wait for the GPU, so a decode step has no host sync per layer. A single-token decode
+step is captured once into a CUDA graph and replayed for every later token (`decode_step`, called by
+Model.forward), so decoding pays one launch per token instead of one per kernel.
 
 Weights go to the device still quantized (Q8_0/Q4_0 re-laid out as int8/int4 quants + fp16 scales;
 Q4_K/Q6_K as GGUF blocks; F32/F16/BF16 as rows); formats without a kernel are decoded to F32 once.
 Matmuls take the DP4A path or the FMA path according to the per-card probe (kernels/probe.py, cached
 per GPU UUID by engine/probe_cache.py); MINECART_MATMUL_PATH=dp4a|fma overrides it.
 
-Not here: the decode step is not captured in a CUDA graph (model code runs op by op), the Gated DeltaNet
-prefill uses the exact recurrence kernel rather than the chunked WY form, and there is no HFMA2 path.
+Not here: the Gated DeltaNet prefill uses the exact recurrence kernel rather than the chunked WY form,
+and there is no HFMA2 path.
 """
 
 from __future__ import annotations
@@ -105,6 +107,92 @@ class CupyKVCache(KVCache):
         return int(self.k.nbytes + self.v.nbytes)
 
 
+_SLOTS = 1024  # int32 inputs of a captured decode step: [token, pos t, pos h, pos w, cache lengths...]
+
+
+class _Capture:
+    """Book-keeping while a decode step is captured: the pinned input buffer and its device copy,
+    the caches the step appends to, and the host buffers the step's outputs are copied into."""
+
+    def __init__(self, stream):
+        import cupyx
+
+        self.stream = stream
+        self.host = cupyx.empty_pinned((_SLOTS,), dtype=np.int32)
+        self.host[:] = 0
+        self.dev = cp.zeros(_SLOTS, dtype=cp.int32)
+        self.caches: list[tuple[CupyKVCache, int]] = []
+        self.outputs: list[np.ndarray] = []
+        self._out_dev: list = []
+
+    def write_inputs(self, token: int, pos: np.ndarray) -> None:
+        self.host[0] = token
+        self.host[1:4] = pos if pos.size == 3 else np.repeat(pos, 3)
+
+    def copy_inputs(self) -> None:
+        cp.cuda.runtime.memcpyAsync(self.dev.data.ptr, self.host.ctypes.data, _SLOTS * 4,
+                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+
+    def ids_dev(self, ids):
+        if len(ids) != 1:
+            raise RuntimeError("a captured decode step embeds exactly one token")
+        return self.dev[0:1]
+
+    def positions_dev(self, pos):
+        return self.dev[1:4].reshape(3, 1)
+
+    def cache_row(self, cache: CupyKVCache):
+        if cache.length + 1 > cache.capacity:
+            raise RuntimeError("KV cache full: this step grows it eagerly")
+        i = len(self.caches)
+        if 4 + i >= _SLOTS:
+            raise RuntimeError("too many attention layers for one captured step")
+        self.caches.append((cache, cache.length))
+        self.host[4 + i] = cache.length
+        return self.dev[4 + i : 5 + i]
+
+    def output(self, x):
+        import cupyx
+
+        x = cp.ascontiguousarray(x)
+        host = cupyx.empty_pinned(x.shape, dtype=x.dtype)
+        cp.cuda.runtime.memcpyAsync(host.ctypes.data, x.data.ptr, x.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        self._out_dev.append(x)
+        self.outputs.append(host)
+        return host
+
+
+class _DecodeGraph:
+    """A captured decode step and what it needs to be replayed for the next token."""
+
+    def __init__(self, graph, cap: _Capture, kept: list, states):
+        self.graph = graph
+        self.cap = cap
+        self.kept = kept
+        self.states = states
+        self.cache_ptrs = [(c, c.k.data.ptr, c.v.data.ptr) for c, _ in cap.caches]
+
+    def valid(self, states) -> bool:
+        if states is not self.states:
+            return False
+        for c, kp, vp in self.cache_ptrs:
+            if c.k is None or c.k.data.ptr != kp or c.v.data.ptr != vp or c.length + 1 > c.capacity:
+                return False
+        return True
+
+    def replay(self, token: int, pos: np.ndarray):
+        cap = self.cap
+        cap.write_inputs(token, pos)
+        for i, (c, _) in enumerate(cap.caches):
+            cap.host[4 + i] = c.length
+        self.graph.launch(cap.stream)
+        cap.stream.synchronize()
+        for c, _ in cap.caches:
+            c.length += 1
+        return np.array(cap.outputs[-1])
+
+
 def _f32(x):
     return cp.ascontiguousarray(x, dtype=cp.float32)
 
@@ -124,6 +212,10 @@ class CupyBackend:
         self._dev = cp.cuda.Device(self.index)
         self._rope_tables: dict = {}
         self.probe_record: dict | None = None
+        self._capture: _Capture | None = None  # set while a decode step is being captured
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graph_stream = None
+        self.use_graphs = not os.environ.get("MINECART_NO_CUDA_GRAPH")
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
         if forced:
@@ -165,6 +257,8 @@ class CupyBackend:
 
     def to_numpy(self, x):
         with self._dev:
+            if self._capture is not None:
+                return self._capture.output(x)
             return cp.asnumpy(x)
 
     # used by engine/multidevice.py: pinned staging buffers for cross-device hops, and the worker
@@ -219,6 +313,8 @@ class CupyBackend:
             obj.k = obj.v = None
 
     def synchronize(self) -> None:
+        if self._capture is not None:
+            return  # no host waits inside a captured graph
         with self._dev:
             cp.cuda.get_current_stream().synchronize()
 
@@ -280,6 +376,8 @@ class CupyBackend:
         if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
             raise ValueError(f"token id out of range [0, {n_rows}) for '{table.name}'")
         with self._dev:
+            if self._capture is not None:
+                return ops.embed(table.q, self._capture.ids_dev(ids))
             return ops.embed(table.q, cp.asarray(ids.astype(np.int32)))
 
     def matmul(self, x, w: CupyWeight):
@@ -312,7 +410,9 @@ class CupyBackend:
             comp_d, inv_freq, comp = self._rope_table(n_rot, base, sections)
             pos = np.asarray(positions, dtype=np.int64)
             T = x.shape[0]
-            if pos.ndim == 1 and T and (T == 1 or np.all(np.diff(pos) == 1)):
+            if self._capture is not None:
+                pos3 = self._capture.positions_dev(pos)
+            elif pos.ndim == 1 and T and (T == 1 or np.all(np.diff(pos) == 1)):
                 # Consecutive text positions: built on the device, no host-to-device copy (no sync).
                 pos3 = cp.broadcast_to(cp.arange(int(pos[0]), int(pos[0]) + T, dtype=cp.int32), (3, T))
                 pos3 = cp.ascontiguousarray(pos3)
@@ -327,6 +427,12 @@ class CupyBackend:
 
     def attention(self, q, k, v, cache: CupyKVCache, *, scale: float, window: int = 0):
         with self._dev:
+            if self._capture is not None:
+                row_ptr = self._capture.cache_row(cache)
+                ops.kv_append(k, v, cache.k, cache.v, row_ptr)
+                cache.length += 1
+                return ops.attention(q, cache.k, cache.v, cache.length - 1, cache.length, float(scale),
+                                     int(window), kv_len_ptr=row_ptr)
             start = cache.length
             cache.append(_f32(k), _f32(v))
             return ops.attention(q, cache.k, cache.v, start, cache.length, float(scale), int(window))
@@ -375,6 +481,76 @@ class CupyBackend:
             vals, ids = ops.top_k(logits, int(k))
             return cp.asnumpy(vals), cp.asnumpy(ids).astype(np.int64)
 
+    # ---- CUDA-graph decode ---------------------------------------------------------------------------
+    def decode_step(self, model, ids, states, positions):
+        """Run one decode token of `model` (single device) as a replayed CUDA graph.
+
+        The first call for a set of `states` captures the model's eager step (every kernel launch of
+        every layer) into a graph; later calls only write the token id, its position and the caches'
+        lengths into a pinned host buffer (copied to the device by the graph's first node) and launch
+        the graph: one launch per token instead of ~1,000, and one host wait. Returns host logits
+        (1, vocab), or None when this step cannot use a graph (the caller then runs it eagerly)."""
+        if not self.use_graphs or self._capture is not None or len(ids) != 1:
+            return None
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if pos.size not in (1, 3):
+            return None
+        key = id(states)
+        rec = self._graphs.get(key)
+        if rec is not None and not rec.valid(states):
+            self._graphs.pop(key, None)
+            rec = None
+        with self._dev:
+            if rec is None:
+                return self._capture_step(model, ids, states, positions, pos, key)
+            return rec.replay(int(ids[0]), pos)
+
+    def _capture_step(self, model, ids, states, positions, pos, key):
+        if self._graph_stream is None:
+            # a blocking stream: ordered with the eager work that CuPy issues on the legacy stream
+            self._graph_stream = cp.cuda.Stream(non_blocking=False)
+        stream = self._graph_stream
+        cap = _Capture(stream)
+        cap.write_inputs(int(ids[0]), pos)
+        pool = cp.get_default_memory_pool()
+        kept: list = []
+
+        def keep_alloc(size):
+            mem = pool.malloc(size)
+            kept.append(mem)  # the graph reuses these addresses on every replay
+            return mem
+
+        self._capture = cap
+        graph = None
+        try:
+            with stream:
+                cp.cuda.set_allocator(keep_alloc)
+                try:
+                    from minecart.kernels.probe import begin_capture
+
+                    begin_capture(stream)
+                    try:
+                        cap.copy_inputs()
+                        model.forward(ids, states, positions, rows="last")
+                    finally:
+                        graph = stream.end_capture()
+                finally:
+                    cp.cuda.set_allocator(pool.malloc)
+        except Exception:
+            for cache, length in cap.caches:
+                cache.length = length  # undo the host bookkeeping of the aborted capture
+            self.use_graphs = False  # this model/backend pair cannot be captured: stay eager
+            return None
+        finally:
+            self._capture = None
+        if not cap.outputs:
+            return None
+        rec = _DecodeGraph(graph, cap, kept, states)
+        self._graphs = {key: rec}  # one live graph (one active sequence) per backend
+        graph.launch(stream)
+        stream.synchronize()
+        return np.array(cap.outputs[-1])
+
     # ---- measurements (bench, probe) --------------------------------------------------------------
     def measure_ceilings(self, seconds: float = 0.3) -> dict:
         """Copy bandwidth (GB/s, bytes read + written), DP4A (TOPS) and fp32 FMA (TFLOP/s) of this card."""
@@ -382,6 +558,15 @@ class CupyBackend:
 
         with self._dev:
             return probe.measure_ceilings(seconds)
+
+    def time_matmul(self, x, w: CupyWeight, reps: int = 20) -> float:
+        """GPU seconds of one matmul(x, w) on this backend's chosen path (no Python overhead)."""
+        from minecart.kernels import probe
+
+        with self._dev:
+            x2 = _f32(x).reshape(-1, x.shape[-1])
+            path = self.gemv_path if x2.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
+            return probe.time_gpu(lambda: ops.matmul(x2, w.q, path), reps)
 
     def memory_used(self) -> int:
         """Bytes held by CuPy's pool on this device (weights, caches, scratch)."""
