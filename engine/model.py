@@ -193,6 +193,12 @@ class Model:
         if getattr(self, "pipeline", None) is not None:  # several devices: multidevice.Pipeline
             return self.pipeline.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
                                          chunk=chunk, cancel=cancel)
+        graph_step = getattr(self.backends["global"], "decode_step", None)  # CuPy: replayed CUDA graph
+        if (graph_step is not None and len(ids) == 1 and rows == "last" and hidden_hook is None
+                and len({id(b) for b in self.backends.values()}) == 1):
+            out = graph_step(self, ids, states, positions)
+            if out is not None:
+                return out
         if chunk and len(ids) > chunk:  # one device: the chunks run one after another
             from .multidevice import forward_in_chunks
 
