@@ -141,3 +141,49 @@ def run_probe() -> dict:
     rec["dp4a_throttled"] = rec["gemm"] == "fma"
     rec["probe_s"] = round(time.perf_counter() - t_start, 3)
     return rec
+
+
+def op_breakdown(T: int = 4096, ctx: int = 18432) -> dict:
+    """GPU time of the main kernels at Qwen3.5-9B shapes (for docs/kernels.md): prefill pieces at T
+    tokens, decode pieces at context `ctx`. Milliseconds per call, plus achieved rates."""
+    rs = cp.random.RandomState(5)
+    res: dict = {}
+    H, F = 4096, 12288
+    for name, (R, K) in {"gemm_4096x4096": (4096, H), "gemm_12288x4096": (F, H), "gemm_4096x12288": (H, F)}.items():
+        w = random_q8_0(R, K, 1)
+        x = rs.standard_normal((T, K), dtype=cp.float32)
+        for path in ("dp4a", "fma"):
+            t = time_gpu(lambda x=x, w=w, path=path: ops.matmul(x, w, path), 3)
+            res[f"{name}_{path}_ms"] = t * 1e3
+            res[f"{name}_{path}_tops"] = 2 * T * R * K / t / 1e12
+        x1 = rs.standard_normal((1, K), dtype=cp.float32)
+        for path in ("dp4a", "fma"):
+            t = time_gpu(lambda x1=x1, w=w, path=path: ops.matmul(x1, w, path), 50)
+            res[f"gemv_{R}x{K}_{path}_us"] = t * 1e6
+            res[f"gemv_{R}x{K}_{path}_gbs"] = w.nbytes / t / 1e9
+    x = rs.standard_normal((T, H), dtype=cp.float32)
+    t = time_gpu(lambda: ops.quantize_q8_1(x), 20)
+    res["quantize_T_ms"] = t * 1e3
+    nh, n_kv, D = 16, 4, 256
+    q = rs.standard_normal((T, nh, D), dtype=cp.float32)
+    kc = rs.standard_normal((max(T, ctx) + 1, n_kv, D), dtype=cp.float32)
+    vc = rs.standard_normal((max(T, ctx) + 1, n_kv, D), dtype=cp.float32)
+    t = time_gpu(lambda: ops.attention(q, kc, vc, 0, T, 1 / 16), 3)
+    res["flash_prefill_ms"] = t * 1e3
+    res["flash_prefill_tflops"] = 4 * nh * D * T * T / 2 / t / 1e12
+    q1 = rs.standard_normal((1, nh, D), dtype=cp.float32)
+    t = time_gpu(lambda: ops.attention(q1, kc, vc, ctx - 1, ctx, 1 / 16), 20)
+    res["flash_decode_ctx_us"] = t * 1e6
+    res["flash_decode_ctx_gbs"] = 2 * ctx * n_kv * D * 4 / t / 1e9
+    n_k, n_v, dk = 16, 32, 128
+    qg = rs.standard_normal((T, n_k, dk), dtype=cp.float32) * 0.01
+    kg = rs.standard_normal((T, n_k, dk), dtype=cp.float32) * 0.08
+    vg = rs.standard_normal((T, n_v, dk), dtype=cp.float32)
+    g = -cp.abs(rs.standard_normal((T, n_v), dtype=cp.float32))
+    b = rs.random_sample((T, n_v), dtype=cp.float32)
+    st = cp.zeros((n_v, dk, dk), dtype=cp.float32)
+    t = time_gpu(lambda: ops.gdn_scan(qg, kg, vg, g, b, st), 2)
+    res["gdn_scan_T_ms"] = t * 1e3
+    t = time_gpu(lambda: ops.gdn_scan(qg[:1], kg[:1], vg[:1], g[:1], b[:1], st), 50)
+    res["gdn_step_us"] = t * 1e6
+    return {k: round(v, 3) for k, v in res.items()}

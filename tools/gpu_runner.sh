@@ -40,3 +40,9 @@ if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
   echo "bench exit $?" | tee -a "$OUT/bench.log"
   tail -25 "$OUT/bench.log"
 fi
+
+if [ "$MODE" = ops ] || [ "$MODE" = all ] || [ "$MODE" = bench ]; then
+  timeout 120 python3 -c "import json; from minecart.kernels.probe import op_breakdown; print(json.dumps(op_breakdown(), indent=1))" \
+    >"$OUT/ops.json" 2>&1
+  echo "ops exit $?"; cat "$OUT/ops.json" | head -60
+fi
