@@ -193,6 +193,11 @@ class Metrics:
             items = list(self._requests)
         return items if last is None else items[-last:]
 
+    def memory_devices(self) -> list[str]:
+        """Devices that have a memory series, in the order they first appeared."""
+        with self._lock:
+            return list(self._memory)
+
     def memory(self, device: str) -> RingBuffer | None:
         with self._lock:
             return self._memory.get(device)

@@ -510,8 +510,12 @@ class Runtime:
             if req is not _SHUTDOWN:
                 req.emit("cancelled", finish_reason="cancelled")
 
+    def _clear_sessions(self) -> None:
+        while self._sessions:
+            _close_session(self._sessions.popitem()[1])
+
     def _drop_model(self) -> None:
-        self._sessions.clear()
+        self._clear_sessions()
         model, self._model = self._model, None
         self._model_info = None
         self._load_args = None
@@ -544,7 +548,7 @@ class Runtime:
     def _install(self, model, load_args: dict) -> None:
         self._model = model
         self._load_args = dict(load_args)
-        self._sessions.clear()
+        self._clear_sessions()
         self._model_info = _describe(model, load_args)
         self.metrics.set_devices(self._model_info.devices)
         self.state_version += 1
@@ -554,13 +558,13 @@ class Runtime:
         req.emit("done")
 
     def _do_forget(self, req: _Request) -> None:
-        self._sessions.pop(req.args["conversation_id"], None)
+        _close_session(self._sessions.pop(req.args["conversation_id"], None))
         req.emit("done")
 
     def _do_replace(self, req: _Request) -> None:
         model = self._require_model()
         placement = req.args["placement"]
-        self._sessions.clear()  # their state lives on the old devices
+        self._clear_sessions()  # their state lives on the old devices
         progress = _progress_emitter(req)
         for name in ("reload_placement", "apply_placement"):
             method = getattr(model, name, None)
@@ -601,7 +605,7 @@ class Runtime:
             session = model.new_session()
             self._sessions[conversation_id] = session
             while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+                _close_session(self._sessions.popitem(last=False)[1])
         else:
             self._sessions.move_to_end(conversation_id)
         return session
@@ -679,9 +683,11 @@ class Runtime:
             close = getattr(stream, "close", None)
             if callable(close):
                 close()
-            if not ok and not req.cancel_event.is_set():
+            if conversation_id is None:
+                _close_session(session)  # a one-off request's session is not kept
+            elif not ok and not req.cancel_event.is_set():
                 # A failed step may leave the session's cache half-written: do not reuse it.
-                self._sessions.pop(conversation_id, None)
+                _close_session(self._sessions.pop(conversation_id, None))
         cancelled = req.cancel_event.is_set() and finish_reason is None
         if not cancelled and finish_reason is None:  # the stream ended without a finish reason
             thinking, answer = splitter.flush()
@@ -848,6 +854,16 @@ def _chat_prompt(model, messages, tools, enable_thinking: bool):
             if 0 < len(base_ids) < len(ids) and ids[: len(base_ids)] == list(base_ids):
                 boundary = len(base_ids)
     return ids, opens, boundary
+
+
+def _close_session(session) -> None:
+    """Free a session's device memory now rather than whenever the garbage collector runs."""
+    close = getattr(session, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # noqa: BLE001 - a failed free must not take the request down with it
+            pass
 
 
 def _checkpoint_turn_boundary(session, ids, cancel) -> int:

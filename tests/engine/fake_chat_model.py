@@ -69,6 +69,10 @@ class TinyTemplate:
 class FakeSession:
     tokens: list[int] = field(default_factory=list)
     reused: list[int] = field(default_factory=list)  # prefix length reused at each generate
+    closed: bool = False
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def default_reply(prompt_text: str, enable_thinking: bool) -> str:

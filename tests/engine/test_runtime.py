@@ -138,6 +138,29 @@ def test_session_prefix_is_reused_across_turns():
         rt.close()
 
 
+def test_sessions_are_closed_when_evicted_forgotten_or_one_off():
+    rt, loader = make_runtime()
+    rt.max_sessions = 2
+    try:
+        rt.load("fake.gguf").result(TIMEOUT)
+        model = loader.made[-1]
+        sessions = []
+        original = model.new_session
+        model.new_session = lambda: sessions.append(original()) or sessions[-1]
+        msgs = [{"role": "user", "content": "x"}]
+        for conv in ("a", "b", "c"):  # "a" is evicted when "c" arrives
+            rt.chat(msgs, FakeParams(), conversation_id=conv).result(TIMEOUT)
+        assert [s.closed for s in sessions] == [True, False, False]
+        rt.forget("b").result(TIMEOUT)
+        assert sessions[1].closed and not sessions[2].closed
+        rt.chat(msgs, FakeParams()).result(TIMEOUT)  # no conversation: its session is not kept
+        assert sessions[3].closed and rt.status()["sessions"] == 1
+        rt.unload().result(TIMEOUT)
+        assert all(s.closed for s in sessions)
+    finally:
+        rt.close()
+
+
 def test_cancel_while_generating_is_prompt_and_leaves_session_usable():
     model = FakeModel(reply=lambda p, t: "x" * 2000, delay_s=0.005)
     rt, model = loaded_runtime(model)
