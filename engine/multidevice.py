@@ -187,6 +187,8 @@ class Pipeline:
         self.bridges = [HostBridge(a.backend, b.backend, rows=512, width=hidden)
                         for a, b in zip(self.stages, self.stages[1:], strict=False)]
         self.max_in_flight = max_in_flight or (2 * len(self.stages) + 1)
+        # a single chunk (a decode step) runs on the calling thread (see _forward_inline)
+        self.inline_single_chunk = True
         self._call_lock = threading.Lock()
 
     @property
@@ -217,6 +219,9 @@ class Pipeline:
         starts = list(range(0, T, step)) or [0]
         if hidden_hook is not None and len(starts) > 1:
             raise ValueError("hidden_hook needs the whole sequence in one chunk")
+        if len(starts) == 1 and self.inline_single_chunk:
+            with self._call_lock:
+                return self._forward_inline(ids, states, positions, rows, hidden_hook)
         with self._call_lock:  # one sequence at a time: states are updated in place
             job = _Job(len(starts), rows, results=[None] * len(starts),
                        slots=threading.Semaphore(self.max_in_flight))
@@ -261,9 +266,10 @@ class Pipeline:
 
         return run
 
-    def _run_stage(self, job: _Job, s: int, c: int, x, positions, states, want: bool, hook) -> None:
+    def _run_parts(self, stage: _Stage, x, positions, states, rows: str | None, hook):
+        """The parts of one stage on its backend: x (token ids for the embedding, else the hidden state
+        on this backend) -> the hidden state, or host logits when the stage ends with the head."""
         cfg, mod, weights = self.config, self.module, self.model.weights
-        stage = self.stages[s]
         be = stage.backend
         for part in stage.parts:
             if part == "global":
@@ -271,20 +277,38 @@ class Pipeline:
                 if hook is not None:
                     hook(0, be.to_numpy(x))
             elif part == "head":
-                if want:
-                    if job.rows == "last":
-                        x = x[x.shape[0] - 1 :]
-                    logits = mod.head(cfg, be, weights[part], x)
-                    job.results[c] = np.asarray(be.to_numpy(logits), dtype=np.float32)
+                if rows is None:
+                    return None
+                if rows == "last":
+                    x = x[x.shape[0] - 1 :]
+                return np.asarray(be.to_numpy(mod.head(cfg, be, weights[part], x)), dtype=np.float32)
             else:
                 i = int(part.split(".")[1])
                 x = mod.layer(cfg, be, weights[part], i, x, states[i], positions)
                 if hook is not None:
                     hook(i + 1, be.to_numpy(x))
+        return x
+
+    def _forward_inline(self, ids, states, positions, rows: str | None, hook):
+        """One chunk on the calling thread, stage after stage through the same staging buffers: for a
+        decode step nothing can overlap, and thread hand-offs would only add latency."""
+        x = ids
+        for s, stage in enumerate(self.stages):
+            if s:
+                x = self.bridges[s - 1].move(x)
+            x = self._run_parts(stage, x, positions, states, rows, hook)
+        return x
+
+    def _run_stage(self, job: _Job, s: int, c: int, x, positions, states, want: bool, hook) -> None:
+        stage = self.stages[s]
+        be = stage.backend
+        out = self._run_parts(stage, x, positions, states, job.rows if want else None, hook)
         if s == len(self.stages) - 1:
+            job.results[c] = out
             be.synchronize()
             job.end_chunk()
             return
+        x = out
         be.synchronize()  # the link thread reads x; make sure this device finished writing it
         bridge = self.bridges[s]
         nxt = self.stages[s + 1]

@@ -91,6 +91,13 @@ def test_split_logits_identical_to_one_device(path, costs, reference, split):
         assert sum(b.bytes_moved for b in model.pipeline.bridges) > 0
 
 
+def test_single_chunk_on_the_workers_equals_inline(path, costs, reference):
+    whole, _, _ = reference
+    with load_model(path, placement=_plan(costs, "2 devices")) as model:
+        model.pipeline.inline_single_chunk = False  # the embedding->head pass through the worker threads
+        np.testing.assert_array_equal(model.logits(PROMPT), whole)
+
+
 def test_whole_and_chunked_prefill_agree(reference):
     whole, chunked, _ = reference
     np.testing.assert_allclose(chunked, whole, atol=2e-4, rtol=0)
