@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="page to show (with --screenshot: the page captured)")
     p.add_argument("--prompt", help="with --screenshot: send this chat message first and wait for the reply")
     p.add_argument("--thinking", action="store_true", help="with --prompt: turn thinking on for that message")
+    p.add_argument("--max-tokens", type=int, help="with --prompt: cap the reply at this many tokens")
     p.add_argument("--size", default="1440x900", help="window size WxH (default 1440x900)")
     p.add_argument("--timeout", type=float, default=600.0, help="with --screenshot: give up waiting after this many seconds")
     return p
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     _wait(app, lambda: win.library.scan_thread is None or win.library.scan_thread.isFinished(), 60)
     if args.prompt and win.chat.model_loaded:
         win.chat.think_btn.setChecked(args.thinking)
+        if args.max_tokens:
+            win.chat.settings_panel.max_tokens.setValue(args.max_tokens)
         win.chat.input.setPlainText(args.prompt)
         win.chat.send()
         _wait(app, lambda: not win.bridge.generating, args.timeout)

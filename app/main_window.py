@@ -137,6 +137,9 @@ class TopBar(QFrame):
         lay.addStretch(1)
         self.progress_label = QLabel()
         self.progress_label.setObjectName("Subtle")
+        # loader messages vary in length; a long one must not widen the window
+        self.progress_label.setFixedWidth(300)
+        self.progress_label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
         lay.addWidget(self.progress_label)
         self.progress = QProgressBar()
         self.progress.setFixedWidth(220)
@@ -373,7 +376,10 @@ class MainWindow(QMainWindow):
 
     def _on_progress(self, fraction: float, text: str) -> None:
         self.top.progress.setValue(int(1000 * max(0.0, min(1.0, fraction))))
-        self.top.progress_label.setText(text or "Loading…")
+        label = self.top.progress_label
+        label.setText(label.fontMetrics().elidedText(text or "Loading…", Qt.TextElideMode.ElideMiddle,
+                                                     label.width()))
+        label.setToolTip(text)
 
     def _on_loaded(self, info) -> None:
         self.top.set_loading(False)
