@@ -21,6 +21,8 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
+import jinja2
+
 from .errors import TemplateError
 
 THINK_OPEN = "<think>"
@@ -40,10 +42,13 @@ DEFAULT_BUILTIN = "chatml"
 _REASONING_ALIASES = ("reasoning_content", "reasoning", "thinking")
 
 
+class TemplateRaised(jinja2.TemplateError):
+    """Raised by a template's own `raise_exception(...)`: the template rejects the conversation."""
+
+
 @lru_cache(maxsize=1)
 def _environment():
     """The sandboxed Jinja environment shared by all templates (it holds no per-render state)."""
-    import jinja2
     import jinja2.ext
     from jinja2 import nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -82,7 +87,7 @@ def _environment():
                 raise jinja2.exceptions.SecurityError(f"namespace attribute {key!r} is not allowed")
 
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(str(message))
+        raise TemplateRaised(str(message))
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # Jinja's own tojson escapes <, >, & and ' for HTML; model templates want plain JSON.
@@ -117,8 +122,6 @@ class ChatTemplate:
     `Tokenizer.encode(text, add_special=True)`."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", *, origin: str = "<string>"):
-        import jinja2
-
         self.source = source
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
@@ -180,8 +183,6 @@ class ChatTemplate:
         arguments become template variables (e.g. `preserve_thinking=True` for Qwen3.6,
         `add_vision_id=True`).
         """
-        import jinja2
-
         variables = dict(extra)
         variables.update(
             messages=normalize_messages(messages),
@@ -198,9 +199,12 @@ class ChatTemplate:
             raise TemplateError(
                 f"chat template ({self.origin}) tried an unsafe operation and was stopped: {exc}"
             ) from exc
-        except jinja2.TemplateError as exc:
-            # raise_exception() from the template lands here with the template's own message
+        except TemplateRaised as exc:
             raise TemplateError(f"chat template ({self.origin}) refused the conversation: {exc}") from exc
+        except jinja2.TemplateError as exc:  # undefined names and the like
+            raise TemplateError(
+                f"chat template ({self.origin}) failed while rendering: {type(exc).__name__}: {exc}"
+            ) from exc
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError,
                 RecursionError, OverflowError) as exc:
             raise TemplateError(
