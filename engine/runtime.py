@@ -102,6 +102,7 @@ class _Request:
     replies: queue.Queue = field(default_factory=queue.Queue)
     cancel_event: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.time)
+    picked_up: float | None = None  # when the worker thread took it off the queue
     finished: bool = False
 
     def emit(self, kind: str, **kwargs) -> None:
@@ -482,7 +483,8 @@ class Runtime:
                 if req.cancel_event.is_set():
                     req.emit("cancelled", finish_reason="cancelled")
                     continue
-                req.emit("started", data={"queue_wait_s": time.time() - req.submitted})
+                req.picked_up = time.time()
+                req.emit("started", data={"queue_wait_s": req.picked_up - req.submitted})
                 handler = getattr(self, f"_do_{req.kind}")
                 handler(req)
             except GenerationCancelled:
@@ -536,6 +538,12 @@ class Runtime:
             progress=_progress_emitter(req),
             cancel=req.cancel_event,
         )
+        if not req.cancel_event.is_set():
+            # The tokenizer and template are built lazily (a 248k-token BPE takes seconds); build them
+            # now, under the load's progress, not inside the first chat's time to first token.
+            req.emit("progress", fraction=1.0, text="building the tokenizer")
+            getattr(model, "tokenizer", None)
+            getattr(model, "chat_template", None)
         if req.cancel_event.is_set():
             closer = getattr(model, "close", None)
             if callable(closer):
@@ -631,7 +639,7 @@ class Runtime:
         a = req.args
         conversation_id = a.get("conversation_id")
         session = self._session(conversation_id)
-        started = time.time()
+        started = req.picked_up or time.time()  # prefill time includes rendering and tokenizing
         pre_computed = 0
         if boundary and conversation_id is not None:
             pre_computed = _checkpoint_turn_boundary(session, prompt[:boundary], req.cancel_event)

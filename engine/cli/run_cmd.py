@@ -109,13 +109,14 @@ def sampling_params(args):
         raise RequestError(f"invalid sampling option: {exc}") from exc
 
 
-def start_runtime(args, *, quiet: bool = False):
-    """A Runtime with the model of `args` loaded; progress on stderr."""
+def start_runtime(args, *, quiet: bool = False, sample_memory_s: float = 0.0):
+    """A Runtime with the model of `args` loaded; progress on stderr. `sample_memory_s` > 0 samples
+    device memory into the runtime's metrics (the server's /metrics shows it)."""
     from ..runtime import Runtime
 
     path = model_path(args.model)
     devices = device_list(args.devices)
-    runtime = Runtime(sample_memory_s=0)
+    runtime = Runtime(sample_memory_s=sample_memory_s)
     t0 = time.perf_counter()
     handle = runtime.load(path, devices=devices)
     tty = sys.stderr.isatty()

@@ -40,7 +40,7 @@ def serve_main(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise RequestError(f"--port {args.port} is not a TCP port (0-65535)")
-    runtime = start_runtime(args)
+    runtime = start_runtime(args, sample_memory_s=0.5)
     try:
         if args.host not in ("127.0.0.1", "localhost", "::1"):
             print(f"warning: listening on {args.host}: anyone who can reach this address can use the "
