@@ -84,14 +84,19 @@ __global__ void __launch_bounds__(32) gdn_scan(
         for (int u = 0; u < PER; u++) kq += kr[u] * qr[u];
         kq = warp_sum(kq);
         if (t + 1 < T) fetch(t + 1);
-        float e = 0.0f, r = 0.0f;
+        // Four partial sums per dot product: a single chain of DK dependent FMAs was the critical path.
+        float e4[4] = {0.f, 0.f, 0.f, 0.f}, r4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int i = 0; i < DK; i += 4) {
             float4 kk = *(const float4*)&ks[buf][i];
             float4 qq = *(const float4*)&qs[buf][i];
-            e = fmaf(S[i], kk.x, e); e = fmaf(S[i + 1], kk.y, e); e = fmaf(S[i + 2], kk.z, e); e = fmaf(S[i + 3], kk.w, e);
-            r = fmaf(S[i], qq.x, r); r = fmaf(S[i + 1], qq.y, r); r = fmaf(S[i + 2], qq.z, r); r = fmaf(S[i + 3], qq.w, r);
+            e4[0] = fmaf(S[i], kk.x, e4[0]); e4[1] = fmaf(S[i + 1], kk.y, e4[1]);
+            e4[2] = fmaf(S[i + 2], kk.z, e4[2]); e4[3] = fmaf(S[i + 3], kk.w, e4[3]);
+            r4[0] = fmaf(S[i], qq.x, r4[0]); r4[1] = fmaf(S[i + 1], qq.y, r4[1]);
+            r4[2] = fmaf(S[i + 2], qq.z, r4[2]); r4[3] = fmaf(S[i + 3], qq.w, r4[3]);
         }
+        float e = (e4[0] + e4[1]) + (e4[2] + e4[3]);
+        float r = (r4[0] + r4[1]) + (r4[2] + r4[3]);
         float a = __expf(gt);
         float d = bt * (vt - a * e);
 #pragma unroll

@@ -96,6 +96,23 @@ def quantize_q8_1(x: cp.ndarray):
     return xq, xd, xs
 
 
+_LAST_Q: dict = {}
+
+
+def quantize_cached(x: cp.ndarray):
+    """quantize_q8_1(x), reusing the previous result when x is the same activation again (q, k and v
+    projections, gate and up, all read one normalized input). Keyed by device pointer, shape and
+    strides, with a reference to x held so that its memory cannot be reused while cached; activations
+    are never written in place, so the same pointer means the same values."""
+    key = (x.data.ptr, x.shape, x.strides)
+    hit = _LAST_Q.get("key")
+    if hit == key:
+        return _LAST_Q["res"]
+    res = quantize_q8_1(x)
+    _LAST_Q.update(key=key, x=x, res=res)
+    return res
+
+
 def _mm_kernel(w: QWeight, name: str):
     return get_kernel(f"matmul_{w.type_name}", name)
 
@@ -126,7 +143,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     use_dp4a = path == "dp4a" and w.dp4a_ok
     q = QT[w.type_name]
     if use_dp4a:
-        xq, xd, xs = quantize_q8_1(x)
+        xq, xd, xs = quantize_cached(x)
     nb = K // 32
     if T <= GEMV_MAX_T:
         warps = 4
@@ -165,7 +182,7 @@ def matmul_experts(x: cp.ndarray, w: QWeight, ids: cp.ndarray, x_div: int, path:
     warps = 4
     grid = (math.ceil(R / warps), P)
     if path == "dp4a" and w.dp4a_ok:
-        xq, xd, xs = quantize_q8_1(x)
+        xq, xd, xs = quantize_cached(x)
         _mm_kernel(w, f"gemv_dp4a<{q}, 1>")(grid, (32 * warps,), (w.wq, wd, xq, xd, xs, y, np.int32(R), np.int32(K),
                                                                    ids, np.int32(x_div)))
     else:
@@ -299,10 +316,11 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
     out = cp.empty((T, nh, D), dtype=cp.float32)
     G = nh // n_kv
     if T == 1 and G <= 8:
-        # Split the context so that there are about two blocks per multiprocessor.
+        # Split the context so that there are about six blocks per multiprocessor: each block streams
+        # its slice through shared memory with no overlap of load and compute, so occupancy hides latency.
         span = kc.shape[0] if kv_len_ptr is not None else kv_len
-        want = max(1, (2 * sm_count()) // n_kv)
-        split_len = max(64, math.ceil(span / want / 32) * 32)
+        want = max(1, (6 * sm_count()) // n_kv)
+        split_len = max(32, math.ceil(span / want / 32) * 32)
         n_splits = max(1, math.ceil(span / split_len))
         po = cp.empty((n_splits, nh, D), dtype=cp.float32)
         pm = cp.empty((n_splits, nh), dtype=cp.float32)

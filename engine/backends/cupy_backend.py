@@ -107,6 +107,10 @@ class CupyKVCache(KVCache):
         return int(self.k.nbytes + self.v.nbytes)
 
 
+class _CacheFull(RuntimeError):
+    """A cache must grow during this step: run it eagerly (a graph cannot reallocate)."""
+
+
 _SLOTS = 1024  # int32 inputs of a captured decode step: [token, pos t, pos h, pos w, cache lengths...]
 
 
@@ -143,7 +147,7 @@ class _Capture:
 
     def cache_row(self, cache: CupyKVCache):
         if cache.length + 1 > cache.capacity:
-            raise RuntimeError("KV cache full: this step grows it eagerly")
+            raise _CacheFull("KV cache full: this step grows it eagerly; the next one re-captures")
         i = len(self.caches)
         if 4 + i >= _SLOTS:
             raise RuntimeError("too many attention layers for one captured step")
@@ -536,10 +540,11 @@ class CupyBackend:
                         graph = stream.end_capture()
                 finally:
                     cp.cuda.set_allocator(pool.malloc)
-        except Exception:
+        except Exception as exc:
             for cache, length in cap.caches:
                 cache.length = length  # undo the host bookkeeping of the aborted capture
-            self.use_graphs = False  # this model/backend pair cannot be captured: stay eager
+            if not isinstance(exc, _CacheFull) and not isinstance(exc.__context__, _CacheFull):
+                self.use_graphs = False  # this model/backend pair cannot be captured: stay eager
             return None
         finally:
             self._capture = None
