@@ -104,13 +104,32 @@ class _Request:
     submitted: float = field(default_factory=time.time)
     picked_up: float | None = None  # when the worker thread took it off the queue
     finished: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def emit(self, kind: str, **kwargs) -> None:
-        if self.finished:
-            return
-        if kind in TERMINAL_KINDS:
-            self.finished = True
-        self.replies.put(RuntimeEvent(kind, self.id, **kwargs))
+        with self.lock:
+            if self.finished:
+                return
+            if kind in TERMINAL_KINDS:
+                self.finished = True
+            self.replies.put(RuntimeEvent(kind, self.id, **kwargs))
+
+    def cancel(self) -> None:
+        """Set the cancel flag; a request still waiting in the queue ends at once (its client need
+        not wait for the generation ahead of it), one that runs ends when the engine notices."""
+        with self.lock:
+            self.cancel_event.set()
+            if self.picked_up is None and not self.finished:
+                self.finished = True
+                self.replies.put(RuntimeEvent("cancelled", self.id, finish_reason="cancelled"))
+
+    def pick_up(self) -> bool:
+        """Called by the worker: False when the request was cancelled while it waited."""
+        with self.lock:
+            if self.finished or self.cancel_event.is_set():
+                return False
+            self.picked_up = time.time()
+            return True
 
 
 class RequestHandle:
@@ -141,7 +160,7 @@ class RequestHandle:
     def cancel(self) -> None:
         """Ask the engine to stop this request; its terminal event will be "cancelled" (or "done" if
         it finished first). Safe from any thread, any number of times."""
-        self._request.cancel_event.set()
+        self._request.cancel()
 
     @property
     def cancelled(self) -> bool:
@@ -413,14 +432,14 @@ class Runtime:
             req = self._live.get(request_id)
         if req is None:
             return False
-        req.cancel_event.set()
+        req.cancel()
         return True
 
     def cancel_all(self) -> None:
         with self._lock:
             reqs = list(self._live.values())
         for req in reqs:
-            req.cancel_event.set()
+            req.cancel()
 
     @property
     def model_info(self) -> ModelInfo | None:
@@ -480,10 +499,9 @@ class Runtime:
             with self._lock:
                 self._current = req
             try:
-                if req.cancel_event.is_set():
-                    req.emit("cancelled", finish_reason="cancelled")
+                if not req.pick_up():
+                    req.emit("cancelled", finish_reason="cancelled")  # no-op if already ended
                     continue
-                req.picked_up = time.time()
                 req.emit("started", data={"queue_wait_s": req.picked_up - req.submitted})
                 handler = getattr(self, f"_do_{req.kind}")
                 handler(req)
@@ -502,7 +520,10 @@ class Runtime:
                 with self._lock:
                     self._current = None
                     self._live.pop(req.id, None)
-        self._drop_model()
+        try:
+            self._drop_model()
+        except Exception:  # noqa: BLE001 - shutting down: queued clients must still be answered
+            pass
         # Anything still queued after shutdown is cancelled, so no client waits forever.
         while True:
             try:
