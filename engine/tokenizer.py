@@ -132,6 +132,10 @@ class Tokenizer:
             i for i, ty in enumerate(self._types) if ty in (TOKEN_CONTROL, TOKEN_UNUSED, TOKEN_UNKNOWN)
         )
 
+    def __repr__(self) -> str:
+        return (f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, bos_id={self._bos_id}, "
+                f"eos_ids={sorted(self._eos_ids)}, source={self.source!r})")
+
     # ---------------------------------------------------------------- construction
 
     @classmethod
@@ -259,12 +263,7 @@ class Tokenizer:
                 ids = self._backend.encode(text, add_special_tokens=False).ids
             finally:
                 self._backend.encode_special_tokens = False
-        if add_special:
-            if self._add_bos and not (ids and ids[0] == self._bos_id):
-                ids.insert(0, self._bos_id)
-            if self._add_eos and not (ids and ids[-1] == self._eos_id):
-                ids.append(self._eos_id)
-        return ids
+        return self._add_bos_eos(ids) if add_special else ids
 
     def encode_batch(self, texts: Sequence[str], add_special: bool = False) -> list[list[int]]:
         """`encode` for several texts at once (the backend spreads them over threads)."""
@@ -274,16 +273,15 @@ class Tokenizer:
                 encoded = self._backend.encode_batch(list(texts), add_special_tokens=False)
             finally:
                 self._backend.encode_special_tokens = False
-        out = []
-        for enc in encoded:
-            ids = list(enc.ids)
-            if add_special:
-                if self._add_bos and not (ids and ids[0] == self._bos_id):
-                    ids.insert(0, self._bos_id)
-                if self._add_eos and not (ids and ids[-1] == self._eos_id):
-                    ids.append(self._eos_id)
-            out.append(ids)
-        return out
+        return [self._add_bos_eos(list(enc.ids)) if add_special else list(enc.ids) for enc in encoded]
+
+    def _add_bos_eos(self, ids: list[int]) -> list[int]:
+        """BOS/EOS where the file asks for them, never doubling one the text already starts/ends with."""
+        if self._add_bos and not (ids and ids[0] == self._bos_id):
+            ids.insert(0, self._bos_id)
+        if self._add_eos and not (ids and ids[-1] == self._eos_id):
+            ids.append(self._eos_id)
+        return ids
 
     # ---------------------------------------------------------------- decoding
 

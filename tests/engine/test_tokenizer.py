@@ -142,6 +142,12 @@ def test_qwen_special_tokens_and_properties(qwen):
     assert qwen.encode("Hello world", add_special=True) == qwen.encode("Hello world")  # no BOS, ever
 
 
+def test_encode_batch_equals_encode(qwen, qwen_refs):
+    texts = [r["text"] for r in qwen_refs]
+    for flag in (True, False):
+        assert qwen.encode_batch(texts, add_special=flag) == [qwen.encode(t, add_special=flag) for t in texts]
+
+
 def test_decode_rejects_ids_outside_the_vocabulary(qwen):
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
         qwen.decode([1, 248320])
@@ -242,6 +248,7 @@ def test_gemma_facts(gemma):
     assert gemma.token_to_piece(ids[0]) == "\ufffd"  # one byte of a character is not text
     # a BOS written by a chat template is not doubled
     assert gemma.encode("<bos>hi", add_special=True)[:2] != [2, 2]
+    assert gemma.encode_batch(["hi", "<bos>hi"], add_special=True) == [gemma.encode("hi", add_special=True)] * 2
 
 
 def test_gemma_stream_decoder_across_byte_fallback(gemma):
