@@ -1,0 +1,75 @@
+"""`minecart synth`: write a GGUF with random weights and the real shape and metadata of a named model.
+
+    minecart synth --shape qwen3.5-9b --quant q8_0 /tmp/9b-q8.gguf
+    minecart synth --shape tiny-moe --quant q4_k --layers 2 /tmp/tiny-moe.gguf
+    minecart synth --list
+
+The file streams to disk tensor by tensor (engine/synth.py); the command prints its size and the
+throughput. The weights are noise: use these files for speed, memory and loader tests, not for text.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def register(subparsers) -> None:
+    from ..synth import QUANTS, SHAPES
+
+    p = subparsers.add_parser("synth", help="write a random-weight GGUF with a real model's shape",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", help="the GGUF file to write")
+    p.add_argument("--shape", choices=list(SHAPES), help="model shape to imitate")
+    p.add_argument("--quant", default="q8_0", choices=list(QUANTS),
+                   help="type of the matrices (small tensors stay F32); default q8_0")
+    p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file); default 0")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N main layers")
+    p.add_argument("--no-mtp", action="store_true", help="leave out the MTP block")
+    p.add_argument("--fuse-gate-up", action="store_true",
+                   help="MoE: write fused ffn_gate_up_exps instead of separate gate/up expert tensors")
+    p.add_argument("--list", action="store_true", help="list the shapes and exit")
+    p.set_defaults(func=run)
+
+
+class _Progress:
+    """A one-line progress meter on stderr, redrawn at most twice a second."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < 0.5 and done < total:
+            return
+        self.last = now
+        rate = done / 1e6 / max(now - self.t0, 1e-9)
+        print(f"\r  {done / 1e9:7.2f} / {total / 1e9:.2f} GB of tensor data, {rate:6.0f} MB/s",
+              end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+
+def run(args) -> int:
+    from ..errors import RequestError
+    from ..synth import SHAPES, write_synthetic
+
+    if args.list:
+        for s in SHAPES.values():
+            ffn = (f"MoE {s.n_experts} experts top-{s.n_experts_used}, width {s.expert_ffn}, shared "
+                   f"{s.shared_expert_ffn}" if s.n_experts else f"FFN {s.ffn}")
+            print(f"{s.name:17s} {s.arch:9s} H {s.hidden}, {s.n_layers} layers, heads {s.n_heads}/"
+                  f"{s.n_kv_heads}, GDN {s.gdn_k_heads}/{s.gdn_v_heads}, {ffn}, "
+                  f"{'tied' if s.tied else 'untied'} embeddings")
+        return 0
+    if not args.shape or not args.out:
+        raise RequestError("synth needs --shape NAME and an output path (see `minecart synth --list`)")
+    print(f"writing {args.out}: {args.shape}, {args.quant}, seed {args.seed}"
+          + (f", {args.layers} layers" if args.layers is not None else ""), file=sys.stderr)
+    try:
+        info = write_synthetic(args.out, args.shape, args.quant, seed=args.seed, n_layers=args.layers,
+                               mtp=not args.no_mtp, fuse_gate_up=args.fuse_gate_up, progress=_Progress())
+    except OSError as exc:
+        raise RequestError(f"cannot write {args.out}: {exc}; check the folder and free disk space") from exc
+    print(f"wrote {info['path']}: {info['bytes'] / 1e9:.3f} GB, {info['tensors']} tensors in "
+          f"{info['seconds']:.1f} s ({info['mb_per_s']:.0f} MB/s)")
+    return 0

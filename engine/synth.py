@@ -1,0 +1,507 @@
+"""Synthetic models: GGUF files with random weights but the real shapes and metadata of a named model.
+
+What this is: a way to get a 9B or 35B-A3B file (or a tiny one) for benchmarks, placement and loader
+tests without downloading anything. `write_synthetic(path, "qwen3.5-9b", "q8_0")` streams a GGUF to
+disk tensor by tensor, generating random quantization blocks directly (no float32 matrix is ever
+built for a quantized tensor), so a 9.5 GB file costs about as long as the disk takes to write it.
+
+The values are sane, so a model runs on them without overflow, following the recipe of the shared
+fixture: linear weights have std 0.7/sqrt(fan_in) (0.3 for projections that write into the residual
+stream), norms are 1 + N(0, 0.2^2) (GGUF stores RMSNorm weights with the +1 applied), `ssm_a` is
+-exp(U) with exp(U) log-uniform in [0.02, 4], `ssm_dt.bias` N(0, 1), conv taps N(0, 0.5^2). Small tensors
+stay F32 as the converter keeps them. The tokenizer is a byte-level `gpt2` vocabulary of exactly
+`vocab_size` entries: the 256 byte tokens, filler tokens `<|synth_N|>` (UNUSED), and the real Qwen
+special tokens at their real ids; no merges, so text encodes byte by byte.
+
+What this is not: a model that says anything. Outputs are noise; only shapes, speed and numerics matter.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from . import quants as Q
+from .errors import RequestError
+
+
+@dataclass(frozen=True)
+class SynthShape:
+    """Hyper-parameters of a qwen35 / qwen35moe model (docs/qwen35-architecture.md section 1)."""
+
+    name: str
+    display: str
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    gdn_k_heads: int
+    gdn_v_heads: int
+    ffn: int = 0
+    tied: bool = True
+    head_dim: int = 256
+    gdn_head_dim: int = 128
+    rope_dims: int = 64
+    rope_sections: tuple[int, ...] = (11, 11, 10, 0)
+    conv_kernel: int = 4
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn: int = 0
+    shared_expert_ffn: int = 0
+    vocab_size: int = 248320
+    context_length: int = 262144
+    rope_base: float = 10_000_000.0
+    full_attention_interval: int = 4
+    n_mtp: int = 1
+
+    @property
+    def arch(self) -> str:
+        return "qwen35moe" if self.n_experts else "qwen35"
+
+
+_TINY = dict(hidden=32, n_layers=8, n_heads=4, n_kv_heads=2, gdn_k_heads=2, gdn_v_heads=4, head_dim=64,
+             gdn_head_dim=16, rope_dims=16, rope_sections=(3, 3, 2, 0))
+SHAPES: dict[str, SynthShape] = {
+    s.name: s
+    for s in (
+        SynthShape("qwen3.5-0.8b", "Qwen3.5-0.8B", 1024, 24, 8, 2, 16, 16, ffn=3584),
+        SynthShape("qwen3.5-2b", "Qwen3.5-2B", 2048, 24, 8, 2, 16, 16, ffn=6144),
+        SynthShape("qwen3.5-4b", "Qwen3.5-4B", 2560, 32, 16, 4, 16, 32, ffn=9216),
+        SynthShape("qwen3.5-9b", "Qwen3.5-9B", 4096, 32, 16, 4, 16, 32, ffn=12288, tied=False),
+        SynthShape("qwen3.5-27b", "Qwen3.5-27B", 5120, 64, 24, 4, 16, 48, ffn=17408, tied=False),
+        SynthShape("qwen3.6-35b-a3b", "Qwen3.6-35B-A3B", 2048, 40, 16, 2, 16, 32, tied=False,
+                   n_experts=256, n_experts_used=8, expert_ffn=512, shared_expert_ffn=512),
+        # the shared fixture's configuration (fixtures/dense/hf_config.json)
+        SynthShape("tiny-dense", "tiny dense (fixture shape)", ffn=96, **_TINY),
+        # the same tiny dims as a MoE model with an untied LM head
+        SynthShape("tiny-moe", "tiny MoE", tied=False, n_experts=8, n_experts_used=2, expert_ffn=32,
+                   shared_expert_ffn=32, **_TINY),
+        # real head sizes (256 / 128) and every row a multiple of 256, so K-quants are used as asked
+        SynthShape("small-dense", "small dense (real head dims)", 256, 4, 2, 1, 2, 4, ffn=512),
+    )
+}
+
+# quant name -> ggml type id
+QUANTS = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
+          "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+# general.file_type (llama.cpp LlamaFileType) of a file whose matrices are all of one type
+_FILE_TYPE = {Q.F32: 0, Q.F16: 1, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7, Q.Q5_0: 8, Q.Q5_1: 9, Q.Q4_K: 14,
+              Q.Q5_K: 16, Q.Q6_K: 18, Q.BF16: 32}
+# llama-quantize's fallback when a row is not a whole number of 256-value K blocks
+_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+# Qwen3.5/3.6 added tokens at their real ids (docs/qwen35-architecture.md 4.2); type 3 CONTROL, 4 USER_DEFINED
+SPECIAL_TOKENS = {
+    248044: "<|endoftext|>", 248045: "<|im_start|>", 248046: "<|im_end|>",
+    248047: "<|object_ref_start|>", 248048: "<|object_ref_end|>", 248049: "<|box_start|>",
+    248050: "<|box_end|>", 248051: "<|quad_start|>", 248052: "<|quad_end|>", 248053: "<|vision_start|>",
+    248054: "<|vision_end|>", 248055: "<|vision_pad|>", 248056: "<|image_pad|>", 248057: "<|video_pad|>",
+    248058: "<tool_call>", 248059: "</tool_call>", 248060: "<|fim_prefix|>", 248061: "<|fim_middle|>",
+    248062: "<|fim_suffix|>", 248063: "<|fim_pad|>", 248064: "<|repo_name|>", 248065: "<|file_sep|>",
+    248066: "<tool_response>", 248067: "</tool_response>", 248068: "<think>", 248069: "</think>",
+    248070: "<|audio_start|>", 248071: "<|audio_end|>", 248072: "<tts_pad>", 248073: "<tts_text_bos>",
+    248074: "<tts_text_eod>", 248075: "<tts_text_bos_single>", 248076: "<|audio_pad|>",
+}
+TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED = 1, 3, 4, 5
+EOS_ID, PAD_ID = 248046, 248044
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GGUF encoding (little-endian, version 3)
+
+_VT = {"UINT8": 0, "INT8": 1, "UINT16": 2, "INT16": 3, "UINT32": 4, "INT32": 5, "FLOAT32": 6, "BOOL": 7,
+       "STRING": 8, "ARRAY": 9, "UINT64": 10, "INT64": 11, "FLOAT64": 12}
+_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+               12: "<d"}
+_NP = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8",
+       11: "<i8", 12: "<f8"}
+
+
+def _gguf_string(s: str | bytes) -> bytes:
+    b = s.encode("utf-8") if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+def encode_kv(key: str, vtype: str, value, elem_type: str | None = None) -> bytes:
+    """One metadata entry. vtype is a GGUF type name; arrays give `elem_type` (not nested)."""
+    t = _VT[vtype]
+    out = _gguf_string(key) + struct.pack("<I", t)
+    if t == _VT["STRING"]:
+        return out + _gguf_string(value)
+    if t != _VT["ARRAY"]:
+        return out + struct.pack(_SCALAR_FMT[t], value)
+    et = _VT[elem_type]
+    out += struct.pack("<IQ", et, len(value))
+    if et == _VT["STRING"]:
+        return out + b"".join(_gguf_string(s) for s in value)
+    return out + np.asarray(value).astype(_NP[et]).tobytes()
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor to write: logical row-major shape, GGML type, and how to fill it."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_id: int
+    init: str  # "linear", "embed", "norm", "conv", "ssm_a", "normal"
+    std: float = 1.0
+
+    @property
+    def row_bytes(self) -> int:
+        return Q.bytes_per_row(self.type_id, self.shape[-1])
+
+    @property
+    def n_rows(self) -> int:
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+    @property
+    def n_bytes(self) -> int:
+        return self.n_rows * self.row_bytes
+
+
+def write_gguf(path: str | Path, kvs: list[bytes], tensors: list[PlannedTensor],
+               chunks: Callable[[PlannedTensor], Iterator[np.ndarray]], alignment: int = 32,
+               progress: Callable[[int, int], None] | None = None) -> int:
+    """Stream a GGUF v3 file: header, metadata, tensor infos, then each tensor's bytes as `chunks`
+    yields them (uint8 arrays, in order, exactly n_bytes in total). Returns the file size."""
+    offsets, pos = [], 0
+    for t in tensors:
+        offsets.append(pos)
+        pos += -(-t.n_bytes // alignment) * alignment
+    total_data = pos
+    head = [b"GGUF", struct.pack("<IQQ", 3, len(tensors), len(kvs)), *kvs]
+    for t, off in zip(tensors, offsets, strict=True):
+        ne = tuple(reversed(t.shape))
+        head.append(_gguf_string(t.name) + struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, t.type_id, off))
+    header = b"".join(head)
+    header += b"\0" * (-len(header) % alignment)
+    done = 0
+    with open(path, "wb") as f:
+        f.write(header)
+        for t in tensors:
+            written = 0
+            for chunk in chunks(t):
+                f.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+                written += chunk.nbytes
+            if written != t.n_bytes:
+                raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.n_bytes}")
+            f.write(b"\0" * (-written % alignment))
+            done += written
+            if progress:
+                progress(done, total_data)
+    return len(header) + total_data
+
+
+# ---------------------------------------------------------------------------------------------------
+# random values
+
+
+def _random_quant_blocks(rng: np.random.Generator, type_id: int, n: int, std: float) -> np.ndarray:
+    """n blocks of GGML type `type_id` whose values have mean ~0 and standard deviation ~std.
+
+    The quantized payload is uniform random bits (the fastest thing numpy can make). The scale fields
+    are then overwritten with entries of a 256-row table of jittered (+-25%) scales, picked by a random
+    byte of each block, so neighbouring blocks differ (a kernel that applies the wrong block's scale
+    fails a test) without generating floats per block. The tables make the uniform integers map to
+    zero-mean values with the wanted spread.
+    """
+    bv, bb = Q.BLOCK_SIZES[type_id]
+    words = rng.bit_generator.random_raw(-(-n * bb // 8))
+    blocks = words.view(np.uint8)[: n * bb].reshape(n, bb)
+    jitter = np.linspace(0.75, 1.25, 256, dtype=np.float32)
+    rng.shuffle(jitter)
+    pick = blocks[:, bb - 1] if type_id != Q.Q6_K else blocks[:, 0]  # a random payload byte per block
+
+    def put(col: int, table: np.ndarray) -> None:
+        table = np.ascontiguousarray(table)
+        width = table.shape[1]
+        blocks[:, col : col + width] = table[pick]
+
+    def f16(x: np.ndarray) -> np.ndarray:
+        return x.astype("<f2").reshape(-1, 1).view(np.uint8)
+
+    if type_id == Q.Q8_0:  # int8 uniform on [-128, 127]: std 73.9
+        put(0, f16(jitter * (std / 73.9)))
+    elif type_id == Q.Q4_0:  # q - 8 uniform on [-8, 7]: std 4.61
+        put(0, f16(jitter * (std / 4.61)))
+    elif type_id == Q.Q5_0:  # q - 16 uniform on [-16, 15]: std 9.23
+        put(0, f16(jitter * (std / 9.23)))
+    elif type_id in (Q.Q4_1, Q.Q5_1):  # x = d*q + m with m = -d * mean(q)
+        spread, mean = (4.61, 7.5) if type_id == Q.Q4_1 else (9.23, 15.5)
+        d = (jitter * (std / spread)).astype(np.float16).astype(np.float32)
+        put(0, np.concatenate([f16(d), f16(-mean * d)], axis=1))
+    elif type_id in (Q.Q4_K, Q.Q5_K):  # x = d*sc*q - dmin*m with m = sc and dmin = d * mean(q)
+        spread, mean = (4.61, 7.5) if type_id == Q.Q4_K else (9.23, 15.5)
+        sc = rng.integers(32, 64, (256, 8), dtype=np.uint8)
+        d = (jitter * (std / (spread * 47.5))).astype(np.float16).astype(np.float32)
+        put(0, np.concatenate([f16(d), f16(mean * d), Q.pack_k_scales_mins(sc, sc)], axis=1))
+    elif type_id == Q.Q6_K:  # x = d*sc*(q-32): q - 32 uniform on [-32, 31] (std 18.5), sc in [64, 127]
+        blocks[:, 192:208] = (blocks[:, 192:208] >> np.uint8(2)) | np.uint8(64)
+        put(208, f16(jitter * (std / (18.5 * 95.5))))
+    else:
+        raise ValueError(f"no random block generator for {Q.type_name(type_id)}")
+    return blocks
+
+
+_POOL = 1 << 20
+
+
+def _normal(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n standard normal float32 values. Large requests are stitched from randomly rotated copies of
+    one pool of 2^20 draws: the Gaussian generator is the bottleneck of big F16 files, and weights of
+    a synthetic model need only look random, not be independent across megabytes."""
+    if n <= 2 * _POOL:
+        return rng.standard_normal(n, dtype=np.float32)
+    pool = rng.standard_normal(_POOL, dtype=np.float32)
+    doubled = np.concatenate([pool, pool])
+    out = np.empty(n, dtype=np.float32)
+    for start in range(0, n, _POOL):
+        k = min(_POOL, n - start)
+        o = int(rng.integers(0, _POOL))
+        out[start : start + k] = doubled[o : o + k] if rng.random() < 0.5 else -doubled[o : o + k]
+    return out
+
+
+def _float_values(rng, t: PlannedTensor, n: int) -> np.ndarray:
+    if t.init == "norm":  # RMSNorm weights as stored in GGUF (1 + w)
+        return 1.0 + 0.2 * rng.standard_normal(n, dtype=np.float32)
+    if t.init == "ssm_a":  # -exp(A_log), exp(A_log) log-uniform in [0.02, 4]
+        return -np.exp(rng.uniform(np.log(0.02), np.log(4.0), n)).astype(np.float32)
+    x = _normal(rng, n)
+    x *= np.float32(t.std)
+    return x
+
+
+_CHUNK_BYTES = 64 << 20
+
+
+def _tensor_chunks(rng: np.random.Generator, t: PlannedTensor) -> Iterator[np.ndarray]:
+    rows_per_chunk = max(1, _CHUNK_BYTES // max(t.row_bytes, 1))
+    for start in range(0, t.n_rows, rows_per_chunk):
+        rows = min(rows_per_chunk, t.n_rows - start)
+        n_values = rows * t.shape[-1]
+        if t.type_id in (Q.F32, Q.F16, Q.BF16):
+            x = _float_values(rng, t, n_values)
+            if t.type_id == Q.F32:
+                yield x.astype("<f4").view(np.uint8)
+            elif t.type_id == Q.F16:
+                yield x.astype("<f2").view(np.uint8)
+            else:  # bfloat16: the upper half of the float32 (truncation is fine for random values)
+                yield (x.astype("<f4").view("<u4") >> 16).astype("<u2").view(np.uint8)
+        else:
+            bv, _ = Q.BLOCK_SIZES[t.type_id]
+            yield _random_quant_blocks(rng, t.type_id, n_values // bv, t.std).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the model plan
+
+
+def _matrix_type(type_id: int, n_in: int) -> int:
+    if n_in % Q.BLOCK_SIZES[type_id][0] == 0:
+        return type_id
+    fallback = _K_FALLBACK.get(type_id)
+    if fallback is not None and n_in % Q.BLOCK_SIZES[fallback][0] == 0:
+        return fallback
+    return Q.F16
+
+
+def plan_tensors(shape: SynthShape, type_id: int, *, fuse_gate_up: bool = False) -> list[PlannedTensor]:
+    """Every tensor of the model in converter order, with its GGML type and initialisation."""
+    s = shape
+    H = s.hidden
+    out: list[PlannedTensor] = []
+
+    def mat(name, rows, n_in, scale=0.7, lead=()):
+        full = (*lead, rows, n_in)
+        out.append(PlannedTensor(name, full, _matrix_type(type_id, n_in), "linear", scale / np.sqrt(n_in)))
+
+    def f32(name, shp, init, std=1.0):
+        out.append(PlannedTensor(name, tuple(shp), Q.F32, init, std))
+
+    # embeddings: std 0.5 at the fixture's width, shrinking as 1/sqrt(H) so tied logits keep std ~2.8
+    emb_std = min(0.5, 2.83 / np.sqrt(H))
+    out.append(PlannedTensor("token_embd.weight", (s.vocab_size, H), _matrix_type(type_id, H), "embed",
+                             emb_std))
+    n_k, n_v, dk = s.gdn_k_heads, s.gdn_v_heads, s.gdn_head_dim
+    conv_dim = 2 * n_k * dk + n_v * dk
+    def block(i: int, mtp: bool) -> None:
+        b = f"blk.{i}"
+        attention = mtp or (i + 1) % s.full_attention_interval == 0
+        if mtp:
+            mat(f"{b}.nextn.eh_proj.weight", H, 2 * H)
+            for n in ("enorm", "hnorm", "shared_head_norm"):
+                f32(f"{b}.nextn.{n}.weight", (H,), "norm")
+        f32(f"{b}.attn_norm.weight", (H,), "norm")
+        if attention:
+            mat(f"{b}.attn_q.weight", 2 * s.n_heads * s.head_dim, H)
+            mat(f"{b}.attn_k.weight", s.n_kv_heads * s.head_dim, H)
+            mat(f"{b}.attn_v.weight", s.n_kv_heads * s.head_dim, H)
+            mat(f"{b}.attn_output.weight", H, s.n_heads * s.head_dim, 0.3)
+            f32(f"{b}.attn_q_norm.weight", (s.head_dim,), "norm")
+            f32(f"{b}.attn_k_norm.weight", (s.head_dim,), "norm")
+        else:
+            f32(f"{b}.ssm_a", (n_v,), "ssm_a")
+            f32(f"{b}.ssm_conv1d.weight", (conv_dim, s.conv_kernel), "normal", 0.5)
+            f32(f"{b}.ssm_dt.bias", (n_v,), "normal", 1.0)
+            mat(f"{b}.ssm_alpha.weight", n_v, H)
+            mat(f"{b}.ssm_beta.weight", n_v, H)
+            mat(f"{b}.attn_qkv.weight", conv_dim, H)
+            mat(f"{b}.attn_gate.weight", n_v * dk, H)
+            f32(f"{b}.ssm_norm.weight", (dk,), "norm")
+            mat(f"{b}.ssm_out.weight", H, n_v * dk, 0.3)
+        if s.n_experts:
+            E, Fe, Fs = s.n_experts, s.expert_ffn, s.shared_expert_ffn
+            f32(f"{b}.ffn_gate_inp.weight", (E, H), "normal", 0.7 / np.sqrt(H))
+            if fuse_gate_up:
+                mat(f"{b}.ffn_gate_up_exps.weight", 2 * Fe, H, lead=(E,))
+            else:
+                mat(f"{b}.ffn_gate_exps.weight", Fe, H, lead=(E,))
+                mat(f"{b}.ffn_up_exps.weight", Fe, H, lead=(E,))
+            mat(f"{b}.ffn_down_exps.weight", H, Fe, 0.3, lead=(E,))
+            # the converter writes the shared-expert gate 2-D (1, H), F32
+            f32(f"{b}.ffn_gate_inp_shexp.weight", (1, H), "normal", 0.7 / np.sqrt(H))
+            mat(f"{b}.ffn_gate_shexp.weight", Fs, H)
+            mat(f"{b}.ffn_up_shexp.weight", Fs, H)
+            mat(f"{b}.ffn_down_shexp.weight", H, Fs, 0.3)
+        else:
+            mat(f"{b}.ffn_gate.weight", s.ffn, H)
+            mat(f"{b}.ffn_up.weight", s.ffn, H)
+            mat(f"{b}.ffn_down.weight", H, s.ffn, 0.3)
+        f32(f"{b}.post_attention_norm.weight", (H,), "norm")
+
+    for i in range(s.n_layers):
+        block(i, mtp=False)
+    f32("output_norm.weight", (H,), "norm")
+    if not s.tied:
+        mat("output.weight", s.vocab_size, H)
+    for i in range(s.n_layers, s.n_layers + s.n_mtp):
+        block(i, mtp=True)
+    return out
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's byte-to-unicode table in its id order: printable bytes first, then the rest."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in set(printable)]
+    return [chr(b) for b in printable] + [chr(256 + k) for k in range(len(others))]
+
+
+def tokenizer_kvs(vocab_size: int) -> list[bytes]:
+    tokens = _byte_tokens()
+    types = [TOKEN_NORMAL] * len(tokens)
+    specials = {i: t for i, t in SPECIAL_TOKENS.items() if i < vocab_size}
+    for i in range(len(tokens), vocab_size):
+        if i in specials:
+            name = specials[i]
+            tokens.append(name)
+            types.append(TOKEN_CONTROL if name.startswith("<|") or name.startswith("<tts_") else TOKEN_USER_DEFINED)
+        else:
+            tokens.append(f"<|synth_{i}|>")
+            types.append(TOKEN_UNUSED)
+    return [
+        encode_kv("tokenizer.ggml.model", "STRING", "gpt2"),
+        encode_kv("tokenizer.ggml.pre", "STRING", "qwen35"),
+        encode_kv("tokenizer.ggml.tokens", "ARRAY", tokens, "STRING"),
+        encode_kv("tokenizer.ggml.token_type", "ARRAY", types, "INT32"),
+        encode_kv("tokenizer.ggml.merges", "ARRAY", [], "STRING"),
+        encode_kv("tokenizer.ggml.eos_token_id", "UINT32", EOS_ID),
+        encode_kv("tokenizer.ggml.padding_token_id", "UINT32", PAD_ID),
+        encode_kv("tokenizer.ggml.add_bos_token", "BOOL", False),
+        encode_kv("tokenizer.chat_template", "STRING", CHAT_TEMPLATE),
+    ]
+
+
+def model_kvs(shape: SynthShape, type_id: int, seed: int) -> list[bytes]:
+    s, a = shape, shape.arch
+    block_count = s.n_layers + s.n_mtp
+    recurrent = [i < s.n_layers and (i + 1) % s.full_attention_interval != 0 for i in range(block_count)]
+    kv = [
+        encode_kv("general.architecture", "STRING", a),
+        encode_kv("general.type", "STRING", "model"),
+        encode_kv("general.name", "STRING", f"synthetic {s.display}"),
+        encode_kv("general.description", "STRING",
+                  f"random weights with the shape of {s.display}, written by `minecart synth` (seed {seed})"),
+        encode_kv("general.file_type", "UINT32", _FILE_TYPE[type_id]),
+        encode_kv("general.quantization_version", "UINT32", 2),
+        encode_kv("general.alignment", "UINT32", 32),
+        encode_kv(f"{a}.block_count", "UINT32", block_count),
+        encode_kv(f"{a}.context_length", "UINT32", s.context_length),
+        encode_kv(f"{a}.embedding_length", "UINT32", s.hidden),
+        encode_kv(f"{a}.attention.head_count", "UINT32", s.n_heads),
+        encode_kv(f"{a}.attention.head_count_kv", "UINT32", s.n_kv_heads),
+        encode_kv(f"{a}.rope.dimension_sections", "ARRAY", list(s.rope_sections), "INT32"),
+        encode_kv(f"{a}.rope.freq_base", "FLOAT32", s.rope_base),
+        encode_kv(f"{a}.attention.layer_norm_rms_epsilon", "FLOAT32", 1e-6),
+        encode_kv(f"{a}.attention.key_length", "UINT32", s.head_dim),
+        encode_kv(f"{a}.attention.value_length", "UINT32", s.head_dim),
+        encode_kv(f"{a}.ssm.conv_kernel", "UINT32", s.conv_kernel),
+        encode_kv(f"{a}.ssm.state_size", "UINT32", s.gdn_head_dim),
+        encode_kv(f"{a}.ssm.group_count", "UINT32", s.gdn_k_heads),
+        encode_kv(f"{a}.ssm.time_step_rank", "UINT32", s.gdn_v_heads),
+        encode_kv(f"{a}.ssm.inner_size", "UINT32", s.gdn_v_heads * s.gdn_head_dim),
+        encode_kv(f"{a}.attention.recurrent_layers", "ARRAY", recurrent, "BOOL"),
+        encode_kv(f"{a}.full_attention_interval", "UINT32", s.full_attention_interval),
+        encode_kv(f"{a}.rope.dimension_count", "UINT32", s.rope_dims),
+    ]
+    if s.n_mtp:
+        kv.append(encode_kv(f"{a}.nextn_predict_layers", "UINT32", s.n_mtp))
+    if s.n_experts:
+        kv += [
+            encode_kv(f"{a}.expert_count", "UINT32", s.n_experts),
+            encode_kv(f"{a}.expert_used_count", "UINT32", s.n_experts_used),
+            encode_kv(f"{a}.expert_feed_forward_length", "UINT32", s.expert_ffn),
+            encode_kv(f"{a}.expert_shared_feed_forward_length", "UINT32", s.shared_expert_ffn),
+        ]
+    else:
+        kv.append(encode_kv(f"{a}.feed_forward_length", "UINT32", s.ffn))
+    return kv + tokenizer_kvs(s.vocab_size)
+
+
+def resolve(shape: str | SynthShape, quant: str | int) -> tuple[SynthShape, int]:
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise RequestError(f"unknown shape '{shape}'; choose one of {', '.join(SHAPES)}")
+        shape = SHAPES[shape]
+    if isinstance(quant, str):
+        if quant.lower() not in QUANTS:
+            raise RequestError(f"unknown quant type '{quant}'; choose one of {', '.join(QUANTS)}")
+        quant = QUANTS[quant.lower()]
+    return shape, int(quant)
+
+
+def write_synthetic(path: str | Path, shape: str | SynthShape, quant: str | int = "q8_0", seed: int = 0,
+                    n_layers: int | None = None, *, mtp: bool = True, fuse_gate_up: bool = False,
+                    progress: Callable[[int, int], None] | None = None) -> dict:
+    """Write a synthetic GGUF; returns {"path", "bytes", "seconds", "mb_per_s", "tensors"}.
+
+    n_layers keeps only the first N main layers (the MTP block, if any, follows them).
+    """
+    shape, type_id = resolve(shape, quant)
+    if n_layers is not None:
+        if n_layers < 0:
+            raise RequestError(f"--layers must be >= 0, got {n_layers}")
+        shape = replace(shape, n_layers=min(n_layers, shape.n_layers))
+    if not mtp:
+        shape = replace(shape, n_mtp=0)
+    t0 = time.perf_counter()
+    rng = np.random.Generator(np.random.SFC64(seed))  # the fastest raw bits numpy ships
+    tensors = plan_tensors(shape, type_id, fuse_gate_up=fuse_gate_up)
+    size = write_gguf(path, model_kvs(shape, type_id, seed), tensors, lambda t: _tensor_chunks(rng, t),
+                      progress=progress)
+    seconds = time.perf_counter() - t0
+    return {"path": str(path), "bytes": size, "seconds": seconds,
+            "mb_per_s": size / 1e6 / max(seconds, 1e-9), "tensors": len(tensors)}
