@@ -218,7 +218,7 @@ def _print_facts(f: dict, all_layers: bool, out) -> None:
         if all_layers:
             print("bytes per layer:", file=out)
             for row in f["layers"]:
-                print(f"  {row['layer']:4d}  {_KIND_LABEL.get(row.get("kind"), "?"):15s}"
+                print(f"  {row['layer']:4d}  {_KIND_LABEL.get(row.get('kind'), '?'):15s}"
                       f"{format_bytes(row['bytes']):>12s}  {format_count(row['params']):>9s} params", file=out)
         else:
             print("bytes per layer (--layers for each):", file=out)
