@@ -317,3 +317,25 @@ def test_cuda_device_without_cupy_is_a_clear_error(fixtures_dir):
     with pytest.raises(DeviceError, match="cuda:0"):
         load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf", devices=["cuda:0"])
     assert model_mod.default_devices() == ["cpu:0"]
+
+
+def test_chat_messages_end_to_end(model, fixtures_dir):
+    """Messages -> the GGUF's chat template -> tokenizer -> the fixture's `chat` ids -> the reference
+    greedy continuation, with text streamed through the real tokenizer."""
+    import json
+
+    if model.tokenizer is None or model.chat_template is None:
+        pytest.skip("tokenizer / chat template modules not available")
+    seqs = json.loads((fixtures_dir / "sequences.json").read_text())
+    chat_ids = next(s["ids"] for s in seqs["sequences"] if s["name"] == "chat")
+    ref = np.load(fixtures_dir / "dense" / "ref_hf" / "chat.npz")
+    messages = seqs["chat_messages"]
+    events = list(model.generate(messages, greedy_params(max_tokens=32)))
+    assert events[-1].prompt_tokens == len(chat_ids)
+    assert [e.token for e in events] == list(ref["gen_tokens"])
+    assert "".join(e.text for e in events) == model.tokenizer.decode(list(ref["gen_tokens"]))
+    # the same continuation cut by a stop string that the real tokenizer's text completes
+    stop = model.tokenizer.decode(list(ref["gen_tokens"][:3]))
+    events = list(model.generate(messages, greedy_params(max_tokens=32, stop=[stop])))
+    assert events[-1].finish_reason == "stop" and len(events) == 3
+    assert "".join(e.text for e in events) == ""
