@@ -298,6 +298,8 @@ def thinking_switch(body: dict, messages: list[dict]) -> bool:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     explicit = (kwargs or {}).get("enable_thinking", body.get("enable_thinking"))
+    if explicit is None and body.get("reasoning_effort") in ("none", "minimal"):
+        explicit = False  # OpenAI's way of asking for no reasoning
     if explicit is not None and not isinstance(explicit, bool):
         raise bad_request("enable_thinking must be true or false", "chat_template_kwargs")
     last_tag = None
@@ -548,15 +550,23 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         snap["runtime"] = runtime.status()
         return snap
 
+    def model_card() -> dict:
+        info = runtime.model_info
+        return {"id": current_model_id(), "object": "model", "created": int(time.time()),
+                "owned_by": "minecart", "architecture": info.architecture,
+                "context_length": info.context_length}
+
     @app.get("/v1/models")
     async def models():
-        info = runtime.model_info
-        data = []
-        if info is not None:
-            data.append({"id": current_model_id(), "object": "model", "created": int(time.time()),
-                         "owned_by": "minecart", "architecture": info.architecture,
-                         "context_length": info.context_length})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card()] if runtime.loaded else []}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        card = model_card()
+        if model_id != card["id"]:
+            raise APIError(404, f"model '{model_id}' is not loaded; this server runs '{card['id']}'",
+                           type="not_found_error", param="model", code="model_not_found")
+        return card
 
     async def run_request(request: Request, handle: RequestHandle, on_event, *, stream: bool):
         """Drive one runtime request: yields what `on_event` returns; cancels on disconnect."""

@@ -67,6 +67,9 @@ def test_models_health_metrics(served):
     server, rt, model, client = served
     models = client.models.list()
     assert [m.id for m in models.data] == ["fake-model"]
+    assert client.models.retrieve("fake-model").id == "fake-model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     health = httpx.get(server.url + "/health", timeout=TIMEOUT).json()
     assert health["status"] == "ok" and health["model_loaded"] and health["model"]["name"] == "fake-chat"
     client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "m"}])
@@ -122,7 +125,8 @@ def test_chat_streaming(served):
 
 @pytest.mark.parametrize(
     "how",
-    [{"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, {"tag": " /no_think"}],
+    [{"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, {"tag": " /no_think"},
+     {"extra_body": {"reasoning_effort": "none"}}],
 )
 def test_thinking_can_be_turned_off(served, how):
     server, rt, model, client = served
