@@ -1,6 +1,6 @@
 // Matrix-matrix products for prefill: Y (T, R) = X (T, K) @ W (R, K)^T.
 //
-// gemm_dp4a: 128 tokens x 128 weight rows per block of 256 threads, each thread an 8 x 8 tile; the K
+// gemm_dp4a<QT, NBLK>: 128 tokens x 128 weight rows per block of 256 threads, each thread an 8 x 8 tile; the K
 //   loop walks one 32-value quant block at a time (one scale per block), staged through double-buffered
 //   shared memory with the next block prefetched into registers. Inside a block the products are exact
 //   int32 (DP4A); at the block's end they are scaled into fp32 accumulators. The int32 accumulators
@@ -16,24 +16,26 @@
 #define MAGIC_I 0x4B400000
 #define MAGIC_F 12582912.0f
 
-template <int QT>
+template <int QT, int NBLK>
 __global__ void __launch_bounds__(256) gemm_dp4a(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         int T, int R, int K) {
-    __shared__ int4 As4[2][8][GB_M / 4];
-    __shared__ int4 Bs4[2][8][GB_N / 4];
-    __shared__ float sxd[2][GB_M], sxs[2][GB_M];
-    __shared__ float sdlo[2][GB_N], sdhi[2][GB_N], sm[2][GB_N];
+    // NBLK quant blocks (32 values each) per shared-memory stage: 2 halves the barriers per K.
+    __shared__ int4 As4[2][NBLK][8][GB_M / 4];
+    __shared__ int4 Bs4[2][NBLK][8][GB_N / 4];
+    __shared__ float sxd[2][NBLK][GB_M], sxs[2][NBLK][GB_M];
+    __shared__ float sdlo[2][NBLK][GB_N], sdhi[2][NBLK][GB_N], sm[2][NBLK][GB_N];
     const bool split = (QT == QT_Q6_K);
     const bool has_m = (QT == QT_Q4_0 || QT == QT_Q4_K);
 
     int tid = threadIdx.x;
     int t0 = blockIdx.y * GB_M, r0 = blockIdx.x * GB_N;
     int nb = K >> 5;
+    int nst = (nb + NBLK - 1) / NBLK;
     i64 wstride = row_bytes<QT>(K);
 
-    // Loader roles: threads 0..127 load one weight row's block, 128..255 one token's block.
+    // Loader roles: threads 0..127 load one weight row's blocks, 128..255 one token's blocks.
     int lrow = tid & 127;
     bool loads_w = tid < 128;
     int wr = min(r0 + lrow, R - 1);
@@ -41,30 +43,44 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     const u8* wrow = wq + (i64)wr * wstride;
     const u16* wdrow = wd + (i64)wr * nb;
 
-    WBlock wb;
-    int4 xa, xc;
-    float fxd = 0.0f, fxs = 0.0f;
-    auto gload = [&](int b) {
-        if (loads_w) {
-            load_wblock<QT>(wrow, wdrow, b, wb);
-        } else {
-            i64 xb = (i64)xt * nb + b;
-            const int4* p = (const int4*)(xq + xb * 32);
-            xa = p[0]; xc = p[1];
-            fxd = xd[xb]; fxs = xs[xb];
+    WBlock wb[NBLK];
+    int4 xa[NBLK], xc[NBLK];
+    float fxd[NBLK], fxs[NBLK];
+    auto gload = [&](int st) {
+#pragma unroll
+        for (int u = 0; u < NBLK; u++) {
+            int b = st * NBLK + u;
+            bool ok = b < nb;
+            if (loads_w) {
+                if (ok) load_wblock<QT>(wrow, wdrow, b, wb[u]);
+                else { for (int k = 0; k < 8; k++) wb[u].q[k] = 0; wb[u].dlo = wb[u].dhi = wb[u].m = 0.0f; }
+            } else {
+                if (ok) {
+                    i64 xb = (i64)xt * nb + b;
+                    const int4* p = (const int4*)(xq + xb * 32);
+                    xa[u] = p[0]; xc[u] = p[1];
+                    fxd[u] = xd[xb]; fxs[u] = xs[xb];
+                } else {
+                    xa[u] = xc[u] = make_int4(0, 0, 0, 0);
+                    fxd[u] = fxs[u] = 0.0f;
+                }
+            }
         }
     };
     auto sstore = [&](int buf) {
-        int* A = (int*)As4[buf];
-        int* B = (int*)Bs4[buf];
-        if (loads_w) {
 #pragma unroll
-            for (int k = 0; k < 8; k++) B[k * GB_N + lrow] = wb.q[k];
-            sdlo[buf][lrow] = wb.dlo; sdhi[buf][lrow] = wb.dhi; sm[buf][lrow] = wb.m;
-        } else {
-            A[0 * GB_M + lrow] = xa.x; A[1 * GB_M + lrow] = xa.y; A[2 * GB_M + lrow] = xa.z; A[3 * GB_M + lrow] = xa.w;
-            A[4 * GB_M + lrow] = xc.x; A[5 * GB_M + lrow] = xc.y; A[6 * GB_M + lrow] = xc.z; A[7 * GB_M + lrow] = xc.w;
-            sxd[buf][lrow] = fxd; sxs[buf][lrow] = fxs;
+        for (int u = 0; u < NBLK; u++) {
+            int* A = (int*)As4[buf][u];
+            int* B = (int*)Bs4[buf][u];
+            if (loads_w) {
+#pragma unroll
+                for (int k = 0; k < 8; k++) B[k * GB_N + lrow] = wb[u].q[k];
+                sdlo[buf][u][lrow] = wb[u].dlo; sdhi[buf][u][lrow] = wb[u].dhi; sm[buf][u][lrow] = wb[u].m;
+            } else {
+                A[0 * GB_M + lrow] = xa[u].x; A[1 * GB_M + lrow] = xa[u].y; A[2 * GB_M + lrow] = xa[u].z; A[3 * GB_M + lrow] = xa[u].w;
+                A[4 * GB_M + lrow] = xc[u].x; A[5 * GB_M + lrow] = xc[u].y; A[6 * GB_M + lrow] = xc[u].z; A[7 * GB_M + lrow] = xc[u].w;
+                sxd[buf][u][lrow] = fxd[u]; sxs[buf][u][lrow] = fxs[u];
+            }
         }
     };
 
@@ -78,47 +94,55 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     gload(0);
     sstore(0);
     __syncthreads();
-    for (int b = 0; b < nb; b++) {
-        int buf = b & 1;
-        if (b + 1 < nb) gload(b + 1);
-        int ai[8][8];
+    for (int st = 0; st < nst; st++) {
+        int buf = st & 1;
+        if (st + 1 < nst) gload(st + 1);
 #pragma unroll
-        for (int i = 0; i < 8; i++)
+        for (int u = 0; u < NBLK; u++) {
+            int ai[8][8];
 #pragma unroll
-            for (int j = 0; j < 8; j++) ai[i][j] = MAGIC_I;
+            for (int i = 0; i < 8; i++)
 #pragma unroll
-        for (int half = 0; half < 2; half++) {
+                for (int j = 0; j < 8; j++) ai[i][j] = MAGIC_I;
 #pragma unroll
-            for (int kk = 0; kk < 4; kk++) {
-                int k4 = half * 4 + kk;
-                int4 a0 = As4[buf][k4][ty], a1 = As4[buf][k4][16 + ty];
-                int4 b0 = Bs4[buf][k4][tx], b1 = Bs4[buf][k4][16 + tx];
-                int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
-                int bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+            for (int half = 0; half < 2; half++) {
 #pragma unroll
-                for (int i = 0; i < 8; i++)
+                for (int kk = 0; kk < 4; kk++) {
+                    int k4 = half * 4 + kk;
+                    int4 a0 = As4[buf][u][k4][ty], a1 = As4[buf][u][k4][16 + ty];
+                    int4 b0 = Bs4[buf][u][k4][tx], b1 = Bs4[buf][u][k4][16 + tx];
+                    int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+                    int bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
-                    for (int j = 0; j < 8; j++) ai[i][j] = dp4a(av[i], bv[j], ai[i][j]);
-            }
-            if (split || half == 1) {
-                // Scale this (half-)block's exact int sums into the fp32 accumulators.
+                    for (int i = 0; i < 8; i++)
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    int ti = (i < 4) ? ty * 4 + i : 64 + ty * 4 + i - 4;
-                    float dx = sxd[buf][ti];
+                        for (int j = 0; j < 8; j++) ai[i][j] = dp4a(av[i], bv[j], ai[i][j]);
+                }
+                if (split || half == 1) {
+                    // Scale this (half-)block's exact int sums into the fp32 accumulators.
+                    float dw[8], mw[8];
 #pragma unroll
                     for (int j = 0; j < 8; j++) {
                         int rj = (j < 4) ? tx * 4 + j : 64 + tx * 4 + j - 4;
-                        float dw = (split && half == 0) ? sdlo[buf][rj] : sdhi[buf][rj];
-                        float v = __int_as_float(ai[i][j]) - MAGIC_F;
-                        acc[i][j] = fmaf(v, dx * dw, acc[i][j]);
-                        if (has_m) acc[i][j] = fmaf(sm[buf][rj], sxs[buf][ti], acc[i][j]);
-                        if (split) ai[i][j] = MAGIC_I;
+                        dw[j] = (split && half == 0) ? sdlo[buf][u][rj] : sdhi[buf][u][rj];
+                        mw[j] = sm[buf][u][rj];
+                    }
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        int ti = (i < 4) ? ty * 4 + i : 64 + ty * 4 + i - 4;
+                        float dx = sxd[buf][u][ti], sx = sxs[buf][u][ti];
+#pragma unroll
+                        for (int j = 0; j < 8; j++) {
+                            float v = __int_as_float(ai[i][j]) - MAGIC_F;
+                            acc[i][j] = fmaf(v, dx * dw[j], acc[i][j]);
+                            if (has_m) acc[i][j] = fmaf(mw[j], sx, acc[i][j]);
+                            if (split) ai[i][j] = MAGIC_I;
+                        }
                     }
                 }
             }
         }
-        if (b + 1 < nb) sstore(buf ^ 1);
+        if (st + 1 < nst) sstore(buf ^ 1);
         __syncthreads();
     }
 #pragma unroll

@@ -130,7 +130,8 @@ GEMV_MAX_T = 8  # above this, the tiled GEMM reads each weight fewer times
 
 
 def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None = None) -> cp.ndarray:
-    """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations) or "fma" (fp32)."""
+    """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations; "dp4a2" = the GEMM
+    variant staging two quant blocks per barrier) or "fma" (fp32)."""
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, K = x.shape
     if K != w.cols:
@@ -140,7 +141,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     if T == 0:
         return y
     wd = w.wd if w.wd is not None else _dummy()
-    use_dp4a = path == "dp4a" and w.dp4a_ok
+    use_dp4a = path.startswith("dp4a") and w.dp4a_ok
     q = QT[w.type_name]
     if use_dp4a:
         xq, xd, xs = quantize_cached(x)
@@ -160,7 +161,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         del nb
         return y
     if use_dp4a:
-        k = _mm_kernel(w, f"gemm_dp4a<{q}>")
+        k = _mm_kernel(w, f"gemm_dp4a<{q}, {2 if path == 'dp4a2' else 1}>")
         k((math.ceil(R / 128), math.ceil(T / 128)), (256,),
           (w.wq, wd, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K)))
     else:
@@ -181,7 +182,7 @@ def matmul_experts(x: cp.ndarray, w: QWeight, ids: cp.ndarray, x_div: int, path:
     q = QT[w.type_name]
     warps = 4
     grid = (math.ceil(R / warps), P)
-    if path == "dp4a" and w.dp4a_ok:
+    if path.startswith("dp4a") and w.dp4a_ok:
         xq, xd, xs = quantize_cached(x)
         _mm_kernel(w, f"gemv_dp4a<{q}, 1>")(grid, (32 * warps,), (w.wq, wd, xq, xd, xs, y, np.int32(R), np.int32(K),
                                                                    ids, np.int32(x_div)))

@@ -133,12 +133,12 @@ def run_probe() -> dict:
     rec: dict = {"name": name, "cc": int(dev.compute_capability)}
     for label, x in (("gemv", x1), ("gemm", xp)):
         times = {}
-        for path in ("dp4a", "fma"):
+        for path in (("dp4a", "fma") if label == "gemv" else ("dp4a", "dp4a2", "fma")):
             times[path] = time_gpu(lambda x=x, path=path: ops.matmul(x, w, path), 10)
         rec[f"{label}_us"] = {p: round(t * 1e6, 1) for p, t in times.items()}
         rec[label] = min(times, key=times.get)
     rec.update(measure_ceilings())
-    rec["dp4a_throttled"] = rec["gemm"] == "fma"
+    rec["dp4a_throttled"] = rec["gemm"] == "fma" and rec["gemv"] == "fma"
     rec["probe_s"] = round(time.perf_counter() - t_start, 3)
     return rec
 
@@ -152,7 +152,7 @@ def op_breakdown(T: int = 4096, ctx: int = 18432) -> dict:
     for name, (R, K) in {"gemm_4096x4096": (4096, H), "gemm_12288x4096": (F, H), "gemm_4096x12288": (H, F)}.items():
         w = random_q8_0(R, K, 1)
         x = rs.standard_normal((T, K), dtype=cp.float32)
-        for path in ("dp4a", "fma"):
+        for path in ("dp4a", "dp4a2", "fma"):
             t = time_gpu(lambda x=x, w=w, path=path: ops.matmul(x, w, path), 3)
             res[f"{name}_{path}_ms"] = t * 1e3
             res[f"{name}_{path}_tops"] = 2 * T * R * K / t / 1e12

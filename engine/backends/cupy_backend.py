@@ -10,7 +10,7 @@ Model.forward), so decoding pays one launch per token instead of one per kernel.
 Weights go to the device still quantized (Q8_0/Q4_0 re-laid out as int8/int4 quants + fp16 scales;
 Q4_K/Q6_K as GGUF blocks; F32/F16/BF16 as rows); formats without a kernel are decoded to F32 once.
 Matmuls take the DP4A path or the FMA path according to the per-card probe (kernels/probe.py, cached
-per GPU UUID by engine/probe_cache.py); MINECART_MATMUL_PATH=dp4a|fma overrides it.
+per GPU UUID by engine/probe_cache.py); MINECART_MATMUL_PATH=dp4a|dp4a2|fma overrides it.
 
 Not here: the Gated DeltaNet prefill uses the exact recurrence kernel rather than the chunked WY form,
 and there is no HFMA2 path.
@@ -223,9 +223,10 @@ class CupyBackend:
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
         if forced:
-            if forced not in ("dp4a", "fma"):
-                raise ValueError(f"matmul path must be 'dp4a' or 'fma', got '{forced}'")
-            self.gemv_path = self.gemm_path = forced
+            if forced not in ("dp4a", "dp4a2", "fma"):
+                raise ValueError(f"matmul path must be 'dp4a', 'dp4a2' or 'fma', got '{forced}'")
+            self.gemm_path = forced
+            self.gemv_path = "dp4a" if forced == "dp4a2" else forced
         elif probe:
             self._choose_paths()
 

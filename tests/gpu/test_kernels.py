@@ -87,6 +87,22 @@ def test_matmul(nb, gb, gb_fma, poison, type_name, T):
             assert nerr(y, ref) < 2e-5
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q6_K"])
+@pytest.mark.parametrize("K", [96, 768])
+def test_gemm_two_block_stages(nb, poison, type_name, K):
+    """gemm_dp4a<QT, 2> (two quant blocks per barrier), also with an odd number of blocks."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+
+    if type_name == "Q6_K" and K % 256:
+        pytest.skip("K-quants need rows of 256")
+    be = CupyBackend("cuda:0", path="dp4a2")
+    rng = np.random.default_rng(K)
+    info = make_tensor(rng, type_name, (300, K), 0.05)
+    x = rng.standard_normal((200, K)).astype(np.float32)
+    y = be.to_numpy(be.matmul(be.asarray(x), be.load_weight(info)))
+    assert nerr(y, q8_1_emulation(x, nb.load_weight(info).dense())) < 2e-5
+
+
 @pytest.mark.parametrize("type_name", list(TYPES))
 def test_embed(nb, gb, poison, type_name):
     rng = np.random.default_rng(7)
