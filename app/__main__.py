@@ -21,8 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-scan", action="store_true",
                    help="do not scan model folders or the demo model at start (only --model is listed)")
     p.add_argument("--screenshot", metavar="PATH", help="render the window offscreen to this PNG and exit")
-    p.add_argument("--view", choices=["chat", "models", "layers", "graphs"], default="chat",
-                   help="page to show (with --screenshot: the page captured)")
+    p.add_argument("--view", default="chat",
+                   help="page to show: chat, models, layers or graphs; with --screenshot a comma-separated "
+                        "list captures several pages (PATH must then contain {view})")
     p.add_argument("--prompt", help="with --screenshot: send this chat message first and wait for the reply")
     p.add_argument("--thinking", action="store_true", help="with --prompt: turn thinking on for that message")
     p.add_argument("--max-tokens", type=int, help="with --prompt: cap the reply at this many tokens")
@@ -60,7 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         w, h = 1440, 900
     win.resize(w, h)
-    win.show_page(args.view)
+    views = [v.strip() for v in args.view.split(",") if v.strip()]
+    bad = [v for v in views if v not in ("chat", "models", "layers", "graphs")]
+    if bad or not views:
+        print(f"minecart: unknown view {bad or args.view!r}; use chat, models, layers or graphs", file=sys.stderr)
+        return 2
+    if args.screenshot and len(views) > 1 and "{view}" not in args.screenshot:
+        print("minecart: with several views, --screenshot PATH must contain {view}", file=sys.stderr)
+        return 2
+    win.show_page(views[0])
     win.show()
     win.start(args.model, autoload=not args.no_load)
     if not args.screenshot:
@@ -79,17 +88,21 @@ def main(argv: list[str] | None = None) -> int:
         win.chat.input.setPlainText(args.prompt)
         win.chat.send()
         _wait(app, lambda: not win.bridge.generating, args.timeout)
-    win.show_page(args.view)
-    end = time.monotonic() + 1.2  # let the graphs timer and layouts settle
-    while time.monotonic() < end:
-        app.processEvents()
-        time.sleep(0.02)
-    pix = win.grab()
-    saved = pix.save(args.screenshot, "PNG")
-    print(f"{'saved' if saved else 'could not save'} {args.screenshot} ({pix.width()}x{pix.height()})")
+    all_saved = True
+    for view in views:
+        win.show_page(view)
+        end = time.monotonic() + 1.2  # let the graphs timer and layouts settle
+        while time.monotonic() < end:
+            app.processEvents()
+            time.sleep(0.02)
+        pix = win.grab()
+        path = args.screenshot.replace("{view}", view)
+        saved = pix.save(path, "PNG")
+        all_saved = all_saved and saved
+        print(f"{'saved' if saved else 'could not save'} {path} ({pix.width()}x{pix.height()})")
     win.close()
     app.processEvents()
-    return 0 if saved else 1
+    return 0 if all_saved else 1
 
 
 if __name__ == "__main__":
