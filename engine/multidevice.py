@@ -12,7 +12,9 @@ A loaded Model (engine/model.py) whose parts sit on more than one device gets a 
   wire or on the next device, so device A computes chunk k+1 while device B computes chunk k. Each
   layer still sees its chunks in order (one worker per device, FIFO queues and links), so the result
   equals running the chunks one after another on one device; at most `max_in_flight` chunks are
-  between the caller and the head at once, which bounds the memory of hidden states in flight.
+  between the caller and the head at once, which bounds the memory of hidden states in flight;
+- a single chunk (a decode step) has nothing to overlap: it runs on the calling thread, stage after
+  stage through the same bridges, which saves the thread hand-offs.
 
 Also here: `resolve_devices` (placement + devices -> part plan and backends, used by load_model),
 `attach_pipeline`, and `bench_split` (the measurement `minecart bench --devices` prints).
