@@ -243,7 +243,8 @@ class GGUFFile:
             if magic in (b"ggml", b"ggjt", b"ggmf", b"lmgg", b"fmgg", b"tjgg"):
                 hint = " It is an old GGML/GGJT model: convert it to GGUF with a current llama.cpp."
             elif magic[:2] == b"PK" or magic[:1] == b"{":
-                hint = " It looks like a PyTorch/safetensors or JSON file, not a GGUF model."
+                hint = (" It looks like a PyTorch/safetensors or JSON file, not a GGUF model: convert the "
+                        "checkpoint with llama.cpp's convert_hf_to_gguf.py.")
             raise GGUFError(
                 self.path,
                 f"not a GGUF file (starts with {magic!r}, expected b'GGUF').{hint or ' Check that you picked the .gguf model file.'}",
@@ -252,7 +253,8 @@ class GGUFFile:
         version = r.u32("the version")
         if version not in SUPPORTED_VERSIONS:
             if version in (0x02000000, 0x03000000):
-                msg = "big-endian GGUF is not supported; use the little-endian (standard) conversion"
+                msg = ("big-endian GGUF is not supported; re-convert the model without --bigendian "
+                       "(the standard little-endian layout)")
             elif version == 1:
                 msg = "GGUF version 1 is obsolete; re-convert the model with a current llama.cpp"
             else:
@@ -265,9 +267,9 @@ class GGUFFile:
         # each key/value pair takes at least 13 bytes (8 key length, 1 key byte, 4 type, 0+ value),
         # each tensor info at least 29; this bounds both counts by the file size before any loop
         if n_kv * 13 > self.file_size - r.pos:
-            r.fail(f"header claims {n_kv} metadata entries, more than the file can hold; {_FIX_CORRUPT}")
+            r.fail(f"header claims {n_kv} metadata entries, more than the file can hold (truncated or corrupt); {_FIX_CORRUPT}")
         if n_tensors * 29 > self.file_size - r.pos:
-            r.fail(f"header claims {n_tensors} tensors, more than the file can hold; {_FIX_CORRUPT}")
+            r.fail(f"header claims {n_tensors} tensors, more than the file can hold (truncated or corrupt); {_FIX_CORRUPT}")
         for i in range(n_kv):
             key = r.string(f"the name of metadata entry {i}", limit=MAX_KEY_BYTES)
             vtype = r.u32("the value type", key=key)
