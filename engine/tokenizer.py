@@ -91,6 +91,15 @@ def gpt2_byte_to_unicode() -> dict[int, str]:
     return table
 
 
+def first_index_map(tokens: Sequence[str]) -> dict[str, int]:
+    """token -> id; a spelling that occurs twice belongs to its first id (as in llama.cpp)."""
+    index = dict(zip(tokens, range(len(tokens)), strict=True))  # last occurrence wins here...
+    if len(index) != len(tokens):
+        for i in range(len(tokens) - 1, -1, -1):  # ...so rewrite duplicates to the first one
+            index[tokens[i]] = i
+    return index
+
+
 class Tokenizer:
     """Encodes text to ids and ids to text for one GGUF vocabulary. Build it with `from_gguf`.
 
@@ -125,9 +134,7 @@ class Tokenizer:
         self._eos_ids = eos_ids
         self.source = source
         self._lock = threading.Lock()
-        self._id_of: dict[str, int] = {}
-        for i, t in enumerate(self._tokens):
-            self._id_of.setdefault(t, i)
+        self._id_of = first_index_map(self._tokens)
         self._skip_on_decode = frozenset(
             i for i, ty in enumerate(self._types) if ty in (TOKEN_CONTROL, TOKEN_UNUSED, TOKEN_UNKNOWN)
         )
@@ -395,9 +402,7 @@ def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str], types: lis
         )
     split, nfc, ignore_merges = BYTE_LEVEL_PRE_TOKENIZERS[pre]
 
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
+    vocab = first_index_map(tokens)
     merges = []
     bad = []
     for line in metadata.get("tokenizer.ggml.merges") or []:
@@ -493,9 +498,7 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: 
         # Gemma files store tokens made of several spaces with real spaces ("  "); in the text they
         # are looked up after the space -> U+2581 rewrite, so spell them that way.
         spelled = [SPIECE_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(spelled):
-        vocab.setdefault(t, i)
+    vocab = first_index_map(spelled)
 
     scores = metadata.get("tokenizer.ggml.scores")
     if is_gemma or not scores or len(scores) != len(tokens):
