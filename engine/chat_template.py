@@ -183,6 +183,8 @@ class ChatTemplate:
         arguments become template variables (e.g. `preserve_thinking=True` for Qwen3.6,
         `add_vision_id=True`).
         """
+        if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+            raise TemplateError("tools must be a list of JSON-schema dicts ({'type': 'function', ...})")
         variables = dict(extra)
         variables.update(
             messages=normalize_messages(messages),

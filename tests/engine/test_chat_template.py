@@ -288,6 +288,8 @@ def test_bad_messages_are_rejected_with_a_clear_error():
         normalize_messages("hello")
     with pytest.raises(TemplateError, match="message 1"):
         normalize_messages([{"role": "user", "content": "a"}, {"content": "no role"}])
+    with pytest.raises(TemplateError, match="tools"):
+        ChatTemplate.builtin("chatml").render([{"role": "user", "content": "a"}], tools=["get_weather"])
 
 
 # ---------------------------------------------------------------------------------- split_thinking
