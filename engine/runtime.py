@@ -643,6 +643,11 @@ class Runtime:
         model = self._require_model()
         a = req.args
         messages, tools = a["messages"], a["tools"]
+        if _has_images(messages) and not _reads_images(model):
+            raise RequestError(
+                "this model cannot read pictures (it has no vision encoder); remove the image or "
+                "load a vision model together with its mmproj file"
+            )
         prompt, opens_thinking, boundary = _chat_prompt(model, messages, tools, a["enable_thinking"])
         self._generate(req, model, prompt, a["enable_thinking"], opens_thinking, boundary)
 
@@ -925,6 +930,11 @@ def _has_images(messages) -> bool:
     return False
 
 
+def _reads_images(model) -> bool:
+    """A model that takes pictures says so with a true `has_vision` (or a `vision` tower)."""
+    return bool(getattr(model, "has_vision", False) or getattr(model, "vision", None))
+
+
 def _describe(model, load_args: dict) -> ModelInfo:
     config = getattr(model, "config", None)
     path = str(load_args.get("path", ""))
@@ -944,7 +954,7 @@ def _describe(model, load_args: dict) -> ModelInfo:
         context_length=int(getattr(config, "context_length", 0) or 0),
         devices=tuple(str(getattr(d, "id", d)) for d in devices),
         placement=placement,
-        has_vision=bool(getattr(model, "has_vision", False) or getattr(model, "vision", None)),
+        has_vision=_reads_images(model),
     )
 
 

@@ -94,6 +94,7 @@ class FakeModel:
         self.fail_after = fail_after
         self.placement = None
         self.devices = ["cpu"]
+        self.has_vision = True  # image parts are rendered as "<image>" by TinyTemplate
         self.generate_threads: set[int] = set()
         self.active = 0
         self.max_active = 0

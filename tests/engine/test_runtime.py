@@ -242,6 +242,20 @@ def test_errors_without_a_model_and_for_a_bad_file():
         rt.close()
 
 
+def test_images_need_a_vision_model():
+    rt, model = loaded_runtime()
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    try:
+        rt.chat(msgs, FakeParams()).result(TIMEOUT)
+        assert model.prompts[-1].endswith("what is it?<image>\n<|assistant|><think>\n")
+        model.has_vision = False
+        final = rt.chat(msgs, FakeParams()).wait(TIMEOUT)
+        assert final.kind == "error" and "cannot read pictures" in final.text
+    finally:
+        rt.close()
+
+
 def test_load_can_be_cancelled():
     rt, loader = make_runtime(progress_steps=400, delay_s=0.005)
     try:

@@ -368,5 +368,10 @@ def test_real_model_over_http(fixtures_dir):
                 model="m", messages=[{"role": "user", "content": "hi /no_think"}], max_tokens=3,
                 temperature=0, seed=3)
             assert getattr(no_think.choices[0].message, "reasoning_content", None) is None
+            # a text-only model refuses pictures with a 400, not garbage
+            with pytest.raises(openai.BadRequestError, match="cannot read pictures"):
+                client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "what is it?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
     finally:
         rt.close()
