@@ -129,3 +129,28 @@ def test_chat_keeps_the_session_between_turns(tiny_model):
     assert c2 and int(p1) - 8 <= int(c2) < int(p1) and int(p2) > int(p1)
     assert not c3 and int(p3) < int(p2)  # after /reset: a fresh session, a short prompt
     assert all(1 <= int(g) <= 4 for g in (g1, g2, g3))
+
+
+def test_no_model_means_the_demo_model(monkeypatch, tmp_path):
+    from minecart.engine import demo
+    from minecart.engine.cli import run_cmd
+    from minecart.engine.errors import RequestError
+
+    fake = tmp_path / "gemma-3-270m.gguf"
+    monkeypatch.setattr(demo, "demo_model_path", lambda: fake)
+    assert run_cmd.model_path(None) == str(fake)
+    with pytest.raises(RequestError, match="model file not found"):
+        run_cmd.model_path(str(tmp_path / "missing.gguf"))
+    assert run_cmd.device_list(" cuda:0, cuda:1 ,") == ["cuda:0", "cuda:1"]
+    assert run_cmd.device_list(None) is None
+
+
+def test_image_part_is_a_checked_data_url(tmp_path):
+    from minecart.engine.cli.run_cmd import image_part
+    from PIL import Image
+
+    pic = tmp_path / "dot.png"
+    Image.new("RGB", (3, 2), (200, 10, 10)).save(pic)
+    part = image_part(str(pic))
+    assert part["type"] == "image_url"
+    assert part["image_url"]["url"].startswith("data:image/png;base64,iVBORw0KGgo")
