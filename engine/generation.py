@@ -137,15 +137,19 @@ def _eos_ids(tokenizer) -> set[int]:
 
 
 def generate(model, prompt, params: SamplingParams | None = None, *, session=None, cancel=None,
-             enable_thinking: bool = True, prefill_chunk: int = PREFILL_CHUNK) -> Iterator[GenerationEvent]:
+             enable_thinking: bool = True, prefill_chunk: int = PREFILL_CHUNK, positions=None,
+             embed_override=None) -> Iterator[GenerationEvent]:
+    """positions ((3, T) M-RoPE) and embed_override ((rows, values) image embeddings) describe a
+    prompt given as token ids with images already expanded (Session.sync); text gets positions
+    continuing from the prompt's last one."""
     params = params or SamplingParams()
     ids = prompt_ids(model, prompt, enable_thinking)
     if not ids:
         raise RequestError("the prompt is empty")
-    return _generate(model, ids, params, session, cancel, prefill_chunk)
+    return _generate(model, ids, params, session, cancel, prefill_chunk, positions, embed_override)
 
 
-def _generate(model, ids, params, session, cancel, prefill_chunk):
+def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None, embed_override=None):
     t0 = time.perf_counter()
     session = session if session is not None else model.new_session()
     tokenizer = model.tokenizer
@@ -173,7 +177,10 @@ def _generate(model, ids, params, session, cancel, prefill_chunk):
         yield event(None, "", "cancelled")
         return
     try:
-        logits = session.sync(ids, chunk=prefill_chunk, cancel=cancel)
+        extras = {}
+        if positions is not None or embed_override is not None:
+            extras = {"positions": positions, "embed_override": embed_override}
+        logits = session.sync(ids, chunk=prefill_chunk, cancel=cancel, **extras)
     except GenerationCancelled:
         yield event(None, "", "cancelled")
         return

@@ -183,13 +183,17 @@ class Model:
         return self.backends[part]
 
     def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None,
-                chunk: int | None = None, cancel=None):
+                chunk: int | None = None, cancel=None, embed_override=None):
         """Run `ids` through every layer, updating `states` (one per layer) in place.
 
         rows: "last" -> logits (1, vocab) of the last token; "all" -> (T, vocab); None -> no head.
         hidden_hook(index, host_array) receives the residual stream after the embedding (0) and after
-        each layer (1..L). Returns host float32 logits or None.
+        each layer (1..L). embed_override (rows (n,), values (n, H)): host arrays replacing those rows
+        of the token embeddings (image embeddings at `<|image_pad|>` tokens); use (3, T) M-RoPE
+        positions with it. Returns host float32 logits or None.
         """
+        if embed_override is not None:
+            return self._forward_with_override(ids, states, positions, rows, hidden_hook, embed_override)
         if getattr(self, "pipeline", None) is not None:  # several devices: multidevice.Pipeline
             return self.pipeline.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
                                          chunk=chunk, cancel=cancel)
@@ -236,6 +240,29 @@ class Model:
             out[start : start + block.shape[0]] = block
         return out
 
+    def _forward_with_override(self, ids, states, positions, rows, hidden_hook, embed_override):
+        """forward() with some input rows replaced: one chunk, one device after another (no pipeline
+        or graph shortcuts; prompts with images are prefilled once per turn)."""
+        cfg, mod = self.config, self.module
+        rows_idx, values = embed_override
+        be = self.backends["global"]
+        x = be.to_numpy(mod.embed(cfg, be, self.weights["global"], ids))
+        x[np.asarray(rows_idx, dtype=np.int64)] = np.asarray(values, dtype=np.float32)
+        x = be.asarray(x)
+        if hidden_hook is not None:
+            hidden_hook(0, be.to_numpy(x))
+        for i in range(cfg.n_layers):
+            part = f"layer.{i}"
+            x, be = self._move(x, be, self.backends[part])
+            x = mod.layer(cfg, be, self.weights[part], i, x, states[i], positions)
+            if hidden_hook is not None:
+                hidden_hook(i + 1, be.to_numpy(x))
+        if rows is None:
+            return None
+        if rows == "last":
+            x = x[x.shape[0] - 1 :]
+        return self.run_head(x, be)
+
     @staticmethod
     def _move(x, src, dst):
         if dst is src:
@@ -249,24 +276,27 @@ class Model:
         return [self.module.new_layer_state(self.config, self.backends[f"layer.{i}"], i, cap)
                 for i in range(self.config.n_layers)]
 
-    def logits(self, token_ids) -> np.ndarray:
-        """Full logit rows (T, vocab) float32 for a fresh sequence (no session state is touched)."""
+    def logits(self, token_ids, positions=None, embed_override=None) -> np.ndarray:
+        """Full logit rows (T, vocab) float32 for a fresh sequence (no session state is touched).
+        positions / embed_override as for forward (images); default positions 0..T-1."""
         ids = [int(t) for t in token_ids]
         states = self.new_state(max(len(ids), 1))
+        pos = np.arange(len(ids)) if positions is None else np.asarray(positions)
         try:
-            return self.forward(ids, states, np.arange(len(ids)), rows="all")
+            return self.forward(ids, states, pos, rows="all", embed_override=embed_override)
         finally:
             self._free_states(states)
 
-    def hidden_states(self, token_ids) -> dict[str, np.ndarray]:
+    def hidden_states(self, token_ids, positions=None, embed_override=None) -> dict[str, np.ndarray]:
         """Debug/test view of a fresh forward pass: "layers" (L+1, T, H) = embeddings then the output
         of each layer, "final" (T, H) = the LM head's input (after the final norm)."""
         ids = [int(t) for t in token_ids]
         states = self.new_state(max(len(ids), 1))
         layers: list[np.ndarray] = []
+        pos = np.arange(len(ids)) if positions is None else np.asarray(positions)
         try:
-            self.forward(ids, states, np.arange(len(ids)), rows=None,
-                         hidden_hook=lambda i, h: layers.append(h))
+            self.forward(ids, states, pos, rows=None, hidden_hook=lambda i, h: layers.append(h),
+                         embed_override=embed_override)
         finally:
             self._free_states(states)
         be = self.backends["head"]
@@ -286,12 +316,14 @@ class Model:
 
         return Session(self, capacity=capacity)
 
-    def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking: bool = True):
-        """Yield GenerationEvents for a prompt (token ids, text, or chat messages); see generation.py."""
+    def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking: bool = True,
+                 **prompt_extras):
+        """Yield GenerationEvents for a prompt (token ids, text, or chat messages); see generation.py.
+        prompt_extras: positions / embed_override for prompts with images (token ids only)."""
         from .generation import generate
 
         return generate(self, prompt, params, session=session, cancel=cancel,
-                        enable_thinking=enable_thinking)
+                        enable_thinking=enable_thinking, **prompt_extras)
 
     # ---- placement -------------------------------------------------------------------------------
     def reload_placement(self, placement, *, progress=None, cancel=None) -> None:

@@ -19,6 +19,7 @@ What this file is not: sampling or text handling (generation.py), or a scheduler
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ class Snapshot:
 
     tokens: tuple[int, ...]
     next_positions: tuple[int, ...]  # next position after each token (positions can jump after images)
+    positions: tuple[tuple[int, int, int], ...]  # (t, h, w) position of each token
     recurrent: tuple[dict, ...]  # per layer: {name: host array}
     kv_lengths: tuple[int | None, ...]
     last_logits: np.ndarray | None
@@ -42,6 +44,17 @@ class Snapshot:
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+
+def _shift_override(embed_override, start: int, stop: int):
+    """The part of an (rows, values) override that falls in [start, stop), rows made relative."""
+    if embed_override is None:
+        return None
+    rows = np.asarray(embed_override[0], dtype=np.int64).reshape(-1)
+    sel = (rows >= start) & (rows < stop)
+    if not sel.any():
+        return None
+    return rows[sel] - start, np.asarray(embed_override[1], dtype=np.float32)[sel]
 
 
 def _as_layer_state(state) -> LayerState:
@@ -59,9 +72,11 @@ class Session:
         self.states: list[LayerState] = [_as_layer_state(s) for s in model.new_state(capacity)]
         self.tokens: list[int] = []
         self._next_positions: list[int] = []
+        self._positions: list[tuple[int, int, int]] = []  # (t, h, w) of each token, for re-prefill
         self.last_logits: np.ndarray | None = None  # (vocab,) after the last token of `tokens`
         self.snapshots: list[Snapshot] = []
         self.computed_tokens = 0  # tokens run through the model by the last sync/prefill (stats)
+        self._row_values: dict[int, np.ndarray] = {}  # history key -> embedding row (images)
 
     # ---- basic properties ----------------------------------------------------------------------------
     @property
@@ -80,9 +95,34 @@ class Session:
     def _layer_backend(self, i: int):
         return self.model.backend_of(f"layer.{i}")
 
+    def _keys(self, ids, embed_override) -> list[int]:
+        """History entries for `ids`: the token id, or for a row given as an embedding a negative key
+        from its values (so two different images with the same placeholder ids never count as a
+        common prefix). The values are kept so that truncate can re-prefill such rows."""
+        keys = [int(t) for t in ids]
+        if embed_override is not None:
+            for r, vec in zip(np.asarray(embed_override[0]).reshape(-1),
+                              np.asarray(embed_override[1], dtype=np.float32), strict=True):
+                key = -1 - zlib.crc32(vec.tobytes())
+                keys[int(r)] = key
+                self._row_values[key] = vec.copy()
+        return keys
+
+    def _ids_and_override(self, keys):
+        """Inverse of _keys for re-prefilling known history: (ids, embed_override or None)."""
+        ids = [k if k >= 0 else 0 for k in keys]  # row 0's embedding is replaced anyway
+        rows = [i for i, k in enumerate(keys) if k < 0]
+        if not rows:
+            return ids, None
+        return ids, (np.array(rows), np.stack([self._row_values[keys[i]] for i in rows]))
+
     # ---- running tokens ----------------------------------------------------------------------------
-    def _advance(self, ids: list[int], positions=None, rows: str | None = "last", **pipelined):
+    def _advance(self, ids: list[int], positions=None, rows: str | None = "last", embed_override=None,
+                 **pipelined):
         T = len(ids)
+        keys = self._keys(ids, embed_override)
+        if embed_override is not None:
+            pipelined["embed_override"] = embed_override
         if positions is None:
             start = self.position
             positions = np.arange(start, start + T)
@@ -90,17 +130,21 @@ class Session:
         else:
             positions = np.asarray(positions)
             flat = positions if positions.ndim == 1 else positions.max(axis=0)
-            next_pos = [int(p) + 1 for p in np.maximum.accumulate(flat)]
+            next_pos = [int(p) + 1 for p in np.maximum.accumulate(np.maximum(flat, self.position - 1))]
+        pos3 = np.broadcast_to(positions, (3, T)) if positions.ndim == 1 else positions
+        pos3 = [tuple(int(c) for c in col) for col in pos3.T]
         try:
             logits = self.model.forward(ids, self.states, positions, rows=rows, **pipelined)
         except GenerationCancelled as exc:  # pipelined prefill: the chunks that went through stay
             done = getattr(exc, "tokens_done", 0)
-            self.tokens.extend(ids[:done])
+            self.tokens.extend(keys[:done])
             self._next_positions.extend(next_pos[:done])
+            self._positions.extend(pos3[:done])
             self.last_logits = None
             raise
-        self.tokens.extend(ids)
+        self.tokens.extend(keys)
         self._next_positions.extend(next_pos)
+        self._positions.extend(pos3)
         self.computed_tokens += T
         if logits is not None:
             self.last_logits = logits[-1]
@@ -108,16 +152,19 @@ class Session:
             self.last_logits = None
         return logits
 
-    def prefill(self, ids, chunk: int | None = None, positions=None, cancel=None) -> np.ndarray | None:
+    def prefill(self, ids, chunk: int | None = None, positions=None, cancel=None,
+                embed_override=None) -> np.ndarray | None:
         """Append `ids` (split into runs of `chunk` tokens; None = one run) and return the logits
         (vocab,) after the last one. `positions` overrides the positions ((T,) or (3, T) for M-RoPE).
-        `cancel` (threading.Event) is checked between chunks; on cancel the tokens run so far stay."""
+        `cancel` (threading.Event) is checked between chunks; on cancel the tokens run so far stay.
+        `embed_override` (rows, values): input rows given as embeddings (images), see Model.forward."""
         ids = [int(t) for t in ids]
         if not ids:
             return self.last_logits
         step = len(ids) if not chunk else int(chunk)
         self.computed_tokens = 0
-        if getattr(self.model, "pipeline", None) is not None and len(ids) > step:
+        if (getattr(self.model, "pipeline", None) is not None and len(ids) > step
+                and embed_override is None):
             # several devices: all chunks enter the pipeline at once so the devices overlap
             # (engine/multidevice.py); it checks `cancel` between chunks like the loop below
             self._advance(ids, positions, rows="last", chunk=step, cancel=cancel)
@@ -133,7 +180,8 @@ class Session:
                 positions = np.asarray(positions)
                 pos = positions[..., start : start + step]
             last = start + step >= len(ids)
-            self._advance(piece, pos, rows="last" if last else None)
+            override = _shift_override(embed_override, start, start + step)
+            self._advance(piece, pos, rows="last" if last else None, embed_override=override)
         return self.last_logits
 
     def step(self, token: int) -> np.ndarray:
@@ -152,6 +200,7 @@ class Session:
         return Snapshot(
             tokens=tuple(self.tokens),
             next_positions=tuple(self._next_positions),
+            positions=tuple(self._positions),
             recurrent=tuple(recurrent),
             kv_lengths=tuple(st.kv.length if st.kv is not None else None for st in self.states),
             last_logits=None if self.last_logits is None else self.last_logits.copy(),
@@ -175,6 +224,7 @@ class Session:
                 st.kv.truncate(snap.kv_lengths[i])
         self.tokens = list(snap.tokens)
         self._next_positions = list(snap.next_positions)
+        self._positions = list(snap.positions)
         self.last_logits = None if snap.last_logits is None else snap.last_logits.copy()
 
     def checkpoint(self) -> None:
@@ -199,6 +249,7 @@ class Session:
                 st.kv.truncate(0)
         self.tokens = []
         self._next_positions = []
+        self._positions = []
         self.last_logits = None
 
     # ---- rewinding -------------------------------------------------------------------------------------
@@ -213,6 +264,7 @@ class Session:
                     st.kv.truncate(n)
             del self.tokens[n:]
             del self._next_positions[n:]
+            del self._positions[n:]
             self.last_logits = None
             return n
         usable = [s for s in self.snapshots if s.n_tokens <= n and self.can_restore(s)]
@@ -228,27 +280,34 @@ class Session:
         if not 0 <= n <= len(self.tokens):
             raise ValueError(f"cannot truncate a session of {len(self.tokens)} tokens to {n}")
         known = list(self.tokens[:n])
+        known_pos = list(self._positions[:n])
         reached = self._rewind(n)
-        self.prefill(known[reached:], chunk=chunk)
+        if reached < n:
+            ids, override = self._ids_and_override(known[reached:])
+            positions = np.array(known_pos[reached:], dtype=np.int64).T  # (3, m): exact, images too
+            self.prefill(ids, chunk=chunk, positions=positions, embed_override=override)
 
-    def sync(self, ids, chunk: int | None = None, cancel=None) -> np.ndarray:
+    def sync(self, ids, chunk: int | None = None, cancel=None, positions=None,
+             embed_override=None) -> np.ndarray:
         """Make the history equal to `ids` and return the logits (vocab,) after its last token.
 
         Reuses the longest common prefix with the current history; `computed_tokens` tells how many
-        tokens actually ran."""
+        tokens actually ran. `positions` ((T,) or (3, T)) and `embed_override` describe the whole
+        prompt, as for prefill; rows given as embeddings match only the same embeddings."""
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("sync needs at least one token")
+        keys = self._keys(ids, embed_override)
         common = 0
-        limit = min(len(ids), len(self.tokens))
-        while common < limit and ids[common] == self.tokens[common]:
+        limit = min(len(keys), len(self.tokens))
+        while common < limit and keys[common] == self.tokens[common]:
             common += 1
         if common == len(ids) == len(self.tokens) and self.last_logits is not None:
             self.computed_tokens = 0
             return self.last_logits
         # Rewind to `common`, but keep at least one token to run, so there are logits to return
         # (unless a snapshot exactly at len(ids) carries them).
-        exact = [s for s in self.snapshots if s.tokens == tuple(ids) and s.last_logits is not None
+        exact = [s for s in self.snapshots if s.tokens == tuple(keys) and s.last_logits is not None
                  and self.can_restore(s)]
         if common == len(ids) and exact:
             self.restore(exact[0])
@@ -256,8 +315,9 @@ class Session:
             return self.last_logits
         target = common if common < len(ids) else len(ids) - 1
         reached = self._rewind(target)
-        logits = self.prefill(ids[reached:], chunk=chunk, cancel=cancel)
-        return logits
+        pos = None if positions is None else np.asarray(positions)[..., reached:]
+        return self.prefill(ids[reached:], chunk=chunk, cancel=cancel, positions=pos,
+                            embed_override=_shift_override(embed_override, reached, len(ids)))
 
     # ---- copies ----------------------------------------------------------------------------------------
     def fork(self) -> Session:
@@ -274,6 +334,8 @@ class Session:
             ))
         twin.tokens = list(self.tokens)
         twin._next_positions = list(self._next_positions)
+        twin._positions = list(self._positions)
+        twin._row_values = dict(self._row_values)
         twin.last_logits = None if self.last_logits is None else self.last_logits.copy()
         twin.snapshots = list(self.snapshots)  # immutable host data; validity is checked per session
         twin.computed_tokens = 0

@@ -183,3 +183,57 @@ def test_report_max_errors():
     for (variant, seq), err in sorted(MAX_ERRORS.items()):
         print(f"max relative error {variant:5s} {seq:10s} {err:.3g}")
     assert all(e <= TOL for e in MAX_ERRORS.values())
+
+
+# ---- M-RoPE with distinct (t, h, w) positions: the vision fixture's language model ----------------
+
+
+@pytest.fixture(scope="module")
+def vl_model(fixtures_dir):
+    path = fixtures_dir / "vision" / "qwen35-tiny-vl-f16.gguf"
+    if not path.is_file():
+        pytest.skip("vision fixture not present")
+    model = load_model(path, devices=["cpu:0"])
+    yield model, model.weights["head"]["token_embd.weight"].dense()
+    model.close()
+
+
+@pytest.mark.parametrize("chat", ["chat_image", "chat_two_images"])
+def test_image_embeddings_and_mrope_positions(vl_model, fixtures_dir, columns, chat):
+    """transformers' image embeddings inserted at the <|image_pad|> rows, its (3, T) positions: every
+    layer, the logits, the next position and the teacher-forced greedy continuation must match."""
+    model, lm_head = vl_model
+    ref = dict(np.load(fixtures_dir / "vision" / "ref_hf" / f"{chat}.npz"))
+    rows = np.flatnonzero(ref["mm_token_type_ids"])
+    override = (rows, ref["image_embeds"])
+    pos = ref["position_ids"]
+    assert len(set(pos[1, rows])) > 1  # the components really differ
+    hs = model.hidden_states(ref["tokens"], positions=pos, embed_override=override)
+    L = model.config.n_layers
+    for i in range(L + 1):
+        _check("vl", chat, f"hidden[{i}]", hs["layers"][i], ref["hidden"][i])
+    _check("vl", chat, "logit columns", hs["final"] @ lm_head[columns].T, ref["logits_cols"])
+
+    session = model.new_session()
+    logits = session.prefill(ref["tokens"], chunk=64, positions=pos, embed_override=override)
+    assert session.position == int(ref["next_position"])
+    assert int(np.argmax(logits)) == ref["gen_tokens"][0]
+    steps = []
+    for token in ref["gen_tokens"]:
+        steps.append(session.step(int(token)))
+    assert session.position == int(ref["gen_position_ids"][0, -1]) + 1
+    _check("vl", chat, "decode logit columns", np.stack(steps)[:, columns], ref["gen_logits_cols"])
+
+    # truncate back to the prompt: no snapshot, so it re-prefills from the stored image rows and
+    # (t, h, w) positions; then the same prompt is fully reused, a different image is not
+    n = len(ref["tokens"])
+    session.truncate(n)
+    _check("vl", chat, "logits after truncate", session.last_logits[None, :], logits[None, :])
+    assert session.position == int(ref["next_position"])
+    session.sync(ref["tokens"], positions=pos, embed_override=override)
+    assert session.computed_tokens == 0
+    other = (rows, ref["image_embeds"][::-1].copy())
+    changed = session.sync(ref["tokens"], positions=pos, embed_override=other)
+    assert session.computed_tokens == n  # no snapshot before the image: GDN state restarts from zero
+    assert np.abs(changed - logits).max() > 1e-3
+    session.close()
