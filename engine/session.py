@@ -14,6 +14,10 @@ to is intact), then prefills the remaining known tokens up to n. With no usable 
 zero state and prefills `tokens[:n]` again: truncation always works, its cost depends on the snapshots.
 Models without recurrent layers (Gemma 3) truncate their caches directly.
 
+Images. Rows given as embeddings (`embed_override`, with (3, T) M-RoPE positions) enter the history as
+negative keys derived from their values, so only the same image counts as a common prefix; the rows'
+values and every token's (t, h, w) position are kept, so a truncate can re-prefill them exactly.
+
 What this file is not: sampling or text handling (generation.py), or a scheduler for many sequences.
 """
 
@@ -34,7 +38,7 @@ MAX_SNAPSHOTS = 6
 class Snapshot:
     """A point in a session's history. Host copies of the recurrent arrays; KV by length only."""
 
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...]  # history keys (token ids; negative keys for image rows)
     next_positions: tuple[int, ...]  # next position after each token (positions can jump after images)
     positions: tuple[tuple[int, int, int], ...]  # (t, h, w) position of each token
     recurrent: tuple[dict, ...]  # per layer: {name: host array}
