@@ -266,6 +266,35 @@ def test_completions_endpoint(served):
     assert r.status_code == 400
 
 
+def test_concurrent_clients_each_get_their_own_answer(served):
+    import threading
+
+    server, rt, model, client = served
+    model.delay_s = 0.001
+    results, errors = {}, []
+
+    def ask(k):
+        try:
+            text = f"question number {k}" + "?" * k
+            chunks = client.chat.completions.create(
+                model="m", stream=True, messages=[{"role": "user", "content": text + " /no_think"}],
+                extra_body={"conversation_id": f"client-{k}"})
+            results[k] = (text, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not errors and len(results) == 4
+    for text, answer in results.values():
+        prompt = next(p for p in model.prompts if text + "\n" in p)
+        assert answer == f"echo[{len(prompt)}]"
+    assert model.max_active == 1  # the runtime ran them one at a time
+
+
 def test_streaming_client_disconnect_cancels_generation(served):
     server, rt, model, client = served
     model.reply, model.delay_s = (lambda p, t: "z" * 5000), 0.002
