@@ -380,7 +380,7 @@ class MemoryBar(QWidget):
             self.segments = []
         else:
             self.segments = [("weights", bytes_.weights), ("kv", bytes_.kv_cache), ("state", bytes_.recurrent),
-                             ("scratch", bytes_.activations + bytes_.overhead)]
+                             ("scratch", bytes_.activations), ("overhead", bytes_.overhead)]
         self.update()
 
     @property
@@ -504,10 +504,12 @@ class DeviceLane(QFrame):
         sub = QLabel(" · ".join(sub_bits))
         sub.setObjectName("Subtle")
         head.addWidget(sub)
-        head.addStretch(1)
         self.numbers = QLabel()
         self.numbers.setObjectName("Subtle")
-        head.addWidget(self.numbers)
+        self.numbers.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        # long numbers must not widen the window: the label shrinks (and clips) instead
+        self.numbers.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        head.addWidget(self.numbers, 1)
         lay.addLayout(head)
         self.bar = MemoryBar()
         lay.addWidget(self.bar)
@@ -539,7 +541,9 @@ class DeviceLane(QFrame):
                 parts.append(f"KV {format_bytes(b.kv_cache)}")
             if b.recurrent:
                 parts.append(f"state {format_bytes(b.recurrent)}")
-            parts.append(f"scratch {format_bytes(b.activations + b.overhead)}")
+            parts.append(f"scratch {format_bytes(b.activations)}")
+            if b.overhead:
+                parts.append(f"CUDA context {format_bytes(b.overhead)}")
             self.numbers.setText(f"<span style='color:#e4e7ee'><b>{format_bytes(need)}</b></span> of "
                                  f"{format_bytes(cap)} free  ·  " + "  ·  ".join(parts))
         else:
@@ -569,8 +573,11 @@ class LayerMapPanel(QWidget):
         title_box.addWidget(t)
         self.subtitle = QLabel("Select a model to plan where its layers run.")
         self.subtitle.setObjectName("Subtle")
+        self.subtitle.setWordWrap(True)
+        self.subtitle.setMinimumWidth(240)
+        self.subtitle.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         title_box.addWidget(self.subtitle)
-        top.addLayout(title_box)
+        top.addLayout(title_box, 1)
         top.addStretch(1)
         top.addWidget(self._small("Context"))
         self.context = QSpinBox()
@@ -605,7 +612,8 @@ class LayerMapPanel(QWidget):
                            ("attention", "Full attention"), ("sliding", "Sliding window")):
             legend.addWidget(self._swatch(theme.KIND_COLORS[kind], text))
         legend.addSpacing(16)
-        for key, text in (("weights", "weights"), ("kv", "KV cache"), ("state", "state"), ("scratch", "scratch")):
+        for key, text in (("weights", "weights"), ("kv", "KV cache"), ("state", "state"), ("scratch", "scratch"),
+                          ("overhead", "CUDA context")):
             legend.addWidget(self._swatch(theme.MEM_COLORS[key], text, bar=True))
         legend.addStretch(1)
         outer.addLayout(legend)

@@ -14,12 +14,13 @@ from minecart.engine import model_library as ml
 from PySide6.QtCore import (
     QAbstractTableModel,
     QModelIndex,
+    QSize,
     QSortFilterProxyModel,
     Qt,
     QThread,
     Signal,
 )
-from PySide6.QtGui import QColor
+from PySide6.QtGui import QColor, QFont
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QFileDialog,
@@ -28,6 +29,8 @@ from PySide6.QtWidgets import (
     QLabel,
     QLineEdit,
     QPushButton,
+    QStyle,
+    QStyledItemDelegate,
     QTableView,
     QVBoxLayout,
     QWidget,
@@ -90,7 +93,7 @@ class LibraryModel(QAbstractTableModel):
                 name = s.display_name if s.ok else s.path.name
                 return name + (f"   [{', '.join(tags)}]" if tags else "")
             if not s.ok:
-                return s.error if col == 1 else ""
+                return "unreadable" if col == 1 else ""  # the reason shows under the file name
             return [None, s.architecture, s.params_text, s.quant_text, ml.format_size(s.file_size),
                     f"{s.context_length:,}" if s.context_length else "", s.source][col]
         if role == Qt.ItemDataRole.ToolTipRole:
@@ -187,7 +190,8 @@ class LibraryPanel(QWidget):
         self.table.setShowGrid(False)
         self.table.setSortingEnabled(True)
         self.table.verticalHeader().hide()
-        self.table.verticalHeader().setDefaultSectionSize(34)
+        self.table.verticalHeader().setDefaultSectionSize(46)
+        self.table.setItemDelegateForColumn(0, NameDelegate(self.table))
         self.table.setWordWrap(False)
         hh = self.table.horizontalHeader()
         hh.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
@@ -284,3 +288,36 @@ class LibraryPanel(QWidget):
         s = self.selected()
         if s is not None and s.ok and not s.is_mmproj:
             self.load_requested.emit(s.path)
+
+
+class NameDelegate(QStyledItemDelegate):
+    """Model column: the model's name, and under it the file name (several files often share a name)."""
+
+    def sizeHint(self, option, index):
+        return QSize(320, 44)
+
+    def paint(self, painter, option, index):
+        s = index.data(SUMMARY_ROLE)
+        if s is None:
+            return super().paint(painter, option, index)
+        self.initStyleOption(option, index)
+        option.text = ""
+        option.widget.style().drawControl(QStyle.ControlElement.CE_ItemViewItem, option, painter, option.widget)
+        r = option.rect.adjusted(10, 4, -8, -4)
+        painter.save()
+        top = index.data(Qt.ItemDataRole.DisplayRole) or ""
+        f = QFont(option.font)
+        f.setWeight(QFont.Weight.DemiBold)
+        painter.setFont(f)
+        painter.setPen(QColor(theme.MUTED if s.is_mmproj else theme.TEXT))
+        fm = painter.fontMetrics()
+        painter.drawText(r.adjusted(0, 0, 0, -r.height() // 2), Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,
+                         fm.elidedText(top, Qt.TextElideMode.ElideRight, r.width()))
+        f2 = QFont(option.font)
+        f2.setPointSizeF(max(7.5, option.font.pointSizeF() - 1.5))
+        painter.setFont(f2)
+        painter.setPen(QColor("#ff8a80" if not s.ok else "#6f7889"))
+        sub = s.path.name if s.ok else s.error
+        painter.drawText(r.adjusted(0, r.height() // 2, 0, 0), Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,
+                         painter.fontMetrics().elidedText(sub, Qt.TextElideMode.ElideMiddle, r.width()))
+        painter.restore()

@@ -254,6 +254,8 @@ def summarize(path: str | Path, source: str = "") -> ModelSummary:
         s.split = f"{int(split_no or 0) + 1} of {int(split_count)}"
     if not arch:
         s.error = "no general.architecture key; this GGUF was written by an unknown converter"
+    elif not tensors:
+        s.error = "no tensors: a vocabulary-only file (tokenizer data), not a model"
     return s
 
 

@@ -14,6 +14,7 @@ from minecart.app.library_panel import LibraryPanel
 from minecart.app.main_window import MainWindow, simulated_devices
 from minecart.app.settings import Settings
 from minecart.engine.metrics import Metrics, RequestTiming
+from PySide6.QtCore import Qt
 
 
 def _window(qtbot, bridge, devices):
@@ -108,9 +109,10 @@ def test_library_scan_lists_models_and_bad_files(qtbot, fixtures_dir, tmp_path):
     assert good.ok and good.architecture == "qwen35" and good.quant_text.startswith("Q8_0")
     assert rows["truncated.gguf"].error and rows["not-a-model.gguf"].error
     assert "1 model found, 2 unreadable" == panel.status.text()
-    # error text shows in the Architecture column of that row
+    # the row says so, and its tooltip carries the reason
     r = [i for i, s in enumerate(panel.model.rows) if s.path.name == "not-a-model.gguf"][0]
-    assert "magic" in panel.model.index(r, 1).data()
+    assert panel.model.index(r, 1).data() == "unreadable"
+    assert "magic" in panel.model.index(r, 0).data(Qt.ItemDataRole.ToolTipRole)
     assert panel.select_path(folder / "good.gguf") and panel.load_btn.isEnabled()
     with qtbot.waitSignal(panel.load_requested, timeout=1000) as sig:
         panel.load_btn.click()
