@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-CPU_ID = "cpu"
+CPU_ID = "cpu:0"  # placement names devices "cuda:N" / "cpu:N"
 
 
 @dataclass(frozen=True)
