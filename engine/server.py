@@ -490,14 +490,30 @@ class _EventPump:
             return None
 
 
-def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_tokens: int | None = None):
-    """The FastAPI app. `model_name` overrides the id /v1/models reports (default: the file's stem)."""
+def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_tokens: int | None = None,
+               api_key: str | None = None):
+    """The FastAPI app. `model_name` overrides the id /v1/models reports (default: the file's stem);
+    `api_key`, when set, is required as `Authorization: Bearer KEY` on every /v1 route."""
     app = FastAPI(title="minecart", description="OpenAI-compatible API of the minecart engine",
                   docs_url=None, redoc_url=None)
     app.state.runtime = runtime
 
     def error_response(err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
+
+    if api_key:
+        import hmac
+
+        @app.middleware("http")
+        async def _check_key(request: Request, call_next):
+            if request.url.path.startswith("/v1"):
+                given = request.headers.get("authorization", "")
+                token = given[7:] if given.lower().startswith("bearer ") else ""
+                if not hmac.compare_digest(token.encode(), api_key.encode()):
+                    return error_response(APIError(401, "missing or wrong API key (send "
+                                                   "'Authorization: Bearer KEY')",
+                                                   type="authentication_error", code="invalid_api_key"))
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):

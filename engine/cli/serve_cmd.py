@@ -1,12 +1,13 @@
 """`minecart serve`: load a model and serve the OpenAI-compatible HTTP API (engine/server.py).
 
-Point any OpenAI client at http://HOST:PORT/v1. There is no authentication: keep the default
-127.0.0.1 unless the network is trusted. This module only parses flags, loads the model and starts
+Point any OpenAI client at http://HOST:PORT/v1. Without --api-key there is no authentication: keep
+the default 127.0.0.1 unless the network is trusted. This module only parses flags, loads the model and starts
 uvicorn; the endpoints live in engine/server.py.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ..errors import RequestError
@@ -28,6 +29,9 @@ def register(subparsers) -> None:
                    help="model id reported by /v1/models (default: the GGUF file name)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="default max_tokens for requests that give none (default: the engine's 2048)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key; also read "
+                        "from the MINECART_API_KEY environment variable)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: info)")
     p.set_defaults(func=serve_main)
@@ -42,10 +46,12 @@ def serve_main(args) -> int:
         raise RequestError(f"--port {args.port} is not a TCP port (0-65535)")
     runtime = start_runtime(args, sample_memory_s=0.5)
     try:
-        if args.host not in ("127.0.0.1", "localhost", "::1"):
-            print(f"warning: listening on {args.host}: anyone who can reach this address can use the "
-                  "API (there is no authentication)", file=sys.stderr)
-        app = create_app(runtime, model_name=args.model_name, default_max_tokens=args.max_tokens)
+        api_key = args.api_key or os.environ.get("MINECART_API_KEY") or None
+        if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+            print(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
+                  "address can use the API", file=sys.stderr)
+        app = create_app(runtime, model_name=args.model_name, default_max_tokens=args.max_tokens,
+                         api_key=api_key)
         print(f"serving on http://{args.host}:{args.port}/v1 (Ctrl+C stops)", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=3)

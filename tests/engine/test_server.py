@@ -326,6 +326,22 @@ def test_non_streaming_client_disconnect_cancels_generation(served):
     assert rt.metrics.requests()[-1].finish_reason == "cancelled"
 
 
+def test_api_key_is_required_when_set():
+    model = FakeModel()
+    rt = Runtime(loader=fake_loader(model), sample_memory_s=0)
+    try:
+        rt.load("k.gguf").result(TIMEOUT)
+        with ServerThread(create_app(rt, api_key="s3cret")) as server:
+            bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0, timeout=TIMEOUT)
+            with pytest.raises(openai.AuthenticationError):
+                bad.models.list()
+            good = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret", max_retries=0, timeout=TIMEOUT)
+            assert good.models.list().data[0].id == "k"
+            assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200  # not under /v1
+    finally:
+        rt.close()
+
+
 def test_no_model_loaded_is_503():
     rt = Runtime(loader=fake_loader(), sample_memory_s=0)
     try:
