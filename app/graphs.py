@@ -104,7 +104,16 @@ class GraphsPanel(QWidget):
         self.timer = QTimer(self)
         self.timer.setInterval(int(1000 / max(refresh_hz, 1)))
         self.timer.timeout.connect(self.tick)
+
+    # The plots only refresh while visible; a hidden page costs nothing.
+    def showEvent(self, e):
+        super().showEvent(e)
+        self.tick()
         self.timer.start()
+
+    def hideEvent(self, e):
+        super().hideEvent(e)
+        self.timer.stop()
 
     def set_metrics(self, metrics) -> None:
         self.metrics = metrics

@@ -143,7 +143,11 @@ def test_graphs_follow_metrics(qtbot):
     assert list(panel.curve_prefill.getData()[1]) == [200.0]
     assert set(panel.memory_curves) == {"cuda:0", "cpu"}
     assert panel.tile_decode.value.text() == "25.0 tok/s"
+    assert not panel.timer.isActive()  # hidden: no refresh
+    panel.show()
     assert panel.timer.isActive() and panel.timer.interval() == 50
+    panel.hide()
+    assert not panel.timer.isActive()
 
 
 def test_screenshot_entry_point(qtbot, tiny_model, tmp_path, monkeypatch):
