@@ -382,7 +382,7 @@ def gdn_scan(q, k, v, g, beta, state):
     out = cp.empty((T, n_v, dv), dtype=cp.float32)
     if T:
         slices = math.ceil(dv / 32)
-        get_kernel("gdn", f"gdn_scan<{dk}>")((n_v * slices,), (32,),
+        get_kernel("gdn", f"gdn_scan<{dk}>")((n_v * slices,), (64,),
                                              (q, k, v, g, beta, state, out, np.int32(T), np.int32(n_k),
                                               np.int32(n_v), np.int32(dv)))
     return out

@@ -167,6 +167,27 @@ class _Capture:
         return host
 
 
+def _device_pointers(obj, out: list, depth: int = 0) -> list:
+    """Addresses of every device array reachable from a model's per-layer states (caches, GDN conv
+    and recurrent state): a graph bakes these in, so any reallocation invalidates it."""
+    if depth > 4:
+        return out
+    if isinstance(obj, cp.ndarray):
+        out.append(obj.data.ptr)
+    elif isinstance(obj, CupyKVCache):
+        out.extend((0 if obj.k is None else obj.k.data.ptr, 0 if obj.v is None else obj.v.data.ptr))
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _device_pointers(item, out, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _device_pointers(item, out, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (np.ndarray, type)):
+        for item in vars(obj).values():
+            _device_pointers(item, out, depth + 1)
+    return out
+
+
 class _DecodeGraph:
     """A captured decode step and what it needs to be replayed for the next token."""
 
@@ -175,15 +196,15 @@ class _DecodeGraph:
         self.cap = cap
         self.kept = kept
         self.states = states
-        self.cache_ptrs = [(c, c.k.data.ptr, c.v.data.ptr) for c, _ in cap.caches]
+        self.pointers = _device_pointers(states, [])
 
     def valid(self, states) -> bool:
         if states is not self.states:
             return False
-        for c, kp, vp in self.cache_ptrs:
-            if c.k is None or c.k.data.ptr != kp or c.v.data.ptr != vp or c.length + 1 > c.capacity:
+        for c, _ in self.cap.caches:
+            if c.k is None or c.length + 1 > c.capacity:
                 return False
-        return True
+        return _device_pointers(states, []) == self.pointers
 
     def replay(self, token: int, pos: np.ndarray):
         cap = self.cap

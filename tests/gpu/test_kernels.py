@@ -293,7 +293,7 @@ def test_probe_and_cache(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MINECART_CACHE_DIR", str(tmp_path))
     rec = probe.run_probe()
-    assert rec["gemv"] in ("dp4a", "fma") and rec["gemm"] in ("dp4a", "fma")
+    assert rec["gemv"] in ("dp4a", "fma") and rec["gemm"] in ("dp4a", "dp4a2", "fma")
     assert rec["copy_gbs"] > 10 and rec["dp4a_tops"] > 0.5 and rec["fma_tflops"] > 0.5
     probe_cache.save("GPU-test", rec)
     assert probe_cache.get("GPU-test")["gemv"] == rec["gemv"]
