@@ -139,6 +139,24 @@ class Backend(Protocol):
         position p to keys at positions > p - window (sliding window). Softmax in fp32.
         Returns (T, nh, dv)."""
 
+    # ---- vision tower (engine/vision/encoder.py) -------------------------------------------------
+    def layer_norm(self, x: Array, w: Array, b: Array, eps: float) -> Array:
+        """(x - mean) / sqrt(var + eps) * w + b over the last axis (biased variance, as torch)."""
+
+    def gelu(self, x: Array, *, exact: bool = False) -> Array:
+        """GELU. exact=False: tanh approximation 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        (gelu_pytorch_tanh, the ViT MLP); exact=True: 0.5 x (1 + erf(x / sqrt(2))) (the merger)."""
+
+    def vision_rope(self, x: Array, positions, base: float) -> Array:
+        """2-D (axial) rotary embedding of a ViT, qwen35-vision.md 4.4. x (T, nh, d), positions a host
+        int array (2, T) of (row, col) patch coordinates. With q4 = d/4 frequencies
+        inv_freq_i = base^(-4i/d), pair j of (j, j + d/2) for j < d/2 rotates by
+        row * inv_freq_j (j < q4) or col * inv_freq_(j-q4) (j >= q4), NEOX half-split over the whole head."""
+
+    def attention_full(self, q: Array, k: Array, v: Array, *, scale: float) -> Array:
+        """Bidirectional (unmasked) attention without a cache: q, k, v (T, nh, d) with the same head
+        count; softmax(q k^T * scale) v per head in fp32 -> (T, nh, d). One image's patches."""
+
     # ---- Gated DeltaNet ------------------------------------------------------------------------
     def conv1d_silu(self, x: Array, state: Array, w: Array) -> Array:
         """Causal depthwise conv + SiLU. x (T, C) new inputs; state (K-1, C) previous raw inputs,

@@ -296,6 +296,49 @@ class NumpyBackend:
                 out[q0:q1, h, :] = p @ values[:, kv, :]
         return out
 
+    # ---- vision tower ----------------------------------------------------------------------------
+    def layer_norm(self, x, w, b, eps: float):
+        x64 = np.asarray(x, F64)
+        centred = x64 - x64.mean(axis=-1, keepdims=True)
+        var = np.mean(centred * centred, axis=-1, keepdims=True)
+        return (centred / np.sqrt(var + eps) * np.asarray(w, F64) + np.asarray(b, F64)).astype(F32)
+
+    def gelu(self, x, *, exact: bool = False):
+        x64 = np.asarray(x, F64)
+        if exact:
+            from math import erf, sqrt
+
+            return (0.5 * x64 * (1.0 + np.vectorize(erf, otypes=[F64])(x64 / sqrt(2.0)))).astype(F32)
+        inner = np.sqrt(2.0 / np.pi) * (x64 + 0.044715 * x64**3)
+        return (0.5 * x64 * (1.0 + np.tanh(inner))).astype(F32)
+
+    def vision_rope(self, x, positions, base: float):
+        x = np.asarray(x, F32)
+        d = x.shape[-1]
+        half, quarter = d // 2, d // 4
+        inv_freq = np.asarray(base, F64) ** (-4.0 * np.arange(quarter) / d)  # (d/4,)
+        pos = np.asarray(positions, dtype=np.int64).astype(F64)  # (2, T): row, col
+        angle = np.concatenate([pos[0][:, None] * inv_freq, pos[1][:, None] * inv_freq], axis=1)
+        cos = np.cos(angle)[:, None, :]  # (T, 1, d/2)
+        sin = np.sin(angle)[:, None, :]
+        x1 = x[..., :half].astype(F64)
+        x2 = x[..., half:].astype(F64)
+        return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(F32)
+
+    def attention_full(self, q, k, v, *, scale: float):
+        T, nh, _ = q.shape
+        out = np.empty((T, nh, v.shape[-1]), F32)
+        for h in range(nh):
+            keys = np.asarray(k[:, h, :], F64)
+            values = np.asarray(v[:, h, :], F64)
+            for q0 in range(0, T, ATTN_QUERY_BLOCK):  # bounded score memory for big images
+                scores = (np.asarray(q[q0 : q0 + ATTN_QUERY_BLOCK, h, :], F64) @ keys.T) * scale
+                scores -= scores.max(axis=1, keepdims=True)
+                p = np.exp(scores)
+                p /= p.sum(axis=1, keepdims=True)
+                out[q0 : q0 + ATTN_QUERY_BLOCK, h, :] = p @ values
+        return out
+
     # ---- Gated DeltaNet ------------------------------------------------------------------------
     def conv1d_silu(self, x, state, w):
         K = w.shape[1]
