@@ -44,6 +44,7 @@ class GenerationEvent:
     generation_tps: float | None  # generated tokens / seconds since the first token was sampled
     elapsed: float  # seconds since generate started
     cached_tokens: int = 0  # prompt tokens reused from the session
+    image_tokens: int = 0  # prompt tokens that are image embeddings (engine/vision)
 
     @property
     def completion_tokens(self) -> int:  # the OpenAI name of generated_tokens
@@ -143,13 +144,22 @@ def generate(model, prompt, params: SamplingParams | None = None, *, session=Non
     prompt given as token ids with images already expanded (Session.sync); text gets positions
     continuing from the prompt's last one."""
     params = params or SamplingParams()
+    if positions is None and embed_override is None and getattr(model, "vision", None) is not None:
+        from .vision.insert import has_images, prepare_chat
+
+        if has_images(prompt):  # chat messages with pictures: expanded ids, (3, T) positions, rows
+            prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking)
+            positions, embed_override = prepared.positions, prepared.embed_override
+            return _generate(model, prepared.ids, params, session, cancel, prefill_chunk, positions,
+                             embed_override, image_tokens=prepared.n_image_tokens)
     ids = prompt_ids(model, prompt, enable_thinking)
     if not ids:
         raise RequestError("the prompt is empty")
     return _generate(model, ids, params, session, cancel, prefill_chunk, positions, embed_override)
 
 
-def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None, embed_override=None):
+def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None, embed_override=None,
+              image_tokens: int = 0):
     t0 = time.perf_counter()
     session = session if session is not None else model.new_session()
     tokenizer = model.tokenizer
@@ -171,6 +181,7 @@ def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None
             generation_tps=n_gen / decode_s if n_gen and decode_s > 0 else None,
             elapsed=now - t0,
             cached_tokens=n_prompt - stats["computed"],
+            image_tokens=image_tokens,
         )
 
     if cancel is not None and cancel.is_set():

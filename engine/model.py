@@ -151,6 +151,7 @@ class Model:
         self.placement = placement
         self._roles = roles
         self.load_seconds = 0.0
+        self.vision = None  # engine.vision.VisionTower when an mmproj was loaded (load_model(mmproj=))
 
     # ---- text side (built on first use: a 248k-entry BPE vocabulary takes seconds to build, and
     # logits-only users such as tests and benchmarks never need it) --------------------------------
@@ -354,6 +355,9 @@ class Model:
 
     def close(self) -> None:
         """Release device memory; the Model is unusable afterwards."""
+        if getattr(self, "vision", None) is not None:
+            self.vision.close()
+            self.vision = None
         if getattr(self, "pipeline", None) is not None:
             self.pipeline.close()
             self.pipeline = None
@@ -418,13 +422,16 @@ def _load_parts(gf: GGUFFile, roles: dict, backends: dict, *, progress=None, can
 
 
 def load_model(path, placement=None, devices=None, *, backend=None,
-               progress: Callable[[float, str], None] | None = None, cancel=None) -> Model:
+               progress: Callable[[float, str], None] | None = None, cancel=None,
+               mmproj=None) -> Model:
     """Open a GGUF model and load its weights.
 
     placement: a part -> device plan (see plan_devices); devices: device strings to spread the layers
     over (default: cuda:0 when available, else cpu:0); backend: one ready Backend instance for every
     part (tests, custom backends). progress(fraction, message) is called while weights load; when
     `cancel` (threading.Event) is set, loading stops and raises GenerationCancelled with nothing kept.
+    mmproj: the vision projector GGUF (path); None = an mmproj-*.gguf beside the model that fits it,
+    if any; False = none. It ends up as `model.vision` (engine/vision).
     """
     t0 = time.perf_counter()
     gf = GGUFFile(path)
@@ -450,6 +457,14 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     from .multidevice import attach_pipeline
 
     attach_pipeline(model)
+    if mmproj is not False:
+        from .vision import attach_vision
+
+        try:
+            model.vision = attach_vision(path, config, backends["global"], mmproj)
+        except BaseException:
+            model.close()
+            raise
     model.load_seconds = time.perf_counter() - t0
     if progress is not None:
         progress(1.0, "loaded")
