@@ -94,7 +94,8 @@ class LibraryModel(QAbstractTableModel):
                 return name + (f"   [{', '.join(tags)}]" if tags else "")
             if not s.ok:
                 return "unreadable" if col == 1 else ""  # the reason shows under the file name
-            return [None, s.architecture, s.params_text, s.quant_text, ml.format_size(s.file_size),
+            quant = f"{s.file_type}  ({s.quant_text})" if s.file_type and s.quant_text else s.quant_text
+            return [None, s.architecture, s.params_text, quant, ml.format_size(s.file_size),
                     f"{s.context_length:,}" if s.context_length else "", s.source][col]
         if role == Qt.ItemDataRole.ToolTipRole:
             tip = f"{s.path}"

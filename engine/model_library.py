@@ -244,8 +244,9 @@ def summarize(path: str | Path, source: str = "") -> ModelSummary:
         mix[tname] = mix.get(tname, 0) + (n // bsize) * bbytes if bsize else 0
     s.n_params = n_params
     s.quant_mix = mix
-    if mix:
-        # The "file type" is the biggest type among 2-D weights that are not float32 norms.
+    s.file_type = _file_type_label(meta.get("general.file_type"))
+    if mix and not s.file_type:
+        # No label in the file: name it after the biggest stored type that is not float32 norms.
         quantish = {k: v for k, v in mix.items() if k not in ("F32",)} or mix
         s.file_type = max(quantish.items(), key=lambda kv: kv[1])[0]
     split_no = meta.get("split.no")
@@ -257,6 +258,18 @@ def summarize(path: str | Path, source: str = "") -> ModelSummary:
     elif not tensors:
         s.error = "no tensors: a vocabulary-only file (tokenizer data), not a model"
     return s
+
+
+def _file_type_label(value) -> str:
+    """general.file_type (llama.cpp's LlamaFileType number) as people say it: 15 -> 'Q4_K_M'."""
+    if value is None:
+        return ""
+    try:
+        import gguf
+
+        return gguf.LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
+    except (ValueError, TypeError):
+        return ""
 
 
 def _find_mmproj(model: Path) -> Path | None:

@@ -46,8 +46,13 @@ def test_summary_of_written_file(tmp_path):
 def test_summary_of_fixture(fixtures_dir):
     s = ml.summarize(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf")
     assert s.ok and s.architecture == "qwen35" and s.context_length == 262144
-    assert s.file_type == "Q8_0" and s.quant_text.startswith("Q8_0")
+    assert s.file_type == "Q8_0" and s.quant_text.startswith("Q8_0")  # general.file_type 7
     assert 8_000_000 < s.n_params < 9_000_000
+
+
+def test_file_type_label_comes_from_metadata():
+    assert ml._file_type_label(15) == "Q4_K_M" and ml._file_type_label(1) == "F16"
+    assert ml._file_type_label(None) == "" and ml._file_type_label(99999) == ""
 
 
 @pytest.mark.parametrize("cut", [3, 20, 200, 3000])
