@@ -423,7 +423,7 @@ def _load_parts(gf: GGUFFile, roles: dict, backends: dict, *, progress=None, can
 
 def load_model(path, placement=None, devices=None, *, backend=None,
                progress: Callable[[float, str], None] | None = None, cancel=None,
-               mmproj=None) -> Model:
+               mmproj=None, max_image_tokens: int | None = None) -> Model:
     """Open a GGUF model and load its weights.
 
     placement: a part -> device plan (see plan_devices); devices: device strings to spread the layers
@@ -431,7 +431,8 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     part (tests, custom backends). progress(fraction, message) is called while weights load; when
     `cancel` (threading.Event) is set, loading stops and raises GenerationCancelled with nothing kept.
     mmproj: the vision projector GGUF (path); None = an mmproj-*.gguf beside the model that fits it,
-    if any; False = none. It ends up as `model.vision` (engine/vision).
+    if any; False = none. It ends up as `model.vision` (engine/vision); max_image_tokens caps the
+    image tokens per picture (default engine.vision.DEFAULT_MAX_IMAGE_TOKENS).
     """
     t0 = time.perf_counter()
     gf = GGUFFile(path)
@@ -461,7 +462,8 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         from .vision import attach_vision
 
         try:
-            model.vision = attach_vision(path, config, backends["global"], mmproj)
+            model.vision = attach_vision(path, config, backends["global"], mmproj,
+                                         max_image_tokens=max_image_tokens)
         except BaseException:
             model.close()
             raise

@@ -59,6 +59,7 @@ class Usage:
     prompt_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
     cached_tokens: int = 0  # prompt tokens reused from the session (prefix reuse)
+    image_tokens: int = 0  # prompt tokens that are picture embeddings (vision models)
 
     @property
     def total_tokens(self) -> int:
@@ -326,10 +327,12 @@ class ModelInfo:
         }
 
 
-def _default_loader(path, devices=None, placement=None, progress=None, cancel=None):
+def _default_loader(path, devices=None, placement=None, progress=None, cancel=None, **vision):
     from .model import load_model
 
-    return load_model(path, devices=devices, placement=placement, progress=progress, cancel=cancel)
+    # vision: mmproj= / max_image_tokens= (engine/vision), only present when the caller set them
+    return load_model(path, devices=devices, placement=placement, progress=progress, cancel=cancel,
+                      **vision)
 
 
 _SHUTDOWN = object()
@@ -370,10 +373,14 @@ class Runtime:
 
     # -- client API (any thread) ---------------------------------------------------------------------
 
-    def load(self, path, devices=None, placement=None) -> RequestHandle:
+    def load(self, path, devices=None, placement=None, *, mmproj=None,
+             max_image_tokens: int | None = None) -> RequestHandle:
         """Load a GGUF model (replacing the current one). Events: "progress"..., then "done" with
-        data["model"] = ModelInfo."""
-        return self._submit("load", path=str(path), devices=devices, placement=placement)
+        data["model"] = ModelInfo. mmproj: the vision projector file (default: found beside the
+        model; False: none); max_image_tokens: cap per picture (engine/vision)."""
+        vision = {k: v for k, v in (("mmproj", mmproj), ("max_image_tokens", max_image_tokens))
+                  if v is not None}
+        return self._submit("load", path=str(path), devices=devices, placement=placement, **vision)
 
     def unload(self) -> RequestHandle:
         return self._submit("unload")
@@ -558,6 +565,7 @@ class Runtime:
             placement=a["placement"],
             progress=_progress_emitter(req),
             cancel=req.cancel_event,
+            **_vision_args(a),
         )
         if not req.cancel_event.is_set():
             # The tokenizer and template are built lazily (a 248k-token BPE takes seconds); build them
@@ -615,6 +623,7 @@ class Runtime:
             placement=placement,
             progress=progress,
             cancel=req.cancel_event,
+            **_vision_args(args),
         )
         self._install(model, args)
         req.emit("done", data={"model": self._model_info})
@@ -819,6 +828,7 @@ def _usage(last, n_events: int) -> Usage:
         prompt_tokens_per_s=_float_or_none(_field(last, "prompt_tps", "prefill_tps")),
         decode_tokens_per_s=_float_or_none(_field(last, "generation_tps", "decode_tps")),
         cached_tokens=int(_field(last, "cached_tokens", "reused_tokens", default=0) or 0),
+        image_tokens=int(_field(last, "image_tokens", default=0) or 0),
     )
 
 
@@ -916,6 +926,11 @@ def _checkpoint_turn_boundary(session, ids, cancel) -> int:
     computed = int(getattr(session, "computed_tokens", 0) or 0)
     checkpoint()
     return computed
+
+
+def _vision_args(args: dict) -> dict:
+    """The load's vision options (mmproj, max_image_tokens) that were given, for the loader."""
+    return {k: args[k] for k in ("mmproj", "max_image_tokens") if args.get(k) is not None}
 
 
 def _has_images(messages) -> bool:

@@ -30,6 +30,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default=None, metavar="LIST",
                    help="comma-separated devices to spread the layers over, e.g. cuda:0,cuda:1 or cpu "
                         "(default: the first GPU, else the CPU)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="vision projector GGUF for pictures (default: an mmproj-*.gguf beside the model "
+                        "that fits it)")
+    p.add_argument("--max-image-tokens", type=int, default=None, metavar="N",
+                   help="cap on image tokens per picture, one per 32x32 pixels; bigger pictures are "
+                        "scaled down (default: 1024, about one megapixel)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -118,7 +124,17 @@ def start_runtime(args, *, quiet: bool = False, sample_memory_s: float = 0.0):
     devices = device_list(args.devices)
     runtime = Runtime(sample_memory_s=sample_memory_s)
     t0 = time.perf_counter()
-    handle = runtime.load(path, devices=devices)
+    vision = {}
+    if getattr(args, "mmproj", None):
+        mmproj = Path(args.mmproj).expanduser()
+        if not mmproj.is_file():
+            raise RequestError(f"mmproj file not found: {mmproj} (give the path of a .gguf vision projector)")
+        vision["mmproj"] = str(mmproj)
+    if getattr(args, "max_image_tokens", None) is not None:
+        if args.max_image_tokens < 1:
+            raise RequestError("--max-image-tokens must be at least 1")
+        vision["max_image_tokens"] = args.max_image_tokens
+    handle = runtime.load(path, devices=devices, **vision)
     tty = sys.stderr.isatty()
     try:
         for ev in handle.events():
@@ -221,6 +237,8 @@ def stats_line(final) -> str:
         return f"{x:.1f} tok/s" if x else "n/a"
 
     cached = f" ({u.cached_tokens} cached)" if u.cached_tokens else ""
+    if getattr(u, "image_tokens", 0):
+        cached += f" ({u.image_tokens} image)"
     reason = final.finish_reason or final.kind
     return (f"prompt: {u.prompt_tokens} tokens{cached}, {rate(prompt_tps)} | generation: "
             f"{u.completion_tokens} tokens, {rate(decode_tps)} | {reason}")

@@ -38,7 +38,8 @@ __all__ = [
 ]
 
 
-def attach_vision(model_path, text_config, backend=None, mmproj=None) -> VisionTower | None:
+def attach_vision(model_path, text_config, backend=None, mmproj=None,
+                  max_image_tokens: int | None = None) -> VisionTower | None:
     """The tower for a text model being loaded: `mmproj` given -> that file (errors if it does not
     fit); None -> an mmproj-*.gguf beside the model that fits it, or None; False -> None."""
     from .mmproj import VISION_TEXT_ARCHITECTURES
@@ -58,4 +59,4 @@ def attach_vision(model_path, text_config, backend=None, mmproj=None) -> VisionT
 
         raise RequestError(f"mmproj file not found: {path} (give the path of the mmproj-*.gguf that came "
                            "with the model)")
-    return load_vision(path, text_config, backend)
+    return load_vision(path, text_config, backend, max_image_tokens=max_image_tokens)
