@@ -802,6 +802,8 @@ class ChatPanel(QWidget):
             bits = []
             if usage is not None and getattr(usage, "completion_tokens", 0):
                 bits.append(f"{usage.completion_tokens} tokens")
+            if usage is not None and getattr(usage, "image_tokens", 0):
+                bits.append(f"{usage.image_tokens} image tokens in the prompt")
             rate = getattr(timing, "decode_tokens_per_s", None) or getattr(usage, "decode_tokens_per_s", None)
             if rate:
                 bits.append(f"{rate:.1f} tok/s")
