@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 
 import pytest
-
 from minecart.kernels import check
 from minecart.kernels.build import ModuleSpec, module_source, module_specs
 
