@@ -678,8 +678,12 @@ class ChatPanel(QWidget):
     def _refresh_attachments(self) -> None:
         while self.attach_row.count() > 1:
             item = self.attach_row.takeAt(0)
-            if item.widget():
-                item.widget().deleteLater()
+            gone = item.widget()
+            if gone is not None:
+                # detach now: deleteLater alone leaves it painted until the event loop runs again
+                gone.hide()
+                gone.setParent(None)
+                gone.deleteLater()
         for p in self.pending_images:
             lab = QLabel()
             lab.setObjectName("Thumb")

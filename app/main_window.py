@@ -158,8 +158,11 @@ class TopBar(QFrame):
     def set_chips(self, chips: list[tuple[str, str]]) -> None:
         while self.chips.count():
             it = self.chips.takeAt(0)
-            if it.widget():
-                it.widget().deleteLater()
+            gone = it.widget()
+            if gone is not None:
+                gone.hide()
+                gone.setParent(None)
+                gone.deleteLater()
         for text, kind in chips:
             c = QLabel(text)
             c.setObjectName({"ok": "ChipOk", "warn": "ChipWarn"}.get(kind, "Chip"))
