@@ -34,7 +34,7 @@ from ..errors import ImageError
 HF_MIN_PIXELS = 65536  # preprocessor_config.json size.shortest_edge (a pixel count: 64 tokens)
 HF_MAX_PIXELS = 16777216  # size.longest_edge (16384 tokens); far beyond what a chat should send
 DEFAULT_MAX_IMAGE_TOKENS = 1024  # default cap: about one megapixel (1024 x 1024) per image
-MAX_DECODE_PIXELS = 100_000_000  # refuse to decode bigger images (decompression bombs)
+MAX_DECODE_PIXELS = 89_478_485  # refuse to decode bigger images (decompression bombs; Pillow's limit)
 MAX_ASPECT_RATIO = 200  # transformers' smart_resize limit
 TEMPORAL_PATCH = 2  # Conv3d temporal kernel; a still image fills both slots with the same frame
 
@@ -118,12 +118,15 @@ def open_image(source, *, max_decode_pixels: int = MAX_DECODE_PIXELS):
         if not data:
             raise ImageError(f"{what}: the file is empty")
         try:
-            im = Image.open(io.BytesIO(data))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                im = Image.open(io.BytesIO(data))
         except UnidentifiedImageError as exc:
             raise ImageError(f"{what} is not an image format minecart can read (use PNG, JPEG, WebP, "
                              "GIF or BMP)") from exc
-        except Image.DecompressionBombError as exc:
-            raise ImageError(f"{what} is too large to decode safely ({exc})") from exc
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise ImageError(f"{what} is too large to decode safely ({exc}); scale it down "
+                             "first") from exc
         except (OSError, ValueError, SyntaxError) as exc:
             raise ImageError(f"{what} could not be read ({exc})") from exc
     width, height = im.size
@@ -156,7 +159,7 @@ def to_rgb(im):
         arr = np.asarray(im, dtype=np.float64)
         top = 65535.0 if im.mode.startswith("I;16") or arr.max(initial=0) > 255 else 255.0
         arr = np.clip(np.rint(arr * (255.0 / top)), 0, 255).astype(np.uint8)
-        im = Image.fromarray(arr, mode="L")
+        im = Image.fromarray(arr)  # 2-D uint8 -> mode L
     if im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info:
         rgba = im.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
