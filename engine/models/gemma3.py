@@ -47,19 +47,21 @@ _LAYER_VECTORS = (
 _LAYER_MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
-def _head_weight_name(config) -> str:
-    return "token_embd.weight" if config.tied_embeddings else "output.weight"
-
-
-def tensor_roles(config) -> dict[str, dict[str, str]]:
-    """Every tensor the forward pass reads, grouped by part, with its Backend.load_weight role."""
+def tensor_roles(config, available: set[str] | None = None) -> dict[str, dict[str, str]]:
+    """Every tensor the forward pass reads, per part, with its Backend.load_weight role. `available`
+    (the file's tensor names) decides tied versus separate LM head when given."""
     roles: dict[str, dict[str, str]] = {"global": {"token_embd.weight": "embedding"}}
     for i in range(config.n_layers):
         part = {f"blk.{i}.{n}.weight": "vector" for n in _LAYER_VECTORS}
         part.update({f"blk.{i}.{n}.weight": "matmul" for n in _LAYER_MATMULS})
         roles[f"layer.{i}"] = part
-    head_role = "embedding" if config.tied_embeddings else "matmul"
-    roles["head"] = {"output_norm.weight": "vector", _head_weight_name(config): head_role}
+    head = {"output_norm.weight": "vector"}
+    tied = config.tied_embeddings if available is None else "output.weight" not in available
+    if tied:
+        head["token_embd.weight"] = "embedding"  # the same table as "global": loaded once per device
+    else:
+        head["output.weight"] = "matmul"
+    roles["head"] = head
     return roles
 
 
@@ -113,7 +115,15 @@ def layer(config, backend, w, i: int, x, state: LayerState, positions):
     return backend.add(x, f)
 
 
+def final_norm(config, backend, w, x):
+    """The input of the LM head."""
+    return backend.rms_norm(x, w["output_norm.weight"], config.rms_eps)
+
+
 def head(config, backend, w, x):
-    """Logits (T, vocab) for every row of x; the runner passes only the rows it needs."""
-    h = backend.rms_norm(x, w["output_norm.weight"], config.rms_eps)
-    return backend.matmul(h, w[_head_weight_name(config)])
+    """Logits (T, vocab) for every row of x; the runner passes only the rows it needs (the last one
+    while generating), since this matmul over the 262 144-row vocabulary dominates a decode step."""
+    lm_head = w.get("output.weight")
+    if lm_head is None:
+        lm_head = w["token_embd.weight"]  # tied
+    return backend.matmul(final_norm(config, backend, w, x), lm_head)
