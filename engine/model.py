@@ -281,7 +281,9 @@ class Model:
         """Full logit rows (T, vocab) float32 for a fresh sequence (no session state is touched).
         positions / embed_override as for forward (images); default positions 0..T-1."""
         ids = [int(t) for t in token_ids]
-        states = self.new_state(max(len(ids), 1))
+        if not ids:
+            return np.zeros((0, self.config.vocab_size), np.float32)
+        states = self.new_state(len(ids))
         pos = np.arange(len(ids)) if positions is None else np.asarray(positions)
         try:
             return self.forward(ids, states, pos, rows="all", embed_override=embed_override)

@@ -31,7 +31,10 @@ import numpy as np
 from .backends.base import LayerState
 from .errors import GenerationCancelled
 
-MAX_SNAPSHOTS = 6
+# Turn boundaries kept per session: enough for "regenerate" (after the prompt) and "edit the last
+# message" (end of the previous turn). Each holds the recurrent state on the host: ~50 MiB for 9B,
+# ~150 MiB for 27B, so a runtime with several sessions must not keep many.
+MAX_SNAPSHOTS = 3
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Session:
         self.snapshots: list[Snapshot] = []
         self.computed_tokens = 0  # tokens run through the model by the last sync/prefill (stats)
         self._row_values: dict[int, np.ndarray] = {}  # history key -> embedding row (images)
+        self.max_snapshots = MAX_SNAPSHOTS
 
     # ---- basic properties ----------------------------------------------------------------------------
     @property
@@ -233,7 +237,7 @@ class Session:
 
     def checkpoint(self) -> None:
         """Remember the current point as a turn boundary (no-op without recurrent state, or when it is
-        already remembered). Keeps the newest MAX_SNAPSHOTS still-valid snapshots."""
+        already remembered). Keeps the latest `max_snapshots` still-valid snapshots."""
         if not self.has_recurrent_state or not self.tokens:
             return
         self.snapshots = [s for s in self.snapshots if self.can_restore(s)]
@@ -241,7 +245,7 @@ class Session:
             return
         self.snapshots.append(self.snapshot())
         self.snapshots.sort(key=lambda s: s.n_tokens)
-        del self.snapshots[:-MAX_SNAPSHOTS]
+        del self.snapshots[: max(0, len(self.snapshots) - self.max_snapshots)]
 
     def reset(self) -> None:
         """Back to an empty sequence (zero state)."""
@@ -341,6 +345,7 @@ class Session:
         twin._positions = list(self._positions)
         twin._row_values = dict(self._row_values)
         twin.last_logits = None if self.last_logits is None else self.last_logits.copy()
+        twin.max_snapshots = self.max_snapshots
         twin.snapshots = list(self.snapshots)  # immutable host data; validity is checked per session
         twin.computed_tokens = 0
         return twin
