@@ -269,3 +269,28 @@ def test_top_k():
     order = np.argsort(-logits, axis=1)[:, :5]
     np.testing.assert_array_equal(ids, order)
     np.testing.assert_array_equal(vals, np.take_along_axis(logits, order, 1))
+
+
+def test_real_head_sizes_prefill_modes_agree(tmp_path):
+    """A synthetic model with the released head sizes (attention 256 / 64 rotated dims with sections
+    [11, 11, 10], GDN 128, n_v = 2 n_k): whole, 64-chunk and token-by-token prefill agree."""
+    from dataclasses import replace
+
+    from minecart.engine.model import load_model
+    from minecart.engine.synth import SHAPES, write_synthetic
+
+    path = tmp_path / "small.gguf"
+    write_synthetic(path, replace(SHAPES["small-dense"], vocab_size=1000), "q8_0", seed=5, mtp=False)
+    model = load_model(path, backend=be)
+    cfg = model.config
+    assert (cfg.head_dim, cfg.rope_dims, cfg.gdn_key_dim, cfg.gdn_v_heads) == (256, 64, 128, 4)
+    ids = [int(t) for t in np.random.default_rng(6).integers(0, 1000, 80)]
+    full = model.logits(ids)
+    assert np.isfinite(full).all() and full.std() > 0.1
+    for chunk in (64, 1):
+        s = model.new_session()
+        s.prefill(ids[:-1], chunk=chunk)
+        last = s.step(ids[-1])
+        err = np.linalg.norm(last - full[-1]) / np.linalg.norm(full[-1])
+        assert err < 1e-4, (chunk, err)
+    model.close()
