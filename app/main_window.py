@@ -192,6 +192,7 @@ class MainWindow(QMainWindow):
         self.loaded_path: Path | None = None
         self._pending_load: Path | None = None
         self._costs_threads: set[CostsThread] = set()
+        self._plan_from_engine: Path | None = None
 
         central = QWidget()
         root = QHBoxLayout(central)
@@ -320,6 +321,7 @@ class MainWindow(QMainWindow):
         if self.selected is not None and self.selected.path == s.path:
             return
         self.selected = s
+        self._plan_from_engine = None
         self._update_top()
         th = CostsThread(s.path, self)
         th.done.connect(self._costs_ready)
@@ -330,6 +332,8 @@ class MainWindow(QMainWindow):
     def _costs_ready(self, path, costs, error: str) -> None:
         if self.selected is None or Path(path) != self.selected.path:
             return
+        if self._plan_from_engine == Path(path):
+            return  # the loaded model's real placement is already shown
         if costs is None:
             self.layers.subtitle.setText(f"Cannot plan this model: {error}")
             self.layer_model.set_plan(None)
@@ -398,8 +402,18 @@ class MainWindow(QMainWindow):
         name = getattr(info, "name", "") or path.stem
         self.chat.set_model(True, name, has_vision, str(path))
         self.graphs.set_metrics(self.bridge.metrics)
+        self._show_engine_plan(info, path)
         self.status_model.setText(f"Loaded {name}")
         self._update_top()
+
+    def _show_engine_plan(self, info, path: Path) -> None:
+        """The layer map shows where the engine actually put the layers once a model is loaded."""
+        from minecart.engine.placement import Placement
+
+        plan = getattr(info, "placement", None)
+        if isinstance(plan, Placement) and self.selected is not None and self.selected.path == path:
+            self._plan_from_engine = path
+            self.layer_model.set_plan(plan.copy())
 
     def _on_load_failed(self, text: str) -> None:
         self.top.set_loading(False)

@@ -42,6 +42,21 @@ def test_pages_and_load_progress(qtbot, make_bridge, two_gpus, tiny_model, scrip
     assert win.settings["last_model"] == str(tiny_model)
 
 
+def test_layer_map_follows_the_engine_placement(qtbot, make_bridge, two_gpus, tiny_model, scripted):
+    from minecart.app.layer_map import costs_for_file
+    from minecart.engine.placement import Placement
+
+    model = scripted()
+    model.placement = Placement.from_layer_counts(costs_for_file(tiny_model), [("cuda:1", 3), ("cpu:0", 5)])
+    bridge = make_bridge(model)
+    win = _window(qtbot, bridge, two_gpus)
+    with qtbot.waitSignal(bridge.loaded, timeout=10000):
+        win.load(tiny_model)
+    qtbot.waitUntil(lambda: win.layer_model.plan is not None
+                    and win.layer_model.plan.assignment == model.placement.assignment, timeout=10000)
+    assert win.layer_model.rowCount(win.layer_model.index(0, 0)) == 0  # nothing on cuda:0
+
+
 def test_load_cancelled_midway(qtbot, make_bridge, two_gpus, tiny_model, scripted, loader_factory):
     block = threading.Event()
     bridge = make_bridge(loader=loader_factory(scripted, steps=4, block=block))
