@@ -11,6 +11,7 @@ Not here: choosing between DP4A and FMA for a card (probe.py decides; the backen
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import cupy as cp
@@ -96,7 +97,7 @@ def quantize_q8_1(x: cp.ndarray):
     return xq, xd, xs
 
 
-_LAST_Q: dict = {}
+_LAST_Q = threading.local()  # per thread: one worker thread per device in multi-GPU runs
 
 
 def quantize_cached(x: cp.ndarray):
@@ -105,11 +106,11 @@ def quantize_cached(x: cp.ndarray):
     strides, with a reference to x held so that its memory cannot be reused while cached; activations
     are never written in place, so the same pointer means the same values."""
     key = (x.data.ptr, x.shape, x.strides)
-    hit = _LAST_Q.get("key")
-    if hit == key:
-        return _LAST_Q["res"]
+    last = getattr(_LAST_Q, "entry", None)
+    if last is not None and last[0] == key:
+        return last[2]
     res = quantize_q8_1(x)
-    _LAST_Q.update(key=key, x=x, res=res)
+    _LAST_Q.entry = (key, x, res)
     return res
 
 
