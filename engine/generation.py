@@ -148,10 +148,16 @@ def generate(model, prompt, params: SamplingParams | None = None, *, session=Non
         from .vision.insert import has_images, prepare_chat
 
         if has_images(prompt):  # chat messages with pictures: expanded ids, (3, T) positions, rows
+            from .vision.insert import checkpoint_turn_boundary
+
             prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking)
             positions, embed_override = prepared.positions, prepared.embed_override
+            before = None
+            if session is not None:
+                def before():
+                    return checkpoint_turn_boundary(session, prepared, cancel)
             return _generate(model, prepared.ids, params, session, cancel, prefill_chunk, positions,
-                             embed_override, image_tokens=prepared.n_image_tokens)
+                             embed_override, image_tokens=prepared.n_image_tokens, before_prompt=before)
     ids = prompt_ids(model, prompt, enable_thinking)
     if not ids:
         raise RequestError("the prompt is empty")
@@ -159,7 +165,7 @@ def generate(model, prompt, params: SamplingParams | None = None, *, session=Non
 
 
 def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None, embed_override=None,
-              image_tokens: int = 0):
+              image_tokens: int = 0, before_prompt=None):
     t0 = time.perf_counter()
     session = session if session is not None else model.new_session()
     tokenizer = model.tokenizer
@@ -191,11 +197,12 @@ def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None
         extras = {}
         if positions is not None or embed_override is not None:
             extras = {"positions": positions, "embed_override": embed_override}
+        pre_computed = before_prompt() if before_prompt is not None else 0  # turn-boundary snapshot
         logits = session.sync(ids, chunk=prefill_chunk, cancel=cancel, **extras)
     except GenerationCancelled:
         yield event(None, "", "cancelled")
         return
-    stats["computed"] = session.computed_tokens
+    stats["computed"] = session.computed_tokens + pre_computed
     stats["prefill_s"] = time.perf_counter() - t0
     session.checkpoint()  # turn boundary: regenerate restarts from here
 

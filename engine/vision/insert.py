@@ -53,6 +53,7 @@ class PreparedPrompt:
     embed_override: tuple[np.ndarray, np.ndarray] | None
     spans: list[ImageSpan] = field(default_factory=list)
     next_position: int = 0
+    boundary: int | None = None  # tokens before the generation prompt (end of the last user turn)
 
     @property
     def n_image_tokens(self) -> int:
@@ -214,4 +215,35 @@ def prepare_chat(model, messages, *, enable_thinking: bool = True, tools=None,
     text = model.chat_template.render(messages, add_generation_prompt=True, **kwargs)
     ids = model.tokenizer.encode(text, add_special=True)
     pad_id = special_ids(model.tokenizer)[IMAGE_PAD]
-    return build_prompt(ids, [emb for _, emb in encoded], pad_id, [pre.merged_hw for pre, _ in encoded])
+    grids = [pre.merged_hw for pre, _ in encoded]
+    prepared = build_prompt(ids, [emb for _, emb in encoded], pad_id, grids)
+    last = messages[-1] if messages else {}
+    if isinstance(last, dict) and last.get("role") in ("user", "tool"):
+        base = model.chat_template.render(messages, add_generation_prompt=False, **kwargs)
+        if text.startswith(base):
+            base_ids = model.tokenizer.encode(base, add_special=True)
+            if sum(1 for t in base_ids if t == pad_id) == len(grids):
+                expanded, _ = expand_image_pads(base_ids, grids, pad_id)
+                if 0 < len(expanded) < len(prepared.ids) and prepared.ids[: len(expanded)] == expanded:
+                    prepared.boundary = len(expanded)
+    return prepared
+
+
+def checkpoint_turn_boundary(session, prepared: PreparedPrompt, cancel=None) -> int:
+    """Run the prompt up to the end of the last user turn and checkpoint the session there; returns
+    the tokens computed. Why: a hybrid model's recurrent state cannot be rewound, and the next turn
+    re-renders this one without the generation prompt's `<think>`, so without this snapshot every
+    turn would re-run the whole chat, pictures included (the runtime does the same for text chats)."""
+    b = prepared.boundary
+    if not b or not getattr(session, "has_recurrent_state", False):
+        return 0
+    override = None
+    if prepared.embed_override is not None:
+        rows, values = prepared.embed_override
+        keep = rows < b
+        override = (rows[keep], values[keep]) if keep.any() else None
+    session.sync(prepared.ids[:b], positions=prepared.positions[:, :b], embed_override=override,
+                 cancel=cancel)
+    computed = int(session.computed_tokens)
+    session.checkpoint()
+    return computed
