@@ -95,7 +95,8 @@ class HostBridge:
         return np.empty(n, np.float32)
 
     def move(self, x):
-        """x (an array of src) -> the same values as an array of dst. Runs on the link thread."""
+        """x (an array of src) -> the same values as an array of dst (on the link thread for pipelined
+        chunks, on the calling thread for a single chunk; never both at once)."""
         t0 = time.perf_counter()
         shape = tuple(x.shape)
         n = int(np.prod(shape)) if shape else 1

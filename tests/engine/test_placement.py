@@ -88,6 +88,26 @@ def test_fixture_costs_are_exact(tiny):
     assert costs.part("layer.3").kv_values_per_token == 2 * (64 + 64)
 
 
+@pytest.mark.parametrize("name", ["dense/qwen35-tiny-dense-q8_0.gguf", "dense/qwen35-tiny-dense-f16.gguf",
+                                  "vision/qwen35-tiny-vl-f16.gguf"])
+def test_every_fixture_is_priced_exactly(fixtures_dir, name):
+    from minecart.engine.config import ModelConfig
+    from minecart.engine.gguf_file import GGUFFile
+
+    gf = GGUFFile(fixtures_dir / name)
+    config = ModelConfig.from_gguf(gf)
+    costs = model_costs(config, gf)
+    mtp = tuple(f"blk.{config.n_layers + k}." for k in range(config.n_mtp_layers))
+    main = {n for n in gf.tensors if not (mtp and n.startswith(mtp))}
+    assert {n for p in costs.parts for n, _ in p.tensors} == main
+    assert costs.weight_bytes == sum(gf.tensors[n].n_bytes for n in main)
+    plan = Placement.single(costs, "cuda:0", context=2048, kv_type="f16")
+    per = plan.bytes_per_device()["cuda:0"]
+    n_attn = sum(1 for k in config.layer_types if k == "attention")
+    assert per.kv_cache == 2048 * n_attn * config.n_kv_heads * (config.head_dim + config.value_head_dim) * 2
+    assert per.total > per.weights > 0
+
+
 def test_tied_embedding_counted_once_per_device(tiny):
     config, gf = tiny
     costs = model_costs(config, gf)
