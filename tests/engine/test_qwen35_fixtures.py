@@ -178,13 +178,6 @@ def test_model_logits_full_rows(variant, columns):
     np.testing.assert_array_equal(model.logits(ref["tokens"]), logits)  # fresh state every call
 
 
-def test_report_max_errors():
-    """Prints the worst relative error per fixture and sequence (run with -s to see it)."""
-    for (variant, seq), err in sorted(MAX_ERRORS.items()):
-        print(f"max relative error {variant:5s} {seq:10s} {err:.3g}")
-    assert all(e <= TOL for e in MAX_ERRORS.values())
-
-
 # ---- M-RoPE with distinct (t, h, w) positions: the vision fixture's language model ----------------
 
 
@@ -237,3 +230,10 @@ def test_image_embeddings_and_mrope_positions(vl_model, fixtures_dir, columns, c
     assert session.computed_tokens == n  # no snapshot before the image: GDN state restarts from zero
     assert np.abs(changed - logits).max() > 1e-3
     session.close()
+
+
+def test_report_max_errors():
+    """Prints the worst relative error per fixture and sequence (run with -s to see it)."""
+    for (variant, seq), err in sorted(MAX_ERRORS.items()):
+        print(f"max relative error {variant:5s} {seq:10s} {err:.3g}")
+    assert all(e <= TOL for e in MAX_ERRORS.values())
