@@ -284,6 +284,9 @@ class Pipeline:
                     return None
                 if rows == "last":
                     x = x[x.shape[0] - 1 :]
+                run_head = getattr(self.model, "run_head", None)  # the LM head in blocks of rows
+                if run_head is not None:
+                    return run_head(x, be)
                 return np.asarray(be.to_numpy(mod.head(cfg, be, weights[part], x)), dtype=np.float32)
             else:
                 i = int(part.split(".")[1])
