@@ -41,9 +41,10 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-# What one CUDA context costs on the device before any allocation (driver, module images, cuBLAS-free).
-# Measured values go between 300 and 500 MiB depending on card and driver; this is the middle until the
-# GPU teammate measures it on the device.
+# What one CUDA context costs on the device before any allocation (driver state, loaded modules).
+# Measured on an H200 with CUDA 13 / CuPy 14: 527 MiB for the context, plus ~22 MiB once minecart's
+# kernels are loaded. Contexts grow with the number of SMs, so the 10-36 SM mining cards take less
+# (300-400 MiB is the usual range on Pascal/Turing); 400 MiB is used until measured on such a card.
 CUDA_CONTEXT_BYTES = 400 * MiB
 
 # Bytes per stored KV value. q8 = Q8_0 blocks (32 int8 + fp16 scale); q3 = 3-bit codes in blocks of 32
