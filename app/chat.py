@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QGuiApplication, QImage, QPixmap
+from PySide6.QtGui import QGuiApplication, QImage, QKeySequence, QPixmap, QShortcut
 from PySide6.QtWidgets import (
     QCheckBox,
     QDoubleSpinBox,
@@ -205,9 +205,13 @@ class Composer(QPlainTextEdit):
     """Message input: Enter sends, Shift+Enter is a newline; pasted images become attachments."""
 
     send = Signal()
+    escape = Signal()
     image_pasted = Signal(str)
 
     def keyPressEvent(self, e):
+        if e.key() == Qt.Key.Key_Escape:
+            self.escape.emit()  # stop a running generation
+            return
         if e.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (e.modifiers() & Qt.KeyboardModifier.ShiftModifier):
             self.send.emit()
             return
@@ -505,13 +509,25 @@ class ChatPanel(QWidget):
         self._settings_save.setInterval(800)
         self._settings_save.timeout.connect(self._save_settings)
 
+        # Esc stops a generation: from the composer, and anywhere in the chat page
+        self.input.escape.connect(self.stop)
+        stop_key = QShortcut(QKeySequence(Qt.Key.Key_Escape), self)
+        stop_key.setContext(Qt.ShortcutContext.WidgetWithChildrenShortcut)
+        stop_key.activated.connect(self.stop)
+
         self.refresh_conversations()
         self._update_empty()
         self._update_buttons()
 
     # ---- model state ---------------------------------------------------------------------------------
+    def set_loading(self, name: str) -> None:
+        """Say in the empty chat which model is loading ('' when no load is running)."""
+        self.loading_name = name
+        self._update_empty()
+
     def set_model(self, loaded: bool, name: str = "", has_vision: bool = False, path: str = "") -> None:
         self.model_loaded = loaded
+        self.loading_name = ""
         self.model_has_vision = has_vision
         self.model_path = path
         self.model_name = name
@@ -529,6 +545,9 @@ class ChatPanel(QWidget):
         if self.model_loaded:
             self.empty.setText(f"<div style='font-size:15pt; color:#e4e7ee; font-weight:600'>{getattr(self, 'model_name', '')}</div>"
                                "<div style='margin-top:6px'>Ask anything. Drop an image here, or press Enter to send.</div>")
+        elif getattr(self, "loading_name", ""):
+            self.empty.setText(f"<div style='font-size:15pt; color:#e4e7ee; font-weight:600'>Loading {self.loading_name}…</div>"
+                               "<div style='margin-top:6px'>Progress is in the bar above; you can type while it loads.</div>")
         else:
             self.empty.setText("<div style='font-size:15pt; color:#e4e7ee; font-weight:600'>No model loaded</div>"
                                "<div style='margin-top:6px'>Pick one on the Models page, or wait for the default model to load.</div>")
@@ -655,7 +674,9 @@ class ChatPanel(QWidget):
         if self.bridge.generating or not self.model_loaded:
             return
         msgs = self.conv.messages
-        # drop the reply (and any notes after the last user message), then ask again
+        if w is not None and w.message in msgs:
+            del msgs[msgs.index(w.message):]  # this reply and everything after it
+        # drop notes and replies after the last user message, then ask again
         while msgs and msgs[-1].get("role") != "user":
             msgs.pop()
         if not msgs:

@@ -372,6 +372,8 @@ class MainWindow(QMainWindow):
         self.top.progress_label.setText("Loading…")
         self.status_model.setText(f"Loading {path.name}…")
         self.chat.set_model(False)
+        name = self.selected.display_name if self.selected is not None else path.stem
+        self.chat.set_loading(name)
         self.bridge.load(path, placement=placement)
 
     def unload(self) -> None:
@@ -419,6 +421,7 @@ class MainWindow(QMainWindow):
         self.top.set_loading(False)
         self._pending_load = None
         self.status_model.setText("Loading failed")
+        self.chat.set_loading("")
         self.chat._add_message({"role": "error", "content": f"Could not load the model: {text}"})
         self.chat.set_model(bool(self.bridge.runtime and self.bridge.runtime.loaded))
         self._update_top()
@@ -427,6 +430,7 @@ class MainWindow(QMainWindow):
         self.top.set_loading(False)
         self._pending_load = None
         self.status_model.setText("Loading cancelled")
+        self.chat.set_loading("")
         self.chat.set_model(bool(self.bridge.runtime and self.bridge.runtime.loaded))
         self._update_top()
 

@@ -184,3 +184,39 @@ def test_send_without_model_explains(qtbot, make_bridge):
     panel.input.setPlainText("hello?")
     panel.send()
     assert panel.conv.messages[-1]["role"] == "notice" and "No model" in panel.conv.messages[-1]["content"]
+
+
+def test_sampling_settings_reach_the_engine_params():
+    from minecart.app.engine_bridge import _sampling_params
+
+    p = _sampling_params({"temperature": 0.3, "top_p": 0.5, "top_k": 7, "min_p": 0.1, "repeat_penalty": 1.2,
+                          "max_tokens": 99, "seed": -1})
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.3, 0.5, 7, 0.1, 99)
+    assert p.repetition_penalty == 1.2 and p.seed is None  # -1 = random
+    assert _sampling_params({"seed": 5}).seed == 5
+
+
+def test_regenerate_an_older_reply_drops_what_follows(qtbot, make_bridge):
+    bridge = make_bridge()
+    panel = _chat(qtbot, bridge)
+    panel.think_btn.setChecked(False)
+    _send(qtbot, panel, "one")
+    _send(qtbot, panel, "two")
+    bridge.fake_model.reply = "again"
+    with qtbot.waitSignal(bridge.chat_done, timeout=10000):
+        panel.widgets[1].regen_btn.click()  # the first reply
+    assert [m["content"] for m in panel.conv.messages] == ["one", "again"]
+
+
+def test_escape_stops_generation(qtbot, make_bridge, scripted):
+    from PySide6.QtTest import QTest
+
+    bridge = make_bridge(scripted(reply="y" * 600, token_delay=0.01))
+    panel = _chat(qtbot, bridge)
+    panel.input.setPlainText("go")
+    panel.send()
+    qtbot.waitUntil(lambda: len(panel.conv.messages[-1]["content"]) > 3, timeout=5000)
+    panel.activateWindow()
+    panel.input.setFocus()
+    with qtbot.waitSignal(bridge.chat_cancelled, timeout=5000):
+        QTest.keyClick(panel.input, Qt.Key.Key_Escape)
