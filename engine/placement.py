@@ -35,6 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from .config import ATTN, GDN, SLIDING, ModelConfig
+from .devices import format_bytes
 from .errors import PlacementError
 
 KiB = 1024
@@ -63,11 +64,6 @@ FORMAT_VERSION = 1
 
 def layer_part(i: int) -> str:
     return f"layer.{i}"
-
-
-def part_index_of_layer(i: int) -> int:
-    """Index of layer i in the ordered part list (the embedding is part 0)."""
-    return i + 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -738,17 +734,6 @@ def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append((v, v))
     return runs
-
-
-def format_bytes(n: float) -> str:
-    n = float(n)
-    if abs(n) >= GiB:
-        return f"{n / GiB:.1f} GiB"
-    if abs(n) >= MiB:
-        return f"{n / MiB:.0f} MiB"
-    if abs(n) >= KiB:
-        return f"{n / KiB:.0f} KiB"
-    return f"{int(n)} B"
 
 
 # ------------------------------------------------------------------------------------------------
