@@ -92,53 +92,88 @@ def _vocab_size(gf) -> int:
     if emb is not None:
         return int(emb.shape[0])
     toks = gf.get("tokenizer.ggml.tokens")
-    return len(toks) if toks is not None else 0
+    return len(toks) if isinstance(toks, list) else 0
+
+
+# Bounds far beyond any real model: a value outside them means a corrupt or hostile file, and checking
+# here keeps e.g. block_count = 2**40 from building a tuple of a trillion layer kinds.
+_MAX_LAYERS = 4096
+_MAX_DIM = 1 << 24
+
+
+def _meta_int(gf, key: str, *, lo: int = 1, hi: int = _MAX_DIM, default=None) -> int:
+    """An integer metadata value within [lo, hi]; MissingKeyError if absent without a default."""
+    value = gf.get(key, default) if default is not None else gf.require(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise GGUFError(gf.path, f"value {value!r} is not an integer in [{lo}, {hi}]; the file is corrupt or "
+                        "from an incompatible converter: re-convert it", key=key)
+    return value
+
+
+def _meta_float(gf, key: str, default=None) -> float:
+    value = gf.get(key, default) if default is not None else gf.require(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise GGUFError(gf.path, f"value {value!r} is not a positive number; the file is corrupt: "
+                        "re-convert it", key=key)
+    return float(value)
+
+
+def _meta_list(gf, key: str, elem_type, min_len: int = 0) -> list | None:
+    value = gf.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) < min_len or not all(isinstance(x, elem_type) for x in value):
+        kind = elem_type.__name__ if isinstance(elem_type, type) else "/".join(t.__name__ for t in elem_type)
+        raise GGUFError(gf.path, f"expected a list of at least {min_len} {kind} values, got "
+                        f"{str(value)[:60]}; the file is corrupt: re-convert it", key=key)
+    return value
 
 
 def _qwen35(gf, arch: str) -> ModelConfig:
-    r = lambda k: gf.require(f"{arch}.{k}")  # noqa: E731
-    g = lambda k, d=None: gf.get(f"{arch}.{k}", d)  # noqa: E731
-    block_count = int(r("block_count"))
-    n_mtp = int(g("nextn_predict_layers", 0) or 0)
+    a = arch
+    i = lambda k, **kw: _meta_int(gf, f"{a}.{k}", **kw)  # noqa: E731
+    block_count = i("block_count", lo=0, hi=_MAX_LAYERS)
+    n_mtp = i("nextn_predict_layers", lo=0, hi=block_count, default=0)
     n_layers = block_count - n_mtp
-    recurrent = g("attention.recurrent_layers")
+    recurrent = _meta_list(gf, f"{a}.attention.recurrent_layers", (bool, int), min_len=n_layers)
     if recurrent is not None:
-        kinds = tuple(GDN if bool(x) else ATTN for x in list(recurrent)[:n_layers])
+        kinds = tuple(GDN if bool(x) else ATTN for x in recurrent[:n_layers])
     else:
-        interval = int(g("full_attention_interval", 4) or 4)
-        kinds = tuple(ATTN if (i + 1) % interval == 0 else GDN for i in range(n_layers))
-    d_k = int(r("ssm.state_size"))
-    n_v = int(r("ssm.time_step_rank"))
-    inner = int(r("ssm.inner_size"))
+        interval = i("full_attention_interval", hi=_MAX_LAYERS, default=4)
+        kinds = tuple(ATTN if (k + 1) % interval == 0 else GDN for k in range(n_layers))
+    d_k = i("ssm.state_size")
+    n_v = i("ssm.time_step_rank")
+    inner = i("ssm.inner_size")
     moe = arch == "qwen35moe"
+    sections = _meta_list(gf, f"{a}.rope.dimension_sections", int) or []
     return ModelConfig(
         architecture=arch,
         name=str(gf.get("general.name", gf.path.stem)),
         n_layers=n_layers,
         n_mtp_layers=n_mtp,
-        hidden=int(r("embedding_length")),
+        hidden=i("embedding_length"),
         vocab_size=_vocab_size(gf),
-        context_length=int(r("context_length")),
-        n_heads=int(r("attention.head_count")),
-        n_kv_heads=int(r("attention.head_count_kv")),
-        head_dim=int(r("attention.key_length")),
-        value_head_dim=int(r("attention.value_length")),
-        rms_eps=float(r("attention.layer_norm_rms_epsilon")),
-        rope_base=float(r("rope.freq_base")),
-        rope_dims=int(r("rope.dimension_count")),
-        rope_sections=tuple(int(x) for x in (g("rope.dimension_sections") or ())),
+        context_length=i("context_length", hi=1 << 40),
+        n_heads=i("attention.head_count"),
+        n_kv_heads=i("attention.head_count_kv"),
+        head_dim=i("attention.key_length"),
+        value_head_dim=i("attention.value_length"),
+        rms_eps=_meta_float(gf, f"{a}.attention.layer_norm_rms_epsilon"),
+        rope_base=_meta_float(gf, f"{a}.rope.freq_base"),
+        rope_dims=i("rope.dimension_count", lo=0),
+        rope_sections=tuple(int(x) for x in sections),
         layer_types=kinds,
-        ffn=0 if moe else int(r("feed_forward_length")),
+        ffn=0 if moe else i("feed_forward_length"),
         tied_embeddings="output.weight" not in gf.tensors,
-        conv_kernel=int(r("ssm.conv_kernel")),
+        conv_kernel=i("ssm.conv_kernel", hi=64),
         gdn_key_dim=d_k,
         gdn_value_dim=inner // n_v,
-        gdn_k_heads=int(r("ssm.group_count")),
+        gdn_k_heads=i("ssm.group_count"),
         gdn_v_heads=n_v,
-        n_experts=int(r("expert_count")) if moe else 0,
-        n_experts_used=int(r("expert_used_count")) if moe else 0,
-        expert_ffn=int(r("expert_feed_forward_length")) if moe else 0,
-        shared_expert_ffn=int(g("expert_shared_feed_forward_length", 0) or 0) if moe else 0,
+        n_experts=i("expert_count", hi=1 << 16) if moe else 0,
+        n_experts_used=i("expert_used_count", hi=1 << 16) if moe else 0,
+        expert_ffn=i("expert_feed_forward_length") if moe else 0,
+        shared_expert_ffn=i("expert_shared_feed_forward_length", lo=0, default=0) if moe else 0,
     )
 
 
@@ -319,6 +354,9 @@ def _qwen35_specs(c: ModelConfig, gf) -> list[_Spec]:
 
     def moe_ffn(i, role):
         E, Fe, Fs = c.n_experts, c.expert_ffn, c.shared_expert_ffn
+        if not 0 < c.n_experts_used <= E:
+            raise GGUFError(gf.path, f"{c.n_experts_used} experts used per token out of {E}; the file is "
+                            "corrupt: re-convert it", key=f"{a}.expert_used_count")
         why = f"{emb}, {k('expert_count')}, {k('expert_feed_forward_length')}"
         out = [
             _spec(f"blk.{i}.ffn_gate_inp.weight", (E, H), f"{emb}, {k('expert_count')}", role),
@@ -394,7 +432,7 @@ def _gemma3_specs(c: ModelConfig, gf) -> list[_Spec]:
 
 def _check_vocab(c: ModelConfig, gf) -> None:
     tokens = gf.get("tokenizer.ggml.tokens")
-    if tokens is not None and len(tokens) > c.vocab_size:
+    if isinstance(tokens, list) and len(tokens) > c.vocab_size:
         raise ShapeMismatchError(
             gf.path,
             f"token_embd.weight has {c.vocab_size} rows but the tokenizer has {len(tokens)} tokens, so "

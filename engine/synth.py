@@ -480,6 +480,8 @@ def resolve(shape: str | SynthShape, quant: str | int) -> tuple[SynthShape, int]
         if quant.lower() not in QUANTS:
             raise RequestError(f"unknown quant type '{quant}'; choose one of {', '.join(QUANTS)}")
         quant = QUANTS[quant.lower()]
+    if shape.vocab_size < 256:
+        raise RequestError(f"vocab_size {shape.vocab_size} is below the 256 byte-level tokens")
     return shape, int(quant)
 
 
