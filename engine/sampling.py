@@ -1,6 +1,7 @@
 """Choosing the next token from a row of logits: penalties, temperature, top-k, top-p, min-p, seed.
 
-Runs on the host in float64 over one (vocab,) row per step. Order of operations (as transformers and
+Runs on the host over one (vocab,) row per step: float32 passes over the vocabulary, float64 for
+the probabilities of the tokens that can be drawn. Order of operations (as transformers and
 vLLM do it): penalties on the raw logits, then temperature, then the top-k / top-p / min-p filters on
 the tempered distribution, then one draw. temperature == 0 means greedy: argmax after the penalties
 (lowest id wins a tie), no randomness.
@@ -67,43 +68,90 @@ def greedy_params(**overrides) -> SamplingParams:
 
 
 def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids=(), generated_ids=()) -> np.ndarray:
-    """A float64 copy of `logits` with the penalties applied."""
-    out = np.array(logits, dtype=np.float64)
+    """A float32 copy of `logits` with the penalties applied (computed in float64 on the few
+    penalized entries)."""
+    out = np.array(logits, dtype=np.float32).reshape(-1)
     if params.repetition_penalty != 1.0:
         seen = np.unique(np.fromiter((*prompt_ids, *generated_ids), dtype=np.int64))
         if seen.size:
-            vals = out[seen]
+            vals = out[seen].astype(np.float64)
             out[seen] = np.where(vals > 0, vals / params.repetition_penalty,
                                  vals * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and len(generated_ids):
         counts = Counter(int(t) for t in generated_ids)
         ids = np.fromiter(counts.keys(), dtype=np.int64)
         n = np.fromiter(counts.values(), dtype=np.float64)
-        out[ids] -= params.presence_penalty + params.frequency_penalty * n
+        out[ids] = out[ids].astype(np.float64) - (params.presence_penalty + params.frequency_penalty * n)
     return out
 
 
-def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution a draw uses: softmax(logits / T) restricted by top-k, top-p and min-p,
-    renormalized. float64 (vocab,)."""
-    x = np.asarray(logits, np.float64) / params.temperature
-    keep = np.ones(x.shape, dtype=bool)
-    if params.top_k and params.top_k < x.size:
-        kth = np.partition(x, x.size - params.top_k)[x.size - params.top_k]
-        keep &= x >= kth
-    x = np.where(keep, x, -np.inf)
-    p = np.exp(x - x.max())
-    p /= p.sum()
+def kept_tokens(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, probabilities) a draw chooses from: softmax(logits / T) restricted by top-k, top-p and
+    min-p, renormalized to sum to 1 (float64).
+
+    Cost matters here (one call per generated token over a 248k vocabulary): whole-vocabulary passes
+    are float32 (selection, and the softmax denominator with float64 accumulation); the kept tokens'
+    probabilities are float64. Without top-k, top-p is found among the most probable tokens only (a
+    partial sort of 1024, widened until they hold the top-p mass). Ties go to the lower id.
+    """
+    x = np.asarray(logits, np.float32).reshape(-1)
+    t = float(params.temperature)
+    n = x.size
+    top = float(x.max())
+    if params.top_k and params.top_k < n:
+        ids = np.argpartition(x, n - params.top_k)[n - params.top_k :]
+        w = np.exp((x[ids].astype(np.float64) - top) / t)
+        total = w.sum()  # top-k first: the filters below see the renormalized top-k distribution
+    else:
+        e = np.exp((x - np.float32(top)) / np.float32(t))  # float32 pass over the vocabulary
+        total = e.sum(dtype=np.float64)
+        if params.top_p < 1.0:
+            m = min(n, 1024)
+            while True:
+                ids = np.argpartition(x, n - m)[n - m :] if m < n else np.arange(n)
+                if m == n or e[ids].sum(dtype=np.float64) >= params.top_p * total:
+                    break
+                m = min(n, m * 8)
+            w = np.exp((x[ids].astype(np.float64) - top) / t)
+        else:
+            ids = np.arange(n)
+            w = e.astype(np.float64)
+    p = w / total
     if params.top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        cum = np.cumsum(p[order])
-        # keep the smallest prefix whose mass reaches top_p (the token that crosses it included)
-        n_keep = int(np.searchsorted(cum, params.top_p, side="left")) + 1
-        drop = order[n_keep:]
-        p[drop] = 0.0
+        order = np.lexsort((ids, -p))  # descending probability, lower id first on ties
+        ids, p = ids[order], p[order]
+        # the smallest prefix whose mass reaches top_p (the token that crosses it included)
+        n_keep = min(len(p), int(np.searchsorted(np.cumsum(p), params.top_p, side="left")) + 1)
+        ids, p = ids[:n_keep], p[:n_keep]
     if params.min_p > 0.0:
-        p[p < params.min_p * p.max()] = 0.0
-    return p / p.sum()
+        keep = p >= params.min_p * p.max()
+        ids, p = ids[keep], p[keep]
+    return ids, p / p.sum()
+
+
+def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """kept_tokens as a full (vocab,) float64 distribution (zeros outside the kept set)."""
+    ids, p = kept_tokens(logits, params)
+    out = np.zeros(np.asarray(logits).size, np.float64)
+    out[ids] = p
+    return out
+
+
+def _inverse_cdf(weights: np.ndarray, u: float, block: int = 1024) -> int:
+    """The index i with cdf[i-1] <= u * total < cdf[i] for non-negative weights, without a cumulative
+    sum over the whole vocabulary (a prefix sum is sequential; block sums are not): find the block
+    first, then the index inside it. float64 sums."""
+    n = weights.size
+    n_full = n - n % block
+    sums = weights[:n_full].reshape(-1, block).sum(axis=1, dtype=np.float64)
+    if n_full < n:
+        sums = np.append(sums, weights[n_full:].sum(dtype=np.float64))
+    cum = np.cumsum(sums)
+    target = u * cum[-1]
+    b = min(int(np.searchsorted(cum, target, side="right")), len(cum) - 1)
+    inner = np.cumsum(weights[b * block : (b + 1) * block], dtype=np.float64)
+    i = int(np.searchsorted(inner, target - (cum[b - 1] if b else 0.0), side="right"))
+    return b * block + min(i, len(inner) - 1)
 
 
 class Sampler:
@@ -126,9 +174,11 @@ class Sampler:
         x = apply_penalties(logits, self.params, self.prompt_ids, self.generated)
         if self.params.greedy:
             return int(np.argmax(x))
-        p = filtered_probs(x, self.params)
-        # inverse-CDF draw: one uniform number per step, reproducible for a seed
-        u = self.rng.random()
-        idx = int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
-        nonzero = np.flatnonzero(p)
-        return int(min(max(idx, nonzero[0]), nonzero[-1]))
+        u = self.rng.random()  # one uniform number per step: reproducible for a seed
+        prm = self.params
+        if not (prm.top_k and prm.top_k < x.size) and prm.top_p >= 1.0 and prm.min_p <= 0.0:
+            # the whole vocabulary: inverse CDF straight over the tempered exponentials
+            return _inverse_cdf(np.exp((x - x.max()) / np.float32(prm.temperature)), u)
+        ids, p = kept_tokens(x, prm)
+        idx = int(np.searchsorted(np.cumsum(p), u, side="right"))  # inverse CDF over the kept tokens
+        return int(ids[min(idx, len(ids) - 1)])

@@ -10,6 +10,7 @@ from minecart.engine.sampling import (
     apply_penalties,
     filtered_probs,
     greedy_params,
+    kept_tokens,
 )
 
 LOGITS = np.log(np.array([0.05, 0.5, 0.15, 0.3], dtype=np.float64)).astype(np.float32)  # p known
@@ -82,3 +83,33 @@ def test_invalid_params(bad):
 def test_stop_string_normalization():
     assert SamplingParams(stop="END").stop == ("END",)
     assert SamplingParams(stop=["", "x"], stop_token_ids=[np.int64(5)]).stop_token_ids == (5,)
+
+
+def test_inverse_cdf_matches_a_full_prefix_sum():
+    from minecart.engine.sampling import _inverse_cdf
+
+    rng = np.random.default_rng(5)
+    w = rng.random(5000).astype(np.float32) ** 4
+    cdf = np.cumsum(w, dtype=np.float64)
+    for u in rng.random(500):
+        want = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), w.size - 1)
+        assert _inverse_cdf(w, u, block=64) == want
+
+
+@pytest.mark.parametrize("top_k", [0, 3000])
+def test_top_p_on_a_wide_flat_distribution(top_k):
+    """Top-p needs most of a 5000-token vocabulary here (the partial sort must widen); the kept set
+    equals a brute-force sort."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 0.3, 5000).astype(np.float32)
+    params = SamplingParams(temperature=1.3, top_k=top_k, top_p=0.9)
+    ids, p = kept_tokens(logits, params)
+    z = logits.astype(np.float64) / 1.3
+    pool = np.arange(5000) if not top_k else np.argsort(-z, kind="stable")[:top_k]
+    q = np.exp(z[pool] - z[pool].max())
+    q /= q.sum()
+    order = np.argsort(-q, kind="stable")
+    n_keep = int(np.searchsorted(np.cumsum(q[order]), 0.9)) + 1
+    assert n_keep > 1024
+    np.testing.assert_array_equal(np.sort(ids), np.sort(pool[order[:n_keep]]))
+    np.testing.assert_allclose(p.sum(), 1.0)
