@@ -259,9 +259,11 @@ def dequantize_blocks(raw: np.ndarray, type_id: int) -> np.ndarray:
     fn = _DEQUANTIZERS[type_id]
     n = blocks.shape[0]
     out = np.empty((n, bv), dtype=np.float32)
-    for start in range(0, n, _CHUNK_BLOCKS):
-        stop = min(n, start + _CHUNK_BLOCKS)
-        out[start:stop] = fn(blocks[start:stop])
+    # a file's inf/NaN scales decode to inf/NaN values, as in ggml; that is data, not a warning
+    with np.errstate(invalid="ignore", over="ignore"):
+        for start in range(0, n, _CHUNK_BLOCKS):
+            stop = min(n, start + _CHUNK_BLOCKS)
+            out[start:stop] = fn(blocks[start:stop])
     return out.reshape(-1)
 
 
