@@ -148,6 +148,12 @@ def test_norms():
     np.testing.assert_allclose(s, x + z, rtol=1e-6)
     np.testing.assert_allclose(n, be.rms_norm(x + z, w, eps), rtol=1e-6)
     np.testing.assert_allclose(be.swiglu(z, x), silu_z * x, rtol=1e-5, atol=1e-7)
+    z64 = z.astype(np.float64)
+    gelu_tanh = 0.5 * z64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (z64 + 0.044715 * z64**3)))
+    np.testing.assert_allclose(be.geglu(z, x), gelu_tanh * x, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(be.silu(z), silu_z, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(be.scale(x, 0.25), x * 0.25, rtol=1e-7)
+    np.testing.assert_allclose(be.mul(z, x[..., :1]), z * x[..., :1], rtol=1e-7)  # broadcasting
     assert np.isfinite(be.sigmoid(np.array([-1000.0, 1000.0], np.float32))).all()
 
 
