@@ -33,7 +33,6 @@ from .chat import ChatPanel
 from .conversations import ConversationStore
 from .devices_panel import DevicesPanel
 from .engine_bridge import EngineBridge
-from .graphs import GraphsPanel
 from .layer_map import LayerMapModel, LayerMapPanel, costs_for_file, initial_plan
 from .library_panel import LibraryPanel
 from .settings import Settings
@@ -218,8 +217,10 @@ class MainWindow(QMainWindow):
         self.layers = LayerMapPanel(self.layer_model)
         self.layers.contiguous.setChecked(self.layer_model.keep_contiguous)
         self.devices_panel = DevicesPanel(lambda: self.devices if self._simulated else available_devices())
-        self.graphs = GraphsPanel(self.bridge.metrics, self.settings.get("graph_window_s", 120),
-                                  self.settings.get("metrics_refresh_hz", 10))
+        # pyqtgraph takes seconds to import: the Performance page is built the first time it is shown
+        self.graphs = None
+        self.graphs_host = QWidget()
+        QVBoxLayout(self.graphs_host).setContentsMargins(0, 0, 0, 0)
         hw = QWidget()
         hl = QVBoxLayout(hw)
         hl.setContentsMargins(0, 0, 0, 0)
@@ -234,7 +235,7 @@ class MainWindow(QMainWindow):
         dl.addWidget(self.devices_panel)
         hl.addWidget(dev_wrap)
         hl.addWidget(self.layers, 1)
-        for page in (self.chat, self.library, hw, self.graphs):
+        for page in (self.chat, self.library, hw, self.graphs_host):
             self.stack.addWidget(page)
 
         self.status_model = QLabel("No model loaded")
@@ -267,7 +268,10 @@ class MainWindow(QMainWindow):
         new_chat.setShortcut(QKeySequence("Ctrl+N"))
         new_chat.triggered.connect(self.chat.new_chat)
         self.addAction(new_chat)
-        self.show_page(0)
+        geom = self.settings.get("window") or {}
+        if isinstance(geom, dict) and geom.get("width") and geom.get("height"):
+            self.resize(int(geom["width"]), int(geom["height"]))
+        self.show_page(geom.get("page", "chat") if isinstance(geom, dict) and geom.get("page") in PAGES else 0)
         self._update_top()
         if self.bridge.runtime_error:
             self.chat._add_message({"role": "error", "content": self.bridge.runtime_error})
@@ -286,8 +290,19 @@ class MainWindow(QMainWindow):
     def show_page(self, i) -> None:
         if isinstance(i, str):
             i = PAGES.index(i)
+        if PAGES[i] == "graphs":
+            self.ensure_graphs()
         self.stack.setCurrentIndex(i)
         self.nav.select(i)
+
+    def ensure_graphs(self):
+        if self.graphs is None:
+            from .graphs import GraphsPanel
+
+            self.graphs = GraphsPanel(self.bridge.metrics, self.settings.get("graph_window_s", 120),
+                                      self.settings.get("metrics_refresh_hz", 10))
+            self.graphs_host.layout().addWidget(self.graphs)
+        return self.graphs
 
     # ---- model selection and loading -----------------------------------------------------------------
     def start(self, model_path=None, autoload: bool = True) -> None:
@@ -403,7 +418,8 @@ class MainWindow(QMainWindow):
         has_vision = bool(getattr(info, "has_vision", False))
         name = getattr(info, "name", "") or path.stem
         self.chat.set_model(True, name, has_vision, str(path))
-        self.graphs.set_metrics(self.bridge.metrics)
+        if self.graphs is not None:
+            self.graphs.set_metrics(self.bridge.metrics)
         self._show_engine_plan(info, path)
         self.status_model.setText(f"Loaded {name}")
         self._update_top()
@@ -477,6 +493,8 @@ class MainWindow(QMainWindow):
         self.top.unload_btn.setVisible(loaded)
 
     def closeEvent(self, e):
+        self.settings["window"] = {"width": self.width(), "height": self.height(),
+                                   "page": PAGES[self.stack.currentIndex()]}
         try:
             self.settings.save()
         except OSError:

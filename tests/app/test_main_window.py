@@ -27,9 +27,11 @@ def _window(qtbot, bridge, devices):
 def test_pages_and_load_progress(qtbot, make_bridge, two_gpus, tiny_model, scripted):
     bridge = make_bridge()
     win = _window(qtbot, bridge, two_gpus)
+    assert win.graphs is None  # built on first visit (pyqtgraph is slow to import)
     for i, name in enumerate(("chat", "models", "layers", "graphs")):
         win.show_page(name)
         assert win.stack.currentIndex() == i and win.nav.buttons[i].isChecked()
+    assert win.graphs is not None and win.graphs.metrics is bridge.metrics
     progress = []
     bridge.load_progress.connect(lambda f, t: progress.append(f))
     with qtbot.waitSignal(bridge.loaded, timeout=10000):
