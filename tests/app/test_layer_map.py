@@ -177,3 +177,12 @@ def test_plan_is_remembered_per_model(qtbot, two_gpus, tiny_model, make_bridge):
     win2.select_model(tiny_model)
     qtbot.waitUntil(lambda: win2.layer_model.plan is not None, timeout=10000)
     assert win2.layer_model.plan.assignment == ["cuda:1"] * len(plan.assignment)
+
+
+def test_item_model_passes_qt_model_tester(qtmodeltester, two_gpus, tiny_model):
+    model = LayerMapModel(two_gpus)
+    plan, _ = initial_plan(_costs(tiny_model), two_gpus)
+    model.set_plan(plan)
+    qtmodeltester.check(model, force_py=True)
+    model.move_parts([1, 2, 3], "cpu:0")  # still consistent after an edit
+    qtmodeltester.check(model, force_py=True)

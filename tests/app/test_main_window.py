@@ -177,3 +177,13 @@ def test_screenshot_entry_point(qtbot, tiny_model, tmp_path, monkeypatch):
                  "--no-scan", "--size", "1200x800"]) == 0
     img = QImage(str(out))
     assert img.width() >= 1200 and img.height() >= 800
+
+
+def test_library_model_passes_qt_model_tester(qtmodeltester, fixtures_dir):
+    from minecart.app.library_panel import LibraryModel
+    from minecart.engine import model_library as ml
+
+    m = LibraryModel()
+    m.set_rows([ml.summarize(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf"),
+                ml.ModelSummary(path=fixtures_dir / "nope.gguf", error="unreadable GGUF header: test")])
+    qtmodeltester.check(m, force_py=True)
