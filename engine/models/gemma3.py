@@ -7,7 +7,7 @@ the multimodal projector are not read), a tokenizer, or a sampler.
 
 The forward pass, per token sequence (H hidden, nh query heads, n_kv KV heads, d head dim):
 
-    x = token_embd[ids] * sqrt(H)                          # the scale is applied in fp32, as both do
+    x = token_embd[ids] * sqrt(H)                          # sqrt(640) = 25.3 for the demo model
     for each layer i:
         h = rms(x) * attn_norm
         q, k, v = h @ attn_q.T, h @ attn_k.T, h @ attn_v.T   # (T, nh, d), (T, n_kv, d), (T, n_kv, d)
@@ -15,7 +15,7 @@ The forward pass, per token sequence (H hidden, nh query heads, n_kv KV heads, d
         q, k = rope(q), rope(k)          # NEOX, all d dims; base = rope_base_local (10 000) on
                                          # sliding layers, rope.freq_base (and linear scaling) on global
         o = attention(q, k, v, scale=1/sqrt(query_pre_attn_scalar), window on sliding layers)
-        x = x + rms(o @ attn_output.T) * post_attention_norm
+        x = x + rms(o @ attn_output.T) * post_attention_norm  # norm BEFORE the residual add
         h = rms(x) * ffn_norm                                # "pre_feedforward_layernorm"
         f = (gelu_tanh(h @ ffn_gate.T) * (h @ ffn_up.T)) @ ffn_down.T
         x = x + rms(f) * post_ffw_norm
@@ -26,7 +26,7 @@ llama.cpp's converter (`Gemma3Model.modify_tensors`) writes w + 1 into the GGUF 
 So every norm here is a plain multiplier. Checked on the demo GGUF: `post_attention_norm` and
 `ffn_norm` of layer 0 have a minimum of exactly 0.0 (zero-centred weight -1, i.e. a channel the
 checkpoint switches off), and the logits match transformers, whose GGUF loader subtracts the 1 again
-(tests/data/gemma3_README.md). Gemma 3 has no attention or final logit soft-capping (Gemma 2 had).
+(docs/demo-check.md). Gemma 3 has no attention or final logit soft-capping (Gemma 2 had).
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def layer(config, backend, w, i: int, x, state: LayerState, positions):
     o = backend.attention(q, k, v, state.kv, scale=scale, window=window)  # (T, nh, dv)
     o = backend.matmul(o.reshape(T, nh * dv), w[p + "attn_output.weight"])
     o = backend.rms_norm(o, w[p + "post_attention_norm.weight"], eps)
-    x = backend.add(x, o)
+    # residual add and the pre-feed-forward norm in one op (a backend may fuse them)
+    x, h = backend.add_rms_norm(x, o, w[p + "ffn_norm.weight"], eps)
 
     # ---- feed-forward block (GeGLU, tanh-approximated GELU)
-    h = backend.rms_norm(x, w[p + "ffn_norm.weight"], eps)
     gate = backend.matmul(h, w[p + "ffn_gate.weight"])
     up = backend.matmul(h, w[p + "ffn_up.weight"])
     f = backend.matmul(backend.geglu(gate, up), w[p + "ffn_down.weight"])
