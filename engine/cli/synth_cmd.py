@@ -29,6 +29,9 @@ def register(subparsers) -> None:
     p.add_argument("--fuse-gate-up", action="store_true",
                    help="MoE: write fused ffn_gate_up_exps instead of separate gate/up expert tensors")
     p.add_argument("--list", action="store_true", help="list the shapes and exit")
+    p.add_argument("--tower", default=None, metavar="NAME",
+                   help="write a vision projector (mmproj) of this model's tower instead of a model, "
+                        "e.g. qwen3.5-27b; --quant f32, f16, bf16 or q8_0 (engine/vision/synth_mmproj.py)")
     p.set_defaults(func=run)
 
 
@@ -61,6 +64,8 @@ def run(args) -> int:
                   f"{s.n_kv_heads}, GDN {s.gdn_k_heads}/{s.gdn_v_heads}, {ffn}, "
                   f"{'tied' if s.tied else 'untied'} embeddings")
         return 0
+    if getattr(args, "tower", None):
+        return _run_tower(args)
     if not args.shape or not args.out:
         raise RequestError("synth needs --shape NAME and an output path (see `minecart synth --list`)")
     print(f"writing {args.out}: {args.shape}, {args.quant}, seed {args.seed}"
@@ -68,6 +73,23 @@ def run(args) -> int:
     try:
         info = write_synthetic(args.out, args.shape, args.quant, seed=args.seed, n_layers=args.layers,
                                mtp=not args.no_mtp, fuse_gate_up=args.fuse_gate_up, progress=_Progress())
+    except OSError as exc:
+        raise RequestError(f"cannot write {args.out}: {exc}; check the folder and free disk space") from exc
+    print(f"wrote {info['path']}: {info['bytes'] / 1e9:.3f} GB, {info['tensors']} tensors in "
+          f"{info['seconds']:.1f} s ({info['mb_per_s']:.0f} MB/s)")
+    return 0
+
+
+def _run_tower(args) -> int:
+    from ..errors import RequestError
+    from ..vision.synth_mmproj import write_synthetic_mmproj
+
+    if not args.out:
+        raise RequestError("synth --tower needs an output path, e.g. /tmp/mmproj-27b-f16.gguf")
+    quant = args.quant  # matrices; rows that do not split into blocks fall back to F16
+    print(f"writing {args.out}: {args.tower} vision tower, {quant}, seed {args.seed}", file=sys.stderr)
+    try:
+        info = write_synthetic_mmproj(args.out, args.tower, quant, seed=args.seed, progress=_Progress())
     except OSError as exc:
         raise RequestError(f"cannot write {args.out}: {exc}; check the folder and free disk space") from exc
     print(f"wrote {info['path']}: {info['bytes'] / 1e9:.3f} GB, {info['tensors']} tensors in "
