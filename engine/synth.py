@@ -18,7 +18,9 @@ What this is not: a model that says anything. Outputs are noise; only shapes, sp
 
 from __future__ import annotations
 
+import queue
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -188,20 +190,43 @@ def write_gguf(path: str | Path, kvs: list[bytes], tensors: list[PlannedTensor],
         head.append(_gguf_string(t.name) + struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, t.type_id, off))
     header = b"".join(head)
     header += b"\0" * (-len(header) % alignment)
+    # A writer thread overlaps the disk with the generator (file writes release the GIL); the bounded
+    # queue keeps at most a few chunks in memory.
+    pending: queue.Queue = queue.Queue(maxsize=3)
+    failure: list[BaseException] = []
+
+    def writer(f) -> None:
+        while (item := pending.get()) is not None:
+            if not failure:
+                try:
+                    f.write(item)
+                except BaseException as exc:  # reported by the producer below
+                    failure.append(exc)
+
     done = 0
     with open(path, "wb") as f:
         f.write(header)
-        for t in tensors:
-            written = 0
-            for chunk in chunks(t):
-                f.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
-                written += chunk.nbytes
-            if written != t.n_bytes:
-                raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.n_bytes}")
-            f.write(b"\0" * (-written % alignment))
-            done += written
-            if progress:
-                progress(done, total_data)
+        thread = threading.Thread(target=writer, args=(f,), name="gguf-writer", daemon=True)
+        thread.start()
+        try:
+            for t in tensors:
+                written = 0
+                for chunk in chunks(t):
+                    if failure:
+                        raise failure[0]
+                    pending.put(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+                    written += chunk.nbytes
+                if written != t.n_bytes:
+                    raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.n_bytes}")
+                pending.put(b"\0" * (-written % alignment))
+                done += written
+                if progress:
+                    progress(done, total_data)
+        finally:
+            pending.put(None)
+            thread.join()
+        if failure:
+            raise failure[0]
     return len(header) + total_data
 
 
