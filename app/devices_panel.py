@@ -8,13 +8,13 @@ cheap, so the panel re-reads on a slow timer while visible.
 from __future__ import annotations
 
 from minecart.engine.devices import DeviceInfo, format_bytes
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (
     QFrame,
-    QGridLayout,
     QHBoxLayout,
     QLabel,
     QProgressBar,
+    QScrollArea,
     QVBoxLayout,
     QWidget,
 )
@@ -26,7 +26,7 @@ class DeviceCard(QFrame):
     def __init__(self, dev: DeviceInfo, parent=None):
         super().__init__(parent)
         self.setObjectName("Card")
-        self.setMinimumWidth(260)
+        self.setFixedWidth(330)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(14, 12, 14, 12)
         lay.setSpacing(6)
@@ -71,7 +71,8 @@ class DeviceCard(QFrame):
         if dev.total_bytes > 0:
             self.bar.setRange(0, 1000)
             self.bar.setValue(int(1000 * max(dev.used_bytes, 0) / dev.total_bytes))
-            self.mem.setText(f"{kind} {format_bytes(dev.total_bytes)} total · {format_bytes(dev.used_bytes)} used · "
+            self.mem.setToolTip(f"{kind}: {dev.total_bytes:,} bytes total, {dev.used_bytes:,} used, {dev.free_bytes:,} free")
+            self.mem.setText(f"{kind} {format_bytes(dev.total_bytes)} · {format_bytes(dev.used_bytes)} used · "
                              f"<span style='color:#e4e7ee'>{format_bytes(dev.free_bytes)} free</span>")
         else:
             self.bar.setRange(0, 0)
@@ -85,15 +86,26 @@ class DeviceCard(QFrame):
 
 
 class DevicesPanel(QWidget):
-    """A row of device cards; `refresh()` re-reads memory numbers."""
+    """One row of device cards (scrolls sideways on a big rig, so the layer map keeps its room);
+    `refresh()` re-reads memory numbers."""
 
     def __init__(self, list_devices, parent=None):
         super().__init__(parent)
         self._list_devices = list_devices
         self.cards: list[DeviceCard] = []
-        self.grid = QGridLayout(self)
-        self.grid.setContentsMargins(0, 0, 0, 0)
-        self.grid.setSpacing(10)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAsNeeded)
+        host = QWidget()
+        self.row = QHBoxLayout(host)
+        self.row.setContentsMargins(0, 0, 0, 4)
+        self.row.setSpacing(10)
+        self.row.addStretch(1)
+        self.scroll.setWidget(host)
+        outer.addWidget(self.scroll)
         self.refresh()
         self.timer = QTimer(self)
         self.timer.setInterval(2000)
@@ -118,11 +130,14 @@ class DevicesPanel(QWidget):
                 card.set_device(dev)
             return
         for c in self.cards:
+            c.hide()
             c.setParent(None)
             c.deleteLater()
         self.cards = []
-        cols = 3
-        for i, dev in enumerate(devices):
+        for dev in devices:
             card = DeviceCard(dev)
             self.cards.append(card)
-            self.grid.addWidget(card, i // cols, i % cols)
+            self.row.insertWidget(self.row.count() - 1, card)
+        # tall enough for the tallest card plus the sideways scroll bar
+        height = max((c.sizeHint().height() for c in self.cards), default=0)
+        self.scroll.setFixedHeight(height + 18)

@@ -160,21 +160,10 @@ class LayerMapModel(QAbstractItemModel):
     def auto_split(self, context: int | None = None, kv_type: str | None = None) -> None:
         if self.plan is None:
             return
-        devices = [s for s in self.device_specs()]
-        # GPUs first, the CPU last: the CPU only takes what the cards cannot hold.
-        gpus = [d for d in devices if d.is_cuda]
-        order = gpus or devices
-        if gpus and self._needs_cpu(gpus, context, kv_type):
-            order = gpus + [d for d in devices if not d.is_cuda]
-        plan = pl.plan_auto(self.plan.costs, None, order, context=context or self.plan.context,
-                            chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
-                            n_sequences=self.plan.n_sequences)
-        self.set_plan(plan)
-
-    def _needs_cpu(self, gpus, context, kv_type) -> bool:
-        trial = pl.plan_auto(self.plan.costs, None, gpus, context=context or self.plan.context,
-                             chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type)
-        return any(i.severity == "error" for i in pl.validate(trial, gpus))
+        self.set_plan(fewest_devices_plan(self.plan.costs, self.device_specs(),
+                                          context=context or self.plan.context, chunk=self.plan.chunk,
+                                          kv_type=kv_type or self.plan.kv_type,
+                                          n_sequences=self.plan.n_sequences))
 
     def set_settings(self, **settings) -> None:
         if self.plan is None:
@@ -598,7 +587,8 @@ class LayerMapPanel(QWidget):
         self.contiguous.setToolTip("Dropping a layer on a device moves the boundary: the layers between come along")
         top.addWidget(self.contiguous)
         self.auto_btn = QPushButton(theme.icon("auto"), " Auto-split")
-        self.auto_btn.setToolTip("Split by free memory, GPUs first, the CPU only for what does not fit")
+        self.auto_btn.setToolTip("Use as few devices as hold the model (GPUs in order, the CPU last), "
+                                 "split by free memory")
         top.addWidget(self.auto_btn)
         self.apply_btn = QPushButton(theme.icon("check", "#1a1307"), " Apply")
         self.apply_btn.setObjectName("Primary")
@@ -770,13 +760,24 @@ def initial_plan(costs: pl.ModelCosts, devices: list[DeviceInfo], saved: dict | 
             return pl.Placement.from_dict(saved, costs), "restored your saved plan"
         except Exception as exc:
             note = f"saved plan ignored: {exc}"
-    specs = [device_spec(d) for d in devices]
+    return fewest_devices_plan(costs, [device_spec(d) for d in devices], context=context), note
+
+
+def fewest_devices_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec], **settings) -> pl.Placement:
+    """Split over as few devices as hold the model: the first GPU, then the first two, ..., then all GPUs
+    and the CPU last. A layer split does not make one stream faster, and every extra device adds a hop
+    over the PCIe link (x1 risers on mining rigs), so fewer is better. If nothing fits, everything is
+    used and the plan's warnings say by how much it overflows."""
     gpus = [s for s in specs if s.is_cuda]
-    order = gpus or specs
-    plan = pl.plan_auto(costs, None, order, context=context)
-    if gpus and any(i.severity == "error" for i in pl.validate(plan, gpus)):
-        plan = pl.plan_auto(costs, None, gpus + [s for s in specs if not s.is_cuda], context=context)
-    return plan, note
+    order = gpus + [s for s in specs if not s.is_cuda]
+    if not order:
+        raise pl.PlacementError("no devices to place the model on")
+    plan = None
+    for k in range(1, len(order) + 1):
+        plan = pl.plan_auto(costs, None, order[:k], **settings)
+        if not any(i.severity == "error" for i in pl.validate(plan, order[:k])):
+            return plan
+    return plan
 
 
-__all__ = ["LayerMapModel", "LayerMapPanel", "costs_for_file", "initial_plan", "MIME_PARTS"]
+__all__ = ["LayerMapModel", "LayerMapPanel", "costs_for_file", "fewest_devices_plan", "initial_plan", "MIME_PARTS"]

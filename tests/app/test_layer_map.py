@@ -186,3 +186,23 @@ def test_item_model_passes_qt_model_tester(qtmodeltester, two_gpus, tiny_model):
     qtmodeltester.check(model, force_py=True)
     model.move_parts([1, 2, 3], "cpu:0")  # still consistent after an edit
     qtmodeltester.check(model, force_py=True)
+
+
+def test_auto_split_uses_the_fewest_devices_that_fit(two_gpus, tiny_model):
+    from dataclasses import replace
+
+    from minecart.app.layer_map import device_spec, fewest_devices_plan
+
+    costs = _costs(tiny_model)
+    specs = [device_spec(d) for d in two_gpus]
+    assert fewest_devices_plan(costs, specs).devices_used() == ["cuda:0"]  # fits on the first card
+    # the first card too small for all of it: the second one joins, the CPU stays out
+    one = pl.Placement.single(costs, "cuda:0").bytes_per_device()["cuda:0"].total
+    # the first card cannot hold it all: the second card is brought in, the CPU stays out
+    tight = [replace(specs[0], free_bytes=one - costs.weight_bytes // 2)] + specs[1:]
+    plan = fewest_devices_plan(costs, tight)
+    assert "cuda:1" in plan.devices_used() and "cpu:0" not in plan.devices_used()
+    assert plan.is_contiguous() and not [i for i in pl.validate(plan, tight) if i.severity == "error"]
+    # no card big enough: the CPU takes the rest
+    tiny = [replace(s, free_bytes=int(one * 0.55)) if s.is_cuda else s for s in specs]
+    assert "cpu:0" in fewest_devices_plan(costs, tiny).devices_used()
