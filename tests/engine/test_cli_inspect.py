@@ -62,6 +62,8 @@ def test_vocab_only_and_vision_files(fixtures_dir, capsys):
     m = inspect_json(fixtures_dir / "vision/mmproj-qwen35-tiny-vl-f16.gguf", capsys)
     assert m["architecture"] == "clip" and not m["supported"] and m["n_tensors"] == 46
     assert set(m["quant_mix"]) == {"F16", "F32"} and m["params"]["total"] > 0
+    m32 = inspect_json(fixtures_dir / "vision/mmproj-qwen35-tiny-vl-f32.gguf", capsys)
+    assert set(m32["quant_mix"]) == {"F32"} and m32["params"]["total"] == m["params"]["total"]
     vl = inspect_json(fixtures_dir / "vision/qwen35-tiny-vl-f16.gguf", capsys)
     assert vl["architecture"] == "qwen35" and vl["tensors_ok"] and vl["n_tensors"] == 108
 

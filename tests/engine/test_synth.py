@@ -210,3 +210,20 @@ def test_cli_synth(tmp_path, capsys):
     assert main(["synth", "--list"]) == 0
     assert "qwen3.6-35b-a3b" in capsys.readouterr().out
     assert main(["synth", "--shape", "tiny-dense"]) == 1  # no output path: a RequestError, exit code 1
+
+
+@pytest.mark.parametrize("shape,quant", [("tiny-dense", "q4_0"), ("tiny-moe", "q8_0"), ("small-dense", "q4_k"),
+                                         ("small-dense", "q6_k")])
+def test_synthetic_models_run_without_overflow(tmp_path, shape, quant):
+    """The engine's reference model runs on the random weights: finite logits of a sane spread."""
+    from minecart.engine import load_model
+
+    p = tmp_path / "run.gguf"
+    write_synthetic(p, small(shape, 1024), quant, seed=9)
+    model = load_model(p)
+    try:
+        logits = model.logits([1, 500, 1023, 7, 7, 7, 300, 2] * 4)
+    finally:
+        getattr(model, "close", lambda: None)()
+    assert logits.shape == (32, 1024) and np.isfinite(logits).all()
+    assert 0.2 < logits.std() < 20, logits.std()
