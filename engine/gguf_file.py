@@ -32,7 +32,7 @@ MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_KEY_BYTES = 65535  # the GGUF spec bounds key length
 # No real model has arrays this long (vocabularies are ~262k); a larger count means a corrupt file, and
 # refusing it keeps a 30 GB file full of garbage from becoming a list of a billion Python objects.
-MAX_ARRAY_LEN = 1 << 24
+MAX_ARRAY_LEN = 1 << 22  # 4.2M; real vocabularies and merge lists stay below 300k
 MAX_ARRAY_DEPTH = 3
 
 # GGUF metadata value types: id -> (name, numpy dtype or None for string/array)
