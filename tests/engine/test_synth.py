@@ -175,9 +175,13 @@ def test_real_shapes_per_layer():
     assert by_name["output.weight"].shape == (248320, 4096)
     layer_bytes = sum(t.n_bytes for t in plan if t.name.startswith("blk.3."))
     assert layer_bytes == 222_822_400 + 34_816  # doc 6.2: full-attention layer at Q8_0 + F32 tensors
+    gdn_bytes = sum(t.n_bytes for t in plan if t.name.startswith("blk.0."))
+    assert gdn_bytes == 232_013_824 + 164_608  # doc 6.2: GDN layer
     _, _, moe = _params("qwen3.6-35b-a3b", mtp=True)
     m = {t.name: t for t in moe}
     assert m["blk.0.ffn_gate_exps.weight"].shape == (256, 512, 2048)
+    routed = sum(int(np.prod(m[f"blk.0.ffn_{p}_exps.weight"].shape)) for p in ("gate", "up", "down"))
+    assert routed == 805_306_368  # doc 6.2
     assert m["blk.0.ffn_down_exps.weight"].shape == (256, 2048, 512)
     assert m["blk.0.ffn_gate_inp.weight"].shape == (256, 2048) and m["blk.0.ffn_gate_inp.weight"].type_id == Q.F32
     assert m["blk.40.nextn.eh_proj.weight"].shape == (2048, 4096)
