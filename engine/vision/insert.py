@@ -207,8 +207,7 @@ def prepare_chat(model, messages, *, enable_thinking: bool = True, tools=None,
                            "with its mmproj-*.gguf file (beside the model, or --mmproj)")
     if model.chat_template is None or model.tokenizer is None:
         raise RequestError("a prompt with pictures needs the model's chat template and tokenizer")
-    sources = image_sources(messages)
-    encoded = [tower.encode(src, max_image_tokens=max_image_tokens) for src in sources]
+    messages, encoded = _encode_pictures(tower, messages, max_image_tokens)
     kwargs = {"enable_thinking": enable_thinking}
     if tools:
         kwargs["tools"] = tools
@@ -227,6 +226,37 @@ def prepare_chat(model, messages, *, enable_thinking: bool = True, tools=None,
                 if 0 < len(expanded) < len(prepared.ids) and prepared.ids[: len(expanded)] == expanded:
                     prepared.boundary = len(expanded)
     return prepared
+
+
+def _encode_pictures(tower, messages, max_image_tokens):
+    """(messages, [(PreprocessedImage, embeddings)] in template order). A picture of the newest user
+    message that cannot be read raises ImageError; one in an earlier turn (deleted or moved since, or
+    the turn that already failed) is left out of the prompt, so one bad file does not end the chat."""
+    from ..errors import ImageError
+
+    last_user = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+                    default=-1)
+    kept_messages, encoded = [], []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list) or not any(_is_image_part(p) for p in content):
+            kept_messages.append(m)
+            continue
+        parts = []
+        for part in content:
+            if not _is_image_part(part):
+                parts.append(part)
+                continue
+            src = image_sources([{"role": m.get("role"), "content": [part]}])[0]
+            try:
+                encoded.append(tower.encode(src, max_image_tokens=max_image_tokens))
+            except ImageError:
+                if i >= last_user:
+                    raise
+                continue  # an old turn's unreadable picture: left out
+            parts.append(part)
+        kept_messages.append(dict(m, content=parts))
+    return kept_messages, encoded
 
 
 def checkpoint_turn_boundary(session, prepared: PreparedPrompt, cancel=None) -> int:

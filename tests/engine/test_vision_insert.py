@@ -210,3 +210,18 @@ def test_cli_run_with_image(vision_dir):
     bad = subprocess.run(args[:-8] + ["--image", str(vision_dir / "README.md"), "-p", "x"],
                          capture_output=True, text=True, timeout=240, cwd=REPO, env=env)
     assert bad.returncode != 0 and "README.md" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_unreadable_picture_only_fails_its_own_turn(vl_model, vision_dir, tmp_path):
+    broken = tmp_path / "broken.png"
+    broken.write_bytes((vision_dir / "images" / "photo_320x180.png").read_bytes()[:400])
+    good = str(vision_dir / "images" / "native_352x192.png")
+    turn = [{"role": "user", "content": [{"type": "image", "path": str(broken)},
+                                         {"type": "text", "text": "what is this?"}]}]
+    with pytest.raises(ImageError, match="broken.png"):
+        prepare_chat(vl_model, turn)
+    later = turn + [{"role": "user", "content": [{"type": "image", "path": good},
+                                                 {"type": "text", "text": "and this one?"}]}]
+    prepared = prepare_chat(vl_model, later)  # the old broken picture is left out
+    assert prepared.n_image_tokens == 66 and len(prepared.spans) == 1
+    assert prepared.ids.count(PAD) == 66
