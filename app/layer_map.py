@@ -532,7 +532,7 @@ class DeviceLane(QFrame):
                 parts.append(f"state {format_bytes(b.recurrent)}")
             parts.append(f"scratch {format_bytes(b.activations)}")
             if b.overhead:
-                parts.append(f"CUDA context {format_bytes(b.overhead)}")
+                parts.append(f"CUDA ctx {format_bytes(b.overhead)}")
             self.numbers.setText(f"<span style='color:#e4e7ee'><b>{format_bytes(need)}</b></span> of "
                                  f"{format_bytes(cap)} free  ·  " + "  ·  ".join(parts))
         else:
@@ -556,18 +556,14 @@ class LayerMapPanel(QWidget):
         outer.setSpacing(12)
 
         top = QHBoxLayout()
-        title_box = QVBoxLayout()
         t = QLabel("Layer map")
         t.setObjectName("PageTitle")
-        title_box.addWidget(t)
+        top.addWidget(t)
+        top.addStretch(1)
         self.subtitle = QLabel("Select a model to plan where its layers run.")
         self.subtitle.setObjectName("Subtle")
         self.subtitle.setWordWrap(True)
-        self.subtitle.setMinimumWidth(240)
         self.subtitle.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        title_box.addWidget(self.subtitle)
-        top.addLayout(title_box, 1)
-        top.addStretch(1)
         top.addWidget(self._small("Context"))
         self.context = QSpinBox()
         self.context.setRange(256, 1 << 20)
@@ -595,6 +591,7 @@ class LayerMapPanel(QWidget):
         self.apply_btn.setToolTip("Re-place the loaded model with this plan (and remember it for this model)")
         top.addWidget(self.apply_btn)
         outer.addLayout(top)
+        outer.addWidget(self.subtitle)
 
         legend = QHBoxLayout()
         legend.setSpacing(14)
