@@ -139,10 +139,11 @@ def _eos_ids(tokenizer) -> set[int]:
 
 def generate(model, prompt, params: SamplingParams | None = None, *, session=None, cancel=None,
              enable_thinking: bool = True, prefill_chunk: int = PREFILL_CHUNK, positions=None,
-             embed_override=None) -> Iterator[GenerationEvent]:
+             embed_override=None, tools=None) -> Iterator[GenerationEvent]:
     """positions ((3, T) M-RoPE) and embed_override ((rows, values) image embeddings) describe a
     prompt given as token ids with images already expanded (Session.sync); text gets positions
-    continuing from the prompt's last one."""
+    continuing from the prompt's last one. Chat messages with pictures on a model with a vision tower
+    are laid out by engine/vision (prepare_chat), `tools` rendered into their template."""
     params = params or SamplingParams()
     if positions is None and embed_override is None and getattr(model, "vision", None) is not None:
         from .vision.insert import has_images, prepare_chat
@@ -150,7 +151,7 @@ def generate(model, prompt, params: SamplingParams | None = None, *, session=Non
         if has_images(prompt):  # chat messages with pictures: expanded ids, (3, T) positions, rows
             from .vision.insert import checkpoint_turn_boundary
 
-            prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking)
+            prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking, tools=tools)
             positions, embed_override = prepared.positions, prepared.embed_override
             before = None
             if session is not None:

@@ -687,6 +687,8 @@ class Runtime:
         kwargs = {"session": session, "cancel": req.cancel_event}
         if _accepts(model.generate, "enable_thinking"):
             kwargs["enable_thinking"] = enable_thinking
+        if a.get("tools") and not isinstance(prompt[0], int) and _accepts(model.generate, "tools"):
+            kwargs["tools"] = a["tools"]  # chats with pictures go as messages: the model renders the tools
         ok = False
         stream = model.generate(prompt, _params(a.get("params")), **kwargs)
         try:

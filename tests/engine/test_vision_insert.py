@@ -173,6 +173,13 @@ def test_runtime_app_message_shape(vision_dir):
         ok = rt.chat(_messages(vision_dir, chat), greedy_params(max_tokens=2), conversation_id="c1")
         list(ok.events())
         assert ok.final.kind == "done" and ok.final.usage.cached_tokens > 0
+        tools = [{"type": "function", "function": {"name": "zoom", "description": "zoom in",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+        with_tools = rt.chat(_messages(vision_dir, chat), greedy_params(max_tokens=1), tools=tools)
+        list(with_tools.events())
+        assert with_tools.final.kind == "done"
+        assert with_tools.final.usage.prompt_tokens > 82 + 20  # the tools reached the template
+        assert with_tools.final.usage.image_tokens == 66
     finally:
         rt.close()
 
