@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, validate_tensors
 from .errors import DeviceError, GenerationCancelled, TokenizerError
 from .gguf_file import GGUFFile
 from .models import module_for
@@ -439,6 +439,8 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     t0 = time.perf_counter()
     gf = GGUFFile(path)
     config = ModelConfig.from_gguf(gf)
+    # Wrong or truncated files fail here with the tensor's name, not inside a layer's matmul.
+    validate_tensors(config, gf)
     module = module_for(config.architecture)
     params = inspect.signature(module.tensor_roles).parameters
     if "available" in params:
