@@ -42,6 +42,9 @@ from .markdown import to_html
 from .settings import data_dir
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
+BASE_MODEL_TEXT = ("{name} is a pretrained base model (its file has no chat template): it continues text "
+                   "rather than following instructions, so expect loose answers. Load an instruction-tuned "
+                   "model for real chat.")
 NO_VISION_TEXT = ("This model has no vision tower, so it cannot see images. The picture stays in the chat, "
                   "but only your text is sent. Load a model with a vision projector (mmproj) to ask about images.")
 
@@ -418,6 +421,11 @@ class ChatPanel(QWidget):
         self.attach_notice.setObjectName("WarnText")
         self.attach_notice.hide()
         bl.addWidget(self.attach_notice)
+        self.base_notice = QLabel("")
+        self.base_notice.setWordWrap(True)
+        self.base_notice.setObjectName("WarnText")
+        self.base_notice.hide()
+        bl.addWidget(self.base_notice)
         self.attach_row = QHBoxLayout()
         self.attach_row.setSpacing(6)
         self.attach_row.addStretch(1)
@@ -525,8 +533,11 @@ class ChatPanel(QWidget):
         self.loading_name = name
         self._update_empty()
 
-    def set_model(self, loaded: bool, name: str = "", has_vision: bool = False, path: str = "") -> None:
+    def set_model(self, loaded: bool, name: str = "", has_vision: bool = False, path: str = "",
+                  base_model: bool = False) -> None:
         self.model_loaded = loaded
+        self.base_notice.setText(BASE_MODEL_TEXT.format(name=name or "This model"))
+        self.base_notice.setVisible(loaded and base_model)
         self.loading_name = ""
         self.model_has_vision = has_vision
         self.model_path = path

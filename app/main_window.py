@@ -417,7 +417,8 @@ class MainWindow(QMainWindow):
             pass
         has_vision = bool(getattr(info, "has_vision", False))
         name = getattr(info, "name", "") or path.stem
-        self.chat.set_model(True, name, has_vision, str(path))
+        self.chat.set_model(True, name, has_vision, str(path),
+                            base_model=bool(getattr(info, "base_model", False)))
         if self.graphs is not None:
             self.graphs.set_metrics(self.bridge.metrics)
         self._show_engine_plan(info, path)

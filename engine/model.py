@@ -175,6 +175,16 @@ class Model:
                 self._chat_template = _load_chat_template(self.gguf)
             return self._chat_template
 
+    @property
+    def is_base_model(self) -> bool:
+        """True for a pretrained (not instruction-tuned) model: its file carries no chat template and
+        its name says nothing of instruct/chat tuning. Such models continue text; clients say so."""
+        if self.gguf.get("tokenizer.chat_template"):
+            return False
+        words = " ".join(str(self.gguf.get(k, "")) for k in ("general.name", "general.finetune",
+                                                              "general.tags")).lower()
+        return not any(w in words for w in ("instruct", "-it", " it", "chat"))
+
     @chat_template.setter
     def chat_template(self, value) -> None:
         self._chat_template = value

@@ -315,6 +315,7 @@ class ModelInfo:
     devices: tuple[str, ...]
     placement: Any = None
     has_vision: bool = False
+    base_model: bool = False  # pretrained, not instruction-tuned: it continues text
 
     def to_dict(self) -> dict:
         return {
@@ -324,6 +325,7 @@ class ModelInfo:
             "context_length": self.context_length,
             "devices": list(self.devices),
             "has_vision": self.has_vision,
+            "base_model": self.base_model,
         }
 
 
@@ -972,6 +974,7 @@ def _describe(model, load_args: dict) -> ModelInfo:
         devices=tuple(str(getattr(d, "id", d)) for d in devices),
         placement=placement,
         has_vision=_reads_images(model),
+        base_model=bool(getattr(model, "is_base_model", False)),
     )
 
 
