@@ -463,6 +463,55 @@ class CupyBackend:
             cache.append(_f32(k), _f32(v))
             return ops.attention(q, cache.k, cache.v, start, cache.length, float(scale), int(window))
 
+    # ---- vision tower (engine/vision/encoder.py) -------------------------------------------------
+    # Plain CuPy array ops (elementwise kernels and cuBLAS SGEMM for the scores), once per image:
+    # not on the decode path, so no hand-written kernels yet.
+    def layer_norm(self, x, w, b, eps: float):
+        with self._dev:
+            x32 = _f32(x)
+            centred = x32 - x32.mean(axis=-1, keepdims=True)
+            inv = cp.reciprocal(cp.sqrt((centred * centred).mean(axis=-1, keepdims=True) + cp.float32(eps)))
+            return centred * inv * _f32(w) + _f32(b)
+
+    def gelu(self, x, *, exact: bool = False):
+        with self._dev:
+            x32 = _f32(x)
+            if exact:
+                from cupyx.scipy.special import erf
+
+                return cp.float32(0.5) * x32 * (cp.float32(1.0) + erf(x32 * cp.float32(0.7071067811865476)))
+            inner = cp.float32(0.7978845608028654) * (x32 + cp.float32(0.044715) * x32 * x32 * x32)
+            return cp.float32(0.5) * x32 * (cp.float32(1.0) + cp.tanh(inner))
+
+    def vision_rope(self, x, positions, base: float):
+        with self._dev:
+            x32 = _f32(x)
+            d = x32.shape[-1]
+            half, quarter = d // 2, d // 4
+            inv_freq = np.float64(base) ** (-4.0 * np.arange(quarter) / d)
+            pos = np.asarray(positions, dtype=np.float64)  # (2, T): row, col
+            angle = np.concatenate([pos[0][:, None] * inv_freq, pos[1][:, None] * inv_freq], axis=1)
+            cos = cp.asarray(np.cos(angle).astype(np.float32))[:, None, :]
+            sin = cp.asarray(np.sin(angle).astype(np.float32))[:, None, :]
+            x1, x2 = x32[..., :half], x32[..., half:]
+            return cp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+    def attention_full(self, q, k, v, *, scale: float):
+        with self._dev:
+            qh = _f32(q).transpose(1, 0, 2)  # (nh, T, d)
+            kh = _f32(k).transpose(1, 0, 2)
+            vh = _f32(v).transpose(1, 0, 2)
+            T = qh.shape[1]
+            out = cp.empty((qh.shape[0], T, vh.shape[2]), dtype=cp.float32)
+            block = max(1, (1 << 26) // max(T * qh.shape[0], 1))  # bounds the (nh, block, T) scores
+            for q0 in range(0, T, block):
+                scores = cp.matmul(qh[:, q0 : q0 + block], kh.transpose(0, 2, 1)) * cp.float32(scale)
+                scores -= scores.max(axis=-1, keepdims=True)
+                p = cp.exp(scores)
+                p /= p.sum(axis=-1, keepdims=True)
+                out[:, q0 : q0 + block] = cp.matmul(p, vh)
+            return cp.ascontiguousarray(out.transpose(1, 0, 2))
+
     # ---- Gated DeltaNet ------------------------------------------------------------------------
     def conv1d_silu(self, x, state, w):
         with self._dev:

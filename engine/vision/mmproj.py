@@ -237,6 +237,21 @@ class VisionTower:
                 f"heads={c.n_heads}, out={c.projection_dim}, on {getattr(self.backend, 'device', '?')})")
 
 
+def _zero_padded(gf: GGUFFile, info, rows: int = 0, cols: int = 0):
+    """An F32 TensorInfo of `info` with `rows` zero rows / `cols` zero columns appended."""
+    from .. import quants
+
+    data = np.asarray(quants.dequantize(info, path=gf.path), dtype=np.float32)
+    if data.ndim == 1:
+        data = np.concatenate([data, np.zeros(rows, np.float32)])
+    else:
+        data = np.pad(data, ((0, rows), (0, cols)))
+    data = np.ascontiguousarray(data)
+    raw = data.view(np.uint8).reshape(data.shape[0], -1) if data.ndim == 2 else data.view(np.uint8)
+    return dataclasses.replace(info, ggml_type=0, type_name="F32", shape=tuple(data.shape), raw=raw,
+                               n_bytes=int(data.nbytes))
+
+
 def _supports_vision(backend) -> bool:
     return all(callable(getattr(backend, op, None))
                for op in ("layer_norm", "gelu", "vision_rope", "attention_full"))
@@ -260,6 +275,9 @@ def load_vision(path, text_config=None, backend=None, *, max_image_tokens: int |
             from ..backends.numpy_backend import NumpyBackend
 
             backend = NumpyBackend("cpu:0")
+        # GPU matmuls take rows of whole 32-value blocks; the 27B tower's MLP is 4304 wide. Zero rows
+        # in ffn_up (+ bias) and zero columns in ffn_down give the same result: gelu(0) = 0.
+        pad = 0 if getattr(backend, "name", "") == "numpy" else -cfg.ffn % 32
         weights = {}
         for name in shapes:
             info = gf.tensor(name)
@@ -267,6 +285,9 @@ def load_vision(path, text_config=None, backend=None, *, max_image_tokens: int |
                 # the (d, 3, p, p) kernel slice is a (d, 3 p p) matrix over one flattened frame
                 info = dataclasses.replace(info, shape=(cfg.hidden, 3 * cfg.patch_size ** 2),
                                            raw=np.asarray(info.raw).reshape(cfg.hidden, -1))
+            if pad and (".ffn_up." in name or ".ffn_down." in name):
+                info = _zero_padded(gf, info, rows=pad if ".ffn_up." in name else 0,
+                                    cols=pad if ".ffn_down." in name else 0)
             weights[name] = backend.load_weight(info, role=_role(name))
     except BaseException:
         gf.close()
