@@ -109,8 +109,12 @@ def image_sources(messages) -> list:
     return sources
 
 
+def _is_video_part(part) -> bool:
+    return isinstance(part, dict) and (part.get("type") in ("video", "video_url") or "video" in part)
+
+
 def has_images(prompt) -> bool:
-    """True for chat messages (a list of dicts) with at least one image part."""
+    """True for chat messages (a list of dicts) with at least one image (or video) part."""
     if isinstance(prompt, (str, bytes)):
         return False
     try:
@@ -119,7 +123,7 @@ def has_images(prompt) -> bool:
         return False
     if not items or not isinstance(items[0], dict):
         return False
-    return any(_is_image_part(p) for m in items if isinstance(m, dict)
+    return any(_is_image_part(p) or _is_video_part(p) for m in items if isinstance(m, dict)
                for p in (m.get("content") if isinstance(m.get("content"), list) else ()))
 
 
@@ -207,6 +211,9 @@ def prepare_chat(model, messages, *, enable_thinking: bool = True, tools=None,
                            "with its mmproj-*.gguf file (beside the model, or --mmproj)")
     if model.chat_template is None or model.tokenizer is None:
         raise RequestError("a prompt with pictures needs the model's chat template and tokenizer")
+    if any(_is_video_part(p) for m in messages if isinstance(m, dict)
+           for p in (m.get("content") if isinstance(m.get("content"), list) else ())):
+        raise RequestError("video input is not supported yet; send a few frames as pictures instead")
     messages, encoded = _encode_pictures(tower, messages, max_image_tokens)
     kwargs = {"enable_thinking": enable_thinking}
     if tools:

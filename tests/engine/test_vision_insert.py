@@ -229,6 +229,10 @@ def test_unreadable_picture_only_fails_its_own_turn(vl_model, vision_dir, tmp_pa
         prepare_chat(vl_model, turn)
     later = turn + [{"role": "user", "content": [{"type": "image", "path": good},
                                                  {"type": "text", "text": "and this one?"}]}]
+    video = [{"role": "user", "content": [{"type": "video", "path": good}, {"type": "text", "text": "?"}]}]
+    assert has_images(video)
+    with pytest.raises(RequestError, match="video"):
+        prepare_chat(vl_model, video)
     prepared = prepare_chat(vl_model, later)  # the old broken picture is left out
     assert prepared.n_image_tokens == 66 and len(prepared.spans) == 1
     assert prepared.ids.count(PAD) == 66
