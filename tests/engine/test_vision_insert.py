@@ -236,3 +236,15 @@ def test_unreadable_picture_only_fails_its_own_turn(vl_model, vision_dir, tmp_pa
     prepared = prepare_chat(vl_model, later)  # the old broken picture is left out
     assert prepared.n_image_tokens == 66 and len(prepared.spans) == 1
     assert prepared.ids.count(PAD) == 66
+
+
+def test_image_rows_across_prefill_chunks(vl_model, vision_dir):
+    chat = json.loads((vision_dir / "chats.json").read_text())["chat_two_images"]
+    prepared = prepare_chat(vl_model, _messages(vision_dir, chat))
+    whole = vl_model.new_session().prefill(prepared.ids, positions=prepared.positions,
+                                           embed_override=prepared.embed_override)
+    chunked = vl_model.new_session().prefill(prepared.ids, chunk=37, positions=prepared.positions,
+                                             embed_override=prepared.embed_override)
+    np.testing.assert_allclose(chunked, whole, rtol=1e-4, atol=1e-4)
+    wrong = vl_model.new_session().prefill(prepared.ids, embed_override=prepared.embed_override)
+    assert np.abs(wrong - whole).max() > 1e-3  # token-index positions would be visibly different
