@@ -111,6 +111,19 @@ class EngineBridge(QObject):
         return self._chat is not None
 
     # ---- requests --------------------------------------------------------------------------------
+    def _submit(self, slot: str, request, failed, on_event) -> bool:
+        """Send `request()` to the runtime, keep its handle in `slot` ("_load" or "_chat") and watch its
+        events with `on_event(handle, ev)`; a request the runtime refuses at once is reported on `failed`."""
+        try:
+            handle = request()
+        except Exception as exc:
+            failed.emit(str(exc))
+            return False
+        setattr(self, slot, handle)
+        self.busy_changed.emit(True)
+        self._watch(handle, lambda ev: on_event(handle, ev))
+        return True
+
     def _watch(self, handle, on_event) -> None:
         w = _Watcher(handle, self)
         w.event.connect(on_event)
@@ -128,30 +141,16 @@ class EngineBridge(QObject):
             self._chat.cancel()
         if self._load is not None:
             self._load.cancel()
-        try:
-            handle = self.runtime.load(path, devices=devices, placement=placement)
-        except Exception as exc:
-            self.load_failed.emit(str(exc))
-            return False
-        self._load = handle
-        self.busy_changed.emit(True)
-        self._watch(handle, lambda ev, h=handle: self._on_load_event(h, ev))
-        return True
+        return self._submit("_load", lambda: self.runtime.load(path, devices=devices, placement=placement),
+                            self.load_failed, self._on_load_event)
 
     def replace(self, placement) -> bool:
         """Apply a new placement to the loaded model (reloads through the runtime when needed)."""
         if self.runtime is None or not getattr(self.runtime, "loaded", False):
             self.load_failed.emit("load a model before applying a layer plan")
             return False
-        try:
-            handle = self.runtime.replace(placement)
-        except Exception as exc:
-            self.load_failed.emit(str(exc))
-            return False
-        self._load = handle
-        self.busy_changed.emit(True)
-        self._watch(handle, lambda ev, h=handle: self._on_load_event(h, ev))
-        return True
+        return self._submit("_load", lambda: self.runtime.replace(placement), self.load_failed,
+                            self._on_load_event)
 
     def cancel_load(self) -> None:
         if self._load is not None:
@@ -185,16 +184,12 @@ class EngineBridge(QObject):
             return False
         if self._chat is not None:
             self._chat.cancel()
-        try:
-            handle = self.runtime.chat(messages, _sampling_params(sampling or {}), enable_thinking=thinking,
-                                       conversation_id=conversation_id)
-        except Exception as exc:
-            self.chat_error.emit(str(exc))
-            return False
-        self._chat = handle
-        self.busy_changed.emit(True)
-        self._watch(handle, lambda ev, h=handle: self._on_chat_event(h, ev))
-        return True
+
+        def request():
+            return self.runtime.chat(messages, _sampling_params(sampling or {}), enable_thinking=thinking,
+                                     conversation_id=conversation_id)
+
+        return self._submit("_chat", request, self.chat_error, self._on_chat_event)
 
     def stop(self) -> None:
         if self._chat is not None:
