@@ -10,11 +10,12 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"  # before any Qt import
 
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 from minecart.engine.devices import DeviceInfo
 from minecart.engine.errors import GenerationCancelled
+
+from tests.engine.fake_chat_model import ByteTokenizer, FakeConfig, FakeEvent
 
 
 @pytest.fixture(autouse=True)
@@ -34,40 +35,14 @@ def _theme(qapp):
     return qapp
 
 
-@dataclass(frozen=True)
-class FakeConfig:
-    name: str = "Scripted"
-    architecture: str = "fake"
-    context_length: int = 4096
-
-
-@dataclass(frozen=True)
-class FakeEvent:
-    token: int
-    text: str
-    finish_reason: str | None
-    prompt_tokens: int
-    generation_tokens: int
-    prompt_tps: float = 500.0
-    generation_tps: float = 50.0
-
-
-class FakeTokenizer:
-    def encode(self, text, add_special=True):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids):
-        return bytes(ids).decode("utf-8", "replace")
-
-
 class ScriptedModel:
     """Replies with `reply` (chunks of 3 characters), thinking first when asked. `fail_on` makes
     generate raise on a prompt containing that text; `token_delay` slows the stream (for Stop)."""
 
     def __init__(self, reply="Hello **there**.\n\n```python\nprint(1)\n```", thinking="Let me think.",
                  fail_on=None, token_delay=0.0, has_vision=False):
-        self.config = FakeConfig()
-        self.tokenizer = FakeTokenizer()
+        self.config = FakeConfig(name="Scripted")
+        self.tokenizer = ByteTokenizer()
         self.chat_template = None
         self.reply = reply
         self.thinking = thinking
@@ -91,7 +66,7 @@ class ScriptedModel:
                 raise GenerationCancelled("stopped")
             if self.token_delay:
                 time.sleep(self.token_delay)
-            yield FakeEvent(n, chunk, "stop" if n == len(chunks) else None, 12, n)
+            yield FakeEvent(n, chunk, "stop" if n == len(chunks) else None, 12, n, 500.0, 50.0)
 
 
 def make_loader(model_factory, steps=4, step_delay=0.0, block: threading.Event | None = None):
