@@ -225,14 +225,14 @@ def _parse_part(part, where: str) -> dict:
         image = part.get("image_url")
         url = image.get("url") if isinstance(image, dict) else image
         if not isinstance(url, str) or not url:
-            raise bad_request(f"{where}.image_url.url must be a string (a data: URL or a file path)",
+            raise bad_request(f"{where}.image_url.url must be a string (a data: URL)",
                               f"{where}.image_url")
-        if url.startswith(("http://", "https://")):
-            raise bad_request(f"{where}: the server does not fetch images from the web; send the "
-                              "picture as a data: URL (base64)", f"{where}.image_url")
+        # Only inline pictures: the server neither fetches from the web nor reads the host's files
+        # on a client's say-so (a path would let any client probe the machine's disk).
+        if not url.startswith("data:"):
+            raise bad_request(f"{where}: send the picture inline as a data: URL (base64); the server "
+                              "does not fetch URLs or read file paths", f"{where}.image_url")
         return {"type": "image_url", "image_url": {"url": url}}
-    if kind == "image":
-        return dict(part)
     raise bad_request(f"{where}.type must be 'text' or 'image_url'; got {kind!r}", f"{where}.type")
 
 

@@ -218,6 +218,10 @@ def test_image_parts_pass_through(served):
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0]"),
         ({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}, "data: URL"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}]}, "file paths"),
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image", "path": "/etc/hostname"}]}]}, "content[0].type"),
     ],
 )
 def test_malformed_requests_get_400_with_openai_error_body(served, body, fragment):
