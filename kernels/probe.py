@@ -95,24 +95,24 @@ def measure_copy(n_bytes: int = 256 << 20, reps: int = 10) -> float:
     return 2 * n4 * 16 / t / 1e9
 
 
+def _peak_rate(kernel: str, out_dtype, seed, iters: int) -> float:
+    """Instructions per second of a bench.cu peak kernel: each thread issues 16 * 8 per iteration."""
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    out = cp.zeros(1, dtype=out_dtype)
+    blocks, threads = sms * 8, 256
+    k = get_kernel("bench", kernel)
+    t = _time(lambda: k((blocks,), (threads,), (out, np.int32(iters), seed)), 3)
+    return blocks * threads * iters * 16 * 8 / t
+
+
 def measure_dp4a(iters: int = 2048) -> float:
     """Peak DP4A rate in TOPS (8 int8 operations per instruction: 4 multiplies, 4 adds)."""
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    out = cp.zeros(1, dtype=cp.int32)
-    blocks, threads = sms * 8, 256
-    k = get_kernel("bench", "peak_dp4a")
-    t = _time(lambda: k((blocks,), (threads,), (out, np.int32(iters), np.int32(3))), 3)
-    return blocks * threads * iters * 16 * 8 * 8 / t / 1e12
+    return _peak_rate("peak_dp4a", cp.int32, np.int32(3), iters) * 8 / 1e12
 
 
 def measure_fma(iters: int = 2048) -> float:
     """Peak fp32 FMA rate in TFLOP/s (2 flops per FMA)."""
-    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
-    out = cp.zeros(1, dtype=cp.float32)
-    blocks, threads = sms * 8, 256
-    k = get_kernel("bench", "peak_fma")
-    t = _time(lambda: k((blocks,), (threads,), (out, np.int32(iters), np.float32(1.0001))), 3)
-    return blocks * threads * iters * 16 * 8 * 2 / t / 1e12
+    return _peak_rate("peak_fma", cp.float32, np.float32(1.0001), iters) * 2 / 1e12
 
 
 def measure_ceilings(seconds: float = 0.3) -> dict:
