@@ -127,6 +127,38 @@ def kernel_rates(model, backend, ceil: dict) -> dict:
     return out
 
 
+def _prefill_seconds(model, backend, ids, chunk) -> float:
+    """Seconds of one prefill of `ids` into a fresh session."""
+    s = model.new_session(len(ids) + 8)
+    dt = _timed(lambda: s.prefill(ids, chunk=chunk or None), backend)
+    s.close()
+    return dt
+
+
+def _decode_seconds(model, backend, ids, steps: int, chunk) -> float:
+    """Seconds of `steps` greedy decode steps after a prefill of `ids` and one untimed step."""
+    s = model.new_session(len(ids) + steps + 8)
+    logits = s.prefill(ids, chunk=chunk or None)
+    logits = s.step(int(np.argmax(logits)))  # first step outside the timing
+
+    def decode():
+        nonlocal logits
+        for _ in range(steps):
+            logits = s.step(int(np.argmax(logits)))
+
+    dt = _timed(decode, backend)
+    s.close()
+    return dt
+
+
+def _with_ceiling(row: dict, ceiling: float | None) -> dict:
+    """The row with its ceiling in tokens/s and the measured share of it, when the ceiling is known."""
+    if ceiling:
+        row["ceiling_tokens_per_s"] = ceiling
+        row["ratio"] = row["tokens_per_s"] / ceiling
+    return row
+
+
 def bench(model, *, prefill=(512, 2048, 8192, 18432), decode_ctx=(0, 4096, 18432), decode_tokens=32,
           chunk=0, log=None) -> dict:
     backend = model.backends.get("global") or next(iter(model.backends.values()))
@@ -147,41 +179,19 @@ def bench(model, *, prefill=(512, 2048, 8192, 18432), decode_ctx=(0, 4096, 18432
     s.prefill(list(rng.integers(0, min(vocab, 50000), 70)))
     s.step(1)
     s.close()
+    prefill_ceiling = ceil["dp4a_tops"] * 1e12 / (2 * params) if ceil.get("dp4a_tops") else None
+    decode_ceiling = ceil["copy_gbs"] * 1e9 / wbytes if ceil.get("copy_gbs") else None
     for n in prefill:
         ids = list(rng.integers(0, min(vocab, 50000), n))
-        s = model.new_session(n + 8)
-        backend.synchronize()
-        t = time.perf_counter()
-        s.prefill(ids, chunk=chunk or None)
-        backend.synchronize()
-        dt = time.perf_counter() - t
-        s.close()
-        tps = n / dt
-        row = {"tokens": n, "seconds": dt, "tokens_per_s": tps}
-        if ceil.get("dp4a_tops"):
-            row["ceiling_tokens_per_s"] = ceil["dp4a_tops"] * 1e12 / (2 * params)
-            row["ratio"] = tps / row["ceiling_tokens_per_s"]
+        dt = _prefill_seconds(model, backend, ids, chunk)
+        row = _with_ceiling({"tokens": n, "seconds": dt, "tokens_per_s": n / dt}, prefill_ceiling)
         res["prefill"].append(row)
         say(f"prefill {row}")
     for ctx in decode_ctx:
         ids = list(rng.integers(0, min(vocab, 50000), max(ctx, 1)))
-        s = model.new_session(len(ids) + decode_tokens + 8)
-        logits = s.prefill(ids, chunk=chunk or None)
-        tok = int(np.argmax(logits))
-        logits = s.step(tok)  # first step outside the timing
-        backend.synchronize()
-        t = time.perf_counter()
-        for _ in range(decode_tokens):
-            tok = int(np.argmax(logits))
-            logits = s.step(tok)
-        backend.synchronize()
-        dt = time.perf_counter() - t
-        s.close()
-        tps = decode_tokens / dt
-        row = {"context": ctx, "tokens": decode_tokens, "tokens_per_s": tps}
-        if ceil.get("copy_gbs"):
-            row["ceiling_tokens_per_s"] = ceil["copy_gbs"] * 1e9 / wbytes
-            row["ratio"] = tps / row["ceiling_tokens_per_s"]
+        dt = _decode_seconds(model, backend, ids, decode_tokens, chunk)
+        row = _with_ceiling({"context": ctx, "tokens": decode_tokens, "tokens_per_s": decode_tokens / dt},
+                            decode_ceiling)
         res["decode"].append(row)
         say(f"decode {row}")
     if res["decode"] and len(res["decode"]) > 1:
