@@ -19,9 +19,21 @@ from tests.engine.fake_chat_model import FakeModel, FakeParams, fake_loader
 TIMEOUT = 10.0
 
 
+_made: list[Runtime] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_runtimes():
+    """Every runtime a test makes with make_runtime is closed after it, pass or fail."""
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def make_runtime(model=None, **loader_kwargs):
     loader = fake_loader(model, **loader_kwargs)
     rt = Runtime(loader=loader, sample_memory_s=0)
+    _made.append(rt)
     return rt, loader
 
 
@@ -40,77 +52,65 @@ def collect(handle):
 
 def test_load_reports_progress_then_done():
     rt, loader = make_runtime(progress_steps=5)
-    try:
-        events = list(rt.load("some/model.gguf", devices=["cpu"]).events(TIMEOUT))
-        kinds = [e.kind for e in events]
-        assert kinds[0] == "started" and kinds[-1] == "done"
-        fractions = [e.fraction for e in events if e.kind == "progress"]
-        assert fractions == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]  # the last: building the tokenizer
-        assert [e.text for e in events if e.kind == "progress"][0] == "layer 0"
-        info = events[-1].data["model"]
-        assert info.name == "fake-chat" and info.devices == ("cpu",)
-        assert rt.model_info is info and rt.loaded
-    finally:
-        rt.close()
+    events = list(rt.load("some/model.gguf", devices=["cpu"]).events(TIMEOUT))
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "started" and kinds[-1] == "done"
+    fractions = [e.fraction for e in events if e.kind == "progress"]
+    assert fractions == [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]  # the last: building the tokenizer
+    assert [e.text for e in events if e.kind == "progress"][0] == "layer 0"
+    info = events[-1].data["model"]
+    assert info.name == "fake-chat" and info.devices == ("cpu",)
+    assert rt.model_info is info and rt.loaded
 
 
 def test_chat_streams_thinking_and_answer_with_usage():
     rt, model = loaded_runtime()
-    try:
-        handle = rt.chat([{"role": "user", "content": "hi"}], FakeParams(), enable_thinking=True)
-        events, thinking, answer = collect(handle)
-        assert thinking == "I should echo.\n"
-        prompt = model.prompts[-1]
-        assert answer == f"echo[{len(prompt)}]"
-        final = events[-1]
-        assert final.kind == "done" and final.finish_reason == "stop"
-        assert final.usage.prompt_tokens == len(prompt)
-        assert final.usage.completion_tokens == len(model.reply(prompt, True))
-        timing = final.data["timing"]
-        assert timing.generated_tokens == final.usage.completion_tokens
-        assert timing.queue_wait_s >= 0 and timing.prefill_s >= 0
-        assert rt.metrics.requests()[-1] == timing
-        # generation happened on the runtime's thread, never the caller's
-        assert threading.get_ident() not in model.generate_threads
-        assert len(model.generate_threads) == 1
-    finally:
-        rt.close()
+    handle = rt.chat([{"role": "user", "content": "hi"}], FakeParams(), enable_thinking=True)
+    events, thinking, answer = collect(handle)
+    assert thinking == "I should echo.\n"
+    prompt = model.prompts[-1]
+    assert answer == f"echo[{len(prompt)}]"
+    final = events[-1]
+    assert final.kind == "done" and final.finish_reason == "stop"
+    assert final.usage.prompt_tokens == len(prompt)
+    assert final.usage.completion_tokens == len(model.reply(prompt, True))
+    timing = final.data["timing"]
+    assert timing.generated_tokens == final.usage.completion_tokens
+    assert timing.queue_wait_s >= 0 and timing.prefill_s >= 0
+    assert rt.metrics.requests()[-1] == timing
+    # generation happened on the runtime's thread, never the caller's
+    assert threading.get_ident() not in model.generate_threads
+    assert len(model.generate_threads) == 1
 
 
 def test_no_think_gives_answer_only():
     rt, model = loaded_runtime()
-    try:
-        events, thinking, answer = collect(
-            rt.chat([{"role": "user", "content": "hi"}], FakeParams(), enable_thinking=False)
-        )
-        assert thinking == ""
-        assert answer == f"echo[{len(model.prompts[-1])}]"
-        assert "<think>" not in model.prompts[-1]
-    finally:
-        rt.close()
+    events, thinking, answer = collect(
+        rt.chat([{"role": "user", "content": "hi"}], FakeParams(), enable_thinking=False)
+    )
+    assert thinking == ""
+    assert answer == f"echo[{len(model.prompts[-1])}]"
+    assert "<think>" not in model.prompts[-1]
 
 
 def test_conversation_reuses_its_session_and_one_offs_do_not():
     rt, model = loaded_runtime()
-    try:
-        msgs = [{"role": "user", "content": "first question"}]
-        rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
-        first_answer = model.reply(model.prompts[-1], False)
-        msgs = msgs + [
-            {"role": "assistant", "content": first_answer},
-            {"role": "user", "content": "second"},
-        ]
-        made_before = model.sessions_made
-        rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
-        assert model.sessions_made == made_before  # same session object came back
-        # the fake session reports how many prompt tokens matched its cache
-        rt.chat(msgs, FakeParams(), enable_thinking=False).result(TIMEOUT)
-        assert model.sessions_made == made_before + 1
-        rt.forget("c1").result(TIMEOUT)
-        rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
-        assert model.sessions_made == made_before + 2
-    finally:
-        rt.close()
+    msgs = [{"role": "user", "content": "first question"}]
+    rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
+    first_answer = model.reply(model.prompts[-1], False)
+    msgs = msgs + [
+        {"role": "assistant", "content": first_answer},
+        {"role": "user", "content": "second"},
+    ]
+    made_before = model.sessions_made
+    rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
+    assert model.sessions_made == made_before  # same session object came back
+    # the fake session reports how many prompt tokens matched its cache
+    rt.chat(msgs, FakeParams(), enable_thinking=False).result(TIMEOUT)
+    assert model.sessions_made == made_before + 1
+    rt.forget("c1").result(TIMEOUT)
+    rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
+    assert model.sessions_made == made_before + 2
 
 
 def test_session_prefix_is_reused_across_turns():
@@ -124,196 +124,163 @@ def test_session_prefix_is_reused_across_turns():
         return s
 
     model.new_session = tracking
-    try:
-        msgs = [{"role": "user", "content": "hello there"}]
-        rt.chat(msgs, FakeParams(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
-        msgs += [{"role": "assistant", "content": model.reply(model.prompts[-1], False)}]
-        msgs += [{"role": "user", "content": "more"}]
-        rt.chat(msgs, FakeParams(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
-        (session,) = sessions
-        assert session.reused[0] == 0
-        # turn two starts with turn one's prompt + answer: all of it comes from the cache
-        assert session.reused[1] > len(model.prompts[0])
-    finally:
-        rt.close()
+    msgs = [{"role": "user", "content": "hello there"}]
+    rt.chat(msgs, FakeParams(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
+    msgs += [{"role": "assistant", "content": model.reply(model.prompts[-1], False)}]
+    msgs += [{"role": "user", "content": "more"}]
+    rt.chat(msgs, FakeParams(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
+    (session,) = sessions
+    assert session.reused[0] == 0
+    # turn two starts with turn one's prompt + answer: all of it comes from the cache
+    assert session.reused[1] > len(model.prompts[0])
 
 
 def test_sessions_are_closed_when_evicted_forgotten_or_one_off():
     rt, loader = make_runtime()
     rt.max_sessions = 2
-    try:
-        rt.load("fake.gguf").result(TIMEOUT)
-        model = loader.made[-1]
-        sessions = []
-        original = model.new_session
-        model.new_session = lambda: sessions.append(original()) or sessions[-1]
-        msgs = [{"role": "user", "content": "x"}]
-        for conv in ("a", "b", "c"):  # "a" is evicted when "c" arrives
-            rt.chat(msgs, FakeParams(), conversation_id=conv).result(TIMEOUT)
-        assert [s.closed for s in sessions] == [True, False, False]
-        rt.forget("b").result(TIMEOUT)
-        assert sessions[1].closed and not sessions[2].closed
-        rt.chat(msgs, FakeParams()).result(TIMEOUT)  # no conversation: its session is not kept
-        assert sessions[3].closed and rt.status()["sessions"] == 1
-        rt.unload().result(TIMEOUT)
-        assert all(s.closed for s in sessions)
-    finally:
-        rt.close()
+    rt.load("fake.gguf").result(TIMEOUT)
+    model = loader.made[-1]
+    sessions = []
+    original = model.new_session
+    model.new_session = lambda: sessions.append(original()) or sessions[-1]
+    msgs = [{"role": "user", "content": "x"}]
+    for conv in ("a", "b", "c"):  # "a" is evicted when "c" arrives
+        rt.chat(msgs, FakeParams(), conversation_id=conv).result(TIMEOUT)
+    assert [s.closed for s in sessions] == [True, False, False]
+    rt.forget("b").result(TIMEOUT)
+    assert sessions[1].closed and not sessions[2].closed
+    rt.chat(msgs, FakeParams()).result(TIMEOUT)  # no conversation: its session is not kept
+    assert sessions[3].closed and rt.status()["sessions"] == 1
+    rt.unload().result(TIMEOUT)
+    assert all(s.closed for s in sessions)
 
 
 def test_cancel_while_generating_is_prompt_and_leaves_session_usable():
     model = FakeModel(reply=lambda p, t: "x" * 2000, delay_s=0.005)
     rt, model = loaded_runtime(model)
-    try:
-        handle = rt.chat([{"role": "user", "content": "go"}], FakeParams(max_tokens=5000),
-                         conversation_id="c", enable_thinking=False)
-        first = None
-        for ev in handle.events(TIMEOUT):
-            if ev.kind == "token":
-                first = ev
-                break
-        assert first is not None
-        t0 = time.monotonic()
-        handle.cancel()
-        final = handle.wait(TIMEOUT)
-        assert final.kind == "cancelled"
-        assert time.monotonic() - t0 < 2.0
-        assert 0 < final.usage.completion_tokens < 2000
-        assert rt.metrics.requests()[-1].finish_reason == "cancelled"
-        # same conversation, next turn works
-        model.reply = lambda p, t: "ok"
-        final = rt.chat([{"role": "user", "content": "again"}], FakeParams(),
-                        conversation_id="c", enable_thinking=False).result(TIMEOUT)
-        assert final.kind == "done"
-        assert model.active == 0
-    finally:
-        rt.close()
+    handle = rt.chat([{"role": "user", "content": "go"}], FakeParams(max_tokens=5000),
+                     conversation_id="c", enable_thinking=False)
+    first = None
+    for ev in handle.events(TIMEOUT):
+        if ev.kind == "token":
+            first = ev
+            break
+    assert first is not None
+    t0 = time.monotonic()
+    handle.cancel()
+    final = handle.wait(TIMEOUT)
+    assert final.kind == "cancelled"
+    assert time.monotonic() - t0 < 2.0
+    assert 0 < final.usage.completion_tokens < 2000
+    assert rt.metrics.requests()[-1].finish_reason == "cancelled"
+    # same conversation, next turn works
+    model.reply = lambda p, t: "ok"
+    final = rt.chat([{"role": "user", "content": "again"}], FakeParams(),
+                    conversation_id="c", enable_thinking=False).result(TIMEOUT)
+    assert final.kind == "done"
+    assert model.active == 0
 
 
 def test_cancel_by_id_and_of_a_queued_request():
     model = FakeModel(reply=lambda p, t: "y" * 500, delay_s=0.005)
     rt, model = loaded_runtime(model)
-    try:
-        busy = rt.chat([{"role": "user", "content": "a"}], FakeParams(max_tokens=1000), enable_thinking=False)
-        queued = rt.chat([{"role": "user", "content": "b"}], FakeParams(), enable_thinking=False)
-        assert rt.status()["queued"] >= 1
-        assert busy.get(TIMEOUT).kind == "started"
-        queued.cancel()
-        # a queued request ends at once, while the generation ahead of it still runs
-        assert queued.get(timeout=1.0).kind == "cancelled"
-        assert not busy.done and model.active == 1
-        assert rt.cancel(busy.id)
-        assert busy.wait(TIMEOUT).kind == "cancelled"
-        assert queued.poll() is None  # nothing after its terminal event, no "started"
-        assert not rt.cancel(busy.id)  # already over
-    finally:
-        rt.close()
+    busy = rt.chat([{"role": "user", "content": "a"}], FakeParams(max_tokens=1000), enable_thinking=False)
+    queued = rt.chat([{"role": "user", "content": "b"}], FakeParams(), enable_thinking=False)
+    assert rt.status()["queued"] >= 1
+    assert busy.get(TIMEOUT).kind == "started"
+    queued.cancel()
+    # a queued request ends at once, while the generation ahead of it still runs
+    assert queued.get(timeout=1.0).kind == "cancelled"
+    assert not busy.done and model.active == 1
+    assert rt.cancel(busy.id)
+    assert busy.wait(TIMEOUT).kind == "cancelled"
+    assert queued.poll() is None  # nothing after its terminal event, no "started"
+    assert not rt.cancel(busy.id)  # already over
 
 
 def test_engine_error_becomes_error_event_and_thread_survives():
     model = FakeModel(fail_after=3)
     rt, model = loaded_runtime(model)
-    try:
-        events, _, answer = collect(rt.chat([{"role": "user", "content": "x"}], FakeParams(), enable_thinking=False))
-        assert events[-1].kind == "error"
-        assert "fake engine failure" in events[-1].text
-        assert isinstance(events[-1].error, ValueError)
-        assert len(answer) == 3
-        model.fail_after = None
-        final = rt.chat([{"role": "user", "content": "x"}], FakeParams(), enable_thinking=False).result(TIMEOUT)
-        assert final.kind == "done"
-        assert rt.status()["alive"]
-    finally:
-        rt.close()
+    events, _, answer = collect(rt.chat([{"role": "user", "content": "x"}], FakeParams(), enable_thinking=False))
+    assert events[-1].kind == "error"
+    assert "fake engine failure" in events[-1].text
+    assert isinstance(events[-1].error, ValueError)
+    assert len(answer) == 3
+    model.fail_after = None
+    final = rt.chat([{"role": "user", "content": "x"}], FakeParams(), enable_thinking=False).result(TIMEOUT)
+    assert final.kind == "done"
+    assert rt.status()["alive"]
 
 
 def test_errors_without_a_model_and_for_a_bad_file():
     rt, _ = make_runtime()
-    try:
-        final = rt.chat([{"role": "user", "content": "x"}], FakeParams()).wait(TIMEOUT)
-        assert final.kind == "error" and isinstance(final.error, RequestError)
-        assert "no model is loaded" in final.text
-        with pytest.raises(GGUFError, match="missing.gguf"):
-            rt.load("missing.gguf").result(TIMEOUT)
-        assert not rt.loaded
-        with pytest.raises(RequestError):
-            rt.chat([], FakeParams())
-    finally:
-        rt.close()
+    final = rt.chat([{"role": "user", "content": "x"}], FakeParams()).wait(TIMEOUT)
+    assert final.kind == "error" and isinstance(final.error, RequestError)
+    assert "no model is loaded" in final.text
+    with pytest.raises(GGUFError, match="missing.gguf"):
+        rt.load("missing.gguf").result(TIMEOUT)
+    assert not rt.loaded
+    with pytest.raises(RequestError):
+        rt.chat([], FakeParams())
 
 
 def test_images_need_a_vision_model():
     rt, model = loaded_runtime()
     msgs = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
-    try:
-        rt.chat(msgs, FakeParams()).result(TIMEOUT)
-        assert model.prompts[-1].endswith("what is it?<image>\n<|assistant|><think>\n")
-        model.has_vision = False
-        final = rt.chat(msgs, FakeParams()).wait(TIMEOUT)
-        assert final.kind == "error" and "cannot read pictures" in final.text
-    finally:
-        rt.close()
+    rt.chat(msgs, FakeParams()).result(TIMEOUT)
+    assert model.prompts[-1].endswith("what is it?<image>\n<|assistant|><think>\n")
+    model.has_vision = False
+    final = rt.chat(msgs, FakeParams()).wait(TIMEOUT)
+    assert final.kind == "error" and "cannot read pictures" in final.text
 
 
 def test_load_can_be_cancelled():
     rt, loader = make_runtime(progress_steps=400, delay_s=0.005)
-    try:
-        handle = rt.load("slow.gguf")
-        for ev in handle.events(TIMEOUT):
-            if ev.kind == "progress":
-                break
-        handle.cancel()
-        assert handle.wait(TIMEOUT).kind == "cancelled"
-        assert not rt.loaded
-        assert loader.made == []
-    finally:
-        rt.close()
+    handle = rt.load("slow.gguf")
+    for ev in handle.events(TIMEOUT):
+        if ev.kind == "progress":
+            break
+    handle.cancel()
+    assert handle.wait(TIMEOUT).kind == "cancelled"
+    assert not rt.loaded
+    assert loader.made == []
 
 
 def test_replace_applies_placement_and_drops_sessions():
     rt, model = loaded_runtime()
-    try:
-        rt.chat([{"role": "user", "content": "x"}], FakeParams(), conversation_id="c").result(TIMEOUT)
-        assert rt.status()["sessions"] == 1
-        version = rt.state_version
-        final = rt.replace({"layers": "all on cpu"}).result(TIMEOUT)
-        assert model.placement == {"layers": "all on cpu"}
-        assert final.data["model"].placement == {"layers": "all on cpu"}
-        assert rt.status()["sessions"] == 0
-        assert rt.state_version > version
-        rt.unload().result(TIMEOUT)
-        assert not rt.loaded and model.closed
-    finally:
-        rt.close()
+    rt.chat([{"role": "user", "content": "x"}], FakeParams(), conversation_id="c").result(TIMEOUT)
+    assert rt.status()["sessions"] == 1
+    version = rt.state_version
+    final = rt.replace({"layers": "all on cpu"}).result(TIMEOUT)
+    assert model.placement == {"layers": "all on cpu"}
+    assert final.data["model"].placement == {"layers": "all on cpu"}
+    assert rt.status()["sessions"] == 0
+    assert rt.state_version > version
+    rt.unload().result(TIMEOUT)
+    assert not rt.loaded and model.closed
 
 
 def test_stop_strings_cut_the_answer():
     model = FakeModel(reply=lambda p, t: "alpha beta STOP gamma delta")
     rt, model = loaded_runtime(model)
-    try:
-        events, _, answer = collect(
-            rt.chat([{"role": "user", "content": "x"}], FakeParams(), stop=["STOP", "delta"],
-                    enable_thinking=False)
-        )
-        assert answer == "alpha beta "
-        assert events[-1].kind == "done" and events[-1].finish_reason == "stop"
-        assert events[-1].usage.completion_tokens == len("alpha beta STOP")
-    finally:
-        rt.close()
+    events, _, answer = collect(
+        rt.chat([{"role": "user", "content": "x"}], FakeParams(), stop=["STOP", "delta"],
+                enable_thinking=False)
+    )
+    assert answer == "alpha beta "
+    assert events[-1].kind == "done" and events[-1].finish_reason == "stop"
+    assert events[-1].usage.completion_tokens == len("alpha beta STOP")
 
 
 def test_max_tokens_gives_length_and_completion_takes_raw_text():
     rt, model = loaded_runtime()
-    try:
-        events, _, answer = collect(rt.complete("raw text", FakeParams(max_tokens=4)))
-        assert model.prompts[-1] == "raw text"  # no template around a completion
-        assert events[-1].finish_reason == "length"
-        assert len(answer) == 4
-        final = rt.complete([104, 105], FakeParams()).result(TIMEOUT)
-        assert model.prompts[-1] == "hi" and final.kind == "done"
-    finally:
-        rt.close()
+    events, _, answer = collect(rt.complete("raw text", FakeParams(max_tokens=4)))
+    assert model.prompts[-1] == "raw text"  # no template around a completion
+    assert events[-1].finish_reason == "length"
+    assert len(answer) == 4
+    final = rt.complete([104, 105], FakeParams()).result(TIMEOUT)
+    assert model.prompts[-1] == "hi" and final.kind == "done"
 
 
 def test_many_clients_share_one_runtime_and_generations_are_serialized():
@@ -332,21 +299,18 @@ def test_many_clients_share_one_runtime_and_generations_are_serialized():
             errors.append(exc)
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT)
-        assert not errors
-        assert len(results) == 6
-        assert model.max_active == 1
-        assert len(model.generate_threads) == 1
-        # each client got the answer to its own prompt
-        for k, answer in results.items():
-            prompt = next(p for p in model.prompts if f"client {k}" + "!" * k + "\n" in p)
-            assert answer == f"echo[{len(prompt)}]"
-    finally:
-        rt.close()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not errors
+    assert len(results) == 6
+    assert model.max_active == 1
+    assert len(model.generate_threads) == 1
+    # each client got the answer to its own prompt
+    for k, answer in results.items():
+        prompt = next(p for p in model.prompts if f"client {k}" + "!" * k + "\n" in p)
+        assert answer == f"echo[{len(prompt)}]"
 
 
 def test_get_times_out_and_close_cancels_pending_work():
