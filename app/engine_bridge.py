@@ -112,8 +112,8 @@ class EngineBridge(QObject):
 
     # ---- requests --------------------------------------------------------------------------------
     def _submit(self, slot: str, request, failed, on_event) -> bool:
-        """Send `request()` to the runtime, keep its handle in `slot` ("_load" or "_chat") and watch its
-        events with `on_event(handle, ev)`; a request the runtime refuses at once is reported on `failed`."""
+        """Send `request()` to the runtime, keep its handle in `slot` ("_load" or "_chat") and watch
+        its events with `on_event(handle, ev)`; a request refused at once goes to `failed`."""
         try:
             handle = request()
         except Exception as exc:
@@ -141,7 +141,8 @@ class EngineBridge(QObject):
             self._chat.cancel()
         if self._load is not None:
             self._load.cancel()
-        return self._submit("_load", lambda: self.runtime.load(path, devices=devices, placement=placement),
+        return self._submit("_load",
+                            lambda: self.runtime.load(path, devices=devices, placement=placement),
                             self.load_failed, self._on_load_event)
 
     def replace(self, placement) -> bool:
@@ -186,8 +187,8 @@ class EngineBridge(QObject):
             self._chat.cancel()
 
         def request():
-            return self.runtime.chat(messages, _sampling_params(sampling or {}), enable_thinking=thinking,
-                                     conversation_id=conversation_id)
+            return self.runtime.chat(messages, _sampling_params(sampling or {}),
+                                     enable_thinking=thinking, conversation_id=conversation_id)
 
         return self._submit("_chat", request, self.chat_error, self._on_chat_event)
 

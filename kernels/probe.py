@@ -96,7 +96,7 @@ def measure_copy(n_bytes: int = 256 << 20, reps: int = 10) -> float:
 
 
 def _peak_rate(kernel: str, out_dtype, seed, iters: int) -> float:
-    """Instructions per second of a bench.cu peak kernel: each thread issues 16 * 8 per iteration."""
+    """Instructions per second of a bench.cu peak kernel (16 * 8 per thread and iteration)."""
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     out = cp.zeros(1, dtype=out_dtype)
     blocks, threads = sms * 8, 256

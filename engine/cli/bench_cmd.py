@@ -152,7 +152,7 @@ def _decode_seconds(model, backend, ids, steps: int, chunk) -> float:
 
 
 def _with_ceiling(row: dict, ceiling: float | None) -> dict:
-    """The row with its ceiling in tokens/s and the measured share of it, when the ceiling is known."""
+    """The row with its ceiling (tokens/s) and the measured share of it, if the ceiling is known."""
     if ceiling:
         row["ceiling_tokens_per_s"] = ceiling
         row["ratio"] = row["tokens_per_s"] / ceiling
@@ -190,8 +190,8 @@ def bench(model, *, prefill=(512, 2048, 8192, 18432), decode_ctx=(0, 4096, 18432
     for ctx in decode_ctx:
         ids = list(rng.integers(0, min(vocab, 50000), max(ctx, 1)))
         dt = _decode_seconds(model, backend, ids, decode_tokens, chunk)
-        row = _with_ceiling({"context": ctx, "tokens": decode_tokens, "tokens_per_s": decode_tokens / dt},
-                            decode_ceiling)
+        row = {"context": ctx, "tokens": decode_tokens, "tokens_per_s": decode_tokens / dt}
+        row = _with_ceiling(row, decode_ceiling)
         res["decode"].append(row)
         say(f"decode {row}")
     if res["decode"] and len(res["decode"]) > 1:
