@@ -41,6 +41,16 @@ def register(subparsers) -> None:
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed per context")
     p.add_argument("--chunk", type=int, default=0, help="prefill chunk size (0 = one pass)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--devices", default=None,
+                   help="split benchmark instead: comma-separated devices (e.g. cuda:0,cuda:1,cuda:2 or "
+                        "cpu:0,cpu:1); the model is split over the first 1, 2, ... of them, each with and "
+                        "without a simulated PCIe link (--link), and compared with one device. Logical "
+                        "cuda:N beyond the GPUs present share the physical GPUs")
+    p.add_argument("--link", default="gen1x1",
+                   help="simulated link for the split benchmark: gen1x1 (250 MB/s), or a rate like "
+                        "'500MB/s+20us' (default gen1x1)")
+    p.add_argument("--split-prompt", type=int, default=2048,
+                   help="prompt tokens for the split benchmark (default 2048)")
     p.set_defaults(func=run)
 
 
@@ -246,6 +256,11 @@ def run(args) -> int:
             info = write_synthetic(path, args.shape, args.quant, seed=0, n_layers=args.layers)
             print(f"  {info['bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", file=sys.stderr)
         tmp = path if not args.workdir else None
+    if args.devices:
+        code = run_split(path, args)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        return code
     t = time.perf_counter()
     model = load_model(path, devices=[args.device])
     print(f"loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr)
@@ -263,4 +278,67 @@ def run(args) -> int:
             tmp.unlink()
         except OSError:
             pass
+    return 0
+
+
+def split_configs(devices: list[str], link: str) -> list[tuple[str, str]]:
+    """(label, Rig description) for 1..N devices, each without and (N > 1) with the simulated link."""
+    out = []
+    for n in range(1, len(devices) + 1):
+        names = devices[:n]
+        out.append((f"{n} device{'s' if n > 1 else ''}", ",".join(names)))
+        if n > 1:
+            out.append((f"{n} devices @{link}", ",".join(f"{d}@{link}" for d in names)))
+    return out
+
+
+def run_split(path, args) -> int:
+    """`minecart bench --devices ...`: prefill/decode of the same model split over 1, 2, 3... devices."""
+    from ..errors import MinecartError
+    from ..model import load_model
+    from ..multidevice import bench_split
+    from ..rig import Rig
+
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+    if not devices:
+        raise MinecartError("--devices needs at least one device, e.g. cuda:0,cuda:1")
+    gpus = 0
+    if any(d.startswith("cuda") for d in devices):
+        try:
+            from ..devices import list_devices
+
+            gpus = sum(1 for d in list_devices() if str(getattr(d, "id", "")).startswith("cuda"))
+        except Exception:  # noqa: BLE001 - no NVML/CuPy: logical devices on GPU 0
+            gpus = 0
+    chunk = args.chunk or 256
+    rows = []
+    for label, desc in split_configs(devices, args.link):
+        rig = Rig.parse(desc, physical_gpus=max(gpus, 1))
+        model = load_model(path, devices=rig)
+        try:
+            r = bench_split(model, prompt_tokens=args.split_prompt, chunk=chunk,
+                            decode_tokens=args.decode_tokens)
+        finally:
+            model.close()
+        rows.append({"config": label, "devices": desc, "prefill_tokens_per_s": r.prefill_tokens_per_s,
+                     "no_overlap_prefill_tokens_per_s": args.split_prompt / r.sequential_prefill_seconds,
+                     "overlap_speedup": r.overlap_speedup,
+                     "decode_tokens_per_s": r.decode_tokens_per_s, "link_bytes": r.link_bytes,
+                     "segments": r.segments})
+        print(f"{label}: prefill {r.prefill_tokens_per_s:.1f} tok/s, decode "
+              f"{r.decode_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+    base = rows[0]
+    for row in rows:
+        row["prefill_vs_1"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
+        row["decode_vs_1"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+    if args.json:
+        print(json.dumps({"model": str(path), "prompt_tokens": args.split_prompt, "chunk": chunk,
+                          "rows": rows}, indent=1))
+        return 0
+    print(f"split benchmark: {Path(path).name}, prompt {args.split_prompt} tokens in chunks of {chunk}")
+    print(f"{'config':<24}{'prefill tok/s':>14}{'vs 1':>7}{'no overlap':>12}{'decode tok/s':>14}{'vs 1':>7}")
+    for row in rows:
+        print(f"{row['config']:<24}{row['prefill_tokens_per_s']:>14.1f}{row['prefill_vs_1']:>7.2f}"
+              f"{row['no_overlap_prefill_tokens_per_s']:>12.1f}{row['decode_tokens_per_s']:>14.1f}"
+              f"{row['decode_vs_1']:>7.2f}")
     return 0
