@@ -1,0 +1,321 @@
+"""3-bit KV cache ("q3"): Walsh-Hadamard rotation + 8-level Lloyd-Max scalar codebook.
+
+What this is: the host (NumPy) specification of the q3 KV format and the NumPy backend's q3 cache
+(`Q3KVCache`). Every K and V row that attention appends (per token, per KV head, AFTER RoPE, so a
+partial-RoPE head is rotated as one whole vector: the rotated-by-RoPE dims and the pass-through dims
+are mixed together, which is what spreads the energy evenly) is stored as:
+
+1. rotated: y = H_d (s * x), H_d the normalized Sylvester Walsh-Hadamard matrix (entries +-1/sqrt(d),
+   d = 64/128/256, a power of two) and s a fixed +-1 sign per dimension (`rotation_signs`). The sign
+   flips cost nothing and stop a constant or Hadamard-row shaped vector (all dims equal) from landing
+   in a single coordinate. R = H_d diag(s) is orthonormal, so R^-1 = R^T = diag(s) H_d.
+   After the rotation every coordinate is a mix of all d inputs, close to Gaussian whatever the
+   outlier channels of the input were: that is what makes a Gaussian codebook fit.
+2. split into blocks of BLOCK = 32 coordinates; each block gets one scale, stored as float16.
+   fp16 because its relative rounding (2^-11 = 5e-4) is ~400x below the 3-bit quantization error
+   (relative RMS error ~0.19) and it halves the scale overhead against fp32; 2 bytes per 32 values
+   matches the q3 price placement.py already uses (14 bytes per 32 values: 12 code bytes + 2 scale
+   bytes). A scale is clipped to the fp16 maximum (65504): a block of K/V values with an RMS above
+   that would not fit an f16 cache either. Per-32-block (not per-row) scales: measured in
+   docs/kv-cache.md, they track the per-block spread of a rotated row and cost 0.5 bit per value.
+3. the scale starts as the block RMS; each coordinate takes the nearest Lloyd-Max level of
+   y / scale (codes 0..7, levels ascending); the scale is then refit by least squares given the codes
+   (scale = <y, c> / <c, c>), which lowers the block's squared error for the same codes.
+4. 8 codes are packed little-endian into 3 bytes (code i at bits 3i..3i+2 of a 24-bit word).
+
+Dequantize = LEVELS[code] * scale, then the inverse rotation. The NumPy backend dequantizes what it
+reads and runs the ordinary fp64 attention on it (the reference path: the cache "holds" the
+dequantized K and V). Because R is orthonormal, q . k = (R q) . (R k) and sum_j p_j v_j =
+R^T sum_j p_j (R v_j), so a GPU kernel can instead rotate q once, score against the rotated codes
+and inverse-rotate only the output row (`attention_rotated` below is that form; a test checks both
+agree to rounding).
+
+What this is not: a CUDA implementation (kernels/kvq3.cu, untested) or a fast CPU path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import RequestError
+
+KV_TYPES = ("f32", "q3")
+BLOCK = 32  # coordinates per scale
+BITS = 3
+N_LEVELS = 1 << BITS
+
+# The 8-level Lloyd-Max quantizer of N(0, 1): levels (ascending) and the decision thresholds between
+# them (midpoints of neighbouring levels). Computed once by `derive_lloyd_max()` (float64 Lloyd
+# iteration to a fixed point, repr digits kept); tests/engine/test_kvquant.py re-derives
+# them. Mean squared error per unit-variance sample: 0.034547.
+LEVELS = np.array([
+    -2.151945704536989, -1.3439092785050035, -0.7560052812058804, -0.2450941789442228,
+    0.2450941789442228, 0.7560052812058804, 1.3439092785050035, 2.151945704536989,
+], dtype=np.float64)
+THRESHOLDS = (LEVELS[1:] + LEVELS[:-1]) / 2.0
+LEVELS_F32 = LEVELS.astype(np.float32)
+FP16_MAX = 65504.0
+
+
+# ------------------------------------------------------------------------------------------------
+# the codebook
+
+
+def _normal_pdf(x: float) -> float:
+    return math.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi) if math.isfinite(x) else 0.0
+
+
+def _normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def derive_lloyd_max(n_levels: int = N_LEVELS, *, max_iter: int = 10_000, tol: float = 1e-15):
+    """Lloyd's iteration for the minimum-MSE scalar quantizer of a unit Gaussian, in float64.
+
+    Alternates: thresholds = midpoints of the levels; levels = E[x | x in cell] (for N(0,1) on
+    (a, b): (pdf(a) - pdf(b)) / (cdf(b) - cdf(a))). Starts from evenly spaced levels; stops when no
+    level moves by more than `tol` (about 300 iterations for 8 levels). Returns (levels, thresholds, mse), levels ascending."""
+    levels = np.linspace(-2.0, 2.0, n_levels)
+    for _ in range(max_iter):
+        edges = np.concatenate(([-np.inf], (levels[1:] + levels[:-1]) / 2.0, [np.inf]))
+        new = np.array([
+            (_normal_pdf(a) - _normal_pdf(b)) / (_normal_cdf(b) - _normal_cdf(a))
+            for a, b in zip(edges[:-1], edges[1:], strict=True)
+        ])
+        moved = float(np.max(np.abs(new - levels)))
+        levels = new
+        if moved <= tol:
+            break
+    levels = (levels - levels[::-1]) / 2.0  # exactly symmetric (the iteration leaves ~1e-16 skew)
+    thresholds = (levels[1:] + levels[:-1]) / 2.0
+    # E[(x - Q(x))^2] = E[x^2] - sum_i level_i^2 P(cell_i) for centroid levels (orthogonality)
+    edges = np.concatenate(([-np.inf], thresholds, [np.inf]))
+    mass = np.array([_normal_cdf(b) - _normal_cdf(a) for a, b in zip(edges[:-1], edges[1:], strict=True)])
+    mse = 1.0 - float(np.sum(levels**2 * mass))
+    return levels, thresholds, mse
+
+
+# ------------------------------------------------------------------------------------------------
+# the rotation
+
+
+def _check_dim(d: int) -> None:
+    if d < BLOCK or d & (d - 1):
+        raise RequestError(
+            f"the q3 KV cache needs a head dimension that is a power of two and at least {BLOCK} "
+            f"(Walsh-Hadamard rotation, {BLOCK}-value scale blocks); this model has {d}: use kv_type 'f32'")
+
+
+def rotation_signs(d: int) -> np.ndarray:
+    """Fixed +-1.0 per dimension (float64 (d,)): bit 31 of a murmur3-style hash of the index, so a CUDA
+    kernel computes the same signs without a table."""
+    i = np.arange(d, dtype=np.uint64)
+    h = ((i + np.uint64(1)) * np.uint64(0x9E3779B1)) & np.uint64(0xFFFFFFFF)
+    h ^= h >> np.uint64(16)
+    h = (h * np.uint64(0x85EBCA6B)) & np.uint64(0xFFFFFFFF)
+    h ^= h >> np.uint64(13)
+    return np.where((h >> np.uint64(31)) & np.uint64(1), -1.0, 1.0)
+
+
+_HADAMARD: dict[int, np.ndarray] = {}
+
+
+def hadamard(d: int) -> np.ndarray:
+    """The normalized Sylvester Walsh-Hadamard matrix (d, d) float64: symmetric, H @ H = I."""
+    if d not in _HADAMARD:
+        _check_dim(d)
+        h = np.ones((1, 1))
+        while h.shape[0] < d:
+            h = np.block([[h, h], [h, -h]])
+        _HADAMARD[d] = h / math.sqrt(d)
+    return _HADAMARD[d]
+
+
+def rotate(x: np.ndarray) -> np.ndarray:
+    """R x for every row of x (..., d): float64."""
+    d = x.shape[-1]
+    return (np.asarray(x, np.float64) * rotation_signs(d)) @ hadamard(d)  # H symmetric: row @ H = (H x)^T
+
+
+def unrotate(y: np.ndarray) -> np.ndarray:
+    """R^T y for every row of y (..., d): float64 (the inverse of `rotate`)."""
+    d = y.shape[-1]
+    return (np.asarray(y, np.float64) @ hadamard(d)) * rotation_signs(d)
+
+
+# ------------------------------------------------------------------------------------------------
+# codes
+
+
+def pack3(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes 0..7 (..., n), n a multiple of 8 -> uint8 (..., 3n/8): 8 codes per 3 bytes, code i
+    of a group at bits 3i..3i+2 of the little-endian 24-bit word."""
+    c = np.asarray(codes)
+    n = c.shape[-1]
+    if n % 8:
+        raise ValueError(f"pack3 needs a multiple of 8 codes per row, got {n}")
+    g = c.reshape(c.shape[:-1] + (n // 8, 8)).astype(np.uint32)
+    word = np.zeros(g.shape[:-1], np.uint32)
+    for i in range(8):
+        word |= (g[..., i] & 7) << (3 * i)
+    out = np.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], axis=-1).astype(np.uint8)
+    return out.reshape(c.shape[:-1] + (3 * n // 8,))
+
+
+def unpack3(packed: np.ndarray) -> np.ndarray:
+    """The inverse of `pack3`: uint8 (..., 3m) -> uint8 codes (..., 8m)."""
+    p = np.asarray(packed, np.uint8)
+    m = p.shape[-1] // 3
+    b = p.reshape(p.shape[:-1] + (m, 3)).astype(np.uint32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    codes = np.stack([(word >> (3 * i)) & 7 for i in range(8)], axis=-1).astype(np.uint8)
+    return codes.reshape(p.shape[:-1] + (8 * m,))
+
+
+def quantize_rotated(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Already-rotated rows y (..., d) -> (packed codes uint8 (..., 3d/8), scales float16 (..., d/32))."""
+    y = np.asarray(y, np.float64)
+    d = y.shape[-1]
+    blocks = y.reshape(y.shape[:-1] + (d // BLOCK, BLOCK))
+    rms = np.sqrt(np.mean(blocks * blocks, axis=-1, keepdims=True))
+    safe = np.where(rms > 0, rms, 1.0)
+    codes = np.searchsorted(THRESHOLDS, blocks / safe).astype(np.uint8)  # nearest level (ties go up)
+    c = LEVELS[codes]
+    cc = np.sum(c * c, axis=-1)  # > 0: every level is nonzero
+    scale = np.sum(blocks * c, axis=-1) / cc  # least-squares scale for these codes, >= 0
+    scale = np.minimum(scale, FP16_MAX).astype(np.float16)
+    return pack3(codes.reshape(y.shape)), scale
+
+
+def dequantize_rotated(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Rotated-space rows (..., d) float32 = LEVELS[code] * scale (no inverse rotation)."""
+    codes = unpack3(packed)
+    d = codes.shape[-1]
+    vals = LEVELS_F32[codes].reshape(codes.shape[:-1] + (d // BLOCK, BLOCK))
+    vals = vals * np.asarray(scales, np.float32)[..., None]
+    return vals.reshape(codes.shape)
+
+
+def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows x (..., d) in the model's space -> (packed codes, float16 scales); see the module doc."""
+    _check_dim(x.shape[-1])
+    return quantize_rotated(rotate(x))
+
+
+def dequantize(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(packed codes, scales) -> rows (..., d) float32 in the model's space (inverse rotation applied)."""
+    return unrotate(dequantize_rotated(packed, scales)).astype(np.float32)
+
+
+def bytes_per_row(d: int) -> int:
+    """Stored bytes of one q3 row of d values: 3d/8 code bytes + 2 bytes per 32-value scale."""
+    return 3 * d // 8 + 2 * (d // BLOCK)
+
+
+def check_kv_type(kv_type: str) -> str:
+    if kv_type not in KV_TYPES:
+        raise RequestError(f"KV cache type '{kv_type}' is not known; use one of {', '.join(KV_TYPES)}")
+    return kv_type
+
+
+# ------------------------------------------------------------------------------------------------
+# attention in the rotated space (the form a GPU kernel uses; the NumPy backend dequantizes instead)
+
+
+def attention_rotated(q: np.ndarray, k_packed, k_scales, v_packed, v_scales, *, scale: float,
+                      q_positions: np.ndarray, window: int = 0) -> np.ndarray:
+    """Causal GQA attention of q (T, nh, d) over a q3 cache of L rows (packed (L, n_kv, 3d/8), scales
+    (L, n_kv, d/32)) without leaving the rotated space for K or V: scores = (R q) . k_rot, output =
+    R^T (p @ v_rot). q_positions: absolute index of each query (T,). Returns (T, nh, dv) float32."""
+    T, nh, _ = q.shape
+    k_rot = dequantize_rotated(k_packed, k_scales).astype(np.float64)  # (L, n_kv, d)
+    v_rot = dequantize_rotated(v_packed, v_scales).astype(np.float64)  # (L, n_kv, dv)
+    L, n_kv, dv = v_rot.shape
+    group = nh // n_kv
+    q_rot = rotate(q)  # (T, nh, d)
+    k_pos = np.arange(L)
+    visible = k_pos[None, :] <= q_positions[:, None]
+    if window > 0:
+        visible &= k_pos[None, :] > q_positions[:, None] - window
+    out_rot = np.empty((T, nh, dv))
+    for h in range(nh):
+        s = (q_rot[:, h, :] @ k_rot[:, h // group, :].T) * scale
+        s = np.where(visible, s, -np.inf)
+        s -= s.max(axis=1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=1, keepdims=True)
+        out_rot[:, h, :] = p @ v_rot[:, h // group, :]
+    return unrotate(out_rot).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# the NumPy backend's cache
+
+
+class Q3KVCache:
+    """K and V of one attention layer for one sequence in the q3 format: packed codes
+    (capacity, n_kv, 3d/8) uint8 and scales (capacity, n_kv, d/32) float16, first `length` valid.
+
+    Same contract as NumpyKVCache (append / truncate / clone, growing by doubling past `capacity`);
+    `read(L)` returns the dequantized first L rows of K and V as float32 for the reference attention.
+    Rows are quantized once, on append, so re-reading never adds error.
+    """
+
+    kv_type = "q3"
+
+    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+        _check_dim(head_dim)
+        _check_dim(value_dim)
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.value_dim = value_dim
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self.k_codes, self.k_scales = self._alloc(self.capacity, head_dim)
+        self.v_codes, self.v_scales = self._alloc(self.capacity, value_dim)
+
+    def _alloc(self, rows: int, d: int):
+        return (np.zeros((rows, self.n_kv_heads, 3 * d // 8), np.uint8),
+                np.zeros((rows, self.n_kv_heads, d // BLOCK), np.float16))
+
+    def append(self, k: np.ndarray, v: np.ndarray) -> None:
+        need = self.length + k.shape[0]
+        if need > self.capacity:
+            new_cap = max(need, 2 * self.capacity)
+            for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
+                old = getattr(self, name)
+                grown = np.zeros((new_cap,) + old.shape[1:], old.dtype)
+                grown[: self.length] = old[: self.length]
+                setattr(self, name, grown)
+            self.capacity = new_cap
+        self.k_codes[self.length : need], self.k_scales[self.length : need] = quantize(k)
+        self.v_codes[self.length : need], self.v_scales[self.length : need] = quantize(v)
+        self.length = need
+
+    def read(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantized K (L, n_kv, d) and V (L, n_kv, dv), float32."""
+        return (dequantize(self.k_codes[:length], self.k_scales[:length]),
+                dequantize(self.v_codes[:length], self.v_scales[:length]))
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of {self.length} tokens to {length}")
+        self.length = int(length)
+
+    def clone(self) -> Q3KVCache:
+        twin = Q3KVCache(self.n_kv_heads, self.head_dim, self.value_dim, self.capacity)
+        for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
+            getattr(twin, name)[: self.length] = getattr(self, name)[: self.length]
+        twin.length = self.length
+        return twin
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Stored bytes per token of this layer (K and V, every KV head)."""
+        return self.n_kv_heads * (bytes_per_row(self.head_dim) + bytes_per_row(self.value_dim))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k_codes.nbytes + self.k_scales.nbytes + self.v_codes.nbytes + self.v_scales.nbytes)
