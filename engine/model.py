@@ -131,6 +131,25 @@ def _load_chat_template(gf):
     return ChatTemplate.from_gguf(gf)
 
 
+class _KVTypedBackend:
+    """A layer's backend whose new_kv_cache makes `kv_type` caches, so model modules' new_layer_state
+    (config, backend, i, capacity) need not know about KV types. Everything else passes through."""
+
+    def __init__(self, backend, kv_type: str):
+        self._backend = backend
+        self._kv_type = kv_type
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def new_kv_cache(self, n_kv_heads, head_dim, value_dim, capacity):
+        return self._backend.new_kv_cache(n_kv_heads, head_dim, value_dim, capacity, kv_type=self._kv_type)
+
+
+def _with_kv_type(backend, kv_type: str):
+    return backend if kv_type == "f32" else _KVTypedBackend(backend, kv_type)
+
+
 class Model:
     """A loaded model. Attributes: config, tokenizer and chat_template (built on first access), path,
     placement (as given; None = automatic), device_plan (part -> device in use), backends (part ->
@@ -152,6 +171,7 @@ class Model:
         self._roles = roles
         self.load_seconds = 0.0
         self.vision = None  # engine.vision.VisionTower when an mmproj was loaded (load_model(mmproj=))
+        self.kv_type = "f32"  # KV cache type of new states: "f32" or "q3" (load_model(kv_type=))
 
     # ---- text side (built on first use: a 248k-entry BPE vocabulary takes seconds to build, and
     # logits-only users such as tests and benchmarks never need it) --------------------------------
@@ -280,11 +300,13 @@ class Model:
             return x, src
         return dst.asarray(src.to_numpy(x)), dst  # device -> host -> device (no peer-to-peer)
 
-    def new_state(self, capacity: int | None = None) -> list:
+    def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         # default: the placement's planned context (its memory estimate assumed it), else 8192 tokens
         planned = getattr(self.placement, "context", None)
         cap = capacity or planned or min(self.config.context_length or DEFAULT_CAPACITY, DEFAULT_CAPACITY)
-        return [self.module.new_layer_state(self.config, self.backends[f"layer.{i}"], i, cap)
+        kv_type = kv_type or self.kv_type
+        return [self.module.new_layer_state(self.config, _with_kv_type(self.backends[f"layer.{i}"], kv_type),
+                                            i, cap)
                 for i in range(self.config.n_layers)]
 
     def logits(self, token_ids, positions=None, embed_override=None) -> np.ndarray:
@@ -324,10 +346,10 @@ class Model:
             for arr in getattr(st, "recurrent", {}).values():
                 be.free(arr)
 
-    def new_session(self, capacity: int | None = None):
+    def new_session(self, capacity: int | None = None, kv_type: str | None = None):
         from .session import Session
 
-        return Session(self, capacity=capacity)
+        return Session(self, capacity=capacity, kv_type=kv_type)
 
     def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking: bool = True,
                  **prompt_extras):
@@ -435,7 +457,7 @@ def _load_parts(gf: GGUFFile, roles: dict, backends: dict, *, progress=None, can
 
 def load_model(path, placement=None, devices=None, *, backend=None,
                progress: Callable[[float, str], None] | None = None, cancel=None,
-               mmproj=None, max_image_tokens: int | None = None) -> Model:
+               mmproj=None, max_image_tokens: int | None = None, kv_type: str = "f32") -> Model:
     """Open a GGUF model and load its weights.
 
     placement: a part -> device plan (see plan_devices); devices: device strings to spread the layers
@@ -444,9 +466,13 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     `cancel` (threading.Event) is set, loading stops and raises GenerationCancelled with nothing kept.
     mmproj: the vision projector GGUF (path); None = an mmproj-*.gguf beside the model that fits it,
     if any; False = none. It ends up as `model.vision` (engine/vision); max_image_tokens caps the
-    image tokens per picture (default engine.vision.DEFAULT_MAX_IMAGE_TOKENS).
+    image tokens per picture (default engine.vision.DEFAULT_MAX_IMAGE_TOKENS). kv_type: the KV cache
+    of every session, "f32" (exact) or "q3" (3-bit, engine/kvquant.py; NumPy backend only so far).
     """
     t0 = time.perf_counter()
+    from .kvquant import check_kv_type
+
+    check_kv_type(kv_type)
     gf = GGUFFile(path)
     config = ModelConfig.from_gguf(gf)
     # Wrong or truncated files fail here with the tensor's name, not inside a layer's matmul.
@@ -465,10 +491,15 @@ def load_model(path, placement=None, devices=None, *, backend=None,
 
         placement, plan, by_device = resolve_devices(config, gf, placement, devices)
         backends = {p: by_device[d] for p, d in plan.items()}
+    if kv_type != "f32":  # fail before loading weights when a device or the head dims cannot take it
+        for be in {id(b): b for b in backends.values()}.values():
+            be.free(be.new_kv_cache(config.n_kv_heads, config.head_dim, config.value_head_dim, 1,
+                                    kv_type=kv_type))
     if progress is not None:
         progress(0.0, f"opening {Path(path).name}")
     weights = _load_parts(gf, roles, backends, progress=progress, cancel=cancel)
     model = Model(path, gf, config, module, plan, backends, weights, placement, roles)
+    model.kv_type = kv_type
     from .multidevice import attach_pipeline
 
     attach_pipeline(model)

@@ -376,12 +376,13 @@ class Runtime:
     # -- client API (any thread) ---------------------------------------------------------------------
 
     def load(self, path, devices=None, placement=None, *, mmproj=None,
-             max_image_tokens: int | None = None) -> RequestHandle:
+             max_image_tokens: int | None = None, kv_type: str | None = None) -> RequestHandle:
         """Load a GGUF model (replacing the current one). Events: "progress"..., then "done" with
         data["model"] = ModelInfo. mmproj: the vision projector file (default: found beside the
-        model; False: none); max_image_tokens: cap per picture (engine/vision)."""
-        vision = {k: v for k, v in (("mmproj", mmproj), ("max_image_tokens", max_image_tokens))
-                  if v is not None}
+        model; False: none); max_image_tokens: cap per picture (engine/vision); kv_type: KV cache
+        type ("f32" default, "q3": 3-bit, engine/kvquant.py)."""
+        vision = {k: v for k, v in (("mmproj", mmproj), ("max_image_tokens", max_image_tokens),
+                                    ("kv_type", kv_type)) if v is not None}
         return self._submit("load", path=str(path), devices=devices, placement=placement, **vision)
 
     def unload(self) -> RequestHandle:
@@ -933,8 +934,8 @@ def _checkpoint_turn_boundary(session, ids, cancel) -> int:
 
 
 def _vision_args(args: dict) -> dict:
-    """The load's vision options (mmproj, max_image_tokens) that were given, for the loader."""
-    return {k: args[k] for k in ("mmproj", "max_image_tokens") if args.get(k) is not None}
+    """The load's vision options (mmproj, max_image_tokens) and kv_type that were given, for the loader."""
+    return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type") if args.get(k) is not None}
 
 
 def _has_images(messages) -> bool:

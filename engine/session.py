@@ -73,10 +73,12 @@ def _as_layer_state(state) -> LayerState:
 class Session:
     """One sequence's state on `model`. Not thread-safe: use it from the thread that owns the model."""
 
-    def __init__(self, model, capacity: int | None = None):
+    def __init__(self, model, capacity: int | None = None, kv_type: str | None = None):
         self.model = model
         self.capacity = capacity
-        self.states: list[LayerState] = [_as_layer_state(s) for s in model.new_state(capacity)]
+        # kv_type: None = the model's (load_model(kv_type=)); "f32" or "q3" (engine/kvquant.py)
+        states = model.new_state(capacity, kv_type=kv_type) if kv_type else model.new_state(capacity)
+        self.states: list[LayerState] = [_as_layer_state(s) for s in states]
         self.tokens: list[int] = []
         self._next_positions: list[int] = []
         self._positions: list[tuple[int, int, int]] = []  # (t, h, w) of each token, for re-prefill

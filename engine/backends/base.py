@@ -129,8 +129,10 @@ class Backend(Protocol):
         Position p is divided by `scale` (linear scaling). Dims >= n_rot pass through.
         """
 
-    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int) -> KVCache:
-        ...
+    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int,
+                     kv_type: str = "f32") -> KVCache:
+        """kv_type: "f32" (exact), or "q3" (3-bit, engine/kvquant.py; NumPy backend only so far). A
+        backend without a type raises RequestError."""
 
     def attention(self, q: Array, k: Array, v: Array, cache: KVCache, *, scale: float,
                   window: int = 0) -> Array:

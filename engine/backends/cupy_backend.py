@@ -447,7 +447,14 @@ class CupyBackend:
                 pos3 = cp.asarray(np.ascontiguousarray(np.broadcast_to(p, (3, T)), dtype=np.int32))
             return ops.rope(x, pos3, comp_d, inv_freq, n_rot, scale)
 
-    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int,
+                     kv_type: str = "f32"):
+        if kv_type != "f32":
+            from ..errors import RequestError
+
+            # kernels/kvq3.cu exists but has never run on a GPU: not wired until it is tested
+            raise RequestError(f"KV cache type '{kv_type}' is not available on the CUDA backend yet "
+                               "(only 'f32'); use kv_type 'f32', or the NumPy backend (devices cpu:0) for q3")
         with self._dev:
             return CupyKVCache(n_kv_heads, head_dim, value_dim, capacity)
 

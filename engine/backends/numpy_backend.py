@@ -119,6 +119,10 @@ class NumpyKVCache(KVCache):
             raise ValueError(f"cannot truncate a KV cache of {self.length} tokens to {length}")
         self.length = int(length)
 
+    def read(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """K (L, n_kv, d) and V (L, n_kv, dv) of the first `length` tokens (views)."""
+        return self.k[:length], self.v[:length]
+
     def clone(self) -> NumpyKVCache:
         twin = NumpyKVCache(self.n_kv_heads, self.head_dim, self.value_dim, self.capacity)
         twin.k[: self.length] = self.k[: self.length]
@@ -266,7 +270,12 @@ class NumpyBackend:
         y[..., half:n_rot] = x1 * sin + x2 * cos
         return y
 
-    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int,
+                     kv_type: str = "f32"):
+        from .. import kvquant
+
+        if kvquant.check_kv_type(kv_type) == "q3":  # 3-bit codes + fp16 scales (engine/kvquant.py)
+            return kvquant.Q3KVCache(n_kv_heads, head_dim, value_dim, capacity)
         return NumpyKVCache(n_kv_heads, head_dim, value_dim, capacity)
 
     def attention(self, q, k, v, cache: NumpyKVCache, *, scale: float, window: int = 0):
@@ -275,8 +284,7 @@ class NumpyBackend:
         L = cache.length
         n_kv = cache.n_kv_heads
         group = nh // n_kv
-        keys = cache.k[:L].astype(F64)  # (L, n_kv, d)
-        values = cache.v[:L].astype(F64)
+        keys, values = (a.astype(F64) for a in cache.read(L))  # (L, n_kv, d); q3 caches dequantize
         k_pos = np.arange(L)
         out = np.empty((T, nh, cache.value_dim), F32)
         # queries in blocks, so a long prompt never materializes a (T, L) float64 score matrix

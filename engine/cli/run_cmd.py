@@ -36,6 +36,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-tokens", type=int, default=None, metavar="N",
                    help="cap on image tokens per picture, one per 32x32 pixels; bigger pictures are "
                         "scaled down (default: 1024, about one megapixel)")
+    p.add_argument("--kv-type", default="f32", choices=("f32", "q3"),
+                   help="KV cache type: f32 (exact, default) or q3 (3-bit Walsh-Hadamard + Lloyd-Max "
+                        "codes, ~9x smaller; CPU/NumPy backend only for now)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -134,6 +137,8 @@ def start_runtime(args, *, quiet: bool = False, sample_memory_s: float = 0.0):
         if args.max_image_tokens < 1:
             raise RequestError("--max-image-tokens must be at least 1")
         vision["max_image_tokens"] = args.max_image_tokens
+    if getattr(args, "kv_type", None) not in (None, "f32"):
+        vision["kv_type"] = args.kv_type
     handle = runtime.load(path, devices=devices, **vision)
     tty = sys.stderr.isatty()
     try:
