@@ -319,3 +319,103 @@ class Q3KVCache:
     @property
     def nbytes(self) -> int:
         return int(self.k_codes.nbytes + self.k_scales.nbytes + self.v_codes.nbytes + self.v_scales.nbytes)
+
+
+# ------------------------------------------------------------------------------------------------
+# measuring a model with q3 against f32 (python -m minecart.engine.kvquant MODEL; docs/kv-cache.md)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.sum(np.exp(x), axis=-1, keepdims=True))
+
+
+def compare_logits(ref: np.ndarray, test: np.ndarray) -> dict:
+    """Per-position agreement of two logit arrays (T, vocab): relative L2 error, top-1 match, KL(ref||test)."""
+    ref = np.asarray(ref, np.float64)
+    test = np.asarray(test, np.float64)
+    rel = np.linalg.norm(test - ref, axis=-1) / np.maximum(np.linalg.norm(ref, axis=-1), 1e-30)
+    lp, lq = _log_softmax(ref), _log_softmax(test)
+    kl = np.sum(np.exp(lp) * (lp - lq), axis=-1)
+    top1 = np.argmax(ref, axis=-1) == np.argmax(test, axis=-1)
+    return {"positions": int(ref.shape[0]), "rel_err_mean": float(rel.mean()), "rel_err_max": float(rel.max()),
+            "top1_agree": float(top1.mean()), "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
+
+
+def sequence_logits(model, ids, kv_type: str) -> np.ndarray:
+    """Logits (T, vocab) of a fresh sequence with a `kv_type` cache (Model.forward, rows="all")."""
+    states = model.new_state(len(ids), kv_type=kv_type)
+    try:
+        return model.forward([int(t) for t in ids], states, np.arange(len(ids)), rows="all")
+    finally:
+        model._free_states(states)
+
+
+def greedy_tokens(model, prompt, n: int, kv_type: str) -> list[int]:
+    """n greedy (argmax) tokens after `prompt` with a `kv_type` cache, through a Session."""
+    session = model.new_session(kv_type=kv_type)
+    try:
+        logits = session.prefill([int(t) for t in prompt])
+        out: list[int] = []
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = session.step(out[-1])
+        return out
+    finally:
+        session.close()
+
+
+def kv_bytes_per_token(config, kv_type: str) -> int:
+    """Stored KV bytes per token per attention layer (K and V, every KV head)."""
+    if kv_type == "q3":
+        return config.n_kv_heads * (bytes_per_row(config.head_dim) + bytes_per_row(config.value_head_dim))
+    return config.n_kv_heads * (config.head_dim + config.value_head_dim) * 4
+
+
+def measure(model, sequences: dict, *, greedy: int = 32) -> dict:
+    """q3 against f32 on `model` (loaded on the NumPy backend): compare_logits per named sequence of
+    token ids, greedy agreement over `greedy` tokens after each, and bytes per token per layer."""
+    report = {"bytes_per_token_layer": {t: kv_bytes_per_token(model.config, t) for t in KV_TYPES},
+              "sequences": {}}
+    for name, ids in sequences.items():
+        row = compare_logits(sequence_logits(model, ids, "f32"), sequence_logits(model, ids, "q3"))
+        if greedy:
+            a, b = greedy_tokens(model, ids, greedy, "f32"), greedy_tokens(model, ids, greedy, "q3")
+            same = [x == y for x, y in zip(a, b, strict=True)]
+            row["greedy_same"] = int(sum(same))
+            row["greedy_first_diff"] = same.index(False) if False in same else None
+        report["sequences"][name] = row
+    return report
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m minecart.engine.kvquant",
+                                description="Compare the q3 KV cache with f32 on a model (NumPy backend).")
+    p.add_argument("model", help="GGUF file")
+    p.add_argument("--sequences", default=None, metavar="JSON",
+                   help="a sequences.json like the shared fixtures' (default: random ids, seed 0)")
+    p.add_argument("--lengths", default="16,64,256", help="random sequence lengths when no --sequences")
+    p.add_argument("--greedy", type=int, default=32, help="greedy tokens to compare after each sequence")
+    args = p.parse_args(argv)
+    from .backends.numpy_backend import NumpyBackend
+    from .model import load_model
+
+    model = load_model(args.model, backend=NumpyBackend(), mmproj=False)
+    if args.sequences:
+        with open(args.sequences) as f:
+            seqs = {s["name"]: s["ids"] for s in json.load(f)["sequences"]}
+    else:
+        rng = np.random.default_rng(0)
+        vocab = model.config.vocab_size
+        seqs = {f"random{n}": rng.integers(0, min(vocab, 32000), n).tolist()
+                for n in (int(x) for x in args.lengths.split(","))}
+    print(json.dumps(measure(model, seqs, greedy=args.greedy), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
