@@ -43,8 +43,9 @@ from .settings import data_dir
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 BASE_MODEL_TEXT = ("{name} is a pretrained base model (its file has no chat template): it continues text "
-                   "rather than following instructions, so expect loose answers. Load an instruction-tuned "
-                   "model for real chat.")
+                   "rather than following instructions. \u201cContinue text\u201d is on, so your message is "
+                   "sent as the start of a text for it to carry on; load an instruction-tuned model for "
+                   "real chat.")
 NO_VISION_TEXT = ("This model has no vision tower, so it cannot see images. The picture stays in the chat, "
                   "but only your text is sent. Load a model with a vision projector (mmproj) to ask about images.")
 
@@ -445,6 +446,17 @@ class ChatPanel(QWidget):
         self.think_btn.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
         self.think_btn.setToolTip("Let the model reason before answering")
         row.addWidget(self.think_btn)
+        # Base (pretrained) models do not follow instructions; they continue text. In this mode the
+        # last message is sent as raw text, without the chat template, and the reply continues it.
+        self.complete_btn = QToolButton()
+        self.complete_btn.setObjectName("Flat")
+        self.complete_btn.setCheckable(True)
+        self.complete_btn.setIcon(theme.icon("edit", theme.MUTED, theme.ACCENT))
+        self.complete_btn.setText(" Continue text")
+        self.complete_btn.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.complete_btn.setToolTip("Send your message as raw text (no chat template) and let the model "
+                                     "continue it: the way to use a pretrained base model")
+        row.addWidget(self.complete_btn)
         self.settings_btn = QToolButton()
         self.settings_btn.setObjectName("Flat")
         self.settings_btn.setCheckable(True)
@@ -538,6 +550,7 @@ class ChatPanel(QWidget):
         self.model_loaded = loaded
         self.base_notice.setText(BASE_MODEL_TEXT.format(name=name or "This model"))
         self.base_notice.setVisible(loaded and base_model)
+        self.complete_btn.setChecked(loaded and base_model)
         self.loading_name = ""
         self.model_has_vision = has_vision
         self.model_path = path
@@ -799,8 +812,13 @@ class ChatPanel(QWidget):
         self.current.streaming = True
         self.current.render()
         self._turn_started = time.time()
-        ok = self.bridge.chat(messages, self.settings_panel.sampling(), thinking=self.think_btn.isChecked(),
-                              conversation_id=self.conv.id)
+        if self.complete_btn.isChecked():
+            prompt = next((m["content"] for m in reversed(messages)
+                           if m.get("role") == "user" and isinstance(m.get("content"), str)), "")
+            ok = self.bridge.complete(prompt, self.settings_panel.sampling(), conversation_id=self.conv.id)
+        else:
+            ok = self.bridge.chat(messages, self.settings_panel.sampling(),
+                                  thinking=self.think_btn.isChecked(), conversation_id=self.conv.id)
         if not ok:
             return
         self._update_buttons()

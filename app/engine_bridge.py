@@ -192,6 +192,20 @@ class EngineBridge(QObject):
 
         return self._submit("_chat", request, self.chat_error, self._on_chat_event)
 
+    def complete(self, prompt: str, sampling: dict | None = None, conversation_id=None) -> bool:
+        """Continue raw text without the chat template (base models); events as for chat."""
+        if self.runtime is None:
+            self.chat_error.emit(self.runtime_error or "the engine is not available")
+            return False
+        if self._chat is not None:
+            self._chat.cancel()
+
+        def request():
+            return self.runtime.complete(prompt, _sampling_params(sampling or {}),
+                                         conversation_id=conversation_id)
+
+        return self._submit("_chat", request, self.chat_error, self._on_chat_event)
+
     def stop(self) -> None:
         if self._chat is not None:
             self._chat.cancel()
