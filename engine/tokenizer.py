@@ -23,9 +23,13 @@ transformers. This module knows nothing about chat formats (chat_template.py) or
 from __future__ import annotations
 
 import codecs
+import hashlib
 import logging
+import os
+import tempfile
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from .errors import TokenizerError
@@ -373,6 +377,102 @@ class StreamDecoder:
         return bool(self._utf8.getstate()[0])
 
 
+# ---------------------------------------------------------------------------------- merge cache
+#
+# Building a tokenizer costs seconds on a slow CPU, and most of it is the merge list: a SentencePiece
+# vocabulary (Gemma) has none in the file, so ~515k merges are rebuilt from 262k tokens in Python, and
+# a byte-level one (Qwen) has its ~250k merges checked against the vocabulary. Both results depend only
+# on the vocabulary, so they are kept on disk as (left id, right id) pairs, keyed by a hash of the
+# tokenizer metadata (the same vocabulary in another quantization of a model shares the entry). Any
+# unreadable, truncated or tampered file is ignored and rebuilt; writes go through a temporary file
+# and a rename, so two processes never see half a file. The `tokenizers` JSON is not cached: reading
+# it back (Tokenizer.from_str) is slower than constructing the BPE from the merge list.
+
+CACHE_ENV = "MINECART_TOKENIZER_CACHE"  # a folder for the merge cache, or "off" to disable it
+_CACHE_FORMAT = b"minecart-merges-v1\n"  # bump when the merge rules of a builder change
+_DIGEST_BYTES = 32
+
+
+def tokenizer_cache_dir() -> Path | None:
+    """Folder of the merge cache (platformdirs user cache, e.g. ~/.cache/minecart/tokenizers), or None
+    when `MINECART_TOKENIZER_CACHE=off`."""
+    override = os.environ.get(CACHE_ENV)
+    if override is not None and override.strip():
+        if override.strip().lower() in ("off", "0", "none", "false"):
+            return None
+        return Path(override)
+    try:
+        import platformdirs
+    except ImportError:
+        return None
+    return platformdirs.user_cache_path("minecart", appauthor=False) / "tokenizers"
+
+
+def _cache_key(kind: str, tokens: Sequence[str], extra: Sequence[str]) -> str:
+    """Hex SHA-256 over everything the merge list depends on."""
+    h = hashlib.sha256(_CACHE_FORMAT + kind.encode() + b"\0")
+    for part in (tokens, extra):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update("\0".join(part).encode("utf-8", "surrogatepass"))  # no vocabulary token holds a NUL
+    return h.hexdigest()
+
+
+def _read_merges(path: Path, tokens: Sequence[str]) -> list[tuple[str, str]] | None:
+    """The cached merges as spellings, or None when the file is missing or not a valid entry."""
+    import numpy as np
+
+    try:
+        blob = path.read_bytes()
+    except OSError:
+        return None
+    head = len(_CACHE_FORMAT)
+    if len(blob) < head + _DIGEST_BYTES or not blob.startswith(_CACHE_FORMAT):
+        return None
+    digest, payload = blob[head : head + _DIGEST_BYTES], blob[head + _DIGEST_BYTES :]
+    if hashlib.sha256(payload).digest() != digest or len(payload) % 8:
+        return None
+    ids = np.frombuffer(payload, dtype="<u4")
+    if ids.size and int(ids.max()) >= len(tokens):
+        return None
+    spellings = map(tokens.__getitem__, ids.tolist())
+    return list(zip(spellings, spellings, strict=True))  # consecutive (left, right) pairs, built in C
+
+
+def _write_merges(path: Path, merges: Sequence[tuple[str, str]], vocab: Mapping[str, int]) -> None:
+    import numpy as np
+
+    pairs = np.fromiter((vocab[s] for pair in merges for s in pair), dtype="<u4", count=2 * len(merges))
+    payload = pairs.tobytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_CACHE_FORMAT + hashlib.sha256(payload).digest() + payload)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cached_merges(key: str, tokens: Sequence[str], vocab: Mapping[str, int],
+                  build: Callable[[], list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """`build()`'s merge list, read from the cache entry `key` when a valid one exists, else built and
+    stored. `tokens[vocab[s]] == s` must hold for every spelling in a merge (first_index_map does)."""
+    folder = tokenizer_cache_dir()
+    path = folder / f"{key}.merges" if folder is not None else None
+    if path is not None:
+        merges = _read_merges(path, tokens)
+        if merges is not None:
+            return merges
+    merges = build()
+    if path is not None:
+        try:
+            _write_merges(path, merges, vocab)
+        except OSError as exc:  # read-only home, full disk: the next start rebuilds, nothing breaks
+            log.info("tokenizer merge cache not written to %s (%s)", path, exc)
+    return merges
+
+
 # ---------------------------------------------------------------------------------- builders
 
 
@@ -403,18 +503,25 @@ def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str], types: lis
     split, nfc, ignore_merges = BYTE_LEVEL_PRE_TOKENIZERS[pre]
 
     vocab = first_index_map(tokens)
-    merges = []
-    bad = []
-    for line in metadata.get("tokenizer.ggml.merges") or []:
-        left, _, right = line.partition(" ")
-        # the tokenizers library panics (not raises) on a merge outside the vocabulary: check here
-        if left in vocab and right in vocab and left + right in vocab:
-            merges.append((left, right))
-        else:
-            bad.append(line)
-    if bad:
-        log.warning("%s: ignored %d merge rules naming tokens outside the vocabulary (first: %r)",
-                    source, len(bad), bad[0])
+    merge_lines = [str(m) for m in metadata.get("tokenizer.ggml.merges") or []]
+
+    def checked_merges() -> list[tuple[str, str]]:
+        merges = []
+        bad = []
+        for line in merge_lines:
+            left, _, right = line.partition(" ")
+            # the tokenizers library panics (not raises) on a merge outside the vocabulary: check here
+            if left in vocab and right in vocab and left + right in vocab:
+                merges.append((left, right))
+            else:
+                bad.append(line)
+        if bad:
+            log.warning("%s: ignored %d merge rules naming tokens outside the vocabulary (first: %r)",
+                        source, len(bad), bad[0])
+        return merges
+
+    key = _cache_key("gpt2", tokens, merge_lines)
+    merges = cached_merges(key, tokens, vocab, checked_merges)
 
     byte_chars = gpt2_byte_to_unicode()
     missing = [b for b, ch in byte_chars.items() if ch not in vocab]
@@ -472,17 +579,20 @@ def _sentencepiece_merges(tokens: list[str], vocab: Mapping[str, int], order: It
     lists token ids best-first; a token's merges follow that order, longer left part first. This is
     the order transformers' GGUF loader uses, so the ids agree with it.
     """
-    merges = []
+    merges: list[tuple[str, str]] = []
+    append = merges.append  # ~2M dictionary probes for a 262k vocabulary: keep the loop lean
+    lookup = vocab.get
     for i in order:
         tok = tokens[i]
-        if len(tok) < 2 or vocab.get(tok) != i:
+        n = len(tok)
+        if n < 2 or lookup(tok) != i:
             continue  # single characters need no merge; a duplicate spelling belongs to its first id
-        for cut in range(len(tok) - 1, 0, -1):  # longer left part first
+        for cut in range(n - 1, 0, -1):  # longer left part first
             left = tok[:cut]
             if left in vocab:
                 right = tok[cut:]
                 if right in vocab:
-                    merges.append((left, right))
+                    append((left, right))
     return merges
 
 
@@ -506,7 +616,9 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: 
         order: Iterable[int] = range(len(tokens))
     else:
         order = sorted(range(len(tokens)), key=lambda i: -float(scores[i]))  # stable: ties by id
-    merges = _sentencepiece_merges(spelled, vocab, order)
+    order_text = "id-order" if isinstance(order, range) else ",".join(map(str, order))
+    key = _cache_key("llama", spelled, [order_text])
+    merges = cached_merges(key, spelled, vocab, lambda: _sentencepiece_merges(spelled, vocab, order))
 
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None

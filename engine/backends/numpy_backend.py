@@ -178,6 +178,13 @@ class NumpyBackend:
             return NumpyWeight(info, role, _dequantize(info))
         raise ValueError(f"unknown weight role '{role}' for tensor '{info.name}'")
 
+    def prepare_lm_head(self, weight) -> None:
+        """Decode a tied embedding/LM-head table to float32 now (load time), not in the first token.
+        Optional hook (engine.model calls it when a person waits); the one table then serves both the
+        lookup and the head, so there is never a second float32 copy."""
+        if isinstance(weight, NumpyWeight) and weight.role == "embedding":
+            weight.dense()
+
     def free(self, obj) -> None:
         return None
 
