@@ -181,7 +181,7 @@ def quantize_rotated(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     blocks = y.reshape(y.shape[:-1] + (d // BLOCK, BLOCK))
     rms = np.sqrt(np.mean(blocks * blocks, axis=-1, keepdims=True))
     safe = np.where(rms > 0, rms, 1.0)
-    codes = np.searchsorted(THRESHOLDS, blocks / safe).astype(np.uint8)  # nearest level (ties go up)
+    codes = np.searchsorted(THRESHOLDS, blocks / safe).astype(np.uint8)  # nearest level (ties go down)
     c = LEVELS[codes]
     cc = np.sum(c * c, axis=-1)  # > 0: every level is nonzero
     scale = np.sum(blocks * c, axis=-1) / cc  # least-squares scale for these codes, >= 0

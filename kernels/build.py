@@ -25,6 +25,7 @@ GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split int
 GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a (the probe picks)
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
+KVQ3_KERNELS = ("quantize", "rotate", "unrotate", "decode")  # kvq3.cu templates, one per head dim
 
 COMPILE_OPTIONS = ("-std=c++17",)
 
@@ -61,6 +62,8 @@ def module_specs() -> list[ModuleSpec]:
     specs.append(ModuleSpec("sampling", ("sampling.cu",), (),
                             ("topk_stage1", "topk_stage2", "moe_route", "moe_combine")))
     specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))
+    # q3 KV cache (kvq3.py; untested on a device, not used by CupyBackend yet)
+    specs.append(ModuleSpec("kvq3", ("kvq3.cu",), tuple(f"kvq3_{k}<{d}>" for k in KVQ3_KERNELS for d in HEAD_DIMS)))
     return specs
 
 

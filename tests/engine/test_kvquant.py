@@ -264,3 +264,23 @@ def test_cli_has_the_kv_type_flag():
     run_cmd.register(parser.add_subparsers())
     assert parser.parse_args(["run", "m.gguf", "--kv-type", "q3"]).kv_type == "q3"
     assert parser.parse_args(["run", "m.gguf"]).kv_type == "f32"
+
+
+def test_cuda_source_carries_the_same_codebook_and_signs():
+    """kernels/kvq3.cu (never run on a GPU yet) hard-codes the levels, thresholds and the sign hash;
+    they must be the NumPy ones (checked on the text, no GPU needed)."""
+    import re
+    from pathlib import Path
+
+    import minecart.kernels as kernels_pkg
+
+    src = (Path(kernels_pkg.__file__).parent / "kvq3.cu").read_text()
+
+    def table(name):
+        body = re.search(name + r"\[\d\] = \{([^}]*)\}", src).group(1)
+        return np.array([float(v.strip().rstrip("f")) for v in body.split(",")])
+
+    np.testing.assert_allclose(table("KVQ3_LEVELS"), kq.LEVELS, rtol=2e-9, atol=1e-12)
+    np.testing.assert_allclose(table("KVQ3_THRESHOLDS"), kq.THRESHOLDS, rtol=2e-9, atol=1e-12)
+    for const in ("0x9E3779B1", "0x85EBCA6B", ">> 16", ">> 13", ">> 31"):
+        assert const in src

@@ -1,0 +1,78 @@
+"""CuPy launches of kernels/kvq3.cu: the q3 KV cache on the GPU (format: engine/kvquant.py).
+
+What this is: grid/block maths for quantize-on-append, the q/output rotations and rotated-space decode
+attention, over cache arrays laid out as the NumPy Q3KVCache (codes (capacity, n_kv, 3D/8) uint8,
+scales (capacity, n_kv, D/32) float16). What this is not: a KV cache class or backend wiring.
+
+STATUS: written without a GPU and never run; tests/gpu/test_kvq3.py checks it against
+engine/kvquant.py. CupyBackend refuses kv_type="q3" until those tests have passed on a device.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+from .build import HEAD_DIMS, get_kernel
+
+
+def _check(d: int) -> None:
+    if d not in HEAD_DIMS:
+        raise ValueError(f"kvq3 kernels are compiled for head dims {HEAD_DIMS}; got {d}")
+
+
+def alloc(capacity: int, n_kv: int, d: int) -> tuple[cp.ndarray, cp.ndarray]:
+    """Empty (codes, scales) cache arrays for `capacity` tokens of one of K or V."""
+    _check(d)
+    return (cp.zeros((capacity, n_kv, 3 * d // 8), cp.uint8),
+            cp.zeros((capacity, n_kv, d // 32), cp.float16))
+
+
+def quantize_append(x, codes: cp.ndarray, scales: cp.ndarray, start: int) -> None:
+    """Quantize x (T, n_kv, D) float32 into cache rows start..start+T-1 of (codes, scales)."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    T, n_kv, D = x.shape
+    _check(D)
+    if start + T > codes.shape[0]:
+        raise ValueError(f"q3 cache of {codes.shape[0]} rows cannot take rows {start}..{start + T - 1}")
+    if T:
+        get_kernel("kvq3", f"kvq3_quantize<{D}>")((T * n_kv,), (D,),
+                                                  (x, codes, scales, np.int32(T), np.int32(n_kv), np.int32(start)))
+
+
+def rotate(x) -> cp.ndarray:
+    """R x over the last axis (D), float32."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    D = x.shape[-1]
+    _check(D)
+    y = cp.empty_like(x)
+    if x.size:
+        get_kernel("kvq3", f"kvq3_rotate<{D}>")((x.size // D,), (D,), (x, y))
+    return y
+
+
+def unrotate(y) -> cp.ndarray:
+    """R^T y over the last axis (D), float32."""
+    y = cp.ascontiguousarray(y, dtype=cp.float32)
+    D = y.shape[-1]
+    _check(D)
+    x = cp.empty_like(y)
+    if y.size:
+        get_kernel("kvq3", f"kvq3_unrotate<{D}>")((y.size // D,), (D,), (y, x))
+    return x
+
+
+def decode_attention(q, k_codes, k_scales, v_codes, v_scales, kv_len: int, scale: float,
+                     window: int = 0) -> cp.ndarray:
+    """One query token q (1, nh, D) attending to cache rows [0, kv_len) (the query is the last row):
+    rotate q, attend in the rotated space, inverse-rotate the output -> (1, nh, D) float32."""
+    _, nh, D = q.shape
+    n_kv = k_codes.shape[1]
+    if v_codes.shape[2] * 8 // 3 != D:
+        raise ValueError("kvq3 decode needs equal K and V head dims")
+    q_rot = rotate(q)
+    out_rot = cp.empty((nh, D), cp.float32)
+    get_kernel("kvq3", f"kvq3_decode<{D}>")(
+        (nh,), (128,), (q_rot, k_codes, k_scales, v_codes, v_scales, out_rot, np.int32(nh), np.int32(n_kv),
+                        np.int32(kv_len), np.float32(scale), np.int32(window)))
+    return unrotate(out_rot).reshape(1, nh, D)
