@@ -4,7 +4,8 @@
 GenerationEvent per generated token; the last event carries finish_reason:
 - "stop": an end-of-turn token (the tokenizer's EOS ids or params.stop_token_ids; the token itself is
   not fed to the model and adds no text) or a stop string (the text up to it is emitted, the rest not);
-- "length": params.max_tokens tokens were generated;
+- "length": params.max_tokens tokens were generated, or the context is full (prompt + answer =
+  the model's context_length; a prompt that leaves no room for an answer is a RequestError);
 - "cancelled": `cancel` (a threading.Event) was set; checked before every token, so it takes effect
   within one token. That final event has token None.
 Nothing is yielded after a final event. Text that could be the start of a stop string is held back
@@ -128,6 +129,21 @@ def prompt_ids(model, prompt, enable_thinking: bool = True) -> list[int]:
     return [int(t) for t in items]
 
 
+def context_limit(model) -> int:
+    """The most tokens (prompt + answer) one sequence may hold: the model's trained context length
+    (0 = unknown, no limit). Past it the KV cache would still grow, but the model's output is garbage."""
+    return int(getattr(getattr(model, "config", None), "context_length", 0) or 0)
+
+
+def check_fits_context(model, n_prompt: int) -> None:
+    limit = context_limit(model)
+    if limit and n_prompt >= limit:
+        name = getattr(getattr(model, "path", None), "name", None) or "the model"
+        raise RequestError(f"the prompt is {n_prompt:,} tokens, but {name} holds at most {limit:,} "
+                           "(its context length) including the answer; shorten the prompt or the "
+                           "conversation, or start a new chat")
+
+
 def _eos_ids(tokenizer) -> set[int]:
     if tokenizer is None:
         return set()
@@ -152,6 +168,7 @@ def generate(model, prompt, params: SamplingParams | None = None, *, session=Non
             from .vision.insert import checkpoint_turn_boundary
 
             prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking, tools=tools)
+            check_fits_context(model, len(prepared.ids))
             positions, embed_override = prepared.positions, prepared.embed_override
             before = None
             if session is not None:
@@ -162,6 +179,7 @@ def generate(model, prompt, params: SamplingParams | None = None, *, session=Non
     ids = prompt_ids(model, prompt, enable_thinking)
     if not ids:
         raise RequestError("the prompt is empty")
+    check_fits_context(model, len(ids))
     return _generate(model, ids, params, session, cancel, prefill_chunk, positions, embed_override)
 
 
@@ -172,6 +190,7 @@ def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None
     tokenizer = model.tokenizer
     end_ids = _eos_ids(tokenizer) | set(params.stop_token_ids)
     n_prompt = len(ids)
+    limit = context_limit(model)
     stats = {"computed": 0, "prefill_s": 0.0, "decode_t0": None, "n_gen": 0}
 
     def event(token, text, finish=None):
@@ -235,7 +254,8 @@ def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None
             if hit:
                 yield event(token, shown, "stop")
                 return
-            if stats["n_gen"] >= params.max_tokens:
+            # the context is full once the prompt and the answer so far leave no room for this token
+            if stats["n_gen"] >= params.max_tokens or (limit and n_prompt + stats["n_gen"] >= limit):
                 yield event(token, shown + held_text(), "length")
                 return
             yield event(token, shown)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig, validate_tensors
-from .errors import DeviceError, GenerationCancelled, TokenizerError
+from .errors import DeviceError, GenerationCancelled, TokenizerError, UnsupportedArchitectureError
 from .gguf_file import GGUFFile
 from .models import module_for
 
@@ -501,6 +501,11 @@ def load_model(path, placement=None, devices=None, *, backend=None,
 
     check_kv_type(kv_type)
     gf = GGUFFile(path)
+    if gf.architecture == "clip":  # the most likely mix-up: the picture half of a vision model
+        raise UnsupportedArchitectureError(
+            gf.path, "this is a vision projector (mmproj), not a language model: open the model's "
+            "own GGUF and give this file as its projector (--mmproj FILE; an mmproj-*.gguf beside the "
+            "model is found by itself)", key="general.architecture")
     config = ModelConfig.from_gguf(gf)
     # Wrong or truncated files fail here with the tensor's name, not inside a layer's matmul.
     validate_tensors(config, gf)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -406,7 +407,7 @@ class Runtime:
             raise RequestError("chat needs a non-empty list of messages")
         return self._submit(
             "chat",
-            messages=messages,
+            messages=[_with_valid_text(m) for m in messages],
             params=params,
             enable_thinking=bool(enable_thinking),
             conversation_id=conversation_id,
@@ -422,7 +423,7 @@ class Runtime:
             raise RequestError("a completion needs a prompt string or a non-empty list of token ids")
         return self._submit(
             "completion",
-            prompt=prompt,
+            prompt=valid_unicode(prompt) if isinstance(prompt, str) else prompt,
             params=params,
             conversation_id=conversation_id,
             stop=list(stop or []),
@@ -936,6 +937,29 @@ def _checkpoint_turn_boundary(session, ids, cancel) -> int:
 def _vision_args(args: dict) -> dict:
     """The load's vision options (mmproj, max_image_tokens) and kv_type that were given, for the loader."""
     return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type") if args.get(k) is not None}
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with lone surrogates replaced by U+FFFD. They reach us from JSON ("\\udc80" is valid JSON)
+    and from undecodable command-line bytes (Python's surrogateescape); the tokenizer refuses them."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a Python str never holds a valid surrogate pair
+
+
+def _with_valid_text(message):
+    """A copy of one chat message whose text (string content or text parts) is valid Unicode."""
+    if not isinstance(message, dict):
+        return message
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": valid_unicode(content)}
+    if isinstance(content, list):
+        parts = [{**p, "text": valid_unicode(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str)
+                 else p for p in content]
+        return {**message, "content": parts}
+    return message
 
 
 def _has_images(messages) -> bool:

@@ -17,6 +17,7 @@ What this file is not: the generate loop (generation.py) or stop handling.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -40,6 +41,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)  # besides the model's EOS
 
     def __post_init__(self):
+        # NaN passes every comparison below and inf turns the distribution into NaNs: refuse both
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed} (leave it out for a random seed)")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0 (0 = greedy)")
         if self.top_k < 0:

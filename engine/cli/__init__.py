@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Subcommand modules, in the order `minecart --help` lists them.
@@ -43,12 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from ..errors import MinecartError
 
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return 2
     try:
+        parser = build_parser()  # imports every subcommand: Ctrl+C may land here too
+        args = parser.parse_args(argv)
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return 2
         return int(args.func(args) or 0)
     except MinecartError as exc:
         print(f"minecart: error: {exc}", file=sys.stderr)
@@ -56,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nminecart: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - a bug, but the user gets one line, not a traceback
+        if os.environ.get("MINECART_DEBUG"):
+            raise
+        print(f"minecart: internal error: {type(exc).__name__}: {exc}\nThis is a bug in minecart; "
+              "please report it with the command you ran (MINECART_DEBUG=1 shows the traceback).",
+              file=sys.stderr)
+        return 70  # EX_SOFTWARE
 
 
 if __name__ == "__main__":

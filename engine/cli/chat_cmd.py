@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import RequestError
 from .run_cmd import (
     StreamPrinter,
     add_model_args,
@@ -52,6 +53,9 @@ def _read_line(tty: bool) -> str | None:
 
 
 def chat(args) -> int:
+    if sys.stdin is None:  # started with stdin closed: there is nobody to chat with
+        raise RequestError("minecart chat reads messages from stdin, which is closed; use "
+                           "minecart run -p PROMPT for a single answer")
     params = sampling_params(args)
     runtime = start_runtime(args)
     tty = sys.stdin.isatty()

@@ -92,9 +92,13 @@ def model_path(arg: str | None) -> str:
 
 
 def device_list(arg: str | None) -> list[str] | None:
+    if arg is not None and not arg.strip(","+" "):
+        raise RequestError(f"--devices '{arg}' names no device; use e.g. cuda:0,cuda:1 or cpu")
     if not arg:
         return None
-    devices = [d.strip() for d in arg.split(",") if d.strip()]
+    # a bare "cpu" or "cuda" (as the help's example writes it) means device 0 of that kind
+    devices = [f"{d}:0" if d in ("cpu", "cuda") else d
+               for d in (part.strip().lower() for part in arg.split(",")) if d]
     if not devices:
         raise RequestError(f"--devices '{arg}' names no device; use e.g. cuda:0,cuda:1 or cpu")
     return devices
@@ -274,7 +278,7 @@ def stream_reply(handle, printer: StreamPrinter):
 def run(args) -> int:
     prompt = args.prompt
     if prompt is None:
-        if sys.stdin.isatty():
+        if sys.stdin is None or sys.stdin.isatty():  # None: started with stdin closed
             raise RequestError("give a prompt with -p/--prompt (or pipe it on stdin)")
         prompt = sys.stdin.read().strip()
     if not prompt:

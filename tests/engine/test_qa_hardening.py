@@ -1,0 +1,199 @@
+"""QA round: bad input a demanding user gives the engine and CLI, each once a bug, now a clear error.
+
+Each test here failed before its fix: NaN/negative sampling options slipped through to a NumPy error
+after the model had loaded, `--devices cpu` (the help's own example) was refused, an mmproj passed as the
+model said only "architecture 'clip' is not supported", prompts past the context length ran on into
+garbage, lone surrogates (JSON "\\udc80", undecodable argv bytes) crashed the tokenizer with a TypeError,
+a closed stdin or an unexpected exception printed a traceback. Real engine on the fixture GGUF.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+
+import pytest
+from minecart.engine.cli import main as cli_main
+from minecart.engine.cli.run_cmd import device_list
+from minecart.engine.errors import RequestError, UnsupportedArchitectureError
+from minecart.engine.sampling import SamplingParams, greedy_params
+
+TIMEOUT = 120
+
+
+@pytest.fixture(scope="module")
+def dense_path(fixtures_dir):
+    return fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf"
+
+
+@pytest.fixture(scope="module")
+def dense_model(dense_path):
+    from minecart.engine import load_model
+
+    model = load_model(dense_path, devices=["cpu:0"])
+    yield model
+    model.close()
+
+
+# -- sampling options -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", math.nan), ("temperature", math.inf), ("repetition_penalty", math.nan),
+    ("presence_penalty", math.nan), ("frequency_penalty", -math.inf),
+])
+def test_non_finite_sampling_numbers_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_negative_seed_is_refused_and_zero_is_fine():
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        SamplingParams(seed=-1)
+    assert SamplingParams(seed=0).seed == 0
+
+
+def test_cli_bad_seed_fails_before_loading(dense_path, capsys):
+    rc = cli_main(["run", str(dense_path), "-p", "hi", "--seed", "-1"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "seed must be an integer >= 0" in err
+    assert "loaded" not in err and "Traceback" not in err
+
+
+# -- devices and files ------------------------------------------------------------------------------
+
+
+def test_bare_device_kinds_mean_device_zero():
+    assert device_list("cpu") == ["cpu:0"]
+    assert device_list(" CPU , cuda ") == ["cpu:0", "cuda:0"]
+    assert device_list("cuda:1,cpu:0") == ["cuda:1", "cpu:0"]
+    assert device_list(None) is None
+    for empty in ("", ",", " , "):
+        with pytest.raises(RequestError, match="names no device"):
+            device_list(empty)
+
+
+def test_mmproj_given_as_the_model_says_what_it_is(fixtures_dir):
+    from minecart.engine import load_model
+
+    with pytest.raises(UnsupportedArchitectureError, match="vision projector.*--mmproj"):
+        load_model(fixtures_dir / "vision" / "mmproj-qwen35-tiny-vl-f16.gguf", devices=["cpu:0"])
+
+
+# -- context length ---------------------------------------------------------------------------------
+
+
+def _with_context(model, n):
+    model.config = dataclasses.replace(model.config, context_length=n)
+
+
+def test_prompt_beyond_the_context_is_a_request_error(dense_model):
+    from minecart.engine.generation import generate
+
+    saved = dense_model.config
+    try:
+        _with_context(dense_model, 40)
+        with pytest.raises(RequestError, match="context length"):
+            list(generate(dense_model, list(range(100, 150)), greedy_params(max_tokens=4)))
+        # room for part of the answer: it stops with "length" when the context is full
+        events = list(generate(dense_model, list(range(100, 130)), greedy_params(max_tokens=100)))
+        assert events[-1].finish_reason == "length"
+        assert events[-1].generated_tokens == 10
+    finally:
+        dense_model.config = saved
+    events = list(generate(dense_model, list(range(100, 130)), greedy_params(max_tokens=12)))
+    assert events[-1].generated_tokens == 12  # unchanged with the real context length
+
+
+def _fresh_runtime(path):
+    """A Runtime on its own copy of the fixture model (closing a runtime frees its model)."""
+    from minecart.engine import load_model
+    from minecart.engine.runtime import Runtime
+
+    made = []
+
+    def loader(*_a, **_k):
+        made.append(load_model(path, devices=["cpu:0"]))
+        return made[-1]
+
+    rt = Runtime(loader=loader, sample_memory_s=0)
+    rt.load(str(path)).result(TIMEOUT)
+    return rt, made[-1]
+
+
+def test_runtime_turns_an_overlong_prompt_into_an_error_event_and_keeps_going(dense_path):
+    rt, model = _fresh_runtime(dense_path)
+    saved = model.config
+    try:
+        _with_context(model, 16)
+        final = rt.chat([{"role": "user", "content": "word " * 40}], greedy_params(max_tokens=4),
+                        conversation_id="c").wait(TIMEOUT)
+        assert final.kind == "error"
+        assert "context length" in final.text and "start a new chat" in final.text
+        model.config = saved
+        final = rt.chat([{"role": "user", "content": "hi"}], greedy_params(max_tokens=3),
+                        conversation_id="c").wait(TIMEOUT)
+        assert final.kind == "done", final.text
+    finally:
+        rt.close()
+
+
+# -- text that is not valid Unicode -----------------------------------------------------------------
+
+
+def test_lone_surrogates_reach_the_model_as_replacement_characters(dense_path):
+    from minecart.engine.runtime import valid_unicode
+
+    assert valid_unicode("caf\udce9 ok") == "caf\ufffd ok"
+    assert valid_unicode("plain") == "plain"
+    rt, _ = _fresh_runtime(dense_path)
+    try:
+        message = {"role": "user", "content": "a\x00b\udc80"}
+        final = rt.chat([message], greedy_params(max_tokens=2)).wait(TIMEOUT)
+        assert final.kind == "done", final.text
+        assert message["content"] == "a\x00b\udc80"  # the caller's message is not modified
+        parts = [{"role": "user", "content": [{"type": "text", "text": "x\udcff"}]}]
+        assert rt.chat(parts, greedy_params(max_tokens=2)).wait(TIMEOUT).kind == "done"
+        final = rt.complete("\udcffHello", greedy_params(max_tokens=2)).wait(TIMEOUT)
+        assert final.kind == "done", final.text
+    finally:
+        rt.close()
+
+
+# -- the command line never shows a traceback -------------------------------------------------------
+
+
+def test_run_and_chat_with_stdin_closed(monkeypatch, dense_path, capsys):
+    monkeypatch.setattr(sys, "stdin", None)
+    assert cli_main(["run", str(dense_path)]) == 1
+    assert "give a prompt with -p" in capsys.readouterr().err
+    assert cli_main(["chat", str(dense_path)]) == 1
+    err = capsys.readouterr().err
+    assert "stdin, which is closed" in err and "Traceback" not in err
+
+
+def test_an_unexpected_exception_is_one_line_not_a_traceback(monkeypatch, dense_path, capsys):
+    from minecart.engine.cli import inspect_cmd
+
+    def broken(*_a, **_k):
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.delenv("MINECART_DEBUG", raising=False)
+    monkeypatch.setattr(inspect_cmd, "describe_model", broken)
+    rc = cli_main(["inspect", str(dense_path)])
+    err = capsys.readouterr().err
+    assert rc == 70, err
+    assert "internal error: ZeroDivisionError: boom" in err and "report it" in err
+
+
+def test_ctrl_c_while_the_cli_starts_is_a_clean_exit(monkeypatch, capsys):
+    import minecart.engine.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["run"]) == 130
+    assert "interrupted" in capsys.readouterr().err
