@@ -284,3 +284,18 @@ def test_cuda_source_carries_the_same_codebook_and_signs():
     np.testing.assert_allclose(table("KVQ3_THRESHOLDS"), kq.THRESHOLDS, rtol=2e-9, atol=1e-12)
     for const in ("0x9E3779B1", "0x85EBCA6B", ">> 16", ">> 13", ">> 31"):
         assert const in src
+
+
+def test_runtime_load_passes_the_kv_type(fixtures_dir):
+    from minecart.engine.runtime import Runtime
+
+    rt = Runtime(sample_memory_s=0)
+    try:
+        rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"], kv_type="q3").result()
+        model = rt._model
+        assert model.kv_type == "q3"
+        session = model.new_session()
+        assert any(isinstance(st.kv, kq.Q3KVCache) for st in session.states)
+        session.close()
+    finally:
+        rt.close()
