@@ -121,23 +121,6 @@ def _load_tokenizer(gf):
         return None  # e.g. synthetic test models without tokenizer metadata: run by token ids
 
 
-def _start_tokenizer_build(gf):
-    """A Future of `_load_tokenizer(gf)`, built on a daemon thread. The weights dequantize meanwhile on
-    the calling thread, and NumPy releases the GIL inside those loops, so the two overlap."""
-    from concurrent.futures import Future
-
-    future: Future = Future()
-
-    def build() -> None:
-        try:
-            future.set_result(_load_tokenizer(gf))
-        except BaseException as exc:  # re-raised where the tokenizer is first asked for
-            future.set_exception(exc)
-
-    threading.Thread(target=build, name="minecart-tokenizer-build", daemon=True).start()
-    return future
-
-
 def _warm_lm_head(backend, head_weights: dict) -> None:
     """Let a backend that decodes the LM head on first use (NumPy: the tied embedding to float32) do it
     now, inside the load, instead of inside the first token."""
@@ -206,8 +189,7 @@ class Model:
         """engine.tokenizer.Tokenizer, or None when the file has no usable tokenizer metadata."""
         with self._lazy_lock:
             if self._tokenizer is _NOT_LOADED:
-                build = getattr(self, "_tokenizer_build", None)  # started by load_model
-                self._tokenizer = build.result() if build is not None else _load_tokenizer(self.gguf)
+                self._tokenizer = _load_tokenizer(self.gguf)
             return self._tokenizer
 
     @tokenizer.setter
@@ -529,15 +511,14 @@ def load_model(path, placement=None, devices=None, *, backend=None,
                                     kv_type=kv_type))
     if progress is not None:
         progress(0.0, f"opening {Path(path).name}")
-    # A caller that shows progress (app, CLI, server) has a person waiting for the first token: build
-    # the tokenizer beside the weights, and decode a lazily decoded LM head now. Logits-only callers
-    # (tests, benchmarks) keep the lazy path and never pay for either.
-    tokenizer_build = _start_tokenizer_build(gf) if progress is not None else None
     weights = _load_parts(gf, roles, backends, progress=progress, cancel=cancel)
     if progress is not None:
+        # A caller that shows progress (app, CLI, server) has a person waiting: decode a lazily
+        # decoded LM head now, not inside the first token. Logits-only callers (tests) stay lazy.
+        # (Building the tokenizer on a thread beside the weights was measured slower on 2 cores:
+        # its Python loops hold the GIL, and every NumPy call of the weight load waits for it.)
         _warm_lm_head(backends["head"], weights["head"])
     model = Model(path, gf, config, module, plan, backends, weights, placement, roles)
-    model._tokenizer_build = tokenizer_build
     model.kv_type = kv_type
     from .multidevice import attach_pipeline
 

@@ -8,7 +8,8 @@ The parent prints medians over the runs, per BLAS thread setting.
 
     python tools/profile_first_run.py                      # demo + Qwen fixture, 3 runs, 1 and default threads
     python tools/profile_first_run.py --model demo --runs 5 --threads 1
-    python tools/profile_first_run.py --tokenizer-cache cold   # clear the tokenizer cache before each run
+    python tools/profile_first_run.py --tokenizer-cache warm   # a start after the first one
+    python tools/profile_first_run.py --sequential             # lazy tokenizer and LM head (no overlap)
 
 What this is not: a benchmark of the GPU path (engine/cli/bench_cmd.py) or a test.
 """
@@ -32,7 +33,7 @@ PHASES = ("import", "open", "load.global", "load.layers", "load.head", "load_tot
           "chat_template", "encode", "first_token", "decode")
 
 
-def _child(model_arg: str, n_tokens: int) -> dict:
+def _child(model_arg: str, n_tokens: int, sequential: bool) -> dict:
     """One measured first run in this process; returns {phase: [wall, cpu]} plus extras."""
     result: dict = {}
     w0, c0 = time.perf_counter(), time.process_time()
@@ -72,7 +73,9 @@ def _child(model_arg: str, n_tokens: int) -> dict:
             acc[1] += now[1] - last[1]
         last[0], last[1] = now
 
-    model = load_model(path, devices=["cpu:0"], progress=progress, mmproj=False)
+    # Without a progress callback load_model keeps everything lazy (tokenizer and LM head built on
+    # first use, one after another); with one it overlaps the tokenizer with the weights.
+    model = load_model(path, devices=["cpu:0"], progress=None if sequential else progress, mmproj=False)
     t = mark("load_total", t)
     result.update(part_time)
     tok = model.tokenizer
@@ -98,7 +101,8 @@ def _child(model_arg: str, n_tokens: int) -> dict:
     return result
 
 
-def _run_once(model_arg: str, threads: str, n_tokens: int, cache_dir: str | None, cold: bool) -> dict:
+def _run_once(model_arg: str, threads: str, n_tokens: int, cache_dir: str | None, cold: bool,
+              sequential: bool = False) -> dict:
     env = dict(os.environ)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.pop(var, None)
@@ -109,6 +113,8 @@ def _run_once(model_arg: str, threads: str, n_tokens: int, cache_dir: str | None
         if cold:
             shutil.rmtree(cache_dir, ignore_errors=True)
     cmd = [sys.executable, __file__, "--child", model_arg, "--tokens", str(n_tokens)]
+    if sequential:
+        cmd.append("--sequential")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"child failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -147,11 +153,13 @@ def main() -> None:
     ap.add_argument("--tokenizer-cache", choices=("cold", "warm", "user"), default="cold",
                     help="cold: a fresh empty tokenizer cache each run; warm: one temporary cache kept "
                          "across runs (filled by a run first); user: the real user cache, untouched")
+    ap.add_argument("--sequential", action="store_true",
+                    help="load without a progress callback: tokenizer and LM head built lazily, in turn")
     ap.add_argument("--json", help="also write every run's raw numbers to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(_child(args.child, args.tokens)))
+        print(json.dumps(_child(args.child, args.tokens, args.sequential)))
         return
 
     tmp = tempfile.mkdtemp(prefix="minecart-tokcache-")
@@ -162,8 +170,8 @@ def main() -> None:
             for threads in args.threads.split(","):
                 if args.tokenizer_cache == "warm":
                     _run_once(model_arg, threads, 1, cache_dir, cold=True)  # fill the cache
-                runs = [_run_once(model_arg, threads, args.tokens, cache_dir, args.tokenizer_cache == "cold")
-                        for _ in range(args.runs)]
+                runs = [_run_once(model_arg, threads, args.tokens, cache_dir, args.tokenizer_cache == "cold",
+                                  args.sequential) for _ in range(args.runs)]
                 everything[f"{model_arg}/{threads}"] = runs
                 print(_table(model_arg, threads, runs), flush=True)
     finally:

