@@ -464,6 +464,36 @@ def _load_parts(gf: GGUFFile, roles: dict, backends: dict, *, progress=None, can
     return out
 
 
+def open_model_file(path) -> tuple[GGUFFile, ModelConfig]:
+    """The opened GGUF and its config, after every check that needs only the header: the format, the
+    architecture and each tensor's presence, type and shape. Reads no weights (milliseconds), so the
+    runtime can refuse a broken file before it unloads the model that works."""
+    gf = GGUFFile(path)
+    try:
+        if gf.architecture == "clip":  # the most likely mix-up: the picture half of a vision model
+            raise UnsupportedArchitectureError(
+                gf.path, "this is a vision projector (mmproj), not a language model: open the model's "
+                "own GGUF and give this file as its projector (--mmproj FILE; an mmproj-*.gguf beside "
+                "the model is found by itself)", key="general.architecture")
+        config = ModelConfig.from_gguf(gf)
+        # Wrong or truncated files fail here with the tensor's name, not inside a layer's matmul.
+        validate_tensors(config, gf)
+    except BaseException:
+        close = getattr(gf, "close", None)
+        if callable(close):
+            close()
+        raise
+    return gf, config
+
+
+def check_model_file(path) -> None:
+    """Raise the error load_model would raise for a broken or unsupported file, without loading it."""
+    gf, _ = open_model_file(path)
+    close = getattr(gf, "close", None)
+    if callable(close):
+        close()
+
+
 def load_model(path, placement=None, devices=None, *, backend=None,
                progress: Callable[[float, str], None] | None = None, cancel=None,
                mmproj=None, max_image_tokens: int | None = None, kv_type: str = "f32") -> Model:
@@ -482,15 +512,7 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     from .kvquant import check_kv_type
 
     check_kv_type(kv_type)
-    gf = GGUFFile(path)
-    if gf.architecture == "clip":  # the most likely mix-up: the picture half of a vision model
-        raise UnsupportedArchitectureError(
-            gf.path, "this is a vision projector (mmproj), not a language model: open the model's "
-            "own GGUF and give this file as its projector (--mmproj FILE; an mmproj-*.gguf beside the "
-            "model is found by itself)", key="general.architecture")
-    config = ModelConfig.from_gguf(gf)
-    # Wrong or truncated files fail here with the tensor's name, not inside a layer's matmul.
-    validate_tensors(config, gf)
+    gf, config = open_model_file(path)
     module = module_for(config.architecture)
     params = inspect.signature(module.tensor_roles).parameters
     if "available" in params:

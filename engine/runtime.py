@@ -561,6 +561,12 @@ class Runtime:
 
     def _do_load(self, req: _Request) -> None:
         a = req.args
+        if self._model is not None and self._loader is _default_loader:
+            # A broken or unsupported file must not cost the user the model that works: check the
+            # header and tensor table (no weights read) before the old model is freed.
+            from .model import check_model_file
+
+            check_model_file(a["path"])
         # Free the old model first: two models rarely fit in the same VRAM.
         self._drop_model()
         model = self._loader(

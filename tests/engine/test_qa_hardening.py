@@ -197,3 +197,31 @@ def test_ctrl_c_while_the_cli_starts_is_a_clean_exit(monkeypatch, capsys):
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["run"]) == 130
     assert "interrupted" in capsys.readouterr().err
+
+
+# -- a broken file does not cost the model that works -----------------------------------------------
+
+
+def test_loading_a_broken_file_keeps_the_loaded_model(dense_path, fixtures_dir, tmp_path):
+    from minecart.engine.runtime import Runtime
+
+    text = tmp_path / "notes.gguf"
+    text.write_text("hello, I am not a model\n")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(dense_path.read_bytes()[:-5000])
+    rt = Runtime(sample_memory_s=0)
+    try:
+        rt.load(dense_path, devices=["cpu:0"]).result(TIMEOUT)
+        before = rt.chat([{"role": "user", "content": "hi"}], greedy_params(max_tokens=4)).wait(TIMEOUT)
+        assert before.kind == "done", before.text
+        for bad, words in ((text, "not a GGUF file"), (truncated, "runs past the end"),
+                           (fixtures_dir / "vision" / "mmproj-qwen35-tiny-vl-f16.gguf", "--mmproj"),
+                           (tmp_path, "not a regular file")):
+            final = rt.load(bad, devices=["cpu:0"]).wait(TIMEOUT)
+            assert final.kind == "error" and words in final.text, (bad, final.text)
+            assert rt.loaded and rt.model_info.path.endswith(dense_path.name)
+        after = rt.chat([{"role": "user", "content": "hi"}], greedy_params(max_tokens=4)).wait(TIMEOUT)
+        assert after.kind == "done", after.text
+        assert after.usage.completion_tokens == before.usage.completion_tokens == 4
+    finally:
+        rt.close()
