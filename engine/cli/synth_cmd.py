@@ -41,15 +41,26 @@ class _Progress:
     def __init__(self):
         self.t0 = time.perf_counter()
         self.last = 0.0
+        self.line_open = False  # a meter line waits for its newline
+        self.tty = sys.stderr.isatty()  # a log file gets no carriage-return redraws
 
     def __call__(self, done: int, total: int) -> None:
+        if not self.tty:
+            return
         now = time.perf_counter()
         if now - self.last < 0.5 and done < total:
             return
         self.last = now
         rate = done / 1e6 / max(now - self.t0, 1e-9)
         print(f"\r  {done / 1e9:7.2f} / {total / 1e9:.2f} GB of tensor data, {rate:6.0f} MB/s",
-              end="" if done < total else "\n", file=sys.stderr, flush=True)
+              end="", file=sys.stderr, flush=True)
+        self.line_open = True
+
+    def end(self) -> None:
+        """Close the meter line (the writer may report `total` more than once, or never)."""
+        if self.line_open:
+            print(file=sys.stderr, flush=True)
+            self.line_open = False
 
 
 def run(args) -> int:
@@ -64,17 +75,22 @@ def run(args) -> int:
                   f"{s.n_kv_heads}, GDN {s.gdn_k_heads}/{s.gdn_v_heads}, {ffn}, "
                   f"{'tied' if s.tied else 'untied'} embeddings")
         return 0
+    if args.seed < 0:  # NumPy's generators take only non-negative seeds
+        raise RequestError(f"--seed must be an integer >= 0, got {args.seed}")
     if getattr(args, "tower", None):
         return _run_tower(args)
     if not args.shape or not args.out:
         raise RequestError("synth needs --shape NAME and an output path (see `minecart synth --list`)")
     print(f"writing {args.out}: {args.shape}, {args.quant}, seed {args.seed}"
           + (f", {args.layers} layers" if args.layers is not None else ""), file=sys.stderr)
+    progress = _Progress()
     try:
         info = write_synthetic(args.out, args.shape, args.quant, seed=args.seed, n_layers=args.layers,
-                               mtp=not args.no_mtp, fuse_gate_up=args.fuse_gate_up, progress=_Progress())
+                               mtp=not args.no_mtp, fuse_gate_up=args.fuse_gate_up, progress=progress)
     except OSError as exc:
         raise RequestError(f"cannot write {args.out}: {exc}; check the folder and free disk space") from exc
+    finally:
+        progress.end()
     print(f"wrote {info['path']}: {info['bytes'] / 1e9:.3f} GB, {info['tensors']} tensors in "
           f"{info['seconds']:.1f} s ({info['mb_per_s']:.0f} MB/s)")
     return 0
@@ -88,10 +104,13 @@ def _run_tower(args) -> int:
         raise RequestError("synth --tower needs an output path, e.g. /tmp/mmproj-27b-f16.gguf")
     quant = args.quant  # matrices; rows that do not split into blocks fall back to F16
     print(f"writing {args.out}: {args.tower} vision tower, {quant}, seed {args.seed}", file=sys.stderr)
+    progress = _Progress()
     try:
-        info = write_synthetic_mmproj(args.out, args.tower, quant, seed=args.seed, progress=_Progress())
+        info = write_synthetic_mmproj(args.out, args.tower, quant, seed=args.seed, progress=progress)
     except OSError as exc:
         raise RequestError(f"cannot write {args.out}: {exc}; check the folder and free disk space") from exc
+    finally:
+        progress.end()
     print(f"wrote {info['path']}: {info['bytes'] / 1e9:.3f} GB, {info['tensors']} tensors in "
           f"{info['seconds']:.1f} s ({info['mb_per_s']:.0f} MB/s)")
     return 0

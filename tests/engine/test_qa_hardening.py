@@ -225,3 +225,12 @@ def test_loading_a_broken_file_keeps_the_loaded_model(dense_path, fixtures_dir, 
         assert after.usage.completion_tokens == before.usage.completion_tokens == 4
     finally:
         rt.close()
+
+
+def test_synth_refuses_a_negative_seed_and_keeps_a_log_free_of_redraws(tmp_path, capsys):
+    out = tmp_path / "t.gguf"
+    assert cli_main(["synth", "--shape", "tiny-dense", "--seed", "-5", str(out)]) == 1
+    assert "--seed must be an integer >= 0" in capsys.readouterr().err and not out.exists()
+    assert cli_main(["synth", "--shape", "tiny-dense", "--layers", "1", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "wrote" in captured.out  # stderr is not a terminal here
