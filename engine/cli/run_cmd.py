@@ -177,16 +177,12 @@ def image_part(path_text: str) -> dict:
     if len(data) > IMAGE_MAX_BYTES:
         raise ImageError(f"{path} is {len(data) / 2**20:.0f} MiB; pictures up to "
                          f"{IMAGE_MAX_BYTES // 2**20} MiB are accepted")
-    try:
-        from io import BytesIO
+    from ..vision.preprocess import open_image
 
-        from PIL import Image
-
-        with Image.open(BytesIO(data)) as im:
-            im.verify()
-            fmt = (im.format or "").lower()
-    except Exception as exc:  # noqa: BLE001 - Pillow raises many types for bad files
-        raise ImageError(f"{path} is not a picture Pillow can read ({exc})") from exc
+    try:  # the engine's own decoder and checks (format, size limit, truncation), with its messages
+        fmt = (open_image(path).format or "").lower()
+    except ImageError as exc:
+        raise ImageError(f"not a picture minecart can use: {exc}") from exc
     mime = f"image/{fmt}" if fmt else (mimetypes.guess_type(path.name)[0] or "image/png")
     url = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
     return {"type": "image_url", "image_url": {"url": url}}

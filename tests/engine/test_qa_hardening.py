@@ -234,3 +234,21 @@ def test_synth_refuses_a_negative_seed_and_keeps_a_log_free_of_redraws(tmp_path,
     assert cli_main(["synth", "--shape", "tiny-dense", "--layers", "1", str(out)]) == 0
     captured = capsys.readouterr()
     assert "\r" not in captured.err and "wrote" in captured.out  # stderr is not a terminal here
+
+
+def test_cli_image_errors_name_the_problem_not_pillow_internals(fixtures_dir, tmp_path):
+    from minecart.engine.cli.run_cmd import image_part
+    from minecart.engine.errors import ImageError
+
+    garbage = tmp_path / "holiday.png"
+    garbage.write_bytes(b"not a png at all" * 4)
+    with pytest.raises(ImageError, match="not an image format minecart can read") as err:
+        image_part(str(garbage))
+    assert "BytesIO" not in str(err.value) and "holiday.png" in str(err.value)
+    good = fixtures_dir / "vision" / "images" / "photo_320x180.png"
+    truncated = tmp_path / "cut.png"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(ImageError, match="damaged or truncated"):
+        image_part(str(truncated))
+    part = image_part(str(good))
+    assert part["image_url"]["url"].startswith("data:image/png;base64,")
