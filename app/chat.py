@@ -547,6 +547,12 @@ class ChatPanel(QWidget):
 
     def set_model(self, loaded: bool, name: str = "", has_vision: bool = False, path: str = "",
                   base_model: bool = False) -> None:
+        info = getattr(self.bridge, "model_info", None)
+        if loaded and not name and not path and info is not None:
+            # "still loaded" without details (a failed or cancelled load left the model in place):
+            # it is the bridge's current model, name, vision and all
+            name, has_vision = getattr(info, "name", ""), bool(getattr(info, "has_vision", False))
+            path, base_model = str(getattr(info, "path", "")), bool(getattr(info, "base_model", False))
         self.model_loaded = loaded
         self.base_notice.setText(BASE_MODEL_TEXT.format(name=name or "This model"))
         self.base_notice.setVisible(loaded and base_model)
