@@ -252,3 +252,17 @@ def test_cli_image_errors_name_the_problem_not_pillow_internals(fixtures_dir, tm
         image_part(str(truncated))
     part = image_part(str(good))
     assert part["image_url"]["url"].startswith("data:image/png;base64,")
+
+
+def test_a_data_url_with_broken_base64_says_so(fixtures_dir):
+    import base64
+
+    from minecart.engine.errors import ImageError
+    from minecart.engine.vision.preprocess import open_image
+
+    for payload in ("!!!!", "iVBORw0KGgo!!!!AAAA", "abc"):
+        with pytest.raises(ImageError, match="base64 payload is invalid"):
+            open_image("data:image/png;base64," + payload)
+    png = (fixtures_dir / "vision" / "images" / "tiny_40x30.png").read_bytes()
+    wrapped = base64.encodebytes(png).decode()  # MIME style: a newline every 76 characters
+    assert open_image("data:image/png;base64," + wrapped).size == (40, 30)
