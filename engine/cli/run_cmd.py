@@ -160,7 +160,8 @@ def start_runtime(args, *, quiet: bool = False, sample_memory_s: float = 0.0):
     if not quiet:
         print(f"loaded {Path(path).name} ({info.architecture}, on {', '.join(info.devices)}) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        if getattr(info, "base_model", False):
+        # with --raw the user already does what the note advises
+        if getattr(info, "base_model", False) and not getattr(args, "raw", False):
             print(f"note: {info.name} is a pretrained base model (no chat template in the file): it "
                   "continues text rather than following instructions; try --raw for plain completion",
                   file=sys.stderr)

@@ -266,3 +266,14 @@ def test_a_data_url_with_broken_base64_says_so(fixtures_dir):
     png = (fixtures_dir / "vision" / "images" / "tiny_40x30.png").read_bytes()
     wrapped = base64.encodebytes(png).decode()  # MIME style: a newline every 76 characters
     assert open_image("data:image/png;base64," + wrapped).size == (40, 30)
+
+
+def test_raw_completion_on_a_base_model_does_not_advise_raw(capsys):
+    from minecart.engine.demo import demo_model_installed
+
+    if not demo_model_installed():
+        pytest.skip("demo model not installed")
+    rc = cli_main(["run", "--raw", "-p", "The capital of France is", "--max-tokens", "2", "--temp", "0"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "loaded" in err and "try --raw" not in err
