@@ -18,6 +18,7 @@ from pathlib import Path
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QImage, QKeySequence, QPixmap, QShortcut
 from PySide6.QtWidgets import (
+    QApplication,
     QCheckBox,
     QDoubleSpinBox,
     QFormLayout,
@@ -305,14 +306,14 @@ class SettingsPanel(QFrame):
         w.setRange(lo, hi)
         w.setSingleStep(step)
         w.setDecimals(2)
-        w.setValue(float(value))
+        w.setValue(min(max(float(value), lo), hi))  # a saved value outside the range is clamped
         return w
 
     @staticmethod
     def _ispin(lo, hi, value):
         w = QSpinBox()
         w.setRange(lo, hi)
-        w.setValue(int(value))
+        w.setValue(min(max(int(value), lo), hi))  # Qt overflows on ints beyond 32 bits
         return w
 
     def sampling(self) -> dict:
@@ -343,6 +344,9 @@ class ChatPanel(QWidget):
         self.model_has_vision = False
         self.model_path = ""
         self._dirty: set[MessageWidget] = set()
+        app = QApplication.instance()
+        if app is not None:  # quitting mid-reply keeps what has streamed so far
+            app.aboutToQuit.connect(self.save)
         self._turn_started = 0.0
         self.setAcceptDrops(True)
 
@@ -609,6 +613,7 @@ class ChatPanel(QWidget):
     def new_chat(self) -> None:
         if self.bridge.generating:
             self.stop()
+        self.save()  # the chat we leave keeps its last turn, a reply still streaming included
         self.conv = Conversation(system_prompt=self.settings.get("system_prompt", ""), model=self.model_path)
         self._rebuild_messages()
         self.refresh_conversations()
@@ -616,6 +621,7 @@ class ChatPanel(QWidget):
 
     def delete_chat(self) -> None:
         self.store.delete(self.conv.id)
+        self.conv.messages = []  # so that new_chat has nothing left to save back
         self.new_chat()
 
     def _open_selected(self, item, _prev=None) -> None:
@@ -631,6 +637,7 @@ class ChatPanel(QWidget):
             return
         if self.bridge.generating:
             self.stop()
+        self.save()  # the chat we leave keeps its last turn, a reply still streaming included
         self.conv = conv
         self._rebuild_messages()
 
@@ -654,6 +661,7 @@ class ChatPanel(QWidget):
             w.deleteLater()
         self.widgets = []
         self.current = None
+        self._dirty.clear()  # a reply that was streaming had its widget deleted just above
         for m in self.conv.messages:
             self._add_widget(m)
         self._update_empty()
@@ -782,6 +790,7 @@ class ChatPanel(QWidget):
         self._refresh_attachments()
         self.input.clear()
         self._add_message({"role": "user", "content": text, "images": images})
+        self.save()  # on disk before the engine runs: a crash or a quit mid-reply keeps the question
         if images and not self.model_has_vision:
             self._add_message({"role": "notice", "content": NO_VISION_TEXT})
             if not text:
@@ -892,6 +901,7 @@ class ChatPanel(QWidget):
         if w is not None and not w.message.get("content") and not w.message.get("thinking"):
             self.conv.messages.remove(w.message)
             self.widgets.remove(w)
+            self._dirty.discard(w)
             w.setParent(None)
             w.deleteLater()
             self.current = None

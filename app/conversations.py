@@ -31,7 +31,23 @@ class Conversation:
 
     @classmethod
     def from_dict(cls, d: dict) -> Conversation:
+        """A conversation from its JSON; raises ValueError when the file is not one (wrong kinds of
+        values from a hand edit or another program), so the store skips it instead of the chat
+        crashing on it later."""
+        if not isinstance(d, dict):
+            raise ValueError("a conversation file holds a JSON object")
         known = {k: d[k] for k in ("id", "title", "model", "system_prompt", "created", "updated", "messages") if k in d}
+        for key in ("id", "title", "model", "system_prompt"):
+            if not isinstance(known.get(key, ""), str):
+                raise ValueError(f"'{key}' is not a string")
+        for key in ("created", "updated"):
+            if isinstance(known.get(key, 0.0), bool) or not isinstance(known.get(key, 0.0), (int, float)):
+                raise ValueError(f"'{key}' is not a number")
+        messages = known.get("messages", [])
+        if not isinstance(messages, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content", ""), str) for m in messages):
+            raise ValueError("'messages' is not a list of {role, content} objects")
         return cls(**known)
 
     def auto_title(self) -> None:

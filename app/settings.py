@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import tempfile
 from importlib import resources
@@ -53,9 +54,22 @@ def default_settings() -> dict:
     return json.loads(raw)
 
 
+def _fits(default, value) -> bool:
+    """Whether a loaded value can stand in for the default: same kind (numbers mix, finite only)."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(default, bool) and isinstance(value, bool)
+    if isinstance(default, (int, float)):
+        return isinstance(value, (int, float)) and math.isfinite(value)
+    return isinstance(value, type(default))
+
+
 def _merge(defaults: dict, loaded: dict) -> dict:
+    """Defaults overlaid with the loaded values. A value of the wrong kind (a hand edit, an old
+    version) keeps the default, so a widget never gets a string where it needs a number."""
     out = copy.deepcopy(defaults)
     for k, v in loaded.items():
+        if k in out and not _fits(out[k], v):
+            continue
         if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "plans":
             out[k] = _merge(out[k], v)
         else:
@@ -76,7 +90,13 @@ class Settings:
                 if isinstance(loaded, dict):
                     self.data = _merge(self.data, loaded)
             except (OSError, ValueError) as exc:
-                self.load_error = f"{self.path}: {exc}; using defaults"
+                # keep the unreadable file for the user (the next save would overwrite it)
+                kept = self.path.with_name(self.path.name + ".broken")
+                try:
+                    os.replace(self.path, kept)
+                    self.load_error = f"{self.path}: {exc}; using defaults (the old file is kept as {kept})"
+                except OSError:
+                    self.load_error = f"{self.path}: {exc}; using defaults"
 
     def __getitem__(self, key):
         return self.data[key]
