@@ -69,6 +69,11 @@ def thumbnail(path: str, size: int = 120) -> QPixmap | None:
                                         Qt.TransformationMode.SmoothTransformation))
 
 
+def _position(messages: list[dict], message: dict) -> int | None:
+    """Index of this very message dict (not an equal one: "continue" twice is two messages)."""
+    return next((i for i, m in enumerate(messages) if m is message), None)
+
+
 class ThinkingBlock(QFrame):
     """Collapsible 'Thinking' block; open while the model thinks, folded once the answer starts."""
 
@@ -700,7 +705,9 @@ class ChatPanel(QWidget):
         """Put a user message back into the composer; sending replaces it and everything after it."""
         if self.bridge.generating:
             self.stop()
-        idx = self.conv.messages.index(w.message)
+        idx = _position(self.conv.messages, w.message)
+        if idx is None:
+            return
         self.input.setPlainText(w.message.get("content", ""))
         self.pending_images = list(w.message.get("images") or [])
         self._refresh_attachments()
@@ -712,8 +719,9 @@ class ChatPanel(QWidget):
         if self.bridge.generating or not self.model_loaded:
             return
         msgs = self.conv.messages
-        if w is not None and w.message in msgs:
-            del msgs[msgs.index(w.message):]  # this reply and everything after it
+        idx = _position(msgs, w.message) if w is not None else None
+        if idx is not None:
+            del msgs[idx:]  # this reply and everything after it
         # drop notes and replies after the last user message, then ask again
         while msgs and msgs[-1].get("role") != "user":
             msgs.pop()
@@ -899,7 +907,9 @@ class ChatPanel(QWidget):
     def _on_error(self, text: str) -> None:
         w = self.current
         if w is not None and not w.message.get("content") and not w.message.get("thinking"):
-            self.conv.messages.remove(w.message)
+            idx = _position(self.conv.messages, w.message)
+            if idx is not None:
+                del self.conv.messages[idx]
             self.widgets.remove(w)
             self._dirty.discard(w)
             w.setParent(None)

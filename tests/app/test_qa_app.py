@@ -154,3 +154,20 @@ def test_new_chat_mid_reply_keeps_the_question_and_the_partial_answer(qtbot, mak
     panel.conv = panel.store.load(old_id)
     panel.delete_chat()
     assert old_id not in [c.id for c in panel.store.list()]
+
+
+def test_edit_and_regenerate_act_on_the_message_clicked_not_an_equal_earlier_one(qtbot, make_bridge,
+                                                                                 scripted):
+    bridge = make_bridge(scripted(reply="same answer"))
+    panel = _panel(qtbot, bridge)
+    for text in ("continue", "continue"):  # the same words twice, the same reply twice
+        panel.input.setPlainText(text)
+        with qtbot.waitSignal(bridge.chat_done, timeout=10000):
+            panel.send()
+    assert [m["role"] for m in panel.conv.messages] == ["user", "assistant"] * 2
+    first_turn = panel.conv.messages[:2]
+    with qtbot.waitSignal(bridge.chat_done, timeout=10000):
+        panel._regenerate(panel.widgets[3])  # the second reply
+    assert panel.conv.messages[:2] == first_turn and len(panel.conv.messages) == 4
+    panel._edit(panel.widgets[2])  # the second question
+    assert panel.conv.messages == first_turn and panel.input.toPlainText() == "continue"
