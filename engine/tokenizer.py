@@ -382,14 +382,14 @@ class StreamDecoder:
 # Building a tokenizer costs seconds on a slow CPU, and most of it is the merge list: a SentencePiece
 # vocabulary (Gemma) has none in the file, so ~515k merges are rebuilt from 262k tokens in Python, and
 # a byte-level one (Qwen) has its ~250k merges checked against the vocabulary. Both results depend only
-# on the vocabulary, so they are kept on disk as (left id, right id) pairs, keyed by a hash of the
+# on the vocabulary, so they are kept on disk (the spellings, NUL-separated), keyed by a hash of the
 # tokenizer metadata (the same vocabulary in another quantization of a model shares the entry). Any
 # unreadable, truncated or tampered file is ignored and rebuilt; writes go through a temporary file
 # and a rename, so two processes never see half a file. The `tokenizers` JSON is not cached: reading
 # it back (Tokenizer.from_str) is slower than constructing the BPE from the merge list.
 
 CACHE_ENV = "MINECART_TOKENIZER_CACHE"  # a folder for the merge cache, or "off" to disable it
-_CACHE_FORMAT = b"minecart-merges-v1\n"  # bump when the merge rules of a builder change
+_CACHE_FORMAT = b"minecart-merges-v2\n"  # bump when the merge rules of a builder change
 _DIGEST_BYTES = 32
 
 
@@ -417,10 +417,8 @@ def _cache_key(kind: str, tokens: Sequence[str], extra: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def _read_merges(path: Path, tokens: Sequence[str]) -> list[tuple[str, str]] | None:
-    """The cached merges as spellings, or None when the file is missing or not a valid entry."""
-    import numpy as np
-
+def _read_merges(path: Path) -> list[tuple[str, str]] | None:
+    """The cached merges, or None when the file is missing or not a valid entry."""
     try:
         blob = path.read_bytes()
     except OSError:
@@ -429,20 +427,26 @@ def _read_merges(path: Path, tokens: Sequence[str]) -> list[tuple[str, str]] | N
     if len(blob) < head + _DIGEST_BYTES or not blob.startswith(_CACHE_FORMAT):
         return None
     digest, payload = blob[head : head + _DIGEST_BYTES], blob[head + _DIGEST_BYTES :]
-    if hashlib.sha256(payload).digest() != digest or len(payload) % 8:
+    if hashlib.sha256(payload).digest() != digest:
         return None
-    ids = np.frombuffer(payload, dtype="<u4")
-    if ids.size and int(ids.max()) >= len(tokens):
+    if not payload:
+        return []
+    try:
+        parts = payload.decode("utf-8", "surrogatepass").split("\0")
+    except UnicodeDecodeError:
         return None
-    spellings = map(tokens.__getitem__, ids.tolist())
+    if len(parts) % 2:
+        return None
+    spellings = iter(parts)
     return list(zip(spellings, spellings, strict=True))  # consecutive (left, right) pairs, built in C
 
 
-def _write_merges(path: Path, merges: Sequence[tuple[str, str]], vocab: Mapping[str, int]) -> None:
-    import numpy as np
+def _write_merges(path: Path, merges: Sequence[tuple[str, str]]) -> None:
+    from itertools import chain
 
-    pairs = np.fromiter((vocab[s] for pair in merges for s in pair), dtype="<u4", count=2 * len(merges))
-    payload = pairs.tobytes()
+    # spellings NUL-separated: no vocabulary token holds a NUL, and a join is C-speed (looking the
+    # spellings up again as ids would cost as much as the rebuild's own lookups)
+    payload = "\0".join(chain.from_iterable(merges)).encode("utf-8", "surrogatepass")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
@@ -454,20 +458,19 @@ def _write_merges(path: Path, merges: Sequence[tuple[str, str]], vocab: Mapping[
         raise
 
 
-def cached_merges(key: str, tokens: Sequence[str], vocab: Mapping[str, int],
-                  build: Callable[[], list[tuple[str, str]]]) -> list[tuple[str, str]]:
-    """`build()`'s merge list, read from the cache entry `key` when a valid one exists, else built and
-    stored. `tokens[vocab[s]] == s` must hold for every spelling in a merge (first_index_map does)."""
+def cached_merges(key: str, build: Callable[[], list[tuple[str, str]]]) -> list[tuple[str, str]]:
+    """`build()`'s merge list, read from the cache entry `key` when a valid one exists, else built
+    and stored. The key must cover everything the merges depend on (`_cache_key`)."""
     folder = tokenizer_cache_dir()
     path = folder / f"{key}.merges" if folder is not None else None
     if path is not None:
-        merges = _read_merges(path, tokens)
+        merges = _read_merges(path)
         if merges is not None:
             return merges
     merges = build()
     if path is not None:
         try:
-            _write_merges(path, merges, vocab)
+            _write_merges(path, merges)
         except OSError as exc:  # read-only home, full disk: the next start rebuilds, nothing breaks
             log.info("tokenizer merge cache not written to %s (%s)", path, exc)
     return merges
@@ -521,7 +524,7 @@ def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str], types: lis
         return merges
 
     key = _cache_key("gpt2", tokens, merge_lines)
-    merges = cached_merges(key, tokens, vocab, checked_merges)
+    merges = cached_merges(key, checked_merges)
 
     byte_chars = gpt2_byte_to_unicode()
     missing = [b for b, ch in byte_chars.items() if ch not in vocab]
@@ -580,7 +583,7 @@ def _sentencepiece_merges(tokens: list[str], vocab: Mapping[str, int], order: It
     the order transformers' GGUF loader uses, so the ids agree with it.
     """
     merges: list[tuple[str, str]] = []
-    append = merges.append  # ~2M dictionary probes for a 262k vocabulary: keep the loop lean
+    append = merges.append  # ~1.2M cuts and 2M dictionary probes for a 262k vocabulary: lean loop
     lookup = vocab.get
     for i in order:
         tok = tokens[i]
@@ -618,7 +621,7 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: 
         order = sorted(range(len(tokens)), key=lambda i: -float(scores[i]))  # stable: ties by id
     order_text = "id-order" if isinstance(order, range) else ",".join(map(str, order))
     key = _cache_key("llama", spelled, [order_text])
-    merges = cached_merges(key, spelled, vocab, lambda: _sentencepiece_merges(spelled, vocab, order))
+    merges = cached_merges(key, lambda: _sentencepiece_merges(spelled, vocab, order))
 
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
