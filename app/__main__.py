@@ -76,15 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     win.show_page(views[0])
     win.show()
+    load_errors: list[str] = []
+    win.bridge.load_failed.connect(load_errors.append)
     win.start(args.model, autoload=not args.no_load)
     if not args.screenshot:
         return app.exec()
 
     # Screenshot mode: wait for the load (or its failure), optionally one chat turn, then grab.
-    ok = _wait(app, lambda: not win.bridge.loading and win.selected is not None, args.timeout)
-    if not ok:
+    ok = _wait(app, lambda: bool(load_errors) or (not win.bridge.loading and win.selected is not None),
+               args.timeout)
+    if load_errors:
+        print(f"minecart: could not load the model: {load_errors[-1]}", file=sys.stderr)
+    elif not ok:
         print("minecart: timed out waiting for the model to load", file=sys.stderr)
-    _wait(app, lambda: win.layer_model.plan is not None, 30)
+    if not load_errors:  # a failed load makes no layer plan: do not wait 30 s for one
+        _wait(app, lambda: win.layer_model.plan is not None, 30)
     _wait(app, lambda: win.library.scan_thread is None or win.library.scan_thread.isFinished(), 60)
     if args.prompt and win.chat.model_loaded:
         win.chat.think_btn.setChecked(args.thinking)

@@ -171,3 +171,18 @@ def test_edit_and_regenerate_act_on_the_message_clicked_not_an_equal_earlier_one
     assert panel.conv.messages[:2] == first_turn and len(panel.conv.messages) == 4
     panel._edit(panel.widgets[2])  # the second question
     assert panel.conv.messages == first_turn and panel.input.toPlainText() == "continue"
+
+
+def test_screenshot_of_a_broken_model_says_why_without_waiting_out_the_timeout(qtbot, tmp_path, capsys):
+    import time
+
+    from minecart.app.__main__ import main
+
+    bad = tmp_path / "notes.gguf"
+    bad.write_text("this file is a text note, not a model\n")
+    out = tmp_path / "shot.png"
+    t0 = time.monotonic()
+    assert main(["--screenshot", str(out), "--model", str(bad), "--no-scan", "--timeout", "60"]) == 0
+    assert time.monotonic() - t0 < 20  # was the full timeout plus 30 s for a layer plan
+    err = capsys.readouterr().err
+    assert "could not load the model" in err and "not a GGUF file" in err and out.is_file()
