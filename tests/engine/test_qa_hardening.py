@@ -277,3 +277,39 @@ def test_raw_completion_on_a_base_model_does_not_advise_raw(capsys):
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "loaded" in err and "try --raw" not in err
+
+
+# -- the HTTP API on the real engine ----------------------------------------------------------------
+
+
+def test_http_overlong_prompt_is_a_400_and_a_lone_surrogate_is_served(dense_path):
+    import httpx
+    from minecart.engine.server import ServerThread, create_app
+
+    rt, model = _fresh_runtime(dense_path)
+    server = ServerThread(create_app(rt)).start()
+    try:
+        url = server.url + "/v1/chat/completions"
+        _with_context(model, 24)
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 4},
+                       timeout=TIMEOUT)
+        assert r.status_code == 400 and "context length" in r.json()["error"]["message"], r.text
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 4,
+                                  "stream": True}, timeout=TIMEOUT)
+        assert '"error"' in r.text and "context length" in r.text  # an SSE error event, then the end
+        r = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50,
+                                  "temperature": 0}, timeout=TIMEOUT)
+        body = r.json()
+        assert r.status_code == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] == 24  # context full
+        # a lone surrogate is valid JSON; it used to be a 500 "TextInputSequence must be str"
+        raw = b'{"messages":[{"role":"user","content":"a\\u0000b\\udc80"}],"max_tokens":2}'
+        r = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        r = httpx.post(server.url + "/v1/completions", timeout=TIMEOUT,
+                       content=b'{"prompt":"\\udcffHello","max_tokens":2}',
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
+        rt.close()
