@@ -83,6 +83,10 @@ def register(subparsers) -> None:
 def model_path(arg: str | None) -> str:
     if arg:
         path = Path(arg).expanduser()
+        if path.is_dir():
+            ggufs = sorted(p.name for p in path.glob("*.gguf"))[:3]
+            hint = f" such as {', '.join(ggufs)}" if ggufs else ""
+            raise RequestError(f"{path} is a folder; give the path of a .gguf file in it{hint}")
         if not path.is_file():
             raise RequestError(f"model file not found: {path} (give the path of a .gguf file)")
         return str(path)

@@ -313,3 +313,10 @@ def test_http_overlong_prompt_is_a_400_and_a_lone_surrogate_is_served(dense_path
     finally:
         server.stop()
         rt.close()
+
+
+def test_a_folder_given_as_the_model_is_called_a_folder(tmp_path, capsys):
+    (tmp_path / "model-q8.gguf").write_bytes(b"")
+    assert cli_main(["run", str(tmp_path), "-p", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "is a folder" in err and "model-q8.gguf" in err and "not found" not in err
