@@ -791,7 +791,11 @@ class ChatPanel(QWidget):
         if self.bridge.generating or (not text and not self.pending_images):
             return
         if not self.model_loaded:
-            self._add_message({"role": "notice", "content": "No model is loaded yet. Load one on the Models page."})
+            if getattr(self, "loading_name", ""):  # the message stays in the composer meanwhile
+                text = f"{self.loading_name} is still loading; press Enter again once it is ready."
+            else:
+                text = "No model is loaded yet. Load one on the Models page."
+            self._add_message({"role": "notice", "content": text})
             return
         images = list(self.pending_images)
         self.pending_images = []

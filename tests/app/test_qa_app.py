@@ -186,3 +186,26 @@ def test_screenshot_of_a_broken_model_says_why_without_waiting_out_the_timeout(q
     assert time.monotonic() - t0 < 20  # was the full timeout plus 30 s for a layer plan
     err = capsys.readouterr().err
     assert "could not load the model" in err and "not a GGUF file" in err and out.is_file()
+
+
+def test_send_while_loading_says_loading_and_keeps_the_message(qtbot, make_bridge, scripted, loader_factory,
+                                                               tmp_path):
+    import threading
+
+    from minecart.app.chat import ChatPanel
+
+    block = threading.Event()
+    bridge = make_bridge(loader=loader_factory(scripted, steps=4, block=block))
+    panel = ChatPanel(bridge, Settings())
+    qtbot.addWidget(panel)
+    panel.set_loading("Qwen3.5 9B")
+    bridge.load(tmp_path / "x.gguf")
+    panel.input.setPlainText("are you there?")
+    panel.send()
+    assert "Qwen3.5 9B is still loading" in panel.conv.messages[-1]["content"]
+    assert panel.input.toPlainText() == "are you there?"
+    panel.set_loading("")
+    panel.send()
+    assert "No model is loaded yet" in panel.conv.messages[-1]["content"]
+    with qtbot.waitSignal(bridge.load_cancelled, timeout=10000):
+        bridge.cancel_load()
