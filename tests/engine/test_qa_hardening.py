@@ -320,3 +320,37 @@ def test_a_folder_given_as_the_model_is_called_a_folder(tmp_path, capsys):
     assert cli_main(["run", str(tmp_path), "-p", "hi"]) == 1
     err = capsys.readouterr().err
     assert "is a folder" in err and "model-q8.gguf" in err and "not found" not in err
+
+
+# -- multi-turn consistency through the runtime ----------------------------------------------------
+
+
+def test_regenerate_edit_and_branch_switch_match_a_fresh_session(dense_path):
+    """Greedy replies on a reused conversation (prefix cache, GDN snapshots, rewinds) equal the same
+    prompt computed from scratch, for regenerate, an edited last or first message, and going back."""
+    rt, _ = _fresh_runtime(dense_path)
+
+    def ask(messages, conversation=None):
+        handle = rt.chat(messages, greedy_params(max_tokens=6), conversation_id=conversation,
+                         enable_thinking=False)
+        events = list(handle.events(TIMEOUT))
+        assert events[-1].kind == "done", events[-1].text
+        return [e.generation.token for e in events if e.kind == "token"], events[-1].usage
+
+    try:
+        first = [{"role": "user", "content": "Tell me about GPUs and mining cards."}]
+        tokens, _ = ask(first, "c")
+        assert tokens == ask(first)[0]
+        second = first + [{"role": "assistant", "content": "They are cheap."},
+                          {"role": "user", "content": "And the P104-100?"}]
+        tokens2, usage = ask(second, "c")
+        assert usage.cached_tokens > 0 and tokens2 == ask(second)[0]
+        again, usage = ask(second, "c")  # regenerate: at least the earlier turns are cached
+        assert again == tokens2 and usage.cached_tokens > 0
+        edited = second[:-1] + [{"role": "user", "content": "And the CMP 100-210?"}]
+        assert ask(edited, "c")[0] == ask(edited)[0]
+        other = [{"role": "user", "content": "Tell me about CPUs."}]
+        assert ask(other, "c")[0] == ask(other)[0]
+        assert ask(second, "c")[0] == tokens2  # back to the first branch
+    finally:
+        rt.close()
