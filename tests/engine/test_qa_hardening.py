@@ -345,8 +345,8 @@ def test_regenerate_edit_and_branch_switch_match_a_fresh_session(dense_path):
                           {"role": "user", "content": "And the P104-100?"}]
         tokens2, usage = ask(second, "c")
         assert usage.cached_tokens > 0 and tokens2 == ask(second)[0]
-        again, usage = ask(second, "c")  # regenerate: at least the earlier turns are cached
-        assert again == tokens2 and usage.cached_tokens > 0
+        again, usage = ask(second, "c")  # regenerate: the whole prompt is cached
+        assert again == tokens2 and usage.cached_tokens == usage.prompt_tokens
         edited = second[:-1] + [{"role": "user", "content": "And the CMP 100-210?"}]
         assert ask(edited, "c")[0] == ask(edited)[0]
         other = [{"role": "user", "content": "Tell me about CPUs."}]
