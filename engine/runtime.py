@@ -934,8 +934,8 @@ def _checkpoint_turn_boundary(session, ids, cancel) -> int:
     checkpoint = getattr(session, "checkpoint", None)
     if not (callable(sync) and callable(checkpoint) and getattr(session, "has_recurrent_state", False)):
         return 0
-    wanted = tuple(int(t) for t in ids)
-    if any(getattr(snap, "tokens", None) == wanted for snap in getattr(session, "snapshots", ())):
+    has_snapshot = getattr(session, "has_snapshot", None)
+    if callable(has_snapshot) and has_snapshot(ids):
         # Checkpointed on an earlier pass (regenerate): running back to the boundary now would
         # throw away the later snapshot of the whole prompt and recompute the last message.
         return 0

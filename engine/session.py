@@ -237,6 +237,11 @@ class Session:
         self._positions = list(snap.positions)
         self.last_logits = None if snap.last_logits is None else snap.last_logits.copy()
 
+    def has_snapshot(self, ids, embed_override=None) -> bool:
+        """Whether a restorable snapshot holds exactly this history (ids, image rows as for sync)."""
+        wanted = tuple(self._keys(ids, embed_override))
+        return any(s.tokens == wanted and self.can_restore(s) for s in self.snapshots)
+
     def checkpoint(self) -> None:
         """Remember the current point as a turn boundary (no-op without recurrent state, or when it is
         already remembered). Keeps the latest `max_snapshots` still-valid snapshots."""

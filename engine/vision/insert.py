@@ -279,6 +279,9 @@ def checkpoint_turn_boundary(session, prepared: PreparedPrompt, cancel=None) -> 
         rows, values = prepared.embed_override
         keep = rows < b
         override = (rows[keep], values[keep]) if keep.any() else None
+    has_snapshot = getattr(session, "has_snapshot", None)
+    if callable(has_snapshot) and has_snapshot(prepared.ids[:b], override):
+        return 0  # checkpointed on an earlier pass (regenerate): keep the whole-prompt snapshot usable
     session.sync(prepared.ids[:b], positions=prepared.positions[:, :b], embed_override=override,
                  cancel=cancel)
     computed = int(session.computed_tokens)

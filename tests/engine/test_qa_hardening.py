@@ -354,3 +354,27 @@ def test_regenerate_edit_and_branch_switch_match_a_fresh_session(dense_path):
         assert ask(second, "c")[0] == tokens2  # back to the first branch
     finally:
         rt.close()
+
+
+def test_regenerate_with_a_picture_reuses_the_whole_prompt(fixtures_dir):
+    from minecart.engine.runtime import Runtime
+
+    vision = fixtures_dir / "vision"
+    rt = Runtime(sample_memory_s=0)
+    try:
+        rt.load(vision / "qwen35-tiny-vl-f16.gguf", devices=["cpu:0"]).result(TIMEOUT)
+        picture = {"type": "image", "path": str(vision / "images" / "tiny_40x30.png")}
+        messages = [{"role": "user", "content": [picture, {"type": "text", "text": "what is it?"}]}]
+
+        def ask():
+            events = list(rt.chat(messages, greedy_params(max_tokens=4), conversation_id="v",
+                                  enable_thinking=False).events(TIMEOUT))
+            assert events[-1].kind == "done", events[-1].text
+            return [e.generation.token for e in events if e.kind == "token"], events[-1].usage
+
+        tokens, usage = ask()
+        assert usage.image_tokens > 0
+        again, usage = ask()
+        assert again == tokens and usage.cached_tokens == usage.prompt_tokens
+    finally:
+        rt.close()
