@@ -379,14 +379,13 @@ class StreamDecoder:
 
 # ---------------------------------------------------------------------------------- merge cache
 #
-# Building a tokenizer costs seconds on a slow CPU, and most of it is the merge list: a SentencePiece
-# vocabulary (Gemma) has none in the file, so ~515k merges are rebuilt from 262k tokens in Python, and
-# a byte-level one (Qwen) has its ~250k merges checked against the vocabulary. Both results depend only
-# on the vocabulary, so they are kept on disk (the spellings, NUL-separated), keyed by a hash of the
-# tokenizer metadata (the same vocabulary in another quantization of a model shares the entry). Any
-# unreadable, truncated or tampered file is ignored and rebuilt; writes go through a temporary file
-# and a rename, so two processes never see half a file. The `tokenizers` JSON is not cached: reading
-# it back (Tokenizer.from_str) is slower than constructing the BPE from the merge list.
+# A SentencePiece vocabulary (Gemma) has no merges in the file: ~515k of them are rebuilt from 262k
+# tokens in Python, about half of the tokenizer's build time. They depend only on the vocabulary, so
+# they are kept on disk (the spellings, NUL-separated), keyed by a hash of the tokenizer metadata (the
+# same vocabulary in another quantization of a model shares the entry). An unreadable, truncated or
+# damaged file is ignored and rebuilt; writes go through a temporary file and a rename, so two
+# processes never see half a file. Not cached: the `tokenizers` JSON (Tokenizer.from_str is slower
+# than constructing the BPE from the merge list) and byte-level merges (already in the file).
 
 CACHE_ENV = "MINECART_TOKENIZER_CACHE"  # a folder for the merge cache, or "off" to disable it
 _CACHE_FORMAT = b"minecart-merges-v2\n"  # bump when the merge rules of a builder change
@@ -506,25 +505,20 @@ def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str], types: lis
     split, nfc, ignore_merges = BYTE_LEVEL_PRE_TOKENIZERS[pre]
 
     vocab = first_index_map(tokens)
-    merge_lines = [str(m) for m in metadata.get("tokenizer.ggml.merges") or []]
-
-    def checked_merges() -> list[tuple[str, str]]:
-        merges = []
-        bad = []
-        for line in merge_lines:
-            left, _, right = line.partition(" ")
-            # the tokenizers library panics (not raises) on a merge outside the vocabulary: check here
-            if left in vocab and right in vocab and left + right in vocab:
-                merges.append((left, right))
-            else:
-                bad.append(line)
-        if bad:
-            log.warning("%s: ignored %d merge rules naming tokens outside the vocabulary (first: %r)",
-                        source, len(bad), bad[0])
-        return merges
-
-    key = _cache_key("gpt2", tokens, merge_lines)
-    merges = cached_merges(key, checked_merges)
+    # Not cached: checking the file's merges costs about what reading them back from the cache does
+    # (measured on Qwen3.5's 247k merges; docs/first-run.md).
+    merges = []
+    bad = []
+    for line in metadata.get("tokenizer.ggml.merges") or []:
+        left, _, right = line.partition(" ")
+        # the tokenizers library panics (not raises) on a merge outside the vocabulary: check here
+        if left in vocab and right in vocab and left + right in vocab:
+            merges.append((left, right))
+        else:
+            bad.append(line)
+    if bad:
+        log.warning("%s: ignored %d merge rules naming tokens outside the vocabulary (first: %r)",
+                    source, len(bad), bad[0])
 
     byte_chars = gpt2_byte_to_unicode()
     missing = [b for b, ch in byte_chars.items() if ch not in vocab]

