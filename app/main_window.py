@@ -440,7 +440,7 @@ class MainWindow(QMainWindow):
         self.status_model.setText("Loading failed")
         self.chat.set_loading("")
         self.chat._add_message({"role": "error", "content": f"Could not load the model: {text}"})
-        self.chat.set_model(bool(self.bridge.runtime and self.bridge.runtime.loaded))
+        self._restore_chat_model()
         self._update_top()
 
     def _on_load_cancelled(self) -> None:
@@ -448,8 +448,18 @@ class MainWindow(QMainWindow):
         self._pending_load = None
         self.status_model.setText("Loading cancelled")
         self.chat.set_loading("")
-        self.chat.set_model(bool(self.bridge.runtime and self.bridge.runtime.loaded))
+        self._restore_chat_model()
         self._update_top()
+
+    def _restore_chat_model(self) -> None:
+        """After a failed or cancelled load: the chat shows whatever model the engine still holds."""
+        rt = self.bridge.runtime
+        info = getattr(rt, "model_info", None) if rt is not None and rt.loaded else None
+        if info is None:
+            self.chat.set_model(False)
+            return
+        self.chat.set_model(True, info.name, bool(info.has_vision), str(info.path),
+                            base_model=bool(getattr(info, "base_model", False)))
 
     def _on_chat_done(self, info: dict) -> None:
         t = info.get("timing")

@@ -44,6 +44,7 @@ def serve_main(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise RequestError(f"--port {args.port} is not a TCP port (0-65535)")
+    _check_port_free(args.host, args.port)  # before minutes of loading, not after
     runtime = start_runtime(args, sample_memory_s=0.5)
     try:
         api_key = args.api_key or os.environ.get("MINECART_API_KEY") or None
@@ -58,3 +59,16 @@ def serve_main(args) -> int:
     finally:
         runtime.close()
     return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+
+    if port == 0:
+        return
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as exc:
+        raise RequestError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port "
+                           "or stop the program using it") from exc

@@ -378,3 +378,16 @@ def test_regenerate_with_a_picture_reuses_the_whole_prompt(fixtures_dir):
         assert again == tokens and usage.cached_tokens == usage.prompt_tokens
     finally:
         rt.close()
+
+
+def test_serve_refuses_a_busy_port_before_loading():
+    import socket
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "minecart.engine.cli", "serve", "/nonexistent.gguf",
+                              "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr
