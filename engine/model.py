@@ -250,6 +250,13 @@ class Model:
         cfg, mod = self.config, self.module
         be = self.backends["global"]
         x = mod.embed(cfg, be, self.weights["global"], ids)
+        return self._layers_and_head(x, be, states, positions, rows, hidden_hook)
+
+    def _layers_and_head(self, x, be, states, positions, rows, hidden_hook):
+        """Every layer on its own backend (the hidden state moves through the host between devices),
+        then the LM head: rows="last" for the last row only, None for no head (returns None),
+        anything else for every row."""
+        cfg, mod = self.config, self.module
         if hidden_hook is not None:
             hidden_hook(0, be.to_numpy(x))
         for i in range(cfg.n_layers):
@@ -289,19 +296,7 @@ class Model:
         x = be.to_numpy(mod.embed(cfg, be, self.weights["global"], ids))
         x[np.asarray(rows_idx, dtype=np.int64)] = np.asarray(values, dtype=np.float32)
         x = be.asarray(x)
-        if hidden_hook is not None:
-            hidden_hook(0, be.to_numpy(x))
-        for i in range(cfg.n_layers):
-            part = f"layer.{i}"
-            x, be = self._move(x, be, self.backends[part])
-            x = mod.layer(cfg, be, self.weights[part], i, x, states[i], positions)
-            if hidden_hook is not None:
-                hidden_hook(i + 1, be.to_numpy(x))
-        if rows is None:
-            return None
-        if rows == "last":
-            x = x[x.shape[0] - 1 :]
-        return self.run_head(x, be)
+        return self._layers_and_head(x, be, states, positions, rows, hidden_hook)
 
     @staticmethod
     def _move(x, src, dst):
