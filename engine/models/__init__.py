@@ -23,6 +23,18 @@ from __future__ import annotations
 import importlib
 
 
+def head_roles(config, available: set[str] | None = None) -> dict[str, str]:
+    """Roles of the "head" part shared by every architecture: the output norm and the LM head, which
+    is the token-embedding table itself when the file has no separate `output.weight` (tied)."""
+    head = {"output_norm.weight": "vector"}
+    tied = config.tied_embeddings if available is None else "output.weight" not in available
+    if tied:
+        head["token_embd.weight"] = "embedding"  # the same table as "global": loaded once per device
+    else:
+        head["output.weight"] = "matmul"
+    return head
+
+
 def module_for(architecture: str):
     """The model module for a GGUF architecture name (qwen35moe shares qwen35's file)."""
     name = {"qwen35moe": "qwen35"}.get(architecture, architecture)

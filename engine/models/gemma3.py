@@ -35,6 +35,7 @@ import math
 
 from ..backends.base import LayerState
 from ..config import SLIDING
+from . import head_roles
 
 _LAYER_VECTORS = (
     "attn_norm",
@@ -55,13 +56,7 @@ def tensor_roles(config, available: set[str] | None = None) -> dict[str, dict[st
         part = {f"blk.{i}.{n}.weight": "vector" for n in _LAYER_VECTORS}
         part.update({f"blk.{i}.{n}.weight": "matmul" for n in _LAYER_MATMULS})
         roles[f"layer.{i}"] = part
-    head = {"output_norm.weight": "vector"}
-    tied = config.tied_embeddings if available is None else "output.weight" not in available
-    if tied:
-        head["token_embd.weight"] = "embedding"  # the same table as "global": loaded once per device
-    else:
-        head["output.weight"] = "matmul"
-    roles["head"] = head
+    roles["head"] = head_roles(config, available)
     return roles
 
 

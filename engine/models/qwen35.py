@@ -19,6 +19,7 @@ import math
 
 from ..backends.base import LayerState
 from ..config import ATTN, GDN
+from . import head_roles
 
 
 def _layer_roles(config, i: int, available: set[str] | None) -> dict[str, str]:
@@ -60,13 +61,7 @@ def tensor_roles(config, available: set[str] | None = None) -> dict[str, dict[st
     roles: dict[str, dict[str, str]] = {"global": {"token_embd.weight": "embedding"}}
     for i in range(config.n_layers):
         roles[f"layer.{i}"] = _layer_roles(config, i, available)
-    head = {"output_norm.weight": "vector"}
-    tied = config.tied_embeddings if available is None else "output.weight" not in available
-    if tied:
-        head["token_embd.weight"] = "embedding"  # the same table as "global": loaded once per device
-    else:
-        head["output.weight"] = "matmul"
-    roles["head"] = head
+    roles["head"] = head_roles(config, available)
     return roles
 
 
