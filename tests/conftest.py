@@ -29,3 +29,16 @@ def fixtures_dir() -> Path:
     if FIXTURES is None:
         pytest.skip("shared fixtures not found (set MINECART_FIXTURES)")
     return FIXTURES
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_tokenizer_cache(tmp_path_factory):
+    """Tests share one tokenizer merge cache of their own instead of writing to the user's cache."""
+    if "MINECART_TOKENIZER_CACHE" in os.environ:
+        yield
+        return
+    os.environ["MINECART_TOKENIZER_CACHE"] = str(tmp_path_factory.mktemp("tokenizer-cache"))
+    try:
+        yield
+    finally:
+        os.environ.pop("MINECART_TOKENIZER_CACHE", None)
