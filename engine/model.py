@@ -13,6 +13,7 @@ What this file is not: a scheduler. One call runs one sequence on the calling th
 from __future__ import annotations
 
 import inspect
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -210,9 +211,10 @@ class Model:
         its name says nothing of instruct/chat tuning. Such models continue text; clients say so."""
         if self.gguf.get("tokenizer.chat_template"):
             return False
-        words = " ".join(str(self.gguf.get(k, "")) for k in ("general.name", "general.finetune",
-                                                              "general.tags")).lower()
-        return not any(w in words for w in ("instruct", "-it", " it", "chat"))
+        text = " ".join(str(self.gguf.get(k, "")) for k in ("general.name", "general.finetune",
+                                                             "general.tags")).lower()
+        # whole words only: "gemma-3-270m-it" and "Instruct" count, "Italian" or "chatterbox" do not
+        return re.search(r"\b(it|instruct|instruction|chat)\b", text) is None
 
     @chat_template.setter
     def chat_template(self, value) -> None:
