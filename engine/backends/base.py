@@ -19,10 +19,14 @@ Conventions
   llama.cpp's C++ tools write 1-D).
 - Per-layer sequence state is a `LayerState` (below): a KV cache and/or named recurrent arrays. Sessions
   snapshot and restore it generically (KV: by length; recurrent arrays: by copy through the host).
+- Fused ops (`FusedOpsMixin`: matmul_many, matmul_add, gdn_decode, gated_attention) are defined by
+  composing the ops below; both backends inherit them, and a fast backend overrides them with single
+  kernels (the single-token decode path) without changing what they compute.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -56,6 +60,63 @@ class LayerState:
 
     kv: KVCache | None = None
     recurrent: dict[str, Any] = field(default_factory=dict)
+
+
+class FusedOpsMixin:
+    """Fused operations of the decode path, defined by composing the protocol's basic ops.
+
+    The compositions here are the specification (NumpyBackend inherits them unchanged); a fast backend
+    overrides a method where it has one kernel for the whole group, and falls back to these for the
+    shapes its kernels do not cover. The results equal the composition up to fp32 rounding.
+    """
+
+    def matmul_many(self, x, ws) -> list:
+        """[x @ W.T for W in ws]: several weights applied to one input (fused projections)."""
+        return [self.matmul(x, w) for w in ws]
+
+    def matmul_add(self, x, w, residual):
+        """residual + x @ W.T (the residual add of a layer, folded into its last matmul)."""
+        return self.add(residual, self.matmul(x, w))
+
+    def gdn_decode(self, mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias, norm_w, *,
+                   n_k: int, n_v: int, dk: int, dv: int, eps: float):
+        """A Gated DeltaNet mixer between its input projections and ssm_out, for T tokens.
+
+        mixed (T, 2 n_k dk + n_v dv) the raw [q | k | v] projection, z (T, n_v dv), b and alpha (T, n_v).
+        conv_state (K-1, C) and ssm_state (n_v, dk, dv) are updated in place. Returns the gated,
+        normalized output (T, n_v dv), the input of ssm_out."""
+        T = mixed.shape[0]
+        key_dim = n_k * dk
+        u = self.conv1d_silu(mixed, conv_state, conv_w)
+        q = u[:, :key_dim].reshape(T, n_k, dk)
+        k = u[:, key_dim : 2 * key_dim].reshape(T, n_k, dk)
+        v = u[:, 2 * key_dim :].reshape(T, n_v, dv)
+        q = self.scale(self.l2_norm(q, eps), 1.0 / math.sqrt(dk))
+        k = self.l2_norm(k, eps)
+        g, beta = self.gdn_gates(alpha, b, ssm_a, dt_bias)
+        if T == 1:
+            o = self.gdn_step(q, k, v, g, beta, ssm_state)
+        else:
+            o = self.gdn_chunk(q, k, v, g, beta, ssm_state, chunk=64)
+        y = self.gated_rms_norm(o, z.reshape(T, n_v, dv), norm_w, eps)  # (T, n_v, dv)
+        return y.reshape(T, n_v * dv)
+
+    def gated_attention(self, qg, k, v, cache, q_norm, k_norm, positions, *, n_rot: int, base: float,
+                        sections: tuple[int, ...] = (), scale: float, eps: float, window: int = 0):
+        """Gated attention of qwen35 between its projections and the output projection.
+
+        qg (T, nh, 2, d): per head the query then the output gate (attn_q's interleaved rows); k (T, n_kv, d),
+        v (T, n_kv, dv). q and k get their RMSNorm (weights (d,)) and partial NEOX (M-)RoPE, k and v are
+        appended to `cache`, and the attention output is multiplied by sigmoid(gate). -> (T, nh dv)."""
+        T, nh = qg.shape[0], qg.shape[1]
+        q = self.rms_norm(qg[:, :, 0, :], q_norm, eps)
+        gate = qg[:, :, 1, :]
+        k = self.rms_norm(k, k_norm, eps)
+        q = self.rope(q, positions, n_rot, base, sections=sections)
+        k = self.rope(k, positions, n_rot, base, sections=sections)
+        o = self.attention(q, k, v, cache, scale=scale, window=window)  # (T, nh, dv)
+        o = self.mul(o, self.sigmoid(gate))
+        return o.reshape(T, nh * o.shape[-1])
 
 
 @runtime_checkable

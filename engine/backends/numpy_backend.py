@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import KVCache
+from .base import FusedOpsMixin, KVCache
 
 F32 = np.float32
 F64 = np.float64
@@ -145,7 +145,7 @@ def _sigmoid64(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free form of 1 / (1 + e^-x)
 
 
-class NumpyBackend:
+class NumpyBackend(FusedOpsMixin):
     name = "numpy"
 
     def __init__(self, device: str = "cpu:0"):

@@ -89,15 +89,17 @@ def layer(config, backend, w, i: int, x, state: LayerState, positions):
     else:
         raise ValueError(f"layer {i}: kind '{config.layer_types[i]}' is not a qwen35 layer")
     x, f = backend.add_rms_norm(x, mixed, w[p + "post_attention_norm.weight"], eps)
-    return backend.add(x, feed_forward(config, backend, w, i, f))
+    return feed_forward(config, backend, w, i, f, residual=x)
 
 
-def feed_forward(config, backend, w, i: int, f):
-    """Layer i's FFN on its normed input f (T, H): dense SwiGLU (3.5) or MoE (3.6)."""
+def feed_forward(config, backend, w, i: int, f, residual=None):
+    """Layer i's FFN on its normed input f (T, H): dense SwiGLU (3.5) or MoE (3.6); with `residual`,
+    residual + FFN (the dense down projection adds it itself)."""
     p = f"blk.{i}."
     if config.is_moe:
-        return _moe(config, backend, w, p, f)
-    return _swiglu_ffn(backend, w, p + "ffn_", "", f)
+        y = _moe(config, backend, w, p, f)
+        return y if residual is None else backend.add(residual, y)
+    return _swiglu_ffn(backend, w, p + "ffn_", "", f, residual)
 
 
 def final_norm(config, backend, w, x):
@@ -118,27 +120,14 @@ def head(config, backend, w, x):
 
 def _gated_deltanet(config, be, w, p, a, state: LayerState):
     """Section 3.4 (and 3.4.1 for T > 1)."""
-    T = a.shape[0]
-    n_k, n_v = config.gdn_k_heads, config.gdn_v_heads
-    dk, dv = config.gdn_key_dim, config.gdn_value_dim
-    key_dim = n_k * dk
-    mixed = be.matmul(a, w[p + "attn_qkv.weight"])  # (T, conv_dim): [q | k | v]
-    z = be.matmul(a, w[p + "attn_gate.weight"]).reshape(T, n_v, dv)
-    b = be.matmul(a, w[p + "ssm_beta.weight"])  # (T, n_v)
-    alpha = be.matmul(a, w[p + "ssm_alpha.weight"])  # (T, n_v)
-    u = be.conv1d_silu(mixed, state.recurrent["conv"], w[p + "ssm_conv1d.weight"])
-    q = u[:, :key_dim].reshape(T, n_k, dk)
-    k = u[:, key_dim : 2 * key_dim].reshape(T, n_k, dk)
-    v = u[:, 2 * key_dim :].reshape(T, n_v, dv)
-    q = be.scale(be.l2_norm(q, config.rms_eps), 1.0 / math.sqrt(dk))
-    k = be.l2_norm(k, config.rms_eps)
-    g, beta = be.gdn_gates(alpha, b, w[p + "ssm_a"], w[p + "ssm_dt.bias"])
-    if T == 1:
-        o = be.gdn_step(q, k, v, g, beta, state.recurrent["ssm"])
-    else:
-        o = be.gdn_chunk(q, k, v, g, beta, state.recurrent["ssm"], chunk=64)
-    y = be.gated_rms_norm(o, z, w[p + "ssm_norm.weight"], config.rms_eps)  # (T, n_v, dv)
-    return be.matmul(y.reshape(T, n_v * dv), w[p + "ssm_out.weight"])
+    mixed, z, b, alpha = be.matmul_many(a, [w[p + "attn_qkv.weight"], w[p + "attn_gate.weight"],
+                                            w[p + "ssm_beta.weight"], w[p + "ssm_alpha.weight"]])
+    # mixed (T, conv_dim) = [q | k | v], z (T, n_v dv), b and alpha (T, n_v)
+    y = be.gdn_decode(mixed, z, b, alpha, state.recurrent["conv"], state.recurrent["ssm"],
+                      w[p + "ssm_conv1d.weight"], w[p + "ssm_a"], w[p + "ssm_dt.bias"], w[p + "ssm_norm.weight"],
+                      n_k=config.gdn_k_heads, n_v=config.gdn_v_heads, dk=config.gdn_key_dim,
+                      dv=config.gdn_value_dim, eps=config.rms_eps)  # (T, n_v dv)
+    return be.matmul(y, w[p + "ssm_out.weight"])
 
 
 def _gated_attention(config, be, w, p, a, state: LayerState, positions):
@@ -146,29 +135,25 @@ def _gated_attention(config, be, w, p, a, state: LayerState, positions):
     contiguous GQA, sigmoid output gate."""
     T = a.shape[0]
     nh, n_kv, d, dv = config.n_heads, config.n_kv_heads, config.head_dim, config.value_head_dim
-    qg = be.matmul(a, w[p + "attn_q.weight"]).reshape(T, nh, 2, d)
-    q = qg[:, :, 0, :]
-    gate = qg[:, :, 1, :]
-    k = be.matmul(a, w[p + "attn_k.weight"]).reshape(T, n_kv, d)
-    v = be.matmul(a, w[p + "attn_v.weight"]).reshape(T, n_kv, dv)
-    q = be.rms_norm(q, w[p + "attn_q_norm.weight"], config.rms_eps)
-    k = be.rms_norm(k, w[p + "attn_k_norm.weight"], config.rms_eps)
-    q = be.rope(q, positions, config.rope_dims, config.rope_base, sections=config.rope_sections)
-    k = be.rope(k, positions, config.rope_dims, config.rope_base, sections=config.rope_sections)
-    o = be.attention(q, k, v, state.kv, scale=1.0 / math.sqrt(d))  # (T, nh, dv)
-    o = be.mul(o, be.sigmoid(gate))
-    return be.matmul(o.reshape(T, nh * dv), w[p + "attn_output.weight"])
+    qg, k, v = be.matmul_many(a, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+    o = be.gated_attention(qg.reshape(T, nh, 2, d), k.reshape(T, n_kv, d), v.reshape(T, n_kv, dv), state.kv,
+                           w[p + "attn_q_norm.weight"], w[p + "attn_k_norm.weight"], positions,
+                           n_rot=config.rope_dims, base=config.rope_base, sections=config.rope_sections,
+                           scale=1.0 / math.sqrt(d), eps=config.rms_eps)  # (T, nh dv)
+    return be.matmul(o, w[p + "attn_output.weight"])
 
 
 # ------------------------------------------------------------------------------------------------
 # feed-forward
 
 
-def _swiglu_ffn(be, w, prefix, suffix, f):
-    """(silu(f @ gate.T) * (f @ up.T)) @ down.T with tensors `{prefix}gate{suffix}.weight` etc."""
-    gate = be.matmul(f, w[f"{prefix}gate{suffix}.weight"])
-    up = be.matmul(f, w[f"{prefix}up{suffix}.weight"])
-    return be.matmul(be.swiglu(gate, up), w[f"{prefix}down{suffix}.weight"])
+def _swiglu_ffn(be, w, prefix, suffix, f, residual=None):
+    """(silu(f @ gate.T) * (f @ up.T)) @ down.T with tensors `{prefix}gate{suffix}.weight` etc., plus
+    `residual` when given."""
+    gate, up = be.matmul_many(f, [w[f"{prefix}gate{suffix}.weight"], w[f"{prefix}up{suffix}.weight"]])
+    h = be.swiglu(gate, up)
+    down = w[f"{prefix}down{suffix}.weight"]
+    return be.matmul(h, down) if residual is None else be.matmul_add(h, down, residual)
 
 
 def _moe(config, be, w, p, f):
