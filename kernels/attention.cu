@@ -136,6 +136,209 @@ __global__ void __launch_bounds__(128) flash_prefill(
     }
 }
 
+// flash_prefill_g (the default prefill): register-blocked tiles over one KV head. A block takes 64 query
+//   rows R = t * G + g (position t, query head g of the GQA group, so all G heads of a position share
+//   the block and every K/V tile in shared memory serves the whole group) and walks key tiles of 64
+//   from the first key any of its rows may see (window) to the last (causal); fully masked tiles are
+//   never visited. 256 threads. Scores: Q and K staged in head-dim chunks, transposed in shared memory;
+//   each thread owns a 4x4 micro-tile (rows 4ty.., keys 4tx..). Online softmax in fp32 in the log2
+//   domain (exp2f, scale pre-multiplied by log2 e); the 16 threads of a row reduce by shuffles. P goes
+//   to shared memory transposed; P @ V streams V in chunks of 16 KB, each thread owning 8 rows x D/32
+//   columns (lane + 32u) of the output accumulator. Blocks with the most keys are launched first.
+
+#define FG_BQ 64
+#define FG_BK 64
+#define FG_LD 68
+#define FG_VBUF 4096
+
+template <int D>
+__global__ void __launch_bounds__(256, 2) flash_prefill_g(
+        const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+        float* __restrict__ out, int T, int nh, int n_kv, int start, int kv_len, float scale, int window) {
+    constexpr int DC = D >= 256 ? 16 : 32;      // head-dim chunk of the score product
+    constexpr int NL = DC / 16;                 // float4 loads per thread per chunk (Q and K each)
+    constexpr int KC = FG_VBUF / D;             // keys per V chunk
+    constexpr int NC = D / 32;                  // output columns per thread
+    constexpr int BUF = 2 * DC * FG_LD > FG_VBUF ? 2 * DC * FG_LD : FG_VBUF;
+    __shared__ __align__(16) float buf[BUF];             // Q/K chunks, then V chunks
+    __shared__ __align__(16) float Ps[FG_BK * FG_LD];    // probabilities, transposed: Ps[key][row]
+    __shared__ __align__(16) float s_alpha[FG_BQ];
+    __shared__ float s_l[FG_BQ];
+    float* Qs = buf;                   // Qs[d][row]
+    float* Ks = buf + DC * FG_LD;      // Ks[d][key]
+    float* Vs = buf;                   // Vs[key][D]
+
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    const int G = nh / n_kv;
+    const int n_rows = T * G;
+    const int nbx = (n_rows + FG_BQ - 1) / FG_BQ;
+    const int kvh = blockIdx.x % n_kv;
+    const int R0 = (nbx - 1 - (int)(blockIdx.x / n_kv)) * FG_BQ;
+    const int ty = tid >> 4, tx = tid & 15;     // score micro-tile: rows 4ty + a, keys 4tx + b
+    const int lr = tid & 63, ls = tid >> 6;     // loader: row/key lr, head-dim floats ls*DC/4 ..
+
+    // this thread's Q row for the loader
+    const float* qp = q;
+    bool qval = R0 + lr < n_rows;
+    if (qval) {
+        int t = (R0 + lr) / G, g = (R0 + lr) - t * G;
+        qp = q + ((i64)t * nh + (i64)kvh * G + g) * D + ls * (DC / 4);
+    }
+    int t_first = R0 / G, t_last = (min(R0 + FG_BQ, n_rows) - 1) / G;
+    int kv_hi = min(kv_len, start + t_last + 1);
+    int kv_lo = window > 0 ? max(0, start + t_first - window + 1) : 0;
+
+    float o[8][NC];
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int u = 0; u < NC; u++) o[r][u] = 0.0f;
+    float m_run[4], l_run[4];
+#pragma unroll
+    for (int a = 0; a < 4; a++) { m_run[a] = NEG_BIG; l_run[a] = 0.0f; }
+    const float sc = scale * 1.4426950408889634f;
+    const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
+
+    for (int kt = kv_lo; kt < kv_hi; kt += FG_BK) {
+        // ---- S = Q K^T over head-dim chunks, next chunk prefetched into registers
+        bool kval = kt + lr < kv_len;
+        const float* kp = kval ? kc + ((i64)(kt + lr) * n_kv + kvh) * D + ls * (DC / 4) : kc;
+        float4 pq[NL], pk[NL];
+#pragma unroll
+        for (int i = 0; i < NL; i++) {
+            pq[i] = qval ? ((const float4*)qp)[i] : z4;
+            pk[i] = kval ? ((const float4*)kp)[i] : z4;
+        }
+        float s[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; a++) s[a][0] = s[a][1] = s[a][2] = s[a][3] = 0.0f;
+#pragma unroll 1
+        for (int dc = 0; dc < D; dc += DC) {
+            __syncthreads();    // the previous chunk (or the previous tile's V) is no longer read
+#pragma unroll
+            for (int i = 0; i < NL; i++) {
+                int d = ls * (DC / 4) + 4 * i;
+                Qs[(d + 0) * FG_LD + lr] = pq[i].x; Qs[(d + 1) * FG_LD + lr] = pq[i].y;
+                Qs[(d + 2) * FG_LD + lr] = pq[i].z; Qs[(d + 3) * FG_LD + lr] = pq[i].w;
+                Ks[(d + 0) * FG_LD + lr] = pk[i].x; Ks[(d + 1) * FG_LD + lr] = pk[i].y;
+                Ks[(d + 2) * FG_LD + lr] = pk[i].z; Ks[(d + 3) * FG_LD + lr] = pk[i].w;
+            }
+            __syncthreads();
+            if (dc + DC < D) {
+#pragma unroll
+                for (int i = 0; i < NL; i++) {
+                    pq[i] = qval ? ((const float4*)(qp + dc + DC))[i] : z4;
+                    pk[i] = kval ? ((const float4*)(kp + dc + DC))[i] : z4;
+                }
+            }
+#pragma unroll
+            for (int d = 0; d < DC; d++) {
+                float4 qa = *(const float4*)&Qs[d * FG_LD + 4 * ty];
+                float4 kb = *(const float4*)&Ks[d * FG_LD + 4 * tx];
+                s[0][0] = fmaf(qa.x, kb.x, s[0][0]); s[0][1] = fmaf(qa.x, kb.y, s[0][1]);
+                s[0][2] = fmaf(qa.x, kb.z, s[0][2]); s[0][3] = fmaf(qa.x, kb.w, s[0][3]);
+                s[1][0] = fmaf(qa.y, kb.x, s[1][0]); s[1][1] = fmaf(qa.y, kb.y, s[1][1]);
+                s[1][2] = fmaf(qa.y, kb.z, s[1][2]); s[1][3] = fmaf(qa.y, kb.w, s[1][3]);
+                s[2][0] = fmaf(qa.z, kb.x, s[2][0]); s[2][1] = fmaf(qa.z, kb.y, s[2][1]);
+                s[2][2] = fmaf(qa.z, kb.z, s[2][2]); s[2][3] = fmaf(qa.z, kb.w, s[2][3]);
+                s[3][0] = fmaf(qa.w, kb.x, s[3][0]); s[3][1] = fmaf(qa.w, kb.y, s[3][1]);
+                s[3][2] = fmaf(qa.w, kb.z, s[3][2]); s[3][3] = fmaf(qa.w, kb.w, s[3][3]);
+            }
+        }
+        // ---- mask, online softmax (log2 domain), P to shared memory
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            int p = start + (R0 + 4 * ty + a) / G;     // this row's position
+            float mx = NEG_BIG;
+            bool valid[4];
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                int j = kt + 4 * tx + b;
+                valid[b] = (j < kv_len) && (j <= p) && (window <= 0 || j > p - window);
+                s[a][b] *= sc;
+                if (valid[b]) mx = fmaxf(mx, s[a][b]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+            float m_new = fmaxf(m_run[a], mx);
+            float alpha = exp2f(m_run[a] - m_new);
+            float ps = 0.0f;
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                s[a][b] = valid[b] ? exp2f(s[a][b] - m_new) : 0.0f;
+                ps += s[a][b];
+            }
+            ps += __shfl_xor_sync(0xffffffffu, ps, 1);
+            ps += __shfl_xor_sync(0xffffffffu, ps, 2);
+            ps += __shfl_xor_sync(0xffffffffu, ps, 4);
+            ps += __shfl_xor_sync(0xffffffffu, ps, 8);
+            l_run[a] = l_run[a] * alpha + ps;
+            m_run[a] = m_new;
+            if (tx == 0) s_alpha[4 * ty + a] = alpha;
+        }
+#pragma unroll
+        for (int b = 0; b < 4; b++)
+            *(float4*)&Ps[(4 * tx + b) * FG_LD + 4 * ty] = make_float4(s[0][b], s[1][b], s[2][b], s[3][b]);
+        __syncthreads();    // P and alpha visible; Q/K chunks no longer read (V overwrites them)
+
+        // ---- O = alpha O + P V, V streamed in chunks of KC keys
+        {
+            float4 a0 = *(const float4*)&s_alpha[8 * w], a1 = *(const float4*)&s_alpha[8 * w + 4];
+            float al[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+#pragma unroll
+                for (int u = 0; u < NC; u++) o[r][u] *= al[r];
+        }
+        int n_keys = min(FG_BK, kv_hi - kt);
+#pragma unroll 1
+        for (int k0 = 0; k0 < n_keys; k0 += KC) {
+            if (k0 > 0) __syncthreads();    // the previous V chunk is no longer read
+#pragma unroll
+            for (int i = 0; i < KC * D / 4 / 256; i++) {
+                int idx = tid + 256 * i;
+                int r = idx / (D / 4), c4 = idx - r * (D / 4);
+                int key = kt + k0 + r;
+                float4 v = key < kv_len ? ((const float4*)(vc + ((i64)key * n_kv + kvh) * D))[c4] : z4;
+                *(float4*)&Vs[r * D + 4 * c4] = v;
+            }
+            __syncthreads();
+#pragma unroll 2
+            for (int j = 0; j < KC; j++) {
+                float4 p0 = *(const float4*)&Ps[(k0 + j) * FG_LD + 8 * w];
+                float4 p1 = *(const float4*)&Ps[(k0 + j) * FG_LD + 8 * w + 4];
+#pragma unroll
+                for (int u = 0; u < NC; u++) {
+                    float v = Vs[j * D + lane + 32 * u];
+                    o[0][u] = fmaf(p0.x, v, o[0][u]); o[1][u] = fmaf(p0.y, v, o[1][u]);
+                    o[2][u] = fmaf(p0.z, v, o[2][u]); o[3][u] = fmaf(p0.w, v, o[3][u]);
+                    o[4][u] = fmaf(p1.x, v, o[4][u]); o[5][u] = fmaf(p1.y, v, o[5][u]);
+                    o[6][u] = fmaf(p1.z, v, o[6][u]); o[7][u] = fmaf(p1.w, v, o[7][u]);
+                }
+            }
+        }
+    }
+    if (tx == 0) {
+#pragma unroll
+        for (int a = 0; a < 4; a++) s_l[4 * ty + a] = l_run[a];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        int R = R0 + 8 * w + r;
+        if (R < n_rows) {
+            int t = R / G, g = R - t * G;
+            float l = s_l[8 * w + r];
+            float inv = l > 0.0f ? 1.0f / l : 0.0f;
+            float* op = out + ((i64)t * nh + (i64)kvh * G + g) * D;
+#pragma unroll
+            for (int u = 0; u < NC; u++) op[lane + 32 * u] = o[r][u] * inv;
+        }
+    }
+}
+
 #define FD_G 8
 #define FD_BK 32
 

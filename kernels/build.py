@@ -21,11 +21,13 @@ HERE = Path(__file__).resolve().parent
 # GGML type ids (the template argument QT of the kernels).
 QT = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
 DP4A_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+HFMA2_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")  # formats with an fp16 HFMA2 kernel (hfma2.cu)
 GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split into these
 GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a (the probe picks)
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
-KVQ3_KERNELS = ("quantize", "rotate", "unrotate", "decode")  # kvq3.cu templates, one per head dim
+GDN_CHUNK_KEY_DIMS = (32, 64, 128)  # key dims of the chunked GDN prefill kernels (multiples of 32)
+KVQ3_KERNELS = ("quantize", "dequant", "rotate", "unrotate", "decode")  # kvq3.cu templates, one per head dim
 
 COMPILE_OPTIONS = ("-std=c++17",)
 
@@ -55,14 +57,20 @@ def module_specs() -> list[ModuleSpec]:
     norms = [f"row_norm<{w}, {m}>" for w in ("true", "false") for m in range(4)]
     ew = [f"ewise<{op}>" for op in range(8)]
     specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew), ("gdn_gates", "rope_neox")))
-    att = [f"flash_prefill<{d}>" for d in HEAD_DIMS] + [f"flash_decode<{d}>" for d in HEAD_DIMS]
+    att = [f"flash_prefill{v}<{d}>" for v in ("", "_g") for d in HEAD_DIMS]
+    att += [f"flash_decode<{d}>" for d in HEAD_DIMS]
     specs.append(ModuleSpec("attention", ("attention.cu",), tuple(att), ("flash_merge", "kv_append")))
-    specs.append(ModuleSpec("gdn", ("gdn.cu",), tuple(f"gdn_scan<{d}>" for d in GDN_KEY_DIMS),
+    gdn = [f"gdn_scan<{d}>" for d in GDN_KEY_DIMS]
+    gdn += [f"gdn_chunk_{p}<{d}>" for p in ("prep", "state") for d in GDN_CHUNK_KEY_DIMS]
+    specs.append(ModuleSpec("gdn", ("gdn.cu",), tuple(gdn),
                             ("conv1d_silu", "conv_state_update")))
     specs.append(ModuleSpec("sampling", ("sampling.cu",), (),
                             ("topk_stage1", "topk_stage2", "moe_route", "moe_combine")))
     specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))
-    # q3 KV cache (kvq3.py; untested on a device, not used by CupyBackend yet)
+    for t in HFMA2_TYPES:  # fp16 HFMA2 matmuls (hfma2.py), one module per weight format
+        hf = [f"gemv_hfma2<{QT[t]}, {nt}>" for nt in GEMV_TOKENS] + [f"gemm_hfma2<{QT[t]}>"]
+        specs.append(ModuleSpec(f"hfma2_{t}", ("gemv.cu", "hfma2.cu"), tuple(hf), ("quantize_h16",)))
+    # q3 KV cache (kvq3.py; CupyQ3KVCache in engine/backends/cupy_backend.py)
     specs.append(ModuleSpec("kvq3", ("kvq3.cu",), tuple(f"kvq3_{k}<{d}>" for k in KVQ3_KERNELS for d in HEAD_DIMS)))
     return specs
 

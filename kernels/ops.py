@@ -303,12 +303,13 @@ def sm_count() -> int:
 
 
 def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
-              kv_len_ptr: cp.ndarray | None = None) -> cp.ndarray:
+              kv_len_ptr: cp.ndarray | None = None, prefill: str = "tiled") -> cp.ndarray:
     """Causal GQA flash attention of q (T, nh, D) at positions start.. over cache rows [0, kv_len).
 
     kv_len_ptr (decode only): a device int32 holding the length before this token's append; the
     kernel then reads the context length from the device (CUDA-graph replay) and the context split
-    is sized for the whole cache capacity."""
+    is sized for the whole cache capacity. prefill: "tiled" (flash_prefill_g, 64 query rows of one
+    KV head per block) or "rows" (the older flash_prefill, 32 queries of one head per block)."""
     q = cp.ascontiguousarray(q, dtype=cp.float32)
     T, nh, D = q.shape
     n_kv = kc.shape[1]
@@ -336,9 +337,15 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
         return out
     if kv_len_ptr is not None:
         raise ValueError("device-side context length is only supported for single-token decode")
-    get_kernel("attention", f"flash_prefill<{D}>")(
-        (math.ceil(T / 32), nh), (128,), (q, kc, vc, out, np.int32(T), np.int32(nh), np.int32(n_kv),
-                                          np.int32(start), np.int32(kv_len), np.float32(scale), np.int32(window)))
+    args = (q, kc, vc, out, np.int32(T), np.int32(nh), np.int32(n_kv), np.int32(start), np.int32(kv_len),
+            np.float32(scale), np.int32(window))
+    if prefill == "rows":
+        get_kernel("attention", f"flash_prefill<{D}>")((math.ceil(T / 32), nh), (128,), args)
+    elif prefill == "tiled":
+        # one block per 64 rows (position, query head) of a KV head, 1-D grid (the kernel orders it)
+        get_kernel("attention", f"flash_prefill_g<{D}>")((math.ceil(T * G / 64) * n_kv,), (256,), args)
+    else:
+        raise ValueError(f"unknown prefill kernel {prefill!r} (tiled or rows)")
     return out
 
 
