@@ -114,6 +114,12 @@ def quantize_cached(x: cp.ndarray):
     return res
 
 
+def register_quantized(x: cp.ndarray, q8) -> None:
+    """Publish (xq, xd, xs), the q8_1 quantization of x that a fused kernel wrote beside x (exactly
+    what quantize_q8_1(x) gives), so that the next matmul of x skips its quantization launch."""
+    _LAST_Q.entry = ((x.data.ptr, x.shape, x.strides), x, q8)
+
+
 def _mm_kernel(w: QWeight, name: str):
     return get_kernel(f"matmul_{w.type_name}", name)
 
@@ -130,9 +136,11 @@ def _chunks(T: int):
 GEMV_MAX_T = 8  # above this, the tiled GEMM reads each weight fewer times
 
 
-def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None = None) -> cp.ndarray:
+def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None = None,
+           residual: cp.ndarray | None = None) -> cp.ndarray:
     """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations; "dp4a2" = the GEMM
-    variant staging two quant blocks per barrier) or "fma" (fp32)."""
+    variant staging two quant blocks per barrier) or "fma" (fp32). residual (T, R): added to the
+    result (in the GEMV epilogue for a few tokens, by a separate add otherwise)."""
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, K = x.shape
     if K != w.cols:
@@ -147,18 +155,21 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     if use_dp4a:
         xq, xd, xs = quantize_cached(x)
     nb = K // 32
+    if residual is not None:
+        residual = cp.ascontiguousarray(residual, dtype=cp.float32).reshape(T, R)
     if T <= GEMV_MAX_T:
         warps = 4
         grid = (math.ceil(R / warps),)
         for t0, nt in _chunks(T):
+            res = residual[t0:] if residual is not None else np.uint64(0)
             if use_dp4a:
                 k = _mm_kernel(w, f"gemv_dp4a<{q}, {nt}>")
                 k(grid, (32 * warps,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
-                                        np.int32(K), np.uint64(0), np.int32(1)))
+                                        np.int32(K), np.uint64(0), np.int32(1), res))
             else:
                 k = _mm_kernel(w, f"gemv_fma<{q}, {nt}>")
                 k(grid, (32 * warps,), (w.wq, wd, x[t0:], y[t0:], np.int32(R), np.int32(K),
-                                        np.uint64(0), np.int32(1)))
+                                        np.uint64(0), np.int32(1), res))
         del nb
         return y
     if use_dp4a:
@@ -168,6 +179,8 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     else:
         k = _mm_kernel(w, f"gemm_fma<{q}>")
         k((math.ceil(R / 64), math.ceil(T / 64)), (256,), (w.wq, wd, x, y, np.int32(T), np.int32(R), np.int32(K)))
+    if residual is not None:
+        y += residual  # prefill: one extra elementwise launch per layer is negligible
     return y
 
 
@@ -186,10 +199,10 @@ def matmul_experts(x: cp.ndarray, w: QWeight, ids: cp.ndarray, x_div: int, path:
     if path.startswith("dp4a") and w.dp4a_ok:
         xq, xd, xs = quantize_cached(x)
         _mm_kernel(w, f"gemv_dp4a<{q}, 1>")(grid, (32 * warps,), (w.wq, wd, xq, xd, xs, y, np.int32(R), np.int32(K),
-                                                                   ids, np.int32(x_div)))
+                                                                   ids, np.int32(x_div), np.uint64(0)))
     else:
         _mm_kernel(w, f"gemv_fma<{q}, 1>")(grid, (32 * warps,), (w.wq, wd, x, y, np.int32(R), np.int32(K),
-                                                                  ids, np.int32(x_div)))
+                                                                  ids, np.int32(x_div), np.uint64(0)))
     return y
 
 
@@ -337,15 +350,24 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
         return out
     if kv_len_ptr is not None:
         raise ValueError("device-side context length is only supported for single-token decode")
+    return flash_prefill(q, kc, vc, out, start, kv_len, scale, window, prefill)
+
+
+def flash_prefill(q, kc, vc, out, start: int, kv_len: int, scale: float, window: int = 0,
+                  kernel: str = "tiled") -> cp.ndarray:
+    """The prefill kernel of `attention` for any T (1 included): q (T, nh, D) fp32 contiguous, out
+    the same shape. kernel: "tiled" (flash_prefill_g) or "rows" (flash_prefill)."""
+    T, nh, D = q.shape
+    n_kv = kc.shape[1]
     args = (q, kc, vc, out, np.int32(T), np.int32(nh), np.int32(n_kv), np.int32(start), np.int32(kv_len),
             np.float32(scale), np.int32(window))
-    if prefill == "rows":
+    if kernel == "rows":
         get_kernel("attention", f"flash_prefill<{D}>")((math.ceil(T / 32), nh), (128,), args)
-    elif prefill == "tiled":
+    elif kernel == "tiled":
         # one block per 64 rows (position, query head) of a KV head, 1-D grid (the kernel orders it)
-        get_kernel("attention", f"flash_prefill_g<{D}>")((math.ceil(T * G / 64) * n_kv,), (256,), args)
+        get_kernel("attention", f"flash_prefill_g<{D}>")((math.ceil(T * (nh // n_kv) / 64) * n_kv,), (256,), args)
     else:
-        raise ValueError(f"unknown prefill kernel {prefill!r} (tiled or rows)")
+        raise ValueError(f"unknown prefill kernel {kernel!r} (tiled or rows)")
     return out
 
 
