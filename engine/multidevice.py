@@ -13,8 +13,16 @@ A loaded Model (engine/model.py) whose parts sit on more than one device gets a 
   layer still sees its chunks in order (one worker per device, FIFO queues and links), so the result
   equals running the chunks one after another on one device; at most `max_in_flight` chunks are
   between the caller and the head at once, which bounds the memory of hidden states in flight;
-- a single chunk (a decode step) has nothing to overlap: it runs on the calling thread, stage after
-  stage through the same bridges, which saves the thread hand-offs.
+- a single chunk has nothing to overlap: it runs on the calling thread, stage after stage through the
+  same bridges, which saves the thread hand-offs;
+- a decode step (one token, last-row logits) runs stage after stage on the calling thread too, each
+  stage through its backend's `graph_step` when it has one (the CuPy backend replays a CUDA graph of
+  the stage: token/positions or the hidden state in from a pinned host buffer, the hidden state out
+  to the next pinned buffer or the logits out), else eagerly. Each edge has one fixed (1, hidden)
+  pinned `step_buffer`, the D2H target of stage k and the H2D source of stage k+1: per token, launch
+  stage 0, wait for it, (the simulated link's time, engine/rig.py), launch stage 1, ... A stage whose
+  graph is not valid this step (a cache grows, states were replaced) runs eagerly through the same
+  buffers and re-captures on the next token.
 
 Also here: `resolve_devices` (placement + devices -> part plan and backends, used by load_model),
 `attach_pipeline`, and `bench_split` (the measurement `minecart bench --devices` prints).
@@ -83,6 +91,8 @@ class HostBridge:
         self.dst = dst
         self.name = name or f"{getattr(src, 'device', '?')}->{getattr(dst, 'device', '?')}"
         self.buffer = self._allocate(max(1, rows * width))
+        # a decode step's hidden state: a fixed address, baked into the stages' CUDA graphs
+        self.step_buffer = self._allocate(max(1, width)).reshape(1, max(1, width))
         self.worker = DeviceWorker(f"link {self.name}")
         self.bytes_moved = 0
         self.seconds = 0.0
@@ -131,6 +141,10 @@ class _Stage:
     backend: object
     parts: list[str]
     worker: DeviceWorker
+
+    @property
+    def layers(self) -> list[int]:
+        return [int(p.split(".")[1]) for p in self.parts if p.startswith("layer.")]
 
 
 @dataclass
@@ -192,6 +206,9 @@ class Pipeline:
         self.max_in_flight = max_in_flight or (2 * len(self.stages) + 1)
         # a single chunk (a decode step) runs on the calling thread (see _forward_inline)
         self.inline_single_chunk = True
+        self.use_graphs = True  # decode steps through the stages' graph_step where a backend has one
+        self.graphed_stage_steps = 0  # decode stage runs replayed (or captured) as graphs
+        self.eager_stage_steps = 0  # decode stage runs done eagerly (no graph, or not valid this step)
         self._call_lock = threading.Lock()
 
     @property
@@ -224,6 +241,8 @@ class Pipeline:
             raise ValueError("hidden_hook needs the whole sequence in one chunk")
         if len(starts) == 1 and self.inline_single_chunk:
             with self._call_lock:
+                if T == 1 and rows == "last" and hidden_hook is None:
+                    return self._decode_step(ids, states, positions)
                 return self._forward_inline(ids, states, positions, rows, hidden_hook)
         with self._call_lock:  # one sequence at a time: states are updated in place
             job = _Job(len(starts), rows, results=[None] * len(starts),
@@ -304,6 +323,53 @@ class Pipeline:
                 x = self.bridges[s - 1].move(x)
             x = self._run_parts(stage, x, positions, states, rows, hook)
         return x
+
+    def _decode_step(self, ids, states, positions):
+        """One token, stage after stage on the calling thread through the bridges' step buffers (see
+        the module doc); returns the host logits (1, vocab) of the last stage."""
+        last = len(self.stages) - 1
+        out = None
+        for s, stage in enumerate(self.stages):
+            host_in = self.bridges[s - 1].step_buffer if s else None
+            host_out = self.bridges[s].step_buffer if s < last else None
+            out = self._decode_stage(s, stage, ids, states, positions, host_in, host_out)
+            if host_out is not None:
+                self.bridges[s].bytes_moved += host_out.nbytes
+        return out
+
+    def _decode_stage(self, s: int, stage: _Stage, ids, states, positions, host_in, host_out):
+        be = stage.backend
+
+        def run(x):
+            return self._run_parts(stage, x, positions, states, "last", None)
+
+        step = getattr(be, "graph_step", None) if self.use_graphs else None
+        if step is not None:
+            done = step(("stage", s), run, ids, positions, owner=states,
+                        watch=[states[i] for i in stage.layers], host_in=host_in, host_out=host_out)
+            if done is not None:
+                self.graphed_stage_steps += 1
+                charge = getattr(be, "charge_link", None)  # the rig's simulated link (engine/rig.py)
+                if charge is not None:
+                    for buf in (host_in, host_out):
+                        if buf is not None:
+                            charge(buf.nbytes)
+                return None if host_out is not None else done
+        self.eager_stage_steps += 1
+        x = ids
+        if host_in is not None:
+            x = be.asarray(host_in)
+            if isinstance(x, np.ndarray) and np.shares_memory(x, host_in):
+                x = x.copy()  # a CPU backend may wrap the host array; the buffer is rewritten next token
+        out = run(x)
+        if host_out is None:
+            return out
+        into = getattr(be, "to_numpy_into", None)
+        if into is not None:
+            into(out, host_out)
+        else:
+            np.copyto(host_out, be.to_numpy(out).reshape(host_out.shape), casting="same_kind")
+        return None
 
     def _run_stage(self, job: _Job, s: int, c: int, x, positions, states, want: bool, hook) -> None:
         stage = self.stages[s]
@@ -426,70 +492,166 @@ class SplitBenchResult:
     chunk: int
     prefill_seconds: float
     prefill_tokens_per_s: float
-    sequential_prefill_seconds: float  # the same chunks without overlap (one chunk in flight)
+    sequential_prefill_seconds: float  # the same chunks without overlap (one chunk in flight); 0 = not run
     decode_tokens: int
     decode_seconds: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # CUDA-graph decode where the backends capture one
     bytes_per_device: dict = field(default_factory=dict)  # device -> estimated total bytes
     link_bytes: int = 0
+    decode_eager_tokens_per_s: float = 0.0  # the same decode with graphs switched off (0 = not run)
+    graphed_stage_steps: int = 0  # split decode: stage runs replayed as graphs / run eagerly
+    eager_stage_steps: int = 0
+    memory: dict = field(default_factory=dict)  # device -> estimate vs measured (see _memory_report)
 
     @property
     def overlap_speedup(self) -> float:
-        return self.sequential_prefill_seconds / self.prefill_seconds if self.prefill_seconds else 0.0
+        if not self.prefill_seconds or not self.sequential_prefill_seconds:
+            return 0.0
+        return self.sequential_prefill_seconds / self.prefill_seconds
 
     def lines(self) -> list[str]:
         out = [f"split over {', '.join(self.devices)}:"]
         out += [f"  {s}" for s in self.segments]
-        out.append(f"  prefill {self.prompt_tokens} tokens in chunks of {self.chunk}: "
-                   f"{self.prefill_tokens_per_s:.1f} tok/s ({self.prefill_seconds:.3f} s; without "
-                   f"overlap {self.sequential_prefill_seconds:.3f} s, overlap speedup "
-                   f"{self.overlap_speedup:.2f}x)")
-        out.append(f"  decode {self.decode_tokens} tokens: {self.decode_tokens_per_s:.1f} tok/s")
+        line = (f"  prefill {self.prompt_tokens} tokens in chunks of {self.chunk}: "
+                f"{self.prefill_tokens_per_s:.1f} tok/s ({self.prefill_seconds:.3f} s")
+        if self.sequential_prefill_seconds:
+            line += (f"; without overlap {self.sequential_prefill_seconds:.3f} s, overlap speedup "
+                     f"{self.overlap_speedup:.2f}x")
+        out.append(line + ")")
+        line = f"  decode {self.decode_tokens} tokens: {self.decode_tokens_per_s:.1f} tok/s"
+        if self.decode_eager_tokens_per_s:
+            line += f" (graphs off: {self.decode_eager_tokens_per_s:.1f} tok/s)"
+        out.append(line)
+        for dev, m in self.memory.items():
+            out.append(f"  memory {dev}: estimate {m['estimate'] / GiB:.2f} GiB, measured "
+                       f"{m['measured'] / GiB:.2f} GiB ({m['how']}), measured/estimate {m['ratio']:.3f}")
         return out
 
 
+def _graph_switches(model) -> list:
+    """(object, attribute) pairs that turn CUDA-graph decode on or off for this model: the pipeline's
+    switch and each real backend's `use_graphs`."""
+    out = []
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is not None:
+        out.append((pipeline, "use_graphs"))
+    seen = set()
+    for be in model.backends.values():
+        inner = getattr(be, "inner", be)
+        if id(inner) not in seen and hasattr(inner, "use_graphs"):
+            seen.add(id(inner))
+            out.append((inner, "use_graphs"))
+    return out
+
+
+def _memory_report(model, states, context: int, chunk: int) -> dict:
+    """Per device: the placement's estimate for this context and chunk, and what was measured.
+
+    A physical GPU holding one logical device is measured as device total minus free
+    (`peak_memory`: the memory pool keeps its blocks, so this is the high-water mark plus the CUDA
+    context) and compared with the estimate's total; logical devices sharing a GPU and CPU devices
+    are measured as the arrays their parts' weights and the sequence's states hold
+    (rig.allocated_bytes) against the estimate's resident bytes (weights, KV cache, recurrent state)."""
+    import dataclasses
+
+    from .rig import allocated_bytes
+
+    placement = model.placement
+    kv_type = getattr(model, "kv_type", None) or placement.kv_type
+    est = dataclasses.replace(placement, context=context, chunk=chunk, kv_type=kv_type).bytes_per_device()
+    physical = {}
+    for part, dev in model.device_plan.items():
+        be = model.backends[part]
+        rig_dev = getattr(be, "rig_device", None)
+        physical[dev] = rig_dev.physical if rig_dev is not None else str(getattr(be, "device", dev))
+    out = {}
+    for dev, e in est.items():
+        be = next(model.backends[p] for p, d in model.device_plan.items() if d == dev)
+        shared = sum(1 for d, ph in physical.items() if ph == physical[dev]) > 1
+        peak = getattr(be, "peak_memory", None)
+        if peak is not None and not shared:
+            measured, estimate, how = int(peak()), e.total, "device total - free"
+        else:
+            parts = [p for p, d in model.device_plan.items() if d == dev]
+            held = [model.weights[p] for p in parts]
+            held += [states[int(p.split(".")[1])] for p in parts if p.startswith("layer.")]
+            measured, estimate, how = allocated_bytes(held), e.resident, "resident arrays"
+        out[dev] = {"estimate": int(estimate), "measured": measured, "how": how,
+                    "ratio": measured / estimate if estimate else 0.0}
+    return out
+
+
 def bench_split(model, *, prompt_tokens: int = 512, chunk: int = 128, decode_tokens: int = 16,
-                seed: int = 0) -> SplitBenchResult:
-    """Time pipelined chunked prefill (and the same chunks with one chunk in flight, i.e. no
-    overlap) and greedy decode on a loaded multi-device Model. Token ids are random (seeded)."""
+                seed: int = 0, sequential: bool = True, eager_decode: bool = True) -> SplitBenchResult:
+    """Time pipelined chunked prefill (and, with `sequential`, the same chunks with one chunk in
+    flight, i.e. no overlap) and greedy decode on a loaded Model (one device or several): decode with
+    CUDA graphs where the backends capture them and, with `eager_decode`, with graphs switched off.
+    Token ids are random (seeded). The warm-up is a short prefill and a few decode steps."""
     rng = np.random.default_rng(seed)
     ids = [int(t) for t in rng.integers(0, model.config.vocab_size, size=prompt_tokens)]
     pipeline = getattr(model, "pipeline", None)
+    capacity = prompt_tokens + 2 * decode_tokens + 4
 
-    def prefill(in_flight: int | None) -> tuple[float, list, np.ndarray]:
-        states = model.new_state(prompt_tokens + decode_tokens + 1)
+    def prefill(tokens: list, in_flight: int | None) -> tuple[float, list, np.ndarray]:
+        states = model.new_state(capacity)
         old = pipeline.max_in_flight if pipeline is not None else None
         if pipeline is not None and in_flight is not None:
             pipeline.max_in_flight = in_flight
         try:
             t0 = time.perf_counter()
-            logits = model.forward(ids, states, np.arange(prompt_tokens), rows="last", chunk=chunk)
+            logits = model.forward(tokens, states, np.arange(len(tokens)), rows="last", chunk=chunk)
             return time.perf_counter() - t0, states, logits
         finally:
             if pipeline is not None:
                 pipeline.max_in_flight = old
 
-    prefill(None)  # warm-up (kernel compilation, first allocations)
-    seq_s, states, _ = prefill(1)
+    def decode(states, token: int, start: int, n: int) -> tuple[float, int]:
+        t0 = time.perf_counter()
+        for k in range(n):
+            logits = model.forward([token], states, np.array([start + k]), rows="last")
+            token = int(np.argmax(logits[-1]))
+        return time.perf_counter() - t0, token
+
+    # warm-up: kernel compilation, first allocations, one graph capture per stage
+    _, states, logits = prefill(ids[: min(prompt_tokens, 2 * chunk)], None)
+    decode(states, int(np.argmax(logits[-1])), min(prompt_tokens, 2 * chunk), 3)
     model._free_states(states)
-    pre_s, states, logits = prefill(None)
-    token = int(np.argmax(logits[-1]))
-    t0 = time.perf_counter()
-    for k in range(decode_tokens):
-        logits = model.forward([token], states, np.array([prompt_tokens + k]), rows="last")
-        token = int(np.argmax(logits[-1]))
-    dec_s = time.perf_counter() - t0
+    seq_s = 0.0
+    if sequential and pipeline is not None:
+        seq_s, states, _ = prefill(ids, 1)
+        model._free_states(states)
+    for b in pipeline.bridges if pipeline is not None else ():
+        b.bytes_moved = 0  # count the timed prefill's hops only
+    pre_s, states, logits = prefill(ids, None)
+    link = sum(b.bytes_moved for b in pipeline.bridges) if pipeline is not None else 0
+    counts0 = (pipeline.graphed_stage_steps, pipeline.eager_stage_steps) if pipeline is not None else (0, 0)
+    _, token = decode(states, int(np.argmax(logits[-1])), prompt_tokens, 1)  # (re-)captures the graphs
+    dec_s, token = decode(states, token, prompt_tokens + 1, decode_tokens)
+    graphed = (pipeline.graphed_stage_steps - counts0[0]) if pipeline is not None else 0
+    eager_steps = (pipeline.eager_stage_steps - counts0[1]) if pipeline is not None else 0
+    eager_s = 0.0
+    if eager_decode:
+        switches = _graph_switches(model)
+        saved = [getattr(o, a) for o, a in switches]
+        try:
+            for o, a in switches:
+                setattr(o, a, False)
+            eager_s, token = decode(states, token, prompt_tokens + 1 + decode_tokens, decode_tokens)
+        finally:
+            for (o, a), v in zip(switches, saved, strict=True):
+                setattr(o, a, v)
+    memory = _memory_report(model, states, capacity, chunk) if getattr(model, "placement", None) is not None else {}
     model._free_states(states)
     placement = model.placement
     segs = [f"{s.device}: {placement.describe(range(s.start, s.stop))}" for s in placement.segments()]
-    link = sum(b.bytes_moved for b in pipeline.bridges) if pipeline is not None else 0
     return SplitBenchResult(
         devices=placement.devices_used(), segments=segs, prompt_tokens=prompt_tokens, chunk=chunk,
         prefill_seconds=pre_s, prefill_tokens_per_s=prompt_tokens / pre_s, sequential_prefill_seconds=seq_s,
         decode_tokens=decode_tokens, decode_seconds=dec_s,
         decode_tokens_per_s=decode_tokens / dec_s if dec_s else 0.0,
-        bytes_per_device={d: b.total for d, b in placement.bytes_per_device().items()}, link_bytes=link)
-
+        bytes_per_device={d: b.total for d, b in placement.bytes_per_device().items()}, link_bytes=link,
+        decode_eager_tokens_per_s=decode_tokens / eager_s if eager_s else 0.0,
+        graphed_stage_steps=graphed, eager_stage_steps=eager_steps, memory=memory)
 
 
 def forward_in_chunks(model, ids, states, positions, *, rows: str | None, chunk: int, cancel=None):

@@ -259,6 +259,12 @@ class RigBackend:
             self.transferred_bytes += n_bytes
             self.transfer_seconds += link.seconds(n_bytes)
 
+    def charge_link(self, n_bytes: int, started: float | None = None) -> None:
+        """Charge a copy of n_bytes that did not go through asarray/to_numpy (a replayed CUDA graph
+        copies a split model's hidden state itself): waits until `started` (default now) plus the
+        link's time for it."""
+        self._wait_link(int(n_bytes), time.perf_counter() if started is None else started)
+
     def asarray(self, host_array):
         started = time.perf_counter()
         out = self._inner.asarray(host_array)

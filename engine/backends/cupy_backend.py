@@ -155,6 +155,24 @@ class _Capture:
         self.host[4 + i] = cache.length
         return self.dev[4 + i : 5 + i]
 
+    def receive(self, host_in: np.ndarray):
+        """A device array the graph refills from the pinned float32 host array `host_in` on every
+        replay (a split model's hidden state, left there by the stage on the previous device)."""
+        x = cp.empty(host_in.shape, dtype=cp.float32)
+        cp.cuda.runtime.memcpyAsync(x.data.ptr, host_in.ctypes.data, x.nbytes,
+                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        return x
+
+    def send(self, x, host_out: np.ndarray) -> None:
+        """Copy the device array x into the pinned float32 host array `host_out` on every replay
+        (where the stage on the next device picks the hidden state up)."""
+        x = cp.ascontiguousarray(x, dtype=cp.float32)
+        if x.nbytes != host_out.nbytes or host_out.dtype != np.float32:
+            raise ValueError(f"stage output {x.shape} does not fit the host buffer {host_out.shape}")
+        cp.cuda.runtime.memcpyAsync(host_out.ctypes.data, x.data.ptr, x.nbytes,
+                                    cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        self._out_dev.append(x)
+
     def output(self, x):
         import cupyx
 
@@ -188,23 +206,38 @@ def _device_pointers(obj, out: list, depth: int = 0) -> list:
     return out
 
 
-class _DecodeGraph:
-    """A captured decode step and what it needs to be replayed for the next token."""
+def _host_ptr(a) -> int:
+    return 0 if a is None else int(a.ctypes.data)
 
-    def __init__(self, graph, cap: _Capture, kept: list, states):
+
+class _DecodeGraph:
+    """A captured decode step (the whole model, or one stage of a split model) and what it needs to
+    be replayed for the next token.
+
+    owner: the sequence's states list (identity); watch: the states the step touches (their device
+    addresses are baked in); io: the pinned host buffers it reads its input from / writes its output
+    to (None: token ids in, host logits out)."""
+
+    def __init__(self, graph, cap: _Capture, kept: list, owner, watch, io=(None, None)):
         self.graph = graph
         self.cap = cap
         self.kept = kept
-        self.states = states
-        self.pointers = _device_pointers(states, [])
+        self.states = owner
+        self.io = tuple(_host_ptr(a) for a in io)
+        self.sends = io[1] is not None
+        self.pointers = _device_pointers(watch, [])
 
-    def valid(self, states) -> bool:
-        if states is not self.states:
+    def valid(self, owner, watch, io=(None, None)) -> bool:
+        if owner is not self.states or tuple(_host_ptr(a) for a in io) != self.io:
             return False
         for c, _ in self.cap.caches:
             if c.k is None or c.length + 1 > c.capacity:
                 return False
-        return _device_pointers(states, []) == self.pointers
+        return _device_pointers(watch, []) == self.pointers
+
+    def result(self):
+        """After a launch: True when the output went to the host buffer, else a copy of the logits."""
+        return True if self.sends else np.array(self.cap.outputs[-1])
 
     def replay(self, token: int, pos: np.ndarray):
         cap = self.cap
@@ -215,7 +248,7 @@ class _DecodeGraph:
         cap.stream.synchronize()
         for c, _ in cap.caches:
             c.length += 1
-        return np.array(cap.outputs[-1])
+        return self.result()
 
 
 def _f32(x):
@@ -572,26 +605,44 @@ class CupyBackend:
         lengths into a pinned host buffer (copied to the device by the graph's first node) and launch
         the graph: one launch per token instead of ~1,000, and one host wait. Returns host logits
         (1, vocab), or None when this step cannot use a graph (the caller then runs it eagerly)."""
+        return self.graph_step(id(states), lambda x: model.forward(x, states, positions, rows="last"),
+                               ids, positions, owner=states)
+
+    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None):
+        """Run `run` for one decode token as a CUDA graph kept under `key` (captured on the first call,
+        replayed after that while it stays valid). Used for a whole single-device model
+        (decode_step) and for each stage of a model split over devices (engine/multidevice.py).
+
+        run(x) is the eager step on this backend: x is `ids` (a stage that embeds the token) or, with
+        `host_in`, a (1, H) device array the graph fills from that pinned float32 host array; it
+        returns host logits through to_numpy, or, with `host_out`, the device hidden state the graph
+        copies into that pinned host array. owner: the sequence's states (identity); watch: the
+        states `run` touches (default owner; a reallocation invalidates the graph, as does a cache
+        that must grow: that step runs eagerly and the next one re-captures).
+        Returns host logits (1, vocab), True when the output went to `host_out`, or None when this
+        step cannot use a graph (nothing ran; the caller runs it eagerly)."""
         if not self.use_graphs or self._capture is not None or len(ids) != 1:
             return None
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         if pos.size not in (1, 3):
             return None
-        key = id(states)
+        watch = owner if watch is None else watch
+        io = (host_in, host_out)
         rec = self._graphs.get(key)
-        if rec is not None and not rec.valid(states):
+        if rec is not None and not rec.valid(owner, watch, io):
             self._graphs.pop(key, None)
             rec = None
         with self._dev:
             if rec is None:
-                return self._capture_step(model, ids, states, positions, pos, key)
+                return self._capture_graph(key, run, ids, pos, owner, watch, io)
             return rec.replay(int(ids[0]), pos)
 
-    def _capture_step(self, model, ids, states, positions, pos, key):
+    def _capture_graph(self, key, run, ids, pos, owner, watch, io):
         if self._graph_stream is None:
             # a blocking stream: ordered with the eager work that CuPy issues on the legacy stream
             self._graph_stream = cp.cuda.Stream(non_blocking=False)
         stream = self._graph_stream
+        host_in, host_out = io
         cap = _Capture(stream)
         cap.write_inputs(int(ids[0]), pos)
         pool = cp.get_default_memory_pool()
@@ -613,7 +664,9 @@ class CupyBackend:
                     begin_capture(stream)
                     try:
                         cap.copy_inputs()
-                        model.forward(ids, states, positions, rows="last")
+                        y = run(ids if host_in is None else cap.receive(host_in))
+                        if host_out is not None:
+                            cap.send(y, host_out)
                     finally:
                         graph = stream.end_capture()
                 finally:
@@ -626,13 +679,15 @@ class CupyBackend:
             return None
         finally:
             self._capture = None
-        if not cap.outputs:
+        if host_out is None and not cap.outputs:
             return None
-        rec = _DecodeGraph(graph, cap, kept, states)
-        self._graphs = {key: rec}  # one live graph (one active sequence) per backend
+        rec = _DecodeGraph(graph, cap, kept, owner, watch, io)
+        # the live graphs of one sequence (one per stage this backend runs); others are dropped
+        self._graphs = {k: g for k, g in self._graphs.items() if g.states is owner}
+        self._graphs[key] = rec
         graph.launch(stream)
         stream.synchronize()
-        return np.array(cap.outputs[-1])
+        return rec.result()
 
     # ---- measurements (bench, probe) --------------------------------------------------------------
     def measure_ceilings(self, seconds: float = 0.3) -> dict:
@@ -655,6 +710,13 @@ class CupyBackend:
         """Bytes held by CuPy's pool on this device (weights, caches, scratch)."""
         with self._dev:
             return int(cp.get_default_memory_pool().total_bytes())
+
+    def release_cached(self) -> None:
+        """Drop captured decode graphs and return the memory pool's unused blocks to the driver
+        (between benchmark configurations, so each one's memory is measured alone)."""
+        self._graphs = {}
+        with self._dev:
+            cp.get_default_memory_pool().free_all_blocks()
 
     def peak_memory(self) -> int:
         with self._dev:

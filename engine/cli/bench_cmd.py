@@ -292,8 +292,24 @@ def split_configs(devices: list[str], link: str) -> list[tuple[str, str]]:
     return out
 
 
+def _release(backends) -> None:
+    """Drop what a closed model's backends still cache (captured graphs, pooled blocks), so the next
+    configuration's memory is measured alone."""
+    import gc
+
+    gc.collect()
+    for be in backends:
+        release = getattr(be, "release_cached", None)
+        if release is not None:
+            release()
+
+
 def run_split(path, args) -> int:
-    """`minecart bench --devices ...`: prefill/decode of the same model split over 1, 2, 3... devices."""
+    """`minecart bench --devices ...`: prefill/decode of the same model split over 1, 2, 3... devices.
+
+    Per configuration: pipelined chunked prefill of --split-prompt random tokens (and the same chunks
+    without overlap), greedy decode of --decode-tokens tokens at that context with CUDA graphs and
+    with graphs off, and each device's memory estimate beside its measured use."""
     from ..errors import MinecartError
     from ..model import load_model
     from ..multidevice import bench_split
@@ -310,35 +326,60 @@ def run_split(path, args) -> int:
             gpus = sum(1 for d in list_devices() if str(getattr(d, "id", "")).startswith("cuda"))
         except Exception:  # noqa: BLE001 - no NVML/CuPy: logical devices on GPU 0
             gpus = 0
-    chunk = args.chunk or 256
+    # 512-token chunks: at 250 MB/s a 4096-wide fp32 hidden state of one chunk (8 MB) is 33 ms on each
+    # riser, less than a chunk's compute on either device, so the pipeline hides the link
+    chunk = args.chunk or 512
     rows = []
     for label, desc in split_configs(devices, args.link):
         rig = Rig.parse(desc, physical_gpus=max(gpus, 1))
         model = load_model(path, devices=rig)
+        backends = list({id(b): b for b in model.backends.values()}.values())
         try:
             r = bench_split(model, prompt_tokens=args.split_prompt, chunk=chunk,
-                            decode_tokens=args.decode_tokens)
+                            decode_tokens=args.decode_tokens, sequential=model.pipeline is not None)
         finally:
             model.close()
+            del model
+            _release(backends)
         rows.append({"config": label, "devices": desc, "prefill_tokens_per_s": r.prefill_tokens_per_s,
-                     "no_overlap_prefill_tokens_per_s": args.split_prompt / r.sequential_prefill_seconds,
+                     "no_overlap_prefill_tokens_per_s": (args.split_prompt / r.sequential_prefill_seconds
+                                                         if r.sequential_prefill_seconds else None),
                      "overlap_speedup": r.overlap_speedup,
-                     "decode_tokens_per_s": r.decode_tokens_per_s, "link_bytes": r.link_bytes,
-                     "segments": r.segments})
-        print(f"{label}: prefill {r.prefill_tokens_per_s:.1f} tok/s, decode "
-              f"{r.decode_tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
+                     "decode_tokens_per_s": r.decode_tokens_per_s,
+                     "decode_eager_tokens_per_s": r.decode_eager_tokens_per_s,
+                     "graphed_stage_steps": r.graphed_stage_steps, "eager_stage_steps": r.eager_stage_steps,
+                     "link_bytes": r.link_bytes, "segments": r.segments, "memory": r.memory})
+        print(f"{label}: prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} "
+              f"tok/s (graphs off {r.decode_eager_tokens_per_s:.1f})", file=sys.stderr, flush=True)
+        for line in r.lines()[1:]:
+            print(line, file=sys.stderr, flush=True)
     base = rows[0]
     for row in rows:
         row["prefill_vs_1"] = row["prefill_tokens_per_s"] / base["prefill_tokens_per_s"]
         row["decode_vs_1"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        if row["decode_eager_tokens_per_s"]:
+            row["decode_eager_vs_1"] = row["decode_eager_tokens_per_s"] / base["decode_tokens_per_s"]
     if args.json:
         print(json.dumps({"model": str(path), "prompt_tokens": args.split_prompt, "chunk": chunk,
-                          "rows": rows}, indent=1))
+                          "decode_tokens": args.decode_tokens, "link": args.link, "physical_gpus": gpus,
+                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": rows},
+                         indent=1))
         return 0
-    print(f"split benchmark: {Path(path).name}, prompt {args.split_prompt} tokens in chunks of {chunk}")
-    print(f"{'config':<24}{'prefill tok/s':>14}{'vs 1':>7}{'no overlap':>12}{'decode tok/s':>14}{'vs 1':>7}")
-    for row in rows:
-        print(f"{row['config']:<24}{row['prefill_tokens_per_s']:>14.1f}{row['prefill_vs_1']:>7.2f}"
-              f"{row['no_overlap_prefill_tokens_per_s']:>12.1f}{row['decode_tokens_per_s']:>14.1f}"
-              f"{row['decode_vs_1']:>7.2f}")
+    print(format_split_table(rows, Path(path).name, args.split_prompt, chunk))
     return 0
+
+
+def format_split_table(rows: list[dict], name: str, prompt: int, chunk: int) -> str:
+    """The split benchmark's rows as a table: prefill and decode tokens/s beside one device's."""
+    lines = [f"split benchmark: {name}, prompt {prompt} tokens in chunks of {chunk}",
+             f"{'config':<26}{'prefill tok/s':>14}{'vs 1':>7}{'no overlap':>12}{'decode tok/s':>14}"
+             f"{'vs 1':>7}{'graphs off':>12}"]
+    for row in rows:
+        lines.append(f"{row['config']:<26}{row['prefill_tokens_per_s']:>14.1f}{row['prefill_vs_1']:>7.2f}"
+                     f"{row['no_overlap_prefill_tokens_per_s'] or 0:>12.1f}{row['decode_tokens_per_s']:>14.1f}"
+                     f"{row['decode_vs_1']:>7.2f}{row['decode_eager_tokens_per_s']:>12.1f}")
+    for row in rows:
+        for dev, m in row.get("memory", {}).items():
+            lines.append(f"memory {row['config']}, {dev}: estimate {m['estimate'] / 2**30:.2f} GiB, measured "
+                         f"{m['measured'] / 2**30:.2f} GiB ({m['how']}), ratio {m['ratio']:.3f}")
+    return "\n".join(lines)

@@ -322,3 +322,97 @@ def test_bench_split_reports(path, costs):
     assert result.link_bytes > 0
     text = "\n".join(result.lines())
     assert "cpu:0: the embedding and layers 0-3" in text and "overlap speedup" in text
+
+
+# ---- decode steps through the stages' graph_step ----------------------------------------------------
+
+
+class _GraphStepBackend:
+    """A NumPy backend with the graph_step contract of the CuPy backend (engine/backends/cupy_backend.py)
+    emulated eagerly: the input comes from host_in, the output goes to host_out; the first call for a
+    key "captures" (counted), later calls "replay" while owner, buffers and watched states are
+    unchanged; every `refuse_every`-th call returns None (a step that must run eagerly)."""
+
+    def __init__(self, device, refuse_every=0):
+        from minecart.engine.backends.numpy_backend import NumpyBackend
+
+        self._inner = NumpyBackend(device)
+        self.refuse_every = refuse_every
+        self.calls = self.captures = self.replays = 0
+        self._graphs = {}
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None):
+        self.calls += 1
+        if len(ids) != 1 or (self.refuse_every and self.calls % self.refuse_every == 0):
+            return None
+        sig = (id(owner), id(host_in), id(host_out), tuple(id(w) for w in (watch or [])))
+        if self._graphs.get(key) == sig:
+            self.replays += 1
+        else:
+            self.captures += 1
+            self._graphs[key] = sig
+        x = ids if host_in is None else np.array(host_in)
+        y = run(x)
+        if host_out is None:
+            return np.array(y)
+        host_out[...] = y
+        return True
+
+
+@pytest.mark.parametrize("refuse_every", [0, 3])
+def test_decode_through_graph_steps_is_identical(path, costs, reference, refuse_every):
+    _, chunked, decode = reference
+    rig = Rig.cpus(3, link="gen1x1", backend_factory=lambda phys: _GraphStepBackend(phys, refuse_every))
+    plan = _plan(costs, "3 devices")
+    with load_model(path, placement=plan, devices=rig) as model:
+        hidden = model.config.hidden
+        states = model.new_state(64)
+        got = model.forward(PROMPT, states, np.arange(len(PROMPT)), rows="all", chunk=8)
+        np.testing.assert_array_equal(got, chunked)
+        pipe = model.pipeline
+        before = [rig.backend(n).transferred_bytes for n in rig.names]
+        token = int(np.argmax(got[-1]))
+        for k in range(4):
+            row = model.forward([token], states, np.array([len(PROMPT) + k]))[-1]
+            np.testing.assert_array_equal(row, decode[k])
+            token = int(np.argmax(row))
+        inners = [rig.backend(n).inner for n in rig.names]
+        assert all(b.calls == 4 for b in inners)
+        if refuse_every:
+            assert pipe.eager_stage_steps == 3 and pipe.graphed_stage_steps == 9
+        else:
+            assert pipe.eager_stage_steps == 0 and pipe.graphed_stage_steps == 12
+            assert all(b.captures == 1 and b.replays == 3 for b in inners)
+        # every hop is charged to both risers whether the stage was replayed or eager: the first
+        # device sends one hidden state per token (the last one's logits are charged only when eager)
+        sent = rig.backend("cpu:0").transferred_bytes - before[0]
+        assert sent == 4 * hidden * 4
+        middle = rig.backend("cpu:1").transferred_bytes - before[1]
+        assert middle == 2 * 4 * hidden * 4
+        assert all(b.step_buffer.shape == (1, hidden) for b in pipe.bridges)
+        # graphs off: the same stages, every one eager, same logits
+        pipe.use_graphs = False
+        calls = [b.calls for b in inners]
+        states2 = model.new_state(64)
+        model.forward(PROMPT, states2, np.arange(len(PROMPT)), rows="last", chunk=8)
+        row = model.forward([int(np.argmax(chunked[-1]))], states2, np.array([len(PROMPT)]))[-1]
+        np.testing.assert_array_equal(row, decode[0])
+        assert [b.calls for b in inners] == calls
+
+
+def test_bench_split_reports_decode_modes_and_memory(path, costs):
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cpu:1", 4)])
+    rig = Rig.cpus(2, backend_factory=lambda phys: _GraphStepBackend(phys))
+    with load_model(path, placement=plan, devices=rig) as model:
+        result = bench_split(model, prompt_tokens=20, chunk=8, decode_tokens=3, sequential=False)
+    assert result.sequential_prefill_seconds == 0 and result.overlap_speedup == 0
+    assert result.decode_eager_tokens_per_s > 0 and result.graphed_stage_steps == 2 * (3 + 1)  # + capture
+    assert result.eager_stage_steps == 0
+    assert set(result.memory) == {"cpu:0", "cpu:1"}
+    for m in result.memory.values():
+        assert m["how"].startswith("resident") and 0.9 < m["ratio"] < 1.1, m
+    text = "\n".join(result.lines())
+    assert "graphs off" in text and "measured/estimate" in text
