@@ -2,8 +2,11 @@
 // head h / (nh / n_kv). Query t sits at position start + t; keys 0..kv_len-1 are in the cache.
 // window > 0 keeps only keys > p - window. Softmax in fp32 with running max and sum (one pass).
 //
-// flash_prefill: 32 queries x one head per block, key tiles of 32; scores from D-chunks of 32 staged in
-//   shared memory, then P @ V with each thread owning one query row and D/4 output columns.
+// flash_prefill_g (default prefill, described at the kernel): 64 rows of a GQA group x key tiles of 64
+//   per block, register-blocked micro-tiles for both products.
+// flash_prefill (the older prefill, kept for comparison: ops.flash_prefill kernel="rows"): 32 queries x
+//   one head per block, key tiles of 32; scores from D-chunks of 32 staged in shared memory, then P @ V
+//   with each thread owning one query row and D/4 output columns.
 // flash_decode:  one query token; a block per (KV head, slice of the context) serves all G query heads
 //   of that KV head (K and V read once), writing fp32 partials (o unnormalized, running max m, sum l);
 //   flash_merge combines the slices: m = max m_s, l = sum e^(m_s - m) l_s, o = sum e^(m_s - m) o_s / l.

@@ -171,6 +171,8 @@ def op_breakdown(T: int = 4096, ctx: int = 18432) -> dict:
     t = time_gpu(lambda: ops.attention(q, kc, vc, 0, T, 1 / 16), 3)
     res["flash_prefill_ms"] = t * 1e3
     res["flash_prefill_tflops"] = 4 * nh * D * T * T / 2 / t / 1e12
+    t = time_gpu(lambda: ops.attention(q, kc, vc, 0, T, 1 / 16, prefill="rows"), 3)
+    res["flash_prefill_rows_ms"] = t * 1e3  # the older prefill kernel, for comparison
     q1 = rs.standard_normal((1, nh, D), dtype=cp.float32)
     t = time_gpu(lambda: ops.attention(q1, kc, vc, ctx - 1, ctx, 1 / 16), 20)
     res["flash_decode_ctx_us"] = t * 1e6
