@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU machine (device tool `run`, carry [".gpu"]), from the repo root:
-#   bash tools/gpu_runner.sh [tests|bench|all] [extra pytest args...]
+#   bash tools/gpu_runner.sh [tests|bench|ops|split|all] [extra pytest args...]
 # Installs the payload that tools/../shared/tools/gpu-payload put in .gpu/ (gguf, platformdirs wheels and
 # the fixtures), makes `minecart` importable without a build (links the package folders), runs the GPU
 # tests and/or the benchmark, and writes logs and JSON to $OUT (at most 8 files come back).
+# `split` (not part of `all`): tests/gpu/test_split.py with the speed/memory test switched on
+# (MINECART_SPLIT_PERF=1; split_tests.log), then `minecart bench --devices cuda:0,cuda:1` on the
+# 9B shape at an 18,432-token prompt: 1 device, 2 devices, 2 devices on simulated PCIe Gen1 x1
+# risers (split.json, split.log). cuda:1 is the second GPU when there are two, else a logical
+# device sharing cuda:0 (engine/rig.py).
 # Env: BENCH_ARGS (default: --shape qwen3.5-9b --quant q8_0), BENCH_TIMEOUT (s, default 420),
-#      TEST_TIMEOUT (s, default 300).
+#      TEST_TIMEOUT (s, default 300), SPLIT_ARGS (default: --shape qwen3.5-9b --quant q8_0
+#      --split-prompt 18432 --decode-tokens 32), SPLIT_TEST_TIMEOUT (s, default 200),
+#      SPLIT_TIMEOUT (s, default 330; tests + bench stay under the 600 s of one device call).
 set -u
 MODE=${1:-all}
 shift || true
@@ -45,4 +52,25 @@ if [ "$MODE" = ops ] || [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   timeout 120 python3 -c "import json; from minecart.kernels.probe import op_breakdown; print(json.dumps(op_breakdown(), indent=1))" \
     >"$OUT/ops.json" 2>&1
   echo "ops exit $?"; cat "$OUT/ops.json" | head -60
+fi
+
+if [ "$MODE" = split ]; then
+  MINECART_SPLIT_PERF=1 timeout "${SPLIT_TEST_TIMEOUT:-200}" python3 -m pytest -q -rfE -p no:cacheprovider --timeout 240 \
+    -s tests/gpu/test_split.py "$@" >"$OUT/split_tests.log" 2>&1
+  echo "split tests exit $?" | tee -a "$OUT/split_tests.log"
+  grep -E "tok/s|memory|identical|stage runs|passed|failed|skipped|Error" "$OUT/split_tests.log" | tail -40
+  GPUS=$(python3 -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
+  echo "physical GPUs: $GPUS (cuda:1 is $([ "${GPUS:-0}" -ge 2 ] && echo 'the second GPU' || echo 'a logical device on cuda:0'))" \
+    | tee "$OUT/split.log"
+  # shellcheck disable=SC2086
+  timeout "${SPLIT_TIMEOUT:-330}" python3 -m minecart.engine.cli bench \
+    ${SPLIT_ARGS:---shape qwen3.5-9b --quant q8_0 --split-prompt 18432 --decode-tokens 32} \
+    --devices cuda:0,cuda:1 --workdir /tmp/bench --json >"$OUT/split.json" 2>>"$OUT/split.log"
+  echo "split bench exit $?" | tee -a "$OUT/split.log"
+  python3 -c "
+import json, sys
+from minecart.engine.cli.bench_cmd import format_split_table
+d = json.load(open(sys.argv[1]))
+print(format_split_table(d['rows'], d['model'].rsplit('/', 1)[-1], d['prompt_tokens'], d['chunk']))
+" "$OUT/split.json" 2>&1 | tee -a "$OUT/split.log"
 fi

@@ -375,9 +375,11 @@ def format_split_table(rows: list[dict], name: str, prompt: int, chunk: int) -> 
              f"{'config':<26}{'prefill tok/s':>14}{'vs 1':>7}{'no overlap':>12}{'decode tok/s':>14}"
              f"{'vs 1':>7}{'graphs off':>12}"]
     for row in rows:
+        seq = row["no_overlap_prefill_tokens_per_s"]
+        eager = row["decode_eager_tokens_per_s"]
         lines.append(f"{row['config']:<26}{row['prefill_tokens_per_s']:>14.1f}{row['prefill_vs_1']:>7.2f}"
-                     f"{row['no_overlap_prefill_tokens_per_s'] or 0:>12.1f}{row['decode_tokens_per_s']:>14.1f}"
-                     f"{row['decode_vs_1']:>7.2f}{row['decode_eager_tokens_per_s']:>12.1f}")
+                     f"{f'{seq:.1f}' if seq else '-':>12}{row['decode_tokens_per_s']:>14.1f}"
+                     f"{row['decode_vs_1']:>7.2f}{f'{eager:.1f}' if eager else '-':>12}")
     for row in rows:
         for dev, m in row.get("memory", {}).items():
             lines.append(f"memory {row['config']}, {dev}: estimate {m['estimate'] / 2**30:.2f} GiB, measured "

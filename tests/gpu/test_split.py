@@ -126,3 +126,158 @@ def test_gen1_link_is_slow_and_pipelined_chunks_agree(path, costs):
         assert sum(b.bytes_moved for b in pipe.bridges) >= 2 * len(PROMPT) * 32 * 4
         # (overlap itself is timed by engine.multidevice.bench_split on a larger model; the hidden
         # states of this 32-wide fixture are too small for the link to matter)
+
+
+# ---- decode through per-stage CUDA graphs -----------------------------------------------------------
+
+
+def _gpus() -> int:
+    try:
+        return int(cp.cuda.runtime.getDeviceCount())
+    except Exception:  # noqa: BLE001 - no driver: the conftest skips the module's tests anyway
+        return 0
+
+
+def _script(model, prompt, n=32, chunk=16):
+    """The same session script on any model: chunked prefill into a cache that must grow during
+    decode, n greedy steps, a truncate (re-prefill) after step 20. Returns (tokens, logit rows)."""
+    s = model.new_session(len(prompt) + 8)
+    logits = s.prefill(prompt, chunk=chunk)
+    tokens, rows = [], []
+    for i in range(n):
+        tok = int(np.argmax(logits))
+        tokens.append(tok)
+        logits = s.step(tok)
+        rows.append(np.array(logits, dtype=np.float32))
+        if i == 20:
+            s.truncate(len(prompt) + 10)
+            logits = s.last_logits if s.last_logits is not None else s.step(tok)
+    s.close()
+    return tokens, np.stack(rows)
+
+
+def _check_same(ref, got, label):
+    (t_ref, r_ref), (t_got, r_got) = ref, got
+    scale = float(np.abs(r_ref).max())
+    err = float(np.abs(r_got - r_ref).max())
+    print(f"\n{label}: greedy tokens identical {t_ref == t_got}, max |logit diff| {err:.2e} "
+          f"(max |logit| {scale:.1f})")
+    assert t_got == t_ref, label
+    np.testing.assert_allclose(r_got, r_ref, rtol=0, atol=1e-5 * scale, err_msg=label)
+
+
+@pytest.fixture(scope="module")
+def single_script(single):
+    return _script(single, PROMPT)
+
+
+@pytest.mark.parametrize("n_dev", [2, 3])
+def test_graphed_split_decode_equals_one_device(path, costs, single_script, n_dev):
+    from minecart.engine.model import load_model
+    from minecart.engine.placement import Placement
+
+    counts = {2: [("cuda:0", 4), ("cuda:1", 4)], 3: [("cuda:0", 3), ("cuda:1", 3), ("cuda:2", 2)]}[n_dev]
+    plan = Placement.from_layer_counts(costs, counts)
+    with load_model(path, placement=plan, devices=_rig([None] * n_dev)) as model:
+        pipe = model.pipeline
+        got = _script(model, PROMPT)
+        _check_same(single_script, got, f"{n_dev} logical devices, graphed decode")
+        print(f"stage runs: {pipe.graphed_stage_steps} graphed, {pipe.eager_stage_steps} eager")
+        assert pipe.graphed_stage_steps >= n_dev * 20  # most steps replay every stage's graph
+        assert pipe.eager_stage_steps >= 1  # the cache growth ran eagerly (then re-captured)
+        pipe.use_graphs = False
+        _check_same(single_script, _script(model, PROMPT), f"{n_dev} logical devices, graphs off")
+
+
+@pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA devices")
+def test_two_real_gpus_equal_one(path, costs, single, single_script):
+    from minecart.engine.model import load_model
+    from minecart.engine.placement import Placement
+
+    plan = Placement.from_layer_counts(costs, [("cuda:0", 4), ("cuda:1", 4)])
+    with load_model(path, placement=plan) as model:  # real devices: a CupyBackend on each GPU
+        pipe = model.pipeline
+        assert pipe is not None and pipe.devices == ["cuda:0", "cuda:1"]
+        assert [type(s.backend).__name__ for s in pipe.stages] == ["CupyBackend", "CupyBackend"]
+        got = _script(model, PROMPT)
+        _check_same(single_script, got, "cuda:0 + cuda:1, graphed decode")
+        assert pipe.graphed_stage_steps >= 2 * 20
+        whole = single.logits(PROMPT)
+        np.testing.assert_allclose(model.logits(PROMPT), whole, rtol=0, atol=1e-5 * float(np.abs(whole).max()))
+        st = model.new_state(128)
+        chunked = model.forward(PROMPT, st, np.arange(len(PROMPT)), rows="all", chunk=16)
+        ref = single.forward(PROMPT, single.new_state(128), np.arange(len(PROMPT)), rows="all", chunk=16)
+        np.testing.assert_allclose(chunked, ref, rtol=0, atol=1e-5)  # pipelined chunks over two GPUs
+
+
+# ---- speed and memory on a model big enough to matter (the split runner sets MINECART_SPLIT_PERF) ----
+
+
+@pytest.fixture(scope="module")
+def shape_4b(tmp_path_factory):
+    import os
+
+    if not os.environ.get("MINECART_SPLIT_PERF"):
+        pytest.skip("speed/memory of the split: set MINECART_SPLIT_PERF=1 (tools/gpu_runner.sh split)")
+    from minecart.engine.synth import write_synthetic
+
+    path = tmp_path_factory.mktemp("split") / "qwen3.5-4b-8l-q8_0.gguf"
+    write_synthetic(path, "qwen3.5-4b", "q8_0", seed=0, n_layers=8)
+    return path
+
+
+def _used(dev: int) -> int:
+    with cp.cuda.Device(dev):
+        free, total = cp.cuda.runtime.memGetInfo()
+    return int(total - free)
+
+
+def _release_all():
+    import gc
+
+    gc.collect()
+    for d in range(_gpus()):
+        with cp.cuda.Device(d):
+            cp.get_default_memory_pool().free_all_blocks()
+
+
+def test_split_decode_speed_and_memory(shape_4b):
+    """Decode tokens/s of the 4B shape (8 layers): 1 device vs 2 devices with graphs vs 2 devices with
+    graphs off (real cuda:0 + cuda:1 when there are two GPUs, else two logical devices on cuda:0), and
+    each device's memory estimate beside what it really took."""
+    import dataclasses
+
+    from minecart.engine.model import load_model
+    from minecart.engine.multidevice import bench_split
+
+    prompt, chunk, n = 1024, 256, 64
+    two = ["cuda:0", "cuda:1"] if _gpus() >= 2 else _rig([None, None])
+    results = {}
+    for label, devices in (("1 device", ["cuda:0"]), ("2 devices", two)):
+        _release_all()
+        before = {d: _used(d) for d in range(min(_gpus(), 2))}
+        with load_model(shape_4b, devices=devices) as model:
+            r = bench_split(model, prompt_tokens=prompt, chunk=chunk, decode_tokens=n,
+                            sequential=model.pipeline is not None)
+            results[label] = r
+            print(f"\n{label} ({'real GPUs' if isinstance(devices, list) else 'logical devices'}):")
+            print("\n".join(r.lines()))
+            if isinstance(devices, list):  # each device its own GPU: growth of device use since load
+                ctx = prompt + 2 * n + 4
+                est = dataclasses.replace(model.placement, context=ctx, chunk=chunk,
+                                          kv_type=model.kv_type).bytes_per_device()
+                for dev, e in est.items():
+                    idx = int(dev.split(":")[1])
+                    grown = _used(idx) - before[idx]
+                    want = e.total - e.overhead  # the CUDA context existed before the load
+                    print(f"memory {dev}: estimate {want / 2**30:.3f} GiB (without the CUDA context), "
+                          f"measured growth {grown / 2**30:.3f} GiB, ratio {grown / want:.3f}")
+        _release_all()
+    one, split = results["1 device"], results["2 devices"]
+    print(f"\ndecode tok/s: 1 device {one.decode_tokens_per_s:.1f} (graphs off "
+          f"{one.decode_eager_tokens_per_s:.1f}); 2 devices graphed {split.decode_tokens_per_s:.1f} "
+          f"({split.decode_tokens_per_s / one.decode_tokens_per_s:.1%} of 1), graphs off "
+          f"{split.decode_eager_tokens_per_s:.1f} ({split.decode_eager_tokens_per_s / one.decode_tokens_per_s:.1%})")
+    print(f"prefill tok/s: 1 device {one.prefill_tokens_per_s:.1f}, 2 devices {split.prefill_tokens_per_s:.1f} "
+          f"({split.prefill_tokens_per_s / one.prefill_tokens_per_s:.1%} of 1)")
+    assert split.graphed_stage_steps >= 2 * n and split.decode_tokens_per_s > split.decode_eager_tokens_per_s
