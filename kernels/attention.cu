@@ -248,6 +248,17 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
                 s[3][2] = fmaf(qa.w, kb.z, s[3][2]); s[3][3] = fmaf(qa.w, kb.w, s[3][3]);
             }
         }
+        // V chunk 0 of this tile, loaded into registers while the softmax runs
+        constexpr int NV = KC * D / 4 / 256;
+        float4 pv[NV];
+        auto load_v = [&](int k0) {
+#pragma unroll
+            for (int i = 0; i < NV; i++) {
+                int r = (tid + 256 * i) / (D / 4), c4 = (tid + 256 * i) % (D / 4), key = kt + k0 + r;
+                pv[i] = key < kv_len ? ((const float4*)(vc + ((i64)key * n_kv + kvh) * D))[c4] : z4;
+            }
+        };
+        load_v(0);
         // ---- mask, online softmax (log2 domain), P to shared memory
 #pragma unroll
         for (int a = 0; a < 4; a++) {
@@ -300,14 +311,12 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
         for (int k0 = 0; k0 < n_keys; k0 += KC) {
             if (k0 > 0) __syncthreads();    // the previous V chunk is no longer read
 #pragma unroll
-            for (int i = 0; i < KC * D / 4 / 256; i++) {
-                int idx = tid + 256 * i;
-                int r = idx / (D / 4), c4 = idx - r * (D / 4);
-                int key = kt + k0 + r;
-                float4 v = key < kv_len ? ((const float4*)(vc + ((i64)key * n_kv + kvh) * D))[c4] : z4;
-                *(float4*)&Vs[r * D + 4 * c4] = v;
+            for (int i = 0; i < NV; i++) {
+                int r = (tid + 256 * i) / (D / 4), c4 = (tid + 256 * i) % (D / 4);
+                *(float4*)&Vs[r * D + 4 * c4] = pv[i];
             }
             __syncthreads();
+            if (k0 + KC < n_keys) load_v(k0 + KC);    // next chunk in flight during this one
 #pragma unroll 2
             for (int j = 0; j < KC; j++) {
                 float4 p0 = *(const float4*)&Ps[(k0 + j) * FG_LD + 8 * w];
