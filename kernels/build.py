@@ -64,6 +64,10 @@ def module_specs() -> list[ModuleSpec]:
     gdn += [f"gdn_chunk_{p}<{d}>" for p in ("prep", "state") for d in GDN_CHUNK_KEY_DIMS]
     specs.append(ModuleSpec("gdn", ("gdn.cu",), tuple(gdn),
                             ("conv1d_silu", "conv_state_update")))
+    # fused single-token decode kernels (fused.py)
+    specs.append(ModuleSpec("fused", ("fused.cu",),
+                            ("rms_norm_q8<0>", "rms_norm_q8<1>") + tuple(f"gdn_decode<{d}>" for d in GDN_KEY_DIMS),
+                            ("swiglu_q8", "attn_prep", "attn_merge_gate")))
     specs.append(ModuleSpec("sampling", ("sampling.cu",), (),
                             ("topk_stage1", "topk_stage2", "moe_route", "moe_combine")))
     specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))

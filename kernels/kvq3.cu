@@ -7,14 +7,18 @@
 // Cache layout: codes (capacity, n_kv, 3D/8) u8, scales (capacity, n_kv, D/32) fp16 bits (u16).
 //
 // kvq3_quantize<D>: one block of D threads per (token, KV head) row; writes rows start..start+T-1.
+//   start_ptr (CUDA-graph decode): a device int32 that replaces `start`.
+// kvq3_dequant<D>: rows [0, kv_len) back to fp32 in the model's space (for the fp32 attention kernels).
 // kvq3_rotate<D> / kvq3_unrotate<D>: y = H diag(s) x / x = diag(s) H y, one block of D threads per row.
 // kvq3_decode<D>: one query token, one block per query head; q must already be rotated (kvq3_rotate)
 //   and the output is in the rotated space (kvq3_unrotate it): q.k = (Rq).(Rk) and
 //   sum p v = R^T sum p (R v), so keys and values are only dequantized, never inverse-rotated.
 //   Softmax in fp32 with a running max and sum.
 //
-// STATUS: written without GPU access and NEVER RUN. tests/gpu/test_kvq3.py compares it with
-// engine/kvquant.py; CupyBackend does not use it until those tests pass on a device.
+// Used by CupyQ3KVCache (engine/backends/cupy_backend.py): kvq3_quantize on append, kvq3_dequant into
+// an fp32 scratch that the fp32 attention kernels read. kvq3_decode is not wired yet.
+// tests/gpu/test_kvq3.py compares every kernel with engine/kvquant.py;
+// tests/kernels/test_kvq3_emulation.py checks a NumPy emulation of this file's loops on the CPU.
 // No tensor-core instructions: fp32 FMA and shuffles only.
 
 #define KVQ3_BLOCK 32
@@ -72,11 +76,12 @@ __device__ __forceinline__ int kvq3_code(const u8* row, int c) {
 template <int D>
 __global__ void __launch_bounds__(D) kvq3_quantize(
         const float* __restrict__ x, u8* __restrict__ codes, u16* __restrict__ scales,
-        int T, int n_kv, int start) {
+        int T, int n_kv, int start, const int* __restrict__ start_ptr) {
     __shared__ float y[D];
     __shared__ u8 cs[D];
     int row = blockIdx.x;  // t * n_kv + head, within the T new tokens
     int tid = threadIdx.x, lane = tid & 31;
+    if (start_ptr != nullptr) start = *start_ptr;  // CUDA-graph decode: the cache length lives on the device
     y[tid] = x[(i64)row * D + tid] * kvq3_sign((u32)tid);
     kvq3_fwht<D>(y);
     // warp w holds scale block w (coordinates 32w..32w+31)
@@ -121,6 +126,25 @@ __global__ void __launch_bounds__(D) kvq3_unrotate(const float* __restrict__ y, 
     s[tid] = y[off + tid];
     kvq3_fwht<D>(s);
     x[off + tid] = s[tid] * kvq3_sign((u32)tid);
+}
+
+// Rows [0, kv_len) of a q3 cache back to the model's space: out (rows, n_kv, D) float32 =
+// diag(s) H (LEVELS[code] * scale), one block of D threads per (row, KV head); the grid covers
+// `rows` cache rows and blocks at or past kv_len return at once. len_ptr (CUDA-graph decode): a device
+// int32 holding the length before this step's append, so kv_len = *len_ptr + 1.
+template <int D>
+__global__ void __launch_bounds__(D) kvq3_dequant(
+        const u8* __restrict__ codes, const u16* __restrict__ scales, float* __restrict__ out,
+        int n_kv, int kv_len, const int* __restrict__ len_ptr) {
+    __shared__ float s[D];
+    if (len_ptr != nullptr) kv_len = *len_ptr + 1;
+    i64 row = blockIdx.x;  // cache row * n_kv + head
+    if (row >= (i64)kv_len * n_kv) return;  // whole block leaves before any barrier
+    int tid = threadIdx.x;
+    const u8* crow = codes + row * (3 * D / 8);
+    s[tid] = KVQ3_LEVELS[kvq3_code(crow, tid)] * h2f(scales[row * (D / KVQ3_BLOCK) + (tid >> 5)]);
+    kvq3_fwht<D>(s);
+    out[row * D + tid] = s[tid] * kvq3_sign((u32)tid);
 }
 
 // Dequantized (still rotated) row r of a cache into dst[0..D), by the threads of a 128-thread block.

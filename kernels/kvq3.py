@@ -1,11 +1,10 @@
 """CuPy launches of kernels/kvq3.cu: the q3 KV cache on the GPU (format: engine/kvquant.py).
 
-What this is: grid/block maths for quantize-on-append, the q/output rotations and rotated-space decode
-attention, over cache arrays laid out as the NumPy Q3KVCache (codes (capacity, n_kv, 3D/8) uint8,
-scales (capacity, n_kv, D/32) float16). What this is not: a KV cache class or backend wiring.
-
-STATUS: written without a GPU and never run; tests/gpu/test_kvq3.py checks it against
-engine/kvquant.py. CupyBackend refuses kv_type="q3" until those tests have passed on a device.
+What this is: grid/block maths for quantize-on-append, dequantize-to-fp32, the q/output rotations and
+rotated-space decode attention, over cache arrays laid out as the NumPy Q3KVCache (codes
+(capacity, n_kv, 3D/8) uint8, scales (capacity, n_kv, D/32) float16). What this is not: a KV cache
+class (CupyQ3KVCache in engine/backends/cupy_backend.py uses quantize_append + dequantize_into).
+tests/gpu/test_kvq3.py checks every launch against engine/kvquant.py.
 """
 
 from __future__ import annotations
@@ -28,16 +27,38 @@ def alloc(capacity: int, n_kv: int, d: int) -> tuple[cp.ndarray, cp.ndarray]:
             cp.zeros((capacity, n_kv, d // 32), cp.float16))
 
 
-def quantize_append(x, codes: cp.ndarray, scales: cp.ndarray, start: int) -> None:
-    """Quantize x (T, n_kv, D) float32 into cache rows start..start+T-1 of (codes, scales)."""
+def quantize_append(x, codes: cp.ndarray, scales: cp.ndarray, start: int,
+                    start_ptr: cp.ndarray | None = None) -> None:
+    """Quantize x (T, n_kv, D) float32 into cache rows start..start+T-1 of (codes, scales).
+
+    start_ptr (CUDA-graph decode): a device int32 holding the first row, read by the kernel instead of
+    `start` (the caller has checked that it is below the capacity)."""
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, n_kv, D = x.shape
     _check(D)
-    if start + T > codes.shape[0]:
+    if start_ptr is None and start + T > codes.shape[0]:
         raise ValueError(f"q3 cache of {codes.shape[0]} rows cannot take rows {start}..{start + T - 1}")
     if T:
-        get_kernel("kvq3", f"kvq3_quantize<{D}>")((T * n_kv,), (D,),
-                                                  (x, codes, scales, np.int32(T), np.int32(n_kv), np.int32(start)))
+        get_kernel("kvq3", f"kvq3_quantize<{D}>")(
+            (T * n_kv,), (D,), (x, codes, scales, np.int32(T), np.int32(n_kv), np.int32(start),
+                                start_ptr if start_ptr is not None else np.uint64(0)))
+
+
+def dequantize_into(codes: cp.ndarray, scales: cp.ndarray, out: cp.ndarray, kv_len: int,
+                    len_ptr: cp.ndarray | None = None) -> None:
+    """Rows [0, kv_len) of (codes, scales) -> out[:kv_len] (rows, n_kv, D) float32, in the model's space.
+
+    len_ptr (CUDA-graph decode): a device int32 holding the length before this step's append; the
+    kernel then covers kv_len = *len_ptr + 1 rows and the grid spans every row of `out`."""
+    rows, n_kv, D = out.shape
+    _check(D)
+    if out.dtype != cp.float32 or not out.flags.c_contiguous or rows > codes.shape[0]:
+        raise ValueError("dequantize_into needs a C-contiguous float32 out of at most the cache's rows")
+    span = rows if len_ptr is not None else min(int(kv_len), rows)
+    if span:
+        get_kernel("kvq3", f"kvq3_dequant<{D}>")(
+            (span * n_kv,), (D,), (codes, scales, out, np.int32(n_kv), np.int32(kv_len),
+                                   len_ptr if len_ptr is not None else np.uint64(0)))
 
 
 def rotate(x) -> cp.ndarray:
