@@ -146,19 +146,25 @@ __global__ void __launch_bounds__(128) flash_prefill(
 //   never visited. 256 threads. Scores: Q and K staged in head-dim chunks, transposed in shared memory;
 //   each thread owns a 4x4 micro-tile (rows 4ty.., keys 4tx..). Online softmax in fp32 in the log2
 //   domain (exp2f, scale pre-multiplied by log2 e); the 16 threads of a row reduce by shuffles. P goes
-//   to shared memory transposed; P @ V streams V in chunks of 16 KB, each thread owning 8 rows x D/32
-//   columns (lane + 32u) of the output accumulator. Blocks with the most keys are launched first.
+//   to shared memory transposed; P @ V streams V in chunks of 16 KB (8 KB on sm_75), each thread
+//   owning 8 rows x D/32 columns (lane + 32u) of the output accumulator. The next Q/K chunk and V
+//   chunk are loaded into registers while the current one is used. Heaviest blocks launch first.
 
 #define FG_BQ 64
 #define FG_BK 64
 #define FG_LD 68
-#define FG_VBUF 4096
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+#define FG_SMALL 1      // Turing: 64 KB of shared memory per SM; 27 KB per block keeps two blocks resident
+#else
+#define FG_SMALL 0
+#endif
+#define FG_VBUF (FG_SMALL ? 2048 : 4096)
 
 template <int D>
 __global__ void __launch_bounds__(256, 2) flash_prefill_g(
         const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
         float* __restrict__ out, int T, int nh, int n_kv, int start, int kv_len, float scale, int window) {
-    constexpr int DC = D >= 256 ? 16 : 32;      // head-dim chunk of the score product
+    constexpr int DC = D >= 256 || FG_SMALL ? 16 : 32;     // head-dim chunk of the score product
     constexpr int NL = DC / 16;                 // float4 loads per thread per chunk (Q and K each)
     constexpr int KC = FG_VBUF / D;             // keys per V chunk
     constexpr int NC = D / 32;                  // output columns per thread

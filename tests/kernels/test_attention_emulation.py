@@ -34,13 +34,13 @@ def reference(q, kc, vc, start, kv_len, scale, window):
     return out
 
 
-def emulate(q, kc, vc, start, kv_len, scale, window):
+def emulate(q, kc, vc, start, kv_len, scale, window, vbuf=VBUF):
     T, nh, D = q.shape
     n_kv = kc.shape[1]
     G = nh // n_kv
     n_rows = T * G
     nbx = -(-n_rows // BQ)
-    KC = VBUF // D
+    KC = vbuf // D
     out = np.full((T, nh, D), np.nan, np.float32)
     sc = np.float32(scale * LOG2E)
     for bid in range(nbx * n_kv):
@@ -89,10 +89,12 @@ def emulate(q, kc, vc, start, kv_len, scale, window):
 CASES = [(T, start, D, G, window) for T in (1, 5, 33, 64, 100, 257) for start in (0, 37) for D in (64, 256)
          for G in (1, 4) for window in (0, 16)]
 CASES += [(70, 0, 128, 2, 0), (70, 37, 128, 8, 16), (130, 37, 128, 3, 0), (65, 1, 64, 5, 16)]
+CASES = [c + (VBUF,) for c in CASES] + [(T, 37, D, 4, w, 2048) for T in (5, 100) for D in (64, 128, 256)
+                                         for w in (0, 16)]  # sm_75 variant: V chunks of 8 KB
 
 
-@pytest.mark.parametrize("T,start,D,G,window", CASES)
-def test_emulation_matches_reference(T, start, D, G, window):
+@pytest.mark.parametrize("T,start,D,G,window,vbuf", CASES)
+def test_emulation_matches_reference(T, start, D, G, window, vbuf):
     rng = np.random.default_rng(T * 7 + start + D + G + window)
     n_kv = 2
     nh = n_kv * G
@@ -104,7 +106,7 @@ def test_emulation_matches_reference(T, start, D, G, window):
     vc[kv_len:] = np.nan
     scale = D ** -0.5
     ref = reference(q, kc, vc, start, kv_len, scale, window)
-    y = emulate(q, kc, vc, start, kv_len, scale, window)
+    y = emulate(q, kc, vc, start, kv_len, scale, window, vbuf)
     assert np.all(np.isfinite(y))
     err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
     assert err < 1e-5, err
