@@ -19,10 +19,12 @@ A loaded Model (engine/model.py) whose parts sit on more than one device gets a 
   stage through its backend's `graph_step` when it has one (the CuPy backend replays a CUDA graph of
   the stage: token/positions or the hidden state in from a pinned host buffer, the hidden state out
   to the next pinned buffer or the logits out), else eagerly. Each edge has one fixed (1, hidden)
-  pinned `step_buffer`, the D2H target of stage k and the H2D source of stage k+1: per token, launch
-  stage 0, wait for it, (the simulated link's time, engine/rig.py), launch stage 1, ... A stage whose
-  graph is not valid this step (a cache grows, states were replaced) runs eagerly through the same
-  buffers and re-captures on the next token.
+  pinned `step_buffer`, the D2H target of stage k and the H2D source of stage k+1. Per token: launch
+  stage 0; launch stage 1 behind an event recorded after stage 0 (the GPU orders them, across
+  devices too, while the host prepares the next launch); ...; wait for the last. With a simulated
+  link (engine/rig.py) each stage is waited for instead and the link's time passes before the next
+  is launched. A stage whose graph is not valid this step (a cache grows, states were replaced)
+  waits for the previous one, runs eagerly through the same buffers and re-captures next token.
 
 Also here: `resolve_devices` (placement + devices -> part plan and backends, used by load_model),
 `attach_pipeline`, and `bench_split` (the measurement `minecart bench --devices` prints).
@@ -207,6 +209,10 @@ class Pipeline:
         # a single chunk (a decode step) runs on the calling thread (see _forward_inline)
         self.inline_single_chunk = True
         self.use_graphs = True  # decode steps through the stages' graph_step where a backend has one
+        # consecutive graphed stages follow each other through events (no host wait between them),
+        # unless a simulated link has to pass its time between them
+        self.chain_graphs = not any(getattr(getattr(st.backend, "rig_device", None), "link", None)
+                                    for st in self.stages)
         self.graphed_stage_steps = 0  # decode stage runs replayed (or captured) as graphs
         self.eager_stage_steps = 0  # decode stage runs done eagerly (no graph, or not valid this step)
         self._call_lock = threading.Lock()
@@ -328,16 +334,18 @@ class Pipeline:
         """One token, stage after stage on the calling thread through the bridges' step buffers (see
         the module doc); returns the host logits (1, vocab) of the last stage."""
         last = len(self.stages) - 1
-        out = None
+        out = pending = None
         for s, stage in enumerate(self.stages):
             host_in = self.bridges[s - 1].step_buffer if s else None
             host_out = self.bridges[s].step_buffer if s < last else None
-            out = self._decode_stage(s, stage, ids, states, positions, host_in, host_out)
+            out, pending = self._decode_stage(s, stage, ids, states, positions, host_in, host_out, pending)
             if host_out is not None:
                 self.bridges[s].bytes_moved += host_out.nbytes
         return out
 
-    def _decode_stage(self, s: int, stage: _Stage, ids, states, positions, host_in, host_out):
+    def _decode_stage(self, s: int, stage: _Stage, ids, states, positions, host_in, host_out, pending):
+        """One stage of a decode step -> (host logits of the last stage or None, the event of a graph
+        launched without a host wait or None). pending: such an event of the previous stage."""
         be = stage.backend
 
         def run(x):
@@ -346,7 +354,8 @@ class Pipeline:
         step = getattr(be, "graph_step", None) if self.use_graphs else None
         if step is not None:
             done = step(("stage", s), run, ids, positions, owner=states,
-                        watch=[states[i] for i in stage.layers], host_in=host_in, host_out=host_out)
+                        watch=[states[i] for i in stage.layers], host_in=host_in, host_out=host_out,
+                        after=pending, wait=not self.chain_graphs)
             if done is not None:
                 self.graphed_stage_steps += 1
                 charge = getattr(be, "charge_link", None)  # the rig's simulated link (engine/rig.py)
@@ -354,7 +363,11 @@ class Pipeline:
                     for buf in (host_in, host_out):
                         if buf is not None:
                             charge(buf.nbytes)
-                return None if host_out is not None else done
+                if host_out is None:
+                    return done, None
+                return None, (None if done is True else done)
+        if pending is not None:
+            pending.synchronize()  # the previous stage's output must be in host_in
         self.eager_stage_steps += 1
         x = ids
         if host_in is not None:
@@ -363,13 +376,13 @@ class Pipeline:
                 x = x.copy()  # a CPU backend may wrap the host array; the buffer is rewritten next token
         out = run(x)
         if host_out is None:
-            return out
+            return out, None
         into = getattr(be, "to_numpy_into", None)
         if into is not None:
             into(out, host_out)
         else:
             np.copyto(host_out, be.to_numpy(out).reshape(host_out.shape), casting="same_kind")
-        return None
+        return None, None
 
     def _run_stage(self, job: _Job, s: int, c: int, x, positions, states, want: bool, hook) -> None:
         stage = self.stages[s]

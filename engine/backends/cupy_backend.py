@@ -222,6 +222,7 @@ class _DecodeGraph:
         self.graph = graph
         self.cap = cap
         self.kept = kept
+        self.done = cp.cuda.Event(disable_timing=True)  # recorded after a replay that does not wait
         self.states = owner
         self.io = tuple(_host_ptr(a) for a in io)
         self.sends = io[1] is not None
@@ -239,15 +240,23 @@ class _DecodeGraph:
         """After a launch: True when the output went to the host buffer, else a copy of the logits."""
         return True if self.sends else np.array(self.cap.outputs[-1])
 
-    def replay(self, token: int, pos: np.ndarray):
+    def replay(self, token: int, pos: np.ndarray, after=None, wait: bool = True):
+        """Launch for the next token. after: an event the graph must follow (the previous stage of a
+        split, still running); wait=False: return the event recorded after the launch instead of
+        waiting (the inputs stay in the pinned buffer until the caller's final wait)."""
         cap = self.cap
         cap.write_inputs(token, pos)
         for i, (c, _) in enumerate(cap.caches):
             cap.host[4 + i] = c.length
+        if after is not None:
+            cap.stream.wait_event(after)
         self.graph.launch(cap.stream)
-        cap.stream.synchronize()
         for c, _ in cap.caches:
             c.length += 1
+        if not wait:
+            self.done.record(cap.stream)
+            return self.done
+        cap.stream.synchronize()
         return self.result()
 
 
@@ -608,7 +617,8 @@ class CupyBackend:
         return self.graph_step(id(states), lambda x: model.forward(x, states, positions, rows="last"),
                                ids, positions, owner=states)
 
-    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None):
+    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
+                   after=None, wait: bool = True):
         """Run `run` for one decode token as a CUDA graph kept under `key` (captured on the first call,
         replayed after that while it stays valid). Used for a whole single-device model
         (decode_step) and for each stage of a model split over devices (engine/multidevice.py).
@@ -619,8 +629,11 @@ class CupyBackend:
         copies into that pinned host array. owner: the sequence's states (identity); watch: the
         states `run` touches (default owner; a reallocation invalidates the graph, as does a cache
         that must grow: that step runs eagerly and the next one re-captures).
-        Returns host logits (1, vocab), True when the output went to `host_out`, or None when this
-        step cannot use a graph (nothing ran; the caller runs it eagerly)."""
+        after: a CUDA event (of the previous stage, on any device) this step must follow; wait=False
+        (with host_out): launch and return an event the next stage can follow instead of waiting.
+        Returns host logits (1, vocab), True when the output is in `host_out`, an event when it will
+        be once that event completes, or None when this step cannot use a graph (nothing ran and
+        `after` was not waited for: the caller waits for it and runs the step eagerly)."""
         if not self.use_graphs or self._capture is not None or len(ids) != 1:
             return None
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -634,8 +647,10 @@ class CupyBackend:
             rec = None
         with self._dev:
             if rec is None:
+                if after is not None:
+                    after.synchronize()  # capturing runs the step once, with a host wait
                 return self._capture_graph(key, run, ids, pos, owner, watch, io)
-            return rec.replay(int(ids[0]), pos)
+            return rec.replay(int(ids[0]), pos, after, wait or host_out is None)
 
     def _capture_graph(self, key, run, ids, pos, owner, watch, io):
         if self._graph_stream is None:

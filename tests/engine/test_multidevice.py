@@ -336,11 +336,26 @@ def test_bench_split_reports(path, costs):
 # ---- decode steps through the stages' graph_step ----------------------------------------------------
 
 
+class _Event:
+    """Stands in for a CUDA event: the work behind it (writing a stage's output) happens only when
+    something waits for it, so a caller that reads the buffer without waiting sees stale data."""
+
+    def __init__(self, work):
+        self._work = work
+
+    def synchronize(self):
+        work, self._work = self._work, None
+        if work is not None:
+            work()
+
+
 class _GraphStepBackend:
     """A NumPy backend with the graph_step contract of the CuPy backend (engine/backends/cupy_backend.py)
     emulated eagerly: the input comes from host_in, the output goes to host_out; the first call for a
     key "captures" (counted), later calls "replay" while owner, buffers and watched states are
-    unchanged; every `refuse_every`-th call returns None (a step that must run eagerly)."""
+    unchanged; every `refuse_every`-th call returns None (a step that must run eagerly, `after` not
+    waited for). `after` is waited for first (the GPU's ordering); with wait=False the output is
+    written only once the returned event is waited for."""
 
     def __init__(self, device, refuse_every=0):
         from minecart.engine.backends.numpy_backend import NumpyBackend
@@ -353,10 +368,13 @@ class _GraphStepBackend:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None):
+    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
+                   after=None, wait=True):
         self.calls += 1
         if len(ids) != 1 or (self.refuse_every and self.calls % self.refuse_every == 0):
             return None
+        if after is not None:
+            after.synchronize()
         sig = (id(owner), id(host_in), id(host_out), tuple(id(w) for w in (watch or [])))
         if self._graphs.get(key) == sig:
             self.replays += 1
@@ -367,14 +385,20 @@ class _GraphStepBackend:
         y = run(x)
         if host_out is None:
             return np.array(y)
+        if not wait:
+            self.deferred += 1
+            return _Event(lambda: host_out.__setitem__(Ellipsis, y))
         host_out[...] = y
         return True
 
+    deferred = 0
 
+
+@pytest.mark.parametrize("link", [None, "gen1x1"])
 @pytest.mark.parametrize("refuse_every", [0, 3])
-def test_decode_through_graph_steps_is_identical(path, costs, reference, refuse_every):
+def test_decode_through_graph_steps_is_identical(path, costs, reference, refuse_every, link):
     _, chunked, decode = reference
-    rig = Rig.cpus(3, link="gen1x1", backend_factory=lambda phys: _GraphStepBackend(phys, refuse_every))
+    rig = Rig.cpus(3, link=link, backend_factory=lambda phys: _GraphStepBackend(phys, refuse_every))
     plan = _plan(costs, "3 devices")
     with load_model(path, placement=plan, devices=rig) as model:
         hidden = model.config.hidden
@@ -382,6 +406,7 @@ def test_decode_through_graph_steps_is_identical(path, costs, reference, refuse_
         got = model.forward(PROMPT, states, np.arange(len(PROMPT)), rows="all", chunk=8)
         np.testing.assert_array_equal(got, chunked)
         pipe = model.pipeline
+        assert pipe.chain_graphs == (link is None)  # a simulated link needs its time between stages
         before = [rig.backend(n).transferred_bytes for n in rig.names]
         token = int(np.argmax(got[-1]))
         for k in range(4):
@@ -395,12 +420,17 @@ def test_decode_through_graph_steps_is_identical(path, costs, reference, refuse_
         else:
             assert pipe.eager_stage_steps == 0 and pipe.graphed_stage_steps == 12
             assert all(b.captures == 1 and b.replays == 3 for b in inners)
-        # every hop is charged to both risers whether the stage was replayed or eager: the first
-        # device sends one hidden state per token (the last one's logits are charged only when eager)
-        sent = rig.backend("cpu:0").transferred_bytes - before[0]
-        assert sent == 4 * hidden * 4
-        middle = rig.backend("cpu:1").transferred_bytes - before[1]
-        assert middle == 2 * 4 * hidden * 4
+        # chained: the stages before the last hand their output on through an event (not waited for)
+        deferred = sum(b.deferred for b in inners[:-1])
+        assert deferred == (pipe.graphed_stage_steps - sum(b.replays + b.captures for b in inners[-1:])
+                            if link is None else 0)
+        if link is not None:
+            # every hop is charged to both risers whether the stage was replayed or eager: the first
+            # device sends one hidden state per token (the last one's logits are charged only when eager)
+            sent = rig.backend("cpu:0").transferred_bytes - before[0]
+            assert sent == 4 * hidden * 4
+            middle = rig.backend("cpu:1").transferred_bytes - before[1]
+            assert middle == 2 * 4 * hidden * 4
         assert all(b.step_buffer.shape == (1, hidden) for b in pipe.bridges)
         # graphs off: the same stages, every one eager, same logits
         pipe.use_graphs = False
