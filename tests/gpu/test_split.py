@@ -171,18 +171,21 @@ def single_script(single):
     return _script(single, PROMPT)
 
 
-@pytest.mark.parametrize("n_dev", [2, 3])
-def test_graphed_split_decode_equals_one_device(path, costs, single_script, n_dev):
+@pytest.mark.parametrize("n_dev,link", [(2, None), (3, None), (2, "gen1x1")])
+def test_graphed_split_decode_equals_one_device(path, costs, single_script, n_dev, link):
     from minecart.engine.model import load_model
     from minecart.engine.placement import Placement
 
     counts = {2: [("cuda:0", 4), ("cuda:1", 4)], 3: [("cuda:0", 3), ("cuda:1", 3), ("cuda:2", 2)]}[n_dev]
     plan = Placement.from_layer_counts(costs, counts)
-    with load_model(path, placement=plan, devices=_rig([None] * n_dev)) as model:
+    with load_model(path, placement=plan, devices=_rig([None] * n_dev, link=link)) as model:
         pipe = model.pipeline
+        assert pipe.chain_graphs == (link is None)
         got = _script(model, PROMPT)
-        _check_same(single_script, got, f"{n_dev} logical devices, graphed decode")
-        print(f"stage runs: {pipe.graphed_stage_steps} graphed, {pipe.eager_stage_steps} eager")
+        label = f"{n_dev} logical devices{' @' + link if link else ''}, graphed decode"
+        _check_same(single_script, got, label)
+        print(f"stage runs: {pipe.graphed_stage_steps} graphed, {pipe.eager_stage_steps} eager "
+              f"({'chained by events' if pipe.chain_graphs else 'host wait per stage'})")
         assert pipe.graphed_stage_steps >= n_dev * 20  # most steps replay every stage's graph
         assert pipe.eager_stage_steps >= 1  # the cache growth ran eagerly (then re-captured)
         pipe.use_graphs = False
