@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(128) flash_prefill(
 //   each thread owns a 4x4 micro-tile (rows 4ty.., keys 4tx..). Online softmax in fp32 in the log2
 //   domain (exp2f, scale pre-multiplied by log2 e); the 16 threads of a row reduce by shuffles. P goes
 //   to shared memory transposed; P @ V streams V in chunks of 16 KB (8 KB on sm_75), each thread
-//   owning 8 rows x D/32 columns (lane + 32u) of the output accumulator. The next Q/K chunk and V
+//   owning 8 rows x D/32 columns (vectors of 4, or 2 for D = 64) of the output accumulator. The next Q/K chunk and V
 //   chunk are loaded into registers while the current one is used. Heaviest blocks launch first.
 
 #define FG_BQ 64
@@ -168,6 +168,7 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
     constexpr int NL = DC / 16;                 // float4 loads per thread per chunk (Q and K each)
     constexpr int KC = FG_VBUF / D;             // keys per V chunk
     constexpr int NC = D / 32;                  // output columns per thread
+    constexpr int VW = NC >= 4 ? 4 : 2;         // ... as NC / VW vectors: columns VW * lane + 32 * VW * u
     constexpr int BUF = 2 * DC * FG_LD > FG_VBUF ? 2 * DC * FG_LD : FG_VBUF;
     __shared__ __align__(16) float buf[BUF];             // Q/K chunks, then V chunks
     __shared__ __align__(16) float Ps[FG_BK * FG_LD];    // probabilities, transposed: Ps[key][row]
@@ -328,12 +329,24 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
                 float4 p0 = *(const float4*)&Ps[(k0 + j) * FG_LD + 8 * w];
                 float4 p1 = *(const float4*)&Ps[(k0 + j) * FG_LD + 8 * w + 4];
 #pragma unroll
-                for (int u = 0; u < NC; u++) {
-                    float v = Vs[j * D + lane + 32 * u];
-                    o[0][u] = fmaf(p0.x, v, o[0][u]); o[1][u] = fmaf(p0.y, v, o[1][u]);
-                    o[2][u] = fmaf(p0.z, v, o[2][u]); o[3][u] = fmaf(p0.w, v, o[3][u]);
-                    o[4][u] = fmaf(p1.x, v, o[4][u]); o[5][u] = fmaf(p1.y, v, o[5][u]);
-                    o[6][u] = fmaf(p1.z, v, o[6][u]); o[7][u] = fmaf(p1.w, v, o[7][u]);
+                for (int u = 0; u < NC / VW; u++) {
+                    const float* vp = &Vs[j * D + VW * lane + 32 * VW * u];
+                    float v[VW];
+                    if constexpr (VW == 4) {
+                        float4 t4 = *(const float4*)vp;
+                        v[0] = t4.x; v[1] = t4.y; v[2] = t4.z; v[3] = t4.w;
+                    } else {
+                        float2 t2 = *(const float2*)vp;
+                        v[0] = t2.x; v[1] = t2.y;
+                    }
+#pragma unroll
+                    for (int e = 0; e < VW; e++) {
+                        const int c = u * VW + e;
+                        o[0][c] = fmaf(p0.x, v[e], o[0][c]); o[1][c] = fmaf(p0.y, v[e], o[1][c]);
+                        o[2][c] = fmaf(p0.z, v[e], o[2][c]); o[3][c] = fmaf(p0.w, v[e], o[3][c]);
+                        o[4][c] = fmaf(p1.x, v[e], o[4][c]); o[5][c] = fmaf(p1.y, v[e], o[5][c]);
+                        o[6][c] = fmaf(p1.z, v[e], o[6][c]); o[7][c] = fmaf(p1.w, v[e], o[7][c]);
+                    }
                 }
             }
         }
@@ -352,7 +365,14 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
             float inv = l > 0.0f ? 1.0f / l : 0.0f;
             float* op = out + ((i64)t * nh + (i64)kvh * G + g) * D;
 #pragma unroll
-            for (int u = 0; u < NC; u++) op[lane + 32 * u] = o[r][u] * inv;
+            for (int u = 0; u < NC / VW; u++) {
+                float* dst = op + VW * lane + 32 * VW * u;
+                const float* src = o[r] + u * VW;
+                if constexpr (VW == 4)
+                    *(float4*)dst = make_float4(src[0] * inv, src[1] * inv, src[2] * inv, src[3] * inv);
+                else
+                    *(float2*)dst = make_float2(src[0] * inv, src[1] * inv);
+            }
         }
     }
 }
