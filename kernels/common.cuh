@@ -66,6 +66,23 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return scratch[0];
 }
 
+// q8_1 quantization of one block of 32 values held one per lane (all 32 lanes of the warp call it):
+// d = max|v| / 127, q = round(v / d) (int8, 0 when the block is all zero), s = d * sum(q). Every producer
+// of DP4A activations (quantize_q8_1 and the fused kernels that publish their output quantized) uses
+// this one function, so their blocks are bit-identical.
+__device__ __forceinline__ void q8_1_block(float v, i8* __restrict__ xq, float* __restrict__ xd,
+                                           float* __restrict__ xs, int lane) {
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    int q = (amax > 0.0f) ? __float2int_rn(v / d) : 0;
+    xq[lane] = (i8)q;
+    float qs = warp_sum((float)q);
+    if (lane == 0) {
+        *xd = d;
+        *xs = d * qs;
+    }
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }

@@ -8,6 +8,7 @@
 //            for cards whose DP4A is throttled, and the path of F32/F16/BF16 weights).
 // Both take optional `ids` for mixture-of-experts: then grid.y enumerates (token, slot) pairs p, the
 // weight is expert ids[p] of a stack of experts with R rows each, and the input row is p / x_div.
+// Optional `res` (same shape as y) is added to the result: the residual add of a layer in the epilogue.
 
 struct WBlock {
     int q[8];      // 32 signed int8 weights, 4 per int
@@ -76,7 +77,8 @@ __device__ __forceinline__ void load_wblock(const u8* wrow, const u16* wdrow, in
 template <int QT, int NT>
 __global__ void gemv_dp4a(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                           const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
-                          int R, int K, const int* __restrict__ ids, int x_div) {
+                          int R, int K, const int* __restrict__ ids, int x_div,
+                          const float* __restrict__ res) {
     int warps = blockDim.x >> 5;
     int row = blockIdx.x * warps + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -126,13 +128,15 @@ __global__ void gemv_dp4a(const u8* __restrict__ wq, const u16* __restrict__ wd,
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         float v = warp_sum(acc[t]);
-        if (lane == 0) y[(i64)(yt0 + t) * R + row] = v;
+        i64 yi = (i64)(yt0 + t) * R + row;
+        if (lane == 0) y[yi] = res != 0 ? v + res[yi] : v;
     }
 }
 
 template <int QT, int NT>
 __global__ void gemv_fma(const u8* __restrict__ wq, const u16* __restrict__ wd, const float* __restrict__ x,
-                         float* __restrict__ y, int R, int K, const int* __restrict__ ids, int x_div) {
+                         float* __restrict__ y, int R, int K, const int* __restrict__ ids, int x_div,
+                         const float* __restrict__ res) {
     int warps = blockDim.x >> 5;
     int row = blockIdx.x * warps + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -172,6 +176,7 @@ __global__ void gemv_fma(const u8* __restrict__ wq, const u16* __restrict__ wd, 
 #pragma unroll
     for (int t = 0; t < NT; t++) {
         float v = warp_sum(acc[t]);
-        if (lane == 0) y[(i64)(yt0 + t) * R + row] = v;
+        i64 yi = (i64)(yt0 + t) * R + row;
+        if (lane == 0) y[yi] = res != 0 ? v + res[yi] : v;
     }
 }

@@ -22,10 +22,10 @@ import os
 
 import cupy as cp
 import numpy as np
-from minecart.kernels import ops
+from minecart.kernels import fused, ops
 from minecart.kernels.build import QT
 
-from .base import KVCache
+from .base import FusedOpsMixin, KVCache
 
 
 def device_count() -> int:
@@ -264,7 +264,7 @@ def _f32(x):
     return cp.ascontiguousarray(x, dtype=cp.float32)
 
 
-class CupyBackend:
+class CupyBackend(FusedOpsMixin):
     name = "cupy"
 
     def __init__(self, device: str = "cuda:0", *, path: str | None = None, probe: bool = True):
@@ -377,6 +377,9 @@ class CupyBackend:
         if isinstance(obj, CupyWeight):
             obj.q.wq = None
             obj.q.wd = None
+            groups = self._fused_groups()
+            for key in [k for k, (ws, _, _) in groups.items() if any(w is obj for w in ws)]:
+                del groups[key]  # the concatenated weight goes with its first freed member
         elif isinstance(obj, CupyKVCache):
             obj.k = obj.v = None
 
@@ -415,18 +418,38 @@ class CupyBackend:
 
     def swiglu(self, gate, up):
         with self._dev:
+            if gate.ndim == 2 and gate.shape == up.shape and self._q8_rows(gate):
+                out, q8 = fused.swiglu_q8(gate, up)  # also writes the down projection's int8 input
+                ops.register_quantized(out, q8)
+                return out
             return ops.ewise("swiglu", gate, up)
 
     def geglu(self, gate, up):
         with self._dev:
             return ops.ewise("geglu", gate, up)
 
+    def _q8_rows(self, x) -> bool:
+        """Whether a producer of the 2-D activation x should also write its q8_1 quantization: rows
+        of whole 32-value blocks, and the matmul path that will read x takes int8 activations."""
+        if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] % 32:
+            return False
+        path = self.gemv_path if x.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
+        return path.startswith("dp4a")
+
     def rms_norm(self, x, w, eps: float):
         with self._dev:
+            if self._q8_rows(x):  # (T, H): the input of the next matmuls
+                out, q8 = fused.rms_norm_q8(x, w, eps)
+                ops.register_quantized(out, q8)
+                return out
             return ops.rms_norm(x, w, eps)
 
     def add_rms_norm(self, x, delta, w, eps: float):
         with self._dev:
+            if self._q8_rows(x) and delta.shape == x.shape:
+                s, out, q8 = fused.rms_norm_q8(x, w, eps, delta=delta)
+                ops.register_quantized(out, q8)
+                return s, out
             return ops.add_rms_norm(x, delta, w, eps)
 
     def l2_norm(self, x, eps: float):
@@ -579,6 +602,111 @@ class CupyBackend:
     def gdn_step(self, q, k, v, g, beta, state):
         with self._dev:
             return ops.gdn_scan(q, k, v, g, beta, state)
+
+    # ---- fused decode ops (base.FusedOpsMixin; kernels/fused.py) ------------------------------------
+    def _fused_groups(self) -> dict:
+        """{ids of a weight group: (the weights, concatenated QWeight, row ranges)}."""
+        return self.__dict__.setdefault("_fused", {})
+
+    def _fuse(self, ws):
+        """(one QWeight holding the rows of every weight of `ws`, row ranges), or None when they differ
+        in format or row length. Each original's wq/wd become row views of the new arrays, so nothing
+        is stored twice and the originals keep working on their own."""
+        qs = [getattr(w, "q", None) for w in ws]
+        if any(q is None or q.wq is None or q.experts != 1 for q in qs):
+            return None
+        q0 = qs[0]
+        if any(q.type_name != q0.type_name or q.cols != q0.cols or (q.wd is None) != (q0.wd is None)
+               or q.wq.shape[1:] != q0.wq.shape[1:] for q in qs):
+            return None
+        wq = cp.concatenate([q.wq for q in qs], axis=0)
+        wd = cp.concatenate([q.wd for q in qs], axis=0) if q0.wd is not None else None
+        ranges, r0 = [], 0
+        for q in qs:
+            q.wq = wq[r0 : r0 + q.rows]
+            if wd is not None:
+                q.wd = wd[r0 : r0 + q.rows]
+            ranges.append((r0, r0 + q.rows))
+            r0 += q.rows
+        cp.get_default_memory_pool().free_all_blocks()  # hand the separate copies back to the device
+        return ops.QWeight(q0.type_name, r0, q0.cols, 1, wq, wd), ranges
+
+    def matmul_many(self, x, ws):
+        ws = list(ws)
+        if len(ws) < 2:
+            return super().matmul_many(x, ws)
+        groups = self._fused_groups()
+        key = tuple(id(w) for w in ws)
+        rec = groups.get(key)
+        if rec is None:
+            # fusing allocates and copies: never inside a graph capture (the graph would bake the copy)
+            made = None if self._capture is not None else self._fuse(ws)
+            if made is None:
+                return super().matmul_many(x, ws)
+            rec = groups[key] = (ws, made[0], made[1])
+        _, big, ranges = rec
+        with self._dev:
+            lead = x.shape[:-1]
+            x2 = _f32(x).reshape(-1, x.shape[-1])
+            path = self.gemv_path if x2.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
+            y = ops.matmul(x2, big, path)  # (T, sum of rows)
+            if x2.shape[0] == 1:
+                flat = y.reshape(-1)
+                return [flat[a:b].reshape(*lead, b - a) for a, b in ranges]  # contiguous views
+            return [cp.ascontiguousarray(y[:, a:b]).reshape(*lead, b - a) for a, b in ranges]
+
+    def matmul_add(self, x, w: CupyWeight, residual):
+        with self._dev:
+            x2 = _f32(x).reshape(-1, x.shape[-1])
+            path = self.gemv_path if x2.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
+            if path not in ("dp4a", "dp4a2", "fma") or residual.size != x2.shape[0] * w.q.rows:
+                return super().matmul_add(x, w, residual)
+            y = ops.matmul(x2, w.q, path, residual=residual)  # residual added in the GEMV epilogue
+            return y.reshape(*x.shape[:-1], w.q.rows)
+
+    def gdn_decode(self, mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias, norm_w, *,
+                   n_k: int, n_v: int, dk: int, dv: int, eps: float):
+        kw = int(conv_w.shape[1])
+        if mixed.shape[0] != 1 or not fused.gdn_decode_supported(n_k, n_v, dk, dv, kw):
+            return super().gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias,
+                                      norm_w, n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=eps)
+        with self._dev:
+            y, q8 = fused.gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias, norm_w,
+                                     n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=eps,
+                                     want_q8=self.gemv_path.startswith("dp4a"))
+            if q8 is not None:
+                ops.register_quantized(y, q8)  # ssm_out's int8 input
+            return y
+
+    def gated_attention(self, qg, k, v, cache, q_norm, k_norm, positions, *, n_rot: int, base: float,
+                        sections=(), scale: float, eps: float, window: int = 0):
+        T, nh, _, d = qg.shape
+        n_kv, dv = k.shape[1], v.shape[2]
+        fast = (T == 1 and type(cache) is CupyKVCache and cache.k is not None
+                and fused.attention_supported(nh, n_kv, d, dv)
+                and (self._capture is not None or cache.length + 1 <= cache.capacity))
+        if not fast:  # prefill, q3 caches, other shapes, and an eager step that must grow the cache
+            return super().gated_attention(qg, k, v, cache, q_norm, k_norm, positions, n_rot=n_rot, base=base,
+                                           sections=sections, scale=scale, eps=eps, window=window)
+        with self._dev:
+            comp_d, inv_freq, _ = self._rope_table(n_rot, base, sections)
+            pos = np.asarray(positions, dtype=np.int64)
+            if self._capture is not None:
+                pos3 = self._capture.positions_dev(pos)
+                row_ptr, row = self._capture.cache_row(cache), 0
+            else:
+                p = pos.reshape(1, 1) if pos.ndim == 1 else pos.reshape(3, 1)
+                pos3 = cp.asarray(np.ascontiguousarray(np.broadcast_to(p, (3, 1)), dtype=np.int32))
+                row_ptr, row = None, cache.length
+            q = fused.attn_prep(qg, k, v, q_norm, k_norm, cache.k, cache.v, row, row_ptr, pos3, comp_d,
+                                inv_freq, n_rot, eps)
+            cache.length += 1
+            o, q8 = fused.attention_decode_gated(q, qg, cache.k, cache.v, cache.length, float(scale),
+                                                 int(window), kv_len_ptr=row_ptr,
+                                                 want_q8=self.gemv_path.startswith("dp4a"))
+            if q8 is not None:
+                ops.register_quantized(o, q8)  # attn_output's int8 input
+            return o
 
     # ---- mixture of experts ----------------------------------------------------------------------
     def moe(self, x, router: CupyWeight, gate_exps: CupyWeight, up_exps, down_exps: CupyWeight, k: int):

@@ -1,0 +1,163 @@
+"""Launch wrappers of fused.cu: the single-token decode path's fused kernels (grid and block sizes here).
+
+Each function takes and returns cupy arrays on the current device, launches on the current stream and
+never synchronizes. Functions ending in `_q8` also return the q8_1 quantization (xq, xd, xs) of their
+fp32 output, laid out exactly as ops.quantize_q8_1 writes it; the caller publishes it with
+ops.register_quantized so the next matmul skips its quantization. `*_supported` say which shapes a
+kernel covers; the backend composes the basic ops for the rest.
+
+Not here: deciding whether a q8 side output is worth writing (the backend knows the matmul path).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cupy as cp
+import numpy as np
+
+from .build import GDN_KEY_DIMS, HEAD_DIMS, get_kernel
+from .ops import sm_count
+
+GDN_MAX_KW = 8  # fused.cu: longest conv kernel of gdn_decode
+GDN_MAX_DV = 128  # one thread per value column, 128 threads per block
+
+
+def _q8_arrays(T: int, K: int):
+    return (cp.empty((T, K), dtype=cp.int8), cp.empty((T, K // 32), dtype=cp.float32),
+            cp.empty((T, K // 32), dtype=cp.float32))
+
+
+def _c32(x):
+    return cp.ascontiguousarray(x, dtype=cp.float32)
+
+
+def rms_norm_q8(x, w, eps: float, delta=None):
+    """rms_norm(x, w) (delta None) or add_rms_norm(x, delta, w) of (T, N) rows with N % 32 == 0.
+    Returns (out, q8) or (s, out, q8) with s = x + delta."""
+    x = _c32(x)
+    T, N = x.shape
+    if N % 32:
+        raise ValueError(f"rms_norm_q8: row length {N} is not a multiple of 32")
+    out = cp.empty_like(x)
+    s_out = cp.empty_like(x) if delta is not None else None
+    q8 = _q8_arrays(T, N)
+    if T:
+        delta = _c32(delta).reshape(T, N) if delta is not None else None
+        mode = 1 if delta is not None else 0
+        get_kernel("fused", f"rms_norm_q8<{mode}>")(
+            (T,), (min(256, N),),
+            (x, delta if delta is not None else x, w if w is not None else np.uint64(0), out,
+             s_out if s_out is not None else out, q8[0], q8[1], q8[2], np.int32(N), np.float32(eps)))
+    return (out, q8) if delta is None else (s_out, out, q8)
+
+
+def swiglu_q8(gate, up):
+    """silu(gate) * up of (T, F) with F % 32 == 0 -> (out, q8)."""
+    gate, up = _c32(gate), _c32(up)
+    T, F = gate.shape
+    if F % 32 or up.shape != gate.shape:
+        raise ValueError(f"swiglu_q8: shapes {gate.shape} and {up.shape} (need equal, last a multiple of 32)")
+    out = cp.empty_like(gate)
+    q8 = _q8_arrays(T, F)
+    nb = T * F // 32
+    if nb:
+        warps = 8
+        get_kernel("fused", "swiglu_q8")((math.ceil(nb / warps),), (32 * warps,),
+                                         (gate, up, out, q8[0], q8[1], q8[2], np.int64(nb)))
+    return out, q8
+
+
+# ---- Gated DeltaNet -----------------------------------------------------------------------------------
+
+_COUNTERS: dict[int, cp.ndarray] = {}
+
+
+def _counters(n: int) -> cp.ndarray:
+    """Per device: zeroed int32 counters of gdn_decode (each launch leaves them at zero again)."""
+    dev = cp.cuda.Device().id
+    c = _COUNTERS.get(dev)
+    if c is None or c.size < n:
+        c = cp.zeros(max(n, 256), dtype=cp.int32)
+        _COUNTERS[dev] = c
+    return c
+
+
+def gdn_decode_supported(n_k: int, n_v: int, dk: int, dv: int, kw: int) -> bool:
+    return (dk in GDN_KEY_DIMS and 1 <= dv <= GDN_MAX_DV and 2 <= kw <= GDN_MAX_KW and 1 <= n_k <= n_v)
+
+
+def gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias, norm_w, *, n_k: int,
+               n_v: int, dk: int, dv: int, eps: float, want_q8: bool):
+    """One token (T == 1) of a Gated DeltaNet mixer; conv_state (K-1, C) and ssm_state (n_v, dk, dv)
+    updated in place. Returns (y (1, n_v dv), q8 or None); q8 only when want_q8 and dv % 32 == 0."""
+    mixed, z, b, alpha = _c32(mixed), _c32(z), _c32(b), _c32(alpha)
+    conv_w = _c32(conv_w)
+    kw = int(conv_w.shape[1])
+    C = 2 * n_k * dk + n_v * dv
+    if mixed.size != C or conv_state.shape != (kw - 1, C) or ssm_state.shape != (n_v, dk, dv):
+        raise ValueError(f"gdn_decode: shapes {mixed.shape}, {conv_state.shape}, {ssm_state.shape} do not "
+                         f"match n_k={n_k} n_v={n_v} dk={dk} dv={dv} kernel={kw}")
+    for name, a in (("conv state", conv_state), ("ssm state", ssm_state)):
+        if not a.flags.c_contiguous or a.dtype != cp.float32:
+            raise ValueError(f"gdn_decode: the {name} must be a contiguous float32 array made by the backend")
+    y = cp.empty((1, n_v * dv), dtype=cp.float32)
+    q8 = _q8_arrays(1, n_v * dv) if want_q8 and dv % 32 == 0 else None
+    nul = np.uint64(0)
+    get_kernel("fused", f"gdn_decode<{dk}>")(
+        (n_v,), (128,),
+        (mixed, z, b, alpha, conv_state, conv_w, _c32(ssm_a), _c32(dt_bias), _c32(norm_w), ssm_state, y,
+         q8[0] if q8 else nul, q8[1] if q8 else nul, q8[2] if q8 else nul, _counters(n_k), np.int32(n_k),
+         np.int32(n_v), np.int32(dv), np.int32(kw), np.float32(1.0 / math.sqrt(dk)), np.float32(eps)))
+    return y, q8
+
+
+# ---- gated attention ----------------------------------------------------------------------------------
+
+def attention_supported(nh: int, n_kv: int, d: int, dv: int) -> bool:
+    return d in HEAD_DIMS and dv == d and n_kv >= 1 and nh % n_kv == 0 and nh // n_kv <= 8
+
+
+def attn_prep(qg, k, v, q_norm, k_norm, kc, vc, row: int, row_ptr, pos3, comp, inv_freq, n_rot: int,
+              eps: float, rope_scale: float = 1.0):
+    """One token: q (1, nh, d) normed and roped from qg (1, nh, 2, d); k normed and roped and v written to
+    cache row `row` (or the device int32 at row_ptr). pos3 (3, 1) int32 on the device; comp and
+    inv_freq as ops.rope takes them. Returns q."""
+    qg, k, v = _c32(qg), _c32(k), _c32(v)
+    nh, d = qg.shape[1], qg.shape[3]
+    n_kv, dv = k.shape[1], v.shape[2]
+    q = cp.empty((1, nh, d), dtype=cp.float32)
+    get_kernel("fused", "attn_prep")(
+        (nh + n_kv,), (128,),
+        (qg, k, v, _c32(q_norm), _c32(k_norm), q, kc, vc, row_ptr if row_ptr is not None else np.uint64(0),
+         np.int32(row), pos3, comp, inv_freq, np.int32(nh), np.int32(n_kv), np.int32(d), np.int32(dv),
+         np.int32(n_rot), np.float32(1.0 / rope_scale), np.float32(eps)))
+    return q
+
+
+def attention_decode_gated(q, qg, kc, vc, kv_len: int, scale: float, window: int = 0, kv_len_ptr=None,
+                           want_q8: bool = False):
+    """Single-token attention over cache rows [0, kv_len) (kv_len_ptr: the device length before this
+    token, inside a captured graph) with flash_decode (attention.cu), merged and multiplied by
+    sigmoid(gate) (gate = qg[:, :, 1, :]). Returns (o (1, nh d), q8 or None)."""
+    nh, D = q.shape[1], q.shape[2]
+    n_kv = kc.shape[1]
+    span = kc.shape[0] if kv_len_ptr is not None else kv_len
+    # the same context split as ops.attention's decode branch
+    want = max(1, (6 * sm_count()) // n_kv)
+    split_len = max(32, math.ceil(span / want / 32) * 32)
+    n_splits = max(1, math.ceil(span / split_len))
+    po = cp.empty((n_splits, nh, D), dtype=cp.float32)
+    pm = cp.empty((n_splits, nh), dtype=cp.float32)
+    pl = cp.empty((n_splits, nh), dtype=cp.float32)
+    get_kernel("attention", f"flash_decode<{D}>")(
+        (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
+                                   kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
+                                   np.int32(split_len), np.float32(scale), np.int32(window)))
+    out = cp.empty((1, nh * D), dtype=cp.float32)
+    q8 = _q8_arrays(1, nh * D) if want_q8 else None
+    nul = np.uint64(0)
+    get_kernel("fused", "attn_merge_gate")(
+        (nh,), (D,), (po, pm, pl, _c32(qg), out, q8[0] if q8 else nul, q8[1] if q8 else nul,
+                      q8[2] if q8 else nul, np.int32(n_splits), np.int32(nh), np.int32(D)))
+    return out, q8
