@@ -73,14 +73,25 @@ def swiglu_q8(gate, up):
 _COUNTERS: dict[int, cp.ndarray] = {}
 
 
-def _counters(n: int) -> cp.ndarray:
-    """Per device: zeroed int32 counters of gdn_decode (each launch leaves them at zero again)."""
-    dev = cp.cuda.Device().id
-    c = _COUNTERS.get(dev)
-    if c is None or c.size < n:
-        c = cp.zeros(max(n, 256), dtype=cp.int32)
-        _COUNTERS[dev] = c
-    return c
+def gdn_counters_ready(n_k: int) -> bool:
+    """Whether gdn_decode's counters exist on this device (they must be made outside a graph capture,
+    where a memset would only be recorded, not run)."""
+    c = _COUNTERS.get(cp.cuda.Device().id)
+    return c is not None and c.size >= n_k
+
+
+def make_gdn_counters(n_k: int) -> None:
+    """Zeroed int32 counters of gdn_decode on this device (each launch leaves them at zero again)."""
+    if not gdn_counters_ready(n_k):
+        c = cp.zeros(max(n_k, 256), dtype=cp.int32)
+        cp.cuda.get_current_stream().synchronize()
+        _COUNTERS[cp.cuda.Device().id] = c
+
+
+def _counters(n_k: int) -> cp.ndarray:
+    if not gdn_counters_ready(n_k):
+        raise RuntimeError("gdn_decode: make_gdn_counters() first (outside any graph capture)")
+    return _COUNTERS[cp.cuda.Device().id]
 
 
 def gdn_decode_supported(n_k: int, n_v: int, dk: int, dv: int, kw: int) -> bool:

@@ -639,12 +639,13 @@ class CupyBackend(FusedOpsMixin):
         key = tuple(id(w) for w in ws)
         rec = groups.get(key)
         if rec is None:
-            # fusing allocates and copies: never inside a graph capture (the graph would bake the copy)
-            made = None if self._capture is not None else self._fuse(ws)
-            if made is None:
-                return super().matmul_many(x, ws)
-            rec = groups[key] = (ws, made[0], made[1])
+            if self._capture is not None:  # fusing allocates and copies: an eager step does it
+                raise _CacheFull("projection weights are concatenated by an eager step; the next one captures")
+            made = self._fuse(ws)
+            rec = groups[key] = (ws, None, None) if made is None else (ws, made[0], made[1])
         _, big, ranges = rec
+        if big is None:  # formats or row lengths differ: separate matmuls
+            return super().matmul_many(x, ws)
         with self._dev:
             lead = x.shape[:-1]
             x2 = _f32(x).reshape(-1, x.shape[-1])
@@ -667,7 +668,13 @@ class CupyBackend(FusedOpsMixin):
     def gdn_decode(self, mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias, norm_w, *,
                    n_k: int, n_v: int, dk: int, dv: int, eps: float):
         kw = int(conv_w.shape[1])
-        if mixed.shape[0] != 1 or not fused.gdn_decode_supported(n_k, n_v, dk, dv, kw):
+        supported = fused.gdn_decode_supported(n_k, n_v, dk, dv, kw)
+        if supported and not fused.gdn_counters_ready(n_k):
+            if self._capture is not None:  # a memset in a capture is only recorded: make them eagerly
+                raise _CacheFull("gdn_decode counters are made by an eager step; the next one captures")
+            with self._dev:
+                fused.make_gdn_counters(n_k)
+        if mixed.shape[0] != 1 or not supported:
             return super().gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias,
                                       norm_w, n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=eps)
         with self._dev:
