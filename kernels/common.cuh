@@ -109,6 +109,49 @@ template <int QT> __device__ __forceinline__ i64 row_bytes(int K) {
     return (i64)(K / 256) * 210;  // Q6_K
 }
 
+// Sub-block b (values 32b..32b+31 of a row) of a K-quant row (GGUF blocks of 256): where its quants
+// are and how they scale. Shared by the fp32 dequantization below and the DP4A loads (gemv.cu).
+struct KSub {
+    const u8* q;   // Q4_K: 32 bytes, value = nibble at `shl`; Q6_K: the low nibbles (ql), at `shl`
+    const u8* qh;  // Q6_K: the high 2-bit pairs, at `shh`
+    int shl, shh;
+    float d0, d1;  // scale of values 0..15 and 16..31 (Q4_K: d * s for both)
+    float dm;      // Q4_K: dmin * m, subtracted from every value; Q6_K: 0 (values are q - 32)
+};
+
+template <int QT>
+__device__ __forceinline__ KSub ksub(const u8* wrow, int b) {
+    KSub r;
+    int j = b & 7;
+    if (QT == QT_Q4_K) {
+        const u8* p = wrow + (b >> 3) * 144;
+        float d = h2f(*(const u16*)p), dmin = h2f(*(const u16*)(p + 2));
+        const u8* sc = p + 4;
+        int s, m;
+        if (j < 4) { s = sc[j] & 63; m = sc[j + 4] & 63; }
+        else { s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4); m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
+        r.q = p + 16 + 32 * (j >> 1);
+        r.qh = p;
+        r.shl = 4 * (j & 1);
+        r.shh = 0;
+        r.d0 = r.d1 = d * (float)s;
+        r.dm = dmin * (float)m;
+    } else {  // Q6_K
+        const u8* p = wrow + (b >> 3) * 210;
+        int n = j >> 2, s = j & 3;
+        const i8* sc = (const i8*)(p + 192 + 8 * n + 2 * s);
+        float d = h2f(*(const u16*)(p + 208));
+        r.q = p + 64 * n + 32 * (s & 1);
+        r.qh = p + 128 + 32 * n;
+        r.shl = 4 * (s >> 1);
+        r.shh = 2 * s;
+        r.d0 = d * (float)sc[0];
+        r.d1 = d * (float)sc[1];
+        r.dm = 0.0f;
+    }
+    return r;
+}
+
 // Dequantize the 32 values of block b (values 32b..32b+31) of one row to fp32.
 // wrow: start of the row in `wq`; wdrow: start of the row's scales in `wd` (Q8_0/Q4_0 only).
 template <int QT>
@@ -158,30 +201,15 @@ __device__ __forceinline__ void deq_block32(const u8* wrow, const u16* wdrow, in
                 out[16 + 4 * j + k] = d * (float)((byte >> 4) - 8);
             }
     } else if (QT == QT_Q4_K) {
-        const u8* p = wrow + (b >> 3) * 144;
-        int j = b & 7;
-        float d = h2f(*(const u16*)p), dmin = h2f(*(const u16*)(p + 2));
-        const u8* sc = p + 4;
-        int s, m;
-        if (j < 4) { s = sc[j] & 63; m = sc[j + 4] & 63; }
-        else { s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4); m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
-        const u8* q = p + 16 + 32 * (j >> 1);
-        int shift = 4 * (j & 1);
-        float ds = d * (float)s, dm = dmin * (float)m;
+        KSub k = ksub<QT>(wrow, b);
 #pragma unroll
-        for (int l = 0; l < 32; l++) out[l] = ds * (float)((q[l] >> shift) & 15) - dm;
+        for (int l = 0; l < 32; l++) out[l] = k.d0 * (float)((k.q[l] >> k.shl) & 15) - k.dm;
     } else {  // Q6_K
-        const u8* p = wrow + (b >> 3) * 210;
-        int j = b & 7, n = j >> 2, s = j & 3;
-        const u8* ql = p + 64 * n + 32 * (s & 1);
-        const u8* qh = p + 128 + 32 * n;
-        const i8* sc = (const i8*)(p + 192 + 8 * n + 2 * s);
-        float d = h2f(*(const u16*)(p + 208));
-        int shl = 4 * (s >> 1), shh = 2 * s;
+        KSub k = ksub<QT>(wrow, b);
 #pragma unroll
         for (int l = 0; l < 32; l++) {
-            int q = ((ql[l] >> shl) & 15) | (((qh[l] >> shh) & 3) << 4);
-            out[l] = d * (float)sc[l >> 4] * (float)(q - 32);
+            int q = ((k.q[l] >> k.shl) & 15) | (((k.qh[l] >> k.shh) & 3) << 4);
+            out[l] = (l < 16 ? k.d0 : k.d1) * (float)(q - 32);
         }
     }
 }

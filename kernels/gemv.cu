@@ -37,39 +37,26 @@ __device__ __forceinline__ void load_wblock(const u8* wrow, const u16* wdrow, in
         w.dlo = w.dhi = d;
         w.m = -8.0f * d;
     } else if (QT == QT_Q4_K) {
-        const u8* p = wrow + (b >> 3) * 144;
-        int j = b & 7;
-        float d = h2f(*(const u16*)p), dmin = h2f(*(const u16*)(p + 2));
-        const u8* sc = p + 4;
-        int s, m;
-        if (j < 4) { s = sc[j] & 63; m = sc[j + 4] & 63; }
-        else { s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4); m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
-        const int4* q = (const int4*)(p + 16 + 32 * (j >> 1));
+        KSub k = ksub<QT>(wrow, b);
+        const int4* q = (const int4*)k.q;
         int4 a = q[0], c = q[1];
         int v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-        int shift = 4 * (j & 1);
 #pragma unroll
-        for (int i = 0; i < 8; i++) w.q[i] = (v[i] >> shift) & 0x0f0f0f0f;
-        w.dlo = w.dhi = d * (float)s;
-        w.m = -dmin * (float)m;
+        for (int i = 0; i < 8; i++) w.q[i] = (v[i] >> k.shl) & 0x0f0f0f0f;
+        w.dlo = w.dhi = k.d0;
+        w.m = -k.dm;
     } else {  // Q6_K
-        const u8* p = wrow + (b >> 3) * 210;
-        int j = b & 7, n = j >> 2, s = j & 3;
-        const u8* ql = p + 64 * n + 32 * (s & 1);
-        const u8* qh = p + 128 + 32 * n;
-        const i8* sc = (const i8*)(p + 192 + 8 * n + 2 * s);
-        float d = h2f(*(const u16*)(p + 208));
-        int shl = 4 * (s >> 1), shh = 2 * s;
+        KSub k = ksub<QT>(wrow, b);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            int lo = (ld_u16x2(ql + 4 * i) >> shl) & 0x0f0f0f0f;
-            int hi = (ld_u16x2(qh + 4 * i) >> shh) & 0x03030303;
+            int lo = (ld_u16x2(k.q + 4 * i) >> k.shl) & 0x0f0f0f0f;
+            int hi = (ld_u16x2(k.qh + 4 * i) >> k.shh) & 0x03030303;
             int q = lo | (hi << 4);  // 0..63 per byte
             // q - 32 as signed bytes without borrows: bit 5 set -> clear it; else add 0xE0.
             w.q[i] = (q ^ 0x20202020) | (((~q) & 0x20202020) * 6);
         }
-        w.dlo = d * (float)sc[0];
-        w.dhi = d * (float)sc[1];
+        w.dlo = k.d0;
+        w.dhi = k.d1;
         w.m = 0.0f;
     }
 }
