@@ -230,9 +230,10 @@ class RigBackend:
     def zeros(self, shape, dtype: str = "float32"):
         return self._charge(self._inner.zeros(shape, dtype), f"a {dtype} array of shape {tuple(shape)}")
 
-    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
-        return self._charge(self._inner.new_kv_cache(n_kv_heads, head_dim, value_dim, capacity),
-                            f"a KV cache of {capacity} tokens")
+    def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int,
+                     kv_type: str = "f32"):
+        return self._charge(self._inner.new_kv_cache(n_kv_heads, head_dim, value_dim, capacity, kv_type=kv_type),
+                            f"a {kv_type} KV cache of {capacity} tokens")
 
     def free(self, obj) -> None:
         with self._lock:

@@ -27,7 +27,7 @@ GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a 
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
 GDN_CHUNK_KEY_DIMS = (32, 64, 128)  # key dims of the chunked GDN prefill kernels (multiples of 32)
-KVQ3_KERNELS = ("quantize", "dequant", "rotate", "unrotate", "decode")  # kvq3.cu templates, one per head dim
+KVQ3_KERNELS = ("quantize", "dequant", "rotate", "unrotate", "decode", "flash_decode")  # kvq3.cu templates, one per head dim
 
 COMPILE_OPTIONS = ("-std=c++17",)
 

@@ -222,3 +222,121 @@ __global__ void __launch_bounds__(128) kvq3_decode(
         if (c < D) out_rot[(i64)h * D + c] = o[u] * inv_l;
     }
 }
+
+// Rows [kt, hi) of a q3 cache, dequantized but still rotated, into a KVQ3_TILE x (D+1) shared tile
+// (rows past hi are zero): one 3-byte group (8 codes, one scale) per thread and step.
+template <int D>
+__device__ __forceinline__ void kvq3_load_tile(float* KV, const u8* __restrict__ codes,
+                                               const u16* __restrict__ scales, int kt, int hi, int n_kv,
+                                               int kvh) {
+    for (int i = threadIdx.x; i < KVQ3_TILE * (D / 8); i += blockDim.x) {
+        int r = i / (D / 8), g = i % (D / 8);
+        float* dst = KV + r * (D + 1) + 8 * g;
+        if (kt + r < hi) {
+            i64 row = (i64)(kt + r) * n_kv + kvh;
+            const u8* b = codes + row * (3 * D / 8) + 3 * g;
+            u32 w = (u32)b[0] | ((u32)b[1] << 8) | ((u32)b[2] << 16);
+            float s = h2f(scales[row * (D / KVQ3_BLOCK) + (8 * g) / KVQ3_BLOCK]);
+#pragma unroll
+            for (int j = 0; j < 8; j++) dst[j] = KVQ3_LEVELS[(w >> (3 * j)) & 7u] * s;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) dst[j] = 0.0f;
+        }
+    }
+}
+
+#define KVQ3_G 8
+
+// kvq3_flash_decode<D>: flash_decode (attention.cu) over a q3 cache, in the rotated space. One block
+// per (KV head, context split) handles the G = nh / n_kv <= 8 query heads of that KV head over cache
+// rows [split * split_len, min(kv_len, that + split_len)) (and inside the window); writes the split's
+// unnormalized rotated output po (n_splits, nh, D), running max pm and sum pl (n_splits, nh) for
+// attention.cu's flash_merge. q_rot: the query already rotated (kvq3_rotate); the merged output is
+// rotated too (kvq3_unrotate it). kv_len_ptr (CUDA-graph decode): device int32, kv_len = *ptr + 1.
+template <int D>
+__global__ void __launch_bounds__(128) kvq3_flash_decode(
+        const float* __restrict__ q_rot, const u8* __restrict__ k_codes, const u16* __restrict__ k_scales,
+        const u8* __restrict__ v_codes, const u16* __restrict__ v_scales,
+        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
+        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
+        int window) {
+    if (kv_len_ptr != nullptr) kv_len = *kv_len_ptr + 1;
+    __shared__ float qs[KVQ3_G][D];
+    __shared__ float KV[KVQ3_TILE * (D + 1)];
+    __shared__ float P[KVQ3_G][KVQ3_TILE];
+    __shared__ float s_alpha[KVQ3_G];
+    int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    int kvh = blockIdx.x, split = blockIdx.y;
+    int G = nh / n_kv;
+    int h0 = kvh * G;
+    for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = q_rot[(i64)h0 * D + i];
+    int p = kv_len - 1;
+    int lo = split * split_len, hi = min(kv_len, lo + split_len);
+    if (window > 0) lo = max(lo, p - window + 1);
+    const int NU = (D + 127) / 128;
+    float o[KVQ3_G][NU];
+#pragma unroll
+    for (int g = 0; g < KVQ3_G; g++)
+#pragma unroll
+        for (int u = 0; u < NU; u++) o[g][u] = 0.0f;
+    float m_run[2] = {NEG_BIG, NEG_BIG}, l_run[2] = {0.0f, 0.0f};  // query heads w and w + 4
+    __syncthreads();
+    for (int kt = lo; kt < hi; kt += KVQ3_TILE) {
+        kvq3_load_tile<D>(KV, k_codes, k_scales, kt, hi, n_kv, kvh);
+        __syncthreads();
+        bool valid = kt + lane < hi;
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            int g = w + 4 * a;
+            if (g < G) {
+                float s = 0.0f;
+#pragma unroll 8
+                for (int c = 0; c < D; c++) s = fmaf(qs[g][c], KV[lane * (D + 1) + c], s);
+                s *= scale;
+                float m_new = fmaxf(m_run[a], warp_max(valid ? s : NEG_BIG));
+                float alpha = __expf(m_run[a] - m_new);
+                float pv = valid ? __expf(s - m_new) : 0.0f;
+                l_run[a] = l_run[a] * alpha + warp_sum(pv);
+                m_run[a] = m_new;
+                P[g][lane] = pv;
+                if (lane == 0) s_alpha[g] = alpha;
+            }
+        }
+        __syncthreads();
+        kvq3_load_tile<D>(KV, v_codes, v_scales, kt, hi, n_kv, kvh);
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < NU; u++) {
+            int c = tid + 128 * u;
+            if (c < D) {
+#pragma unroll
+                for (int g = 0; g < KVQ3_G; g++) {
+                    if (g < G) {
+                        float acc = o[g][u] * s_alpha[g];
+#pragma unroll 8
+                        for (int j = 0; j < KVQ3_TILE; j++) acc = fmaf(P[g][j], KV[j * (D + 1) + c], acc);
+                        o[g][u] = acc;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    i64 base = (i64)split * nh + h0;
+#pragma unroll
+    for (int u = 0; u < NU; u++) {
+        int c = tid + 128 * u;
+        if (c < D)
+#pragma unroll
+            for (int g = 0; g < KVQ3_G; g++)
+                if (g < G) po[(base + g) * D + c] = o[g][u];
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            int g = w + 4 * a;
+            if (g < G) { pm[base + g] = m_run[a]; pl[base + g] = l_run[a]; }
+        }
+    }
+}

@@ -97,3 +97,43 @@ def decode_attention(q, k_codes, k_scales, v_codes, v_scales, kv_len: int, scale
         (nh,), (128,), (q_rot, k_codes, k_scales, v_codes, v_scales, out_rot, np.int32(nh), np.int32(n_kv),
                         np.int32(kv_len), np.float32(scale), np.int32(window)))
     return unrotate(out_rot).reshape(1, nh, D)
+
+
+def flash_decode(q, k_codes, k_scales, v_codes, v_scales, kv_len: int, scale: float, window: int = 0,
+                 kv_len_ptr: cp.ndarray | None = None) -> cp.ndarray:
+    """One query token q (1, nh, D) over q3 cache rows [0, kv_len) (the query is the last row), in the
+    rotated space with a context split like ops.attention's flash_decode: rotate q, kvq3_flash_decode
+    per (KV head, split), attention.cu's flash_merge, inverse-rotate -> (1, nh, D) float32.
+
+    kv_len_ptr (CUDA-graph decode): a device int32 holding the length before this token's append; the
+    split is then sized for the whole cache capacity. Needs nh / n_kv <= 8 (`fits_flash_decode`)."""
+    import math
+
+    from .ops import sm_count
+
+    _, nh, D = q.shape
+    n_kv = k_codes.shape[1]
+    if not fits_flash_decode(nh, n_kv, D, v_codes.shape[2] * 8 // 3):
+        raise ValueError(f"kvq3 flash_decode needs nh / n_kv <= 8 and equal K/V dims in {HEAD_DIMS}")
+    q_rot = rotate(q.reshape(nh, D))
+    span = k_codes.shape[0] if kv_len_ptr is not None else int(kv_len)
+    want = max(1, (6 * sm_count()) // n_kv)
+    split_len = max(32, math.ceil(span / want / 32) * 32)
+    n_splits = max(1, math.ceil(span / split_len))
+    po = cp.empty((n_splits, nh, D), dtype=cp.float32)
+    pm = cp.empty((n_splits, nh), dtype=cp.float32)
+    pl = cp.empty((n_splits, nh), dtype=cp.float32)
+    get_kernel("kvq3", f"kvq3_flash_decode<{D}>")(
+        (n_kv, n_splits), (128,), (q_rot, k_codes, k_scales, v_codes, v_scales, po, pm, pl, np.int32(nh),
+                                   np.int32(n_kv), np.int32(kv_len),
+                                   kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
+                                   np.int32(split_len), np.float32(scale), np.int32(window)))
+    out_rot = cp.empty((nh, D), dtype=cp.float32)
+    get_kernel("attention", "flash_merge")((nh,), (min(256, max(32, D)),),
+                                     (po, pm, pl, out_rot, np.int32(n_splits), np.int32(nh), np.int32(D)))
+    return unrotate(out_rot).reshape(1, nh, D)
+
+
+def fits_flash_decode(nh: int, n_kv: int, d: int, dv: int) -> bool:
+    """Whether `flash_decode` takes this shape (at most 8 query heads per KV head, equal K/V dims)."""
+    return d in HEAD_DIMS and dv == d and n_kv > 0 and nh % n_kv == 0 and nh // n_kv <= 8

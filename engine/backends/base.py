@@ -48,6 +48,69 @@ class KVCache(Protocol):
         """An independent copy (same device) holding the same `length` tokens (Session.fork)."""
 
 
+class GrowingKVCache(KVCache):
+    """The book-keeping every backend's KV cache shares: per-token arrays of `capacity` rows (the
+    first `length` valid), growth by doubling past `capacity`, truncate, clone, byte count.
+
+    A subclass names its arrays in `_layout()` ({attribute: (shape after the token axis, dtype)}),
+    allocates zeroed arrays in `_zeros(shape, dtype)` and writes appended rows in `_write(k, v, start)`
+    (rows start..start+T-1, already reserved). The array library stays in the subclass."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = head_dim
+        self.value_dim = value_dim
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        for name, (tail, dtype) in self._layout().items():
+            setattr(self, name, self._zeros((self.capacity,) + tail, dtype))
+
+    def _layout(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _zeros(shape: tuple[int, ...], dtype) -> Array:
+        raise NotImplementedError
+
+    def _write(self, k: Array, v: Array, start: int) -> None:
+        raise NotImplementedError
+
+    def reserve(self, need: int) -> None:
+        """Make room for `need` tokens: past `capacity` every array doubles (or grows to `need`),
+        keeping its first `length` rows (so any device address baked into a graph changes)."""
+        if need <= self.capacity:
+            return
+        new_cap = max(need, 2 * self.capacity)
+        for name, (tail, dtype) in self._layout().items():
+            old = getattr(self, name)
+            grown = self._zeros((new_cap,) + tail, dtype)
+            grown[: self.length] = old[: self.length]
+            setattr(self, name, grown)
+        self.capacity = new_cap
+
+    def append(self, k: Array, v: Array) -> None:
+        need = self.length + k.shape[0]
+        self.reserve(need)
+        self._write(k, v, self.length)
+        self.length = need
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a KV cache of {self.length} tokens to {length}")
+        self.length = int(length)
+
+    def clone(self) -> GrowingKVCache:
+        twin = type(self)(self.n_kv_heads, self.head_dim, self.value_dim, self.capacity)
+        for name in self._layout():
+            getattr(twin, name)[: self.length] = getattr(self, name)[: self.length]
+        twin.length = self.length
+        return twin
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(getattr(self, name).nbytes for name in self._layout()))
+
+
 @dataclass
 class LayerState:
     """Per-sequence state of one layer, as returned by a model module's `new_layer_state`.
@@ -192,7 +255,7 @@ class Backend(Protocol):
 
     def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int,
                      kv_type: str = "f32") -> KVCache:
-        """kv_type: "f32" (exact), or "q3" (3-bit, engine/kvquant.py; NumPy backend only so far). A
+        """kv_type: "f32" (exact), or "q3" (3-bit, engine/kvquant.py; NumPy and CUDA backends). A
         backend without a type raises RequestError."""
 
     def attention(self, q: Array, k: Array, v: Array, cache: KVCache, *, scale: float,

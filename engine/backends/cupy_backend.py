@@ -22,10 +22,10 @@ import os
 
 import cupy as cp
 import numpy as np
-from minecart.kernels import fused, ops
+from minecart.kernels import fused, kvq3, ops
 from minecart.kernels.build import QT
 
-from .base import FusedOpsMixin, KVCache
+from .base import FusedOpsMixin, GrowingKVCache
 
 
 def device_count() -> int:
@@ -61,50 +61,56 @@ class CupyWeight:
         return self.q.nbytes
 
 
-class CupyKVCache(KVCache):
+class CupyKVCache(GrowingKVCache):
     """K and V of one attention layer: fp32 (capacity, n_kv, d) device arrays, first `length` valid.
 
     fp32 (not fp16) so that results match the fp32 references to ~1e-5; appending past `capacity`
-    doubles the arrays."""
+    doubles the arrays (growth, truncate, clone: base.GrowingKVCache)."""
 
-    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
-        self.n_kv_heads = n_kv_heads
-        self.head_dim = head_dim
-        self.value_dim = value_dim
-        self.capacity = max(1, int(capacity))
-        self.length = 0
-        self.k = cp.zeros((self.capacity, n_kv_heads, head_dim), cp.float32)
-        self.v = cp.zeros((self.capacity, n_kv_heads, value_dim), cp.float32)
+    def _layout(self):
+        return {"k": ((self.n_kv_heads, self.head_dim), cp.float32),
+                "v": ((self.n_kv_heads, self.value_dim), cp.float32)}
 
-    def append(self, k, v) -> None:
-        need = self.length + k.shape[0]
-        if need > self.capacity:
-            new_cap = max(need, 2 * self.capacity)
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                grown = cp.zeros((new_cap,) + old.shape[1:], cp.float32)
-                grown[: self.length] = old[: self.length]
-                setattr(self, name, grown)
-            self.capacity = new_cap
-        self.k[self.length : need] = k
-        self.v[self.length : need] = v
-        self.length = need
+    @staticmethod
+    def _zeros(shape, dtype):
+        return cp.zeros(shape, dtype)
 
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a KV cache of {self.length} tokens to {length}")
-        self.length = int(length)
+    def _write(self, k, v, start: int) -> None:
+        self.k[start : start + k.shape[0]] = k
+        self.v[start : start + k.shape[0]] = v
 
-    def clone(self) -> CupyKVCache:
-        twin = CupyKVCache(self.n_kv_heads, self.head_dim, self.value_dim, self.capacity)
-        twin.k[: self.length] = self.k[: self.length]
-        twin.v[: self.length] = self.v[: self.length]
-        twin.length = self.length
-        return twin
+
+class CupyQ3KVCache(GrowingKVCache):
+    """K and V of one attention layer in the q3 format of engine/kvquant.py, on the device: codes
+    (capacity, n_kv, 3d/8) uint8 and fp16 scales (capacity, n_kv, d/32), first `length` valid.
+
+    Rows are quantized on the device as they are appended (kernels/kvq3.py). Attention dequantizes
+    rows [0, length) into the backend's fp32 scratch (`CupyBackend._q3_scratch`, one per KV shape,
+    at least `capacity` rows) and runs the fp32 attention kernels on it. `k` / `v` are the code arrays
+    (None once freed), the names the decode-graph checks read."""
+
+    kv_type = "q3"
+
+    def _layout(self):
+        n, d, dv = self.n_kv_heads, self.head_dim, self.value_dim
+        return {"k_codes": ((n, 3 * d // 8), cp.uint8), "k_scales": ((n, d // 32), cp.float16),
+                "v_codes": ((n, 3 * dv // 8), cp.uint8), "v_scales": ((n, dv // 32), cp.float16)}
+
+    @staticmethod
+    def _zeros(shape, dtype):
+        return cp.zeros(shape, dtype)
+
+    def _write(self, k, v, start: int) -> None:
+        kvq3.quantize_append(k, self.k_codes, self.k_scales, start)
+        kvq3.quantize_append(v, self.v_codes, self.v_scales, start)
 
     @property
-    def nbytes(self) -> int:
-        return int(self.k.nbytes + self.v.nbytes)
+    def k(self):
+        return self.k_codes
+
+    @property
+    def v(self):
+        return self.v_codes
 
 
 class _CacheFull(RuntimeError):
@@ -382,6 +388,8 @@ class CupyBackend(FusedOpsMixin):
                 del groups[key]  # the concatenated weight goes with its first freed member
         elif isinstance(obj, CupyKVCache):
             obj.k = obj.v = None
+        elif isinstance(obj, CupyQ3KVCache):
+            obj.k_codes = obj.k_scales = obj.v_codes = obj.v_scales = None
 
     def synchronize(self) -> None:
         if self._capture is not None:
@@ -514,16 +522,85 @@ class CupyBackend(FusedOpsMixin):
 
     def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int,
                      kv_type: str = "f32"):
-        if kv_type != "f32":
+        from ..kvquant import check_kv_type
+
+        if check_kv_type(kv_type) == "q3":  # 3-bit codes + fp16 scales (engine/kvquant.py, kernels/kvq3.py)
+            from minecart.kernels.build import HEAD_DIMS
+
             from ..errors import RequestError
 
-            # kernels/kvq3.cu exists but has never run on a GPU: not wired until it is tested
-            raise RequestError(f"KV cache type '{kv_type}' is not available on the CUDA backend yet "
-                               "(only 'f32'); use kv_type 'f32', or the NumPy backend (devices cpu:0) for q3")
+            if head_dim not in HEAD_DIMS or value_dim != head_dim:
+                raise RequestError(f"the q3 KV cache on the CUDA backend needs equal K and V head dims in "
+                                   f"{HEAD_DIMS}; this model has {head_dim}/{value_dim}: use kv_type 'f32'")
+            with self._dev:
+                cache = CupyQ3KVCache(n_kv_heads, head_dim, value_dim, capacity)
+                self._q3_scratch(cache, grow=True)
+                return cache
         with self._dev:
             return CupyKVCache(n_kv_heads, head_dim, value_dim, capacity)
 
+    def _q3_scratch(self, cache: CupyQ3KVCache, *, grow: bool):
+        """fp32 (capacity, n_kv, d) views of this backend's scratch for `cache`'s K and V, which
+        attention dequantizes the cache rows into. One pair per KV shape, shared by every layer of
+        that shape (the layers run one after another on one stream), never smaller than the largest
+        q3 cache made or grown here. Growing moves it, which invalidates any captured decode graph,
+        so it grows only outside a capture (grow=False raises _CacheFull: that step runs eagerly)."""
+        pool = self.__dict__.setdefault("_q3_scratch_arrays", {})
+        out = []
+        for d in (cache.head_dim, cache.value_dim):
+            key = (cache.n_kv_heads, d)
+            buf = pool.get(key)
+            if buf is None or buf.shape[0] < cache.capacity:
+                if not grow:
+                    raise _CacheFull("q3 attention scratch too small: this step grows it eagerly")
+                self._graphs = {}  # a live graph holds the old address
+                pool[key] = buf = cp.zeros((max(cache.capacity, 0 if buf is None else 2 * buf.shape[0]),
+                                            cache.n_kv_heads, d), cp.float32)
+            out.append(buf[: cache.capacity])
+        return out
+
+    def _attention_q3(self, q, k, v, cache: CupyQ3KVCache, scale: float, window: int):
+        """Attention over a q3 cache: quantize this call's K/V rows into it, dequantize rows
+        [0, length) into the fp32 scratch and run the fp32 kernels there. Under a CUDA-graph capture
+        the row and the length come from the device (`_Capture.cache_row`), as for CupyKVCache."""
+        n, d, dv = cache.n_kv_heads, cache.head_dim, cache.value_dim
+        k = _f32(k).reshape(-1, n, d)
+        v = _f32(v).reshape(-1, n, dv)
+        # decode straight from the codes (kvq3_flash_decode, rotated space): opt-in until measured
+        # (MINECART_Q3_DECODE=rotated or backend.q3_decode = "rotated"); default: dequantize + flash_decode
+        mode = self.__dict__.get("q3_decode") or os.environ.get("MINECART_Q3_DECODE", "dequant")
+        if mode == "rotated" and k.shape[0] == 1 and kvq3.fits_flash_decode(q.shape[1], n, d, dv):
+            if self._capture is not None:
+                row_ptr = self._capture.cache_row(cache)
+                kvq3.quantize_append(k, cache.k_codes, cache.k_scales, 0, start_ptr=row_ptr)
+                kvq3.quantize_append(v, cache.v_codes, cache.v_scales, 0, start_ptr=row_ptr)
+                cache.length += 1
+            else:
+                row_ptr = None
+                cache.append(k, v)
+            return kvq3.flash_decode(q, cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
+                                     cache.length, float(scale), int(window), kv_len_ptr=row_ptr)
+        if self._capture is not None:
+            ks, vs = self._q3_scratch(cache, grow=False)
+            row_ptr = self._capture.cache_row(cache)
+            kvq3.quantize_append(k, cache.k_codes, cache.k_scales, 0, start_ptr=row_ptr)
+            kvq3.quantize_append(v, cache.v_codes, cache.v_scales, 0, start_ptr=row_ptr)
+            cache.length += 1
+            kvq3.dequantize_into(cache.k_codes, cache.k_scales, ks, cache.length, len_ptr=row_ptr)
+            kvq3.dequantize_into(cache.v_codes, cache.v_scales, vs, cache.length, len_ptr=row_ptr)
+            return ops.attention(q, ks, vs, cache.length - 1, cache.length, float(scale), int(window),
+                                 kv_len_ptr=row_ptr)
+        start = cache.length
+        cache.append(k, v)
+        ks, vs = self._q3_scratch(cache, grow=True)
+        kvq3.dequantize_into(cache.k_codes, cache.k_scales, ks, cache.length)
+        kvq3.dequantize_into(cache.v_codes, cache.v_scales, vs, cache.length)
+        return ops.attention(q, ks, vs, start, cache.length, float(scale), int(window))
+
     def attention(self, q, k, v, cache: CupyKVCache, *, scale: float, window: int = 0):
+        if isinstance(cache, CupyQ3KVCache):
+            with self._dev:
+                return self._attention_q3(q, k, v, cache, scale, window)
         with self._dev:
             if self._capture is not None:
                 row_ptr = self._capture.cache_row(cache)
@@ -874,4 +951,4 @@ class CupyBackend(FusedOpsMixin):
             return int(total - free)
 
 
-__all__ = ["CupyBackend", "CupyKVCache", "CupyWeight", "device_count", "gpu_uuid"]
+__all__ = ["CupyBackend", "CupyKVCache", "CupyQ3KVCache", "CupyWeight", "device_count", "gpu_uuid"]

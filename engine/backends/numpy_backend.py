@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import FusedOpsMixin, KVCache
+from .base import FusedOpsMixin, GrowingKVCache
 
 F32 = np.float32
 F64 = np.float64
@@ -84,51 +84,28 @@ class NumpyWeight:
 # attention cache
 
 
-class NumpyKVCache(KVCache):
+class NumpyKVCache(GrowingKVCache):
     """K and V of one attention layer for one sequence: (capacity, n_kv, d) arrays, first `length` valid.
 
     `capacity` is the initial allocation; appending past it doubles the arrays (the reference never
     refuses a long sequence; the GPU backend sizes its caches from the placement plan instead).
+    Growth, truncate and clone: base.GrowingKVCache.
     """
 
-    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
-        self.n_kv_heads = n_kv_heads
-        self.head_dim = head_dim
-        self.value_dim = value_dim
-        self.capacity = max(1, int(capacity))
-        self.length = 0
-        self.k = np.zeros((self.capacity, n_kv_heads, head_dim), F32)
-        self.v = np.zeros((self.capacity, n_kv_heads, value_dim), F32)
+    def _layout(self):
+        return {"k": ((self.n_kv_heads, self.head_dim), F32), "v": ((self.n_kv_heads, self.value_dim), F32)}
 
-    def append(self, k: np.ndarray, v: np.ndarray) -> None:
-        need = self.length + k.shape[0]
-        if need > self.capacity:
-            new_cap = max(need, 2 * self.capacity)
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                grown = np.zeros((new_cap,) + old.shape[1:], F32)
-                grown[: self.length] = old[: self.length]
-                setattr(self, name, grown)
-            self.capacity = new_cap
-        self.k[self.length : need] = k
-        self.v[self.length : need] = v
-        self.length = need
+    @staticmethod
+    def _zeros(shape, dtype):
+        return np.zeros(shape, dtype)
 
-    def truncate(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a KV cache of {self.length} tokens to {length}")
-        self.length = int(length)
+    def _write(self, k: np.ndarray, v: np.ndarray, start: int) -> None:
+        self.k[start : start + k.shape[0]] = k
+        self.v[start : start + k.shape[0]] = v
 
     def read(self, length: int) -> tuple[np.ndarray, np.ndarray]:
         """K (L, n_kv, d) and V (L, n_kv, dv) of the first `length` tokens (views)."""
         return self.k[:length], self.v[:length]
-
-    def clone(self) -> NumpyKVCache:
-        twin = NumpyKVCache(self.n_kv_heads, self.head_dim, self.value_dim, self.capacity)
-        twin.k[: self.length] = self.k[: self.length]
-        twin.v[: self.length] = self.v[: self.length]
-        twin.length = self.length
-        return twin
 
 
 # ------------------------------------------------------------------------------------------------

@@ -24,13 +24,14 @@ def _seqs(fixtures_dir) -> dict:
     return {s["name"]: s["ids"] for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
 
 
-def _models(fixtures_dir, gpu_path="fma", *, graphs=True):
+def _models(fixtures_dir, gpu_path="fma", *, graphs=True, mode="dequant"):
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.engine.backends.numpy_backend import NumpyBackend
     from minecart.engine.model import load_model
 
     be = CupyBackend("cuda:0", path=gpu_path)
     be.use_graphs = graphs
+    be.q3_decode = mode  # single-token decode: dequantize + flash_decode, or kvq3_flash_decode ("rotated")
     path = fixtures_dir / FIXTURE
     return load_model(path, backend=NumpyBackend(), kv_type="q3"), load_model(path, backend=be, kv_type="q3"), be
 
@@ -80,21 +81,23 @@ def test_q3_fixture_logits_match_numpy_q3(fixtures_dir):
     print(f"worst max rel err GPU q3 vs NumPy q3: {worst:.2e}")
 
 
-def test_q3_greedy_32_matches_numpy_q3(fixtures_dir):
-    m_np, m_gp, be = _models(fixtures_dir)
+@pytest.mark.parametrize("mode", ["dequant", "rotated"])
+def test_q3_greedy_32_matches_numpy_q3(fixtures_dir, mode):
+    m_np, m_gp, be = _models(fixtures_dir, mode=mode)
     same = {}
     for name, ids in _seqs(fixtures_dir).items():
         a, b = _greedy(m_np, ids, 32), _greedy(m_gp, ids, 32)
         same[name] = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 32)
-    print(f"\ngreedy 32 identical prefix per sequence (GPU q3 vs NumPy q3): {same}; graph used: {bool(be._graphs)}")
+    print(f"\ngreedy 32 identical prefix per sequence (GPU q3 {mode} vs NumPy q3): {same}; graph used: {bool(be._graphs)}")
     assert all(v == 32 for v in same.values()), same
 
 
-def test_q3_graph_decode_matches_eager(fixtures_dir):
+@pytest.mark.parametrize("mode", ["dequant", "rotated"])
+def test_q3_graph_decode_matches_eager(fixtures_dir, mode):
     """Replayed CUDA-graph decode over a q3 cache == the eager step, across cache growth (the cache
     and the attention scratch move: the graph is re-captured) and a truncate."""
-    _, mg, graph_be = _models(fixtures_dir, graphs=True)
-    _, me, _ = _models(fixtures_dir, graphs=False)
+    _, mg, graph_be = _models(fixtures_dir, graphs=True, mode=mode)
+    _, me, _ = _models(fixtures_dir, graphs=False, mode=mode)
     prompt = _seqs(fixtures_dir)["len70"]
     sg, se = mg.new_session(len(prompt) + 4), me.new_session(len(prompt) + 4)  # caches must grow
     lg, le = sg.prefill(prompt), se.prefill(prompt)
@@ -111,17 +114,18 @@ def test_q3_graph_decode_matches_eager(fixtures_dir):
             lg, le = sg.last_logits, se.last_logits
             if lg is None or le is None:
                 lg, le = sg.step(tok), se.step(tok)
-    print(f"\nq3 graph vs eager decode: max rel err {worst:.2e}")
+    print(f"\nq3 {mode} graph vs eager decode: max rel err {worst:.2e}")
     assert graph_be._graphs, "decode never used a CUDA graph"
 
 
-def test_q3_fork_and_long_growth(fixtures_dir):
+@pytest.mark.parametrize("mode", ["dequant", "rotated"])
+def test_q3_fork_and_long_growth(fixtures_dir, mode):
     """Session.fork clones a q3 cache on the device; a small initial capacity grows several times."""
-    m_np, m_gp, _ = _models(fixtures_dir)
+    m_np, m_gp, _ = _models(fixtures_dir, mode=mode)
     ids = _seqs(fixtures_dir)["len300"]
     a = _greedy(m_np, ids, 8, capacity=8)
     b = _greedy(m_gp, ids, 8, capacity=8)
-    print(f"\nlen300 from capacity 8: NumPy {a} GPU {b}")
+    print(f"\nlen300 from capacity 8 ({mode}): NumPy {a} GPU {b}")
     assert a == b
     s = m_gp.new_session(len(ids) + 16)
     s.prefill([int(t) for t in ids[:100]])
@@ -130,6 +134,22 @@ def test_q3_fork_and_long_growth(fixtures_dir):
     np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6 * float(np.abs(la).max()))
     s.close()
     twin.close()
+
+
+def test_q3_decode_modes_agree(fixtures_dir):
+    """The rotated-space decode kernel and dequantize + flash_decode give the same decode logits."""
+    _, ma, _ = _models(fixtures_dir, mode="dequant")
+    _, mb, _ = _models(fixtures_dir, mode="rotated")
+    prompt = _seqs(fixtures_dir)["len128"]
+    sa, sb = ma.new_session(len(prompt) + 20), mb.new_session(len(prompt) + 20)
+    la, lb = sa.prefill(prompt), sb.prefill(prompt)
+    worst = 0.0
+    for _ in range(16):
+        tok = int(np.argmax(la))
+        la, lb = sa.step(tok), sb.step(tok)
+        worst = max(worst, float(np.max(np.abs(la - lb)) / np.max(np.abs(la))))
+    print(f"\nq3 decode rotated vs dequant: max rel err {worst:.2e}")
+    assert worst < 1e-4
 
 
 def test_q3_unknown_type_refused_on_gpu():
