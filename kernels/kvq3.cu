@@ -16,7 +16,8 @@
 //   Softmax in fp32 with a running max and sum.
 //
 // Used by CupyQ3KVCache (engine/backends/cupy_backend.py): kvq3_quantize on append, kvq3_dequant into
-// an fp32 scratch that the fp32 attention kernels read. kvq3_decode is not wired yet.
+// an fp32 scratch that the fp32 attention kernels read; kvq3_flash_decode (end of file) for T = 1 when
+// MINECART_Q3_DECODE=rotated. kvq3_decode (no context split) is a test reference only.
 // tests/gpu/test_kvq3.py compares every kernel with engine/kvquant.py;
 // tests/kernels/test_kvq3_emulation.py checks a NumPy emulation of this file's loops on the CPU.
 // No tensor-core instructions: fp32 FMA and shuffles only.
