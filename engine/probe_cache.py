@@ -4,7 +4,8 @@ The CuPy backend times the DP4A and fp32-FMA variants of its matmul kernels on t
 (kernels/probe.py), keeps the faster path, and stores the result here under the GPU's UUID (the NVML
 form "GPU-xxxxxxxx-..."), so the next start reuses the choice and `minecart inspect --gpu`
 (engine/devices.py) can show it. One JSON object: {uuid: record}; a record is a plain dict with at least
-"name", "gemv", "gemm" (chosen paths), "summary" (one line for people) and "probed_at".
+"name", "gemv", "gemm" (chosen paths among dp4a / dp4a2 / fma / hfma2), "summary" (one line for people)
+and "probed_at"; kernels/probe.py also stores "gemv_us" / "gemm_us" (microseconds per variant).
 
 This module only reads and writes that file; it never touches a GPU. A missing or corrupt file reads
 as empty (the probe then runs again). Set MINECART_CACHE_DIR to put the file elsewhere (tests do).
@@ -19,7 +20,9 @@ import time
 from pathlib import Path
 
 FILE_NAME = "gpu_probe.json"
-VERSION = 1  # bump when the kernels change enough that old choices should be re-probed
+VERSION = 2  # bump when the kernels change enough that old choices should be re-probed
+# Version 2 added the fp16 HFMA2 path: version-1 records (DP4A / FMA timings only) are ignored, so a
+# card probed before it is simply probed again, three-way, at the next load.
 
 
 def cache_path() -> Path:
@@ -78,11 +81,18 @@ def summarize(rec: dict) -> str:
         parts.append(f"FP32 {rec['fma_tflops']:.1f} TFLOP/s")
     if "copy_gbs" in rec:
         parts.append(f"copy {rec['copy_gbs']:.0f} GB/s")
-    gemv, gemm = rec.get("gemv"), rec.get("gemm")
-    if gemv or gemm:
-        parts.append(f"decode path {gemv or '?'}, prefill path {gemm or '?'}")
+    for label, what in (("gemv", "decode"), ("gemm", "prefill")):
+        chosen = rec.get(label)
+        if not chosen:
+            continue
+        times = rec.get(f"{label}_us")
+        if isinstance(times, dict) and times:
+            shown = ", ".join(f"{p} {t:.0f} us" for p, t in times.items() if isinstance(t, (int, float)))
+            parts.append(f"{what} path {chosen} ({shown})")
+        else:
+            parts.append(f"{what} path {chosen}")
     if rec.get("dp4a_throttled"):
-        parts.append("DP4A throttled: using FMA")
+        parts.append("DP4A throttled")
     return "; ".join(parts)
 
 

@@ -141,6 +141,10 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations; "dp4a2" = the GEMM
     variant staging two quant blocks per barrier) or "fma" (fp32). residual (T, R): added to the
     result (in the GEMV epilogue for a few tokens, by a separate add otherwise)."""
+    if path == "hfma2":  # fp16 products, fp32 accumulation (hfma2.py)
+        from . import hfma2
+
+        return hfma2.matmul(x, w, out, residual)
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, K = x.shape
     if K != w.cols:

@@ -1,24 +1,52 @@
-"""Per-card probe: which matmul path (DP4A int8 or fp32 FMA) is faster on this GPU, and its ceilings.
+"""Per-card probe: which matmul path (DP4A int8, fp32 FMA or fp16 HFMA2) is fastest on this GPU, and its
+ceilings.
 
-Mining cards throttle different units (CMP 100-210: tensor cores; CMP 30HX-170HX: also DP4A or FMA),
-so the path is measured, not assumed. `run_probe()` times the Q8_0 GEMV (decode) and GEMM (prefill)
-in both variants on random data and returns a plain dict (stored per GPU UUID by
-engine/probe_cache.py). It takes well under a second after the kernels are compiled.
-Timings are GPU time (calls captured into a CUDA graph), not Python launch overhead.
+Mining cards throttle different units (CMP 100-210: tensor cores; CMP 30HX-170HX: also DP4A or FMA,
+some keeping full-rate fp16; Pascal consumer cards run fp16 at 1/64 rate), so the path is measured, not
+assumed. `run_probe()` times the Q8_0 GEMV (decode) and GEMM (prefill) in every variant on random data
+and returns a plain dict (stored per GPU UUID by engine/probe_cache.py). It takes well under a second
+after the kernels are compiled. Timings are GPU time (calls captured into a CUDA graph), not Python
+launch overhead. A variant that raises or whose result differs from the fp32 FMA result on the probe's
+own data by more than SANITY_REL_ERR (max abs error / max abs value) is excluded (`choose_fastest`).
 `measure_ceilings()` measures copy bandwidth and the peak DP4A / FMA rates for `minecart bench`.
 
 Not here: the cache file (engine/probe_cache.py) and the decision's use (engine/backends/cupy_backend.py).
+`choose_fastest` needs no GPU (this module imports without CuPy, for tests on CPU-only machines).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
-import cupy as cp
 import numpy as np
 
-from . import ops
+try:
+    import cupy as cp
+
+    from . import gdn_chunk, ops
+except ImportError:  # CPU-only machine: only choose_fastest is usable
+    cp = ops = gdn_chunk = None
+
 from .build import get_kernel
+
+GEMV_PATHS = ("dp4a", "fma", "hfma2")  # decode candidates
+GEMM_PATHS = ("dp4a", "dp4a2", "fma", "hfma2")  # prefill candidates
+SANITY_REL_ERR = 5e-2  # a variant further than this from the fp32 FMA result is broken on this card
+
+
+def choose_fastest(times: dict, errors: dict, tol: float = SANITY_REL_ERR) -> str:
+    """The fastest usable path. times: path -> seconds (None when the variant raised); errors: path ->
+    relative error against fp32 FMA (None when unknown). A path is usable when it ran, its time is
+    finite and positive, and its error is known, finite and at most `tol`. When nothing qualifies,
+    "fma" (the reference kernel)."""
+    ok = {}
+    for p, t in times.items():
+        e = errors.get(p)
+        if t is None or e is None or not math.isfinite(t) or t <= 0 or not math.isfinite(e) or e > tol:
+            continue
+        ok[p] = t
+    return min(ok, key=ok.get) if ok else "fma"
 
 
 def _time(fn, reps: int) -> float:
@@ -120,8 +148,17 @@ def measure_ceilings(seconds: float = 0.3) -> dict:
     return {"copy_gbs": measure_copy(), "dp4a_tops": measure_dp4a(), "fma_tflops": measure_fma()}
 
 
+def _rel_err(y, ref) -> float:
+    scale = float(cp.abs(ref).max())
+    return float(cp.abs(y - ref).max()) / scale if scale > 0 else float("inf")
+
+
 def run_probe() -> dict:
-    """Time DP4A vs FMA matmuls on this card; return the choice and the measurements."""
+    """Time the DP4A, FMA and HFMA2 matmuls on this card; return the choices and the measurements.
+
+    Record: gemv / gemm (chosen paths), gemv_us / gemm_us (microseconds per call of every variant that
+    ran; a variant that raised is missing), gemv_err / gemm_err (relative error against fp32 FMA),
+    gemv_excluded / gemm_excluded (variants left out and why), the ceilings, probe_s."""
     t_start = time.perf_counter()
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
@@ -131,14 +168,28 @@ def run_probe() -> dict:
     x1 = cp.random.RandomState(1).standard_normal((1, K), dtype=cp.float32)
     xp = cp.random.RandomState(2).standard_normal((256, K), dtype=cp.float32)
     rec: dict = {"name": name, "cc": int(dev.compute_capability)}
-    for label, x in (("gemv", x1), ("gemm", xp)):
-        times = {}
-        for path in (("dp4a", "fma") if label == "gemv" else ("dp4a", "dp4a2", "fma")):
-            times[path] = time_gpu(lambda x=x, path=path: ops.matmul(x, w, path), 10)
-        rec[f"{label}_us"] = {p: round(t * 1e6, 1) for p, t in times.items()}
-        rec[label] = min(times, key=times.get)
+    for label, x, paths in (("gemv", x1, GEMV_PATHS), ("gemm", xp, GEMM_PATHS)):
+        ref = ops.matmul(x, w, "fma")
+        times: dict = {}
+        errs: dict = {}
+        excluded: dict = {}
+        for path in paths:
+            try:
+                errs[path] = 0.0 if path == "fma" else _rel_err(ops.matmul(x, w, path), ref)
+                times[path] = time_gpu(lambda x=x, path=path: ops.matmul(x, w, path), 10)
+            except Exception as exc:  # a variant that fails on this card is simply not used
+                times[path] = None
+                excluded[path] = f"{type(exc).__name__}: {exc}"[:200]
+                continue
+            if not errs[path] <= SANITY_REL_ERR:
+                excluded[path] = f"relative error {errs[path]:.2e} against fp32 FMA"
+        rec[f"{label}_us"] = {p: round(t * 1e6, 1) for p, t in times.items() if t is not None}
+        rec[f"{label}_err"] = {p: float(f"{e:.3g}") for p, e in errs.items()}
+        if excluded:
+            rec[f"{label}_excluded"] = excluded
+        rec[label] = choose_fastest(times, errs)
     rec.update(measure_ceilings())
-    rec["dp4a_throttled"] = rec["gemm"] == "fma" and rec["gemv"] == "fma"
+    rec["dp4a_throttled"] = not rec["gemm"].startswith("dp4a") and rec["gemv"] != "dp4a"
     rec["probe_s"] = round(time.perf_counter() - t_start, 3)
     return rec
 
@@ -152,12 +203,12 @@ def op_breakdown(T: int = 4096, ctx: int = 18432) -> dict:
     for name, (R, K) in {"gemm_4096x4096": (4096, H), "gemm_12288x4096": (F, H), "gemm_4096x12288": (H, F)}.items():
         w = random_q8_0(R, K, 1)
         x = rs.standard_normal((T, K), dtype=cp.float32)
-        for path in ("dp4a", "dp4a2", "fma"):
+        for path in GEMM_PATHS:
             t = time_gpu(lambda x=x, w=w, path=path: ops.matmul(x, w, path), 3)
             res[f"{name}_{path}_ms"] = t * 1e3
             res[f"{name}_{path}_tops"] = 2 * T * R * K / t / 1e12
         x1 = rs.standard_normal((1, K), dtype=cp.float32)
-        for path in ("dp4a", "fma"):
+        for path in GEMV_PATHS:
             t = time_gpu(lambda x1=x1, w=w, path=path: ops.matmul(x1, w, path), 50)
             res[f"gemv_{R}x{K}_{path}_us"] = t * 1e6
             res[f"gemv_{R}x{K}_{path}_gbs"] = w.nbytes / t / 1e9
@@ -186,6 +237,8 @@ def op_breakdown(T: int = 4096, ctx: int = 18432) -> dict:
     st = cp.zeros((n_v, dk, dk), dtype=cp.float32)
     t = time_gpu(lambda: ops.gdn_scan(qg, kg, vg, g, b, st), 2)
     res["gdn_scan_T_ms"] = t * 1e3
+    t = time_gpu(lambda: gdn_chunk.gdn_chunked(qg, kg, vg, g, b, st), 3)
+    res["gdn_chunk_T_ms"] = t * 1e3
     t = time_gpu(lambda: ops.gdn_scan(qg[:1], kg[:1], vg[:1], g[:1], b[:1], st), 50)
     res["gdn_step_us"] = t * 1e6
     return {k: round(v, 3) for k, v in res.items()}
