@@ -9,11 +9,11 @@ Model.forward), so decoding pays one launch per token instead of one per kernel.
 
 Weights go to the device still quantized (Q8_0/Q4_0 re-laid out as int8/int4 quants + fp16 scales;
 Q4_K/Q6_K as GGUF blocks; F32/F16/BF16 as rows); formats without a kernel are decoded to F32 once.
-Matmuls take the DP4A path or the FMA path according to the per-card probe (kernels/probe.py, cached
-per GPU UUID by engine/probe_cache.py); MINECART_MATMUL_PATH=dp4a|dp4a2|fma overrides it.
+Matmuls take the DP4A, fp32 FMA or fp16 HFMA2 path according to the per-card probe (kernels/probe.py, cached
+per GPU UUID by engine/probe_cache.py); MINECART_MATMUL_PATH=dp4a|dp4a2|fma|hfma2 overrides it.
 
 Not here: the Gated DeltaNet prefill uses the exact recurrence kernel rather than the chunked WY form,
-and there is no HFMA2 path.
+and mixture-of-experts GEMVs have no HFMA2 kernel (the FMA kernel serves that path).
 """
 
 from __future__ import annotations
@@ -292,8 +292,8 @@ class CupyBackend(FusedOpsMixin):
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
         if forced:
-            if forced not in ("dp4a", "dp4a2", "fma"):
-                raise ValueError(f"matmul path must be 'dp4a', 'dp4a2' or 'fma', got '{forced}'")
+            if forced not in ("dp4a", "dp4a2", "fma", "hfma2"):
+                raise ValueError(f"matmul path must be 'dp4a', 'dp4a2', 'fma' or 'hfma2', got '{forced}'")
             self.gemm_path = forced
             self.gemv_path = "dp4a" if forced == "dp4a2" else forced
         elif probe:
