@@ -208,35 +208,37 @@ __global__ void __launch_bounds__(256) gemm_hfma2(
     const u8* wrow = wq + (i64)wr * wstride;
     const u16* wdrow = wd + (i64)wr * nb;
 
-    HRaw wb;
-    uint4 xa[4];
-    float fxd = 0.0f, fxs = 0.0f;
+    // One prefetch register set for both roles (fewer live registers next to the 8 x 8 tiles):
+    // weight rows as load_hraw fills it, tokens as 16 f16x2 words of x' with dlo = xd, dhi = xs.
+    HRaw pre;
     auto gload = [&](int b) {
         if (loads_w) {
-            load_hraw<QT>(wrow, wdrow, b, wb);
+            load_hraw<QT>(wrow, wdrow, b, pre);
         } else {
             i64 xb = (i64)xt * nb + b;
             const uint4* p = (const uint4*)(xh + xb * 16);
-            xa[0] = p[0]; xa[1] = p[1]; xa[2] = p[2]; xa[3] = p[3];
-            fxd = xd[xb]; fxs = xs[xb];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint4 v = p[i];
+                pre.q[4 * i] = (int)v.x; pre.q[4 * i + 1] = (int)v.y;
+                pre.q[4 * i + 2] = (int)v.z; pre.q[4 * i + 3] = (int)v.w;
+            }
+            pre.dlo = xd[xb]; pre.dhi = xs[xb];
         }
     };
     auto sstore = [&](int buf) {
         if (loads_w) {
             u32 h[16];
-            hraw_to_h2<QT>(wb, h);
+            hraw_to_h2<QT>(pre, h);
             u32* B = (u32*)Bs4[buf];
 #pragma unroll
             for (int k = 0; k < 16; k++) B[k * GH_N + lrow] = h[k];
-            sdlo[buf][lrow] = wb.dlo; sdhi[buf][lrow] = wb.dhi; sm[buf][lrow] = wb.m;
+            sdlo[buf][lrow] = pre.dlo; sdhi[buf][lrow] = pre.dhi; sm[buf][lrow] = pre.m;
         } else {
             u32* A = (u32*)As4[buf];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                A[(4 * i) * GH_M + lrow] = xa[i].x; A[(4 * i + 1) * GH_M + lrow] = xa[i].y;
-                A[(4 * i + 2) * GH_M + lrow] = xa[i].z; A[(4 * i + 3) * GH_M + lrow] = xa[i].w;
-            }
-            sxd[buf][lrow] = fxd; sxs[buf][lrow] = fxs;
+            for (int k = 0; k < 16; k++) A[k * GH_M + lrow] = (u32)pre.q[k];
+            sxd[buf][lrow] = pre.dlo; sxs[buf][lrow] = pre.dhi;
         }
     };
 
