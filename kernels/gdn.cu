@@ -129,3 +129,329 @@ __global__ void __launch_bounds__(64) gdn_scan(
             if (active) sp[(i64)i * DV + c] = S[i];
     }
 }
+
+// ---- chunked (WY / UT-transform) form for prefill, qwen35-architecture.md 3.4.1, chunk 64 ----------
+//
+// Two launches per segment of tokens (kernels/gdn_chunk.py): gdn_chunk_prep works on all chunks and
+// value heads at once and reduces each chunk to five matrices; gdn_chunk_state then walks the chunks in
+// order for one value head and 32 value columns per block, doing two small matmuls per chunk with
+// register tiles. Per chunk (rows i of the chunk, gamma = cumulative log decay, S0 = incoming state):
+//   A = strict_lower(beta_i k_i.k_j e^(gamma_i - gamma_j)),  P = lower(q_i.k_j e^(gamma_i - gamma_j))
+//   Tm = (I + A)^-1 (forward substitution),  R = P Tm,  X = [beta e^gamma K | beta V]
+//   [W | U] = Tm X,  Mq = e^gamma Q - (R X)_K = e^gamma Q - P W,  PU = (R X)_V = P U,
+//   Kd = e^(gamma_C - gamma) K,  decay = e^gamma_C
+// and then  Vnew = U - W S0,  O = Mq S0 + PU,  S = decay S0 + Kd^T Vnew.
+// (O = e^gamma Q S0 + P Vnew of 3.4.1 with Vnew expanded, so the sequential kernel needs no P.)
+// Tokens past the end are zero rows with g = 0, beta = 0, which change nothing. All fp32, FMA only.
+//
+// Scratch layout: W, Mq, Kd (n_v, nch, 64, DK); U, PU (n_v, nch, 64, DV); decay (n_v, nch).
+
+#define GDN_CH 64  // tokens per chunk
+
+template <int DK>
+__global__ void __launch_bounds__(256) gdn_chunk_prep(
+        const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
+        const float* __restrict__ g, const float* __restrict__ beta,
+        float* __restrict__ W, float* __restrict__ Mq, float* __restrict__ Kd, float* __restrict__ U,
+        float* __restrict__ PU, float* __restrict__ decay, int t_begin, int T, int n_k, int n_v, int DV) {
+    constexpr int KS = DK < 64 ? DK : 64;  // key dims staged per pass for the dot products
+    constexpr int KLD = KS + 1;            // staging row stride: conflict-free column reads
+    constexpr int LD = GDN_CH + 1;         // row stride of the 64 x 64 matrices
+    // slot 0: K slice, then A, then P, then R = P Tm; slot 1: Q slice, then Tm; slot 2: 32 columns of X
+    __shared__ float s0m[GDN_CH * LD], s1m[GDN_CH * LD], xs[GDN_CH * 33];
+    __shared__ float gam[GDN_CH], bet[GDN_CH], eg[GDN_CH], ed[GDN_CH];
+    const int tid = threadIdx.x;
+    const int c = blockIdx.x, nch = gridDim.x, j = blockIdx.y, kh = j % n_k;
+    const int t0 = t_begin + c * GDN_CH;
+    const int n = min(GDN_CH, T - t0);  // valid tokens of this chunk (>= 1)
+    if (tid < GDN_CH) {
+        gam[tid] = tid < n ? g[(i64)(t0 + tid) * n_v + j] : 0.0f;
+        bet[tid] = tid < n ? beta[(i64)(t0 + tid) * n_v + j] : 0.0f;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float s = 0.0f;
+        for (int i = 0; i < GDN_CH; i++) {
+            s += gam[i];
+            gam[i] = s;
+        }
+        decay[(i64)j * nch + c] = expf(s);
+    }
+    __syncthreads();
+    if (tid < GDN_CH) {
+        eg[tid] = expf(gam[tid]);
+        ed[tid] = expf(gam[GDN_CH - 1] - gam[tid]);
+    }
+
+    // K K^T and Q K^T: thread (ty, tx) owns rows ty + 16a, columns tx + 16b (a, b < 4).
+    const int tx = tid & 15, ty = tid >> 4;
+    float aK[4][4], aQ[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) aK[a][b] = aQ[a][b] = 0.0f;
+    for (int k0 = 0; k0 < DK; k0 += KS) {
+        for (int e = tid; e < GDN_CH * KS; e += 256) {
+            int r = e / KS, kk = e % KS;
+            i64 src = ((i64)(t0 + r) * n_k + kh) * DK + k0 + kk;
+            s0m[r * KLD + kk] = r < n ? k[src] : 0.0f;
+            s1m[r * KLD + kk] = r < n ? q[src] : 0.0f;
+        }
+        __syncthreads();
+#pragma unroll 4
+        for (int kk = 0; kk < KS; kk++) {
+            float ki[4], kj[4], qi[4];
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                ki[a] = s0m[(ty + 16 * a) * KLD + kk];
+                qi[a] = s1m[(ty + 16 * a) * KLD + kk];
+                kj[a] = s0m[(tx + 16 * a) * KLD + kk];
+            }
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int b = 0; b < 4; b++) {
+                    aK[a][b] = fmaf(ki[a], kj[b], aK[a][b]);
+                    aQ[a][b] = fmaf(qi[a], kj[b], aQ[a][b]);
+                }
+        }
+        __syncthreads();
+    }
+    // A into slot 0; P stays in registers (aQ) until A is no longer needed.
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            int i = ty + 16 * a, jj = tx + 16 * b;
+            float d = jj <= i ? expf(gam[i] - gam[jj]) : 0.0f;  // masked before exp
+            s0m[i * LD + jj] = jj < i ? bet[i] * aK[a][b] * d : 0.0f;
+            aQ[a][b] *= d;
+        }
+    __syncthreads();
+    // Tm = (I + A)^-1 into slot 1: thread m solves column m by forward substitution (columns are
+    // independent: Tm[i][m] = -sum_{m <= jj < i} A[i][jj] Tm[jj][m] for i > m).
+    if (tid < GDN_CH) {
+        const int m = tid;
+        for (int i = 0; i <= m; i++) s1m[i * LD + m] = i == m ? 1.0f : 0.0f;
+        for (int i = m + 1; i < GDN_CH; i++) {
+            float p0 = 0.0f, p1 = 0.0f;
+            int jj = m;
+            for (; jj + 1 < i; jj += 2) {
+                p0 = fmaf(s0m[i * LD + jj], s1m[jj * LD + m], p0);
+                p1 = fmaf(s0m[i * LD + jj + 1], s1m[(jj + 1) * LD + m], p1);
+            }
+            if (jj < i) p0 = fmaf(s0m[i * LD + jj], s1m[jj * LD + m], p0);
+            s1m[i * LD + m] = -(p0 + p1);
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) s0m[(ty + 16 * a) * LD + tx + 16 * b] = aQ[a][b];
+    __syncthreads();
+    // R = P Tm (registers, then over P in slot 0)
+    float rr[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) rr[a][b] = 0.0f;
+#pragma unroll 4
+    for (int kk = 0; kk < GDN_CH; kk++) {
+        float pi[4], tj[4];
+#pragma unroll
+        for (int a = 0; a < 4; a++) {
+            pi[a] = s0m[(ty + 16 * a) * LD + kk];
+            tj[a] = s1m[kk * LD + tx + 16 * a];
+        }
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) rr[a][b] = fmaf(pi[a], tj[b], rr[a][b]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int a = 0; a < 4; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) s0m[(ty + 16 * a) * LD + tx + 16 * b] = rr[a][b];
+    // (the first staging barrier below publishes R)
+
+    // X = [beta e^gamma K | beta V], 32 columns at a time: [W | U] = Tm X, R X = [P W | P U].
+    // Thread (ty, tx) owns rows ty + 16a (a < 4), columns tx + 16b (b < 2) of the 64 x 32 tile.
+    const i64 rb = ((i64)j * nch + c) * GDN_CH;  // first scratch row of this chunk
+    for (int col0 = 0; col0 < DK + DV; col0 += 32) {
+        const bool isk = col0 < DK;  // DK is a multiple of 32: a tile is all K or all V
+        for (int e = tid; e < GDN_CH * 32; e += 256) {
+            int r = e >> 5, cc = e & 31, col = col0 + cc;
+            float x = 0.0f;
+            if (r < n) {
+                if (isk) x = bet[r] * eg[r] * k[((i64)(t0 + r) * n_k + kh) * DK + col];
+                else if (col < DK + DV) x = bet[r] * v[((i64)(t0 + r) * n_v + j) * DV + (col - DK)];
+            }
+            xs[r * 33 + cc] = x;
+        }
+        __syncthreads();
+        float at[4][2], ar[4][2];
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) at[a][b] = ar[a][b] = 0.0f;
+#pragma unroll 4
+        for (int kk = 0; kk < GDN_CH; kk++) {
+            float ti[4], ri[4], xj[2];
+#pragma unroll
+            for (int a = 0; a < 4; a++) {
+                ti[a] = s1m[(ty + 16 * a) * LD + kk];
+                ri[a] = s0m[(ty + 16 * a) * LD + kk];
+            }
+            xj[0] = xs[kk * 33 + tx];
+            xj[1] = xs[kk * 33 + tx + 16];
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int b = 0; b < 2; b++) {
+                    at[a][b] = fmaf(ti[a], xj[b], at[a][b]);
+                    ar[a][b] = fmaf(ri[a], xj[b], ar[a][b]);
+                }
+        }
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) {
+                int i = ty + 16 * a, col = col0 + tx + 16 * b;
+                if (isk) {
+                    float qv = 0.0f, kv = 0.0f;
+                    if (i < n) {
+                        i64 src = ((i64)(t0 + i) * n_k + kh) * DK + col;
+                        qv = q[src];
+                        kv = k[src];
+                    }
+                    W[(rb + i) * DK + col] = at[a][b];
+                    Mq[(rb + i) * DK + col] = fmaf(eg[i], qv, -ar[a][b]);
+                    Kd[(rb + i) * DK + col] = kv * ed[i];
+                } else if (col < DK + DV) {
+                    U[(rb + i) * DV + (col - DK)] = at[a][b];
+                    PU[(rb + i) * DV + (col - DK)] = ar[a][b];
+                }
+            }
+        __syncthreads();
+    }
+}
+
+// Sequential part: block = (value head j, 32 value columns c0..c0+31), 256 threads, chunks in order.
+// Thread (ty = tid / 8, tx = tid % 8) owns state rows ty + 32a (a < DK/32) and columns tx + 8b (b < 4)
+// in registers; a copy of the state slice in shared memory feeds [W; Mq] S0.
+template <int DK>
+__global__ void __launch_bounds__(256) gdn_chunk_state(
+        const float* __restrict__ W, const float* __restrict__ Mq, const float* __restrict__ Kd,
+        const float* __restrict__ U, const float* __restrict__ PU, const float* __restrict__ decay,
+        float* __restrict__ state, float* __restrict__ out, int nch, int t_begin, int T, int n_v, int DV) {
+    constexpr int RA = DK / 32;
+    constexpr int STAGE = 2 * GDN_CH * 33 > 32 * (DK + 1) ? 2 * GDN_CH * 33 : 32 * (DK + 1);
+    __shared__ __align__(16) float Ss[DK * 32];   // state slice, row-major (DK x 32)
+    __shared__ float Vs[GDN_CH * 33];             // corrected values of the chunk (64 x 32, padded)
+    __shared__ float St[STAGE];                   // staged [W; Mq] key slice or Kd token slice
+    const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
+    const int slices = (DV + 31) / 32;
+    const int j = blockIdx.x / slices, c0 = (blockIdx.x % slices) * 32;
+    float* sp = state + (i64)j * DK * DV;
+    float Sr[RA][4];
+#pragma unroll
+    for (int a = 0; a < RA; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            int col = c0 + tx + 8 * b;
+            Sr[a][b] = col < DV ? sp[(i64)(ty + 32 * a) * DV + col] : 0.0f;
+            Ss[(ty + 32 * a) * 32 + tx + 8 * b] = Sr[a][b];
+        }
+    __syncthreads();
+    for (int c = 0; c < nch; c++) {
+        const i64 rb = ((i64)j * nch + c) * GDN_CH;
+        // this thread's U and PU entries and the chunk decay, loaded before the matmul needs them
+        float uu[2][4], pp[2][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                int r = ty + 32 * a, col = c0 + tx + 8 * b;
+                uu[a][b] = col < DV ? U[(rb + r) * DV + col] : 0.0f;
+                pp[a][b] = col < DV ? PU[(rb + r) * DV + col] : 0.0f;
+            }
+        const float dc = decay[(i64)j * nch + c];
+        // [W; Mq] (128 x DK) times S0 (DK x 32): rows ty, ty + 32 of W (a = 0, 1) and of Mq (a = 2, 3).
+        float acc[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; a++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) acc[a][b] = 0.0f;
+        for (int s0 = 0; s0 < DK; s0 += 32) {
+            for (int e = tid; e < 2 * GDN_CH * 32; e += 256) {
+                int r = e >> 5, kk = e & 31;
+                const float* src = r < GDN_CH ? W : Mq;
+                St[r * 33 + kk] = src[(rb + (r & (GDN_CH - 1))) * DK + s0 + kk];
+            }
+            __syncthreads();
+#pragma unroll 8
+            for (int kk = 0; kk < 32; kk++) {
+                float sv[4], wv[4];
+#pragma unroll
+                for (int b = 0; b < 4; b++) sv[b] = Ss[(s0 + kk) * 32 + tx + 8 * b];
+#pragma unroll
+                for (int a = 0; a < 4; a++) wv[a] = St[(ty + 32 * a) * 33 + kk];
+#pragma unroll
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int b = 0; b < 4; b++) acc[a][b] = fmaf(wv[a], sv[b], acc[a][b]);
+            }
+            __syncthreads();
+        }
+        // Vnew = U - W S0 into shared; outputs O = Mq S0 + PU for the valid rows.
+        const int t0 = t_begin + c * GDN_CH;
+        const int n = min(GDN_CH, T - t0);
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                int r = ty + 32 * a, col = c0 + tx + 8 * b;
+                Vs[r * 33 + tx + 8 * b] = uu[a][b] - acc[a][b];
+                if (r < n && col < DV) out[((i64)(t0 + r) * n_v + j) * DV + col] = acc[2 + a][b] + pp[a][b];
+            }
+        // S = decay S0 + Kd^T Vnew, Kd staged 32 tokens at a time (row stride DK + 1).
+#pragma unroll
+        for (int a = 0; a < RA; a++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) Sr[a][b] *= dc;
+        for (int h = 0; h < GDN_CH; h += 32) {
+            for (int e = tid; e < 32 * DK; e += 256) {
+                int tt = e / DK, kk = e % DK;
+                St[tt * (DK + 1) + kk] = Kd[(rb + h + tt) * DK + kk];
+            }
+            __syncthreads();  // (the first one also publishes Vs)
+#pragma unroll 8
+            for (int tt = 0; tt < 32; tt++) {
+                float vv[4], kv[RA];
+#pragma unroll
+                for (int b = 0; b < 4; b++) vv[b] = Vs[(h + tt) * 33 + tx + 8 * b];
+#pragma unroll
+                for (int a = 0; a < RA; a++) kv[a] = St[tt * (DK + 1) + ty + 32 * a];
+#pragma unroll
+                for (int a = 0; a < RA; a++)
+#pragma unroll
+                    for (int b = 0; b < 4; b++) Sr[a][b] = fmaf(kv[a], vv[b], Sr[a][b]);
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int a = 0; a < RA; a++)
+#pragma unroll
+            for (int b = 0; b < 4; b++) Ss[(ty + 32 * a) * 32 + tx + 8 * b] = Sr[a][b];
+        __syncthreads();
+    }
+#pragma unroll
+    for (int a = 0; a < RA; a++)
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            int col = c0 + tx + 8 * b;
+            if (col < DV) sp[(i64)(ty + 32 * a) * DV + col] = Sr[a][b];
+        }
+}

@@ -22,7 +22,7 @@ import os
 
 import cupy as cp
 import numpy as np
-from minecart.kernels import fused, kvq3, ops
+from minecart.kernels import fused, gdn_chunk, kvq3, ops
 from minecart.kernels.build import QT
 
 from .base import FusedOpsMixin, GrowingKVCache
@@ -671,9 +671,11 @@ class CupyBackend(FusedOpsMixin):
             return ops.gdn_gates(alpha, beta, _f32(ssm_a), _f32(dt_bias))
 
     def gdn_chunk(self, q, k, v, g, beta, state, chunk: int = 64):
-        # The recurrence kernel computes the same function exactly (the chunked form differs only in
-        # fp32 rounding) and runs the whole prompt in one launch; `chunk` does not change the result.
+        # Long runs take the chunked WY kernels (chunk 64, fixed), short ones the token-serial scan;
+        # kernels/gdn_chunk.py `use_chunked` decides. Both compute the same function up to fp32 rounding.
         with self._dev:
+            if gdn_chunk.use_chunked(q.shape[0], q.shape[2], v.shape[2]):
+                return gdn_chunk.gdn_chunked(q, k, v, g, beta, state)
             return ops.gdn_scan(q, k, v, g, beta, state)
 
     def gdn_step(self, q, k, v, g, beta, state):
