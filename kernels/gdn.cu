@@ -234,14 +234,17 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(
         const int m = tid;
         for (int i = 0; i <= m; i++) s1m[i * LD + m] = i == m ? 1.0f : 0.0f;
         for (int i = m + 1; i < GDN_CH; i++) {
-            float p0 = 0.0f, p1 = 0.0f;
+            // four partial sums: eight independent shared loads in flight per step
+            float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
             int jj = m;
-            for (; jj + 1 < i; jj += 2) {
+            for (; jj + 3 < i; jj += 4) {
                 p0 = fmaf(s0m[i * LD + jj], s1m[jj * LD + m], p0);
                 p1 = fmaf(s0m[i * LD + jj + 1], s1m[(jj + 1) * LD + m], p1);
+                p2 = fmaf(s0m[i * LD + jj + 2], s1m[(jj + 2) * LD + m], p2);
+                p3 = fmaf(s0m[i * LD + jj + 3], s1m[(jj + 3) * LD + m], p3);
             }
-            if (jj < i) p0 = fmaf(s0m[i * LD + jj], s1m[jj * LD + m], p0);
-            s1m[i * LD + m] = -(p0 + p1);
+            for (; jj < i; jj++) p0 = fmaf(s0m[i * LD + jj], s1m[jj * LD + m], p0);
+            s1m[i * LD + m] = -((p0 + p1) + (p2 + p3));
         }
     }
     __syncthreads();
