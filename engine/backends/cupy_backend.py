@@ -544,11 +544,13 @@ class CupyBackend(FusedOpsMixin):
         attention dequantizes the cache rows into. One pair per KV shape, shared by every layer of
         that shape (the layers run one after another on one stream), never smaller than the largest
         q3 cache made or grown here. Growing moves it, which invalidates any captured decode graph,
-        so it grows only outside a capture (grow=False raises _CacheFull: that step runs eagerly)."""
+        so it grows only outside a capture (grow=False raises _CacheFull: that step runs eagerly).
+        K and V get separate buffers even when head_dim == value_dim (the key names which one): one
+        shared buffer would leave V's rows in K's place, so the scores would be q . v."""
         pool = self.__dict__.setdefault("_q3_scratch_arrays", {})
         out = []
-        for d in (cache.head_dim, cache.value_dim):
-            key = (cache.n_kv_heads, d)
+        for which, d in (("k", cache.head_dim), ("v", cache.value_dim)):
+            key = (which, cache.n_kv_heads, d)
             buf = pool.get(key)
             if buf is None or buf.shape[0] < cache.capacity:
                 if not grow:
