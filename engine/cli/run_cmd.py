@@ -38,7 +38,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "scaled down (default: 1024, about one megapixel)")
     p.add_argument("--kv-type", default="f32", choices=("f32", "q3"),
                    help="KV cache type: f32 (exact, default) or q3 (3-bit Walsh-Hadamard + Lloyd-Max "
-                        "codes, ~9x smaller; CPU/NumPy backend only for now)")
+                        "codes, ~9x smaller; CPU and CUDA backends)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
