@@ -96,6 +96,8 @@ class EngineBridge(QObject):
         self._chat = None
         self._watchers: set[_Watcher] = set()
         self.model_info = None
+        self.kv_type: str | None = None  # KV cache type of the loaded model ("f32", "q3"); None: none loaded
+        self._loading_kv_type = "f32"
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -133,7 +135,8 @@ class EngineBridge(QObject):
         self._watchers.add(w)
         w.start()
 
-    def load(self, path, placement=None, devices=None) -> bool:
+    def load(self, path, placement=None, devices=None, kv_type: str | None = None) -> bool:
+        """Load a model; kv_type: its KV cache type (engine KV_TYPES; None or "f32": the exact default)."""
         if self.runtime is None:
             self.load_failed.emit(self.runtime_error or "the engine is not available")
             return False
@@ -141,8 +144,12 @@ class EngineBridge(QObject):
             self._chat.cancel()
         if self._load is not None:
             self._load.cancel()
+        kv_type = kv_type or "f32"
+        # f32 is the engine's default: it is not passed, so loaders without the option keep working
+        options = {} if kv_type == "f32" else {"kv_type": kv_type}
+        self._loading_kv_type = kv_type
         return self._submit("_load",
-                            lambda: self.runtime.load(path, devices=devices, placement=placement),
+                            lambda: self.runtime.load(path, devices=devices, placement=placement, **options),
                             self.load_failed, self._on_load_event)
 
     def replace(self, placement) -> bool:
@@ -150,6 +157,8 @@ class EngineBridge(QObject):
         if self.runtime is None or not getattr(self.runtime, "loaded", False):
             self.load_failed.emit("load a model before applying a layer plan")
             return False
+        # the runtime re-places the model with the options it was loaded with: the KV type stays
+        self._loading_kv_type = self.kv_type or "f32"
         return self._submit("_load", lambda: self.runtime.replace(placement), self.load_failed,
                             self._on_load_event)
 
@@ -167,16 +176,18 @@ class EngineBridge(QObject):
             self._load = None
             info = (ev.data or {}).get("model") or getattr(self.runtime, "model_info", None)
             self.model_info = info
+            self.kv_type = self._loading_kv_type
             self.busy_changed.emit(False)
             self.loaded.emit(info)
-        elif kind == "cancelled":
+        elif kind in ("cancelled", "error"):
             self._load = None
+            if not getattr(self.runtime, "loaded", False):
+                self.kv_type = None  # the failed load freed the model that was there
             self.busy_changed.emit(False)
-            self.load_cancelled.emit()
-        elif kind == "error":
-            self._load = None
-            self.busy_changed.emit(False)
-            self.load_failed.emit(ev.text or "loading failed")
+            if kind == "cancelled":
+                self.load_cancelled.emit()
+            else:
+                self.load_failed.emit(ev.text or "loading failed")
 
     def chat(self, messages: list[dict], sampling: dict | None = None, thinking: bool = False,
              conversation_id=None) -> bool:

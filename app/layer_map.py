@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from minecart.engine import KV_TYPES
 from minecart.engine import placement as pl
 from minecart.engine.devices import DeviceInfo, format_bytes
 from PySide6.QtCore import (
@@ -59,6 +60,29 @@ KIND_NAMES = {"embedding": "Token embedding", "head": "LM head (output norm + pr
               "attention": "Full attention layer (KV cache)", "sliding": "Sliding-window attention layer"}
 
 
+# The KV cache types offered are the ones the engine runs (load_model(kv_type=)); the planner also prices
+# f16 and q8, which no backend runs, so a plan naming them (older settings) is shown and loaded as f32.
+DEFAULT_KV_TYPE = "f32"
+KV_TYPE_TIPS = {
+    "f32": "f32: exact, 4 bytes per value (the default)",
+    "q3": "q3: 3-bit codes + one fp16 scale per 32 values, 9x smaller than f32. Costs a little accuracy: "
+          "on the test models the logits differ from f32 by ~2% (about what Q8_0 weights cost), the top "
+          "token agrees at 97-100% of positions; the first tokens of a sequence differ most",
+}
+
+
+def runnable_kv_type(kv_type: str | None) -> str:
+    """`kv_type` if the engine runs it, else the default (f32)."""
+    return kv_type if kv_type in KV_TYPES else DEFAULT_KV_TYPE
+
+
+def runnable_plan(plan: pl.Placement | None) -> pl.Placement | None:
+    """The plan with a KV cache type the engine runs (a copy when it had to change)."""
+    if plan is None or plan.kv_type in KV_TYPES:
+        return plan
+    return plan.with_settings(kv_type=DEFAULT_KV_TYPE)
+
+
 def device_spec(dev: DeviceInfo) -> pl.DeviceSpec:
     """What placement needs to know about a device: its name and the bytes it can give us."""
     free = dev.free_bytes if dev.free_bytes >= 0 else max(dev.total_bytes, 0)
@@ -86,7 +110,8 @@ class LayerMapModel(QAbstractItemModel):
 
     def set_plan(self, plan: pl.Placement | None) -> None:
         self.beginResetModel()
-        self.plan = plan
+        self.plan = runnable_plan(plan)
+        plan = self.plan
         # a saved plan may name a device that is gone; it still shows (as a lane) so the user can move off it
         if plan is not None:
             known = {d.id for d in self.devices}
@@ -527,7 +552,7 @@ class DeviceLane(QFrame):
         if b:
             parts = [f"weights {format_bytes(b.weights)}"]
             if b.kv_cache:
-                parts.append(f"KV {format_bytes(b.kv_cache)}")
+                parts.append(f"KV {format_bytes(b.kv_cache)} ({self.model.plan.kv_type})")
             if b.recurrent:
                 parts.append(f"state {format_bytes(b.recurrent)}")
             parts.append(f"scratch {format_bytes(b.activations)}")
@@ -574,9 +599,12 @@ class LayerMapPanel(QWidget):
         top.addWidget(self.context)
         top.addWidget(self._small("KV"))
         self.kv_type = QComboBox()
-        self.kv_type.addItems(list(pl.KV_BYTES_PER_VALUE))
-        self.kv_type.setCurrentText("f16")
-        self.kv_type.setToolTip("Storage type of the attention KV cache")
+        for i, name in enumerate(KV_TYPES):
+            self.kv_type.addItem(name)
+            self.kv_type.setItemData(i, KV_TYPE_TIPS.get(name, name), Qt.ItemDataRole.ToolTipRole)
+        self.kv_type.setCurrentText(DEFAULT_KV_TYPE)
+        self.kv_type.setToolTip("KV cache type of the attention layers; a change takes effect on Apply "
+                                "(the model loads again)\n" + "\n".join(KV_TYPE_TIPS.get(n, n) for n in KV_TYPES))
         top.addWidget(self.kv_type)
         self.contiguous = QCheckBox("Keep contiguous")
         self.contiguous.setChecked(True)
@@ -754,10 +782,15 @@ def initial_plan(costs: pl.ModelCosts, devices: list[DeviceInfo], saved: dict | 
     note = ""
     if saved:
         try:
-            return pl.Placement.from_dict(saved, costs), "restored your saved plan"
+            plan = pl.Placement.from_dict(saved, costs)
+            if plan.kv_type not in KV_TYPES:
+                return runnable_plan(plan), (f"restored your saved plan (with an {DEFAULT_KV_TYPE} KV cache: "
+                                             f"its {plan.kv_type} is not run by the engine)")
+            return plan, "restored your saved plan"
         except Exception as exc:
             note = f"saved plan ignored: {exc}"
-    return fewest_devices_plan(costs, [device_spec(d) for d in devices], context=context), note
+    return fewest_devices_plan(costs, [device_spec(d) for d in devices], context=context,
+                               kv_type=DEFAULT_KV_TYPE), note
 
 
 def fewest_devices_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec], **settings) -> pl.Placement:
@@ -777,4 +810,5 @@ def fewest_devices_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec], **sett
     return plan
 
 
-__all__ = ["LayerMapModel", "LayerMapPanel", "costs_for_file", "fewest_devices_plan", "initial_plan", "MIME_PARTS"]
+__all__ = ["DEFAULT_KV_TYPE", "LayerMapModel", "LayerMapPanel", "costs_for_file", "fewest_devices_plan",
+           "initial_plan", "runnable_kv_type", "runnable_plan", "MIME_PARTS"]

@@ -33,7 +33,7 @@ from .chat import ChatPanel
 from .conversations import ConversationStore
 from .devices_panel import DevicesPanel
 from .engine_bridge import EngineBridge
-from .layer_map import LayerMapModel, LayerMapPanel, costs_for_file, initial_plan
+from .layer_map import LayerMapModel, LayerMapPanel, costs_for_file, initial_plan, runnable_plan
 from .library_panel import LibraryPanel
 from .settings import Settings
 
@@ -381,6 +381,15 @@ class MainWindow(QMainWindow):
                 placement = Placement.from_dict(saved)
             except Exception:
                 placement = None
+        # the remembered plan's KV cache type is the one the model runs; one the engine does not run
+        # (f16/q8 in older settings) falls back to f32
+        kv_type = "f32"
+        if placement is not None:
+            runnable = runnable_plan(placement)
+            if runnable is not placement:
+                self.statusBar().showMessage(f"The saved plan's {placement.kv_type} KV cache is not run by the "
+                                             f"engine: loading with {runnable.kv_type}.", 8000)
+            placement, kv_type = runnable, runnable.kv_type
         self._pending_load = path
         self.top.set_loading(True)
         self.top.progress.setValue(0)
@@ -389,7 +398,7 @@ class MainWindow(QMainWindow):
         self.chat.set_model(False)
         name = self.selected.display_name if self.selected is not None else path.stem
         self.chat.set_loading(name)
-        self.bridge.load(path, placement=placement)
+        self.bridge.load(path, placement=placement, kv_type=kv_type)
 
     def unload(self) -> None:
         if self.bridge.runtime is not None and self.bridge.runtime.loaded:
@@ -422,7 +431,7 @@ class MainWindow(QMainWindow):
         if self.graphs is not None:
             self.graphs.set_metrics(self.bridge.metrics)
         self._show_engine_plan(info, path)
-        self.status_model.setText(f"Loaded {name}")
+        self.status_model.setText(f"Loaded {name} · KV cache {self.bridge.kv_type or 'f32'}")
         self._update_top()
 
     def _show_engine_plan(self, info, path: Path) -> None:
@@ -432,7 +441,8 @@ class MainWindow(QMainWindow):
         plan = getattr(info, "placement", None)
         if isinstance(plan, Placement) and self.selected is not None and self.selected.path == path:
             self._plan_from_engine = path
-            self.layer_model.set_plan(plan.copy())
+            # the engine's placement prices the KV cache of its own settings; show the type that runs
+            self.layer_model.set_plan(plan.with_settings(kv_type=self.bridge.kv_type or "f32"))
 
     def _on_load_failed(self, text: str) -> None:
         self.top.set_loading(False)
@@ -468,11 +478,17 @@ class MainWindow(QMainWindow):
                                       f"{(t.prefill_tokens_per_s or 0):.1f} tok/s")
 
     def apply_plan(self, plan) -> None:
-        """Remember the plan for this model and re-place the loaded model with it."""
+        """Remember the plan for this model and re-place the loaded model with it. The KV cache type is
+        fixed when a model loads: a plan with another type loads the model again with it."""
         if self.selected is None:
             return
+        plan = runnable_plan(plan)
         self.settings.remember_plan(self.selected.path, plan.to_dict())
         if self.loaded_path is not None and self.loaded_path == self.selected.path:
+            if plan.kv_type != (self.bridge.kv_type or "f32"):
+                self.load(self.selected.path)  # with the plan just remembered, and its KV type
+                self.top.progress_label.setText(f"Loading again with a {plan.kv_type} KV cache…")
+                return
             self.top.set_loading(True)
             self.top.progress.setValue(0)
             self.top.progress_label.setText("Re-placing layers…")
@@ -497,6 +513,8 @@ class MainWindow(QMainWindow):
             self.top.title.setText(s.display_name)
             chips = [(s.architecture, ""), (s.params_text + " params", ""), (s.file_type, ""),
                      (ml.format_size(s.file_size), "")]
+            if loaded and self.bridge.kv_type:
+                chips.append((f"KV {self.bridge.kv_type}", ""))
             chips.append(("loaded", "ok") if loaded else ("not loaded", "warn"))
             self.top.set_chips(chips)
         self.top.load_btn.setText(" Reload" if loaded else " Load")

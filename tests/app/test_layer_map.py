@@ -154,8 +154,8 @@ def test_context_and_kv_type_change_the_estimate(qtbot, two_gpus, tiny_model):
     panel.context.editingFinished.emit()
     kv_after = sum(b.kv_cache for b in model.bytes_per_device().values())
     assert kv_after == 4 * kv_before > 0
-    panel.kv_type.setCurrentText("q8")
-    assert model.plan.kv_type == "q8"
+    panel.kv_type.setCurrentText("q3")
+    assert model.plan.kv_type == "q3"
     assert sum(b.kv_cache for b in model.bytes_per_device().values()) < kv_after
 
 
