@@ -8,9 +8,22 @@ Plain data, no Qt, no numpy. A model is split into ordered *parts*: "global" (to
   "global" and "head" on two devices is counted on both, once if they share a device);
 - KV cache: attention layers, K and V at the chosen context and KV type (f32, f16, q8, q3 = 3-bit);
 - recurrent state: Gated DeltaNet conv state and delta-rule state, fp32, independent of context;
-- activations and scratch: the peak live activations of the widest part on the device at the chosen
-  prefill chunk (an estimate: fused attention is assumed, so no T x context score matrix is counted);
-- overhead: the CUDA context of a "cuda:*" device (CUDA_CONTEXT_BYTES, a guess until measured).
+- activations and scratch ("scratch"): the peak live activations of the widest part on the device at the
+  chosen prefill chunk, counted the way the CUDA backend allocates them (see _layer_activation_values;
+  fused attention is assumed, so no T x context score matrix is counted), plus on a "cuda:*" device
+  holding stored (quantized) weights what CuPy's memory pool keeps beyond the live arrays: the holes
+  that the first-use concatenation of projection weights leaves (fragmentation) and the load-time
+  staging copy of a Q8_0/Q4_0 matrix (staging). DeviceBytes.fragmentation / .staging say how much of
+  the scratch those two are;
+- overhead: the CUDA context of a "cuda:*" device (CUDA_CONTEXT_BYTES, a guess until measured; the
+  CUDA backend measures it per device: CupyBackend.context_bytes).
+
+What "measured" means for the estimate (engine/multidevice.py `_memory_report`): per device, the CUDA
+context (device memory in use right after the context was made, before any array) plus the highest
+total_bytes of CuPy's memory pool on that device, sampled after prefill and after decode. The pool
+keeps freed blocks for reuse, so its total is the high-water mark of what the run held from the device,
+holes included; memory outside the pool (kernel modules loaded later, CUDA-graph executables, the
+driver's page rounding) is not part of the estimate and is reported beside it.
 
 What this module is not: it does not load weights or run anything (engine/multidevice.py executes a
 Placement), and it does not know about GPUs beyond their names and free bytes (callers pass DeviceSpec).
@@ -47,6 +60,34 @@ GiB = 1024 * MiB
 # kernels are loaded. Contexts grow with the number of SMs, so the 10-36 SM mining cards take less
 # (300-400 MiB is the usual range on Pascal/Turing); 400 MiB is used until measured on such a card.
 CUDA_CONTEXT_BYTES = 400 * MiB
+
+# What CuPy's pool keeps beyond the live arrays, per byte of projection weights that the CUDA backend
+# concatenates on first use (CupyBackend._fuse: q/k/v, the GDN input projections, FFN gate/up). The
+# concatenated copy is made while the separate weights still exist and they sit inside split pool
+# chunks, so the pool cannot give their space back; later arrays (activations, KV cache, the next
+# layer's copy) reuse part of it. A replay of CuPy's allocator (best-fit bins, split and merge,
+# free_all_blocks frees only unsplit chunks) over the load, first prefill and steady prefill of the
+# Qwen3.5 2B/4B/9B shapes at chunks of 256-2048 tokens left 0.0-0.28 of the concatenated bytes as
+# holes, 0.2 typical; that fraction is used.
+FUSE_FRAGMENTATION = 0.2
+
+# The Gated DeltaNet prefill's chunked kernels (kernels/gdn_chunk.py): runs of at least this many tokens
+# take them, in segments of at most GDN_SEGMENT_TOKENS tokens, chunks of GDN_CHUNK_TOKENS.
+GDN_CHUNKED_MIN_TOKENS = 256
+GDN_SEGMENT_TOKENS = 2048
+GDN_CHUNK_TOKENS = 64
+
+# GGML types the CUDA backend re-lays out at load (int8/int4 quants + fp16 scales, kernels/ops.py
+# upload_weight): the raw blocks are copied to the device first, so for a moment the tensor is there
+# twice (raw, then scales + quants); the freed raw copy stays in the pool as a hole.
+STAGED_TYPES = ("Q8_0", "Q4_0")
+
+# Tensors the CUDA backend concatenates into one matrix on first use (engine/models/qwen35.py
+# matmul_many groups), by name suffix after "blk.N.".
+FUSED_GROUPS = (("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"),
+                ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+                ("ffn_gate.weight", "ffn_up.weight"),
+                ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"))
 
 # Bytes per stored KV value. q8 = Q8_0 blocks (32 int8 + fp16 scale); q3 = 3-bit codes in blocks of 32
 # (12 bytes) plus an fp16 scale (2 bytes), as the Walsh-Hadamard + Lloyd-Max cache of seeds.md stores.
@@ -108,8 +149,15 @@ class PartCost:
              "global" and "head"; bytes_per_device counts it once per device.
     kv_values_per_token: K and V values the part caches per token (attention layers), n_kv * (d_k + d_v).
     state_bytes: fixed per-sequence recurrent state (GDN conv + delta-rule state, fp32).
-    act_values_per_token: peak live float32 activations per token while the part runs.
+    act_values_per_token: peak live float32 activations per token while the part runs (outside the
+             chunked GDN kernels).
     act_values_fixed: activations independent of the chunk (e.g. logits rows of the LM head), floats.
+    mixer_values_per_token / segment_values_per_token: a GDN layer's live activations per token while
+             its chunked prefill kernels run, and their scratch per token of one segment (at most
+             GDN_SEGMENT_TOKENS tokens; only runs of GDN_CHUNKED_MIN_TOKENS or more take them).
+    fused_bytes: stored bytes of the weights the CUDA backend concatenates on first use (FUSED_GROUPS).
+    staged: tensors uploaded through a raw staging copy on the CUDA backend (STAGED_TYPES matrices),
+             in load order like `tensors`.
     """
 
     name: str
@@ -119,10 +167,23 @@ class PartCost:
     state_bytes: int = 0
     act_values_per_token: int = 0
     act_values_fixed: int = 0
+    mixer_values_per_token: int = 0
+    segment_values_per_token: int = 0
+    fused_bytes: int = 0
+    staged: tuple[str, ...] = ()
 
     @property
     def weight_bytes(self) -> int:
         return sum(b for _, b in self.tensors)
+
+    def activation_bytes(self, chunk: int) -> int:
+        """Peak live activation bytes while this part runs a prefill chunk of `chunk` tokens."""
+        vals = self.act_values_per_token * chunk + self.act_values_fixed
+        if self.segment_values_per_token and chunk >= GDN_CHUNKED_MIN_TOKENS:
+            seg = min(chunk, GDN_SEGMENT_TOKENS)
+            seg = -(-seg // GDN_CHUNK_TOKENS) * GDN_CHUNK_TOKENS
+            vals = max(vals, self.mixer_values_per_token * chunk + self.segment_values_per_token * seg)
+        return 4 * vals
 
     def kv_bytes(self, context: int, kv_type: str) -> int:
         return int(round(self.kv_values_per_token * context * _kv_bytes_per_value(kv_type)))
@@ -166,7 +227,9 @@ class ModelCosts:
     @classmethod
     def from_dict(cls, d: Mapping) -> ModelCosts:
         parts = tuple(
-            PartCost(**dict(p, tensors=tuple((str(n), int(b)) for n, b in p["tensors"]))) for p in d["parts"]
+            PartCost(**dict(p, tensors=tuple((str(n), int(b)) for n, b in p["tensors"]),
+                            staged=tuple(str(n) for n in p.get("staged", ()))))
+            for p in d["parts"]
         )
         return cls(name=d["name"], architecture=d["architecture"], n_layers=int(d["n_layers"]),
                    hidden=int(d["hidden"]), vocab=int(d["vocab"]), layer_kinds=tuple(d["layer_kinds"]),
@@ -262,22 +325,69 @@ def _tensor_bytes(info, role: str, part: str, layout: str) -> int:
     return 4 * n
 
 
-def _layer_activation_values(config: ModelConfig, kind: str) -> int:
-    """Peak live float32 values per token inside one layer: the residual, its normed copy and the output
-    (3 x H) plus the widest intermediate group of the mixer or the FFN, counted with its inputs."""
+def _q8(n: int) -> int:
+    """float32-equivalent values of the q8_1 copy of n activations (int8 + two fp32 per 32 values,
+    1.25 bytes per value), which the CUDA backend keeps beside a matmul input on the DP4A path."""
+    return n * 5 // 16
+
+
+def _layer_activation_values(config: ModelConfig, kind: str) -> tuple[int, int, int]:
+    """Peak live float32 values per token inside one layer during a prefill chunk, as the CUDA backend
+    allocates them (engine/models/qwen35.py through CupyBackend), in three numbers:
+
+    (outside the chunked GDN kernels, while they run, their scratch per segment token).
+
+    Every phase holds the residual x and the normed input a with its q8_1 copy (2 H + q8(H)).
+    - matmul_many (fused projections): the (T, sum of rows) output and its per-weight contiguous
+      slices are both alive: 2 x rows. GDN rows: conv_dim + n_v d_v + 2 n_v; attention: 2 nh d (query
+      and gate, interleaved) + n_kv (d_k + d_v).
+    - GDN mixer while the chunked kernels run: mixed [q|k|v] (conv_dim), z (n_v d_v), b and alpha, the
+      conv output u (conv_dim), normed q and k (2 n_k d_k), g and beta, a contiguous copy of v and the
+      output (2 n_v d_v); scratch n_v (3 d_k + 2 d_v) per token of the segment (kernels/gdn_chunk.py).
+    - gated attention: q/gate and k, v, then roped q, the output, sigmoid(gate) and the gated output
+      (2 nh d + 2 nh d_v besides the projections).
+    - dense FFN: x, the residual sum and the normed input with its q8_1 copy, the gate|up output and
+      its two slices (4 F); then silu(gate) * up with its q8_1 copy.
+    - MoE FFN: router logits, k experts' gate/up/down rows and the shared expert (3 H + ...).
+    """
     h = config.hidden
+    base = 2 * h + _q8(h)
+    seg = 0
+    mixer_chunked = 0
     if kind == GDN:
-        value_dim = config.gdn_v_heads * config.gdn_value_dim
-        mixer = 2 * config.gdn_conv_dim + 2 * value_dim + 2 * config.gdn_v_heads
+        nv, dk, dv = config.gdn_v_heads, config.gdn_key_dim, config.gdn_value_dim
+        value_dim = nv * dv
+        conv = config.gdn_conv_dim
+        project = base + 2 * (conv + value_dim + 2 * nv)
+        mixer_chunked = base + 2 * conv + 3 * value_dim + 2 * config.gdn_k_heads * dk + 4 * nv
+        mixer = max(project, mixer_chunked)  # the token-serial scan holds about as much as the chunked path
+        seg = nv * (3 * dk + 2 * dv)
     else:
-        q = config.n_heads * config.head_dim
-        kv = config.n_kv_heads * (config.head_dim + config.value_head_dim)
-        mixer = 2 * q + kv + config.n_heads * config.value_head_dim
+        nh, d, dv, n_kv = config.n_heads, config.head_dim, config.value_head_dim, config.n_kv_heads
+        rows = 2 * nh * d + n_kv * (d + dv)
+        mixer = base + max(2 * rows, rows + 2 * nh * d + 2 * nh * dv)
     if config.is_moe:
-        ffn = (config.n_experts + 3 * config.n_experts_used * config.expert_ffn + 3 * config.shared_expert_ffn)
+        ffn = 3 * h + (config.n_experts + 3 * config.n_experts_used * config.expert_ffn
+                       + 3 * config.shared_expert_ffn)
     else:
-        ffn = 3 * config.ffn
-    return 3 * h + max(mixer, ffn)
+        f = config.ffn
+        ffn = max(3 * h + _q8(h) + 4 * f, 3 * h + 3 * f + _q8(f), 4 * h + 3 * f + _q8(f))
+    return max(mixer, ffn), (mixer_chunked if seg else 0), seg
+
+
+def _fused_bytes(config: ModelConfig, names: Sequence[str], tensors: Mapping, sizes: Mapping[str, int]) -> int:
+    """Stored bytes of a layer's weights that the CUDA backend concatenates on first use: every group
+    of FUSED_GROUPS present with two or more members of one GGML type and row length."""
+    total = 0
+    for i in {int(m.group(1)) for m in map(_BLK_RE.match, names) if m}:
+        for group in FUSED_GROUPS:
+            members = [f"blk.{i}.{suffix}" for suffix in group if f"blk.{i}.{suffix}" in sizes]
+            if len(members) < 2:
+                continue
+            kinds = {(getattr(tensors[n], "type_name", ""), _shape_of(tensors[n])[-1:]) for n in members}
+            if len(kinds) == 1:
+                total += sum(sizes[n] for n in members)
+    return total
 
 
 def _layer_state_bytes(config: ModelConfig, kind: str) -> int:
@@ -304,14 +414,28 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
     def sized(part: str) -> tuple[tuple[str, int], ...]:
         return tuple((n, _tensor_bytes(tensors[n], role, part, layout)) for n, role in roles.get(part, {}).items())
 
-    parts.append(PartCost(GLOBAL, "embedding", sized(GLOBAL), act_values_per_token=config.hidden))
+    def staged(part: str) -> tuple[str, ...]:
+        if layout != "stored":
+            return ()
+        return tuple(n for n, role in roles.get(part, {}).items()
+                     if role != "vector" and getattr(tensors[n], "type_name", "") in STAGED_TYPES)
+
+    def fused(part: str, sizes) -> int:
+        return _fused_bytes(config, [n for n, _ in sizes], tensors, dict(sizes)) if layout == "stored" else 0
+
+    parts.append(PartCost(GLOBAL, "embedding", sized(GLOBAL), act_values_per_token=config.hidden,
+                          staged=staged(GLOBAL)))
     for i, kind in enumerate(config.layer_types):
         kv = config.n_kv_heads * (config.head_dim + config.value_head_dim) if kind in (ATTN, SLIDING) else 0
-        parts.append(PartCost(layer_part(i), kind, sized(layer_part(i)),
+        act, mixer, seg = _layer_activation_values(config, kind)
+        sizes = sized(layer_part(i))
+        parts.append(PartCost(layer_part(i), kind, sizes,
                               kv_values_per_token=kv, state_bytes=_layer_state_bytes(config, kind),
-                              act_values_per_token=_layer_activation_values(config, kind)))
+                              act_values_per_token=act, mixer_values_per_token=mixer,
+                              segment_values_per_token=seg, fused_bytes=fused(layer_part(i), sizes),
+                              staged=staged(layer_part(i))))
     parts.append(PartCost(HEAD, "head", sized(HEAD), act_values_per_token=2 * config.hidden,
-                          act_values_fixed=logits_rows * config.vocab_size))
+                          act_values_fixed=logits_rows * config.vocab_size, staged=staged(HEAD)))
     path = getattr(gguf_file, "path", "")
     return ModelCosts(name=config.name, architecture=config.architecture, n_layers=config.n_layers,
                       hidden=config.hidden, vocab=config.vocab_size, layer_kinds=tuple(config.layer_types),
@@ -466,7 +590,12 @@ def costs_for_shape(name: str, quant: str = "Q8_0", n_layers: int | None = None)
 
 @dataclass(frozen=True)
 class DeviceBytes:
-    """Estimated bytes one device needs for a placement."""
+    """Estimated bytes one device needs for a placement.
+
+    activations is the device's whole scratch: the peak live activations plus `fragmentation` and
+    `staging`, which are given separately for the record (they are part of activations, not added on
+    top): pool holes after the first-use weight concatenation, and the part of the load-time staging
+    peak that the run's own arrays do not cover."""
 
     device: str
     weights: int = 0
@@ -474,6 +603,8 @@ class DeviceBytes:
     recurrent: int = 0
     activations: int = 0
     overhead: int = 0
+    fragmentation: int = 0
+    staging: int = 0
 
     @property
     def total(self) -> int:
@@ -483,6 +614,25 @@ class DeviceBytes:
     def resident(self) -> int:
         """What stays allocated between requests: weights, KV cache and recurrent state."""
         return self.weights + self.kv_cache + self.recurrent
+
+
+def _load_peak(parts: Sequence[PartCost]) -> int:
+    """Most bytes the CUDA backend's pool holds while these parts' weights load, in load order (parts in
+    order, tensors in role order, a tensor already on the device not loaded again): a STAGED_TYPES
+    matrix is uploaded raw and re-laid out into quants + scales, so right after it the device holds
+    every weight so far plus the freed raw copy (the pool keeps it as a hole that later weights fill).
+    Derivation: upload_weight allocates raw (b), scales and quants (b together), then frees raw."""
+    seen: set[str] = set()
+    loaded = peak = 0
+    for p in parts:
+        staged = set(p.staged)
+        for name, b in p.tensors:
+            if name in seen:
+                continue
+            seen.add(name)
+            loaded += b
+            peak = max(peak, loaded + (b if name in staged else 0))
+    return max(peak, loaded)
 
 
 @dataclass(frozen=True)
@@ -585,22 +735,37 @@ class Placement:
         for dev in self.devices_used():
             on_dev = [p for p, d in zip(self.costs.parts, self.assignment, strict=True) if d == dev]
             tensors = _union_bytes(on_dev)
-            kv = state = act_tok = act_fixed = 0
+            kv = state = act = fused = kv_widest = 0
             for p in on_dev:
                 kv += p.kv_values_per_token
+                kv_widest = max(kv_widest, p.kv_values_per_token)
                 state += p.state_bytes
-                act_tok = max(act_tok, p.act_values_per_token)
-                act_fixed = max(act_fixed, p.act_values_fixed)
+                act = max(act, p.activation_bytes(self.chunk))
+                fused += p.fused_bytes
             # Two buffers of the incoming hidden state (the bridge's landing buffer and the one in use)
             # plus the widest part's live activations.
-            hidden_in = 2 * self.chunk * self.costs.hidden * 4
+            act += 2 * self.chunk * self.costs.hidden * 4
+            kv_bytes = int(round(kv * self.context * per_value)) * self.n_sequences
+            cuda = dev.startswith("cuda:")
+            if cuda and self.kv_type == "q3" and kv_widest:
+                # scratch: the CUDA backend dequantizes q3 rows into one fp32 buffer per KV shape, sized
+                # to the largest cache (CupyBackend._q3_scratch), shared by the layers and sequences
+                act += kv_widest * self.context * 4
+            weights = sum(tensors.values())
+            frag = staging = 0
+            if cuda and self.costs.layout == "stored":
+                frag = int(FUSE_FRAGMENTATION * fused)
+                run_peak = weights + kv_bytes + state * self.n_sequences + act + frag
+                staging = max(0, _load_peak(on_dev) - run_peak)
             out[dev] = DeviceBytes(
                 device=dev,
-                weights=sum(tensors.values()),
-                kv_cache=int(round(kv * self.context * per_value)) * self.n_sequences,
+                weights=weights,
+                kv_cache=kv_bytes,
                 recurrent=state * self.n_sequences,
-                activations=4 * (act_tok * self.chunk + act_fixed) + hidden_in,
+                activations=act + frag + staging,
                 overhead=device_overhead(dev, self.cuda_context_bytes),
+                fragmentation=frag,
+                staging=staging,
             )
         return out
 
@@ -761,10 +926,13 @@ def plan_auto(config: ModelConfig | ModelCosts, gguf_file=None, devices: Sequenc
     probe = Placement.single(costs, names[0], context=context, chunk=chunk, kv_type=kv_type,
                              n_sequences=n_sequences, cuda_context_bytes=cuda_context_bytes)
     per_value = _kv_bytes_per_value(kv_type)
+    frag = FUSE_FRAGMENTATION if costs.layout == "stored" else 0.0
     item = [p.weight_bytes + int(round(p.kv_values_per_token * context * per_value)) * n_sequences
-            + p.state_bytes * n_sequences for p in costs.parts]
-    # Scratch is priced at the widest part of the whole model so the budgets do not depend on the split.
-    scratch = probe.bytes_per_device()[names[0]].activations
+            + p.state_bytes * n_sequences + int(frag * p.fused_bytes) for p in costs.parts]
+    # Live scratch is priced at the widest part of the whole model so the budgets do not depend on the
+    # split (fragmentation is in the items; load-time staging is settled by _relieve below).
+    whole = probe.bytes_per_device()[names[0]]
+    scratch = whole.activations - whole.fragmentation - whole.staging
     usable = [max(0, d.free_bytes - reserve - device_overhead(d.name, cuda_context_bytes) - scratch)
               for d in devices]
     total_usable = sum(usable)
@@ -772,8 +940,38 @@ def plan_auto(config: ModelConfig | ModelCosts, gguf_file=None, devices: Sequenc
         assignment = [names[0]] * len(item)
     else:
         assignment = _proportional_split(item, names, usable)
-    return Placement(costs, assignment, context=context, chunk=chunk, kv_type=kv_type,
+    plan = Placement(costs, assignment, context=context, chunk=chunk, kv_type=kv_type,
                      n_sequences=n_sequences, cuda_context_bytes=cuda_context_bytes)
+    if total_usable > 0:
+        _relieve(plan, {d.name: d.free_bytes - reserve for d in devices})
+    return plan
+
+
+def _relieve(plan: Placement, room: Mapping[str, int], max_moves: int = 64) -> None:
+    """Move single parts across boundaries, in place, while a device's estimate exceeds its room and the
+    neighbour taking the part still fits afterwards (the proportional split prices load-time staging
+    and other per-device terms only roughly). Keeps the placement contiguous."""
+    for _ in range(max_moves):
+        segs = plan.segments()
+        per = plan.bytes_per_device()
+        moved = False
+        for k, seg in enumerate(segs):
+            if per[seg.device].total <= room.get(seg.device, 0) or seg.stop - seg.start < 2:
+                continue
+            for j, first in ((k + 1, seg.stop - 1), (k - 1, seg.start)):
+                if not 0 <= j < len(segs):
+                    continue
+                trial = plan.copy()
+                trial.assignment[first] = segs[j].device
+                after = trial.bytes_per_device()
+                if after[segs[j].device].total <= room.get(segs[j].device, 0):
+                    plan.assignment[:] = trial.assignment
+                    moved = True
+                    break
+            if moved:
+                break
+        if not moved:
+            return
 
 
 def _proportional_split(item: Sequence[int], names: Sequence[str], usable: Sequence[int]) -> list[str]:

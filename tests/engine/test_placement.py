@@ -167,9 +167,10 @@ def test_auto_split_skips_a_card_too_small_for_anything():
 
 
 def test_auto_split_keeps_within_each_card_when_it_fits():
-    # 9B Q8_0 (~8.9 GiB) on three cards whose free memory differs: nobody overflows.
+    # 9B Q8_0 (~8.9 GiB of weights, ~12 GiB with three CUDA contexts, scratch, the pool's holes and the
+    # LM head's load-time staging) on three cards whose free memory differs: nobody overflows.
     costs = costs_for_shape("qwen3.5-9b")
-    devices = [DeviceSpec("cuda:0", 3 * GiB), DeviceSpec("cuda:1", 5 * GiB), DeviceSpec("cuda:2", 4 * GiB)]
+    devices = [DeviceSpec("cuda:0", 3 * GiB), DeviceSpec("cuda:1", 6 * GiB), DeviceSpec("cuda:2", 4 * GiB)]
     plan = plan_auto(costs, devices=devices, context=2048)
     assert [i for i in validate(plan, devices) if i.severity == "error"] == []
 
@@ -280,3 +281,71 @@ def test_paper_shapes_match_what_synth_writes(name):
     for n, spec in specs.items():
         assert tuple(written[n].shape) == spec.shape, n
         assert gguf.GGMLQuantizationType(int(written[n].type_id)).name == spec.type_name, n
+
+
+# ---- what the CUDA backend's memory pool holds beyond the live arrays --------------------------------
+
+
+def test_fused_and_staged_tensors_of_a_shape():
+    config, tensors = config_and_tensors_for_shape("qwen3.5-9b", "Q8_0", n_layers=4)
+    costs = costs_for_shape("qwen3.5-9b", "Q8_0", n_layers=4)
+    gdn, attn = costs.part("layer.0"), costs.part("layer.3")
+    b = {n: t.n_bytes for n, t in tensors.items()}
+    assert gdn.fused_bytes == sum(b[f"blk.0.{n}.weight"] for n in
+                                  ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ffn_gate", "ffn_up"))
+    assert attn.fused_bytes == sum(b[f"blk.3.{n}.weight"] for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"))
+    # Q8_0 matrices go through a raw staging copy; 1-D F32 tensors and ssm_conv1d do not
+    assert "blk.0.attn_qkv.weight" in gdn.staged and "blk.0.ssm_conv1d.weight" not in gdn.staged
+    assert "blk.0.attn_norm.weight" not in gdn.staged
+    # formats that are uploaded as they are (K-quants) have no staging copy
+    assert costs_for_shape("qwen3.5-9b", "Q4_K", n_layers=4).part("layer.0").staged == ()
+
+
+def test_pool_terms_only_for_stored_weights_on_cuda(tiny):
+    config, gf = tiny
+    costs = model_costs(config, gf)
+    per = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cuda:1", 4)]).bytes_per_device()
+    assert per["cpu:0"].fragmentation == per["cpu:0"].staging == 0
+    assert per["cuda:1"].fragmentation == int(0.2 * sum(p.fused_bytes for p in costs.parts[5:9]))
+    ref = model_costs(config, gf, layout="numpy")
+    assert all(p.fused_bytes == 0 and p.staged == () for p in ref.parts)
+    one = Placement.single(ref, "cuda:0").bytes_per_device()["cuda:0"]
+    assert one.fragmentation == one.staging == 0
+
+
+def test_staging_of_the_lm_head_loaded_last():
+    # 9B: the untied LM head (248,320 x 4,096 Q8_0, ~1.0 GiB) is the last tensor loaded; with a short
+    # context and chunk nothing of the run covers its freed raw copy, so the device needs weights + it
+    costs = costs_for_shape("qwen3.5-9b")
+    head = dict(costs.part("head").tensors)["output.weight"]
+    b = Placement.single(costs, "cuda:0", context=16, chunk=16, kv_type="f32").bytes_per_device()["cuda:0"]
+    assert b.staging > 0
+    assert b.total - b.overhead == b.weights + head
+    assert b.activations >= b.fragmentation + b.staging
+    # a long context fills the hole with KV cache: no staging term
+    b = Placement.single(costs, "cuda:0", context=32768, chunk=512, kv_type="f32").bytes_per_device()["cuda:0"]
+    assert b.staging == 0
+
+
+def test_gdn_chunk_scratch_counts_from_256_tokens():
+    costs = costs_for_shape("qwen3.5-9b")
+    gdn = costs.part("layer.0")
+    seg = 32 * (3 * 128 + 2 * 128)  # n_v (3 d_k + 2 d_v) floats per segment token
+    assert gdn.segment_values_per_token == seg
+    assert gdn.activation_bytes(255) == 4 * 255 * gdn.act_values_per_token
+    assert gdn.activation_bytes(512) == 4 * max(512 * gdn.act_values_per_token,
+                                                512 * gdn.mixer_values_per_token + 512 * seg)
+    # segments of 2,048 tokens bound the scratch
+    big = gdn.activation_bytes(8192)
+    assert big == 4 * max(8192 * gdn.act_values_per_token, 8192 * gdn.mixer_values_per_token + 2048 * seg)
+
+
+def test_old_saved_placement_without_pool_fields_loads(tiny):
+    config, gf = tiny
+    plan = Placement.single(model_costs(config, gf), "cuda:0")
+    d = json.loads(plan.to_json())
+    for p in d["model"]["parts"]:
+        for key in ("mixer_values_per_token", "segment_values_per_token", "fused_bytes", "staged"):
+            p.pop(key)
+    back = Placement.from_dict(d)
+    assert back.bytes_per_device()["cuda:0"].fragmentation == 0
