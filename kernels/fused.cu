@@ -15,33 +15,76 @@
 //
 // q8_1 blocks are written with q8_1_block (common.cuh), so they equal quantize_q8_1 of the fp32 output.
 
+#define RMS_MAXV 16  // values per thread kept in registers: rows up to 1024 * 16 = 16384 values
+
 template <int MODE>
-__global__ void rms_norm_q8(const float* __restrict__ x, const float* __restrict__ delta,
+__global__ void __launch_bounds__(1024) rms_norm_q8(const float* __restrict__ x, const float* __restrict__ delta,
                             const float* __restrict__ w, float* __restrict__ out, float* __restrict__ s_out,
                             i8* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs, int N,
                             float eps) {
-    // One block per row; blockDim and N are multiples of 32, so every warp walks whole q8 blocks.
+    // One block per row; blockDim and N are multiples of 32, so value i = k * blockDim + tid puts whole
+    // 32-value q8 blocks in each warp. Rows of up to RMS_MAXV * blockDim values stay in registers between
+    // the sum of squares and the output (every load is issued before the first reduction); longer rows
+    // re-read global memory in a second pass.
     __shared__ float scratch[32];
     int tid = threadIdx.x, nth = blockDim.x, lane = tid & 31;
     i64 base = (i64)blockIdx.x * N;
+    bool in_regs = N <= RMS_MAXV * nth;
+    float v[RMS_MAXV], wv[RMS_MAXV];
     float ss = 0.0f;
-    for (int i = tid; i < N; i += nth) {
-        float v = x[base + i];
-        if (MODE == 1) {
-            v += delta[base + i];
-            s_out[base + i] = v;
+    if (in_regs) {
+#pragma unroll
+        for (int k = 0; k < RMS_MAXV; k++) {
+            int i = k * nth + tid;
+            v[k] = 0.0f;
+            wv[k] = 1.0f;
+            if (i < N) {
+                v[k] = x[base + i];
+                if (MODE == 1) v[k] += delta[base + i];
+                if (w != 0) wv[k] = w[i];
+            }
         }
-        ss += v * v;
+#pragma unroll
+        for (int k = 0; k < RMS_MAXV; k++) {
+            int i = k * nth + tid;
+            if (i < N) {
+                if (MODE == 1) s_out[base + i] = v[k];
+                ss += v[k] * v[k];
+            }
+        }
+    } else {
+        for (int i = tid; i < N; i += nth) {
+            float t = x[base + i];
+            if (MODE == 1) {
+                t += delta[base + i];
+                s_out[base + i] = t;
+            }
+            ss += t * t;
+        }
     }
     ss = block_sum(ss, scratch);
     float inv = rsqrtf(ss / (float)N + eps);
-    for (int i = tid; i < N; i += nth) {
-        float v = (MODE == 1) ? s_out[base + i] : x[base + i];
-        float o = v * inv;
-        if (w != 0) o *= w[i];
-        out[base + i] = o;
-        i64 b = (base + i) >> 5;
-        q8_1_block(o, xq + b * 32, xd + b, xs + b, lane);
+    if (in_regs) {
+#pragma unroll
+        for (int k = 0; k < RMS_MAXV; k++) {
+            int i = k * nth + tid;
+            if (i < N) {  // the same for all 32 lanes of a warp
+                float o = v[k] * inv;
+                if (w != 0) o *= wv[k];
+                out[base + i] = o;
+                i64 b = (base + i) >> 5;
+                q8_1_block(o, xq + b * 32, xd + b, xs + b, lane);
+            }
+        }
+    } else {
+        for (int i = tid; i < N; i += nth) {
+            float t = (MODE == 1) ? s_out[base + i] : x[base + i];
+            float o = t * inv;
+            if (w != 0) o *= w[i];
+            out[base + i] = o;
+            i64 b = (base + i) >> 5;
+            q8_1_block(o, xq + b * 32, xd + b, xs + b, lane);
+        }
     }
 }
 

@@ -32,6 +32,12 @@ def _c32(x):
     return cp.ascontiguousarray(x, dtype=cp.float32)
 
 
+def rms_threads(N: int) -> int:
+    """rms_norm_q8's block size for rows of N values: about 4 values per thread (a multiple of 32, at
+    most 1024), so a single decode row is spread over many loads in flight."""
+    return min(1024, max(32, (N // 4 + 31) // 32 * 32))
+
+
 def rms_norm_q8(x, w, eps: float, delta=None):
     """rms_norm(x, w) (delta None) or add_rms_norm(x, delta, w) of (T, N) rows with N % 32 == 0.
     Returns (out, q8) or (s, out, q8) with s = x + delta."""
@@ -46,7 +52,7 @@ def rms_norm_q8(x, w, eps: float, delta=None):
         delta = _c32(delta).reshape(T, N) if delta is not None else None
         mode = 1 if delta is not None else 0
         get_kernel("fused", f"rms_norm_q8<{mode}>")(
-            (T,), (min(256, N),),
+            (T,), (rms_threads(N),),
             (x, delta if delta is not None else x, w if w is not None else np.uint64(0), out,
              s_out if s_out is not None else out, q8[0], q8[1], q8[2], np.int32(N), np.float32(eps)))
     return (out, q8) if delta is None else (s_out, out, q8)
