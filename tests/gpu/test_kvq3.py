@@ -51,9 +51,17 @@ def _check_rows(got_c, got_s, x, label):
     tie_block = differ.reshape(differ.shape[:-1] + (-1, 32)).any(axis=-1)  # its LS scale moves too
     assert np.all((np.abs(a - b) <= ulp) | tie_block), "a scale more than one fp16 step from the spec"
     assert np.mean(a == b) > 0.99
+    # Reconstruction error: a property of the format, not of the kernel (the spec itself gives ~0.04 on
+    # these inputs at d = 256: the 300-sigma outlier row rotates into a flat block where |y| / rms sits
+    # at the 1.05 decision threshold). So the bound is the spec's own error on the same rows: equal
+    # codes give the same error, and a near-tie code may move it only a little.
     deq = kq.dequantize(got_c, got_s)
-    rel = np.sum((deq - x) ** 2) / np.sum(x**2)
-    assert rel < 0.036, rel
+    ref = kq.dequantize(ref_c, ref_s)
+    energy = np.sum(x.astype(np.float64) ** 2)
+    rel = np.sum((deq - x.astype(np.float64)) ** 2) / energy if energy else 0.0
+    rel_ref = np.sum((ref - x.astype(np.float64)) ** 2) / energy if energy else 0.0
+    print(f"{label}: relative squared error kernel {rel:.6f}, spec {rel_ref:.6f}")
+    assert rel <= rel_ref * (1.0 + 1e-3) + 1e-12, (rel, rel_ref)
     return deq
 
 
@@ -160,3 +168,77 @@ def test_flash_decode_matches_numpy(d, window, L, nh, n_kv, poison):
     print(f"\nflash_decode d={d} L={L} window={window} nh/n_kv={nh}/{n_kv}: max abs err {err:.2e}, "
           f"device length {err2:.2e}")
     assert err < 1e-4 and err2 < 1e-4
+
+
+def _ref_attention(q, keys, values, start: int, scale: float, window: int) -> np.ndarray:
+    """fp64 causal GQA attention of q (T, nh, D) at positions start.. over keys/values (L, n_kv, D)."""
+    T, nh, _ = q.shape
+    L, n_kv, _ = keys.shape
+    k_pos = np.arange(L)
+    q_pos = np.arange(start, start + T)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window > 0:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    out = np.empty((T, nh, values.shape[2]))
+    for h in range(nh):
+        kv = h // (nh // n_kv)
+        s = (q[:, h].astype(np.float64) @ keys[:, kv].astype(np.float64).T) * scale
+        s = np.where(visible, s, -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ values[:, kv].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("d", DIMS)
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize("mode", ["dequant", "rotated"])
+def test_backend_q3_attention_multi_row_appends(d, window, mode, poison):
+    """CupyBackend.attention over a q3 cache, step by step: multi-row appends at start 0 and at a
+    nonzero start (the prefill path: quantize several rows, dequantize into the fp32 scratch,
+    flash_prefill from `start`), single-token steps (decode), a growth past the capacity. Each step
+    is checked (a) tightly against fp64 attention over the GPU cache's own codes dequantized by the
+    spec and (b) against the NumPy backend's q3 cache (its own codes: equal up to rare near-ties).
+    Prints per step the errors and, after each multi-row append, the per-row max error of the
+    dequantized K and V scratch against kvquant.dequantize of the same codes."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.backends.numpy_backend import NumpyBackend
+
+    be = CupyBackend("cuda:0", path="fma")
+    be.q3_decode = mode
+    nb = NumpyBackend()
+    nh, n_kv = 8, 2
+    scale = 1.0 / np.sqrt(d)
+    gc = be.new_kv_cache(n_kv, d, d, 16, kv_type="q3")
+    nc = nb.new_kv_cache(n_kv, d, d, 16, kv_type="q3")
+    rng = np.random.default_rng(d + window)
+    for step, T in enumerate([5, 7, 1, 1, 37, 1, 3]):  # 37 at start 14 grows the cache past 16
+        start = gc.length
+        q = rng.standard_normal((T, nh, d)).astype(np.float32)
+        k = (2.0 * rng.standard_normal((T, n_kv, d))).astype(np.float32)
+        v = rng.standard_normal((T, n_kv, d)).astype(np.float32)
+        got = cp.asnumpy(be.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), gc, scale=scale, window=window))
+        ref_np = nb.attention(q, k, v, nc, scale=scale, window=window)
+        L = gc.length
+        assert L == start + T == nc.length
+        kd = kq.dequantize(cp.asnumpy(gc.k_codes[:L]), cp.asnumpy(gc.k_scales[:L]))
+        vd = kq.dequantize(cp.asnumpy(gc.v_codes[:L]), cp.asnumpy(gc.v_scales[:L]))
+        ref = _ref_attention(q, kd, vd, start, scale, window)
+        amax = float(np.abs(ref).max())
+        err = float(np.max(np.abs(got - ref))) / amax
+        err_np = float(np.max(np.abs(got - ref_np))) / amax
+        row_err = np.max(np.abs(got - ref), axis=(1, 2)) / amax
+        print(f"\nq3 backend d={d} window={window} {mode} step {step}: T={T} start={start}: max rel err vs own codes "
+              f"{err:.2e} (worst query row {int(np.argmax(row_err))}), vs NumPy q3 cache {err_np:.2e}")
+        if T > 1 or mode == "dequant":
+            ks, vs = be._q3_scratch(gc, grow=False)
+            k_lo, v_lo = ks.data.ptr, vs.data.ptr
+            assert k_lo + ks.nbytes <= v_lo or v_lo + vs.nbytes <= k_lo, "K and V scratch overlap"
+            k_rows = np.max(np.abs(cp.asnumpy(ks[:L]) - kd), axis=(1, 2)) / max(float(np.abs(kd).max()), 1e-30)
+            v_rows = np.max(np.abs(cp.asnumpy(vs[:L]) - vd), axis=(1, 2)) / max(float(np.abs(vd).max()), 1e-30)
+            if T > 1:
+                print(f"  scratch rows {start}..{L - 1} rel err K {np.array2string(k_rows[start:], precision=1)}"
+                      f" V {np.array2string(v_rows[start:], precision=1)}; all rows max K {k_rows.max():.1e}"
+                      f" V {v_rows.max():.1e}")
+            assert k_rows.max() < 1e-5 and v_rows.max() < 1e-5
+        assert err < 1e-4, (step, err)
+        assert err_np < 1e-2, (step, err_np)

@@ -288,3 +288,81 @@ def test_emulated_flash_decode_equals_spec(window, L, split_len):
     q_rot = fwht(q[0] * sign_u32(d))
     out = fwht(emu_flash_decode(q_rot, kc, ks, vc, vs, L, scale, window, split_len, n_splits)) * sign_u32(d)
     np.testing.assert_allclose(out, ref[0], atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# multi-row appends at a nonzero start (the prefill path of CupyQ3KVCache / CupyBackend.attention)
+
+
+def emu_quantize_append(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, start: int) -> None:
+    """kvq3_quantize's grid over x (T, n_kv, D): block `row` = t * n_kv + head quantizes x's row `row`
+    and writes cache row dst = start * n_kv + row of the flat (capacity * n_kv, ...) arrays."""
+    T, n_kv, D = x.shape
+    flat_x = np.asarray(x, F32).reshape(T * n_kv, D)
+    flat_c = codes.reshape(-1, 3 * D // 8)
+    flat_s = scales.reshape(-1, D // BLOCK)
+    for row in range(T * n_kv):
+        dst = start * n_kv + row
+        flat_c[dst], flat_s[dst] = emu_quantize(flat_x[row])
+
+
+def _attention64(q, keys, values, start: int, scale: float, window: int) -> np.ndarray:
+    """Causal GQA attention in float64 of q (T, nh, D) at positions start.. over (L, n_kv, D)."""
+    T, nh, _ = q.shape
+    L, n_kv, _ = keys.shape
+    k_pos, q_pos = np.arange(L), np.arange(start, start + T)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window > 0:
+        visible &= k_pos[None, :] > q_pos[:, None] - window
+    out = np.empty((T, nh, values.shape[2]))
+    for h in range(nh):
+        kv = h // (nh // n_kv)
+        s = np.where(visible, (q[:, h].astype(np.float64) @ keys[:, kv].astype(np.float64).T) * scale, -np.inf)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ values[:, kv].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window", [0, 4])
+def test_emulated_multi_row_appends_equal_numpy_cache(d, window):
+    """Appends of 5, 7, 1 and 4 rows (starts 0, 5, 12, 13) into poisoned cache arrays, each followed by
+    the attention flow of CupyBackend._attention_q3: dequantize rows [0, length) of K and of V into two
+    separate fp32 scratch arrays (kvq3_dequant) and attend from `start`. Checked against the NumPy
+    Q3KVCache (the reference the GPU model test compares with) fed the same rows, row by row."""
+    from minecart.engine.backends.numpy_backend import NumpyBackend
+
+    rng = np.random.default_rng(d + window)
+    n_kv, nh, cap = 2, 4, 20
+    scale = 1.0 / np.sqrt(d)
+    kc = np.full((cap, n_kv, 3 * d // 8), 0xAB, np.uint8)
+    ks = np.full((cap, n_kv, d // BLOCK), 7.0, np.float16)
+    vc, vs = kc.copy(), ks.copy()
+    k_scratch = np.full((cap, n_kv, d), np.nan, F32)
+    v_scratch = np.full((cap, n_kv, d), np.nan, F32)
+    nb = NumpyBackend()
+    ref_cache = nb.new_kv_cache(n_kv, d, d, cap, kv_type="q3")
+    length = 0
+    for T in (5, 7, 1, 4):
+        start = length
+        q = rng.standard_normal((T, nh, d)).astype(F32)
+        k = (2.0 * rng.standard_normal((T, n_kv, d))).astype(F32)
+        v = rng.standard_normal((T, n_kv, d)).astype(F32)
+        emu_quantize_append(k, kc, ks, start)
+        emu_quantize_append(v, vc, vs, start)
+        length = start + T
+        assert np.all(kc[length:] == 0xAB) and np.all(ks[length:] == 7.0)  # rows past the append untouched
+        k_scratch[:] = emu_dequant(kc, ks, length, cap, n_kv)
+        v_scratch[:] = emu_dequant(vc, vs, length, cap, n_kv)
+        got = _attention64(q, k_scratch[:length], v_scratch[:length], start, scale, window)
+        ref = nb.attention(q, k, v, ref_cache, scale=scale, window=window)
+        # the new rows' codes: the spec's, except a value within 1e-5 of a decision threshold
+        for arr, ref_arr, x in ((kc, ref_cache.k_codes, k), (vc, ref_cache.v_codes, v)):
+            differ = kq.unpack3(arr[start:length]) != kq.unpack3(ref_arr[start:length])
+            assert not np.any(differ & ~_near_tie(x))
+        ref_k, ref_v = ref_cache.read(length)
+        tol_k, tol_v = 1e-5 * np.abs(ref_k).max(), 1e-5 * np.abs(ref_v).max()
+        np.testing.assert_allclose(k_scratch[:length], ref_k, atol=tol_k, rtol=0)
+        np.testing.assert_allclose(v_scratch[:length], ref_v, atol=tol_v, rtol=0)
+        assert np.all(np.isnan(k_scratch[length:]))
+        np.testing.assert_allclose(got, ref, atol=2e-5 * np.abs(ref).max(), rtol=0)
