@@ -538,6 +538,13 @@ class SplitBenchResult:
         for dev, m in self.memory.items():
             out.append(f"  memory {dev}: estimate {m['estimate'] / GiB:.2f} GiB, measured "
                        f"{m['measured'] / GiB:.2f} GiB ({m['how']}), measured/estimate {m['ratio']:.3f}")
+            if "pool_peak" in m:
+                t = m["estimate_terms"]
+                out.append(f"    measured: context {m['context'] / GiB:.3f} + pool peak {m['pool_peak'] / GiB:.3f} GiB; "
+                           f"device used at the end {m['device_used'] / GiB:.3f} GiB, of it outside the pool "
+                           f"{m['outside_pool'] / GiB:.3f} GiB")
+                out.append("    estimate: " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in t.items()) + " GiB "
+                           "(fragmentation and staging are part of activations)")
         return out
 
 
@@ -557,12 +564,34 @@ def _graph_switches(model) -> list:
     return out
 
 
+def _real_backends(model) -> list:
+    """The distinct device backends of a model (a rig's logical devices unwrapped)."""
+    out = {}
+    for be in model.backends.values():
+        inner = getattr(be, "inner", be)
+        out[id(inner)] = inner
+    return list(out.values())
+
+
+def _sample_memory(model, reset: bool = False) -> None:
+    """Let every CUDA backend note its memory pool's total (reset: start a new peak window)."""
+    for be in _real_backends(model):
+        f = getattr(be, "reset_memory_peak" if reset else "sample_memory", None)
+        if f is not None:
+            f()
+
+
 def _memory_report(model, states, context: int, chunk: int) -> dict:
     """Per device: the placement's estimate for this context and chunk, and what was measured.
 
-    A physical GPU holding one logical device is measured as device total minus free
-    (`peak_memory`: the memory pool keeps its blocks, so this is the high-water mark plus the CUDA
-    context) and compared with the estimate's total; logical devices sharing a GPU and CPU devices
+    A physical GPU holding one logical device is measured as its CUDA context (`context_bytes`: device
+    memory in use when the process first made a backend there, less the pool) plus the highest total
+    of CuPy's memory pool on it over the run (`memory_peak`: sampled after every prefill and decode of
+    bench_split; the pool keeps freed blocks, so this is what the run held from the device, holes
+    included). The estimate is priced with that measured context as its CUDA overhead, so the ratio
+    judges everything else. Beside it: "device_used" (device total - free at the end) and
+    "outside_pool" (device memory the pool does not account for: context, kernel modules, graph
+    executables, driver page rounding), for the record. Logical devices sharing a GPU and CPU devices
     are measured as the arrays their parts' weights and the sequence's states hold
     (rig.allocated_bytes) against the estimate's resident bytes (weights, KV cache, recurrent state)."""
     import dataclasses
@@ -571,7 +600,8 @@ def _memory_report(model, states, context: int, chunk: int) -> dict:
 
     placement = model.placement
     kv_type = getattr(model, "kv_type", None) or placement.kv_type
-    est = dataclasses.replace(placement, context=context, chunk=chunk, kv_type=kv_type).bytes_per_device()
+    plan = dataclasses.replace(placement, context=context, chunk=chunk, kv_type=kv_type)
+    est = plan.bytes_per_device()
     physical = {}
     for part, dev in model.device_plan.items():
         be = model.backends[part]
@@ -581,16 +611,25 @@ def _memory_report(model, states, context: int, chunk: int) -> dict:
     for dev, e in est.items():
         be = next(model.backends[p] for p, d in model.device_plan.items() if d == dev)
         shared = sum(1 for d, ph in physical.items() if ph == physical[dev]) > 1
-        peak = getattr(be, "peak_memory", None)
-        if peak is not None and not shared:
-            measured, estimate, how = int(peak()), e.total, "device total - free"
+        real = getattr(be, "inner", be)
+        if hasattr(real, "memory_peak") and not shared:
+            ctx = int(real.context_bytes)
+            e = dataclasses.replace(plan, cuda_context_bytes=ctx).bytes_per_device()[dev]
+            pool = int(real.memory_peak())
+            measured, estimate, how = ctx + pool, e.total, "CUDA context + pool peak"
+            extra = {"context": ctx, "pool_peak": pool, "device_used": int(real.peak_memory()),
+                     "outside_pool": int(real.outside_pool_bytes()),
+                     "estimate_terms": {"weights": e.weights, "kv_cache": e.kv_cache, "recurrent": e.recurrent,
+                                        "activations": e.activations, "fragmentation": e.fragmentation,
+                                        "staging": e.staging, "overhead": e.overhead}}
         else:
             parts = [p for p, d in model.device_plan.items() if d == dev]
             held = [model.weights[p] for p in parts]
             held += [states[int(p.split(".")[1])] for p in parts if p.startswith("layer.")]
             measured, estimate, how = allocated_bytes(held), e.resident, "resident arrays"
+            extra = {}
         out[dev] = {"estimate": int(estimate), "measured": measured, "how": how,
-                    "ratio": measured / estimate if estimate else 0.0}
+                    "ratio": measured / estimate if estimate else 0.0, **extra}
     return out
 
 
@@ -613,7 +652,9 @@ def bench_split(model, *, prompt_tokens: int = 512, chunk: int = 128, decode_tok
         try:
             t0 = time.perf_counter()
             logits = model.forward(tokens, states, np.arange(len(tokens)), rows="last", chunk=chunk)
-            return time.perf_counter() - t0, states, logits
+            dt = time.perf_counter() - t0
+            _sample_memory(model)  # the pool's total after prefill (memory report)
+            return dt, states, logits
         finally:
             if pipeline is not None:
                 pipeline.max_in_flight = old
@@ -623,8 +664,11 @@ def bench_split(model, *, prompt_tokens: int = 512, chunk: int = 128, decode_tok
         for k in range(n):
             logits = model.forward([token], states, np.array([start + k]), rows="last")
             token = int(np.argmax(logits[-1]))
-        return time.perf_counter() - t0, token
+        dt = time.perf_counter() - t0
+        _sample_memory(model)  # and after decode
+        return dt, token
 
+    _sample_memory(model, reset=True)  # the memory report's peak covers this run (from the load on)
     # warm-up: kernel compilation, first allocations, one graph capture per stage
     _, states, logits = prefill(ids[: min(prompt_tokens, 2 * chunk)], None)
     decode(states, int(np.argmax(logits[-1])), min(prompt_tokens, 2 * chunk), 3)

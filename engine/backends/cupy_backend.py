@@ -283,6 +283,7 @@ class CupyBackend(FusedOpsMixin):
             raise ValueError(f"device '{device}' does not exist: this machine has {n} CUDA device(s)")
         self.device = f"cuda:{self.index}"
         self._dev = cp.cuda.Device(self.index)
+        _note_context_bytes(self.index)  # before this backend allocates anything (the probe does)
         self._rope_tables: dict = {}
         self.probe_record: dict | None = None
         self._capture: _Capture | None = None  # set while a decode step is being captured
@@ -937,22 +938,77 @@ class CupyBackend(FusedOpsMixin):
             path = self.gemv_path if x2.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
             return probe.time_gpu(lambda: ops.matmul(x2, w.q, path), reps)
 
+    # What the placement estimate is compared with (engine/multidevice.py `_memory_report`): the CUDA
+    # context (`context_bytes`) plus the highest total of CuPy's memory pool on this device over the
+    # samples a run takes (`sample_memory` after prefill and after decode; `memory_peak`). The pool keeps
+    # freed blocks for reuse, so its total is what the process holds from the device, holes included.
+    # Device memory outside the pool (kernel modules loaded later, graph executables, the driver's page
+    # rounding, other processes) is `outside_pool_bytes`.
     def memory_used(self) -> int:
-        """Bytes held by CuPy's pool on this device (weights, caches, scratch)."""
+        """Bytes held by CuPy's pool on this device (weights, caches, scratch, free blocks it keeps)."""
         with self._dev:
             return int(cp.get_default_memory_pool().total_bytes())
 
+    @property
+    def context_bytes(self) -> int:
+        """Device memory in use when this process first made a backend on this device, less what the
+        pool held then: the CUDA context (driver state, local memory reservation), plus anything other
+        processes held at that moment."""
+        return _CONTEXT_BYTES.get(self.index, 0)
+
+    def sample_memory(self) -> int:
+        """Note the pool's total now for `memory_peak` and return it."""
+        now = self.memory_used()
+        self._pool_peak = max(self.__dict__.get("_pool_peak", 0), now)
+        return now
+
+    def reset_memory_peak(self) -> None:
+        """Start a new `memory_peak` window at the pool's total now."""
+        self._pool_peak = self.memory_used()
+
+    def memory_peak(self) -> int:
+        """Highest pool total seen by sample_memory since reset_memory_peak (or creation), now included."""
+        return max(self.__dict__.get("_pool_peak", 0), self.memory_used())
+
+    def outside_pool_bytes(self) -> int:
+        """Device memory in use now that the pool does not account for (the CUDA context included)."""
+        return self.peak_memory() - self.memory_used()
+
     def release_cached(self) -> None:
-        """Drop captured decode graphs and return the memory pool's unused blocks to the driver
-        (between benchmark configurations, so each one's memory is measured alone)."""
+        """Drop captured decode graphs, this thread's cached q8_1 / fp16 activation copies and return the
+        memory pool's unused blocks to the driver (between benchmark configurations, so each one's memory
+        is measured alone: a small array left alive keeps its whole pool chunk)."""
         self._graphs = {}
+        from minecart.kernels import hfma2
+
+        for local in (ops._LAST_Q, hfma2._LAST):
+            local.__dict__.clear()
         with self._dev:
             cp.get_default_memory_pool().free_all_blocks()
+        self._pool_peak = self.memory_used()
 
     def peak_memory(self) -> int:
+        """Device memory in use now (device total - free): everything of every process on this GPU."""
         with self._dev:
             free, total = cp.cuda.runtime.memGetInfo()
             return int(total - free)
+
+
+_CONTEXT_BYTES: dict[int, int] = {}  # device index -> CupyBackend.context_bytes
+
+
+def _note_context_bytes(index: int) -> None:
+    """Measure the CUDA context of device `index` once per process, the first time a backend is made
+    there: device memory in use (memGetInfo makes the context if there is none yet) less what CuPy's
+    pool already holds on it."""
+    if index in _CONTEXT_BYTES:
+        return
+    try:
+        with cp.cuda.Device(index):
+            free, total = cp.cuda.runtime.memGetInfo()
+            _CONTEXT_BYTES[index] = int(total - free) - int(cp.get_default_memory_pool().total_bytes())
+    except cp.cuda.runtime.CUDARuntimeError:
+        pass
 
 
 __all__ = ["CupyBackend", "CupyKVCache", "CupyQ3KVCache", "CupyWeight", "device_count", "gpu_uuid"]

@@ -382,6 +382,10 @@ def format_split_table(rows: list[dict], name: str, prompt: int, chunk: int) -> 
                      f"{row['decode_vs_1']:>7.2f}{f'{eager:.1f}' if eager else '-':>12}")
     for row in rows:
         for dev, m in row.get("memory", {}).items():
-            lines.append(f"memory {row['config']}, {dev}: estimate {m['estimate'] / 2**30:.2f} GiB, measured "
-                         f"{m['measured'] / 2**30:.2f} GiB ({m['how']}), ratio {m['ratio']:.3f}")
+            line = (f"memory {row['config']}, {dev}: estimate {m['estimate'] / 2**30:.2f} GiB, measured "
+                    f"{m['measured'] / 2**30:.2f} GiB ({m['how']}), ratio {m['ratio']:.3f}")
+            if "pool_peak" in m:
+                line += (f" [context {m['context'] / 2**30:.2f} + pool peak {m['pool_peak'] / 2**30:.2f} GiB; "
+                         f"outside the pool {m['outside_pool'] / 2**30:.2f} GiB]")
+            lines.append(line)
     return "\n".join(lines)
