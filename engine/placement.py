@@ -752,6 +752,10 @@ class Placement:
                 # to the largest cache (CupyBackend._q3_scratch), shared by the layers and sequences
                 act += kv_widest * self.context * 4
             weights = sum(tensors.values())
+            if cuda:
+                # a captured decode graph keeps the recurrent state of the sequence it was captured for
+                # until a graph for the next sequence replaces it (CupyBackend._DecodeGraph.states)
+                act += state
             frag = staging = 0
             if cuda and self.costs.layout == "stored":
                 frag = int(FUSE_FRAGMENTATION * fused)

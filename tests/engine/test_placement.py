@@ -314,15 +314,18 @@ def test_pool_terms_only_for_stored_weights_on_cuda(tiny):
 
 
 def test_staging_of_the_lm_head_loaded_last():
-    # 9B: the untied LM head (248,320 x 4,096 Q8_0, ~1.0 GiB) is the last tensor loaded; with a short
-    # context and chunk nothing of the run covers its freed raw copy, so the device needs weights + it
+    # 9B: the untied LM head (248,320 x 4,096 Q8_0, ~1.0 GiB) is the last tensor loaded; on a card that
+    # holds only the last layer and the head, with a short context and chunk, nothing of the run covers
+    # its freed raw copy, so the device needs weights + it
     costs = costs_for_shape("qwen3.5-9b")
     head = dict(costs.part("head").tensors)["output.weight"]
-    b = Placement.single(costs, "cuda:0", context=16, chunk=16, kv_type="f32").bytes_per_device()["cuda:0"]
+    plan = Placement.from_layer_counts(costs, [("cuda:0", 31), ("cuda:1", 1)], context=16, chunk=16, kv_type="f32")
+    b = plan.bytes_per_device()["cuda:1"]
     assert b.staging > 0
     assert b.total - b.overhead == b.weights + head
     assert b.activations >= b.fragmentation + b.staging
-    # a long context fills the hole with KV cache: no staging term
+    # the whole model on one card: the first-use concatenation holes and the KV cache of a long
+    # context cover it (they reuse the hole), so no staging term
     b = Placement.single(costs, "cuda:0", context=32768, chunk=512, kv_type="f32").bytes_per_device()["cuda:0"]
     assert b.staging == 0
 
