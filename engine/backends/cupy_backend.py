@@ -977,8 +977,11 @@ class CupyBackend(FusedOpsMixin):
     def release_cached(self) -> None:
         """Drop captured decode graphs, this thread's cached q8_1 / fp16 activation copies and return the
         memory pool's unused blocks to the driver (between benchmark configurations, so each one's memory
-        is measured alone: a small array left alive keeps its whole pool chunk)."""
+        is measured alone: a small array left alive keeps its whole pool chunk). The RoPE tables and the q3
+        dequantization scratch go too; they are made again when next needed."""
         self._graphs = {}
+        self._rope_tables = {}
+        self.__dict__.pop("_q3_scratch_arrays", None)
         from minecart.kernels import hfma2
 
         for local in (ops._LAST_Q, hfma2._LAST):
