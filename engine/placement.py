@@ -333,9 +333,9 @@ def _q8(n: int) -> int:
 
 def _layer_activation_values(config: ModelConfig, kind: str) -> tuple[int, int, int]:
     """Peak live float32 values per token inside one layer during a prefill chunk, as the CUDA backend
-    allocates them (engine/models/qwen35.py through CupyBackend), in three numbers:
-
-    (outside the chunked GDN kernels, while they run, their scratch per segment token).
+    allocates them (engine/models/qwen35.py through CupyBackend). Returns three numbers: the peak outside
+    the chunked GDN prefill kernels, the live values while they run, and their scratch per segment
+    token (the last two 0 for layers without them).
 
     Every phase holds the residual x and the normed input a with its q8_1 copy (2 H + q8(H)).
     - matmul_many (fused projections): the (T, sum of rows) output and its per-weight contiguous
@@ -402,8 +402,10 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
     """Per-part costs from the tensor infos of an opened GGUF (or anything with `.tensors`: a mapping of
     name -> object with `shape` and `n_bytes`, and optionally `.path`).
 
-    logits_rows: rows of logits the LM head keeps per step (1 when generating; the chunk length when a
-    caller asks for every position's logits, as Model.logits does).
+    logits_rows: rows of fp32 logits the LM head holds at once (1 when generating: prefill asks for the
+    last row only; when a caller asks for every position's logits, as Model.logits does, the head runs
+    in blocks of engine/model.py HEAD_ROWS = 256 rows, so min(chunk, 256): 248K vocab x 256 rows is
+    254 MB on the head's device).
     layout: how the backend holds weights (WEIGHT_LAYOUTS): "stored" for the CUDA backend (quantized
     blocks as in the file), "numpy" for the float32 reference backend.
     """
@@ -420,7 +422,7 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
         return tuple(n for n, role in roles.get(part, {}).items()
                      if role != "vector" and getattr(tensors[n], "type_name", "") in STAGED_TYPES)
 
-    def fused(part: str, sizes) -> int:
+    def fused(sizes) -> int:
         return _fused_bytes(config, [n for n, _ in sizes], tensors, dict(sizes)) if layout == "stored" else 0
 
     parts.append(PartCost(GLOBAL, "embedding", sized(GLOBAL), act_values_per_token=config.hidden,
@@ -432,7 +434,7 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
         parts.append(PartCost(layer_part(i), kind, sizes,
                               kv_values_per_token=kv, state_bytes=_layer_state_bytes(config, kind),
                               act_values_per_token=act, mixer_values_per_token=mixer,
-                              segment_values_per_token=seg, fused_bytes=fused(layer_part(i), sizes),
+                              segment_values_per_token=seg, fused_bytes=fused(sizes),
                               staged=staged(layer_part(i))))
     parts.append(PartCost(HEAD, "head", sized(HEAD), act_values_per_token=2 * config.hidden,
                           act_values_fixed=logits_rows * config.vocab_size, staged=staged(HEAD)))
