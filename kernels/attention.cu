@@ -380,6 +380,13 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
 #define FD_G 8
 #define FD_BK 32
 
+// Keys per slice of flash_decode: split_len, or with split_len == 0 (graph replay: the length is only
+// known on the device) ceil(kv_len / n_splits) rounded up to 32, at least 32. fused.cu attn_merge_gate
+// repeats this formula.
+__device__ __forceinline__ int fd_split_len(int split_len, int kv_len, int n_splits) {
+    return split_len > 0 ? split_len : max(32, (kv_len + 32 * n_splits - 1) / (32 * n_splits) * 32);
+}
+
 template <int D>
 __global__ void __launch_bounds__(128) flash_decode(
         const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
@@ -387,8 +394,12 @@ __global__ void __launch_bounds__(128) flash_decode(
         int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
         int window) {
     // Inside a captured decode graph the context length is read from the device (length before this
-    // token's append, + 1), so one graph serves every step.
+    // token's append, + 1), so one graph serves every step; split_len == 0 then sizes the slices for that
+    // length over the grid's splits (fd_split_len), and splits past the length leave at once (the merge
+    // reads only the splits below the length).
     if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
+    split_len = fd_split_len(split_len, kv_len, gridDim.y);
+    if (blockIdx.y * split_len >= kv_len) return;
     __shared__ float qs[FD_G][D];
     __shared__ float KV[FD_BK * (D + 1)];
     __shared__ float P[FD_G][FD_BK];
@@ -475,9 +486,9 @@ __global__ void __launch_bounds__(128) flash_decode(
     }
 }
 
-extern "C" __global__ void flash_merge(const float* __restrict__ po, const float* __restrict__ pm,
-                                       const float* __restrict__ pl, float* __restrict__ out,
-                                       int n_splits, int nh, int D) {
+__device__ __forceinline__ void merge_splits(const float* __restrict__ po, const float* __restrict__ pm,
+                                             const float* __restrict__ pl, float* __restrict__ out,
+                                             int n_splits, int nh, int D) {
     int h = blockIdx.x;
     float m = NEG_BIG;
     for (int s = 0; s < n_splits; s++) m = fmaxf(m, pm[(i64)s * nh + h]);
@@ -490,6 +501,23 @@ extern "C" __global__ void flash_merge(const float* __restrict__ po, const float
             acc += __expf(pm[(i64)s * nh + h] - m) * po[((i64)s * nh + h) * D + c];
         out[(i64)h * D + c] = acc * inv;
     }
+}
+
+extern "C" __global__ void flash_merge(const float* __restrict__ po, const float* __restrict__ pm,
+                                       const float* __restrict__ pl, float* __restrict__ out,
+                                       int n_splits, int nh, int D) {
+    merge_splits(po, pm, pl, out, n_splits, nh, D);
+}
+
+// flash_merge after a flash_decode launched with the same kv_len / kv_len_ptr / split_len: splits s with
+// s * split_len >= kv_len hold no keys (flash_decode left them unwritten) and are skipped.
+extern "C" __global__ void flash_merge_len(const float* __restrict__ po, const float* __restrict__ pm,
+                                           const float* __restrict__ pl, float* __restrict__ out,
+                                           int n_splits, int nh, int D, int kv_len,
+                                           const int* __restrict__ kv_len_ptr, int split_len) {
+    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
+    split_len = fd_split_len(split_len, kv_len, n_splits);
+    merge_splits(po, pm, pl, out, min(n_splits, (kv_len + split_len - 1) / split_len), nh, D);
 }
 
 // Append one token's K and V (n values each) at the row given on the device (graph-captured decode).

@@ -59,7 +59,8 @@ def module_specs() -> list[ModuleSpec]:
     specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew), ("gdn_gates", "rope_neox")))
     att = [f"flash_prefill{v}<{d}>" for v in ("", "_g") for d in HEAD_DIMS]
     att += [f"flash_decode<{d}>" for d in HEAD_DIMS]
-    specs.append(ModuleSpec("attention", ("attention.cu",), tuple(att), ("flash_merge", "kv_append")))
+    specs.append(ModuleSpec("attention", ("attention.cu",), tuple(att),
+                            ("flash_merge", "flash_merge_len", "kv_append")))
     gdn = [f"gdn_scan<{d}>" for d in GDN_KEY_DIMS]
     gdn += [f"gdn_chunk_{p}<{d}>" for p in ("prep", "state") for d in GDN_CHUNK_KEY_DIMS]
     specs.append(ModuleSpec("gdn", ("gdn.cu",), tuple(gdn),

@@ -6,7 +6,7 @@
 // rms_norm_q8      rms_norm (MODE 0) or add_rms_norm (MODE 1) of rows of N values (N % 32 == 0), also
 //                  writing the q8_1 quantization of the output (the next DP4A matmul's input).
 // swiglu_q8        silu(gate) * up, with its q8_1 quantization.
-// gdn_decode       one token of a Gated DeltaNet mixer, one block per value head: conv1d + SiLU with the
+// gdn_decode       one token of a Gated DeltaNet mixer, blocks of 32 value columns: conv1d + SiLU with the
 //                  conv state update, L2 norms of q and k, q scale, gates, the delta-rule step on the
 //                  state in place, gated RMSNorm, and the q8_1 quantization of the output.
 // attn_prep        one token of gated attention before the scores: q/gate split, q and k RMSNorm,
@@ -101,14 +101,21 @@ extern "C" __global__ void swiglu_q8(const float* __restrict__ gate, const float
 }
 
 // ---- Gated DeltaNet, one token ----------------------------------------------------------------------
-// Block j (128 threads) serves value head j and its key head kh = j % n_k. Thread c < DV owns column c of
-// the head's state S (DK floats in registers, as gdn_scan in gdn.cu):
-//   e = S^T k, r = S^T q, a = exp(g), d = beta (v - a e), S <- a S + k d^T, o = a r + (k . q) d.
-// Conv state: the v channels of head j belong to block j alone and are shifted in place. The q/k channels
-// of key head kh are read by every block with j % n_k == kh, so they must be shifted only after all of
-// those blocks have read them: each block counts itself in counters[kh] after its reads, and the last one
-// writes the shifted rows (kept in shared memory) and resets the counter to 0 for the next launch. No
-// block waits for another.
+// Grid (n_v, ceil(DV / 32)): block (j, cb) of 128 threads serves value columns c0 = 32 cb .. c0 + 31 of
+// value head j, whose key head is kh = j % n_k. Lane l of warp w owns column c0 + l and state rows
+// w DK/4 .. (w + 1) DK/4 - 1 (registers; each warp reads and writes whole 128-byte row segments):
+//   e = S^T k, r = S^T q (4 partial sums over the warps), a = exp(g), d = beta (v - a e),
+//   S <- a S + k d^T, o = a r + (k . q) d.
+// The state loads are issued first, so their latency overlaps the conv, the norms and the gates, which
+// every block recomputes for its key head (q, k) and its own 32 v channels.
+// Conv state: the v channels of columns c0.. belong to block (j, cb) alone and are shifted in place. The
+// q/k channels of key head kh are read by every block with j % n_k == kh, so they must be shifted only
+// after all of those blocks have read them: each block counts itself in counters[kh] after its reads, and
+// the last one writes the shifted rows (kept in shared memory) and resets the counter to 0 for the next
+// launch. No block waits for another.
+// Gated RMSNorm over the head needs all DV outputs: each block writes its o to y, and the last block of
+// head j (counters[n_k + j]) normalizes the whole head in place and writes its q8_1 blocks. With one
+// column block per head (DV <= 32) the block finishes alone.
 
 #define GDN_MAX_KW 8
 
@@ -120,49 +127,68 @@ __global__ void __launch_bounds__(128) gdn_decode(
         float* __restrict__ state, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
+    constexpr int RW = DK / 4;                        // state rows per warp
+    constexpr int NCH = (2 * DK + 32 + 127) / 128;    // conv channels per thread
     __shared__ __align__(16) float qs[DK];
     __shared__ __align__(16) float ks[DK];
-    __shared__ float vs[128];
+    __shared__ float vs[32];
     __shared__ float newst[(GDN_MAX_KW - 1) * 2 * DK];
+    __shared__ float pe[4][32], pr[4][32];
     __shared__ float scratch[32];
-    __shared__ int s_last;
-    int tid = threadIdx.x, lane = tid & 31;
-    int j = blockIdx.x, kh = j % n_k;
+    __shared__ int s_last, s_fin;
+    int tid = threadIdx.x, lane = tid & 31, wq = tid >> 5;
+    int j = blockIdx.x, kh = j % n_k, n_cb = gridDim.y;
+    int c0 = blockIdx.y * 32;
+    int nc = min(32, DV - c0);
     int key_dim = n_k * DK;
     int C = 2 * key_dim + n_v * DV;
+    int c = c0 + lane;
+    bool col = lane < nc;
 
-    // 1. causal depthwise conv + SiLU of this head's 2 DK + DV channels (taps in the order of conv1d_silu)
-    for (int idx = tid; idx < 2 * DK + DV; idx += blockDim.x) {
-        int ch = idx < DK ? kh * DK + idx
-                          : (idx < 2 * DK ? key_dim + kh * DK + (idx - DK) : 2 * key_dim + j * DV + (idx - 2 * DK));
-        float hist[GDN_MAX_KW];
-        float acc = 0.0f;
+    // 0. this thread's state rows of column c, and the gate inputs
+    float* sp = state + (i64)j * DK * DV + (i64)(wq * RW) * DV + c;
+    float S[RW];
 #pragma unroll
-        for (int r = 0; r < GDN_MAX_KW - 1; r++) {
-            if (r < KW - 1) {
-                hist[r] = conv_state[(i64)r * C + ch];
-                acc = fmaf(hist[r], conv_w[(i64)ch * KW + r], acc);
+    for (int i = 0; i < RW; i++) S[i] = col ? sp[(i64)i * DV] : 0.0f;
+    float a_raw = ssm_a[j], al = alpha[j], dtb = dt_bias[j], braw = bet[j];
+
+    // 1. causal depthwise conv + SiLU of the 2 DK q/k channels and this block's nc v channels
+    int nconv = 2 * DK + nc;
+#pragma unroll
+    for (int it = 0; it < NCH; it++) {
+        int idx = it * 128 + tid;
+        if (idx < nconv) {
+            int ch = idx < DK ? kh * DK + idx
+                              : (idx < 2 * DK ? key_dim + kh * DK + (idx - DK) : 2 * key_dim + j * DV + c0 + (idx - 2 * DK));
+            float hist[GDN_MAX_KW];
+            float acc = 0.0f;
+#pragma unroll
+            for (int r = 0; r < GDN_MAX_KW - 1; r++) {
+                if (r < KW - 1) {
+                    hist[r] = conv_state[(i64)r * C + ch];
+                    acc = fmaf(hist[r], conv_w[(i64)ch * KW + r], acc);
+                }
             }
-        }
-        float xin = mixed[ch];
-        acc = fmaf(xin, conv_w[(i64)ch * KW + KW - 1], acc);
-        float u = silu_f(acc);
-        if (idx < DK) qs[idx] = u;
-        else if (idx < 2 * DK) ks[idx - DK] = u;
-        else vs[idx - 2 * DK] = u;
-        // shifted state: row r <- old row r + 1, last row <- this token's input
+            float xin = mixed[ch];
+            acc = fmaf(xin, conv_w[(i64)ch * KW + KW - 1], acc);
+            float u = silu_f(acc);
+            if (idx < DK) qs[idx] = u;
+            else if (idx < 2 * DK) ks[idx - DK] = u;
+            else vs[idx - 2 * DK] = u;
+            // shifted state: row r <- old row r + 1, last row <- this token's input
 #pragma unroll
-        for (int r = 0; r < GDN_MAX_KW - 1; r++) {
-            if (r < KW - 1) {
-                float nv = (r + 1 < KW - 1) ? hist[r + 1] : xin;
-                if (idx >= 2 * DK) conv_state[(i64)r * C + ch] = nv;
-                else newst[r * 2 * DK + idx] = nv;
+            for (int r = 0; r < GDN_MAX_KW - 1; r++) {
+                if (r < KW - 1) {
+                    float nv = (r + 1 < KW - 1) ? hist[r + 1] : xin;
+                    if (idx >= 2 * DK) conv_state[(i64)r * C + ch] = nv;
+                    else newst[r * 2 * DK + idx] = nv;
+                }
             }
         }
     }
     __syncthreads();  // every read of the q/k conv state of this block is done (values in shared memory)
     if (tid == 0) {
-        int readers = (n_v - 1 - kh) / n_k + 1;  // blocks j' < n_v with j' % n_k == kh
+        int readers = ((n_v - 1 - kh) / n_k + 1) * n_cb;  // blocks (j', cb) with j' % n_k == kh
         __threadfence();
         int prev = atomicAdd(&counters[kh], 1);
         s_last = (prev == readers - 1);
@@ -192,57 +218,70 @@ __global__ void __launch_bounds__(128) gdn_decode(
     __syncthreads();
 
     // 3. gates (gdn_gates)
-    float g = ssm_a[j] * softplus_f(alpha[j] + dt_bias[j]);
-    float beta = sigmoid_f(bet[j]);
+    float g = a_raw * softplus_f(al + dtb);
+    float beta = sigmoid_f(braw);
 
-    // 4. delta-rule step, thread c owns column c
-    int c = tid;
-    bool active = c < DV;
-    float o = 0.0f;
-    if (active) {
-        float* sp = state + (i64)j * DK * DV;
-        float S[DK];
+    // 4. delta-rule step on rows wq RW.. of column c
+    const float* kw_ = ks + wq * RW;
+    const float* qw_ = qs + wq * RW;
+    float e2[2] = {0.f, 0.f}, r2[2] = {0.f, 0.f};
 #pragma unroll
-        for (int i = 0; i < DK; i++) S[i] = sp[(i64)i * DV + c];
-        float e4[4] = {0.f, 0.f, 0.f, 0.f}, r4[4] = {0.f, 0.f, 0.f, 0.f}, kq4[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < RW; i++) {
+        e2[i & 1] = fmaf(S[i], kw_[i], e2[i & 1]);
+        r2[i & 1] = fmaf(S[i], qw_[i], r2[i & 1]);
+    }
+    pe[wq][lane] = e2[0] + e2[1];
+    pr[wq][lane] = r2[0] + r2[1];
+    float kq4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int i = 0; i < DK; i += 4) {
-            float4 kk = *(const float4*)&ks[i];
-            float4 qq = *(const float4*)&qs[i];
-            e4[0] = fmaf(S[i], kk.x, e4[0]); e4[1] = fmaf(S[i + 1], kk.y, e4[1]);
-            e4[2] = fmaf(S[i + 2], kk.z, e4[2]); e4[3] = fmaf(S[i + 3], kk.w, e4[3]);
-            r4[0] = fmaf(S[i], qq.x, r4[0]); r4[1] = fmaf(S[i + 1], qq.y, r4[1]);
-            r4[2] = fmaf(S[i + 2], qq.z, r4[2]); r4[3] = fmaf(S[i + 3], qq.w, r4[3]);
-            kq4[0] = fmaf(kk.x, qq.x, kq4[0]); kq4[1] = fmaf(kk.y, qq.y, kq4[1]);
-            kq4[2] = fmaf(kk.z, qq.z, kq4[2]); kq4[3] = fmaf(kk.w, qq.w, kq4[3]);
+    for (int i = 0; i < DK; i += 4) {
+        float4 kk = *(const float4*)&ks[i];
+        float4 qq = *(const float4*)&qs[i];
+        kq4[0] = fmaf(kk.x, qq.x, kq4[0]); kq4[1] = fmaf(kk.y, qq.y, kq4[1]);
+        kq4[2] = fmaf(kk.z, qq.z, kq4[2]); kq4[3] = fmaf(kk.w, qq.w, kq4[3]);
+    }
+    float kq = (kq4[0] + kq4[1]) + (kq4[2] + kq4[3]);
+    __syncthreads();
+    float e = (pe[0][lane] + pe[1][lane]) + (pe[2][lane] + pe[3][lane]);
+    float r = (pr[0][lane] + pr[1][lane]) + (pr[2][lane] + pr[3][lane]);
+    float a = __expf(g);
+    float d = col ? beta * (vs[lane] - a * e) : 0.0f;
+    if (col) {
+#pragma unroll
+        for (int i = 0; i < RW; i++) sp[(i64)i * DV] = fmaf(a, S[i], kw_[i] * d);
+    }
+    float o = fmaf(a, r, kq * d);
+
+    // 5. o of this block's columns to y; the last block of the head finishes it
+    float* yh = y + (i64)j * DV;
+    if (wq == 0 && col) yh[c] = o;
+    if (n_cb > 1) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            int prev = atomicAdd(&counters[n_k + j], 1);
+            s_fin = (prev == n_cb - 1);
+            if (s_fin) atomicExch(&counters[n_k + j], 0);
         }
-        float e = (e4[0] + e4[1]) + (e4[2] + e4[3]);
-        float r = (r4[0] + r4[1]) + (r4[2] + r4[3]);
-        float kq = (kq4[0] + kq4[1]) + (kq4[2] + kq4[3]);
-        float a = __expf(g);
-        float d = beta * (vs[c] - a * e);
-#pragma unroll
-        for (int i = 0; i < DK; i += 4) {
-            float4 kk = *(const float4*)&ks[i];
-            S[i] = fmaf(a, S[i], kk.x * d); S[i + 1] = fmaf(a, S[i + 1], kk.y * d);
-            S[i + 2] = fmaf(a, S[i + 2], kk.z * d); S[i + 3] = fmaf(a, S[i + 3], kk.w * d);
-        }
-#pragma unroll
-        for (int i = 0; i < DK; i++) sp[(i64)i * DV + c] = S[i];
-        o = fmaf(a, r, kq * d);
+        __syncthreads();
+        if (!s_fin) return;  // the whole block leaves together
+        __threadfence();
+    } else {
+        __syncthreads();
     }
 
-    // 5. gated RMSNorm over the head: rms_norm(o) * w * silu(z)
-    float ss = block_sum(active ? o * o : 0.0f, scratch);
+    // 6. gated RMSNorm over the head: rms_norm(o) * w * silu(z), then the q8_1 blocks
+    //    (DV % 32 == 0 when xq is given: warps below DV are whole blocks)
+    float ov = tid < DV ? __ldcg(yh + tid) : 0.0f;
+    float ss = block_sum(ov * ov, scratch);
     float inv = rsqrtf(ss / (float)DV + eps);
     float out = 0.0f;
-    if (active) {
-        out = o * inv;
-        out *= norm_w[c];
-        out *= silu_f(z[(i64)j * DV + c]);
-        y[(i64)j * DV + c] = out;
+    if (tid < DV) {
+        out = ov * inv;
+        out *= norm_w[tid];
+        out *= silu_f(z[(i64)j * DV + tid]);
+        yh[tid] = out;
     }
-    // 6. q8_1 of the output (DV % 32 == 0 when xq is given: warps below DV are whole blocks)
     if (xq != 0 && (tid >> 5) * 32 < DV) {
         i64 b = ((i64)j * DV >> 5) + (tid >> 5);
         q8_1_block(out, xq + b * 32, xd + b, xs + b, lane);
@@ -300,23 +339,48 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
 
 // One block of D threads (D % 32 == 0) per head h: o = merge of the splits (as flash_merge), times
 // sigmoid(gate) with gate = qg[h, D:2D]; xq given: the q8_1 quantization of the (nh * D) output row.
+// Only the splits below the context length are read (kv_len, or *kv_len_ptr + 1 in a captured graph;
+// split_len == 0: the slice length flash_decode derived from it, attention.cu fd_split_len). The max and
+// the sum over the splits are block reductions; the weights e^(m_s - m) go through shared memory in
+// chunks of D splits.
 extern "C" __global__ void attn_merge_gate(const float* __restrict__ po, const float* __restrict__ pm,
                                            const float* __restrict__ pl, const float* __restrict__ qg,
                                            float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
-                                           float* __restrict__ xs, int n_splits, int nh, int D) {
-    int h = blockIdx.x, c = threadIdx.x;
+                                           float* __restrict__ xs, int n_splits, int nh, int D, int kv_len,
+                                           const int* __restrict__ kv_len_ptr, int split_len) {
+    __shared__ float red[32];
+    __shared__ float wsh[256];
+    int h = blockIdx.x, c = threadIdx.x, nt = blockDim.x, lane = c & 31;
+    float gate = qg[(i64)h * 2 * D + D + c];
+    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
+    if (split_len <= 0) split_len = max(32, (kv_len + 32 * n_splits - 1) / (32 * n_splits) * 32);
+    int ns = min(n_splits, (kv_len + split_len - 1) / split_len);
     float m = NEG_BIG;
-    for (int s = 0; s < n_splits; s++) m = fmaxf(m, pm[(i64)s * nh + h]);
+    for (int s = c; s < ns; s += nt) m = fmaxf(m, pm[(i64)s * nh + h]);
+    m = warp_max(m);
+    if (lane == 0) red[c >> 5] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < (nt >> 5); w++) m = fmaxf(m, red[w]);
     float l = 0.0f;
-    for (int s = 0; s < n_splits; s++) l += __expf(pm[(i64)s * nh + h] - m) * pl[(i64)s * nh + h];
+    for (int s = c; s < ns; s += nt) l += __expf(pm[(i64)s * nh + h] - m) * pl[(i64)s * nh + h];
+    l = block_sum(l, red);  // its first barrier also orders the reads of red above before its writes
     float inv = l > 0.0f ? 1.0f / l : 0.0f;
     float acc = 0.0f;
-    for (int s = 0; s < n_splits; s++) acc += __expf(pm[(i64)s * nh + h] - m) * po[((i64)s * nh + h) * D + c];
-    float r = (acc * inv) * sigmoid_f(qg[(i64)h * 2 * D + D + c]);
+    for (int s0 = 0; s0 < ns; s0 += nt) {
+        __syncthreads();
+        if (s0 + c < ns) wsh[c] = __expf(pm[(i64)(s0 + c) * nh + h] - m);
+        __syncthreads();
+        int n = min(nt, ns - s0);
+        const float* p = po + ((i64)s0 * nh + h) * D + c;
+#pragma unroll 4
+        for (int s = 0; s < n; s++) acc += wsh[s] * p[(i64)s * nh * D];
+    }
+    float r = (acc * inv) * sigmoid_f(gate);
     i64 i = (i64)h * D + c;
     out[i] = r;
     if (xq != 0) {
         i64 b = i >> 5;
-        q8_1_block(r, xq + b * 32, xd + b, xs + b, threadIdx.x & 31);
+        q8_1_block(r, xq + b * 32, xd + b, xs + b, lane);
     }
 }

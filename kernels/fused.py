@@ -20,7 +20,7 @@ from .build import GDN_KEY_DIMS, HEAD_DIMS, get_kernel
 from .ops import sm_count
 
 GDN_MAX_KW = 8  # fused.cu: longest conv kernel of gdn_decode
-GDN_MAX_DV = 128  # one thread per value column, 128 threads per block
+GDN_MAX_DV = 128  # the head's gated RMSNorm: one thread per value column, 128 threads per block
 
 
 def _q8_arrays(T: int, K: int):
@@ -79,23 +79,24 @@ def swiglu_q8(gate, up):
 _COUNTERS: dict[int, cp.ndarray] = {}
 
 
-def gdn_counters_ready(n_k: int) -> bool:
-    """Whether gdn_decode's counters exist on this device (they must be made outside a graph capture,
-    where a memset would only be recorded, not run)."""
+def gdn_counters_ready(n: int) -> bool:
+    """Whether n of gdn_decode's counters (n_k + n_v for one mixer) exist on this device (they must be
+    made outside a graph capture, where a memset would only be recorded, not run)."""
     c = _COUNTERS.get(cp.cuda.Device().id)
-    return c is not None and c.size >= n_k
+    return c is not None and c.size >= n
 
 
-def make_gdn_counters(n_k: int) -> None:
-    """Zeroed int32 counters of gdn_decode on this device (each launch leaves them at zero again)."""
-    if not gdn_counters_ready(n_k):
-        c = cp.zeros(max(n_k, 256), dtype=cp.int32)
+def make_gdn_counters(n: int) -> None:
+    """At least n zeroed int32 counters of gdn_decode on this device (each launch leaves them at zero
+    again)."""
+    if not gdn_counters_ready(n):
+        c = cp.zeros(max(n, 1024), dtype=cp.int32)
         cp.cuda.get_current_stream().synchronize()
         _COUNTERS[cp.cuda.Device().id] = c
 
 
-def _counters(n_k: int) -> cp.ndarray:
-    if not gdn_counters_ready(n_k):
+def _counters(n: int) -> cp.ndarray:
+    if not gdn_counters_ready(n):
         raise RuntimeError("gdn_decode: make_gdn_counters() first (outside any graph capture)")
     return _COUNTERS[cp.cuda.Device().id]
 
@@ -121,10 +122,11 @@ def gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias
     y = cp.empty((1, n_v * dv), dtype=cp.float32)
     q8 = _q8_arrays(1, n_v * dv) if want_q8 and dv % 32 == 0 else None
     nul = np.uint64(0)
+    # blocks of 32 value columns; counters: [0, n_k) the q/k conv state, [n_k, n_k + n_v) the head norms
     get_kernel("fused", f"gdn_decode<{dk}>")(
-        (n_v,), (128,),
+        (n_v, (dv + 31) // 32), (128,),
         (mixed, z, b, alpha, conv_state, conv_w, _c32(ssm_a), _c32(dt_bias), _c32(norm_w), ssm_state, y,
-         q8[0] if q8 else nul, q8[1] if q8 else nul, q8[2] if q8 else nul, _counters(n_k), np.int32(n_k),
+         q8[0] if q8 else nul, q8[1] if q8 else nul, q8[2] if q8 else nul, _counters(n_k + n_v), np.int32(n_k),
          np.int32(n_v), np.int32(dv), np.int32(kw), np.float32(1.0 / math.sqrt(dk)), np.float32(eps)))
     return y, q8
 
@@ -160,21 +162,24 @@ def attention_decode_gated(q, qg, kc, vc, kv_len: int, scale: float, window: int
     nh, D = q.shape[1], q.shape[2]
     n_kv = kc.shape[1]
     span = kc.shape[0] if kv_len_ptr is not None else kv_len
-    # the same context split as ops.attention's decode branch
+    # the same context split as ops.attention's decode branch (graph: slices sized on the device)
     want = max(1, (6 * sm_count()) // n_kv)
     split_len = max(32, math.ceil(span / want / 32) * 32)
     n_splits = max(1, math.ceil(span / split_len))
+    if kv_len_ptr is not None:
+        split_len = 0
+    lp = kv_len_ptr if kv_len_ptr is not None else np.uint64(0)
     po = cp.empty((n_splits, nh, D), dtype=cp.float32)
     pm = cp.empty((n_splits, nh), dtype=cp.float32)
     pl = cp.empty((n_splits, nh), dtype=cp.float32)
     get_kernel("attention", f"flash_decode<{D}>")(
         (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
-                                   kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
-                                   np.int32(split_len), np.float32(scale), np.int32(window)))
+                                   lp, np.int32(split_len), np.float32(scale), np.int32(window)))
     out = cp.empty((1, nh * D), dtype=cp.float32)
     q8 = _q8_arrays(1, nh * D) if want_q8 else None
     nul = np.uint64(0)
     get_kernel("fused", "attn_merge_gate")(
         (nh,), (D,), (po, pm, pl, _c32(qg), out, q8[0] if q8 else nul, q8[1] if q8 else nul,
-                      q8[2] if q8 else nul, np.int32(n_splits), np.int32(nh), np.int32(D)))
+                      q8[2] if q8 else nul, np.int32(n_splits), np.int32(nh), np.int32(D), np.int32(kv_len), lp,
+                      np.int32(split_len)))
     return out, q8

@@ -324,9 +324,10 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
     """Causal GQA flash attention of q (T, nh, D) at positions start.. over cache rows [0, kv_len).
 
     kv_len_ptr (decode only): a device int32 holding the length before this token's append; the
-    kernel then reads the context length from the device (CUDA-graph replay) and the context split
-    is sized for the whole cache capacity. prefill: "tiled" (flash_prefill_g, 64 query rows of one
-    KV head per block) or "rows" (the older flash_prefill, 32 queries of one head per block)."""
+    kernel then reads the context length from the device (CUDA-graph replay): the number of splits is
+    sized for the whole cache capacity, the slices for the device-side length. prefill: "tiled"
+    (flash_prefill_g, 64 query rows of one KV head per block) or "rows" (the older flash_prefill, 32
+    queries of one head per block)."""
     q = cp.ascontiguousarray(q, dtype=cp.float32)
     T, nh, D = q.shape
     n_kv = kc.shape[1]
@@ -338,10 +339,14 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
     if T == 1 and G <= 8:
         # Split the context so that there are about six blocks per multiprocessor: each block streams
         # its slice through shared memory with no overlap of load and compute, so occupancy hides latency.
+        # Graph replay (kv_len_ptr): as many splits as the whole capacity needs, and split_len 0 lets the
+        # kernels size the slices for the device-side length (splits past it exit at once).
         span = kc.shape[0] if kv_len_ptr is not None else kv_len
         want = max(1, (6 * sm_count()) // n_kv)
         split_len = max(32, math.ceil(span / want / 32) * 32)
         n_splits = max(1, math.ceil(span / split_len))
+        if kv_len_ptr is not None:
+            split_len = 0
         po = cp.empty((n_splits, nh, D), dtype=cp.float32)
         pm = cp.empty((n_splits, nh), dtype=cp.float32)
         pl = cp.empty((n_splits, nh), dtype=cp.float32)
@@ -349,8 +354,10 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
             (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
                                        kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
                                        np.int32(split_len), np.float32(scale), np.int32(window)))
-        get_kernel("attention", "flash_merge")((nh,), (min(256, max(32, D)),),
-                                               (po, pm, pl, out, np.int32(n_splits), np.int32(nh), np.int32(D)))
+        get_kernel("attention", "flash_merge_len")((nh,), (min(256, max(32, D)),),
+                                                   (po, pm, pl, out, np.int32(n_splits), np.int32(nh), np.int32(D),
+                                                    np.int32(kv_len), kv_len_ptr if kv_len_ptr is not None
+                                                    else np.uint64(0), np.int32(split_len)))
         return out
     if kv_len_ptr is not None:
         raise ValueError("device-side context length is only supported for single-token decode")

@@ -382,3 +382,84 @@ def test_real_heads_greedy_matches_reference(tmp_path, path):
         rel = np.abs(g_logits - ref).max(axis=1) / np.abs(ref).max(axis=1)
         print(f"small-dense fma vs numpy: max rel logit error per step {rel.max():.2e}")
         assert rel.max() < 1e-4
+
+
+# ---- decode timings and the graph-style (device-side length) attention ----------------------------------
+
+@pytest.mark.parametrize("N", [4096, 12288])
+def test_rms_norm_q8_timing(N):
+    """One decode row: rms_norm_q8 and add_rms_norm_q8 GPU time (printed), outputs checked."""
+    from minecart.kernels import fused
+    from minecart.kernels.probe import time_gpu
+
+    rng = np.random.default_rng(N)
+    x = rng.standard_normal((1, N)).astype(np.float32)
+    d = rng.standard_normal((1, N)).astype(np.float32)
+    w = (1 + 0.2 * rng.standard_normal(N)).astype(np.float32)
+    gx, gd, gw = cp.asarray(x), cp.asarray(d), cp.asarray(w)
+    out, q8 = fused.rms_norm_q8(gx, gw, 1e-6)
+    ref = x / np.sqrt(np.mean(x.astype(np.float64) ** 2) + 1e-6) * w
+    assert nerr(cp.asnumpy(out), ref) < 1e-6
+    _check_q8(out, q8)
+    s, out, q8 = fused.rms_norm_q8(gx, gw, 1e-6, delta=gd)
+    sr = x + d
+    assert nerr(cp.asnumpy(s), sr) < 1e-7
+    assert nerr(cp.asnumpy(out), sr / np.sqrt(np.mean(sr.astype(np.float64) ** 2) + 1e-6) * w) < 1e-6
+    _check_q8(out, q8)
+    t0 = time_gpu(lambda: fused.rms_norm_q8(gx, gw, 1e-6), 100)
+    t1 = time_gpu(lambda: fused.rms_norm_q8(gx, gw, 1e-6, delta=gd), 100)
+    print(f"\nrms_norm_q8 N={N} ({fused.rms_threads(N)} threads): rms {t0 * 1e6:.1f} us, add+rms {t1 * 1e6:.1f} us")
+
+
+def _ref_decode(q, kc, vc, L, scale, window):
+    """Softmax attention of one token (nh, D) over cache rows [lo, L) in float64."""
+    nh, D = q.shape
+    G = nh // kc.shape[1]
+    lo = max(0, L - window) if window > 0 else 0
+    out = np.zeros((nh, D))
+    for h in range(nh):
+        K = kc[lo:L, h // G].astype(np.float64)
+        s = K @ q[h].astype(np.float64) * scale
+        e = np.exp(s - s.max())
+        out[h] = e @ vc[lo:L, h // G].astype(np.float64) / e.sum()
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 100])
+def test_attention_decode_device_length(window):
+    """Graph-style decode (length read from the device, splits sized for a capacity of 20480, slices
+    for the length, splits past it skipped) equals the eager launch and a float64 reference at short and
+    long contexts, for ops.attention (flash_merge_len) and the gated fused merge; GPU times printed."""
+    from minecart.kernels import fused, ops
+    from minecart.kernels.probe import time_gpu
+
+    nh, n_kv, D, cap = 16, 4, 256, 20480  # Qwen3.5 9B attention
+    rng = np.random.default_rng(11 + window)
+    kc_h = rng.standard_normal((cap, n_kv, D), dtype=np.float32)
+    vc_h = rng.standard_normal((cap, n_kv, D), dtype=np.float32)
+    kc, vc = cp.asarray(kc_h), cp.asarray(vc_h)
+    scale = 1.0 / 16
+    for L in (1, 33, 70, 1000, 4096, 18432, cap):
+        q = rng.standard_normal((1, nh, D)).astype(np.float32)
+        qg = rng.standard_normal((1, nh, 2, D)).astype(np.float32)
+        ref = _ref_decode(q[0], kc_h, vc_h, L, scale, window)
+        gq, gqg = cp.asarray(q), cp.asarray(qg)
+        lp = cp.asarray(np.array([L - 1], np.int32))
+        o_dev = cp.asnumpy(ops.attention(gq, kc, vc, L - 1, L, scale, window, kv_len_ptr=lp)).reshape(nh, D)
+        o_eag = cp.asnumpy(ops.attention(gq, kc, vc, L - 1, L, scale, window)).reshape(nh, D)
+        assert nerr(o_dev, ref) < 2e-5, f"L={L}: device-length decode error {nerr(o_dev, ref):.2e}"
+        assert nerr(o_eag, ref) < 2e-5, f"L={L}: eager decode error {nerr(o_eag, ref):.2e}"
+        gate = 1.0 / (1.0 + np.exp(-qg[0, :, 1, :].astype(np.float64)))
+        og, q8 = fused.attention_decode_gated(gq, gqg, kc, vc, L, scale, window, kv_len_ptr=lp, want_q8=True)
+        oe, _ = fused.attention_decode_gated(gq, gqg, kc, vc, L, scale, window)
+        for o, name in ((og, "device length"), (oe, "eager")):
+            err = nerr(cp.asnumpy(o).reshape(nh, D), ref * gate)
+            assert err < 2e-5, f"L={L}: gated {name} error {err:.2e}"
+        _check_q8(og, q8)
+        if window == 0 and L in (70, 4096, 18432):
+            t_dev = time_gpu(lambda L=L, gq=gq, gqg=gqg, lp=lp: fused.attention_decode_gated(
+                gq, gqg, kc, vc, L, scale, 0, kv_len_ptr=lp, want_q8=True), 50)
+            t_eag = time_gpu(lambda L=L, gq=gq, gqg=gqg: fused.attention_decode_gated(
+                gq, gqg, kc, vc, L, scale, 0, want_q8=True), 50)
+            print(f"\nflash_decode + attn_merge_gate 9B shape, context {L}, capacity {cap}: graph style "
+                  f"(kv_len_ptr) {t_dev * 1e6:.1f} us, eager split {t_eag * 1e6:.1f} us")
