@@ -1,0 +1,179 @@
+"""NumPy emulations of the blocking of two fused decode kernels, run on the CPU against the NumPy
+backend: kernels/fused.cu gdn_decode (blocks of 32 value columns, the q/k conv-state hand-over to the
+last reader and the head's gated RMSNorm by the last column block, blocks in random orders) and the
+graph-style split of attention.cu flash_decode + flash_merge_len / attn_merge_gate (slices sized for the
+device-side length, splits past it skipped).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from minecart.engine.backends.numpy_backend import NumpyBackend
+
+F32 = np.float32
+
+
+def _silu32(x):
+    x = F32(x)
+    return F32(x / (F32(1) + np.exp(-x, dtype=F32)))
+
+
+def emulate_gdn_decode(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, norm_w, state, y, n_k, n_v,
+                       dk, dv, eps, order, counters):
+    """One token; blocks (j, cb) run one after another in `order`, each to its end (or to its exit when it
+    is not the last column block of its head). counters: [0, n_k) conv, [n_k, n_k + n_v) head norms."""
+    kw = conv_w.shape[1]
+    key_dim = n_k * dk
+    n_cb = (dv + 31) // 32
+    rw = dk // 4
+    for j, cb in order:
+        kh = j % n_k
+        c0 = cb * 32
+        nc = min(32, dv - c0)
+        S = state[j][:, c0 : c0 + nc].copy()  # 0. the block's state columns, loaded first
+        chans = ([kh * dk + i for i in range(dk)] + [key_dim + kh * dk + i for i in range(dk)]
+                 + [2 * key_dim + j * dv + c0 + i for i in range(nc)])
+        u = np.zeros(len(chans), F32)
+        newst = np.zeros((kw - 1, 2 * dk), F32)
+        for idx, ch in enumerate(chans):  # 1. conv + SiLU
+            hist = [conv_state[r, ch] for r in range(kw - 1)]
+            acc = F32(0)
+            for r in range(kw - 1):
+                acc = F32(acc + hist[r] * conv_w[ch, r])
+            xin = mixed[ch]
+            acc = F32(acc + xin * conv_w[ch, kw - 1])
+            u[idx] = _silu32(acc)
+            shifted = hist[1:] + [xin]
+            for r in range(kw - 1):
+                if idx >= 2 * dk:
+                    conv_state[r, ch] = shifted[r]
+                else:
+                    newst[r, idx] = shifted[r]
+        readers = ((n_v - 1 - kh) // n_k + 1) * n_cb
+        prev = counters[kh]
+        counters[kh] += 1
+        if prev == readers - 1:  # the last reader of key head kh writes its conv state
+            counters[kh] = 0
+            for idx in range(2 * dk):
+                conv_state[:, chans[idx]] = newst[:, idx]
+        qs, ks, vs = u[:dk], u[dk : 2 * dk], u[2 * dk :]
+        qs = (qs / np.sqrt(F32((qs * qs).sum()) + F32(eps))).astype(F32) * F32(1 / math.sqrt(dk))
+        ks = (ks / np.sqrt(F32((ks * ks).sum()) + F32(eps))).astype(F32)
+        g = F32(ssm_a[j] * np.log1p(np.exp(F32(alpha[j] + dt_bias[j]))))
+        beta = F32(1 / (1 + np.exp(-bet[j])))
+        a = F32(np.exp(g))
+        # 4. four warps, each over rw state rows; partial sums added as ((p0 + p1) + (p2 + p3))
+        pe = [ks[w * rw : (w + 1) * rw] @ S[w * rw : (w + 1) * rw] for w in range(4)]
+        pr = [qs[w * rw : (w + 1) * rw] @ S[w * rw : (w + 1) * rw] for w in range(4)]
+        e = ((pe[0] + pe[1]) + (pe[2] + pe[3])).astype(F32)
+        r = ((pr[0] + pr[1]) + (pr[2] + pr[3])).astype(F32)
+        dlt = (beta * (vs - a * e)).astype(F32)
+        state[j][:, c0 : c0 + nc] = (a * S + np.outer(ks, dlt)).astype(F32)
+        y[j * dv + c0 : j * dv + c0 + nc] = (a * r + F32(ks @ qs) * dlt).astype(F32)  # 5. o, not yet normed
+        if n_cb > 1:
+            prev = counters[n_k + j]
+            counters[n_k + j] += 1
+            if prev != n_cb - 1:
+                continue
+            counters[n_k + j] = 0
+        o = y[j * dv : (j + 1) * dv].copy()  # 6. the last column block normalizes the whole head
+        inv = F32(1 / np.sqrt(F32((o * o).sum() / dv) + F32(eps)))
+        zs = np.array([_silu32(t) for t in z[j * dv : (j + 1) * dv]], F32)
+        y[j * dv : (j + 1) * dv] = (o * inv * norm_w * zs).astype(F32)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 16, 16, 4), (2, 4, 16, 64, 4), (3, 3, 8, 32, 3), (2, 6, 16, 48, 2),
+                                   (1, 2, 32, 128, 4)])
+def test_gdn_decode_column_blocks(shape):
+    n_k, n_v, dk, dv, kw = shape
+    nb = NumpyBackend()
+    rng = np.random.default_rng(sum(shape) + 1)
+    C = 2 * n_k * dk + n_v * dv
+    conv = rng.standard_normal((kw - 1, C)).astype(F32)
+    ssm = (rng.standard_normal((n_v, dk, dv)) * 0.1).astype(F32)
+    conv_w = (rng.standard_normal((C, kw)) * 0.5).astype(F32)
+    ssm_a = -np.exp(rng.standard_normal(n_v)).astype(F32)
+    dt_bias = rng.standard_normal(n_v).astype(F32)
+    norm_w = (1 + 0.2 * rng.standard_normal(dv)).astype(F32)
+    conv_e, ssm_e = conv.copy(), ssm.copy()
+    n_cb = (dv + 31) // 32
+    counters = np.zeros(n_k + n_v, np.int64)
+    blocks = [(j, cb) for j in range(n_v) for cb in range(n_cb)]
+    for step in range(3):
+        mixed = rng.standard_normal((1, C)).astype(F32)
+        z = rng.standard_normal((1, n_v * dv)).astype(F32)
+        b = rng.standard_normal((1, n_v)).astype(F32)
+        alpha = rng.standard_normal((1, n_v)).astype(F32)
+        ref = nb.gdn_decode(mixed, z, b, alpha, conv, ssm, conv_w, ssm_a, dt_bias, norm_w, n_k=n_k, n_v=n_v,
+                            dk=dk, dv=dv, eps=1e-6)
+        order = [blocks[i] for i in rng.permutation(len(blocks))]
+        y = np.full(n_v * dv, np.nan, F32)
+        emulate_gdn_decode(mixed[0], z[0], b[0], alpha[0], conv_e, conv_w, ssm_a, dt_bias, norm_w, ssm_e, y,
+                           n_k, n_v, dk, dv, 1e-6, order, counters)
+        assert np.all(counters == 0), "a counter was not reset by its last block"
+        np.testing.assert_array_equal(conv_e, conv)  # every channel shifted exactly once
+        np.testing.assert_allclose(y, ref[0], rtol=2e-4, atol=2e-5, err_msg=f"step {step}")
+        np.testing.assert_allclose(ssm_e, ssm, rtol=2e-4, atol=2e-5)
+
+
+# ---- graph-style decode attention split ---------------------------------------------------------------
+
+def _fd_split_len(split_len, kv_len, n_splits):
+    """attention.cu fd_split_len."""
+    return split_len if split_len > 0 else max(32, (kv_len + 32 * n_splits - 1) // (32 * n_splits) * 32)
+
+
+def emulate_decode_attention(q, kc, vc, kv_len, scale, window, n_splits, split_len):
+    """flash_decode over (KV head, split) blocks + the merge of the splits below the length."""
+    nh, D = q.shape
+    n_kv = kc.shape[1]
+    G = nh // n_kv
+    sl = _fd_split_len(split_len, kv_len, n_splits)
+    po = np.full((n_splits, nh, D), np.nan)  # splits that exit at once leave their partials unwritten
+    pm = np.full((n_splits, nh), np.nan)
+    pl = np.full((n_splits, nh), np.nan)
+    p = kv_len - 1
+    for s in range(n_splits):
+        if s * sl >= kv_len:
+            continue
+        lo, hi = s * sl, min(kv_len, s * sl + sl)
+        if window > 0:
+            lo = max(lo, p - window + 1)
+        for h in range(nh):
+            if lo >= hi:
+                po[s, h], pm[s, h], pl[s, h] = 0.0, -1e30, 0.0
+                continue
+            sc = kc[lo:hi, h // G] @ q[h] * scale
+            m = sc.max()
+            e = np.exp(sc - m)
+            po[s, h], pm[s, h], pl[s, h] = e @ vc[lo:hi, h // G], m, e.sum()
+    ns = min(n_splits, (kv_len + sl - 1) // sl)
+    m = pm[:ns].max(axis=0)
+    w = np.exp(pm[:ns] - m)
+    return (w[:, :, None] * po[:ns]).sum(axis=0) / (w * pl[:ns]).sum(axis=0)[:, None]
+
+
+@pytest.mark.parametrize("window", [0, 50])
+def test_decode_split_for_the_device_length(window):
+    rng = np.random.default_rng(3 + window)
+    nh, n_kv, D, cap = 4, 2, 16, 2048
+    kc = rng.standard_normal((cap, n_kv, D))
+    vc = rng.standard_normal((cap, n_kv, D))
+    want = 40
+    split_len = max(32, math.ceil(cap / want / 32) * 32)
+    n_splits = max(1, math.ceil(cap / split_len))
+    for L in (1, 31, 32, 33, 70, 500, 1999, cap):
+        q = rng.standard_normal((nh, D))
+        lo = max(0, L - window) if window > 0 else 0
+        ref = np.zeros((nh, D))
+        for h in range(nh):
+            sc = kc[lo:L, h // (nh // n_kv)] @ q[h] / 4
+            e = np.exp(sc - sc.max())
+            ref[h] = e @ vc[lo:L, h // (nh // n_kv)] / e.sum()
+        got = emulate_decode_attention(q, kc, vc, L, 0.25, window, n_splits, 0)
+        assert np.all(np.isfinite(got)), f"L={L}: the merge read a split that holds no keys"
+        np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)
+        assert _fd_split_len(0, L, n_splits) * n_splits >= L
