@@ -463,3 +463,35 @@ def test_attention_decode_device_length(window):
                 gq, gqg, kc, vc, L, scale, 0, want_q8=True), 50)
             print(f"\nflash_decode + attn_merge_gate 9B shape, context {L}, capacity {cap}: graph style "
                   f"(kv_len_ptr) {t_dev * 1e6:.1f} us, eager split {t_eag * 1e6:.1f} us")
+
+
+def test_gemv_model_shapes_timing():
+    """Q8_0 DP4A GEMV (T = 1) at the 9B decode step's concatenated shapes: GPU time per launch, GB/s and
+    % of copy bandwidth (printed). Several copies of each weight are cycled (> 200 MB) so the weights
+    come from HBM, not L2, as in the model."""
+    from minecart.kernels import ops
+    from minecart.kernels.probe import measure_copy, random_q8_0, time_gpu
+
+    copy = measure_copy()
+    shapes = [(12352, 4096, False), (24576, 4096, False), (10240, 4096, False), (4096, 4096, True),
+              (4096, 12288, True), (248320, 4096, False)]
+    rng = np.random.default_rng(0)
+    print(f"\ncopy bandwidth {copy:.0f} GB/s")
+    for R, K, with_res in shapes:
+        per = R * K * (1 + 2 / 32)
+        n = max(1, math.ceil(200e6 / per))
+        ws = [random_q8_0(R, K, seed=i) for i in range(n)]
+        x = cp.asarray(rng.standard_normal((1, K)).astype(np.float32))
+        res = cp.asarray(rng.standard_normal((1, R)).astype(np.float32)) if with_res else None
+        xq8 = ops.quantize_q8_1(x)
+        ops.register_quantized(x, xq8)
+
+        def run(ws=ws, x=x, res=res):
+            for w in ws:
+                ops.matmul(x, w, "dp4a", residual=res)
+
+        t = time_gpu(run, 5) / n
+        gbs = per / t / 1e9
+        print(f"gemv_dp4a<Q8_0, 1> {R}x{K}{' +residual' if with_res else ''}: {t * 1e6:.1f} us, "
+              f"{gbs:.0f} GB/s = {100 * gbs / copy:.0f}% of copy")
+        del ws
