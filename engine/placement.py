@@ -32,7 +32,7 @@ Typical use:
 
     costs = model_costs(config, gguf_file)                      # or plan_auto(config, gguf_file, ...)
     plan = plan_auto(config, gguf_file, [DeviceSpec("cuda:0", 8 * GiB), DeviceSpec("cuda:1", 4 * GiB)],
-                     context=32768, chunk=512, kv_type="f16")
+                     context=32768, chunk=512, kv_type="f32")
     for issue in validate(plan, devices): print(issue)         # messages a person can act on
     plan.move_boundary(0, 20)                                   # cuda:1 now starts at part 20
     text = plan.to_json(); plan2 = Placement.from_json(text)
@@ -658,7 +658,7 @@ class Placement:
     assignment: list[str]
     context: int = 4096
     chunk: int = 512
-    kv_type: str = "f16"
+    kv_type: str = "f32"
     n_sequences: int = 1  # sequences held at once (each has its own KV cache and recurrent state)
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
     extra: dict = field(default_factory=dict)  # free-form, kept through JSON (e.g. the app's notes)
@@ -871,7 +871,7 @@ class Placement:
                 f"match {costs.name} ({costs.n_layers} layers); plan again for this model")
         s = d.get("settings", {})
         return cls(costs, [assignment[p] for p in costs.part_names], context=int(s.get("context", 4096)),
-                   chunk=int(s.get("chunk", 512)), kv_type=s.get("kv_type", "f16"),
+                   chunk=int(s.get("chunk", 512)), kv_type=s.get("kv_type", "f32"),
                    n_sequences=int(s.get("n_sequences", 1)),
                    cuda_context_bytes=int(s.get("cuda_context_bytes", CUDA_CONTEXT_BYTES)),
                    extra=dict(d.get("extra", {})))
@@ -912,7 +912,7 @@ def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def plan_auto(config: ModelConfig | ModelCosts, gguf_file=None, devices: Sequence[DeviceSpec] = (), *,
-              context: int = 4096, chunk: int = 512, kv_type: str = "f16", reserve: int = 256 * MiB,
+              context: int = 4096, chunk: int = 512, kv_type: str = "f32", reserve: int = 256 * MiB,
               n_sequences: int = 1, cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
               logits_rows: int = 1) -> Placement:
     """Split the model over `devices` in proportion to their usable memory, keeping parts contiguous.
