@@ -30,7 +30,7 @@ R^T sum_j p_j (R v_j), so a GPU kernel can instead rotate q once, score against 
 and inverse-rotate only the output row (`attention_rotated` below is that form; a test checks both
 agree to rounding).
 
-What this is not: a CUDA implementation (kernels/kvq3.cu, untested) or a fast CPU path.
+What this is not: the CUDA implementation (kernels/kvq3.cu, used by the CuPy backend) or a fast CPU path.
 """
 
 from __future__ import annotations

@@ -503,7 +503,7 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     mmproj: the vision projector GGUF (path); None = an mmproj-*.gguf beside the model that fits it,
     if any; False = none. It ends up as `model.vision` (engine/vision); max_image_tokens caps the
     image tokens per picture (default engine.vision.DEFAULT_MAX_IMAGE_TOKENS). kv_type: the KV cache
-    of every session, "f32" (exact) or "q3" (3-bit, engine/kvquant.py; NumPy backend only so far).
+    of every session, "f32" (exact) or "q3" (3-bit, engine/kvquant.py; NumPy and CUDA backends).
     """
     t0 = time.perf_counter()
     from .kvquant import check_kv_type
