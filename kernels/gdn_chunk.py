@@ -45,19 +45,10 @@ def gdn_chunked(q, k, v, g, beta, state):
     import numpy as np
 
     from .build import get_kernel
+    from .ops import gdn_inputs
 
-    q = cp.ascontiguousarray(q, dtype=cp.float32)
-    k = cp.ascontiguousarray(k, dtype=cp.float32)
-    v = cp.ascontiguousarray(v, dtype=cp.float32)
-    g = cp.ascontiguousarray(g, dtype=cp.float32)
-    beta = cp.ascontiguousarray(beta, dtype=cp.float32)
-    T, n_k, dk = q.shape
-    _, n_v, dv = v.shape
-    if dk not in GDN_CHUNK_KEY_DIMS:
-        raise ValueError(f"chunked Gated DeltaNet kernels are compiled for key dims {GDN_CHUNK_KEY_DIMS}; got {dk}")
-    if not state.flags.c_contiguous or state.dtype != cp.float32:
-        raise ValueError("GDN state must be a contiguous float32 array made by the backend")
-    out = cp.empty((T, n_v, dv), dtype=cp.float32)
+    (q, k, v, g, beta), (T, n_k, dk, n_v, dv), out = gdn_inputs(q, k, v, g, beta, state, GDN_CHUNK_KEY_DIMS,
+                                                                 "chunked Gated DeltaNet")
     if not T:
         return out
     full = scratch_shapes(T, n_v, dk, dv)

@@ -407,20 +407,26 @@ def conv1d_silu(x, state, w):
     return out
 
 
-def gdn_scan(q, k, v, g, beta, state):
-    """Delta-rule recurrence over T tokens; state (n_v, dk, dv) fp32 updated in place; -> (T, n_v, dv)."""
-    q = cp.ascontiguousarray(q, dtype=cp.float32)
-    k = cp.ascontiguousarray(k, dtype=cp.float32)
-    v = cp.ascontiguousarray(v, dtype=cp.float32)
-    g = cp.ascontiguousarray(g, dtype=cp.float32)
-    beta = cp.ascontiguousarray(beta, dtype=cp.float32)
+def gdn_inputs(q, k, v, g, beta, state, key_dims: tuple[int, ...], what: str):
+    """The checked inputs of a delta-rule launch (gdn_scan, gdn_chunk.gdn_chunked): q, k, v, g, beta as
+    contiguous float32, the shape (T, n_k, dk, n_v, dv) and a fresh (T, n_v, dv) float32 output.
+    Raises ValueError for a key dim outside `key_dims` (`what` names the kernels) or a state that is not
+    a contiguous float32 array."""
+    q, k, v, g, beta = (cp.ascontiguousarray(a, dtype=cp.float32) for a in (q, k, v, g, beta))
     T, n_k, dk = q.shape
     _, n_v, dv = v.shape
-    if dk not in GDN_KEY_DIMS:
-        raise ValueError(f"Gated DeltaNet kernels are compiled for key dims {GDN_KEY_DIMS}; got {dk}")
+    if dk not in key_dims:
+        raise ValueError(f"{what} kernels are compiled for key dims {key_dims}; got {dk}")
     if not state.flags.c_contiguous or state.dtype != cp.float32:
         raise ValueError("GDN state must be a contiguous float32 array made by the backend")
     out = cp.empty((T, n_v, dv), dtype=cp.float32)
+    return (q, k, v, g, beta), (T, n_k, dk, n_v, dv), out
+
+
+def gdn_scan(q, k, v, g, beta, state):
+    """Delta-rule recurrence over T tokens; state (n_v, dk, dv) fp32 updated in place; -> (T, n_v, dv)."""
+    (q, k, v, g, beta), (T, n_k, dk, n_v, dv), out = gdn_inputs(q, k, v, g, beta, state, GDN_KEY_DIMS,
+                                                                 "Gated DeltaNet")
     if T:
         slices = math.ceil(dv / 32)
         get_kernel("gdn", f"gdn_scan<{dk}>")((n_v * slices,), (64,),
