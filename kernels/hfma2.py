@@ -18,9 +18,7 @@ import threading
 import cupy as cp
 import numpy as np
 
-from .build import GEMV_TOKENS, HFMA2_TYPES, QT, get_kernel
-
-GEMV_MAX_T = 8  # above this, the tiled GEMM (same threshold as ops.GEMV_MAX_T)
+from .build import HFMA2_TYPES, QT, get_kernel
 
 
 def quantize_h16(x: cp.ndarray, module: str = "hfma2_Q8_0"):
@@ -55,38 +53,24 @@ def quantize_h16_cached(x: cp.ndarray, module: str = "hfma2_Q8_0"):
     return res
 
 
-def _chunks(T: int):
-    t = 0
-    while t < T:
-        nt = max(n for n in GEMV_TOKENS if n <= T - t)
-        yield t, nt
-        t += nt
-
-
 def matmul(x: cp.ndarray, w, out: cp.ndarray | None = None, residual: cp.ndarray | None = None) -> cp.ndarray:
     """(T, K) @ W^T (+ residual (T, R)) -> (T, R) by HFMA2 (w: an ops.QWeight); fp32 in and out."""
     from . import ops
 
     if w.type_name not in HFMA2_TYPES:
         return ops.matmul(x, w, "fma", out, residual)
-    x = cp.ascontiguousarray(x, dtype=cp.float32)
-    T, K = x.shape
-    if K != w.cols:
-        raise ValueError(f"matmul: input has {K} columns, weight has {w.cols}")
-    R = w.rows
-    y = out if out is not None else cp.empty((T, R), dtype=cp.float32)
+    x, y, residual = ops.matmul_io(x, w, out, residual)
+    (T, K), R = x.shape, w.rows
     if T == 0:
         return y
     wd = w.wd if w.wd is not None else ops._dummy()
     q = QT[w.type_name]
     mod = f"hfma2_{w.type_name}"
     xh, xd, xs = quantize_h16_cached(x, mod)
-    if residual is not None:
-        residual = cp.ascontiguousarray(residual, dtype=cp.float32).reshape(T, R)
-    if T <= GEMV_MAX_T:
+    if T <= ops.GEMV_MAX_T:
         warps = 4
         grid = (math.ceil(R / warps),)
-        for t0, nt in _chunks(T):
+        for t0, nt in ops._chunks(T):
             res = residual[t0:] if residual is not None else np.uint64(0)
             get_kernel(mod, f"gemv_hfma2<{q}, {nt}>")(
                 grid, (32 * warps,), (w.wq, wd, xh[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R), np.int32(K), res))

@@ -136,6 +136,20 @@ def _chunks(T: int):
 GEMV_MAX_T = 8  # above this, the tiled GEMM reads each weight fewer times
 
 
+def matmul_io(x: cp.ndarray, w: QWeight, out: cp.ndarray | None, residual: cp.ndarray | None):
+    """The checked arguments of a matmul launch (matmul here, hfma2.matmul): x as contiguous fp32 (T, K)
+    with K = w.cols, the output y (T, R) (`out` or a new array) and the residual as contiguous fp32
+    (T, R) (None stays None; left as given when T = 0)."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    T, K = x.shape
+    if K != w.cols:
+        raise ValueError(f"matmul: input has {K} columns, weight has {w.cols}")
+    y = out if out is not None else cp.empty((T, w.rows), dtype=cp.float32)
+    if T and residual is not None:
+        residual = cp.ascontiguousarray(residual, dtype=cp.float32).reshape(T, w.rows)
+    return x, y, residual
+
+
 def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None = None,
            residual: cp.ndarray | None = None) -> cp.ndarray:
     """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations; "dp4a2" = the GEMM
@@ -145,12 +159,8 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         from . import hfma2
 
         return hfma2.matmul(x, w, out, residual)
-    x = cp.ascontiguousarray(x, dtype=cp.float32)
-    T, K = x.shape
-    if K != w.cols:
-        raise ValueError(f"matmul: input has {K} columns, weight has {w.cols}")
-    R = w.rows
-    y = out if out is not None else cp.empty((T, R), dtype=cp.float32)
+    x, y, residual = matmul_io(x, w, out, residual)
+    (T, K), R = x.shape, w.rows
     if T == 0:
         return y
     wd = w.wd if w.wd is not None else _dummy()
@@ -159,8 +169,6 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     if use_dp4a:
         xq, xd, xs = quantize_cached(x)
     nb = K // 32
-    if residual is not None:
-        residual = cp.ascontiguousarray(residual, dtype=cp.float32).reshape(T, R)
     if T <= GEMV_MAX_T:
         warps = 4
         grid = (math.ceil(R / warps),)
