@@ -18,6 +18,8 @@ from minecart.engine import quants as Q
 from minecart.engine.backends.numpy_backend import NumpyBackend
 from minecart.engine.gguf_file import TensorInfo
 
+from tests.gpu._compare import FIXTURES, worst_over_sequences
+
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
@@ -145,24 +147,6 @@ def test_three_way_probe():
     print(f"probe took {rec['probe_s']:.3f} s after compiling")
 
 
-FIXTURES = {"q8_0": "dense/qwen35-tiny-dense-q8_0.gguf", "f16": "dense/qwen35-tiny-dense-f16.gguf"}
-
-
-def _compare(ref: np.ndarray, got: np.ndarray) -> dict:
-    ref = ref.astype(np.float64)
-    got = got.astype(np.float64)
-    rel = np.max(np.abs(got - ref), axis=-1) / np.max(np.abs(ref), axis=-1)
-
-    def logsoftmax(a):
-        a = a - a.max(axis=-1, keepdims=True)
-        return a - np.log(np.exp(a).sum(axis=-1, keepdims=True))
-
-    lp, lq = logsoftmax(ref), logsoftmax(got)
-    kl = np.sum(np.exp(lp) * (lp - lq), axis=-1)
-    return {"max_rel": float(rel.max()), "top1": float(np.mean(ref.argmax(-1) == got.argmax(-1))),
-            "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
-
-
 @pytest.mark.parametrize("quant", ["q8_0", "f16"])
 def test_fixture_logits_hfma2(fixtures_dir, monkeypatch, quant):
     """Whole-model logits with MINECART_MATMUL_PATH=hfma2 against the NumPy backend (judged as the
@@ -176,12 +160,5 @@ def test_fixture_logits_hfma2(fixtures_dir, monkeypatch, quant):
     seqs = json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]
     m_np = load_model(fixtures_dir / FIXTURES[quant], backend=NumpyBackend())
     m_gp = load_model(fixtures_dir / FIXTURES[quant], backend=be)
-    worst = {"max_rel": 0.0, "top1": 1.0, "kl_mean": 0.0, "kl_max": 0.0}
-    for seq in seqs:
-        r = _compare(m_np.logits(seq["ids"]), m_gp.logits(seq["ids"]))
-        print(f"{quant} hfma2 {seq['name']:>10} ({seq['len']:>3} tokens): max rel {r['max_rel']:.2e} "
-              f"top-1 {r['top1']:.3f} KL mean {r['kl_mean']:.2e} max {r['kl_max']:.2e}")
-        worst = {"max_rel": max(worst["max_rel"], r["max_rel"]), "top1": min(worst["top1"], r["top1"]),
-                 "kl_mean": max(worst["kl_mean"], r["kl_mean"]), "kl_max": max(worst["kl_max"], r["kl_max"])}
-    print("worst:", worst)
+    worst = worst_over_sequences(m_np, m_gp, seqs, f"{quant} hfma2")
     assert worst["top1"] >= 0.9 and worst["kl_mean"] < 1e-2

@@ -13,6 +13,8 @@ import json
 import numpy as np
 import pytest
 
+from tests.gpu._compare import graph_vs_eager, greedy
+
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
@@ -34,17 +36,6 @@ def _models(fixtures_dir, gpu_path="fma", *, graphs=True, mode="dequant"):
     be.q3_decode = mode  # single-token decode: dequantize + flash_decode, or kvq3_flash_decode ("rotated")
     path = fixtures_dir / FIXTURE
     return load_model(path, backend=NumpyBackend(), kv_type="q3"), load_model(path, backend=be, kv_type="q3"), be
-
-
-def _greedy(model, ids, n, capacity=None):
-    s = model.new_session(capacity or len(ids) + n + 1)
-    logits = s.prefill([int(t) for t in ids])
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = s.step(out[-1])
-    s.close()
-    return out
 
 
 def test_q3_caches_are_the_gpu_class(fixtures_dir):
@@ -89,7 +80,7 @@ def test_q3_greedy_32_matches_numpy_q3(fixtures_dir, mode):
     m_np, m_gp, be = _models(fixtures_dir, mode=mode)
     same = {}
     for name, ids in _seqs(fixtures_dir).items():
-        a, b = _greedy(m_np, ids, 32), _greedy(m_gp, ids, 32)
+        a, b = greedy(m_np, ids, 32), greedy(m_gp, ids, 32)
         same[name] = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 32)
     print(f"\ngreedy 32 identical prefix per sequence (GPU q3 {mode} vs NumPy q3): {same}; graph used: {bool(be._graphs)}")
     assert all(v == 32 for v in same.values()), same
@@ -103,20 +94,7 @@ def test_q3_graph_decode_matches_eager(fixtures_dir, mode):
     _, me, _ = _models(fixtures_dir, graphs=False, mode=mode)
     prompt = _seqs(fixtures_dir)["len70"]
     sg, se = mg.new_session(len(prompt) + 4), me.new_session(len(prompt) + 4)  # caches must grow
-    lg, le = sg.prefill(prompt), se.prefill(prompt)
-    worst = 0.0
-    for i in range(40):
-        tok = int(np.argmax(le))
-        lg, le = sg.step(tok), se.step(tok)
-        err = float(np.max(np.abs(lg - le)) / np.max(np.abs(le)))
-        worst = max(worst, err)
-        assert err <= 1e-5, f"step {i}: {err}"
-        if i == 20:
-            sg.truncate(len(prompt) + 10)
-            se.truncate(len(prompt) + 10)
-            lg, le = sg.last_logits, se.last_logits
-            if lg is None or le is None:
-                lg, le = sg.step(tok), se.step(tok)
+    worst = graph_vs_eager(sg, se, prompt, 40, truncate_at=20)
     print(f"\nq3 {mode} graph vs eager decode: max rel err {worst:.2e}")
     assert graph_be._graphs, "decode never used a CUDA graph"
 
@@ -126,8 +104,8 @@ def test_q3_fork_and_long_growth(fixtures_dir, mode):
     """Session.fork clones a q3 cache on the device; a small initial capacity grows several times."""
     m_np, m_gp, _ = _models(fixtures_dir, mode=mode)
     ids = _seqs(fixtures_dir)["len300"]
-    a = _greedy(m_np, ids, 8, capacity=8)
-    b = _greedy(m_gp, ids, 8, capacity=8)
+    a = greedy(m_np, ids, 8, capacity=8)
+    b = greedy(m_gp, ids, 8, capacity=8)
     print(f"\nlen300 from capacity 8 ({mode}): NumPy {a} GPU {b}")
     assert a == b
     s = m_gp.new_session(len(ids) + 16)

@@ -14,6 +14,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from tests.gpu._compare import graph_vs_eager, greedy
+
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
@@ -46,17 +48,6 @@ def _numpy(path):
     return load_model(path, backend=NumpyBackend())
 
 
-def _greedy(model, ids, n):
-    s = model.new_session(len(ids) + n + 1)
-    logits = s.prefill(ids)
-    out = []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = s.step(out[-1])
-    s.close()
-    return out
-
-
 def _prompt(n=96, seed=5):
     return [int(t) for t in np.random.default_rng(seed).integers(0, 600, n)]
 
@@ -85,9 +76,9 @@ def test_moe_logits_match_numpy(moe_file, gpu_path):
 def test_moe_greedy_32_matches_numpy(moe_file, gpu_path):
     path, layout = moe_file
     ids = _prompt(40, seed=7)
-    a = _greedy(_numpy(path), ids, 32)
+    a = greedy(_numpy(path), ids, 32)
     model, be = _load(path, gpu_path)
-    b = _greedy(model, ids, 32)
+    b = greedy(model, ids, 32)
     agree = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 32)
     print(f"\nMoE {layout} path={gpu_path or 'default'}: greedy identical prefix {agree}/32; "
           f"graph used: {bool(be._graphs)}")
@@ -103,13 +94,6 @@ def test_moe_graph_decode_matches_eager(moe_file):
     mg, graph_be = _load(path, "fma", graphs=True)
     me, _ = _load(path, "fma", graphs=False)
     sg, se = mg.new_session(len(ids) + 4), me.new_session(len(ids) + 4)  # the caches must grow
-    lg, le = sg.prefill(ids), se.prefill(ids)
-    worst = 0.0
-    for i in range(24):
-        tok = int(np.argmax(le))
-        lg, le = sg.step(tok), se.step(tok)
-        err = float(np.max(np.abs(lg - le)) / np.max(np.abs(le)))
-        worst = max(worst, err)
-        assert err <= 1e-5, f"step {i}: {err}"
+    worst = graph_vs_eager(sg, se, ids, 24)
     print(f"\nMoE {layout}: graph vs eager decode max rel err {worst:.2e}")
     assert graph_be._graphs, "decode never used a CUDA graph"
