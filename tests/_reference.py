@@ -1,4 +1,4 @@
-"""fp64 references shared by the CPU emulation tests (tests/kernels) and the GPU tests (tests/gpu)."""
+"""fp64 references and random inputs shared by the CPU emulation tests (tests/kernels) and the GPU tests (tests/gpu)."""
 
 from __future__ import annotations
 
@@ -21,3 +21,19 @@ def attention_reference(q, kc, vc, start, kv_len, scale, window):
         p = np.exp(s - s.max(axis=1, keepdims=True))
         out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ vc[:kv_len, h // G].astype(np.float64)
     return out
+
+
+def gdn_inputs(rng, T, n_k, n_v, dk, dv):
+    """Random delta-rule inputs in the model's ranges: unit q (scaled by dk^-1/2) and k (T, n_k, dk),
+    v (T, n_v, dv), decays g < 0 and beta in (0, 1) (T, n_v), and a start state (n_v, dk, dv); fp32."""
+
+    def unit(a):
+        return a / np.linalg.norm(a, axis=-1, keepdims=True)
+
+    q = (unit(rng.standard_normal((T, n_k, dk))) / np.sqrt(dk)).astype(np.float32)
+    k = unit(rng.standard_normal((T, n_k, dk))).astype(np.float32)
+    v = rng.standard_normal((T, n_v, dv)).astype(np.float32)
+    g = -np.exp(rng.uniform(-4, 1, (T, n_v))).astype(np.float32)
+    beta = rng.uniform(0, 1, (T, n_v)).astype(np.float32)
+    s0 = (rng.standard_normal((n_v, dk, dv)) * 0.1).astype(np.float32)
+    return q, k, v, g, beta, s0

@@ -9,22 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests._reference import gdn_inputs as make_inputs
+
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
-
-
-def make_inputs(rng, T, n_k, n_v, dk, dv):
-    def unit(a):
-        return a / np.linalg.norm(a, axis=-1, keepdims=True)
-
-    q = (unit(rng.standard_normal((T, n_k, dk))) / np.sqrt(dk)).astype(np.float32)
-    k = unit(rng.standard_normal((T, n_k, dk))).astype(np.float32)
-    v = rng.standard_normal((T, n_v, dv)).astype(np.float32)
-    g = -np.exp(rng.uniform(-4, 1, (T, n_v))).astype(np.float32)
-    beta = rng.uniform(0, 1, (T, n_v)).astype(np.float32)
-    s0 = (rng.standard_normal((n_v, dk, dv)) * 0.1).astype(np.float32)
-    return q, k, v, g, beta, s0
 
 
 def max_rel(a, b) -> float:

@@ -14,6 +14,8 @@ from minecart.engine import quants as Q
 from minecart.engine.backends.numpy_backend import NumpyBackend
 from minecart.engine.gguf_file import TensorInfo
 
+from tests._reference import gdn_inputs
+
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
@@ -222,17 +224,7 @@ def test_conv1d(nb, gb, poison):
 @pytest.mark.parametrize("dk,n_k,n_v,T", [(16, 2, 4, 150), (128, 2, 4, 70), (64, 1, 3, 9)])
 def test_gdn(nb, gb, poison, dk, n_k, n_v, T):
     rng = np.random.default_rng(dk + T)
-    dv = dk
-
-    def unit(a):
-        return a / np.linalg.norm(a, axis=-1, keepdims=True)
-
-    q = (unit(rng.standard_normal((T, n_k, dk))) / np.sqrt(dk)).astype(np.float32)
-    k = unit(rng.standard_normal((T, n_k, dk))).astype(np.float32)
-    v = rng.standard_normal((T, n_v, dv)).astype(np.float32)
-    g = -np.exp(rng.uniform(-4, 1, (T, n_v))).astype(np.float32)
-    beta = rng.uniform(0, 1, (T, n_v)).astype(np.float32)
-    s0 = (rng.standard_normal((n_v, dk, dv)) * 0.1).astype(np.float32)
+    q, k, v, g, beta, s0 = gdn_inputs(rng, T, n_k, n_v, dk, dk)
     s_np = s0.copy()
     ref = nb.gdn_chunk(q, k, v, g, beta, s_np)
     s_gp = gb.asarray(s0)
