@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from minecart.engine import kvquant as kq
 
+from tests._reference import attention_reference
+
 cp = pytest.importorskip("cupy")
 kvq3 = pytest.importorskip("minecart.kernels.kvq3")
 
@@ -123,19 +125,23 @@ def test_dequantize_into_matches_numpy(d, n_kv, poison):
     np.testing.assert_array_equal(cp.asnumpy(out2), got)
 
 
+def _decode_case(rng, rows, nh, n_kv, d):
+    """One decode query q (1, nh, d) and a q3 cache of `rows` random K/V rows (n_kv, d), quantized by the
+    NumPy code so that only the attention kernel is under test -> q, kc, ks, vc, vs, scale."""
+    k = rng.standard_normal((rows, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((rows, n_kv, d)).astype(np.float32)
+    q = rng.standard_normal((1, nh, d)).astype(np.float32)
+    kc, ks = kq.quantize(k)
+    vc, vs = kq.quantize(v)
+    return q, kc, ks, vc, vs, 1.0 / np.sqrt(d)
+
+
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("window", [0, 20])
 @pytest.mark.parametrize("L", [1, 33, 300])
 def test_decode_attention_matches_numpy(d, window, L, poison):
     rng = np.random.default_rng(d + L + window)
-    nh, n_kv = 8, 2
-    k = rng.standard_normal((L, n_kv, d)).astype(np.float32)
-    v = rng.standard_normal((L, n_kv, d)).astype(np.float32)
-    q = rng.standard_normal((1, nh, d)).astype(np.float32)
-    # the cache content comes from the NumPy quantizer, so only the attention kernel is under test here
-    kc, ks = kq.quantize(k)
-    vc, vs = kq.quantize(v)
-    scale = 1.0 / np.sqrt(d)
+    q, kc, ks, vc, vs, scale = _decode_case(rng, L, 8, 2, d)
     ref = kq.attention_rotated(q, kc, ks, vc, vs, scale=scale, q_positions=np.array([L - 1]), window=window)
     got = kvq3.decode_attention(cp.asarray(q), cp.asarray(kc), cp.asarray(ks), cp.asarray(vc), cp.asarray(vs),
                                 L, scale, window)
@@ -150,13 +156,7 @@ def test_flash_decode_matches_numpy(d, window, L, nh, n_kv, poison):
     """kvq3_flash_decode (split context, flash_merge) vs attention_rotated; also with the length read
     from the device over a cache larger than L (the CUDA-graph form: empty splits past the length)."""
     rng = np.random.default_rng(d + L + window + nh)
-    cap = L + 77
-    k = rng.standard_normal((cap, n_kv, d)).astype(np.float32)
-    v = rng.standard_normal((cap, n_kv, d)).astype(np.float32)
-    q = rng.standard_normal((1, nh, d)).astype(np.float32)
-    kc, ks = kq.quantize(k)
-    vc, vs = kq.quantize(v)
-    scale = 1.0 / np.sqrt(d)
+    q, kc, ks, vc, vs, scale = _decode_case(rng, L + 77, nh, n_kv, d)
     ref = kq.attention_rotated(q, kc[:L], ks[:L], vc[:L], vs[:L], scale=scale, q_positions=np.array([L - 1]),
                                window=window)
     dev = [cp.asarray(a) for a in (kc, ks, vc, vs)]
@@ -172,21 +172,7 @@ def test_flash_decode_matches_numpy(d, window, L, nh, n_kv, poison):
 
 def _ref_attention(q, keys, values, start: int, scale: float, window: int) -> np.ndarray:
     """fp64 causal GQA attention of q (T, nh, D) at positions start.. over keys/values (L, n_kv, D)."""
-    T, nh, _ = q.shape
-    L, n_kv, _ = keys.shape
-    k_pos = np.arange(L)
-    q_pos = np.arange(start, start + T)
-    visible = k_pos[None, :] <= q_pos[:, None]
-    if window > 0:
-        visible &= k_pos[None, :] > q_pos[:, None] - window
-    out = np.empty((T, nh, values.shape[2]))
-    for h in range(nh):
-        kv = h // (nh // n_kv)
-        s = (q[:, h].astype(np.float64) @ keys[:, kv].astype(np.float64).T) * scale
-        s = np.where(visible, s, -np.inf)
-        p = np.exp(s - s.max(axis=1, keepdims=True))
-        out[:, h] = (p / p.sum(axis=1, keepdims=True)) @ values[:, kv].astype(np.float64)
-    return out
+    return attention_reference(q, keys, values, start, keys.shape[0], scale, window)
 
 
 @pytest.mark.parametrize("d", DIMS)
