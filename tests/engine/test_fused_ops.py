@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from minecart.engine.backends.numpy_backend import NumpyBackend
 
+from tests._fused_emulation import conv_silu_block, gdn_acts, gdn_case, head_norm, qk_gates
+
 F32 = np.float32
 
 
@@ -20,31 +22,13 @@ def nb():
     return NumpyBackend()
 
 
-def _gdn_case(rng, n_k, n_v, dk, dv, kw):
-    C = 2 * n_k * dk + n_v * dv
-    return dict(
-        conv=rng.standard_normal((kw - 1, C)).astype(F32),
-        ssm=(rng.standard_normal((n_v, dk, dv)) * 0.1).astype(F32),
-        conv_w=(rng.standard_normal((C, kw)) * 0.5).astype(F32),
-        ssm_a=-np.exp(rng.standard_normal(n_v)).astype(F32),
-        dt_bias=rng.standard_normal(n_v).astype(F32),
-        norm_w=(1 + 0.2 * rng.standard_normal(dv)).astype(F32),
-    )
-
-
-def _acts(rng, T, n_k, n_v, dk, dv):
-    C = 2 * n_k * dk + n_v * dv
-    return (rng.standard_normal((T, C)).astype(F32), rng.standard_normal((T, n_v * dv)).astype(F32),
-            rng.standard_normal((T, n_v)).astype(F32), rng.standard_normal((T, n_v)).astype(F32))
-
-
 def test_gdn_decode_equals_the_basic_ops(nb):
     """The mixin composition is the old qwen35 mixer body (T == 1 recurrence, T > 1 chunked)."""
     rng = np.random.default_rng(0)
     n_k, n_v, dk, dv, kw = 2, 4, 16, 8, 4
     for T in (1, 5):
-        case = _gdn_case(rng, n_k, n_v, dk, dv, kw)
-        mixed, z, b, alpha = _acts(rng, T, n_k, n_v, dk, dv)
+        case = gdn_case(rng, n_k, n_v, dk, dv, kw)
+        mixed, z, b, alpha = gdn_acts(rng, T, n_k, n_v, dk, dv)
         conv2, ssm2 = case["conv"].copy(), case["ssm"].copy()
         y = nb.gdn_decode(mixed, z, b, alpha, case["conv"], case["ssm"], case["conv_w"], case["ssm_a"],
                           case["dt_bias"], case["norm_w"], n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=1e-6)
@@ -105,11 +89,6 @@ def test_fixture_logits_through_a_delegating_backend(fixtures_dir):
 # ---- emulation of fused.cu gdn_decode -----------------------------------------------------------------
 
 
-def _silu32(x):
-    x = F32(x)
-    return F32(x / (F32(1) + np.exp(-x, dtype=F32)))
-
-
 def _q8_1_block(v):
     """common.cuh q8_1_block on one block of 32 fp32 values."""
     amax = np.abs(v).max()
@@ -122,7 +101,6 @@ def emulate_gdn_decode(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias,
                        eps, order, counters):
     """fused.cu gdn_decode for one token, blocks run one after another in `order` (each to completion, as
     the worst interleaving for the conv-state hand-over allows). fp32 throughout. Returns y, q8 blocks."""
-    kw = conv_w.shape[1]
     key_dim = n_k * dk
     y = np.zeros(n_v * dv, F32)
     q8 = {}
@@ -130,34 +108,9 @@ def emulate_gdn_decode(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias,
         kh = j % n_k
         chans = ([kh * dk + i for i in range(dk)] + [key_dim + kh * dk + i for i in range(dk)]
                  + [2 * key_dim + j * dv + i for i in range(dv)])
-        u = np.zeros(len(chans), F32)
-        newst = np.zeros((kw - 1, 2 * dk), F32)
-        for idx, ch in enumerate(chans):  # 1. conv + SiLU
-            hist = [conv_state[r, ch] for r in range(kw - 1)]
-            acc = F32(0)
-            for r in range(kw - 1):
-                acc = F32(acc + hist[r] * conv_w[ch, r])
-            xin = mixed[ch]
-            acc = F32(acc + xin * conv_w[ch, kw - 1])
-            u[idx] = _silu32(acc)
-            shifted = hist[1:] + [xin]
-            for r in range(kw - 1):
-                if idx >= 2 * dk:
-                    conv_state[r, ch] = shifted[r]
-                else:
-                    newst[r, idx] = shifted[r]
         readers = (n_v - 1 - kh) // n_k + 1
-        prev = counters[kh]
-        counters[kh] += 1
-        if prev == readers - 1:  # the last reader of key head kh writes its conv state
-            counters[kh] = 0
-            for idx in range(2 * dk):
-                conv_state[:, chans[idx]] = newst[:, idx]
-        qs, ks, vs = u[:dk], u[dk : 2 * dk], u[2 * dk :]
-        qs = (qs / np.sqrt(F32((qs * qs).sum()) + F32(eps))).astype(F32) * F32(1 / math.sqrt(dk))
-        ks = (ks / np.sqrt(F32((ks * ks).sum()) + F32(eps))).astype(F32)
-        g = F32(ssm_a[j] * np.log1p(np.exp(F32(alpha[j] + dt_bias[j]))))
-        beta = F32(1 / (1 + np.exp(-bet[j])))
+        u = conv_silu_block(mixed, conv_state, conv_w, chans, dk, kh, counters, readers)  # 1. conv + SiLU
+        qs, ks, vs, g, beta = qk_gates(u, dk, eps, j, ssm_a, alpha, dt_bias, bet)
         S = state[j]  # (dk, dv), updated in place, one column per thread
         a = F32(np.exp(g))
         e = ks @ S
@@ -165,8 +118,7 @@ def emulate_gdn_decode(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias,
         dlt = (beta * (vs - a * e)).astype(F32)
         S[...] = (a * S + np.outer(ks, dlt)).astype(F32)
         o = (a * r + F32(ks @ qs) * dlt).astype(F32)
-        inv = F32(1 / np.sqrt(F32((o * o).sum() / dv) + F32(eps)))
-        out = (o * inv * norm_w * np.array([_silu32(t) for t in z[j * dv : (j + 1) * dv]], F32)).astype(F32)
+        out = head_norm(o, z[j * dv : (j + 1) * dv], norm_w, eps)
         y[j * dv : (j + 1) * dv] = out
         if dv % 32 == 0:
             for w in range(dv // 32):
@@ -178,11 +130,11 @@ def emulate_gdn_decode(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias,
 def test_gdn_decode_emulation(nb, shape):
     n_k, n_v, dk, dv, kw = shape
     rng = np.random.default_rng(sum(shape))
-    case = _gdn_case(rng, n_k, n_v, dk, dv, kw)
+    case = gdn_case(rng, n_k, n_v, dk, dv, kw)
     conv_e, ssm_e = case["conv"].copy(), case["ssm"].copy()
     counters = np.zeros(n_k, np.int64)
     for step in range(3):
-        mixed, z, b, alpha = _acts(rng, 1, n_k, n_v, dk, dv)
+        mixed, z, b, alpha = gdn_acts(rng, 1, n_k, n_v, dk, dv)
         ref = nb.gdn_decode(mixed, z, b, alpha, case["conv"], case["ssm"], case["conv_w"], case["ssm_a"],
                             case["dt_bias"], case["norm_w"], n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=1e-6)
         order = rng.permutation(n_v)

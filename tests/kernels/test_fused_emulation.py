@@ -13,19 +13,15 @@ import numpy as np
 import pytest
 from minecart.engine.backends.numpy_backend import NumpyBackend
 
+from tests._fused_emulation import conv_silu_block, gdn_acts, gdn_case, head_norm, qk_gates
+
 F32 = np.float32
-
-
-def _silu32(x):
-    x = F32(x)
-    return F32(x / (F32(1) + np.exp(-x, dtype=F32)))
 
 
 def emulate_gdn_decode(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, norm_w, state, y, n_k, n_v,
                        dk, dv, eps, order, counters):
     """One token; blocks (j, cb) run one after another in `order`, each to its end (or to its exit when it
     is not the last column block of its head). counters: [0, n_k) conv, [n_k, n_k + n_v) head norms."""
-    kw = conv_w.shape[1]
     key_dim = n_k * dk
     n_cb = (dv + 31) // 32
     rw = dk // 4
@@ -36,34 +32,9 @@ def emulate_gdn_decode(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias,
         S = state[j][:, c0 : c0 + nc].copy()  # 0. the block's state columns, loaded first
         chans = ([kh * dk + i for i in range(dk)] + [key_dim + kh * dk + i for i in range(dk)]
                  + [2 * key_dim + j * dv + c0 + i for i in range(nc)])
-        u = np.zeros(len(chans), F32)
-        newst = np.zeros((kw - 1, 2 * dk), F32)
-        for idx, ch in enumerate(chans):  # 1. conv + SiLU
-            hist = [conv_state[r, ch] for r in range(kw - 1)]
-            acc = F32(0)
-            for r in range(kw - 1):
-                acc = F32(acc + hist[r] * conv_w[ch, r])
-            xin = mixed[ch]
-            acc = F32(acc + xin * conv_w[ch, kw - 1])
-            u[idx] = _silu32(acc)
-            shifted = hist[1:] + [xin]
-            for r in range(kw - 1):
-                if idx >= 2 * dk:
-                    conv_state[r, ch] = shifted[r]
-                else:
-                    newst[r, idx] = shifted[r]
         readers = ((n_v - 1 - kh) // n_k + 1) * n_cb
-        prev = counters[kh]
-        counters[kh] += 1
-        if prev == readers - 1:  # the last reader of key head kh writes its conv state
-            counters[kh] = 0
-            for idx in range(2 * dk):
-                conv_state[:, chans[idx]] = newst[:, idx]
-        qs, ks, vs = u[:dk], u[dk : 2 * dk], u[2 * dk :]
-        qs = (qs / np.sqrt(F32((qs * qs).sum()) + F32(eps))).astype(F32) * F32(1 / math.sqrt(dk))
-        ks = (ks / np.sqrt(F32((ks * ks).sum()) + F32(eps))).astype(F32)
-        g = F32(ssm_a[j] * np.log1p(np.exp(F32(alpha[j] + dt_bias[j]))))
-        beta = F32(1 / (1 + np.exp(-bet[j])))
+        u = conv_silu_block(mixed, conv_state, conv_w, chans, dk, kh, counters, readers)  # 1. conv + SiLU
+        qs, ks, vs, g, beta = qk_gates(u, dk, eps, j, ssm_a, alpha, dt_bias, bet)
         a = F32(np.exp(g))
         # 4. four warps, each over rw state rows; partial sums added as ((p0 + p1) + (p2 + p3))
         pe = [ks[w * rw : (w + 1) * rw] @ S[w * rw : (w + 1) * rw] for w in range(4)]
@@ -80,9 +51,7 @@ def emulate_gdn_decode(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias,
                 continue
             counters[n_k + j] = 0
         o = y[j * dv : (j + 1) * dv].copy()  # 6. the last column block normalizes the whole head
-        inv = F32(1 / np.sqrt(F32((o * o).sum() / dv) + F32(eps)))
-        zs = np.array([_silu32(t) for t in z[j * dv : (j + 1) * dv]], F32)
-        y[j * dv : (j + 1) * dv] = (o * inv * norm_w * zs).astype(F32)
+        y[j * dv : (j + 1) * dv] = head_norm(o, z[j * dv : (j + 1) * dv], norm_w, eps)
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 16, 16, 4), (2, 4, 16, 64, 4), (3, 3, 8, 32, 3), (2, 6, 16, 48, 2),
@@ -91,22 +60,15 @@ def test_gdn_decode_column_blocks(shape):
     n_k, n_v, dk, dv, kw = shape
     nb = NumpyBackend()
     rng = np.random.default_rng(sum(shape) + 1)
-    C = 2 * n_k * dk + n_v * dv
-    conv = rng.standard_normal((kw - 1, C)).astype(F32)
-    ssm = (rng.standard_normal((n_v, dk, dv)) * 0.1).astype(F32)
-    conv_w = (rng.standard_normal((C, kw)) * 0.5).astype(F32)
-    ssm_a = -np.exp(rng.standard_normal(n_v)).astype(F32)
-    dt_bias = rng.standard_normal(n_v).astype(F32)
-    norm_w = (1 + 0.2 * rng.standard_normal(dv)).astype(F32)
+    case = gdn_case(rng, n_k, n_v, dk, dv, kw)
+    conv, ssm, conv_w, ssm_a, dt_bias, norm_w = (case[k] for k in ("conv", "ssm", "conv_w", "ssm_a", "dt_bias",
+                                                                   "norm_w"))
     conv_e, ssm_e = conv.copy(), ssm.copy()
     n_cb = (dv + 31) // 32
     counters = np.zeros(n_k + n_v, np.int64)
     blocks = [(j, cb) for j in range(n_v) for cb in range(n_cb)]
     for step in range(3):
-        mixed = rng.standard_normal((1, C)).astype(F32)
-        z = rng.standard_normal((1, n_v * dv)).astype(F32)
-        b = rng.standard_normal((1, n_v)).astype(F32)
-        alpha = rng.standard_normal((1, n_v)).astype(F32)
+        mixed, z, b, alpha = gdn_acts(rng, 1, n_k, n_v, dk, dv)
         ref = nb.gdn_decode(mixed, z, b, alpha, conv, ssm, conv_w, ssm_a, dt_bias, norm_w, n_k=n_k, n_v=n_v,
                             dk=dk, dv=dv, eps=1e-6)
         order = [blocks[i] for i in rng.permutation(len(blocks))]
