@@ -1,7 +1,7 @@
 """CupyBackend: the Backend protocol (backends/base.py) on one NVIDIA GPU, through minecart.kernels.
 
 Same signatures and semantics as numpy_backend.NumpyBackend (the specification); every op launches
-hand-written CUDA kernels (DP4A int8, fp32 FMA; never tensor cores) on this device's current stream and
+hand-written CUDA kernels (DP4A int8, fp32 FMA, fp16 HFMA2; never tensor cores) on this device's current stream and
 returns without synchronizing. Only `to_numpy`, `top_k` (its result goes to the host) and
 `synchronize` wait for the GPU, so a decode step has no host sync per layer. A single-token decode
 step is captured once into a CUDA graph and replayed for every later token (`decode_step`, called by
@@ -12,8 +12,10 @@ Q4_K/Q6_K as GGUF blocks; F32/F16/BF16 as rows); formats without a kernel are de
 Matmuls take the DP4A, fp32 FMA or fp16 HFMA2 path according to the per-card probe (kernels/probe.py, cached
 per GPU UUID by engine/probe_cache.py); MINECART_MATMUL_PATH=dp4a|dp4a2|fma|hfma2 overrides it.
 
-Not here: the Gated DeltaNet prefill uses the exact recurrence kernel rather than the chunked WY form,
-and mixture-of-experts GEMVs have no HFMA2 kernel (the FMA kernel serves that path).
+The Gated DeltaNet prefill takes the chunked WY kernels (kernels/gdn_chunk.py) from 256 tokens on and
+the exact recurrence below that; KV caches are fp32 or 3-bit (`CupyQ3KVCache`).
+
+Not here: mixture-of-experts GEMVs have no HFMA2 kernel (the FMA kernel serves that path).
 """
 
 from __future__ import annotations
