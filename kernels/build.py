@@ -23,6 +23,8 @@ QT = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 
 DP4A_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 HFMA2_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")  # formats with an fp16 HFMA2 kernel (hfma2.cu)
 GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split into these
+# (warps per row, L2 prefetch) of the gemv_dp4a_split instantiations (single-token launches)
+GEMV_SPLIT = ((1, 0), (2, 0), (4, 0), (1, 1), (2, 1))
 GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a (the probe picks)
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
@@ -45,6 +47,7 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
     names = [f"gemv_fma<{q}, {nt}>" for nt in GEMV_TOKENS] + [f"gemm_fma<{q}>"]
     if type_name in DP4A_TYPES:
         names += [f"gemv_dp4a<{q}, {nt}>" for nt in GEMV_TOKENS]
+        names += [f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>" for wpr, pf in GEMV_SPLIT]
         names += [f"gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
     names += [f"embed_rows<{q}>"]
     return ModuleSpec(f"matmul_{type_name}", ("gemv.cu", "gemm.cu", "embed.cu"), tuple(names))

@@ -167,3 +167,96 @@ __global__ void gemv_fma(const u8* __restrict__ wq, const u16* __restrict__ wd, 
         if (lane == 0) y[yi] = res != 0 ? v + res[yi] : v;
     }
 }
+
+// gemv_dp4a_split: the decode (few-token) DP4A GEMV with WPR warps per row and at most 64 registers
+// (__launch_bounds__(128, 8): 8 blocks of 4 warps resident per SM). A block of 4 warps takes 4 / WPR
+// rows; warp `sub` of a row reads the row's blocks sub*32 + lane, + 32 * WPR, ... (4 per lane in flight),
+// and the WPR warp sums are added in warp order through shared memory (deterministic, fp32). Splitting
+// a row gives R * WPR warp tasks instead of R, so the last wave of a short GEMV (4096 rows) is not left
+// mostly empty. PF: each lane also asks L2 for its next round's 4 blocks (prefetch.global.L2, a hint
+// that holds no registers) before waiting on the current round, for rows of several rounds (long K).
+// No expert ids (matmul_experts keeps gemv_dp4a); optional residual `res` as gemv_dp4a.
+template <int QT, int NT, int WPR, int PF>
+__global__ void __launch_bounds__(128, 8)
+gemv_dp4a_split(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+                const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
+                int R, int K, const float* __restrict__ res) {
+    constexpr int RPB = 4 / WPR;  // rows per block (blockDim.x must be 128)
+    __shared__ float part[4][NT];
+    int warp = threadIdx.x >> 5;
+    int lane = threadIdx.x & 31;
+    int sub = warp % WPR;
+    int row = blockIdx.x * RPB + warp / WPR;
+    bool live = row < R;  // no early return: the block meets at __syncthreads below
+    int nb = K >> 5;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+    if (live) {
+        const u8* wrow = wq + (i64)row * row_bytes<QT>(K);
+        const u16* wdrow = wd + (i64)row * nb;
+        const int bpb = (int)(row_bytes<QT>(K) / nb);  // bytes per 32-value block (Q6_K: rounded down)
+        for (int b0 = sub * 32 + lane; b0 < nb; b0 += 32 * WPR * 4) {
+            WBlock w[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (b0 + 32 * WPR * u < nb) load_wblock<QT>(wrow, wdrow, b0 + 32 * WPR * u, w[u]);
+            if (PF) {
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    int bn = b0 + 32 * WPR * (4 + u);  // the same lane's block one round ahead
+                    if (bn < nb) {  // its bytes start about bn / nb of the way along the row
+                        const u8* a = wrow + (i64)bn * bpb;
+                        asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                int b = b0 + 32 * WPR * u;
+                if (b >= nb) break;
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    i64 xb = (i64)t * nb + b;
+                    const int4* xp = (const int4*)(xq + xb * 32);
+                    int4 a = xp[0], c = xp[1];
+                    int lo = dp4a(w[u].q[0], a.x, 0);
+                    lo = dp4a(w[u].q[1], a.y, lo);
+                    lo = dp4a(w[u].q[2], a.z, lo);
+                    lo = dp4a(w[u].q[3], a.w, lo);
+                    int hi = dp4a(w[u].q[4], c.x, 0);
+                    hi = dp4a(w[u].q[5], c.y, hi);
+                    hi = dp4a(w[u].q[6], c.z, hi);
+                    hi = dp4a(w[u].q[7], c.w, hi);
+                    acc[t] += xd[xb] * (w[u].dlo * (float)lo + w[u].dhi * (float)hi) + w[u].m * xs[xb];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float v = warp_sum(acc[t]);
+        if (WPR == 1) {
+            i64 yi = (i64)t * R + row;
+            if (live && lane == 0) y[yi] = res != 0 ? v + res[yi] : v;
+        } else if (lane == 0) {
+            part[warp][t] = v;
+        }
+    }
+    if (WPR > 1) {
+        __syncthreads();
+        // thread i < RPB * NT: row i / NT of the block, token i % NT
+        int i = threadIdx.x;
+        if (i < RPB * NT) {
+            int r = i / NT, t = i % NT;
+            int orow = blockIdx.x * RPB + r;
+            if (orow < R) {
+                float v = part[r * WPR][t];
+#pragma unroll
+                for (int s = 1; s < WPR; s++) v += part[r * WPR + s][t];
+                i64 yi = (i64)t * R + orow;
+                y[yi] = res != 0 ? v + res[yi] : v;
+            }
+        }
+    }
+}

@@ -11,6 +11,7 @@ Not here: choosing between DP4A and FMA for a card (probe.py decides; the backen
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass
 
@@ -134,6 +135,28 @@ def _chunks(T: int):
 
 
 GEMV_MAX_T = 8  # above this, the tiled GEMM reads each weight fewer times
+# Single-token DP4A GEMV (env MINECART_GEMV; read per call, so tests can switch it): "old" = gemv_dp4a,
+# one warp per row; "splitW" / "splitWpf" = gemv_dp4a_split with W (1, 2, 4) warps per row, "pf" with the
+# L2 prefetch of the next round (W = 1, 2); "auto" / "autopf" = the W of fewest row-waves on this card.
+GEMV_VARIANT = os.environ.get("MINECART_GEMV", "auto")
+_GEMV_SPLIT = {"split1": (1, 0), "split2": (2, 0), "split4": (4, 0), "split1pf": (1, 1), "split2pf": (2, 1)}
+_SM_COUNT: dict[int, int] = {}
+
+
+def _gemv_split(R: int) -> tuple[int, int] | None:
+    """(warps per row, prefetch) of the single-token DP4A GEMV for R rows, None for gemv_dp4a."""
+    v = GEMV_VARIANT
+    if v in _GEMV_SPLIT:
+        return _GEMV_SPLIT[v]
+    if v not in ("auto", "autopf"):
+        return None
+    dev = cp.cuda.Device().id
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
+    slots = 8 * _SM_COUNT[dev]  # resident blocks of 4 warps (64 registers per thread)
+    # waves of whole rows: ceil(blocks / slots) / wpr, fewest wins, ties to fewer warps per row
+    wpr = min((1, 2, 4), key=lambda w: (math.ceil(math.ceil(R * w / 4) / slots) / w, w))
+    return (wpr, 1 if v == "autopf" and wpr <= 2 else 0)
 
 
 def matmul_io(x: cp.ndarray, w: QWeight, out: cp.ndarray | None, residual: cp.ndarray | None):
@@ -174,7 +197,13 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         grid = (math.ceil(R / warps),)
         for t0, nt in _chunks(T):
             res = residual[t0:] if residual is not None else np.uint64(0)
-            if use_dp4a:
+            split = _gemv_split(R) if use_dp4a and nt == 1 else None
+            if split is not None:
+                wpr, pf = split
+                k = _mm_kernel(w, f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>")
+                k((math.ceil(R * wpr / 4),), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
+                                                      np.int32(K), res))
+            elif use_dp4a:
                 k = _mm_kernel(w, f"gemv_dp4a<{q}, {nt}>")
                 k(grid, (32 * warps,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
                                         np.int32(K), np.uint64(0), np.int32(1), res))

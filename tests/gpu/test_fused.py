@@ -465,10 +465,42 @@ def test_attention_decode_device_length(window):
                   f"(kv_len_ptr) {t_dev * 1e6:.1f} us, eager split {t_eag * 1e6:.1f} us")
 
 
-def test_gemv_model_shapes_timing():
-    """Q8_0 DP4A GEMV (T = 1) at the 9B decode step's concatenated shapes: GPU time per launch, GB/s and
-    % of copy bandwidth (printed). Several copies of each weight are cycled (> 200 MB) so the weights
-    come from HBM, not L2, as in the model."""
+GEMV_VARIANTS = ("old", "split1", "split2", "split4", "split1pf", "split2pf", "auto", "autopf")
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
+def test_gemv_split_variants(monkeypatch, type_name):
+    """Every single-token DP4A GEMV variant (ops.GEMV_VARIANT) against the q8_1 NumPy emulation, with
+    and without the residual epilogue, at odd row counts, rows of one to several 4-block rounds per
+    lane (partial last rounds, prefetch past the row end) and T = 3 (launches at token offsets)."""
+    from minecart.kernels import ops
+
+    from .test_kernels import q8_1_emulation
+
+    nbk = NumpyBackend()
+    rng = np.random.default_rng(7)
+    for R, K in ((259, 512), (37, 12544), (1001, 4352), (4099, 256)):
+        info = make_tensor(rng, type_name, (R, K), 0.05)
+        w = ops.upload_weight(info.raw, type_name, (R, K))
+        dense = nbk.load_weight(info).dense()
+        for T in (1, 3):
+            x = rng.standard_normal((T, K)).astype(np.float32)
+            r = rng.standard_normal((T, R)).astype(np.float32)
+            emu = q8_1_emulation(x, dense)
+            for v in GEMV_VARIANTS:
+                monkeypatch.setattr(ops, "GEMV_VARIANT", v)
+                gx = cp.asarray(x)
+                y = cp.asnumpy(ops.matmul(gx, w, "dp4a"))
+                yr = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=cp.asarray(r)))
+                assert nerr(y, emu) < 2e-5, f"{v} {R}x{K} T={T}: error {nerr(y, emu):.2e}"
+                assert nerr(yr, emu + r) < 2e-5, f"{v} {R}x{K} T={T} +residual: error {nerr(yr, emu + r):.2e}"
+    print(f"\ngemv split variants {type_name}: all of {', '.join(GEMV_VARIANTS)} agree with the emulation")
+
+
+def test_gemv_model_shapes_timing(monkeypatch):
+    """Q8_0 DP4A GEMV (T = 1) at the 9B decode step's concatenated shapes, for every variant of
+    ops.GEMV_VARIANT: GPU time per launch, GB/s and % of copy bandwidth (printed). Several copies of
+    each weight are cycled (> 200 MB) so the weights come from HBM, not L2, as in the model."""
     from minecart.kernels import ops
     from minecart.kernels.probe import measure_copy, random_q8_0, time_gpu
 
@@ -477,6 +509,9 @@ def test_gemv_model_shapes_timing():
               (4096, 12288, True), (248320, 4096, False)]
     rng = np.random.default_rng(0)
     print(f"\ncopy bandwidth {copy:.0f} GB/s")
+    total = dict.fromkeys(GEMV_VARIANTS, 0.0)
+    calls = {(12352, 4096): 24, (24576, 4096): 32, (10240, 4096): 8, (4096, 4096): 32, (4096, 12288): 32,
+             (248320, 4096): 1}  # launches per 9B decode step
     for R, K, with_res in shapes:
         per = R * K * (1 + 2 / 32)
         n = max(1, math.ceil(200e6 / per))
@@ -490,8 +525,14 @@ def test_gemv_model_shapes_timing():
             for w in ws:
                 ops.matmul(x, w, "dp4a", residual=res)
 
-        t = time_gpu(run, 5) / n
-        gbs = per / t / 1e9
-        print(f"gemv_dp4a<Q8_0, 1> {R}x{K}{' +residual' if with_res else ''}: {t * 1e6:.1f} us, "
-              f"{gbs:.0f} GB/s = {100 * gbs / copy:.0f}% of copy")
+        for v in GEMV_VARIANTS:
+            monkeypatch.setattr(ops, "GEMV_VARIANT", v)
+            split = ops._gemv_split(R)
+            t = time_gpu(run, 5) / n
+            total[v] += t * calls[(R, K)]
+            gbs = per / t / 1e9
+            print(f"gemv {v:8s} {split} <Q8_0, 1> {R}x{K}{' +residual' if with_res else ''}: {t * 1e6:.1f} us, "
+                  f"{gbs:.0f} GB/s = {100 * gbs / copy:.0f}% of copy")
         del ws
+    print("GEMV GPU time per 9B decode step by variant: "
+          + ", ".join(f"{v} {t * 1e3:.3f} ms" for v, t in total.items()))
