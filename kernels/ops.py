@@ -140,7 +140,6 @@ GEMV_MAX_T = 8  # above this, the tiled GEMM reads each weight fewer times
 # L2 prefetch of the next round (W = 1, 2); "auto" / "autopf" = the W of fewest row-waves on this card.
 GEMV_VARIANT = os.environ.get("MINECART_GEMV", "auto")
 _GEMV_SPLIT = {"split1": (1, 0), "split2": (2, 0), "split4": (4, 0), "split1pf": (1, 1), "split2pf": (2, 1)}
-_SM_COUNT: dict[int, int] = {}
 
 
 def _gemv_split(R: int) -> tuple[int, int] | None:
@@ -150,10 +149,7 @@ def _gemv_split(R: int) -> tuple[int, int] | None:
         return _GEMV_SPLIT[v]
     if v not in ("auto", "autopf"):
         return None
-    dev = cp.cuda.Device().id
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = int(cp.cuda.Device(dev).attributes["MultiProcessorCount"])
-    slots = 8 * _SM_COUNT[dev]  # resident blocks of 4 warps (64 registers per thread)
+    slots = 8 * sm_count()  # resident blocks of 4 warps (64 registers per thread)
     # waves of whole rows: ceil(blocks / slots) / wpr, fewest wins, ties to fewer warps per row
     wpr = min((1, 2, 4), key=lambda w: (math.ceil(math.ceil(R * w / 4) / slots) / w, w))
     return (wpr, 1 if v == "autopf" and wpr <= 2 else 0)
