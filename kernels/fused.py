@@ -12,6 +12,7 @@ Not here: deciding whether a q8 side output is worth writing (the backend knows 
 from __future__ import annotations
 
 import math
+import os
 
 import cupy as cp
 import numpy as np
@@ -32,10 +33,15 @@ def _c32(x):
     return cp.ascontiguousarray(x, dtype=cp.float32)
 
 
+# values per thread of rms_norm_q8 (env MINECART_RMS_VPT, 1..16; read per call, so tests can switch it)
+RMS_VPT = int(os.environ.get("MINECART_RMS_VPT", "4"))
+
+
 def rms_threads(N: int) -> int:
-    """rms_norm_q8's block size for rows of N values: about 4 values per thread (a multiple of 32, at
-    most 1024), so a single decode row is spread over many loads in flight."""
-    return min(1024, max(32, (N // 4 + 31) // 32 * 32))
+    """rms_norm_q8's block size for rows of N values: about RMS_VPT (4) values per thread (a multiple
+    of 32, at most 1024), so a single decode row is spread over many loads in flight."""
+    vpt = min(16, max(1, RMS_VPT))
+    return min(1024, max(32, (N // vpt + 31) // 32 * 32))
 
 
 def rms_norm_q8(x, w, eps: float, delta=None):

@@ -386,12 +386,15 @@ def test_real_heads_greedy_matches_reference(tmp_path, path):
 
 # ---- decode timings and the graph-style (device-side length) attention ----------------------------------
 
+@pytest.mark.parametrize("vpt", [4, 8, 16])
 @pytest.mark.parametrize("N", [4096, 12288])
-def test_rms_norm_q8_timing(N):
-    """One decode row: rms_norm_q8 and add_rms_norm_q8 GPU time (printed), outputs checked."""
+def test_rms_norm_q8_timing(monkeypatch, N, vpt):
+    """One decode row: rms_norm_q8 and add_rms_norm_q8 GPU time (printed), outputs checked, at about
+    4, 8 and 16 values per thread (fused.RMS_VPT)."""
     from minecart.kernels import fused
     from minecart.kernels.probe import time_gpu
 
+    monkeypatch.setattr(fused, "RMS_VPT", vpt)
     rng = np.random.default_rng(N)
     x = rng.standard_normal((1, N)).astype(np.float32)
     d = rng.standard_normal((1, N)).astype(np.float32)
@@ -408,7 +411,7 @@ def test_rms_norm_q8_timing(N):
     _check_q8(out, q8)
     t0 = time_gpu(lambda: fused.rms_norm_q8(gx, gw, 1e-6), 100)
     t1 = time_gpu(lambda: fused.rms_norm_q8(gx, gw, 1e-6, delta=gd), 100)
-    print(f"\nrms_norm_q8 N={N} ({fused.rms_threads(N)} threads): rms {t0 * 1e6:.1f} us, add+rms {t1 * 1e6:.1f} us")
+    print(f"\nrms_norm_q8 N={N} ({fused.rms_threads(N)} threads, {vpt} per thread): rms {t0 * 1e6:.1f} us, add+rms {t1 * 1e6:.1f} us")
 
 
 def _ref_decode(q, kc, vc, L, scale, window):
