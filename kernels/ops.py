@@ -137,21 +137,24 @@ def _chunks(T: int):
 GEMV_MAX_T = 8  # above this, the tiled GEMM reads each weight fewer times
 # Single-token DP4A GEMV (env MINECART_GEMV; read per call, so tests can switch it): "old" = gemv_dp4a,
 # one warp per row; "splitW" / "splitWpf" = gemv_dp4a_split with W (1, 2, 4) warps per row, "pf" with the
-# L2 prefetch of the next round (W = 1, 2); "auto" / "autopf" = the W of fewest row-waves on this card.
+# L2 prefetch of the next round (W = 1, 2); "auto" / "autopf" = W by matrix shape (see _gemv_split).
 GEMV_VARIANT = os.environ.get("MINECART_GEMV", "auto")
 _GEMV_SPLIT = {"split1": (1, 0), "split2": (2, 0), "split4": (4, 0), "split1pf": (1, 1), "split2pf": (2, 1)}
 
 
-def _gemv_split(R: int) -> tuple[int, int] | None:
-    """(warps per row, prefetch) of the single-token DP4A GEMV for R rows, None for gemv_dp4a."""
+def _gemv_split(R: int, K: int) -> tuple[int, int] | None:
+    """(warps per row, prefetch) of the single-token DP4A GEMV for R rows of K values, None for gemv_dp4a.
+
+    "auto": rows of 8K+ values are split over 4 warps, matrices larger than 4096x4096 over 2, the rest
+    take one warp per row: the fastest variant per 9B decode shape on the H200 (tests/gpu/test_fused.py
+    prints all of them: 4096x12288 82% of copy bandwidth with 4 warps vs 68% with 1; 12352x4096 90% vs
+    83%; 10240x4096 87% vs 77%; 4096x4096 65% with 1 vs 59% with 2)."""
     v = GEMV_VARIANT
     if v in _GEMV_SPLIT:
         return _GEMV_SPLIT[v]
     if v not in ("auto", "autopf"):
         return None
-    slots = 8 * sm_count()  # resident blocks of 4 warps (64 registers per thread)
-    # waves of whole rows: ceil(blocks / slots) / wpr, fewest wins, ties to fewer warps per row
-    wpr = min((1, 2, 4), key=lambda w: (math.ceil(math.ceil(R * w / 4) / slots) / w, w))
+    wpr = 4 if K >= 8192 else (1 if R * K <= 4096 * 4096 else 2)
     return (wpr, 1 if v == "autopf" and wpr <= 2 else 0)
 
 
@@ -193,7 +196,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         grid = (math.ceil(R / warps),)
         for t0, nt in _chunks(T):
             res = residual[t0:] if residual is not None else np.uint64(0)
-            split = _gemv_split(R) if use_dp4a and nt == 1 else None
+            split = _gemv_split(R, K) if use_dp4a and nt == 1 else None
             if split is not None:
                 wpr, pf = split
                 k = _mm_kernel(w, f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>")

@@ -530,7 +530,7 @@ def test_gemv_model_shapes_timing(monkeypatch):
 
         for v in GEMV_VARIANTS:
             monkeypatch.setattr(ops, "GEMV_VARIANT", v)
-            split = ops._gemv_split(R)
+            split = ops._gemv_split(R, K)
             t = time_gpu(run, 5) / n
             total[v] += t * calls[(R, K)]
             gbs = per / t / 1e9
