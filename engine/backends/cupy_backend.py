@@ -214,46 +214,6 @@ def _device_pointers(obj, out: list, depth: int = 0) -> list:
     return out
 
 
-def _walked(obj) -> bool:
-    """Whether _device_pointers looks at or into obj (anything else holds no device pointer for it)."""
-    return isinstance(obj, (cp.ndarray, CupyKVCache, list, tuple, dict)) or (
-        hasattr(obj, "__dict__") and not isinstance(obj, (np.ndarray, type)))
-
-
-def _identity_checks(obj, refs: list, types: list, lens: list, depth: int = 0) -> None:
-    """The walk of _device_pointers, recording instead every (container, key, child) it steps through
-    and every container's length: while each container still holds the same walked objects (identity),
-    and objects of the same types where it holds ones the walk skips (ints such as a cache length,
-    host arrays, None), the walk reaches the same arrays, so the same device pointers (an array's
-    address never changes)."""
-    if depth > 4:
-        return
-    if isinstance(obj, cp.ndarray):
-        return
-    if isinstance(obj, CupyKVCache):
-        d = vars(obj)
-        refs.extend(((d, "k", d.get("k")), (d, "v", d.get("v"))))
-        return
-    if isinstance(obj, (list, tuple)):
-        items = enumerate(obj)
-        box = obj
-    elif isinstance(obj, dict):
-        items = obj.items()
-        box = obj
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (np.ndarray, type)):
-        box = vars(obj)
-        items = box.items()
-    else:
-        return
-    lens.append((box, len(box)))
-    for k, item in list(items):
-        if _walked(item):
-            refs.append((box, k, item))
-            _identity_checks(item, refs, types, lens, depth + 1)
-        else:
-            types.append((box, k, type(item)))
-
-
 def _host_ptr(a) -> int:
     return 0 if a is None else int(a.ctypes.data)
 
@@ -275,25 +235,6 @@ class _DecodeGraph:
         self.io = tuple(_host_ptr(a) for a in io)
         self.sends = io[1] is not None
         self.pointers = _device_pointers(watch, [])
-        self._record(watch)
-
-    def _record(self, watch) -> None:
-        self.watch = watch
-        self.refs: list = []
-        self.types: list = []
-        self.lens: list = []
-        _identity_checks(watch, self.refs, self.types, self.lens)
-
-    def _unchanged(self, watch) -> bool:
-        """Fast path of the pointer comparison: the same watch object whose containers all still hold
-        the same objects reaches the same device arrays (no walk of the states, no isinstance tests)."""
-        if watch is not self.watch:
-            return False
-        try:
-            return (all(len(b) == n for b, n in self.lens) and all(b[k] is v for b, k, v in self.refs)
-                    and all(type(b[k]) is t for b, k, t in self.types))
-        except (KeyError, IndexError):
-            return False
 
     def valid(self, owner, watch, io=(None, None)) -> bool:
         if owner is not self.states or tuple(_host_ptr(a) for a in io) != self.io:
@@ -301,12 +242,7 @@ class _DecodeGraph:
         for c, _ in self.cap.caches:
             if c.k is None or c.length + 1 > c.capacity:
                 return False
-        if self._unchanged(watch):
-            return True
-        if _device_pointers(watch, []) != self.pointers:
-            return False
-        self._record(watch)  # new objects over the same arrays: compare against these from now on
-        return True
+        return _device_pointers(watch, []) == self.pointers
 
     def result(self):
         """After a launch: True when the output went to the host buffer, else a copy of the logits."""
