@@ -61,6 +61,24 @@ __device__ __forceinline__ void load_wblock(const u8* wrow, const u16* wdrow, in
     }
 }
 
+// acc += weight block w times the quantized activation block xb (32 int8 values xq[32 xb..], scale
+// xd[xb], sum xs[xb]): two DP4A chains of 16 values (one per scale half), scaled and added in fp32.
+__device__ __forceinline__ void wblock_dot_acc(float& acc, const WBlock& w, const i8* __restrict__ xq,
+                                               const float* __restrict__ xd, const float* __restrict__ xs,
+                                               i64 xb) {
+    const int4* xp = (const int4*)(xq + xb * 32);
+    int4 a = xp[0], c = xp[1];
+    int lo = dp4a(w.q[0], a.x, 0);
+    lo = dp4a(w.q[1], a.y, lo);
+    lo = dp4a(w.q[2], a.z, lo);
+    lo = dp4a(w.q[3], a.w, lo);
+    int hi = dp4a(w.q[4], c.x, 0);
+    hi = dp4a(w.q[5], c.y, hi);
+    hi = dp4a(w.q[6], c.z, hi);
+    hi = dp4a(w.q[7], c.w, hi);
+    acc += xd[xb] * (w.dlo * (float)lo + w.dhi * (float)hi) + w.m * xs[xb];
+}
+
 template <int QT, int NT>
 __global__ void gemv_dp4a(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                           const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
@@ -97,18 +115,7 @@ __global__ void gemv_dp4a(const u8* __restrict__ wq, const u16* __restrict__ wd,
             if (b >= nb) break;
 #pragma unroll
             for (int t = 0; t < NT; t++) {
-                i64 xb = (i64)(xt0 + t) * nb + b;
-                const int4* xp = (const int4*)(xq + xb * 32);
-                int4 a = xp[0], c = xp[1];
-                int lo = dp4a(w[u].q[0], a.x, 0);
-                lo = dp4a(w[u].q[1], a.y, lo);
-                lo = dp4a(w[u].q[2], a.z, lo);
-                lo = dp4a(w[u].q[3], a.w, lo);
-                int hi = dp4a(w[u].q[4], c.x, 0);
-                hi = dp4a(w[u].q[5], c.y, hi);
-                hi = dp4a(w[u].q[6], c.z, hi);
-                hi = dp4a(w[u].q[7], c.w, hi);
-                acc[t] += xd[xb] * (w[u].dlo * (float)lo + w[u].dhi * (float)hi) + w[u].m * xs[xb];
+                wblock_dot_acc(acc[t], w[u], xq, xd, xs, (i64)(xt0 + t) * nb + b);
             }
         }
     }
@@ -217,18 +224,7 @@ gemv_dp4a_split(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8*
                 if (b >= nb) break;
 #pragma unroll
                 for (int t = 0; t < NT; t++) {
-                    i64 xb = (i64)t * nb + b;
-                    const int4* xp = (const int4*)(xq + xb * 32);
-                    int4 a = xp[0], c = xp[1];
-                    int lo = dp4a(w[u].q[0], a.x, 0);
-                    lo = dp4a(w[u].q[1], a.y, lo);
-                    lo = dp4a(w[u].q[2], a.z, lo);
-                    lo = dp4a(w[u].q[3], a.w, lo);
-                    int hi = dp4a(w[u].q[4], c.x, 0);
-                    hi = dp4a(w[u].q[5], c.y, hi);
-                    hi = dp4a(w[u].q[6], c.z, hi);
-                    hi = dp4a(w[u].q[7], c.w, hi);
-                    acc[t] += xd[xb] * (w[u].dlo * (float)lo + w[u].dhi * (float)hi) + w[u].m * xs[xb];
+                    wblock_dot_acc(acc[t], w[u], xq, xd, xs, (i64)t * nb + b);
                 }
             }
         }
