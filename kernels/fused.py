@@ -18,7 +18,7 @@ import cupy as cp
 import numpy as np
 
 from .build import GDN_KEY_DIMS, HEAD_DIMS, get_kernel
-from .ops import sm_count
+from .ops import decode_partials
 
 GDN_MAX_KW = 8  # fused.cu: longest conv kernel of gdn_decode
 GDN_MAX_DV = 128  # the head's gated RMSNorm: one thread per value column, 128 threads per block
@@ -167,17 +167,9 @@ def attention_decode_gated(q, qg, kc, vc, kv_len: int, scale: float, window: int
     sigmoid(gate) (gate = qg[:, :, 1, :]). Returns (o (1, nh d), q8 or None)."""
     nh, D = q.shape[1], q.shape[2]
     n_kv = kc.shape[1]
-    span = kc.shape[0] if kv_len_ptr is not None else kv_len
     # the same context split as ops.attention's decode branch (graph: slices sized on the device)
-    want = max(1, (6 * sm_count()) // n_kv)
-    split_len = max(32, math.ceil(span / want / 32) * 32)
-    n_splits = max(1, math.ceil(span / split_len))
-    if kv_len_ptr is not None:
-        split_len = 0
+    n_splits, split_len, po, pm, pl = decode_partials(kc, kv_len, nh, D, kv_len_ptr)
     lp = kv_len_ptr if kv_len_ptr is not None else np.uint64(0)
-    po = cp.empty((n_splits, nh, D), dtype=cp.float32)
-    pm = cp.empty((n_splits, nh), dtype=cp.float32)
-    pl = cp.empty((n_splits, nh), dtype=cp.float32)
     get_kernel("attention", f"flash_decode<{D}>")(
         (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
                                    lp, np.int32(split_len), np.float32(scale), np.int32(window)))

@@ -355,6 +355,24 @@ def sm_count() -> int:
     return _SMS[dev]
 
 
+def decode_partials(kc, kv_len: int, nh: int, D: int, kv_len_ptr=None):
+    """The context split of a single-token flash_decode and its partial buffers: about six blocks per
+    multiprocessor over the n_kv heads; with kv_len_ptr (graph replay) as many splits as the whole
+    capacity needs and split_len 0, so the kernel sizes the slices for the device-side length (splits
+    past it exit at once). Returns (n_splits, split_len, po, pm, pl)."""
+    n_kv = kc.shape[1]
+    span = kc.shape[0] if kv_len_ptr is not None else kv_len
+    want = max(1, (6 * sm_count()) // n_kv)
+    split_len = max(32, math.ceil(span / want / 32) * 32)
+    n_splits = max(1, math.ceil(span / split_len))
+    if kv_len_ptr is not None:
+        split_len = 0
+    po = cp.empty((n_splits, nh, D), dtype=cp.float32)
+    pm = cp.empty((n_splits, nh), dtype=cp.float32)
+    pl = cp.empty((n_splits, nh), dtype=cp.float32)
+    return n_splits, split_len, po, pm, pl
+
+
 def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
               kv_len_ptr: cp.ndarray | None = None, prefill: str = "tiled") -> cp.ndarray:
     """Causal GQA flash attention of q (T, nh, D) at positions start.. over cache rows [0, kv_len).
@@ -375,17 +393,7 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
     if T == 1 and G <= 8:
         # Split the context so that there are about six blocks per multiprocessor: each block streams
         # its slice through shared memory with no overlap of load and compute, so occupancy hides latency.
-        # Graph replay (kv_len_ptr): as many splits as the whole capacity needs, and split_len 0 lets the
-        # kernels size the slices for the device-side length (splits past it exit at once).
-        span = kc.shape[0] if kv_len_ptr is not None else kv_len
-        want = max(1, (6 * sm_count()) // n_kv)
-        split_len = max(32, math.ceil(span / want / 32) * 32)
-        n_splits = max(1, math.ceil(span / split_len))
-        if kv_len_ptr is not None:
-            split_len = 0
-        po = cp.empty((n_splits, nh, D), dtype=cp.float32)
-        pm = cp.empty((n_splits, nh), dtype=cp.float32)
-        pl = cp.empty((n_splits, nh), dtype=cp.float32)
+        n_splits, split_len, po, pm, pl = decode_partials(kc, kv_len, nh, D, kv_len_ptr)
         get_kernel("attention", f"flash_decode<{D}>")(
             (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
                                        kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
