@@ -451,39 +451,10 @@ __global__ void __launch_bounds__(128) flash_decode(
             KV[r * (D + 1) + c] = (kt + r < hi) ? vc[((i64)(kt + r) * n_kv + kvh) * D + c] : 0.0f;
         }
         __syncthreads();
-#pragma unroll
-        for (int u = 0; u < NU; u++) {
-            int c = tid + 128 * u;
-            if (c < D) {
-#pragma unroll
-                for (int g = 0; g < FD_G; g++) {
-                    if (g < G) {
-                        float acc = o[g][u] * s_alpha[g];
-#pragma unroll 8
-                        for (int j = 0; j < FD_BK; j++) acc = fmaf(P[g][j], KV[j * (D + 1) + c], acc);
-                        o[g][u] = acc;
-                    }
-                }
-            }
-        }
+        decode_pv_tile<D, NU, FD_G, FD_BK>(o, P, s_alpha, KV, G, tid);
         __syncthreads();
     }
-    i64 base = (i64)split * nh + h0;
-#pragma unroll
-    for (int u = 0; u < NU; u++) {
-        int c = tid + 128 * u;
-        if (c < D)
-#pragma unroll
-            for (int g = 0; g < FD_G; g++)
-                if (g < G) po[(base + g) * D + c] = o[g][u];
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int a = 0; a < 2; a++) {
-            int g = w + 4 * a;
-            if (g < G) { pm[base + g] = m_run[a]; pl[base + g] = l_run[a]; }
-        }
-    }
+    decode_store_partials<D, NU, FD_G>(o, m_run, l_run, po, pm, pl, (i64)split * nh + h0, G, tid, w, lane);
 }
 
 __device__ __forceinline__ void merge_splits(const float* __restrict__ po, const float* __restrict__ pm,

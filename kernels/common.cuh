@@ -213,3 +213,51 @@ __device__ __forceinline__ void deq_block32(const u8* wrow, const u16* wdrow, in
         }
     }
 }
+
+// Split flash-decode (attention.cu flash_decode, kvq3.cu rotated-space decode): a block of 128 threads
+// owns up to GM query heads of one KV head; thread tid holds output columns tid + 128 u (u < NU) of each.
+// decode_pv_tile: o[g] = o[g] * alpha[g] + P[g] . V-tile (TILE rows of D values, row stride D + 1), one
+// fp32 FMA chain per column in key order.
+template <int D, int NU, int GM, int TILE>
+__device__ __forceinline__ void decode_pv_tile(float (&o)[GM][NU], const float (*P)[TILE],
+                                               const float* s_alpha, const float* KV, int G, int tid) {
+#pragma unroll
+    for (int u = 0; u < NU; u++) {
+        int c = tid + 128 * u;
+        if (c < D) {
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                if (g < G) {
+                    float acc = o[g][u] * s_alpha[g];
+#pragma unroll 8
+                    for (int j = 0; j < TILE; j++) acc = fmaf(P[g][j], KV[j * (D + 1) + c], acc);
+                    o[g][u] = acc;
+                }
+            }
+        }
+    }
+}
+
+// decode_store_partials: the split's unnormalized outputs po, running maxima pm and sums pl of query
+// heads h0 + g (warp w's lane 0 holds heads w and w + 4), for merge_splits.
+template <int D, int NU, int GM>
+__device__ __forceinline__ void decode_store_partials(const float (&o)[GM][NU], const float (&m_run)[2],
+                                                      const float (&l_run)[2], float* po, float* pm,
+                                                      float* pl, i64 base, int G, int tid, int w,
+                                                      int lane) {
+#pragma unroll
+    for (int u = 0; u < NU; u++) {
+        int c = tid + 128 * u;
+        if (c < D)
+#pragma unroll
+            for (int g = 0; g < GM; g++)
+                if (g < G) po[(base + g) * D + c] = o[g][u];
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int a = 0; a < 2; a++) {
+            int g = w + 4 * a;
+            if (g < G) { pm[base + g] = m_run[a]; pl[base + g] = l_run[a]; }
+        }
+    }
+}
