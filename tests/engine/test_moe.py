@@ -8,26 +8,21 @@ sigmoid gate. The reference reads the tensors itself with GGUFFile.dequantize.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from minecart.engine.backends.numpy_backend import NumpyBackend, NumpyWeight
 from minecart.engine.gguf_file import GGUFFile
 from minecart.engine.model import load_model
 from minecart.engine.models import qwen35
-from minecart.engine.synth import SHAPES, write_synthetic
+
+from tests._moe import tiny_moe_file
 
 be = NumpyBackend()
 
 
 @pytest.fixture(scope="module", params=["separate", "fused"])
 def moe_file(request, tmp_path_factory):
-    fused = request.param == "fused"
-    path = tmp_path_factory.mktemp("moe") / f"tiny-moe-{request.param}.gguf"
-    shape = replace(SHAPES["tiny-moe"], vocab_size=640)
-    write_synthetic(path, shape, "q8_0" if fused else "f16", seed=11, fuse_gate_up=fused)
-    return path, fused
+    return tiny_moe_file(tmp_path_factory, request.param), request.param == "fused"
 
 
 def _silu(x):

@@ -9,11 +9,10 @@ agree on top-1 at >= 90% of positions (as tests/gpu/test_model.py asks of DP4A).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
+from tests._moe import tiny_moe_file
 from tests.gpu._compare import graph_vs_eager, greedy
 
 cp = pytest.importorskip("cupy")
@@ -23,13 +22,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module", params=["separate", "fused"])
 def moe_file(request, tmp_path_factory):
-    from minecart.engine.synth import SHAPES, write_synthetic
-
-    fused = request.param == "fused"
-    path = tmp_path_factory.mktemp("moe_gpu") / f"tiny-moe-{request.param}.gguf"
-    shape = replace(SHAPES["tiny-moe"], vocab_size=640)
-    write_synthetic(path, shape, "q8_0" if fused else "f16", seed=11, fuse_gate_up=fused)
-    return path, request.param
+    return tiny_moe_file(tmp_path_factory, request.param), request.param
 
 
 def _load(path, gpu_path, *, graphs: bool = True):
