@@ -26,10 +26,9 @@ from dataclasses import dataclass
 
 from .errors import GenerationCancelled, RequestError
 from .sampling import Sampler, SamplingParams
+from .session import PREFILL_CHUNK
 
 __all__ = ["GenerationEvent", "SamplingParams", "generate"]
-
-PREFILL_CHUNK = 512  # tokens per prefill run inside generate: bounds memory and the cancel latency
 
 
 @dataclass(frozen=True)
@@ -155,17 +154,22 @@ def _eos_ids(tokenizer) -> set[int]:
 
 def generate(model, prompt, params: SamplingParams | None = None, *, session=None, cancel=None,
              enable_thinking: bool = True, prefill_chunk: int = PREFILL_CHUNK, positions=None,
-             embed_override=None, tools=None) -> Iterator[GenerationEvent]:
+             embed_override=None, tools=None, turn_boundary: int | None = None
+             ) -> Iterator[GenerationEvent]:
     """positions ((3, T) M-RoPE) and embed_override ((rows, values) image embeddings) describe a
     prompt given as token ids with images already expanded (Session.sync); text gets positions
     continuing from the prompt's last one. Chat messages with pictures on a model with a vision tower
-    are laid out by engine/vision (prepare_chat), `tools` rendered into their template."""
+    are laid out by engine/vision (prepare_chat), `tools` rendered into their template.
+
+    turn_boundary: for a chat prompt given as ids with a session, the number of tokens before the
+    generation prompt; the session is checkpointed there first (see checkpoint_turn_boundary). Every
+    check on the prompt (empty, beyond the context) runs before any token is computed."""
     params = params or SamplingParams()
     if positions is None and embed_override is None and getattr(model, "vision", None) is not None:
         from .vision.insert import has_images, prepare_chat
 
         if has_images(prompt):  # chat messages with pictures: expanded ids, (3, T) positions, rows
-            from .vision.insert import checkpoint_turn_boundary
+            from .vision.insert import checkpoint_turn_boundary as checkpoint_image_turn
 
             prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking, tools=tools)
             check_fits_context(model, len(prepared.ids))
@@ -173,14 +177,42 @@ def generate(model, prompt, params: SamplingParams | None = None, *, session=Non
             before = None
             if session is not None:
                 def before():
-                    return checkpoint_turn_boundary(session, prepared, cancel)
+                    return checkpoint_image_turn(session, prepared, cancel)
             return _generate(model, prepared.ids, params, session, cancel, prefill_chunk, positions,
                              embed_override, image_tokens=prepared.n_image_tokens, before_prompt=before)
     ids = prompt_ids(model, prompt, enable_thinking)
     if not ids:
         raise RequestError("the prompt is empty")
     check_fits_context(model, len(ids))
-    return _generate(model, ids, params, session, cancel, prefill_chunk, positions, embed_override)
+    before = None
+    if session is not None and turn_boundary and 0 < turn_boundary < len(ids):
+        boundary_ids = ids[:turn_boundary]
+
+        def before():
+            return checkpoint_turn_boundary(session, boundary_ids, cancel, prefill_chunk)
+    return _generate(model, ids, params, session, cancel, prefill_chunk, positions, embed_override,
+                     before_prompt=before)
+
+
+def checkpoint_turn_boundary(session, ids: list[int], cancel=None, chunk: int = PREFILL_CHUNK) -> int:
+    """Run the prompt up to the end of the last user message and checkpoint the session there;
+    returns the tokens computed (0 when the session has no recurrent state or had them already).
+
+    Why: a hybrid model's recurrent (Gated DeltaNet) state cannot be rewound, only restored from a
+    snapshot. The next turn re-renders this turn's assistant message without the generation prompt's
+    `<think>` block (Qwen3.5 drops past thinking), so its tokens diverge right after this boundary;
+    with a snapshot here the next turn reuses everything up to it instead of starting from zero.
+    Chunked and cancellable like every prefill; called only after the prompt passed its checks."""
+    if not session.has_recurrent_state:
+        return 0
+    if session.has_snapshot(ids):
+        # Checkpointed on an earlier pass (regenerate): running back to the boundary now would
+        # throw away the later snapshot of the whole prompt and recompute the last message.
+        return 0
+    session.sync(ids, chunk=chunk, cancel=cancel)
+    computed = int(session.computed_tokens)
+    session.checkpoint()
+    return computed
 
 
 def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None, embed_override=None,

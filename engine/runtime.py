@@ -31,7 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -685,9 +685,6 @@ class Runtime:
         conversation_id = a.get("conversation_id")
         session = self._session(conversation_id)
         started = req.picked_up or time.time()  # prefill time includes rendering and tokenizing
-        pre_computed = 0
-        if boundary and conversation_id is not None:
-            pre_computed = _checkpoint_turn_boundary(session, prompt[:boundary], req.cancel_event)
         stops = StopMatcher(a.get("stop") or [])
         splitter = ThinkingSplitter(inside=opens_thinking)
         first_token_at = None
@@ -699,6 +696,10 @@ class Runtime:
             kwargs["enable_thinking"] = enable_thinking
         if a.get("tools") and not isinstance(prompt[0], int) and _accepts(model.generate, "tools"):
             kwargs["tools"] = a["tools"]  # chats with pictures go as messages: the model renders the tools
+        if boundary and conversation_id is not None and _accepts(model.generate, "turn_boundary"):
+            # the engine checkpoints the session at the end of the user's turn, after the prompt's
+            # checks (length, context) and chunked like every prefill
+            kwargs["turn_boundary"] = boundary
         ok = False
         stream = model.generate(prompt, _params(a.get("params")), **kwargs)
         try:
@@ -750,10 +751,6 @@ class Runtime:
             if thinking or answer:
                 req.emit("token", text=answer, thinking=thinking)
         usage = _usage(last, n_events)
-        if pre_computed:
-            # The engine counts the turn boundary we ran just before as cached: it was not.
-            usage = replace(usage, cached_tokens=max(0, usage.cached_tokens - pre_computed),
-                            prompt_tokens_per_s=None)
         finish = "cancelled" if cancelled else (finish_reason or "stop")
         timing = self._timing(req, started, first_token_at, time.time(), usage, finish)
         data = {"timing": timing}
@@ -882,7 +879,7 @@ def _chat_prompt(model, messages, tools, enable_thinking: bool):
     where the thinking starts and tools reach the template. Chats with images go to the model as
     messages (it owns the vision preprocessing); the template is still rendered to learn the
     thinking state. The turn boundary is the number of prompt tokens before the generation prompt
-    (`<|im_start|>assistant\n<think>\n`), or None: see _checkpoint_turn_boundary."""
+    (`<|im_start|>assistant\n<think>\n`), or None: see generation.checkpoint_turn_boundary."""
     template = getattr(model, "chat_template", None)
     render = getattr(template, "render", None) if template is not None else None
     if not callable(render):
@@ -920,29 +917,6 @@ def _close_session(session) -> None:
             close()
         except Exception:  # noqa: BLE001 - a failed free must not take the request down with it
             pass
-
-
-def _checkpoint_turn_boundary(session, ids, cancel) -> int:
-    """Run the prompt up to the end of the last user message and checkpoint the session there.
-
-    Why: a hybrid model's recurrent (Gated DeltaNet) state cannot be rewound, only restored from a
-    snapshot. The next turn re-renders this turn's assistant message without the generation prompt's
-    `<think>` block (Qwen3.5 drops past thinking), so its tokens diverge right after this boundary;
-    with a snapshot here the next turn reuses everything up to it instead of starting from zero.
-    Returns the tokens computed (0 when the session cannot do this or had them already)."""
-    sync = getattr(session, "sync", None)
-    checkpoint = getattr(session, "checkpoint", None)
-    if not (callable(sync) and callable(checkpoint) and getattr(session, "has_recurrent_state", False)):
-        return 0
-    has_snapshot = getattr(session, "has_snapshot", None)
-    if callable(has_snapshot) and has_snapshot(ids):
-        # Checkpointed on an earlier pass (regenerate): running back to the boundary now would
-        # throw away the later snapshot of the whole prompt and recompute the last message.
-        return 0
-    sync(ids, cancel=cancel)
-    computed = int(getattr(session, "computed_tokens", 0) or 0)
-    checkpoint()
-    return computed
 
 
 def _vision_args(args: dict) -> dict:

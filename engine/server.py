@@ -21,6 +21,7 @@ This module does no inference itself and never touches the model: everything goe
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import re
 import socket
@@ -32,7 +33,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import (
@@ -50,6 +51,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CALL_OPEN = "<tool_call>"
 # How often a waiting non-streaming request checks whether its client is still there.
 DISCONNECT_POLL_S = 0.25
+# The largest request body read (bytes): a long chat with a few pictures fits many times over; past it
+# the request is refused before anything is parsed or tokenized.
+MAX_BODY_BYTES = 32 * 1024 * 1024
+# Host names every server answers to: a browser page reaching a loopback server through a DNS name
+# it controls (DNS rebinding) sends that name as Host, which is refused.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class APIError(Exception):
@@ -490,30 +497,117 @@ class _EventPump:
             return None
 
 
+def _host_name(host_header: str) -> str:
+    """The name part of a Host header ("[::1]:8080" -> "::1", "localhost:80" -> "localhost")."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+class BrowserGuard:
+    """Who may talk to the server from a browser, checked before a route runs.
+
+    A web page the user visits can send requests to a local server: a "simple" cross-site POST
+    (Content-Type text/plain, no preflight) or, through DNS rebinding, a same-origin request under a
+    name the page controls. So: a request carrying an `Origin` header is served only when that origin
+    is allowed (`allowed_origins`; "*" allows any); the `Host` header must name an allowed host
+    (loopback names, the address the server listens on, `allowed_hosts`; "*" allows any, the default
+    when listening on every interface); and request bodies must be declared as JSON (checked by the
+    routes). Programs (curl, OpenAI clients) send no Origin and are unaffected."""
+
+    def __init__(self, allowed_origins=(), allowed_hosts=(), listen_host: str | None = None):
+        self.origins = {o.rstrip("/").lower() for o in allowed_origins}
+        hosts = {h.lower() for h in allowed_hosts} | set(LOOPBACK_HOSTS)
+        if listen_host:
+            if listen_host in ("0.0.0.0", "::", ""):
+                hosts.add("*")
+            else:
+                hosts.add(listen_host.strip("[]").lower())
+        self.hosts = hosts
+
+    def refusal(self, headers) -> APIError | None:
+        origin = headers.get("origin")
+        if origin is not None and "*" not in self.origins and origin.rstrip("/").lower() not in self.origins:
+            return APIError(403, f"requests from the web page at {origin} are not allowed; start the "
+                            "server with --allow-origin ORIGIN to let that page use it",
+                            type="permission_error", code="origin_not_allowed")
+        host = _host_name(headers.get("host", ""))
+        if "*" not in self.hosts and host not in self.hosts:
+            return APIError(403, f"host name '{host}' is not one this server answers to (a browser "
+                            "page may be reaching it through DNS rebinding); use "
+                            "http://127.0.0.1:PORT, or start the server with --allow-host NAME",
+                            type="permission_error", code="host_not_allowed")
+        return None
+
+
+class _Gatekeeper:
+    """ASGI middleware in front of every route: the BrowserGuard's checks, an allowed page's CORS
+    preflight and headers, and the API key on /v1 routes. Plain ASGI rather than Starlette's
+    BaseHTTPMiddleware, which hides a client's disconnect from the routes (a request whose client
+    went away must cancel its generation)."""
+
+    def __init__(self, app, guard: BrowserGuard, api_key: str | None):
+        self.app = app
+        self.guard = guard
+        self.api_key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refused = self.guard.refusal(headers) or self._key_refusal(scope["path"], headers)
+        origin = headers.get("origin")
+        if refused is not None:
+            await JSONResponse(refused.body(), status_code=refused.status)(scope, receive, send)
+            return
+        if origin is None:
+            await self.app(scope, receive, send)
+            return
+        cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
+        if scope["method"] == "OPTIONS":  # an allowed page's preflight
+            await Response(status_code=204, headers={
+                **cors, "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Headers": "authorization, content-type",
+                "Access-Control-Max-Age": "600"})(scope, receive, send)
+            return
+        extra = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in cors.items()]
+
+        async def send_with_cors(message):
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=list(message.get("headers", [])) + extra)
+            await send(message)
+
+        await self.app(scope, receive, send_with_cors)
+
+    def _key_refusal(self, path: str, headers: dict) -> APIError | None:
+        if self.api_key is None or not path.startswith("/v1"):
+            return None
+        given = headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if hmac.compare_digest(token.encode(), self.api_key):
+            return None
+        return APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                        type="authentication_error", code="invalid_api_key")
+
+
 def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_tokens: int | None = None,
-               api_key: str | None = None):
+               api_key: str | None = None, allowed_origins=(), allowed_hosts=(),
+               listen_host: str | None = "127.0.0.1", max_body_bytes: int = MAX_BODY_BYTES):
     """The FastAPI app. `model_name` overrides the id /v1/models reports (default: the file's stem);
-    `api_key`, when set, is required as `Authorization: Bearer KEY` on every /v1 route."""
+    `api_key`, when set, is required as `Authorization: Bearer KEY` on every /v1 route.
+    allowed_origins / allowed_hosts / listen_host: see BrowserGuard; max_body_bytes: the largest
+    request body read (413 past it)."""
     app = FastAPI(title="minecart", description="OpenAI-compatible API of the minecart engine",
                   docs_url=None, redoc_url=None)
     app.state.runtime = runtime
+    guard = BrowserGuard(allowed_origins, allowed_hosts, listen_host)
 
     def error_response(err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
-    if api_key:
-        import hmac
-
-        @app.middleware("http")
-        async def _check_key(request: Request, call_next):
-            if request.url.path.startswith("/v1"):
-                given = request.headers.get("authorization", "")
-                token = given[7:] if given.lower().startswith("bearer ") else ""
-                if not hmac.compare_digest(token.encode(), api_key.encode()):
-                    return error_response(APIError(401, "missing or wrong API key (send "
-                                                   "'Authorization: Bearer KEY')",
-                                                   type="authentication_error", code="invalid_api_key"))
-            return await call_next(request)
+    app.add_middleware(_Gatekeeper, guard=guard, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -544,7 +638,22 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         return Path(info.path).stem or info.name
 
     async def json_body(request: Request) -> dict:
-        raw = await request.body()
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            # also what keeps a web page's "simple" text/plain POST from running anything
+            raise APIError(415, "send the request body as JSON with 'Content-Type: application/json'"
+                           f" (got {media_type or 'no content type'!r})", code="unsupported_media_type")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_body_bytes:
+            raise _too_large(max_body_bytes)
+        chunks: list[bytes] = []
+        size = 0
+        async for piece in request.stream():
+            size += len(piece)
+            if size > max_body_bytes:
+                raise _too_large(max_body_bytes)
+            chunks.append(piece)
+        raw = b"".join(chunks)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -791,6 +900,11 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
     return app
 
 
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit // (1024 * 1024)} MiB; send less (a long "
+                    "prompt beyond the model's context would be refused anyway)", code="request_too_large")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Running it
 
@@ -846,5 +960,5 @@ def serve(runtime: Runtime, host: str = "127.0.0.1", port: int = 8080, *, model_
     """Serve the API in the foreground until Ctrl+C."""
     import uvicorn
 
-    app = create_app(runtime, model_name=model_name)
+    app = create_app(runtime, model_name=model_name, listen_host=host)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=3)

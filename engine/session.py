@@ -35,6 +35,9 @@ from .errors import GenerationCancelled
 # message" (end of the previous turn). Each holds the recurrent state on the host: ~50 MiB for 9B,
 # ~150 MiB for 27B, so a runtime with several sessions must not keep many.
 MAX_SNAPSHOTS = 3
+# Tokens per prefill run. Every prefill is chunked, whoever calls it: a chunk bounds the memory of one
+# run (activations grow with its length) and the latency of a cancel (checked between chunks).
+PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
@@ -162,16 +165,18 @@ class Session:
             self.last_logits = None
         return logits
 
-    def prefill(self, ids, chunk: int | None = None, positions=None, cancel=None,
+    def prefill(self, ids, chunk: int = PREFILL_CHUNK, positions=None, cancel=None,
                 embed_override=None) -> np.ndarray | None:
-        """Append `ids` (split into runs of `chunk` tokens; None = one run) and return the logits
+        """Append `ids` (split into runs of `chunk` tokens) and return the logits
         (vocab,) after the last one. `positions` overrides the positions ((T,) or (3, T) for M-RoPE).
         `cancel` (threading.Event) is checked between chunks; on cancel the tokens run so far stay.
         `embed_override` (rows, values): input rows given as embeddings (images), see Model.forward."""
         ids = [int(t) for t in ids]
         if not ids:
             return self.last_logits
-        step = len(ids) if not chunk else int(chunk)
+        step = int(chunk)
+        if step < 1:
+            raise ValueError(f"prefill chunk must be at least 1 token, got {chunk}")
         self.computed_tokens = 0
         if (getattr(self.model, "pipeline", None) is not None and len(ids) > step
                 and embed_override is None):
@@ -289,7 +294,7 @@ class Session:
             self.reset()
         return len(self.tokens)
 
-    def truncate(self, n_tokens: int, chunk: int | None = None) -> None:
+    def truncate(self, n_tokens: int, chunk: int = PREFILL_CHUNK) -> None:
         """Keep only the first n_tokens of the history (re-prefilling from a snapshot where needed)."""
         n = int(n_tokens)
         if not 0 <= n <= len(self.tokens):
@@ -302,7 +307,7 @@ class Session:
             positions = np.array(known_pos[reached:], dtype=np.int64).T  # (3, m): exact, images too
             self.prefill(ids, chunk=chunk, positions=positions, embed_override=override)
 
-    def sync(self, ids, chunk: int | None = None, cancel=None, positions=None,
+    def sync(self, ids, chunk: int = PREFILL_CHUNK, cancel=None, positions=None,
              embed_override=None) -> np.ndarray:
         """Make the history equal to `ids` and return the logits (vocab,) after its last token.
 

@@ -140,7 +140,7 @@ def kernel_rates(model, backend, ceil: dict) -> dict:
 def _prefill_seconds(model, backend, ids, chunk) -> float:
     """Seconds of one prefill of `ids` into a fresh session."""
     s = model.new_session(len(ids) + 8)
-    dt = _timed(lambda: s.prefill(ids, chunk=chunk or None), backend)
+    dt = _timed(lambda: s.prefill(ids, chunk=chunk or len(ids)), backend)
     s.close()
     return dt
 
@@ -148,7 +148,7 @@ def _prefill_seconds(model, backend, ids, chunk) -> float:
 def _decode_seconds(model, backend, ids, steps: int, chunk) -> float:
     """Seconds of `steps` greedy decode steps after a prefill of `ids` and one untimed step."""
     s = model.new_session(len(ids) + steps + 8)
-    logits = s.prefill(ids, chunk=chunk or None)
+    logits = s.prefill(ids, chunk=chunk or len(ids))
     logits = s.step(int(np.argmax(logits)))  # first step outside the timing
 
     def decode():

@@ -32,6 +32,12 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key; also read "
                         "from the MINECART_API_KEY environment variable)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from ORIGIN (e.g. http://localhost:3000) call the API from a "
+                        "browser; repeatable, '*' allows any page (default: no web page may)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a host name clients may use besides the loopback names and --host (refused "
+                        "otherwise, against DNS rebinding); repeatable, '*' allows any")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: info)")
     p.set_defaults(func=serve_main)
@@ -52,7 +58,8 @@ def serve_main(args) -> int:
             print(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
                   "address can use the API", file=sys.stderr)
         app = create_app(runtime, model_name=args.model_name, default_max_tokens=args.max_tokens,
-                         api_key=api_key)
+                         api_key=api_key, allowed_origins=args.allow_origin,
+                         allowed_hosts=args.allow_host, listen_host=args.host)
         print(f"serving on http://{args.host}:{args.port}/v1 (Ctrl+C stops)", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                     timeout_graceful_shutdown=3)

@@ -18,7 +18,7 @@ def client(fixtures_dir):
         pytest.skip("vision fixtures not found")
     rt = Runtime(sample_memory_s=0)
     rt.load(vision / "qwen35-tiny-vl-f16.gguf", devices=["cpu"]).result()
-    with TestClient(create_app(rt)) as c:
+    with TestClient(create_app(rt), base_url="http://127.0.0.1") as c:
         yield c, vision
     rt.close()
 
