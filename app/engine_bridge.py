@@ -13,9 +13,10 @@ Not here: widgets, or any knowledge of how a model runs.
 
 from __future__ import annotations
 
-import inspect
 import traceback
 
+from minecart.engine.runtime import Runtime
+from minecart.engine.sampling import SamplingParams
 from PySide6.QtCore import QObject, QThread, Signal
 
 
@@ -37,35 +38,29 @@ class _Watcher(QThread):
             self.failed.emit(f"{type(exc).__name__}: {exc}")
 
 
-def _sampling_params(settings: dict):
-    """The engine's SamplingParams from the sampling settings, passing only fields it knows."""
-    try:
-        from minecart.engine.generation import SamplingParams
-    except Exception:
-        try:
-            from minecart.engine.sampling import SamplingParams
-        except Exception:
-            return None
-    names = {"temperature", "top_p", "top_k", "min_p", "repeat_penalty", "max_tokens", "seed",
-             "repetition_penalty", "max_new_tokens"}
-    try:
-        accepted = set(inspect.signature(SamplingParams).parameters)
-    except (TypeError, ValueError):
-        accepted = names
+# The chat settings' names (resources/default_settings.json, ChatPanel's SettingsPanel) and the
+# SamplingParams field each one sets (engine/sampling.py).
+SETTING_TO_FIELD = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repeat_penalty": "repetition_penalty", "max_tokens": "max_tokens", "seed": "seed"}
+
+
+def sampling_params(settings: dict) -> SamplingParams:
+    """The engine's SamplingParams from the app's sampling settings. A setting the engine does not
+    know, or a value it refuses, raises ValueError with a message for the user: a setting is never
+    dropped in silence."""
+    unknown = sorted(set(settings) - set(SETTING_TO_FIELD))
+    if unknown:
+        raise ValueError(f"unknown sampling setting {', '.join(unknown)} (known: "
+                         f"{', '.join(SETTING_TO_FIELD)})")
     values = {}
-    for k, v in settings.items():
-        if k == "seed" and (v is None or int(v) < 0):
-            continue
-        if k in accepted:
-            values[k] = v
-        elif k == "repeat_penalty" and "repetition_penalty" in accepted:
-            values["repetition_penalty"] = v
-        elif k == "max_tokens" and "max_new_tokens" in accepted:
-            values["max_new_tokens"] = v
+    for key, value in settings.items():
+        if key == "seed" and (value is None or int(value) < 0):
+            continue  # -1 in the settings: a new random seed each reply
+        values[SETTING_TO_FIELD[key]] = value
     try:
         return SamplingParams(**values)
-    except Exception:
-        return None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the sampling settings are not usable: {exc}") from exc
 
 
 class EngineBridge(QObject):
@@ -87,8 +82,6 @@ class EngineBridge(QObject):
         self.runtime_error = ""
         if self.runtime is None:
             try:
-                from minecart.engine.runtime import Runtime
-
                 self.runtime = Runtime()
             except Exception as exc:
                 self.runtime_error = f"the engine runtime could not start: {exc}"
@@ -102,7 +95,7 @@ class EngineBridge(QObject):
     # ---- state -----------------------------------------------------------------------------------
     @property
     def metrics(self):
-        return getattr(self.runtime, "metrics", None)
+        return self.runtime.metrics if self.runtime is not None else None
 
     @property
     def loading(self) -> bool:
@@ -154,7 +147,7 @@ class EngineBridge(QObject):
 
     def replace(self, placement) -> bool:
         """Apply a new placement to the loaded model (reloads through the runtime when needed)."""
-        if self.runtime is None or not getattr(self.runtime, "loaded", False):
+        if self.runtime is None or not self.runtime.loaded:
             self.load_failed.emit("load a model before applying a layer plan")
             return False
         # the runtime re-places the model with the options it was loaded with: the KV type stays
@@ -174,14 +167,14 @@ class EngineBridge(QObject):
             self.load_progress.emit(float(ev.fraction or 0.0), ev.text or "")
         elif kind == "done":
             self._load = None
-            info = (ev.data or {}).get("model") or getattr(self.runtime, "model_info", None)
+            info = (ev.data or {}).get("model") or self.runtime.model_info
             self.model_info = info
             self.kv_type = self._loading_kv_type
             self.busy_changed.emit(False)
             self.loaded.emit(info)
         elif kind in ("cancelled", "error"):
             self._load = None
-            if not getattr(self.runtime, "loaded", False):
+            if not self.runtime.loaded:
                 self.kv_type = None  # the failed load freed the model that was there
             self.busy_changed.emit(False)
             if kind == "cancelled":
@@ -198,7 +191,7 @@ class EngineBridge(QObject):
             self._chat.cancel()
 
         def request():
-            return self.runtime.chat(messages, _sampling_params(sampling or {}),
+            return self.runtime.chat(messages, sampling_params(sampling or {}),
                                      enable_thinking=thinking, conversation_id=conversation_id)
 
         return self._submit("_chat", request, self.chat_error, self._on_chat_event)
@@ -212,7 +205,7 @@ class EngineBridge(QObject):
             self._chat.cancel()
 
         def request():
-            return self.runtime.complete(prompt, _sampling_params(sampling or {}),
+            return self.runtime.complete(prompt, sampling_params(sampling or {}),
                                          conversation_id=conversation_id)
 
         return self._submit("_chat", request, self.chat_error, self._on_chat_event)

@@ -187,13 +187,13 @@ def test_send_without_model_explains(qtbot, make_bridge):
 
 
 def test_sampling_settings_reach_the_engine_params():
-    from minecart.app.engine_bridge import _sampling_params
+    from minecart.app.engine_bridge import sampling_params
 
-    p = _sampling_params({"temperature": 0.3, "top_p": 0.5, "top_k": 7, "min_p": 0.1, "repeat_penalty": 1.2,
+    p = sampling_params({"temperature": 0.3, "top_p": 0.5, "top_k": 7, "min_p": 0.1, "repeat_penalty": 1.2,
                           "max_tokens": 99, "seed": -1})
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.3, 0.5, 7, 0.1, 99)
     assert p.repetition_penalty == 1.2 and p.seed is None  # -1 = random
-    assert _sampling_params({"seed": 5}).seed == 5
+    assert sampling_params({"seed": 5}).seed == 5
 
 
 def test_regenerate_an_older_reply_drops_what_follows(qtbot, make_bridge):
