@@ -1,0 +1,35 @@
+"""A heartbeat QTimer that measures the GUI thread's longest stall while a test runs.
+
+The timer ticks every 5 ms; the longest gap between two ticks is how long the event loop was blocked.
+Use it around code that waits with qtbot (so the event loop runs): `with Heartbeat() as hb: ...`,
+then `assert hb.max_gap_ms <= 50`."""
+
+from __future__ import annotations
+
+import time
+
+from PySide6.QtCore import QTimer
+
+
+class Heartbeat:
+    def __init__(self, interval_ms: int = 5):
+        self.timer = QTimer()
+        self.timer.setInterval(interval_ms)
+        self.timer.timeout.connect(self._tick)
+        self.max_gap_ms = 0.0
+        self.ticks = 0
+        self._last: float | None = None
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.max_gap_ms = max(self.max_gap_ms, (now - self._last) * 1000.0)
+        self._last = now
+        self.ticks += 1
+
+    def __enter__(self) -> Heartbeat:
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.timer.stop()
