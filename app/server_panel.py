@@ -1,0 +1,235 @@
+"""The server switch: start and stop the OpenAI-compatible HTTP API (engine/server.py) from the window, over
+the app's own Runtime, so other programs can use the model the window has loaded.
+
+`ApiServer` is the plain part: it builds `create_app(runtime)`, wraps it in a counter of API requests and
+runs it on a `ServerThread`. `ServerPanel` is the widget: host and port, a Start/Stop toggle, the URL and a
+live request count. Starting and stopping run on a Python thread (uvicorn's start-up and shutdown wait
+for sockets), so the GUI thread never waits on them; a busy port comes back as a sentence, not a trace.
+
+Not here: the routes, the runtime or any model logic (engine/server.py, engine/runtime.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Callable
+
+from minecart.engine.server import ServerThread, create_app
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+DEFAULT_PORT = 8080
+
+
+class RequestCounter:
+    """Plain ASGI wrapper that counts HTTP requests to the API routes (/v1/...)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.count = 0
+        self._lock = threading.Lock()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            with self._lock:
+                self.count += 1
+        await self.app(scope, receive, send)
+
+
+def port_error_text(host: str, port: int, exc: OSError) -> str:
+    if exc.errno in (errno.EADDRINUSE, getattr(errno, "WSAEADDRINUSE", -1)):
+        return (f"Port {port} on {host} is already in use (another server, or a second minecart). "
+                "Pick another port or stop the other program.")
+    if exc.errno in (errno.EACCES, getattr(errno, "WSAEACCES", -1)):
+        return f"Not allowed to listen on port {port}: ports below 1024 need administrator rights."
+    return f"Cannot listen on {host}:{port}: {exc.strerror or exc}"
+
+
+class ApiServer:
+    """One HTTP API over `runtime`; `start()` raises OSError with a readable message on a busy port."""
+
+    def __init__(self, runtime, host: str = "127.0.0.1", port: int = DEFAULT_PORT):
+        self.runtime = runtime
+        self.host = host
+        self.port = int(port)
+        self.counter: RequestCounter | None = None
+        self._thread: ServerThread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def url(self) -> str:
+        return self._thread.url if self._thread is not None else ""
+
+    @property
+    def request_count(self) -> int:
+        return self.counter.count if self.counter is not None else 0
+
+    def start(self) -> str:
+        if self._thread is not None:
+            return self.url
+        self.counter = RequestCounter(create_app(self.runtime, listen_host=self.host))
+        try:
+            thread = ServerThread(self.counter, host=self.host, port=self.port)
+        except OSError as exc:
+            raise OSError(exc.errno, port_error_text(self.host, self.port, exc)) from exc
+        thread.start()
+        self._thread = thread
+        return thread.url
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.stop()
+
+
+class ServerPanel(QWidget):
+    """Start/stop the API from the window. `runtime()` returns the app's Runtime (None: engine failed)."""
+
+    state_changed = Signal(bool, str)  # running, url or error text
+    _done = Signal(bool, str)  # from the start/stop thread to the GUI thread
+
+    def __init__(self, runtime: Callable[[], object], parent=None):
+        super().__init__(parent)
+        self._runtime = runtime
+        self.server: ApiServer | None = None
+        self._busy = False
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(16, 12, 16, 12)
+        lay.setSpacing(10)
+        card = QFrame()
+        card.setObjectName("Card")
+        cl = QVBoxLayout(card)
+        cl.setContentsMargins(14, 12, 14, 12)
+        cl.setSpacing(8)
+        title = QLabel("OpenAI-compatible API")
+        title.setObjectName("SectionTitle")
+        cl.addWidget(title)
+        hint = QLabel("Serves the model loaded in this window to other programs (any OpenAI client: "
+                      "base URL below, any API key).")
+        hint.setObjectName("Subtle")
+        hint.setWordWrap(True)
+        cl.addWidget(hint)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Port"))
+        self.port = QSpinBox()
+        self.port.setRange(1, 65535)
+        self.port.setValue(DEFAULT_PORT)
+        row.addWidget(self.port)
+        self.network = QCheckBox("Reachable from other computers")
+        self.network.setToolTip("Listen on all network interfaces (0.0.0.0) instead of this computer only")
+        row.addWidget(self.network)
+        row.addStretch(1)
+        self.toggle = QPushButton("Start server")
+        self.toggle.setObjectName("Primary")
+        self.toggle.clicked.connect(self.toggle_server)
+        row.addWidget(self.toggle)
+        cl.addLayout(row)
+        self.url = QLabel("Stopped")
+        self.url.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        cl.addWidget(self.url)
+        self.count = QLabel("")
+        self.count.setObjectName("Subtle")
+        cl.addWidget(self.count)
+        self.error = QLabel("")
+        self.error.setObjectName("ErrorText")
+        self.error.setWordWrap(True)
+        cl.addWidget(self.error)
+        lay.addWidget(card)
+        lay.addStretch(1)
+        self._timer = QTimer(self)
+        self._timer.setInterval(500)
+        self._timer.timeout.connect(self._show_count)
+        self._done.connect(self._finished)
+
+    @property
+    def running(self) -> bool:
+        return self.server is not None and self.server.running
+
+    def toggle_server(self) -> None:
+        if self._busy:
+            return
+        if self.running:
+            self.stop_server()
+        else:
+            self.start_server()
+
+    def start_server(self) -> None:
+        runtime = self._runtime()
+        if runtime is None:
+            self._show_error("The engine did not start, so there is nothing to serve.")
+            return
+        host = "0.0.0.0" if self.network.isChecked() else "127.0.0.1"
+        self.server = ApiServer(runtime, host, self.port.value())
+        self._run_off_thread(self.server.start, "Starting…")
+
+    def stop_server(self) -> None:
+        if self.server is not None:
+            self._run_off_thread(self.server.stop, "Stopping…")
+
+    def _run_off_thread(self, job: Callable, label: str) -> None:
+        self._busy = True
+        self.toggle.setEnabled(False)
+        self.port.setEnabled(False)
+        self.network.setEnabled(False)
+        self.error.setText("")
+        self.url.setText(label)
+
+        def work():
+            try:
+                job()
+                self._done.emit(True, "")
+            except OSError as exc:  # ApiServer.start words a busy port in strerror
+                self._done.emit(False, exc.strerror or str(exc))
+            except Exception as exc:  # noqa: BLE001 - shown to the person, the window keeps running
+                self._done.emit(False, f"The server failed: {exc}")
+
+        threading.Thread(target=work, name="minecart-serve-switch", daemon=True).start()
+
+    def _finished(self, ok: bool, error: str) -> None:
+        self._busy = False
+        self.toggle.setEnabled(True)
+        running = self.running
+        self.port.setEnabled(not running)
+        self.network.setEnabled(not running)
+        self.toggle.setText("Stop server" if running else "Start server")
+        self.toggle.setObjectName("Danger" if running else "Primary")
+        self.toggle.style().polish(self.toggle)
+        if running:
+            self.url.setText(f"Serving at {self.server.url}/v1")
+            self._timer.start()
+            self._show_count()
+        else:
+            self._timer.stop()
+            self.url.setText("Stopped")
+        if not ok:
+            self._show_error(error)
+        self.state_changed.emit(running, self.server.url if running else error)
+
+    def _show_error(self, text: str) -> None:
+        self.error.setText(text)
+
+    def _show_count(self) -> None:
+        n = self.server.request_count if self.server is not None else 0
+        self.count.setText(f"{n} API request{'s' if n != 1 else ''} served")
+
+    def shutdown(self) -> None:
+        """Stop the server (window closing); waits for uvicorn to let go of the port."""
+        self._timer.stop()
+        if self.server is not None:
+            self.server.stop()
+
+
+__all__ = ["ApiServer", "RequestCounter", "ServerPanel", "port_error_text"]
