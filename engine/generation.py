@@ -11,7 +11,9 @@ GenerationEvent per generated token; the last event carries finish_reason:
 Nothing is yielded after a final event. Text that could be the start of a stop string is held back
 until it is clearly not one; incomplete UTF-8 sequences are held back until complete.
 
-The prompt is token ids, a string (tokenized), or chat messages (rendered with the model's template).
+The prompt is token ids, a string (tokenized), or chat messages, all turned into ids by engine/prompt.py
+(chat messages with the model's template unless `mode` says otherwise). Without params.max_tokens the
+length is the engine's default for the prompt (sampling.SamplingParams.resolved_max_tokens).
 With a session, the longest common prefix of its history is reused (Session.sync); the session
 checkpoints itself after the prompt and at the end, so regenerate / edit-and-resend are cheap.
 
@@ -20,15 +22,26 @@ What this file is not: a request queue (runtime.py), a chat-format parser, or th
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .errors import GenerationCancelled, RequestError
+from .prompt import PromptInput, PromptMode, render_prompt
 from .sampling import Sampler, SamplingParams
-from .session import PREFILL_CHUNK
+from .session import PREFILL_CHUNK, Session
+from .vision.insert import checkpoint_turn_boundary as checkpoint_image_turn
+from .vision.insert import has_images as has_images_in
+from .vision.insert import prepare_chat
 
-__all__ = ["GenerationEvent", "SamplingParams", "generate"]
+if TYPE_CHECKING:  # model.py imports this module to run Model.generate
+    from .model import Model
+
+__all__ = ["GenerationEvent", "SamplingParams", "StopStrings", "TextStream", "generate"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +68,7 @@ class TextStream:
     """Incremental detokenizer over any `decode(ids) -> str`: decodes a short window of recent ids and
     emits only the new, complete characters (a trailing U+FFFD means an unfinished UTF-8 sequence)."""
 
-    def __init__(self, decode):
+    def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
         self.ids: list[int] = []
         self._prefix = 0  # window start
@@ -79,122 +92,116 @@ class TextStream:
 
 
 class StopStrings:
-    """Cuts text at the first stop string; holds back a tail that may still grow into one."""
+    """Cuts streamed text at the first stop string; holds back a tail that may still grow into one
+    (so "STO" is not shown before "P" arrives). The one stop-string matcher: the generate loop uses it
+    on the whole output, the runtime on the answer (a client's stop strings do not cut thinking)."""
 
-    def __init__(self, stops):
+    def __init__(self, stops: Iterable[str]):
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.hit = False
 
     def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to show now, whether a stop string was hit)."""
+        """(text safe to show now, whether a stop string was hit). Nothing shows after a hit."""
+        if self.hit:
+            return "", True
         if not self.stops:
             return text, False
         buf = self.held + text
         hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
+            self.hit = True
             return buf[: min(hits)], True
-        keep = 0
-        for s in self.stops:  # longest suffix of buf that is a proper prefix of a stop string
-            for n in range(min(len(s) - 1, len(buf)), keep, -1):
-                if buf.endswith(s[:n]):
-                    keep = n
-                    break
+        keep = max(_partial_suffix(buf, s) for s in self.stops)
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
     def flush(self) -> str:
+        """The held-back tail, at the end of the stream (nothing after a hit)."""
         out, self.held = self.held, ""
-        return out
+        return "" if self.hit else out
 
 
-def prompt_ids(model, prompt, enable_thinking: bool = True) -> list[int]:
-    """Token ids for a prompt given as ids, text, or chat messages."""
-    name = getattr(getattr(model, "path", None), "name", None) or "this model"
-    if isinstance(prompt, str):
-        if model.tokenizer is None:
-            raise RequestError(f"{name} has no tokenizer; pass token ids")
-        return [int(t) for t in model.tokenizer.encode(prompt, add_special=True)]
-    items = list(prompt)
-    if items and isinstance(items[0], dict):
-        if model.chat_template is None or model.tokenizer is None:
-            raise RequestError(f"{name} has no chat template or tokenizer; pass token ids "
-                               "(or text, if it has a tokenizer)")
-        text = model.chat_template.render(items, add_generation_prompt=True,
-                                          enable_thinking=enable_thinking)
-        # add_special=True: the rendered template's <|im_start|>/<start_of_turn> must become single
-        # special ids (a BOS the template already wrote is not doubled)
-        return [int(t) for t in model.tokenizer.encode(text, add_special=True)]
-    return [int(t) for t in items]
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
 
 
-def context_limit(model) -> int:
+def context_limit(model: Model) -> int:
     """The most tokens (prompt + answer) one sequence may hold: the model's trained context length
     (0 = unknown, no limit). Past it the KV cache would still grow, but the model's output is garbage."""
-    return int(getattr(getattr(model, "config", None), "context_length", 0) or 0)
+    return int(model.config.context_length or 0)
 
 
-def check_fits_context(model, n_prompt: int) -> None:
+def check_fits_context(model: Model, n_prompt: int) -> None:
     limit = context_limit(model)
     if limit and n_prompt >= limit:
-        name = getattr(getattr(model, "path", None), "name", None) or "the model"
-        raise RequestError(f"the prompt is {n_prompt:,} tokens, but {name} holds at most {limit:,} "
-                           "(its context length) including the answer; shorten the prompt or the "
-                           "conversation, or start a new chat")
+        raise RequestError(f"the prompt is {n_prompt:,} tokens, but {model.path.name} holds at most "
+                           f"{limit:,} (its context length) including the answer; shorten the prompt "
+                           "or the conversation, or start a new chat")
 
 
-def _eos_ids(tokenizer) -> set[int]:
-    if tokenizer is None:
-        return set()
-    ids = getattr(tokenizer, "eos_ids", None)
-    if callable(ids):
-        ids = ids()
-    return {int(t) for t in (ids or ())}
-
-
-def generate(model, prompt, params: SamplingParams | None = None, *, session=None, cancel=None,
-             enable_thinking: bool = True, prefill_chunk: int = PREFILL_CHUNK, positions=None,
-             embed_override=None, tools=None, turn_boundary: int | None = None
-             ) -> Iterator[GenerationEvent]:
+def generate(model: Model, prompt: PromptInput, params: SamplingParams | None = None, *,
+             session: Session | None = None, cancel: threading.Event | None = None,
+             enable_thinking: bool = True, prefill_chunk: int = PREFILL_CHUNK,
+             positions: np.ndarray | None = None, embed_override: Any = None,
+             tools: Sequence[Mapping[str, Any]] | None = None, turn_boundary: int | None = None,
+             mode: PromptMode = "chat") -> Iterator[GenerationEvent]:
     """positions ((3, T) M-RoPE) and embed_override ((rows, values) image embeddings) describe a
     prompt given as token ids with images already expanded (Session.sync); text gets positions
     continuing from the prompt's last one. Chat messages with pictures on a model with a vision tower
-    are laid out by engine/vision (prepare_chat), `tools` rendered into their template.
+    are laid out by engine/vision (prepare_chat), `tools` rendered into their template. Chat messages
+    are rendered by engine/prompt.py in `mode` (default: the chat template).
 
     turn_boundary: for a chat prompt given as ids with a session, the number of tokens before the
     generation prompt; the session is checkpointed there first (see checkpoint_turn_boundary). Every
     check on the prompt (empty, beyond the context) runs before any token is computed."""
     params = params or SamplingParams()
-    if positions is None and embed_override is None and getattr(model, "vision", None) is not None:
-        from .vision.insert import has_images, prepare_chat
+    if positions is None and embed_override is None and model.vision is not None \
+            and not isinstance(prompt, str) and has_images_in(prompt):
+        # chat messages with pictures: expanded ids, (3, T) positions, embedding rows
+        prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking, tools=tools)
+        check_fits_context(model, len(prepared.ids))
+        before: Callable[[], int] | None = None
+        if session is not None:
+            image_session = session
 
-        if has_images(prompt):  # chat messages with pictures: expanded ids, (3, T) positions, rows
-            from .vision.insert import checkpoint_turn_boundary as checkpoint_image_turn
-
-            prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking, tools=tools)
-            check_fits_context(model, len(prepared.ids))
-            positions, embed_override = prepared.positions, prepared.embed_override
-            before = None
-            if session is not None:
-                def before():
-                    return checkpoint_image_turn(session, prepared, cancel)
-            return _generate(model, prepared.ids, params, session, cancel, prefill_chunk, positions,
-                             embed_override, image_tokens=prepared.n_image_tokens, before_prompt=before)
-    ids = prompt_ids(model, prompt, enable_thinking)
+            def before() -> int:
+                return int(checkpoint_image_turn(image_session, prepared, cancel))
+        return _generate(model, prepared.ids, params.with_max_tokens(templated=True), session,
+                         cancel, prefill_chunk,
+                         prepared.positions, prepared.embed_override,
+                         image_tokens=prepared.n_image_tokens, before_prompt=before)
+    rendered = render_prompt(model, prompt, tools=tools, enable_thinking=enable_thinking, mode=mode)
+    if rendered.messages is not None and has_images_in(rendered.messages):
+        raise RequestError("this model cannot read pictures (it has no vision encoder); remove the "
+                           "image or load a vision model together with its mmproj file")
+    if rendered.messages is not None:
+        raise RequestError(f"{model.path.name} has no chat template; send plain text (a completion) "
+                           "or token ids")
+    ids = rendered.ids
     if not ids:
         raise RequestError("the prompt is empty")
+    # a default length for the kind of prompt: plain text continues, ids and chats answer
+    params = params.with_max_tokens(templated=rendered.source != "text")
     check_fits_context(model, len(ids))
     before = None
     if session is not None and turn_boundary and 0 < turn_boundary < len(ids):
         boundary_ids = ids[:turn_boundary]
+        text_session = session
 
-        def before():
-            return checkpoint_turn_boundary(session, boundary_ids, cancel, prefill_chunk)
+        def before() -> int:
+            return checkpoint_turn_boundary(text_session, boundary_ids, cancel, prefill_chunk)
     return _generate(model, ids, params, session, cancel, prefill_chunk, positions, embed_override,
                      before_prompt=before)
 
 
-def checkpoint_turn_boundary(session, ids: list[int], cancel=None, chunk: int = PREFILL_CHUNK) -> int:
+def checkpoint_turn_boundary(session: Session, ids: list[int], cancel: threading.Event | None = None,
+                             chunk: int = PREFILL_CHUNK) -> int:
     """Run the prompt up to the end of the last user message and checkpoint the session there;
     returns the tokens computed (0 when the session has no recurrent state or had them already).
 
@@ -215,53 +222,67 @@ def checkpoint_turn_boundary(session, ids: list[int], cancel=None, chunk: int = 
     return computed
 
 
-def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None, embed_override=None,
-              image_tokens: int = 0, before_prompt=None):
-    t0 = time.perf_counter()
-    session = session if session is not None else model.new_session()
-    tokenizer = model.tokenizer
-    end_ids = _eos_ids(tokenizer) | set(params.stop_token_ids)
-    n_prompt = len(ids)
-    limit = context_limit(model)
-    stats = {"computed": 0, "prefill_s": 0.0, "decode_t0": None, "n_gen": 0}
+@dataclass
+class _Clock:
+    """Running counters of one generation, for its events."""
 
-    def event(token, text, finish=None):
+    t0: float
+    n_prompt: int
+    image_tokens: int
+    computed: int = 0  # prompt tokens computed (not reused from the session)
+    prefill_s: float = 0.0
+    decode_t0: float | None = None
+    n_gen: int = 0
+
+    def event(self, token: int | None, text: str, finish: str | None = None) -> GenerationEvent:
         now = time.perf_counter()
-        n_gen = stats["n_gen"]
-        decode_s = now - stats["decode_t0"] if stats["decode_t0"] is not None else 0.0
+        decode_s = now - self.decode_t0 if self.decode_t0 is not None else 0.0
         return GenerationEvent(
             token=token,
             text=text,
             finish_reason=finish,
-            prompt_tokens=n_prompt,
-            generated_tokens=n_gen,
-            prompt_tps=stats["computed"] / stats["prefill_s"] if stats["computed"] and stats["prefill_s"] > 0 else None,
-            generation_tps=n_gen / decode_s if n_gen and decode_s > 0 else None,
-            elapsed=now - t0,
-            cached_tokens=n_prompt - stats["computed"],
-            image_tokens=image_tokens,
+            prompt_tokens=self.n_prompt,
+            generated_tokens=self.n_gen,
+            prompt_tps=self.computed / self.prefill_s if self.computed and self.prefill_s > 0 else None,
+            generation_tps=self.n_gen / decode_s if self.n_gen and decode_s > 0 else None,
+            elapsed=now - self.t0,
+            cached_tokens=self.n_prompt - self.computed,
+            image_tokens=self.image_tokens,
         )
 
+
+def _generate(model: Model, ids: list[int], params: SamplingParams, session: Session | None,
+              cancel: threading.Event | None, prefill_chunk: int, positions: np.ndarray | None = None,
+              embed_override: Any = None, image_tokens: int = 0,
+              before_prompt: Callable[[], int] | None = None) -> Iterator[GenerationEvent]:
+    clock = _Clock(time.perf_counter(), len(ids), image_tokens)
+    session = session if session is not None else model.new_session()
+    tokenizer = model.tokenizer
+    end_ids = (set(tokenizer.eos_ids) if tokenizer is not None else set()) | set(params.stop_token_ids)
+    limit = context_limit(model)
+
     if cancel is not None and cancel.is_set():
-        yield event(None, "", "cancelled")
+        yield clock.event(None, "", "cancelled")
         return
     try:
-        extras = {}
-        if positions is not None or embed_override is not None:
-            extras = {"positions": positions, "embed_override": embed_override}
         pre_computed = before_prompt() if before_prompt is not None else 0  # turn-boundary snapshot
-        logits = session.sync(ids, chunk=prefill_chunk, cancel=cancel, **extras)
+        if positions is not None or embed_override is not None:
+            logits = session.sync(ids, chunk=prefill_chunk, cancel=cancel, positions=positions,
+                                  embed_override=embed_override)
+        else:
+            logits = session.sync(ids, chunk=prefill_chunk, cancel=cancel)
     except GenerationCancelled:
-        yield event(None, "", "cancelled")
+        yield clock.event(None, "", "cancelled")
         return
-    stats["computed"] = session.computed_tokens + pre_computed
-    stats["prefill_s"] = time.perf_counter() - t0
+    clock.computed = session.computed_tokens + pre_computed
+    clock.prefill_s = time.perf_counter() - clock.t0
     session.checkpoint()  # turn boundary: regenerate restarts from here
 
+    max_tokens = params.resolved_max_tokens(templated=True)  # resolved by generate already
     sampler = Sampler(params, ids)
     text = TextStream(tokenizer.decode) if tokenizer is not None else None
     stops = StopStrings(params.stop)
-    stats["decode_t0"] = time.perf_counter()
+    clock.decode_t0 = time.perf_counter()
 
     def held_text() -> str:
         tail = text.flush() if text is not None else ""
@@ -269,30 +290,30 @@ def _generate(model, ids, params, session, cancel, prefill_chunk, positions=None
         return shown + stops.flush()
 
     try:
-        if params.max_tokens == 0:
-            yield event(None, "", "length")
+        if max_tokens == 0:
+            yield clock.event(None, "", "length")
             return
         while True:
             if cancel is not None and cancel.is_set():
-                yield event(None, held_text(), "cancelled")
+                yield clock.event(None, held_text(), "cancelled")
                 return
             token = sampler(logits)
-            stats["n_gen"] += 1
+            clock.n_gen += 1
             if token in end_ids:
-                yield event(token, held_text(), "stop")
+                yield clock.event(token, held_text(), "stop")
                 return
             delta = text.add(token) if text is not None else ""
             shown, hit = stops.feed(delta)
             if hit:
-                yield event(token, shown, "stop")
+                yield clock.event(token, shown, "stop")
                 return
             # the context is full once the prompt and the answer so far leave no room for this token
-            if stats["n_gen"] >= params.max_tokens or (limit and n_prompt + stats["n_gen"] >= limit):
-                yield event(token, shown + held_text(), "length")
+            if clock.n_gen >= max_tokens or (limit and clock.n_prompt + clock.n_gen >= limit):
+                yield clock.event(token, shown + held_text(), "length")
                 return
-            yield event(token, shown)
+            yield clock.event(token, shown)
             if cancel is not None and cancel.is_set():
-                yield event(None, held_text(), "cancelled")
+                yield clock.event(None, held_text(), "cancelled")
                 return
             logits = session.step(token)
     finally:

@@ -19,9 +19,17 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
+
+# Default lengths when a request gives none. A chat answer may think for a while before it answers
+# (Qwen3.5's reasoning often runs past a thousand tokens); a plain-text continuation of a base model
+# has no natural end and, past a few paragraphs, mostly repeats itself.
+DEFAULT_MAX_TOKENS_CHAT = 2048
+DEFAULT_MAX_TOKENS_TEXT = 256
 
 
 @dataclass
@@ -36,11 +44,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 2048
+    # None: the engine's default for the prompt (resolved_max_tokens): a chat answer may think first
+    # and gets DEFAULT_MAX_TOKENS_CHAT, a plain-text continuation DEFAULT_MAX_TOKENS_TEXT
+    max_tokens: int | None = None
     stop: tuple[str, ...] | list[str] = field(default_factory=tuple)  # stop strings (not shown)
     stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)  # besides the model's EOS
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # NaN passes every comparison below and inf turns the distribution into NaNs: refuse both
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
@@ -58,7 +68,7 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1)")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0 (1 = off)")
-        if self.max_tokens < 0:
+        if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
@@ -69,13 +79,24 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def resolved_max_tokens(self, templated: bool) -> int:
+        """max_tokens, or the default for a chat answer (templated) or a plain-text continuation."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        return DEFAULT_MAX_TOKENS_CHAT if templated else DEFAULT_MAX_TOKENS_TEXT
 
-def greedy_params(**overrides) -> SamplingParams:
+    def with_max_tokens(self, templated: bool) -> SamplingParams:
+        """A copy whose max_tokens is resolved (see resolved_max_tokens)."""
+        return replace(self, max_tokens=self.resolved_max_tokens(templated))
+
+
+def greedy_params(**overrides: Any) -> SamplingParams:
     """Deterministic argmax decoding (tests, benchmarks)."""
     return SamplingParams(**{"temperature": 0.0, "top_k": 0, "top_p": 1.0, **overrides})
 
 
-def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids=(), generated_ids=()) -> np.ndarray:
+def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int] = (),
+                    generated_ids: Sequence[int] = ()) -> np.ndarray:
     """A float32 copy of `logits` with the penalties applied (computed in float64 on the few
     penalized entries)."""
     out = np.array(logits, dtype=np.float32).reshape(-1)
@@ -165,7 +186,7 @@ def _inverse_cdf(weights: np.ndarray, u: float, block: int = 1024) -> int:
 class Sampler:
     """Stateful sampler for one generation: remembers the prompt, the output so far and the RNG."""
 
-    def __init__(self, params: SamplingParams, prompt_ids=()):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
         self.params = params
         self.prompt_ids = list(prompt_ids)
         self.generated: list[int] = []

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -64,9 +66,16 @@ class ScriptedSession:
 
 
 class ScriptedModel:
+    """The part of engine.model.Model that generate uses, with a scripted session."""
+
+    is_base_model = False
+    vision = None
+
     def __init__(self, script, delay=0.0):
         self.tokenizer = ByteTokenizer()
         self.chat_template = None
+        self.config = SimpleNamespace(context_length=0)
+        self.path = Path("scripted.gguf")
         self.session = ScriptedSession(script, delay)
 
     def new_session(self):

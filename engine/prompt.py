@@ -1,0 +1,174 @@
+"""The one prompt renderer: (model, chat messages / text / token ids, tools, thinking, mode) -> token ids.
+
+Every caller (the runtime, and through it the HTTP server and the desktop app; the CLI; the generate
+loop) turns its prompt into tokens here, so a chat is rendered the same way wherever it comes from.
+
+`render_prompt` returns a `RenderedPrompt`: the token ids, whether the prompt leaves a `<think>` block
+open (Qwen3.5's generation prompt ends in "<think>\\n", so the model's first tokens are reasoning), and
+the turn boundary (the number of tokens before the generation prompt; see
+generation.checkpoint_turn_boundary). Chats with pictures are not tokenized here: engine/vision lays out
+their ids, positions and image rows, so they come back as `messages` for the model to prepare.
+
+Modes for chat messages (`PromptMode`):
+- "chat": the model's chat template (a file without one gets a built-in template by architecture);
+- "text": plain completion: the messages' text, joined by blank lines, continued as written;
+- "auto": "text" for a pretrained base model (it continues text; a chat turn it cannot follow makes
+  it loop), "chat" otherwise.
+A prompt given as a string is always plain text, and token ids are used as they are.
+
+What this file is not: the template engine (chat_template.py), the tokenizer (tokenizer.py), or the
+picture layout (vision/insert.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from .chat_template import prompt_opens_thinking
+from .errors import MinecartError, RequestError
+from .vision.insert import has_images
+
+PromptMode = Literal["auto", "chat", "text"]
+PROMPT_MODES: tuple[PromptMode, ...] = ("auto", "chat", "text")
+
+Message = Mapping[str, Any]
+PromptInput = str | Sequence[int] | Sequence[Message]
+
+__all__ = ["PROMPT_MODES", "PromptMode", "RenderedPrompt", "check_prompt_mode", "has_images",
+           "messages_text", "render_prompt"]
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str, add_special: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ChatTemplateLike(Protocol):
+    def render(self, messages: Sequence[Message], *, tools: Sequence[Mapping[str, Any]] | None = ...,
+               add_generation_prompt: bool = ..., enable_thinking: bool | None = ...) -> str: ...
+
+
+class PromptModel(Protocol):
+    """What rendering needs from a model (engine.model.Model has it; so do the tests' fakes)."""
+
+    @property
+    def tokenizer(self) -> TokenizerLike | None: ...
+
+    @property
+    def chat_template(self) -> ChatTemplateLike | None: ...
+
+    @property
+    def is_base_model(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt ready for the generate loop."""
+
+    ids: list[int]  # empty when `messages` is set
+    opens_thinking: bool = False  # the prompt ends inside an open <think> block
+    turn_boundary: int | None = None  # tokens before the generation prompt (chat mode, last turn user/tool)
+    # "chat": rendered with the chat template, "text": plain text to continue, "ids": given as token ids
+    source: Literal["chat", "text", "ids"] = "ids"
+    # set instead of ids for chats with pictures (engine/vision lays them out) and for a model without a
+    # chat template (generation.generate refuses them with a message)
+    messages: list[dict[str, Any]] | None = None
+
+
+def check_prompt_mode(mode: str) -> PromptMode:
+    """`mode` as a PromptMode, or a RequestError naming the choices."""
+    for m in PROMPT_MODES:
+        if mode == m:
+            return m
+    raise RequestError(f"chat_template must be one of {', '.join(PROMPT_MODES)}, got {mode!r} "
+                       "(auto: plain text for base models, the template otherwise)")
+
+
+def messages_text(messages: Sequence[Message]) -> str:
+    """The plain text of chat messages for a model that continues text: each message's text (string
+    content or text parts), in order, joined by blank lines; roles and pictures are not written."""
+    texts: list[str] = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            if any(isinstance(p, Mapping) and p.get("type") not in (None, "text") for p in content):
+                raise RequestError("plain-text completion cannot carry pictures; send the chat "
+                                   "template's way (chat_template 'chat') to a model that reads them")
+            texts.append("".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping)))
+    return "\n\n".join(t for t in texts if t)
+
+
+def _is_messages(prompt: PromptInput) -> bool:
+    return not isinstance(prompt, str) and len(prompt) > 0 and isinstance(prompt[0], Mapping)
+
+
+def _tokenizer(model: PromptModel) -> TokenizerLike:
+    tok = model.tokenizer
+    if tok is None:
+        raise RequestError("this model file has no tokenizer; pass the prompt as token ids")
+    return tok
+
+
+def render_prompt(model: PromptModel, prompt: PromptInput, *,
+                  tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
+                  mode: PromptMode = "chat", find_turn_boundary: bool = False) -> RenderedPrompt:
+    """Token ids for `prompt` (chat messages, text or token ids); see the module docstring for modes.
+
+    find_turn_boundary: also compute the turn boundary of a templated chat whose last message is the
+    user's (or a tool's) - one more render and encode, worth it only with a session to checkpoint."""
+    if isinstance(prompt, str):
+        if tools:
+            raise RequestError("tools need chat messages rendered with the chat template")
+        return RenderedPrompt(ids=list(_tokenizer(model).encode(prompt, add_special=True)),
+                              source="text")
+    if not _is_messages(prompt):
+        return RenderedPrompt(ids=[int(t) for t in prompt])  # type: ignore[arg-type]
+    messages = [dict(m) for m in prompt]  # type: ignore[arg-type]
+    if mode == "auto":
+        mode = "text" if model.is_base_model else "chat"
+    if mode == "text":
+        if tools:
+            raise RequestError("this is a pretrained base model answered with plain-text completion, "
+                               "which cannot carry tools; force the chat template (chat_template "
+                               "'chat') to send them")
+        text = messages_text(messages)
+        ids = list(_tokenizer(model).encode(text, add_special=True)) if text else []
+        return RenderedPrompt(ids=ids, source="text")
+    template = model.chat_template
+    if template is None:  # nothing to render here: the model gets the messages (and refuses them)
+        return RenderedPrompt(ids=[], source="chat", messages=messages)
+    text = template.render(messages, tools=tools or None, add_generation_prompt=True,
+                           enable_thinking=enable_thinking)
+    opens = prompt_opens_thinking(text)
+    if has_images(messages):
+        return RenderedPrompt(ids=[], opens_thinking=opens, source="chat", messages=messages)
+    tok = _tokenizer(model)
+    # add_special=True: the template's control tokens (<|im_start|>, <start_of_turn>) must become
+    # their ids, and a BOS the template already wrote is not doubled.
+    ids = [int(t) for t in tok.encode(text, add_special=True)]
+    boundary = None
+    if find_turn_boundary and messages[-1].get("role") in ("user", "tool"):
+        boundary = _turn_boundary(template, tok, messages, tools, enable_thinking, text, ids)
+    return RenderedPrompt(ids=ids, opens_thinking=opens, turn_boundary=boundary, source="chat")
+
+
+def _turn_boundary(template: ChatTemplateLike, tok: TokenizerLike, messages: list[dict[str, Any]],
+                   tools: Sequence[Mapping[str, Any]] | None, enable_thinking: bool, text: str,
+                   ids: list[int]) -> int | None:
+    """Tokens of the prompt before the generation prompt, when they are a prefix of its ids."""
+    try:
+        base = template.render(messages, tools=tools or None, add_generation_prompt=False,
+                               enable_thinking=enable_thinking)
+    except MinecartError:  # a template that insists on a generation prompt: no boundary, no error
+        return None
+    if not base or not text.startswith(base):
+        return None
+    base_ids = [int(t) for t in tok.encode(base, add_special=True)]
+    if 0 < len(base_ids) < len(ids) and ids[: len(base_ids)] == base_ids:
+        return len(base_ids)
+    return None
