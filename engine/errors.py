@@ -67,7 +67,10 @@ class ImageError(MinecartError):
 
 
 class GenerationCancelled(MinecartError):
-    """A generation was cancelled by the caller. Not a failure; the session stays usable."""
+    """A generation was cancelled by the caller. Not a failure; the session stays usable.
+    `tokens_done`: for a cancelled prefill, the tokens that went through every layer before it."""
+
+    tokens_done: int = 0
 
 
 class RequestError(MinecartError):

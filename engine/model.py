@@ -12,103 +12,22 @@ What this file is not: a scheduler. One call runs one sequence on the calling th
 
 from __future__ import annotations
 
-import inspect
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from .config import ModelConfig, validate_tensors
-from .errors import DeviceError, GenerationCancelled, TokenizerError, UnsupportedArchitectureError
+from .errors import GenerationCancelled, TokenizerError, UnsupportedArchitectureError
+from .execution import Executor, make_backend, part_names, plan_devices, resolve_devices
 from .gguf_file import GGUFFile
 from .models import module_for
 
 _NOT_LOADED = object()
 DEFAULT_CAPACITY = 8192  # initial KV capacity of a session (tokens), capped by the model's context
-HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
-
-
-def _normalize_device(device: str) -> str:
-    device = str(device).strip().lower()
-    if device in ("cpu", "cuda"):
-        return device + ":0"
-    return device
-
-
-def _cupy_backend_module():
-    """engine.backends.cupy_backend, or None when it (or CuPy) cannot be imported here."""
-    try:
-        from .backends import cupy_backend
-    except Exception:  # ImportError, or CUDA libraries failing to load
-        return None
-    return cupy_backend
-
-
-def default_devices() -> list[str]:
-    """["cuda:0"] when the CuPy backend imports and a GPU answers, else ["cpu:0"]."""
-    mod = _cupy_backend_module()
-    if mod is not None:
-        count_fn = getattr(mod, "device_count", None)
-        try:
-            if count_fn is not None:
-                if int(count_fn()) > 0:
-                    return ["cuda:0"]
-            else:
-                mod.CupyBackend(device="cuda:0")
-                return ["cuda:0"]
-        except Exception:
-            pass
-    return ["cpu:0"]
-
-
-def make_backend(device: str):
-    """A backend for one device string ("cpu:0", "cuda:1")."""
-    device = _normalize_device(device)
-    if device.startswith("cpu"):
-        from .backends.numpy_backend import NumpyBackend
-
-        return NumpyBackend(device=device)
-    if device.startswith("cuda"):
-        mod = _cupy_backend_module()
-        if mod is None:
-            raise DeviceError(f"device '{device}': the CuPy backend is not available (install minecart "
-                              "with the cuda12 or cuda13 extra, or use devices=['cpu:0'])")
-        try:
-            return mod.CupyBackend(device=device)
-        except Exception as exc:
-            raise DeviceError(f"device '{device}' could not be opened ({exc}); check the GPU index and "
-                              "driver, or use devices=['cpu:0']") from exc
-    raise DeviceError(f"unknown device '{device}'; use 'cpu:0' or 'cuda:N'")
-
-
-def part_names(config: ModelConfig) -> list[str]:
-    return ["global"] + [f"layer.{i}" for i in range(config.n_layers)] + ["head"]
-
-
-def plan_devices(config: ModelConfig, placement=None, devices=None) -> dict[str, str]:
-    """part -> device. A placement is an engine.placement.Placement (`device_of(part)`), a Mapping
-    part -> device, or an object with `device_for(part)`. Without one, the layers are split into contiguous, nearly equal runs over
-    `devices` (embedding with the first device, head with the last)."""
-    parts = part_names(config)
-    if placement is not None:
-        if hasattr(placement, "device_of"):
-            lookup = placement.device_of
-        elif hasattr(placement, "device_for"):
-            lookup = placement.device_for
-        elif isinstance(placement, Mapping):
-            lookup = placement.__getitem__
-        else:
-            raise TypeError("placement must map part names ('global', 'layer.<i>', 'head') to devices")
-        return {part: _normalize_device(lookup(part)) for part in parts}
-    devs = [_normalize_device(d) for d in (devices or default_devices())]
-    plan = {"global": devs[0], "head": devs[-1]}
-    n = config.n_layers
-    for i in range(n):
-        plan[f"layer.{i}"] = devs[min(len(devs) - 1, i * len(devs) // max(n, 1))]
-    return plan
 
 
 def _load_tokenizer(gf):
@@ -125,10 +44,8 @@ def _load_tokenizer(gf):
 def _warm_lm_head(backend, head_weights: dict) -> None:
     """Let a backend that decodes the LM head on first use (NumPy: the tied embedding to float32) do it
     now, inside the load, instead of inside the first token."""
-    warm = getattr(backend, "prepare_lm_head", None)
-    if warm is not None:
-        for wt in head_weights.values():
-            warm(wt)
+    for wt in head_weights.values():
+        backend.prepare_lm_head(wt)
 
 
 def _load_chat_template(gf):
@@ -163,10 +80,12 @@ def _with_kv_type(backend, kv_type: str):
 class Model:
     """A loaded model. Attributes: config, tokenizer and chat_template (built on first access), path,
     placement (as given; None = automatic), device_plan (part -> device in use), backends (part ->
-    backend), weights (part -> {gguf name: Weight}), module, load_seconds."""
+    backend), weights (part -> {gguf name: Weight}), module, executor (the stages that run it),
+    load_seconds."""
 
     def __init__(self, path, gguf: GGUFFile, config: ModelConfig, module, plan: dict[str, str],
                  backends: dict, weights: dict, placement, roles):
+        self.executor = Executor(config, module, plan, backends, weights)
         self.path = Path(path)
         self.gguf = gguf
         self.config = config
@@ -226,85 +145,17 @@ class Model:
 
     def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None,
                 chunk: int | None = None, cancel=None, embed_override=None):
-        """Run `ids` through every layer, updating `states` (one per layer) in place.
+        """Run `ids` through every part, updating `states` (one per layer) in place: the executor's
+        forward (engine/execution.py), the one route every caller takes.
 
         rows: "last" -> logits (1, vocab) of the last token; "all" -> (T, vocab); None -> no head.
-        hidden_hook(index, host_array) receives the residual stream after the embedding (0) and after
-        each layer (1..L). embed_override (rows (n,), values (n, H)): host arrays replacing those rows
-        of the token embeddings (image embeddings at `<|image_pad|>` tokens); use (3, T) M-RoPE
-        positions with it. Returns host float32 logits or None.
-        """
-        if embed_override is not None:
-            return self._forward_with_override(ids, states, positions, rows, hidden_hook, embed_override)
-        if getattr(self, "pipeline", None) is not None:  # several devices: multidevice.Pipeline
-            return self.pipeline.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
-                                         chunk=chunk, cancel=cancel)
-        graph_step = getattr(self.backends["global"], "decode_step", None)  # CuPy: replayed CUDA graph
-        if (graph_step is not None and len(ids) == 1 and rows == "last" and hidden_hook is None
-                and len({id(b) for b in self.backends.values()}) == 1):
-            out = graph_step(self, ids, states, positions)
-            if out is not None:
-                return out
-        if chunk and len(ids) > chunk:  # one device: the chunks run one after another
-            from .multidevice import forward_in_chunks
-
-            return forward_in_chunks(self, ids, states, positions, rows=rows, chunk=chunk, cancel=cancel)
-        cfg, mod = self.config, self.module
-        be = self.backends["global"]
-        x = mod.embed(cfg, be, self.weights["global"], ids)
-        return self._layers_and_head(x, be, states, positions, rows, hidden_hook)
-
-    def _layers_and_head(self, x, be, states, positions, rows, hidden_hook):
-        """Every layer on its own backend (the hidden state moves through the host between devices),
-        then the LM head: rows="last" for the last row only, None for no head (returns None),
-        anything else for every row."""
-        cfg, mod = self.config, self.module
-        if hidden_hook is not None:
-            hidden_hook(0, be.to_numpy(x))
-        for i in range(cfg.n_layers):
-            part = f"layer.{i}"
-            x, be = self._move(x, be, self.backends[part])
-            x = mod.layer(cfg, be, self.weights[part], i, x, states[i], positions)
-            if hidden_hook is not None:
-                hidden_hook(i + 1, be.to_numpy(x))
-        if rows is None:
-            return None
-        if rows == "last":
-            x = x[x.shape[0] - 1 :]
-        return self.run_head(x, be)
-
-    def run_head(self, x, be) -> np.ndarray:
-        """Host float32 logits (T, vocab) of hidden states x (on backend `be`). The LM head runs in
-        blocks of HEAD_ROWS rows, so full rows of a long prompt never sit on the device at once."""
-        x, be = self._move(x, be, self.backends["head"])
-        T = x.shape[0]
-        out = None
-        for start in range(0, T, HEAD_ROWS):
-            block = self.module.head(self.config, be, self.weights["head"], x[start : start + HEAD_ROWS])
-            block = np.asarray(be.to_numpy(block), dtype=np.float32)
-            if T <= HEAD_ROWS:
-                return block
-            if out is None:
-                out = np.empty((T, block.shape[1]), np.float32)
-            out[start : start + block.shape[0]] = block
-        return out
-
-    def _forward_with_override(self, ids, states, positions, rows, hidden_hook, embed_override):
-        """forward() with some input rows replaced: one chunk, one device after another (no pipeline
-        or graph shortcuts; prompts with images are prefilled once per turn)."""
-        cfg, mod = self.config, self.module
-        rows_idx, values = embed_override
-        be = self.backends["global"]
-        x = be.to_numpy(mod.embed(cfg, be, self.weights["global"], ids))
-        x[np.asarray(rows_idx, dtype=np.int64)] = np.asarray(values, dtype=np.float32)
-        x = be.asarray(x)
-        return self._layers_and_head(x, be, states, positions, rows, hidden_hook)
-
-    @staticmethod
-    def _move(x, src, dst):
-        if dst is src:
-            return x, src
-        return dst.asarray(src.to_numpy(x)), dst  # device -> host -> device (no peer-to-peer)
+        chunk / cancel: tokens per run and a threading.Event checked between runs. hidden_hook(index,
+        host_array) receives the residual stream after the embedding (0) and after each layer (1..L).
+        embed_override (rows (n,), values (n, H)): host arrays replacing those rows of the token
+        embeddings (image embeddings at `<|image_pad|>` tokens); use (3, T) M-RoPE positions with it.
+        Returns host float32 logits or None."""
+        return self.executor.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
+                                     chunk=chunk, cancel=cancel, embed_override=embed_override)
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         # default: the placement's planned context (its memory estimate assumed it), else 8192 tokens
@@ -389,19 +240,16 @@ class Model:
         self.backends = backends
         self.device_plan = new_plan
         self.placement = placement
-        from .multidevice import attach_pipeline
-
-        attach_pipeline(self)  # workers and bridges for the new split (none on one device)
+        self.executor.close()  # the old split's workers and bridges
+        self.executor = Executor(self.config, self.module, new_plan, backends, self.weights)
 
     def close(self) -> None:
         """Release device memory; the Model is unusable afterwards."""
-        if getattr(self, "vision", None) is not None:
+        if self.vision is not None:
             self.vision.close()
             self.vision = None
-        if getattr(self, "pipeline", None) is not None:
-            self.pipeline.close()
-            self.pipeline = None
-        for part, ws in getattr(self, "weights", {}).items():
+        self.executor.close()
+        for part, ws in self.weights.items():
             be = self.backends.get(part)
             for wt in ws.values():
                 if be is not None:
@@ -511,17 +359,11 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     check_kv_type(kv_type)
     gf, config = open_model_file(path)
     module = module_for(config.architecture)
-    params = inspect.signature(module.tensor_roles).parameters
-    if "available" in params:
-        roles = module.tensor_roles(config, available=set(gf.tensors))
-    else:
-        roles = module.tensor_roles(config)
+    roles = module.tensor_roles(config, available=set(gf.tensors))
     if backend is not None:
-        plan = {p: str(getattr(backend, "device", "cpu:0")) for p in part_names(config)}
+        plan = {p: str(backend.device) for p in part_names(config)}
         backends = dict.fromkeys(plan, backend)
     else:
-        from .multidevice import resolve_devices
-
         placement, plan, by_device = resolve_devices(config, gf, placement, devices)
         backends = {p: by_device[d] for p, d in plan.items()}
     if kv_type != "f32":  # fail before loading weights when a device or the head dims cannot take it
@@ -539,9 +381,6 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         _warm_lm_head(backends["head"], weights["head"])
     model = Model(path, gf, config, module, plan, backends, weights, placement, roles)
     model.kv_type = kv_type
-    from .multidevice import attach_pipeline
-
-    attach_pipeline(model)
     if mmproj is not False:
         from .vision import attach_vision
 

@@ -251,6 +251,9 @@ class RigBackend:
         return n
 
     # ---- link -------------------------------------------------------------------------------------------
+    def has_link(self) -> bool:
+        return self.rig_device.link is not None
+
     def _wait_link(self, n_bytes: int, started: float) -> None:
         link = self.rig_device.link
         if link is None:
@@ -281,11 +284,7 @@ class RigBackend:
     def to_numpy_into(self, x, out) -> None:
         """Copy x into the host array `out` (the bridges' staging buffer), charged to the link."""
         started = time.perf_counter()
-        into = getattr(self._inner, "to_numpy_into", None)
-        if into is not None:
-            into(x, out)
-        else:
-            out[...] = self._inner.to_numpy(x)
+        self._inner.to_numpy_into(x, out)
         self._wait_link(int(out.nbytes), started)
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from .backends.base import LayerState
 from .errors import GenerationCancelled
+from .execution import shift_override
 
 # Turn boundaries kept per session: enough for "regenerate" (after the prompt) and "edit the last
 # message" (end of the previous turn). Each holds the recurrent state on the host: ~50 MiB for 9B,
@@ -54,17 +55,6 @@ class Snapshot:
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
-
-
-def _shift_override(embed_override, start: int, stop: int):
-    """The part of an (rows, values) override that falls in [start, stop), rows made relative."""
-    if embed_override is None:
-        return None
-    rows = np.asarray(embed_override[0], dtype=np.int64).reshape(-1)
-    sel = (rows >= start) & (rows < stop)
-    if not sel.any():
-        return None
-    return rows[sel] - start, np.asarray(embed_override[1], dtype=np.float32)[sel]
 
 
 def _as_layer_state(state) -> LayerState:
@@ -131,11 +121,9 @@ class Session:
 
     # ---- running tokens ----------------------------------------------------------------------------
     def _advance(self, ids: list[int], positions=None, rows: str | None = "last", embed_override=None,
-                 **pipelined):
+                 chunk: int | None = None, cancel=None):
         T = len(ids)
         keys = self._keys(ids, embed_override)
-        if embed_override is not None:
-            pipelined["embed_override"] = embed_override
         if positions is None:
             start = self.position
             positions = np.arange(start, start + T)
@@ -147,12 +135,14 @@ class Session:
         pos3 = np.broadcast_to(positions, (3, T)) if positions.ndim == 1 else positions
         pos3 = [tuple(int(c) for c in col) for col in pos3.T]
         try:
-            logits = self.model.forward(ids, self.states, positions, rows=rows, **pipelined)
-        except GenerationCancelled as exc:  # pipelined prefill: the chunks that went through stay
-            done = getattr(exc, "tokens_done", 0)
+            logits = self.model.forward(ids, self.states, positions, rows=rows, chunk=chunk,
+                                        cancel=cancel, embed_override=embed_override)
+        except GenerationCancelled as exc:  # between chunks: the chunks that went through stay
+            done = exc.tokens_done
             self.tokens.extend(keys[:done])
             self._next_positions.extend(next_pos[:done])
             self._positions.extend(pos3[:done])
+            self.computed_tokens += done
             self.last_logits = None
             raise
         self.tokens.extend(keys)
@@ -178,25 +168,10 @@ class Session:
         if step < 1:
             raise ValueError(f"prefill chunk must be at least 1 token, got {chunk}")
         self.computed_tokens = 0
-        if (getattr(self.model, "pipeline", None) is not None and len(ids) > step
-                and embed_override is None):
-            # several devices: all chunks enter the pipeline at once so the devices overlap
-            # (engine/multidevice.py); it checks `cancel` between chunks like the loop below
-            self._advance(ids, positions, rows="last", chunk=step, cancel=cancel)
-            return self.last_logits
-        for start in range(0, len(ids), step):
-            if cancel is not None and cancel.is_set():
-                from .errors import GenerationCancelled
-
-                raise GenerationCancelled("prefill cancelled")
-            piece = ids[start : start + step]
-            pos = None
-            if positions is not None:
-                positions = np.asarray(positions)
-                pos = positions[..., start : start + step]
-            last = start + step >= len(ids)
-            override = _shift_override(embed_override, start, start + step)
-            self._advance(piece, pos, rows="last" if last else None, embed_override=override)
+        # the executor runs the chunks (one after another, or pipelined over a split's devices) and
+        # checks `cancel` before each (engine/execution.py)
+        self._advance(ids, positions, rows="last", embed_override=embed_override, chunk=step,
+                      cancel=cancel)
         return self.last_logits
 
     def step(self, token: int) -> np.ndarray:
@@ -337,7 +312,7 @@ class Session:
         reached = self._rewind(target)
         pos = None if positions is None else np.asarray(positions)[..., reached:]
         return self.prefill(ids[reached:], chunk=chunk, cancel=cancel, positions=pos,
-                            embed_override=_shift_override(embed_override, reached, len(ids)))
+                            embed_override=shift_override(embed_override, reached, len(ids)))
 
     # ---- copies ----------------------------------------------------------------------------------------
     def fork(self) -> Session:

@@ -182,6 +182,45 @@ class FusedOpsMixin:
         return o.reshape(T, nh * o.shape[-1])
 
 
+class DeviceHooks:
+    """What the executor (engine/execution.py) asks of every backend beside the model's ops: host
+    staging buffers, a worker thread's set-up, captured decode steps and simulated links. The defaults
+    are a host backend's (nothing pinned, nothing to bind, no graphs, no link); a device backend
+    overrides what it has. Both backends inherit this, so the executor calls these directly."""
+
+    pins_host_memory = False  # pinned_empty returns page-locked memory (fast device <-> host copies)
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: str = "float32") -> Any:
+        """A host (numpy) array for staging copies; page-locked where `pins_host_memory`."""
+        import numpy as np  # the host array type; the device array library stays in the subclass
+
+        return np.empty(shape, dtype)
+
+    def to_numpy_into(self, x: Array, out: Any) -> None:
+        """Copy x into the host array `out` (the bridges' staging buffers)."""
+        host = self.to_numpy(x)  # type: ignore[attr-defined]
+        out[...] = host.reshape(out.shape)
+
+    def bind_thread(self) -> None:
+        """Make this backend's device current on the calling thread (a device worker's first act)."""
+
+    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
+                   after=None, wait: bool = True) -> Any:
+        """Run `run` for one decode token as a captured graph (see CupyBackend.graph_step); None =
+        this backend has no graphs: the caller runs the step eagerly."""
+        return None
+
+    def has_link(self) -> bool:
+        """True when copies to and from this device pay a simulated link's time (engine/rig.py)."""
+        return False
+
+    def charge_link(self, n_bytes: int, started: float | None = None) -> None:
+        """Charge a copy a replayed graph made itself to the simulated link (none here)."""
+
+    def prepare_lm_head(self, weight: Weight) -> None:
+        """Decode a lazily decoded LM-head table now (at load time) rather than in the first token."""
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str  # "numpy", "cupy"
@@ -315,3 +354,21 @@ class Backend(Protocol):
         """Largest k logits of each row on the device -> host (values (T, k), ids (T, k)), descending."""
 
     def synchronize(self) -> None: ...
+
+    # ---- execution hooks (DeviceHooks gives every backend these) ----------------------------------
+    pins_host_memory: bool
+
+    def pinned_empty(self, shape: tuple[int, ...], dtype: str = "float32") -> Any: ...
+
+    def to_numpy_into(self, x: Array, out: Any) -> None: ...
+
+    def bind_thread(self) -> None: ...
+
+    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
+                   after=None, wait: bool = True) -> Any: ...
+
+    def has_link(self) -> bool: ...
+
+    def charge_link(self, n_bytes: int, started: float | None = None) -> None: ...
+
+    def prepare_lm_head(self, weight: Weight) -> None: ...

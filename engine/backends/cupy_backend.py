@@ -4,8 +4,9 @@ Same signatures and semantics as numpy_backend.NumpyBackend (the specification);
 hand-written CUDA kernels (DP4A int8, fp32 FMA, fp16 HFMA2; never tensor cores) on this device's current stream and
 returns without synchronizing. Only `to_numpy`, `top_k` (its result goes to the host) and
 `synchronize` wait for the GPU, so a decode step has no host sync per layer. A single-token decode
-step is captured once into a CUDA graph and replayed for every later token (`decode_step`, called by
-Model.forward), so decoding pays one launch per token instead of one per kernel.
+step of each stage is captured once into a CUDA graph and replayed for every later token
+(`graph_step`, called by engine/execution.py), so decoding pays one launch per token instead of one
+per kernel.
 
 Weights go to the device still quantized (Q8_0/Q4_0 re-laid out as int8/int4 quants + fp16 scales;
 Q4_K/Q6_K as GGUF blocks; F32/F16/BF16 as rows); formats without a kernel are decoded to F32 once.
@@ -27,7 +28,7 @@ import numpy as np
 from minecart.kernels import fused, gdn_chunk, kvq3, ops
 from minecart.kernels.build import QT
 
-from .base import FusedOpsMixin, GrowingKVCache
+from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
 
 def device_count() -> int:
@@ -272,7 +273,7 @@ def _f32(x):
     return cp.ascontiguousarray(x, dtype=cp.float32)
 
 
-class CupyBackend(FusedOpsMixin):
+class CupyBackend(FusedOpsMixin, DeviceHooks):
     name = "cupy"
 
     def __init__(self, device: str = "cuda:0", *, path: str | None = None, probe: bool = True):
@@ -338,8 +339,10 @@ class CupyBackend(FusedOpsMixin):
                 return self._capture.output(x)
             return cp.asnumpy(x)
 
-    # used by engine/multidevice.py: pinned staging buffers for cross-device hops, and the worker
-    # thread of this device making it current once
+    # execution hooks (engine/execution.py): pinned staging buffers for cross-device hops, and the
+    # worker thread of this device making it current once
+    pins_host_memory = True
+
     def pinned_empty(self, shape, dtype: str = "float32") -> np.ndarray:
         """A host array in page-locked memory (device <-> pinned host copies run at full link speed)."""
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -825,22 +828,12 @@ class CupyBackend(FusedOpsMixin):
             return cp.asnumpy(vals), cp.asnumpy(ids).astype(np.int64)
 
     # ---- CUDA-graph decode ---------------------------------------------------------------------------
-    def decode_step(self, model, ids, states, positions):
-        """Run one decode token of `model` (single device) as a replayed CUDA graph.
-
-        The first call for a set of `states` captures the model's eager step (every kernel launch of
-        every layer) into a graph; later calls only write the token id, its position and the caches'
-        lengths into a pinned host buffer (copied to the device by the graph's first node) and launch
-        the graph: one launch per token instead of ~1,000, and one host wait. Returns host logits
-        (1, vocab), or None when this step cannot use a graph (the caller then runs it eagerly)."""
-        return self.graph_step(id(states), lambda x: model.forward(x, states, positions, rows="last"),
-                               ids, positions, owner=states)
-
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True):
         """Run `run` for one decode token as a CUDA graph kept under `key` (captured on the first call,
-        replayed after that while it stays valid). Used for a whole single-device model
-        (decode_step) and for each stage of a model split over devices (engine/multidevice.py).
+        replayed after that while it stays valid): each stage of a model's decode step
+        (engine/execution.py; a single device is one stage). One launch per token instead of ~1,000
+        kernel launches, and one host wait.
 
         run(x) is the eager step on this backend: x is `ids` (a stage that embeds the token) or, with
         `host_in`, a (1, H) device array the graph fills from that pinned float32 host array; it

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import FusedOpsMixin, GrowingKVCache
+from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
 F32 = np.float32
 F64 = np.float64
@@ -122,7 +122,7 @@ def _sigmoid64(x: np.ndarray) -> np.ndarray:
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free form of 1 / (1 + e^-x)
 
 
-class NumpyBackend(FusedOpsMixin):
+class NumpyBackend(FusedOpsMixin, DeviceHooks):
     name = "numpy"
 
     def __init__(self, device: str = "cpu:0"):
@@ -157,7 +157,7 @@ class NumpyBackend(FusedOpsMixin):
 
     def prepare_lm_head(self, weight) -> None:
         """Decode a tied embedding/LM-head table to float32 now (load time), not in the first token.
-        Optional hook (engine.model calls it when a person waits); the one table then serves both the
+        (engine.model calls it when a person waits); the one table then serves both the
         lookup and the head, so there is never a second float32 copy."""
         if isinstance(weight, NumpyWeight) and weight.role == "embedding":
             weight.dense()

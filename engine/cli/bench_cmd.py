@@ -336,7 +336,7 @@ def run_split(path, args) -> int:
         backends = list({id(b): b for b in model.backends.values()}.values())
         try:
             r = bench_split(model, prompt_tokens=args.split_prompt, chunk=chunk,
-                            decode_tokens=args.decode_tokens, sequential=model.pipeline is not None)
+                            decode_tokens=args.decode_tokens, sequential=model.executor.split)
         finally:
             model.close()
             del model

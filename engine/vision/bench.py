@@ -29,7 +29,7 @@ def _image(tokens: int, seed: int):
 
 
 def run(mmproj, device: str, token_counts, repeats: int = 3, check: bool = False) -> list[dict]:
-    from ..model import make_backend
+    from ..execution import make_backend
     from .mmproj import load_vision
 
     tower = load_vision(mmproj, backend=make_backend(device), max_image_tokens=max(token_counts))

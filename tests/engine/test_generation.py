@@ -318,7 +318,7 @@ def test_load_progress_and_cancel_leave_nothing_loaded(fixtures_dir):
 
 
 def test_cuda_device_without_cupy_is_a_clear_error(fixtures_dir):
-    from minecart.engine import model as model_mod
+    from minecart.engine import execution as model_mod
     from minecart.engine.errors import DeviceError
 
     if model_mod._cupy_backend_module() is not None:

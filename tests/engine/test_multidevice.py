@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from minecart.engine.errors import DeviceError, GenerationCancelled
 from minecart.engine.model import load_model
-from minecart.engine.multidevice import HostBridge, bench_split
+from minecart.engine.execution import HostBridge
+from minecart.engine.multidevice import bench_split
 from minecart.engine.placement import DeviceSpec, MiB, Placement, model_costs
 from minecart.engine.rig import Link, Rig, RigDevice, allocated_bytes, parse_bytes, parse_link
 
@@ -77,7 +78,7 @@ def test_split_logits_identical_to_one_device(path, costs, reference, split):
     plan = _plan(costs, split)
     with load_model(path, placement=plan) as model:
         assert model.placement.devices_used() == plan.devices_used()
-        assert model.pipeline is not None and len(model.pipeline.workers) == len(plan.devices_used())
+        assert model.executor.split and len(model.executor.workers) == len(plan.devices_used())
         np.testing.assert_array_equal(model.logits(PROMPT), whole)
         states = model.new_state(64)
         got = model.forward(PROMPT, states, np.arange(len(PROMPT)), rows="all", chunk=8)
@@ -88,13 +89,13 @@ def test_split_logits_identical_to_one_device(path, costs, reference, split):
             np.testing.assert_array_equal(row, decode[k])
             token = int(np.argmax(row))
         # the bridges really carried the hidden state (embedding output + per chunk + decode steps)
-        assert sum(b.bytes_moved for b in model.pipeline.bridges) > 0
+        assert sum(b.bytes_moved for b in model.executor.bridges) > 0
 
 
 def test_single_chunk_on_the_workers_equals_inline(path, costs, reference):
     whole, _, _ = reference
     with load_model(path, placement=_plan(costs, "2 devices")) as model:
-        model.pipeline.inline_single_chunk = False  # the embedding->head pass through the worker threads
+        model.executor.inline_single_chunk = False  # the embedding->head pass through the worker threads
         np.testing.assert_array_equal(model.logits(PROMPT), whole)
 
 
@@ -110,7 +111,7 @@ def test_non_contiguous_split_and_session_prefill(path, costs, single):
     ref = single.new_session()
     ref_logits = ref.prefill(PROMPT, chunk=10)
     with load_model(path, placement=plan) as model:
-        assert [s.device for s in model.pipeline.stages] == ["cpu:0", "cpu:1", "cpu:0", "cpu:2"]
+        assert [s.device for s in model.executor.stages] == ["cpu:0", "cpu:1", "cpu:0", "cpu:2"]
         sess = model.new_session()
         np.testing.assert_array_equal(sess.prefill(PROMPT, chunk=10), ref_logits)
         assert sess.tokens == PROMPT and sess.position == len(PROMPT)
@@ -131,7 +132,7 @@ def test_cancel_keeps_whole_chunks(path, costs, single):
     with load_model(path, placement=plan) as model:
         cancel = threading.Event()
         calls = []
-        be = model.pipeline.stages[0].backend
+        be = model.executor.stages[0].backend
         real_embed = be.embed
 
         def embed_then_cancel(table, ids):  # cancel once the second chunk is embedded
@@ -159,7 +160,7 @@ def test_cancel_keeps_whole_chunks(path, costs, single):
 def test_an_error_on_a_worker_reaches_the_caller(path, costs):
     plan = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cpu:1", 4)])
     with load_model(path, placement=plan) as model:
-        be = model.pipeline.stages[1].backend
+        be = model.executor.stages[1].backend
 
         def broken(*a, **k):
             raise RuntimeError("kernel exploded")
@@ -206,7 +207,7 @@ def test_chunks_overlap_across_devices(path, costs):
     rig = Rig.cpus(2, link="gen1x1", backend_factory=lambda phys: _SlowBackend(phys, 0.002))
     plan = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cpu:1", 4)])
     with load_model(path, placement=plan, devices=rig) as model:
-        pipe = model.pipeline
+        pipe = model.executor
         default = pipe.max_in_flight
         ids, pos = PROMPT[:40], np.arange(40)
 
@@ -405,7 +406,7 @@ def test_decode_through_graph_steps_is_identical(path, costs, reference, refuse_
         states = model.new_state(64)
         got = model.forward(PROMPT, states, np.arange(len(PROMPT)), rows="all", chunk=8)
         np.testing.assert_array_equal(got, chunked)
-        pipe = model.pipeline
+        pipe = model.executor
         assert pipe.chain_graphs == (link is None)  # a simulated link needs its time between stages
         before = [rig.backend(n).transferred_bytes for n in rig.names]
         token = int(np.argmax(got[-1]))

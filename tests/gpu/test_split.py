@@ -61,7 +61,7 @@ def test_logical_devices_give_one_device_logits(path, costs, single):
     plan = Placement.from_layer_counts(costs, [("cuda:0", 3), ("cuda:1", 3), ("cuda:2", 2)])
     with load_model(path, placement=plan, devices=_rig([None, None, None])) as model:
         assert model.placement.devices_used() == ["cuda:0", "cuda:1", "cuda:2"]
-        assert len(model.pipeline.bridges) == 2
+        assert len(model.executor.bridges) == 2
         np.testing.assert_allclose(model.logits(PROMPT), whole, rtol=0, atol=1e-5)
         st = model.new_state(128)
         got = model.forward(PROMPT, st, np.arange(len(PROMPT)), rows="all", chunk=16)
@@ -109,12 +109,12 @@ def test_gen1_link_is_slow_and_pipelined_chunks_agree(path, costs):
 
     plan = Placement.from_layer_counts(costs, [("cuda:0", 4), ("cuda:1", 4)])
     with load_model(path, placement=plan, devices=_rig([None, None], link="gen1x1")) as model:
-        be = model.pipeline.stages[0].backend
+        be = model.executor.stages[0].backend
         x = be.asarray(np.ones((1 << 20,), np.float32))  # 4 MiB at 250 MB/s: >= 16.8 ms
         t0 = time.perf_counter()
         be.to_numpy(x)
         assert time.perf_counter() - t0 >= 4 * (1 << 20) / 250e6
-        pipe = model.pipeline
+        pipe = model.executor
         default = pipe.max_in_flight
         out = {}
         for n in (1, default):
@@ -179,7 +179,7 @@ def test_graphed_split_decode_equals_one_device(path, costs, single_script, n_de
     counts = {2: [("cuda:0", 4), ("cuda:1", 4)], 3: [("cuda:0", 3), ("cuda:1", 3), ("cuda:2", 2)]}[n_dev]
     plan = Placement.from_layer_counts(costs, counts)
     with load_model(path, placement=plan, devices=_rig([None] * n_dev, link=link)) as model:
-        pipe = model.pipeline
+        pipe = model.executor
         assert pipe.chain_graphs == (link is None)
         got = _script(model, PROMPT)
         label = f"{n_dev} logical devices{' @' + link if link else ''}, graphed decode"
@@ -199,7 +199,7 @@ def test_two_real_gpus_equal_one(path, costs, single, single_script):
 
     plan = Placement.from_layer_counts(costs, [("cuda:0", 4), ("cuda:1", 4)])
     with load_model(path, placement=plan) as model:  # real devices: a CupyBackend on each GPU
-        pipe = model.pipeline
+        pipe = model.executor
         assert pipe is not None and pipe.devices == ["cuda:0", "cuda:1"]
         assert [type(s.backend).__name__ for s in pipe.stages] == ["CupyBackend", "CupyBackend"]
         got = _script(model, PROMPT)
@@ -266,7 +266,7 @@ def test_split_decode_speed_and_memory(shape_4b):
         with load_model(shape_4b, devices=devices) as model:
             backends = list({id(b): getattr(b, "inner", b) for b in model.backends.values()}.values())
             r = bench_split(model, prompt_tokens=prompt, chunk=chunk, decode_tokens=n,
-                            sequential=model.pipeline is not None)
+                            sequential=model.executor.split)
             results[label] = r
             print(f"\n{label} ({'real GPUs' if isinstance(devices, list) else 'logical devices'}):")
             print("\n".join(r.lines()))

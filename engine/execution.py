@@ -1,0 +1,618 @@
+"""The one place a forward pass runs: stages of parts on backends, and one executor over them.
+
+A model is cut into *parts* ("global" = the token embedding, "layer.<i>", "head" = final norm + LM
+head), each placed on a device. A `Stage` is a run of consecutive parts on one device: its backend and
+the parts it holds. One device is a one-stage plan; a layer split is several stages with a `HostBridge`
+between each pair (device -> pinned host buffer -> device; peer access is never used).
+
+`Executor.forward` is the only loop that runs embed -> layers -> head. Every caller goes through it:
+a single device, a split, a chunked prefill (the chunks, one after another or pipelined), an image's
+embedding override (an input of the embedding part), the hidden-state hook of tests, and a decode
+step captured as a CUDA graph (the backend captures one *stage* through `graph_step`; it never sees a
+model). In detail:
+
+- a single chunk runs on the calling thread, stage after stage through the bridges;
+- a decode step (one token, last-row logits) runs each stage through its backend's `graph_step`
+  (replayed CUDA graph on the CuPy backend; a host backend runs it eagerly). Each bridge has one fixed
+  (1, hidden) pinned `step_buffer`: the D2H target of stage k and the H2D source of stage k+1.
+  Consecutive graphed stages follow each other through events (no host wait between them) unless a
+  simulated link (engine/rig.py) has to pass its time between them;
+- several chunks on one stage run one after another; on several stages they are pipelined: one
+  worker thread per device runs that device's stages in order (CUDA contexts are per thread), one
+  link thread per bridge moves hidden states, so device A computes chunk k+1 while device B computes
+  chunk k. Each layer still sees its chunks in order, so the result equals running them one after
+  another; at most `max_in_flight` chunks are in flight, which bounds the memory of hidden states;
+- `cancel` (a threading.Event) is checked before each chunk starts; a cancelled run raises
+  GenerationCancelled whose `tokens_done` counts the tokens that went through every layer.
+
+Also here: what turns a placement into stages (`part_names`, `plan_devices`, `make_backend`,
+`resolve_devices`). What this is not: a scheduler of several sequences (runtime.py), or tensor
+parallelism (a layer never spans two devices).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .backends.base import Backend
+from .config import ModelConfig
+from .errors import DeviceError, GenerationCancelled
+from .placement import DeviceSpec, GiB, Placement, model_costs, plan_auto
+
+HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
+
+Override = tuple[Any, Any]  # (rows (n,), values (n, H)): input rows given as embeddings (images)
+
+
+# ------------------------------------------------------------------------------------------------
+# Parts, devices and backends
+
+
+def part_names(config: ModelConfig) -> list[str]:
+    return ["global"] + [f"layer.{i}" for i in range(config.n_layers)] + ["head"]
+
+
+def normalize_device(device: str) -> str:
+    device = str(device).strip().lower()
+    if device in ("cpu", "cuda"):
+        return device + ":0"
+    return device
+
+
+def _cupy_backend_module():
+    """engine.backends.cupy_backend, or None when it (or CuPy) cannot be imported here."""
+    try:
+        # local import: CuPy is an optional dependency, and importing it starts CUDA
+        from .backends import cupy_backend
+    except Exception:  # ImportError, or CUDA libraries failing to load
+        return None
+    return cupy_backend
+
+
+def default_devices() -> list[str]:
+    """["cuda:0"] when the CuPy backend imports and a GPU answers, else ["cpu:0"]."""
+    mod = _cupy_backend_module()
+    if mod is not None:
+        try:
+            if int(mod.device_count()) > 0:
+                return ["cuda:0"]
+        except Exception:  # noqa: BLE001 - a broken driver means: no GPU here
+            pass
+    return ["cpu:0"]
+
+
+def make_backend(device: str) -> Backend:
+    """A backend for one device string ("cpu:0", "cuda:1")."""
+    device = normalize_device(device)
+    if device.startswith("cpu"):
+        from .backends.numpy_backend import NumpyBackend
+
+        return NumpyBackend(device=device)
+    if device.startswith("cuda"):
+        mod = _cupy_backend_module()
+        if mod is None:
+            raise DeviceError(f"device '{device}': the CuPy backend is not available (install minecart "
+                              "with the cuda12 or cuda13 extra, or run on the CPU: --devices cpu)")
+        try:
+            return mod.CupyBackend(device=device)
+        except Exception as exc:
+            raise DeviceError(f"device '{device}' could not be opened ({exc}); check the GPU index and "
+                              "driver, or run on the CPU (--devices cpu)") from exc
+    raise DeviceError(f"unknown device '{device}'; use 'cpu:0' or 'cuda:N'")
+
+
+def plan_devices(config: ModelConfig, placement: Placement | Mapping[str, str] | None = None,
+                 devices: Sequence[str] | None = None) -> dict[str, str]:
+    """part -> device, from a Placement, a part -> device Mapping, or (neither) contiguous, nearly
+    equal runs of layers over `devices` (embedding with the first device, head with the last)."""
+    parts = part_names(config)
+    if isinstance(placement, Placement):
+        return {part: normalize_device(placement.device_of(part)) for part in parts}
+    if isinstance(placement, Mapping):
+        return {part: normalize_device(placement[part]) for part in parts}
+    if placement is not None:
+        raise TypeError("placement must be a Placement or map part names ('global', 'layer.<i>', "
+                        "'head') to devices")
+    devs = [normalize_device(d) for d in (devices or default_devices())]
+    plan = {"global": devs[0], "head": devs[-1]}
+    n = config.n_layers
+    for i in range(n):
+        plan[f"layer.{i}"] = devs[min(len(devs) - 1, i * len(devs) // max(n, 1))]
+    return plan
+
+
+def _device_specs(devices) -> list[DeviceSpec]:
+    """DeviceSpecs for plan_auto from what the caller passed: DeviceSpecs as they are, a Rig's specs,
+    device names with the free memory the device listing reports (CPU devices share the RAM)."""
+    from .rig import Rig  # local import: rig.py builds backends, and is only needed for rigs
+
+    if isinstance(devices, Rig):
+        return devices.device_specs()
+    items = list(devices)
+    if all(isinstance(d, DeviceSpec) for d in items):
+        return items
+    names = [d.name if isinstance(d, DeviceSpec) else str(d) for d in items]
+    free: dict[str, int] = {}
+    try:
+        from .devices import list_devices  # local import: the listing may initialise NVML
+
+        for info in list_devices(include_cpu=True, with_probe=False):
+            free[info.id] = int(info.free_bytes)
+    except Exception:  # noqa: BLE001 - the listing is a convenience: without it devices count as equal
+        pass
+    cpu_names = [n for n in names if n.startswith("cpu:")]
+    ram = free.get("cpu:0", 0)
+    out = []
+    for n in names:
+        if n.startswith("cpu:"):
+            f = ram // max(1, len(cpu_names)) if ram > 0 else 64 * GiB
+        else:
+            f = free.get(n, -1)
+            if f <= 0:
+                f = 64 * GiB
+        out.append(DeviceSpec(n, f))
+    return out
+
+
+def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None, *,
+                    make: Callable[[str], Backend] | None = None
+                    ) -> tuple[Placement, dict[str, str], dict[str, Backend]]:
+    """What load_model needs from a placement and/or devices: (Placement, part -> device, device ->
+    backend).
+
+    placement: a Placement, a part -> device Mapping, or None; devices: device names, DeviceSpecs, or
+    an engine.rig.Rig (its logical devices then provide the backends). Several devices without a
+    placement are planned with plan_auto (in proportion to free memory, contiguous)."""
+    from .rig import Rig  # local import: see _device_specs
+
+    parts = part_names(config)
+    rig = devices if isinstance(devices, Rig) else None
+    names = None
+    if devices is not None:
+        names = rig.names if rig is not None else [d.name if isinstance(d, DeviceSpec) else str(d)
+                                                   for d in devices]
+
+    def costs(device_names):
+        # CPU devices run the NumPy reference backend, which holds float32 weights
+        cpu_only = all(str(d).startswith("cpu") for d in device_names)
+        return model_costs(config, gguf_file, layout="numpy" if cpu_only else "stored")
+
+    if placement is None and names is not None and len(names) > 1:
+        placement = plan_auto(costs(names), devices=_device_specs(devices))
+    if isinstance(placement, Placement):
+        plan = {p: normalize_device(placement.device_of(p)) for p in parts}
+    else:
+        plan = plan_devices(config, placement, names)
+        placement = Placement(costs(plan.values()), [plan[p] for p in parts])
+    factory = rig.backend if rig is not None else (make or make_backend)
+    by_device = {dev: factory(dev) for dev in dict.fromkeys(plan.values())}
+    return placement, plan, by_device
+
+
+# ------------------------------------------------------------------------------------------------
+# Threads and bridges
+
+
+class DeviceWorker:
+    """A thread that runs submitted callables in order; the backend's `bind_thread()` runs first on
+    the thread (the CuPy backend makes its device current there)."""
+
+    def __init__(self, name: str, backend: Backend | None = None):
+        self.name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._backend = backend
+        self._thread = threading.Thread(target=self._run, name=f"minecart-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        if self._backend is not None:
+            self._backend.bind_thread()
+        while True:
+            task = self._queue.get()
+            if task is None:
+                return
+            task()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._queue.put(task)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+
+class HostBridge:
+    """One cross-device edge: src -> host staging buffer -> dst, with a link thread for pipelined
+    chunks. The buffer is pinned when either backend pins host memory, grows when a larger hidden
+    state arrives, and is used by one copy at a time (the link thread, or the calling thread for a
+    single chunk; never both at once)."""
+
+    def __init__(self, src: Backend, dst: Backend, *, rows: int = 1, width: int = 1):
+        self.src = src
+        self.dst = dst
+        self.name = f"{src.device}->{dst.device}"
+        self.buffer = self._allocate(max(1, rows * width))
+        # a decode step's hidden state: a fixed address, baked into the stages' CUDA graphs
+        self.step_buffer = self._allocate(max(1, width)).reshape(1, max(1, width))
+        self.worker: DeviceWorker | None = None  # the link thread, made for the first pipelined run
+        self.bytes_moved = 0
+        self.seconds = 0.0
+
+    def _allocate(self, n: int) -> np.ndarray:
+        for be in (self.src, self.dst):
+            if be.pins_host_memory:
+                return be.pinned_empty((n,), "float32")
+        return np.empty(n, np.float32)
+
+    def move(self, x):
+        """x (an array of src) -> the same values as an array of dst."""
+        t0 = time.perf_counter()
+        shape = tuple(x.shape)
+        n = int(np.prod(shape)) if shape else 1
+        if n > self.buffer.size:
+            self.buffer = self._allocate(n)
+        host = self.buffer[:n].reshape(shape)
+        self.src.to_numpy_into(x, host)
+        y = self.dst.asarray(host)
+        if isinstance(y, np.ndarray) and np.shares_memory(y, self.buffer):
+            y = y.copy()  # a CPU backend may wrap the host array as is; the buffer is reused next hop
+        self.bytes_moved += host.nbytes
+        self.seconds += time.perf_counter() - t0
+        return y
+
+    def link_worker(self) -> DeviceWorker:
+        if self.worker is None:
+            self.worker = DeviceWorker(f"link {self.name}")
+        return self.worker
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+# ------------------------------------------------------------------------------------------------
+# Stages and the executor
+
+
+@dataclass
+class Stage:
+    """A run of consecutive parts on one device."""
+
+    device: str
+    backend: Backend
+    parts: list[str]
+    worker: DeviceWorker | None = None  # this device's thread for pipelined chunks (several stages)
+
+    @property
+    def layers(self) -> list[int]:
+        return [int(p.split(".")[1]) for p in self.parts if p.startswith("layer.")]
+
+
+@dataclass
+class _Job:
+    """One pipelined forward call in flight: results per chunk, the first error, completion."""
+
+    n_chunks: int
+    rows: str | None
+    results: list = field(default_factory=list)
+    error: BaseException | None = None
+    cancelled_at: int | None = None
+    ended: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+    slots: threading.Semaphore | None = None
+
+    def end_chunk(self) -> None:
+        with self.lock:
+            self.ended += 1
+            finished = self.ended == self.n_chunks
+        if self.slots is not None:
+            self.slots.release()
+        if finished:
+            self.done.set()
+
+    def fail(self, exc: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = exc
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    index: int
+    ids: list[int]
+    positions: Any
+    override: Override | None
+    rows: str | None  # what this chunk returns: "all", "last" or None
+
+
+def shift_override(override: Override | None, start: int, stop: int) -> Override | None:
+    """The part of an override that falls in tokens [start, stop), rows made relative."""
+    if override is None:
+        return None
+    rows = np.asarray(override[0], dtype=np.int64).reshape(-1)
+    sel = (rows >= start) & (rows < stop)
+    if not sel.any():
+        return None
+    return rows[sel] - start, np.asarray(override[1], dtype=np.float32)[sel]
+
+
+def _cancelled(tokens_done: int) -> GenerationCancelled:
+    exc = GenerationCancelled("prefill cancelled")
+    exc.tokens_done = tokens_done
+    return exc
+
+
+class Executor:
+    """Runs a model's parts, placed on backends, as stages (see the module docstring).
+
+    config / module: the model's config and model module (engine/models/<arch>.py); plan: part ->
+    device; backends: part -> backend; weights: part -> {GGUF name: Weight} (read at each call, so a
+    placement change that replaces a part's weights is seen)."""
+
+    def __init__(self, config: ModelConfig, module: Any, plan: Mapping[str, str],
+                 backends: Mapping[str, Backend], weights: Mapping[str, dict], *,
+                 max_in_flight: int | None = None):
+        self.config = config
+        self.module = module
+        self.weights = weights
+        self.stages: list[Stage] = []
+        for part in part_names(config):
+            dev = plan[part]
+            if self.stages and self.stages[-1].device == dev:
+                self.stages[-1].parts.append(part)
+            else:
+                self.stages.append(Stage(dev, backends[part], [part]))
+        self.workers: dict[str, DeviceWorker] = {}
+        if len(self.stages) > 1:  # pipelined chunks: one thread per device
+            for st in self.stages:
+                if st.device not in self.workers:
+                    self.workers[st.device] = DeviceWorker(st.device, st.backend)
+                st.worker = self.workers[st.device]
+        hidden = config.hidden
+        self.bridges = [HostBridge(a.backend, b.backend, rows=512, width=hidden)
+                        for a, b in zip(self.stages, self.stages[1:], strict=False)]
+        self.max_in_flight = max_in_flight or (2 * len(self.stages) + 1)
+        # several chunks on several devices go through the worker threads; False runs them one after
+        # another on the calling thread (tests compare both)
+        self.pipelined = len(self.stages) > 1
+        self.inline_single_chunk = True  # False: a single chunk goes through the worker threads too
+        self.use_graphs = True  # decode steps through the stages' graph_step
+        # consecutive graphed stages follow each other through events (no host wait between them),
+        # unless a simulated link has to pass its time between them
+        self.chain_graphs = not any(st.backend.has_link() for st in self.stages)
+        self.graphed_stage_steps = 0  # decode stage runs replayed (or captured) as graphs
+        self.eager_stage_steps = 0  # decode stage runs done eagerly (no graph, or not valid this step)
+        self._call_lock = threading.Lock()
+
+    @property
+    def devices(self) -> list[str]:
+        return list(dict.fromkeys(st.device for st in self.stages))
+
+    @property
+    def split(self) -> bool:
+        """True when the parts sit on more than one device."""
+        return len(self.devices) > 1
+
+    def close(self) -> None:
+        for b in self.bridges:
+            b.close()
+        for w in self.workers.values():
+            w.close()
+        self.bridges = []
+        self.workers = {}
+
+    # ---- the forward pass ----------------------------------------------------------------------------
+    def forward(self, ids: Sequence[int], states: list, positions, *, rows: str | None = "last",
+                hidden_hook: Callable[[int, np.ndarray], None] | None = None,
+                chunk: int | None = None, cancel: threading.Event | None = None,
+                embed_override: Override | None = None) -> np.ndarray | None:
+        """Run `ids` through every part, updating `states` (one per layer) in place.
+
+        rows: "last" -> host float32 logits (1, vocab) of the last token; "all" -> (T, vocab); None ->
+        no head (returns None). positions: (T,) or (3, T) for M-RoPE. chunk: tokens per run (None =
+        one run); cancel: checked before each chunk. hidden_hook(index, host array) receives the
+        residual stream after the embedding (0) and after each layer (1..L); it needs one chunk.
+        embed_override: rows of the token embeddings replaced by given values (image embeddings)."""
+        ids = [int(t) for t in ids]
+        positions = np.asarray(positions)
+        T = len(ids)
+        step = T if not chunk else max(1, int(chunk))
+        starts = list(range(0, T, step)) or [0]
+        if hidden_hook is not None and len(starts) > 1:
+            raise ValueError("hidden_hook needs the whole sequence in one chunk")
+        chunks = [_Chunk(c, ids[s : s + step], positions[..., s : s + step],
+                         shift_override(embed_override, s, s + step),
+                         rows if rows != "last" else ("last" if c == len(starts) - 1 else None))
+                  for c, s in enumerate(starts)]
+        with self._call_lock:  # one sequence at a time: states are updated in place
+            if self.pipelined and (len(chunks) > 1 or not self.inline_single_chunk):
+                out = self._pipelined(chunks, states, rows, step, cancel)
+            else:
+                out = []
+                for c in chunks:
+                    if cancel is not None and cancel.is_set():
+                        raise _cancelled(c.index * step)
+                    out.append(self._one_chunk(c, states, hidden_hook))
+        if rows is None:
+            return None
+        got = [o for o in out if o is not None]
+        return got[-1] if rows == "last" else (got[0] if len(got) == 1 else np.concatenate(got, axis=0))
+
+    def _one_chunk(self, c: _Chunk, states: list, hook) -> np.ndarray | None:
+        """One chunk on the calling thread: a decode step through the stages' graphs, or stage after
+        stage through the bridges (nothing to overlap; thread hand-offs would only add latency)."""
+        if len(c.ids) == 1 and c.rows == "last" and hook is None and c.override is None:
+            return self._decode_step(c.ids, states, c.positions)
+        x: Any = c.ids
+        for s, stage in enumerate(self.stages):
+            if s:
+                x = self.bridges[s - 1].move(x)
+            x = self.run_stage(stage, x, c.positions, states, c.rows, hook, c.override)
+        return x
+
+    def run_stage(self, stage: Stage, x, positions, states: list, rows: str | None, hook=None,
+                  override: Override | None = None):
+        """The parts of one stage on its backend: x (token ids for the embedding, else the hidden state
+        on this backend) -> the hidden state, or host logits when the stage ends with the head (None
+        when rows is None)."""
+        cfg, mod, weights = self.config, self.module, self.weights
+        be = stage.backend
+        for part in stage.parts:
+            if part == "global":
+                x = mod.embed(cfg, be, weights[part], x)
+                if override is not None:  # image embeddings replace their placeholder rows
+                    host = be.to_numpy(x)
+                    host[np.asarray(override[0], dtype=np.int64)] = np.asarray(override[1], np.float32)
+                    x = be.asarray(host)
+                if hook is not None:
+                    hook(0, be.to_numpy(x))
+            elif part == "head":
+                if rows is None:
+                    return None
+                if rows == "last":
+                    x = x[x.shape[0] - 1 :]
+                return self.run_head(x, be)
+            else:
+                i = int(part.split(".")[1])
+                x = mod.layer(cfg, be, weights[part], i, x, states[i], positions)
+                if hook is not None:
+                    hook(i + 1, be.to_numpy(x))
+        return x
+
+    def run_head(self, x, be: Backend) -> np.ndarray:
+        """Host float32 logits (T, vocab) of final hidden states x on `be` (the head's backend). The LM
+        head runs in blocks of HEAD_ROWS rows, so full rows of a long prompt never sit on the device
+        at once."""
+        T = x.shape[0]
+        out = None
+        for start in range(0, T, HEAD_ROWS):
+            block = self.module.head(self.config, be, self.weights["head"], x[start : start + HEAD_ROWS])
+            block = np.asarray(be.to_numpy(block), dtype=np.float32)
+            if T <= HEAD_ROWS:
+                return block
+            if out is None:
+                out = np.empty((T, block.shape[1]), np.float32)
+            out[start : start + block.shape[0]] = block
+        assert out is not None
+        return out
+
+    # ---- decode: one token, each stage through its backend's graph_step ---------------------------------
+    def _decode_step(self, ids: list[int], states: list, positions) -> np.ndarray:
+        last = len(self.stages) - 1
+        out = pending = None
+        for s, stage in enumerate(self.stages):
+            host_in = self.bridges[s - 1].step_buffer if s else None
+            host_out = self.bridges[s].step_buffer if s < last else None
+            out, pending = self._decode_stage(s, stage, ids, states, positions, host_in, host_out, pending)
+            if host_out is not None:
+                self.bridges[s].bytes_moved += host_out.nbytes
+        assert out is not None
+        return out
+
+    def _decode_stage(self, s: int, stage: Stage, ids, states, positions, host_in, host_out, pending):
+        """One stage of a decode step -> (host logits of the last stage or None, the event of a graph
+        launched without a host wait or None). pending: such an event of the previous stage."""
+        be = stage.backend
+
+        def run(x):
+            return self.run_stage(stage, x, positions, states, "last")
+
+        if self.use_graphs:
+            done = be.graph_step(("stage", s), run, ids, positions, owner=states,
+                                 watch=[states[i] for i in stage.layers], host_in=host_in,
+                                 host_out=host_out, after=pending, wait=not self.chain_graphs)
+            if done is not None:
+                self.graphed_stage_steps += 1
+                for buf in (host_in, host_out):  # the rig's simulated link (engine/rig.py)
+                    if buf is not None:
+                        be.charge_link(buf.nbytes)
+                if host_out is None:
+                    return done, None
+                return None, (None if done is True else done)
+        if pending is not None:
+            pending.synchronize()  # the previous stage's output must be in host_in
+        self.eager_stage_steps += 1
+        x: Any = ids
+        if host_in is not None:
+            x = be.asarray(host_in)
+            if isinstance(x, np.ndarray) and np.shares_memory(x, host_in):
+                x = x.copy()  # a CPU backend may wrap the host array; the buffer is rewritten next token
+        out = run(x)
+        if host_out is None:
+            return out, None
+        be.to_numpy_into(out, host_out)
+        return None, None
+
+    # ---- several chunks over several devices --------------------------------------------------------------
+    def _pipelined(self, chunks: list[_Chunk], states, rows, step: int, cancel) -> list:
+        job = _Job(len(chunks), rows, results=[None] * len(chunks),
+                   slots=threading.Semaphore(self.max_in_flight))
+        for c in chunks:
+            job.slots.acquire()
+            if job.error is not None or (cancel is not None and cancel.is_set()):
+                if job.error is None:
+                    job.cancelled_at = c.index
+                job.slots.release()
+                for _ in range(c.index, len(chunks)):
+                    job.end_chunk()
+                break
+            first = self.stages[0].worker
+            assert first is not None
+            first.submit(self._stage_task(job, 0, c, c.ids, states))
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        if job.cancelled_at is not None:
+            raise _cancelled(min(sum(len(c.ids) for c in chunks), job.cancelled_at * step))
+        return job.results
+
+    def _stage_task(self, job: _Job, s: int, c: _Chunk, x, states):
+        def run() -> None:
+            if job.error is not None:
+                job.end_chunk()
+                return
+            try:
+                self._run_pipelined_stage(job, s, c, x, states)
+            except BaseException as exc:  # reported to the caller, who re-raises it
+                job.fail(exc)
+                job.end_chunk()
+
+        return run
+
+    def _run_pipelined_stage(self, job: _Job, s: int, c: _Chunk, x, states) -> None:
+        stage = self.stages[s]
+        be = stage.backend
+        out = self.run_stage(stage, x, c.positions, states, c.rows, None, c.override if s == 0 else None)
+        if s == len(self.stages) - 1:
+            job.results[c.index] = out
+            be.synchronize()
+            job.end_chunk()
+            return
+        be.synchronize()  # the link thread reads `out`; make sure this device finished writing it
+        bridge = self.bridges[s]
+        nxt = self.stages[s + 1]
+
+        def hop() -> None:
+            if job.error is not None:
+                job.end_chunk()
+                return
+            try:
+                y = bridge.move(out)
+            except BaseException as exc:
+                job.fail(exc)
+                job.end_chunk()
+                return
+            assert nxt.worker is not None
+            nxt.worker.submit(self._stage_task(job, s + 1, c, y, states))
+
+        bridge.link_worker().submit(hop)
