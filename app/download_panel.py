@@ -2,21 +2,19 @@
 this machine, download one with progress and Cancel (a later Download resumes), and hand the finished
 file to the library.
 
-Every network call runs in a `HubJob` thread; the GUI thread only starts jobs and reacts to their
-signals, and progress reaches it at most ten times a second however fast the bytes arrive.
+Every network call runs in a `Job` thread (app/jobs.py); the GUI thread only starts jobs and reacts to
+their signals, and progress reaches it at most ten times a second however fast the bytes arrive.
 
 Not here: the Hub calls, the resume and checks (app/download.py).
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from minecart.engine.devices import DeviceInfo, format_bytes
-from PySide6.QtCore import Qt, QThread, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QHBoxLayout,
@@ -34,41 +32,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import download as dl
-
-PROGRESS_INTERVAL_S = 0.1
-
-
-class HubJob(QThread):
-    """Runs `work(progress, cancel)` on its own thread. Signals: progress(done, total) throttled,
-    finished_ok(result), failed(message), cancelled()."""
-
-    progress = Signal(object, object)  # byte counts pass 2 GiB: not int
-    finished_ok = Signal(object)
-    failed = Signal(str)
-    cancelled = Signal()
-
-    def __init__(self, work: Callable, parent=None):
-        super().__init__(parent)
-        self.work = work
-        self.cancel = threading.Event()
-        self.downloads = False  # True: writes a part file, so it must stop before another starts
-        self._last_emit = 0.0
-
-    def _progress(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if now - self._last_emit >= PROGRESS_INTERVAL_S or done >= total:
-            self._last_emit = now
-            self.progress.emit(done, total)
-
-    def run(self) -> None:
-        try:
-            self.finished_ok.emit(self.work(self._progress, self.cancel))
-        except dl.DownloadCancelled:
-            self.cancelled.emit()
-        except dl.DownloadError as exc:
-            self.failed.emit(str(exc))
-        except Exception as exc:  # noqa: BLE001 - a bug must not take the window down
-            self.failed.emit(f"{type(exc).__name__}: {exc}")
+from .jobs import Job
 
 
 class DownloadPanel(QWidget):
@@ -81,8 +45,9 @@ class DownloadPanel(QWidget):
         self._devices = devices
         self._folder = folder
         self.files: list[dl.RemoteFile] = []
-        self.job: HubJob | None = None
-        self._jobs: set[HubJob] = set()
+        self.job: Job | None = None
+        self._job_writes = False  # the current job writes a part file: it must stop before another
+        self._jobs: set[Job] = set()
         lay = QVBoxLayout(self)
         lay.setContentsMargins(16, 12, 16, 12)
         lay.setSpacing(8)
@@ -139,8 +104,9 @@ class DownloadPanel(QWidget):
         self._update_buttons()
 
     # ---- jobs ------------------------------------------------------------------------------------
-    def _start(self, work: Callable, on_done: Callable, busy_text: str) -> HubJob:
-        job = HubJob(work, self)
+    def _start(self, work: Callable, on_done: Callable, busy_text: str) -> Job:
+        job = Job(work, cancel_types=(dl.DownloadCancelled,), error_types=(dl.DownloadError,),
+                  parent=self)
         # a search or listing left behind by Cancel may still answer: only the current job is shown
         job.finished_ok.connect(lambda result: on_done(result) if job is self.job else None)
         job.failed.connect(lambda text: self._failed(text) if job is self.job else None)
@@ -148,6 +114,7 @@ class DownloadPanel(QWidget):
         job.finished.connect(lambda: self._job_over(job))
         self._jobs.add(job)
         self.job = job
+        self._job_writes = False
         self.error.setText("")
         self.status.setText(busy_text)
         self.cancel_btn.setVisible(True)
@@ -155,7 +122,7 @@ class DownloadPanel(QWidget):
         job.start()
         return job
 
-    def _job_over(self, job: HubJob) -> None:
+    def _job_over(self, job: Job) -> None:
         self._jobs.discard(job)
         if self.job is not job:
             return  # a cancelled search finishing late
@@ -179,7 +146,7 @@ class DownloadPanel(QWidget):
         if job is None:
             return
         job.cancel.set()
-        if not job.downloads:
+        if not self._job_writes:
             self.job = None
             self.status.setText("Cancelled.")
             self.cancel_btn.setVisible(False)
@@ -244,7 +211,7 @@ class DownloadPanel(QWidget):
         folder = self._folder()
         job = self._start(lambda progress, cancel: dl.download(f, folder, progress, cancel),
                           self._finished, f"Downloading {f.name}…")
-        job.downloads = True
+        self._job_writes = True
         job.progress.connect(self._progress)
         self.progress.setValue(0)
         self.progress.setVisible(True)
@@ -264,4 +231,4 @@ class DownloadPanel(QWidget):
             job.wait(5000)
 
 
-__all__ = ["DownloadPanel", "HubJob"]
+__all__ = ["DownloadPanel"]
