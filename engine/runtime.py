@@ -23,26 +23,33 @@ It does split a reply into thinking and answer text (`<think>...</think>`), beca
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import queue
 import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from .chat_template import THINK_CLOSE, THINK_OPEN
 from .errors import GenerationCancelled, MinecartError, RequestError
+from .generation import GenerationEvent, StopStrings, partial_suffix
 from .metrics import Metrics, RequestTiming
+from .prompt import (
+    PromptInput,
+    PromptMode,
+    PromptModel,
+    check_prompt_mode,
+    has_images,
+    render_prompt,
+)
+from .sampling import SamplingParams
 
 TERMINAL_KINDS = frozenset({"done", "error", "cancelled"})
 EVENT_KINDS = frozenset({"started", "progress", "token"}) | TERMINAL_KINDS
-
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
 
 _request_ids = itertools.count(1)
 
@@ -87,9 +94,9 @@ class RuntimeEvent:
     fraction: float | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
-    generation: Any = None
+    generation: GenerationEvent | None = None
     error: BaseException | None = None
-    data: dict = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
@@ -99,16 +106,16 @@ class RuntimeEvent:
 @dataclass
 class _Request:
     kind: str  # "load", "unload", "chat", "completion", "replace", "forget"
-    args: dict
+    args: dict[str, Any]
     id: int = field(default_factory=lambda: next(_request_ids))
-    replies: queue.Queue = field(default_factory=queue.Queue)
+    replies: queue.Queue[RuntimeEvent] = field(default_factory=queue.Queue)
     cancel_event: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.time)
     picked_up: float | None = None  # when the worker thread took it off the queue
     finished: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def emit(self, kind: str, **kwargs) -> None:
+    def emit(self, kind: str, **kwargs: Any) -> None:
         with self.lock:
             if self.finished:
                 return
@@ -252,7 +259,7 @@ class ThinkingSplitter:
                     self._answer_started = True
                     self._strip_newlines = True
                     continue
-                keep = _partial_suffix(text, THINK_CLOSE)
+                keep = partial_suffix(text, THINK_CLOSE)
                 thinking.append(text[: len(text) - keep])
                 self._pending = text[len(text) - keep :]
                 break
@@ -287,22 +294,60 @@ class ThinkingSplitter:
         return (rest, "") if self.inside else ("", rest)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
-def prompt_opens_thinking(prompt_text: str) -> bool:
-    """True when a rendered prompt leaves a `<think>` block open (the model continues inside it)."""
-    tail = prompt_text.rstrip()
-    return tail.endswith(THINK_OPEN)
-
-
 # ---------------------------------------------------------------------------------------------------
 # The runtime
+
+
+class ConfigInfo(Protocol):
+    """The model config fields the runtime reports (engine.config.ModelConfig has them)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def architecture(self) -> str: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+
+class RuntimeSession(Protocol):
+    """A model session as the runtime holds it: it only frees it (engine.session.Session)."""
+
+    def close(self) -> None: ...
+
+
+class RuntimeModel(PromptModel, Protocol):
+    """What the runtime needs from a loaded model: engine.model.Model has it; so do the tests' fakes."""
+
+    @property
+    def config(self) -> ConfigInfo: ...
+
+    @property
+    def vision(self) -> object | None: ...  # the vision tower, when the model reads pictures
+
+    @property
+    def device_plan(self) -> Mapping[str, str]: ...  # part -> device in use
+
+    @property
+    def placement(self) -> Any: ...
+
+    def new_session(self) -> RuntimeSession: ...
+
+    def generate(self, prompt: PromptInput, params: SamplingParams | None = None,
+                 session: Any = None, cancel: threading.Event | None = None,
+                 enable_thinking: bool = True, **prompt_extras: Any) -> Iterator[GenerationEvent]:
+        """prompt_extras: tools (messages with pictures), turn_boundary (see generation.generate)."""
+        ...
+
+    def reload_placement(self, placement: Any, *, progress: Progress | None = None,
+                         cancel: threading.Event | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+Progress = Callable[[float, str], None]
+Loader = Callable[..., RuntimeModel]  # (path, devices=, placement=, progress=, cancel=, **vision)
 
 
 @dataclass(frozen=True)
@@ -318,7 +363,7 @@ class ModelInfo:
     has_vision: bool = False
     base_model: bool = False  # pretrained, not instruction-tuned: it continues text
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "path": self.path,
             "name": self.name,
@@ -330,10 +375,12 @@ class ModelInfo:
         }
 
 
-def _default_loader(path, devices=None, placement=None, progress=None, cancel=None, **vision):
-    from .model import load_model
+def _default_loader(path: str, devices: list[str] | None = None, placement: Any = None,
+                    progress: Progress | None = None, cancel: threading.Event | None = None,
+                    **vision: Any) -> RuntimeModel:
+    from .model import load_model  # the runtime imports without the whole engine (tests, the app)
 
-    # vision: mmproj= / max_image_tokens= (engine/vision), only present when the caller set them
+    # vision: mmproj= / max_image_tokens= / kv_type= (engine/vision), only present when set
     return load_model(path, devices=devices, placement=placement, progress=progress, cancel=cancel,
                       **vision)
 
@@ -351,21 +398,21 @@ class Runtime:
 
     def __init__(
         self,
-        loader: Callable | None = None,
+        loader: Loader | None = None,
         metrics: Metrics | None = None,
         max_sessions: int = 4,
         sample_memory_s: float = 0.5,
     ):
-        self._loader = loader or _default_loader
+        self._loader: Loader = loader or _default_loader
         self.metrics = metrics if metrics is not None else Metrics()
         self.max_sessions = max(1, int(max_sessions))
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[_Request | object] = queue.Queue()
         self._lock = threading.Lock()
         self._live: dict[int, _Request] = {}  # submitted and not yet finished
-        self._model = None  # only the worker thread touches these two
-        self._sessions: OrderedDict[Any, Any] = OrderedDict()
+        self._model: RuntimeModel | None = None  # only the worker thread touches these two
+        self._sessions: OrderedDict[Any, RuntimeSession] = OrderedDict()
         self._model_info: ModelInfo | None = None
-        self._load_args: dict | None = None
+        self._load_args: dict[str, Any] | None = None
         self._current: _Request | None = None
         self.state_version = 0  # bumps when the loaded model changes (GUI timers compare it)
         self._closed = False
@@ -376,8 +423,9 @@ class Runtime:
 
     # -- client API (any thread) ---------------------------------------------------------------------
 
-    def load(self, path, devices=None, placement=None, *, mmproj=None,
-             max_image_tokens: int | None = None, kv_type: str | None = None) -> RequestHandle:
+    def load(self, path: str | Path, devices: list[str] | None = None, placement: Any = None, *,
+             mmproj: str | Path | bool | None = None, max_image_tokens: int | None = None,
+             kv_type: str | None = None) -> RequestHandle:
         """Load a GGUF model (replacing the current one). Events: "progress"..., then "done" with
         data["model"] = ModelInfo. mmproj: the vision projector file (default: found beside the
         model; False: none); max_image_tokens: cap per picture (engine/vision); kv_type: KV cache
@@ -391,18 +439,23 @@ class Runtime:
 
     def chat(
         self,
-        messages: list[dict],
-        params=None,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | None = None,
         *,
         enable_thinking: bool = True,
         conversation_id: Any = None,
-        tools: list[dict] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         stop: list[str] | None = None,
+        chat_template: PromptMode = "auto",
     ) -> RequestHandle:
         """Generate the assistant's reply to `messages` (OpenAI-style dicts; content a string or a list
         of parts {"type": "text"|"image_url"|"image", ...}, passed through to the model). Give the same
         `conversation_id` on every turn of a chat to reuse its cached prefix. `stop` strings end the
-        answer (not the thinking) early and are not included."""
+        answer (not the thinking) early and are not included.
+
+        chat_template: "auto" (default) sends a pretrained base model the plain text of the messages
+        to continue and every other model its chat template; "chat" forces the template, "text" plain
+        text (engine/prompt.py). The terminal event's data["prompt"] says which was used."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("chat needs a non-empty list of messages")
         return self._submit(
@@ -413,10 +466,12 @@ class Runtime:
             conversation_id=conversation_id,
             tools=tools or None,
             stop=list(stop or []),
+            chat_template=check_prompt_mode(chat_template),
         )
 
     def complete(
-        self, prompt, params=None, *, conversation_id: Any = None, stop: list[str] | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, *,
+        conversation_id: Any = None, stop: list[str] | None = None
     ) -> RequestHandle:
         """Continue raw `prompt` text (or a list of token ids) without the chat template."""
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
@@ -429,11 +484,11 @@ class Runtime:
             stop=list(stop or []),
         )
 
-    def replace(self, placement) -> RequestHandle:
+    def replace(self, placement: Any) -> RequestHandle:
         """Apply a new placement to the loaded model (sessions are dropped)."""
         return self._submit("replace", placement=placement)
 
-    def forget(self, conversation_id) -> RequestHandle:
+    def forget(self, conversation_id: Any) -> RequestHandle:
         """Drop a conversation's session (its cached prefix and device memory)."""
         return self._submit("forget", conversation_id=conversation_id)
 
@@ -460,7 +515,7 @@ class Runtime:
     def loaded(self) -> bool:
         return self._model_info is not None
 
-    def status(self) -> dict:
+    def status(self) -> dict[str, Any]:
         """A JSON-ready picture of the runtime: model, busy request, queue length."""
         with self._lock:
             current = self._current
@@ -488,10 +543,10 @@ class Runtime:
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _submit(self, kind: str, **args) -> RequestHandle:
+    def _submit(self, kind: str, **args: Any) -> RequestHandle:
         if self._closed:
             raise RuntimeError("the runtime is closed")
         req = _Request(kind, args)
@@ -502,20 +557,27 @@ class Runtime:
 
     # -- worker thread ---------------------------------------------------------------------------------
 
+    def _handler(self, kind: str) -> Callable[[_Request], None]:
+        handlers: dict[str, Callable[[_Request], None]] = {
+            "load": self._do_load, "unload": self._do_unload, "chat": self._do_chat,
+            "completion": self._do_completion, "replace": self._do_replace, "forget": self._do_forget,
+        }
+        return handlers[kind]
+
     def _worker(self) -> None:
         while True:
-            req = self._queue.get()
-            if req is _SHUTDOWN:
+            item = self._queue.get()
+            if not isinstance(item, _Request):  # _SHUTDOWN
                 break
+            req = item
             with self._lock:
                 self._current = req
             try:
                 if not req.pick_up():
                     req.emit("cancelled", finish_reason="cancelled")  # no-op if already ended
                     continue
-                req.emit("started", data={"queue_wait_s": req.picked_up - req.submitted})
-                handler = getattr(self, f"_do_{req.kind}")
-                handler(req)
+                req.emit("started", data={"queue_wait_s": (req.picked_up or 0.0) - req.submitted})
+                self._handler(req.kind)(req)
             except GenerationCancelled:
                 req.emit("cancelled", finish_reason="cancelled")
             except Exception as exc:  # noqa: BLE001 - engine errors go to the client, the thread lives on
@@ -538,11 +600,11 @@ class Runtime:
         # Anything still queued after shutdown is cancelled, so no client waits forever.
         while True:
             try:
-                req = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if req is not _SHUTDOWN:
-                req.emit("cancelled", finish_reason="cancelled")
+            if isinstance(item, _Request):
+                item.emit("cancelled", finish_reason="cancelled")
 
     def _clear_sessions(self) -> None:
         while self._sessions:
@@ -554,9 +616,7 @@ class Runtime:
         self._model_info = None
         self._load_args = None
         if model is not None:
-            closer = getattr(model, "close", None) or getattr(model, "unload", None)
-            if callable(closer):
-                closer()
+            model.close()
         self.state_version += 1
 
     def _do_load(self, req: _Request) -> None:
@@ -581,18 +641,15 @@ class Runtime:
             # The tokenizer and template are built lazily (a 248k-token BPE takes seconds); build them
             # now, under the load's progress, not inside the first chat's time to first token.
             req.emit("progress", fraction=1.0, text="building the tokenizer")
-            getattr(model, "tokenizer", None)
-            getattr(model, "chat_template", None)
+            _ = model.tokenizer, model.chat_template
         if req.cancel_event.is_set():
-            closer = getattr(model, "close", None)
-            if callable(closer):
-                closer()
+            model.close()
             req.emit("cancelled", finish_reason="cancelled")
             return
         self._install(model, a)
         req.emit("done", data={"model": self._model_info})
 
-    def _install(self, model, load_args: dict) -> None:
+    def _install(self, model: RuntimeModel, load_args: dict[str, Any]) -> None:
         self._model = model
         self._load_args = dict(load_args)
         self._clear_sessions()
@@ -612,40 +669,17 @@ class Runtime:
         model = self._require_model()
         placement = req.args["placement"]
         self._clear_sessions()  # their state lives on the old devices
-        progress = _progress_emitter(req)
-        for name in ("reload_placement", "apply_placement"):
-            method = getattr(model, name, None)
-            if callable(method):
-                kwargs = {}
-                if _accepts(method, "progress"):
-                    kwargs = {"progress": progress, "cancel": req.cancel_event}
-                method(placement, **kwargs)
-                args = dict(self._load_args or {}, placement=placement)
-                self._install(model, args)
-                req.emit("done", data={"model": self._model_info})
-                return
-        # The model cannot move its layers in place: load it again with the new placement.
-        args = dict(self._load_args or {}, placement=placement)
-        self._drop_model()
-        model = self._loader(
-            args["path"],
-            devices=args.get("devices"),
-            placement=placement,
-            progress=progress,
-            cancel=req.cancel_event,
-            **_vision_args(args),
-        )
-        self._install(model, args)
+        model.reload_placement(placement, progress=_progress_emitter(req), cancel=req.cancel_event)
+        self._install(model, dict(self._load_args or {}, placement=placement))
         req.emit("done", data={"model": self._model_info})
 
-    def _require_model(self):
+    def _require_model(self) -> RuntimeModel:
         if self._model is None:
             raise RequestError("no model is loaded; load a GGUF file first")
         return self._model
 
-    def _session(self, conversation_id):
+    def _session(self, model: RuntimeModel, conversation_id: Any) -> RuntimeSession:
         """The session of a conversation (LRU), or a fresh one for a one-off request."""
-        model = self._model
         if conversation_id is None:
             return model.new_session()
         session = self._sessions.get(conversation_id)
@@ -662,73 +696,75 @@ class Runtime:
         model = self._require_model()
         a = req.args
         messages, tools = a["messages"], a["tools"]
-        if _has_images(messages) and not _reads_images(model):
+        if has_images(messages) and model.vision is None:
             raise RequestError(
                 "this model cannot read pictures (it has no vision encoder); remove the image or "
                 "load a vision model together with its mmproj file"
             )
-        prompt, opens_thinking, boundary = _chat_prompt(model, messages, tools, a["enable_thinking"])
-        self._generate(req, model, prompt, a["enable_thinking"], opens_thinking, boundary)
+        rendered = render_prompt(model, messages, tools=tools, enable_thinking=a["enable_thinking"],
+                                 mode=a["chat_template"],
+                                 find_turn_boundary=a.get("conversation_id") is not None)
+        if rendered.messages is not None:
+            # pictures (or no template): the model lays the messages out and renders the tools
+            prompt: PromptInput = rendered.messages
+            extras: dict[str, Any] = {"tools": tools} if tools else {}
+        else:
+            if not rendered.ids:
+                raise RequestError("the messages hold no text to continue")
+            prompt, extras = rendered.ids, {}
+            if rendered.turn_boundary:
+                # the engine checkpoints the session at the end of the user's turn, after the
+                # prompt's checks (length, context) and chunked like every prefill
+                extras["turn_boundary"] = rendered.turn_boundary
+        params = (a["params"] or SamplingParams()).with_max_tokens(templated=rendered.source == "chat")
+        self._generate(req, model, prompt, params, a["enable_thinking"], rendered.opens_thinking,
+                       extras, prompt_kind=rendered.source)
 
     def _do_completion(self, req: _Request) -> None:
         model = self._require_model()
-        prompt = req.args["prompt"]
-        if isinstance(prompt, str):
-            prompt = model.tokenizer.encode(prompt, add_special=True)
-        if not prompt:
+        rendered = render_prompt(model, req.args["prompt"])
+        if not rendered.ids:
             raise RequestError("the prompt is empty after tokenization")
-        self._generate(req, model, [int(t) for t in prompt], False, False)
+        params = (req.args["params"] or SamplingParams()).with_max_tokens(templated=False)
+        self._generate(req, model, rendered.ids, params, False, False, {}, prompt_kind="text")
 
-    def _generate(self, req, model, prompt, enable_thinking: bool, opens_thinking: bool,
-                  boundary: int | None = None) -> None:
+    def _generate(self, req: _Request, model: RuntimeModel, prompt: PromptInput,
+                  params: SamplingParams, enable_thinking: bool, opens_thinking: bool,
+                  extras: dict[str, Any], prompt_kind: str) -> None:
         a = req.args
         conversation_id = a.get("conversation_id")
-        session = self._session(conversation_id)
+        session = self._session(model, conversation_id)
         started = req.picked_up or time.time()  # prefill time includes rendering and tokenizing
-        stops = StopMatcher(a.get("stop") or [])
+        stops = StopStrings(a.get("stop") or [])
         splitter = ThinkingSplitter(inside=opens_thinking)
-        first_token_at = None
-        last = None
-        finish_reason = None
-        n_events = 0
-        kwargs = {"session": session, "cancel": req.cancel_event}
-        if _accepts(model.generate, "enable_thinking"):
-            kwargs["enable_thinking"] = enable_thinking
-        if a.get("tools") and not isinstance(prompt[0], int) and _accepts(model.generate, "tools"):
-            kwargs["tools"] = a["tools"]  # chats with pictures go as messages: the model renders the tools
-        if boundary and conversation_id is not None and _accepts(model.generate, "turn_boundary"):
-            # the engine checkpoints the session at the end of the user's turn, after the prompt's
-            # checks (length, context) and chunked like every prefill
-            kwargs["turn_boundary"] = boundary
+        first_token_at: float | None = None
+        last: GenerationEvent | None = None
+        finish_reason: str | None = None
         ok = False
-        stream = model.generate(prompt, _params(a.get("params")), **kwargs)
+        stream = model.generate(prompt, params, session=session, cancel=req.cancel_event,
+                                enable_thinking=enable_thinking, **extras)
         try:
             for ev in stream:
                 last = ev
-                n_events += 1
-                now = time.time()
                 if first_token_at is None:
-                    first_token_at = now
+                    first_token_at = time.time()
                 if req.cancel_event.is_set():
                     break  # the engine may yield one more token before it notices
-                delta = _field(ev, "text", "delta", "text_delta", default="") or ""
-                reason = _field(ev, "finish_reason", default=None)
-                thinking, answer = splitter.feed(delta)
-                if reason:  # nothing follows a finish: release what the splitter held back
+                thinking, answer = splitter.feed(ev.text)
+                if ev.finish_reason:  # nothing follows a finish: release what the splitter held back
                     more_thinking, more_answer = splitter.flush()
                     thinking, answer = thinking + more_thinking, answer + more_answer
                 answer, hit = stops.feed(answer)
                 if hit:
                     finish_reason = "stop"
-                elif reason:
+                elif ev.finish_reason:
                     answer += stops.flush()
-                if thinking or answer or _field(ev, "token", "token_id", default=None) is not None:
+                if thinking or answer or ev.token is not None:
                     req.emit("token", text=answer, thinking=thinking, generation=ev)
-                rate = _field(ev, "generation_tps", "decode_tps", "tokens_per_s", default=None)
-                if rate:
-                    self.metrics.record_live_decode_rate(float(rate))
-                if finish_reason or reason:
-                    finish_reason = finish_reason or reason
+                if ev.generation_tps:
+                    self.metrics.record_live_decode_rate(float(ev.generation_tps))
+                if finish_reason or ev.finish_reason:
+                    finish_reason = finish_reason or ev.finish_reason
                     break
             ok = True
         except GenerationCancelled:
@@ -736,9 +772,7 @@ class Runtime:
         finally:
             # Closing the generator lets the engine finish its bookkeeping (the session records
             # which tokens its cache holds) when we stop early: cancel, stop string, finish.
-            close = getattr(stream, "close", None)
-            if callable(close):
-                close()
+            stream.close()  # type: ignore[attr-defined]  # generate is a generator function
             if conversation_id is None:
                 _close_session(session)  # a one-off request's session is not kept
             elif not ok and not req.cancel_event.is_set():
@@ -750,16 +784,17 @@ class Runtime:
             answer = stops.feed(answer)[0] + stops.flush()
             if thinking or answer:
                 req.emit("token", text=answer, thinking=thinking)
-        usage = _usage(last, n_events)
+        usage = _usage(last)
         finish = "cancelled" if cancelled else (finish_reason or "stop")
         timing = self._timing(req, started, first_token_at, time.time(), usage, finish)
-        data = {"timing": timing}
+        data = {"timing": timing, "prompt": prompt_kind}
         if cancelled:
             req.emit("cancelled", finish_reason="cancelled", usage=usage, generation=last, data=data)
         else:
             req.emit("done", finish_reason=finish, usage=usage, generation=last, data=data)
 
-    def _timing(self, req, started, first_at, ended, usage: Usage, finish: str) -> RequestTiming:
+    def _timing(self, req: _Request, started: float, first_at: float | None, ended: float,
+                usage: Usage, finish: str) -> RequestTiming:
         prefill_s = (first_at - started) if first_at else None
         decode_s = (ended - first_at) if first_at else None
         prefill_tps = usage.prompt_tokens_per_s
@@ -788,138 +823,40 @@ class Runtime:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Adapters to the model's interface
+# Helpers
 
 
-def _progress_emitter(req: _Request):
-    def progress(fraction, message=""):
+def _progress_emitter(req: _Request) -> Progress:
+    def progress(fraction: float, message: str = "") -> None:
         req.emit("progress", fraction=float(fraction), text=str(message))
 
     return progress
 
 
-def _field(obj, *names, default=None):
-    """The first attribute of `obj` among `names` (GenerationEvent field names vary by version)."""
-    if obj is None:
-        return default
-    for name in names:
-        value = getattr(obj, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def _accepts(fn, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-
-
-def _params(params):
-    if params is not None:
-        return params
-    from .generation import SamplingParams
-
-    return SamplingParams()
-
-
-def _usage(last, n_events: int) -> Usage:
-    prompt = _field(last, "prompt_tokens", "n_prompt", "prompt_token_count", default=0)
-    completion = _field(
-        last, "generation_tokens", "completion_tokens", "n_generated", "generation_token_count",
-        default=n_events,
-    )
+def _usage(last: GenerationEvent | None) -> Usage:
+    if last is None:
+        return Usage()
     return Usage(
-        prompt_tokens=int(prompt or 0),
-        completion_tokens=int(completion or 0),
-        prompt_tokens_per_s=_float_or_none(_field(last, "prompt_tps", "prefill_tps")),
-        decode_tokens_per_s=_float_or_none(_field(last, "generation_tps", "decode_tps")),
-        cached_tokens=int(_field(last, "cached_tokens", "reused_tokens", default=0) or 0),
-        image_tokens=int(_field(last, "image_tokens", default=0) or 0),
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.generated_tokens,
+        prompt_tokens_per_s=last.prompt_tps,
+        decode_tokens_per_s=last.generation_tps,
+        cached_tokens=last.cached_tokens,
+        image_tokens=last.image_tokens,
     )
 
 
-def _float_or_none(x):
-    return None if x is None else float(x)
-
-
-class StopMatcher:
-    """Cuts streamed text at the first stop string, holding back a tail that may be the start of one
-    (so "STO" is not shown before "P" arrives). `feed` returns (text safe to show, stop hit?)."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self._held = ""
-        self.hit = False
-
-    def feed(self, delta: str) -> tuple[str, bool]:
-        if not self.stops or self.hit:
-            return ("" if self.hit else delta), self.hit
-        text = self._held + delta
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self._held = ""
-            self.hit = True
-            return text[:cut], True
-        keep = max(_partial_suffix(text, s) for s in self.stops)
-        self._held = text[len(text) - keep :]
-        return text[: len(text) - keep], False
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return "" if self.hit else held
-
-
-def _chat_prompt(model, messages, tools, enable_thinking: bool):
-    """(what to hand model.generate, whether the prompt leaves `<think>` open, turn boundary).
-
-    Text-only chats are rendered here with the model's template and tokenized, so the runtime knows
-    where the thinking starts and tools reach the template. Chats with images go to the model as
-    messages (it owns the vision preprocessing); the template is still rendered to learn the
-    thinking state. The turn boundary is the number of prompt tokens before the generation prompt
-    (`<|im_start|>assistant\n<think>\n`), or None: see generation.checkpoint_turn_boundary."""
-    template = getattr(model, "chat_template", None)
-    render = getattr(template, "render", None) if template is not None else None
-    if not callable(render):
-        if tools:
-            raise RequestError("this model has no chat template, so it cannot be given tools")
-        return messages, False, None
-    kwargs = {"enable_thinking": enable_thinking}
-    if tools:
-        kwargs["tools"] = tools
-    text = render(messages, add_generation_prompt=True, **kwargs)
-    opens = prompt_opens_thinking(text)
-    if _has_images(messages):
-        return messages, opens, None
-    # add_special=True: the rendered template's control tokens (<|im_start|>, <bos>) must become their
-    # ids, and a BOS the template already wrote is not doubled.
-    ids = [int(t) for t in model.tokenizer.encode(text, add_special=True)]
-    boundary = None
-    if messages[-1].get("role") in ("user", "tool"):
-        try:
-            base = render(messages, add_generation_prompt=False, **kwargs)
-        except MinecartError:
-            base = None
-        if base and text.startswith(base):
-            base_ids = model.tokenizer.encode(base, add_special=True)
-            if 0 < len(base_ids) < len(ids) and ids[: len(base_ids)] == list(base_ids):
-                boundary = len(base_ids)
-    return ids, opens, boundary
-
-
-def _close_session(session) -> None:
+def _close_session(session: RuntimeSession | None) -> None:
     """Free a session's device memory now rather than whenever the garbage collector runs."""
-    close = getattr(session, "close", None)
-    if callable(close):
-        try:
-            close()
-        except Exception:  # noqa: BLE001 - a failed free must not take the request down with it
-            pass
+    if session is None:
+        return
+    try:
+        session.close()
+    except Exception:  # noqa: BLE001 - a failed free must not take the request down with it
+        pass
 
 
-def _vision_args(args: dict) -> dict:
+def _vision_args(args: dict[str, Any]) -> dict[str, Any]:
     """The load's vision options (mmproj, max_image_tokens) and kv_type that were given, for the loader."""
     return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type") if args.get(k) is not None}
 
@@ -933,7 +870,7 @@ def valid_unicode(text: str) -> str:
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # a Python str never holds a valid surrogate pair
 
 
-def _with_valid_text(message):
+def _with_valid_text(message: Any) -> Any:
     """A copy of one chat message whose text (string content or text parts) is valid Unicode."""
     if not isinstance(message, dict):
         return message
@@ -947,44 +884,19 @@ def _with_valid_text(message):
     return message
 
 
-def _has_images(messages) -> bool:
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and (
-                    part.get("type") in ("image", "image_url") or "image" in part or "image_url" in part
-                ):
-                    return True
-    return False
-
-
-def _reads_images(model) -> bool:
-    """A model that takes pictures says so with a true `has_vision` (or a `vision` tower)."""
-    return bool(getattr(model, "has_vision", False) or getattr(model, "vision", None))
-
-
-def _describe(model, load_args: dict) -> ModelInfo:
-    config = getattr(model, "config", None)
+def _describe(model: RuntimeModel, load_args: dict[str, Any]) -> ModelInfo:
+    config = model.config
     path = str(load_args.get("path", ""))
-    name = getattr(config, "name", "") or Path(path).stem
-    placement = getattr(model, "placement", None) or load_args.get("placement")
-    plan = getattr(model, "device_plan", None)  # part -> device actually in use
-    if isinstance(plan, dict) and plan:
-        devices = list(dict.fromkeys(plan.values()))
-    else:
-        devices = getattr(model, "devices", None) or load_args.get("devices") or ()
-    if isinstance(devices, str):
-        devices = [d.strip() for d in devices.split(",") if d.strip()]
+    devices = tuple(dict.fromkeys(model.device_plan.values()))
     return ModelInfo(
         path=path,
-        name=str(name),
-        architecture=str(getattr(config, "architecture", "")),
-        context_length=int(getattr(config, "context_length", 0) or 0),
-        devices=tuple(str(getattr(d, "id", d)) for d in devices),
-        placement=placement,
-        has_vision=_reads_images(model),
-        base_model=bool(getattr(model, "is_base_model", False)),
+        name=str(config.name or Path(path).stem),
+        architecture=str(config.architecture),
+        context_length=int(config.context_length or 0),
+        devices=devices,
+        placement=model.placement if model.placement is not None else load_args.get("placement"),
+        has_vision=model.vision is not None,
+        base_model=bool(model.is_base_model),
     )
 
 

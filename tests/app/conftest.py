@@ -15,7 +15,7 @@ import pytest
 from minecart.engine.devices import DeviceInfo
 from minecart.engine.errors import GenerationCancelled
 
-from tests.engine.fake_chat_model import ByteTokenizer, FakeConfig, FakeEvent
+from tests.engine.fake_chat_model import FakeEvent, FakeModelBase
 
 
 @pytest.fixture(autouse=True)
@@ -35,26 +35,24 @@ def _theme(qapp):
     return qapp
 
 
-class ScriptedModel:
+class ScriptedModel(FakeModelBase):
     """Replies with `reply` (chunks of 3 characters), thinking first when asked. `fail_on` makes
-    generate raise on a prompt containing that text; `token_delay` slows the stream (for Stop)."""
+    generate raise on a prompt containing that text; `token_delay` slows the stream (for Stop).
+    Without a chat template, so chats reach `generate` as messages."""
 
     def __init__(self, reply="Hello **there**.\n\n```python\nprint(1)\n```", thinking="Let me think.",
                  fail_on=None, token_delay=0.0, has_vision=False):
-        self.config = FakeConfig(name="Scripted")
-        self.tokenizer = ByteTokenizer()
+        super().__init__(name="Scripted")
         self.chat_template = None
         self.reply = reply
         self.thinking = thinking
         self.fail_on = fail_on
         self.token_delay = token_delay
-        self.has_vision = has_vision
+        self.vision = "scripted vision tower" if has_vision else None
         self.prompts = []
 
-    def new_session(self):
-        return object()
-
-    def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking=True):
+    def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking=True,
+                 **prompt_extras):
         self.prompts.append(prompt)
         text = repr(prompt[-1] if isinstance(prompt, list) and prompt else prompt)  # the newest message
         if self.fail_on and self.fail_on in text:

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 
 from minecart.engine.errors import GenerationCancelled
+from minecart.engine.generation import GenerationEvent
+from minecart.engine.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -22,25 +24,18 @@ class FakeConfig:
     context_length: int = 4096
 
 
-@dataclass(frozen=True)
-class FakeEvent:
-    token: int
-    text: str
-    finish_reason: str | None
-    prompt_tokens: int
-    generation_tokens: int
-    prompt_tps: float
-    generation_tps: float
-
-
-@dataclass
-class FakeParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    seed: int | None = None
+def FakeEvent(token: int, text: str, finish_reason: str | None, prompt_tokens: int,
+              generated_tokens: int, prompt_tps: float | None, generation_tps: float | None
+              ) -> GenerationEvent:
+    """The engine's GenerationEvent from the few fields a scripted reply knows."""
+    return GenerationEvent(token=token, text=text, finish_reason=finish_reason,
+                           prompt_tokens=prompt_tokens, generated_tokens=generated_tokens,
+                           prompt_tps=prompt_tps, generation_tps=generation_tps, elapsed=0.0)
 
 
 class ByteTokenizer:
+    eos_ids = frozenset()
+
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))  # no BOS, like Qwen's tokenizer
 
@@ -49,7 +44,7 @@ class ByteTokenizer:
 
 
 class TinyTemplate:
-    def render(self, messages, tools=None, add_generation_prompt=True, enable_thinking=True):
+    def render(self, messages, *, tools=None, add_generation_prompt=True, enable_thinking=True):
         parts = []
         if tools:
             parts.append("<|system|>tools: " + ",".join(t["function"]["name"] for t in tools) + "\n")
@@ -82,29 +77,21 @@ def default_reply(prompt_text: str, enable_thinking: bool) -> str:
     return answer
 
 
-class FakeModel:
-    """`reply(prompt_text, enable_thinking) -> str` scripts the output; `delay_s` per token."""
+class FakeModelBase:
+    """The typed model interface the runtime reads (engine.runtime.RuntimeModel) with fake values."""
 
-    def __init__(self, reply=None, delay_s: float = 0.0, fail_after: int | None = None):
-        self.config = FakeConfig()
+    is_base_model = False
+
+    def __init__(self, name: str = "fake-chat"):
+        self.config = FakeConfig(name=name)
         self.tokenizer = ByteTokenizer()
-        self.chat_template = TinyTemplate()
-        self.reply = reply or default_reply
-        self.delay_s = delay_s
-        self.fail_after = fail_after
+        self.chat_template: TinyTemplate | None = TinyTemplate()
+        self.vision: object | None = None
         self.placement = None
-        self.devices = ["cpu"]
-        self.has_vision = True  # image parts are rendered as "<image>" by TinyTemplate
-        self.generate_threads: set[int] = set()
-        self.active = 0
-        self.max_active = 0
-        self.prompts: list = []
-        self.sessions_made = 0
+        self.device_plan = {"global": "cpu"}
         self.closed = False
-        self._lock = threading.Lock()
 
-    def new_session(self) -> FakeSession:
-        self.sessions_made += 1
+    def new_session(self):
         return FakeSession()
 
     def reload_placement(self, placement, *, progress=None, cancel=None) -> None:
@@ -115,7 +102,31 @@ class FakeModel:
     def close(self) -> None:
         self.closed = True
 
-    def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking=True):
+
+class FakeModel(FakeModelBase):
+    """`reply(prompt_text, enable_thinking) -> str` scripts the output; `delay_s` per token."""
+
+    def __init__(self, reply=None, delay_s: float = 0.0, fail_after: int | None = None):
+        super().__init__()
+        self.reply = reply or default_reply
+        self.delay_s = delay_s
+        self.fail_after = fail_after
+        self.vision = "fake vision tower"  # image parts are rendered as "<image>" by TinyTemplate
+        self.generate_threads: set[int] = set()
+        self.active = 0
+        self.max_active = 0
+        self.prompts: list = []
+        self.generate_extras: list[dict] = []  # the keyword arguments of each generate call
+        self.sessions_made = 0
+        self._lock = threading.Lock()
+
+    def new_session(self) -> FakeSession:
+        self.sessions_made += 1
+        return FakeSession()
+
+    def generate(self, prompt, params: SamplingParams | None = None, session=None, cancel=None,
+                 enable_thinking=True, **prompt_extras):
+        self.generate_extras.append(prompt_extras)
         with self._lock:
             self.active += 1
             self.max_active = max(self.max_active, self.active)
@@ -142,7 +153,7 @@ class FakeModel:
             common += 1
         session.reused.append(common)
         session.tokens = list(ids)
-        max_tokens = getattr(params, "max_tokens", None) or 256
+        max_tokens = (params or SamplingParams()).resolved_max_tokens(templated=True)
         out = self.reply(text, enable_thinking)
         for i, ch in enumerate(out):
             if cancel is not None and cancel.is_set():
@@ -178,7 +189,7 @@ def fake_loader(model: FakeModel | None = None, progress_steps: int = 4, delay_s
             if progress:
                 progress((k + 1) / progress_steps, f"layer {k}")
         m = model if model is not None else FakeModel()
-        m.devices = list(devices or ["cpu"])
+        m.device_plan = {"global": (devices or ["cpu"])[0]}
         m.placement = placement
         made.append(m)
         return m

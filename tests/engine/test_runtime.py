@@ -11,10 +11,12 @@ import threading
 import time
 
 import pytest
+from minecart.engine.chat_template import prompt_opens_thinking
 from minecart.engine.errors import GGUFError, RequestError
-from minecart.engine.runtime import Runtime, ThinkingSplitter, prompt_opens_thinking
+from minecart.engine.runtime import Runtime, ThinkingSplitter
+from minecart.engine.sampling import greedy_params
 
-from tests.engine.fake_chat_model import FakeModel, FakeParams, fake_loader
+from tests.engine.fake_chat_model import FakeModel, fake_loader
 
 TIMEOUT = 10.0
 
@@ -65,7 +67,7 @@ def test_load_reports_progress_then_done():
 
 def test_chat_streams_thinking_and_answer_with_usage():
     rt, model = loaded_runtime()
-    handle = rt.chat([{"role": "user", "content": "hi"}], FakeParams(), enable_thinking=True)
+    handle = rt.chat([{"role": "user", "content": "hi"}], greedy_params(), enable_thinking=True)
     events, thinking, answer = collect(handle)
     assert thinking == "I should echo.\n"
     prompt = model.prompts[-1]
@@ -86,7 +88,7 @@ def test_chat_streams_thinking_and_answer_with_usage():
 def test_no_think_gives_answer_only():
     rt, model = loaded_runtime()
     events, thinking, answer = collect(
-        rt.chat([{"role": "user", "content": "hi"}], FakeParams(), enable_thinking=False)
+        rt.chat([{"role": "user", "content": "hi"}], greedy_params(), enable_thinking=False)
     )
     assert thinking == ""
     assert answer == f"echo[{len(model.prompts[-1])}]"
@@ -96,20 +98,20 @@ def test_no_think_gives_answer_only():
 def test_conversation_reuses_its_session_and_one_offs_do_not():
     rt, model = loaded_runtime()
     msgs = [{"role": "user", "content": "first question"}]
-    rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
+    rt.chat(msgs, greedy_params(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
     first_answer = model.reply(model.prompts[-1], False)
     msgs = msgs + [
         {"role": "assistant", "content": first_answer},
         {"role": "user", "content": "second"},
     ]
     made_before = model.sessions_made
-    rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
+    rt.chat(msgs, greedy_params(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
     assert model.sessions_made == made_before  # same session object came back
     # the fake session reports how many prompt tokens matched its cache
-    rt.chat(msgs, FakeParams(), enable_thinking=False).result(TIMEOUT)
+    rt.chat(msgs, greedy_params(), enable_thinking=False).result(TIMEOUT)
     assert model.sessions_made == made_before + 1
     rt.forget("c1").result(TIMEOUT)
-    rt.chat(msgs, FakeParams(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
+    rt.chat(msgs, greedy_params(), conversation_id="c1", enable_thinking=False).result(TIMEOUT)
     assert model.sessions_made == made_before + 2
 
 
@@ -125,10 +127,10 @@ def test_session_prefix_is_reused_across_turns():
 
     model.new_session = tracking
     msgs = [{"role": "user", "content": "hello there"}]
-    rt.chat(msgs, FakeParams(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
+    rt.chat(msgs, greedy_params(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
     msgs += [{"role": "assistant", "content": model.reply(model.prompts[-1], False)}]
     msgs += [{"role": "user", "content": "more"}]
-    rt.chat(msgs, FakeParams(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
+    rt.chat(msgs, greedy_params(), conversation_id=7, enable_thinking=False).result(TIMEOUT)
     (session,) = sessions
     assert session.reused[0] == 0
     # turn two starts with turn one's prompt + answer: all of it comes from the cache
@@ -145,11 +147,11 @@ def test_sessions_are_closed_when_evicted_forgotten_or_one_off():
     model.new_session = lambda: sessions.append(original()) or sessions[-1]
     msgs = [{"role": "user", "content": "x"}]
     for conv in ("a", "b", "c"):  # "a" is evicted when "c" arrives
-        rt.chat(msgs, FakeParams(), conversation_id=conv).result(TIMEOUT)
+        rt.chat(msgs, greedy_params(), conversation_id=conv).result(TIMEOUT)
     assert [s.closed for s in sessions] == [True, False, False]
     rt.forget("b").result(TIMEOUT)
     assert sessions[1].closed and not sessions[2].closed
-    rt.chat(msgs, FakeParams()).result(TIMEOUT)  # no conversation: its session is not kept
+    rt.chat(msgs, greedy_params()).result(TIMEOUT)  # no conversation: its session is not kept
     assert sessions[3].closed and rt.status()["sessions"] == 1
     rt.unload().result(TIMEOUT)
     assert all(s.closed for s in sessions)
@@ -158,7 +160,7 @@ def test_sessions_are_closed_when_evicted_forgotten_or_one_off():
 def test_cancel_while_generating_is_prompt_and_leaves_session_usable():
     model = FakeModel(reply=lambda p, t: "x" * 2000, delay_s=0.005)
     rt, model = loaded_runtime(model)
-    handle = rt.chat([{"role": "user", "content": "go"}], FakeParams(max_tokens=5000),
+    handle = rt.chat([{"role": "user", "content": "go"}], greedy_params(max_tokens=5000),
                      conversation_id="c", enable_thinking=False)
     first = None
     for ev in handle.events(TIMEOUT):
@@ -175,7 +177,7 @@ def test_cancel_while_generating_is_prompt_and_leaves_session_usable():
     assert rt.metrics.requests()[-1].finish_reason == "cancelled"
     # same conversation, next turn works
     model.reply = lambda p, t: "ok"
-    final = rt.chat([{"role": "user", "content": "again"}], FakeParams(),
+    final = rt.chat([{"role": "user", "content": "again"}], greedy_params(),
                     conversation_id="c", enable_thinking=False).result(TIMEOUT)
     assert final.kind == "done"
     assert model.active == 0
@@ -184,8 +186,8 @@ def test_cancel_while_generating_is_prompt_and_leaves_session_usable():
 def test_cancel_by_id_and_of_a_queued_request():
     model = FakeModel(reply=lambda p, t: "y" * 500, delay_s=0.005)
     rt, model = loaded_runtime(model)
-    busy = rt.chat([{"role": "user", "content": "a"}], FakeParams(max_tokens=1000), enable_thinking=False)
-    queued = rt.chat([{"role": "user", "content": "b"}], FakeParams(), enable_thinking=False)
+    busy = rt.chat([{"role": "user", "content": "a"}], greedy_params(max_tokens=1000), enable_thinking=False)
+    queued = rt.chat([{"role": "user", "content": "b"}], greedy_params(), enable_thinking=False)
     assert rt.status()["queued"] >= 1
     assert busy.get(TIMEOUT).kind == "started"
     queued.cancel()
@@ -201,37 +203,37 @@ def test_cancel_by_id_and_of_a_queued_request():
 def test_engine_error_becomes_error_event_and_thread_survives():
     model = FakeModel(fail_after=3)
     rt, model = loaded_runtime(model)
-    events, _, answer = collect(rt.chat([{"role": "user", "content": "x"}], FakeParams(), enable_thinking=False))
+    events, _, answer = collect(rt.chat([{"role": "user", "content": "x"}], greedy_params(), enable_thinking=False))
     assert events[-1].kind == "error"
     assert "fake engine failure" in events[-1].text
     assert isinstance(events[-1].error, ValueError)
     assert len(answer) == 3
     model.fail_after = None
-    final = rt.chat([{"role": "user", "content": "x"}], FakeParams(), enable_thinking=False).result(TIMEOUT)
+    final = rt.chat([{"role": "user", "content": "x"}], greedy_params(), enable_thinking=False).result(TIMEOUT)
     assert final.kind == "done"
     assert rt.status()["alive"]
 
 
 def test_errors_without_a_model_and_for_a_bad_file():
     rt, _ = make_runtime()
-    final = rt.chat([{"role": "user", "content": "x"}], FakeParams()).wait(TIMEOUT)
+    final = rt.chat([{"role": "user", "content": "x"}], greedy_params()).wait(TIMEOUT)
     assert final.kind == "error" and isinstance(final.error, RequestError)
     assert "no model is loaded" in final.text
     with pytest.raises(GGUFError, match="missing.gguf"):
         rt.load("missing.gguf").result(TIMEOUT)
     assert not rt.loaded
     with pytest.raises(RequestError):
-        rt.chat([], FakeParams())
+        rt.chat([], greedy_params())
 
 
 def test_images_need_a_vision_model():
     rt, model = loaded_runtime()
     msgs = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
                                          {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]
-    rt.chat(msgs, FakeParams()).result(TIMEOUT)
+    rt.chat(msgs, greedy_params()).result(TIMEOUT)
     assert model.prompts[-1].endswith("what is it?<image>\n<|assistant|><think>\n")
-    model.has_vision = False
-    final = rt.chat(msgs, FakeParams()).wait(TIMEOUT)
+    model.vision = None
+    final = rt.chat(msgs, greedy_params()).wait(TIMEOUT)
     assert final.kind == "error" and "cannot read pictures" in final.text
 
 
@@ -249,7 +251,7 @@ def test_load_can_be_cancelled():
 
 def test_replace_applies_placement_and_drops_sessions():
     rt, model = loaded_runtime()
-    rt.chat([{"role": "user", "content": "x"}], FakeParams(), conversation_id="c").result(TIMEOUT)
+    rt.chat([{"role": "user", "content": "x"}], greedy_params(), conversation_id="c").result(TIMEOUT)
     assert rt.status()["sessions"] == 1
     version = rt.state_version
     final = rt.replace({"layers": "all on cpu"}).result(TIMEOUT)
@@ -265,7 +267,7 @@ def test_stop_strings_cut_the_answer():
     model = FakeModel(reply=lambda p, t: "alpha beta STOP gamma delta")
     rt, model = loaded_runtime(model)
     events, _, answer = collect(
-        rt.chat([{"role": "user", "content": "x"}], FakeParams(), stop=["STOP", "delta"],
+        rt.chat([{"role": "user", "content": "x"}], greedy_params(), stop=["STOP", "delta"],
                 enable_thinking=False)
     )
     assert answer == "alpha beta "
@@ -275,11 +277,11 @@ def test_stop_strings_cut_the_answer():
 
 def test_max_tokens_gives_length_and_completion_takes_raw_text():
     rt, model = loaded_runtime()
-    events, _, answer = collect(rt.complete("raw text", FakeParams(max_tokens=4)))
+    events, _, answer = collect(rt.complete("raw text", greedy_params(max_tokens=4)))
     assert model.prompts[-1] == "raw text"  # no template around a completion
     assert events[-1].finish_reason == "length"
     assert len(answer) == 4
-    final = rt.complete([104, 105], FakeParams()).result(TIMEOUT)
+    final = rt.complete([104, 105], greedy_params()).result(TIMEOUT)
     assert model.prompts[-1] == "hi" and final.kind == "done"
 
 
@@ -291,7 +293,7 @@ def test_many_clients_share_one_runtime_and_generations_are_serialized():
 
     def client(k):
         try:
-            h = rt.chat([{"role": "user", "content": f"client {k}" + "!" * k}], FakeParams(),
+            h = rt.chat([{"role": "user", "content": f"client {k}" + "!" * k}], greedy_params(),
                         conversation_id=k, enable_thinking=False)
             _, _, answer = collect(h)
             results[k] = answer
@@ -316,8 +318,8 @@ def test_many_clients_share_one_runtime_and_generations_are_serialized():
 def test_get_times_out_and_close_cancels_pending_work():
     model = FakeModel(reply=lambda p, t: "z" * 1000, delay_s=0.01)
     rt, model = loaded_runtime(model)
-    handle = rt.chat([{"role": "user", "content": "x"}], FakeParams(max_tokens=2000), enable_thinking=False)
-    queued = rt.chat([{"role": "user", "content": "y"}], FakeParams(), enable_thinking=False)
+    handle = rt.chat([{"role": "user", "content": "x"}], greedy_params(max_tokens=2000), enable_thinking=False)
+    queued = rt.chat([{"role": "user", "content": "y"}], greedy_params(), enable_thinking=False)
     with pytest.raises(TimeoutError):
         while True:  # the first events come quickly; a gap between tokens is 10 ms
             handle.get(timeout=0.001)
@@ -326,7 +328,7 @@ def test_get_times_out_and_close_cancels_pending_work():
     assert queued.wait(TIMEOUT).kind == "cancelled"
     assert model.closed
     with pytest.raises(RuntimeError):
-        rt.chat([{"role": "user", "content": "x"}], FakeParams())
+        rt.chat([{"role": "user", "content": "x"}], greedy_params())
 
 
 # -- thinking split ----------------------------------------------------------------------------------
@@ -429,3 +431,55 @@ def test_real_model_cancel_then_continue(real_runtime):
     again = rt.chat(msgs + [{"role": "user", "content": "again"}], SamplingParams(max_tokens=3, seed=1),
                     conversation_id="cancel").result(120)
     assert again.kind == "done" and again.usage.completion_tokens == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# Base models: plain-text completion by default, the template on request; default lengths
+
+
+def test_base_model_chat_gets_the_plain_text_of_the_messages():
+    model = FakeModel()
+    model.is_base_model = True
+    rt, model = loaded_runtime(model)
+    msgs = [{"role": "system", "content": "Facts."}, {"role": "user", "content": "The capital of France is"}]
+    final = rt.chat(msgs, greedy_params()).result(TIMEOUT)
+    # no roles, no generation prompt: the text to continue, as the user wrote it
+    assert model.prompts[-1] == "Facts.\n\nThe capital of France is"
+    assert final.data["prompt"] == "text"
+    forced = rt.chat(msgs, greedy_params(), chat_template="chat").result(TIMEOUT)
+    assert model.prompts[-1].startswith("<|system|>Facts.\n<|user|>The capital of France is\n<|assistant|>")
+    assert forced.data["prompt"] == "chat"
+    with pytest.raises(RequestError, match="chat_template must be one of auto, chat, text"):
+        rt.chat(msgs, greedy_params(), chat_template="always")
+
+
+def test_chat_model_uses_its_template_and_a_chat_length_by_default():
+    from minecart.engine.sampling import (
+        DEFAULT_MAX_TOKENS_CHAT,
+        DEFAULT_MAX_TOKENS_TEXT,
+        SamplingParams,
+    )
+
+    seen: list[int | None] = []
+
+    class Recording(FakeModel):
+        def generate(self, prompt, params=None, *args, **kwargs):
+            seen.append(params.max_tokens)
+            return super().generate(prompt, params, *args, **kwargs)
+
+    rt, model = loaded_runtime(Recording())
+    final = rt.chat([{"role": "user", "content": "hi"}], SamplingParams()).result(TIMEOUT)
+    assert final.data["prompt"] == "chat" and model.prompts[-1].startswith("<|user|>hi\n<|assistant|>")
+    rt.complete("once upon a time", SamplingParams()).result(TIMEOUT)
+    rt.complete("once upon a time", SamplingParams(max_tokens=7)).result(TIMEOUT)
+    assert seen == [DEFAULT_MAX_TOKENS_CHAT, DEFAULT_MAX_TOKENS_TEXT, 7]
+
+
+def test_conversation_turn_boundary_reaches_the_engine():
+    rt, model = loaded_runtime()
+    msgs = [{"role": "user", "content": "hi"}]
+    rt.chat(msgs, greedy_params(), conversation_id="c", enable_thinking=False).result(TIMEOUT)
+    # "<|user|>hi\n" is 11 bytes: the generation prompt starts there
+    assert model.generate_extras[-1] == {"turn_boundary": 11}
+    rt.chat(msgs, greedy_params(), enable_thinking=False).result(TIMEOUT)
+    assert model.generate_extras[-1] == {}  # a one-off request has no session to checkpoint
