@@ -9,7 +9,8 @@ Plain data, no Qt, no numpy. A model is split into ordered *parts*: "global" (to
 - KV cache: attention layers, K and V at the chosen context and KV type (f32, f16, q8, q3 = 3-bit);
 - recurrent state: Gated DeltaNet conv state and delta-rule state, fp32, independent of context;
 - activations and scratch ("scratch"): the peak live activations of the widest part on the device at the
-  chosen prefill chunk, counted the way the CUDA backend allocates them (see _layer_activation_values;
+  chosen prefill chunk, counted the way the CUDA backend allocates them (each architecture's spec says
+  how: engine/models/<arch>.py SPEC.layer_costs;
   fused attention is assumed, so no T x context score matrix is counted), plus on a "cuda:*" device
   holding stored (quantized) weights what CuPy's memory pool keeps beyond the live arrays: the holes
   that the first-use concatenation of projection weights leaves (fragmentation) and the load-time
@@ -37,7 +38,9 @@ Typical use:
     plan.move_boundary(0, 20)                                   # cuda:1 now starts at part 20
     text = plan.to_json(); plan2 = Placement.from_json(text)
 
-Sizes of the released Qwen3.5 models can be computed without the file: `config_and_tensors_for_shape()`.
+Sizes of the named Qwen3.5 shapes can be computed without the file: `config_and_tensors_for_shape()`.
+What a part holds and costs comes from the architecture's spec (engine/models/spec.py); this module
+only adds it up per device.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
-from .config import ATTN, GDN, SLIDING, ModelConfig
 from .devices import format_bytes
 from .errors import PlacementError
+from .models import qwen35
+from .models.spec import ModelConfig, spec_for
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -81,13 +86,6 @@ GDN_CHUNK_TOKENS = 64
 # upload_weight): the raw blocks are copied to the device first, so for a moment the tensor is there
 # twice (raw, then scales + quants); the freed raw copy stays in the pool as a hole.
 STAGED_TYPES = ("Q8_0", "Q4_0")
-
-# Tensors the CUDA backend concatenates into one matrix on first use (engine/models/qwen35.py
-# matmul_many groups), by name suffix after "blk.N.".
-FUSED_GROUPS = (("attn_qkv.weight", "attn_gate.weight", "ssm_beta.weight", "ssm_alpha.weight"),
-                ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
-                ("ffn_gate.weight", "ffn_up.weight"),
-                ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"))
 
 # Bytes per stored KV value. q8 = Q8_0 blocks (32 int8 + fp16 scale); q3 = 3-bit codes in blocks of 32
 # (12 bytes) plus an fp16 scale (2 bytes), as the Walsh-Hadamard + Lloyd-Max cache of seeds.md stores.
@@ -155,7 +153,8 @@ class PartCost:
     mixer_values_per_token / segment_values_per_token: a GDN layer's live activations per token while
              its chunked prefill kernels run, and their scratch per token of one segment (at most
              GDN_SEGMENT_TOKENS tokens; only runs of GDN_CHUNKED_MIN_TOKENS or more take them).
-    fused_bytes: stored bytes of the weights the CUDA backend concatenates on first use (FUSED_GROUPS).
+    fused_bytes: stored bytes of the weights the CUDA backend concatenates on first use (the
+             architecture spec's fused_groups).
     staged: tensors uploaded through a raw staging copy on the CUDA backend (STAGED_TYPES matrices),
              in load order like `tensors`.
     """
@@ -256,53 +255,16 @@ def _kv_bytes_per_value(kv_type: str) -> float:
 _BLK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
-def _tensor_parts(config: ModelConfig, names: Iterable[str]) -> dict[str, list[str]]:
-    """Group GGUF tensor names by part. MTP blocks (blk.{n_layers}+) are not used for ordinary
-    next-token prediction and are left out; so are tensors of other towers (vision)."""
-    groups: dict[str, list[str]] = {GLOBAL: [], HEAD: []}
-    for i in range(config.n_layers):
-        groups[layer_part(i)] = []
-    for name in names:
-        m = _BLK_RE.match(name)
-        if m:
-            i = int(m.group(1))
-            if i < config.n_layers:
-                groups[layer_part(i)].append(name)
-        elif name == "token_embd.weight":
-            groups[GLOBAL].append(name)
-            if config.tied_embeddings:
-                groups[HEAD].append(name)
-        elif name.startswith("output"):  # output_norm.weight, output.weight
-            groups[HEAD].append(name)
-    return groups
-
-
-def _roles_by_name(config: ModelConfig, tensors: Mapping) -> dict[str, dict[str, str]]:
-    """part -> {tensor: role} from names alone (used when the model module cannot say)."""
-    out: dict[str, dict[str, str]] = {}
-    for part, names in _tensor_parts(config, tensors).items():
-        out[part] = {n: "embedding" if n == "token_embd.weight" else
-                     ("vector" if len(_shape_of(tensors[n])) == 1 else "matmul") for n in names}
-    return out
-
-
-def _roles_from_model_module(config: ModelConfig, tensors: Mapping) -> dict[str, dict[str, str]] | None:
-    """The model module's own tensor roles per part (the truth of what gets loaded), or None."""
-    try:
-        import inspect
-
-        from .models import module_for
-
-        fn = module_for(config.architecture).tensor_roles
-        if "available" in inspect.signature(fn).parameters:
-            roles = fn(config, available=set(tensors))
-        else:
-            roles = fn(config)
-    except Exception:  # the module may not exist yet for this architecture; names then decide
-        return None
-    if any(n not in tensors for r in roles.values() for n in r):
-        return None
-    return {part: dict(r) for part, r in roles.items()}
+def _roles(config: ModelConfig, tensors: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """part -> {tensor: role}: what the loader reads (the architecture's spec; MTP blocks and other
+    towers' tensors are not part of it)."""
+    roles = spec_for(config.architecture).tensor_roles(config, available=set(tensors))
+    for part in roles.values():
+        for name in part:
+            if name not in tensors:
+                raise PlacementError(f"{config.name} has no tensor {name}, which {config.architecture} "
+                                     "reads; the file is incomplete: re-convert it")
+    return roles
 
 
 def _shape_of(info) -> tuple[int, ...]:
@@ -325,62 +287,13 @@ def _tensor_bytes(info, role: str, part: str, layout: str) -> int:
     return 4 * n
 
 
-def _q8(n: int) -> int:
-    """float32-equivalent values of the q8_1 copy of n activations (int8 + two fp32 per 32 values,
-    1.25 bytes per value), which the CUDA backend keeps beside a matmul input on the DP4A path."""
-    return n * 5 // 16
-
-
-def _layer_activation_values(config: ModelConfig, kind: str) -> tuple[int, int, int]:
-    """Peak live float32 values per token inside one layer during a prefill chunk, as the CUDA backend
-    allocates them (engine/models/qwen35.py through CupyBackend). Returns three numbers: the peak outside
-    the chunked GDN prefill kernels, the live values while they run, and their scratch per segment
-    token (the last two 0 for layers without them).
-
-    Every phase holds the residual x and the normed input a with its q8_1 copy (2 H + q8(H)).
-    - matmul_many (fused projections): the (T, sum of rows) output and its per-weight contiguous
-      slices are both alive: 2 x rows. GDN rows: conv_dim + n_v d_v + 2 n_v; attention: 2 nh d (query
-      and gate, interleaved) + n_kv (d_k + d_v).
-    - GDN mixer while the chunked kernels run: mixed [q|k|v] (conv_dim), z (n_v d_v), b and alpha, the
-      conv output u (conv_dim), normed q and k (2 n_k d_k), g and beta, a contiguous copy of v and the
-      output (2 n_v d_v); scratch n_v (3 d_k + 2 d_v) per token of the segment (kernels/gdn_chunk.py).
-    - gated attention: q/gate and k, v, then roped q, the output, sigmoid(gate) and the gated output
-      (2 nh d + 2 nh d_v besides the projections).
-    - dense FFN: x, the residual sum and the normed input with its q8_1 copy, the gate|up output and
-      its two slices (4 F); then silu(gate) * up with its q8_1 copy.
-    - MoE FFN: router logits, k experts' gate/up/down rows and the shared expert (3 H + ...).
-    """
-    h = config.hidden
-    base = 2 * h + _q8(h)
-    seg = 0
-    mixer_chunked = 0
-    if kind == GDN:
-        nv, dk, dv = config.gdn_v_heads, config.gdn_key_dim, config.gdn_value_dim
-        value_dim = nv * dv
-        conv = config.gdn_conv_dim
-        project = base + 2 * (conv + value_dim + 2 * nv)
-        mixer_chunked = base + 2 * conv + 3 * value_dim + 2 * config.gdn_k_heads * dk + 4 * nv
-        mixer = max(project, mixer_chunked)  # the token-serial scan holds about as much as the chunked path
-        seg = nv * (3 * dk + 2 * dv)
-    else:
-        nh, d, dv, n_kv = config.n_heads, config.head_dim, config.value_head_dim, config.n_kv_heads
-        rows = 2 * nh * d + n_kv * (d + dv)
-        mixer = base + max(2 * rows, rows + 2 * nh * d + 2 * nh * dv)
-    if config.is_moe:
-        ffn = 3 * h + (config.n_experts + 3 * config.n_experts_used * config.expert_ffn
-                       + 3 * config.shared_expert_ffn)
-    else:
-        f = config.ffn
-        ffn = max(3 * h + _q8(h) + 4 * f, 3 * h + 3 * f + _q8(f), 4 * h + 3 * f + _q8(f))
-    return max(mixer, ffn), (mixer_chunked if seg else 0), seg
-
-
-def _fused_bytes(config: ModelConfig, names: Sequence[str], tensors: Mapping, sizes: Mapping[str, int]) -> int:
-    """Stored bytes of a layer's weights that the CUDA backend concatenates on first use: every group
-    of FUSED_GROUPS present with two or more members of one GGML type and row length."""
+def _fused_bytes(groups: Sequence[Sequence[str]], names: Sequence[str], tensors: Mapping[str, Any],
+                 sizes: Mapping[str, int]) -> int:
+    """Stored bytes of a layer's weights that the CUDA backend concatenates on first use: every one of
+    the architecture's fused groups present with two or more members of one GGML type and row length."""
     total = 0
     for i in {int(m.group(1)) for m in map(_BLK_RE.match, names) if m}:
-        for group in FUSED_GROUPS:
+        for group in groups:
             members = [f"blk.{i}.{suffix}" for suffix in group if f"blk.{i}.{suffix}" in sizes]
             if len(members) < 2:
                 continue
@@ -388,14 +301,6 @@ def _fused_bytes(config: ModelConfig, names: Sequence[str], tensors: Mapping, si
             if len(kinds) == 1:
                 total += sum(sizes[n] for n in members)
     return total
-
-
-def _layer_state_bytes(config: ModelConfig, kind: str) -> int:
-    if kind != GDN:
-        return 0
-    conv = max(config.conv_kernel - 1, 0) * config.gdn_conv_dim * 4
-    ssm = config.gdn_v_heads * config.gdn_key_dim * config.gdn_value_dim * 4
-    return conv + ssm
 
 
 def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout: str = "stored") -> ModelCosts:
@@ -410,7 +315,8 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
     blocks as in the file), "numpy" for the float32 reference backend.
     """
     tensors = gguf_file.tensors
-    roles = _roles_from_model_module(config, tensors) or _roles_by_name(config, tensors)
+    spec = spec_for(config.architecture)
+    roles = _roles(config, tensors)
     parts: list[PartCost] = []
 
     def sized(part: str) -> tuple[tuple[str, int], ...]:
@@ -422,19 +328,21 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
         return tuple(n for n, role in roles.get(part, {}).items()
                      if role != "vector" and getattr(tensors[n], "type_name", "") in STAGED_TYPES)
 
-    def fused(sizes) -> int:
-        return _fused_bytes(config, [n for n, _ in sizes], tensors, dict(sizes)) if layout == "stored" else 0
+    def fused(sizes: tuple[tuple[str, int], ...]) -> int:
+        if layout != "stored":
+            return 0
+        return _fused_bytes(spec.fused_groups, [n for n, _ in sizes], tensors, dict(sizes))
 
     parts.append(PartCost(GLOBAL, "embedding", sized(GLOBAL), act_values_per_token=config.hidden,
                           staged=staged(GLOBAL)))
     for i, kind in enumerate(config.layer_types):
-        kv = config.n_kv_heads * (config.head_dim + config.value_head_dim) if kind in (ATTN, SLIDING) else 0
-        act, mixer, seg = _layer_activation_values(config, kind)
+        c = spec.layer_costs(config, kind)
         sizes = sized(layer_part(i))
         parts.append(PartCost(layer_part(i), kind, sizes,
-                              kv_values_per_token=kv, state_bytes=_layer_state_bytes(config, kind),
-                              act_values_per_token=act, mixer_values_per_token=mixer,
-                              segment_values_per_token=seg, fused_bytes=fused(sizes),
+                              kv_values_per_token=c.kv_values_per_token, state_bytes=c.state_bytes,
+                              act_values_per_token=c.act_values_per_token,
+                              mixer_values_per_token=c.mixer_values_per_token,
+                              segment_values_per_token=c.segment_values_per_token, fused_bytes=fused(sizes),
                               staged=staged(layer_part(i))))
     parts.append(PartCost(HEAD, "head", sized(HEAD), act_values_per_token=2 * config.hidden,
                           act_values_fixed=logits_rows * config.vocab_size, staged=staged(HEAD)))
@@ -458,35 +366,6 @@ class TensorSpec:
     n_bytes: int
 
 
-@dataclass(frozen=True)
-class _Shape:
-    hidden: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    gdn_v_heads: int
-    ffn: int = 0
-    tied: bool = False
-    n_experts: int = 0
-    n_experts_used: int = 0
-    expert_ffn: int = 0
-    shared_expert_ffn: int = 0
-
-
-# The released Qwen3.5/3.6 text models (qwen35-architecture.md section 1). Common: head dim 256, GDN
-# d_k = d_v = 128 with 16 key heads, conv kernel 4, vocab 248,320, full attention every 4th layer.
-# Names as in engine/synth.py (which writes such files with random weights).
-QWEN35_SHAPES = {
-    "qwen3.5-0.8b": _Shape(1024, 24, 8, 2, 16, ffn=3584, tied=True),
-    "qwen3.5-2b": _Shape(2048, 24, 8, 2, 16, ffn=6144, tied=True),
-    "qwen3.5-4b": _Shape(2560, 32, 16, 4, 32, ffn=9216, tied=True),
-    "qwen3.5-9b": _Shape(4096, 32, 16, 4, 32, ffn=12288),
-    "qwen3.5-27b": _Shape(5120, 64, 24, 4, 48, ffn=17408),
-    "qwen3.6-35b-a3b": _Shape(2048, 40, 16, 2, 32, n_experts=256, n_experts_used=8, expert_ffn=512,
-                              shared_expert_ffn=512),
-}
-
-
 def _stored_bytes(shape: tuple[int, ...], type_name: str) -> int:
     import gguf
 
@@ -502,75 +381,21 @@ def _stored_bytes(shape: tuple[int, ...], type_name: str) -> int:
 
 def config_and_tensors_for_shape(name: str, quant: str = "Q8_0", n_layers: int | None = None
                                  ) -> tuple[ModelConfig, dict[str, TensorSpec]]:
-    """ModelConfig and the tensor list (with stored bytes) of a released Qwen3.5 shape, no file needed.
+    """ModelConfig and the tensor list (with stored bytes) of a named Qwen3.5 shape, no file needed.
 
-    name: one of QWEN35_SHAPES ("qwen3.5-9b", "qwen3.5-27b", ...); quant: GGML type of the matrices (the
-    1-D tensors, ssm_conv1d, ssm_a, ssm_dt.bias and the MoE router stay F32, as the converter writes
-    them); n_layers: keep only the first n layers (the pattern stays "every 4th is attention").
-    Pass the result to model_costs(config, SimpleNamespace(tensors=...)) or plan_auto.
+    name: one of engine/models/qwen35.py SHAPES ("qwen3.5-9b", "qwen3.5-27b", ...); quant: GGML type of
+    the matrices (the tensors the spec stores as F32 stay F32, as the converter writes them); n_layers:
+    keep only the first n layers (the pattern stays "every 4th is attention"). The MTP block is left out
+    (it is not loaded). Pass the result to model_costs(config, SimpleNamespace(tensors=...)) or plan_auto.
     """
-    if name not in QWEN35_SHAPES:
-        raise PlacementError(f"unknown model shape '{name}'; known: {', '.join(QWEN35_SHAPES)}")
-    s = QWEN35_SHAPES[name]
-    layers = s.n_layers if n_layers is None else int(n_layers)
-    h, d, dk, nk, vocab = s.hidden, 256, 128, 16, 248320
-    nv = s.gdn_v_heads
-    conv_dim = 2 * nk * dk + nv * dk
-    moe = s.n_experts > 0
-    arch = "qwen35moe" if moe else "qwen35"
-    kinds = tuple(ATTN if (i + 1) % 4 == 0 else GDN for i in range(layers))
-    config = ModelConfig(
-        architecture=arch, name=name, n_layers=layers, hidden=h, vocab_size=vocab, context_length=262144,
-        n_heads=s.n_heads, n_kv_heads=s.n_kv_heads, head_dim=d, value_head_dim=d, rms_eps=1e-6,
-        rope_base=1e7, rope_dims=64, rope_sections=(11, 11, 10, 0), layer_types=kinds, ffn=s.ffn,
-        tied_embeddings=s.tied, conv_kernel=4, gdn_key_dim=dk, gdn_value_dim=dk, gdn_k_heads=nk,
-        gdn_v_heads=nv, n_experts=s.n_experts, n_experts_used=s.n_experts_used, expert_ffn=s.expert_ffn,
-        shared_expert_ffn=s.shared_expert_ffn,
-    )
+    if name not in qwen35.SHAPES:
+        raise PlacementError(f"unknown model shape '{name}'; known: {', '.join(qwen35.SHAPES)}")
+    config = qwen35.SHAPES[name].truncated(n_layers, mtp=False).config(name)
     specs: dict[str, TensorSpec] = {}
-
-    def add(tname: str, shape: tuple[int, ...], type_name: str) -> None:
+    for tname, t in qwen35.SPEC.plan(config):
+        shape = t.shape(config)
+        type_name = "F32" if t.f32 else quant
         specs[tname] = TensorSpec(tname, shape, type_name, _stored_bytes(shape, type_name))
-
-    add("token_embd.weight", (vocab, h), quant)
-    for i, kind in enumerate(kinds):
-        p = f"blk.{i}."
-        add(p + "attn_norm.weight", (h,), "F32")
-        add(p + "post_attention_norm.weight", (h,), "F32")
-        if kind == ATTN:
-            add(p + "attn_q.weight", (2 * s.n_heads * d, h), quant)
-            add(p + "attn_k.weight", (s.n_kv_heads * d, h), quant)
-            add(p + "attn_v.weight", (s.n_kv_heads * d, h), quant)
-            add(p + "attn_output.weight", (h, s.n_heads * d), quant)
-            add(p + "attn_q_norm.weight", (d,), "F32")
-            add(p + "attn_k_norm.weight", (d,), "F32")
-        else:
-            add(p + "attn_qkv.weight", (conv_dim, h), quant)
-            add(p + "attn_gate.weight", (nv * dk, h), quant)
-            add(p + "ssm_alpha.weight", (nv, h), quant)
-            add(p + "ssm_beta.weight", (nv, h), quant)
-            add(p + "ssm_conv1d.weight", (conv_dim, 4), "F32")
-            add(p + "ssm_dt.bias", (nv,), "F32")
-            add(p + "ssm_a", (nv,), "F32")
-            add(p + "ssm_norm.weight", (dk,), "F32")
-            add(p + "ssm_out.weight", (h, nv * dk), quant)
-        if moe:
-            e, fe, fs = s.n_experts, s.expert_ffn, s.shared_expert_ffn
-            add(p + "ffn_gate_inp.weight", (e, h), "F32")
-            add(p + "ffn_gate_exps.weight", (e, fe, h), quant)
-            add(p + "ffn_up_exps.weight", (e, fe, h), quant)
-            add(p + "ffn_down_exps.weight", (e, h, fe), quant)
-            add(p + "ffn_gate_inp_shexp.weight", (1, h), "F32")
-            add(p + "ffn_gate_shexp.weight", (fs, h), quant)
-            add(p + "ffn_up_shexp.weight", (fs, h), quant)
-            add(p + "ffn_down_shexp.weight", (h, fs), quant)
-        else:
-            add(p + "ffn_gate.weight", (s.ffn, h), quant)
-            add(p + "ffn_up.weight", (s.ffn, h), quant)
-            add(p + "ffn_down.weight", (h, s.ffn), quant)
-    add("output_norm.weight", (h,), "F32")
-    if not s.tied:
-        add("output.weight", (vocab, h), quant)
     return config, specs
 
 
@@ -1049,7 +874,7 @@ def validate(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 0
                                              device_overhead(d.name, plan.cuda_context_bytes)) - reserve
                     for d in others}
             hint = ""
-            best = max(room, key=room.get) if room else None
+            best = max(room, key=lambda n: room[n]) if room else None
             if best is not None and room[best] > 0:
                 hint = f"; {best} has {format_bytes(room[best])} to spare"
             kv = per[dev].kv_cache

@@ -23,70 +23,18 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from . import quants as Q
 from .errors import RequestError
+from .models import qwen35
 
-
-@dataclass(frozen=True)
-class SynthShape:
-    """Hyper-parameters of a qwen35 / qwen35moe model (docs/qwen35-architecture.md section 1)."""
-
-    name: str
-    display: str
-    hidden: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    gdn_k_heads: int
-    gdn_v_heads: int
-    ffn: int = 0
-    tied: bool = True
-    head_dim: int = 256
-    gdn_head_dim: int = 128
-    rope_dims: int = 64
-    rope_sections: tuple[int, ...] = (11, 11, 10, 0)
-    conv_kernel: int = 4
-    n_experts: int = 0
-    n_experts_used: int = 0
-    expert_ffn: int = 0
-    shared_expert_ffn: int = 0
-    vocab_size: int = 248320
-    context_length: int = 262144
-    rope_base: float = 10_000_000.0
-    full_attention_interval: int = 4
-    n_mtp: int = 1
-
-    @property
-    def arch(self) -> str:
-        return "qwen35moe" if self.n_experts else "qwen35"
-
-
-_TINY = dict(hidden=32, n_layers=8, n_heads=4, n_kv_heads=2, gdn_k_heads=2, gdn_v_heads=4, head_dim=64,
-             gdn_head_dim=16, rope_dims=16, rope_sections=(3, 3, 2, 0))
-SHAPES: dict[str, SynthShape] = {
-    s.name: s
-    for s in (
-        SynthShape("qwen3.5-0.8b", "Qwen3.5-0.8B", 1024, 24, 8, 2, 16, 16, ffn=3584),
-        SynthShape("qwen3.5-2b", "Qwen3.5-2B", 2048, 24, 8, 2, 16, 16, ffn=6144),
-        SynthShape("qwen3.5-4b", "Qwen3.5-4B", 2560, 32, 16, 4, 16, 32, ffn=9216),
-        SynthShape("qwen3.5-9b", "Qwen3.5-9B", 4096, 32, 16, 4, 16, 32, ffn=12288, tied=False),
-        SynthShape("qwen3.5-27b", "Qwen3.5-27B", 5120, 64, 24, 4, 16, 48, ffn=17408, tied=False),
-        SynthShape("qwen3.6-35b-a3b", "Qwen3.6-35B-A3B", 2048, 40, 16, 2, 16, 32, tied=False,
-                   n_experts=256, n_experts_used=8, expert_ffn=512, shared_expert_ffn=512),
-        # the shared fixture's configuration (fixtures/dense/hf_config.json)
-        SynthShape("tiny-dense", "tiny dense (fixture shape)", ffn=96, **_TINY),
-        # the same tiny dims as a MoE model with an untied LM head
-        SynthShape("tiny-moe", "tiny MoE", tied=False, n_experts=8, n_experts_used=2, expert_ffn=32,
-                   shared_expert_ffn=32, **_TINY),
-        # real head sizes (256 / 128) and every row a multiple of 256, so K-quants are used as asked
-        SynthShape("small-dense", "small dense (real head dims)", 256, 4, 2, 1, 2, 4, ffn=512),
-    )
-}
+# The named shapes live with the architecture (engine/models/qwen35.py); synth writes files of them.
+SynthShape = qwen35.Shape
+SHAPES: dict[str, SynthShape] = qwen35.SHAPES
 
 # quant name -> ggml type id
 QUANTS = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
@@ -97,7 +45,7 @@ _FILE_TYPE = {Q.F32: 0, Q.F16: 1, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7, Q.Q5_0: 8, Q.
 # llama-quantize's fallback when a row is not a whole number of 256-value K blocks
 _K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
-# Qwen3.5/3.6 added tokens at their real ids (docs/qwen35-architecture.md 4.2); type 3 CONTROL, 4 USER_DEFINED
+# Qwen3.5/3.6 added tokens at their real ids (docs/qwen35.md, "Tokens"); type 3 CONTROL, 4 USER_DEFINED
 SPECIAL_TOKENS = {
     248044: "<|endoftext|>", 248045: "<|im_start|>", 248046: "<|im_end|>",
     248047: "<|object_ref_start|>", 248048: "<|object_ref_end|>", 248049: "<|box_start|>",
@@ -144,6 +92,8 @@ def encode_kv(key: str, vtype: str, value, elem_type: str | None = None) -> byte
         return out + _gguf_string(value)
     if t != _VT["ARRAY"]:
         return out + struct.pack(_SCALAR_FMT[t], value)
+    if elem_type is None:
+        raise ValueError(f"{key}: an ARRAY entry needs elem_type")
     et = _VT[elem_type]
     out += struct.pack("<IQ", et, len(value))
     if et == _VT["STRING"]:
@@ -214,7 +164,7 @@ def write_gguf(path: str | Path, kvs: list[bytes], tensors: list[PlannedTensor],
                 for chunk in chunks(t):
                     if failure:
                         raise failure[0]
-                    pending.put(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+                    pending.put(np.ascontiguousarray(chunk).data.cast("B"))
                     written += chunk.nbytes
                 if written != t.n_bytes:
                     raise AssertionError(f"{t.name}: wrote {written} bytes, expected {t.n_bytes}")
@@ -345,76 +295,18 @@ def _matrix_type(type_id: int, n_in: int) -> int:
 
 
 def plan_tensors(shape: SynthShape, type_id: int, *, fuse_gate_up: bool = False) -> list[PlannedTensor]:
-    """Every tensor of the model in converter order, with its GGML type and initialisation."""
-    s = shape
-    H = s.hidden
+    """Every tensor of the model in converter order, with its GGML type and initialisation, as the
+    architecture's spec lists them (engine/models/qwen35.py SPEC)."""
+    config = shape.config()
+    options = frozenset({qwen35.FUSED_GATE_UP}) if fuse_gate_up else frozenset()
     out: list[PlannedTensor] = []
-
-    def mat(name, rows, n_in, scale=0.7, lead=()):
-        full = (*lead, rows, n_in)
-        out.append(PlannedTensor(name, full, _matrix_type(type_id, n_in), "linear", scale / np.sqrt(n_in)))
-
-    def f32(name, shp, init, std=1.0):
-        out.append(PlannedTensor(name, tuple(shp), Q.F32, init, std))
-
-    # embeddings: std 0.5 at the fixture's width, shrinking as 1/sqrt(H) so tied logits keep std ~2.8
-    emb_std = min(0.5, 2.83 / np.sqrt(H))
-    out.append(PlannedTensor("token_embd.weight", (s.vocab_size, H), _matrix_type(type_id, H), "embed",
-                             emb_std))
-    n_k, n_v, dk = s.gdn_k_heads, s.gdn_v_heads, s.gdn_head_dim
-    conv_dim = 2 * n_k * dk + n_v * dk
-    def block(i: int, mtp: bool) -> None:
-        b = f"blk.{i}"
-        attention = mtp or (i + 1) % s.full_attention_interval == 0
-        if mtp:
-            mat(f"{b}.nextn.eh_proj.weight", H, 2 * H)
-            for n in ("enorm", "hnorm", "shared_head_norm"):
-                f32(f"{b}.nextn.{n}.weight", (H,), "norm")
-        f32(f"{b}.attn_norm.weight", (H,), "norm")
-        if attention:
-            mat(f"{b}.attn_q.weight", 2 * s.n_heads * s.head_dim, H)
-            mat(f"{b}.attn_k.weight", s.n_kv_heads * s.head_dim, H)
-            mat(f"{b}.attn_v.weight", s.n_kv_heads * s.head_dim, H)
-            mat(f"{b}.attn_output.weight", H, s.n_heads * s.head_dim, 0.3)
-            f32(f"{b}.attn_q_norm.weight", (s.head_dim,), "norm")
-            f32(f"{b}.attn_k_norm.weight", (s.head_dim,), "norm")
-        else:
-            f32(f"{b}.ssm_a", (n_v,), "ssm_a")
-            f32(f"{b}.ssm_conv1d.weight", (conv_dim, s.conv_kernel), "normal", 0.5)
-            f32(f"{b}.ssm_dt.bias", (n_v,), "normal", 1.0)
-            mat(f"{b}.ssm_alpha.weight", n_v, H)
-            mat(f"{b}.ssm_beta.weight", n_v, H)
-            mat(f"{b}.attn_qkv.weight", conv_dim, H)
-            mat(f"{b}.attn_gate.weight", n_v * dk, H)
-            f32(f"{b}.ssm_norm.weight", (dk,), "norm")
-            mat(f"{b}.ssm_out.weight", H, n_v * dk, 0.3)
-        if s.n_experts:
-            E, Fe, Fs = s.n_experts, s.expert_ffn, s.shared_expert_ffn
-            f32(f"{b}.ffn_gate_inp.weight", (E, H), "normal", 0.7 / np.sqrt(H))
-            if fuse_gate_up:
-                mat(f"{b}.ffn_gate_up_exps.weight", 2 * Fe, H, lead=(E,))
-            else:
-                mat(f"{b}.ffn_gate_exps.weight", Fe, H, lead=(E,))
-                mat(f"{b}.ffn_up_exps.weight", Fe, H, lead=(E,))
-            mat(f"{b}.ffn_down_exps.weight", H, Fe, 0.3, lead=(E,))
-            # the converter writes the shared-expert gate 2-D (1, H), F32
-            f32(f"{b}.ffn_gate_inp_shexp.weight", (1, H), "normal", 0.7 / np.sqrt(H))
-            mat(f"{b}.ffn_gate_shexp.weight", Fs, H)
-            mat(f"{b}.ffn_up_shexp.weight", Fs, H)
-            mat(f"{b}.ffn_down_shexp.weight", H, Fs, 0.3)
-        else:
-            mat(f"{b}.ffn_gate.weight", s.ffn, H)
-            mat(f"{b}.ffn_up.weight", s.ffn, H)
-            mat(f"{b}.ffn_down.weight", H, s.ffn, 0.3)
-        f32(f"{b}.post_attention_norm.weight", (H,), "norm")
-
-    for i in range(s.n_layers):
-        block(i, mtp=False)
-    f32("output_norm.weight", (H,), "norm")
-    if not s.tied:
-        mat("output.weight", s.vocab_size, H)
-    for i in range(s.n_layers, s.n_layers + s.n_mtp):
-        block(i, mtp=True)
+    for name, t in qwen35.SPEC.plan(config, options):
+        dims = t.shape(config)
+        std = t.fill.std
+        if t.fill.per_fan_in:
+            std = min(t.fill.cap, std / np.sqrt(dims[-1]))
+        type_id_t = Q.F32 if t.f32 else _matrix_type(type_id, dims[-1])
+        out.append(PlannedTensor(name, dims, type_id_t, t.fill.init, std))
     return out
 
 
@@ -470,7 +362,7 @@ def model_kvs(shape: SynthShape, type_id: int, seed: int) -> list[bytes]:
         encode_kv(f"{a}.attention.head_count_kv", "UINT32", s.n_kv_heads),
         encode_kv(f"{a}.rope.dimension_sections", "ARRAY", list(s.rope_sections), "INT32"),
         encode_kv(f"{a}.rope.freq_base", "FLOAT32", s.rope_base),
-        encode_kv(f"{a}.attention.layer_norm_rms_epsilon", "FLOAT32", 1e-6),
+        encode_kv(f"{a}.attention.layer_norm_rms_epsilon", "FLOAT32", s.rms_eps),
         encode_kv(f"{a}.attention.key_length", "UINT32", s.head_dim),
         encode_kv(f"{a}.attention.value_length", "UINT32", s.head_dim),
         encode_kv(f"{a}.ssm.conv_kernel", "UINT32", s.conv_kernel),
@@ -518,12 +410,9 @@ def write_synthetic(path: str | Path, shape: str | SynthShape, quant: str | int 
     n_layers keeps only the first N main layers (the MTP block, if any, follows them).
     """
     shape, type_id = resolve(shape, quant)
-    if n_layers is not None:
-        if n_layers < 0:
-            raise RequestError(f"--layers must be >= 0, got {n_layers}")
-        shape = replace(shape, n_layers=min(n_layers, shape.n_layers))
-    if not mtp:
-        shape = replace(shape, n_mtp=0)
+    if n_layers is not None and n_layers < 0:
+        raise RequestError(f"--layers must be >= 0, got {n_layers}")
+    shape = shape.truncated(n_layers, mtp)
     t0 = time.perf_counter()
     rng = np.random.Generator(np.random.SFC64(seed))  # the fastest raw bits numpy ships
     tensors = plan_tensors(shape, type_id, fuse_gate_up=fuse_gate_up)
