@@ -113,7 +113,7 @@ class StopStrings:
             self.held = ""
             self.hit = True
             return buf[: min(hits)], True
-        keep = max(_partial_suffix(buf, s) for s in self.stops)
+        keep = max(partial_suffix(buf, s) for s in self.stops)
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
@@ -123,7 +123,7 @@ class StopStrings:
         return "" if self.hit else out
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -150,7 +150,7 @@ def generate(model: Model, prompt: PromptInput, params: SamplingParams | None = 
              enable_thinking: bool = True, prefill_chunk: int = PREFILL_CHUNK,
              positions: np.ndarray | None = None, embed_override: Any = None,
              tools: Sequence[Mapping[str, Any]] | None = None, turn_boundary: int | None = None,
-             mode: PromptMode = "chat") -> Iterator[GenerationEvent]:
+             mode: PromptMode = "on") -> Iterator[GenerationEvent]:
     """positions ((3, T) M-RoPE) and embed_override ((rows, values) image embeddings) describe a
     prompt given as token ids with images already expanded (Session.sync); text gets positions
     continuing from the prompt's last one. Chat messages with pictures on a model with a vision tower

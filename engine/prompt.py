@@ -9,11 +9,11 @@ the turn boundary (the number of tokens before the generation prompt; see
 generation.checkpoint_turn_boundary). Chats with pictures are not tokenized here: engine/vision lays out
 their ids, positions and image rows, so they come back as `messages` for the model to prepare.
 
-Modes for chat messages (`PromptMode`):
-- "chat": the model's chat template (a file without one gets a built-in template by architecture);
-- "text": plain completion: the messages' text, joined by blank lines, continued as written;
-- "auto": "text" for a pretrained base model (it continues text; a chat turn it cannot follow makes
-  it loop), "chat" otherwise.
+Modes for chat messages (`PromptMode`, the CLI's `--chat-template`, the API's `chat_template_mode`):
+- "on": the model's chat template (a file without one gets a built-in template by architecture);
+- "off": plain completion: the messages' text, joined by blank lines, continued as written;
+- "auto": "off" for a pretrained base model (it continues text; a chat turn it cannot follow makes
+  it loop), "on" otherwise.
 A prompt given as a string is always plain text, and token ids are used as they are.
 
 What this file is not: the template engine (chat_template.py), the tokenizer (tokenizer.py), or the
@@ -30,8 +30,8 @@ from .chat_template import prompt_opens_thinking
 from .errors import MinecartError, RequestError
 from .vision.insert import has_images
 
-PromptMode = Literal["auto", "chat", "text"]
-PROMPT_MODES: tuple[PromptMode, ...] = ("auto", "chat", "text")
+PromptMode = Literal["auto", "on", "off"]
+PROMPT_MODES: tuple[PromptMode, ...] = ("auto", "on", "off")
 
 Message = Mapping[str, Any]
 PromptInput = str | Sequence[int] | Sequence[Message]
@@ -83,8 +83,9 @@ def check_prompt_mode(mode: str) -> PromptMode:
     for m in PROMPT_MODES:
         if mode == m:
             return m
-    raise RequestError(f"chat_template must be one of {', '.join(PROMPT_MODES)}, got {mode!r} "
-                       "(auto: plain text for base models, the template otherwise)")
+    raise RequestError(f"the chat template mode must be one of {', '.join(PROMPT_MODES)}, got "
+                       f"{mode!r} (on: the chat template, off: plain text to continue, auto: off for "
+                       "pretrained base models, on otherwise)")
 
 
 def messages_text(messages: Sequence[Message]) -> str:
@@ -97,8 +98,8 @@ def messages_text(messages: Sequence[Message]) -> str:
             texts.append(content)
         elif isinstance(content, list):
             if any(isinstance(p, Mapping) and p.get("type") not in (None, "text") for p in content):
-                raise RequestError("plain-text completion cannot carry pictures; send the chat "
-                                   "template's way (chat_template 'chat') to a model that reads them")
+                raise RequestError("plain-text completion cannot carry pictures; turn the chat "
+                                   "template on to send them to a model that reads them")
             texts.append("".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping)))
     return "\n\n".join(t for t in texts if t)
 
@@ -116,7 +117,7 @@ def _tokenizer(model: PromptModel) -> TokenizerLike:
 
 def render_prompt(model: PromptModel, prompt: PromptInput, *,
                   tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
-                  mode: PromptMode = "chat", find_turn_boundary: bool = False) -> RenderedPrompt:
+                  mode: PromptMode = "on", find_turn_boundary: bool = False) -> RenderedPrompt:
     """Token ids for `prompt` (chat messages, text or token ids); see the module docstring for modes.
 
     find_turn_boundary: also compute the turn boundary of a templated chat whose last message is the
@@ -130,12 +131,12 @@ def render_prompt(model: PromptModel, prompt: PromptInput, *,
         return RenderedPrompt(ids=[int(t) for t in prompt])  # type: ignore[arg-type]
     messages = [dict(m) for m in prompt]  # type: ignore[arg-type]
     if mode == "auto":
-        mode = "text" if model.is_base_model else "chat"
-    if mode == "text":
+        mode = "off" if model.is_base_model else "on"
+    if mode == "off":
         if tools:
-            raise RequestError("this is a pretrained base model answered with plain-text completion, "
-                               "which cannot carry tools; force the chat template (chat_template "
-                               "'chat') to send them")
+            raise RequestError("tools need the chat template, but this prompt is plain text (the "
+                               "default for a pretrained base model); turn the chat template on "
+                               "to send them")
         text = messages_text(messages)
         ids = list(_tokenizer(model).encode(text, add_special=True)) if text else []
         return RenderedPrompt(ids=ids, source="text")

@@ -454,8 +454,9 @@ class Runtime:
         answer (not the thinking) early and are not included.
 
         chat_template: "auto" (default) sends a pretrained base model the plain text of the messages
-        to continue and every other model its chat template; "chat" forces the template, "text" plain
-        text (engine/prompt.py). The terminal event's data["prompt"] says which was used."""
+        to continue and every other model its chat template; "on" forces the template, "off" plain
+        text (engine/prompt.py). The terminal event's data["prompt"] says which was used ("chat" or
+        "text")."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("chat needs a non-empty list of messages")
         return self._submit(

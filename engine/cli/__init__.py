@@ -3,6 +3,9 @@
 Each subcommand module defines `register(subparsers)`, which adds its parser and sets `func` (a callable
 taking the parsed args and returning an exit code). The `minecart` script itself lives in
 app/launcher.py: with no arguments it opens the desktop app, otherwise it calls `main` here.
+
+`main` first sets the BLAS thread count (engine/threads.py; `--threads N` overrides), before anything
+imports NumPy, then parses; an unknown flag is reported with the usage of the subcommand it was given to.
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `minecart` parser and each subcommand's own parser, by name."""
     parser = argparse.ArgumentParser(
         prog="minecart",
         description="Run Qwen3.5/3.6 and Gemma 3 GGUF models on GPUs without tensor cores. "
@@ -38,16 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # subcommand not built yet
             raise
         mod.register(sub)
-    return parser
+    return parser, dict(sub.choices)
 
 
 def main(argv: list[str] | None = None) -> int:
     from ..errors import MinecartError
+    from ..threads import configure_threads, threads_from_argv
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    configure_threads(threads_from_argv(argv))  # before any subcommand imports NumPy
     try:
-        parser = build_parser()  # imports every subcommand: Ctrl+C may land here too
-        args = parser.parse_args(argv)
-        if not getattr(args, "command", None):
+        parser, commands = _build()  # imports every subcommand: Ctrl+C may land here too
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            # argparse reports flags it does not know with the top-level usage; show the usage of
+            # the subcommand they were given to instead
+            (commands.get(args.command or "") or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        if not args.command:
             parser.print_help()
             return 2
         return int(args.func(args) or 0)

@@ -446,10 +446,10 @@ def test_base_model_chat_gets_the_plain_text_of_the_messages():
     # no roles, no generation prompt: the text to continue, as the user wrote it
     assert model.prompts[-1] == "Facts.\n\nThe capital of France is"
     assert final.data["prompt"] == "text"
-    forced = rt.chat(msgs, greedy_params(), chat_template="chat").result(TIMEOUT)
+    forced = rt.chat(msgs, greedy_params(), chat_template="on").result(TIMEOUT)
     assert model.prompts[-1].startswith("<|system|>Facts.\n<|user|>The capital of France is\n<|assistant|>")
     assert forced.data["prompt"] == "chat"
-    with pytest.raises(RequestError, match="chat_template must be one of auto, chat, text"):
+    with pytest.raises(RequestError, match="must be one of auto, on, off"):
         rt.chat(msgs, greedy_params(), chat_template="always")
 
 
