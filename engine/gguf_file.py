@@ -29,6 +29,7 @@ GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts; v2 and v3 share the little-endian layout
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_DIM_VALUE = (1 << 63) - 1  # GGML sizes are int64
 MAX_KEY_BYTES = 65535  # the GGUF spec bounds key length
 # No real model has arrays this long (vocabularies are ~262k); a larger count means a corrupt file, and
 # refusing it keeps a 30 GB file full of garbage from becoming a list of a billion Python objects.
@@ -302,6 +303,14 @@ class GGUFFile:
         if not 1 <= n_dims <= MAX_DIMS:
             r.fail(f"has {n_dims} dimensions (GGML allows 1 to {MAX_DIMS}); {_FIX_CORRUPT}", tensor=name)
         ne = [r.u64("a dimension", tensor=name) for _ in range(n_dims)]
+        # llama.cpp's own bounds (int64 sizes): checked before any shape is built, so a zero dimension
+        # beside a huge one cannot reach numpy as an unrepresentable shape
+        n_elements = 1
+        for d in ne:
+            n_elements *= max(d, 1)
+        if max(ne) > MAX_DIM_VALUE or n_elements > MAX_DIM_VALUE:
+            r.fail(f"dimensions {ne} exceed the largest tensor GGML can address (2**63 - 1 "
+                   f"elements); {_FIX_CORRUPT}", tensor=name)
         type_id = r.u32("the tensor type", tensor=name)
         offset = r.u64("the data offset", tensor=name)
         if type_id not in GGML_TYPES:

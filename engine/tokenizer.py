@@ -79,6 +79,23 @@ BYTE_LEVEL_PRE_TOKENIZERS: dict[str, tuple[str, bool, bool]] = {
 _END_OF_TURN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<eos>", "<|eot_id|>", "<|end_of_text|>")
 
 
+def typed_list(metadata: Mapping[str, Any], key: str, elem: type | tuple[type, ...],
+               source: str) -> list:
+    """The list under `key` ([] when absent), every element of type `elem`, else a TokenizerError
+    naming the key: a retyped array (tokens as f32, merges as integers) must not surface as a
+    TypeError or AttributeError far from the file."""
+    value = metadata.get(key)
+    if value is None:
+        return []
+    types = elem if isinstance(elem, tuple) else (elem,)
+    if not isinstance(value, list) or not all(
+            isinstance(x, types) and (bool in types or not isinstance(x, bool)) for x in value):
+        names = "/".join(t.__name__ for t in types)
+        raise TokenizerError(f"{source}: '{key}' must be an array of {names} values, got "
+                             f"{str(value)[:60]}; the file is corrupt, re-convert the model.")
+    return value
+
+
 def gpt2_byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies.
 
@@ -167,10 +184,11 @@ class Tokenizer:
             return metadata[key]
 
         model = str(require("tokenizer.ggml.model"))
-        tokens = [str(t) for t in require("tokenizer.ggml.tokens")]
+        require("tokenizer.ggml.tokens")
+        tokens: list[str] = typed_list(metadata, "tokenizer.ggml.tokens", str, source)
         if not tokens:
             raise TokenizerError(f"{source}: 'tokenizer.ggml.tokens' is empty; re-convert the model.")
-        types = list(metadata.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+        types = typed_list(metadata, "tokenizer.ggml.token_type", int, source) or [TOKEN_NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise TokenizerError(
                 f"{source}: 'tokenizer.ggml.token_type' has {len(types)} entries for {len(tokens)} tokens; "
@@ -183,7 +201,9 @@ class Tokenizer:
             value = metadata.get(key)
             if value is None:
                 return None
-            value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TokenizerError(f"{source}: '{key}' = {str(value)[:60]} is not a token id (an "
+                                     "integer); the file is corrupt, re-convert it.")
             if not 0 <= value < n:
                 raise TokenizerError(f"{source}: '{key}' = {value} is outside the vocabulary (0..{n - 1}).")
             return value
@@ -509,7 +529,7 @@ def _build_byte_level(metadata: Mapping[str, Any], tokens: list[str], types: lis
     # (measured on Qwen3.5's 247k merges; docs/first-run.md).
     merges = []
     bad = []
-    for line in metadata.get("tokenizer.ggml.merges") or []:
+    for line in typed_list(metadata, "tokenizer.ggml.merges", str, source):
         left, _, right = line.partition(" ")
         # the tokenizers library panics (not raises) on a merge outside the vocabulary: check here
         if left in vocab and right in vocab and left + right in vocab:
@@ -607,7 +627,7 @@ def _build_sentencepiece(metadata: Mapping[str, Any], tokens: list[str], types: 
         spelled = [SPIECE_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = first_index_map(spelled)
 
-    scores = metadata.get("tokenizer.ggml.scores")
+    scores = typed_list(metadata, "tokenizer.ggml.scores", (int, float), source)
     if is_gemma or not scores or len(scores) != len(tokens):
         # Gemma's scores do not follow its merge order; the token order does (transformers finding).
         order: Iterable[int] = range(len(tokens))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import numpy as np
 
 from ..errors import GGUFError, MissingKeyError, ShapeMismatchError
 from ..gguf_file import GGUFFile
+from ..models.spec import MAX_LAYERS, meta_float, meta_int, meta_list
 from . import encoder
 
 SUPPORTED_PROJECTORS = ("qwen3vl_merger",)
@@ -89,28 +91,29 @@ class VisionConfig:
             raise MmprojMismatchError(path, "DeepStack layers (Qwen3-VL) are not supported; Qwen3.5/3.6 "
                                       "towers have none", key="clip.vision.is_deepstack_layers")
 
-        def req(key):
-            return gf.require(key)
-
-        mean = tuple(float(v) for v in (gf.get("clip.vision.image_mean") or (0.5, 0.5, 0.5)))
-        std = tuple(float(v) for v in (gf.get("clip.vision.image_std") or (0.5, 0.5, 0.5)))
+        # Every key typed and range-checked before anything is sized from it: a hostile projector sits
+        # beside a model and is opened automatically (find_mmproj).
+        i = lambda key, **kw: meta_int(gf, key, **kw)  # noqa: E731
+        mean = _rgb(gf, "clip.vision.image_mean", positive=False)
+        std = _rgb(gf, "clip.vision.image_std", positive=True)
         pos = gf.tensors.get("v.position_embd.weight")
         if pos is None:
             raise MissingKeyError(path, "the position table is missing; re-convert the mmproj",
                                   key="v.position_embd.weight")
-        eps = gf.get("clip.vision.attention.layer_norm_epsilon", 1e-6)
+        hidden = i("clip.vision.embedding_length")
+        n_layers = i("clip.vision.block_count", hi=MAX_LAYERS)
         cfg = cls(
             projector_type=str(ptype),
-            n_layers=int(req("clip.vision.block_count")),
-            hidden=int(req("clip.vision.embedding_length")),
-            ffn=int(req("clip.vision.feed_forward_length")),
-            n_heads=int(req("clip.vision.attention.head_count")),
-            projection_dim=int(req("clip.vision.projection_dim")),
-            patch_size=int(req("clip.vision.patch_size")),
-            merge_size=int(gf.get("clip.vision.spatial_merge_size", 2)),
-            eps=float(eps),
-            image_mean=mean,  # type: ignore[arg-type]
-            image_std=std,  # type: ignore[arg-type]
+            n_layers=n_layers,
+            hidden=hidden,
+            ffn=i("clip.vision.feed_forward_length"),
+            n_heads=i("clip.vision.attention.head_count", hi=hidden),
+            projection_dim=i("clip.vision.projection_dim"),
+            patch_size=i("clip.vision.patch_size", hi=1024),
+            merge_size=i("clip.vision.spatial_merge_size", hi=16, default=2),
+            eps=meta_float(gf, "clip.vision.attention.layer_norm_epsilon", default=1e-6),
+            image_mean=mean,
+            image_std=std,
             n_positions=int(pos.shape[0]),
             file_type=gf.get("general.file_type"),
         )
@@ -118,10 +121,29 @@ class VisionConfig:
             raise ShapeMismatchError(path, f"width {cfg.hidden} over {cfg.n_heads} heads does not give a "
                                      "head size divisible by 4 (needed by the 2-D RoPE)",
                                      key="clip.vision.attention.head_count")
-        if cfg.position_side ** 2 != cfg.n_positions:
-            raise ShapeMismatchError(path, f"{cfg.n_positions} position rows are not a square grid",
-                                     tensor="v.position_embd.weight")
+        if len(pos.shape) != 2 or cfg.n_positions < 1 or pos.shape[1] != cfg.hidden \
+                or cfg.position_side ** 2 != cfg.n_positions:
+            raise ShapeMismatchError(path, f"shape {tuple(pos.shape)} is not a square grid of "
+                                     f"{cfg.hidden}-wide rows (clip.vision.embedding_length); re-convert "
+                                     "the mmproj", tensor="v.position_embd.weight")
+        last = f"v.blk.{n_layers - 1}.attn_qkv.weight"
+        if n_layers and last not in gf.tensors:
+            raise ShapeMismatchError(path, f"clip.vision.block_count says {n_layers} blocks but tensor "
+                                     f"'{last}' is missing; re-convert the mmproj",
+                                     key="clip.vision.block_count")
         return cfg
+
+
+def _rgb(gf: GGUFFile, key: str, *, positive: bool) -> tuple[float, float, float]:
+    """A per-channel image mean or std: three finite numbers (std > 0); (0.5, 0.5, 0.5) if absent."""
+    values = meta_list(gf, key, (int, float), min_len=3)
+    if values is None:
+        return (0.5, 0.5, 0.5)
+    ok = len(values) == 3 and all(not isinstance(v, bool) and math.isfinite(v) for v in values)
+    if not ok or (positive and min(values) <= 0):
+        raise GGUFError(gf.path, f"expected 3 finite numbers (one per RGB channel{', each > 0' if positive else ''}"
+                        f"), got {str(values)[:60]}; re-convert the mmproj", key=key)
+    return (float(values[0]), float(values[1]), float(values[2]))
 
 
 def tensor_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
