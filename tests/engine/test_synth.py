@@ -156,6 +156,20 @@ def _params(shape: str, quant="q8_0", mtp=False):
     return sum(int(np.prod(t.shape)) for t in plan), sum(t.n_bytes for t in plan), plan
 
 
+# sha256 of files written before the tensor table moved into engine/models/qwen35.py SPEC (vocab 512,
+# seed 7): the plan derived from the spec must write the very same bytes.
+@pytest.mark.parametrize("shape,quant,fuse,sha256", [
+    ("tiny-dense", "q8_0", False, "3f2a9e537941c720902f6664878e4421e02922ee74621ddc0025e9a99c325e08"),
+    ("tiny-moe", "q4_k", True, "c0c2f3ec1ba52c00b98f02c779aba0aba9187c5c2f6f57c0edc1ffd135391209"),
+    ("tiny-moe", "f16", False, "10990b88226e9b7f9e21538740650fc2d9e905ca0c9784a5c325dc41c591e2e8"),
+    ("small-dense", "q4_k", False, "771a8b4302b94a452b758a9ccaa58f3ee56e9f49f3491dbcdc1bacc2e294d796"),
+])
+def test_same_seed_same_bytes_as_before(tmp_path, shape, quant, fuse, sha256):
+    p = tmp_path / "s.gguf"
+    write_synthetic(p, small(shape), quant, seed=7, fuse_gate_up=fuse)
+    assert hashlib.sha256(p.read_bytes()).hexdigest() == sha256
+
+
 @pytest.mark.parametrize("shape,params,q8_bytes", [
     ("qwen3.5-9b", 8.95e9, 9.52e9),  # docs/qwen35-architecture.md 6.2
     ("qwen3.5-27b", 26.9e9, 28.58e9),
