@@ -3,38 +3,55 @@
     minecart bench MODEL.gguf [--device cuda:0]
     minecart bench --shape qwen3.5-9b --quant q8_0        # synthesizes the file first (engine/synth.py)
 
-In the same run it measures the card's ceilings (copy bandwidth, DP4A and fp32 FMA rates; see
-kernels/probe.py), then:
+In the same run it measures the device's ceilings - on a GPU copy bandwidth, DP4A and fp32 FMA rates
+(kernels/probe.py), on the CPU memory copy bandwidth and the fp32 matrix-product (FMA) rate of NumPy's
+BLAS (cpu_ceilings) - then:
 - GEMM and GEMV kernel rates on one of the model's own FFN weights (int8 TOPS vs the DP4A ceiling,
   GB/s vs the copy ceiling);
-- prefill tokens/s at 512, 2K, 8K and 18K prompt tokens (one pass), ceiling = DP4A rate / int8
-  operations per token (2 x matrix weights, embedding and LM head excluded);
+- prefill tokens/s at 512, 2K, 8K and 18K prompt tokens (one pass), ceiling = DP4A rate (CPU: fp32
+  FMA rate) / operations per token (2 x matrix weights, embedding and LM head excluded);
 - decode tokens/s at context 0, 4K and 18K, ceiling = copy bandwidth / weight bytes read per token
   (every weight but the token-embedding table);
 - peak VRAM.
-Prints a table (or JSON with --json). Not here: any comparison with other engines (docs/BENCHMARKS.md).
+Prints a table (or JSON with --json). The device is opened before anything is written; a file --shape
+synthesizes is deleted afterwards, pass or fail, unless --workdir names where to keep it. Not here:
+any comparison with other engines (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import MinecartError
+from ..execution import make_backend
+from .run_cmd import add_threads_arg
 
-def register(subparsers) -> None:
+if TYPE_CHECKING:
+    from ..backends.base import Backend
+    from ..model import Model
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="measure prefill/decode speed against the card's ceilings",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="GGUF file to benchmark (or use --shape)")
     p.add_argument("--shape", help="synthesize a model of this shape (e.g. qwen3.5-9b) instead of a file")
     p.add_argument("--quant", default="q8_0", help="quant type for --shape (default q8_0)")
     p.add_argument("--layers", type=int, help="keep only the first N layers of a --shape model")
-    p.add_argument("--workdir", default=None, help="where --shape writes its file (default: a temp dir)")
+    p.add_argument("--workdir", default=None,
+                   help="where --shape writes its file and keeps it for the next run (default: a "
+                        "temporary folder, deleted afterwards)")
     p.add_argument("--device", default="cuda:0", help="device to run on (default cuda:0)")
     p.add_argument("--prefill", default="512,2048,8192,18432", help="prompt lengths, comma separated")
     p.add_argument("--decode-ctx", default="0,4096,18432", help="decode contexts, comma separated")
@@ -51,6 +68,7 @@ def register(subparsers) -> None:
                         "'500MB/s+20us' (default gen1x1)")
     p.add_argument("--split-prompt", type=int, default=2048,
                    help="prompt tokens for the split benchmark (default 2048)")
+    add_threads_arg(p)
     p.set_defaults(func=run)
 
 
@@ -58,7 +76,7 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
-def weight_bytes_per_token(model) -> int:
+def weight_bytes_per_token(model: Model) -> int:
     """Bytes of weights one decode step reads: every main-layer tensor, the final norm and the LM head
     (the token-embedding table only when it is the tied LM head)."""
     cfg = model.config
@@ -76,7 +94,7 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def matrix_params_per_token(model) -> int:
+def matrix_params_per_token(model: Model) -> int:
     """Multiply-adds per prompt token in the main layers' matrices (no embedding, no LM head)."""
     cfg = model.config
     total = 0
@@ -85,12 +103,12 @@ def matrix_params_per_token(model) -> int:
         if m and int(m.group(1)) < cfg.n_layers and len(info.shape) >= 2:
             n = int(np.prod(info.shape))
             if len(info.shape) == 3:  # experts: only the used ones run per token
-                n = n // info.shape[0] * max(1, int(getattr(cfg, "n_experts_used", 1) or 1))
+                n = n // info.shape[0] * max(1, int(cfg.n_experts_used or 1))
             total += n
     return total
 
 
-def _timed(fn, backend) -> float:
+def _timed(fn: Callable[[], object], backend: Backend) -> float:
     backend.synchronize()
     t = time.perf_counter()
     fn()
@@ -98,7 +116,42 @@ def _timed(fn, backend) -> float:
     return time.perf_counter() - t
 
 
-def kernel_rates(model, backend, ceil: dict) -> dict:
+def cpu_ceilings(seconds: float = 0.3, copy_mib: int = 256) -> dict[str, float]:
+    """The CPU's ceilings as NumPy reaches them: copy bandwidth (GB/s, bytes read + written, of a
+    `copy_mib` MiB float32 array, larger than any cache) and the fp32 FMA rate of a 1024^3 matrix
+    product in BLAS (TFLOP/s, with the BLAS threads in force). Best of repeats within ~`seconds`."""
+    n = copy_mib * 2**20 // 4
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((1024, 1024), dtype=np.float32)
+
+    def best(fn: Callable[[], object]) -> float:
+        fn()  # warm: page faults, BLAS threads starting
+        times: list[float] = []
+        deadline = time.perf_counter() + seconds / 2
+        while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 20):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    copy_s = best(lambda: np.copyto(dst, src))
+    fma_s = best(lambda: a @ b)
+    return {"copy_gbs": 2 * src.nbytes / copy_s / 1e9, "fma_tflops": 2 * 1024**3 / fma_s / 1e12}
+
+
+def device_ceilings(backend: Backend) -> dict[str, float]:
+    """The ceilings of the backend's device (see cpu_ceilings and CupyBackend.measure_ceilings)."""
+    if backend.device.startswith("cpu"):
+        return cpu_ceilings()
+    from ..backends.cupy_backend import CupyBackend  # local import: CuPy is optional
+
+    assert isinstance(backend, CupyBackend)
+    return {k: float(v) for k, v in backend.measure_ceilings().items()}
+
+
+def kernel_rates(model: Model, backend: Backend, ceil: dict[str, float]) -> dict[str, Any]:
     """GEMM (T=4096) and GEMV (T=1) on the first layer's FFN up-projection, vs the ceilings."""
     w = None
     for ws in model.weights.values():
@@ -112,32 +165,38 @@ def kernel_rates(model, backend, ceil: dict) -> dict:
         return {}
     R, K = w.shape[-2], w.shape[-1]
     rng = np.random.default_rng(0)
-    out = {"weight": f"{w.name} {w.type_name} {R}x{K}"}
+    out: dict[str, Any] = {"weight": f"{w.name} {w.type_name} {R}x{K}"}
     xg = backend.asarray(rng.standard_normal((4096, K)).astype(np.float32))
     x1 = backend.asarray(rng.standard_normal((1, K)).astype(np.float32))
-    timer = getattr(backend, "time_matmul", None)
-    if timer is not None:  # GPU time without Python launch overhead
-        t = timer(xg, w, 5)
+    gpu = None
+    if not backend.device.startswith("cpu"):
+        from ..backends.cupy_backend import CupyBackend  # local import: CuPy is optional
+
+        assert isinstance(backend, CupyBackend)
+        gpu = backend
+    if gpu is not None:  # GPU time without Python launch overhead
+        t = gpu.time_matmul(xg, w, 5)
     else:
         backend.matmul(xg, w)
         t = min(_timed(lambda: backend.matmul(xg, w), backend) for _ in range(3))
     out["gemm_tops"] = 2 * 4096 * R * K / t / 1e12
-    if timer is not None:
-        t = timer(x1, w, 50)
+    reps = 50
+    if gpu is not None:
+        t = gpu.time_matmul(x1, w, reps)
     else:
         backend.matmul(x1, w)
-        reps = 50
         t = _timed(lambda: [backend.matmul(x1, w) for _ in range(reps)], backend) / reps
-    nbytes = getattr(w, "nbytes", R * K)
-    out["gemv_gbs"] = nbytes / t / 1e9
+    out["gemv_gbs"] = int(w.nbytes) / t / 1e9
     if ceil.get("dp4a_tops"):
         out["gemm_vs_dp4a"] = out["gemm_tops"] / ceil["dp4a_tops"]
+    elif ceil.get("fma_tflops"):
+        out["gemm_vs_fma"] = out["gemm_tops"] / ceil["fma_tflops"]
     if ceil.get("copy_gbs"):
         out["gemv_vs_copy"] = out["gemv_gbs"] / ceil["copy_gbs"]
     return out
 
 
-def _prefill_seconds(model, backend, ids, chunk) -> float:
+def _prefill_seconds(model: Model, backend: Backend, ids: list[int], chunk: int) -> float:
     """Seconds of one prefill of `ids` into a fresh session."""
     s = model.new_session(len(ids) + 8)
     dt = _timed(lambda: s.prefill(ids, chunk=chunk or len(ids)), backend)
@@ -145,13 +204,13 @@ def _prefill_seconds(model, backend, ids, chunk) -> float:
     return dt
 
 
-def _decode_seconds(model, backend, ids, steps: int, chunk) -> float:
+def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, chunk: int) -> float:
     """Seconds of `steps` greedy decode steps after a prefill of `ids` and one untimed step."""
     s = model.new_session(len(ids) + steps + 8)
     logits = s.prefill(ids, chunk=chunk or len(ids))
     logits = s.step(int(np.argmax(logits)))  # first step outside the timing
 
-    def decode():
+    def decode() -> None:
         nonlocal logits
         for _ in range(steps):
             logits = s.step(int(np.argmax(logits)))
@@ -161,7 +220,7 @@ def _decode_seconds(model, backend, ids, steps: int, chunk) -> float:
     return dt
 
 
-def _with_ceiling(row: dict, ceiling: float | None) -> dict:
+def _with_ceiling(row: dict[str, Any], ceiling: float | None) -> dict[str, Any]:
     """The row with its ceiling (tokens/s) and the measured share of it, if the ceiling is known."""
     if ceiling:
         row["ceiling_tokens_per_s"] = ceiling
@@ -169,19 +228,20 @@ def _with_ceiling(row: dict, ceiling: float | None) -> dict:
     return row
 
 
-def bench(model, *, prefill=(512, 2048, 8192, 18432), decode_ctx=(0, 4096, 18432), decode_tokens=32,
-          chunk=0, log=None) -> dict:
+def bench(model: Model, *, prefill: Sequence[int] = (512, 2048, 8192, 18432),
+          decode_ctx: Sequence[int] = (0, 4096, 18432), decode_tokens: int = 32, chunk: int = 0,
+          log: Callable[[str], None] | None = None) -> dict[str, Any]:
     backend = model.backends.get("global") or next(iter(model.backends.values()))
-    ceil = backend.measure_ceilings() if hasattr(backend, "measure_ceilings") else {}
+    say = log or (lambda s: None)
+    say("measuring the device's ceilings ...")
+    ceil = device_ceilings(backend)
     wbytes = weight_bytes_per_token(model)
     params = matrix_params_per_token(model)
-    res: dict = {"model": str(model.path), "device": getattr(backend, "device", "?"),
-                 "backend": repr(backend), "weight_bytes_per_token": wbytes,
-                 "int8_ops_per_token": 2 * params, "ceilings": ceil, "prefill": [], "decode": []}
-    say = log or (lambda s: None)
-    say(f"ceilings: {ceil}")
+    res: dict[str, Any] = {"model": str(model.path), "device": backend.device, "backend": repr(backend),
+                           "weight_bytes_per_token": wbytes, "int8_ops_per_token": 2 * params,
+                           "ceilings": ceil, "prefill": [], "decode": []}
+    say(format_ceilings(ceil))
     res["kernels"] = kernel_rates(model, backend, ceil)
-    say(f"kernels: {res['kernels']}")
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
     # warm-up: compiles every kernel the model uses
@@ -189,47 +249,81 @@ def bench(model, *, prefill=(512, 2048, 8192, 18432), decode_ctx=(0, 4096, 18432
     s.prefill(list(rng.integers(0, min(vocab, 50000), 70)))
     s.step(1)
     s.close()
-    prefill_ceiling = ceil["dp4a_tops"] * 1e12 / (2 * params) if ceil.get("dp4a_tops") else None
+    # the matrix-product ceiling: DP4A on a GPU (int8 weights), the fp32 FMA rate on the CPU
+    ops_rate = ceil.get("dp4a_tops") or ceil.get("fma_tflops")
+    prefill_ceiling = ops_rate * 1e12 / (2 * params) if ops_rate else None
     decode_ceiling = ceil["copy_gbs"] * 1e9 / wbytes if ceil.get("copy_gbs") else None
     for n in prefill:
-        ids = list(rng.integers(0, min(vocab, 50000), n))
+        ids = [int(t) for t in rng.integers(0, min(vocab, 50000), n)]
         dt = _prefill_seconds(model, backend, ids, chunk)
         row = _with_ceiling({"tokens": n, "seconds": dt, "tokens_per_s": n / dt}, prefill_ceiling)
         res["prefill"].append(row)
-        say(f"prefill {row}")
+        say(f"prefill {n} tokens: {row['tokens_per_s']:,.1f} tok/s")
     for ctx in decode_ctx:
-        ids = list(rng.integers(0, min(vocab, 50000), max(ctx, 1)))
+        ids = [int(t) for t in rng.integers(0, min(vocab, 50000), max(ctx, 1))]
         dt = _decode_seconds(model, backend, ids, decode_tokens, chunk)
         row = {"context": ctx, "tokens": decode_tokens, "tokens_per_s": decode_tokens / dt}
         row = _with_ceiling(row, decode_ceiling)
         res["decode"].append(row)
-        say(f"decode {row}")
+        say(f"decode at context {ctx}: {row['tokens_per_s']:,.1f} tok/s")
     if res["decode"] and len(res["decode"]) > 1:
         res["long_vs_short_decode"] = res["decode"][-1]["tokens_per_s"] / res["decode"][0]["tokens_per_s"]
-    if hasattr(backend, "peak_memory"):
+    if not backend.device.startswith("cpu"):
+        from ..backends.cupy_backend import CupyBackend  # local import: CuPy is optional
+
+        assert isinstance(backend, CupyBackend)
         res["peak_vram_bytes"] = backend.peak_memory()
     return res
 
 
-def format_table(res: dict) -> str:
+def format_ceilings(c: dict[str, float]) -> str:
+    """One line naming the ceilings measured (or saying there are none)."""
+    parts = []
+    if "copy_gbs" in c:
+        parts.append(f"copy {c['copy_gbs']:,.1f} GB/s")
+    if "dp4a_tops" in c:
+        parts.append(f"DP4A {c['dp4a_tops']:.1f} TOPS")
+    if "fma_tflops" in c:
+        fma = c["fma_tflops"]
+        parts.append(f"FP32 FMA {fma:.1f} TFLOP/s" if fma >= 1 else f"FP32 FMA {fma * 1e3:,.0f} GFLOP/s")
+    if not parts:
+        return "ceilings: none measured for this device (the table shows speeds only)"
+    return "ceilings (measured now): " + ", ".join(parts)
+
+
+def _si(n: float) -> str:
+    """n with a decimal prefix: 9.78 G, 19.7 M, 512 ."""
+    for prefix, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {prefix}"
+    return f"{n:.0f} "
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(res: dict[str, Any]) -> str:
     c = res.get("ceilings", {})
-    lines = [f"model: {res['model']}", f"backend: {res['backend']}",
-             f"ceilings (measured now): copy {c.get('copy_gbs', 0):,.0f} GB/s, DP4A {c.get('dp4a_tops', 0):.1f} TOPS, "
-             f"FP32 {c.get('fma_tflops', 0):.1f} TFLOP/s",
-             f"weights read per decode token: {res['weight_bytes_per_token'] / 1e9:.2f} GB; "
-             f"int8 ops per prompt token: {res['int8_ops_per_token'] / 1e9:.2f} G"]
+    lines = [f"model: {res['model']}", f"backend: {res['backend']}", format_ceilings(c),
+             f"weights read per decode token: {_si(res['weight_bytes_per_token'])}B; "
+             f"matrix ops per prompt token: {_si(res['int8_ops_per_token'])}"]
     k = res.get("kernels") or {}
     if k:
-        lines.append(f"kernels on {k.get('weight')}: GEMM T=4096 {k.get('gemm_tops', 0):.1f} TOPS "
-                     f"({k.get('gemm_vs_dp4a', 0):.0%} of DP4A), GEMV {k.get('gemv_gbs', 0):,.0f} GB/s "
-                     f"({k.get('gemv_vs_copy', 0):.0%} of copy)")
+        gemm = f"GEMM T=4096 {k['gemm_tops']:.3f} TOPS"
+        if "gemm_vs_dp4a" in k:
+            gemm += f" ({k['gemm_vs_dp4a']:.0%} of DP4A)"
+        elif "gemm_vs_fma" in k:
+            gemm += f" ({k['gemm_vs_fma']:.0%} of FP32 FMA)"
+        gemv = f"GEMV {k['gemv_gbs']:,.1f} GB/s"
+        if "gemv_vs_copy" in k:
+            gemv += f" ({k['gemv_vs_copy']:.0%} of copy)"
+        lines.append(f"kernels on {k['weight']}: {gemm}, {gemv}")
     lines.append(f"{'test':<22}{'tokens/s':>12}{'ceiling':>12}{'ratio':>8}")
-    for r in res["prefill"]:
-        lines.append(f"{'prefill ' + str(r['tokens']):<22}{r['tokens_per_s']:>12,.1f}"
-                     f"{r.get('ceiling_tokens_per_s', 0):>12,.0f}{r.get('ratio', 0):>8.0%}")
-    for r in res["decode"]:
-        lines.append(f"{'decode @ ' + str(r['context']):<22}{r['tokens_per_s']:>12,.1f}"
-                     f"{r.get('ceiling_tokens_per_s', 0):>12,.0f}{r.get('ratio', 0):>8.0%}")
+    for label, r in [(f"prefill {r['tokens']}", r) for r in res["prefill"]] + \
+                    [(f"decode @ {r['context']}", r) for r in res["decode"]]:
+        lines.append(f"{label:<22}{r['tokens_per_s']:>12,.1f}"
+                     f"{_cell(r.get('ceiling_tokens_per_s'), ',.0f'):>12}{_cell(r.get('ratio'), '.0%'):>8}")
     if "long_vs_short_decode" in res:
         lines.append(f"longest-context decode / short-context decode: {res['long_vs_short_decode']:.0%}")
     if "peak_vram_bytes" in res:
@@ -237,47 +331,83 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args) -> int:
-    from ..errors import MinecartError
+def check_devices(args: argparse.Namespace) -> None:
+    """Open the device(s) the benchmark will run on, before anything is synthesized: a machine
+    without the GPU asked for fails here in a second, not after writing gigabytes."""
+    if args.devices:
+        names = [d.strip() for d in args.devices.split(",") if d.strip()]
+        if not names:
+            raise MinecartError("--devices needs at least one device, e.g. cuda:0,cuda:1")
+        # logical cuda:N beyond the GPUs present share the physical ones: opening GPU 0 is the check
+        kinds = {("cuda:0" if n.split("@")[0].startswith("cuda") else "cpu:0") for n in names}
+    else:
+        kinds = {args.device}
+    for device in sorted(kinds):
+        make_backend(device)
+
+
+def run(args: argparse.Namespace) -> int:
     from ..model import load_model
 
     if not args.model and not args.shape:
         raise MinecartError("give a GGUF file or --shape NAME (e.g. --shape qwen3.5-9b --quant q8_0)")
-    tmp = None
-    path = args.model
-    if args.shape:
-        from ..synth import write_synthetic
+    check_devices(args)
+    made_dir: Path | None = None  # a temporary folder this run made (deleted at the end)
+    made_file: Path | None = None  # a file this run synthesized and does not keep
+    try:
+        path = Path(args.model) if args.model else None
+        if args.shape:
+            if args.workdir:
+                work = Path(args.workdir)
+                work.mkdir(parents=True, exist_ok=True)
+            else:
+                work = made_dir = Path(tempfile.mkdtemp(prefix="minecart-bench-"))
+            path = work / f"{args.shape}-{args.quant}.gguf"
+            if not path.exists():
+                made_file = path
+                _synthesize(path, args)
+            if args.workdir:
+                made_file = None  # kept for the next run
+        assert path is not None
+        if args.devices:
+            return run_split(path, args)
+        return _run_one(path, args, load_model)
+    finally:
+        if made_file is not None:
+            made_file.unlink(missing_ok=True)
+        if made_dir is not None:
+            shutil.rmtree(made_dir, ignore_errors=True)
 
-        work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="minecart-bench-"))
-        work.mkdir(parents=True, exist_ok=True)
-        path = work / f"{args.shape}-{args.quant}.gguf"
-        if not path.exists():
-            print(f"synthesizing {path} ...", file=sys.stderr)
-            info = write_synthetic(path, args.shape, args.quant, seed=0, n_layers=args.layers)
-            print(f"  {info['bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", file=sys.stderr)
-        tmp = path if not args.workdir else None
-    if args.devices:
-        code = run_split(path, args)
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        return code
+
+def _synthesize(path: Path, args: argparse.Namespace) -> None:
+    """Write the --shape model to `path`; a partial file (error, Ctrl+C) never takes its name."""
+    from ..synth import write_synthetic
+
+    part = path.with_name(path.name + ".part")
+    print(f"synthesizing {path} ...", file=sys.stderr)
+    try:
+        info = write_synthetic(part, args.shape, args.quant, seed=0, n_layers=args.layers)
+        part.replace(path)
+    finally:
+        part.unlink(missing_ok=True)
+    print(f"  {info['bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", file=sys.stderr)
+
+
+def _run_one(path: Path, args: argparse.Namespace, load_model: Callable[..., Model]) -> int:
     t = time.perf_counter()
     model = load_model(path, devices=[args.device])
-    print(f"loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    try:
+        print(f"loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr)
 
-    def log(s):
-        print(s, file=sys.stderr, flush=True)
+        def log(s: str) -> None:
+            print(s, file=sys.stderr, flush=True)
 
-    res = bench(model, prefill=_ints(args.prefill), decode_ctx=_ints(args.decode_ctx),
-                decode_tokens=args.decode_tokens, chunk=args.chunk, log=log)
+        res = bench(model, prefill=_ints(args.prefill), decode_ctx=_ints(args.decode_ctx),
+                    decode_tokens=args.decode_tokens, chunk=args.chunk, log=log)
+    finally:
+        model.close()
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(json.dumps(res, indent=1) if args.json else format_table(res))
-    model.close()
-    if tmp is not None:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
     return 0
 
 
@@ -292,25 +422,26 @@ def split_configs(devices: list[str], link: str) -> list[tuple[str, str]]:
     return out
 
 
-def _release(backends) -> None:
+def _release(backends: list[Backend]) -> None:
     """Drop what a closed model's backends still cache (captured graphs, pooled blocks), so the next
     configuration's memory is measured alone."""
     import gc
 
     gc.collect()
     for be in backends:
-        release = getattr(be, "release_cached", None)
-        if release is not None:
-            release()
+        if not be.device.startswith("cpu"):  # the NumPy backend caches nothing on a device
+            from ..backends.cupy_backend import CupyBackend  # local import: CuPy is optional
+
+            assert isinstance(be, CupyBackend)
+            be.release_cached()
 
 
-def run_split(path, args) -> int:
+def run_split(path: Path, args: argparse.Namespace) -> int:
     """`minecart bench --devices ...`: prefill/decode of the same model split over 1, 2, 3... devices.
 
     Per configuration: pipelined chunked prefill of --split-prompt random tokens (and the same chunks
     without overlap), greedy decode of --decode-tokens tokens at that context with CUDA graphs and
     with graphs off, and each device's memory estimate beside its measured use."""
-    from ..errors import MinecartError
     from ..model import load_model
     from ..multidevice import bench_split
     from ..rig import Rig
@@ -323,13 +454,13 @@ def run_split(path, args) -> int:
         try:
             from ..devices import list_devices
 
-            gpus = sum(1 for d in list_devices() if str(getattr(d, "id", "")).startswith("cuda"))
+            gpus = sum(1 for d in list_devices() if d.id.startswith("cuda"))
         except Exception:  # noqa: BLE001 - no NVML/CuPy: logical devices on GPU 0
             gpus = 0
     # 512-token chunks: at 250 MB/s a 4096-wide fp32 hidden state of one chunk (8 MB) is 33 ms on each
     # riser, less than a chunk's compute on either device, so the pipeline hides the link
     chunk = args.chunk or 512
-    rows = []
+    rows: list[dict[str, Any]] = []
     for label, desc in split_configs(devices, args.link):
         rig = Rig.parse(desc, physical_gpus=max(gpus, 1))
         model = load_model(path, devices=rig)
@@ -369,7 +500,7 @@ def run_split(path, args) -> int:
     return 0
 
 
-def format_split_table(rows: list[dict], name: str, prompt: int, chunk: int) -> str:
+def format_split_table(rows: list[dict[str, Any]], name: str, prompt: int, chunk: int) -> str:
     """The split benchmark's rows as a table: prefill and decode tokens/s beside one device's."""
     lines = [f"split benchmark: {name}, prompt {prompt} tokens in chunks of {chunk}",
              f"{'config':<26}{'prefill tok/s':>14}{'vs 1':>7}{'no overlap':>12}{'decode tok/s':>14}"

@@ -3,7 +3,9 @@
 Each turn sends the whole conversation with the same conversation id, so the runtime reuses the
 session's cached prefix and only the new message is computed. Commands: /reset (forget the
 conversation), /think on|off, /help, /exit (or end of input). Ctrl+C stops an answer; at the prompt it
-quits. Lines read from a pipe work too (tests feed stdin), without the prompt marker.
+quits. Lines read from a pipe work too: then each message is echoed as "> message" before its answer
+and a blank line ends each turn, so the output reads as a transcript. A pretrained base model gets the
+conversation as plain text to continue (--chat-template, engine/prompt.py).
 
 This module does not load or run the model itself; it is a client of the Runtime like the app.
 """
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from ..errors import RequestError
 from .run_cmd import (
+    BASE_MODEL_NOTES,
     StreamPrinter,
     add_model_args,
     add_sampling_args,
@@ -31,7 +35,7 @@ HELP = """commands:
   /exit           quit (also /quit, Ctrl+D)"""
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "chat", help="chat with a model in the terminal",
         description="Interactive chat that keeps the model session between turns. " + HELP,
@@ -52,18 +56,19 @@ def _read_line(tty: bool) -> str | None:
         return None
 
 
-def chat(args) -> int:
+def chat(args: argparse.Namespace) -> int:
     if sys.stdin is None:  # started with stdin closed: there is nobody to chat with
         raise RequestError("minecart chat reads messages from stdin, which is closed; use "
                            "minecart run -p PROMPT for a single answer")
     params = sampling_params(args)
-    runtime = start_runtime(args)
+    runtime = start_runtime(args, base_model_note=BASE_MODEL_NOTES[args.chat_template])
     tty = sys.stdin.isatty()
+    transcript = not tty  # piped input: echo each message so the turns stay apart
     thinking = not args.no_think
     turn_id = 0
-    messages: list[dict] = []
+    messages: list[dict[str, Any]] = []
 
-    def restart():
+    def restart() -> None:
         nonlocal messages
         messages = [{"role": "system", "content": args.system}] if args.system else []
 
@@ -105,10 +110,14 @@ def chat(args) -> int:
                     continue
                 # anything else that starts with "/" is an ordinary message
             messages.append({"role": "user", "content": text})
+            if transcript:
+                print(f"> {text}", flush=True)
             handle = runtime.chat(messages, params, enable_thinking=thinking,
-                                  conversation_id=f"cli-{turn_id}")
+                                  conversation_id=f"cli-{turn_id}", chat_template=args.chat_template)
             printer = StreamPrinter(hide_thinking=args.hide_thinking)
             final = stream_reply(handle, printer)
+            if transcript:
+                print(flush=True)  # a blank line ends the turn
             if final.kind == "error":
                 print(f"minecart: error: {final.text}", file=sys.stderr)
                 messages.pop()  # the failed question is not part of the conversation

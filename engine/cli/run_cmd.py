@@ -16,12 +16,34 @@ import mimetypes
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ..errors import ImageError, RequestError
+from ..prompt import PROMPT_MODES
+from ..runtime import RequestHandle, Runtime, RuntimeEvent
+from ..sampling import DEFAULT_MAX_TOKENS_CHAT, DEFAULT_MAX_TOKENS_TEXT, SamplingParams
 
 DIM = "\x1b[2m"
 RESET = "\x1b[0m"
 IMAGE_MAX_BYTES = 32 * 2**20
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
+def add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads for matrix products (BLAS) (default: chosen for this machine: 1 "
+                        "up to 4 cores, else half of them, at most 8; OPENBLAS_NUM_THREADS / "
+                        "OMP_NUM_THREADS in the environment are kept)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -39,10 +61,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", default="f32", choices=("f32", "q3"),
                    help="KV cache type: f32 (exact, default) or q3 (3-bit Walsh-Hadamard + Lloyd-Max "
                         "codes, ~9x smaller; CPU and CUDA backends)")
+    add_threads_arg(p)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt")
+    p.add_argument("--chat-template", default="auto", choices=PROMPT_MODES,
+                   help="on: wrap messages in the model's chat template; off: send their plain text "
+                        "for the model to continue; auto (default): off for a pretrained base model "
+                        "(no chat template in its file), on otherwise")
     p.add_argument("--no-think", action="store_true",
                    help="turn thinking off (the chat template's enable_thinking=false)")
     p.add_argument("--hide-thinking", action="store_true", help="do not print the thinking text")
@@ -55,11 +82,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat-penalty", type=float, default=None, metavar="R",
                    help="repetition penalty over prompt and output, 1 = off (default: 1)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="stop after N generated tokens (default: 2048)")
+                   help=f"stop after N generated tokens (default: {DEFAULT_MAX_TOKENS_CHAT} for a chat "
+                        f"answer, which may think first; {DEFAULT_MAX_TOKENS_TEXT} for plain text)")
     p.add_argument("--seed", type=int, default=None, metavar="N", help="random seed, for repeatable sampling")
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run", help="answer one prompt and print the speeds",
         description="Load a model, answer one prompt (streamed to stdout) and print prompt and "
@@ -72,7 +100,8 @@ def register(subparsers) -> None:
     p.add_argument("--image", action="append", default=[], metavar="PIC",
                    help="attach a picture to the prompt (repeatable; vision models only)")
     p.add_argument("--raw", action="store_true",
-                   help="send the prompt as raw text without the chat template (a plain completion)")
+                   help="send the prompt as raw text to continue (a plain completion; like "
+                        "--chat-template off, without --system or --image)")
     p.set_defaults(func=run)
 
 
@@ -108,9 +137,7 @@ def device_list(arg: str | None) -> list[str] | None:
     return devices
 
 
-def sampling_params(args):
-    from ..sampling import SamplingParams
-
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
     overrides = {
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -126,32 +153,47 @@ def sampling_params(args):
         raise RequestError(f"invalid sampling option: {exc}") from exc
 
 
-def start_runtime(args, *, quiet: bool = False, sample_memory_s: float = 0.0):
-    """A Runtime with the model of `args` loaded; progress on stderr. `sample_memory_s` > 0 samples
-    device memory into the runtime's metrics (the server's /metrics shows it)."""
-    from ..runtime import Runtime
+def check_runnable(path: str) -> None:
+    """Refuse, in words, a GGUF that holds no model to run (before a runtime is started for it)."""
+    from ..gguf_file import GGUFFile
 
+    with GGUFFile(path) as gf:
+        if not gf.tensors:
+            name = Path(path).name
+            raise RequestError(
+                f"{name} is a vocabulary-only GGUF: it holds a tokenizer and hyper-parameters but no "
+                "weights (convert_hf_to_gguf.py --vocab-only writes such files, for tokenizer tests), "
+                f"so there is nothing to run. `minecart inspect {path}` shows what it holds; run the "
+                "model's full GGUF instead")
+
+
+def start_runtime(args: argparse.Namespace, *, quiet: bool = False, sample_memory_s: float = 0.0,
+                  base_model_note: str | None = None) -> Runtime:
+    """A Runtime with the model of `args` loaded; progress on stderr. `sample_memory_s` > 0 samples
+    device memory into the runtime's metrics (the server's /metrics shows it). `base_model_note`:
+    what to tell the user when the model is a pretrained base model (None: nothing)."""
     path = model_path(args.model)
+    check_runnable(path)
     devices = device_list(args.devices)
     runtime = Runtime(sample_memory_s=sample_memory_s)
     t0 = time.perf_counter()
-    vision = {}
-    if getattr(args, "mmproj", None):
+    vision: dict[str, Any] = {}
+    if args.mmproj:
         mmproj = Path(args.mmproj).expanduser()
         if not mmproj.is_file():
             raise RequestError(f"mmproj file not found: {mmproj} (give the path of a .gguf vision projector)")
         vision["mmproj"] = str(mmproj)
-    if getattr(args, "max_image_tokens", None) is not None:
+    if args.max_image_tokens is not None:
         if args.max_image_tokens < 1:
             raise RequestError("--max-image-tokens must be at least 1")
         vision["max_image_tokens"] = args.max_image_tokens
-    if getattr(args, "kv_type", None) not in (None, "f32"):
+    if args.kv_type != "f32":
         vision["kv_type"] = args.kv_type
     handle = runtime.load(path, devices=devices, **vision)
     tty = sys.stderr.isatty()
     try:
         for ev in handle.events():
-            if ev.kind == "progress" and tty and not quiet:
+            if ev.kind == "progress" and tty and not quiet and ev.fraction is not None:
                 sys.stderr.write(f"\rloading {Path(path).name}: {ev.fraction * 100:5.1f}%")
                 sys.stderr.flush()
         if tty and not quiet:
@@ -161,18 +203,27 @@ def start_runtime(args, *, quiet: bool = False, sample_memory_s: float = 0.0):
         runtime.close()
         raise
     info = runtime.model_info
+    assert info is not None  # the load succeeded
     if not quiet:
         print(f"loaded {Path(path).name} ({info.architecture}, on {', '.join(info.devices)}) in "
               f"{time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        # with --raw the user already does what the note advises
-        if getattr(info, "base_model", False) and not getattr(args, "raw", False):
-            print(f"note: {info.name} is a pretrained base model (no chat template in the file): it "
-                  "continues text rather than following instructions; try --raw for plain completion",
-                  file=sys.stderr)
+        if info.base_model and base_model_note:
+            print(f"note: {info.name} is a pretrained base model (no chat template in its file): "
+                  f"{base_model_note}", file=sys.stderr)
     return runtime
 
 
-def image_part(path_text: str) -> dict:
+# What `run` and `chat` say about a base model, by --chat-template mode (None: nothing to say).
+BASE_MODEL_NOTES = {
+    "auto": "it continues text, so your message is sent as plain text for it to continue "
+            "(--chat-template on wraps it in a chat turn instead)",
+    "on": "it was not trained on chat turns and may not follow them (--chat-template auto sends "
+          "plain text for it to continue)",
+    "off": None,
+}
+
+
+def image_part(path_text: str) -> dict[str, Any]:
     """An OpenAI image_url content part (data: URL) for a picture file, checked with Pillow."""
     path = Path(path_text).expanduser()
     try:
@@ -196,14 +247,14 @@ def image_part(path_text: str) -> dict:
 class StreamPrinter:
     """Writes token events: the answer to stdout, thinking dimmed on a terminal or to stderr."""
 
-    def __init__(self, hide_thinking: bool = False):
+    def __init__(self, hide_thinking: bool = False) -> None:
         self.hide_thinking = hide_thinking
         self.tty = sys.stdout.isatty()
         self._dim_open = False
         self._thought = False
         self.answer: list[str] = []
 
-    def feed(self, ev) -> None:
+    def feed(self, ev: RuntimeEvent) -> None:
         if ev.thinking and not self.hide_thinking:
             if self.tty:
                 if not self._dim_open:
@@ -239,7 +290,7 @@ class StreamPrinter:
         return "".join(self.answer)
 
 
-def stats_line(final) -> str:
+def stats_line(final: RuntimeEvent) -> str:
     u = final.usage
     if u is None:
         return f"[{final.kind}]"
@@ -247,18 +298,18 @@ def stats_line(final) -> str:
     prompt_tps = u.prompt_tokens_per_s or (timing.prefill_tokens_per_s if timing else None)
     decode_tps = u.decode_tokens_per_s or (timing.decode_tokens_per_s if timing else None)
 
-    def rate(x):
+    def rate(x: float | None) -> str:
         return f"{x:.1f} tok/s" if x else "n/a"
 
     cached = f" ({u.cached_tokens} cached)" if u.cached_tokens else ""
-    if getattr(u, "image_tokens", 0):
+    if u.image_tokens:
         cached += f" ({u.image_tokens} image)"
     reason = final.finish_reason or final.kind
     return (f"prompt: {u.prompt_tokens} tokens{cached}, {rate(prompt_tps)} | generation: "
             f"{u.completion_tokens} tokens, {rate(decode_tps)} | {reason}")
 
 
-def stream_reply(handle, printer: StreamPrinter):
+def stream_reply(handle: RequestHandle, printer: StreamPrinter) -> RuntimeEvent:
     """Print a generation as it streams; Ctrl+C cancels it. Returns the terminal event."""
     try:
         for ev in handle.events():
@@ -270,13 +321,14 @@ def stream_reply(handle, printer: StreamPrinter):
         printer.close()
         return final
     printer.close()
+    assert handle.final is not None  # events() ends with the terminal event
     return handle.final
 
 
 # ---------------------------------------------------------------------------------------------------
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     prompt = args.prompt
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():  # None: started with stdin closed
@@ -288,7 +340,10 @@ def run(args) -> int:
     images = [image_part(p) for p in args.image]  # check the files before loading the model
     if args.raw and (images or args.system):
         raise RequestError("--raw sends plain text: it cannot carry --system or --image")
-    runtime = start_runtime(args)
+    if args.raw and args.chat_template == "on":
+        raise RequestError("--raw sends plain text; it cannot go with --chat-template on")
+    note = None if args.raw else BASE_MODEL_NOTES[args.chat_template]
+    runtime = start_runtime(args, base_model_note=note)
     try:
         if args.raw:
             handle = runtime.complete(prompt, params)
@@ -298,7 +353,8 @@ def run(args) -> int:
                 messages.append({"role": "system", "content": args.system})
             content = [{"type": "text", "text": prompt}, *images] if images else prompt
             messages.append({"role": "user", "content": content})
-            handle = runtime.chat(messages, params, enable_thinking=not args.no_think)
+            handle = runtime.chat(messages, params, enable_thinking=not args.no_think,
+                                  chat_template=args.chat_template)
         final = stream_reply(handle, StreamPrinter(hide_thinking=args.hide_thinking))
         if final.kind == "error":
             print(f"minecart: error: {final.text}", file=sys.stderr)

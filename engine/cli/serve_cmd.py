@@ -7,14 +7,19 @@ uvicorn; the endpoints live in engine/server.py.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 from ..errors import RequestError
 from .run_cmd import add_model_args, start_runtime
 
+# What `serve` says about a pretrained base model: the API's per-request switch
+BASE_MODEL_NOTE = ('chat requests get the plain text of their messages to continue, unless they set '
+                   '"chat_template_mode": "on" to use a chat template')
 
-def register(subparsers) -> None:
+
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="serve the OpenAI-compatible HTTP API",
         description="Load a model and serve /v1/chat/completions, /v1/completions, /v1/models, "
@@ -28,7 +33,8 @@ def register(subparsers) -> None:
     p.add_argument("--model-name", default=None, metavar="NAME",
                    help="model id reported by /v1/models (default: the GGUF file name)")
     p.add_argument("--max-tokens", type=int, default=None, metavar="N",
-                   help="default max_tokens for requests that give none (default: the engine's 2048)")
+                   help="default max_tokens for requests that give none (default: the engine's, 2048 "
+                        "for a chat answer and 256 for plain text)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: no key; also read "
                         "from the MINECART_API_KEY environment variable)")
@@ -43,7 +49,7 @@ def register(subparsers) -> None:
     p.set_defaults(func=serve_main)
 
 
-def serve_main(args) -> int:
+def serve_main(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ..server import create_app
@@ -51,7 +57,7 @@ def serve_main(args) -> int:
     if not 0 <= args.port <= 65535:
         raise RequestError(f"--port {args.port} is not a TCP port (0-65535)")
     _check_port_free(args.host, args.port)  # before minutes of loading, not after
-    runtime = start_runtime(args, sample_memory_s=0.5)
+    runtime = start_runtime(args, sample_memory_s=0.5, base_model_note=BASE_MODEL_NOTE)
     try:
         api_key = args.api_key or os.environ.get("MINECART_API_KEY") or None
         if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import tempfile
 from contextlib import redirect_stdout
 
 import numpy as np
@@ -31,9 +32,63 @@ def test_bench_json_on_cpu(fixtures_dir):
     assert [r["tokens"] for r in res["prefill"]] == [16, 40]
     assert [r["context"] for r in res["decode"]] == [0, 20]
     assert all(r["tokens_per_s"] > 0 for r in res["prefill"] + res["decode"])
-    assert res["ceilings"] == {}  # the NumPy backend has no ceilings to measure
+    # the CPU's own ceilings, measured in the run: memory copy bandwidth and the fp32 FMA rate
+    assert set(res["ceilings"]) == {"copy_gbs", "fma_tflops"}
+    assert all(v > 0 for v in res["ceilings"].values())
+    assert all(0 < r["ratio"] and r["ceiling_tokens_per_s"] > 0 for r in res["prefill"] + res["decode"])
     table = format_table(res)
     assert "prefill 40" in table and "decode @ 20" in table
+    assert "copy" in table and "GFLOP/s" in table or "TFLOP/s" in table
+
+
+def test_table_without_ceilings_says_so_and_shows_no_zero_ratios():
+    res = {"model": "m.gguf", "backend": "B", "ceilings": {}, "weight_bytes_per_token": 19_658_656,
+           "int8_ops_per_token": 512, "kernels": {},
+           "prefill": [{"tokens": 16, "seconds": 0.01, "tokens_per_s": 1600.0}],
+           "decode": [{"context": 0, "tokens": 2, "tokens_per_s": 400.0}]}
+    table = format_table(res)
+    assert "none measured" in table and "19.66 MB" in table
+    assert "0%" not in table
+    assert table.splitlines()[-1].split() == ["decode", "@", "0", "400.0", "-", "-"]
+
+
+def test_progress_lines_are_words_not_dicts(fixtures_dir, capsys):
+    assert main(["bench", str(fixtures_dir / FIXTURE), "--device", "cpu:0", "--prefill", "8",
+                 "--decode-ctx", "0", "--decode-tokens", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "{" not in captured.err and "{" not in captured.out, captured.err
+
+
+def test_bench_checks_the_device_before_synthesizing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    work = tmp_path / "work"
+    assert main(["bench", "--shape", "tiny-dense", "--device", "cuda:99", "--workdir", str(work)]) == 1
+    assert "cuda:99" in capsys.readouterr().err
+    assert not work.exists()  # nothing written, not even the folder
+    assert main(["bench", "--shape", "tiny-dense", "--device", "cuda:99"]) == 1
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_bench_deletes_what_it_synthesized_pass_or_fail(tmp_path, monkeypatch, capsys):
+    from minecart.engine.cli import bench_cmd
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = ["bench", "--shape", "tiny-dense", "--device", "cpu:0", "--prefill", "8", "--decode-ctx", "0",
+            "--decode-tokens", "1"]
+    assert main(args) == 0
+    assert list(tmp_path.iterdir()) == []  # the temporary folder and its file are gone
+
+    def broken(*a, **k):
+        raise ValueError("bench failed midway")
+
+    monkeypatch.setattr(bench_cmd, "bench", broken)
+    assert main(args) == 70
+    assert list(tmp_path.iterdir()) == []
+
+    work = tmp_path / "kept"
+    assert main([*args, "--workdir", str(work)]) == 70  # still failing: the file is kept for reuse
+    assert [p.name for p in work.iterdir()] == ["tiny-dense-q8_0.gguf"]
 
 
 def test_bytes_and_ops_per_token(fixtures_dir):
