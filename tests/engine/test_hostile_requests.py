@@ -54,24 +54,26 @@ def server(runtime_and_model):
 
 
 class _ForwardSizes:
-    """Records the token count of every forward run of a model (restored on exit)."""
+    """Records the token count of every run of a model's first stage, i.e. how many tokens go through
+    the layers at once (the executor's stage runner, restored on exit)."""
 
     def __init__(self, model):
-        self.model = model
+        self.executor = model.executor
         self.sizes: list[int] = []
 
     def __enter__(self):
-        original = self.model.forward
+        original = self.executor.run_stage
 
-        def spy(ids, *args, **kwargs):
-            self.sizes.append(len(ids))
-            return original(ids, *args, **kwargs)
+        def spy(stage, x, *args, **kwargs):
+            if stage is self.executor.stages[0]:
+                self.sizes.append(len(x))
+            return original(stage, x, *args, **kwargs)
 
-        self.model.forward = spy
+        self.executor.run_stage = spy
         return self
 
     def __exit__(self, *exc):
-        del self.model.forward
+        del self.executor.run_stage
 
 
 def _with_context(model, n: int) -> None:

@@ -150,7 +150,7 @@ def test_generate_same_for_whole_chunked_and_stepwise_prefill(variant, seq):
     ref = refs[seq]
     prompt = [int(t) for t in ref["tokens"]]
     results = []
-    for chunk in (None, 64, 1):
+    for chunk in (len(prompt), 64, 1):  # whole, in 64-token chunks, token by token
         session = model.new_session()
         session.prefill(prompt, chunk=chunk)
         events = list(model.generate(prompt, greedy_params(max_tokens=32), session=session))
