@@ -13,6 +13,11 @@
 #      TEST_TIMEOUT (s, default 300), SPLIT_ARGS (default: --shape qwen3.5-9b --quant q8_0
 #      --split-prompt 18432 --decode-tokens 32), SPLIT_TEST_TIMEOUT (s, default 200),
 #      SPLIT_TIMEOUT (s, default 330; tests + bench stay under the 600 s of one device call).
+# `compare OLD_TREE` (not part of `all`): the same synthesized file benchmarked by an older checkout of
+# the code (OLD_TREE: a folder with app/ engine/ kernels/ resources/, e.g. a `git archive` of the
+# commit before a refactor) and by this tree, alternating old, new, old, new, so a change that must
+# not slow the engine is judged in one run (COMPARE_ARGS, default: --prefill 4096 --decode-ctx 0
+# --decode-tokens 64; compare.log, compare_*.json).
 set -u
 MODE=${1:-all}
 shift || true
@@ -73,4 +78,43 @@ from minecart.engine.cli.bench_cmd import format_split_table
 d = json.load(open(sys.argv[1]))
 print(format_split_table(d['rows'], d['model'].rsplit('/', 1)[-1], d['prompt_tokens'], d['chunk']))
 " "$OUT/split.json" 2>&1 | tee -a "$OUT/split.log"
+fi
+
+if [ "$MODE" = compare ]; then
+  OLD_TREE=$(cd "${1:?compare needs the old tree}" && pwd)
+  mkdir -p /tmp/mc_old/minecart
+  for d in app engine kernels resources; do ln -sfn "$OLD_TREE/$d" "/tmp/mc_old/minecart/$d"; done
+  timeout 240 python3 -m minecart.engine.cli synth ${BENCH_ARGS:---shape qwen3.5-9b --quant q8_0} /tmp/cmp.gguf \
+    >"$OUT/compare.log" 2>&1
+  for round in 1 2; do
+    for which in old new; do
+      path=/tmp/mc:/tmp/site
+      [ "$which" = old ] && path=/tmp/mc_old:/tmp/site
+      # shellcheck disable=SC2086
+      PYTHONPATH=$path timeout 200 python3 -m minecart.engine.cli bench /tmp/cmp.gguf \
+        ${COMPARE_ARGS:---prefill 4096 --decode-ctx 0 --decode-tokens 64} --json \
+        >"$OUT/compare_${which}_${round}.json" 2>>"$OUT/compare.log"
+      echo "$which round $round exit $?" | tee -a "$OUT/compare.log"
+    done
+  done
+  python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/compare.log"
+import glob, json, sys
+rows = {}
+for f in sorted(glob.glob(sys.argv[1] + "/compare_*.json")):
+    try:
+        d = json.load(open(f))
+    except Exception as exc:  # a failed run leaves no JSON
+        print(f, "unreadable:", exc)
+        continue
+    which = f.rsplit("/", 1)[-1].split("_")[1]
+    rows.setdefault(which, []).append(d)
+def pick(d, key):
+    out = {}
+    for r in d.get(key, []):
+        out[r["context"] if "context" in r else r.get("tokens")] = round(r.get("tokens_per_s", 0), 1)
+    return out
+for which, ds in rows.items():
+    for d in ds:
+        print(which, "prefill", pick(d, "prefill"), "decode", pick(d, "decode"))
+PY
 fi
