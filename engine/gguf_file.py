@@ -1,7 +1,7 @@
 """Memory-mapped access to a GGUF file: metadata as Python values, tensors as raw quantized blocks.
 
 This module reads and validates the container with its own small, bounds-checked parser (the layout is
-in docs/qwen35-architecture.md 2.1). Every count, length and offset in the header is checked against the
+in docs/qwen35.md 2.1). Every count, length and offset in the header is checked against the
 file size before anything is allocated, so a corrupt or hostile file fails fast with a GGUFError that
 names the file, the key or tensor, and what would fix it, instead of hanging, allocating gigabytes, or
 raising an IndexError deep inside a library.

@@ -88,7 +88,7 @@ GDN_CHUNK_TOKENS = 64
 STAGED_TYPES = ("Q8_0", "Q4_0")
 
 # Bytes per stored KV value. q8 = Q8_0 blocks (32 int8 + fp16 scale); q3 = 3-bit codes in blocks of 32
-# (12 bytes) plus an fp16 scale (2 bytes), as the Walsh-Hadamard + Lloyd-Max cache of seeds.md stores.
+# (12 bytes) plus an fp16 scale (2 bytes), as the Walsh-Hadamard + Lloyd-Max cache stores them (docs/kv-cache.md).
 KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8": 34 / 32, "q3": 14 / 32}
 
 # How a backend holds weights: "stored" = GGUF blocks as in the file (CUDA backend); "numpy" = the

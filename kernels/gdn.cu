@@ -6,7 +6,7 @@
 // warp of the block stages the inputs 16 tokens at a time. Per
 // token (all fp32):  e' = S^T k,  r = S^T q,  a = exp(g),  d = beta (v - a e'),
 //                    S <- a S + k d^T,  o = a r + (k . q) d
-// which is the recurrence of qwen35-architecture.md 3.4 step 6 rearranged (decay folded in). State layout (n_v, DK, DV) as
+// which is the recurrence of docs/qwen35.md 3.4 step 5 rearranged (decay folded in). State layout (n_v, DK, DV) as
 // the Backend protocol fixes it (value index fastest: a warp's loads of a state row are coalesced).
 
 extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float* __restrict__ state,
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(64) gdn_scan(
     }
 }
 
-// ---- chunked (WY / UT-transform) form for prefill, qwen35-architecture.md 3.4.1, chunk 64 ----------
+// ---- chunked (WY / UT-transform) form for prefill, docs/qwen35.md 3.4.1, chunk 64 ------------------
 //
 // Two launches per segment of tokens (kernels/gdn_chunk.py): gdn_chunk_prep works on all chunks and
 // value heads at once and reduces each chunk to five matrices; gdn_chunk_state then walks the chunks in

@@ -1,6 +1,6 @@
 """Chunked (WY / UT-transform) Gated DeltaNet prefill: launches of gdn_chunk_prep and gdn_chunk_state.
 
-What this is: the prefill form of the delta rule (qwen35-architecture.md 3.4.1, chunk 64) over the same
+What this is: the prefill form of the delta rule (docs/qwen35.md 3.4.1, chunk 64) over the same
 arguments as ops.gdn_scan, and the rule that picks between the two (`use_chunked`). The prompt is cut
 into segments of GDN_CHUNK_SEGMENT tokens; per segment one launch reduces every (chunk, value head) to
 the matrices W, Mq, Kd, U, PU (all chunks in parallel), and a second walks the chunks in order, one block

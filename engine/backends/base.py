@@ -288,7 +288,7 @@ class Backend(Protocol):
         """NEOX (half-split) rotary embedding on the first n_rot dims of each head.
 
         x (T, nh, d); positions: host int array (T,) for text, or (3, T) for M-RoPE (t, h, w) with
-        `sections` pairs per component (interleaved rule, qwen35-architecture.md 3.3.1).
+        `sections` pairs per component (interleaved rule, docs/qwen35.md 3.3.1).
         Position p is divided by `scale` (linear scaling). Dims >= n_rot pass through.
         """
 
@@ -313,7 +313,7 @@ class Backend(Protocol):
         (gelu_pytorch_tanh, the ViT MLP); exact=True: 0.5 x (1 + erf(x / sqrt(2))) (the merger)."""
 
     def vision_rope(self, x: Array, positions, base: float) -> Array:
-        """2-D (axial) rotary embedding of a ViT, qwen35-vision.md 4.4. x (T, nh, d), positions a host
+        """2-D (axial) rotary embedding of a ViT, docs/qwen35-vision.md 4.4. x (T, nh, d), positions a host
         int array (2, T) of (row, col) patch coordinates. With q4 = d/4 frequencies
         inv_freq_i = base^(-4i/d), pair j of (j, j + d/2) for j < d/2 rotates by
         row * inv_freq_j (j < q4) or col * inv_freq_(j-q4) (j >= q4), NEOX half-split over the whole head."""

@@ -244,7 +244,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
             pos_pair = pos[comp, :].T.astype(F64)  # (T, half)
         else:
             pos_pair = np.broadcast_to(pos.reshape(T, 1).astype(F64), (T, half))
-        angle = pos_pair / scale * inv_freq  # (T, half), float64 angles (doc 3.3.1 "better choice")
+        angle = pos_pair / scale * inv_freq  # (T, half), float64 angles (docs/qwen35.md 3.3.1)
         cos = np.cos(angle)[:, None, :]
         sin = np.sin(angle)[:, None, :]
         x1 = x[..., :half].astype(F64)
@@ -372,7 +372,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         return out.astype(F32)
 
     def gdn_chunk(self, q, k, v, g, beta, state, chunk: int = 64):
-        """qwen35-architecture.md 3.4.1, per chunk of `chunk` tokens, all heads at once.
+        """docs/qwen35.md 3.4.1, per chunk of `chunk` tokens, all heads at once.
 
         The last chunk is shorter instead of zero-padded: padding rows (g = 0, beta = 0) contribute
         nothing, so this is the same algebra.

@@ -1,16 +1,19 @@
-"""Qwen3.5 / Qwen3.6 text models (GGUF archs `qwen35` dense and `qwen35moe`): the forward pass.
+"""Qwen3.5 / Qwen3.6 text models (GGUF archs `qwen35` dense and `qwen35moe`): the spec and the forward pass.
 
-Pure functions over a weights dict {GGUF tensor name: Weight} and a Backend, following
-/work/shared/docs/qwen35-architecture.md section 3 (section numbers below refer to it). Every layer is
+`SPEC` says what a file of this architecture holds (metadata, every tensor with its shape and role, the
+MoE layouts, what each layer costs; engine/models/spec.py derives validation, the loader's roles,
+placement costs and `minecart synth` from it). `SHAPES` are the released sizes and a few tiny ones.
+The forward pass is pure functions over a weights dict {GGUF tensor name: Weight} and a Backend,
+following docs/qwen35.md section 3 (section numbers below refer to that file). Every layer is
 
     x = x + mixer(rms_norm(x, attn_norm))               # Gated DeltaNet or gated full attention
     x = x + ffn(rms_norm(x, post_attention_norm))       # SwiGLU, or routed experts + shared expert
 
 Weights are used in GGUF order: GDN value head j pairs with key head j % n_k (the converter tiled the
 value heads), every stored norm weight is already `1 + w` except `ssm_norm`, and `ssm_a` is already
-`-exp(A_log)`. The MTP block (`blk.{n_layers}`, section 5) is not used for next-token prediction and is
-not loaded. This file never imports numpy or cupy; vision input (M-RoPE with distinct components)
-only needs (3, T) positions, which the backend's rope already accepts.
+`-exp(A_log)` (docs/qwen35.md 2.4). The MTP block (`blk.{n_layers}`, section 5) is not used for
+next-token prediction and is not loaded. This file never imports numpy or cupy; vision input (M-RoPE
+with distinct components) only needs (3, T) positions, which the backend's rope already accepts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Qwen3.5/3.6 ViT (mmproj `qwen3vl_merger`) forward pass: pure functions over a Backend.
 
-/work/shared/docs/qwen35-vision.md section 4, with GGUF tensor names verbatim:
+docs/qwen35-vision.md section 4, with GGUF tensor names verbatim:
 
     x = patches(frame 0) @ patch_embd.weight^T + patches(frame 1) @ patch_embd.weight.1^T + bias
       + bilinear(position table)                                   # 4.1, 4.2

@@ -3,7 +3,7 @@
 The chat template renders each image as `<|vision_start|><|image_pad|><|vision_end|>`. Here the single
 `<|image_pad|>` becomes N copies (N = image tokens of that picture), the text model receives the
 tower's N embeddings in those rows (Model.forward's `embed_override`), and every token gets a
-(t, h, w) position (/work/shared/docs/qwen35-vision.md sections 5 and 6):
+(t, h, w) position (docs/qwen35-vision.md sections 5 and 6):
 
     text token:          t = h = w = running position p, then p += 1
     image token (R, C):  (s, s + R, s + C) with s = p at the image's first token (raster order)

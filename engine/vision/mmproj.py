@@ -2,7 +2,7 @@
 
 A Qwen3.5/3.6 model sees images through a ViT that llama.cpp's converter writes into a separate GGUF
 (`general.architecture = "clip"`, `clip.projector_type = "qwen3vl_merger"`); see
-/work/shared/docs/qwen35-vision.md section 2. This file reads that file with the same GGUF machinery as the
+docs/qwen35-vision.md section 2. This file reads that file with the same GGUF machinery as the
 text model, checks that it fits the text model (projection width = text hidden size, a text
 architecture that reads image rows), loads the tensors on a Backend and exposes `VisionTower.encode`.
 

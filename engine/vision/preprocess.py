@@ -1,7 +1,7 @@
 """Image preprocessing for the Qwen3.5/3.6 vision tower, with Pillow, as transformers does it.
 
 Reproduces transformers' `Qwen2VLImageProcessorPil` with Qwen3.5's `preprocessor_config.json`
-(/work/shared/docs/qwen35-vision.md section 3.1; /work/shared/fixtures/vision/README.md steps 1-6), so the
+(docs/qwen35-vision.md section 3.1; steps 1-6 of the vision fixture's README), so the
 patches equal transformers' `pixel_values` bit for bit:
 
 1. decode (path, bytes, data: URL or a PIL image), apply the EXIF orientation, take the first frame;

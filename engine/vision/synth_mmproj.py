@@ -2,7 +2,7 @@
 
 For images/s benchmarks and loader tests without downloading a tower: `write_synthetic_mmproj(path,
 "qwen3.5-27b", "f16")` streams a `clip` / `qwen3vl_merger` file with the metadata and tensor layout of
-llama.cpp's converter (/work/shared/docs/qwen35-vision.md section 2), reusing engine/synth.py's writer.
+llama.cpp's converter (docs/qwen35-vision.md section 2), reusing engine/synth.py's writer.
 Values follow the vision fixture's recipe (README "How it was produced"): patch embedding N(0, 1/1536),
 position table N(0, 0.5^2), LayerNorm weights 1 + N(0, 0.2^2), biases N(0, 0.1^2), qkv 1/sqrt(d),
 residual-writing projections 0.3/sqrt(fan_in), ffn_up 0.7/sqrt(d), merger 1/sqrt(4d). Matrices whose
@@ -27,7 +27,7 @@ from ..synth import QUANTS, PlannedTensor, _matrix_type, _tensor_chunks, encode_
 
 @dataclass(frozen=True)
 class TowerShape:
-    """Hyper-parameters of a qwen3vl_merger tower (vision doc section 1)."""
+    """Hyper-parameters of a qwen3vl_merger tower (docs/qwen35-vision.md section 1)."""
 
     name: str
     depth: int

@@ -36,7 +36,7 @@ def tiny(fixtures_dir):
 
 
 def test_shape_sizes_match_the_sizing_section():
-    # qwen35-architecture.md 6.2: bytes per layer at Q8_0 (matrices + F32 tensors) and model totals.
+    # docs/qwen35.md 6.2: bytes per layer at Q8_0 (matrices + F32 tensors) and model totals.
     c9 = costs_for_shape("qwen3.5-9b")
     assert c9.part("layer.3").weight_bytes == 222_822_400 + 34_816
     assert c9.part("layer.0").weight_bytes == 232_013_824 + 164_608

@@ -171,7 +171,7 @@ def test_same_seed_same_bytes_as_before(tmp_path, shape, quant, fuse, sha256):
 
 
 @pytest.mark.parametrize("shape,params,q8_bytes", [
-    ("qwen3.5-9b", 8.95e9, 9.52e9),  # docs/qwen35-architecture.md 6.2
+    ("qwen3.5-9b", 8.95e9, 9.52e9),  # docs/qwen35.md 6.2
     ("qwen3.5-27b", 26.9e9, 28.58e9),
 ])
 def test_real_sizes_match_the_docs(shape, params, q8_bytes):

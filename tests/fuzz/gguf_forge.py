@@ -2,7 +2,7 @@
 
 `gguf.GGUFWriter` refuses most malformed input, so hostile files for the fuzz and validation tests are
 built here: `Forged.from_file` reads a real file (the fixtures) into plain lists, tests edit them, and
-`to_bytes` lays them out again in the GGUF v3 layout (docs/qwen35-architecture.md 2.1).
+`to_bytes` lays them out again in the GGUF v3 layout (docs/qwen35.md 2.1).
 Test code only: it does not validate anything on purpose.
 """
 
