@@ -52,6 +52,10 @@ MAX_DIM = 1 << 24
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The hyper-parameters of a model, read once from GGUF metadata by its architecture's
+    `read_config`. One dataclass for every architecture: fields an architecture lacks keep their
+    defaults. `layer_types` spells out each main layer's kind (GDN, ATTN, SLIDING)."""
+
     architecture: str
     name: str
     n_layers: int  # main decoder layers (MTP blocks excluded)
@@ -102,16 +106,14 @@ class ModelConfig:
         return spec_for(gf.architecture, gf.path).read_config(gf)
 
 
-class TensorInfoLike(Protocol):
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-
-
 class GGUFLike(Protocol):
     """What the spec reads of a GGUF file: engine/gguf_file.GGUFFile, or a test's stand-in."""
 
-    path: Path
-    tensors: Mapping[str, Any]
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...  # name -> tensor info with a `.shape`
 
     @property
     def architecture(self) -> str: ...
