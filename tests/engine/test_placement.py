@@ -369,3 +369,12 @@ def test_gemma3_has_no_concatenation_holes():
     assert Placement.single(costs, "cuda:0").bytes_per_device()["cuda:0"].fragmentation == 0
     # Qwen3.5 concatenates (matmul_many): its layers do have fused bytes
     assert costs_for_shape("qwen3.5-0.8b", n_layers=1).part("layer.0").fused_bytes > 0
+
+
+def test_a_file_missing_a_tensor_the_model_reads_is_refused(tiny):
+    from types import SimpleNamespace
+
+    config, gf = tiny
+    tensors = {n: t for n, t in gf.tensors.items() if n != "blk.2.ssm_out.weight"}
+    with pytest.raises(PlacementError, match=r"no tensor blk\.2\.ssm_out\.weight.*re-convert"):
+        model_costs(config, SimpleNamespace(tensors=tensors, path=gf.path))
