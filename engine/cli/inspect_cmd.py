@@ -5,7 +5,9 @@
 Prints architecture, name, parameter counts (with and without the embeddings; MTP blocks apart), the
 quantization mix (type: tensors, bytes), file size, context length, layer kinds, bytes per layer, head
 and Gated DeltaNet dims, MoE sizes, the tokenizer, and whether every tensor the architecture needs is
-present with the right shape. `--gpu` lists the compute devices. Only the header and metadata are read
+present with the right shape. Two kinds of file that are not a runnable model are told for what they
+are: a vision projector (mmproj: the picture encoder of a vision model, with its tower's shape and how
+to use it) and a vocabulary-only file (a tokenizer and hyper-parameters without weights). `--gpu` lists the compute devices. Only the header and metadata are read
 (the tensors stay in the memory map), so this is instant even for a 30 GB file.
 
 `describe_model(gguf_file)` returns the same facts as a dict (the `--json` output) for other callers.
@@ -13,16 +15,22 @@ present with the right shape. `--gpu` lists the compute devices. Only the header
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
 from collections import Counter
+from collections.abc import Iterable
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..gguf_file import GGUFFile
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 _KIND_LABEL = {"gdn": "GDN", "attention": "attention", "sliding": "sliding window"}
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("inspect", help="show what a GGUF model file holds",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="the GGUF file")
@@ -46,19 +54,19 @@ def format_count(n: int | float) -> str:
     return str(int(n))
 
 
-def _layer_summary(kinds) -> str:
+def _layer_summary(kinds: Iterable[str]) -> str:
     counts = Counter(kinds)
     order = [k for k in ("gdn", "attention", "sliding") if k in counts] + sorted(set(counts) - set(_KIND_LABEL))
     return ", ".join(f"{_KIND_LABEL.get(k, k)} x{counts[k]}" for k in order)
 
 
-def describe_model(gf) -> dict:
+def describe_model(gf: GGUFFile) -> dict[str, Any]:
     """Facts about an opened GGUFFile as plain JSON-able data."""
     from ..config import ModelConfig, validate_tensors
     from ..errors import MinecartError
 
     arch = str(gf.get("general.architecture", "?"))
-    facts: dict = {
+    facts: dict[str, Any] = {
         "path": str(gf.path),
         "file_bytes": int(gf.file_size),
         "gguf_version": gf.version,
@@ -69,18 +77,23 @@ def describe_model(gf) -> dict:
         "file_type": gf.get("general.file_type"),
     }
     config, config_error = None, None
-    try:
-        config = ModelConfig.from_gguf(gf)
-    except MinecartError as exc:
-        config_error = str(exc)
+    if arch == "clip":
+        facts["mmproj"] = _describe_mmproj(gf)
+    else:
+        try:
+            # ignore: models/spec.GGUFLike declares `tensors` a writable Mapping attribute, which
+            # GGUFFile's dict cannot match (a read-only property there would)
+            config = ModelConfig.from_gguf(gf)  # type: ignore[arg-type]
+        except MinecartError as exc:
+            config_error = str(exc)
     facts["supported"] = config is not None
     if config_error:
         facts["config_error"] = config_error
 
     n_main = config.n_layers if config else None
     total = embed = mtp = 0
-    mix: dict[str, dict] = {}
-    per_layer: dict[int, dict] = {}
+    mix: dict[str, dict[str, int]] = {}
+    per_layer: dict[int, dict[str, Any]] = {}
     for t in gf.tensors.values():
         n = t.n_elements
         m = _BLOCK.match(t.name)
@@ -145,7 +158,7 @@ def describe_model(gf) -> dict:
             if not gf.tensors:
                 pass  # a vocabulary-only file (convert_hf_to_gguf.py --vocab-only): nothing to check
             else:
-                validate_tensors(c, gf)
+                validate_tensors(c, gf)  # type: ignore[arg-type]  # see ModelConfig.from_gguf above
                 facts["tensors_ok"] = True
         except MinecartError as exc:
             facts["tensors_ok"] = False
@@ -164,18 +177,47 @@ def describe_model(gf) -> dict:
     return facts
 
 
-def _print_facts(f: dict, all_layers: bool, out) -> None:
-    w = lambda label, value: print(f"{label + ':':22s}{value}", file=out)  # noqa: E731
+def _describe_mmproj(gf: GGUFFile) -> dict[str, Any]:
+    """A vision projector's tower, from its clip.* keys (or why they cannot be read)."""
+    from ..errors import MinecartError
+    from ..vision.mmproj import VisionConfig
+
+    try:
+        vc = VisionConfig.from_gguf(gf)
+    except MinecartError as exc:
+        return {"error": str(exc)}
+    return {"projector_type": vc.projector_type, "blocks": vc.n_layers, "hidden": vc.hidden,
+            "heads": vc.n_heads, "patch_size": vc.patch_size, "merge_size": vc.merge_size,
+            "output_width": vc.projection_dim}
+
+
+def _print_facts(f: dict[str, Any], all_layers: bool, out: IO[str]) -> None:
+    def w(label: str, value: object) -> None:
+        print(f"{label + ':':22s}{value}", file=out)
+
     w("file", f"{f['path']} ({format_bytes(f['file_bytes'])}, GGUF v{f['gguf_version']}, "
       f"{f['n_tensors']} tensors, {f['n_metadata_keys']} metadata keys)")
     note = ""
     if f["architecture"] == "clip":
-        note = "  (a vision projector / mmproj file, not a language model)"
+        note = "  (a vision projector (mmproj): the picture encoder of a vision model, not a language model)"
     elif not f["supported"]:
         note = "  (not runnable by minecart)"
     elif f.get("vocab_only"):
         note = "  (vocabulary-only file: tokenizer and hyper-parameters, no weights)"
     w("architecture", f["architecture"] + note)
+    if "mmproj" in f:
+        m = f["mmproj"]
+        if "error" in m:
+            w("vision tower", m["error"])
+        else:
+            w("vision tower", f"{m['projector_type']}: {m['blocks']} blocks {m['hidden']} wide, "
+              f"{m['heads']} heads, {m['patch_size']}-pixel patches merged {m['merge_size']}x"
+              f"{m['merge_size']}; output rows {m['output_width']} wide (the language model's hidden size)")
+        w("use", f"with its language model: minecart run MODEL.gguf --mmproj {f['path']} --image "
+          "PICTURE (an mmproj-*.gguf beside the model is found without --mmproj)")
+    if f.get("vocab_only"):
+        w("use", "tokenizer tests (convert_hf_to_gguf.py --vocab-only writes such files); minecart "
+          "cannot generate with it: run the model's full GGUF")
     w("name", f["name"])
     p = f["params"]
     params = f"{format_count(p['total'])} ({format_count(p['excluding_embeddings'])} without embeddings)"
@@ -210,7 +252,8 @@ def _print_facts(f: dict, all_layers: bool, out) -> None:
           f"eos {t['eos_id']}, chat template {'yes' if t['has_chat_template'] else 'no'}")
     else:
         w("tokenizer", "none")
-    print("quantization mix:", file=out)
+    if f["quant_mix"]:
+        print("quantization mix:", file=out)
     for name, m in f["quant_mix"].items():
         print(f"  {name:8s} {m['tensors']:5d} tensors  {format_bytes(m['bytes']):>11s}  "
               f"{format_count(m['params']):>9s} params", file=out)
@@ -243,13 +286,13 @@ def _device_lines() -> list[str]:
     return list(devices.describe_devices())
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..errors import RequestError
     from ..gguf_file import GGUFFile
 
     if not args.model and not args.gpu:
         raise RequestError("inspect needs a GGUF file (or --gpu to list devices)")
-    result: dict = {}
+    result: dict[str, Any] = {}
     if args.model:
         with GGUFFile(args.model) as gf:
             result = describe_model(gf)

@@ -97,3 +97,17 @@ def test_gpu_flag(capsys, monkeypatch):
     assert main(["inspect", "--gpu", "--json"]) == 0
     assert "no device module" in json.loads(capsys.readouterr().out)["devices"][0]
     assert main(["inspect"]) == 1  # neither a file nor --gpu
+
+
+def test_mmproj_and_vocab_only_are_explained_in_words(fixtures_dir, capsys):
+    assert main(["inspect", str(fixtures_dir / "vision/mmproj-qwen35-tiny-vl-f16.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "vision projector (mmproj)" in out and "not supported" not in out
+    assert "qwen3vl_merger: 3 blocks 64 wide, 2 heads, 16-pixel patches merged 2x2" in out
+    assert "--mmproj" in out and "--image" in out  # how to use it
+    m = inspect_json(fixtures_dir / "vision/mmproj-qwen35-tiny-vl-f16.gguf", capsys)
+    assert m["mmproj"]["output_width"] == 32 and "config_error" not in m
+    assert main(["inspect", str(fixtures_dir / "qwen35-vocab.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "vocabulary-only file" in out and "cannot generate with it" in out
+    assert "quantization mix" not in out  # no tensors, no empty table

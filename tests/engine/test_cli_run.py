@@ -129,6 +129,11 @@ def test_chat_keeps_the_session_between_turns(tiny_model):
     assert c2 and int(p1) - 8 <= int(c2) < int(p1) and int(p2) > int(p1)
     assert not c3 and int(p3) < int(p2)  # after /reset: a fresh session, a short prompt
     assert all(1 <= int(g) <= 4 for g in (g1, g2, g3))
+    # piped: a transcript, each message echoed before its answer and a blank line after each turn
+    assert re.findall(r"^> (.*)$", r.stdout, re.M) == ["What is the capital of France?", "And of Korea?",
+                                                       "Hello again"]
+    assert r.stdout.startswith("> What is the capital of France?\n") and r.stdout.endswith("\n\n")
+    assert r.stdout.count("\n\n> ") == 2, r.stdout
 
 
 def test_no_model_means_the_demo_model(monkeypatch, tmp_path):
@@ -154,3 +159,51 @@ def test_image_part_is_a_checked_data_url(tmp_path):
     part = image_part(str(pic))
     assert part["type"] == "image_url"
     assert part["image_url"]["url"].startswith("data:image/png;base64,iVBORw0KGgo")
+
+
+def test_a_bad_flag_shows_the_subcommands_usage():
+    r = minecart("run", "--bogus", timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.startswith("usage: minecart run") and "unrecognized arguments: --bogus" in r.stderr
+    r = minecart("chat", "m.gguf", "--raw", timeout=120)  # --raw is run's alone
+    assert r.returncode == 2 and r.stderr.startswith("usage: minecart chat")
+
+
+def test_every_flag_a_message_suggests_exists():
+    from minecart.engine.cli import chat_cmd, run_cmd, serve_cmd  # noqa: F401 - the notes live there
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    notes = [n for n in run_cmd.BASE_MODEL_NOTES.values() if n]
+    assert notes and all("--raw" not in n for n in notes + [serve_cmd.BASE_MODEL_NOTE])
+    for command in ("run", "chat"):
+        for note in notes:
+            for flag, value in re.findall(r"(--[a-z-]+)(?: (\w+))?", note):
+                args = sub.choices[command].parse_args(["m.gguf", flag, value] if value else ["m.gguf", flag])
+                assert args.chat_template == value
+    assert '"chat_template_mode": "on"' in serve_cmd.BASE_MODEL_NOTE
+
+
+def test_vocabulary_only_file_is_named_for_what_it_is(fixtures_dir):
+    r = minecart("run", str(fixtures_dir / "qwen35-vocab.gguf"), "-p", "hi", timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "vocabulary-only GGUF" in r.stderr and "no weights" in r.stderr
+    assert "re-convert" not in r.stderr
+
+
+def test_cli_chooses_blas_threads_before_numpy_loads(fixtures_dir):
+    from minecart.engine.threads import THREAD_ENV_VARS, default_threads, usable_cores
+
+    script = ("import os, sys\n"
+              "from minecart.engine.cli import main\n"
+              "main(sys.argv[1:])\n"
+              f"print(' '.join(os.environ.get(k, '-') for k in {THREAD_ENV_VARS!r}))\n")
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV_VARS}
+    vocab = str(fixtures_dir / "qwen35-vocab.gguf")  # refused after parsing: quick
+    for extra, expected in (([], default_threads(usable_cores())), (["--threads", "3"], 3)):
+        r = subprocess.run([sys.executable, "-c", script, "run", vocab, "-p", "x", *extra],
+                           capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+        assert r.stdout.split() == [str(expected)] * len(THREAD_ENV_VARS), r.stderr
+    r = subprocess.run([sys.executable, "-c", script, "run", vocab, "-p", "x"], capture_output=True,
+                       text=True, timeout=120, cwd=REPO, env={**env, "OPENBLAS_NUM_THREADS": "2"})
+    assert r.stdout.split()[0] == "2" and set(r.stdout.split()[1:]) == {"-"}  # the user's setting wins
