@@ -9,6 +9,8 @@ chat template; Qwen's `<tool_call>` output comes back as `tool_calls`), the usua
 extras, top_k, min_p and repetition_penalty. Thinking comes back as `reasoning_content`; it is turned off
 with `chat_template_kwargs: {"enable_thinking": false}`, `"enable_thinking": false`, or a `/no_think` in
 the last user or system message (`/think` turns it back on; both tags are removed from the text).
+`chat_template_mode` (an extra: "auto", "on", "off") chooses between the chat template and the plain
+text of the messages; "auto" (default) sends a pretrained base model plain text to continue.
 `conversation_id` (an extra) keeps a chat in its own engine session; without it, requests share one
 session, whose common-prefix reuse makes a client that resends the whole history cheap anyway.
 
@@ -43,6 +45,7 @@ from .errors import (
     RequestError,
     TemplateError,
 )
+from .prompt import PROMPT_MODES
 from .runtime import RequestHandle, Runtime, RuntimeEvent
 
 # One engine session for requests without a conversation_id (prefix reuse across resent histories).
@@ -730,11 +733,15 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         params = sampling_params(body, default_max_tokens=default_max_tokens)
         stops = stop_strings(body)
         conversation = _get(body, "conversation_id", (str, int), SHARED_CONVERSATION)
+        # an extra: "on" / "off" / "auto" (default: plain text for a pretrained base model)
+        template_mode = _get(body, "chat_template_mode", str, "auto", check=lambda v: v in PROMPT_MODES,
+                             what="one of " + ", ".join(PROMPT_MODES))
         stream = bool(body.get("stream"))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         model_id = current_model_id()
         handle = runtime.chat(messages, params, enable_thinking=enable_thinking,
-                              conversation_id=conversation, tools=tools, stop=stops)
+                              conversation_id=conversation, tools=tools, stop=stops,
+                              chat_template=template_mode)
         completion_id = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
 
