@@ -30,6 +30,7 @@ from PySide6.QtWidgets import (
 
 from . import theme
 from .chat import ChatPanel
+from .cockpit import Cockpit
 from .conversations import ConversationStore
 from .devices_panel import DevicesPanel
 from .engine_bridge import EngineBridge
@@ -37,7 +38,7 @@ from .layer_map import LayerMapModel, LayerMapPanel, costs_for_file, initial_pla
 from .library_panel import LibraryPanel
 from .settings import Settings
 
-PAGES = ["chat", "models", "layers", "graphs"]
+PAGES = ["chat", "models", "layers", "graphs", "rig"]
 
 
 def simulated_devices(spec: str) -> list[DeviceInfo]:
@@ -98,7 +99,8 @@ class NavBar(QFrame):
         self.buttons = []
         for i, (icon_name, tip) in enumerate((("chat", "Chat  (Ctrl+1)"), ("models", "Models  (Ctrl+2)"),
                                                ("layers", "Hardware and layer map  (Ctrl+3)"),
-                                               ("graphs", "Performance  (Ctrl+4)"))):
+                                               ("graphs", "Performance  (Ctrl+4)"),
+                                               ("gpu", "Rig: GPUs, API server, downloads, conversations  (Ctrl+5)"))):
             b = QToolButton()
             b.setCheckable(True)
             b.setIcon(theme.icon(icon_name, theme.MUTED, theme.ACCENT, size=22))
@@ -235,7 +237,8 @@ class MainWindow(QMainWindow):
         dl.addWidget(self.devices_panel)
         hl.addWidget(dev_wrap)
         hl.addWidget(self.layers, 1)
-        for page in (self.chat, self.library, hw, self.graphs_host):
+        self.cockpit = Cockpit(self)
+        for page in (self.chat, self.library, hw, self.graphs_host, self.cockpit):
             self.stack.addWidget(page)
 
         self.status_model = QLabel("No model loaded")
@@ -259,7 +262,7 @@ class MainWindow(QMainWindow):
         self.bridge.load_cancelled.connect(self._on_load_cancelled)
         self.bridge.chat_done.connect(self._on_chat_done)
 
-        for i, key in enumerate(("Ctrl+1", "Ctrl+2", "Ctrl+3", "Ctrl+4")):
+        for i, key in enumerate(("Ctrl+1", "Ctrl+2", "Ctrl+3", "Ctrl+4", "Ctrl+5")):
             act = QAction(self)
             act.setShortcut(QKeySequence(key))
             act.triggered.connect(lambda _=False, n=i: self.show_page(n))
@@ -533,6 +536,7 @@ class MainWindow(QMainWindow):
         if self.library.scan_thread is not None:
             self.library.scan_thread.cancel.set()
             self.library.scan_thread.wait(3000)
+        self.cockpit.shutdown()
         self.bridge.shutdown()
         super().closeEvent(e)
 
