@@ -155,16 +155,17 @@ class Session:
             self.last_logits = None
         return logits
 
-    def prefill(self, ids, chunk: int = PREFILL_CHUNK, positions=None, cancel=None,
+    def prefill(self, ids, chunk: int | None = PREFILL_CHUNK, positions=None, cancel=None,
                 embed_override=None) -> np.ndarray | None:
-        """Append `ids` (split into runs of `chunk` tokens) and return the logits
+        """Append `ids` (split into runs of `chunk` tokens; None = one run, for measurements and tests
+        that compare whole and chunked runs: requests take the chunked default) and return the logits
         (vocab,) after the last one. `positions` overrides the positions ((T,) or (3, T) for M-RoPE).
         `cancel` (threading.Event) is checked between chunks; on cancel the tokens run so far stay.
         `embed_override` (rows, values): input rows given as embeddings (images), see Model.forward."""
         ids = [int(t) for t in ids]
         if not ids:
             return self.last_logits
-        step = int(chunk)
+        step = len(ids) if chunk is None else int(chunk)
         if step < 1:
             raise ValueError(f"prefill chunk must be at least 1 token, got {chunk}")
         self.computed_tokens = 0
@@ -269,7 +270,7 @@ class Session:
             self.reset()
         return len(self.tokens)
 
-    def truncate(self, n_tokens: int, chunk: int = PREFILL_CHUNK) -> None:
+    def truncate(self, n_tokens: int, chunk: int | None = PREFILL_CHUNK) -> None:
         """Keep only the first n_tokens of the history (re-prefilling from a snapshot where needed)."""
         n = int(n_tokens)
         if not 0 <= n <= len(self.tokens):
@@ -282,7 +283,7 @@ class Session:
             positions = np.array(known_pos[reached:], dtype=np.int64).T  # (3, m): exact, images too
             self.prefill(ids, chunk=chunk, positions=positions, embed_override=override)
 
-    def sync(self, ids, chunk: int = PREFILL_CHUNK, cancel=None, positions=None,
+    def sync(self, ids, chunk: int | None = PREFILL_CHUNK, cancel=None, positions=None,
              embed_override=None) -> np.ndarray:
         """Make the history equal to `ids` and return the logits (vocab,) after its last token.
 
