@@ -13,8 +13,10 @@ become "error" events (the worker thread never dies); a cancelled generation lea
 session usable for the next turn.
 
 Requests: load (path, devices, placement; "progress" events, cancellable), unload, chat (messages with
-text and image parts, tools) and completion (raw prompt text or token ids), re-place (apply a new
-placement), forget a conversation. Conversations: a `conversation_id` maps to one model session, so the
+text and image parts, tools; turned into tokens by engine/prompt.py, which by default gives a
+pretrained base model the plain text of the messages instead of a chat template) and completion (raw
+prompt text or token ids), re-place (apply a new placement), forget a conversation. The model is
+anything with the `RuntimeModel` interface (engine.model.Model; the tests' fakes). Conversations: a `conversation_id` maps to one model session, so the
 next turn of that chat reuses the cached prefix; sessions are kept in LRU order, at most `max_sessions`.
 
 This module does not render HTTP or terminal output, and does not parse tool calls: clients do that.

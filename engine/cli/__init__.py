@@ -27,11 +27,8 @@ COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return _build()[0]
-
-
-def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    """The `minecart` parser and each subcommand's own parser, by name."""
+    """The `minecart` parser; its parsed args carry `command_parsers`, each subcommand's own parser
+    by name (main reports an unknown flag with the usage of the subcommand it was given to)."""
     parser = argparse.ArgumentParser(
         prog="minecart",
         description="Run Qwen3.5/3.6 and Gemma 3 GGUF models on GPUs without tensor cores. "
@@ -46,7 +43,8 @@ def _build() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser
                 continue  # subcommand not built yet
             raise
         mod.register(sub)
-    return parser, dict(sub.choices)
+    parser.set_defaults(command_parsers=dict(sub.choices))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     configure_threads(threads_from_argv(argv))  # before any subcommand imports NumPy
     try:
-        parser, commands = _build()  # imports every subcommand: Ctrl+C may land here too
+        parser = build_parser()  # imports every subcommand: Ctrl+C may land here too
         args, unknown = parser.parse_known_args(argv)
         if unknown:
             # argparse reports flags it does not know with the top-level usage; show the usage of
             # the subcommand they were given to instead
-            (commands.get(args.command or "") or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+            (args.command_parsers.get(args.command or "") or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
         if not args.command:
             parser.print_help()
             return 2
