@@ -6,6 +6,12 @@ renders them (`trim_blocks`, `lstrip_blocks`, loop controls, a `tojson` that doe
 `raise_exception`, `strftime_now`), so a template renders here exactly as it does there. A file without
 a template gets a built-in one chosen by architecture (`engine/templates/*.jinja`).
 
+A template is also bounded in what it may cost: it renders on a thread of its own within a time budget
+(RENDER_BUDGET_S; past it the render is stopped and the request gets a TemplateError, the caller's thread
+is free again at once), and no string, list or output it builds may pass MAX_OUTPUT_CHARS (`'x' * 10**9`,
+a doubling loop, `center(10**9)` and huge format widths are refused before they allocate). A MemoryError
+or RecursionError inside a template is a TemplateError like any other failure of the template.
+
 Also here: `split_thinking`, which separates `<think>...</think>` reasoning from the answer in model
 output, complete or still streaming. This module does not tokenize (tokenizer.py) and does not decide
 sampling settings.
@@ -14,7 +20,11 @@ sampling settings.
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
+import re
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -42,8 +52,88 @@ DEFAULT_BUILTIN = "chatml"
 _REASONING_ALIASES = ("reasoning_content", "reasoning", "thinking")
 
 
+# How long one render may take. A real template renders a long chat in milliseconds; a hostile one
+# (nested range(100000) loops) would run for hours.
+RENDER_BUDGET_S = 1.0
+# The longest string (or list) a template may build and the most text it may output: far beyond any
+# context window (a million tokens is a few MB of text), far below what would hurt the machine.
+MAX_OUTPUT_CHARS = 64 * 1024 * 1024
+# Integers a template may build (no chat template needs more than a few digits).
+MAX_INT_BITS = 1 << 16
+# A format width or precision with this many digits (100 million and up) builds a string past the cap.
+_HUGE_FORMAT_WIDTH = re.compile(r"[%:{][^%:{}]*?\d{8,}")
+
+
 class TemplateRaised(jinja2.TemplateError):
     """Raised by a template's own `raise_exception(...)`: the template rejects the conversation."""
+
+
+class _RenderTimeout(BaseException):
+    """Injected into a render thread past its budget (BaseException: nothing on the way catches it)."""
+
+
+def _too_big(size: int, what: str) -> None:
+    if size > MAX_OUTPUT_CHARS:
+        raise jinja2.exceptions.SecurityError(
+            f"{what} would be {size:,} long, more than the {MAX_OUTPUT_CHARS:,} a template may build")
+
+
+def _int_too_big(bits: int) -> None:
+    # Big-integer arithmetic runs in C holding the GIL, where no time budget can stop it.
+    if bits > MAX_INT_BITS:
+        raise jinja2.exceptions.SecurityError(
+            f"an integer of {bits:,} bits, more than the {MAX_INT_BITS:,} a template may build")
+
+
+def _check_format(fmt: Any) -> None:
+    if isinstance(fmt, str) and _HUGE_FORMAT_WIDTH.search(fmt):
+        raise jinja2.exceptions.SecurityError("a format width or precision of 100 million or more")
+
+
+def _guarded_binop(op: str, left: Any, right: Any) -> None:
+    """Refuse the arithmetic a template could use to build a huge value in one step."""
+    seqs = (str, list, tuple)
+    if op == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, seqs) and isinstance(n, int):
+                _too_big(len(seq) * max(n, 0), "a repeated string or list")
+        if isinstance(left, int) and isinstance(right, int):
+            _int_too_big(left.bit_length() + right.bit_length())
+    elif op == "**":
+        if isinstance(left, int) and isinstance(right, int) and right > 0:
+            _int_too_big(max(left.bit_length(), 1) * right)
+    elif op == "+":
+        if isinstance(left, seqs) and isinstance(right, seqs):
+            _too_big(len(left) + len(right), "a concatenation")
+    elif op == "%":
+        _check_format(left)
+
+
+def _guarded_str_join(seq: Any) -> str:
+    parts = [str(x) for x in seq]
+    _too_big(sum(map(len, parts)), "a '~' concatenation")
+    return "".join(parts)
+
+
+def _check_call(obj: Any, args: tuple, kwargs: dict) -> None:
+    """Refuse str methods whose result could pass the cap (widths, joins, replacements)."""
+    # the sandbox hands out str.format as a wrapper around the bound method
+    owner = getattr(getattr(obj, "__wrapped__", obj), "__self__", None)
+    if not isinstance(owner, str):
+        return
+    name = getattr(obj, "__name__", "")
+    values = list(args) + list(kwargs.values())
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool):
+            _too_big(v, f"str.{name}'s argument")
+    if name == "join" and args:
+        items = list(args[0]) if not isinstance(args[0], str) else list(args[0])
+        _too_big(sum(len(x) for x in items if isinstance(x, str)) + len(owner) * len(items), "a join")
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        hits = owner.count(args[0]) if args[0] else len(owner) + 1
+        _too_big(len(owner) + hits * max(0, len(args[1]) - len(args[0])), "a replacement")
+    elif name in ("format", "format_map"):
+        _check_format(owner)
 
 
 @lru_cache(maxsize=1)
@@ -97,16 +187,60 @@ def _environment():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(
+    class BoundedEnvironment(ImmutableSandboxedEnvironment):
+        """The sandbox, plus size checks on the operators and calls that could build a huge value."""
+
+        intercepted_binops = frozenset(["*", "**", "+", "%"])
+
+        def call_binop(self, context, operator_name, left, right):
+            _guarded_binop(operator_name, left, right)
+            return super().call_binop(context, operator_name, left, right)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
+            _check_call(__obj, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+    env = BoundedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[GenerationBlock, jinja2.ext.loopcontrols],
     )
+    _bound_width_filters(env)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.globals["namespace"] = GuardedNamespace
     return env
+
+
+def _bound_width_filters(env) -> None:
+    """Filters that take a width or a format: refuse sizes past the cap before they allocate."""
+    center, indent, fmt, join = (env.filters[k] for k in ("center", "indent", "format", "join"))
+
+    def bounded_center(value, width=80):
+        _too_big(width if isinstance(width, int) else 0, "center's width")
+        return center(value, width)
+
+    def bounded_indent(s, width=4, first=False, blank=False):
+        n = width if isinstance(width, int) else len(str(width))
+        _too_big(len(str(s)) * (n + 1), "an indented text")
+        return indent(s, width, first, blank)
+
+    def bounded_format(value, *args, **kwargs):
+        _check_format(value)
+        for v in list(args) + list(kwargs.values()):
+            if isinstance(v, int) and not isinstance(v, bool):
+                _too_big(v, "a format argument")
+        return fmt(value, *args, **kwargs)
+
+    @jinja2.pass_eval_context
+    def bounded_join(eval_ctx, value, d="", attribute=None):
+        items = list(value)
+        _too_big(sum(len(x) for x in items if isinstance(x, str)) + len(str(d)) * len(items), "a join")
+        return join(eval_ctx, items, d, attribute)
+
+    env.filters.update(center=bounded_center, indent=bounded_indent, format=bounded_format,
+                       join=bounded_join)
 
 
 def builtin_template_source(name: str) -> str:
@@ -128,6 +262,8 @@ class ChatTemplate:
         self.origin = origin
         try:
             self._template = _environment().from_string(source)
+            # '~' joins through the template's own str_join: bound it like the operators
+            self._template.root_render_func.__globals__["str_join"] = _guarded_str_join
         except jinja2.TemplateSyntaxError as exc:
             raise TemplateError(
                 f"chat template ({origin}) has a syntax error at line {exc.lineno}: {exc.message}. "
@@ -195,8 +331,51 @@ class ChatTemplate:
         )
         if enable_thinking is not None:
             variables["enable_thinking"] = bool(enable_thinking)
+        return self._render_bounded(variables)
+
+    def _render_bounded(self, variables: dict[str, Any]) -> str:
+        """Render on a thread of its own; past RENDER_BUDGET_S the render is stopped (an exception
+        injected into that thread) and the caller gets a TemplateError without waiting for it."""
+        result: list[Any] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                result.append(self._render(variables))
+            except _RenderTimeout:
+                pass
+            except BaseException as exc:  # handed to the caller's thread
+                result.append(exc)
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=run, name="minecart-template", daemon=True)
+        started = time.perf_counter()
+        worker.start()
+        if not done.wait(RENDER_BUDGET_S):
+            if worker.ident is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(worker.ident),
+                                                           ctypes.py_object(_RenderTimeout))
+            done.wait(0.2)
+            if not done.is_set() or not result:
+                raise TemplateError(
+                    f"chat template ({self.origin}) ran past its time budget of {RENDER_BUDGET_S:g} s "
+                    f"(stopped after {time.perf_counter() - started:.1f} s); the template loops without "
+                    "end or is far too slow: override it with a known-good one")
+        out = result[0]
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def _render(self, variables: dict[str, Any]) -> str:
         try:
-            return self._template.render(**variables)
+            pieces: list[str] = []
+            size = 0
+            for piece in self._template.generate(**variables):
+                size += len(piece)
+                _too_big(size, "the rendered prompt")
+                pieces.append(piece)
+            return "".join(pieces)
         except jinja2.exceptions.SecurityError as exc:
             raise TemplateError(
                 f"chat template ({self.origin}) tried an unsafe operation and was stopped: {exc}"
@@ -207,6 +386,9 @@ class ChatTemplate:
             raise TemplateError(
                 f"chat template ({self.origin}) failed while rendering: {type(exc).__name__}: {exc}"
             ) from exc
+        except MemoryError as exc:
+            raise TemplateError(f"chat template ({self.origin}) ran out of memory while rendering; "
+                                "override it with a known-good one") from exc
         except (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError,
                 RecursionError, OverflowError) as exc:
             raise TemplateError(
