@@ -620,6 +620,12 @@ class LayerMapPanel(QWidget):
         top.addWidget(self.apply_btn)
         outer.addLayout(top)
         outer.addWidget(self.subtitle)
+        # why the map shows what it shows: a fallback or a failed load (MainWindow's load state)
+        self.notice = QLabel()
+        self.notice.setObjectName("WarnText")
+        self.notice.setWordWrap(True)
+        self.notice.hide()
+        outer.addWidget(self.notice)
 
         legend = QHBoxLayout()
         legend.setSpacing(14)
@@ -683,6 +689,13 @@ class LayerMapPanel(QWidget):
         lab.setObjectName("Subtle")
         h.addWidget(lab)
         return w
+
+    def set_notice(self, text: str, error: bool = False) -> None:
+        self.notice.setText(("Loading failed: " if error else "") + text if text else "")
+        self.notice.setObjectName("ErrorText" if error else "WarnText")
+        self.notice.style().unpolish(self.notice)
+        self.notice.style().polish(self.notice)
+        self.notice.setVisible(bool(text))
 
     def _maybe_rebuild_lanes(self) -> None:
         if len(self.lanes) != self.model.rowCount():

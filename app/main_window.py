@@ -40,6 +40,10 @@ from .settings import Settings
 
 PAGES = ["chat", "models", "layers", "graphs", "rig"]
 
+# the status chip for each load state (MainWindow.load_state)
+CHIPS = {"none": ("not loaded", "warn"), "loading": ("loading", ""), "loaded": ("loaded", "ok"),
+         "failed": ("load failed", "warn"), "cancelled": ("not loaded", "warn")}
+
 
 def simulated_devices(spec: str) -> list[DeviceInfo]:
     """'NVIDIA P104-100:8,CMP 30HX:6' -> GPUs that exist only on paper (GiB each), for planning and demos."""
@@ -191,9 +195,19 @@ class MainWindow(QMainWindow):
         self.devices = devices if devices is not None else available_devices()
         self.selected: ml.ModelSummary | None = None
         self.loaded_path: Path | None = None
-        self._pending_load: Path | None = None
+        self.loaded_summary: ml.ModelSummary | None = None  # what the top bar names
+        self._pending_load: ml.ModelSummary | None = None
         self._costs_threads: set[CostsThread] = set()
         self._plan_from_engine: Path | None = None
+        self._plan_path: Path | None = None  # the model the plan on screen belongs to
+        self._plan_error: tuple[Path, str] | None = None  # a model that could not be planned, and why
+        self._load_after_plan: Path | None = None  # Load pressed before the plan was on screen
+        self._sent_plan = None  # the Placement given to the engine by the running load or re-place
+        self._fallback_note = ""  # why the running load does not use the plan on screen
+        # one state that the status chip, the status bar and the layer map notice all read:
+        # "none", "loading", "loaded", "failed", "cancelled"; the note says why
+        self.load_state = "none"
+        self.load_note = ""
 
         central = QWidget()
         root = QHBoxLayout(central)
@@ -275,9 +289,9 @@ class MainWindow(QMainWindow):
         if isinstance(geom, dict) and geom.get("width") and geom.get("height"):
             self.resize(int(geom["width"]), int(geom["height"]))
         self.show_page(geom.get("page", "chat") if isinstance(geom, dict) and geom.get("page") in PAGES else 0)
-        self._update_top()
         if self.bridge.runtime_error:
-            self.chat._add_message({"role": "error", "content": self.bridge.runtime_error})
+            self._set_state("failed", self.bridge.runtime_error)
+        self._update_top()
 
     @property
     def _simulated(self) -> bool:
@@ -340,6 +354,8 @@ class MainWindow(QMainWindow):
             return
         self.selected = s
         self._plan_from_engine = None
+        self._plan_path = None
+        self._plan_error = None
         self._update_top()
         th = CostsThread(s.path, self)
         th.done.connect(self._costs_ready)
@@ -348,65 +364,97 @@ class MainWindow(QMainWindow):
         th.start()
 
     def _costs_ready(self, path, costs, error: str) -> None:
-        if self.selected is None or Path(path) != self.selected.path:
+        path = Path(path)
+        if self.selected is None or path != self.selected.path:
             return
-        if self._plan_from_engine == Path(path):
-            return  # the loaded model's real placement is already shown
-        if costs is None:
-            self.layers.subtitle.setText(f"Cannot plan this model: {error}")
-            self.layer_model.set_plan(None)
-            return
-        try:
-            plan, note = initial_plan(costs, self.devices, self.settings.plan_for(path),
-                                      int(self.settings.get("context_length", 4096)))
-        except Exception as exc:
-            self.layers.subtitle.setText(f"Cannot plan this model: {exc}")
-            return
-        self.layer_model.set_plan(plan)
-        if note:
-            self.statusBar().showMessage(note, 6000)
+        if self._plan_from_engine != path:  # else the loaded model's real placement is already shown
+            if costs is not None:
+                try:
+                    plan, note = initial_plan(costs, self.devices, self.settings.plan_for(path),
+                                              int(self.settings.get("context_length", 4096)))
+                except Exception as exc:
+                    costs, error = None, str(exc)
+            if costs is None:
+                self.layers.subtitle.setText(f"Cannot plan this model: {error}")
+                self.layer_model.set_plan(None)
+                self._plan_error = (path, error)
+            else:
+                self.layer_model.set_plan(plan)
+                self._plan_path = path
+                if note:
+                    self.statusBar().showMessage(note, 6000)
+        if self._load_after_plan == path:
+            self._load_after_plan = None
+            self._start_load(path)
 
     def _load_selected(self) -> None:
         s = self.library.selected() or self.selected
         if s is not None:
             self.load(s.path)
 
+    @property
+    def loading(self) -> bool:
+        """A load is on its way: waiting for its plan, or in the engine."""
+        return self._load_after_plan is not None or self.bridge.loading
+
     def load(self, path) -> None:
+        """Load a model with the plan on the layer map (the automatic plan shown, or the user's edit
+        of it). When the plan is still being made, the load starts as soon as it is on screen."""
         path = Path(path)
         if self.selected is None or self.selected.path != path:
             self.select_model(path)
-        saved = self.settings.plan_for(path)
-        placement = None
-        if saved:
-            try:
-                from minecart.engine.placement import Placement
-
-                placement = Placement.from_dict(saved)
-            except Exception:
-                placement = None
-        # the remembered plan's KV cache type is the one the model runs; one the engine does not run
-        # (f16/q8 in older settings) falls back to f32
-        kv_type = "f32"
-        if placement is not None:
-            runnable = runnable_plan(placement)
-            if runnable is not placement:
-                self.statusBar().showMessage(f"The saved plan's {placement.kv_type} KV cache is not run by the "
-                                             f"engine: loading with {runnable.kv_type}.", 8000)
-            placement, kv_type = runnable, runnable.kv_type
-        self._pending_load = path
+        self._set_state("loading", "")
         self.top.set_loading(True)
         self.top.progress.setValue(0)
+        self.chat.set_model(False)
+        self.chat.set_loading(self.selected.display_name if self.selected is not None
+                              and self.selected.path == path else path.stem)
+        planned = self._plan_path == path and self.layer_model.plan is not None
+        unplannable = self.selected is None or self.selected.path != path or (
+            self._plan_error is not None and self._plan_error[0] == path)  # a file the library refused
+        if planned or unplannable:
+            self._start_load(path)
+        else:
+            self._load_after_plan = path
+            self.top.progress_label.setText("Planning the layers…")
+            self.status_model.setText(f"Planning {path.name}…")
+
+    def _start_load(self, path: Path) -> None:
+        plan = self.layer_model.plan.copy() if self._plan_path == path and self.layer_model.plan else None
+        # without a plan (the file could not be priced) the engine is asked anyway: its error names
+        # the problem with the file
+        plan, self._fallback_note = self._runnable(plan)
+        self._sent_plan = plan
+        self._pending_load = self.selected if self.selected is not None and self.selected.path == path \
+            else ml.ModelSummary(path=path)
         self.top.progress_label.setText("Loading…")
         self.status_model.setText(f"Loading {path.name}…")
-        self.chat.set_model(False)
-        name = self.selected.display_name if self.selected is not None else path.stem
-        self.chat.set_loading(name)
-        self.bridge.load(path, placement=placement, kv_type=kv_type)
+        self.bridge.load(path, placement=plan, kv_type=plan.kv_type if plan is not None else None)
+
+    def _runnable(self, plan):
+        """(the plan the engine can run, why it differs from `plan` or ""). GPUs that exist only on
+        paper (MINECART_SIMULATE_DEVICES) cannot hold layers: theirs run on the CPU instead."""
+        if plan is None:
+            return None, ""
+        plan = runnable_plan(plan)
+        simulated = {d.id for d in self.devices if d.source == "simulated"}
+        on_paper = [d for d in plan.devices_used() if d in simulated]
+        cpu = next((d.id for d in self.devices if d.kind == "cpu"), "cpu:0")
+        if not on_paper:
+            return plan, ""
+        plan = plan.copy()
+        for i, dev in enumerate(plan.assignment):
+            if dev in simulated:
+                plan.move_part(i, cpu)
+        return plan, (f"{', '.join(on_paper)} {'is' if len(on_paper) == 1 else 'are'} simulated, so "
+                      f"{'its' if len(on_paper) == 1 else 'their'} layers run on the CPU ({cpu})")
 
     def unload(self) -> None:
         if self.bridge.runtime is not None and self.bridge.runtime.loaded:
             self.bridge.runtime.unload()
         self.loaded_path = None
+        self.loaded_summary = None
+        self._set_state("none", "")
         self.chat.set_model(False)
         self._update_top()
 
@@ -419,85 +467,113 @@ class MainWindow(QMainWindow):
 
     def _on_loaded(self, info) -> None:
         self.top.set_loading(False)
-        path = Path(getattr(info, "path", "") or (self._pending_load or ""))
+        path = Path(info.path)
+        summary = self._pending_load if self._pending_load is not None and self._pending_load.path == path \
+            else self.loaded_summary
         self.loaded_path = path
+        self.loaded_summary = summary if summary is not None and summary.path == path \
+            else ml.ModelSummary(path=path, name=info.name)
         self._pending_load = None
         self.settings["last_model"] = str(path)
+        if self._sent_plan is not None and not self._fallback_note:
+            self.settings.remember_plan(path, self._sent_plan.to_dict())  # it ran: keep it
         try:
             self.settings.save()
         except OSError:
             pass
-        has_vision = bool(getattr(info, "has_vision", False))
-        name = getattr(info, "name", "") or path.stem
-        self.chat.set_model(True, name, has_vision, str(path),
-                            base_model=bool(getattr(info, "base_model", False)))
+        self.chat.set_model(True, info.name, info.has_vision, str(path), base_model=info.base_model)
         if self.graphs is not None:
             self.graphs.set_metrics(self.bridge.metrics)
         self._show_engine_plan(info, path)
-        self.status_model.setText(f"Loaded {name} · KV cache {self.bridge.kv_type or 'f32'}")
+        self._set_state("loaded", self._fallback_note)
         self._update_top()
 
     def _show_engine_plan(self, info, path: Path) -> None:
         """The layer map shows where the engine actually put the layers once a model is loaded."""
         from minecart.engine.placement import Placement
 
-        plan = getattr(info, "placement", None)
+        plan = info.placement
         if isinstance(plan, Placement) and self.selected is not None and self.selected.path == path:
             self._plan_from_engine = path
+            self._plan_path = path
             # the engine's placement prices the KV cache of its own settings; show the type that runs
             self.layer_model.set_plan(plan.with_settings(kv_type=self.bridge.kv_type or "f32"))
 
     def _on_load_failed(self, text: str) -> None:
         self.top.set_loading(False)
         self._pending_load = None
-        self.status_model.setText("Loading failed")
+        self._load_after_plan = None
         self.chat.set_loading("")
-        self.chat._add_message({"role": "error", "content": f"Could not load the model: {text}"})
         self._restore_chat_model()
+        self._set_state("failed", text)
+        self._drop_failed_plan()
         self._update_top()
+
+    def _drop_failed_plan(self) -> None:
+        """The layer map must not keep a plan that did not run: it shows the loaded model's placement
+        when that model is still there, else the automatic plan."""
+        rt = self.bridge.runtime
+        info = rt.model_info if rt is not None else None
+        if info is None:
+            self.loaded_path = None
+            self.loaded_summary = None
+        if self.selected is None or self._plan_path != self.selected.path:
+            return
+        if info is not None and Path(info.path) == self.selected.path:
+            self._show_engine_plan(info, self.selected.path)
+        elif self.layer_model.plan is not None:
+            self._plan_from_engine = None
+            self.layer_model.auto_split()
 
     def _on_load_cancelled(self) -> None:
         self.top.set_loading(False)
         self._pending_load = None
-        self.status_model.setText("Loading cancelled")
+        self._load_after_plan = None
         self.chat.set_loading("")
         self._restore_chat_model()
+        if self.bridge.runtime is None or not self.bridge.runtime.loaded:
+            self.loaded_path = None
+            self.loaded_summary = None
+        self._set_state("cancelled", "")
         self._update_top()
 
     def _restore_chat_model(self) -> None:
         """After a failed or cancelled load: the chat shows whatever model the engine still holds."""
         rt = self.bridge.runtime
-        info = getattr(rt, "model_info", None) if rt is not None and rt.loaded else None
+        info = rt.model_info if rt is not None else None
         if info is None:
             self.chat.set_model(False)
             return
-        self.chat.set_model(True, info.name, bool(info.has_vision), str(info.path),
-                            base_model=bool(getattr(info, "base_model", False)))
+        self.chat.set_model(True, info.name, info.has_vision, info.path, base_model=info.base_model)
 
     def _on_chat_done(self, info: dict) -> None:
         t = info.get("timing")
-        if t is not None and getattr(t, "decode_tokens_per_s", None):
+        if t is not None and t.decode_tokens_per_s:
             self.status_speed.setText(f"decode {t.decode_tokens_per_s:.1f} tok/s · prefill "
                                       f"{(t.prefill_tokens_per_s or 0):.1f} tok/s")
 
     def apply_plan(self, plan) -> None:
-        """Remember the plan for this model and re-place the loaded model with it. The KV cache type is
-        fixed when a model loads: a plan with another type loads the model again with it."""
+        """Re-place the loaded model with the plan on screen (it is remembered for this model once it
+        runs). The KV cache type is fixed when a model loads: a plan with another type loads the model
+        again with it."""
         if self.selected is None:
             return
-        plan = runnable_plan(plan)
-        self.settings.remember_plan(self.selected.path, plan.to_dict())
-        if self.loaded_path is not None and self.loaded_path == self.selected.path:
-            if plan.kv_type != (self.bridge.kv_type or "f32"):
-                self.load(self.selected.path)  # with the plan just remembered, and its KV type
-                self.top.progress_label.setText(f"Loading again with a {plan.kv_type} KV cache…")
-                return
-            self.top.set_loading(True)
-            self.top.progress.setValue(0)
-            self.top.progress_label.setText("Re-placing layers…")
-            self.bridge.replace(plan)
-        else:
+        if self.loaded_path is None or self.loaded_path != self.selected.path:
+            self.settings.remember_plan(self.selected.path, runnable_plan(plan).to_dict())
             self.statusBar().showMessage("Plan saved; it is used when this model loads.", 5000)
+            return
+        if runnable_plan(plan).kv_type != (self.bridge.kv_type or "f32"):
+            self.load(self.selected.path)  # the plan on screen, with its KV type
+            self.top.progress_label.setText(f"Loading again with a {plan.kv_type} KV cache…")
+            return
+        plan, self._fallback_note = self._runnable(plan)
+        self._sent_plan = plan
+        self._pending_load = self.loaded_summary
+        self._set_state("loading", "")
+        self.top.set_loading(True)
+        self.top.progress.setValue(0)
+        self.top.progress_label.setText("Re-placing layers…")
+        self.bridge.replace(plan)
 
     def _folders_changed(self, folders: list) -> None:
         self.settings["model_folders"] = list(folders)
@@ -506,23 +582,59 @@ class MainWindow(QMainWindow):
         except OSError:
             pass
 
+    # ---- one status, shown in the chip, the status bar and the layer map -----------------------
+    def _set_state(self, state: str, note: str) -> None:
+        self.load_state, self.load_note = state, note
+        self._update_top()
+
+    def status_text(self) -> str:
+        """The status bar's words for the load state (the chip says the same in one word)."""
+        s, note = self.load_state, self.load_note
+        name = self.loaded_summary.display_name if self.loaded_summary is not None else "the model"
+        if s == "loaded":
+            info, plan = self.bridge.model_info, self.layer_model.plan
+            devices = info.devices if info is not None else ()
+            if not devices and plan is not None and self._plan_from_engine == self.loaded_path:
+                devices = plan.devices_used()  # a model that does not list its devices: its placement
+            where = f" on {', '.join(devices)}" if devices else ""
+            text = f"Loaded {name}{where} · KV cache {self.bridge.kv_type or 'f32'}"
+            return f"{text} · {note}" if note else text
+        if s == "failed":
+            return f"Loading failed: {note}" if note else "Loading failed"
+        if s == "cancelled":
+            return "Loading cancelled"
+        if s == "loading":
+            return self.status_model.text()
+        return "No model loaded"
+
     def _update_top(self) -> None:
-        s = self.selected
-        loaded = self.loaded_path is not None and s is not None and self.loaded_path == s.path
-        if s is None:
-            self.top.title.setText("No model selected")
-            self.top.set_chips([])
-        else:
-            self.top.title.setText(s.display_name)
-            chips = [(s.architecture, ""), (s.params_text + " params", ""), (s.file_type, ""),
-                     (ml.format_size(s.file_size), "")]
-            if loaded and self.bridge.kv_type:
+        loaded = self.loaded_summary if self.load_state != "none" else None
+        if loaded is not None and self.bridge.runtime is not None and self.bridge.runtime.loaded:
+            self.top.title.setText(loaded.display_name)
+            chips = [(loaded.architecture, ""), (loaded.params_text + " params", ""), (loaded.file_type, ""),
+                     (ml.format_size(loaded.file_size), "")]
+            chips = [c for c in chips if c[0] and not c[0].startswith("?")]
+            if self.bridge.kv_type:
                 chips.append((f"KV {self.bridge.kv_type}", ""))
-            chips.append(("loaded", "ok") if loaded else ("not loaded", "warn"))
-            self.top.set_chips(chips)
-        self.top.load_btn.setText(" Reload" if loaded else " Load")
+        else:
+            self.top.title.setText("No model loaded")
+            chips = []
+        chips.append(CHIPS.get(self.load_state, CHIPS["none"]))
+        if self.load_state == "loaded" and self.load_note:
+            chips[-1] = ("loaded", "warn")  # but not as planned: the status bar says why
+        self.top.set_chips(chips)
+        text = self.status_text()
+        self.status_model.setText(text)
+        self.status_model.setToolTip(text)
+        self.layers.set_notice(self.load_note if self.load_state in ("loaded", "failed") else "",
+                               error=self.load_state == "failed")
+        s = self.selected
+        same = s is not None and self.loaded_path == s.path and self.load_state == "loaded"
+        self.top.load_btn.setText(" Reload" if same else " Load")
         self.top.load_btn.setEnabled(s is not None)
-        self.top.unload_btn.setVisible(loaded)
+        self.top.load_btn.setToolTip(f"Load {s.display_name} with the plan on the Hardware page"
+                                     if s is not None else "Select a model on the Models page")
+        self.top.unload_btn.setVisible(self.loaded_path is not None and self.load_state == "loaded")
 
     def closeEvent(self, e):
         self.settings["window"] = {"width": self.width(), "height": self.height(),

@@ -113,9 +113,9 @@ def two_gpus():
     gib = 1 << 30
     return [
         DeviceInfo(id="cuda:0", kind="cuda", name="Test GPU A", total_bytes=8 * gib, used_bytes=gib // 4,
-                   free_bytes=8 * gib - gib // 4, compute_capability=(6, 1), source="simulated"),
+                   free_bytes=8 * gib - gib // 4, compute_capability=(6, 1), source="nvml"),
         DeviceInfo(id="cuda:1", kind="cuda", name="Test GPU B", total_bytes=6 * gib, used_bytes=gib // 4,
-                   free_bytes=6 * gib - gib // 4, compute_capability=(7, 5), source="simulated"),
+                   free_bytes=6 * gib - gib // 4, compute_capability=(7, 5), source="nvml"),
         DeviceInfo(id="cpu:0", kind="cpu", name="Test CPU", total_bytes=32 * gib, used_bytes=4 * gib,
                    free_bytes=28 * gib, extra={"threads": 8}, source="os"),
     ]
