@@ -3,7 +3,8 @@ and utilization, sparklines of the last minutes, and the energy per token of the
 tokens/s.
 
 It owns a TelemetryPoller (app/telemetry.py) that reads NVML on its own thread; this widget only reacts
-to its signals on the GUI thread (a sample a second: a few label texts and three setData calls per card).
+to its signals on the GUI thread (a sample a second: a few label texts and three sparkline repaints per
+card).
 Without an NVIDIA driver it shows "no NVIDIA driver" and nothing else happens.
 
 Not here: reading NVML, the energy arithmetic or formatting rules (all in app/telemetry.py).
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPointF, Qt
+from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import (
     QFrame,
     QGridLayout,
@@ -29,26 +31,48 @@ from . import theme
 
 # (field shown as a sparkline, its label, its colour in theme.SERIES_COLORS)
 SPARKS = (("power_w", "power", 0), ("temperature_c", "temperature", 3), ("gpu_util", "utilization", 2))
+CARD_WIDTH = 380  # px a card needs for its longest line ("SM 1582 MHz of 1911 · mem 5005 MHz")
 ROWS = (("Power", tm.fmt_power), ("Temperature", tm.fmt_temperature), ("Fan", tm.fmt_fan),
         ("Clocks", tm.fmt_clocks), ("Utilization", tm.fmt_util),
         ("Throttle", lambda r: tm.throttle_words(r.throttle_bits)), ("PCIe", tm.fmt_pcie))
 
 
-def _sparkline(color: str):
-    import pyqtgraph as pg
+class Sparkline(QWidget):
+    """The last minutes of one value as a line, scaled to its own range, drawn with QPainter.
 
-    w = pg.PlotWidget()
-    w.setBackground(theme.PANEL)
-    w.setMenuEnabled(False)
-    w.setMouseEnabled(x=False, y=False)
-    w.hideButtons()
-    item = w.getPlotItem()
-    for ax in ("left", "bottom"):
-        item.hideAxis(ax)
-    item.setContentsMargins(0, 0, 0, 0)
-    w.setFixedHeight(34)
-    curve = item.plot(pen=pg.mkPen(color, width=1.5))
-    return w, curve
+    Not pyqtgraph: its import alone holds the GUI thread ~230 ms and each plot widget ~8 ms to build, so
+    a rig of eight cards would freeze the window when the page first fills; this costs microseconds."""
+
+    def __init__(self, color: str, parent=None):
+        super().__init__(parent)
+        self.color = QColor(color)
+        self.xs: list[float] = []
+        self.ys: list[float] = []
+        self.setFixedHeight(34)
+        self.setMinimumWidth(60)
+
+    def set_data(self, xs: list[float], ys: list[float]) -> None:
+        self.xs, self.ys = list(xs), list(ys)
+        if ys:
+            self.setToolTip(f"last {xs[-1] - xs[0]:.0f} s: {min(ys):g} to {max(ys):g}")
+        self.update()
+
+    def paintEvent(self, e):
+        if len(self.xs) < 2:
+            return
+        x0, x1 = self.xs[0], self.xs[-1]
+        lo, hi = min(self.ys), max(self.ys)
+        if hi - lo < 1e-9:  # a flat line sits in the middle, not on an edge
+            lo, hi = lo - 1.0, hi + 1.0
+        w, h = self.width() - 2, self.height() - 4
+        span = (x1 - x0) or 1.0
+        points = [QPointF(1 + w * (x - x0) / span, 2 + h * (1 - (y - lo) / (hi - lo)))
+                  for x, y in zip(self.xs, self.ys, strict=True)]
+        p = QPainter(self)
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        p.setPen(QPen(self.color, 1.5))
+        p.drawPolyline(points)
+        p.end()
 
 
 class CardView(QFrame):
@@ -78,7 +102,7 @@ class CardView(QFrame):
             self.values[name] = value
         grid.setColumnStretch(1, 1)
         lay.addLayout(grid)
-        self.curves = {}
+        self.curves: dict[str, Sparkline] = {}
         sparks = QHBoxLayout()
         sparks.setSpacing(8)
         for field, label, color in SPARKS:
@@ -87,10 +111,10 @@ class CardView(QFrame):
             caption = QLabel(label)
             caption.setObjectName("Subtle")
             box.addWidget(caption)
-            plot, curve = _sparkline(theme.SERIES_COLORS[color])
-            box.addWidget(plot)
+            line = Sparkline(theme.SERIES_COLORS[color])
+            box.addWidget(line)
             sparks.addLayout(box, 1)
-            self.curves[field] = curve
+            self.curves[field] = line
         lay.addLayout(sparks)
 
     def show_reading(self, r: tm.CardReading, history: tm.TelemetryHistory) -> None:
@@ -99,9 +123,8 @@ class CardView(QFrame):
         throttled = (r.throttle_bits or 0) & ~0x001  # idle is not a problem
         self.values["Throttle"].setObjectName("WarnText" if throttled else "")
         self.values["Throttle"].style().polish(self.values["Throttle"])
-        for field, curve in self.curves.items():
-            t, v = history.series(self.index, field)
-            curve.setData([x - r.t for x in t], v)
+        for field, line in self.curves.items():
+            line.set_data(*history.series(self.index, field))
 
 
 class TelemetryPanel(QWidget):
@@ -127,14 +150,17 @@ class TelemetryPanel(QWidget):
         self.status.setWordWrap(True)
         lay.addWidget(self.status)
         self._strip = QWidget()
-        self._strip_lay = QVBoxLayout(self._strip)
-        self._strip_lay.setContentsMargins(0, 0, 0, 0)
-        self._strip_lay.setSpacing(8)
-        self._strip_lay.addStretch(1)
-        scroll = QScrollArea()
-        scroll.setWidgetResizable(True)
-        scroll.setWidget(self._strip)
-        lay.addWidget(scroll, 1)
+        outer = QVBoxLayout(self._strip)
+        outer.setContentsMargins(0, 0, 0, 0)
+        self._grid = QGridLayout()
+        self._grid.setSpacing(8)
+        outer.addLayout(self._grid)
+        outer.addStretch(1)
+        self._columns = 0
+        self._scroll = QScrollArea()
+        self._scroll.setWidgetResizable(True)
+        self._scroll.setWidget(self._strip)
+        lay.addWidget(self._scroll, 1)
         self.poller = tm.TelemetryPoller(nvml, interval_s, self)
         self.poller.sampled.connect(self.on_sample)
         self.poller.unavailable.connect(self.on_unavailable)
@@ -159,9 +185,25 @@ class TelemetryPanel(QWidget):
             view = self.cards.get(r.index)
             if view is None:
                 view = self.cards[r.index] = CardView(r)
-                self._strip_lay.insertWidget(self._strip_lay.count() - 1, view)
+                self._columns = 0  # place the new card
             view.show_reading(r, self.history)
+        self._reflow()
         self._update_energy()
+
+    def resizeEvent(self, e):
+        super().resizeEvent(e)
+        self._reflow()
+
+    def _reflow(self) -> None:
+        """Cards side by side, as many columns as fit CARD_WIDTH each: a rig of eight cards reads at a
+        glance on a wide window and still stacks on a narrow one."""
+        width = self._scroll.viewport().width()
+        columns = max(1, min(len(self.cards), width // CARD_WIDTH)) if self.cards else 0
+        if columns == self._columns:
+            return
+        self._columns = columns
+        for i, index in enumerate(sorted(self.cards)):
+            self._grid.addWidget(self.cards[index], i // columns, i % columns)
 
     def _update_energy(self) -> None:
         metrics = self._metrics()
