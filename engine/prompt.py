@@ -11,7 +11,7 @@ their ids, positions and image rows, so they come back as `messages` for the mod
 
 Modes for chat messages (`PromptMode`, the CLI's `--chat-template`, the API's `chat_template_mode`):
 - "on": the model's chat template (a file without one gets a built-in template by architecture);
-- "off": plain completion: the messages' text, joined by blank lines, continued as written;
+- "off": plain completion: the messages' text as one document (messages_text), continued as written;
 - "auto": "off" for a pretrained base model (it continues text; a chat turn it cannot follow makes
   it loop), "on" otherwise.
 A prompt given as a string is always plain text, and token ids are used as they are.
@@ -89,19 +89,25 @@ def check_prompt_mode(mode: str) -> PromptMode:
 
 
 def messages_text(messages: Sequence[Message]) -> str:
-    """The plain text of chat messages for a model that continues text: each message's text (string
-    content or text parts), in order, joined by blank lines; roles and pictures are not written."""
-    texts: list[str] = []
+    """The plain text of chat messages for a model that continues text, as the document they form:
+    an assistant message continues the text before it as it was generated (no separator), any other
+    message starts a new paragraph (a blank line before it). Roles are not written; a picture cannot
+    be, so it is refused."""
+    text = ""
     for m in messages:
         content = m.get("content")
-        if isinstance(content, str):
-            texts.append(content)
-        elif isinstance(content, list):
+        if isinstance(content, list):
             if any(isinstance(p, Mapping) and p.get("type") not in (None, "text") for p in content):
                 raise RequestError("plain-text completion cannot carry pictures; turn the chat "
                                    "template on to send them to a model that reads them")
-            texts.append("".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping)))
-    return "\n\n".join(t for t in texts if t)
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        if not isinstance(content, str) or not content:
+            continue
+        if m.get("role") == "assistant" or not text:
+            text += content
+        else:
+            text += "\n\n" + content
+    return text
 
 
 def _is_messages(prompt: PromptInput) -> bool:
