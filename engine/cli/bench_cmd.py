@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import MinecartError
+from ..errors import DeviceError, MinecartError
 from ..execution import make_backend
 from .run_cmd import add_threads_arg
 
@@ -343,7 +343,12 @@ def check_devices(args: argparse.Namespace) -> None:
     else:
         kinds = {args.device}
     for device in sorted(kinds):
-        make_backend(device)
+        try:
+            make_backend(device)
+        except DeviceError as exc:
+            # the engine's hint names `--devices` (run, chat, serve); here that is the split benchmark
+            raise DeviceError(f"cannot benchmark on {device}: {exc}. To benchmark the CPU instead: "
+                              "--device cpu:0") from exc
 
 
 def run(args: argparse.Namespace) -> int:

@@ -64,7 +64,8 @@ def test_bench_checks_the_device_before_synthesizing(tmp_path, monkeypatch, caps
     (tmp_path / "tmp").mkdir()
     work = tmp_path / "work"
     assert main(["bench", "--shape", "tiny-dense", "--device", "cuda:99", "--workdir", str(work)]) == 1
-    assert "cuda:99" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cuda:99" in err and "--device cpu:0" in err  # bench's own flag
     assert not work.exists()  # nothing written, not even the folder
     assert main(["bench", "--shape", "tiny-dense", "--device", "cuda:99"]) == 1
     assert list((tmp_path / "tmp").iterdir()) == []
