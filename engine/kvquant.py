@@ -322,7 +322,7 @@ class Q3KVCache:
 
 
 # ------------------------------------------------------------------------------------------------
-# measuring a model with q3 against f32 (python -m minecart.engine.kvquant MODEL; docs/kv-cache.md)
+# measuring a model with q3 against f32 (python -m minecart.engine.kv_report MODEL; docs/kv-cache.md)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -387,35 +387,3 @@ def measure(model, sequences: dict, *, greedy: int = 32) -> dict:
             row["greedy_first_diff"] = same.index(False) if False in same else None
         report["sequences"][name] = row
     return report
-
-
-def main(argv=None) -> int:
-    import argparse
-    import json
-
-    p = argparse.ArgumentParser(prog="python -m minecart.engine.kvquant",
-                                description="Compare the q3 KV cache with f32 on a model (NumPy backend).")
-    p.add_argument("model", help="GGUF file")
-    p.add_argument("--sequences", default=None, metavar="JSON",
-                   help="a sequences.json like the shared fixtures' (default: random ids, seed 0)")
-    p.add_argument("--lengths", default="16,64,256", help="random sequence lengths when no --sequences")
-    p.add_argument("--greedy", type=int, default=32, help="greedy tokens to compare after each sequence")
-    args = p.parse_args(argv)
-    from .backends.numpy_backend import NumpyBackend
-    from .model import load_model
-
-    model = load_model(args.model, backend=NumpyBackend(), mmproj=False)
-    if args.sequences:
-        with open(args.sequences) as f:
-            seqs = {s["name"]: s["ids"] for s in json.load(f)["sequences"]}
-    else:
-        rng = np.random.default_rng(0)
-        vocab = model.config.vocab_size
-        seqs = {f"random{n}": rng.integers(0, min(vocab, 32000), n).tolist()
-                for n in (int(x) for x in args.lengths.split(","))}
-    print(json.dumps(measure(model, seqs, greedy=args.greedy), indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

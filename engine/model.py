@@ -20,21 +20,23 @@ from pathlib import Path
 
 import numpy as np
 
+from .chat_template import ChatTemplate
 from .config import ModelConfig, validate_tensors
 from .errors import GenerationCancelled, TokenizerError, UnsupportedArchitectureError
 from .execution import Executor, make_backend, part_names, plan_devices, resolve_devices
+from .generation import generate
 from .gguf_file import GGUFFile
+from .kvquant import check_kv_type
 from .models import module_for
+from .session import Session
+from .tokenizer import Tokenizer
+from .vision import attach_vision
 
 _NOT_LOADED = object()
 DEFAULT_CAPACITY = 8192  # initial KV capacity of a session (tokens), capped by the model's context
 
 
 def _load_tokenizer(gf):
-    try:
-        from .tokenizer import Tokenizer
-    except ImportError:
-        return None
     try:
         return Tokenizer.from_gguf(gf)
     except TokenizerError:
@@ -49,10 +51,6 @@ def _warm_lm_head(backend, head_weights: dict) -> None:
 
 
 def _load_chat_template(gf):
-    try:
-        from .chat_template import ChatTemplate
-    except ImportError:
-        return None
     if gf.get("tokenizer.ggml.tokens") is None:
         return None  # no tokenizer at all; a file with one but no template gets a built-in template
     return ChatTemplate.from_gguf(gf)
@@ -204,16 +202,12 @@ class Model:
                 be.free(arr)
 
     def new_session(self, capacity: int | None = None, kv_type: str | None = None):
-        from .session import Session
-
         return Session(self, capacity=capacity, kv_type=kv_type)
 
     def generate(self, prompt, params=None, session=None, cancel=None, enable_thinking: bool = True,
                  **prompt_extras):
         """Yield GenerationEvents for a prompt (token ids, text, or chat messages); see generation.py.
         prompt_extras: positions / embed_override for prompts with images (token ids only)."""
-        from .generation import generate
-
         return generate(self, prompt, params, session=session, cancel=cancel,
                         enable_thinking=enable_thinking, **prompt_extras)
 
@@ -354,8 +348,6 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     of every session, "f32" (exact) or "q3" (3-bit, engine/kvquant.py; NumPy and CUDA backends).
     """
     t0 = time.perf_counter()
-    from .kvquant import check_kv_type
-
     check_kv_type(kv_type)
     gf, config = open_model_file(path)
     module = module_for(config.architecture)
@@ -382,8 +374,6 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     model = Model(path, gf, config, module, plan, backends, weights, placement, roles)
     model.kv_type = kv_type
     if mmproj is not False:
-        from .vision import attach_vision
-
         try:
             model.vision = attach_vision(path, config, backends["global"], mmproj,
                                          max_image_tokens=max_image_tokens)
