@@ -10,11 +10,12 @@ throughput. The weights are noise: use these files for speed, memory and loader 
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:
     from ..synth import QUANTS, SHAPES
 
     p = subparsers.add_parser("synth", help="write a random-weight GGUF with a real model's shape",
@@ -38,7 +39,7 @@ def register(subparsers) -> None:
 class _Progress:
     """A one-line progress meter on stderr, redrawn at most twice a second."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.last = 0.0
         self.line_open = False  # a meter line waits for its newline
@@ -63,7 +64,7 @@ class _Progress:
             self.line_open = False
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..errors import RequestError
     from ..synth import SHAPES, write_synthetic
 
@@ -77,7 +78,7 @@ def run(args) -> int:
         return 0
     if args.seed < 0:  # NumPy's generators take only non-negative seeds
         raise RequestError(f"--seed must be an integer >= 0, got {args.seed}")
-    if getattr(args, "tower", None):
+    if args.tower:
         return _run_tower(args)
     if not args.shape or not args.out:
         raise RequestError("synth needs --shape NAME and an output path (see `minecart synth --list`)")
@@ -96,7 +97,7 @@ def run(args) -> int:
     return 0
 
 
-def _run_tower(args) -> int:
+def _run_tower(args: argparse.Namespace) -> int:
     from ..errors import RequestError
     from ..vision.synth_mmproj import write_synthetic_mmproj
 
