@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from minecart.engine.server import ServerThread, create_app
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -223,7 +224,9 @@ class ServerPanel(QWidget):
 
     def _show_count(self) -> None:
         n = self.server.request_count if self.server is not None else 0
-        self.count.setText(f"{n} API request{'s' if n != 1 else ''} served")
+        info = self.server.runtime.model_info if self.server is not None else None
+        model = f"model {Path(info.path).stem}" if info is not None else "no model loaded yet"
+        self.count.setText(f"{n} API request{'s' if n != 1 else ''} served · {model}")
 
     def shutdown(self) -> None:
         """Stop the server (window closing); waits for uvicorn to let go of the port."""

@@ -53,7 +53,8 @@ def test_toggle_serves_the_runtime_and_counts_requests(qtbot, runtime, tmp_path)
     reply = client.chat.completions.create(model="fake-model",
                                            messages=[{"role": "user", "content": "hi"}])
     assert reply.choices[0].message.content
-    qtbot.waitUntil(lambda: panel.count.text() == "2 API requests served", timeout=3000)
+    qtbot.waitUntil(lambda: panel.count.text() == "2 API requests served · model fake-model",
+                    timeout=3000)
     assert panel.server.request_count == 2
     panel.grab().save(str(tmp_path / "server.png"))
 
