@@ -33,7 +33,7 @@ Typical use:
 
     costs = model_costs(config, gguf_file)                      # or plan_auto(config, gguf_file, ...)
     plan = plan_auto(config, gguf_file, [DeviceSpec("cuda:0", 8 * GiB), DeviceSpec("cuda:1", 4 * GiB)],
-                     context=32768, chunk=512, kv_type="f32")
+                     context=32768, chunk=512, kv_type="f16")
     for issue in validate(plan, devices): print(issue)         # messages a person can act on
     plan.move_boundary(0, 20)                                   # cuda:1 now starts at part 20
     text = plan.to_json(); plan2 = Placement.from_json(text)
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -87,9 +87,12 @@ GDN_CHUNK_TOKENS = 64
 # twice (raw, then scales + quants); the freed raw copy stays in the pool as a hole.
 STAGED_TYPES = ("Q8_0", "Q4_0")
 
-# Bytes per stored KV value. q8 = Q8_0 blocks (32 int8 + fp16 scale); q3 = 3-bit codes in blocks of 32
-# (12 bytes) plus an fp16 scale (2 bytes), as the Walsh-Hadamard + Lloyd-Max cache stores them (docs/kv-cache.md).
-KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8": 34 / 32, "q3": 14 / 32}
+# Bytes per stored KV value, exactly what the backends' caches allocate (engine/kvquant.py): f16; q8_0 =
+# llama.cpp's Q8_0 blocks (32 int8 + an fp16 scale); q3 = 3-bit codes in blocks of 32 (12 bytes) plus an
+# fp16 scale (2 bytes), the Walsh-Hadamard + Lloyd-Max cache (docs/kv-cache.md). Head dims are
+# multiples of 32, so a row is whole blocks and the per-value price is exact.
+KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q3": 14 / 32}
+DEFAULT_KV_TYPE = "f16"  # llama.cpp's default too: half the f32 cache for the same context
 
 # How a backend holds weights: "stored" = GGUF blocks as in the file (CUDA backend); "numpy" = the
 # reference backend (float32, embedding rows read from the file, float32 copy of a tied LM head).
@@ -110,12 +113,45 @@ def layer_part(i: int) -> str:
 
 
 @dataclass(frozen=True)
+class Link:
+    """A host<->device link: one-way bandwidth in bytes/s and a fixed cost per copy in seconds."""
+
+    bandwidth: float
+    latency: float = 20e-6
+    name: str = ""
+
+    def seconds(self, n_bytes: int) -> float:
+        return self.latency + n_bytes / self.bandwidth
+
+
+# What a card's link is taken to be when nobody said (a desktop slot: PCIe Gen3 x16).
+DEFAULT_LINK = Link(15.75e9, 10e-6, "PCIe Gen3 x16")
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """What the speed prediction needs of a device: memory bandwidth (bytes/s), the int8 dot-product
+    rate (DP4A, ops/s; 0 = none, as on the NumPy backend) and the fp32 FMA rate (flop/s). `source`
+    says where the numbers come from (a profile in resources/gpu_profiles.json, a probe)."""
+
+    name: str
+    bandwidth: float
+    int8_ops: float
+    fp32_flops: float
+    source: str = ""
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
-    """A device a placement may use: its name ("cuda:0", "cpu:0") and how many bytes are free on it."""
+    """A device a placement may use: its name ("cuda:0", "cpu:0"), how many bytes are free on it, and
+    optionally its speed and its link to the host (for plan_auto's speed-aware search and
+    predict_speed; without them the split follows free memory alone)."""
 
     name: str
     free_bytes: int
     label: str = ""  # for people: "GTX 1070 (riser 3)"
+    speed: DeviceSpeed | None = None
+    link: Link | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -157,6 +193,11 @@ class PartCost:
              architecture spec's fused_groups).
     staged: tensors uploaded through a raw staging copy on the CUDA backend (STAGED_TYPES matrices),
              in load order like `tensors`.
+    matmuls: (GGUF name, GGML type as held, bytes as held, weight values) of every tensor the part
+             multiplies activations by (what a token reads; the speed prediction's input). The
+             embedding lookup reads one row and is left out.
+    experts: names of the routed-expert tensors (a token reads expert_fraction of them); they may
+             sit on another device than the rest of the layer (Placement.experts_device).
     """
 
     name: str
@@ -170,10 +211,18 @@ class PartCost:
     segment_values_per_token: int = 0
     fused_bytes: int = 0
     staged: tuple[str, ...] = ()
+    matmuls: tuple[tuple[str, str, int, int], ...] = ()
+    experts: tuple[str, ...] = ()
+    expert_fraction: float = 0.0
 
     @property
     def weight_bytes(self) -> int:
         return sum(b for _, b in self.tensors)
+
+    @property
+    def expert_bytes(self) -> int:
+        names = set(self.experts)
+        return sum(b for n, b in self.tensors if n in names)
 
     def activation_bytes(self, chunk: int) -> int:
         """Peak live activation bytes while this part runs a prefill chunk of `chunk` tokens."""
@@ -201,6 +250,7 @@ class ModelCosts:
     parts: tuple[PartCost, ...]
     source: str = ""  # path of the GGUF file, or "shape:<name>"
     layout: str = "stored"  # how the weights are held (WEIGHT_LAYOUTS)
+    context_length: int = 0  # the model's trained context (0 = unknown)
 
     @property
     def part_names(self) -> list[str]:
@@ -220,19 +270,23 @@ class ModelCosts:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["parts"] = [dict(asdict(p), tensors=[list(t) for t in p.tensors]) for p in self.parts]
+        d["parts"] = [dict(asdict(p), tensors=[list(t) for t in p.tensors],
+                           matmuls=[list(t) for t in p.matmuls]) for p in self.parts]
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping) -> ModelCosts:
         parts = tuple(
             PartCost(**dict(p, tensors=tuple((str(n), int(b)) for n, b in p["tensors"]),
-                            staged=tuple(str(n) for n in p.get("staged", ()))))
+                            staged=tuple(str(n) for n in p.get("staged", ())),
+                            matmuls=tuple((str(n), str(t), int(b), int(v)) for n, t, b, v in p.get("matmuls", ())),
+                            experts=tuple(str(n) for n in p.get("experts", ()))))
             for p in d["parts"]
         )
         return cls(name=d["name"], architecture=d["architecture"], n_layers=int(d["n_layers"]),
                    hidden=int(d["hidden"]), vocab=int(d["vocab"]), layer_kinds=tuple(d["layer_kinds"]),
-                   parts=parts, source=d.get("source", ""), layout=d.get("layout", "stored"))
+                   parts=parts, source=d.get("source", ""), layout=d.get("layout", "stored"),
+                   context_length=int(d.get("context_length", 0)))
 
 
 def _union_bytes(parts: Iterable[PartCost]) -> dict[str, int]:
@@ -243,6 +297,11 @@ def _union_bytes(parts: Iterable[PartCost]) -> dict[str, int]:
         for name, b in p.tensors:
             out[name] = max(out.get(name, 0), b)
     return out
+
+
+def _saved_kv_type(kv_type: str) -> str:
+    """A saved placement's KV type; files written before the types took llama.cpp's names said "q8"."""
+    return "q8_0" if kv_type == "q8" else kv_type
 
 
 def _kv_bytes_per_value(kv_type: str) -> float:
@@ -333,6 +392,24 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
             return 0
         return _fused_bytes(spec.fused_groups, [n for n, _ in sizes], tensors, dict(sizes))
 
+    def matmuls(part: str, sizes: tuple[tuple[str, int], ...]) -> tuple[tuple[str, str, int, int], ...]:
+        held = dict(sizes)
+        out = []
+        for n, role in roles.get(part, {}).items():
+            if role == "vector" or part == GLOBAL:
+                continue
+            values = 1
+            for dim in _shape_of(tensors[n]):
+                values *= dim
+            kind = getattr(tensors[n], "type_name", "F32") if layout == "stored" else "F32"
+            out.append((n, kind, held[n], values))
+        return tuple(out)
+
+    def experts(part: str) -> tuple[str, ...]:
+        return tuple(n for n, role in roles.get(part, {}).items() if role == "experts")
+
+    fraction = config.n_experts_used / config.n_experts if config.n_experts else 0.0
+
     parts.append(PartCost(GLOBAL, "embedding", sized(GLOBAL), act_values_per_token=config.hidden,
                           staged=staged(GLOBAL)))
     for i, kind in enumerate(config.layer_types):
@@ -343,13 +420,17 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
                               act_values_per_token=c.act_values_per_token,
                               mixer_values_per_token=c.mixer_values_per_token,
                               segment_values_per_token=c.segment_values_per_token, fused_bytes=fused(sizes),
-                              staged=staged(layer_part(i))))
-    parts.append(PartCost(HEAD, "head", sized(HEAD), act_values_per_token=2 * config.hidden,
-                          act_values_fixed=logits_rows * config.vocab_size, staged=staged(HEAD)))
+                              staged=staged(layer_part(i)), matmuls=matmuls(layer_part(i), sizes),
+                              experts=experts(layer_part(i)), expert_fraction=fraction))
+    head = sized(HEAD)
+    parts.append(PartCost(HEAD, "head", head, act_values_per_token=2 * config.hidden,
+                          act_values_fixed=logits_rows * config.vocab_size, staged=staged(HEAD),
+                          matmuls=matmuls(HEAD, head)))
     path = getattr(gguf_file, "path", "")
     return ModelCosts(name=config.name, architecture=config.architecture, n_layers=config.n_layers,
                       hidden=config.hidden, vocab=config.vocab_size, layer_kinds=tuple(config.layer_types),
-                      parts=tuple(parts), source=str(path), layout=layout)
+                      parts=tuple(parts), source=str(path), layout=layout,
+                      context_length=int(config.context_length or 0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -443,13 +524,13 @@ class DeviceBytes:
         return self.weights + self.kv_cache + self.recurrent
 
 
-def _load_peak(parts: Sequence[PartCost]) -> int:
+def _load_peak(parts: Sequence[PartCost], elsewhere: Collection[str] = ()) -> int:
     """Most bytes the CUDA backend's pool holds while these parts' weights load, in load order (parts in
     order, tensors in role order, a tensor already on the device not loaded again): a STAGED_TYPES
     matrix is uploaded raw and re-laid out into quants + scales, so right after it the device holds
     every weight so far plus the freed raw copy (the pool keeps it as a hole that later weights fill).
     Derivation: upload_weight allocates raw (b), scales and quants (b together), then frees raw."""
-    seen: set[str] = set()
+    seen: set[str] = set(elsewhere)  # tensors loaded onto another device (routed experts apart)
     loaded = peak = 0
     for p in parts:
         staged = set(p.staged)
@@ -483,10 +564,13 @@ class Placement:
     assignment: list[str]
     context: int = 4096
     chunk: int = 512
-    kv_type: str = "f32"
+    kv_type: str = DEFAULT_KV_TYPE
     n_sequences: int = 1  # sequences held at once (each has its own KV cache and recurrent state)
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
     extra: dict = field(default_factory=dict)  # free-form, kept through JSON (e.g. the app's notes)
+    # every layer's routed experts on this device instead of with their layer ("" = with the layer;
+    # "cpu:0" = experts in host RAM, the usual way to fit a MoE model on small cards)
+    experts_device: str = ""
 
     def __post_init__(self):
         if len(self.assignment) != len(self.costs.parts):
@@ -495,6 +579,8 @@ class Placement:
         for d in self.assignment:
             check_device_name(d)
         _kv_bytes_per_value(self.kv_type)
+        if self.experts_device:
+            check_device_name(self.experts_device)
         if self.context < 1 or self.chunk < 1:
             raise PlacementError("context and chunk must be at least 1 token")
 
@@ -555,13 +641,28 @@ class Placement:
         """Hidden-state hops from one device to another per forward pass."""
         return len(self.segments()) - 1
 
+    def devices_holding(self) -> list[str]:
+        """devices_used() plus the experts' device when it holds nothing else."""
+        used = self.devices_used()
+        if self.experts_device and self.experts_device not in used and self.expert_parts():
+            used.append(self.experts_device)
+        return used
+
+    def expert_parts(self) -> list[PartCost]:
+        """The layers whose routed experts sit on experts_device (every layer that has experts)."""
+        return [p for p in self.costs.parts if p.experts] if self.experts_device else []
+
     def bytes_per_device(self) -> dict[str, DeviceBytes]:
-        """Estimated bytes per device used, in devices_used() order."""
+        """Estimated bytes per device holding anything, in devices_holding() order."""
         out: dict[str, DeviceBytes] = {}
         per_value = _kv_bytes_per_value(self.kv_type)
-        for dev in self.devices_used():
+        apart = self.expert_parts()
+        moved = {n for p in apart for n in p.experts}
+        for dev in self.devices_holding():
             on_dev = [p for p, d in zip(self.costs.parts, self.assignment, strict=True) if d == dev]
-            tensors = _union_bytes(on_dev)
+            tensors = {n: b for n, b in _union_bytes(on_dev).items() if n not in moved}
+            if dev == self.experts_device:
+                tensors.update((n, b) for p in apart for n, b in p.tensors if n in moved)
             kv = state = act = fused = kv_widest = 0
             for p in on_dev:
                 kv += p.kv_values_per_token
@@ -587,7 +688,7 @@ class Placement:
             if cuda and self.costs.layout == "stored":
                 frag = int(FUSE_FRAGMENTATION * fused)
                 run_peak = weights + kv_bytes + state * self.n_sequences + act + frag
-                staging = max(0, _load_peak(on_dev) - run_peak)
+                staging = max(0, _load_peak(on_dev, moved) - run_peak)
             out[dev] = DeviceBytes(
                 device=dev,
                 weights=weights,
@@ -671,7 +772,8 @@ class Placement:
             "model": self.costs.to_dict(),
             "assignment": {p: d for p, d in zip(self.parts, self.assignment, strict=True)},
             "settings": {"context": self.context, "chunk": self.chunk, "kv_type": self.kv_type,
-                         "n_sequences": self.n_sequences, "cuda_context_bytes": self.cuda_context_bytes},
+                         "n_sequences": self.n_sequences, "cuda_context_bytes": self.cuda_context_bytes,
+                         "experts_device": self.experts_device},
             "extra": self.extra,
         }
 
@@ -696,10 +798,10 @@ class Placement:
                 f"match {costs.name} ({costs.n_layers} layers); plan again for this model")
         s = d.get("settings", {})
         return cls(costs, [assignment[p] for p in costs.part_names], context=int(s.get("context", 4096)),
-                   chunk=int(s.get("chunk", 512)), kv_type=s.get("kv_type", "f32"),
+                   chunk=int(s.get("chunk", 512)), kv_type=_saved_kv_type(s.get("kv_type", "f32")),
                    n_sequences=int(s.get("n_sequences", 1)),
                    cuda_context_bytes=int(s.get("cuda_context_bytes", CUDA_CONTEXT_BYTES)),
-                   extra=dict(d.get("extra", {})))
+                   extra=dict(d.get("extra", {})), experts_device=str(s.get("experts_device", "")))
 
     @classmethod
     def from_json(cls, text: str, costs: ModelCosts | None = None) -> Placement:
@@ -737,7 +839,7 @@ def _runs(values: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def plan_auto(config: ModelConfig | ModelCosts, gguf_file=None, devices: Sequence[DeviceSpec] = (), *,
-              context: int = 4096, chunk: int = 512, kv_type: str = "f32", reserve: int = 256 * MiB,
+              context: int = 4096, chunk: int = 512, kv_type: str = DEFAULT_KV_TYPE, reserve: int = 256 * MiB,
               n_sequences: int = 1, cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
               logits_rows: int = 1) -> Placement:
     """Split the model over `devices` in proportion to their usable memory, keeping parts contiguous.
@@ -857,9 +959,9 @@ def validate(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 0
     warnings: list[PlanIssue] = []
     present = ", ".join(by_name) or "none"
     per = plan.bytes_per_device()
-    for dev in plan.devices_used():
+    for dev in plan.devices_holding():
         idx = [i for i, d in enumerate(plan.assignment) if d == dev]
-        what = plan.describe(idx)
+        what = plan.describe(idx) if idx else "the routed experts"
         if dev not in by_name:
             errors.append(PlanIssue("error", f"{what} {'is' if len(idx) == 1 else 'are'} placed on {dev}, "
                                     f"which is not present (devices: {present}); move them to a present device",

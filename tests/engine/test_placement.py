@@ -60,7 +60,7 @@ def test_kv_cache_per_token(name, kv_f16_per_token):
     plan = Placement.single(costs_for_shape(name), "cuda:0", context=1000, kv_type="f16")
     assert plan.bytes_per_device()["cuda:0"].kv_cache == 1000 * kv_f16_per_token
     f32 = plan.with_settings(kv_type="f32").bytes_per_device()["cuda:0"].kv_cache
-    q8 = plan.with_settings(kv_type="q8").bytes_per_device()["cuda:0"].kv_cache
+    q8 = plan.with_settings(kv_type="q8_0").bytes_per_device()["cuda:0"].kv_cache
     q3 = plan.with_settings(kv_type="q3").bytes_per_device()["cuda:0"].kv_cache
     assert f32 == 2 * 1000 * kv_f16_per_token
     assert q3 < q8 < 1000 * kv_f16_per_token
@@ -240,14 +240,14 @@ def test_move_boundary_and_errors():
 def test_json_round_trip_and_reprice(tiny):
     config, gf = tiny
     costs = model_costs(config, gf)
-    plan = Placement.from_layer_counts(costs, [("cpu:0", 3), ("cuda:1", 5)], context=1234, kv_type="q8",
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 3), ("cuda:1", 5)], context=1234, kv_type="q8_0",
                                        chunk=64)
     plan.extra["note"] = "from the app"
     text = plan.to_json()
     json.loads(text)
     back = Placement.from_json(text)
     assert back.assignment == plan.assignment and back.costs == plan.costs
-    assert (back.context, back.chunk, back.kv_type, back.extra) == (1234, 64, "q8", {"note": "from the app"})
+    assert (back.context, back.chunk, back.kv_type, back.extra) == (1234, 64, "q8_0", {"note": "from the app"})
     assert back.bytes_per_device() == plan.bytes_per_device()
     # re-priced against another model with other layer count: refused with a reason
     with pytest.raises(PlacementError, match="plan again"):
