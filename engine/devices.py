@@ -68,7 +68,8 @@ def _nvml_devices() -> list[DeviceInfo] | None:
             uuid = pynvml.nvmlDeviceGetUUID(h)
             uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
             try:
-                cc = tuple(int(x) for x in pynvml.nvmlDeviceGetCudaComputeCapability(h))
+                major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+                cc = (int(major), int(minor))
             except Exception:
                 cc = None
             try:
@@ -158,7 +159,7 @@ def _ram_bytes() -> tuple[int, int]:
 
             st = _MemStatus()
             st.dwLength = ctypes.sizeof(st)
-            ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(st))
+            ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(st))  # type: ignore[attr-defined]
             return int(st.ullTotalPhys), int(st.ullAvailPhys)
         except Exception:
             pass

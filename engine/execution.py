@@ -555,14 +555,14 @@ class Executor:
 
     # ---- several chunks over several devices --------------------------------------------------------------
     def _pipelined(self, chunks: list[_Chunk], states, rows, step: int, cancel) -> list:
-        job = _Job(len(chunks), rows, results=[None] * len(chunks),
-                   slots=threading.Semaphore(self.max_in_flight))
+        slots = threading.Semaphore(self.max_in_flight)
+        job = _Job(len(chunks), rows, results=[None] * len(chunks), slots=slots)
         for c in chunks:
-            job.slots.acquire()
+            slots.acquire()
             if job.error is not None or (cancel is not None and cancel.is_set()):
                 if job.error is None:
                     job.cancelled_at = c.index
-                job.slots.release()
+                slots.release()
                 for _ in range(c.index, len(chunks)):
                     job.end_chunk()
                 break

@@ -36,6 +36,7 @@ What this is not: the CUDA implementation (kernels/kvq3.cu, used by the CuPy bac
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -376,7 +377,7 @@ def kv_bytes_per_token(config, kv_type: str) -> int:
 def measure(model, sequences: dict, *, greedy: int = 32) -> dict:
     """q3 against f32 on `model` (loaded on the NumPy backend): compare_logits per named sequence of
     token ids, greedy agreement over `greedy` tokens after each, and bytes per token per layer."""
-    report = {"bytes_per_token_layer": {t: kv_bytes_per_token(model.config, t) for t in KV_TYPES},
+    report: dict[str, Any] = {"bytes_per_token_layer": {t: kv_bytes_per_token(model.config, t) for t in KV_TYPES},
               "sequences": {}}
     for name, ids in sequences.items():
         row = compare_logits(sequence_logits(model, ids, "f32"), sequence_logits(model, ids, "q3"))

@@ -269,8 +269,9 @@ def _windows_rss() -> int | None:
 
         counters = Counters()
         counters.cb = ctypes.sizeof(Counters)
-        process = ctypes.windll.kernel32.GetCurrentProcess()
-        if not ctypes.windll.psapi.GetProcessMemoryInfo(process, ctypes.byref(counters), counters.cb):
+        windll = ctypes.windll  # type: ignore[attr-defined]  # Windows only; this branch runs only there
+        process = windll.kernel32.GetCurrentProcess()
+        if not windll.psapi.GetProcessMemoryInfo(process, ctypes.byref(counters), counters.cb):
             return None
         return int(counters.WorkingSetSize)
     except (OSError, AttributeError):

@@ -30,7 +30,7 @@ from .kvquant import check_kv_type
 from .models import module_for
 from .session import Session
 from .tokenizer import Tokenizer
-from .vision import attach_vision
+from .vision import VisionTower, attach_vision
 
 _NOT_LOADED = object()
 DEFAULT_CAPACITY = 8192  # initial KV capacity of a session (tokens), capped by the model's context
@@ -97,7 +97,7 @@ class Model:
         self.placement = placement
         self._roles = roles
         self.load_seconds = 0.0
-        self.vision = None  # engine.vision.VisionTower when an mmproj was loaded (load_model(mmproj=))
+        self.vision: VisionTower | None = None  # engine.vision.VisionTower when an mmproj was loaded (load_model(mmproj=))
         self.kv_type = "f32"  # KV cache type of new states: "f32" or "q3" (load_model(kv_type=))
 
     # ---- text side (built on first use: a 248k-entry BPE vocabulary takes seconds to build, and
@@ -122,6 +122,10 @@ class Model:
                 self._chat_template = _load_chat_template(self.gguf)
             return self._chat_template
 
+    @chat_template.setter
+    def chat_template(self, value) -> None:
+        self._chat_template = value
+
     @property
     def is_base_model(self) -> bool:
         """True for a pretrained (not instruction-tuned) model: its file carries no chat template and
@@ -132,10 +136,6 @@ class Model:
                                                              "general.tags")).lower()
         # whole words only: "gemma-3-270m-it" and "Instruct" count, "Italian" or "chatterbox" do not
         return re.search(r"\b(it|instruct|instruction|chat)\b", text) is None
-
-    @chat_template.setter
-    def chat_template(self, value) -> None:
-        self._chat_template = value
 
     # ---- running ---------------------------------------------------------------------------------
     def backend_of(self, part: str):

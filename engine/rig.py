@@ -25,34 +25,29 @@ import re
 import threading
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import DeviceError
-from .placement import DeviceSpec, GiB, KiB, MiB, check_device_name, format_bytes
+from .placement import DeviceSpec, DeviceSpeed, GiB, KiB, Link, MiB, check_device_name, format_bytes
 
 # ------------------------------------------------------------------------------------------------
-# Links
+# Links (Link itself lives in engine/placement.py, whose speed prediction prices them)
 
-
-@dataclass(frozen=True)
-class Link:
-    """A host<->device link: one-way bandwidth in bytes/s and a fixed cost per copy in seconds."""
-
-    bandwidth: float
-    latency: float = 20e-6
-    name: str = ""
-
-    def seconds(self, n_bytes: int) -> float:
-        return self.latency + n_bytes / self.bandwidth
-
-
-# Usable one-way rates (after encoding overhead). Gen1 x1 is the riser every mining rig uses.
+# Usable one-way rates (after encoding overhead: 8b/10b for Gen1/2, 128b/130b from Gen3). Gen1 x1 is
+# the riser every mining rig uses; Gen1 x4 is what most mining cards' own connectors run at.
 LINKS = {
     "gen1x1": Link(250e6, 20e-6, "PCIe Gen1 x1"),
+    "gen1x4": Link(1e9, 20e-6, "PCIe Gen1 x4"),
+    "gen1x16": Link(4e9, 15e-6, "PCIe Gen1 x16"),
     "gen2x1": Link(500e6, 15e-6, "PCIe Gen2 x1"),
     "gen3x1": Link(985e6, 10e-6, "PCIe Gen3 x1"),
     "gen3x4": Link(3.94e9, 10e-6, "PCIe Gen3 x4"),
     "gen3x16": Link(15.75e9, 10e-6, "PCIe Gen3 x16"),
+    "gen4x8": Link(15.75e9, 10e-6, "PCIe Gen4 x8"),
+    "gen4x16": Link(31.5e9, 10e-6, "PCIe Gen4 x16"),
+    "gen5x16": Link(63e9, 10e-6, "PCIe Gen5 x16"),
 }
 
 
@@ -68,6 +63,10 @@ def parse_link(text: str) -> Link:
     scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
     latency = float(m.group(3)) * 1e-6 if m.group(3) else 20e-6
     return Link(float(m.group(1)) * scale, latency, text)
+
+
+def _is_size(text: str) -> bool:
+    return re.fullmatch(r"\s*[\d.]+\s*(b|kib|mib|gib|kb|mb|gb)?\s*", text.lower()) is not None
 
 
 def parse_bytes(text: str) -> int:
@@ -154,12 +153,15 @@ def allocated_bytes(obj, _seen: set | None = None, _depth: int = 0) -> int:
 
 @dataclass(frozen=True)
 class RigDevice:
-    """One logical device: placement name, physical device, memory cap (None = none), link (None = free)."""
+    """One logical device: placement name, physical device, memory cap (None = none), link (None = free),
+    and the card it stands for (a resources/gpu_profiles.json profile name; its speed, for planning)."""
 
     name: str
     physical: str
     memory_cap: int | None = None
     link: Link | None = None
+    card: str = ""
+    speed: DeviceSpeed | None = None
 
     def __post_init__(self):
         check_device_name(self.name)
@@ -217,6 +219,7 @@ class RigBackend:
                 self.used_bytes += n
                 self.peak_bytes = max(self.peak_bytes, self.used_bytes)
         if over:
+            assert cap is not None
             self._inner.free(obj)
             raise DeviceError(
                 f"{self.device} is out of memory: {what} needs {format_bytes(n)}, "
@@ -320,7 +323,7 @@ class Rig:
     """A set of logical devices (see module doc). `backend(name)` makes each backend once."""
 
     devices: list[RigDevice]
-    backend_factory: object = None  # callable(physical) -> backend; default: NumPy for cpu, CuPy for cuda
+    backend_factory: Callable[[str], Any] | None = None  # physical -> backend; default: NumPy for cpu, CuPy for cuda
     _backends: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -346,21 +349,36 @@ class Rig:
 
     @classmethod
     def parse(cls, text: str, physical_gpus: int = 1, **kwargs) -> Rig:
-        """From a command-line description: comma-separated `NAME[=CAP][@LINK]`, e.g.
-        "cuda:0=4GiB@gen1x1,cuda:1=4GiB@gen1x1,cpu:0". Logical cuda:N runs on physical
-        cuda:(N mod physical_gpus); cpu:N on its own NumPy backend."""
+        """From a command-line description: comma-separated `NAME[=CAP|=CARD|=CARD/CAP][@LINK]`, e.g.
+        "cuda:0=P104-100@gen1x1,cuda:1=4GiB@gen1x1,cpu:0=64GiB". CARD is a profile of
+        resources/gpu_profiles.json: its memory is the cap (unless CAP follows it) and its speed is
+        the device's for planning; without @LINK a card has its own link, a bare cap none.
+        Logical cuda:N runs on physical cuda:(N mod physical_gpus); cpu:N on its own NumPy backend."""
+        from . import gpu_profiles
+
         devices = []
         for item in filter(None, (s.strip() for s in text.split(","))):
             m = re.fullmatch(r"((?:cuda|cpu):\d+)(?:=([^@]+))?(?:@(.+))?", item)
             if not m:
-                raise DeviceError(f"rig device '{item}' is not understood; write NAME[=CAP][@LINK], e.g. "
-                                  f"'cuda:1=4GiB@gen1x1'")
+                raise DeviceError(f"rig device '{item}' is not understood; write NAME[=CAP|=CARD][@LINK], "
+                                  f"e.g. 'cuda:1=4GiB@gen1x1' or 'cuda:0=P104-100@gen1x1'")
             name = m.group(1)
             kind, idx = name.split(":")
             physical = f"cuda:{int(idx) % max(1, physical_gpus)}" if kind == "cuda" else name
-            cap = parse_bytes(m.group(2)) if m.group(2) else None
+            value = (m.group(2) or "").strip()
+            cap, card, speed = None, "", None
             link = parse_link(m.group(3)) if m.group(3) else None
-            devices.append(RigDevice(name, physical, cap, link))
+            if value and _is_size(value):
+                cap = parse_bytes(value)
+            elif value:
+                card_name, _, card_cap = value.partition("/")
+                if kind != "cuda":
+                    raise DeviceError(f"{name} is a CPU device; give its memory (e.g. {name}=64GiB), not a card")
+                profile = gpu_profiles.card(card_name.strip())
+                card, speed = profile.name, profile.speed
+                cap = parse_bytes(card_cap) if card_cap else profile.memory_bytes
+                link = link or LINKS[profile.link]
+            devices.append(RigDevice(name, physical, cap, link, card, speed))
         if not devices:
             raise DeviceError("the rig description names no devices")
         return cls(devices, **kwargs)
@@ -393,5 +411,6 @@ class Rig:
         for d in self.devices:
             used = self._backends[d.name].used_bytes if d.name in self._backends else 0
             free = (d.memory_cap - used) if d.memory_cap is not None else default_free
-            out.append(DeviceSpec(d.name, free, label=f"on {d.physical}"))
+            label = f"{d.card} on {d.physical}" if d.card else f"on {d.physical}"
+            out.append(DeviceSpec(d.name, free, label=label, speed=d.speed, link=d.link))
         return out

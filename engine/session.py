@@ -179,6 +179,7 @@ class Session:
         """Append one token; return its logits (vocab,)."""
         self.computed_tokens = 0
         self._advance([int(token)])
+        assert self.last_logits is not None  # one token with rows="last" always has logits
         return self.last_logits
 
     # ---- snapshots -----------------------------------------------------------------------------------
@@ -211,8 +212,9 @@ class Session:
             be = self._layer_backend(i)
             for name, host in snap.recurrent[i].items():
                 st.recurrent[name] = be.asarray(host)
-            if st.kv is not None:
-                st.kv.truncate(snap.kv_lengths[i])
+            length = snap.kv_lengths[i]
+            if st.kv is not None and length is not None:
+                st.kv.truncate(length)
         self.tokens = list(snap.tokens)
         self._next_positions = list(snap.next_positions)
         self._positions = list(snap.positions)
@@ -306,14 +308,18 @@ class Session:
         exact = [s for s in self.snapshots if s.tokens == tuple(keys) and s.last_logits is not None
                  and self.can_restore(s)]
         if common == len(ids) and exact:
-            self.restore(exact[0])
+            snap = exact[0]
+            assert snap.last_logits is not None  # `exact` keeps only snapshots that have them
+            self.restore(snap)
             self.computed_tokens = 0
-            return self.last_logits
+            return snap.last_logits.copy()
         target = common if common < len(ids) else len(ids) - 1
         reached = self._rewind(target)
         pos = None if positions is None else np.asarray(positions)[..., reached:]
-        return self.prefill(ids[reached:], chunk=chunk, cancel=cancel, positions=pos,
-                            embed_override=shift_override(embed_override, reached, len(ids)))
+        logits = self.prefill(ids[reached:], chunk=chunk, cancel=cancel, positions=pos,
+                              embed_override=shift_override(embed_override, reached, len(ids)))
+        assert logits is not None  # at least one token ran (see `target` above)
+        return logits
 
     # ---- copies ----------------------------------------------------------------------------------------
     def fork(self) -> Session:

@@ -133,16 +133,16 @@ class FusedOpsMixin:
     shapes its kernels do not cover. The results equal the composition up to fp32 rounding.
     """
 
-    def matmul_many(self, x, ws) -> list:
+    def matmul_many(self: Backend, x, ws) -> list:
         """[x @ W.T for W in ws]: several weights applied to one input (fused projections)."""
         return [self.matmul(x, w) for w in ws]
 
-    def matmul_add(self, x, w, residual):
+    def matmul_add(self: Backend, x, w, residual):
         """residual + x @ W.T (the residual add of a layer, folded into its last matmul)."""
         return self.add(residual, self.matmul(x, w))
 
-    def gdn_decode(self, mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias, norm_w, *,
-                   n_k: int, n_v: int, dk: int, dv: int, eps: float):
+    def gdn_decode(self: Backend, mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias,
+                   norm_w, *, n_k: int, n_v: int, dk: int, dv: int, eps: float):
         """A Gated DeltaNet mixer between its input projections and ssm_out, for T tokens.
 
         mixed (T, 2 n_k dk + n_v dv) the raw [q | k | v] projection, z (T, n_v dv), b and alpha (T, n_v).
@@ -164,8 +164,9 @@ class FusedOpsMixin:
         y = self.gated_rms_norm(o, z.reshape(T, n_v, dv), norm_w, eps)  # (T, n_v, dv)
         return y.reshape(T, n_v * dv)
 
-    def gated_attention(self, qg, k, v, cache, q_norm, k_norm, positions, *, n_rot: int, base: float,
-                        sections: tuple[int, ...] = (), scale: float, eps: float, window: int = 0):
+    def gated_attention(self: Backend, qg, k, v, cache, q_norm, k_norm, positions, *, n_rot: int,
+                        base: float, sections: tuple[int, ...] = (), scale: float, eps: float,
+                        window: int = 0):
         """Gated attention of qwen35 between its projections and the output projection.
 
         qg (T, nh, 2, d): per head the query then the output gate (attn_q's interleaved rows); k (T, n_kv, d),
@@ -297,7 +298,7 @@ class Backend(Protocol):
         """kv_type: "f32" (exact), or "q3" (3-bit, engine/kvquant.py; NumPy and CUDA backends). A
         backend without a type raises RequestError."""
 
-    def attention(self, q: Array, k: Array, v: Array, cache: KVCache, *, scale: float,
+    def attention(self, q: Array, k: Array, v: Array, cache: Any, *, scale: float,
                   window: int = 0) -> Array:
         """Append k, v (T, n_kv, d) to `cache`, then causal GQA attention of q (T, nh, d) over the
         whole cache. Query head h uses KV head h // (nh // n_kv). window > 0 restricts each query at
@@ -354,6 +355,19 @@ class Backend(Protocol):
         """Largest k logits of each row on the device -> host (values (T, k), ids (T, k)), descending."""
 
     def synchronize(self) -> None: ...
+
+    # ---- fused ops (FusedOpsMixin composes them from the ops above; a fast backend overrides them) ----
+    def matmul_many(self, x: Array, ws: list) -> list: ...
+
+    def matmul_add(self, x: Array, w: Weight, residual: Array) -> Array: ...
+
+    def gdn_decode(self, mixed: Array, z: Array, b: Array, alpha: Array, conv_state: Array,
+                   ssm_state: Array, conv_w: Array, ssm_a: Array, dt_bias: Array, norm_w: Array, *,
+                   n_k: int, n_v: int, dk: int, dv: int, eps: float) -> Array: ...
+
+    def gated_attention(self, qg: Array, k: Array, v: Array, cache: Any, q_norm: Array, k_norm: Array,
+                        positions: Any, *, n_rot: int, base: float, sections: tuple[int, ...] = (),
+                        scale: float, eps: float, window: int = 0) -> Array: ...
 
     # ---- execution hooks (DeviceHooks gives every backend these) ----------------------------------
     pins_host_memory: bool

@@ -22,6 +22,7 @@ Not here: mixture-of-experts GEMVs have no HFMA2 kernel (the FMA kernel serves t
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import cupy as cp
 import numpy as np
@@ -70,6 +71,9 @@ class CupyKVCache(GrowingKVCache):
     fp32 (not fp16) so that results match the fp32 references to ~1e-5; appending past `capacity`
     doubles the arrays (growth, truncate, clone: base.GrowingKVCache)."""
 
+    k: Any  # cupy (capacity, n_kv, d) float32, allocated by GrowingKVCache from _layout
+    v: Any  # (capacity, n_kv, dv)
+
     def _layout(self):
         return {"k": ((self.n_kv_heads, self.head_dim), cp.float32),
                 "v": ((self.n_kv_heads, self.value_dim), cp.float32)}
@@ -93,6 +97,11 @@ class CupyQ3KVCache(GrowingKVCache):
     (None once freed), the names the decode-graph checks read."""
 
     kv_type = "q3"
+
+    k_codes: Any  # cupy arrays, allocated by GrowingKVCache from _layout
+    k_scales: Any
+    v_codes: Any
+    v_scales: Any
 
     def _layout(self):
         n, d, dv = self.n_kv_heads, self.head_dim, self.value_dim
@@ -134,7 +143,7 @@ class _Capture:
         self.host = cupyx.empty_pinned((_SLOTS,), dtype=np.int32)
         self.host[:] = 0
         self.dev = cp.zeros(_SLOTS, dtype=cp.int32)
-        self.caches: list[tuple[CupyKVCache, int]] = []
+        self.caches: list[tuple[Any, int]] = []  # CupyKVCache or CupyQ3KVCache (both have .k)
         self.outputs: list[np.ndarray] = []
         self._out_dev: list = []
 
@@ -154,7 +163,7 @@ class _Capture:
     def positions_dev(self, pos):
         return self.dev[1:4].reshape(3, 1)
 
-    def cache_row(self, cache: CupyKVCache):
+    def cache_row(self, cache: GrowingKVCache):
         if cache.length + 1 > cache.capacity:
             raise _CacheFull("KV cache full: this step grows it eagerly; the next one re-captures")
         i = len(self.caches)

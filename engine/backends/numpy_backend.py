@@ -92,6 +92,9 @@ class NumpyKVCache(GrowingKVCache):
     Growth, truncate and clone: base.GrowingKVCache.
     """
 
+    k: np.ndarray  # (capacity, n_kv, d), allocated by GrowingKVCache from _layout
+    v: np.ndarray  # (capacity, n_kv, dv)
+
     def _layout(self):
         return {"k": ((self.n_kv_heads, self.head_dim), F32), "v": ((self.n_kv_heads, self.value_dim), F32)}
 

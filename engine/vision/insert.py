@@ -113,6 +113,12 @@ def _is_video_part(part) -> bool:
     return isinstance(part, dict) and (part.get("type") in ("video", "video_url") or "video" in part)
 
 
+def _parts(message: dict) -> list:
+    """A message's content parts (a plain-text content has none)."""
+    content = message.get("content")
+    return content if isinstance(content, list) else []
+
+
 def has_images(prompt) -> bool:
     """True for chat messages (a list of dicts) with at least one image (or video) part."""
     if isinstance(prompt, (str, bytes)):
@@ -124,7 +130,7 @@ def has_images(prompt) -> bool:
     if not items or not isinstance(items[0], dict):
         return False
     return any(_is_image_part(p) or _is_video_part(p) for m in items if isinstance(m, dict)
-               for p in (m.get("content") if isinstance(m.get("content"), list) else ()))
+               for p in _parts(m))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -211,8 +217,7 @@ def prepare_chat(model, messages, *, enable_thinking: bool = True, tools=None,
                            "with its mmproj-*.gguf file (beside the model, or --mmproj)")
     if model.chat_template is None or model.tokenizer is None:
         raise RequestError("a prompt with pictures needs the model's chat template and tokenizer")
-    if any(_is_video_part(p) for m in messages if isinstance(m, dict)
-           for p in (m.get("content") if isinstance(m.get("content"), list) else ())):
+    if any(_is_video_part(p) for m in messages if isinstance(m, dict) for p in _parts(m)):
         raise RequestError("video input is not supported yet; send a few frames as pictures instead")
     messages, encoded = _encode_pictures(tower, messages, max_image_tokens)
     kwargs = {"enable_thinking": enable_thinking}

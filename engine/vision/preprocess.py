@@ -206,8 +206,8 @@ def normalize(rgb_u8: np.ndarray, mean, std) -> np.ndarray:
     """(h, w, 3) uint8 -> (3, h, w) float32: float32(v * (1/255)) (computed in float64, as transformers'
     rescale), then (x - mean) / std in float32."""
     x = (rgb_u8.astype(np.float64) * (1.0 / 255.0)).astype(np.float32)
-    x = (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
-    return np.ascontiguousarray(x.transpose(2, 0, 1))
+    y = (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.ascontiguousarray(y.transpose(2, 0, 1))
 
 
 def patchify(chw: np.ndarray, patch: int = 16, merge: int = 2) -> tuple[np.ndarray, np.ndarray]:
@@ -261,7 +261,7 @@ def preprocess_image(source, config=None, *, max_tokens: int | None = DEFAULT_MA
     if (w, h) != (W, H):
         from PIL import Image
 
-        rgb = rgb.resize((w, h), resample=Image.BICUBIC)
+        rgb = rgb.resize((w, h), resample=Image.Resampling.BICUBIC)
     arr = np.asarray(rgb, dtype=np.uint8)
     pixel_values, rowcol = patchify(normalize(arr, mean, std), patch, merge)
     return PreprocessedImage(pixel_values=pixel_values, patch_rowcol=rowcol,
