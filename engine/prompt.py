@@ -121,6 +121,21 @@ def _tokenizer(model: PromptModel) -> TokenizerLike:
     return tok
 
 
+def _checked_ids(model: PromptModel, ids: Sequence[int]) -> list[int]:
+    """Token ids given by a caller, each inside the model's vocabulary (a RequestError naming the
+    first one that is not; the embedding lookup would fail later with a bare ValueError)."""
+    from .tokenizer import Tokenizer
+
+    out = [int(t) for t in ids]
+    tok = model.tokenizer
+    n = tok.vocab_size if isinstance(tok, Tokenizer) else None
+    for t in out:
+        if t < 0 or (n is not None and t >= n):
+            raise RequestError(f"token id {t} is outside the vocabulary"
+                               + (f" (0..{n - 1})" if n is not None else ""))
+    return out
+
+
 def render_prompt(model: PromptModel, prompt: PromptInput, *,
                   tools: Sequence[Mapping[str, Any]] | None = None, enable_thinking: bool = True,
                   mode: PromptMode = "on", find_turn_boundary: bool = False) -> RenderedPrompt:
@@ -134,7 +149,7 @@ def render_prompt(model: PromptModel, prompt: PromptInput, *,
         return RenderedPrompt(ids=list(_tokenizer(model).encode(prompt, add_special=True)),
                               source="text")
     if not _is_messages(prompt):
-        return RenderedPrompt(ids=[int(t) for t in prompt])  # type: ignore[arg-type]
+        return RenderedPrompt(ids=_checked_ids(model, prompt))  # type: ignore[arg-type]
     messages = [dict(m) for m in prompt]  # type: ignore[arg-type]
     if mode == "auto":
         mode = "off" if model.is_base_model else "on"

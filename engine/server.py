@@ -14,8 +14,14 @@ text of the messages; "auto" (default) sends a pretrained base model plain text 
 `conversation_id` (an extra) keeps a chat in its own engine session; without it, requests share one
 session, whose common-prefix reuse makes a client that resends the whole history cheap anyway.
 
-Malformed requests get 400 with an OpenAI-style error body (`{"error": {"message", "type", "param",
-"code"}}`); no response ever carries a traceback. A client that disconnects cancels its generation.
+Request bodies are pydantic models with strict types (ChatRequest, CompletionRequest), parsed and
+validated by FastAPI. Every caller mistake gets a 4xx with an OpenAI-style error body (`{"error":
+{"message", "type", "param", "code"}}`): 400 for a malformed body (its place named as a JSON path), 404
+`model_not_found` for a `model` other than the loaded one (its id, file name or stem; leaving `model`
+out is fine), 413/415 for a body too large or not declared as JSON. max_tokens beyond the context is
+capped to it. A 500 is answered without dropping the kept-alive connection, and no response carries a
+traceback or the model's file path. With an API key, /v1, /metrics and /openapi.json need it; /health
+stays open. A client that disconnects cancels its generation.
 
 This module does no inference itself and never touches the model: everything goes through the Runtime.
 """
@@ -25,17 +31,20 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 import socket
 import threading
 import time
 import uuid
-from dataclasses import fields as dataclass_fields
-from typing import Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import (
@@ -46,7 +55,9 @@ from .errors import (
     TemplateError,
 )
 from .prompt import PROMPT_MODES
-from .runtime import RequestHandle, Runtime, RuntimeEvent
+from .runtime import ModelInfo, RequestHandle, Runtime, RuntimeEvent
+
+log = logging.getLogger(__name__)
 
 # One engine session for requests without a conversation_id (prefix reuse across resent histories).
 SHARED_CONVERSATION = "http:shared"
@@ -98,217 +109,383 @@ def error_from_exception(exc: BaseException) -> APIError:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Request parsing
+# Request bodies: pydantic models with strict types (FastAPI parses and validates them; a mistake is a
+# 400 through `validation_error`), then converted to what the runtime and the chat template take.
+
+# Token ids a request may name: beyond int32 no vocabulary reaches (the engine checks the real size).
+MAX_TOKEN_ID = 2**31 - 1
+# JSON Schema type names a tool parameter may declare.
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
-def _get(body: dict, key: str, types, default=None, *, check=None, what: str = ""):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    # bool is an int subclass; a JSON true is never a valid number here.
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise bad_request(f"'{key}' must be {what or _type_names(types)}, got a boolean", key)
-    if not isinstance(value, types):
-        raise bad_request(f"'{key}' must be {what or _type_names(types)}, got {type(value).__name__}", key)
-    if check is not None and not check(value):
-        raise bad_request(f"'{key}' must be {what}, got {value!r}", key)
-    return value
+class _Strict(BaseModel):
+    # Unknown fields are ignored: OpenAI clients send many (user, metadata, store, response_format).
+    model_config = ConfigDict(strict=True, extra="ignore")
 
 
-def _type_names(types) -> str:
-    types = types if isinstance(types, tuple) else (types,)
-    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
-             list: "an array", dict: "an object"}
-    return " or ".join(names.get(t, t.__name__) for t in types)
+def _check_unicode(value: Any, where: str) -> None:
+    """Every string inside `value` must be encodable text (no lone surrogates from '\\ud800'
+    escapes): tool definitions and call arguments go into the prompt and back out as JSON."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{where} holds a lone surrogate (\\ud800-\\udfff) that is not text") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
 
 
-def sampling_params(body: dict, *, default_max_tokens: int | None = None):
-    """SamplingParams from the OpenAI fields (+ extras top_k, min_p, repetition_penalty)."""
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+def _part_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"text": "text part", "image_url": "image_url part"}.get(str(kind))
+
+
+# Tags that are never keys of a body, so an error's location reads as a path through the body.
+ContentPart = Annotated[Annotated[TextPart, Tag("text part")] | Annotated[ImagePart, Tag("image_url part")],
+                        Discriminator(_part_tag)]
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+    @model_validator(mode="after")
+    def _text_only(self) -> FunctionCall:
+        _check_unicode([self.name, self.arguments], "the tool call")
+        return self
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+    tool_call_id: str | int | None = None
+    name: str | None = None
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _valid(self) -> FunctionDef:
+        _check_unicode([self.name, self.description, self.parameters], "the tool definition")
+        if not _TOOL_NAME.match(self.name):
+            raise ValueError(f"tool name {self.name[:80]!r} must be 1 to 64 letters, digits, '_', '-', "
+                             "'.' or ':'")
+        if self.parameters is not None:
+            _check_schema(self.parameters, f"tool '{self.name}' parameters")
+        return self
+
+
+def _check_schema(schema: dict, where: str, depth: int = 0) -> None:
+    """The JSON Schema shape a template and a client rely on: an object schema whose properties are
+    schemas with known type names. Not a full JSON Schema validator."""
+    if depth > 32:
+        raise ValueError(f"{where} is nested more than 32 levels deep")
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    if not all(isinstance(k, str) and k in _JSON_TYPES for k in kinds):
+        raise ValueError(f"{where}: 'type' must be one of {', '.join(sorted(_JSON_TYPES))}, got {kind!r:.60}")
+    if depth == 0 and kinds and kinds != ["object"]:
+        raise ValueError(f"{where} must be a JSON Schema of type 'object', got {kind!r:.60}")
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+            raise ValueError(f"{where}: 'properties' must map names to schemas")
+        for name, sub in props.items():
+            _check_schema(sub, f"{where}.{name}", depth + 1)
+    required = schema.get("required")
+    if required is not None and (not isinstance(required, list)
+                                 or not all(isinstance(r, str) for r in required)):
+        raise ValueError(f"{where}: 'required' must be an array of property names")
+    items = schema.get("items")
+    if items is not None:
+        if not isinstance(items, dict):
+            raise ValueError(f"{where}: 'items' must be a schema")
+        _check_schema(items, f"{where}[]", depth + 1)
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    """Fields both completion routes take (OpenAI's names, plus extras top_k, min_p,
+    repetition_penalty and conversation_id)."""
+
+    model: str | None = None
+    temperature: Finite | None = Field(None, ge=0, le=2)
+    top_p: Finite | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: Finite | None = Field(None, ge=0, lt=1)
+    repetition_penalty: Finite | None = Field(None, gt=0)
+    presence_penalty: Finite | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Finite | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, ge=0, lt=2**64)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = Field(None, max_length=16)
+    n: Literal[1] | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logprobs: Literal[False] | None = None
+    top_logprobs: Literal[0] | None = None
+    conversation_id: str | int | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    enable_thinking: bool | None = None
+    reasoning_effort: str | None = None
+    chat_template_mode: str = "auto"
+
+
+class CompletionRequest(_Common):
+    prompt: (str | list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
+             | list[str] | list[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]])
+    echo: Literal[False] | None = None
+    suffix: Literal[""] | None = None
+
+
+# What each top-level field must be, in the words of the error message.
+_FIELD_RULES = {
+    "messages": "a non-empty array of messages",
+    "model": "a string (the id /v1/models lists)",
+    "temperature": "a number in [0, 2]", "top_p": "a number in (0, 1]",
+    "top_k": "an integer >= 0 (0 or -1 = off)", "min_p": "a number in [0, 1)",
+    "repetition_penalty": "a number > 0",
+    "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]",
+    "seed": "an integer in [0, 2**64)",
+    "max_tokens": "an integer >= 1", "max_completion_tokens": "an integer >= 1",
+    "stop": "a string or an array of at most 16 strings",
+    "n": "1 (only n=1 is supported)", "stream": "true or false",
+    "stream_options": "an object such as {\"include_usage\": true}",
+    "logprobs": "false (logprobs are not supported)", "top_logprobs": "0 (logprobs are not supported)",
+    "echo": "false (echo is not supported)", "suffix": "empty (suffix is not supported)",
+    "conversation_id": "a string or an integer",
+    "tools": "an array of {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}",
+    "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+    "chat_template_kwargs": "an object", "enable_thinking": "true or false",
+    "reasoning_effort": "a string", "chat_template_mode": "a string",
+    "prompt": "a non-empty string, or an array of token ids in [0, 2**31) (batches are not supported)",
+}
+
+
+def validation_error(errors: Sequence[Any], body: Any) -> APIError:
+    """One 400 from pydantic's errors: the most specific one, its place written as a JSON path
+    (messages[0].content[1].type) and, for a top-level field, what the field must be."""
+    if not errors:
+        return bad_request("invalid request")
+    best = max(errors, key=lambda e: len(_json_path(e.get("loc", ()), body)[1]))
+    kind = best.get("type", "")
+    if kind == "json_invalid":
+        detail = (best.get("ctx") or {}).get("error", "")
+        return bad_request(f"the request body is not valid JSON ({detail})")
+    path, parts = _json_path(best.get("loc", ()), body)
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        path += ".type"
+        parts.append("type")
+    if not parts:
+        return bad_request("the request body must be a JSON object")
+    shown = repr(best.get("input"))
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    field = parts[0]
+    if field in _FIELD_RULES and (len(parts) == 1 or field not in ("messages", "tools")):
+        # a field that is one value: what it must be says more than where inside it went wrong
+        value = body.get(field) if isinstance(body, dict) else None
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        return bad_request(f"'{field}' must be {_FIELD_RULES[field]}, got {shown}", field)
+    message = str(best.get("msg", "invalid value")).removeprefix("Value error, ")
+    if kind in ("union_tag_invalid", "union_tag_not_found"):  # the one tagged union: content parts
+        message = "a content part's type must be 'text' or 'image_url'"
+    return bad_request(f"{path}: {message} (got {shown})", path)
+
+
+def _json_path(loc: Sequence[Any], body: Any) -> tuple[str, list[Any]]:
+    """pydantic's loc ("body", "messages", 0, "content", "list[...]", 0, "text", "type") as the path
+    through the request body (messages[0].content[0].type): union branch names and tagged-union tags
+    are never keys of the body, so they are left out by walking the body alongside."""
+    loc = list(loc)[1:] if loc and loc[0] == "body" else list(loc)
+    parts: list[Any] = []
+    node: Any = body
+    for i, seg in enumerate(loc):
+        last = i == len(loc) - 1
+        if isinstance(seg, int) and isinstance(node, list) and 0 <= seg < len(node):
+            parts.append(seg)
+            node = node[seg]
+        elif isinstance(seg, str) and isinstance(node, dict) and seg in node:
+            parts.append(seg)
+            node = node[seg]
+        elif last and isinstance(seg, str) and isinstance(node, dict) and "[" not in seg:
+            parts.append(seg)  # a missing field
+    path = ""
+    for p in parts:
+        path += f"[{p}]" if isinstance(p, int) else (f".{p}" if path else p)
+    return path, parts
+
+
+def sampling_params(req: _Common, *, default_max_tokens: int | None, context_length: int | None):
+    """SamplingParams from a validated request; max_tokens beyond the context is capped to it."""
     from .sampling import SamplingParams
 
-    num = (int, float)
     kwargs: dict[str, Any] = {}
-    t = _get(body, "temperature", num, check=lambda v: 0 <= v <= 2, what="a number in [0, 2]")
-    if t is not None:
-        kwargs["temperature"] = float(t)
-    p = _get(body, "top_p", num, check=lambda v: 0 < v <= 1, what="a number in (0, 1]")
-    if p is not None:
-        kwargs["top_p"] = float(p)
-    k = _get(body, "top_k", int, check=lambda v: v >= -1, what="an integer >= 0 (0 or -1 = off)")
-    if k is not None:
-        kwargs["top_k"] = max(0, int(k))
-    mp = _get(body, "min_p", num, check=lambda v: 0 <= v < 1, what="a number in [0, 1)")
-    if mp is not None:
-        kwargs["min_p"] = float(mp)
-    rp = _get(body, "repetition_penalty", num, check=lambda v: v > 0, what="a number > 0")
-    if rp is not None:
-        kwargs["repetition_penalty"] = float(rp)
-    for key in ("presence_penalty", "frequency_penalty"):
-        v = _get(body, key, num, check=lambda v: -2 <= v <= 2, what="a number in [-2, 2]")
-        if v is not None:
-            kwargs[key] = float(v)
-    seed = _get(body, "seed", int)
-    if seed is not None:
-        kwargs["seed"] = int(seed)
-    max_tokens = _get(body, "max_completion_tokens", int, check=lambda v: v >= 1,
-                      what="an integer >= 1")
-    if max_tokens is None:
-        max_tokens = _get(body, "max_tokens", int, check=lambda v: v >= 1, what="an integer >= 1")
-    if max_tokens is None:
-        max_tokens = default_max_tokens
+    for key in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty"):
+        value = getattr(req, key)
+        if value is not None:
+            kwargs[key] = float(value)
+    if req.top_k is not None:
+        kwargs["top_k"] = max(0, req.top_k)
+    if req.seed is not None:
+        kwargs["seed"] = req.seed
+    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
     if max_tokens is not None:
-        kwargs["max_tokens"] = int(max_tokens)
-    known = {f.name for f in dataclass_fields(SamplingParams)}
+        kwargs["max_tokens"] = min(max_tokens, context_length) if context_length else max_tokens
     try:
-        return SamplingParams(**{k: v for k, v in kwargs.items() if k in known})
+        return SamplingParams(**kwargs)
     except (TypeError, ValueError) as exc:
         raise bad_request(f"invalid sampling parameters: {exc}") from exc
 
 
-def stop_strings(body: dict) -> list[str]:
-    stop = body.get("stop")
-    if stop is None:
+def stop_strings(req: _Common) -> list[str]:
+    if req.stop is None:
         return []
-    if isinstance(stop, str):
-        return [stop]
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 16:
-        return [s for s in stop if s]
-    raise bad_request("'stop' must be a string or an array of at most 16 strings", "stop")
+    return [req.stop] if isinstance(req.stop, str) else [s for s in req.stop if s]
 
 
-def _check_common(body: dict) -> None:
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise bad_request("only n=1 is supported", "n")
-    _get(body, "stream", bool, False)
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise bad_request("logprobs are not supported", "logprobs")
-
-
-def parse_messages(raw) -> list[dict]:
-    """Validate OpenAI chat messages and convert them to what the chat template expects."""
-    if not isinstance(raw, list) or not raw:
-        raise bad_request("'messages' must be a non-empty array", "messages")
+def parse_messages(messages: Sequence[ChatMessage]) -> list[dict]:
+    """Validated chat messages as the chat template takes them (developer -> system, tool-call
+    arguments as objects, pictures only as data: URLs)."""
     out = []
-    for i, m in enumerate(raw):
+    for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{where} must be an object", where)
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
-                              f"{where}.role")
-        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
-        content = m.get("content")
-        if content is None:
-            if role != "assistant" or not m.get("tool_calls"):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+        if m.content is None:
+            if m.role != "assistant" or not m.tool_calls:
                 raise bad_request(f"{where}.content is missing", f"{where}.content")
             msg["content"] = ""
-        elif isinstance(content, str):
-            msg["content"] = content
-        elif isinstance(content, list):
-            msg["content"] = [_parse_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
+        elif isinstance(m.content, str):
+            msg["content"] = m.content
         else:
-            raise bad_request(f"{where}.content must be a string or an array of parts",
-                              f"{where}.content")
-        if role == "assistant" and m.get("tool_calls") is not None:
-            msg["tool_calls"] = _parse_tool_calls(m["tool_calls"], where)
-        if isinstance(m.get("reasoning_content"), str):
-            msg["reasoning_content"] = m["reasoning_content"]
-        if role == "tool" and m.get("tool_call_id") is not None:
-            msg["tool_call_id"] = str(m["tool_call_id"])
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+            msg["content"] = [_part(p, f"{where}.content[{j}]") for j, p in enumerate(m.content)]
+        if m.role == "assistant" and m.tool_calls is not None:
+            msg["tool_calls"] = [_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.role == "tool" and m.tool_call_id is not None:
+            msg["tool_call_id"] = str(m.tool_call_id)
+        if m.name is not None:
+            msg["name"] = m.name
         out.append(msg)
     return out
 
 
-def _parse_part(part, where: str) -> dict:
-    if not isinstance(part, dict):
-        raise bad_request(f"{where} must be an object", where)
-    kind = part.get("type")
-    if kind == "text":
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}.text must be a string", f"{where}.text")
-        return {"type": "text", "text": part["text"]}
-    if kind == "image_url":
-        image = part.get("image_url")
-        url = image.get("url") if isinstance(image, dict) else image
-        if not isinstance(url, str) or not url:
-            raise bad_request(f"{where}.image_url.url must be a string (a data: URL)",
-                              f"{where}.image_url")
-        # Only inline pictures: the server neither fetches from the web nor reads the host's files
-        # on a client's say-so (a path would let any client probe the machine's disk).
-        if not url.startswith("data:"):
-            raise bad_request(f"{where}: send the picture inline as a data: URL (base64); the server "
-                              "does not fetch URLs or read file paths", f"{where}.image_url")
-        return {"type": "image_url", "image_url": {"url": url}}
-    raise bad_request(f"{where}.type must be 'text' or 'image_url'; got {kind!r}", f"{where}.type")
+def _part(part: TextPart | ImagePart, where: str) -> dict:
+    if isinstance(part, TextPart):
+        return {"type": "text", "text": part.text}
+    url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+    # Only inline pictures: the server neither fetches from the web nor reads the host's files on a
+    # client's say-so (a path would let any client probe the machine's disk).
+    if not url.startswith("data:"):
+        raise bad_request(f"{where}: send the picture inline as a data: URL (base64); the server "
+                          "does not fetch URLs or read file paths", f"{where}.image_url")
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _parse_tool_calls(calls, where: str) -> list[dict]:
-    if not isinstance(calls, list):
-        raise bad_request(f"{where}.tool_calls must be an array", f"{where}.tool_calls")
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad_request(f"{where}.tool_calls[{j}].function.name is missing",
-                              f"{where}.tool_calls[{j}]")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):  # OpenAI sends arguments as a JSON string; templates want a mapping
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise bad_request(f"{where}.tool_calls[{j}].function.arguments is not valid JSON "
-                                  f"({exc})", f"{where}.tool_calls[{j}]") from exc
+def _call(call: ToolCall, where: str) -> dict:
+    args = call.function.arguments
+    if isinstance(args, str):  # OpenAI sends arguments as a JSON string; templates want a mapping
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise bad_request(f"{where}.function.arguments is not valid JSON ({exc})",
+                              f"{where}.function.arguments") from exc
         if not isinstance(args, dict):
-            raise bad_request(f"{where}.tool_calls[{j}].function.arguments must be a JSON object",
-                              f"{where}.tool_calls[{j}]")
-        out.append({"id": call.get("id") or _call_id(), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
-    return out
+            raise bad_request(f"{where}.function.arguments must be a JSON object",
+                              f"{where}.function.arguments")
+        try:
+            _check_unicode(args, f"{where}.function.arguments")
+        except ValueError as exc:
+            raise bad_request(str(exc), f"{where}.function.arguments") from exc
+    return {"id": call.id or _call_id(), "type": "function",
+            "function": {"name": call.function.name, "arguments": args}}
 
 
-def parse_tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is None:
+def parse_tools(req: ChatRequest) -> list[dict] | None:
+    """The tools to offer: none for tool_choice 'none', only the named one for a named choice."""
+    if req.tools is None or req.tool_choice == "none":
         return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be an array", "tools")
-    for i, t in enumerate(tools):
-        fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                              "\"parameters\": {...}}}}", f"tools[{i}]")
-    choice = body.get("tool_choice", "auto")
-    if choice == "none":
-        return None
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        chosen = [t for t in tools if t["function"]["name"] == name]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    choice = req.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        chosen = [t for t in tools if t["function"]["name"] == choice.function.name]
         if not chosen:
-            raise bad_request(f"tool_choice names '{name}', which is not in 'tools'", "tool_choice")
+            raise bad_request(f"tool_choice names '{choice.function.name}', which is not in 'tools'",
+                              "tool_choice")
         return chosen  # the template cannot force a call; offering only that tool comes closest
-    if choice not in ("auto", "required"):
-        raise bad_request("tool_choice must be 'none', 'auto', 'required' or a function object",
-                          "tool_choice")
     return tools or None
 
 
 _THINK_TAGS = re.compile(r"(?<!\S)/(no_think|think)(?!\S)")
 
 
-def thinking_switch(body: dict, messages: list[dict]) -> bool:
+def thinking_switch(req: ChatRequest, messages: list[dict]) -> bool:
     """Whether to think: chat_template_kwargs.enable_thinking or a top-level enable_thinking when
     given; else the last /think or /no_think tag in the system and user messages (default: think).
     The tags are removed from the messages either way."""
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    explicit = (kwargs or {}).get("enable_thinking", body.get("enable_thinking"))
-    if explicit is None and body.get("reasoning_effort") in ("none", "minimal"):
+    explicit = (req.chat_template_kwargs or {}).get("enable_thinking", req.enable_thinking)
+    if explicit is None and req.reasoning_effort in ("none", "minimal"):
         explicit = False  # OpenAI's way of asking for no reasoning
     if explicit is not None and not isinstance(explicit, bool):
         raise bad_request("enable_thinking must be true or false", "chat_template_kwargs")
@@ -544,16 +721,24 @@ class BrowserGuard:
         return None
 
 
+# Paths that need the API key when one is set (/health stays open for monitors; it shows no path).
+KEYED_PREFIXES = ("/v1", "/metrics", "/openapi.json")
+
+
 class _Gatekeeper:
     """ASGI middleware in front of every route: the BrowserGuard's checks, an allowed page's CORS
-    preflight and headers, and the API key on /v1 routes. Plain ASGI rather than Starlette's
-    BaseHTTPMiddleware, which hides a client's disconnect from the routes (a request whose client
-    went away must cancel its generation)."""
+    preflight and headers, the API key, a JSON content type and the body size limit on POSTs (read
+    here, before FastAPI parses anything), and a 500 for an exception a route lets out, answered here
+    so the kept-alive connection survives it (Starlette's own handler re-raises to the server, which
+    then drops the connection). Plain ASGI rather than Starlette's BaseHTTPMiddleware, which hides a
+    client's disconnect from the routes (a request whose client went away must cancel its
+    generation)."""
 
-    def __init__(self, app, guard: BrowserGuard, api_key: str | None):
+    def __init__(self, app, guard: BrowserGuard, api_key: str | None, max_body_bytes: int):
         self.app = app
         self.guard = guard
         self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -562,11 +747,13 @@ class _Gatekeeper:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refused = self.guard.refusal(headers) or self._key_refusal(scope["path"], headers)
         origin = headers.get("origin")
+        if refused is None and scope["method"] == "POST":
+            refused, receive = await self._read_body(headers, receive)
         if refused is not None:
             await JSONResponse(refused.body(), status_code=refused.status)(scope, receive, send)
             return
         if origin is None:
-            await self.app(scope, receive, send)
+            await self._run_app(scope, receive, send)
             return
         cors = {"Access-Control-Allow-Origin": origin, "Vary": "Origin"}
         if scope["method"] == "OPTIONS":  # an allowed page's preflight
@@ -582,10 +769,59 @@ class _Gatekeeper:
                 message = dict(message, headers=list(message.get("headers", [])) + extra)
             await send(message)
 
-        await self.app(scope, receive, send_with_cors)
+        await self._run_app(scope, receive, send_with_cors)
+
+    async def _run_app(self, scope, receive, send) -> None:
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.exception("request %s %s failed", scope.get("method"), scope.get("path"))
+            if started:  # a stream already under way: all that is left is to end it
+                return
+            err = error_from_exception(exc)
+            await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+
+    async def _read_body(self, headers: dict, receive):
+        """(a refusal or None, a receive that replays the body read here). The body must be declared
+        as JSON (also what keeps a web page's "simple" text/plain POST from running anything) and
+        stay within max_body_bytes, checked while reading, before anything is parsed."""
+        media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            return APIError(415, "send the request body as JSON with 'Content-Type: application/json'"
+                            f" (got {media_type or 'no content type'!r})",
+                            code="unsupported_media_type"), receive
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return _too_large(self.max_body_bytes), receive
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away mid-body
+                return APIError(499, "client disconnected"), receive
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                return _too_large(self.max_body_bytes), receive
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay():
+            return pending.pop() if pending else await receive()
+
+        return None, replay
 
     def _key_refusal(self, path: str, headers: dict) -> APIError | None:
-        if self.api_key is None or not path.startswith("/v1"):
+        if self.api_key is None or not path.startswith(KEYED_PREFIXES):
             return None
         given = headers.get("authorization", "")
         token = given[7:] if given.lower().startswith("bearer ") else ""
@@ -610,64 +846,61 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
     def error_response(err: APIError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
 
-    app.add_middleware(_Gatekeeper, guard=guard, api_key=api_key)
+    app.add_middleware(_Gatekeeper, guard=guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, exc):
-        return error_response(bad_request(f"invalid request: {exc.errors()}"))
+    async def _validation_error(request, exc: RequestValidationError):
+        return error_response(validation_error(exc.errors(), exc.body))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
 
-    @app.exception_handler(Exception)
-    async def _any_error(request, exc):
+    @app.exception_handler(MinecartError)
+    async def _engine_error(request, exc: MinecartError):
         return error_response(error_from_exception(exc))
 
-    def current_model_id() -> str:
+    def loaded_info() -> ModelInfo:
         info = runtime.model_info
         if info is None:
             raise APIError(503, "no model is loaded; start the server with a model or load one in the "
                            "app", type="server_error", code="model_not_loaded")
+        return info
+
+    def current_model_id() -> str:
+        info = loaded_info()
         if model_name:
             return model_name
-        from pathlib import Path
-
         return Path(info.path).stem or info.name
 
-    async def json_body(request: Request) -> dict:
-        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if media_type != "application/json":
-            # also what keeps a web page's "simple" text/plain POST from running anything
-            raise APIError(415, "send the request body as JSON with 'Content-Type: application/json'"
-                           f" (got {media_type or 'no content type'!r})", code="unsupported_media_type")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            raise _too_large(max_body_bytes)
-        chunks: list[bytes] = []
-        size = 0
-        async for piece in request.stream():
-            size += len(piece)
-            if size > max_body_bytes:
-                raise _too_large(max_body_bytes)
-            chunks.append(piece)
-        raw = b"".join(chunks)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise bad_request(f"the request body is not valid JSON ({exc})") from exc
-        if not isinstance(body, dict):
-            raise bad_request("the request body must be a JSON object")
-        return body
+    def check_model(requested: str | None) -> str:
+        """The served model's id; 404 for a request naming another model (as OpenAI answers).
+        The id, the file name and the file's stem all name the loaded model."""
+        model_id = current_model_id()
+        if requested is None or requested == model_id:
+            return model_id
+        name = Path(loaded_info().path).name
+        if requested in (name, Path(name).stem):
+            return model_id
+        raise APIError(404, f"model '{requested[:200]}' is not loaded; this server runs '{model_id}' "
+                       "(GET /v1/models lists it)", type="not_found_error", param="model",
+                       code="model_not_found")
+
+    def public_status() -> dict:
+        """runtime.status() without the model's file path (a client learns the model id only)."""
+        status = runtime.status()
+        if status.get("model"):
+            status["model"] = {k: v for k, v in status["model"].items() if k != "path"}
+        return status
 
     @app.get("/health")
     async def health():
-        status = runtime.status()
+        status = public_status()
         return {"status": "ok" if status["alive"] else "error", "model_loaded": runtime.loaded,
                 "busy": status["busy"], "queued": status["queued"],
                 "model": status["model"]}
@@ -675,11 +908,11 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
     @app.get("/metrics")
     async def metrics(since: float | None = None):
         snap = runtime.metrics.snapshot(since=since)
-        snap["runtime"] = runtime.status()
+        snap["runtime"] = public_status()
         return snap
 
     def model_card() -> dict:
-        info = runtime.model_info
+        info = loaded_info()
         return {"id": current_model_id(), "object": "model", "created": int(time.time()),
                 "owned_by": "minecart", "architecture": info.architecture,
                 "context_length": info.context_length}
@@ -724,21 +957,22 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                 handle.cancel()
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = await json_body(request)
-        _check_common(body)
-        messages = parse_messages(body.get("messages"))
-        tools = parse_tools(body)
-        enable_thinking = thinking_switch(body, messages)
-        params = sampling_params(body, default_max_tokens=default_max_tokens)
-        stops = stop_strings(body)
-        conversation = _get(body, "conversation_id", (str, int), SHARED_CONVERSATION)
+    async def chat_completions(req: ChatRequest, request: Request):
+        model_id = check_model(req.model)
+        messages = parse_messages(req.messages)
+        tools = parse_tools(req)
+        enable_thinking = thinking_switch(req, messages)
+        params = sampling_params(req, default_max_tokens=default_max_tokens,
+                                 context_length=loaded_info().context_length)
+        stops = stop_strings(req)
+        conversation = req.conversation_id if req.conversation_id is not None else SHARED_CONVERSATION
         # an extra: "on" / "off" / "auto" (default: plain text for a pretrained base model)
-        template_mode = _get(body, "chat_template_mode", str, "auto", check=lambda v: v in PROMPT_MODES,
-                             what="one of " + ", ".join(PROMPT_MODES))
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        model_id = current_model_id()
+        template_mode = req.chat_template_mode
+        if template_mode not in PROMPT_MODES:
+            raise bad_request(f"'chat_template_mode' must be one of {', '.join(PROMPT_MODES)}, got "
+                              f"{template_mode[:40]!r}", "chat_template_mode")
+        stream = bool(req.stream)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         handle = runtime.chat(messages, params, enable_thinking=enable_thinking,
                               conversation_id=conversation, tools=tools, stop=stops,
                               chat_template=template_mode)
@@ -831,27 +1065,17 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
             yield piece
 
     @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await json_body(request)
-        _check_common(body)
-        if body.get("echo"):
-            raise bad_request("echo is not supported", "echo")
-        if body.get("suffix"):
-            raise bad_request("suffix is not supported", "suffix")
-        prompt = body.get("prompt")
+    async def completions(req: CompletionRequest, request: Request):
+        model_id = check_model(req.model)
+        prompt: Any = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list):
-            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                     for t in prompt):
-                raise bad_request("'prompt' must be a string, or an array of token ids", "prompt")
-        elif not isinstance(prompt, str) or not prompt:
-            raise bad_request("'prompt' must be a non-empty string (batches are not supported)",
-                              "prompt")
-        params = sampling_params(body, default_max_tokens=default_max_tokens or 16)
-        stops = stop_strings(body)
-        conversation = _get(body, "conversation_id", (str, int), None)
-        model_id = current_model_id()
+        if not prompt or (isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt)):
+            raise bad_request(f"'prompt' must be {_FIELD_RULES['prompt']}", "prompt")
+        params = sampling_params(req, default_max_tokens=default_max_tokens or 16,
+                                 context_length=loaded_info().context_length)
+        stops = stop_strings(req)
+        conversation = req.conversation_id
         handle = runtime.complete(prompt, params, conversation_id=conversation, stop=stops)
         completion_id = "cmpl-" + uuid.uuid4().hex
         created = int(time.time())
@@ -864,8 +1088,8 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                 out["usage"] = usage
             return out
 
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             def on_event(ev: RuntimeEvent):
                 if ev.kind == "token":

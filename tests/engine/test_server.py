@@ -82,7 +82,7 @@ def test_models_health_metrics(served):
 def test_chat_non_streaming_with_reasoning_and_usage(served):
     server, rt, model, client = served
     resp = client.chat.completions.create(
-        model="whatever", messages=[{"role": "system", "content": "Be brief."},
+        model="fake-model", messages=[{"role": "system", "content": "Be brief."},
                                     {"role": "user", "content": "Hello!"}],
         temperature=0.0, max_tokens=100,
     )
@@ -100,7 +100,7 @@ def test_chat_non_streaming_with_reasoning_and_usage(served):
 def test_chat_streaming(served):
     server, rt, model, client = served
     stream = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "stream please"}], stream=True,
+        model="fake-model", messages=[{"role": "user", "content": "stream please"}], stream=True,
         stream_options={"include_usage": True},
     )
     content, reasoning, finishes, usage = [], [], [], None
@@ -131,7 +131,7 @@ def test_chat_streaming(served):
 def test_thinking_can_be_turned_off(served, how):
     server, rt, model, client = served
     text = "quick answer" + how.get("tag", "")
-    resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
+    resp = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": text}],
                                           extra_body=how.get("extra_body"))
     prompt = model.prompts[-1]
     assert "<think>" not in prompt and "/no_think" not in prompt and "quick answer" in prompt
@@ -142,11 +142,11 @@ def test_thinking_can_be_turned_off(served, how):
 def test_sampling_extras_stop_and_max_tokens(served):
     server, rt, model, client = served
     model.reply = lambda p, t: ("hmm</think>" if t else "") + "one two three four"
-    resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}],
+    resp = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}],
                                           stop=[" three"], extra_body={"top_k": 5, "min_p": 0.1})
     assert resp.choices[0].message.content == "one two"
     assert resp.choices[0].finish_reason == "stop"
-    resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x /no_think"}],
+    resp = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x /no_think"}],
                                           max_tokens=3, seed=1, presence_penalty=0.5)
     assert resp.choices[0].message.content == "one"
     assert resp.choices[0].finish_reason == "length"
@@ -168,7 +168,7 @@ def test_tool_calls(served, stream):
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "user", "content": "And Paris? /no_think"},
     ]
-    kwargs = dict(model="m", messages=messages, tools=[WEATHER_TOOL], tool_choice="auto")
+    kwargs = dict(model="fake-model", messages=messages, tools=[WEATHER_TOOL], tool_choice="auto")
     if stream:
         content, calls, finish = "", [], None
         for chunk in client.chat.completions.create(stream=True, **kwargs):
@@ -190,7 +190,7 @@ def test_tool_calls(served, stream):
 
 def test_tool_choice_none_hides_tools(served):
     server, rt, model, client = served
-    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+    client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "hi"}],
                                    tools=[WEATHER_TOOL], tool_choice="none")
     assert "get_weather" not in model.prompts[-1]
 
@@ -198,7 +198,7 @@ def test_tool_choice_none_hides_tools(served):
 def test_image_parts_pass_through(served):
     server, rt, model, client = served
     png = "data:image/png;base64,iVBORw0KGgo="
-    resp = client.chat.completions.create(model="m", messages=[{"role": "user", "content": [
+    resp = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": png}}]}])
     assert "What is this?<image>" in model.prompts[-1]  # the fake renders image parts as <image>
     assert resp.choices[0].message.content.startswith("echo[")
@@ -226,7 +226,7 @@ def test_image_parts_pass_through(served):
 )
 def test_malformed_requests_get_400_with_openai_error_body(served, body, fragment):
     server, rt, model, client = served
-    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "m", **body}, timeout=TIMEOUT)
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "fake-model", **body}, timeout=TIMEOUT)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert fragment in err["message"] and err["type"] == "invalid_request_error"
@@ -239,7 +239,7 @@ def test_malformed_json_and_official_client_error(served):
                    headers={"content-type": "application/json"}, timeout=TIMEOUT)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], top_p=0)
+        client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}], top_p=0)
     assert "top_p" in str(info.value)
     r = httpx.get(server.url + "/v1/nothing-here", timeout=TIMEOUT)
     assert r.status_code == 404 and "error" in r.json()
@@ -253,18 +253,18 @@ def test_engine_error_is_a_clean_500(served):
     assert r.status_code == 500
     assert "fake engine failure" in r.json()["error"]["message"] and "Traceback" not in r.text
     model.fail_after = None
-    ok = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    ok = client.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "x"}])
     assert ok.choices[0].message.content
 
 
 def test_completions_endpoint(served):
     server, rt, model, client = served
     model.reply = lambda p, t: " jumps over"
-    resp = client.completions.create(model="m", prompt="The quick fox", max_tokens=50)
+    resp = client.completions.create(model="fake-model", prompt="The quick fox", max_tokens=50)
     assert model.prompts[-1] == "The quick fox"  # raw text, no chat template
     assert resp.choices[0].text == " jumps over" and resp.usage.completion_tokens == 11
     text = "".join(c.choices[0].text for c in client.completions.create(
-        model="m", prompt="The quick fox", max_tokens=4, stream=True))
+        model="fake-model", prompt="The quick fox", max_tokens=4, stream=True))
     assert text == " jum"
     r = httpx.post(server.url + "/v1/completions", json={"prompt": ["a", "b"]}, timeout=TIMEOUT)
     assert r.status_code == 400
@@ -281,7 +281,7 @@ def test_concurrent_clients_each_get_their_own_answer(served):
         try:
             text = f"question number {k}" + "?" * k
             chunks = client.chat.completions.create(
-                model="m", stream=True, messages=[{"role": "user", "content": text + " /no_think"}],
+                model="fake-model", stream=True, messages=[{"role": "user", "content": text + " /no_think"}],
                 extra_body={"conversation_id": f"client-{k}"})
             results[k] = (text, "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
         except Exception as exc:  # noqa: BLE001
@@ -399,12 +399,12 @@ def test_real_model_over_http(fixtures_dir):
                                    max_retries=0)
             assert client.models.list().data[0].id == "qwen35-tiny-dense-q8_0"
             # raw completion of the "short" reference sequence: greedy continuation is known
-            resp = client.completions.create(model="m", prompt="The quick brown fox jumps over the lazy dog.",
+            resp = client.completions.create(model="qwen35-tiny-dense-q8_0", prompt="The quick brown fox jumps over the lazy dog.",
                                              max_tokens=4, temperature=0)
             assert resp.choices[0].text == " Sunt" * 4
             assert resp.usage.prompt_tokens == 10 and resp.choices[0].finish_reason == "length"
             # chat: the reference conversation renders to the reference prompt (62 tokens)
-            kwargs = dict(model="m", messages=seqs["chat_messages"], max_tokens=5, temperature=0)
+            kwargs = dict(model="qwen35-tiny-dense-q8_0", messages=seqs["chat_messages"], max_tokens=5, temperature=0)
             full = client.chat.completions.create(**kwargs)
             assert full.usage.prompt_tokens == 62 and full.usage.completion_tokens == 5
             parts = []
@@ -414,12 +414,12 @@ def test_real_model_over_http(fixtures_dir):
             assert "".join(p[0] for p in parts) == (full.choices[0].message.content or "")
             assert "".join(p[1] for p in parts) == (getattr(full.choices[0].message, "reasoning_content", None) or "")
             no_think = client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi /no_think"}], max_tokens=3,
+                model="qwen35-tiny-dense-q8_0", messages=[{"role": "user", "content": "hi /no_think"}], max_tokens=3,
                 temperature=0, seed=3)
             assert getattr(no_think.choices[0].message, "reasoning_content", None) is None
             # a text-only model refuses pictures with a 400, not garbage
             with pytest.raises(openai.BadRequestError, match="cannot read pictures"):
-                client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+                client.chat.completions.create(model="qwen35-tiny-dense-q8_0", max_tokens=2, messages=[{"role": "user", "content": [
                     {"type": "text", "text": "what is it?"},
                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
     finally:

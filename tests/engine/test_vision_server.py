@@ -24,7 +24,7 @@ def client(fixtures_dir):
 
 
 def _body(url: str, text: str = "Describe this image.") -> dict:
-    return {"model": "any", "max_tokens": 3, "temperature": 0,
+    return {"model": "qwen35-tiny-vl-f16", "max_tokens": 3, "temperature": 0,
             "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                       {"type": "text", "text": text}]}]}
 
