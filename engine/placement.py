@@ -842,10 +842,15 @@ def plan_auto(config: ModelConfig | ModelCosts, gguf_file=None, devices: Sequenc
               context: int = 4096, chunk: int = 512, kv_type: str = DEFAULT_KV_TYPE, reserve: int = 256 * MiB,
               n_sequences: int = 1, cuda_context_bytes: int = CUDA_CONTEXT_BYTES,
               logits_rows: int = 1) -> Placement:
-    """Split the model over `devices` in proportion to their usable memory, keeping parts contiguous.
+    """Split the model over `devices`, keeping parts contiguous.
+
+    When any device carries its speed (DeviceSpec.speed: a card profile or probe), the plan is the
+    fastest one that fits (predict_speed; then the longest context; plan_candidates), whatever the
+    order the devices are given in. Otherwise, or when no candidate fits, the model is split in
+    proportion to the devices' usable memory, in the given order.
 
     Usable memory of a device = free_bytes - reserve - CUDA context - its scratch (activations).
-    Devices are filled in the given order (put the card on the fastest link first, CPU devices last).
+    In the proportional split devices are filled in the given order (the card on the fastest link first).
     A device whose share rounds to no part is left out. When the model does not fit at all the plan is
     still made (proportional), and validate() says how much is missing where.
     `config` may instead be a ModelCosts (then gguf_file is ignored).
@@ -856,6 +861,11 @@ def plan_auto(config: ModelConfig | ModelCosts, gguf_file=None, devices: Sequenc
     if len(set(names)) != len(names):
         raise PlacementError(f"a device is listed twice in {names}")
     costs = config if isinstance(config, ModelCosts) else model_costs(config, gguf_file, logits_rows=logits_rows)
+    if any(d.speed is not None for d in devices):
+        best = plan_candidates(costs, devices, context=context, chunk=chunk, kv_type=kv_type, reserve=reserve,
+                               n_sequences=n_sequences, cuda_context_bytes=cuda_context_bytes)[0]
+        if best.fits:
+            return best.plan
     probe = Placement.single(costs, names[0], context=context, chunk=chunk, kv_type=kv_type,
                              n_sequences=n_sequences, cuda_context_bytes=cuda_context_bytes)
     per_value = _kv_bytes_per_value(kv_type)
@@ -1014,3 +1024,285 @@ def check(plan: Placement, devices: Sequence[DeviceSpec], **kwargs) -> None:
     errors = [i for i in validate(plan, devices, **kwargs) if i.severity == "error"]
     if errors:
         raise PlacementError("the placement does not fit: " + "; ".join(i.message for i in errors))
+
+
+# ------------------------------------------------------------------------------------------------
+# Predicted speed of a plan, and the speed-aware automatic split
+
+# How much of a card's spec memory bandwidth the decode step reaches, by the GGML type of the matrix
+# it reads. Measured with this engine on the lent H200 (docs/performance.md, 2026-12-01; spec bandwidth
+# 4.8 TB/s): 9B Q8_0 281.8 tokens/s x 8.44 GB read per token = 2.38 TB/s (0.50); 9B Q4_K 296.1 x 4.47 GB
+# = 1.32 TB/s (0.28: the K-quant GEMVs are at 66% of copy bandwidth and more of the step is fixed cost).
+# Q4_0 shares Q8_0's re-laid-out int8 path; float matrices (F16/BF16/F32) are assumed at Q8_0's figure.
+DECODE_EFFICIENCY = {"Q8_0": 0.50, "Q4_0": 0.50, "F16": 0.50, "BF16": 0.50, "F32": 0.50}
+DECODE_EFFICIENCY_OTHER = 0.28  # K-quants, IQ types
+# How much of a card's int8 dot-product rate a prefill of 4096 tokens reaches, end to end (attention and
+# the Gated DeltaNet scan included). Same source: 9B Q8_0 4,967 tokens/s x 13.84 G int8 ops per token =
+# 68.7 TOPS of the 133.7 measured (0.51); 9B Q4_K 4,025 tokens/s (0.42). Float matrices run on fp32 FMA
+# at the same fraction.
+PREFILL_EFFICIENCY = {"Q8_0": 0.51, "Q4_0": 0.51, "F16": 0.51, "BF16": 0.51, "F32": 0.51}
+PREFILL_EFFICIENCY_OTHER = 0.42
+FLOAT_TYPES = ("F16", "BF16", "F32")
+PREFILL_PROMPT = 4096  # the prompt length prefill is predicted for (the context, when shorter)
+# The speed of a device nobody described: a GTX 1070 class card (256 GB/s, 6.5 TFLOP/s fp32, DP4A at
+# 4x that: the sm_61 rate; NVIDIA's GTX 1070 specifications).
+UNKNOWN_GPU = DeviceSpeed("unknown GPU (priced as a GTX 1070)", 256e9, 26.0e12, 6.5e12,
+                          "assumed: no card named")
+# The CPU: the NumPy reference backend (float32 weights, BLAS), dual-channel DDR4-3200 (2 x 25.6 GB/s,
+# JEDEC), ~0.5 TFLOP/s fp32 sgemm on a desktop CPU, no int8 path.
+CPU_SPEED = DeviceSpeed("CPU (NumPy backend)", 51.2e9, 0.0, 0.5e12, "assumed: dual-channel DDR4-3200")
+SAME_SPEED = 0.03  # plans within 3% of the fastest count as equally fast (then the longest context wins)
+
+
+@dataclass(frozen=True)
+class SpeedPrediction:
+    """Predicted tokens/s of a plan. decode: one token after an empty context; decode_at_context: one
+    token with the whole planned context in the KV cache; prefill: a prompt of `prompt` tokens.
+    per_device / links: seconds per decoded token spent on each device and on the links."""
+
+    decode_tokens_per_s: float
+    decode_at_context_tokens_per_s: float
+    prefill_tokens_per_s: float
+    prompt: int
+    per_device: dict[str, float]
+    links: float
+
+
+def _speed_of(spec: DeviceSpec | None, name: str) -> DeviceSpeed:
+    if spec is not None and spec.speed is not None:
+        return spec.speed
+    return CPU_SPEED if name.startswith("cpu:") else UNKNOWN_GPU
+
+
+def _link_of(spec: DeviceSpec | None) -> Link:
+    return spec.link if spec is not None and spec.link is not None else DEFAULT_LINK
+
+
+def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int, kv_per_value: float,
+                    experts_here: bool | None) -> float:
+    """Seconds one decoded token spends reading memory on a device holding `parts`. experts_here:
+    None = the parts' own experts are here; True = only experts (the experts' device); False = the
+    parts without their experts."""
+    t = 0.0
+    bw = speed.bandwidth
+    for p in parts:
+        experts = set(p.experts)
+        for name, kind, held, _ in p.matmuls:
+            is_expert = name in experts
+            if experts_here is True and not is_expert or experts_here is False and is_expert:
+                continue
+            eff = DECODE_EFFICIENCY.get(kind, DECODE_EFFICIENCY_OTHER)
+            t += held * (p.expert_fraction if is_expert else 1.0) / (bw * eff)
+        if experts_here is not True:
+            # the KV rows attention reads and the recurrent state read and written back
+            t += (p.kv_values_per_token * context * kv_per_value + 2 * p.state_bytes) / (bw * DECODE_EFFICIENCY["F16"])
+    return t
+
+
+def _prefill_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, tokens: int,
+                     experts_here: bool | None) -> float:
+    """Seconds a device spends on `tokens` prompt tokens: the matmuls' operations at its int8 (or fp32)
+    rate, or reading the weights once, whichever is longer. The LM head runs for the last row only."""
+    ops_t = read_t = 0.0
+    for p in parts:
+        if p.kind == "head":
+            continue
+        experts = set(p.experts)
+        for name, kind, held, values in p.matmuls:
+            is_expert = name in experts
+            if experts_here is True and not is_expert or experts_here is False and is_expert:
+                continue
+            frac = p.expert_fraction if is_expert else 1.0
+            rate = speed.fp32_flops if kind in FLOAT_TYPES or speed.int8_ops <= 0 else speed.int8_ops
+            eff = PREFILL_EFFICIENCY.get(kind, PREFILL_EFFICIENCY_OTHER)
+            ops_t += 2.0 * values * frac * tokens / (rate * eff)
+            read_t += held / speed.bandwidth
+    return max(ops_t, read_t)
+
+
+def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt: int | None = None
+                  ) -> SpeedPrediction:
+    """Predicted decode and prefill tokens/s of `plan` on `devices` (their speed and link; a device
+    without them is priced as UNKNOWN_GPU / CPU_SPEED behind DEFAULT_LINK).
+
+    Model: a decoded token reads every matrix it multiplies by once (routed experts: the used fraction)
+    plus its KV rows and recurrent state, at the card's bandwidth times DECODE_EFFICIENCY; devices run
+    one after another; each crossing copies the hidden state (fp32) device -> host -> device over both
+    cards' links, and the head's device sends the logits row to the host. Prefill runs chunks of
+    plan.chunk tokens through the devices as a pipeline (the slowest stage sets the pace once full).
+    """
+    by_name = {d.name: d for d in devices}
+    per_value = _kv_bytes_per_value(plan.kv_type)
+    hidden_bytes = 4 * plan.costs.hidden
+    prompt = min(plan.context, PREFILL_PROMPT) if prompt is None else max(1, prompt)
+    chunk = min(plan.chunk, prompt)
+    apart = bool(plan.expert_parts())
+    segs = plan.segments()
+    decode0: dict[str, float] = {}
+    decode_ctx = 0.0
+    stages: list[float] = []  # seconds per prefill chunk of each stage, links included
+    for k, seg in enumerate(segs):
+        spec = by_name.get(seg.device)
+        speed = _speed_of(spec, seg.device)
+        parts = plan.costs.parts[seg.start:seg.stop]
+        mode = False if apart else None
+        decode0[seg.device] = decode0.get(seg.device, 0.0) + _decode_seconds(parts, speed, 0, per_value, mode)
+        decode_ctx += _decode_seconds(parts, speed, plan.context, per_value, mode)
+        stage = _prefill_seconds(parts, speed, chunk, mode)
+        if k:  # the chunk's hidden state arrives over this card's link
+            stage += _link_of(spec).seconds(chunk * hidden_bytes)
+        if k < len(segs) - 1:
+            stage += _link_of(spec).seconds(chunk * hidden_bytes)
+        stages.append(stage)
+    if apart:
+        dev = plan.experts_device
+        spec = by_name.get(dev)
+        speed = _speed_of(spec, dev)
+        experts = plan.expert_parts()
+        t = _decode_seconds(experts, speed, 0, per_value, True)
+        decode0[dev] = decode0.get(dev, 0.0) + t
+        decode_ctx += t
+        # each layer's FFN input goes to the experts' device and its output comes back, over the
+        # layer's card's link and (for a GPU holding the experts) that card's link too
+        def hop(p: PartCost, n_bytes: int) -> float:
+            there = 0.0 if dev.startswith("cpu:") else _link_of(spec).seconds(n_bytes)
+            return 2 * (_link_of(by_name.get(plan.device_of(p.name))).seconds(n_bytes) + there)
+
+        hops_s = sum(hop(p, hidden_bytes) for p in experts)
+        decode0[dev] += hops_s
+        decode_ctx += hops_s
+        stages.append(_prefill_seconds(experts, speed, chunk, True)
+                      + sum(hop(p, chunk * hidden_bytes) for p in experts))
+    links = 0.0
+    for a, b in zip(segs, segs[1:], strict=False):
+        links += _link_of(by_name.get(a.device)).seconds(hidden_bytes) + _link_of(by_name.get(b.device)).seconds(hidden_bytes)
+    links += _link_of(by_name.get(segs[-1].device)).seconds(4 * plan.costs.vocab)  # logits to the sampler
+    t0 = sum(decode0.values()) + links
+    t_ctx = decode_ctx + links
+    n_chunks = -(-prompt // chunk)
+    t_prefill = sum(stages) + (n_chunks - 1) * max(stages)
+    return SpeedPrediction(decode_tokens_per_s=1.0 / t0, decode_at_context_tokens_per_s=1.0 / t_ctx,
+                           prefill_tokens_per_s=prompt / t_prefill, prompt=prompt, per_device=decode0,
+                           links=links)
+
+
+def fits(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 * MiB) -> bool:
+    """Every device the plan uses is present and has its estimate plus `reserve` free."""
+    by_name = {d.name: d for d in devices}
+    for dev, b in plan.bytes_per_device().items():
+        if dev not in by_name or b.total + reserve > by_name[dev].free_bytes:
+            return False
+    return True
+
+
+def max_context(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 * MiB) -> int:
+    """The longest context this assignment fits at its KV type (0 = not even one token), capped at the
+    model's trained context when known. Every term of the estimate is affine in the context."""
+    by_name = {d.name: d for d in devices}
+    lo, hi = 1024, 2048
+    a = plan.with_settings(context=lo).bytes_per_device()
+    b = plan.with_settings(context=hi).bytes_per_device()
+    best = plan.costs.context_length or 1 << 24
+    for dev in a:
+        if dev not in by_name:
+            return 0
+        slope = (b[dev].total - a[dev].total) / (hi - lo)
+        room = by_name[dev].free_bytes - reserve - (a[dev].total - slope * lo)
+        if room < slope:
+            return 0
+        if slope > 0:
+            best = min(best, int(room // slope))
+    return max(0, best)
+
+
+def _fill_split(item: Sequence[int], names: Sequence[str], usable: Sequence[int]) -> list[str]:
+    """Contiguous split that fills each device in turn to its usable bytes (the last takes the rest);
+    devices left without a part are not used."""
+    assignment: list[str] = []
+    k, used = 0, 0
+    for c in item:
+        while k < len(names) - 1 and used + c > usable[k]:
+            k, used = k + 1, 0
+        assignment.append(names[k])
+        used += c
+    return assignment
+
+
+def _orders(devices: Sequence[DeviceSpec]) -> list[tuple[DeviceSpec, ...]]:
+    """Device orders to try: every order of up to five devices; beyond that the given order and the
+    orders by speed, by memory and by both (permutations of eight cards would be 40,320 plans)."""
+    import itertools
+
+    if len(devices) <= 5:
+        return list(itertools.permutations(devices))
+
+    def bw(d: DeviceSpec) -> float:
+        return _speed_of(d, d.name).bandwidth
+
+    keys = (lambda d: -bw(d), lambda d: -d.free_bytes, lambda d: -bw(d) * d.free_bytes)
+    return [tuple(devices)] + [tuple(sorted(devices, key=k)) for k in keys]
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    """A plan plan_auto considered: the placement, whether it fits, its predicted speed and the longest
+    context its assignment fits."""
+
+    plan: Placement
+    fits: bool
+    speed: SpeedPrediction
+    max_context: int
+
+
+def plan_candidates(costs: ModelCosts, devices: Sequence[DeviceSpec], *, context: int, chunk: int = 512,
+                    kv_type: str = DEFAULT_KV_TYPE, reserve: int = 256 * MiB, n_sequences: int = 1,
+                    cuda_context_bytes: int = CUDA_CONTEXT_BYTES, experts_device: str = "") -> list[PlanChoice]:
+    """Every distinct contiguous plan of the speed-aware search, best first: fitting plans before the
+    rest, then the fastest decode (plans within SAME_SPEED of each other count as equal), then the
+    longest context that fits, then the fastest prefill. Candidates: for each device order, the
+    proportional split (free memory) and the fill-in-turn split, over all devices and over each
+    leading subset of the order."""
+    def placement(assignment: list[str]) -> Placement:
+        return Placement(costs, assignment, context=context, chunk=chunk, kv_type=kv_type,
+                         n_sequences=n_sequences, cuda_context_bytes=cuda_context_bytes,
+                         experts_device=experts_device)
+
+    probe = placement([devices[0].name] * len(costs.parts))
+    per_value = _kv_bytes_per_value(kv_type)
+    frag = FUSE_FRAGMENTATION if costs.layout == "stored" else 0.0
+    moved = {n for p in probe.expert_parts() for n in p.experts}
+    item = [sum(b for n, b in p.tensors if n not in moved)
+            + int(round(p.kv_values_per_token * context * per_value)) * n_sequences
+            + p.state_bytes * n_sequences + int(frag * p.fused_bytes) for p in costs.parts]
+    whole = probe.bytes_per_device()[devices[0].name]
+    scratch = whole.activations - whole.fragmentation - whole.staging
+    seen: set[tuple[str, ...]] = set()
+    out: list[PlanChoice] = []
+    for order in _orders(devices):
+        for n_use in range(1, len(order) + 1):
+            use = order[:n_use]
+            names = [d.name for d in use]
+            usable = [max(0, d.free_bytes - reserve - device_overhead(d.name, cuda_context_bytes) - scratch)
+                      for d in use]
+            splits = [_fill_split(item, names, usable)]
+            if n_use > 1 and sum(usable) > 0:
+                splits.append(_proportional_split(item, names, usable))
+            for assignment in splits:
+                key = tuple(assignment)
+                if key in seen:
+                    continue
+                seen.add(key)
+                plan = placement(assignment)
+                if sum(usable) > 0:
+                    _relieve(plan, {d.name: d.free_bytes - reserve for d in use})
+                out.append(PlanChoice(plan, fits(plan, devices, reserve=reserve), predict_speed(plan, devices),
+                                      max_context(plan, devices, reserve=reserve)))
+    fastest = max((c.speed.decode_tokens_per_s for c in out if c.fits), default=0.0)
+
+    def rank(c: PlanChoice) -> tuple:
+        same = c.fits and c.speed.decode_tokens_per_s >= (1 - SAME_SPEED) * fastest
+        return (not c.fits, not same, -c.max_context if same else -c.speed.decode_tokens_per_s,
+                -c.speed.decode_tokens_per_s, -c.speed.prefill_tokens_per_s)
+
+    out.sort(key=rank)
+    return out
