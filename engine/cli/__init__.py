@@ -23,6 +23,7 @@ COMMANDS = [
     "chat_cmd",
     "serve_cmd",
     "bench_cmd",
+    "plan_cmd",
 ]
 
 
