@@ -1042,6 +1042,16 @@ DECODE_EFFICIENCY_OTHER = 0.28  # K-quants, IQ types
 # at the same fraction.
 PREFILL_EFFICIENCY = {"Q8_0": 0.51, "Q4_0": 0.51, "F16": 0.51, "BF16": 0.51, "F32": 0.51}
 PREFILL_EFFICIENCY_OTHER = 0.42
+# Attention's read of the KV cache during decode, as a fraction of spec bandwidth. Same source: 9B Q8_0
+# decode 270.8 tokens/s at 4K context and 213.3 at 16K (fp32 cache, 64 KiB per token): the extra 12K
+# tokens (805 MB) cost 0.995 ms, 809 GB/s = 0.17 of 4.8 TB/s (kernels.md: flash_decode 757 GB/s at 18K).
+KV_DECODE_EFFICIENCY = 0.17
+# Routed experts (the whole MoE FFN) run far below the dense matmuls today. Same source: 35B-A3B Q4_K
+# decodes 239.5 tokens/s (4.18 ms; the rest of the model predicts 0.89 ms, the experts' bytes 0.42 ms
+# at the K-quant figure: 0.128 of it) and prefills 1,432 tokens/s (698 us a token; experts 36 us of
+# ops at the K-quant figure: 0.055 of it).
+EXPERT_DECODE_EFFICIENCY = DECODE_EFFICIENCY_OTHER * 0.128
+EXPERT_PREFILL_EFFICIENCY = PREFILL_EFFICIENCY_OTHER * 0.055
 FLOAT_TYPES = ("F16", "BF16", "F32")
 PREFILL_PROMPT = 4096  # the prompt length prefill is predicted for (the context, when shorter)
 # The speed of a device nobody described: a GTX 1070 class card (256 GB/s, 6.5 TFLOP/s fp32, DP4A at
@@ -1091,11 +1101,12 @@ def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int,
             is_expert = name in experts
             if experts_here is True and not is_expert or experts_here is False and is_expert:
                 continue
-            eff = DECODE_EFFICIENCY.get(kind, DECODE_EFFICIENCY_OTHER)
+            eff = EXPERT_DECODE_EFFICIENCY if is_expert else DECODE_EFFICIENCY.get(kind, DECODE_EFFICIENCY_OTHER)
             t += held * (p.expert_fraction if is_expert else 1.0) / (bw * eff)
         if experts_here is not True:
             # the KV rows attention reads and the recurrent state read and written back
-            t += (p.kv_values_per_token * context * kv_per_value + 2 * p.state_bytes) / (bw * DECODE_EFFICIENCY["F16"])
+            t += p.kv_values_per_token * context * kv_per_value / (bw * KV_DECODE_EFFICIENCY)
+            t += 2 * p.state_bytes / (bw * DECODE_EFFICIENCY["F32"])
     return t
 
 
@@ -1114,7 +1125,7 @@ def _prefill_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, tokens: int,
                 continue
             frac = p.expert_fraction if is_expert else 1.0
             rate = speed.fp32_flops if kind in FLOAT_TYPES or speed.int8_ops <= 0 else speed.int8_ops
-            eff = PREFILL_EFFICIENCY.get(kind, PREFILL_EFFICIENCY_OTHER)
+            eff = EXPERT_PREFILL_EFFICIENCY if is_expert else PREFILL_EFFICIENCY.get(kind, PREFILL_EFFICIENCY_OTHER)
             ops_t += 2.0 * values * frac * tokens / (rate * eff)
             read_t += held / speed.bandwidth
     return max(ops_t, read_t)

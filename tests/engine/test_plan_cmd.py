@@ -1,0 +1,140 @@
+"""`minecart plan`: fit / no fit with advice that really fits, host experts, --exclude, JSON keys, the
+issue's targets (9B Q4_K at 48K on one 8 GiB card; 27B Q4_K at 32K on 8+8+6 GiB), and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from minecart.engine.cli import main
+from minecart.engine.placement import KV_BYTES_PER_VALUE, GiB
+
+
+def plan(capsys, *args) -> tuple[int, dict]:
+    rc = main(["plan", *args, "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_9b_q4k_at_48k_fits_one_8gib_card_with_the_default_kv(capsys):
+    rc, r = plan(capsys, "--shape", "qwen3.5-9b", "--quant", "q4_k", "--rig", "cuda:0=8GiB", "--context", "49152")
+    assert rc == 0 and r["fits"] is True
+    assert r["context"] == 49152 and r["kv_type"] == "f16"
+    (dev,) = r["devices"]
+    assert dev["name"] == "cuda:0" and dev["capacity_bytes"] == 8 * GiB
+    assert 0 < dev["planned_bytes"] <= 8 * GiB - r["reserve_bytes"]
+    assert dev["parts"] == ["embed"] + [f"blk.{i}" for i in range(32)] + ["head"]
+    assert set(r["predicted"]) >= {"decode_tokens_per_s", "prefill_tokens_per_s"}
+    assert r["predicted"]["decode_tokens_per_s"] > 0 and r["predicted"]["prefill_tokens_per_s"] > 0
+    # 9B: 8 attention layers x 4 KV heads x (256 + 256) values x 2 bytes
+    assert r["kv_bytes_per_token"] == 8 * 4 * 512 * 2
+    assert r["max_context"] >= 49152
+
+
+def test_27b_q4k_at_32k_fits_8_8_6(capsys):
+    rc, r = plan(capsys, "--shape", "qwen3.5-27b", "--quant", "q4_k", "--rig",
+                 "cuda:0=8GiB,cuda:1=8GiB,cuda:2=6GiB", "--context", "32768")
+    assert rc == 0 and r["fits"]
+    parts = [p for d in r["devices"] for p in d["parts"]]
+    assert parts == ["embed"] + [f"blk.{i}" for i in range(64)] + ["head"]  # every part once, in order
+    for d in r["devices"]:
+        assert d["planned_bytes"] + r["reserve_bytes"] <= d["capacity_bytes"]
+
+
+def test_no_fit_says_what_would_and_each_suggestion_fits(capsys):
+    import re
+
+    args = ["--shape", "qwen3.5-9b", "--quant", "q4_k", "--rig", "cuda:0=8GiB"]
+    rc, r = plan(capsys, *args, "--context", "131072")
+    assert rc == 1 and r["fits"] is False
+    text = " ".join(r["suggestions"])
+    longest = r["max_context"]
+    assert f"--context {longest}" in text and 48000 < longest < 131072
+    assert plan(capsys, *args, "--context", str(longest))[0] == 0  # the suggested context fits
+    assert plan(capsys, *args, "--context", str(longest + 512))[0] == 1  # and is the longest
+    kv = re.search(r"--kv-type (\w+)", text).group(1)
+    assert plan(capsys, *args, "--context", "131072", "--kv-type", kv)[0] == 0
+    order = ["f16", "q8_0", "q3"]
+    for between in order[1:order.index(kv)]:  # the first smaller type that fits is the one named
+        assert plan(capsys, *args, "--context", "131072", "--kv-type", between)[0] == 1
+    # the table form explains on stderr and exits 1 too
+    assert main(["plan", *args, "--context", "131072"]) == 1
+    out = capsys.readouterr()
+    assert "DOES NOT FIT" in out.out and "What would" in out.err
+
+
+def test_weights_too_big_asks_for_memory(capsys):
+    rc, r = plan(capsys, "--shape", "qwen3.5-27b", "--quant", "q4_k", "--rig", "cuda:0=6GiB")
+    assert rc == 1 and "more memory" in r["suggestions"][0]
+
+
+def test_host_experts(capsys):
+    args = ["--shape", "qwen3.6-35b-a3b", "--quant", "q4_k", "--context", "8192"]
+    rc, r = plan(capsys, *args, "--rig", "cuda:0=P104-100")
+    assert rc == 1 and any("--host-experts" in s for s in r["suggestions"])  # no host in the rig: add it
+    rc, r = plan(capsys, *args, "--rig", "cuda:0=P104-100,cpu:0=32GiB", "--host-experts")
+    assert rc == 0
+    gpu, cpu = r["devices"]
+    assert gpu["parts"] == ["embed"] + [f"blk.{i}" for i in range(40)] + ["head"]
+    assert cpu["parts"] == [f"blk.{i}.experts" for i in range(40)]
+    assert cpu["weights_bytes"] > 10 * GiB > gpu["weights_bytes"]
+    assert cpu["kv_cache_bytes"] == 0 and gpu["kv_cache_bytes"] > 0  # attention stays with its layer
+
+
+@pytest.mark.parametrize("kv", list(KV_BYTES_PER_VALUE))
+def test_every_kv_type(capsys, kv):
+    rc, r = plan(capsys, "--shape", "qwen3.5-27b", "--quant", "q4_k", "--rig", "cuda:0=24GiB",
+                 "--context", "16384", "--kv-type", kv)
+    assert rc == 0 and r["kv_type"] == kv
+    # 27B: 16 attention layers x 4 KV heads x 512 values, at the type's bytes per value
+    assert r["kv_bytes_per_token"] == round(16 * 4 * 512 * KV_BYTES_PER_VALUE[kv])
+    assert r["devices"][0]["kv_cache_bytes"] == r["kv_bytes_per_token"] * 16384
+
+
+def test_q3_kv_of_27b_at_256k(capsys):
+    rc, r = plan(capsys, "--shape", "qwen3.5-27b", "--quant", "q4_k", "--rig", "cuda:0=48GiB",
+                 "--context", "262144", "--kv-type", "q3")
+    assert rc == 0
+    # 16 attention layers x 4 KV heads x 2 rows of 256 values x (96 code bytes + 8 fp16 scales) per
+    # token: 3.5 bits per value, 3.76 GB at 256K (qengine's write-up: 3.5 GB)
+    assert r["devices"][0]["kv_cache_bytes"] == 16 * 4 * 2 * (96 + 16) * 262144
+
+
+def test_faster_card_first_and_exclude(capsys):
+    rig = "cuda:0=P104-100@gen1x1,cuda:1=CMP-100-210@gen1x1"
+    args = ["--shape", "qwen3.5-9b", "--quant", "q4_k", "--context", "32768"]
+    rc, r = plan(capsys, *args, "--rig", rig)
+    assert rc == 0
+    by = {d["name"]: d for d in r["devices"]}
+    assert by["cuda:1"]["card"] == "CMP 100-210" and "blk.0" in by["cuda:1"]["parts"]
+    fast = r["predicted"]["decode_tokens_per_s"]
+    rc, r = plan(capsys, *args, "--rig", rig, "--exclude", "cuda:1")
+    assert rc == 0 and [d["name"] for d in r["devices"]] == ["cuda:0"]
+    assert r["devices"][0]["parts"][0] == "embed" and r["predicted"]["decode_tokens_per_s"] < fast
+
+
+def test_the_table(capsys):
+    assert main(["plan", "--shape", "qwen3.5-9b", "--quant", "q4_k", "--rig", "cuda:0=P104-100,cuda:1=6GiB",
+                 "--context", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "embed, blk.0-31, head" in out and "predicted: decode" in out
+
+
+def test_a_fixture_file(capsys, fixtures_dir):
+    rc, r = plan(capsys, str(fixtures_dir / "dense/qwen35-tiny-dense-q8_0.gguf"), "--rig", "cuda:0=1GiB")
+    assert rc == 0 and r["devices"][0]["parts"] == ["embed"] + [f"blk.{i}" for i in range(8)] + ["head"]
+    assert r["kv_bytes_per_token"] == 2 * 2 * 128 * 2  # 2 attention layers x 2 KV heads x (64+64) x f16
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--shape", "qwen3.5-9b", "--rig", "cuda:0=GTX 9999"], "no profile for a card called 'GTX 9999'"),
+    (["--shape", "qwen3.5-9b", "--rig", "cuda:0"], "cuda:0 has no memory size"),
+    (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--exclude", "cuda:3"], "no such device"),
+    (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--exclude", "cuda:0"], "every device"),
+    (["--rig", "cuda:0=8GiB"], "give a GGUF file, or --shape"),
+    (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--host-experts"], "no routed experts"),
+    (["--shape", "qwen3.6-35b-a3b", "--rig", "cuda:0=8GiB", "--host-experts"], "add e.g. cpu:0"),
+    (["--shape", "qwen3.5-9b", "--rig", "cpu:0=P104-100"], "CPU device"),
+])
+def test_bad_input_is_explained(capsys, args, words):
+    assert main(["plan", *args]) == 1
+    assert words in capsys.readouterr().err
