@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .backends.base import LayerState
 from .chat_template import ChatTemplate
 from .config import ModelConfig, validate_tensors
 from .errors import GenerationCancelled, TokenizerError, UnsupportedArchitectureError
@@ -28,6 +29,7 @@ from .generation import generate
 from .gguf_file import GGUFFile
 from .kvquant import check_kv_type
 from .models import module_for
+from .placement import Placement
 from .session import Session
 from .tokenizer import Tokenizer
 from .vision import VisionTower, attach_vision
@@ -157,7 +159,7 @@ class Model:
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         # default: the placement's planned context (its memory estimate assumed it), else 8192 tokens
-        planned = getattr(self.placement, "context", None)
+        planned = self.placement.context if isinstance(self.placement, Placement) else None
         cap = capacity or planned or min(self.config.context_length or DEFAULT_CAPACITY, DEFAULT_CAPACITY)
         kv_type = kv_type or self.kv_type
         return [self.module.new_layer_state(self.config, _with_kv_type(self.backends[f"layer.{i}"], kv_type),
@@ -193,12 +195,12 @@ class Model:
         final = self.module.final_norm(self.config, be, self.weights["head"], be.asarray(layers[-1]))
         return {"layers": np.stack(layers), "final": be.to_numpy(final)}
 
-    def _free_states(self, states) -> None:
+    def _free_states(self, states: list[LayerState]) -> None:
         for i, st in enumerate(states):
             be = self.backends[f"layer.{i}"]
-            if getattr(st, "kv", None) is not None:
+            if st.kv is not None:
                 be.free(st.kv)
-            for arr in getattr(st, "recurrent", {}).values():
+            for arr in st.recurrent.values():
                 be.free(arr)
 
     def new_session(self, capacity: int | None = None, kv_type: str | None = None):
@@ -224,8 +226,10 @@ class Model:
             if dev not in by_device:
                 by_device[dev] = make_backend(dev)
             backends[p] = by_device[dev]
+        kept = {p: ws for p, ws in self.weights.items() if p not in moved}
         new_weights = _load_parts(self.gguf, {p: self._roles[p] for p in moved}, backends,
-                                  progress=progress, cancel=cancel, shared_from=self.weights)
+                                  progress=progress, cancel=cancel, shared_from=kept,
+                                  shared_roles=self._roles)
         for p in moved:
             for wt in self.weights[p].values():
                 if not _used_elsewhere(wt, p, self.weights, moved):
@@ -266,16 +270,16 @@ def _used_elsewhere(wt, part, weights, moved) -> bool:
 
 
 def _load_parts(gf: GGUFFile, roles: dict, backends: dict, *, progress=None, cancel=None,
-                shared_from: dict | None = None) -> dict:
+                shared_from: dict | None = None, shared_roles: dict | None = None) -> dict:
     """{part: {name: Weight}}. A tensor needed by two parts on the same backend with the same role is
     loaded once (the tied embedding / LM head). On cancel, everything loaded here is freed."""
     total = sum(len(r) for r in roles.values()) or 1
     loaded: dict = {}  # (id(backend), name, role) -> weight
-    if shared_from:
+    if shared_from and shared_roles:  # weights already loaded (reload_placement): reuse, not reload
         for part, ws in shared_from.items():
-            be = backends.get(part)
+            be = backends[part]
             for name, wt in ws.items():
-                loaded.setdefault((id(be), name, getattr(wt, "role", None)), wt)
+                loaded.setdefault((id(be), name, shared_roles[part][name]), wt)
     fresh = []
     out: dict = {}
     done = 0
@@ -318,9 +322,7 @@ def open_model_file(path) -> tuple[GGUFFile, ModelConfig]:
         # Wrong or truncated files fail here with the tensor's name, not inside a layer's matmul.
         validate_tensors(config, gf)
     except BaseException:
-        close = getattr(gf, "close", None)
-        if callable(close):
-            close()
+        gf.close()
         raise
     return gf, config
 
@@ -328,9 +330,7 @@ def open_model_file(path) -> tuple[GGUFFile, ModelConfig]:
 def check_model_file(path) -> None:
     """Raise the error load_model would raise for a broken or unsupported file, without loading it."""
     gf, _ = open_model_file(path)
-    close = getattr(gf, "close", None)
-    if callable(close):
-        close()
+    gf.close()
 
 
 def load_model(path, placement=None, devices=None, *, backend=None,

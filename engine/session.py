@@ -57,12 +57,6 @@ class Snapshot:
         return len(self.tokens)
 
 
-def _as_layer_state(state) -> LayerState:
-    if isinstance(state, LayerState):
-        return state
-    return LayerState(kv=state)  # a model module that returns a bare KV cache
-
-
 class Session:
     """One sequence's state on `model`. Not thread-safe: use it from the thread that owns the model."""
 
@@ -71,7 +65,7 @@ class Session:
         self.capacity = capacity
         # kv_type: None = the model's (load_model(kv_type=)); "f32" or "q3" (engine/kvquant.py)
         states = model.new_state(capacity, kv_type=kv_type) if kv_type else model.new_state(capacity)
-        self.states: list[LayerState] = [_as_layer_state(s) for s in states]
+        self.states: list[LayerState] = states
         self.tokens: list[int] = []
         self._next_positions: list[int] = []
         self._positions: list[tuple[int, int, int]] = []  # (t, h, w) of each token, for re-prefill

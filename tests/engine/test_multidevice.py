@@ -456,3 +456,18 @@ def test_bench_split_reports_decode_modes_and_memory(path, costs):
         assert m["how"].startswith("resident") and 0.9 < m["ratio"] < 1.1, m
     text = "\n".join(result.lines())
     assert "graphs off" in text and "measured/estimate" in text
+
+
+def test_reload_placement_moves_parts_and_keeps_the_logits(path, costs, reference):
+    """A placement change on a loaded model (the app's Apply): only moved parts are reloaded, the tied
+    embedding/head table is reused where it stays, and the new split gives the same logits."""
+    whole = reference[0]
+    with load_model(path, devices=["cpu:0"]) as model:
+        kept = model.weights["layer.0"]
+        model.reload_placement(_plan(costs, "3 devices, head apart"))
+        assert model.executor.devices == ["cpu:0", "cpu:1", "cpu:2"]
+        assert model.weights["layer.0"] is kept  # not moved, not reloaded
+        np.testing.assert_array_equal(model.logits(PROMPT), whole)
+        model.reload_placement({p: "cpu:0" for p in model.device_plan})
+        assert not model.executor.split
+        np.testing.assert_array_equal(model.logits(PROMPT), whole)
