@@ -7,7 +7,13 @@ are rounded to float32 at the end of each op. Weights are dequantized to float32
 an embedding table stays quantized and only the looked-up rows are decoded (unless the same table is
 also the tied LM head, which then gets one full float32 copy).
 
-What this file is not: a fast CPU engine. It has no threading, no int8 dot products, no fused kernels.
+Routed experts stay quantized as the file stores them. The MoE op decodes only the experts a batch of
+tokens picks; a single token (decode) instead runs the integer kernels of engine/cpu_experts.py (int8
+activations, numba, parallel threads) when its experts are of a type they support and numba is installed.
+`NumpyBackend(int_experts=False)` keeps the dequantize-then-matmul reference for that case too.
+
+What this file is not: a fast CPU engine. Apart from that one MoE decode path it has no threading, no
+int8 dot products, no fused kernels.
 """
 
 from __future__ import annotations
@@ -75,6 +81,14 @@ class NumpyWeight:
             return self._data[ids]
         return _dequantize_rows(self.info, ids)
 
+    def expert(self, e: int) -> np.ndarray:
+        """Expert e of a 3-D expert stack, (n_out, n_in) float32, decoding only its blocks."""
+        if self._data is not None:
+            return self._data[e]
+        from .. import quants
+
+        return np.asarray(quants.dequantize_rows(self.info, [int(e)])[0], dtype=F32)
+
     @property
     def nbytes(self) -> int:
         return int(self._data.nbytes) if self._data is not None else int(self.info.n_bytes)
@@ -128,10 +142,15 @@ def _sigmoid64(x: np.ndarray) -> np.ndarray:
 class NumpyBackend(FusedOpsMixin, DeviceHooks):
     name = "numpy"
 
-    def __init__(self, device: str = "cpu:0"):
+    def __init__(self, device: str = "cpu:0", *, int_experts: bool | None = None,
+                 expert_threads: int | None = None):
+        """int_experts: a decode token's routed experts on the integer kernels (engine/cpu_experts.py);
+        None: wherever numba imports. expert_threads: their threads (None: the usable cores)."""
         if not str(device).startswith("cpu"):
             raise ValueError(f"NumpyBackend runs on the CPU; got device '{device}' (use 'cpu:0')")
         self.device = str(device)
+        self.int_experts = int_experts
+        self.expert_threads = expert_threads
 
     def __repr__(self) -> str:
         return f"NumpyBackend({self.device!r})"
@@ -154,8 +173,10 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
             return _dequantize(info)
         if role == "embedding":
             return NumpyWeight(info, role, None)
-        if role in ("matmul", "experts"):
+        if role == "matmul":
             return NumpyWeight(info, role, _dequantize(info))
+        if role == "experts":  # kept as stored; moe decodes the experts a call uses
+            return NumpyWeight(info, role, None)
         raise ValueError(f"unknown weight role '{role}' for tensor '{info.name}'")
 
     def prepare_lm_head(self, weight) -> None:
@@ -429,20 +450,55 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     def moe(self, x, router, gate_exps, up_exps, down_exps, k: int):
         x = np.asarray(x, F32)
         ids, weights = self.moe_route(x, router, k)
-        gate_all = gate_exps.dense()
-        if up_exps is None:  # fused (E, 2 Fe, H): gate rows first, then up rows
-            fe = gate_all.shape[1] // 2
-            gate_all, up_all = gate_all[:, :fe], gate_all[:, fe:]
-        else:
-            up_all = up_exps.dense()
-        down_all = down_exps.dense()
+        if x.shape[0] == 1:
+            stacks = self._int_expert_stacks(gate_exps, up_exps, down_exps)
+            if stacks is not None:
+                from .. import cpu_experts
+
+                gate, up, down = stacks
+                return cpu_experts.routed_experts(x[0], ids[0], weights[0], gate, up, down,
+                                                  threads=self._expert_threads())[None, :]
         out = np.zeros(x.shape, F64)
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)
             xe = x[rows]
-            h = self.swiglu(xe @ gate_all[e].T, xe @ up_all[e].T)
-            out[rows] += weights[rows, slot][:, None] * (h @ down_all[e].T)
+            gate = gate_exps.expert(e)
+            if up_exps is None:  # fused (E, 2 Fe, H): gate rows first, then up rows
+                fe = gate.shape[0] // 2
+                gate, up = gate[:fe], gate[fe:]
+            else:
+                up = up_exps.expert(e)
+            h = self.swiglu(xe @ gate.T, xe @ up.T)
+            out[rows] += weights[rows, slot][:, None] * (h @ down_exps.expert(e).T)
         return out.astype(F32)
+
+    def _int_expert_stacks(self, gate_exps, up_exps, down_exps):
+        """The expert tensors as cpu_experts stacks when the integer path applies, else None."""
+        if self.int_experts is False:
+            return None
+        from .. import cpu_experts
+        from .. import quants as Q
+
+        if self.int_experts is None:
+            self.int_experts = cpu_experts.numba_available()
+            if not self.int_experts:
+                return None
+        names = {Q.type_name(t) for t in cpu_experts.KERNEL_TYPES}
+        weights = [gate_exps, down_exps] + ([] if up_exps is None else [up_exps])
+        if any(not isinstance(w, NumpyWeight) or w.type_name not in names for w in weights):
+            return None
+
+        def stack(w: NumpyWeight):
+            return cpu_experts.ExpertStack(np.asarray(w.info.raw), int(w.info.ggml_type), int(w.shape[-1]))
+
+        return stack(gate_exps), None if up_exps is None else stack(up_exps), stack(down_exps)
+
+    def _expert_threads(self) -> int:
+        if self.expert_threads is None:
+            from ..threads import usable_cores
+
+            self.expert_threads = usable_cores()
+        return self.expert_threads
 
     # ---- sampling helpers --------------------------------------------------------------------------
     def top_k(self, logits, k: int):

@@ -38,7 +38,8 @@ def _numpy(path):
     from minecart.engine.backends.numpy_backend import NumpyBackend
     from minecart.engine.model import load_model
 
-    return load_model(path, backend=NumpyBackend())
+    # the dequantize-then-matmul MoE in decode too, not the CPU int8 expert kernels
+    return load_model(path, backend=NumpyBackend(int_experts=False))
 
 
 def _prompt(n=96, seed=5):
