@@ -1208,22 +1208,37 @@ def fits(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 *
 
 def max_context(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 * MiB) -> int:
     """The longest context this assignment fits at its KV type (0 = not even one token), capped at the
-    model's trained context when known. Every term of the estimate is affine in the context."""
+    model's trained context when known. The estimate grows with the context: linearly (KV cache,
+    q3 scratch) except where the load-time staging peak covers the growth, so a straight-line guess
+    from two contexts is checked (two estimates when it holds) and otherwise bisected."""
+    cap = plan.costs.context_length or 1 << 24
     by_name = {d.name: d for d in devices}
-    lo, hi = 1024, 2048
-    a = plan.with_settings(context=lo).bytes_per_device()
-    b = plan.with_settings(context=hi).bytes_per_device()
-    best = plan.costs.context_length or 1 << 24
+    lo_c, hi_c = 1024, 2048
+    a = plan.with_settings(context=lo_c).bytes_per_device()
+    b = plan.with_settings(context=hi_c).bytes_per_device()
+    guess = cap
     for dev in a:
         if dev not in by_name:
             return 0
-        slope = (b[dev].total - a[dev].total) / (hi - lo)
-        room = by_name[dev].free_bytes - reserve - (a[dev].total - slope * lo)
-        if room < slope:
-            return 0
+        slope = (b[dev].total - a[dev].total) / (hi_c - lo_c)
         if slope > 0:
-            best = min(best, int(room // slope))
-    return max(0, best)
+            room = by_name[dev].free_bytes - reserve - (a[dev].total - slope * lo_c)
+            guess = min(guess, max(0, int(room // slope)))
+
+    def ok(c: int) -> bool:
+        return c >= 1 and fits(plan.with_settings(context=c), devices, reserve=reserve)
+
+    guess = max(0, min(guess, cap))
+    if ok(guess) and (guess == cap or not ok(guess + 1)):
+        return guess
+    lo, hi = (guess, cap + 1) if ok(guess) else (0, guess)  # ok(lo) or lo == 0; not ok(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _fill_split(item: Sequence[int], names: Sequence[str], usable: Sequence[int]) -> list[str]:
