@@ -11,6 +11,7 @@ so and sends the text alone.
 
 from __future__ import annotations
 
+import html
 import time
 import uuid
 from pathlib import Path
@@ -39,9 +40,11 @@ from PySide6.QtWidgets import (
 
 from . import theme
 from .conversations import Conversation, ConversationStore
-from .markdown import to_html
+from .markdown_view import MarkdownView
 from .settings import data_dir
 
+CURSOR = "<span style='color:#f0a43a'> ▍</span>"  # after the text while a reply streams
+ELLIPSIS = "<span style='color:#6f7889'>…</span>"  # a reply with no text yet
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 BASE_MODEL_TEXT = ("{name} is a pretrained base model (its file has no chat template): it continues text "
                    "rather than following instructions. \u201cContinue text\u201d is on, so your message is "
@@ -90,10 +93,7 @@ class ThinkingBlock(QFrame):
         self.toggle.setChecked(True)
         self.toggle.setStyleSheet("color:#9aa3b5; font-weight:600;")
         lay.addWidget(self.toggle)
-        self.body = QLabel()
-        self.body.setWordWrap(True)
-        self.body.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.body.setTextFormat(Qt.TextFormat.RichText)
+        self.body = MarkdownView("ThinkingText")
         lay.addWidget(self.body)
         self.toggle.toggled.connect(self._toggled)
         self._toggled(True)
@@ -103,9 +103,11 @@ class ThinkingBlock(QFrame):
         self.toggle.setIcon(theme.icon("chevron-down" if open_ else "chevron-right", "#9aa3b5"))
 
     def set_text(self, text: str, done: bool) -> None:
-        words = len(text.split())
-        self.toggle.setText(f"Thought · {words} words" if done else "Thinking…")
-        self.body.setText(to_html(text))
+        if done:
+            self.toggle.setText(f"Thought · {len(text.split())} words")
+        else:
+            self.toggle.setText("Thinking…")
+        self.body.set_markdown(text, streaming=not done)
 
     @property
     def expanded(self) -> bool:
@@ -166,14 +168,8 @@ class MessageWidget(QFrame):
         self.images_row.addStretch(1)
         if message.get("images"):
             lay.addLayout(self.images_row)
-        self.body = QLabel()
-        self.body.setWordWrap(True)
-        self.body.setTextFormat(Qt.TextFormat.RichText)
-        self.body.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse |
-                                          Qt.TextInteractionFlag.LinksAccessibleByMouse)
-        self.body.setOpenExternalLinks(False)
-        self.body.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Minimum)
-        self.body.setStyleSheet("font-size: 10.5pt; background: transparent;")
+        # block by block: a streaming reply re-renders only its changed tail (markdown_view.py)
+        self.body = MarkdownView("MessageText")
         lay.addWidget(self.body)
         self.stats = QLabel()
         self.stats.setObjectName("StatsLabel")
@@ -197,13 +193,11 @@ class MessageWidget(QFrame):
                 self.thinking.toggle.setChecked(False)  # fold once the answer starts
                 m["_folded"] = True
         if m.get("role") == "user":
-            import html
-
-            self.body.setText(html.escape(content).replace("\n", "<br>"))
+            self.body.set_html(html.escape(content).replace("\n", "<br>"))
         elif content:
-            self.body.setText(to_html(content) + ("<span style='color:#f0a43a'> ▍</span>" if self.streaming else ""))
+            self.body.set_markdown(content, streaming=self.streaming, suffix=CURSOR if self.streaming else "")
         else:
-            self.body.setText("<span style='color:#6f7889'>…</span>" if self.streaming else "")
+            self.body.set_html(ELLIPSIS if self.streaming else "")
         self.body.setVisible(bool(content) or self.streaming and not thinking)
         st = m.get("stats")
         if st:

@@ -13,7 +13,9 @@ Not here: widgets, or any knowledge of how a model runs.
 
 from __future__ import annotations
 
+import time
 import traceback
+from dataclasses import dataclass
 
 from minecart.engine.runtime import Runtime
 from minecart.engine.sampling import SamplingParams
@@ -21,7 +23,13 @@ from PySide6.QtCore import QObject, QThread, Signal
 
 
 class _Watcher(QThread):
-    """Reads one request's events on its own thread; each event becomes `event` (queued to the GUI)."""
+    """Reads one request's events on its own thread; each event becomes `event` (queued to the GUI).
+
+    Tokens are gathered for up to BATCH_S and sent as one "token" event: an engine that streams
+    thousands of tokens a second would otherwise queue thousands of signals, and the GUI thread
+    works through queued signals in one go (a stall while the window cannot repaint)."""
+
+    BATCH_S = 0.025
 
     event = Signal(object)
     failed = Signal(str)
@@ -31,11 +39,48 @@ class _Watcher(QThread):
         self.handle = handle
 
     def run(self) -> None:
+        text: list[str] = []
+        thinking: list[str] = []
+        since = 0.0
+
+        def flush() -> None:
+            if text or thinking:
+                self.event.emit(_Tokens("".join(text), "".join(thinking)))
+                text.clear()
+                thinking.clear()
+
         try:
-            for ev in self.handle.events():
+            while True:
+                wait = None if not (text or thinking) else max(0.0, since + self.BATCH_S - time.monotonic())
+                try:
+                    ev = self.handle.get(wait)
+                except TimeoutError:
+                    flush()
+                    continue
+                if ev.kind == "token":
+                    if not (text or thinking):
+                        since = time.monotonic()
+                    text.append(ev.text or "")
+                    thinking.append(ev.thinking or "")
+                    if time.monotonic() - since >= self.BATCH_S:
+                        flush()
+                    continue
+                flush()
                 self.event.emit(ev)
+                if ev.terminal:
+                    return
         except Exception as exc:  # a broken stream must not kill the app
+            flush()
             self.failed.emit(f"{type(exc).__name__}: {exc}")
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """The text and thinking of the tokens that arrived within one batch."""
+
+    text: str
+    thinking: str
+    kind: str = "token"
 
 
 # The chat settings' names (resources/default_settings.json, ChatPanel's SettingsPanel) and the

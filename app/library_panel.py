@@ -136,10 +136,27 @@ class ScanThread(QThread):
         self.found.emit(rows)
 
 
+class SummaryThread(QThread):
+    """Reads one file's header off the GUI thread (a big model's tensor table takes up to a second)."""
+
+    done = Signal(object)  # ModelSummary
+
+    def __init__(self, path, parent=None):
+        super().__init__(parent)
+        self.path = Path(path)
+
+    def run(self):
+        s = ml.summarize(self.path, source="Opened")  # never raises: problems go into .error
+        if s.ok and not s.is_mmproj:
+            s.mmproj_path = ml._find_mmproj(self.path)
+        self.done.emit(s)
+
+
 class LibraryPanel(QWidget):
     load_requested = Signal(object)  # Path
     selection_changed = Signal(object)  # ModelSummary or None
     folders_changed = Signal(list)
+    file_added = Signal(object)  # the ModelSummary of a file opened with add_file, once it is read
 
     def __init__(self, folders: list[str] | None = None, include_defaults: bool = True, include_demo: bool = True,
                  parent=None):
@@ -148,6 +165,8 @@ class LibraryPanel(QWidget):
         self.include_defaults = include_defaults
         self.include_demo = include_demo
         self.scan_thread: ScanThread | None = None
+        self.summary_threads: set[SummaryThread] = set()
+        self._load_when_added: Path | None = None
         lay = QVBoxLayout(self)
         lay.setContentsMargins(24, 18, 24, 18)
         lay.setSpacing(12)
@@ -243,13 +262,22 @@ class LibraryPanel(QWidget):
         if selected is not None:
             self.select_path(selected.path)
 
-    def add_file(self, path) -> ml.ModelSummary:
-        s = ml.summarize(path, source="Opened")
-        if s.ok and not s.is_mmproj:
-            s.mmproj_path = ml._find_mmproj(Path(path))
+    def add_file(self, path) -> None:
+        """Read a file's header on a thread, then list and select it (`file_added` says when)."""
+        th = SummaryThread(path, self)
+        th.done.connect(self._file_read)
+        th.finished.connect(lambda: self.summary_threads.discard(th))
+        self.summary_threads.add(th)
+        th.start()
+
+    def _file_read(self, s: ml.ModelSummary) -> None:
         self.model.add(s)
-        self.select_path(Path(path))
-        return s
+        self.select_path(s.path)
+        self.file_added.emit(s)
+        if self._load_when_added == s.path:
+            self._load_when_added = None
+            if s.ok and not s.is_mmproj:
+                self.load_requested.emit(s.path)
 
     def select_path(self, path) -> bool:
         path = Path(path)
@@ -274,9 +302,8 @@ class LibraryPanel(QWidget):
     def _open_file(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a GGUF model", str(Path.home()), "GGUF models (*.gguf)")
         if path:
-            s = self.add_file(path)
-            if s.ok and not s.is_mmproj:
-                self.load_requested.emit(Path(path))
+            self._load_when_added = Path(path)
+            self.add_file(path)
 
     def _add_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Add a model folder", str(Path.home()))

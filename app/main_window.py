@@ -202,6 +202,7 @@ class MainWindow(QMainWindow):
         self._plan_path: Path | None = None  # the model the plan on screen belongs to
         self._plan_error: tuple[Path, str] | None = None  # a model that could not be planned, and why
         self._load_after_plan: Path | None = None  # Load pressed before the plan was on screen
+        self._summarizing: Path | None = None  # a file being read to be selected
         self._sent_plan = None  # the Placement given to the engine by the running load or re-place
         self._fallback_note = ""  # why the running load does not use the plan on screen
         # one state that the status chip, the status bar and the layer map notice all read:
@@ -269,6 +270,7 @@ class MainWindow(QMainWindow):
         self.library.load_requested.connect(self.load)
         self.library.selection_changed.connect(self._on_selected)
         self.library.folders_changed.connect(self._folders_changed)
+        self.library.file_added.connect(self._file_added)
         self.layers.apply_requested.connect(self.apply_plan)
         self.bridge.load_progress.connect(self._on_progress)
         self.bridge.loaded.connect(self._on_loaded)
@@ -339,13 +341,23 @@ class MainWindow(QMainWindow):
             self.load(path)
 
     def select_model(self, path) -> None:
+        """Select a model; one not listed yet is read on a thread and selected when that is done."""
         path = Path(path)
-        if not self.library.select_path(path):
+        if self.library.select_path(path):
+            self._on_selected(self.library.selected())
+        else:
+            self._summarizing = path
             self.library.add_file(path)
-        s = self.library.selected()
-        if s is None or s.path != path:
-            s = ml.summarize(path)
-        self._on_selected(s)
+
+    def _file_added(self, s) -> None:
+        if s.path != self._summarizing:
+            return
+        self._summarizing = None
+        if not s.ok or s.is_mmproj:
+            self.statusBar().showMessage(f"{s.path.name}: {s.error or 'a vision projector, not a model'}", 8000)
+            if self._load_after_plan == s.path:  # the engine is asked anyway: its error says why
+                self._load_after_plan = None
+                self._start_load(s.path)
 
     def _on_selected(self, s) -> None:
         if s is None or not s.ok or s.is_mmproj:
@@ -410,8 +422,9 @@ class MainWindow(QMainWindow):
         self.chat.set_loading(self.selected.display_name if self.selected is not None
                               and self.selected.path == path else path.stem)
         planned = self._plan_path == path and self.layer_model.plan is not None
-        unplannable = self.selected is None or self.selected.path != path or (
-            self._plan_error is not None and self._plan_error[0] == path)  # a file the library refused
+        unplannable = self._summarizing != path and (
+            self.selected is None or self.selected.path != path
+            or (self._plan_error is not None and self._plan_error[0] == path))  # a file refused
         if planned or unplannable:
             self._start_load(path)
         else:
@@ -643,7 +656,7 @@ class MainWindow(QMainWindow):
             self.settings.save()
         except OSError:
             pass
-        for th in list(self._costs_threads):
+        for th in list(self._costs_threads) + list(self.library.summary_threads):
             th.wait(2000)
         if self.library.scan_thread is not None:
             self.library.scan_thread.cancel.set()

@@ -4,6 +4,9 @@ Handles what models write: paragraphs, headings, bold/italic, inline code, fence
 language shown), bullet and numbered lists, block quotes, rules, links and simple pipe tables. Unclosed
 fences (while a reply is still streaming) render as code so far. Everything is HTML-escaped first; no
 images or remote content are ever fetched. Not a CommonMark implementation.
+
+`split_blocks` cuts a text where `to_html` starts afresh (blank lines outside code fences), so a view can
+render a long, growing message block by block: to_html(text) == "".join(map(to_html, split_blocks(text))).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ _LINK = re.compile(r"\[([^\]\n]+)\]\((https?://[^\s)]+)\)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*)$")
 _BULLET = re.compile(r"^(\s*)[-*+]\s+(.*)$")
 _NUMBERED = re.compile(r"^(\s*)(\d+)[.)]\s+(.*)$")
-_FENCE = re.compile(r"^\s*(```|~~~)\s*([\w+#.-]*)\s*$")
+FENCE = re.compile(r"^\s*(```|~~~)\s*([\w+#.-]*)\s*$")
 _RULE = re.compile(r"^\s*([-*_])(\s*\1){2,}\s*$")
 _TABLE_SEP = re.compile(r"^\s*\|?\s*:?-{2,}:?\s*(\|\s*:?-{2,}:?\s*)*\|?\s*$")
 
@@ -98,7 +101,7 @@ def to_html(text: str) -> str:
 
     while i < len(lines):
         line = lines[i]
-        fence = _FENCE.match(line)
+        fence = FENCE.match(line)
         if fence:
             flush_para()
             close_lists()
@@ -180,3 +183,31 @@ def to_html(text: str) -> str:
     flush_para()
     close_lists()
     return "".join(out)
+
+
+def split_blocks(text: str) -> list[str]:
+    """The text's blocks: cut at blank lines outside fenced code, where to_html keeps no state (it
+    flushes the paragraph and closes lists there; tables and quotes end there too). The fence rules
+    are to_html's own, so both agree on where code starts and ends."""
+    blocks: list[str] = []
+    current: list[str] = []
+    marker = ""  # the open fence's marker, "" outside code
+    for line in text.replace("\r\n", "\n").split("\n"):
+        if marker:
+            current.append(line)
+            if line.strip().startswith(marker):
+                marker = ""
+            continue
+        fence = FENCE.match(line)
+        if fence:
+            marker = fence.group(1)
+            current.append(line)
+        elif not line.strip():
+            if current:
+                blocks.append("\n".join(current))
+                current = []
+        else:
+            current.append(line)
+    if current:
+        blocks.append("\n".join(current))
+    return blocks

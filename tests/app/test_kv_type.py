@@ -59,7 +59,7 @@ def test_combo_offers_the_engine_types_f32_first(qtbot, two_gpus, tiny_model):
     assert "9x smaller" in panel.kv_type.toolTip() and "q3" in panel.kv_type.toolTip()
     assert panel.kv_type.itemData(1, Qt.ItemDataRole.ToolTipRole) == lm.KV_TYPE_TIPS["q3"]
     # a plan naming a type the planner knows but the engine does not run is shown as f32
-    model.set_plan(plan.with_settings(kv_type="q8"))
+    model.set_plan(plan.with_settings(kv_type="q8_0"))
     assert model.plan.kv_type == "f32" and panel.kv_type.currentText() == "f32"
 
 

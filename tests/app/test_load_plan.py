@@ -135,7 +135,7 @@ def test_top_bar_names_the_loaded_model_not_the_selected_row(qtbot, make_bridge,
     assert loaded_title not in ("", "No model loaded")
     other = fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf"
     win.select_model(other)
-    assert win.selected.path == other
+    qtbot.waitUntil(lambda: win.selected.path == other, timeout=10000)
     assert win.top.title.text() == loaded_title and "loaded" in _chips(win)
     assert win.top.load_btn.text().strip() == "Load" and other.stem in win.top.load_btn.toolTip() \
         or win.selected.display_name in win.top.load_btn.toolTip()
