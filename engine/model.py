@@ -24,11 +24,19 @@ from .backends.base import LayerState
 from .chat_template import ChatTemplate
 from .config import ModelConfig, validate_tensors
 from .errors import GenerationCancelled, TokenizerError, UnsupportedArchitectureError
-from .execution import Executor, make_backend, part_names, plan_devices, resolve_devices
+from .execution import (
+    Executor,
+    make_backend,
+    normalize_device,
+    part_names,
+    plan_devices,
+    resolve_devices,
+)
+from .experts import ExpertsApart
 from .generation import generate
 from .gguf_file import GGUFFile
 from .kvquant import check_kv_type
-from .models import module_for
+from .models import module_for, spec_for
 from .placement import Placement
 from .session import Session
 from .tokenizer import Tokenizer
@@ -85,7 +93,7 @@ class Model:
 
     def __init__(self, path, gguf: GGUFFile, config: ModelConfig, module, plan: dict[str, str],
                  backends: dict, weights: dict, placement, roles):
-        self.executor = Executor(config, module, plan, backends, weights)
+        self.executor = Executor(config, module, plan, backends, _run_weights(weights))
         self.path = Path(path)
         self.gguf = gguf
         self.config = config
@@ -218,9 +226,10 @@ class Model:
         """Move parts whose device changed to their new device. Existing sessions keep state on the
         old devices and must be recreated afterwards."""
         new_plan = plan_devices(self.config, placement)
+        new_plan.update({p: d for p, d in self.device_plan.items() if p.endswith(EXPERTS_SUFFIX)})
         moved = [p for p in new_plan if new_plan[p] != self.device_plan.get(p)]
-        backends = dict(self.backends)
-        by_device = {self.device_plan[p]: self.backends[p] for p in self.backends}
+        backends = {p: _unwrapped(b) for p, b in self.backends.items()}
+        by_device = {self.device_plan[p]: backends[p] for p in backends}
         for p in moved:
             dev = new_plan[p]
             if dev not in by_device:
@@ -235,11 +244,12 @@ class Model:
                 if not _used_elsewhere(wt, p, self.weights, moved):
                     self.backends[p].free(wt)
             self.weights[p] = new_weights[p]
-        self.backends = backends
+        self.backends = _wire_experts(new_plan, backends, self.weights)
         self.device_plan = new_plan
         self.placement = placement
         self.executor.close()  # the old split's workers and bridges
-        self.executor = Executor(self.config, self.module, new_plan, backends, self.weights)
+        self.executor = Executor(self.config, self.module, new_plan, self.backends,
+                                 _run_weights(self.weights))
 
     def close(self) -> None:
         """Release device memory; the Model is unusable afterwards."""
@@ -263,6 +273,44 @@ class Model:
     def __repr__(self) -> str:
         devices = sorted(set(self.device_plan.values()))
         return f"Model({self.path.name!r}, {self.config.architecture}, devices={devices})"
+
+
+EXPERTS_SUFFIX = ".experts"  # the part of a layer's routed-expert block placed apart ("layer.<i>.experts")
+
+
+def _unwrapped(backend):
+    return backend.inner if isinstance(backend, ExpertsApart) else backend
+
+
+def _wire_experts(plan: dict[str, str], backends: dict, weights: dict) -> dict:
+    """part -> backend, where every device that runs a layer whose experts sit on another device has
+    one ExpertsApart proxy (shared by all its parts) holding those experts' weights."""
+    proxies: dict[str, ExpertsApart] = {}
+    for part, edev in plan.items():
+        if not part.endswith(EXPERTS_SUFFIX):
+            continue
+        layer = part[: -len(EXPERTS_SUFFIX)]
+        dev = plan[layer]
+        if dev == edev:
+            continue  # experts back beside their layer: the device's own moe runs them
+        if dev not in proxies:
+            proxies[dev] = ExpertsApart(_unwrapped(backends[layer]), backends[part])
+        proxies[dev].hold(weights[part])
+    return {p: proxies[d] if d in proxies and not p.endswith(EXPERTS_SUFFIX) else _unwrapped(backends[p])
+            for p, d in plan.items()}
+
+
+def _run_weights(weights: dict) -> dict:
+    """The weights the executor runs a layer with: a layer part's own, plus its routed experts when
+    they sit in a part of their own (the model's layer function reads them by name either way)."""
+    if not any(p.endswith(EXPERTS_SUFFIX) for p in weights):
+        return weights
+    out = {p: ws for p, ws in weights.items() if not p.endswith(EXPERTS_SUFFIX)}
+    for p, ws in weights.items():
+        if p.endswith(EXPERTS_SUFFIX):
+            layer = p[: -len(EXPERTS_SUFFIX)]
+            out[layer] = {**out[layer], **ws}
+    return out
 
 
 def _used_elsewhere(wt, part, weights, moved) -> bool:
@@ -335,7 +383,8 @@ def check_model_file(path) -> None:
 
 def load_model(path, placement=None, devices=None, *, backend=None,
                progress: Callable[[float, str], None] | None = None, cancel=None,
-               mmproj=None, max_image_tokens: int | None = None, kv_type: str = "f32") -> Model:
+               mmproj=None, max_image_tokens: int | None = None, kv_type: str = "f32",
+               experts: str | None = None) -> Model:
     """Open a GGUF model and load its weights.
 
     placement: a part -> device plan (see plan_devices); devices: device strings to spread the layers
@@ -346,18 +395,30 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     if any; False = none. It ends up as `model.vision` (engine/vision); max_image_tokens caps the
     image tokens per picture (default engine.vision.DEFAULT_MAX_IMAGE_TOKENS). kv_type: the KV cache
     of every session, "f32" (exact) or "q3" (3-bit, engine/kvquant.py; NumPy and CUDA backends).
+    experts: a device ("cpu:0" = host RAM) for every MoE layer's routed experts and router, apart from
+    the layer (engine/experts.py); None = with their layer.
     """
     t0 = time.perf_counter()
     check_kv_type(kv_type)
     gf, config = open_model_file(path)
     module = module_for(config.architecture)
-    roles = module.tensor_roles(config, available=set(gf.tensors))
+    roles = spec_for(config.architecture).tensor_roles(config, set(gf.tensors),
+                                                       experts_apart=experts is not None)
     if backend is not None:
         plan = {p: str(backend.device) for p in part_names(config)}
         backends = dict.fromkeys(plan, backend)
+        by_device = {str(backend.device): backend}
     else:
         placement, plan, by_device = resolve_devices(config, gf, placement, devices)
         backends = {p: by_device[d] for p, d in plan.items()}
+    if experts is not None:
+        edev = normalize_device(experts)
+        if edev not in by_device:
+            by_device[edev] = make_backend(edev)
+        for part in roles:
+            if part.endswith(EXPERTS_SUFFIX):
+                plan[part] = edev
+                backends[part] = by_device[edev]
     if kv_type != "f32":  # fail before loading weights when a device or the head dims cannot take it
         for be in {id(b): b for b in backends.values()}.values():
             be.free(be.new_kv_cache(config.n_kv_heads, config.head_dim, config.value_head_dim, 1,
@@ -371,6 +432,7 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         # (Building the tokenizer on a thread beside the weights was measured slower on 2 cores:
         # its Python loops hold the GIL, and every NumPy call of the weight load waits for it.)
         _warm_lm_head(backends["head"], weights["head"])
+    backends = _wire_experts(plan, backends, weights)
     model = Model(path, gf, config, module, plan, backends, weights, placement, roles)
     model.kv_type = kv_type
     if mmproj is not False:

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..backends.base import Array, Backend, LayerState, Weight
 from ..errors import GGUFError, MissingKeyError
+from .batch import SequenceRows, per_sequence
 from .spec import (
     ATTN,
     EMBEDDING,
@@ -219,16 +220,16 @@ SPEC = ArchSpec(
                fill=_OUT),
         ), lambda c, kind, opts: kind == GDN),
         Group((_t("ffn_gate_inp.weight", lambda c: (c.n_experts, c.hidden), MATMUL,
-                  (*_EMB, "expert_count"), f32=True, fill=_ROUTER),), _is_moe),
+                  (*_EMB, "expert_count"), f32=True, fill=_ROUTER),), _is_moe, routed=True),
         Group((_t("ffn_gate_up_exps.weight", lambda c: (c.n_experts, 2 * c.expert_ffn, c.hidden), EXPERTS,
                   _EXP),),
-              lambda c, kind, opts: c.is_moe and FUSED_GATE_UP in opts),
+              lambda c, kind, opts: c.is_moe and FUSED_GATE_UP in opts, routed=True),
         Group((_t("ffn_gate_exps.weight", lambda c: (c.n_experts, c.expert_ffn, c.hidden), EXPERTS, _EXP,
                   alt="ffn_gate_up_exps.weight"),
                _t("ffn_up_exps.weight", lambda c: (c.n_experts, c.expert_ffn, c.hidden), EXPERTS, _EXP)),
-              lambda c, kind, opts: c.is_moe and FUSED_GATE_UP not in opts),
+              lambda c, kind, opts: c.is_moe and FUSED_GATE_UP not in opts, routed=True),
         Group((_t("ffn_down_exps.weight", lambda c: (c.n_experts, c.hidden, c.expert_ffn), EXPERTS, _EXP,
-                  fill=_OUT),), _is_moe),
+                  fill=_OUT),), _is_moe, routed=True),
         Group((
             # written 2-D by the converter, 1-D after llama.cpp's C++ tools drop the trailing 1
             _t("ffn_gate_inp_shexp.weight", lambda c: (1, c.hidden), MATMUL, _EMB, f32=True, fill=_ROUTER,
@@ -327,8 +328,10 @@ def embed(config: ModelConfig, backend: Backend, w: Weights, ids: Array) -> Arra
     return backend.embed(w["token_embd.weight"], ids)  # (T, H), no scaling
 
 
-def layer(config: ModelConfig, backend: Backend, w: Weights, i: int, x: Array, state: LayerState,
-          positions: Array) -> Array:
+def layer(config: ModelConfig, backend: Backend, w: Weights, i: int, x: Array,
+          state: LayerState | SequenceRows, positions: Array) -> Array:
+    """state: one sequence's LayerState, or a batch's SequenceRows (engine/models/batch.py): then the
+    projections and the FFN run once on the stacked rows and each mixer on its own sequence."""
     p = f"blk.{i}."
     eps = config.rms_eps
     a = backend.rms_norm(x, w[p + "attn_norm.weight"], eps)
@@ -369,29 +372,39 @@ def head(config: ModelConfig, backend: Backend, w: Weights, x: Array) -> Array:
 # mixers
 
 
-def _gated_deltanet(config: ModelConfig, be: Backend, w: Weights, p: str, a: Array, state: LayerState) -> Array:
+def _gated_deltanet(config: ModelConfig, be: Backend, w: Weights, p: str, a: Array,
+                    state: LayerState | SequenceRows) -> Array:
     """Section 3.4 (and 3.4.1 for T > 1)."""
     mixed, z, b, alpha = be.matmul_many(a, [w[p + "attn_qkv.weight"], w[p + "attn_gate.weight"],
                                             w[p + "ssm_beta.weight"], w[p + "ssm_alpha.weight"]])
     # mixed (T, conv_dim) = [q | k | v], z (T, n_v dv), b and alpha (T, n_v)
-    y = be.gdn_decode(mixed, z, b, alpha, state.recurrent["conv"], state.recurrent["ssm"],
-                      w[p + "ssm_conv1d.weight"], w[p + "ssm_a"], w[p + "ssm_dt.bias"], w[p + "ssm_norm.weight"],
-                      n_k=config.gdn_k_heads, n_v=config.gdn_v_heads, dk=config.gdn_key_dim,
-                      dv=config.gdn_value_dim, eps=config.rms_eps)  # (T, n_v dv)
+
+    def mixer(st: LayerState, _positions: Any, mixed: Array, z: Array, b: Array, alpha: Array) -> Array:
+        return be.gdn_decode(mixed, z, b, alpha, st.recurrent["conv"], st.recurrent["ssm"],
+                             w[p + "ssm_conv1d.weight"], w[p + "ssm_a"], w[p + "ssm_dt.bias"],
+                             w[p + "ssm_norm.weight"], n_k=config.gdn_k_heads, n_v=config.gdn_v_heads,
+                             dk=config.gdn_key_dim, dv=config.gdn_value_dim, eps=config.rms_eps)
+
+    y = per_sequence(be, state, None, (mixed, z, b, alpha), mixer)  # (T, n_v dv)
     return be.matmul(y, w[p + "ssm_out.weight"])
 
 
-def _gated_attention(config: ModelConfig, be: Backend, w: Weights, p: str, a: Array, state: LayerState,
-                     positions: Array) -> Array:
+def _gated_attention(config: ModelConfig, be: Backend, w: Weights, p: str, a: Array,
+                     state: LayerState | SequenceRows, positions: Array) -> Array:
     """Section 3.3: q/gate interleaved per head in attn_q, q/k RMSNorm, partial NEOX (M-)RoPE,
     contiguous GQA, sigmoid output gate."""
-    T = a.shape[0]
     nh, n_kv, d, dv = config.n_heads, config.n_kv_heads, config.head_dim, config.value_head_dim
     qg, k, v = be.matmul_many(a, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
-    o = be.gated_attention(qg.reshape(T, nh, 2, d), k.reshape(T, n_kv, d), v.reshape(T, n_kv, dv), state.kv,
-                           w[p + "attn_q_norm.weight"], w[p + "attn_k_norm.weight"], positions,
-                           n_rot=config.rope_dims, base=config.rope_base, sections=config.rope_sections,
-                           scale=1.0 / math.sqrt(d), eps=config.rms_eps)  # (T, nh dv)
+
+    def mixer(st: LayerState, pos: Any, qg: Array, k: Array, v: Array) -> Array:
+        T = qg.shape[0]
+        return be.gated_attention(qg.reshape(T, nh, 2, d), k.reshape(T, n_kv, d), v.reshape(T, n_kv, dv),
+                                  st.kv, w[p + "attn_q_norm.weight"], w[p + "attn_k_norm.weight"], pos,
+                                  n_rot=config.rope_dims, base=config.rope_base,
+                                  sections=config.rope_sections, scale=1.0 / math.sqrt(d),
+                                  eps=config.rms_eps)
+
+    o = per_sequence(be, state, positions, (qg, k, v), mixer)  # (T, nh dv)
     return be.matmul(o, w[p + "attn_output.weight"])
 
 

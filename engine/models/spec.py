@@ -211,6 +211,9 @@ class Group:
 
     tensors: tuple[TensorDef, ...]
     applies: Callable[[ModelConfig, str, frozenset[str]], bool] = lambda c, kind, opts: True
+    # the routed-expert block (router + experts): may live apart from its layer, in the part
+    # "layer.<i>.experts" (e.g. in host RAM while the layer runs on a GPU)
+    routed: bool = False
 
 
 @dataclass(frozen=True)
@@ -251,16 +254,26 @@ class ArchSpec:
         kind = self.layer_kind(config, i)
         return [t for g in self.layer_groups if g.applies(config, kind, options) for t in g.tensors]
 
-    def tensor_roles(self, config: ModelConfig, available: Collection[str] | None = None
-                     ) -> dict[str, dict[str, str]]:
+    def tensor_roles(self, config: ModelConfig, available: Collection[str] | None = None, *,
+                     experts_apart: bool = False) -> dict[str, dict[str, str]]:
         """{"global": {name: role}, "layer.<i>": {...}, "head": {...}}: every tensor the forward pass
         reads. `available` (the file's tensor names) picks each layer's layout and tied or separate
-        LM head; without it the config decides."""
+        LM head; without it the config decides. experts_apart: each MoE layer's routed-expert block
+        (router and experts) in its own part "layer.<i>.experts" instead of the layer's."""
         roles: dict[str, dict[str, str]] = {"global": {t.name: t.role for t in self.global_tensors}}
         for i in range(config.n_layers):
             opts = self.layer_options(config, i, available)
             p = f"blk.{i}."
-            roles[f"layer.{i}"] = {p + t.name: t.role for t in self.layer_tensors(config, i, opts)}
+            kind = self.layer_kind(config, i)
+            layer: dict[str, str] = {}
+            routed: dict[str, str] = {}
+            for g in self.layer_groups:
+                if g.applies(config, kind, opts):
+                    into = routed if (experts_apart and g.routed) else layer
+                    into.update({p + t.name: t.role for t in g.tensors})
+            roles[f"layer.{i}"] = layer
+            if routed:
+                roles[f"layer.{i}.experts"] = routed
         roles["head"] = self.head_roles(config, available)
         return roles
 
