@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from PySide6.QtCore import QPointF, Qt
+from PySide6.QtCore import QPointF, Qt, QTimer
 from PySide6.QtGui import QColor, QPainter, QPen
 from PySide6.QtWidgets import (
     QFrame,
@@ -29,8 +29,10 @@ from PySide6.QtWidgets import (
 from . import telemetry as tm
 from . import theme
 
-# (field shown as a sparkline, its label, its colour in theme.SERIES_COLORS)
-SPARKS = (("power_w", "power", 0), ("temperature_c", "temperature", 3), ("gpu_util", "utilization", 2))
+# (field shown as a sparkline, its caption, unit, colour index in theme.SERIES_COLORS)
+SPARKS = (("power_w", "power", "W", 0), ("temperature_c", "temperature", "°C", 3),
+          ("gpu_util", "utilization", "%", 2))
+BUILD_PAUSE_MS = 15  # between building two cards
 CARD_WIDTH = 380  # px a card needs for its longest line ("SM 1582 MHz of 1911 · mem 5005 MHz")
 ROWS = (("Power", tm.fmt_power), ("Temperature", tm.fmt_temperature), ("Fan", tm.fmt_fan),
         ("Clocks", tm.fmt_clocks), ("Utilization", tm.fmt_util),
@@ -38,14 +40,18 @@ ROWS = (("Power", tm.fmt_power), ("Temperature", tm.fmt_temperature), ("Fan", tm
 
 
 class Sparkline(QWidget):
-    """The last minutes of one value as a line, scaled to its own range, drawn with QPainter.
+    """One value over the last `window_s` seconds, the newest at the right edge, scaled to its own range,
+    drawn with QPainter. A pause longer than `gap_s` between samples (NVML stopped answering, the
+    machine slept) leaves a gap instead of a line across it.
 
     Not pyqtgraph: its import alone holds the GUI thread ~230 ms and each plot widget ~8 ms to build, so
     a rig of eight cards would freeze the window when the page first fills; this costs microseconds."""
 
-    def __init__(self, color: str, parent=None):
+    def __init__(self, color: str, window_s: float, gap_s: float, parent=None):
         super().__init__(parent)
         self.color = QColor(color)
+        self.window_s = window_s
+        self.gap_s = gap_s
         self.xs: list[float] = []
         self.ys: list[float] = []
         self.setFixedHeight(34)
@@ -57,28 +63,49 @@ class Sparkline(QWidget):
             self.setToolTip(f"last {xs[-1] - xs[0]:.0f} s: {min(ys):g} to {max(ys):g}")
         self.update()
 
+    def runs(self) -> list[list[tuple[float, float]]]:
+        """The samples inside the window, split where the gap between two is longer than gap_s."""
+        if not self.xs:
+            return []
+        start = self.xs[-1] - self.window_s
+        out: list[list[tuple[float, float]]] = []
+        prev = None
+        for x, y in zip(self.xs, self.ys, strict=True):
+            if x < start:
+                continue
+            if prev is None or x - prev > self.gap_s:
+                out.append([])
+            out[-1].append((x, y))
+            prev = x
+        return out
+
     def paintEvent(self, e):
-        if len(self.xs) < 2:
+        runs = self.runs()
+        if not runs:
             return
-        x0, x1 = self.xs[0], self.xs[-1]
-        lo, hi = min(self.ys), max(self.ys)
+        ys = [y for run in runs for _, y in run]
+        lo, hi = min(ys), max(ys)
         if hi - lo < 1e-9:  # a flat line sits in the middle, not on an edge
             lo, hi = lo - 1.0, hi + 1.0
         w, h = self.width() - 2, self.height() - 4
-        span = (x1 - x0) or 1.0
-        points = [QPointF(1 + w * (x - x0) / span, 2 + h * (1 - (y - lo) / (hi - lo)))
-                  for x, y in zip(self.xs, self.ys, strict=True)]
+        x1 = self.xs[-1]
         p = QPainter(self)
         p.setRenderHint(QPainter.RenderHint.Antialiasing)
         p.setPen(QPen(self.color, 1.5))
-        p.drawPolyline(points)
+        for run in runs:
+            points = [QPointF(1 + w * (1 - (x1 - x) / self.window_s), 2 + h * (1 - (y - lo) / (hi - lo)))
+                      for x, y in run]
+            if len(points) == 1:
+                p.drawPoint(points[0])
+            else:
+                p.drawPolyline(points)
         p.end()
 
 
 class CardView(QFrame):
     """One GPU: the numbers now and sparklines of power, temperature and utilization."""
 
-    def __init__(self, reading: tm.CardReading, parent=None):
+    def __init__(self, reading: tm.CardReading, interval_s: float = 1.0, parent=None):
         super().__init__(parent)
         self.setObjectName("Card")
         self.index = reading.index
@@ -103,15 +130,18 @@ class CardView(QFrame):
         grid.setColumnStretch(1, 1)
         lay.addLayout(grid)
         self.curves: dict[str, Sparkline] = {}
+        self.captions: dict[str, QLabel] = {}
         sparks = QHBoxLayout()
         sparks.setSpacing(8)
-        for field, label, color in SPARKS:
+        for field, label, _, color in SPARKS:
             box = QVBoxLayout()
             box.setSpacing(0)
             caption = QLabel(label)
             caption.setObjectName("Subtle")
             box.addWidget(caption)
-            line = Sparkline(theme.SERIES_COLORS[color])
+            self.captions[field] = caption
+            line = Sparkline(theme.SERIES_COLORS[color], window_s=tm.HISTORY_POINTS * interval_s,
+                             gap_s=3 * interval_s + 1.0)
             box.addWidget(line)
             sparks.addLayout(box, 1)
             self.curves[field] = line
@@ -121,10 +151,16 @@ class CardView(QFrame):
         for name, fmt in ROWS:
             self.values[name].setText(fmt(r))
         throttled = (r.throttle_bits or 0) & ~0x001  # idle is not a problem
-        self.values["Throttle"].setObjectName("WarnText" if throttled else "")
-        self.values["Throttle"].style().polish(self.values["Throttle"])
-        for field, line in self.curves.items():
-            line.set_data(*history.series(self.index, field))
+        label = self.values["Throttle"]
+        if label.objectName() != ("WarnText" if throttled else ""):  # re-polish only on a change
+            label.setObjectName("WarnText" if throttled else "")
+            label.style().polish(label)
+        for field, label, unit, _ in SPARKS:
+            xs, ys = history.series(self.index, field)
+            self.curves[field].set_data(xs, ys)
+            # the line is scaled to its own range: the caption says what that range is
+            if ys:
+                self.captions[field].setText(f"{label} {min(ys):.0f}–{max(ys):.0f} {unit}")
 
 
 class TelemetryPanel(QWidget):
@@ -139,6 +175,8 @@ class TelemetryPanel(QWidget):
         self.ledger = tm.EnergyLedger()
         self.cards: dict[int, CardView] = {}
         self.last_joules_per_token: float | None = None
+        self._latest: list[tm.CardReading] = []
+        self._build_pending = False
         lay = QVBoxLayout(self)
         lay.setContentsMargins(16, 12, 16, 12)
         lay.setSpacing(8)
@@ -181,14 +219,33 @@ class TelemetryPanel(QWidget):
         self.ledger.add(readings)
         self.status.setText(f"{len(readings)} GPU{'s' if len(readings) != 1 else ''} · NVML, every "
                             f"{self.poller.interval_s:g} s")
+        self._show(readings)
+        self._update_energy()
+
+    def _show(self, readings: list) -> None:
+        self._latest = readings
         for r in readings:
             view = self.cards.get(r.index)
-            if view is None:
-                view = self.cards[r.index] = CardView(r)
-                self._columns = 0  # place the new card
-            view.show_reading(r, self.history)
+            if view is not None:
+                view.show_reading(r, self.history)
+        if not self._build_pending:
+            self._build_next()
+
+    def _build_next(self) -> None:
+        """Build one missing card, and the next one after a short pause: eight cards built and laid
+        out at once held the GUI ~45 ms (the first card alone, styled for the first time, ~30 ms).
+        The pause is not 0: Qt would run a zero timer in the same pass as the rest."""
+        self._build_pending = False
+        missing = [r for r in self._latest if r.index not in self.cards]
+        if not missing:
+            return
+        r = missing[0]
+        view = self.cards[r.index] = CardView(r, self.poller.interval_s)
+        view.show_reading(r, self.history)
         self._reflow()
-        self._update_energy()
+        if len(missing) > 1:
+            self._build_pending = True
+            QTimer.singleShot(BUILD_PAUSE_MS, self._build_next)
 
     def resizeEvent(self, e):
         super().resizeEvent(e)
@@ -199,11 +256,15 @@ class TelemetryPanel(QWidget):
         glance on a wide window and still stacks on a narrow one."""
         width = self._scroll.viewport().width()
         columns = max(1, min(len(self.cards), width // CARD_WIDTH)) if self.cards else 0
-        if columns == self._columns:
+        placed = self._grid.count()
+        if columns == self._columns and placed == len(self.cards):
             return
+        if columns != self._columns:
+            placed = 0  # the column count changed: lay every card out again
         self._columns = columns
         for i, index in enumerate(sorted(self.cards)):
-            self._grid.addWidget(self.cards[index], i // columns, i % columns)
+            if i >= placed:
+                self._grid.addWidget(self.cards[index], i // columns, i % columns)
 
     def _update_energy(self) -> None:
         metrics = self._metrics()

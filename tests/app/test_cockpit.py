@@ -36,7 +36,7 @@ def test_rig_page(qtbot, make_bridge, two_gpus, tmp_path, monkeypatch):
     model.write_bytes(b"GGUF")
     win.cockpit.download.downloaded.emit(model)
     assert settings["model_folders"] == [str(folder)]
-    assert any(r.path == model for r in win.library.model.rows)
+    qtbot.waitUntil(lambda: any(r.path == model for r in win.library.model.rows), timeout=5000)
 
     # rename the chat that is open: the chat keeps the new title when it saves again
     store = win.chat.store

@@ -111,6 +111,7 @@ def test_panel_polls_off_the_gui_thread_without_stalling(qtbot, tmp_path):
         t1 = panel.ledger.points[-1][0]
         metrics.record_request(_timing(t0, 0.0, 0.0, max(t1 - t0, 1e-3), 20))
         qtbot.waitUntil(lambda: panel.last_joules_per_token is not None, timeout=5000)
+        qtbot.waitUntil(lambda: len(panel.cards) == 8, timeout=5000)  # built one by one
         qtbot.wait(200)
     panel.stop()
     assert not panel.poller.isRunning() and nv.shut_down
@@ -121,6 +122,7 @@ def test_panel_polls_off_the_gui_thread_without_stalling(qtbot, tmp_path):
     assert card.values["PCIe"].text() == "Gen1 x4 of Gen3 x16"
     assert card.values["Fan"].text() == "n/a"
     assert panel.cards[0].values["Throttle"].text() == "power cap, thermal (hardware)"
+    assert panel.cards[0].captions["temperature_c"].text() == "temperature 64–64 °C"
     assert "J/token" in panel.energy.text() and "20 tokens" in panel.energy.text()
     panel.grab().save(str(tmp_path / "telemetry.png"))
 
@@ -134,3 +136,16 @@ def test_without_a_driver_the_strip_says_so(qtbot):
     qtbot.waitUntil(lambda: panel.status.text() == "no NVIDIA driver", timeout=5000)
     panel.stop()
     assert panel.cards == {}
+
+
+def test_sparkline_keeps_its_window_and_breaks_at_gaps(qtbot):
+    from minecart.app.telemetry_panel import Sparkline
+
+    line = Sparkline("#ffffff", window_s=10.0, gap_s=2.5)
+    qtbot.addWidget(line)
+    xs = [0.0, 1.0, 2.0, 3.0, 4.0, 9.0, 10.0, 11.0, 12.0]  # NVML silent from 4 s to 9 s
+    line.set_data(xs, [float(x) for x in xs])
+    assert [[x for x, _ in run] for run in line.runs()] == [[2.0, 3.0, 4.0], [9.0, 10.0, 11.0, 12.0]]
+    assert line.toolTip() == "last 12 s: 0 to 12"
+    line.resize(200, 34)
+    line.grab()  # paints without error, gaps included
