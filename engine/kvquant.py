@@ -42,7 +42,11 @@ import numpy as np
 
 from .errors import RequestError
 
-KV_TYPES = ("f32", "q3")
+# The KV cache types the backends store (docs/kv-cache.md): "f16" (the default, as llama.cpp's), "f32"
+# (exact), "q8_0" (llama.cpp's Q8_0 blocks: 32 int8 + an fp16 scale) and "q3" (this file's format).
+# engine/placement.py KV_BYTES_PER_VALUE prices each at exactly what its cache allocates.
+KV_TYPES = ("f32", "f16", "q8_0", "q3")
+DEFAULT_KV_TYPE = "f16"
 BLOCK = 32  # coordinates per scale
 BITS = 3
 N_LEVELS = 1 << BITS
@@ -215,6 +219,38 @@ def bytes_per_row(d: int) -> int:
     return 3 * d // 8 + 2 * (d // BLOCK)
 
 
+# ------------------------------------------------------------------------------------------------
+# q8_0: llama.cpp's Q8_0 block (ggml quantize_row_q8_0_ref), kept as int8 values + fp16 scales
+
+
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows x (..., d), d a multiple of 32 -> (int8 (..., d), float16 scales (..., d/32)), as ggml's
+    reference does it: per block of 32, d = max|x| / 127 (fp32), q = round-half-away(x / d), scale
+    stored as fp16 (the quantization used the fp32 d)."""
+    x = np.asarray(x, np.float32)
+    n = x.shape[-1]
+    blocks = x.reshape(x.shape[:-1] + (n // BLOCK, BLOCK))
+    d = np.max(np.abs(blocks), axis=-1, keepdims=True) / np.float32(127.0)
+    inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d != 0)
+    y = blocks * inv
+    q = np.sign(y) * np.floor(np.abs(y) + np.float32(0.5))  # roundf: halves away from zero
+    return q.astype(np.int8).reshape(x.shape), d[..., 0].astype(np.float16)
+
+
+def dequantize_q8_0(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(int8 (..., d), float16 (..., d/32)) -> float32 (..., d): value x scale."""
+    n = q.shape[-1]
+    blocks = q.astype(np.float32).reshape(q.shape[:-1] + (n // BLOCK, BLOCK))
+    return (blocks * np.asarray(scales, np.float32)[..., None]).reshape(q.shape)
+
+
+def check_q8_dims(*dims: int) -> None:
+    for d in dims:
+        if d % BLOCK:
+            raise RequestError(f"the q8_0 KV cache stores blocks of {BLOCK} values; this model's head "
+                               f"dimension {d} is not a multiple of {BLOCK}: use kv_type 'f16'")
+
+
 def check_kv_type(kv_type: str) -> str:
     if kv_type not in KV_TYPES:
         raise RequestError(f"KV cache type '{kv_type}' is not known; use one of {', '.join(KV_TYPES)}")
@@ -369,9 +405,12 @@ def greedy_tokens(model, prompt, n: int, kv_type: str) -> list[int]:
 
 def kv_bytes_per_token(config, kv_type: str) -> int:
     """Stored KV bytes per token per attention layer (K and V, every KV head)."""
+    values = config.head_dim + config.value_head_dim
     if kv_type == "q3":
         return config.n_kv_heads * (bytes_per_row(config.head_dim) + bytes_per_row(config.value_head_dim))
-    return config.n_kv_heads * (config.head_dim + config.value_head_dim) * 4
+    if kv_type == "q8_0":
+        return config.n_kv_heads * (values + 2 * (values // BLOCK))
+    return config.n_kv_heads * values * {"f32": 4, "f16": 2}[check_kv_type(kv_type)]
 
 
 def measure(model, sequences: dict, *, greedy: int = 32) -> dict:

@@ -539,7 +539,13 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                      kv_type: str = "f32"):
         from ..kvquant import check_kv_type
 
-        if check_kv_type(kv_type) == "q3":  # 3-bit codes + fp16 scales (engine/kvquant.py, kernels/kvq3.py)
+        if check_kv_type(kv_type) in ("f16", "q8_0"):
+            from ..errors import RequestError
+
+            # no silent fp32 stand-in: the memory plan priced this type, so a bigger cache would not fit
+            raise RequestError(f"the {kv_type} KV cache is not on the CUDA backend yet (the NumPy backend has "
+                               f"it); use kv_type 'f32' or 'q3' on a GPU")
+        if kv_type == "q3":  # 3-bit codes + fp16 scales (engine/kvquant.py, kernels/kvq3.py)
             from minecart.kernels.build import HEAD_DIMS
 
             from ..errors import RequestError

@@ -125,6 +125,66 @@ class NumpyKVCache(GrowingKVCache):
         return self.k[:length], self.v[:length]
 
 
+class NumpyF16KVCache(NumpyKVCache):
+    """The f16 cache: K and V rounded to float16 (nearest, ties to even) as they are appended; attention
+    reads them back widened, so the reference sees exactly the values a GPU f16 cache holds."""
+
+    kv_type = "f16"
+
+    def _layout(self):
+        return {"k": ((self.n_kv_heads, self.head_dim), np.float16),
+                "v": ((self.n_kv_heads, self.value_dim), np.float16)}
+
+    def _write(self, k: np.ndarray, v: np.ndarray, start: int) -> None:
+        self.k[start : start + k.shape[0]] = np.asarray(k, F32).astype(np.float16)
+        self.v[start : start + k.shape[0]] = np.asarray(v, F32).astype(np.float16)
+
+    def read(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """K (L, n_kv, d) and V (L, n_kv, dv) of the first `length` tokens, float32."""
+        return self.k[:length].astype(F32), self.v[:length].astype(F32)
+
+
+class NumpyQ8KVCache(GrowingKVCache):
+    """The q8_0 cache: each row of K and V in llama.cpp's Q8_0 blocks (engine/kvquant.py quantize_q8_0),
+    held as int8 values (capacity, n_kv, d) and fp16 scales (capacity, n_kv, d/32): 34 bytes per 32
+    values. Rows are quantized once, on append; attention reads them dequantized."""
+
+    kv_type = "q8_0"
+    k_q: np.ndarray  # the arrays _layout names (GrowingKVCache allocates them)
+    k_scales: np.ndarray
+    v_q: np.ndarray
+    v_scales: np.ndarray
+
+    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
+        from ..kvquant import check_q8_dims
+
+        check_q8_dims(head_dim, value_dim)
+        super().__init__(n_kv_heads, head_dim, value_dim, capacity)
+
+    def _layout(self):
+        n, d, dv = self.n_kv_heads, self.head_dim, self.value_dim
+        return {"k_q": ((n, d), np.int8), "k_scales": ((n, d // 32), np.float16),
+                "v_q": ((n, dv), np.int8), "v_scales": ((n, dv // 32), np.float16)}
+
+    @staticmethod
+    def _zeros(shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def _write(self, k: np.ndarray, v: np.ndarray, start: int) -> None:
+        from ..kvquant import quantize_q8_0
+
+        stop = start + k.shape[0]
+        self.k_q[start:stop], self.k_scales[start:stop] = quantize_q8_0(k)
+        self.v_q[start:stop], self.v_scales[start:stop] = quantize_q8_0(v)
+
+    def read(self, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Dequantized K (L, n_kv, d) and V (L, n_kv, dv), float32."""
+        from ..kvquant import dequantize_q8_0
+
+        return (dequantize_q8_0(self.k_q[:length], self.k_scales[:length]),
+                dequantize_q8_0(self.v_q[:length], self.v_scales[:length]))
+
+
 # ------------------------------------------------------------------------------------------------
 # the backend
 
@@ -282,8 +342,13 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
                      kv_type: str = "f32"):
         from .. import kvquant
 
-        if kvquant.check_kv_type(kv_type) == "q3":  # 3-bit codes + fp16 scales (engine/kvquant.py)
+        kv_type = kvquant.check_kv_type(kv_type)
+        if kv_type == "q3":  # 3-bit codes + fp16 scales (engine/kvquant.py)
             return kvquant.Q3KVCache(n_kv_heads, head_dim, value_dim, capacity)
+        if kv_type == "q8_0":
+            return NumpyQ8KVCache(n_kv_heads, head_dim, value_dim, capacity)
+        if kv_type == "f16":
+            return NumpyF16KVCache(n_kv_heads, head_dim, value_dim, capacity)
         return NumpyKVCache(n_kv_heads, head_dim, value_dim, capacity)
 
     def attention(self, q, k, v, cache: NumpyKVCache, *, scale: float, window: int = 0):
@@ -292,7 +357,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         L = cache.length
         n_kv = cache.n_kv_heads
         group = nh // n_kv
-        keys, values = (a.astype(F64) for a in cache.read(L))  # (L, n_kv, d); q3 caches dequantize
+        keys, values = (a.astype(F64) for a in cache.read(L))  # (L, n_kv, d); f16/q8_0/q3 caches widen
         k_pos = np.arange(L)
         out = np.empty((T, nh, cache.value_dim), F32)
         # queries in blocks, so a long prompt never materializes a (T, L) float64 score matrix

@@ -300,3 +300,96 @@ def test_runtime_load_passes_the_kv_type(fixtures_dir):
         session.close()
     finally:
         rt.close()
+
+
+# ---- f16 and q8_0 caches ----------------------------------------------------------------------------
+
+
+def test_q8_0_rows_are_ggml_q8_0_blocks_bit_for_bit():
+    """quantize_q8_0 against gguf-py's Q8_0 (the converter's own quantizer), byte for byte: Gaussian
+    rows at three magnitudes, an all-zero block, a block of exact halves (x / d = k + 0.5: ties go away
+    from zero in ggml's roundf) and one with a lone outlier."""
+    import gguf
+
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal((7, 128)).astype(np.float32) * s for s in (1e-3, 1.0, 300.0)]
+    special = np.zeros((1, 128), np.float32)
+    # d = 127/8 / 127 = 1/8 exactly, so x / d lands exactly on k + 0.5 for the other 31 values
+    special[0, 32:64] = np.concatenate([[127.0], np.arange(-15, 16) + 0.5]) / 8
+    assert np.any(np.abs(special[0, 33:64] * 8 % 1) == 0.5)
+    special[0, 64:96] = rng.standard_normal(32) * 0.01
+    special[0, 70] = 50.0
+    special[0, 96:] = np.float32(127.0) * np.linspace(-1, 1, 32, dtype=np.float32)
+    x = np.concatenate(rows + [special])
+    q, scales = kq.quantize_q8_0(x)
+    ours = np.concatenate([np.concatenate([scales[r, b:b + 1].view(np.uint8), q[r, 32 * b:32 * b + 32].view(np.uint8)])
+                           for r in range(x.shape[0]) for b in range(4)])
+    ref = np.asarray(gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0)).reshape(-1)
+    np.testing.assert_array_equal(ours, ref)
+    np.testing.assert_array_equal(kq.dequantize_q8_0(q, scales),
+                                  gguf.quants.dequantize(ref.reshape(x.shape[0], -1), gguf.GGMLQuantizationType.Q8_0))
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_f16_and_q8_0_caches_append_grow_truncate_clone(kv_type):
+    rng = np.random.default_rng(3)
+    be = NumpyBackend()
+    cache = be.new_kv_cache(2, 64, 128, 3, kv_type=kv_type)
+    assert cache.kv_type == kv_type
+    k = rng.standard_normal((5, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((5, 2, 128)).astype(np.float32)
+    cache.append(k[:2], v[:2])
+    cache.append(k[2:], v[2:])  # grows past 3
+    assert cache.length == 5 and cache.capacity >= 5
+    rk, rv = cache.read(5)
+    if kv_type == "f16":  # IEEE half, round to nearest even: what a GPU's __float2half_rn stores
+        np.testing.assert_array_equal(rk, k.astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(rv, v.astype(np.float16).astype(np.float32))
+    else:
+        np.testing.assert_array_equal(rk, kq.dequantize_q8_0(*kq.quantize_q8_0(k)))
+        assert 0 < np.abs(rk - k).max() <= np.abs(k).max() / 127 / 2 * 1.001
+    twin = cache.clone()
+    cache.truncate(2)
+    cache.append(k[4:], v[4:])
+    np.testing.assert_array_equal(twin.read(5)[0], rk)  # the clone kept its rows
+    np.testing.assert_array_equal(cache.read(3)[0][2], rk[4])
+    per_value = {"f16": 2, "q8_0": 34 / 32}[kv_type]
+    assert cache.nbytes == cache.capacity * 2 * (64 + 128) * per_value
+
+
+def test_q8_0_needs_whole_blocks():
+    with pytest.raises(RequestError, match="multiple of 32"):
+        NumpyBackend().new_kv_cache(2, 48, 48, 4, kv_type="q8_0")
+
+
+@pytest.mark.parametrize("kv_type", kq.KV_TYPES)
+def test_plan_prices_the_kv_cache_the_engine_allocates(fixtures_dir, capsys, kv_type):
+    """`minecart plan`'s KV bytes per token == the bytes of the caches a loaded model allocates."""
+    from minecart.engine.cli import main
+    from minecart.engine.model import load_model
+
+    path = fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf"
+    assert main(["plan", str(path), "--rig", "cpu:0=4GiB", "--kv-type", kv_type, "--json",
+                 "--context", "1000"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    model = load_model(path, backend=NumpyBackend(), mmproj=False, kv_type=kv_type)
+    try:
+        session = model.new_session(capacity=1000)
+        caches = [st.kv for st in session.states if st.kv is not None]
+        assert {c.kv_type if hasattr(c, "kv_type") else "f32" for c in caches} == {kv_type}
+        allocated = sum(c.nbytes for c in caches)
+        assert allocated == report["kv_bytes_per_token"] * 1000 == report["devices"][0]["kv_cache_bytes"]
+        assert report["kv_bytes_per_token"] == 2 * kq.kv_bytes_per_token(model.config, kv_type)
+        session.close()
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("kv_type,rel_mean", [("f16", 1e-3), ("q8_0", 1e-2)])
+def test_fixture_with_f16_and_q8_0_agrees_with_f32(tiny, kv_type, rel_mean):
+    model, seqs = tiny
+    ids = seqs["len128"]
+    row = kq.compare_logits(kq.sequence_logits(model, ids, "f32"), kq.sequence_logits(model, ids, kv_type))
+    assert 0 < row["rel_err_mean"] < rel_mean  # nonzero: the cache really rounds
+    assert row["top1_agree"] >= 0.99
+    assert kq.greedy_tokens(model, seqs["chat"], 8, kv_type) == kq.greedy_tokens(model, seqs["chat"], 8, "f32")
