@@ -436,22 +436,25 @@ def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedR
             return _accumulate(_TWIN_TERMS[w.ggml_type](rows, x))
     if not HAVE_NUMBA:
         raise RuntimeError("numba is not installed: `pip install numba`, or use fast=False")
-    out = np.empty((k, w.n_out), F32)
+    out = np.full((k, w.n_out), np.nan, F32)  # poisoned: a row the kernel skips shows up as NaN
+    # one compiled signature whatever the caller holds: contiguous and read-only, as a file's map is
+    raw = np.ascontiguousarray(w.raw).view()
+    raw.flags.writeable = False
     before = _numba.get_num_threads()
     if threads is not None:
         _numba.set_num_threads(max(1, min(int(threads), _numba.config.NUMBA_NUM_THREADS)))
     try:
         t = w.ggml_type
         if t == Q.Q4_K:
-            _q4_k_nb(w.raw, idx, x.q, x.d, x.s, _F16_TABLE, out, QBLOCK)
+            _q4_k_nb(raw, idx, x.q, x.d, x.s, _F16_TABLE, out, QBLOCK)
         elif t == Q.Q5_K:
-            _q5_k_nb(w.raw, idx, x.q, x.d, x.s, _F16_TABLE, out, QBLOCK)
+            _q5_k_nb(raw, idx, x.q, x.d, x.s, _F16_TABLE, out, QBLOCK)
         elif t == Q.Q6_K:
-            _q6_k_nb(w.raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
+            _q6_k_nb(raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
         elif t == Q.Q8_0:
-            _q8_0_nb(w.raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
+            _q8_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
         else:
-            _q4_0_nb(w.raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
+            _q4_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
     finally:
         _numba.set_num_threads(before)
     return out
