@@ -29,9 +29,10 @@ from PySide6.QtWidgets import (
 from . import telemetry as tm
 from . import theme
 
-# (field shown as a sparkline, its caption, unit, colour index in theme.SERIES_COLORS)
-SPARKS = (("power_w", "power", "W", 0), ("temperature_c", "temperature", "°C", 3),
-          ("gpu_util", "utilization", "%", 2))
+# (field shown as a sparkline, its caption, unit, colour index in theme.SERIES_COLORS, smallest span);
+# the smallest range a line spans (so 9-11 W of noise does not fill the box like 30-180 W does)
+SPARKS = (("power_w", "power", "W", 0, 40.0), ("temperature_c", "temperature", "°C", 3, 20.0),
+          ("gpu_util", "utilization", "%", 2, 100.0))
 BUILD_PAUSE_MS = 15  # between building two cards
 CARD_WIDTH = 380  # px a card needs for its longest line ("SM 1582 MHz of 1911 · mem 5005 MHz")
 ROWS = (("Power", tm.fmt_power), ("Temperature", tm.fmt_temperature), ("Fan", tm.fmt_fan),
@@ -47,11 +48,12 @@ class Sparkline(QWidget):
     Not pyqtgraph: its import alone holds the GUI thread ~230 ms and each plot widget ~8 ms to build, so
     a rig of eight cards would freeze the window when the page first fills; this costs microseconds."""
 
-    def __init__(self, color: str, window_s: float, gap_s: float, parent=None):
+    def __init__(self, color: str, window_s: float, gap_s: float, min_span: float = 0.0, parent=None):
         super().__init__(parent)
         self.color = QColor(color)
         self.window_s = window_s
         self.gap_s = gap_s
+        self.min_span = min_span
         self.xs: list[float] = []
         self.ys: list[float] = []
         self.setFixedHeight(34)
@@ -79,14 +81,21 @@ class Sparkline(QWidget):
             prev = x
         return out
 
+    def y_range(self, runs) -> tuple[float, float]:
+        """The values' range, widened about its middle to at least min_span (and to 2 for a flat
+        line, so it sits in the middle), kept at or above 0: every value drawn here is >= 0."""
+        ys = [y for run in runs for _, y in run]
+        lo, hi = min(ys), max(ys)
+        span = max(hi - lo, self.min_span, 2.0)
+        mid = (lo + hi) / 2
+        lo = max(0.0, min(lo, mid - span / 2))
+        return lo, lo + span if hi <= lo + span else hi
+
     def paintEvent(self, e):
         runs = self.runs()
         if not runs:
             return
-        ys = [y for run in runs for _, y in run]
-        lo, hi = min(ys), max(ys)
-        if hi - lo < 1e-9:  # a flat line sits in the middle, not on an edge
-            lo, hi = lo - 1.0, hi + 1.0
+        lo, hi = self.y_range(runs)
         w, h = self.width() - 2, self.height() - 4
         x1 = self.xs[-1]
         p = QPainter(self)
@@ -133,7 +142,7 @@ class CardView(QFrame):
         self.captions: dict[str, QLabel] = {}
         sparks = QHBoxLayout()
         sparks.setSpacing(8)
-        for field, label, _, color in SPARKS:
+        for field, label, _, color, span in SPARKS:
             box = QVBoxLayout()
             box.setSpacing(0)
             caption = QLabel(label)
@@ -141,7 +150,7 @@ class CardView(QFrame):
             box.addWidget(caption)
             self.captions[field] = caption
             line = Sparkline(theme.SERIES_COLORS[color], window_s=tm.HISTORY_POINTS * interval_s,
-                             gap_s=3 * interval_s + 1.0)
+                             gap_s=3 * interval_s + 1.0, min_span=span)
             box.addWidget(line)
             sparks.addLayout(box, 1)
             self.curves[field] = line
@@ -155,7 +164,7 @@ class CardView(QFrame):
         if label.objectName() != ("WarnText" if throttled else ""):  # re-polish only on a change
             label.setObjectName("WarnText" if throttled else "")
             label.style().polish(label)
-        for field, label, unit, _ in SPARKS:
+        for field, label, unit, _, _ in SPARKS:
             xs, ys = history.series(self.index, field)
             self.curves[field].set_data(xs, ys)
             # the line is scaled to its own range: the caption says what that range is

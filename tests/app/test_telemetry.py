@@ -149,3 +149,7 @@ def test_sparkline_keeps_its_window_and_breaks_at_gaps(qtbot):
     assert line.toolTip() == "last 12 s: 0 to 12"
     line.resize(200, 34)
     line.grab()  # paints without error, gaps included
+    runs = [[(0.0, 9.0), (1.0, 11.0)]]
+    assert Sparkline("#fff", 10.0, 2.5, min_span=40.0).y_range(runs) == (0.0, 40.0)  # noise stays flat
+    assert Sparkline("#fff", 10.0, 2.5, min_span=4.0).y_range(runs) == (8.0, 12.0)
+    assert Sparkline("#fff", 10.0, 2.5, min_span=4.0).y_range([[(0.0, 30.0), (1.0, 180.0)]]) == (30.0, 180.0)
