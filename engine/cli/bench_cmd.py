@@ -11,7 +11,8 @@ BLAS (cpu_ceilings) - then:
 - prefill tokens/s at 512, 2K, 8K and 18K prompt tokens (one pass), ceiling = DP4A rate (CPU: fp32
   FMA rate) / operations per token (2 x matrix weights, embedding and LM head excluded);
 - decode tokens/s at context 0, 4K and 18K, ceiling = copy bandwidth / weight bytes read per token
-  (every weight but the token-embedding table);
+  (every weight but the token-embedding table; of a MoE layer's routed experts only the
+  n_experts_used a token picks);
 - peak VRAM.
 Prints a table (or JSON with --json). The device is opened before anything is written; a file --shape
 synthesizes is deleted afterwards, pass or fail, unless --workdir names where to keep it. Not here:
@@ -78,14 +79,18 @@ def _ints(s: str) -> list[int]:
 
 def weight_bytes_per_token(model: Model) -> int:
     """Bytes of weights one decode step reads: every main-layer tensor, the final norm and the LM head
-    (the token-embedding table only when it is the tied LM head)."""
+    (the token-embedding table only when it is the tied LM head). A routed-expert stack (E, n_out,
+    n_in) counts n_experts_used of its E experts: the ones a token runs (the active bytes)."""
     cfg = model.config
     total = 0
     for name, info in model.gguf.tensors.items():
         m = re.match(r"blk\.(\d+)\.", name)
         if m:
             if int(m.group(1)) < cfg.n_layers:
-                total += int(info.n_bytes)
+                if len(info.shape) == 3 and cfg.n_experts_used:
+                    total += int(info.n_bytes) // int(info.shape[0]) * int(cfg.n_experts_used)
+                else:
+                    total += int(info.n_bytes)
         elif name == "token_embd.weight":
             if cfg.tied_embeddings:
                 total += int(info.n_bytes)
