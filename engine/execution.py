@@ -23,11 +23,17 @@ model). In detail:
   chunk k. Each layer still sees its chunks in order, so the result equals running them one after
   another; at most `max_in_flight` chunks are in flight, which bounds the memory of hidden states;
 - `cancel` (a threading.Event) is checked before each chunk starts; a cancelled run raises
-  GenerationCancelled whose `tokens_done` counts the tokens that went through every layer.
+  GenerationCancelled whose `tokens_done` counts the tokens that went through every layer;
+- a batch of sequences (`forward_batch`: B sequences, each with its own states, positions and one or
+  more new tokens) is one more input shape of the same loop: their rows are stacked into one chunk, so
+  every projection and FFN matmul sees (N, H) rows at once, while each layer's mixer runs per sequence
+  on its own LayerState (engine/models/batch.py's SequenceRows). The head returns each sequence's
+  last row.
 
 Also here: what turns a placement into stages (`part_names`, `plan_devices`, `make_backend`,
 `resolve_devices`). What this is not: a scheduler of several sequences (runtime.py), or tensor
-parallelism (a layer never spans two devices).
+parallelism (a layer never spans two devices). Which sequences share a batch is the scheduler's choice
+(engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -44,11 +50,15 @@ import numpy as np
 from .backends.base import Backend
 from .config import ModelConfig
 from .errors import DeviceError, GenerationCancelled
+from .models.batch import SequenceRows
 from .placement import DeviceSpec, GiB, Placement, model_costs, plan_auto
 
 HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
 
 Override = tuple[Any, Any]  # (rows (n,), values (n, H)): input rows given as embeddings (images)
+# which logit rows a run returns: "last", "all", None (no head), or the given row indices (a batch's
+# last row of each sequence)
+Rows = str | tuple[int, ...] | None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -99,12 +109,12 @@ def make_backend(device: str) -> Backend:
         mod = _cupy_backend_module()
         if mod is None:
             raise DeviceError(f"device '{device}': the CuPy backend is not available (install minecart "
-                              "with the cuda12 or cuda13 extra, or run on the CPU: --devices cpu)")
+                              "with the cuda12 or cuda13 extra, or use the CPU device cpu:0)")
         try:
             return mod.CupyBackend(device=device)
         except Exception as exc:
             raise DeviceError(f"device '{device}' could not be opened ({exc}); check the GPU index and "
-                              "driver, or run on the CPU (--devices cpu)") from exc
+                              "driver, or use the CPU device cpu:0") from exc
     raise DeviceError(f"unknown device '{device}'; use 'cpu:0' or 'cuda:N'")
 
 
@@ -332,7 +342,7 @@ class _Chunk:
     ids: list[int]
     positions: Any
     override: Override | None
-    rows: str | None  # what this chunk returns: "all", "last" or None
+    rows: Rows  # what this chunk returns: "all", "last", None, or these row indices
 
 
 def shift_override(override: Override | None, start: int, stop: int) -> Override | None:
@@ -448,6 +458,41 @@ class Executor:
         got = [o for o in out if o is not None]
         return got[-1] if rows == "last" else (got[0] if len(got) == 1 else np.concatenate(got, axis=0))
 
+    def forward_batch(self, ids: Sequence[Sequence[int]], states: Sequence[list],
+                      positions: Sequence[Any]) -> np.ndarray:
+        """Run B sequences' new tokens in one pass -> host float32 logits (B, vocab) of each sequence's
+        last token. ids[b]: sequence b's new tokens (one while it decodes, a prompt chunk while it
+        prefills); states[b]: its per-layer states (updated in place); positions[b]: (T_b,) or (3, T_b).
+
+        The rows of all sequences go through `forward`'s loop as one chunk (see the module docstring);
+        each sequence's logits equal running it alone up to fp32 rounding. A batch of one is `forward`
+        itself, so a lone decode keeps its captured graph."""
+        B = len(ids)
+        if not B or len(states) != B or len(positions) != B:
+            raise ValueError(f"forward_batch needs as many state lists and position arrays as sequences "
+                             f"({B} sequences, {len(states)} state lists, {len(positions)} positions)")
+        if any(len(t) == 0 for t in ids):
+            raise ValueError("every sequence of a batch needs at least one new token")
+        if B == 1:
+            out = self.forward(ids[0], states[0], positions[0], rows="last")
+            assert out is not None  # rows="last" always returns logits
+            return out
+        flat = [int(t) for seq in ids for t in seq]
+        bounds = [0]
+        for seq in ids:
+            bounds.append(bounds[-1] + len(seq))
+        pos = [np.asarray(p) for p in positions]
+        if any(p.ndim == 2 for p in pos):  # M-RoPE in any sequence: every one as (3, T)
+            pos = [p if p.ndim == 2 else np.broadcast_to(p, (3, p.shape[0])) for p in pos]
+        stacked = np.concatenate(pos, axis=-1)
+        layer_rows = [SequenceRows(tuple(st[i] for st in states), tuple(bounds), tuple(pos))
+                      for i in range(self.config.n_layers)]
+        chunk = _Chunk(0, flat, stacked, None, tuple(b - 1 for b in bounds[1:]))
+        with self._call_lock:
+            out = self._one_chunk(chunk, layer_rows, None)
+        assert out is not None  # row indices always reach the head
+        return out
+
     def _one_chunk(self, c: _Chunk, states: list, hook) -> np.ndarray | None:
         """One chunk on the calling thread: a decode step through the stages' graphs, or stage after
         stage through the bridges (nothing to overlap; thread hand-offs would only add latency)."""
@@ -460,7 +505,7 @@ class Executor:
             x = self.run_stage(stage, x, c.positions, states, c.rows, hook, c.override)
         return x
 
-    def run_stage(self, stage: Stage, x, positions, states: list, rows: str | None, hook=None,
+    def run_stage(self, stage: Stage, x, positions, states: list, rows: Rows, hook=None,
                   override: Override | None = None):
         """The parts of one stage on its backend: x (token ids for the embedding, else the hidden state
         on this backend) -> the hidden state, or host logits when the stage ends with the head (None
@@ -481,6 +526,8 @@ class Executor:
                     return None
                 if rows == "last":
                     x = x[x.shape[0] - 1 :]
+                elif isinstance(rows, tuple) and len(rows) < x.shape[0]:
+                    x = x[list(rows)]  # a batch: each sequence's last row
                 return self.run_head(x, be)
             else:
                 i = int(part.split(".")[1])

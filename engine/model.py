@@ -23,7 +23,7 @@ import numpy as np
 from .backends.base import LayerState
 from .chat_template import ChatTemplate
 from .config import ModelConfig, validate_tensors
-from .errors import GenerationCancelled, TokenizerError, UnsupportedArchitectureError
+from .errors import GenerationCancelled, GGUFError, TokenizerError, UnsupportedArchitectureError
 from .execution import (
     Executor,
     make_backend,
@@ -366,6 +366,11 @@ def open_model_file(path) -> tuple[GGUFFile, ModelConfig]:
                 gf.path, "this is a vision projector (mmproj), not a language model: open the model's "
                 "own GGUF and give this file as its projector (--mmproj FILE; an mmproj-*.gguf beside "
                 "the model is found by itself)", key="general.architecture")
+        if not gf.tensors:  # before the config, whose checks would call it corrupt
+            raise GGUFError(gf.path, "this is a vocabulary-only GGUF: it holds a tokenizer and "
+                            "hyper-parameters but no weights (convert_hf_to_gguf.py --vocab-only writes "
+                            "such files, for tokenizer tests), so there is nothing to run; `minecart "
+                            "inspect` shows what it holds; open the model's full GGUF instead")
         config = ModelConfig.from_gguf(gf)
         # Wrong or truncated files fail here with the tensor's name, not inside a layer's matmul.
         validate_tensors(config, gf)

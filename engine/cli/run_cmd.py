@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ImageError, RequestError
+from ..model import check_model_file
 from ..prompt import PROMPT_MODES
 from ..runtime import RequestHandle, Runtime, RuntimeEvent
 from ..sampling import DEFAULT_MAX_TOKENS_CHAT, DEFAULT_MAX_TOKENS_TEXT, SamplingParams
@@ -154,17 +155,9 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def check_runnable(path: str) -> None:
-    """Refuse, in words, a GGUF that holds no model to run (before a runtime is started for it)."""
-    from ..gguf_file import GGUFFile
-
-    with GGUFFile(path) as gf:
-        if not gf.tensors:
-            name = Path(path).name
-            raise RequestError(
-                f"{name} is a vocabulary-only GGUF: it holds a tokenizer and hyper-parameters but no "
-                "weights (convert_hf_to_gguf.py --vocab-only writes such files, for tokenizer tests), "
-                f"so there is nothing to run. `minecart inspect {path}` shows what it holds; run the "
-                "model's full GGUF instead")
+    """Refuse, in words, a GGUF that holds no model to run (a vocabulary-only file, a projector, a
+    broken or unsupported file) before a runtime is started for it: the loader's own header checks."""
+    check_model_file(path)
 
 
 def start_runtime(args: argparse.Namespace, *, quiet: bool = False, sample_memory_s: float = 0.0,
