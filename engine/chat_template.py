@@ -282,13 +282,16 @@ class ChatTemplate:
         built-in template for its architecture."""
         meta = gguf_file.metadata
         path = str(getattr(gguf_file, "path", "<gguf>"))
-        tokens = meta.get("tokenizer.ggml.tokens") or []
+        tokens = meta.get("tokenizer.ggml.tokens")
+        tokens = tokens if isinstance(tokens, list) else []
 
         def token_text(key: str) -> str:
+            # a damaged file's id or vocabulary only loses the bos/eos variables here; the
+            # tokenizer reports the damage itself
             tid = meta.get(key)
-            if tid is None or not 0 <= int(tid) < len(tokens):
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < len(tokens):
                 return ""
-            return str(tokens[int(tid)])
+            return str(tokens[tid])
 
         bos, eos = token_text("tokenizer.ggml.bos_token_id"), token_text("tokenizer.ggml.eos_token_id")
         key = "tokenizer.chat_template" + (f".{name}" if name else "")

@@ -86,7 +86,7 @@ class VisionConfig:
         if gf.get("clip.has_vision_encoder") is False:
             raise MmprojMismatchError(path, "the file has no vision encoder (audio-only projector?)",
                                       key="clip.has_vision_encoder")
-        deepstack = gf.get("clip.vision.is_deepstack_layers") or []
+        deepstack = meta_list(gf, "clip.vision.is_deepstack_layers", (bool, int)) or []
         if any(bool(x) for x in deepstack):
             raise MmprojMismatchError(path, "DeepStack layers (Qwen3-VL) are not supported; Qwen3.5/3.6 "
                                       "towers have none", key="clip.vision.is_deepstack_layers")

@@ -69,17 +69,24 @@ class Forged:
 
     def to_bytes(self) -> bytes:
         out = bytearray(b"GGUF")
-        out += struct.pack("<IQQ", self.version,
+        out += struct.pack("<IQQ", self.version & 0xFFFFFFFF,
                            len(self.tensors) if self.n_tensors is None else self.n_tensors,
                            len(self.kv) if self.n_kv is None else self.n_kv)
         for key, type_id, value in self.kv:
-            out += _string(key) + struct.pack("<I", type_id) + _value(type_id, value)
+            out += _string(key) + struct.pack("<I", type_id & 0xFFFFFFFF) + _value(type_id, value)
         for t in self.tensors:
             out += _string(t.name) + struct.pack("<I", len(t.ne))
             out += b"".join(struct.pack("<Q", d & (2**64 - 1)) for d in t.ne)
-            out += struct.pack("<IQ", t.ggml_type, t.offset)
+            out += struct.pack("<IQ", t.ggml_type & 0xFFFFFFFF, t.offset & (2**64 - 1))
         out += b"\0" * (-len(out) % self.alignment)
         return bytes(out) + self.data
+
+    def to_bytes_cached(self) -> bytes:
+        """`to_bytes()` of this file as first built (for recipes that only need its size)."""
+        cached = self.__dict__.get("_bytes")
+        if cached is None:
+            cached = self.__dict__["_bytes"] = self.to_bytes()
+        return cached
 
     def write(self, path: str | Path) -> Path:
         Path(path).write_bytes(self.to_bytes())
