@@ -427,13 +427,14 @@ class Runtime:
 
     def load(self, path: str | Path, devices: list[str] | None = None, placement: Any = None, *,
              mmproj: str | Path | bool | None = None, max_image_tokens: int | None = None,
-             kv_type: str | None = None) -> RequestHandle:
+             kv_type: str | None = None, experts: str | None = None) -> RequestHandle:
         """Load a GGUF model (replacing the current one). Events: "progress"..., then "done" with
         data["model"] = ModelInfo. mmproj: the vision projector file (default: found beside the
         model; False: none); max_image_tokens: cap per picture (engine/vision); kv_type: KV cache
-        type ("f32" default, "q3": 3-bit, engine/kvquant.py)."""
+        type ("f32" default, "q3": 3-bit, engine/kvquant.py); experts: the device of an MoE model's
+        routed experts ("cpu:0" = host RAM; engine/experts.py), default with their layers."""
         vision = {k: v for k, v in (("mmproj", mmproj), ("max_image_tokens", max_image_tokens),
-                                    ("kv_type", kv_type)) if v is not None}
+                                    ("kv_type", kv_type), ("experts", experts)) if v is not None}
         return self._submit("load", path=str(path), devices=devices, placement=placement, **vision)
 
     def unload(self) -> RequestHandle:
@@ -860,8 +861,9 @@ def _close_session(session: RuntimeSession | None) -> None:
 
 
 def _vision_args(args: dict[str, Any]) -> dict[str, Any]:
-    """The load's vision options (mmproj, max_image_tokens) and kv_type that were given, for the loader."""
-    return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type") if args.get(k) is not None}
+    """The load's options that were given (mmproj, max_image_tokens, kv_type, experts), for the loader."""
+    return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type", "experts")
+            if args.get(k) is not None}
 
 
 def valid_unicode(text: str) -> str:

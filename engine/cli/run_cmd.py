@@ -62,6 +62,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", default="f32", choices=("f32", "q3"),
                    help="KV cache type: f32 (exact, default) or q3 (3-bit Walsh-Hadamard + Lloyd-Max "
                         "codes, ~9x smaller; CPU and CUDA backends)")
+    p.add_argument("--experts-on", default=None, metavar="host|DEVICE",
+                   help="where an MoE model's routed experts live: 'host' (host RAM; the CPU runs them "
+                        "with integer kernels while the GPU runs the rest) or a device such as cpu:0 "
+                        "(default: with their layers)")
     add_threads_arg(p)
 
 
@@ -182,6 +186,8 @@ def start_runtime(args: argparse.Namespace, *, quiet: bool = False, sample_memor
         vision["max_image_tokens"] = args.max_image_tokens
     if args.kv_type != "f32":
         vision["kv_type"] = args.kv_type
+    if args.experts_on is not None:
+        vision["experts"] = "cpu:0" if args.experts_on == "host" else args.experts_on
     handle = runtime.load(path, devices=devices, **vision)
     tty = sys.stderr.isatty()
     try:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from minecart.engine.experts import ExpertsApart
 from minecart.engine.model import load_model
+from minecart.engine.runtime import Runtime
 from minecart.engine.sampling import greedy_params
 
 from tests._moe import tiny_moe_file
@@ -61,3 +62,19 @@ def test_placement_change_keeps_the_experts_where_they_are(moe_path):
         model.reload_placement({p: "cpu:2" for p in plan})
         assert not isinstance(model.backends["layer.1"], ExpertsApart)
         np.testing.assert_array_equal(model.logits(PROMPT), want)
+
+
+def test_the_cli_puts_experts_in_host_ram(moe_path):
+    from minecart.engine.cli import build_parser
+    from minecart.engine.cli.run_cmd import start_runtime
+
+    args = build_parser().parse_args(["run", str(moe_path), "--devices", "cpu:1", "--experts-on", "host",
+                                      "-p", "x"])
+    rt = start_runtime(args, quiet=True)
+    try:
+        final = rt.complete([1, 2, 3], greedy_params(max_tokens=3)).wait(60)
+        assert final.kind == "done" and final.usage.completion_tokens == 3
+        info = rt.model_info
+        assert info is not None and "cpu:0" in info.devices and "cpu:1" in info.devices
+    finally:
+        rt.close()
