@@ -35,6 +35,7 @@ import math
 from typing import Any
 
 from ..backends.base import Array, Backend, LayerState, Weight
+from .batch import SequenceRows, per_sequence
 from .spec import (
     ATTN,
     EMBEDDING,
@@ -182,8 +183,10 @@ def _attention_params(config: ModelConfig, i: int) -> tuple[float, float, int]:
     return config.rope_base, config.rope_scale, 0
 
 
-def layer(config: ModelConfig, backend: Backend, w: Weights, i: int, x: Array, state: LayerState,
-          positions: Array) -> Array:
+def layer(config: ModelConfig, backend: Backend, w: Weights, i: int, x: Array,
+          state: LayerState | SequenceRows, positions: Array) -> Array:
+    """state: one sequence's LayerState, or a batch's SequenceRows (engine/models/batch.py): every
+    row-wise step runs once on the stacked rows, the attention per sequence over its own cache."""
     p = f"blk.{i}."
     eps = config.rms_eps
     T = x.shape[0]
@@ -195,13 +198,18 @@ def layer(config: ModelConfig, backend: Backend, w: Weights, i: int, x: Array, s
     q = backend.matmul(h, w[p + "attn_q.weight"]).reshape(T, nh, d)
     k = backend.matmul(h, w[p + "attn_k.weight"]).reshape(T, n_kv, d)
     v = backend.matmul(h, w[p + "attn_v.weight"]).reshape(T, n_kv, dv)
-    assert state.kv is not None  # new_layer_state gives every gemma3 layer a KV cache
     q = backend.rms_norm(q, w[p + "attn_q_norm.weight"], eps)
     k = backend.rms_norm(k, w[p + "attn_k_norm.weight"], eps)
+    # positions: the batch's rows' positions side by side (the executor stacks them), so rope runs once
     q = backend.rope(q, positions, config.rope_dims, base, scale=pos_scale)
     k = backend.rope(k, positions, config.rope_dims, base, scale=pos_scale)
     scale = 1.0 / math.sqrt(config.query_pre_attn_scalar)
-    o = backend.attention(q, k, v, state.kv, scale=scale, window=window)  # (T, nh, dv)
+
+    def attend(st: LayerState, _positions: Any, q: Array, k: Array, v: Array) -> Array:
+        assert st.kv is not None  # new_layer_state gives every gemma3 layer a KV cache
+        return backend.attention(q, k, v, st.kv, scale=scale, window=window)
+
+    o = per_sequence(backend, state, positions, (q, k, v), attend)  # (T, nh, dv)
     o = backend.matmul(o.reshape(T, nh * dv), w[p + "attn_output.weight"])
     o = backend.rms_norm(o, w[p + "post_attention_norm.weight"], eps)
     # residual add and the pre-feed-forward norm in one op (a backend may fuse them)

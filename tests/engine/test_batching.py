@@ -1,0 +1,150 @@
+"""Several sequences in one forward pass (Executor.forward_batch) against each sequence alone.
+
+The prompts are the shared Qwen3.5 fixture's sequences (different lengths; transformers' greedy
+continuations as the reference). A batch must give every sequence the logits it gets alone (fp32
+rounding: a GEMM over B rows instead of B GEMVs) and the reference's logits, and the same greedy
+tokens; a sequence prefilling a chunk may share the pass with others decoding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from minecart.engine.model import load_model
+
+SEQUENCES = ["single", "short", "len70", "len128", "len300", "chat", "random100"]
+TOL = 1e-4  # against transformers (as tests/engine/test_qwen35_fixtures.py)
+SAME = 1e-5  # batched against alone: the same float32 arithmetic, summed in another order
+NEAR_TIE = 1e-3
+
+
+def _rel(got: np.ndarray, ref: np.ndarray) -> float:
+    got = np.asarray(got, np.float64).reshape(-1, got.shape[-1])
+    ref = np.asarray(ref, np.float64).reshape(-1, ref.shape[-1])
+    return float((np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)).max())
+
+
+@pytest.fixture(scope="module")
+def fixture(fixtures_dir):
+    model = load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"])
+    refs = {s: dict(np.load(fixtures_dir / "dense" / "ref_hf" / f"{s}.npz")) for s in SEQUENCES}
+    yield model, refs
+    model.close()
+
+
+def _prompts(refs, batch: int) -> list[str]:
+    """`batch` sequence names, cycling through the fixture's (each gets its own session anyway)."""
+    return [SEQUENCES[b % len(SEQUENCES)] for b in range(batch)]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_teacher_forced_batch_matches_alone_and_reference(fixture, batch):
+    """Feed each sequence the reference's greedy tokens, all sequences in one pass per step: every
+    row equals that sequence run alone (SAME) and transformers' decode logits (TOL)."""
+    model, refs = fixture
+    names = _prompts(refs, batch)
+    steps = 12
+    alone = []
+    for name in names:
+        s = model.new_session()
+        s.prefill(refs[name]["tokens"])
+        alone.append(np.stack([s.step(int(t)) for t in refs[name]["gen_tokens"][:steps]]))
+        s.close()
+    sessions = [model.new_session() for _ in names]
+    for s, name in zip(sessions, names, strict=True):
+        s.prefill(refs[name]["tokens"])
+    positions = [s.position for s in sessions]
+    got = np.empty((batch, steps, model.config.vocab_size), np.float32)
+    for k in range(steps):
+        ids = [[int(refs[name]["gen_tokens"][k])] for name in names]
+        out = model.executor.forward_batch(ids, [s.states for s in sessions],
+                                           [np.array([p + k]) for p in positions])
+        assert out.shape == (batch, model.config.vocab_size)
+        got[:, k] = out
+    for b, name in enumerate(names):
+        assert _rel(got[b], alone[b]) <= SAME, f"sequence {b} ({name}) differs from running alone"
+        ref = refs[name]
+        top = np.take_along_axis(got[b], ref["gen_top_ids"][:steps], axis=1)
+        assert _rel(top, ref["gen_top_vals"][:steps]) <= TOL, f"sequence {b} ({name}) vs transformers"
+        for k in range(steps - 1):
+            if ref["gen_argmax_margin"][k] >= NEAR_TIE:
+                assert int(np.argmax(got[b, k])) == int(ref["gen_tokens"][k + 1])
+    for s in sessions:
+        s.close()
+
+
+@pytest.mark.parametrize("batch", [3, 8])
+def test_greedy_batch_gives_the_tokens_of_each_alone(fixture, batch):
+    """Free-running greedy decoding: the batch picks exactly the tokens each sequence picks alone."""
+    model, refs = fixture
+    names = _prompts(refs, batch)
+    steps = 10
+
+    def greedy_alone(name: str) -> list[int]:
+        s = model.new_session()
+        logits = s.prefill(refs[name]["tokens"])
+        out = []
+        for _ in range(steps):
+            out.append(int(np.argmax(logits)))
+            logits = s.step(out[-1])
+        s.close()
+        return out
+
+    expected = [greedy_alone(n) for n in names]
+    sessions = [model.new_session() for _ in names]
+    logits = [s.prefill(refs[n]["tokens"]) for s, n in zip(sessions, names, strict=True)]
+    positions = [s.position for s in sessions]
+    tokens: list[list[int]] = [[] for _ in names]
+    for k in range(steps):
+        nxt = [int(np.argmax(row)) for row in logits]
+        for b, t in enumerate(nxt):
+            tokens[b].append(t)
+        logits = list(model.executor.forward_batch([[t] for t in nxt], [s.states for s in sessions],
+                                                   [np.array([p + k]) for p in positions]))
+    assert tokens == expected
+    for s in sessions:
+        s.close()
+
+
+def test_prefill_chunk_shares_a_pass_with_decodes(fixture):
+    """One sequence's prompt chunk (many rows) and two others' decode tokens in one pass: each
+    sequence's last-row logits and later state equal running it alone."""
+    model, refs = fixture
+    prompt = [int(t) for t in refs["len128"]["tokens"]]
+    alone = model.new_session()
+    alone_first = alone.prefill(prompt[:40])
+    alone_chunk = alone.prefill(prompt[40:100])
+    decoders = []
+    for name in ("short", "len70"):
+        s = model.new_session()
+        s.prefill(refs[name]["tokens"])
+        decoders.append(s)
+    twins = [d.fork() for d in decoders]
+    tok = [int(refs[n]["gen_tokens"][0]) for n in ("short", "len70")]
+    expect_dec = [t.step(x) for t, x in zip(twins, tok, strict=True)]
+
+    batched = model.new_session()
+    first = batched.prefill(prompt[:40])
+    np.testing.assert_array_equal(first, alone_first)
+    out = model.executor.forward_batch(
+        [tok[:1], prompt[40:100], tok[1:]],
+        [decoders[0].states, batched.states, decoders[1].states],
+        [np.array([decoders[0].position]), np.arange(40, 100), np.array([decoders[1].position])])
+    assert _rel(out[1], alone_chunk) <= SAME
+    assert _rel(out[0], expect_dec[0]) <= SAME and _rel(out[2], expect_dec[1]) <= SAME
+    # the recurrent and KV state the batch left behind continue like the sequence alone
+    nxt_alone = alone.prefill(prompt[100:], chunk=None)
+    states_after = model.executor.forward(prompt[100:], batched.states, np.arange(100, len(prompt)))
+    assert _rel(states_after, nxt_alone[None]) <= SAME
+    for s in [alone, batched, *decoders, *twins]:
+        s.close()
+
+
+def test_batch_arguments_are_checked(fixture):
+    model, _ = fixture
+    s = model.new_session()
+    with pytest.raises(ValueError, match="as many state lists"):
+        model.executor.forward_batch([[1], [2]], [s.states], [np.array([0]), np.array([0])])
+    with pytest.raises(ValueError, match="at least one new token"):
+        model.executor.forward_batch([[1], []], [s.states, s.states], [np.array([0]), np.array([0])])
+    s.close()
