@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from minecart.engine.model import load_model
 
 
