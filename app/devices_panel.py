@@ -15,6 +15,7 @@ from PySide6.QtWidgets import (
     QLabel,
     QProgressBar,
     QScrollArea,
+    QSizePolicy,
     QVBoxLayout,
     QWidget,
 )
@@ -23,10 +24,16 @@ from . import theme
 
 
 class DeviceCard(QFrame):
+    MIN_WIDTH = 220
+
     def __init__(self, dev: DeviceInfo, parent=None):
         super().__init__(parent)
         self.setObjectName("Card")
-        self.setFixedWidth(330)
+        # cards share the row down to MIN_WIDTH (four cards and the CPU fit a 1280 px window); a
+        # bigger rig scrolls sideways
+        self.setMinimumWidth(self.MIN_WIDTH)
+        self.setMaximumWidth(330)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Preferred)
         lay = QVBoxLayout(self)
         lay.setContentsMargins(14, 12, 14, 12)
         lay.setSpacing(6)
@@ -54,6 +61,7 @@ class DeviceCard(QFrame):
         lay.addWidget(self.bar)
         self.mem = QLabel()
         self.mem.setObjectName("Subtle")
+        self.mem.setWordWrap(True)
         lay.addWidget(self.mem)
         self.probe = QLabel()
         self.probe.setWordWrap(True)

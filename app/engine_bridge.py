@@ -174,7 +174,7 @@ class EngineBridge(QObject):
         w.start()
 
     def load(self, path, placement=None, devices=None, kv_type: str | None = None) -> bool:
-        """Load a model; kv_type: its KV cache type (engine KV_TYPES; None or "f32": the exact default)."""
+        """Load a model; kv_type: its KV cache type (engine KV_TYPES; None: f32, exact)."""
         if self.runtime is None:
             self.load_failed.emit(self.runtime_error or "the engine is not available")
             return False
@@ -182,12 +182,12 @@ class EngineBridge(QObject):
             self._chat.cancel()
         if self._load is not None:
             self._load.cancel()
+        # always named: the type on screen is the type that runs, whatever the engine's default
         kv_type = kv_type or "f32"
-        # f32 is the engine's default: it is not passed, so loaders without the option keep working
-        options = {} if kv_type == "f32" else {"kv_type": kv_type}
         self._loading_kv_type = kv_type
         return self._submit("_load",
-                            lambda: self.runtime.load(path, devices=devices, placement=placement, **options),
+                            lambda: self.runtime.load(path, devices=devices, placement=placement,
+                                                      kv_type=kv_type),
                             self.load_failed, self._on_load_event)
 
     def replace(self, placement) -> bool:

@@ -60,11 +60,13 @@ KIND_NAMES = {"embedding": "Token embedding", "head": "LM head (output norm + pr
               "attention": "Full attention layer (KV cache)", "sliding": "Sliding-window attention layer"}
 
 
-# The KV cache types offered are the ones the engine runs (load_model(kv_type=)); the planner also prices
-# f16 and q8, which no backend runs, so a plan naming them (older settings) is shown and loaded as f32.
+# The KV cache types offered are the ones the engine runs (load_model(kv_type=)). The app's default is
+# the exact one; the type on screen is always passed to the engine, whatever the engine's own default.
 DEFAULT_KV_TYPE = "f32"
 KV_TYPE_TIPS = {
-    "f32": "f32: exact, 4 bytes per value (the default)",
+    "f32": "f32: exact, 4 bytes per value (the app's default)",
+    "f16": "f16: half precision, 2 bytes per value, half the f32 cache (llama.cpp's default)",
+    "q8_0": "q8_0: 8-bit codes + one fp16 scale per 32 values, 1.06 bytes per value, 3.8x smaller than f32",
     "q3": "q3: 3-bit codes + one fp16 scale per 32 values, 9x smaller than f32. Costs a little accuracy: "
           "on the test models the logits differ from f32 by ~2% (about what Q8_0 weights cost), the top "
           "token agrees at 97-100% of positions; the first tokens of a sequence differ most",
@@ -580,11 +582,13 @@ class LayerMapPanel(QWidget):
         outer.setContentsMargins(24, 18, 24, 18)
         outer.setSpacing(12)
 
-        top = QHBoxLayout()
+        head = QHBoxLayout()
         t = QLabel("Layer map")
         t.setObjectName("PageTitle")
-        top.addWidget(t)
-        top.addStretch(1)
+        head.addWidget(t)
+        head.addStretch(1)
+        # the controls get a row of their own: beside the title they made the page 1,058 px wide
+        top = QHBoxLayout()
         self.subtitle = QLabel("Select a model to plan where its layers run.")
         self.subtitle.setObjectName("Subtle")
         self.subtitle.setWordWrap(True)
@@ -618,6 +622,8 @@ class LayerMapPanel(QWidget):
         self.apply_btn.setObjectName("Primary")
         self.apply_btn.setToolTip("Re-place the loaded model with this plan (and remember it for this model)")
         top.addWidget(self.apply_btn)
+        top.addStretch(1)
+        outer.addLayout(head)
         outer.addLayout(top)
         outer.addWidget(self.subtitle)
         # why the map shows what it shows: a fallback or a failed load (MainWindow's load state)
@@ -627,12 +633,19 @@ class LayerMapPanel(QWidget):
         self.notice.hide()
         outer.addWidget(self.notice)
 
-        legend = QHBoxLayout()
-        legend.setSpacing(14)
+        # two legend rows (one was 900 px wide): the kinds of block, then the parts of a memory bar.
+        # Only the kinds the model has are listed (a Qwen3.5 has no sliding-window layers).
+        kinds = QHBoxLayout()
+        kinds.setSpacing(14)
+        self.kind_swatches = {}
         for kind, text in (("embedding", "Embedding / LM head"), ("gdn", "Gated DeltaNet"),
                            ("attention", "Full attention"), ("sliding", "Sliding window")):
-            legend.addWidget(self._swatch(theme.KIND_COLORS[kind], text))
-        legend.addSpacing(16)
+            self.kind_swatches[kind] = self._swatch(theme.KIND_COLORS[kind], text)
+            kinds.addWidget(self.kind_swatches[kind])
+        kinds.addStretch(1)
+        outer.addLayout(kinds)
+        legend = QHBoxLayout()
+        legend.setSpacing(14)
         for key, text in (("weights", "weights"), ("kv", "KV cache"), ("state", "state"), ("scratch", "scratch"),
                           ("overhead", "CUDA context")):
             legend.addWidget(self._swatch(theme.MEM_COLORS[key], text, bar=True))
@@ -754,6 +767,9 @@ class LayerMapPanel(QWidget):
         for lane in self.lanes:
             lane.refresh(per, issues)
         has_plan = plan is not None
+        present = {"embedding"} | (set(plan.costs.layer_kinds) if has_plan else set(KIND_NAMES))
+        for kind, swatch in self.kind_swatches.items():
+            swatch.setVisible(kind in present)
         self.apply_btn.setEnabled(has_plan and not any(i.severity == "error" for i in issues))
         self.auto_btn.setEnabled(has_plan)
         if has_plan:

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QMainWindow,
     QProgressBar,
     QPushButton,
+    QSizePolicy,
     QStackedWidget,
     QToolButton,
     QVBoxLayout,
@@ -135,19 +136,25 @@ class TopBar(QFrame):
         lay.addWidget(self.icon)
         self.title = QLabel("No model")
         self.title.setObjectName("ModelTitle")
-        lay.addWidget(self.title)
-        self.chips = QHBoxLayout()
+        # nothing in the top bar may widen the window: the title, the chips and the loader's
+        # messages give up room (and are clipped) instead of asking for it
+        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.title.setMinimumWidth(120)
+        lay.addWidget(self.title, 2)
+        chip_host = QWidget()
+        chip_host.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.chips = QHBoxLayout(chip_host)
+        self.chips.setContentsMargins(0, 0, 0, 0)
         self.chips.setSpacing(6)
-        lay.addLayout(self.chips)
-        lay.addStretch(1)
+        lay.addWidget(chip_host, 3)
         self.progress_label = QLabel()
         self.progress_label.setObjectName("Subtle")
-        # loader messages vary in length; a long one must not widen the window
-        self.progress_label.setFixedWidth(300)
+        self.progress_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.progress_label.setMaximumWidth(300)
         self.progress_label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-        lay.addWidget(self.progress_label)
+        lay.addWidget(self.progress_label, 2)
         self.progress = QProgressBar()
-        self.progress.setFixedWidth(220)
+        self.progress.setFixedWidth(160)
         self.progress.setRange(0, 1000)
         lay.addWidget(self.progress)
         self.cancel_btn = QPushButton(theme.icon("close"), " Cancel")
@@ -173,6 +180,11 @@ class TopBar(QFrame):
             c.setObjectName({"ok": "ChipOk", "warn": "ChipWarn"}.get(kind, "Chip"))
             c.setFixedHeight(22)
             self.chips.addWidget(c)
+        self.chips.addStretch(1)
+
+    def chip_texts(self) -> list[str]:
+        return [w.text() for w in (self.chips.itemAt(i).widget() for i in range(self.chips.count()))
+                if w is not None]
 
     def set_loading(self, loading: bool) -> None:
         self.progress.setVisible(loading)

@@ -70,7 +70,7 @@ class ScriptedModel(FakeModelBase):
 def make_loader(model_factory, steps=4, step_delay=0.0, block: threading.Event | None = None):
     """A Runtime loader reporting progress; with `block`, it waits there (so a test can cancel midway)."""
 
-    def loader(path, devices=None, placement=None, progress=None, cancel=None):
+    def loader(path, devices=None, placement=None, progress=None, cancel=None, **options):
         for i in range(steps):
             if cancel is not None and cancel.is_set():
                 raise GenerationCancelled("load cancelled")

@@ -1,7 +1,7 @@
 """The layer map's KV cache type is the one the engine runs: only the engine's KV_TYPES are offered (f32
 by default), Apply with another type loads the model again with it (the runtime's load gets kv_type),
-the estimate and the lanes' numbers follow, the loaded type shows in the window, and an older saved
-plan naming a type the engine does not run (f16) loads as f32."""
+the estimate and the lanes' numbers follow, the loaded type shows in the window, and the type is always
+named to the engine (its own default is not the app's)."""
 
 from __future__ import annotations
 
@@ -43,10 +43,10 @@ def _window(qtbot, bridge, devices):
 
 
 def _chips(win) -> list[str]:
-    return [win.top.chips.itemAt(i).widget().text() for i in range(win.top.chips.count())]
+    return win.top.chip_texts()
 
 
-def test_combo_offers_the_engine_types_f32_first(qtbot, two_gpus, tiny_model):
+def test_combo_offers_the_engine_types(qtbot, two_gpus, tiny_model):
     model = lm.LayerMapModel(two_gpus)
     plan, _ = lm.initial_plan(lm.costs_for_file(tiny_model), two_gpus)
     assert plan.kv_type == "f32"  # a fresh plan prices the cache the engine uses by default
@@ -54,13 +54,11 @@ def test_combo_offers_the_engine_types_f32_first(qtbot, two_gpus, tiny_model):
     panel = lm.LayerMapPanel(model)
     qtbot.addWidget(panel)
     items = [panel.kv_type.itemText(i) for i in range(panel.kv_type.count())]
-    assert tuple(items) == tuple(KV_TYPES) == ("f32", "q3")
+    assert tuple(items) == tuple(KV_TYPES) and "f32" in items and "q3" in items
     assert panel.kv_type.currentText() == "f32"
     assert "9x smaller" in panel.kv_type.toolTip() and "q3" in panel.kv_type.toolTip()
-    assert panel.kv_type.itemData(1, Qt.ItemDataRole.ToolTipRole) == lm.KV_TYPE_TIPS["q3"]
-    # a plan naming a type the planner knows but the engine does not run is shown as f32
-    model.set_plan(plan.with_settings(kv_type="q8_0"))
-    assert model.plan.kv_type == "f32" and panel.kv_type.currentText() == "f32"
+    for i, name in enumerate(items):
+        assert panel.kv_type.itemData(i, Qt.ItemDataRole.ToolTipRole) == lm.KV_TYPE_TIPS[name]
 
 
 def test_apply_q3_loads_the_model_with_a_q3_cache(qtbot, make_bridge, scripted, loader_factory, two_gpus, tiny_model):
@@ -68,7 +66,7 @@ def test_apply_q3_loads_the_model_with_a_q3_cache(qtbot, make_bridge, scripted, 
     win = _window(qtbot, bridge, two_gpus)
     with qtbot.waitSignal(bridge.loaded, timeout=10000):
         win.load(tiny_model)
-    assert "kv_type" not in calls[-1] and "kv_type" not in loader_calls[-1]  # f32: the engine's default
+    assert calls[-1]["kv_type"] == "f32" and loader_calls[-1]["kv_type"] == "f32"  # named, not left to the engine
     assert bridge.kv_type == "f32" and "KV f32" in _chips(win)
     qtbot.waitUntil(lambda: win.layer_model.plan is not None, timeout=10000)
     panel = win.layers
@@ -108,7 +106,7 @@ def test_apply_q3_loads_the_model_with_a_q3_cache(qtbot, make_bridge, scripted, 
     panel.kv_type.setCurrentText("f32")
     with qtbot.waitSignal(bridge.loaded, timeout=10000):
         panel.apply_btn.click()
-    assert len(calls) == n_loads + 2 and "kv_type" not in calls[-1] and bridge.kv_type == "f32"
+    assert len(calls) == n_loads + 2 and calls[-1]["kv_type"] == "f32" and bridge.kv_type == "f32"
     assert "KV f32" in _chips(win)
 
 
@@ -124,24 +122,14 @@ def test_remembered_q3_plan_loads_with_q3(qtbot, make_bridge, scripted, loader_f
     assert bridge.kv_type == "q3" and "KV q3" in _chips(win)
 
 
-def test_old_saved_f16_plan_loads_as_f32(qtbot, make_bridge, scripted, loader_factory, two_gpus, tiny_model):
+def test_saved_f16_plan_loads_with_f16(qtbot, make_bridge, scripted, loader_factory, two_gpus, tiny_model):
     costs = lm.costs_for_file(tiny_model)
-    old = pl.Placement.single(costs, "cuda:1", kv_type="f16").to_dict()
-    assert old["settings"]["kv_type"] == "f16"
-    settings = Settings()
-    settings.remember_plan(tiny_model, old)
-    # the layer map restores it with the type that runs
-    plan, note = lm.initial_plan(costs, two_gpus, Settings().plan_for(tiny_model))
-    assert plan.kv_type == "f32" and plan.assignment == ["cuda:1"] * len(plan.assignment)
-    assert "f16" in note
-
+    Settings().remember_plan(tiny_model, pl.Placement.single(costs, "cuda:1", kv_type="f16").to_dict())
     bridge, calls, loader_calls = _recording_bridge(make_bridge, scripted, loader_factory)
     win = _window(qtbot, bridge, two_gpus)
     with qtbot.waitSignal(bridge.loaded, timeout=10000):
         win.load(tiny_model)
-    assert "kv_type" not in calls[-1] and "kv_type" not in loader_calls[-1]  # f32
     placement = calls[-1]["placement"]
-    assert placement.kv_type == "f32" and placement.assignment == ["cuda:1"] * len(placement.assignment)
-    assert bridge.kv_type == "f32"
-    qtbot.waitUntil(lambda: win.layer_model.plan is not None, timeout=10000)
-    assert win.layer_model.plan.kv_type == "f32" and win.layers.kv_type.currentText() == "f32"
+    assert calls[-1]["kv_type"] == "f16" and loader_calls[-1]["kv_type"] == "f16"
+    assert placement.kv_type == "f16" and placement.assignment == ["cuda:1"] * len(placement.assignment)
+    assert bridge.kv_type == "f16" and win.layers.kv_type.currentText() == "f16"

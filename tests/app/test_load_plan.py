@@ -40,7 +40,7 @@ def _window(qtbot, bridge, devices):
 
 
 def _chips(win) -> list[str]:
-    return [win.top.chips.itemAt(i).widget().text() for i in range(win.top.chips.count())]
+    return win.top.chip_texts()
 
 
 def _by_part(plan) -> dict[str, str]:

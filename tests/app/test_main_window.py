@@ -39,8 +39,7 @@ def test_pages_and_load_progress(qtbot, make_bridge, two_gpus, tiny_model, scrip
         assert win.top.progress.isVisibleTo(win) and win.top.cancel_btn.isVisibleTo(win)
     assert progress and progress[-1] == 1.0
     assert not win.top.progress.isVisibleTo(win)
-    assert win.chat.model_loaded and "loaded" in [win.top.chips.itemAt(i).widget().text()
-                                                 for i in range(win.top.chips.count())]
+    assert win.chat.model_loaded and "loaded" in win.top.chip_texts()
     assert win.settings["last_model"] == str(tiny_model)
 
 
