@@ -246,7 +246,7 @@ def _bound_width_filters(env) -> None:
 def builtin_template_source(name: str) -> str:
     """Text of a built-in template from engine/templates/ (`chatml`, `chatml_qwen35`, `gemma3`)."""
     try:
-        return resources.files("minecart.engine").joinpath("templates", f"{name}.jinja").read_text("utf-8")
+        return resources.files("minecart.engine").joinpath("templates").joinpath(f"{name}.jinja").read_text("utf-8")
     except FileNotFoundError as exc:
         raise TemplateError(f"no built-in chat template named '{name}'") from exc
 
@@ -433,7 +433,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
             for call in calls:
                 if not isinstance(call, dict):
                     continue
-                fn = call.get("function") if isinstance(call.get("function"), dict) else call
+                fn: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else call
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:

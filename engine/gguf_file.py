@@ -18,7 +18,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -92,7 +92,7 @@ class _Reader:
         self.path = path
         self.pos = 0
 
-    def fail(self, message: str, *, key: str | None = None, tensor: str | None = None):
+    def fail(self, message: str, *, key: str | None = None, tensor: str | None = None) -> NoReturn:
         raise GGUFError(self.path, message, key=key, tensor=tensor)
 
     def need(self, n: int, what: str, *, key=None, tensor=None) -> None:
@@ -237,6 +237,7 @@ class GGUFFile:
     # -- parsing -----------------------------------------------------------------------------------
 
     def _parse(self) -> None:
+        assert self._mmap is not None  # opened by __init__
         r = _Reader(self._mmap, self.file_size, self.path)
         magic = bytes(self._mmap[0:4])
         if magic != GGUF_MAGIC:
@@ -334,6 +335,7 @@ class GGUFFile:
         return name, tuple(reversed(ne)), type_id, offset, n_bytes
 
     def _place_tensors(self, infos) -> None:
+        assert self._mmap is not None  # opened by __init__
         data_size = self.file_size - self.data_offset
         spans = []
         for name, shape, type_id, offset, n_bytes in infos:

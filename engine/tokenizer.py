@@ -308,9 +308,9 @@ class Tokenizer:
 
     def _add_bos_eos(self, ids: list[int]) -> list[int]:
         """BOS/EOS where the file asks for them, never doubling one the text already starts/ends with."""
-        if self._add_bos and not (ids and ids[0] == self._bos_id):
+        if self._add_bos and self._bos_id is not None and not (ids and ids[0] == self._bos_id):
             ids.insert(0, self._bos_id)
-        if self._add_eos and not (ids and ids[-1] == self._eos_id):
+        if self._add_eos and self._eos_id is not None and not (ids and ids[-1] == self._eos_id):
             ids.append(self._eos_id)
         return ids
 
