@@ -1,0 +1,368 @@
+"""Continuous batching: many concurrent generations on one model, their decode steps run as one batch.
+
+Each request generates on its caller's thread with the ordinary generate loop (engine/generation.py:
+prompt, sampler, stop strings, events) on a Session whose model is this scheduler's `BatchedModel`.
+That view routes the session's forward passes to one scheduler thread, which owns the executor and
+runs a *step* at a time:
+
+- every sequence waiting for its next token is one row of the step; all of them go through
+  `Executor.forward_batch` together, so the projections and FFN read each weight once for the batch;
+- a prompt is prefilled in chunks of `chunk` tokens, one chunk per step, in the same pass as the
+  decoding rows: a new request never stalls the others for more than one chunk, and joins the batch
+  as soon as its prompt is in;
+- a step starts when every admitted sequence has asked for its next pass (or `gather_s` after the
+  first asked: a sequence that is busy elsewhere, or finishing, does not hold the others up);
+- a finished, cancelled or failed generation leaves at once (its thread stops asking); a prefill
+  whose cancel event is set ends at the next chunk boundary with GenerationCancelled(tokens_done).
+
+Admission: at most `parallel` generations run at once; later ones wait in FIFO order, at most
+`max_queue` of them, and past that `generate` raises QueueFull (the server's 429 + Retry-After).
+A prefix cache (engine/prefix_cache.py) may hand a new request a session that already holds a
+shared start of its prompt.
+
+What this is not: the forward pass (engine/execution.py), the sampler or the generate loop, the
+request/event plumbing of the runtime (engine/runtime.py), or HTTP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import GenerationCancelled, RequestError
+from .execution import Override, shift_override
+from .generation import GenerationEvent, generate
+from .prompt import PromptInput
+from .sampling import SamplingParams
+from .session import Session
+
+if TYPE_CHECKING:
+    from .model import Model
+    from .prefix_cache import PrefixCache
+
+DEFAULT_CHUNK = 128  # prompt tokens per step: bounds how long a new prompt stalls the running decodes
+RATE_WINDOW_S = 10.0  # decode tokens/s is measured over the steps of this many seconds
+
+
+class QueueFull(RequestError):
+    """Every generation slot is busy and the queue is full. `retry_after`: seconds worth waiting."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def _cancelled(tokens_done: int) -> GenerationCancelled:
+    exc = GenerationCancelled("prefill cancelled")
+    exc.tokens_done = tokens_done
+    return exc
+
+
+@dataclass(eq=False)
+class _Pass:
+    """One forward call of one session, waiting for (or part way through) the scheduler's steps."""
+
+    ids: list[int]
+    states: list
+    positions: np.ndarray  # (T,) or (3, T)
+    chunk: int
+    cancel: threading.Event | None
+    override: Override | None
+    done: int = 0  # tokens already run (a prefill runs a chunk per step)
+    logits: np.ndarray | None = None
+    error: BaseException | None = None
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.ids) == 1 and self.override is None
+
+
+class BatchedModel:
+    """The model as a Session of the scheduler sees it: its forward passes become rows of the
+    scheduler's steps; state allocation and freeing go to the model itself."""
+
+    def __init__(self, scheduler: Scheduler, model: Model):
+        self.scheduler = scheduler
+        self.model = model
+
+    def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None,
+                chunk: int | None = None, cancel=None, embed_override=None):
+        """As Model.forward. Passes that want more than the last row, or a hidden-state hook, run
+        directly (serialized with the steps by the executor's lock)."""
+        if rows != "last" or hidden_hook is not None:
+            return self.model.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
+                                      chunk=chunk, cancel=cancel, embed_override=embed_override)
+        return self.scheduler.run_pass(ids, states, positions, chunk=chunk, cancel=cancel,
+                                       embed_override=embed_override)
+
+    def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
+        return self.model.new_state(capacity, kv_type=kv_type)
+
+    def backend_of(self, part: str):
+        return self.model.backend_of(part)
+
+    def _free_states(self, states: list) -> None:  # Session.close frees through its model
+        self.model._free_states(states)
+
+
+@dataclass
+class _Counters:
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    rows_last: int = 0  # sequences in the last step
+    sequences_sum: int = 0  # sum over steps of the sequences in each (mean batch size)
+    max_batch: int = 0
+    rejected: int = 0  # QueueFull raised
+    finished: int = 0
+    recent: deque = field(default_factory=deque)  # (time, decode tokens) of recent steps
+
+
+class Scheduler:
+    """Runs the generations of many callers on one model (see the module docstring).
+
+    parallel: generations running at once; max_queue: callers allowed to wait for a slot; chunk:
+    prompt tokens per step; gather_s: how long a step waits for the slowest running sequence;
+    prefix_cache: shared prompt starts across requests (engine/prefix_cache.py) or None."""
+
+    def __init__(self, model: Model, *, parallel: int = 4, max_queue: int = 16,
+                 chunk: int = DEFAULT_CHUNK, gather_s: float = 0.05,
+                 prefix_cache: PrefixCache | None = None):
+        if parallel < 1 or max_queue < 0 or chunk < 1:
+            raise ValueError("parallel and chunk must be at least 1, max_queue at least 0")
+        self.model = model
+        self.view = BatchedModel(self, model)
+        self.parallel = int(parallel)
+        self.max_queue = int(max_queue)
+        self.chunk = int(chunk)
+        self.gather_s = float(gather_s)
+        self.prefix_cache = prefix_cache
+        self._cond = threading.Condition()
+        self._passes: list[_Pass] = []
+        self._running = 0  # admitted generations
+        self._queue: deque[int] = deque()  # tickets of callers waiting for a slot, in order
+        self._tickets = itertools.count()
+        self._closed = False
+        self._counters = _Counters()
+        self._thread = threading.Thread(target=self._loop, name="minecart-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- callers' side -------------------------------------------------------------------------------
+    def new_session(self, capacity: int | None = None) -> Session:
+        """A session whose passes run through this scheduler (give it to `generate` to keep a
+        conversation's state between turns)."""
+        return Session(self.view, capacity=capacity)
+
+    def generate(self, prompt: PromptInput, params: SamplingParams | None = None, *,
+                 session: Session | None = None, cancel: threading.Event | None = None,
+                 **extras: Any) -> Iterator[GenerationEvent]:
+        """GenerationEvents as engine.generation.generate yields them, with this request's passes
+        batched with everyone else's. Raises QueueFull now (not when iterated) when every slot is
+        busy and `max_queue` callers already wait. Without a session the request gets a fresh one
+        (from the prefix cache when there is one), closed at the end."""
+        with self._cond:
+            if self._closed:
+                raise RequestError("the scheduler is shut down")
+            if self._running >= self.parallel and len(self._queue) >= self.max_queue:
+                self._counters.rejected += 1
+                raise QueueFull(f"all {self.parallel} generation slots are busy and {len(self._queue)} "
+                                "requests are waiting; retry later", self.retry_after())
+            ticket = next(self._tickets)
+            self._queue.append(ticket)
+        return self._generate(ticket, prompt, params, session, cancel, extras)
+
+    def retry_after(self) -> int:
+        """Seconds a rejected caller should wait: about one queue's worth of generations."""
+        return max(1, min(60, 1 + len(self._queue) // max(1, self.parallel)))
+
+    def _generate(self, ticket: int, prompt, params, session, cancel, extras) -> Iterator[GenerationEvent]:
+        t0 = time.perf_counter()
+        admitted = self._wait_for_slot(ticket, cancel)
+        if not admitted:
+            yield GenerationEvent(token=None, text="", finish_reason="cancelled", prompt_tokens=0,
+                                  generated_tokens=0, prompt_tps=None, generation_tps=None,
+                                  elapsed=time.perf_counter() - t0)
+            return
+        own = session is None
+        try:
+            if session is None:
+                session = self.new_session()
+            yield from generate(self.model, prompt, params, session=session, cancel=cancel, **extras)
+        finally:
+            if own and session is not None:
+                session.close()
+            with self._cond:
+                self._running -= 1
+                self._counters.finished += 1
+                self._cond.notify_all()
+
+    def _wait_for_slot(self, ticket: int, cancel: threading.Event | None) -> bool:
+        """Block until `ticket` is first in line and a slot is free (True), or cancel / shutdown
+        (False). The wait re-checks cancel a few times a second."""
+        with self._cond:
+            while True:
+                if self._closed or (cancel is not None and cancel.is_set()):
+                    self._queue.remove(ticket)
+                    self._cond.notify_all()
+                    return False
+                if self._queue[0] == ticket and self._running < self.parallel:
+                    self._queue.popleft()
+                    self._running += 1
+                    self._cond.notify_all()
+                    return True
+                self._cond.wait(0.1)
+
+    def run_pass(self, ids: Sequence[int], states: list, positions, *, chunk: int | None,
+                 cancel: threading.Event | None, embed_override: Override | None) -> np.ndarray:
+        """One session's forward pass (last-row logits) as rows of the coming steps; blocks until
+        its last chunk ran. Called by BatchedModel.forward on the caller's thread."""
+        step = self.chunk if not chunk else min(int(chunk), self.chunk)
+        work = _Pass([int(t) for t in ids], states, np.asarray(positions), step, cancel, embed_override)
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("the scheduler thread cannot wait for its own steps")
+        with self._cond:
+            if self._closed:
+                raise GenerationCancelled("the scheduler is shut down")
+            self._passes.append(work)
+            self._cond.notify_all()
+        work.finished.wait()
+        if work.error is not None:
+            raise work.error
+        assert work.logits is not None
+        return work.logits
+
+    # ---- the scheduler thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._passes and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    pending, self._passes = self._passes, []
+                    break
+                deadline = time.monotonic() + self.gather_s
+                while len(self._passes) < self._running and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                passes = list(self._passes)
+            self._step(passes)
+        for work in pending:
+            self._finish(work, error=GenerationCancelled("the scheduler is shut down"))
+
+    def _finish(self, work: _Pass, logits: np.ndarray | None = None,
+                error: BaseException | None = None) -> None:
+        work.logits, work.error = logits, error
+        with self._cond:
+            if work in self._passes:
+                self._passes.remove(work)
+        work.finished.set()
+
+    def _step(self, passes: list[_Pass]) -> None:
+        """One forward pass over every waiting decode row plus one chunk of the oldest prompt."""
+        decodes = [w for w in passes if w.is_decode]
+        prefill = None
+        for w in passes:
+            if w.is_decode:
+                continue
+            if w.cancel is not None and w.cancel.is_set():
+                self._finish(w, error=_cancelled(w.done))
+            elif prefill is None:
+                prefill = w
+        rows = list(decodes)
+        if prefill is not None and prefill.override is not None:
+            self._run_override_chunk(prefill)  # image rows: alone, through Executor.forward
+            prefill = None
+        if prefill is not None:
+            rows.append(prefill)
+        if not rows:
+            return
+        ids, states, positions = [], [], []
+        for w in rows:
+            stop = min(len(w.ids), w.done + w.chunk)
+            ids.append(w.ids[w.done : stop])
+            states.append(w.states)
+            positions.append(w.positions[..., w.done : stop])
+        try:
+            out = self.model.executor.forward_batch(ids, states, positions)
+        except BaseException as exc:  # every caller in the step gets the failure
+            for w in rows:
+                self._finish(w, error=exc)
+            return
+        for b, w in enumerate(rows):
+            w.done += len(ids[b])
+            if w.done == len(w.ids):
+                self._finish(w, logits=out[b : b + 1])
+        self._count(len(decodes), len(ids[-1]) if prefill is not None else 0, len(rows))
+
+    def _run_override_chunk(self, w: _Pass) -> None:
+        stop = min(len(w.ids), w.done + w.chunk)
+        try:
+            out = self.model.forward(w.ids[w.done : stop], w.states, w.positions[..., w.done : stop],
+                                     rows="last", embed_override=shift_override(w.override, w.done, stop))
+        except BaseException as exc:
+            self._finish(w, error=exc)
+            return
+        self._count(0, stop - w.done, 1)
+        w.done = stop
+        if w.done == len(w.ids):
+            self._finish(w, logits=out)
+
+    def _count(self, decoded: int, prefilled: int, sequences: int) -> None:
+        now = time.monotonic()
+        with self._cond:
+            c = self._counters
+            c.steps += 1
+            c.decode_tokens += decoded
+            c.prefill_tokens += prefilled
+            c.rows_last = sequences
+            c.sequences_sum += sequences
+            c.max_batch = max(c.max_batch, sequences)
+            c.recent.append((now, decoded))
+            while c.recent and c.recent[0][0] < now - RATE_WINDOW_S:
+                c.recent.popleft()
+
+    # ---- observation and shutdown --------------------------------------------------------------------
+    def metrics(self) -> dict[str, float | int]:
+        """Counters for /metrics: queue depth, running generations, batch sizes, decode tokens/s over
+        the last RATE_WINDOW_S seconds, totals; the prefix cache's hit counts when there is one."""
+        with self._cond:
+            c = self._counters
+            span = (c.recent[-1][0] - c.recent[0][0]) if len(c.recent) > 1 else 0.0
+            rate = sum(n for _, n in list(c.recent)[1:]) / span if span > 0 else 0.0
+            out: dict[str, float | int] = {
+                "queue_depth": len(self._queue),
+                "running": self._running,
+                "parallel": self.parallel,
+                "batch_size": c.rows_last,
+                "batch_size_max": c.max_batch,
+                "batch_size_mean": c.sequences_sum / c.steps if c.steps else 0.0,
+                "steps": c.steps,
+                "decode_tokens": c.decode_tokens,
+                "prefill_tokens": c.prefill_tokens,
+                "decode_tokens_per_s": rate,
+                "rejected": c.rejected,
+                "finished": c.finished,
+            }
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the scheduler thread: waiting callers and passes in flight end with
+        GenerationCancelled (a generation ends with a "cancelled" event)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

@@ -1,0 +1,175 @@
+"""The continuous-batching scheduler on the real Qwen3.5 fixture model: concurrent greedy generations
+give exactly the tokens of one-at-a-time generation, while their decode steps really share passes;
+prompts prefill in chunks between decode steps; cancel, the parallel limit, the queue limit and
+shutdown behave."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from minecart.engine.errors import GenerationCancelled
+from minecart.engine.model import load_model
+from minecart.engine.sampling import greedy_params
+from minecart.engine.scheduler import QueueFull, Scheduler
+
+SEQUENCES = ["single", "short", "len70", "len128", "chat", "random100", "len300"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def fixture(fixtures_dir):
+    model = load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"])
+    prompts = {s: [int(t) for t in np.load(fixtures_dir / "dense" / "ref_hf" / f"{s}.npz")["tokens"]]
+               for s in SEQUENCES}
+    expected = {}
+    for name, ids in prompts.items():  # one at a time, the ordinary path
+        events = list(model.generate(ids, greedy_params(max_tokens=MAX_TOKENS)))
+        expected[name] = ([e.token for e in events], events[-1].finish_reason)
+    yield model, prompts, expected
+    model.close()
+
+
+def _run_all(sched: Scheduler, prompts: dict, names: list[str], cancels=None, stagger_s: float = 0.0,
+             max_tokens: dict[int, int] | None = None):
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int, name: str) -> None:
+        try:
+            cancel = cancels[i] if cancels else None
+            n = (max_tokens or {}).get(i, MAX_TOKENS)
+            results[i] = list(sched.generate(prompts[name], greedy_params(max_tokens=n), cancel=cancel))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = []
+    for i, name in enumerate(names):
+        t = threading.Thread(target=worker, args=(i, name))
+        t.start()
+        threads.append(t)
+        time.sleep(stagger_s)
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a generation hung"
+    assert not errors, errors
+    return results
+
+
+def test_concurrent_generations_equal_one_at_a_time(fixture):
+    model, prompts, expected = fixture
+    sched = Scheduler(model, parallel=4, max_queue=8, chunk=32)
+    try:
+        names = ["short", "len70", "chat", "random100", "len128", "single"]  # 6 > parallel: 2 queue
+        results = _run_all(sched, prompts, names)
+        for i, name in enumerate(names):
+            events = results[i]
+            assert ([e.token for e in events], events[-1].finish_reason) == expected[name], name
+            assert events[-1].prompt_tokens == len(prompts[name])
+        m = sched.metrics()
+        assert m["batch_size_max"] >= 3  # decode steps really were shared
+        assert m["batch_size_mean"] > 1.5
+        assert m["decode_tokens"] >= len(names) * (MAX_TOKENS - 1)
+        assert m["running"] == 0 and m["queue_depth"] == 0 and m["finished"] == len(names)
+    finally:
+        sched.close()
+
+
+def test_prompt_prefills_in_chunks_between_decode_steps(fixture):
+    """A 300-token prompt arriving while three sequences decode is prefilled 32 tokens per step, in
+    the same passes as their decode rows (and still gives its own one-at-a-time tokens)."""
+    model, prompts, expected = fixture
+    sched = Scheduler(model, parallel=4, chunk=32)
+    seen: list[tuple[int, int]] = []  # (decode tokens so far, prefill tokens so far) per step
+    original = sched._count
+
+    def spy(decoded: int, prefilled: int, sequences: int) -> None:
+        original(decoded, prefilled, sequences)
+        seen.append((decoded, prefilled))
+
+    sched._count = spy  # type: ignore[method-assign]
+    try:
+        # the three short prompts decode 60 tokens: they are still running when the long one prefills
+        results = _run_all(sched, prompts, ["short", "len70", "chat", "len300"], stagger_s=0.02,
+                           max_tokens={0: 60, 1: 60, 2: 60})
+        assert [e.token for e in results[3]] == expected["len300"][0]
+        long_chunks = [(d, p) for d, p in seen if p == 32]
+        assert len(long_chunks) >= 300 // 32 - 1  # the long prompt went in 32-token pieces
+        assert any(d >= 2 for d, p in long_chunks)  # ... sharing steps with decoding sequences
+    finally:
+        sched.close()
+
+
+def test_cancel_leaves_the_others_exact(fixture):
+    model, prompts, expected = fixture
+    sched = Scheduler(model, parallel=4, chunk=64)
+    try:
+        cancels = [threading.Event() for _ in range(3)]
+        names = ["short", "len70", "chat"]
+        cancels[1].set()  # cancelled before it ever runs (while queued or at its first check)
+        results = _run_all(sched, prompts, names, cancels=cancels)
+        assert results[1][-1].finish_reason == "cancelled"
+        for i in (0, 2):
+            assert [e.token for e in results[i]] == expected[names[i]][0]
+        # cancel mid-generation: the stream ends with "cancelled" within a token
+        cancel = threading.Event()
+        got = []
+        for ev in sched.generate(prompts["len128"], greedy_params(max_tokens=200), cancel=cancel):
+            got.append(ev)
+            if len(got) == 3:
+                cancel.set()
+        assert got[-1].finish_reason == "cancelled" and len(got) <= 5
+        assert sched.metrics()["running"] == 0
+    finally:
+        sched.close()
+
+
+def test_queue_limit_raises_queue_full_with_retry_after(fixture):
+    model, prompts, _ = fixture
+    sched = Scheduler(model, parallel=1, max_queue=1)
+    try:
+        first = sched.generate(prompts["short"], greedy_params(max_tokens=50))
+        next(first)  # admitted and generating (paused between tokens)
+        queued = sched.generate(prompts["short"], greedy_params(max_tokens=2))
+        started = threading.Event()
+        waited: list = []
+
+        def drain() -> None:
+            started.set()
+            waited.extend(queued)
+
+        t = threading.Thread(target=drain)
+        t.start()
+        started.wait()
+        deadline = time.time() + 5
+        while sched.metrics()["queue_depth"] < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(QueueFull) as info:
+            sched.generate(prompts["short"], greedy_params(max_tokens=2))
+        assert info.value.retry_after >= 1
+        assert sched.metrics()["rejected"] == 1
+        first.close()  # the first request ends: the queued one runs
+        t.join(30)
+        assert waited and waited[-1].finish_reason == "length"
+    finally:
+        sched.close()
+
+
+def test_close_ends_waiting_and_running_generations(fixture):
+    model, prompts, _ = fixture
+    sched = Scheduler(model, parallel=1, max_queue=4)
+    running = sched.generate(prompts["short"], greedy_params(max_tokens=100))
+    next(running)
+    queued = sched.generate(prompts["short"], greedy_params(max_tokens=5))
+    out: list = []
+    t = threading.Thread(target=lambda: out.extend(queued))
+    t.start()
+    time.sleep(0.1)
+    sched.close()
+    t.join(10)
+    assert not t.is_alive() and out[-1].finish_reason == "cancelled"
+    with pytest.raises(GenerationCancelled):
+        list(running)
+    running.close()
