@@ -10,9 +10,12 @@ A download writes `<file>.gguf.part` beside the destination, asks for the missin
 header when a part is already there, checks the size and the LFS sha256 the Hub lists, and only then
 renames the part to its `.gguf` name (the library never sees a half file). Cancelling keeps the part.
 
-Not here: widgets or threads (app/download_panel.py), and the exact placement of a model (the layer map
-plans from the file's tensor table once the file is on disk; the fit shown here is an estimate from the
-file size).
+Whether a file suits this machine comes in two steps: `fit_text`, an estimate from the file size alone
+for every file of a listing, and `plan_fit`, the planner's own verdict (the plan the layer map would
+make, and its predicted tokens/s) from the file's header, fetched by Range requests for a file the
+person picks.
+
+Not here: widgets or threads (app/download_panel.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ RESERVE_BYTES = 256 * MiB
 # Weights are about the file's size; the KV cache at a 4K context, the recurrent state and the scratch of
 # the models minecart runs add 5-15 % on top (placement.py prices them exactly once the file is here).
 FIT_MARGIN = 1.15
+# The GGUF header (metadata, vocabulary, tensor table) is read with Range requests starting at this many
+# bytes, four times more each time it runs out; a 250k-token vocabulary makes it ~10 MB.
+HEADER_FIRST_BYTES = 4 * MiB
+HEADER_MAX_BYTES = 256 * MiB
 
 
 class DownloadError(Exception):
@@ -138,6 +145,123 @@ def fit_text(size: int, devices: list[DeviceInfo]) -> str:
     return f"too big: needs ~{format_bytes(need)}, {format_bytes(gpu_room + cpu_room)} free"
 
 
+@dataclass(frozen=True)
+class PlanFit:
+    """The planner's verdict on a remote file for this machine: whether its best plan fits, on which
+    devices, and its predicted decode speed (engine/placement.py plan_candidates / predict_speed)."""
+
+    fits: bool
+    devices: tuple[str, ...]
+    decode_tokens_per_s: float | None
+    text: str  # the words the file list shows
+    detail: str = ""  # why it does not fit (the planner's first error), for the tooltip
+
+
+def _header_prefix(file: RemoteFile, cancel: threading.Event) -> bytes:
+    """The file's first bytes, enough to hold the whole GGUF header (metadata and tensor table): asked
+    for with growing Range requests until engine/model_library's header reader no longer runs out."""
+    import tempfile
+
+    from huggingface_hub import get_session, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+    from minecart.engine import model_library as ml
+
+    url = hf_hub_url(file.repo, file.path, endpoint=endpoint())
+    want = min(HEADER_FIRST_BYTES, file.size)
+    with tempfile.TemporaryDirectory(prefix="minecart-header-") as tmp:
+        probe = Path(tmp) / "prefix.gguf"
+        while True:
+            if cancel.is_set():
+                raise DownloadCancelled("cancelled")
+            headers = build_hf_headers()
+            headers["Range"] = f"bytes=0-{want - 1}"
+            chunks, got = [], 0
+            try:
+                with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                                          timeout=30.0) as r:
+                    if r.status_code >= 400:
+                        r.read()
+                        hf_raise_for_status(r)
+                    for chunk in r.iter_bytes(CHUNK_BYTES):  # a server ignoring Range: stop early
+                        chunks.append(chunk)
+                        got += len(chunk)
+                        if got >= want or cancel.is_set():
+                            break
+            except Exception as exc:  # noqa: BLE001
+                raise _readable(exc, f"Reading the header of {file.name}") from exc
+            prefix = b"".join(chunks)[:want]
+            if prefix[:4] != ml.GGUF_MAGIC:
+                raise DownloadError(f"{file.name} is not a GGUF file (it does not start with 'GGUF')")
+            probe.write_bytes(prefix)
+            try:
+                ml.read_header(probe)
+                return prefix
+            except ValueError as exc:  # a cut-off header reads as truncated or oversized: ask for more
+                if want >= min(file.size, HEADER_MAX_BYTES):
+                    raise DownloadError(f"{file.name} is not a readable GGUF file ({exc})") from exc
+            want = min(want * 4, file.size, HEADER_MAX_BYTES)
+
+
+def _device_specs(devices: list[DeviceInfo]):
+    """What the planner needs per device, with the card's speed from resources/gpu_profiles.json when
+    the card is known there (unknown cards are priced as placement's UNKNOWN_GPU)."""
+    from minecart.engine import gpu_profiles
+    from minecart.engine.placement import DeviceSpec
+
+    from .layer_map import device_spec
+
+    out = []
+    for d in devices:
+        spec = device_spec(d)
+        profile = gpu_profiles.find(d.name) if d.kind == "cuda" else None
+        out.append(DeviceSpec(spec.name, spec.free_bytes, spec.label,
+                              speed=profile.speed if profile is not None else None))
+    return out
+
+
+def plan_fit(file: RemoteFile, devices: list[DeviceInfo], context: int = 4096,
+             cancel: threading.Event | None = None) -> PlanFit:
+    """Plan `file` on `devices` as the layer map would once it is downloaded, from its header alone:
+    the header is fetched with Range requests into a sparse stand-in of the file's full size (the
+    tensor data is never fetched or read), priced with engine/placement.py model_costs, and
+    plan_candidates picks the fastest plan that fits."""
+    import tempfile
+
+    from minecart.engine.model import open_model_file
+    from minecart.engine.placement import model_costs, plan_candidates, validate
+
+    from .layer_map import DEFAULT_KV_TYPE
+
+    cancel = cancel or threading.Event()
+    specs = _device_specs(devices)
+    if not specs:
+        raise DownloadError("no devices to plan on")
+    prefix = _header_prefix(file, cancel)
+    with tempfile.TemporaryDirectory(prefix="minecart-plan-") as tmp:
+        standin = Path(tmp) / file.name
+        with open(standin, "wb") as fh:
+            fh.write(prefix)
+            fh.truncate(file.size)  # sparse: the offsets in the header stay valid, no data on disk
+        try:
+            gf, config = open_model_file(standin)
+        except Exception as exc:  # noqa: BLE001 - the engine's message names the key or tensor
+            raise DownloadError(f"{file.name} cannot be planned: {exc}") from exc
+        try:
+            layout = "stored" if any(s.is_cuda for s in specs) else "numpy"
+            costs = model_costs(config, gf, layout=layout)
+        finally:
+            gf.close()
+    best = plan_candidates(costs, specs, context=context, kv_type=DEFAULT_KV_TYPE)[0]
+    used = tuple(best.plan.devices_used())
+    speed = best.speed.decode_tokens_per_s
+    where = " + ".join(used)
+    if best.fits:
+        return PlanFit(True, used, speed, f"fits on {where} · ~{speed:.0f} tok/s")
+    errors = [i.message for i in validate(best.plan, specs) if i.severity == "error"]
+    return PlanFit(False, used, speed, f"does not fit at {context} tokens of context",
+                   errors[0] if errors else "")
+
+
 def download_folder(model_folders: list[str], data_dir: Path) -> Path:
     """Where downloads go: the first model folder the person chose, else `<data dir>/models`."""
     return Path(model_folders[0]).expanduser() if model_folders else Path(data_dir) / "models"
@@ -226,5 +350,6 @@ def download(file: RemoteFile, folder: Path, progress: Callable[[int, int], None
     return dest
 
 
-__all__ = ["DownloadCancelled", "DownloadError", "RemoteFile", "destination", "download",
-           "download_folder", "endpoint", "fit_text", "list_gguf_files", "part_path", "search_repos"]
+__all__ = ["DownloadCancelled", "DownloadError", "PlanFit", "RemoteFile", "destination", "download",
+           "download_folder", "endpoint", "fit_text", "list_gguf_files", "part_path", "plan_fit",
+           "search_repos"]

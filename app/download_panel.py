@@ -1,6 +1,7 @@
 """The Download panel: search Hugging Face for GGUF repositories, see each file's size and whether it fits
-this machine, download one with progress and Cancel (a later Download resumes), and hand the finished
-file to the library.
+this machine (an estimate from the size for every file, then the planner's plan and predicted tokens/s
+from the header of the file picked), download one with progress and Cancel (a later Download resumes),
+and hand the finished file to the library.
 
 Every network call runs in a `Job` thread (app/jobs.py); the GUI thread only starts jobs and reacts to
 their signals, and progress reaches it at most ten times a second however fast the bytes arrive.
@@ -40,11 +41,17 @@ class DownloadPanel(QWidget):
 
     downloaded = Signal(object)  # Path of a finished file
 
-    def __init__(self, devices: Callable[[], list[DeviceInfo]], folder: Callable[[], Path], parent=None):
+    def __init__(self, devices: Callable[[], list[DeviceInfo]], folder: Callable[[], Path],
+                 context: Callable[[], int] = lambda: 4096, parent=None):
         super().__init__(parent)
         self._devices = devices
         self._folder = folder
+        self._context = context
         self.files: list[dl.RemoteFile] = []
+        # the planner's verdict per (repo, path): (text, tooltip); computed for a file when it is picked
+        self.plans: dict[tuple[str, str], tuple[str, str]] = {}
+        self._plan_job: Job | None = None
+        self._plan_next: dl.RemoteFile | None = None
         self.job: Job | None = None
         self._job_writes = False  # the current job writes a part file: it must stop before another
         self._jobs: set[Job] = set()
@@ -74,7 +81,7 @@ class DownloadPanel(QWidget):
         header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
         header.setSectionResizeMode(1, QHeaderView.ResizeMode.ResizeToContents)
         header.setSectionResizeMode(2, QHeaderView.ResizeMode.ResizeToContents)
-        self.table.itemSelectionChanged.connect(self._update_buttons)
+        self.table.itemSelectionChanged.connect(self._selection_changed)
         self.table.doubleClicked.connect(lambda _: self.start_download())
         split.addWidget(self.table)
         split.setSizes([160, 300])
@@ -188,14 +195,58 @@ class DownloadPanel(QWidget):
         devices = self._devices()
         self.table.setRowCount(len(files))
         for i, f in enumerate(files):
-            fit = "vision projector" if f.is_mmproj else dl.fit_text(f.size, devices)
+            fit, tip = "vision projector", "the picture half of a vision model; it goes beside the model"
+            if not f.is_mmproj:
+                fit, tip = self.plans.get((f.repo, f.path)) or (
+                    dl.fit_text(f.size, devices), "an estimate from the file size; select the file for "
+                    "the plan and speed from its header")
             for col, text in enumerate((f.path, format_bytes(f.size), fit)):
                 item = QTableWidgetItem(text)
-                item.setToolTip(text)
+                item.setToolTip(tip if col == 2 else text)
                 self.table.setItem(i, col, item)
         self.status.setText(f"{len(files)} GGUF file{'s' if len(files) != 1 else ''}; files go to "
                             f"{self._folder()}" if files else "This repository has no GGUF files.")
         self._update_buttons()
+
+    # ---- the planner's verdict for the picked file --------------------------------------------------
+    def _selection_changed(self) -> None:
+        self._update_buttons()
+        f = self.selected_file()
+        if f is not None and not f.is_mmproj and (f.repo, f.path) not in self.plans:
+            self.plan(f)
+
+    def plan(self, f: dl.RemoteFile) -> None:
+        """Fetch `f`'s header and plan it on this machine (one plan at a time; the latest pick waits)."""
+        if self._plan_job is not None:
+            self._plan_next = f
+            return
+        self._set_fit(f, "planning from the file's header…", "")
+        devices, context = self._devices(), self._context()
+        job = Job(lambda progress, cancel: dl.plan_fit(f, devices, context, cancel),
+                  cancel_types=(dl.DownloadCancelled,), error_types=(dl.DownloadError,), parent=self)
+        job.finished_ok.connect(lambda fit: self._planned(f, fit.text, fit.detail or fit.text))
+        job.failed.connect(lambda text: self._planned(f, "cannot plan", text))
+        job.finished.connect(lambda: self._plan_over(job))
+        self._jobs.add(job)
+        self._plan_job = job
+        job.start()
+
+    def _planned(self, f: dl.RemoteFile, text: str, tip: str) -> None:
+        self.plans[(f.repo, f.path)] = (text, tip)
+        self._set_fit(f, text, tip)
+
+    def _plan_over(self, job: Job) -> None:
+        self._jobs.discard(job)
+        self._plan_job = None
+        f, self._plan_next = self._plan_next, None
+        if f is not None and (f.repo, f.path) not in self.plans:
+            self.plan(f)
+
+    def _set_fit(self, f: dl.RemoteFile, text: str, tip: str) -> None:
+        for i, g in enumerate(self.files):
+            if g == f and self.table.item(i, 2) is not None:
+                self.table.item(i, 2).setText(text)
+                self.table.item(i, 2).setToolTip(tip or text)
 
     def selected_file(self) -> dl.RemoteFile | None:
         rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []

@@ -2,7 +2,8 @@
 
 - GET /api/models?search=...           model search (JSON list of {"id": ...})
 - GET /api/models/{owner}/{name}/tree/{revision}[/{path}]?recursive=...   file listing with LFS sha256
-- GET /{owner}/{name}/resolve/{revision}/{path}   the file, honouring "Range: bytes=N-" with a 206
+- GET /{owner}/{name}/resolve/{revision}/{path}   the file, honouring "Range: bytes=A-" and "bytes=A-B"
+  with a 206
 
 Unknown repositories answer 404 with X-Error-Code: RepoNotFound, as the Hub does. `delay_s` sleeps
 between 64 KiB pieces so a test can cancel mid-download; `ranges` records every Range header."""
@@ -89,19 +90,21 @@ class HubStandIn:
             def _send_file(self, data: bytes):
                 rng = self.headers.get("Range")
                 hub.ranges.append(rng)
-                start = 0
-                if rng and rng.startswith("bytes=") and rng.endswith("-"):
-                    start = int(rng[6:-1])
+                start, end = 0, len(data)  # end exclusive
+                if rng and rng.startswith("bytes="):
+                    first, _, last = rng[6:].partition("-")
+                    start = int(first)
+                    end = min(len(data), int(last) + 1) if last else len(data)
                     self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
                 else:
                     self.send_response(200)
                 self.send_header("Content-Type", "application/octet-stream")
-                self.send_header("Content-Length", str(len(data) - start))
+                self.send_header("Content-Length", str(end - start))
                 self.end_headers()
                 try:
-                    for i in range(start, len(data), PIECE):
-                        self.wfile.write(data[i:i + PIECE])
+                    for i in range(start, end, PIECE):
+                        self.wfile.write(data[i:min(i + PIECE, end)])
                         self.wfile.flush()
                         if hub.delay_s:
                             time.sleep(hub.delay_s)

@@ -124,6 +124,9 @@ def test_panel_search_cancel_resume(qtbot, hub, tmp_path):
         assert panel.table.item(0, 2).text() == "vision projector"
         panel.table.selectRow(2)
         assert panel.download_btn.isEnabled()
+        # picking a file asks the planner, from the file's header; this one is no GGUF at all
+        qtbot.waitUntil(lambda: panel.table.item(2, 2).text() == "cannot plan", timeout=10000)
+        assert "not a GGUF file" in panel.table.item(2, 2).toolTip()
 
         panel.download_btn.click()
         qtbot.waitUntil(lambda: panel.progress.value() > 0, timeout=10000)
@@ -141,7 +144,7 @@ def test_panel_search_cancel_resume(qtbot, hub, tmp_path):
         qtbot.waitUntil(lambda: not panel.busy(), timeout=5000)
     assert got.args == [dest]
     assert dest.read_bytes() == BIG and not part.exists()
-    assert hub.ranges == [None, f"bytes={kept}-"]
+    assert hub.ranges == [f"bytes=0-{len(BIG) - 1}", None, f"bytes={kept}-"]  # header, try, rest
     assert panel.status.text() == f"Downloaded to {dest}"
     assert hb.ticks > 20 and hb.max_gap_ms <= 50, f"GUI thread stalled {hb.max_gap_ms:.0f} ms"
     panel.grab().save(str(tmp_path / "download.png"))
@@ -155,3 +158,26 @@ def test_panel_shows_a_missing_repo_in_words(qtbot, hub, tmp_path):
     panel.list_files("acme/missing")
     qtbot.waitUntil(lambda: not panel.busy(), timeout=10000)
     assert "no such model repository" in panel.error.text()
+
+
+def test_plan_fit_from_the_header_alone(monkeypatch, tiny_model):
+    """The planner's verdict on a remote file: its header comes by Range requests (never the whole
+    file), and the plan and predicted speed are the ones engine/placement.py makes for it."""
+    data = tiny_model.read_bytes()
+    with HubStandIn({"acme/tiny": {"tiny-Q8_0.gguf": data, "notes.gguf": b"NOPE" * 100}}) as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
+        files = {f.name: f for f in dl.list_gguf_files("acme/tiny")}
+        f = files["tiny-Q8_0.gguf"]
+        fit = dl.plan_fit(f, [_gpu(0, 8, "NVIDIA P104-100"), _cpu(16)])
+        # 4 MiB did not hold the ~11 MB header, 16 MiB did; the rest of the file was never asked for
+        assert h.ranges == ["bytes=0-4194303", "bytes=0-16777215"]
+        assert fit.fits and fit.devices == ("cuda:0",)
+        assert fit.decode_tokens_per_s > 0
+        assert fit.text == f"fits on cuda:0 · ~{fit.decode_tokens_per_s:.0f} tok/s"
+
+        tight = dl.plan_fit(f, [_gpu(0, 0.01), _cpu(0.01)])  # 10 MiB each: the weights alone are 19 MB
+        assert not tight.fits and tight.text == "does not fit at 4096 tokens of context"
+        assert tight.detail  # the planner's reason, for the tooltip
+        with pytest.raises(dl.DownloadError, match="not a GGUF file"):
+            dl.plan_fit(files["notes.gguf"], [_cpu(16)])
