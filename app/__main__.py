@@ -3,15 +3,25 @@
 Options: `--model PATH` selects (and loads) a GGUF instead of the default (the last model used, else the
 demo model); `--screenshot PATH [--view chat|models|layers|graphs]` renders the window offscreen with the
 model loaded, saves a PNG and exits (`--prompt TEXT` first sends one chat message and waits for the
-reply, so the chat view has something to show). The engine itself lives in minecart.engine.
+reply, so the chat view has something to show; `--during-reply` takes the pictures while it streams;
+`--conversation FILE` shows a saved conversation instead).
+
+Screenshot mode runs in a throwaway profile: settings and conversations go to a temporary folder that
+is deleted on exit, so the user's settings (max tokens, thinking) and conversation list are untouched.
+The engine itself lives in minecart.engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 # The NumPy engine shares two cores with the GUI thread: OpenBLAS threads fighting the GUI for them made
 # small matmuls 4-5x slower in measurements, so the app runs BLAS single-threaded unless told otherwise.
@@ -32,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="with --screenshot: send this chat message first and wait for the reply")
     p.add_argument("--thinking", action="store_true", help="with --prompt: turn thinking on for that message")
     p.add_argument("--max-tokens", type=int, help="with --prompt: cap the reply at this many tokens")
+    p.add_argument("--during-reply", action="store_true",
+                   help="with --prompt: take the pictures while the reply streams (after 400 characters)")
+    p.add_argument("--conversation", metavar="FILE",
+                   help="with --screenshot: show this saved conversation (JSON, as the app saves them)")
     p.add_argument("--size", default="1440x900", help="window size WxH (default 1440x900)")
     p.add_argument("--timeout", type=float, default=600.0, help="with --screenshot: give up waiting after this many seconds")
     return p
@@ -47,10 +61,36 @@ def _wait(app, predicate, timeout: float) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def throwaway_profile():
+    """Settings and conversations in a temporary folder for as long as the block runs."""
+    keys = ("MINECART_CONFIG_DIR", "MINECART_DATA_DIR")
+    saved = {k: os.environ.get(k) for k in keys}
+    folder = tempfile.mkdtemp(prefix="minecart-screenshot-")
+    os.environ["MINECART_CONFIG_DIR"] = os.path.join(folder, "config")
+    os.environ["MINECART_DATA_DIR"] = os.path.join(folder, "data")
+    try:
+        yield Path(folder)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.screenshot and not os.environ.get("QT_QPA_PLATFORM"):
+    if not args.screenshot:
+        return _run(args)
+    if not os.environ.get("QT_QPA_PLATFORM"):
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    with throwaway_profile():
+        return _run(args)
+
+
+def _run(args) -> int:
     from PySide6.QtWidgets import QApplication
 
     from . import theme
@@ -92,13 +132,21 @@ def main(argv: list[str] | None = None) -> int:
     if not load_errors:  # a failed load makes no layer plan: do not wait 30 s for one
         _wait(app, lambda: win.layer_model.plan is not None, 30)
     _wait(app, lambda: win.library.scan_thread is None or win.library.scan_thread.isFinished(), 60)
+    if args.conversation:
+        if not _show_conversation(win, Path(args.conversation)):
+            return 2
     if args.prompt and win.chat.model_loaded:
         win.chat.think_btn.setChecked(args.thinking)
         if args.max_tokens:
             win.chat.settings_panel.max_tokens.setValue(args.max_tokens)
         win.chat.input.setPlainText(args.prompt)
         win.chat.send()
-        _wait(app, lambda: not win.bridge.generating, args.timeout)
+        if args.during_reply:
+            _wait(app, lambda: not win.bridge.generating or (
+                win.chat.current is not None and len(win.chat.current.message.get("content") or "") >= 400),
+                args.timeout)
+        else:
+            _wait(app, lambda: not win.bridge.generating, args.timeout)
     all_saved = True
     for view in views:
         win.show_page(view)
@@ -111,9 +159,25 @@ def main(argv: list[str] | None = None) -> int:
         saved = pix.save(path, "PNG")
         all_saved = all_saved and saved
         print(f"{'saved' if saved else 'could not save'} {path} ({pix.width()}x{pix.height()})")
+    win.chat.stop()
     win.close()
     app.processEvents()
     return 0 if all_saved else 1
+
+
+def _show_conversation(win, path: Path) -> bool:
+    """Open a saved conversation file in the chat (copied into the throwaway profile's store)."""
+    from .conversations import Conversation
+
+    try:
+        conv = Conversation.from_dict(json.loads(path.read_text("utf-8")))
+    except (OSError, ValueError) as exc:
+        print(f"minecart: cannot show the conversation {path}: {exc}", file=sys.stderr)
+        return False
+    win.chat.store.save(conv)
+    win.chat.refresh_conversations()
+    win.chat.open_conversation(conv.id)
+    return True
 
 
 if __name__ == "__main__":
