@@ -84,7 +84,7 @@ class DownloadPanel(QWidget):
         self.table.itemSelectionChanged.connect(self._selection_changed)
         self.table.doubleClicked.connect(lambda _: self.start_download())
         split.addWidget(self.table)
-        split.setSizes([160, 300])
+        split.setSizes([120, 340])
         lay.addWidget(split, 1)
         bottom = QHBoxLayout()
         self.progress = QProgressBar()
