@@ -241,7 +241,9 @@ def plan_fit(file: RemoteFile, devices: list[DeviceInfo], context: int = 4096,
         standin = Path(tmp) / file.name
         with open(standin, "wb") as fh:
             fh.write(prefix)
-            fh.truncate(file.size)  # sparse: the offsets in the header stay valid, no data on disk
+            # sparse on Linux and macOS file systems: the header's offsets stay valid and no data is
+            # written (on NTFS the size is reserved, not written)
+            fh.truncate(file.size)
         try:
             gf, config = open_model_file(standin)
         except Exception as exc:  # noqa: BLE001 - the engine's message names the key or tensor
@@ -268,9 +270,14 @@ def download_folder(model_folders: list[str], data_dir: Path) -> Path:
 
 
 def destination(file: RemoteFile, folder: Path) -> Path:
-    """`folder/owner/name/path`, the layout LM Studio uses, so two repos' same-named files never clash."""
+    """`folder/owner/name/path`, the layout LM Studio uses, so two repos' same-named files never clash.
+    A name that would land outside `folder` (a '..' from a hostile mirror) is refused."""
     owner, name = file.repo.split("/")
-    return Path(folder) / owner / name / file.path
+    root = Path(folder).resolve()
+    dest = (root / owner / name / file.path).resolve()
+    if root not in dest.parents or ".." in Path(file.path).parts or ".." in (owner, name):
+        raise DownloadError(f"refusing to save {file.repo}/{file.path}: the name leads outside {root}")
+    return dest
 
 
 def part_path(dest: Path) -> Path:
@@ -297,7 +304,7 @@ def download(file: RemoteFile, folder: Path, progress: Callable[[int, int], None
 
     cancel = cancel or threading.Event()
     progress = progress or (lambda done, total: None)
-    dest = destination(file, folder)
+    dest = destination(file, folder)  # before any request: a bad name fails without network
     if dest.is_file() and dest.stat().st_size == file.size:
         progress(file.size, file.size)
         return dest

@@ -96,6 +96,14 @@ def test_a_slow_search_can_be_cancelled(qtbot, hub, tmp_path, monkeypatch):
     assert panel.repos.count() == 0  # the late answer is dropped
 
 
+def test_a_name_leading_outside_the_folder_is_refused(tmp_path):
+    for repo, path in (("acme/x", "../../escape.gguf"), ("../x", "a.gguf"), ("acme/x", "/etc/a.gguf")):
+        with pytest.raises(dl.DownloadError, match="leads outside"):
+            dl.download(dl.RemoteFile(repo, path, 10), tmp_path / "models")
+    assert dl.destination(dl.RemoteFile("acme/x", "sub/a.gguf", 1), tmp_path) == \
+        tmp_path.resolve() / "acme" / "x" / "sub" / "a.gguf"
+
+
 def test_damaged_download_is_refused(hub, tmp_path):
     hub.sha_override["sub/tiny-Q8_0.gguf"] = "f" * 64
     (f,) = [f for f in dl.list_gguf_files(REPO) if f.name == "tiny-Q8_0.gguf"]
