@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,13 +39,13 @@ import numpy as np
 from .errors import GenerationCancelled, RequestError
 from .execution import Override, shift_override
 from .generation import GenerationEvent, generate
+from .prefix_cache import CacheStart, PrefixCache
 from .prompt import PromptInput
 from .sampling import SamplingParams
 from .session import Session
 
 if TYPE_CHECKING:
     from .model import Model
-    from .prefix_cache import PrefixCache
 
 DEFAULT_CHUNK = 128  # prompt tokens per step: bounds how long a new prompt stalls the running decodes
 RATE_WINDOW_S = 10.0  # decode tokens/s is measured over the steps of this many seconds
@@ -83,6 +83,18 @@ class _Pass:
     @property
     def is_decode(self) -> bool:
         return len(self.ids) == 1 and self.override is None
+
+
+def _cache_accounted(ev: GenerationEvent, start: CacheStart) -> GenerationEvent:
+    """An event of a generation whose session the prefix cache prepared: the tokens the cache
+    prefilled to extend itself were computed for this request, not cached, and took their time."""
+    computed_in_loop = ev.prompt_tokens - ev.cached_tokens
+    loop_s = computed_in_loop / ev.prompt_tps if ev.prompt_tps else 0.0
+    computed = computed_in_loop + start.prefilled_tokens
+    seconds = loop_s + start.prefill_s
+    return replace(ev, cached_tokens=ev.cached_tokens - start.prefilled_tokens,
+                   prompt_tps=computed / seconds if computed and seconds > 0 else None,
+                   elapsed=ev.elapsed + start.prefill_s)
 
 
 class BatchedModel:
@@ -192,10 +204,16 @@ class Scheduler:
                                   elapsed=time.perf_counter() - t0)
             return
         own = session is None
+        start: CacheStart | None = None
         try:
-            if session is None:
+            if session is None and self.prefix_cache is not None and not extras \
+                    and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                start = self.prefix_cache.start(self.new_session, prompt, cancel)
+                session = start.session
+            elif session is None:
                 session = self.new_session()
-            yield from generate(self.model, prompt, params, session=session, cancel=cancel, **extras)
+            for ev in generate(self.model, prompt, params, session=session, cancel=cancel, **extras):
+                yield ev if start is None else _cache_accounted(ev, start)
         finally:
             if own and session is not None:
                 session.close()

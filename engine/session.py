@@ -205,7 +205,9 @@ class Session:
         for i, st in enumerate(self.states):
             be = self._layer_backend(i)
             for name, host in snap.recurrent[i].items():
-                st.recurrent[name] = be.asarray(host)
+                # a copy: a host backend may wrap the array as is, and the state is updated in place,
+                # which would change the snapshot for its next restore
+                st.recurrent[name] = be.asarray(host.copy())
             length = snap.kv_lengths[i]
             if st.kv is not None and length is not None:
                 st.kv.truncate(length)
