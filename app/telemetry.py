@@ -40,6 +40,7 @@ THROTTLE_REASONS: tuple[tuple[int, str], ...] = (
     (0x200, "board limit"),
     (0x400, "reliability"),
 )
+THROTTLE_IDLE = 0x001
 NVML_TEMPERATURE_GPU = 0
 NVML_CLOCK_SM = 1
 NVML_CLOCK_MEM = 2

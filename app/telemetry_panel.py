@@ -29,8 +29,8 @@ from PySide6.QtWidgets import (
 from . import telemetry as tm
 from . import theme
 
-# (field shown as a sparkline, its caption, unit, colour index in theme.SERIES_COLORS, smallest span);
-# the smallest range a line spans (so 9-11 W of noise does not fill the box like 30-180 W does)
+# (field drawn as a sparkline, caption, unit, colour index in theme.SERIES_COLORS, smallest range drawn:
+# so that 9-11 W of noise does not fill the box the way 30-180 W does)
 SPARKS = (("power_w", "power", "W", 0, 40.0), ("temperature_c", "temperature", "°C", 3, 20.0),
           ("gpu_util", "utilization", "%", 2, 100.0))
 BUILD_PAUSE_MS = 15  # between building two cards
@@ -159,17 +159,17 @@ class CardView(QFrame):
     def show_reading(self, r: tm.CardReading, history: tm.TelemetryHistory) -> None:
         for name, fmt in ROWS:
             self.values[name].setText(fmt(r))
-        throttled = (r.throttle_bits or 0) & ~0x001  # idle is not a problem
-        label = self.values["Throttle"]
-        if label.objectName() != ("WarnText" if throttled else ""):  # re-polish only on a change
-            label.setObjectName("WarnText" if throttled else "")
-            label.style().polish(label)
-        for field, label, unit, _, _ in SPARKS:
+        throttled = (r.throttle_bits or 0) & ~tm.THROTTLE_IDLE  # an idle card is not held back
+        throttle = self.values["Throttle"]
+        if throttle.objectName() != ("WarnText" if throttled else ""):  # re-polish only on a change
+            throttle.setObjectName("WarnText" if throttled else "")
+            throttle.style().polish(throttle)
+        for field, caption, unit, _, _ in SPARKS:
             xs, ys = history.series(self.index, field)
             self.curves[field].set_data(xs, ys)
             # the line is scaled to its own range: the caption says what that range is
             if ys:
-                self.captions[field].setText(f"{label} {min(ys):.0f}–{max(ys):.0f} {unit}")
+                self.captions[field].setText(f"{caption} {min(ys):.0f}–{max(ys):.0f} {unit}")
 
 
 class TelemetryPanel(QWidget):
