@@ -7,9 +7,9 @@ runs a *step* at a time:
 
 - every sequence waiting for its next token is one row of the step; all of them go through
   `Executor.forward_batch` together, so the projections and FFN read each weight once for the batch;
-- a prompt is prefilled in chunks of `chunk` tokens, one chunk per step, in the same pass as the
-  decoding rows: a new request never stalls the others for more than one chunk, and joins the batch
-  as soon as its prompt is in;
+- prompts are prefilled in chunks, at most `chunk` prompt tokens per step (oldest prompt first, so
+  several short prompts share one step), in the same pass as the decoding rows: a new request never
+  stalls the others for more than one chunk, and joins the batch as soon as its prompt is in;
 - a step starts when every admitted sequence has asked for its next pass (or `gather_s` after the
   first asked: a sequence that is busy elsewhere, or finishing, does not hold the others up);
 - a finished, cancelled or failed generation leaves at once (its thread stops asking); a prefill
@@ -286,30 +286,37 @@ class Scheduler:
         work.finished.set()
 
     def _step(self, passes: list[_Pass]) -> None:
-        """One forward pass over every waiting decode row plus one chunk of the oldest prompt."""
+        """One forward pass over every waiting decode row plus prompt chunks, oldest prompt first,
+        up to `chunk` prompt tokens in all (so a step's cost stays bounded whatever arrives)."""
         decodes = [w for w in passes if w.is_decode]
-        prefill = None
+        rows = list(decodes)
+        ids, states, positions = [], [], []
+        for w in decodes:
+            ids.append(w.ids)
+            states.append(w.states)
+            positions.append(w.positions)
+        budget = self.chunk
+        prefilled = 0
         for w in passes:
-            if w.is_decode:
+            if w.is_decode or budget <= 0:
                 continue
             if w.cancel is not None and w.cancel.is_set():
                 self._finish(w, error=_cancelled(w.done))
-            elif prefill is None:
-                prefill = w
-        rows = list(decodes)
-        if prefill is not None and prefill.override is not None:
-            self._run_override_chunk(prefill)  # image rows: alone, through Executor.forward
-            prefill = None
-        if prefill is not None:
-            rows.append(prefill)
-        if not rows:
-            return
-        ids, states, positions = [], [], []
-        for w in rows:
-            stop = min(len(w.ids), w.done + w.chunk)
+                continue
+            if w.override is not None:  # image rows: alone, through Executor.forward
+                if not prefilled:
+                    self._run_override_chunk(w)
+                    budget = 0
+                continue
+            stop = min(len(w.ids), w.done + w.chunk, w.done + budget)
+            rows.append(w)
             ids.append(w.ids[w.done : stop])
             states.append(w.states)
             positions.append(w.positions[..., w.done : stop])
+            budget -= stop - w.done
+            prefilled += stop - w.done
+        if not rows:
+            return
         try:
             out = self.model.executor.forward_batch(ids, states, positions)
         except BaseException as exc:  # every caller in the step gets the failure
@@ -320,7 +327,7 @@ class Scheduler:
             w.done += len(ids[b])
             if w.done == len(w.ids):
                 self._finish(w, logits=out[b : b + 1])
-        self._count(len(decodes), len(ids[-1]) if prefill is not None else 0, len(rows))
+        self._count(len(decodes), prefilled, len(rows))
 
     def _run_override_chunk(self, w: _Pass) -> None:
         stop = min(len(w.ids), w.done + w.chunk)
