@@ -205,7 +205,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     def __init__(self, device: str = "cpu:0", *, int_experts: bool | None = None,
                  expert_threads: int | None = None):
         """int_experts: a decode token's routed experts on the integer kernels (engine/cpu_experts.py);
-        None: wherever numba imports. expert_threads: their threads (None: the usable cores)."""
+        None: wherever numba imports. expert_threads: their threads (None: engine.threads.default_threads,
+        as for BLAS)."""
         if not str(device).startswith("cpu"):
             raise ValueError(f"NumpyBackend runs on the CPU; got device '{device}' (use 'cpu:0')")
         self.device = str(device)
@@ -559,10 +560,10 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         return stack(gate_exps), None if up_exps is None else stack(up_exps), stack(down_exps)
 
     def _expert_threads(self) -> int:
-        if self.expert_threads is None:
-            from ..threads import usable_cores
+        if self.expert_threads is None:  # the engine's rule for BLAS: 1 on a small machine
+            from ..threads import default_threads, usable_cores
 
-            self.expert_threads = usable_cores()
+            self.expert_threads = default_threads(usable_cores())
         return self.expert_threads
 
     # ---- sampling helpers --------------------------------------------------------------------------
