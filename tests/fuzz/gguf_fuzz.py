@@ -235,9 +235,9 @@ def run_one(i: int, recipe: dict, bases: dict[str, Forged], folder: Path) -> Out
 
 
 def _worker() -> None:
-    """Reads {"i", "recipe"} lines from stdin, answers one Outcome per line on stdout."""
+    """Runs the recipes of a JSON-lines file from a start index; one Outcome per line on stdout."""
     logging.disable(logging.WARNING)
-    fixtures = Path(sys.argv[2])
+    recipes_file, start, fixtures = Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     import minecart.engine  # noqa: F401 - imports before the limit is measured
     from minecart.engine import load_model  # noqa: F401
     from minecart.engine.vision.mmproj import load_vision  # noqa: F401
@@ -249,11 +249,11 @@ def _worker() -> None:
         vm_bytes = int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     resource.setrlimit(resource.RLIMIT_AS, (vm_bytes + MEMORY_LIMIT_BYTES, resource.RLIM_INFINITY))
     signal.signal(signal.SIGALRM, _alarm)
-    with tempfile.TemporaryDirectory(prefix="minecart-fuzz-") as tmp:
-        for line in sys.stdin:
-            job = json.loads(line)
-            out = run_one(job["i"], job["recipe"], bases, Path(tmp))
-            print(json.dumps(out.__dict__), flush=True)
+    with tempfile.TemporaryDirectory(prefix="minecart-fuzz-") as tmp, open(recipes_file) as fh:
+        for i, line in enumerate(fh):
+            if i >= start:
+                out = run_one(i, json.loads(line), bases, Path(tmp))
+                print(json.dumps(out.__dict__), flush=True)
 
 
 def run_cases(recipes: list[dict], fixtures: Path) -> list[Outcome]:
@@ -263,22 +263,22 @@ def run_cases(recipes: list[dict], fixtures: Path) -> list[Outcome]:
     start = 0
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(paths))
-    while start < len(recipes):
-        proc = subprocess.Popen([sys.executable, "-m", "tests.fuzz.gguf_fuzz", "worker", str(fixtures)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                env=env)
-        assert proc.stdin is not None and proc.stdout is not None
-        for i in range(start, len(recipes)):
-            proc.stdin.write(json.dumps({"i": i, "recipe": recipes[i]}) + "\n")
-        proc.stdin.close()
-        for line in proc.stdout:
-            outcomes.append(Outcome(**json.loads(line)))
-        proc.wait()
-        done = outcomes[-1].case + 1 if outcomes and outcomes[-1].case >= start else start
-        if done < len(recipes):
-            outcomes.append(Outcome(done, "raw", f"the worker died (exit {proc.returncode})", 0.0, 0))
-            done += 1
-        start = done
+    with tempfile.TemporaryDirectory(prefix="minecart-fuzz-") as tmp:
+        recipes_file = Path(tmp) / "recipes.jsonl"
+        recipes_file.write_text("".join(json.dumps(r) + "\n" for r in recipes))
+        while start < len(recipes):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.fuzz.gguf_fuzz", "worker", str(recipes_file), str(start),
+                 str(fixtures)], stdout=subprocess.PIPE, text=True, cwd=REPO, env=env)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                outcomes.append(Outcome(**json.loads(line)))
+            proc.wait()
+            done = outcomes[-1].case + 1 if outcomes and outcomes[-1].case >= start else start
+            if done < len(recipes):
+                outcomes.append(Outcome(done, "raw", f"the worker died (exit {proc.returncode})", 0.0, 0))
+                done += 1
+            start = done
     return outcomes
 
 
