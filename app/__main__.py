@@ -123,7 +123,7 @@ def _run(args) -> int:
         return app.exec()
 
     # Screenshot mode: wait for the load (or its failure), optionally one chat turn, then grab.
-    ok = _wait(app, lambda: bool(load_errors) or (not win.bridge.loading and win.selected is not None),
+    ok = _wait(app, lambda: bool(load_errors) or (not win.loading and win.selected is not None),
                args.timeout)
     if load_errors:
         print(f"minecart: could not load the model: {load_errors[-1]}", file=sys.stderr)

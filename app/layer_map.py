@@ -26,7 +26,17 @@ from PySide6.QtCore import (
     Qt,
     Signal,
 )
-from PySide6.QtGui import QAction, QColor, QFont, QPainter, QPainterPath, QPen
+from PySide6.QtGui import (
+    QAction,
+    QColor,
+    QFont,
+    QKeySequence,
+    QPainter,
+    QPainterPath,
+    QPen,
+    QUndoCommand,
+    QUndoStack,
+)
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
@@ -102,6 +112,7 @@ class LayerMapModel(QAbstractItemModel):
         self.plan: pl.Placement | None = None
         self.keep_contiguous = True
         self._children: list[list[int]] = [[] for _ in self.devices]
+        self.undo_stack = QUndoStack(self)  # every edit of the plan, for Ctrl+Z / Ctrl+Shift+Z
 
     # ---- data in and out ----------------------------------------------------------------------------
     def set_devices(self, devices: list[DeviceInfo]) -> None:
@@ -111,8 +122,14 @@ class LayerMapModel(QAbstractItemModel):
         self.endResetModel()
 
     def set_plan(self, plan: pl.Placement | None) -> None:
+        """Show a new plan (another model's, or where the engine placed this one): edits before it
+        can no longer be undone."""
+        self.undo_stack.clear()
+        self._show(plan)
+
+    def _show(self, plan: pl.Placement | None) -> None:
         self.beginResetModel()
-        self.plan = runnable_plan(plan)
+        self.plan = runnable_plan(plan.copy() if plan is not None else None)
         plan = self.plan
         # a saved plan may name a device that is gone; it still shows (as a lane) so the user can move off it
         if plan is not None:
@@ -148,7 +165,18 @@ class LayerMapModel(QAbstractItemModel):
     def overflowing(self) -> list[str]:
         return [i.device for i in self.issues() if i.severity == "error" and i.device]
 
-    # ---- editing ------------------------------------------------------------------------------------
+    # ---- editing: each edit is one undoable step -----------------------------------------------------
+    def _edit(self, text: str, change) -> bool:
+        """Apply `change(plan)` to a copy of the plan as one undo step; False when it changed nothing."""
+        if self.plan is None:
+            return False
+        before, after = self.plan.copy(), self.plan.copy()
+        change(after)  # a refused edit raises PlacementError before anything is shown or recorded
+        if after == before:
+            return False
+        self.undo_stack.push(_PlanEdit(self, before, after, text))
+        return True
+
     def move_parts(self, part_indices: list[int], device: str) -> bool:
         """Move parts to `device`. With keep_contiguous, the parts between them and the device's nearest
         block come along, so the drop moves the boundary instead of scattering layers."""
@@ -165,37 +193,29 @@ class LayerMapModel(QAbstractItemModel):
                 indices = list(range(lo, targets[0]))
             elif lo > targets[-1]:
                 indices = list(range(targets[-1] + 1, hi + 1))
-        self.beginResetModel()
-        for i in indices:
-            self.plan.move_part(i, device)
-        self._rebuild()
-        self.endResetModel()
-        self.plan_changed.emit()
-        return True
+
+        def change(plan):
+            for i in indices:
+                plan.move_part(i, device)
+
+        return self._edit(f"move {len(indices)} part{'s' if len(indices) != 1 else ''} to {device}", change)
 
     def move_boundary(self, boundary: int, first_part: int) -> None:
-        if self.plan is None:
-            return
-        self.beginResetModel()
-        try:
-            self.plan.move_boundary(boundary, first_part)
-        finally:
-            self._rebuild()
-            self.endResetModel()
-        self.plan_changed.emit()
+        self._edit("move a boundary", lambda plan: plan.move_boundary(boundary, first_part))
 
     def auto_split(self, context: int | None = None, kv_type: str | None = None) -> None:
         if self.plan is None:
             return
-        self.set_plan(fewest_devices_plan(self.plan.costs, self.device_specs(),
-                                          context=context or self.plan.context, chunk=self.plan.chunk,
-                                          kv_type=kv_type or self.plan.kv_type,
-                                          n_sequences=self.plan.n_sequences))
+        auto = fewest_devices_plan(self.plan.costs, self.device_specs(), context=context or self.plan.context,
+                                   chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
+                                   n_sequences=self.plan.n_sequences)
+        self._edit("auto-split", lambda plan: _become(plan, auto))
 
     def set_settings(self, **settings) -> None:
         if self.plan is None:
             return
-        self.set_plan(self.plan.with_settings(**settings))
+        changed = self.plan.with_settings(**settings)
+        self._edit("change the context or KV cache", lambda plan: _become(plan, changed))
 
     # ---- QAbstractItemModel -------------------------------------------------------------------------
     def index(self, row, column=0, parent=QModelIndex()):
@@ -324,6 +344,27 @@ class LayerMapModel(QAbstractItemModel):
         self.move_parts(parts, self.devices[drow].id)
         # False: the move already happened here; the view must not also remove the source rows.
         return False
+
+
+def _become(plan: pl.Placement, other: pl.Placement) -> None:
+    """Make `plan` equal to `other` in place (an undo step edits a copy of the plan)."""
+    plan.assignment[:] = other.assignment
+    for name in ("context", "chunk", "kv_type", "n_sequences", "cuda_context_bytes"):
+        setattr(plan, name, getattr(other, name))
+
+
+class _PlanEdit(QUndoCommand):
+    """One edit of the plan: the plans before and after it."""
+
+    def __init__(self, model: LayerMapModel, before: pl.Placement, after: pl.Placement, text: str):
+        super().__init__(text)
+        self.model, self.before, self.after = model, before, after
+
+    def redo(self) -> None:
+        self.model._show(self.after)
+
+    def undo(self) -> None:
+        self.model._show(self.before)
 
 
 class BlockDelegate(QStyledItemDelegate):
@@ -654,6 +695,7 @@ class LayerMapPanel(QWidget):
 
         self.scroll = QScrollArea()
         self.scroll.setWidgetResizable(True)
+        self.scroll.setMinimumHeight(110)  # a lane's head and a row of blocks, however small the window
         self.lane_host = QWidget()
         self.lane_layout = QVBoxLayout(self.lane_host)
         self.lane_layout.setContentsMargins(0, 0, 4, 0)
@@ -661,8 +703,8 @@ class LayerMapPanel(QWidget):
         self.scroll.setWidget(self.lane_host)
         outer.addWidget(self.scroll, 1)
 
-        hint = QLabel("Drag blocks (or the first/last block of a device, to move the boundary) onto another device · "
-                      "Alt+↑/↓ moves the selection to the device above/below · right-click for a menu")
+        hint = QLabel("Drag blocks onto another device (the first/last block moves the boundary) · "
+                      "Alt+↑/↓ moves the selection · Ctrl+Z undoes · right-click for a menu")
         hint.setObjectName("Subtle")
         hint.setWordWrap(True)
         outer.addWidget(hint)
@@ -675,6 +717,14 @@ class LayerMapPanel(QWidget):
         self.context.editingFinished.connect(self._settings_changed)
         self.kv_type.currentTextChanged.connect(self._settings_changed)
         self.contiguous.toggled.connect(lambda on: setattr(self.model, "keep_contiguous", on))
+        # Ctrl+Z / Ctrl+Shift+Z on this page only (the chat's text boxes keep their own undo)
+        self.undo_action = model.undo_stack.createUndoAction(self, "Undo")
+        self.redo_action = model.undo_stack.createRedoAction(self, "Redo")
+        for act, keys in ((self.undo_action, QKeySequence.StandardKey.Undo),
+                          (self.redo_action, QKeySequence.StandardKey.Redo)):
+            act.setShortcut(keys)
+            act.setShortcutContext(Qt.ShortcutContext.WidgetWithChildrenShortcut)
+            self.addAction(act)
         self.auto_btn.clicked.connect(self._auto)
         self.apply_btn.clicked.connect(self._apply)
         model.plan_changed.connect(self.refresh)
@@ -744,6 +794,9 @@ class LayerMapPanel(QWidget):
             act = QAction(f"Move to {dev.name} ({dev.id})", menu)
             act.triggered.connect(lambda _=False, d=dev.id: self.model.move_parts(parts, d))
             menu.addAction(act)
+        menu.addSeparator()
+        menu.addAction(self.undo_action)
+        menu.addAction(self.redo_action)
         menu.exec(pos)
 
     def _settings_changed(self) -> None:

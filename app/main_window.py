@@ -138,15 +138,16 @@ class TopBar(QFrame):
         self.title.setObjectName("ModelTitle")
         # nothing in the top bar may widen the window: the title, the chips and the loader's
         # messages give up room (and are clipped) instead of asking for it
-        self.title.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.title.setMinimumWidth(120)
-        lay.addWidget(self.title, 2)
+        self.title.setMinimumWidth(120)  # an explicit minimum: a long name is clipped, not a wider window
+        self.title.setMaximumWidth(420)
+        lay.addWidget(self.title)
         chip_host = QWidget()
+        chip_host.setObjectName("ChipRow")
         chip_host.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.chips = QHBoxLayout(chip_host)
         self.chips.setContentsMargins(0, 0, 0, 0)
         self.chips.setSpacing(6)
-        lay.addWidget(chip_host, 3)
+        lay.addWidget(chip_host, 1)
         self.progress_label = QLabel()
         self.progress_label.setObjectName("Subtle")
         self.progress_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)

@@ -206,3 +206,28 @@ def test_auto_split_uses_the_fewest_devices_that_fit(two_gpus, tiny_model):
     # no card big enough: the CPU takes the rest
     tiny = [replace(s, free_bytes=int(one * 0.55)) if s.is_cuda else s for s in specs]
     assert "cpu:0" in fewest_devices_plan(costs, tiny).devices_used()
+
+
+def test_layer_moves_undo_and_redo(qtbot, two_gpus, tiny_model):
+    from PySide6.QtCore import Qt
+
+    model, panel = _panel(qtbot, two_gpus, tiny_model)
+    start = list(model.plan.assignment)
+    n = len(start)
+    assert model.move_parts([n - 2, n - 1], "cuda:1")
+    moved = list(model.plan.assignment)
+    model.auto_split()
+    view = panel.lanes[0].view
+    panel.activateWindow()
+    view.setFocus()
+    qtbot.waitUntil(view.hasFocus, timeout=2000)
+    qtbot.keyClick(view, Qt.Key.Key_Z, Qt.KeyboardModifier.ControlModifier)
+    assert model.plan.assignment == moved
+    qtbot.keyClick(view, Qt.Key.Key_Z, Qt.KeyboardModifier.ControlModifier)
+    assert model.plan.assignment == start
+    panel.redo_action.trigger()
+    assert model.plan.assignment == moved
+    assert not model.move_parts([n - 1], "cuda:1")  # no change: no undo step
+    assert model.undo_stack.index() == 1
+    model.set_plan(model.plan)  # another plan shown (a load): earlier edits are not undone into it
+    assert not model.undo_stack.canUndo()
