@@ -212,6 +212,7 @@ class GraphsPanel(QWidget):
         # Points slide left as time passes, so positions are recomputed every tick while data is in view;
         # the buffers are only copied (snapshot) when they changed or still hold visible points.
         shown: list[float] = []
+        live_now = None  # the running decode rate, for the tile while the first reply streams
         for key, buf, curve in (("prefill", m.prefill_tps, self.curve_prefill),
                                 ("decode", m.decode_tps, self.curve_decode),
                                 ("live", m.decode_tps_live, self.curve_live)):
@@ -220,7 +221,9 @@ class GraphsPanel(QWidget):
                 continue
             x, y = self._series(buf, now)
             if key == "live":
-                x, y = with_gaps(*without_run_starts(x, y))
+                x, y = without_run_starts(x, y)
+                live_now = y[-1] if y and x[-1] > -GAP_S else None  # still decoding
+                x, y = with_gaps(x, y)
             curve.setData(x, y, connect="finite")
             shown += y
         self.speed.setYRange(0, y_top(shown), padding=0)
@@ -243,12 +246,14 @@ class GraphsPanel(QWidget):
             mem_shown += y
         self.memory.setYRange(0, y_top(mem_shown), padding=0)
         reqs = m.requests()
+        if live_now is not None:
+            self.tile_decode.set(f"{live_now:.1f} tok/s (live)")
         if reqs:
             prefill, decode = _last(reqs, "prefill_tokens_per_s"), _last(reqs, "decode_tokens_per_s")
             ttft = _last(reqs, "time_to_first_token_s")
             if prefill:
                 self.tile_prefill.set(f"{prefill:.1f} tok/s")
-            if decode:
+            if decode and live_now is None:
                 self.tile_decode.set(f"{decode:.1f} tok/s")
             if ttft:
                 self.tile_ttft.set(f"{ttft * 1000:.0f} ms")

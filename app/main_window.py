@@ -182,6 +182,23 @@ class TopBar(QFrame):
             c.setFixedHeight(22)
             self.chips.addWidget(c)
         self.chips.addStretch(1)
+        self._fit_chips()
+
+    def _fit_chips(self) -> None:
+        """Show the chips that fit whole, in order (the state chip comes first); a clipped chip reads
+        as a different word."""
+        room = self.chips.parentWidget().width()
+        used = 0
+        for i in range(self.chips.count()):
+            c = self.chips.itemAt(i).widget()
+            if c is None:
+                continue
+            used += c.sizeHint().width() + (self.chips.spacing() if used else 0)
+            c.setVisible(used <= room)
+
+    def resizeEvent(self, e):
+        super().resizeEvent(e)
+        self._fit_chips()
 
     def chip_texts(self) -> list[str]:
         return [w.text() for w in (self.chips.itemAt(i).widget() for i in range(self.chips.count()))
@@ -645,10 +662,10 @@ class MainWindow(QMainWindow):
         else:
             self.top.title.setText("No model loaded")
             chips = []
-        chips.append(CHIPS.get(self.load_state, CHIPS["none"]))
+        state = CHIPS.get(self.load_state, CHIPS["none"])
         if self.load_state == "loaded" and self.load_note:
-            chips[-1] = ("loaded", "warn")  # but not as planned: the status bar says why
-        self.top.set_chips(chips)
+            state = ("loaded", "warn")  # but not as planned: the status bar says why
+        self.top.set_chips([state] + chips)  # the state first: it stays when the bar is narrow
         text = self.status_text()
         self.status_model.setText(text)
         self.status_model.setToolTip(text)

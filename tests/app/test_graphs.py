@@ -69,3 +69,13 @@ def test_tiles_keep_the_last_value_once_data_exists(qtbot):
     assert panel.tile_decode.value.text() == "25.0 tok/s"
     assert panel.tile_prefill.value.text() == "300.0 tok/s"
     assert "—" not in panel.tile_ttft.value.text()
+
+
+def test_decode_tile_shows_the_live_rate_while_a_reply_streams(qtbot):
+    m = Metrics(capacity=100)
+    now = time.time()
+    for i, rate in enumerate((4000.0, 18.0, 19.0)):
+        m.decode_tps_live.append(rate, now - 0.5 + 0.25 * i)
+    panel = _panel(qtbot, m)
+    panel.tick()
+    assert panel.tile_decode.value.text() == "19.0 tok/s (live)"

@@ -60,10 +60,16 @@ def test_loading_does_not_widen_the_window(qtbot, make_bridge, scripted, loader_
     win.load(tiny_model)
     qtbot.waitUntil(lambda: len(seen) >= 2, timeout=10000)  # the progress bar and Cancel are showing
     win._on_progress(0.5, "reading blk.31.ffn_down.weight " * 6)  # a long loader message
-    win.top.set_chips([("a very long architecture name", ""), ("123.4B params", ""), ("Q4_K_M", ""),
-                       ("63.2 GiB", ""), ("KV q3", ""), ("loading", "")])
+    win.top.set_chips([("loading", ""), ("a very long architecture name", ""), ("123.4B params", ""),
+                       ("Q4_K_M", ""), ("63.2 GiB", ""), ("KV q3", "")])
     qtbot.wait(50)
     assert win.top.progress.isVisibleTo(win) and win.width() == WIDTH
+    # the chips that do not fit are hidden whole (none is cut); the state chip always shows
+    chips = [win.top.chips.itemAt(i).widget() for i in range(win.top.chips.count())]
+    chips = [c for c in chips if c is not None]
+    assert chips[0].isVisibleTo(win) and not all(c.isVisibleTo(win) for c in chips)
+    row = win.top.chips.parentWidget()
+    assert all(c.geometry().right() <= row.width() for c in chips if c.isVisibleTo(win))
     with qtbot.waitSignal(bridge.load_cancelled, timeout=5000):
         win.top.cancel_btn.click()
     assert win.width() == WIDTH
