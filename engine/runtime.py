@@ -40,6 +40,7 @@ from .chat_template import THINK_CLOSE, THINK_OPEN
 from .errors import GenerationCancelled, MinecartError, RequestError
 from .generation import GenerationEvent, StopStrings, partial_suffix
 from .metrics import Metrics, RequestTiming
+from .prefix_cache import PrefixCache
 from .prompt import (
     PromptInput,
     PromptMode,
@@ -49,8 +50,11 @@ from .prompt import (
     render_prompt,
 )
 from .sampling import SamplingParams
+from .scheduler import QueueFull, Scheduler
+from .session import Session
 
 TERMINAL_KINDS = frozenset({"done", "error", "cancelled"})
+GENERATION_KINDS = frozenset({"chat", "completion"})  # run concurrently when the runtime batches
 EVENT_KINDS = frozenset({"started", "progress", "token"}) | TERMINAL_KINDS
 
 _request_ids = itertools.count(1)
@@ -396,6 +400,11 @@ class Runtime:
     `loader(path, devices=, placement=, progress=, cancel=)` builds the model; the default is
     engine.model.load_model (tests pass a fake). `metrics` receives timings and rates (a new Metrics
     when None); `sample_memory_s` > 0 starts its memory sampler.
+
+    parallel > 1 batches generations (engine/scheduler.py, with a prefix cache shared by one-off
+    requests): each chat or completion runs on a thread of its own, up to `parallel` at once, up to
+    `max_queue` more waiting; past that chat() and complete() raise QueueFull at once. Load, unload and
+    re-place still run one at a time on the worker thread (they end the running generations first).
     """
 
     def __init__(
@@ -404,6 +413,8 @@ class Runtime:
         metrics: Metrics | None = None,
         max_sessions: int = 4,
         sample_memory_s: float = 0.5,
+        parallel: int = 1,
+        max_queue: int = 16,
     ):
         self._loader: Loader = loader or _default_loader
         self.metrics = metrics if metrics is not None else Metrics()
@@ -416,6 +427,11 @@ class Runtime:
         self._model_info: ModelInfo | None = None
         self._load_args: dict[str, Any] | None = None
         self._current: _Request | None = None
+        self.parallel = max(1, int(parallel))
+        self.max_queue = max(0, int(max_queue))
+        self._scheduler: Scheduler | None = None  # set while a model is loaded and parallel > 1
+        self._busy_sessions: set[int] = set()  # ids of conversation sessions a generation is using
+        self._generation_threads: set[threading.Thread] = set()
         self.state_version = 0  # bumps when the loaded model changes (GUI timers compare it)
         self._closed = False
         self._thread = threading.Thread(target=self._worker, name="minecart-runtime", daemon=True)
@@ -532,7 +548,19 @@ class Runtime:
             "queued": pending,
             "sessions": len(self._sessions),
             "alive": self._thread.is_alive(),
+            "parallel": self.parallel,
         }
+
+    def batching_metrics(self) -> dict[str, float | int] | None:
+        """The scheduler's and its prefix cache's counters (engine/scheduler.py), or None when the
+        runtime runs one generation at a time."""
+        sched = self._scheduler
+        if sched is None:
+            return None
+        out = sched.metrics()
+        if sched.prefix_cache is not None:
+            out.update(sched.prefix_cache.metrics())
+        return out
 
     def close(self, timeout: float = 10.0) -> None:
         """Cancel everything, unload the model and stop the worker thread."""
@@ -555,6 +583,12 @@ class Runtime:
             raise RuntimeError("the runtime is closed")
         req = _Request(kind, args)
         with self._lock:
+            sched = self._scheduler
+            if sched is not None and kind in GENERATION_KINDS and sum(
+                    r.kind in GENERATION_KINDS and not r.finished
+                    for r in self._live.values()) >= self.parallel + self.max_queue:
+                raise QueueFull(f"all {self.parallel} generation slots are busy and {self.max_queue} "
+                                "requests are waiting; retry later", sched.retry_after())
             self._live[req.id] = req
         self._queue.put(req)
         return RequestHandle(req, self)
@@ -574,29 +608,14 @@ class Runtime:
             if not isinstance(item, _Request):  # _SHUTDOWN
                 break
             req = item
-            with self._lock:
-                self._current = req
-            try:
-                if not req.pick_up():
-                    req.emit("cancelled", finish_reason="cancelled")  # no-op if already ended
-                    continue
-                req.emit("started", data={"queue_wait_s": (req.picked_up or 0.0) - req.submitted})
-                self._handler(req.kind)(req)
-            except GenerationCancelled:
-                req.emit("cancelled", finish_reason="cancelled")
-            except Exception as exc:  # noqa: BLE001 - engine errors go to the client, the thread lives on
-                if req.cancel_event.is_set() and req.kind == "load":
-                    req.emit("cancelled", finish_reason="cancelled")
-                else:
-                    req.emit("error", text=_error_text(exc), error=exc)
-            except BaseException as exc:  # noqa: BLE001 - even SystemExit from a model must not kill us
-                req.emit("error", text=_error_text(exc), error=exc)
-            finally:
-                if not req.finished:  # a handler that forgot its terminal event
-                    req.emit("done")
+            if self._scheduler is not None and req.kind in GENERATION_KINDS:
+                thread = threading.Thread(target=self._serve, args=(req, False), daemon=True,
+                                          name=f"minecart-request-{req.id}")
                 with self._lock:
-                    self._current = None
-                    self._live.pop(req.id, None)
+                    self._generation_threads.add(thread)
+                thread.start()
+                continue
+            self._serve(req, True)
         try:
             self._drop_model()
         except Exception:  # noqa: BLE001 - shutting down: queued clients must still be answered
@@ -610,11 +629,43 @@ class Runtime:
             if isinstance(item, _Request):
                 item.emit("cancelled", finish_reason="cancelled")
 
+    def _serve(self, req: _Request, serial: bool) -> None:
+        """Run one request to its terminal event: on the worker thread (serial), or on a thread of
+        its own for a generation the scheduler batches."""
+        if serial:
+            with self._lock:
+                self._current = req
+        try:
+            try:
+                if not req.pick_up():
+                    req.emit("cancelled", finish_reason="cancelled")  # no-op if already ended
+                    return
+                req.emit("started", data={"queue_wait_s": (req.picked_up or 0.0) - req.submitted})
+                self._handler(req.kind)(req)
+            except GenerationCancelled:
+                req.emit("cancelled", finish_reason="cancelled")
+            except Exception as exc:  # noqa: BLE001 - engine errors go to the client, the thread lives on
+                if req.cancel_event.is_set() and req.kind == "load":
+                    req.emit("cancelled", finish_reason="cancelled")
+                else:
+                    req.emit("error", text=_error_text(exc), error=exc)
+            except BaseException as exc:  # noqa: BLE001 - even SystemExit from a model must not kill us
+                req.emit("error", text=_error_text(exc), error=exc)
+        finally:
+            if not req.finished:  # a handler that forgot its terminal event
+                req.emit("done")
+            with self._lock:
+                if serial:
+                    self._current = None
+                self._live.pop(req.id, None)
+                self._generation_threads.discard(threading.current_thread())
+
     def _clear_sessions(self) -> None:
         while self._sessions:
             _close_session(self._sessions.popitem()[1])
 
     def _drop_model(self) -> None:
+        self._stop_scheduler()
         self._clear_sessions()
         model, self._model = self._model, None
         self._model_info = None
@@ -653,7 +704,28 @@ class Runtime:
         self._install(model, a)
         req.emit("done", data={"model": self._model_info})
 
+    def _stop_scheduler(self) -> None:
+        """End the batched generations (each ends "cancelled") before the model or its sessions go."""
+        sched, self._scheduler = self._scheduler, None
+        if sched is None:
+            return
+        sched.close()
+        with self._lock:
+            threads = list(self._generation_threads)
+        for t in threads:
+            t.join(10)
+        if sched.prefix_cache is not None:
+            sched.prefix_cache.clear()
+
     def _install(self, model: RuntimeModel, load_args: dict[str, Any]) -> None:
+        self._stop_scheduler()
+        if self.parallel > 1:
+            # local import: the runtime imports without the whole engine (tests, the app)
+            from .model import Model
+
+            if isinstance(model, Model):
+                self._scheduler = Scheduler(model, parallel=self.parallel, max_queue=self.max_queue,
+                                            prefix_cache=PrefixCache())
         self._model = model
         self._load_args = dict(load_args)
         self._clear_sessions()
@@ -672,6 +744,7 @@ class Runtime:
     def _do_replace(self, req: _Request) -> None:
         model = self._require_model()
         placement = req.args["placement"]
+        self._stop_scheduler()  # the batched generations run on the old placement
         self._clear_sessions()  # their state lives on the old devices
         model.reload_placement(placement, progress=_progress_emitter(req), cancel=req.cancel_event)
         self._install(model, dict(self._load_args or {}, placement=placement))
@@ -682,18 +755,31 @@ class Runtime:
             raise RequestError("no model is loaded; load a GGUF file first")
         return self._model
 
-    def _session(self, model: RuntimeModel, conversation_id: Any) -> RuntimeSession:
-        """The session of a conversation (LRU), or a fresh one for a one-off request."""
+    def _session(self, model: RuntimeModel, conversation_id: Any) -> RuntimeSession | None:
+        """The session of a conversation (LRU), or a fresh one for a one-off request. When the runtime
+        batches, a one-off request, or one whose conversation's session another generation is using,
+        gets None: the scheduler then starts it from its prefix cache."""
+        sched = self._scheduler
         if conversation_id is None:
-            return model.new_session()
-        session = self._sessions.get(conversation_id)
-        if session is None:
-            session = model.new_session()
-            self._sessions[conversation_id] = session
-            while len(self._sessions) > self.max_sessions:
-                _close_session(self._sessions.popitem(last=False)[1])
-        else:
-            self._sessions.move_to_end(conversation_id)
+            return model.new_session() if sched is None else None
+        evicted = []
+        with self._lock:
+            session = self._sessions.get(conversation_id)
+            if session is not None and id(session) in self._busy_sessions:
+                return None
+            if session is None:
+                session = sched.new_session() if sched is not None else model.new_session()
+                self._sessions[conversation_id] = session
+                idle = [k for k, s in self._sessions.items() if id(s) not in self._busy_sessions
+                        and s is not session]
+                while len(self._sessions) > self.max_sessions and idle:
+                    evicted.append(self._sessions.pop(idle.pop(0)))
+            else:
+                self._sessions.move_to_end(conversation_id)
+            if sched is not None:
+                self._busy_sessions.add(id(session))
+        for old in evicted:
+            _close_session(old)
         return session
 
     def _do_chat(self, req: _Request) -> None:
@@ -745,8 +831,14 @@ class Runtime:
         last: GenerationEvent | None = None
         finish_reason: str | None = None
         ok = False
-        stream = model.generate(prompt, params, session=session, cancel=req.cancel_event,
-                                enable_thinking=enable_thinking, **extras)
+        sched = self._scheduler
+        if sched is not None:
+            assert session is None or isinstance(session, Session)  # made by sched.new_session
+            stream = sched.generate(prompt, params, session=session, cancel=req.cancel_event,
+                                    enable_thinking=enable_thinking, **extras)
+        else:
+            stream = model.generate(prompt, params, session=session, cancel=req.cancel_event,
+                                    enable_thinking=enable_thinking, **extras)
         try:
             for ev in stream:
                 last = ev
@@ -777,11 +869,16 @@ class Runtime:
             # Closing the generator lets the engine finish its bookkeeping (the session records
             # which tokens its cache holds) when we stop early: cancel, stop string, finish.
             stream.close()  # type: ignore[attr-defined]  # generate is a generator function
+            with self._lock:
+                self._busy_sessions.discard(id(session))
+                mine = session is not None and self._sessions.get(conversation_id) is session
             if conversation_id is None:
                 _close_session(session)  # a one-off request's session is not kept
-            elif not ok and not req.cancel_event.is_set():
+            elif not ok and not req.cancel_event.is_set() and mine:
                 # A failed step may leave the session's cache half-written: do not reuse it.
-                _close_session(self._sessions.pop(conversation_id, None))
+                with self._lock:
+                    dropped = self._sessions.pop(conversation_id, None)
+                _close_session(dropped)
         cancelled = req.cancel_event.is_set() and finish_reason is None
         if not cancelled and finish_reason is None:  # the stream ended without a finish reason
             thinking, answer = splitter.flush()

@@ -175,7 +175,7 @@ class Scheduler:
 
     def generate(self, prompt: PromptInput, params: SamplingParams | None = None, *,
                  session: Session | None = None, cancel: threading.Event | None = None,
-                 **extras: Any) -> Iterator[GenerationEvent]:
+                 enable_thinking: bool = True, **extras: Any) -> Iterator[GenerationEvent]:
         """GenerationEvents as engine.generation.generate yields them, with this request's passes
         batched with everyone else's. Raises QueueFull now (not when iterated) when every slot is
         busy and `max_queue` callers already wait. Without a session the request gets a fresh one
@@ -189,13 +189,14 @@ class Scheduler:
                                 "requests are waiting; retry later", self.retry_after())
             ticket = next(self._tickets)
             self._queue.append(ticket)
-        return self._generate(ticket, prompt, params, session, cancel, extras)
+        return self._generate(ticket, prompt, params, session, cancel, enable_thinking, extras)
 
     def retry_after(self) -> int:
         """Seconds a rejected caller should wait: about one queue's worth of generations."""
         return max(1, min(60, 1 + len(self._queue) // max(1, self.parallel)))
 
-    def _generate(self, ticket: int, prompt, params, session, cancel, extras) -> Iterator[GenerationEvent]:
+    def _generate(self, ticket: int, prompt, params, session, cancel, enable_thinking: bool,
+                  extras: dict[str, Any]) -> Iterator[GenerationEvent]:
         t0 = time.perf_counter()
         admitted = self._wait_for_slot(ticket, cancel)
         if not admitted:
@@ -212,7 +213,8 @@ class Scheduler:
                 session = start.session
             elif session is None:
                 session = self.new_session()
-            for ev in generate(self.model, prompt, params, session=session, cancel=cancel, **extras):
+            for ev in generate(self.model, prompt, params, session=session, cancel=cancel,
+                               enable_thinking=enable_thinking, **extras):
                 yield ev if start is None else _cache_accounted(ev, start)
         finally:
             if own and session is not None:

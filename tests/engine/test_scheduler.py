@@ -173,3 +173,59 @@ def test_close_ends_waiting_and_running_generations(fixture):
     with pytest.raises(GenerationCancelled):
         list(running)
     running.close()
+
+
+# ---- through the Runtime (parallel > 1): what the server and the app use ------------------------------
+
+
+@pytest.fixture(scope="module")
+def batching_runtime(fixtures_dir):
+    from minecart.engine.runtime import Runtime
+
+    rt = Runtime(sample_memory_s=0, parallel=3, max_queue=2)
+    rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"]).result(60)
+    yield rt
+    rt.close()
+
+
+def test_runtime_runs_completions_concurrently_with_the_same_tokens(fixture, batching_runtime):
+    _, prompts, expected = fixture
+    rt = batching_runtime
+    names = ["short", "len70", "chat", "random100", "len128"]  # 5 = 3 running + 2 queued
+    handles = [rt.complete(prompts[n], greedy_params(max_tokens=MAX_TOKENS)) for n in names]
+    for name, h in zip(names, handles, strict=True):
+        tokens = [ev.generation.token for ev in h.events(30) if ev.kind == "token" and ev.generation]
+        assert h.final is not None and h.final.kind == "done", h.final
+        assert tokens == expected[name][0], name
+    m = rt.batching_metrics()
+    assert m is not None and m["batch_size_max"] >= 2 and m["running"] == 0
+    assert rt.status()["parallel"] == 3
+
+
+def test_runtime_refuses_past_the_queue_with_queue_full(fixture, batching_runtime):
+    _, prompts, _ = fixture
+    rt = batching_runtime
+    handles = [rt.complete(prompts["short"], greedy_params(max_tokens=400)) for _ in range(5)]
+    with pytest.raises(QueueFull) as info:
+        rt.complete(prompts["short"], greedy_params(max_tokens=2))
+    assert info.value.retry_after >= 1
+    for h in handles:
+        h.cancel()
+    for h in handles:
+        assert h.wait(30).kind in ("cancelled", "done")
+    # the slots are free again
+    assert rt.complete(prompts["short"], greedy_params(max_tokens=2)).wait(30).kind == "done"
+
+
+def test_runtime_conversation_reuses_its_session_and_one_offs_share_the_cache(fixture, batching_runtime):
+    _, prompts, _ = fixture
+    rt = batching_runtime
+    long_prompt = prompts["len300"]
+    first = rt.complete(long_prompt, greedy_params(max_tokens=2)).wait(30)
+    again = rt.complete(long_prompt + [5, 6], greedy_params(max_tokens=2)).wait(30)
+    assert first.kind == again.kind == "done"
+    assert first.usage.cached_tokens == 0
+    assert again.usage.cached_tokens == 256  # the prefix cache's last 128-token boundary before 302
+    conv = [rt.complete(long_prompt[:100], greedy_params(max_tokens=2), conversation_id="c").wait(30),
+            rt.complete(long_prompt[:150], greedy_params(max_tokens=2), conversation_id="c").wait(30)]
+    assert conv[1].usage.cached_tokens >= 100  # the conversation's own session kept its history
