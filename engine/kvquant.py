@@ -233,7 +233,10 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = np.max(np.abs(blocks), axis=-1, keepdims=True) / np.float32(127.0)
     inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d != 0)
     y = blocks * inv
-    q = np.sign(y) * np.floor(np.abs(y) + np.float32(0.5))  # roundf: halves away from zero
+    # roundf (halves away from zero) without the a + 0.5 rounding trap (0.49999997 + 0.5 == 1.0 in fp32)
+    a = np.abs(y)
+    whole = np.floor(a)
+    q = np.sign(y) * (whole + np.floor(2 * (a - whole)))
     return q.astype(np.int8).reshape(x.shape), d[..., 0].astype(np.float16)
 
 

@@ -12,6 +12,15 @@
 //   flash_merge combines the slices: m = max m_s, l = sum e^(m_s - m) l_s, o = sum e^(m_s - m) o_s / l.
 //   fp32 partials are deliberate (fp16 partials drift and flip argmax within ~30 tokens).
 
+// The cache's element type and its loads: fp32 here. The modules attention_f16 and attention_q8_0
+// (kernels/build.py) put kv_f16.cu or kv_q8_0.cu first, which define them for an f16 or a q8_0 cache,
+// so flash_prefill_g and flash_decode read those caches as stored (dequantized in registers).
+#ifndef KV_ELEM
+#define KV_ELEM float
+__device__ __forceinline__ float4 kv_load4(const float* __restrict__ p, i64 i) { return *(const float4*)(p + i); }
+__device__ __forceinline__ float kv_load1(const float* __restrict__ p, i64 i) { return p[i]; }
+#endif
+
 #define FA_BQ 32
 #define FA_BK 32
 #define FA_PAD 36
@@ -162,7 +171,7 @@ __global__ void __launch_bounds__(128) flash_prefill(
 
 template <int D>
 __global__ void __launch_bounds__(256, 2) flash_prefill_g(
-        const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
         float* __restrict__ out, int T, int nh, int n_kv, int start, int kv_len, float scale, int window) {
     constexpr int DC = D >= 256 || FG_SMALL ? 16 : 32;     // head-dim chunk of the score product
     constexpr int NL = DC / 16;                 // float4 loads per thread per chunk (Q and K each)
@@ -212,12 +221,12 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
     for (int kt = kv_lo; kt < kv_hi; kt += FG_BK) {
         // ---- S = Q K^T over head-dim chunks, next chunk prefetched into registers
         bool kval = kt + lr < kv_len;
-        const float* kp = kval ? kc + ((i64)(kt + lr) * n_kv + kvh) * D + ls * (DC / 4) : kc;
+        const i64 ko = kval ? ((i64)(kt + lr) * n_kv + kvh) * D + ls * (DC / 4) : 0;
         float4 pq[NL], pk[NL];
 #pragma unroll
         for (int i = 0; i < NL; i++) {
             pq[i] = qval ? ((const float4*)qp)[i] : z4;
-            pk[i] = kval ? ((const float4*)kp)[i] : z4;
+            pk[i] = kval ? kv_load4(kc, ko + 4 * i) : z4;
         }
         float s[4][4];
 #pragma unroll
@@ -238,7 +247,7 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
 #pragma unroll
                 for (int i = 0; i < NL; i++) {
                     pq[i] = qval ? ((const float4*)(qp + dc + DC))[i] : z4;
-                    pk[i] = kval ? ((const float4*)(kp + dc + DC))[i] : z4;
+                    pk[i] = kval ? kv_load4(kc, ko + dc + DC + 4 * i) : z4;
                 }
             }
 #pragma unroll
@@ -262,7 +271,7 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
 #pragma unroll
             for (int i = 0; i < NV; i++) {
                 int r = (tid + 256 * i) / (D / 4), c4 = (tid + 256 * i) % (D / 4), key = kt + k0 + r;
-                pv[i] = key < kv_len ? ((const float4*)(vc + ((i64)key * n_kv + kvh) * D))[c4] : z4;
+                pv[i] = key < kv_len ? kv_load4(vc, ((i64)key * n_kv + kvh) * D + 4 * c4) : z4;
             }
         };
         load_v(0);
@@ -389,7 +398,7 @@ __device__ __forceinline__ int fd_split_len(int split_len, int kv_len, int n_spl
 
 template <int D>
 __global__ void __launch_bounds__(128) flash_decode(
-        const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
         int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
         int window) {
@@ -423,7 +432,7 @@ __global__ void __launch_bounds__(128) flash_decode(
     for (int kt = lo; kt < hi; kt += FD_BK) {
         for (int i = tid; i < FD_BK * D; i += 128) {
             int r = i / D, c = i % D;
-            KV[r * (D + 1) + c] = (kt + r < hi) ? kc[((i64)(kt + r) * n_kv + kvh) * D + c] : 0.0f;
+            KV[r * (D + 1) + c] = (kt + r < hi) ? kv_load1(kc, ((i64)(kt + r) * n_kv + kvh) * D + c) : 0.0f;
         }
         __syncthreads();
         bool valid = kt + lane < hi;
@@ -448,7 +457,7 @@ __global__ void __launch_bounds__(128) flash_decode(
         __syncthreads();
         for (int i = tid; i < FD_BK * D; i += 128) {
             int r = i / D, c = i % D;
-            KV[r * (D + 1) + c] = (kt + r < hi) ? vc[((i64)(kt + r) * n_kv + kvh) * D + c] : 0.0f;
+            KV[r * (D + 1) + c] = (kt + r < hi) ? kv_load1(vc, ((i64)(kt + r) * n_kv + kvh) * D + c) : 0.0f;
         }
         __syncthreads();
         decode_pv_tile<D, NU, FD_G, FD_BK>(o, P, s_alpha, KV, G, tid);

@@ -29,6 +29,7 @@ GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a 
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
 GDN_CHUNK_KEY_DIMS = (32, 64, 128)  # key dims of the chunked GDN prefill kernels (multiples of 32)
+KV_CACHE_TYPES = ("f16", "q8_0")  # KV caches attention.cu reads directly (modules attention_<type>)
 KVQ3_KERNELS = ("quantize", "dequant", "rotate", "unrotate", "decode", "flash_decode")  # kvq3.cu templates, one per head dim
 
 COMPILE_OPTIONS = ("-std=c++17",)
@@ -64,6 +65,11 @@ def module_specs() -> list[ModuleSpec]:
     att += [f"flash_decode<{d}>" for d in HEAD_DIMS]
     specs.append(ModuleSpec("attention", ("attention.cu",), tuple(att),
                             ("flash_merge", "flash_merge_len", "kv_append")))
+    # the same prefill/decode kernels over f16 and q8_0 caches (kv_f16.cu / kv_q8_0.cu define the loads)
+    typed = tuple(f"flash_prefill_g<{d}>" for d in HEAD_DIMS) + tuple(f"flash_decode<{d}>" for d in HEAD_DIMS)
+    for kv in KV_CACHE_TYPES:
+        specs.append(ModuleSpec(f"attention_{kv}", (f"kv_{kv}.cu", "attention.cu"), typed,
+                                (f"kv_append_{kv}",)))
     gdn = [f"gdn_scan<{d}>" for d in GDN_KEY_DIMS]
     gdn += [f"gdn_chunk_{p}<{d}>" for p in ("prep", "state") for d in GDN_CHUNK_KEY_DIMS]
     specs.append(ModuleSpec("gdn", ("gdn.cu",), tuple(gdn),

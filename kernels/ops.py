@@ -374,27 +374,33 @@ def decode_partials(kc, kv_len: int, nh: int, D: int, kv_len_ptr=None):
 
 
 def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
-              kv_len_ptr: cp.ndarray | None = None, prefill: str = "tiled") -> cp.ndarray:
+              kv_len_ptr: cp.ndarray | None = None, prefill: str = "tiled", kv_type: str = "f32") -> cp.ndarray:
     """Causal GQA flash attention of q (T, nh, D) at positions start.. over cache rows [0, kv_len).
 
     kv_len_ptr (decode only): a device int32 holding the length before this token's append; the
     kernel then reads the context length from the device (CUDA-graph replay): the number of splits is
     sized for the whole cache capacity, the slices for the device-side length. prefill: "tiled"
     (flash_prefill_g, 64 query rows of one KV head per block) or "rows" (the older flash_prefill, 32
-    queries of one head per block)."""
+    queries of one head per block). kv_type: how the cache stores values: "f32" (kc, vc (capacity, n_kv,
+    D) float32), "f16" (float16) or "q8_0" (uint8 (capacity, n_kv, D / 32 * 34): Q8_0 blocks); the f16
+    and q8_0 kernels (modules attention_f16 / attention_q8_0) dequantize in registers, tiled prefill only."""
     q = cp.ascontiguousarray(q, dtype=cp.float32)
     T, nh, D = q.shape
     n_kv = kc.shape[1]
-    if D not in HEAD_DIMS or vc.shape[2] != D:
+    row = {"f32": D, "f16": D, "q8_0": D // 32 * 34}.get(kv_type)
+    if row is None:
+        raise ValueError(f"no attention kernels for a {kv_type!r} cache (f32, f16, q8_0)")
+    if D not in HEAD_DIMS or vc.shape[2] != row or kc.shape[2] != row:
         raise ValueError(f"attention kernels are compiled for head dims {HEAD_DIMS} with equal K/V dims; "
-                         f"got {D}/{vc.shape[2]}")
+                         f"got {D} with a {kv_type} cache of rows {kc.shape[2]}/{vc.shape[2]}")
+    module = "attention" if kv_type == "f32" else f"attention_{kv_type}"
     out = cp.empty((T, nh, D), dtype=cp.float32)
     G = nh // n_kv
     if T == 1 and G <= 8:
         # Split the context so that there are about six blocks per multiprocessor: each block streams
         # its slice through shared memory with no overlap of load and compute, so occupancy hides latency.
         n_splits, split_len, po, pm, pl = decode_partials(kc, kv_len, nh, D, kv_len_ptr)
-        get_kernel("attention", f"flash_decode<{D}>")(
+        get_kernel(module, f"flash_decode<{D}>")(
             (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
                                        kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
                                        np.int32(split_len), np.float32(scale), np.int32(window)))
@@ -405,22 +411,25 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
         return out
     if kv_len_ptr is not None:
         raise ValueError("device-side context length is only supported for single-token decode")
-    return flash_prefill(q, kc, vc, out, start, kv_len, scale, window, prefill)
+    return flash_prefill(q, kc, vc, out, start, kv_len, scale, window, prefill, module=module)
 
 
 def flash_prefill(q, kc, vc, out, start: int, kv_len: int, scale: float, window: int = 0,
-                  kernel: str = "tiled") -> cp.ndarray:
+                  kernel: str = "tiled", module: str = "attention") -> cp.ndarray:
     """The prefill kernel of `attention` for any T (1 included): q (T, nh, D) fp32 contiguous, out
-    the same shape. kernel: "tiled" (flash_prefill_g) or "rows" (flash_prefill)."""
+    the same shape. kernel: "tiled" (flash_prefill_g) or "rows" (flash_prefill, f32 caches only);
+    module: "attention" (f32 cache) or attention_f16 / attention_q8_0."""
     T, nh, D = q.shape
     n_kv = kc.shape[1]
     args = (q, kc, vc, out, np.int32(T), np.int32(nh), np.int32(n_kv), np.int32(start), np.int32(kv_len),
             np.float32(scale), np.int32(window))
+    if kernel == "rows" and module != "attention":
+        raise ValueError("the rows prefill kernel reads f32 caches only; use kernel='tiled'")
     if kernel == "rows":
         get_kernel("attention", f"flash_prefill<{D}>")((math.ceil(T / 32), nh), (128,), args)
     elif kernel == "tiled":
         # one block per 64 rows (position, query head) of a KV head, 1-D grid (the kernel orders it)
-        get_kernel("attention", f"flash_prefill_g<{D}>")((math.ceil(T * (nh // n_kv) / 64) * n_kv,), (256,), args)
+        get_kernel(module, f"flash_prefill_g<{D}>")((math.ceil(T * (nh // n_kv) / 64) * n_kv,), (256,), args)
     else:
         raise ValueError(f"unknown prefill kernel {kernel!r} (tiled or rows)")
     return out

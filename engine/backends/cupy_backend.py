@@ -14,7 +14,8 @@ Matmuls take the DP4A, fp32 FMA or fp16 HFMA2 path according to the per-card pro
 per GPU UUID by engine/probe_cache.py); MINECART_MATMUL_PATH=dp4a|dp4a2|fma|hfma2 overrides it.
 
 The Gated DeltaNet prefill takes the chunked WY kernels (kernels/gdn_chunk.py) from 256 tokens on and
-the exact recurrence below that; KV caches are fp32 or 3-bit (`CupyQ3KVCache`).
+the exact recurrence below that; KV caches are fp32, f16 or q8_0 (`CupyTypedKVCache`: the attention
+kernels read the stored values) or 3-bit (`CupyQ3KVCache`).
 
 Not here: mixture-of-experts GEMVs have no HFMA2 kernel (the FMA kernel serves that path).
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
-from minecart.kernels import fused, gdn_chunk, kvq3, ops
+from minecart.kernels import fused, gdn_chunk, kvcache, kvq3, ops
 from minecart.kernels.build import QT
 
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
@@ -85,6 +86,31 @@ class CupyKVCache(GrowingKVCache):
     def _write(self, k, v, start: int) -> None:
         self.k[start : start + k.shape[0]] = k
         self.v[start : start + k.shape[0]] = v
+
+
+class CupyTypedKVCache(CupyKVCache):
+    """K and V stored as f16 or q8_0 (kernels/kvcache.py layouts: float16 values, or ggml Q8_0 blocks as
+    uint8), appended by kernels that round / quantize on the device. Attention reads the stored values
+    directly (ops.attention(kv_type=...): dequantized in registers, fp32 accumulation; no fp32 copy).
+    A subclass of CupyKVCache for the shared book-keeping (free, graph pointers), but never on the
+    fused fp32 decode path (gated_attention checks the exact type)."""
+
+    kv_type = ""
+
+    def _layout(self):
+        return {"k": kvcache.row_shape(self.n_kv_heads, self.head_dim, self.kv_type),
+                "v": kvcache.row_shape(self.n_kv_heads, self.value_dim, self.kv_type)}
+
+    def _write(self, k, v, start: int) -> None:
+        kvcache.append(k, v, self.k, self.v, self.kv_type, start)
+
+
+class CupyF16KVCache(CupyTypedKVCache):
+    kv_type = "f16"
+
+
+class CupyQ8KVCache(CupyTypedKVCache):
+    kv_type = "q8_0"
 
 
 class CupyQ3KVCache(GrowingKVCache):
@@ -540,11 +566,16 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         from ..kvquant import check_kv_type
 
         if check_kv_type(kv_type) in ("f16", "q8_0"):
+            from minecart.kernels.build import HEAD_DIMS
+
             from ..errors import RequestError
 
-            # no silent fp32 stand-in: the memory plan priced this type, so a bigger cache would not fit
-            raise RequestError(f"the {kv_type} KV cache is not on the CUDA backend yet (the NumPy backend has "
-                               f"it); use kv_type 'f32' or 'q3' on a GPU")
+            if head_dim not in HEAD_DIMS or value_dim != head_dim:
+                raise RequestError(f"the {kv_type} KV cache on the CUDA backend needs equal K and V head dims in "
+                                   f"{HEAD_DIMS}; this model has {head_dim}/{value_dim}: use kv_type 'f32'")
+            with self._dev:
+                typed = CupyF16KVCache if kv_type == "f16" else CupyQ8KVCache
+                return typed(n_kv_heads, head_dim, value_dim, capacity)
         if kv_type == "q3":  # 3-bit codes + fp16 scales (engine/kvquant.py, kernels/kvq3.py)
             from minecart.kernels.build import HEAD_DIMS
 
@@ -624,6 +655,19 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         if isinstance(cache, CupyQ3KVCache):
             with self._dev:
                 return self._attention_q3(q, k, v, cache, scale, window)
+        if isinstance(cache, CupyTypedKVCache):  # f16 / q8_0: the kernels read the stored values
+            with self._dev:
+                kv = cache.kv_type
+                if self._capture is not None:
+                    row_ptr = self._capture.cache_row(cache)
+                    kvcache.append(k, v, cache.k, cache.v, kv, 0, start_ptr=row_ptr)
+                    cache.length += 1
+                    return ops.attention(q, cache.k, cache.v, cache.length - 1, cache.length, float(scale),
+                                         int(window), kv_len_ptr=row_ptr, kv_type=kv)
+                start = cache.length
+                cache.append(_f32(k), _f32(v))
+                return ops.attention(q, cache.k, cache.v, start, cache.length, float(scale), int(window),
+                                     kv_type=kv)
         with self._dev:
             if self._capture is not None:
                 row_ptr = self._capture.cache_row(cache)
@@ -1024,4 +1068,5 @@ def _note_context_bytes(index: int) -> None:
         pass
 
 
-__all__ = ["CupyBackend", "CupyKVCache", "CupyQ3KVCache", "CupyWeight", "device_count", "gpu_uuid"]
+__all__ = ["CupyBackend", "CupyF16KVCache", "CupyKVCache", "CupyQ3KVCache", "CupyQ8KVCache", "CupyWeight",
+           "device_count", "gpu_uuid"]
