@@ -44,7 +44,7 @@ from .markdown_view import MarkdownView
 from .settings import data_dir
 
 CURSOR = "<span style='color:#f0a43a'> ▍</span>"  # after the text while a reply streams
-ELLIPSIS = "<span style='color:#6f7889'>…</span>"  # a reply with no text yet
+ELLIPSIS = "<span style='color:#8d96a8'>…</span>"  # a reply with no text yet
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 BASE_MODEL_TEXT = ("{name} is a pretrained base model (its file has no chat template): it continues text "
                    "rather than following instructions. \u201cContinue text\u201d is on, so your message is "
@@ -364,7 +364,7 @@ class ChatPanel(QWidget):
         sl.addWidget(self.new_btn)
         lab = QLabel("CONVERSATIONS")
         lab.setObjectName("SectionTitle")
-        lab.setStyleSheet("border: none; padding-left: 4px; color:#6f7889; font-size:8.5pt;")
+        lab.setStyleSheet("border: none; padding-left: 4px; color:#8d96a8; font-size:8.5pt;")
         sl.addWidget(lab)
         self.conv_list = QListWidget()
         self.conv_list.setObjectName("ConversationList")

@@ -90,9 +90,9 @@ class DeviceCard(QFrame):
         if dev.probe:
             self.probe.setText(f"<span style='color:{theme.OK}'>●</span> probe: {dev.probe}")
         elif dev.kind == "cuda":
-            self.probe.setText("<span style='color:#6f7889'>○ not probed yet (runs on first load)</span>")
+            self.probe.setText("<span style='color:#8d96a8'>○ not probed yet (runs on first load)</span>")
         else:
-            self.probe.setText("<span style='color:#6f7889'>NumPy reference backend</span>")
+            self.probe.setText("<span style='color:#8d96a8'>NumPy reference backend</span>")
 
 
 class DevicesPanel(QWidget):

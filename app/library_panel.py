@@ -345,7 +345,7 @@ class NameDelegate(QStyledItemDelegate):
         f2 = QFont(option.font)
         f2.setPointSizeF(max(7.5, option.font.pointSizeF() - 1.5))
         painter.setFont(f2)
-        painter.setPen(QColor("#ff8a80" if not s.ok else "#6f7889"))
+        painter.setPen(QColor("#ff8a80" if not s.ok else theme.MUTED))
         sub = s.path.name if s.ok else s.error
         painter.drawText(r.adjusted(0, r.height() // 2, 0, 0), Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,
                          painter.fontMetrics().elidedText(sub, Qt.TextElideMode.ElideMiddle, r.width()))

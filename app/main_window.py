@@ -15,6 +15,7 @@ from minecart.engine.devices import DeviceInfo, format_bytes, list_devices
 from PySide6.QtCore import QSize, Qt, QThread, Signal
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
+    QApplication,
     QButtonGroup,
     QFrame,
     QHBoxLayout,
@@ -317,6 +318,13 @@ class MainWindow(QMainWindow):
         new_chat.setShortcut(QKeySequence("Ctrl+N"))
         new_chat.triggered.connect(self.chat.new_chat)
         self.addAction(new_chat)
+        for keys, step in ((("Ctrl+=", "Ctrl++"), 1), (("Ctrl+-",), -1), (("Ctrl+0",), 0)):
+            act = QAction(self)
+            act.setShortcuts([QKeySequence(k) for k in keys])
+            act.triggered.connect(lambda _=False, s=step: self.zoom(s))
+            self.addAction(act)
+        if float(self.settings.get("font_zoom", 1.0)) != 1.0:
+            self.zoom(0, float(self.settings["font_zoom"]))
         geom = self.settings.get("window") or {}
         if isinstance(geom, dict) and geom.get("width") and geom.get("height"):
             self.resize(int(geom["width"]), int(geom["height"]))
@@ -324,6 +332,23 @@ class MainWindow(QMainWindow):
         if self.bridge.runtime_error:
             self._set_state("failed", self.bridge.runtime_error)
         self._update_top()
+
+    def zoom(self, step: int, to: float | None = None) -> float:
+        """Make every font one step bigger (1), smaller (-1) or normal (0); remembered in the settings."""
+        steps = theme.ZOOM_STEPS
+        now = float(self.settings.get("font_zoom", 1.0))
+        if to is not None:
+            z = min(max(to, steps[0]), steps[-1])
+        elif step == 0:
+            z = 1.0
+        elif step > 0:
+            z = next((s for s in steps if s > now + 1e-6), steps[-1])
+        else:
+            z = next((s for s in reversed(steps) if s < now - 1e-6), steps[0])
+        theme.set_zoom(QApplication.instance(), z)
+        self.settings["font_zoom"] = z
+        self.statusBar().showMessage(f"Text size {z * 100:.0f}% (Ctrl+= / Ctrl+- / Ctrl+0)", 3000)
+        return z
 
     @property
     def _simulated(self) -> bool:

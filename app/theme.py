@@ -6,6 +6,7 @@ Not here: layout or behaviour. Widgets ask this module for a colour or an icon b
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from importlib import resources
 
@@ -47,8 +48,24 @@ def _read_resource(*parts: str) -> bytes:
     return ref.read_bytes()
 
 
-def style_sheet() -> str:
-    return _read_resource("style.qss").decode("utf-8")
+ZOOM_STEPS = (0.8, 0.9, 1.0, 1.1, 1.25, 1.4, 1.6, 1.8, 2.0)  # Ctrl+= / Ctrl+- walk these
+BASE_POINT_SIZE = 10.0
+
+
+def style_sheet(zoom: float = 1.0) -> str:
+    """The style sheet with every font size (in pt) times `zoom`."""
+    text = _read_resource("style.qss").decode("utf-8")
+    if zoom == 1.0:
+        return text
+    return re.sub(r"(\d+(?:\.\d+)?)pt\b", lambda m: f"{float(m.group(1)) * zoom:.4g}pt", text)
+
+
+def set_zoom(app, zoom: float) -> None:
+    """Every font of the app times `zoom` (the default font and the style sheet's sizes)."""
+    font = QFont(app.font())
+    font.setPointSizeF(BASE_POINT_SIZE * zoom)
+    app.setFont(font)
+    app.setStyleSheet(style_sheet(zoom))
 
 
 @lru_cache(maxsize=256)
@@ -99,14 +116,14 @@ def apply(app) -> None:
         (QPalette.ColorRole.Text, TEXT), (QPalette.ColorRole.Button, SURFACE2),
         (QPalette.ColorRole.ButtonText, TEXT), (QPalette.ColorRole.Highlight, "#3b3222"),
         (QPalette.ColorRole.HighlightedText, "#ffffff"), (QPalette.ColorRole.ToolTipBase, SURFACE2),
-        (QPalette.ColorRole.ToolTipText, TEXT), (QPalette.ColorRole.PlaceholderText, "#6f7889"),
+        (QPalette.ColorRole.ToolTipText, TEXT), (QPalette.ColorRole.PlaceholderText, MUTED),
         (QPalette.ColorRole.Link, "#ffb84d"),
     ):
         pal.setColor(role, QColor(col))
     app.setPalette(pal)
     font = QFont(app.font())
     font.setFamilies(["Inter", "Segoe UI", "Noto Sans", "DejaVu Sans", "Sans Serif"])
-    font.setPointSizeF(10)
+    font.setPointSizeF(BASE_POINT_SIZE)
     app.setFont(font)
     app.setStyleSheet(style_sheet())
     app.setWindowIcon(app_icon())
