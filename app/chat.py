@@ -45,6 +45,7 @@ from .settings import data_dir
 
 CURSOR = "<span style='color:#f0a43a'> ▍</span>"  # after the text while a reply streams
 ELLIPSIS = "<span style='color:#8d96a8'>…</span>"  # a reply with no text yet
+UNDO_DELETE_MS = 15_000
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif"}
 BASE_MODEL_TEXT = ("{name} is a pretrained base model (its file has no chat template): it continues text "
                    "rather than following instructions. \u201cContinue text\u201d is on, so your message is "
@@ -375,6 +376,24 @@ class ChatPanel(QWidget):
         sl.addWidget(self.conv_list, 1)
         self.delete_btn = QPushButton(theme.icon("trash", theme.MUTED), " Delete chat")
         sl.addWidget(self.delete_btn)
+        # a deleted chat can be brought back for UNDO_DELETE_MS (no confirmation dialog to click through)
+        self.undo_bar = QFrame()
+        self.undo_bar.setObjectName("UndoBar")
+        ub = QHBoxLayout(self.undo_bar)
+        ub.setContentsMargins(8, 4, 4, 4)
+        self.undo_label = QLabel()
+        self.undo_label.setObjectName("Subtle")
+        self.undo_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        ub.addWidget(self.undo_label, 1)
+        self.undo_btn = QPushButton("Undo")
+        ub.addWidget(self.undo_btn)
+        self.undo_bar.hide()
+        sl.addWidget(self.undo_bar)
+        self._deleted: Conversation | None = None
+        self._undo_timer = QTimer(self)
+        self._undo_timer.setSingleShot(True)
+        self._undo_timer.setInterval(UNDO_DELETE_MS)
+        self._undo_timer.timeout.connect(self._forget_deleted)
         root.addWidget(side)
 
         # messages + composer
@@ -501,6 +520,7 @@ class ChatPanel(QWidget):
         self.settings_panel.changed.connect(self._settings_changed)
         self.new_btn.clicked.connect(self.new_chat)
         self.delete_btn.clicked.connect(self.delete_chat)
+        self.undo_btn.clicked.connect(self.undo_delete)
         self.conv_list.currentItemChanged.connect(self._open_selected)
         self.input.send.connect(self.send)
         self.input.image_pasted.connect(self.attach_image)
@@ -619,9 +639,34 @@ class ChatPanel(QWidget):
         self.input.setFocus()
 
     def delete_chat(self) -> None:
-        self.store.delete(self.conv.id)
-        self.conv.messages = []  # so that new_chat has nothing left to save back
+        """Delete the open chat; `undo_delete` brings it back for a while."""
+        if self.bridge.generating:
+            self.stop()
+        conv = self.conv
+        kept = Conversation.from_dict(conv.to_dict())
+        self.store.delete(conv.id)
+        conv.messages = []  # so that new_chat has nothing left to save back
         self.new_chat()
+        if any(m.get("role") in ("user", "assistant") for m in kept.messages):
+            self._deleted = kept
+            self.undo_label.setText(f"Deleted “{kept.title}”")
+            self.undo_label.setToolTip(kept.title)
+            self.undo_bar.show()
+            self._undo_timer.start()
+
+    def undo_delete(self) -> None:
+        kept, self._deleted = self._deleted, None
+        self.undo_bar.hide()
+        self._undo_timer.stop()
+        if kept is None:
+            return
+        self.store.save(kept)
+        self.refresh_conversations()
+        self.open_conversation(kept.id)
+
+    def _forget_deleted(self) -> None:
+        self._deleted = None
+        self.undo_bar.hide()
 
     def _open_selected(self, item, _prev=None) -> None:
         if item is None:

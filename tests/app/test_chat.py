@@ -220,3 +220,23 @@ def test_escape_stops_generation(qtbot, make_bridge, scripted):
     panel.input.setFocus()
     with qtbot.waitSignal(bridge.chat_cancelled, timeout=5000):
         QTest.keyClick(panel.input, Qt.Key.Key_Escape)
+
+
+def test_deleted_chat_can_be_brought_back(qtbot, make_bridge, private_dirs):
+    panel = _chat(qtbot, make_bridge())
+    _send(qtbot, panel, "remember this")
+    conv_id, messages = panel.conv.id, [dict(m) for m in panel.conv.messages]
+    assert panel.store.path_of(conv_id).is_file()
+    panel.delete_btn.click()
+    assert not panel.store.path_of(conv_id).is_file() and panel.conv.id != conv_id
+    assert panel.undo_bar.isVisibleTo(panel) and "remember this" in panel.undo_label.text()
+    panel.undo_btn.click()
+    assert panel.store.path_of(conv_id).is_file() and not panel.undo_bar.isVisibleTo(panel)
+    assert panel.conv.id == conv_id and [m["content"] for m in panel.conv.messages] == [
+        m["content"] for m in messages]
+    # after a while the deleted chat is gone for good
+    panel.delete_btn.click()
+    panel._undo_timer.timeout.emit()
+    assert not panel.undo_bar.isVisibleTo(panel)
+    panel.undo_delete()
+    assert not panel.store.path_of(conv_id).is_file()
