@@ -1,7 +1,10 @@
 """OpenAI-compatible HTTP API (FastAPI + uvicorn) over a Runtime.
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (streaming SSE or one JSON body), `POST
-/v1/completions`, `GET /health`, `GET /metrics` (JSON snapshot of engine metrics).
+/v1/completions`, `GET /health`, `GET /metrics` (JSON snapshot of engine metrics; the Prometheus text
+format with `?format=prometheus` or an `Accept: text/plain` / OpenMetrics header, engine/prometheus.py).
+A runtime that batches (Runtime(parallel=N)) refuses a generation past its queue with 429 and a
+Retry-After header.
 
 Chat requests take messages with text and image parts, `tools` + `tool_choice` (rendered by the model's
 chat template; Qwen's `<tool_call>` output comes back as `tool_calls`), the usual sampling fields
@@ -54,8 +57,11 @@ from .errors import (
     RequestError,
     TemplateError,
 )
+from .prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from .prometheus import engine_text
 from .prompt import PROMPT_MODES
 from .runtime import ModelInfo, RequestHandle, Runtime, RuntimeEvent
+from .scheduler import QueueFull
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +83,15 @@ class APIError(Exception):
     """An error with an HTTP status and an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 429
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -99,6 +107,9 @@ def error_from_exception(exc: BaseException) -> APIError:
     message is the exception's own text (never a traceback)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, QueueFull):  # a RequestError, but the caller's only mistake is timing
+        return APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, (RequestError, TemplateError, ImageError)):
         return bad_request(str(exc) or type(exc).__name__)
     if isinstance(exc, GenerationCancelled):
@@ -787,7 +798,8 @@ class _Gatekeeper:
             if started:  # a stream already under way: all that is left is to end it
                 return
             err = error_from_exception(exc)
-            await JSONResponse(err.body(), status_code=err.status)(scope, receive, send)
+            await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive,
+                                                                                         send)
 
     async def _read_body(self, headers: dict, receive):
         """(a refusal or None, a receive that replays the body read here). The body must be declared
@@ -844,7 +856,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
     guard = BrowserGuard(allowed_origins, allowed_hosts, listen_host)
 
     def error_response(err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     app.add_middleware(_Gatekeeper, guard=guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
@@ -906,9 +918,20 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                 "model": status["model"]}
 
     @app.get("/metrics")
-    async def metrics(since: float | None = None):
+    async def metrics(request: Request, since: float | None = None, format: str | None = None):
         snap = runtime.metrics.snapshot(since=since)
-        snap["runtime"] = public_status()
+        status = public_status()
+        accept = request.headers.get("accept", "")
+        if format == "prometheus" or (format is None and "application/json" not in accept and (
+                "text/plain" in accept or "openmetrics" in accept)):
+            return Response(engine_text(status, snap, runtime.batching_metrics()),
+                            media_type=PROMETHEUS_CONTENT_TYPE)
+        if format not in (None, "json"):
+            raise bad_request(f"'format' must be 'json' or 'prometheus', got {format[:40]!r}", "format")
+        snap["runtime"] = status
+        batching = runtime.batching_metrics()
+        if batching is not None:
+            snap["batching"] = batching
         return snap
 
     def model_card() -> dict:

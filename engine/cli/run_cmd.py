@@ -165,14 +165,16 @@ def check_runnable(path: str) -> None:
 
 
 def start_runtime(args: argparse.Namespace, *, quiet: bool = False, sample_memory_s: float = 0.0,
-                  base_model_note: str | None = None) -> Runtime:
+                  base_model_note: str | None = None, parallel: int = 1,
+                  max_queue: int = 16) -> Runtime:
     """A Runtime with the model of `args` loaded; progress on stderr. `sample_memory_s` > 0 samples
     device memory into the runtime's metrics (the server's /metrics shows it). `base_model_note`:
-    what to tell the user when the model is a pretrained base model (None: nothing)."""
+    what to tell the user when the model is a pretrained base model (None: nothing). parallel /
+    max_queue: generations batched at once and waiting (Runtime; serve's --parallel)."""
     path = model_path(args.model)
     check_runnable(path)
     devices = device_list(args.devices)
-    runtime = Runtime(sample_memory_s=sample_memory_s)
+    runtime = Runtime(sample_memory_s=sample_memory_s, parallel=parallel, max_queue=max_queue)
     t0 = time.perf_counter()
     vision: dict[str, Any] = {}
     if args.mmproj:

@@ -44,6 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="a host name clients may use besides the loopback names and --host (refused "
                         "otherwise, against DNS rebinding); repeatable, '*' allows any")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="generations served at once, their decode steps batched (default: 1, one "
+                        "after another); later requests wait in a queue")
+    p.add_argument("--max-queue", type=int, default=16, metavar="M",
+                   help="requests allowed to wait for one of the --parallel slots; past that a request "
+                        "gets HTTP 429 with Retry-After (default: 16)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: info)")
     p.set_defaults(func=serve_main)
@@ -56,8 +62,11 @@ def serve_main(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise RequestError(f"--port {args.port} is not a TCP port (0-65535)")
+    if args.parallel < 1 or args.max_queue < 0:
+        raise RequestError("--parallel must be at least 1 and --max-queue at least 0")
     _check_port_free(args.host, args.port)  # before minutes of loading, not after
-    runtime = start_runtime(args, sample_memory_s=0.5, base_model_note=BASE_MODEL_NOTE)
+    runtime = start_runtime(args, sample_memory_s=0.5, base_model_note=BASE_MODEL_NOTE,
+                            parallel=args.parallel, max_queue=args.max_queue)
     try:
         api_key = args.api_key or os.environ.get("MINECART_API_KEY") or None
         if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
