@@ -8,6 +8,7 @@ preempted, which on a loaded 2-core machine no code of the window can remove."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 from PySide6.QtCore import QTimer
@@ -33,8 +34,11 @@ class Heartbeat:
         self.ticks += 1
 
     def __enter__(self) -> Heartbeat:
+        gc.collect()
+        gc.freeze()
         self.timer.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.timer.stop()
+        gc.unfreeze()
