@@ -88,6 +88,11 @@ def bench_type(t: int, rng: np.random.Generator, router: NumpyWeight, tokens: li
     print(f"\n{Q.type_name(t)}: active expert bytes per token {active / 1e6:.2f} MB; routing "
           f"{route_ms[0]:.2f} ms (median; included below)")
     print(f"{'path':<26}{'median ms':>10}{'best ms':>9}{'GB/s':>8}{'of copy':>9}")
+    xa = C.quantize_rows(np.repeat(tokens[0], k, axis=0))
+    ids = rng.choice(E, k, replace=False)
+    _, gemv_best = best_ms(lambda x: C.expert_matvec(stacks[0], ids, xa, threads=1), tokens, args.repeat)
+    print(f"gate GEMV alone, 1 thread ({k} x {F} x {H}): best {gemv_best:.3f} ms, "
+          f"{k * F * H / gemv_best / 1e6:.1f} G multiply-adds/s, {stacks[0].active_bytes(k) / gemv_best / 1e6:.2f} GB/s")
     out = []
     for label, (med, best) in rows:
         gbs = active / (med / 1e3) / 1e9
