@@ -27,6 +27,9 @@ from . import theme
 pg.setConfigOptions(antialias=True, background=theme.PANEL, foreground=theme.MUTED)
 
 GAP_S = 2.0  # live points come every 0.25 s while decoding; a longer silence is idle time
+# Memory is sampled all the time (every 0.5 s), idle or not: only a stopped sampler leaves a hole, but
+# a busy load can hold the sampler's thread back for a few seconds
+MEMORY_GAP_S = 10.0
 GIB = float(1 << 30)
 
 
@@ -241,7 +244,7 @@ class GraphsPanel(QWidget):
                 self.memory_curves[dev] = curve
                 self.memory_legend.add("process RAM (cpu)" if dev == "cpu" else dev, color)
             x, y = self._series(buf, now)
-            x, y = with_gaps(x, [v / GIB for v in y])
+            x, y = with_gaps(x, [v / GIB for v in y], MEMORY_GAP_S)
             curve.setData(x, y, connect="finite")
             mem_shown += y
         self.memory.setYRange(0, y_top(mem_shown), padding=0)

@@ -215,9 +215,11 @@ class LibraryPanel(QWidget):
         self.table.setItemDelegateForColumn(0, NameDelegate(self.table))
         self.table.setWordWrap(False)
         hh = self.table.horizontalHeader()
-        hh.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for c in range(1, len(COLUMNS)):
-            hh.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
+        # the name and the (long) quant mix share the room; at 960 px the name had 40 px left
+        for c in range(len(COLUMNS)):
+            stretch = COLUMNS[c] in ("Model", "Quantization")
+            hh.setSectionResizeMode(c, QHeaderView.ResizeMode.Stretch if stretch
+                                    else QHeaderView.ResizeMode.ResizeToContents)
         hh.setHighlightSections(False)
         hh.setDefaultAlignment(Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter)
         lay.addWidget(self.table, 1)
