@@ -31,10 +31,10 @@ from . import theme
 
 # (field drawn as a sparkline, caption, unit, colour index in theme.SERIES_COLORS, smallest range drawn:
 # so that 9-11 W of noise does not fill the box the way 30-180 W does)
-SPARKS = (("power_w", "power", "W", 0, 40.0), ("temperature_c", "temperature", "°C", 3, 20.0),
-          ("gpu_util", "utilization", "%", 2, 100.0))
+SPARKS = (("power_w", "power", "W", 0, 40.0), ("temperature_c", "temp", "°C", 3, 20.0),
+          ("gpu_util", "use", "%", 2, 100.0))
 BUILD_PAUSE_MS = 15  # between building two cards
-CARD_WIDTH = 380  # px a card needs for its longest line ("SM 1582 MHz of 1911 · mem 5005 MHz")
+CARD_WIDTH = 380  # px a card gets at least (its longest line: "SM 1582 MHz of 1911 · mem 5005 MHz")
 ROWS = (("Power", tm.fmt_power), ("Temperature", tm.fmt_temperature), ("Fan", tm.fmt_fan),
         ("Clocks", tm.fmt_clocks), ("Utilization", tm.fmt_util),
         ("Throttle", lambda r: tm.throttle_words(r.throttle_bits)), ("PCIe", tm.fmt_pcie))
@@ -264,7 +264,9 @@ class TelemetryPanel(QWidget):
         """Cards side by side, as many columns as fit CARD_WIDTH each: a rig of eight cards reads at a
         glance on a wide window and still stacks on a narrow one."""
         width = self._scroll.viewport().width()
-        columns = max(1, min(len(self.cards), width // CARD_WIDTH)) if self.cards else 0
+        need = max(CARD_WIDTH, max(c.minimumSizeHint().width() for c in self.cards.values())
+                   + self._grid.spacing()) if self.cards else CARD_WIDTH
+        columns = max(1, min(len(self.cards), width // need)) if self.cards else 0
         placed = self._grid.count()
         if columns == self._columns and placed == len(self.cards):
             return

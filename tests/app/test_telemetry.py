@@ -122,7 +122,7 @@ def test_panel_polls_off_the_gui_thread_without_stalling(qtbot, tmp_path):
     assert card.values["PCIe"].text() == "Gen1 x4 of Gen3 x16"
     assert card.values["Fan"].text() == "n/a"
     assert panel.cards[0].values["Throttle"].text() == "power cap, thermal (hardware)"
-    assert panel.cards[0].captions["temperature_c"].text() == "temperature 64–64 °C"
+    assert panel.cards[0].captions["temperature_c"].text() == "temp 64–64 °C"
     assert "J/token" in panel.energy.text() and "20 tokens" in panel.energy.text()
     panel.grab().save(str(tmp_path / "telemetry.png"))
 
