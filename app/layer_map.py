@@ -603,8 +603,15 @@ class DeviceLane(QFrame):
                 parts.append(f"CUDA ctx {format_bytes(b.overhead)}")
             self.numbers.setText(f"<span style='color:#e4e7ee'><b>{format_bytes(need)}</b></span> of "
                                  f"{format_bytes(cap)} free  ·  " + "  ·  ".join(parts))
+            # a narrow window clips the line: the tooltip keeps every number
+            self.numbers.setToolTip(f"{format_bytes(need)} of {format_bytes(cap)} free: " + ", ".join(parts))
+        elif dev.source == "simulated":
+            self.numbers.setText(f"empty  ·  {format_bytes(cap)} free — a simulated card: for planning only")
+            self.numbers.setToolTip("MINECART_SIMULATE_DEVICES cards exist only on paper; a plan that uses "
+                                    "them loads with their layers on the CPU")
         else:
             self.numbers.setText(f"empty  ·  {format_bytes(cap)} free — drop layers here")
+            self.numbers.setToolTip("")
         errs = [i.message for i in issues if i.device == dev.id and i.severity == "error"]
         self.warning.setText("⚠ " + errs[0] if errs else "")
         self.warning.setVisible(bool(errs))

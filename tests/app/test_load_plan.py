@@ -122,6 +122,8 @@ def test_simulated_gpus_fall_back_to_the_cpu_and_say_why(qtbot, make_bridge, two
     assert set(win.layer_model.plan.assignment) == {"cpu:0"}  # the map shows what runs
     assert "simulated" in win.status_model.text() and "cpu:0" in win.status_model.text()
     assert not win.layers.notice.isHidden() and "simulated" in win.layers.notice.text()
+    gpu_lanes = [lane for lane in win.layers.lanes if lane.model.devices[lane.row].kind == "cuda"]
+    assert gpu_lanes and all("simulated card" in lane.numbers.text() for lane in gpu_lanes)
 
 
 def test_top_bar_names_the_loaded_model_not_the_selected_row(qtbot, make_bridge, two_gpus, tiny_model,
