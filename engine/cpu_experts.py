@@ -114,18 +114,20 @@ class QuantizedRows:
 
 # ------------------------------------------------------------------------------------------------
 # activations: float32 -> int8 blocks of 32 (d = amax / 127, q = rint(x / d), as ggml's Q8_0 but
-# with a float32 scale and round-half-even)
+# with a float32 scale and round-half-even). A block holding inf or NaN gets d = NaN and q = 0, so the
+# products it enters come out NaN, as the float reference's would (not garbage from casting NaN).
 
 
 def _quantize_rows_twin(x: np.ndarray) -> QuantizedRows:
     n, k = x.shape
     blocks = x.reshape(n, k // QBLOCK, QBLOCK)
     amax = np.abs(blocks).max(axis=2)
-    d = amax / F32(127.0)
-    safe = np.where(d > 0, d, F32(1.0))
-    inv = np.where(d > 0, F32(1.0) / safe, F32(0.0)).astype(F32)
-    q = np.rint(blocks * inv[:, :, None]).astype(np.int8)
-    return QuantizedRows(q.reshape(n, k), d.astype(F32), q.astype(np.int32).sum(axis=2, dtype=np.int32))
+    finite = np.isfinite(amax)
+    d = np.where(finite, amax / F32(127.0), F32(np.nan)).astype(F32)
+    use = finite & (d > 0)
+    inv = np.where(use, F32(1.0) / np.where(use, d, F32(1.0)), F32(0.0)).astype(F32)
+    q = np.rint(np.where(finite[:, :, None], blocks, F32(0.0)) * inv[:, :, None]).astype(np.int8)
+    return QuantizedRows(q.reshape(n, k), d, q.astype(np.int32).sum(axis=2, dtype=np.int32))
 
 
 @njit(cache=True)
@@ -134,15 +136,18 @@ def _quantize_rows_nb(x, q, d, s):  # pragma: no cover - compiled
     for r in range(n):
         for b in range(k // 32):
             amax = np.float32(0.0)
+            finite = True
             for l in range(32):
                 a = abs(x[r, b * 32 + l])
                 if a > amax:
                     amax = a
-            db = amax / np.float32(127.0)
-            inv = np.float32(1.0) / db if db > 0 else np.float32(0.0)
+                if not a < np.inf:  # inf or NaN
+                    finite = False
+            db = amax / np.float32(127.0) if finite else np.float32(np.nan)
+            inv = np.float32(1.0) / db if finite and db > 0 else np.float32(0.0)
             tot = 0
             for l in range(32):
-                v = np.int8(np.rint(x[r, b * 32 + l] * inv))
+                v = np.int8(np.rint(x[r, b * 32 + l] * inv)) if finite else np.int8(0)
                 q[r, b * 32 + l] = v
                 tot += v
             d[r, b] = db

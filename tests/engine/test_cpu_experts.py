@@ -137,6 +137,23 @@ def test_twin_matches_gguf_dequantize_then_fp64(t, seed):
     assert np.all(act < 0.05 * np.einsum("soi,si->so", np.abs(dense), np.abs(x)))  # and the bound is tight
 
 
+def test_non_finite_activations_give_nan_outputs_not_garbage():
+    """inf or NaN in a block: its scale is NaN and its quants 0 (no cast of NaN to int8), so every
+    output row it enters is NaN, as the float reference's would be; other rows are untouched."""
+    rng = np.random.default_rng(4)
+    w = random_stack(rng, Q.Q4_K, 3, 5, 256)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    x[0, 40] = np.nan
+    x[1, 200] = np.inf
+    for fast in (True, False):
+        xa = C.quantize_rows(x, fast=fast)
+        assert np.isnan(xa.d[0, 1]) and np.isnan(xa.d[1, 6]) and np.isfinite(xa.d[0, [0, 2, 7]]).all()
+        assert not xa.q[0, 32:64].any() and not xa.q[1, 192:224].any()
+        assert np.isnan(C.expert_matvec(w, [2, 0], xa, fast=fast)).all()
+    clean = C.quantize_rows(x[:, :32].repeat(8, axis=1))
+    assert np.isfinite(C.expert_matvec(w, [2, 0], clean)).all()
+
+
 def test_expert_stack_rejects_unsupported_types_and_bad_rows():
     rng = np.random.default_rng(3)
     with pytest.raises(ValueError, match="Q5_0"):
