@@ -153,3 +153,39 @@ def test_sparkline_keeps_its_window_and_breaks_at_gaps(qtbot):
     assert Sparkline("#fff", 10.0, 2.5, min_span=40.0).y_range(runs) == (0.0, 40.0)  # noise stays flat
     assert Sparkline("#fff", 10.0, 2.5, min_span=4.0).y_range(runs) == (8.0, 12.0)
     assert Sparkline("#fff", 10.0, 2.5, min_span=4.0).y_range([[(0.0, 30.0), (1.0, 180.0)]]) == (30.0, 180.0)
+
+
+def test_without_pynvml_installed_the_strip_says_so(qtbot, monkeypatch):
+    from minecart.app.telemetry_panel import TelemetryPanel
+
+    def missing():
+        raise ImportError("No module named 'pynvml'")
+
+    monkeypatch.setattr(tm, "_import_pynvml", missing)
+    panel = TelemetryPanel()
+    qtbot.addWidget(panel)
+    panel.start()
+    qtbot.waitUntil(lambda: panel.status.text() == "no NVIDIA driver", timeout=5000)
+    panel.stop()
+    assert panel.energy.text() == "Energy per token: n/a"
+
+
+def test_a_gpu_that_stops_answering_ends_polling_with_a_message(qtbot):
+    from minecart.app.telemetry_panel import TelemetryPanel
+
+    class LostGpu(FakeNvml):
+        calls = 0
+
+        def nvmlDeviceGetCount(self):
+            self.calls += 1
+            if self.calls > 2:
+                raise NVMLError("GPU is lost")
+            return 1
+
+    nv = LostGpu([mining_card()])
+    panel = TelemetryPanel(nvml=nv, interval_s=0.02)
+    qtbot.addWidget(panel)
+    panel.start()
+    qtbot.waitUntil(lambda: panel.status.text() == "NVML stopped answering: GPU is lost", timeout=5000)
+    qtbot.waitUntil(lambda: not panel.poller.isRunning(), timeout=5000)
+    assert nv.shut_down and list(panel.cards) == [0]  # the last readings stay on screen
