@@ -235,30 +235,44 @@ def _k_affine_term(row, o, j, isum, d, dmin, dx, xsum):  # pragma: no cover - co
 
 @njit(parallel=True, cache=True)
 def _q4_k_nb(w, ids, xq, xd, xs, table, out, qb):  # pragma: no cover - compiled
+    # two rows per iteration share the activation loads (+20% measured); with an odd row count the
+    # last pair is the last row twice, written once. Each row's sums and additions are the one-row ones.
     k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 144
-    for job in prange(k * n_out):
-        s = job // n_out
-        r = job - s * n_out
-        row = w[ids[s], r]
+    pairs = (n_out + 1) // 2
+    for job in prange(k * pairs):
+        s = job // pairs
+        r = 2 * (job - s * pairs)
+        r1 = min(r + 1, n_out - 1)
+        ra = w[ids[s], r]
+        rb = w[ids[s], r1]
         x = xq[s]
-        acc = np.float32(0.0)
+        acc_a = np.float32(0.0)
+        acc_b = np.float32(0.0)
         for b in range(nsb):
             o = b * 144
-            d = _f16(row, o, table)
-            dmin = _f16(row, o + 2, table)
+            d_a, dmin_a = _f16(ra, o, table), _f16(ra, o + 2, table)
+            d_b, dmin_b = _f16(rb, o, table), _f16(rb, o + 2, table)
             for g in range(4):  # 32 bytes: sub-block 2g in the low nibbles, 2g+1 in the high ones
                 qo = o + 16 + 32 * g
                 xo = (b * 8 + 2 * g) * qb
-                lo = 0
-                hi = 0
+                lo_a = hi_a = lo_b = hi_b = 0
                 for l in range(qb):
-                    v = row[qo + l]
-                    lo += (v & 15) * x[xo + l]
-                    hi += (v >> 4) * x[xo + qb + l]
+                    x_lo = x[xo + l]
+                    x_hi = x[xo + qb + l]
+                    va = ra[qo + l]
+                    vb = rb[qo + l]
+                    lo_a += (va & 15) * x_lo
+                    hi_a += (va >> 4) * x_hi
+                    lo_b += (vb & 15) * x_lo
+                    hi_b += (vb >> 4) * x_hi
                 xb = b * 8 + 2 * g
-                acc += _k_affine_term(row, o, 2 * g, np.int32(lo), d, dmin, xd[s, xb], xs[s, xb])
-                acc += _k_affine_term(row, o, 2 * g + 1, np.int32(hi), d, dmin, xd[s, xb + 1], xs[s, xb + 1])
-        out[s, r] = acc
+                dx0, dx1, xs0, xs1 = xd[s, xb], xd[s, xb + 1], xs[s, xb], xs[s, xb + 1]
+                acc_a += _k_affine_term(ra, o, 2 * g, np.int32(lo_a), d_a, dmin_a, dx0, xs0)
+                acc_a += _k_affine_term(ra, o, 2 * g + 1, np.int32(hi_a), d_a, dmin_a, dx1, xs1)
+                acc_b += _k_affine_term(rb, o, 2 * g, np.int32(lo_b), d_b, dmin_b, dx0, xs0)
+                acc_b += _k_affine_term(rb, o, 2 * g + 1, np.int32(hi_b), d_b, dmin_b, dx1, xs1)
+        out[s, r] = acc_a
+        out[s, r1] = acc_b
 
 
 @njit(parallel=True, cache=True)
