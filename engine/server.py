@@ -871,7 +871,11 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(APIError(exc.status_code, str(exc.detail), type=kind))
+        message = str(exc.detail)
+        if exc.status_code == 400 and isinstance(exc.__cause__, RecursionError):
+            # FastAPI's words for a body json.loads could not descend into
+            message = "the request body is nested too deeply to parse; send at most a few levels"
+        return error_response(APIError(exc.status_code, message, type=kind))
 
     @app.exception_handler(MinecartError)
     async def _engine_error(request, exc: MinecartError):
