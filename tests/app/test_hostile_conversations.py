@@ -110,3 +110,16 @@ def test_save_fsyncs_the_folder_after_the_rename(store, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", spy)
     store.save(store.load("good"))
     assert synced[-1] == os.path.realpath(tmp_path)
+
+
+def test_the_chat_panel_opens_over_a_folder_of_damaged_files(qtbot, make_bridge, tmp_path):
+    from minecart.app.chat import ChatPanel
+    from minecart.app.settings import Settings
+
+    store = ConversationStore(tmp_path)
+    store.save(Conversation(id="good", title="fine", messages=[{"role": "user", "content": "hi"}]))
+    for name, body in DAMAGED.items():
+        _write(tmp_path, name, body)
+    panel = ChatPanel(make_bridge(), Settings(), store=store)  # raised RecursionError before
+    qtbot.addWidget(panel)
+    assert panel.conv_list.count() == 1
