@@ -2,8 +2,9 @@
 the app's own Runtime, so other programs can use the model the window has loaded.
 
 `ApiServer` is the plain part: it builds `create_app(runtime)`, wraps it in a counter of API requests and
-runs it on a `ServerThread`. `ServerPanel` is the widget: host and port, a Start/Stop toggle, the URL and a
-live request count. Starting and stopping run on a Python thread (uvicorn's start-up and shutdown wait
+runs it on a `ServerThread`. `ServerPanel` is the widget: port, this computer or the network, an optional
+API key (a warning while the network may use it without one), a Start/Stop toggle, the URL and a live
+request count. Starting and stopping run on a Python thread (uvicorn's start-up and shutdown wait
 for sockets), so the GUI thread never waits on them; a busy port comes back as a sentence, not a trace.
 
 Not here: the routes, the runtime or any model logic (engine/server.py, engine/runtime.py).
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
     QLabel,
+    QLineEdit,
     QPushButton,
     QSpinBox,
     QVBoxLayout,
@@ -59,10 +61,11 @@ def port_error_text(host: str, port: int, exc: OSError) -> str:
 class ApiServer:
     """One HTTP API over `runtime`; `start()` raises OSError with a readable message on a busy port."""
 
-    def __init__(self, runtime, host: str = "127.0.0.1", port: int = DEFAULT_PORT):
+    def __init__(self, runtime, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str = ""):
         self.runtime = runtime
         self.host = host
         self.port = int(port)
+        self.api_key = api_key
         self.counter: RequestCounter | None = None
         self._thread: ServerThread | None = None
 
@@ -81,7 +84,8 @@ class ApiServer:
     def start(self) -> str:
         if self._thread is not None:
             return self.url
-        self.counter = RequestCounter(create_app(self.runtime, listen_host=self.host))
+        self.counter = RequestCounter(create_app(self.runtime, listen_host=self.host,
+                                                 api_key=self.api_key or None))
         try:
             thread = ServerThread(self.counter, host=self.host, port=self.port)
         except OSError as exc:
@@ -118,8 +122,8 @@ class ServerPanel(QWidget):
         title = QLabel("OpenAI-compatible API")
         title.setObjectName("SectionTitle")
         cl.addWidget(title)
-        hint = QLabel("Serves the model loaded in this window to other programs (any OpenAI client: "
-                      "base URL below, any API key).")
+        hint = QLabel("Serves the model loaded in this window to other programs: any OpenAI client, "
+                      "with the base URL below and the API key set here (any key when none is set).")
         hint.setObjectName("Subtle")
         hint.setWordWrap(True)
         cl.addWidget(hint)
@@ -131,7 +135,14 @@ class ServerPanel(QWidget):
         row.addWidget(self.port)
         self.network = QCheckBox("Reachable from other computers")
         self.network.setToolTip("Listen on all network interfaces (0.0.0.0) instead of this computer only")
+        self.network.toggled.connect(self._warn_open)
         row.addWidget(self.network)
+        self.api_key = QLineEdit()
+        self.api_key.setPlaceholderText("API key (optional)")
+        self.api_key.setToolTip("When set, clients must send it ('Authorization: Bearer KEY', the "
+                                "openai client's api_key)")
+        self.api_key.textChanged.connect(self._warn_open)
+        row.addWidget(self.api_key, 1)
         row.addStretch(1)
         self.toggle = QPushButton("Start server")
         self.toggle.setObjectName("Primary")
@@ -144,6 +155,10 @@ class ServerPanel(QWidget):
         self.count = QLabel("")
         self.count.setObjectName("Subtle")
         cl.addWidget(self.count)
+        self.warning = QLabel("Anyone on your network could use the model: set an API key.")
+        self.warning.setObjectName("WarnText")
+        self.warning.setVisible(False)
+        cl.addWidget(self.warning)
         self.error = QLabel("")
         self.error.setObjectName("ErrorText")
         self.error.setWordWrap(True)
@@ -173,18 +188,21 @@ class ServerPanel(QWidget):
             self._show_error("The engine did not start, so there is nothing to serve.")
             return
         host = "0.0.0.0" if self.network.isChecked() else "127.0.0.1"
-        self.server = ApiServer(runtime, host, self.port.value())
+        self.server = ApiServer(runtime, host, self.port.value(), self.api_key.text().strip())
         self._run_off_thread(self.server.start, "Starting…")
 
     def stop_server(self) -> None:
         if self.server is not None:
             self._run_off_thread(self.server.stop, "Stopping…")
 
+    def _warn_open(self, *_) -> None:
+        self.warning.setVisible(self.network.isChecked() and not self.api_key.text().strip())
+
     def _run_off_thread(self, job: Callable, label: str) -> None:
         self._busy = True
         self.toggle.setEnabled(False)
-        self.port.setEnabled(False)
-        self.network.setEnabled(False)
+        for w in (self.port, self.network, self.api_key):
+            w.setEnabled(False)
         self.error.setText("")
         self.url.setText(label)
 
@@ -203,8 +221,8 @@ class ServerPanel(QWidget):
         self._busy = False
         self.toggle.setEnabled(True)
         running = self.running
-        self.port.setEnabled(not running)
-        self.network.setEnabled(not running)
+        for w in (self.port, self.network, self.api_key):
+            w.setEnabled(not running)
         self.toggle.setText("Stop server" if running else "Start server")
         self.toggle.setObjectName("Danger" if running else "Primary")
         self.toggle.style().polish(self.toggle)

@@ -87,3 +87,27 @@ def test_no_engine_no_server(qtbot):
     panel.toggle.click()
     assert not panel.running
     assert "engine did not start" in panel.error.text()
+
+
+def test_an_api_key_is_required_once_set_and_the_open_network_is_warned_of(qtbot, runtime):
+    panel = ServerPanel(lambda: runtime)
+    qtbot.addWidget(panel)
+    panel.show()
+    panel.network.setChecked(True)
+    assert panel.warning.isVisible()  # the network without a key
+    panel.api_key.setText("s3cret")
+    assert not panel.warning.isVisible()
+    panel.network.setChecked(False)  # the key on loopback only, for the test
+    port = _free_port()
+    panel.port.setValue(port)
+    panel.toggle.click()
+    qtbot.waitUntil(lambda: panel.running and panel.toggle.isEnabled(), timeout=10000)
+    assert not panel.api_key.isEnabled()
+    url = f"http://127.0.0.1:{port}/v1"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url, api_key="wrong", timeout=10, max_retries=0).models.list()
+    good = openai.OpenAI(base_url=url, api_key="s3cret", timeout=10, max_retries=0)
+    assert [m.id for m in good.models.list().data] == ["fake-model"]
+    panel.toggle.click()
+    qtbot.waitUntil(lambda: not panel.running and panel.toggle.isEnabled(), timeout=10000)
+    assert panel.api_key.isEnabled() and not _port_open(port)
