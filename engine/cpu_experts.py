@@ -174,7 +174,7 @@ def quantize_rows(x: np.ndarray, *, fast: bool = True) -> QuantizedRows:
 # iteration (Q4_K: two rows); the inner loops are the integer dot products of one block.
 # The block length comes in as an argument (`qb`, always QBLOCK): with a literal 32 LLVM unrolls the
 # loop completely and, numba running no SLP vectorizer, leaves it scalar; with a run-time count it is
-# vectorized (VNNI where the CPU has it), 3-4x faster. numba widens the integer sums to 64 bits; they
+# vectorized (VNNI where the CPU has it), about 3x faster. numba widens the integer sums to 64 bits; they
 # fit in 32 (the largest, Q6_K's with its group scales folded in, stays below 2^24).
 
 
