@@ -117,3 +117,13 @@ def test_rope_dimension_count_beyond_the_head_is_refused(dense, tmp_path):
     f = Forged.from_file(dense).set("qwen35.rope.dimension_count", U32, 4096)
     with pytest.raises(MinecartError, match="rope.dimension_count"):
         load_model(f.write(tmp_path / "rope.gguf"), devices=["cpu:0"])
+
+
+def test_inspect_of_a_retyped_vocabulary_answers_without_a_traceback(dense, tmp_path, capsys):
+    from minecart.engine.cli import main
+
+    f = Forged.from_file(dense)
+    n = len(next(v for k, _, v in f.kv if k == "tokenizer.ggml.tokens")[1])
+    path = f.set("tokenizer.ggml.tokens", ARR, (F32, [1.0] * n)).write(tmp_path / "retyped.gguf")
+    assert main(["inspect", str(path)]) in (0, 1)
+    assert "Traceback" not in capsys.readouterr().err
