@@ -34,6 +34,9 @@ class Heartbeat:
         self.ticks += 1
 
     def __enter__(self) -> Heartbeat:
+        # after earlier tests loaded real models, one full collection of that heap took 100-460 ms on
+        # whichever thread triggered it (gc.callbacks in this suite): frozen, the beat times the code
+        # under test, not the heap other tests left
         gc.collect()
         gc.freeze()
         self.timer.start()
