@@ -1067,12 +1067,15 @@ SAME_SPEED = 0.03  # plans within 3% of the fastest count as equally fast (then 
 @dataclass(frozen=True)
 class SpeedPrediction:
     """Predicted tokens/s of a plan. decode: one token after an empty context; decode_at_context: one
-    token with the whole planned context in the KV cache; prefill: a prompt of `prompt` tokens.
-    per_device / links: seconds per decoded token spent on each device and on the links."""
+    token with the whole planned context in the KV cache; prefill: a prompt of `prompt` tokens, chunks
+    pipelined over the devices; prefill_one_gpu: the same when the devices are logical ones sharing a
+    GPU (engine/rig.py), whose compute cannot overlap (their links still do). per_device / links:
+    seconds per decoded token spent on each device and on the links."""
 
     decode_tokens_per_s: float
     decode_at_context_tokens_per_s: float
     prefill_tokens_per_s: float
+    prefill_one_gpu_tokens_per_s: float
     prompt: int
     per_device: dict[str, float]
     links: float
@@ -1131,8 +1134,8 @@ def _prefill_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, tokens: int,
     return max(ops_t, read_t)
 
 
-def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt: int | None = None
-                  ) -> SpeedPrediction:
+def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt: int | None = None,
+                  logits_over_link: bool = True) -> SpeedPrediction:
     """Predicted decode and prefill tokens/s of `plan` on `devices` (their speed and link; a device
     without them is priced as UNKNOWN_GPU / CPU_SPEED behind DEFAULT_LINK).
 
@@ -1141,6 +1144,8 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
     one after another; each crossing copies the hidden state (fp32) device -> host -> device over both
     cards' links, and the head's device sends the logits row to the host. Prefill runs chunks of
     plan.chunk tokens through the devices as a pipeline (the slowest stage sets the pace once full).
+    logits_over_link=False leaves the logits row's copy out (engine/rig.py's emulated links do not
+    charge it in graph decode; a real riser does).
     """
     by_name = {d.name: d for d in devices}
     per_value = _kv_bytes_per_value(plan.kv_type)
@@ -1152,6 +1157,7 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
     decode0: dict[str, float] = {}
     decode_ctx = 0.0
     stages: list[float] = []  # seconds per prefill chunk of each stage, links included
+    compute: list[float] = []  # ... without the links
     for k, seg in enumerate(segs):
         spec = by_name.get(seg.device)
         speed = _speed_of(spec, seg.device)
@@ -1160,6 +1166,7 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         decode0[seg.device] = decode0.get(seg.device, 0.0) + _decode_seconds(parts, speed, 0, per_value, mode)
         decode_ctx += _decode_seconds(parts, speed, plan.context, per_value, mode)
         stage = _prefill_seconds(parts, speed, chunk, mode)
+        compute.append(stage)
         if k:  # the chunk's hidden state arrives over this card's link
             stage += _link_of(spec).seconds(chunk * hidden_bytes)
         if k < len(segs) - 1:
@@ -1182,19 +1189,23 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         hops_s = sum(hop(p, hidden_bytes) for p in experts)
         decode0[dev] += hops_s
         decode_ctx += hops_s
-        stages.append(_prefill_seconds(experts, speed, chunk, True)
+        compute.append(_prefill_seconds(experts, speed, chunk, True))
+        stages.append(compute[-1]
                       + sum(hop(p, chunk * hidden_bytes) for p in experts))
     links = 0.0
     for a, b in zip(segs, segs[1:], strict=False):
         links += _link_of(by_name.get(a.device)).seconds(hidden_bytes) + _link_of(by_name.get(b.device)).seconds(hidden_bytes)
-    links += _link_of(by_name.get(segs[-1].device)).seconds(4 * plan.costs.vocab)  # logits to the sampler
+    if logits_over_link:
+        links += _link_of(by_name.get(segs[-1].device)).seconds(4 * plan.costs.vocab)  # logits to the sampler
     t0 = sum(decode0.values()) + links
     t_ctx = decode_ctx + links
     n_chunks = -(-prompt // chunk)
     t_prefill = sum(stages) + (n_chunks - 1) * max(stages)
+    t_one_gpu = max(t_prefill, n_chunks * sum(compute))
     return SpeedPrediction(decode_tokens_per_s=1.0 / t0, decode_at_context_tokens_per_s=1.0 / t_ctx,
-                           prefill_tokens_per_s=prompt / t_prefill, prompt=prompt, per_device=decode0,
-                           links=links)
+                           prefill_tokens_per_s=prompt / t_prefill,
+                           prefill_one_gpu_tokens_per_s=prompt / t_one_gpu, prompt=prompt,
+                           per_device=decode0, links=links)
 
 
 def fits(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 * MiB) -> bool:
