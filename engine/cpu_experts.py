@@ -1,21 +1,23 @@
 """CPU integer kernels for the routed experts of one decode token, and their NumPy twins.
 
-What this is: the W4A8-style matrix-vector products a decode step needs when the experts of a MoE layer
-live in host RAM. The token's activations are quantized to int8 in blocks of 32 values (a float32 scale
-per block, like ggml's Q8_0 activations); each weight block is multiplied with its activation block in
-integers straight from the GGUF bytes (integer sums per 32 values, which fit in int32; never a float32
-copy of the weights), and only then do the fp16/fp32 scales enter, in float32. Weight types: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K,
-as stored in the 3-D expert tensors `ffn_{gate,up,down}_exps` / `ffn_gate_up_exps` (E, n_out, n_in).
+What this is: the W4A8-style matrix-vector products a decode step needs when the experts of a MoE
+layer live in host RAM. The token's activations are quantized to int8 in blocks of 32 values (a
+float32 scale per block, like ggml's Q8_0 activations); each weight block is multiplied with its
+activation block in integers straight from the GGUF bytes (integer sums per 32 values, which fit in
+int32; never a float32 copy of the weights), and only then do the fp16/fp32 scales enter, in float32.
+Weight types: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, as stored in the 3-D expert tensors
+`ffn_{gate,up,down}_exps` / `ffn_gate_up_exps` (E, n_out, n_in).
 
 Every kernel comes twice:
 - a numba kernel (`fast=True`), parallel over (expert, output row) pairs with `prange`;
 - a NumPy twin (`fast=False`), vectorized integer unpacking written for reading.
 Both do the same float32 operations in the same order (per block: scale products, then one add into
-the row's accumulator, blocks in file order), so they agree bit for bit; tests/engine/test_cpu_experts.py
-checks that, and checks the twins against `gguf.quants` dequantize-then-fp64 products.
+the row's accumulator, blocks in file order), so they agree bit for bit;
+tests/engine/test_cpu_experts.py checks that, and checks the twins against `gguf.quants`
+dequantize-then-fp64 products.
 
 The per-block float32 formulas (dx: activation block scale, isum/bsum: int32 sums over the block):
-  Q8_0, Q4_0  acc += (d * dx) * isum                         isum = sum(q * xq), q signed (Q4_0: q - 8)
+  Q8_0, Q4_0  acc += (d * dx) * isum                       isum = sum(q * xq), Q4_0's q minus 8
   Q4_K, Q5_K  acc += (d * dx) * (sc * isum) - (dmin * dx) * (m * bsum)    bsum = sum(xq)
   Q6_K        acc += (d * dx) * (sc_lo * isum_lo + sc_hi * isum_hi)      two 16-value halves, q - 32
 
@@ -114,8 +116,8 @@ class QuantizedRows:
 
 # ------------------------------------------------------------------------------------------------
 # activations: float32 -> int8 blocks of 32 (d = amax / 127, q = rint(x / d), as ggml's Q8_0 but
-# with a float32 scale and round-half-even). A block holding inf or NaN gets d = NaN and q = 0, so the
-# products it enters come out NaN, as the float reference's would (not garbage from casting NaN).
+# with a float32 scale and round-half-even). A block holding inf or NaN gets d = NaN and q = 0, so
+# the products it enters come out NaN, as the float reference's would (not garbage from casting NaN).
 
 
 def _quantize_rows_twin(x: np.ndarray) -> QuantizedRows:
@@ -174,8 +176,8 @@ def quantize_rows(x: np.ndarray, *, fast: bool = True) -> QuantizedRows:
 # iteration (Q4_K: two rows); the inner loops are the integer dot products of one block.
 # The block length comes in as an argument (`qb`, always QBLOCK): with a literal 32 LLVM unrolls the
 # loop completely and, numba running no SLP vectorizer, leaves it scalar; with a run-time count it is
-# vectorized (VNNI where the CPU has it), about 3x faster. numba widens the integer sums to 64 bits; they
-# fit in 32 (the largest, Q6_K's with its group scales folded in, stays below 2^24).
+# vectorized (VNNI where the CPU has it), about 3x faster. numba widens the integer sums to 64 bits;
+# they fit in 32 (the largest, Q6_K's with its group scales folded in, stays below 2^24).
 
 
 @njit(inline="always")
@@ -240,7 +242,7 @@ def _k_affine_term(row, o, j, isum, d, dmin, dx, xsum):  # pragma: no cover - co
 @njit(parallel=True, cache=True)
 def _q4_k_nb(w, ids, xq, xd, xs, table, out, qb):  # pragma: no cover - compiled
     # two rows per iteration share the activation loads (+20% measured); with an odd row count the
-    # last pair is the last row twice, written once. Each row's sums and additions are the one-row ones.
+    # last pair is the last row twice. Each row's sums and additions are those of the one-row form.
     k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 144
     pairs = (n_out + 1) // 2
     for job in prange(k * pairs):
@@ -307,7 +309,8 @@ def _q5_k_nb(w, ids, xq, xd, xs, table, out, qb):  # pragma: no cover - compiled
                     hi += ((v >> 4) | ((h & 2) << 3)) * xh[l]
                 xb = b * 8 + 2 * g
                 acc += _k_affine_term(row, o, 2 * g, np.int32(lo), d, dmin, xd[s, xb], xs[s, xb])
-                acc += _k_affine_term(row, o, 2 * g + 1, np.int32(hi), d, dmin, xd[s, xb + 1], xs[s, xb + 1])
+                acc += _k_affine_term(row, o, 2 * g + 1, np.int32(hi), d, dmin, xd[s, xb + 1],
+                                      xs[s, xb + 1])
         out[s, r] = acc
 
 
@@ -455,8 +458,8 @@ _TWIN_TERMS = {Q.Q8_0: _terms_q8_0, Q.Q4_0: _terms_q4_0, Q.Q4_K: _terms_q4_k, Q.
 # entry points
 
 
-def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedRows, *, fast: bool = True,
-                  threads: int | None = None) -> np.ndarray:
+def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedRows, *,
+                  fast: bool = True, threads: int | None = None) -> np.ndarray:
     """(k, n_out) float32: row s is expert ids[s]'s matrix times activation row s of x.
 
     threads: numba threads for this call (None: numba's default, one per core); restored after.
