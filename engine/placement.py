@@ -1058,9 +1058,12 @@ PREFILL_PROMPT = 4096  # the prompt length prefill is predicted for (the context
 # 4x that: the sm_61 rate; NVIDIA's GTX 1070 specifications).
 UNKNOWN_GPU = DeviceSpeed("unknown GPU (priced as a GTX 1070)", 256e9, 26.0e12, 6.5e12,
                           "assumed: no card named")
-# The CPU: the NumPy reference backend (float32 weights, BLAS), dual-channel DDR4-3200 (2 x 25.6 GB/s,
-# JEDEC), ~0.5 TFLOP/s fp32 sgemm on a desktop CPU, no int8 path.
-CPU_SPEED = DeviceSpeed("CPU (NumPy backend)", 51.2e9, 0.0, 0.5e12, "assumed: dual-channel DDR4-3200")
+# The CPU: the NumPy reference backend (float32 weights, BLAS, no int8 path), as measured on one core of
+# this project's 2-core CI machine (docs/demo-check.md): decode reads 1.07 GB a token at 5.1-6.6 tokens/s
+# (6 GB/s: 12e9 at the 0.50 decode efficiency), a 300-token prefill of its ~100 M float32 layer weights
+# runs 116-122 tokens/s (24 GFLOP/s: 47e9 at the 0.51 prefill efficiency). Desktops with more cores and
+# channels are faster; nothing here measures them yet.
+CPU_SPEED = DeviceSpeed("CPU (NumPy backend)", 12e9, 0.0, 47e9, "measured: docs/demo-check.md, one core")
 SAME_SPEED = 0.03  # plans within 3% of the fastest count as equally fast (then the longest context wins)
 
 
