@@ -296,7 +296,7 @@ class MainWindow(QMainWindow):
 
         self.nav.page_selected.connect(self.show_page)
         self.top.load_btn.clicked.connect(self._load_selected)
-        self.top.cancel_btn.clicked.connect(self.bridge.cancel_load)
+        self.top.cancel_btn.clicked.connect(self.cancel_load)
         self.top.unload_btn.clicked.connect(self.unload)
         self.library.load_requested.connect(self.load)
         self.library.selection_changed.connect(self._on_selected)
@@ -486,6 +486,14 @@ class MainWindow(QMainWindow):
             self._load_after_plan = path
             self.top.progress_label.setText("Planning the layers…")
             self.status_model.setText(f"Planning {path.name}…")
+
+    def cancel_load(self) -> None:
+        """Cancel the load: one still waiting for its plan never reaches the engine."""
+        if self._load_after_plan is not None:
+            self._load_after_plan = None
+            self._on_load_cancelled()
+        else:
+            self.bridge.cancel_load()
 
     def _start_load(self, path: Path) -> None:
         plan = self.layer_model.plan.copy() if self._plan_path == path and self.layer_model.plan else None

@@ -141,3 +141,23 @@ def test_top_bar_names_the_loaded_model_not_the_selected_row(qtbot, make_bridge,
     assert win.top.title.text() == loaded_title and "loaded" in _chips(win)
     assert win.top.load_btn.text().strip() == "Load" and other.stem in win.top.load_btn.toolTip() \
         or win.selected.display_name in win.top.load_btn.toolTip()
+
+
+def test_cancel_while_the_plan_is_being_made_never_loads(qtbot, make_bridge, two_gpus, tiny_model, scripted,
+                                                         monkeypatch):
+    import time
+
+    from minecart.app import layer_map, main_window
+
+    real = layer_map.costs_for_file
+    monkeypatch.setattr(main_window, "costs_for_file", lambda p: (time.sleep(0.3), real(p))[1])
+    calls = []
+    bridge = make_bridge(loader=_recording_loader(scripted, calls))
+    win = _window(qtbot, bridge, two_gpus)
+    win.load(tiny_model)
+    assert win.loading and win.top.cancel_btn.isVisibleTo(win)
+    win.top.cancel_btn.click()
+    assert not win.loading and win.status_model.text() == "Loading cancelled"
+    qtbot.waitUntil(lambda: win.layer_model.plan is not None, timeout=10000)
+    qtbot.wait(100)
+    assert calls == [] and not bridge.loading and not win.top.progress.isVisibleTo(win)
