@@ -5,7 +5,9 @@ device, with a memory bar per device; drag blocks (or a boundary) onto another d
 are devices, their children the parts placed on them. Drag flags, MIME encoding and drops live in the
 model, so any view (and the keyboard) edits the plan the same way. `LayerMapPanel` shows one
 `DeviceLane` per device; each lane is a QListView on the shared model rooted at its device row.
-The engine executes a plan only when the user presses Apply (through the runtime's `replace`).
+Every edit is one step of the model's QUndoStack (Ctrl+Z / Ctrl+Shift+Z).
+The plan on screen is the plan that runs: Load and Reload hand it to the engine, Apply re-places the
+loaded model with it (MainWindow), and after a load the map shows the engine's placement.
 """
 
 from __future__ import annotations

@@ -2,7 +2,14 @@
 Chat, Models (library), Hardware (devices + layer map), Performance (live graphs).
 
 It wires the pages to one EngineBridge and the Settings; it holds no engine logic itself. The GUI thread
-only starts requests and reacts to signals, so a slow load or a crashing engine never freezes the window.
+only starts requests and reacts to signals, so a slow load or a crashing engine never freezes the window;
+a model's header and layer costs are read on threads.
+
+Loading: the layer map's plan is the plan that runs. Load waits for the plan when it is still being made,
+then gives exactly that Placement (and its KV cache type) to the engine; simulated GPUs are the one
+exception, their layers fall back to the CPU and the window says so. One load state feeds the status
+chip, the status bar and the layer map's notice, so they cannot disagree; a failure is told there, not
+in the chat transcript. The top bar names the loaded model, not the row selected on the Models page.
 """
 
 from __future__ import annotations
