@@ -1,7 +1,9 @@
 """The chat page: conversations list, the message column, the composer, and the generation settings.
 
-Streaming tokens arrive from the EngineBridge as signals; the reply's widget is marked dirty and a
-30 Hz QTimer re-renders dirty messages (Markdown to HTML), so a fast stream never repaints per token.
+Streaming tokens arrive from the EngineBridge as signals (batched there every 25 ms); the reply's widget is
+marked dirty and a 30 Hz QTimer re-renders dirty messages. A message body is a MarkdownView
+(markdown_view.py) that re-renders only the blocks that changed, so a 15k-token reply costs the same per
+update as a short one.
 The model's thinking goes into a collapsible block above the answer. Stop, regenerate, edit-and-resend,
 copy, thinking on/off, a system prompt and sampling settings are here; conversations are saved as JSON
 (conversations.py). Images can be dropped or pasted; they show as thumbnails and go into the request as

@@ -3,7 +3,7 @@ request events into Qt signals.
 
 The Runtime (engine/runtime.py) runs the model on its own thread. For each request this bridge starts a
 small QThread (`_Watcher`) that blocks on the request's event stream and re-emits every event as a
-signal, which Qt queues to the GUI thread. So the GUI thread never waits on the engine: it only calls
+signal, which Qt queues to the GUI thread (tokens gathered for 25 ms into one signal). So the GUI thread never waits on the engine: it only calls
 methods that return at once (`load`, `chat`, `stop`, `replace`) and reacts to signals. An engine exception
 arrives as an "error" event and becomes `chat_error` / `load_failed`; the window shows it and keeps
 working.
