@@ -1,6 +1,7 @@
 """A tiny random-weight Gemma 3 GGUF (written with gguf-py's GGUFWriter), for the tests that need a
 Gemma 3 file without the demo package: 7 layers (the 6th attends globally, the rest through an 8-token
-sliding window, so a 40-token prompt exercises the window), F16 projections, F32 norms, no tokenizer."""
+sliding window, so a 40-token prompt exercises the window; head dim 64, one the GPU attention kernels
+take), F16 projections, F32 norms, no tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, WINDOW = 512, 128, 4, 2, 32, 256, 7, 8
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, WINDOW = 512, 128, 4, 2, 64, 256, 7, 8
 
 
 def tiny_gemma3_file(path: Path, seed: int = 0) -> Path:

@@ -555,7 +555,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
             return None
 
         def stack(w: NumpyWeight):
-            return cpu_experts.ExpertStack(np.asarray(w.info.raw), int(w.info.ggml_type), int(w.shape[-1]))
+            # (E, n_out, row bytes), whether the tensor's raw bytes come as 3-D or as (E * n_out) rows
+            raw = np.asarray(w.info.raw).reshape(int(w.shape[0]), int(w.shape[1]), -1)
+            return cpu_experts.ExpertStack(raw, int(w.info.ggml_type), int(w.shape[-1]))
 
         return stack(gate_exps), None if up_exps is None else stack(up_exps), stack(down_exps)
 
