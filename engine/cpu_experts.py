@@ -173,7 +173,7 @@ def quantize_rows(x: np.ndarray, *, fast: bool = True) -> QuantizedRows:
 
 # ------------------------------------------------------------------------------------------------
 # numba kernels: out[s, r] = row r of expert ids[s] . activation row s. One (s, r) pair per prange
-# iteration (Q4_K: two rows); the inner loops are the integer dot products of one block.
+# iteration (Q4_K, Q5_K: two rows); the inner loops are the integer dot products of one block.
 # The block length comes in as an argument (`qb`, always QBLOCK): with a literal 32 LLVM unrolls the
 # loop completely and, numba running no SLP vectorizer, leaves it scalar; with a run-time count it is
 # vectorized (VNNI where the CPU has it), about 3x faster. numba widens the integer sums to 64 bits;
@@ -283,35 +283,45 @@ def _q4_k_nb(w, ids, xq, xd, xs, table, out, qb):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True)
 def _q5_k_nb(w, ids, xq, xd, xs, table, out, qb):  # pragma: no cover - compiled
+    # as Q4_K, two rows per iteration; the 5th bit of value l of sub-block j is bit j of qh[l]
     k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 176
-    for job in prange(k * n_out):
-        s = job // n_out
-        r = job - s * n_out
-        row = w[ids[s], r]
+    pairs = (n_out + 1) // 2
+    for job in prange(k * pairs):
+        s = job // pairs
+        r = 2 * (job - s * pairs)
+        r1 = min(r + 1, n_out - 1)
+        ra = w[ids[s], r]
+        rb = w[ids[s], r1]
         x = xq[s]
-        acc = np.float32(0.0)
+        acc_a = np.float32(0.0)
+        acc_b = np.float32(0.0)
         for b in range(nsb):
             o = b * 176
-            d = _f16(row, o, table)
-            dmin = _f16(row, o + 2, table)
-            for g in range(4):  # as Q4_K; the 5th bit of value l of sub-block j is bit j of qh[l]
+            d_a, dmin_a = _f16(ra, o, table), _f16(ra, o + 2, table)
+            d_b, dmin_b = _f16(rb, o, table), _f16(rb, o + 2, table)
+            for g in range(4):
                 qo = o + 48 + 32 * g
                 xo = (b * 8 + 2 * g) * qb
-                qs, qh = row[qo : qo + qb], row[o + 16 : o + 16 + qb]  # slices: see _q6_k_nb
+                qa, ha = ra[qo : qo + qb], ra[o + 16 : o + 16 + qb]  # slices: see _q6_k_nb
+                qb2, hb = rb[qo : qo + qb], rb[o + 16 : o + 16 + qb]
                 xl, xh = x[xo : xo + qb], x[xo + qb : xo + 2 * qb]
                 shift = 2 * g
-                lo = 0
-                hi = 0
+                lo_a = hi_a = lo_b = hi_b = 0
                 for l in range(qb):
-                    v = qs[l]
-                    h = qh[l] >> shift
-                    lo += ((v & 15) | ((h & 1) << 4)) * xl[l]
-                    hi += ((v >> 4) | ((h & 2) << 3)) * xh[l]
+                    va, vb = qa[l], qb2[l]
+                    hha, hhb = ha[l] >> shift, hb[l] >> shift
+                    lo_a += ((va & 15) | ((hha & 1) << 4)) * xl[l]
+                    hi_a += ((va >> 4) | ((hha & 2) << 3)) * xh[l]
+                    lo_b += ((vb & 15) | ((hhb & 1) << 4)) * xl[l]
+                    hi_b += ((vb >> 4) | ((hhb & 2) << 3)) * xh[l]
                 xb = b * 8 + 2 * g
-                acc += _k_affine_term(row, o, 2 * g, np.int32(lo), d, dmin, xd[s, xb], xs[s, xb])
-                acc += _k_affine_term(row, o, 2 * g + 1, np.int32(hi), d, dmin, xd[s, xb + 1],
-                                      xs[s, xb + 1])
-        out[s, r] = acc
+                dx0, dx1, xs0, xs1 = xd[s, xb], xd[s, xb + 1], xs[s, xb], xs[s, xb + 1]
+                acc_a += _k_affine_term(ra, o, 2 * g, np.int32(lo_a), d_a, dmin_a, dx0, xs0)
+                acc_a += _k_affine_term(ra, o, 2 * g + 1, np.int32(hi_a), d_a, dmin_a, dx1, xs1)
+                acc_b += _k_affine_term(rb, o, 2 * g, np.int32(lo_b), d_b, dmin_b, dx0, xs0)
+                acc_b += _k_affine_term(rb, o, 2 * g + 1, np.int32(hi_b), d_b, dmin_b, dx1, xs1)
+        out[s, r] = acc_a
+        out[s, r1] = acc_b
 
 
 @njit(parallel=True, cache=True)
