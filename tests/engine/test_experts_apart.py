@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from minecart.engine.experts import ExpertsApart
 from minecart.engine.model import load_model
-from minecart.engine.runtime import Runtime
 from minecart.engine.sampling import greedy_params
 
 from tests._moe import tiny_moe_file

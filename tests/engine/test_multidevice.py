@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 from minecart.engine.errors import DeviceError, GenerationCancelled
-from minecart.engine.model import load_model
 from minecart.engine.execution import HostBridge
+from minecart.engine.model import load_model
 from minecart.engine.multidevice import bench_split
 from minecart.engine.placement import DeviceSpec, MiB, Placement, model_costs
 from minecart.engine.rig import Link, Rig, RigDevice, allocated_bytes, parse_bytes, parse_link
