@@ -200,10 +200,10 @@ class LayerMapModel(QAbstractItemModel):
             for i in indices:
                 plan.move_part(i, device)
 
-        return self._edit(f"move {len(indices)} part{'s' if len(indices) != 1 else ''} to {device}", change)
+        return self._edit(f"moved {self.plan.describe(indices)} to {device}", change)
 
     def move_boundary(self, boundary: int, first_part: int) -> None:
-        self._edit("move a boundary", lambda plan: plan.move_boundary(boundary, first_part))
+        self._edit("moved a boundary", lambda plan: plan.move_boundary(boundary, first_part))
 
     def auto_split(self, context: int | None = None, kv_type: str | None = None) -> None:
         if self.plan is None:
@@ -211,13 +211,13 @@ class LayerMapModel(QAbstractItemModel):
         auto = fewest_devices_plan(self.plan.costs, self.device_specs(), context=context or self.plan.context,
                                    chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
                                    n_sequences=self.plan.n_sequences)
-        self._edit("auto-split", lambda plan: _become(plan, auto))
+        self._edit("auto-split the layers", lambda plan: _become(plan, auto))
 
     def set_settings(self, **settings) -> None:
         if self.plan is None:
             return
         changed = self.plan.with_settings(**settings)
-        self._edit("change the context or KV cache", lambda plan: _become(plan, changed))
+        self._edit("changed the context or KV cache type", lambda plan: _become(plan, changed))
 
     # ---- QAbstractItemModel -------------------------------------------------------------------------
     def index(self, row, column=0, parent=QModelIndex()):
@@ -712,11 +712,14 @@ class LayerMapPanel(QWidget):
         self.scroll.setWidget(self.lane_host)
         outer.addWidget(self.scroll, 1)
 
-        hint = QLabel("Drag blocks onto another device (the first/last block moves the boundary) · "
-                      "Alt+↑/↓ moves the selection · Ctrl+Z undoes · right-click for a menu")
-        hint.setObjectName("Subtle")
-        hint.setWordWrap(True)
-        outer.addWidget(hint)
+        self.hint_text = ("Drag blocks onto another device (the first/last block moves the boundary) · "
+                          "Alt+↑/↓ moves the selection · Ctrl+Z undoes · right-click for a menu")
+        self.hint = QLabel(self.hint_text)
+        self.hint.setObjectName("Subtle")
+        self.hint.setWordWrap(True)
+        outer.addWidget(self.hint)
+        # what the last edit did (a keyboard move with "Keep contiguous" can take many layers along)
+        model.undo_stack.indexChanged.connect(self._show_last_edit)
         self.issues = QLabel()
         self.issues.setWordWrap(True)
         self.issues.setObjectName("WarnText")
@@ -761,6 +764,10 @@ class LayerMapPanel(QWidget):
         lab.setObjectName("Subtle")
         h.addWidget(lab)
         return w
+
+    def _show_last_edit(self, _index: int = 0) -> None:
+        done = self.model.undo_stack.undoText()
+        self.hint.setText(f"Last edit: {done} · Ctrl+Z undoes it" if done else self.hint_text)
 
     def set_notice(self, text: str, error: bool = False) -> None:
         self.notice.setText(("Loading failed: " if error else "") + text if text else "")

@@ -216,6 +216,7 @@ def test_layer_moves_undo_and_redo(qtbot, two_gpus, tiny_model):
     n = len(start)
     assert model.move_parts([n - 2, n - 1], "cuda:1")
     moved = list(model.plan.assignment)
+    assert f"moved layer {n - 3} and the LM head to cuda:1" in panel.hint.text()  # what it did, in words
     model.auto_split()
     view = panel.lanes[0].view
     panel.activateWindow()
