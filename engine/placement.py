@@ -450,6 +450,8 @@ class TensorSpec:
 def _stored_bytes(shape: tuple[int, ...], type_name: str) -> int:
     import gguf
 
+    if type_name not in gguf.GGMLQuantizationType.__members__:
+        raise PlacementError(f"'{type_name}' is not a GGML type; use e.g. Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F16")
     qtype = gguf.GGMLQuantizationType[type_name]
     block, type_size = gguf.GGML_QUANT_SIZES[qtype]
     n = 1

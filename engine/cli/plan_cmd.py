@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 from ..devices import format_bytes
-from ..errors import DeviceError
+from ..errors import DeviceError, PlacementError
 from ..placement import (
     DEFAULT_KV_TYPE,
     GLOBAL,
@@ -76,6 +76,9 @@ def run(args) -> int:
     rig = Rig.parse(args.rig)
     devices = _devices(rig, args.exclude)
     costs = _costs(args, devices)
+    if costs.context_length and args.context > costs.context_length:
+        raise PlacementError(f"--context {args.context} is longer than {costs.name} was trained for "
+                             f"({costs.context_length} tokens); give at most {costs.context_length}")
     experts_device = ""
     if args.host_experts:
         experts_device = _host_device(devices, costs)
