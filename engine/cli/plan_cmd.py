@@ -2,10 +2,12 @@
 
     minecart plan MODEL.gguf --rig cuda:0=P104-100@gen1x1,cuda:1=CMP-100-210@gen1x1 --context 32768
     minecart plan --shape qwen3.5-27b --quant q4_k --rig cuda:0=8GiB,cuda:1=8GiB,cuda:2=6GiB --json
+    minecart plan MODEL.gguf --exclude cuda:1      (this machine's GPUs, one left out)
 
 The model is a GGUF file (only its header is read) or a named shape priced on paper
 (engine/placement.py costs_for_shape). The rig is engine/rig.py's `NAME[=CAP|=CARD][@LINK]` list;
-a card is a profile of resources/gpu_profiles.json (its memory and speed). The plan is the one
+a card is a profile of resources/gpu_profiles.json (its memory and speed). Without --rig the GPUs of
+this machine are planned for (free memory now; speed from the card's profile). The plan is the one
 plan_auto would run: the fastest that fits (engine/placement.py predict_speed), then the longest
 context. When nothing fits the command says what would (less context, a smaller KV cache, routed
 experts in host RAM) and exits 1.
@@ -53,9 +55,10 @@ def register(subparsers) -> None:
     p.add_argument("--shape", choices=list(SHAPES), help="price a named model shape instead of a file")
     p.add_argument("--quant", default=None, metavar="TYPE",
                    help="GGML type of the shape's matrices, e.g. q4_k, q8_0 (with --shape; default q8_0)")
-    p.add_argument("--rig", required=True, metavar="SPEC",
+    p.add_argument("--rig", default=None, metavar="SPEC",
                    help="devices, comma-separated NAME[=CAP|=CARD|=CARD/CAP][@LINK], e.g. "
-                        "'cuda:0=P104-100@gen1x1,cuda:1=8GiB,cpu:0=64GiB'")
+                        "'cuda:0=P104-100@gen1x1,cuda:1=8GiB,cpu:0=64GiB'; default: the GPUs of this "
+                        "machine with their free memory (and the host RAM as cpu:0 with --host-experts)")
     p.add_argument("--exclude", action="append", default=[], metavar="NAME",
                    help="leave a device of the rig out (repeatable), e.g. --exclude cuda:1")
     p.add_argument("--context", type=int, default=4096, help="tokens of context to plan for; default 4096")
@@ -73,8 +76,7 @@ def run(args) -> int:
 
     if args.context < 1:
         raise DeviceError(f"--context {args.context} is not a number of tokens; give 1 or more")
-    rig = Rig.parse(args.rig)
-    devices = _devices(rig, args.exclude)
+    devices = _devices(Rig.parse(args.rig), args.exclude) if args.rig else _present_devices(args)
     costs = _costs(args, devices)
     if costs.context_length and args.context > costs.context_length:
         raise PlacementError(f"--context {args.context} is longer than {costs.name} was trained for "
@@ -112,6 +114,35 @@ def _devices(rig, exclude: list[str]) -> list[DeviceSpec]:
             raise DeviceError(f"{d.name} has no memory size; give one or a card, e.g. {d.name}=8GiB or "
                               f"{d.name}=P104-100")
     return specs
+
+
+def _present_devices(args) -> list[DeviceSpec]:
+    """The GPUs of this machine: free memory now, speed and link from the card's profile when its name
+    has one (resources/gpu_profiles.json); the host RAM as cpu:0 with --host-experts."""
+    from .. import devices as devices_mod
+    from .. import gpu_profiles
+    from ..rig import LINKS
+
+    found = devices_mod.list_devices(include_cpu=args.host_experts, with_probe=False)
+    ids = [i.id for i in found]
+    for name in args.exclude:
+        if name not in ids:
+            raise DeviceError(f"--exclude {name}: this machine has no such device ({', '.join(ids) or 'none'})")
+    out = []
+    for info in found:
+        if info.id in args.exclude:
+            continue
+        if info.free_bytes <= 0:
+            raise DeviceError(f"{info.id} ({info.name}) does not report its free memory; describe the rig "
+                              f"with --rig (e.g. --rig {info.id}=8GiB)")
+        profile = gpu_profiles.find(info.name) if info.kind == "cuda" else None
+        out.append(DeviceSpec(info.id, int(info.free_bytes), label=info.name,
+                              speed=profile.speed if profile else None,
+                              link=LINKS[profile.link] if profile else None))
+    if not any(d.name.startswith("cuda:") for d in out):
+        raise DeviceError("no GPU found on this machine (or every one is excluded); describe the rig to plan "
+                          "for with --rig, e.g. --rig cuda:0=P104-100,cuda:1=8GiB")
+    return out
 
 
 def _costs(args, devices: list[DeviceSpec]) -> ModelCosts:
@@ -214,7 +245,7 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
         rows.append({
             "name": d.name, "capacity_bytes": int(by_name[d.name].free_bytes),
             "planned_bytes": int(b.total) if b else 0, "parts": parts,
-            "card": d.speed.name if d.speed else "", "link": d.link.name if d.link else "",
+            "card": d.speed.name if d.speed else "", "label": d.label, "link": d.link.name if d.link else "",
             "weights_bytes": b.weights if b else 0, "kv_cache_bytes": b.kv_cache if b else 0,
             "other_bytes": (b.total - b.weights - b.kv_cache) if b else 0,
             "decode_seconds_per_token": choice.speed.per_device.get(d.name, 0.0),

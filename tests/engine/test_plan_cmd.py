@@ -141,3 +141,31 @@ def test_a_fixture_file(capsys, fixtures_dir):
 def test_bad_input_is_explained(capsys, args, words):
     assert main(["plan", *args]) == 1
     assert words in capsys.readouterr().err
+
+
+def test_without_a_rig_the_gpus_of_this_machine(capsys, monkeypatch):
+    from minecart.engine import devices
+    from minecart.engine.devices import DeviceInfo
+
+    gpus = [DeviceInfo("cuda:0", "cuda", "NVIDIA P104-100", 8 * GiB, 0, 8 * GiB),
+            DeviceInfo("cuda:1", "cuda", "NVIDIA CMP 100-210", 16 * GiB, GiB, 15 * GiB),
+            DeviceInfo("cuda:2", "cuda", "NVIDIA Tesla K80", 12 * GiB, 0, 12 * GiB)]
+    cpu = DeviceInfo("cpu:0", "cpu", "a CPU", 64 * GiB, 0, 60 * GiB)
+    monkeypatch.setattr(devices, "list_devices",
+                        lambda include_cpu=True, with_probe=True: gpus + ([cpu] if include_cpu else []))
+    args = ["--shape", "qwen3.5-9b", "--quant", "q4_k", "--context", "32768"]
+    rc, r = plan(capsys, *args)
+    assert rc == 0
+    by = {d["name"]: d for d in r["devices"]}
+    assert list(by) == ["cuda:0", "cuda:1", "cuda:2"]
+    assert by["cuda:1"]["capacity_bytes"] == 15 * GiB and by["cuda:1"]["card"] == "CMP 100-210"
+    assert by["cuda:2"]["card"] == "" and by["cuda:2"]["label"] == "NVIDIA Tesla K80"  # no profile
+    assert by["cuda:1"]["parts"][0] == "embed"  # the fastest card, though listed second
+    rc, r = plan(capsys, *args, "--exclude", "cuda:1", "--exclude", "cuda:2")
+    assert rc == 0 and [d["name"] for d in r["devices"]] == ["cuda:0"]
+    assert main(["plan", *args, "--exclude", "cuda:7"]) == 1
+    assert "this machine has no such device (cuda:0, cuda:1, cuda:2)" in capsys.readouterr().err
+    monkeypatch.setattr(devices, "list_devices",
+                        lambda include_cpu=True, with_probe=True: [cpu] if include_cpu else [])
+    assert main(["plan", *args]) == 1
+    assert "no GPU found on this machine" in capsys.readouterr().err
