@@ -26,6 +26,7 @@ request/event plumbing of the runtime (engine/runtime.py), or HTTP.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 import time
@@ -49,6 +50,24 @@ if TYPE_CHECKING:
 
 DEFAULT_CHUNK = 128  # prompt tokens per step: bounds how long a new prompt stalls the running decodes
 RATE_WINDOW_S = 10.0  # decode tokens/s is measured over the steps of this many seconds
+
+
+# Arrays at least this large are mapped from (and unmapped back to) the OS on every allocation (glibc
+# mallopt M_MMAP_THRESHOLD). Without a fixed threshold glibc raises it to the size of the largest
+# array freed so far, and then every request thread keeps its own heap of megabyte-sized logit rows
+# and sampler scratch: resident memory grew by half a gigabyte under 8 concurrent clients.
+MMAP_THRESHOLD = 256 * 1024
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def fix_mmap_threshold(n_bytes: int = MMAP_THRESHOLD) -> bool:
+    """Pin glibc's mmap threshold (see MMAP_THRESHOLD); False where the C library has no mallopt
+    (macOS, Windows, musl), which leaves the allocator as it is."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(n_bytes)))
+    except (OSError, AttributeError):  # no C library handle, or no mallopt in it
+        return False
 
 
 class QueueFull(RequestError):
@@ -150,6 +169,7 @@ class Scheduler:
                  prefix_cache: PrefixCache | None = None):
         if parallel < 1 or max_queue < 0 or chunk < 1:
             raise ValueError("parallel and chunk must be at least 1, max_queue at least 0")
+        fix_mmap_threshold()  # many request threads: big arrays must go back to the OS when freed
         self.model = model
         self.view = BatchedModel(self, model)
         self.parallel = int(parallel)
@@ -207,8 +227,10 @@ class Scheduler:
         own = session is None
         start: CacheStart | None = None
         try:
-            if session is None and self.prefix_cache is not None and not extras \
+            if session is None and self.prefix_cache is not None and set(extras) <= {"turn_boundary"} \
                     and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                # a one-off session is not kept, so no later turn comes back to a turn boundary
+                extras = {}
                 start = self.prefix_cache.start(self.new_session, prompt, cancel)
                 session = start.session
             elif session is None:
@@ -328,7 +350,8 @@ class Scheduler:
         for b, w in enumerate(rows):
             w.done += len(ids[b])
             if w.done == len(w.ids):
-                self._finish(w, logits=out[b : b + 1])
+                # a copy: a view would keep the whole (B, vocab) array alive while the session holds it
+                self._finish(w, logits=out[b : b + 1].copy())
         self._count(len(decodes), prefilled, len(rows))
 
     def _run_override_chunk(self, w: _Pass) -> None:

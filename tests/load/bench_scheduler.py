@@ -1,0 +1,89 @@
+"""Concurrent completions through the scheduler, and a shared system prompt through its prefix cache.
+
+Run by hand, not by pytest: `python tests/load/bench_scheduler.py [MODEL.gguf]` (default: the demo
+model). Prints (1) aggregate generated tokens/s of 1, 4 and 8 concurrent greedy completions (each a
+different prompt, --tokens long), with the ratio to one alone; (2) time to first token of 10 requests
+that share a --system-token prompt and differ in a short tail, the first one filling the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from minecart.engine.model import load_model
+from minecart.engine.prefix_cache import PrefixCache
+from minecart.engine.sampling import greedy_params
+from minecart.engine.scheduler import Scheduler
+
+
+def concurrent_rate(sched: Scheduler, n: int, tokens: int, seed: int) -> float:
+    rng = np.random.default_rng(seed)
+    prompts = [[2] + [int(t) for t in rng.integers(1000, 20000, 10 + 3 * i)] for i in range(n)]
+    counts = [0] * n
+
+    def run(i: int) -> None:
+        for ev in sched.generate(prompts[i], greedy_params(max_tokens=tokens)):
+            counts[i] = ev.generated_tokens
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+def shared_prompt(model, system_tokens: int, requests: int) -> list[float]:
+    rng = np.random.default_rng(7)
+    system = [2] + [int(t) for t in rng.integers(1000, 20000, system_tokens - 1)]
+    sched = Scheduler(model, parallel=2, prefix_cache=PrefixCache(block=256))
+    ttft = []
+    try:
+        for _ in range(requests):
+            tail = [int(t) for t in rng.integers(1000, 20000, 12)]
+            t0 = time.perf_counter()
+            for _ev in sched.generate(system + tail, greedy_params(max_tokens=1)):
+                ttft.append(time.perf_counter() - t0)
+                break
+    finally:
+        sched.close()
+    return ttft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")
+    ap.add_argument("--tokens", type=int, default=24, help="tokens per completion")
+    ap.add_argument("--system", type=int, default=2048, help="tokens of the shared system prompt")
+    args = ap.parse_args()
+    if args.model:
+        path = Path(args.model)
+    else:
+        from minecart.engine.demo import demo_model_path
+
+        path = demo_model_path()
+    model = load_model(path, devices=["cpu:0"])
+    sched = Scheduler(model, parallel=8, max_queue=8)
+    try:
+        concurrent_rate(sched, 1, 2, 0)  # warm-up
+        rates = {n: concurrent_rate(sched, n, args.tokens, n) for n in (1, 4, 8)}
+        m = sched.metrics()
+    finally:
+        sched.close()
+    print(f"{path.name}: " + ", ".join(f"{n} concurrent: {r:.1f} tok/s ({r / rates[1]:.2f}x)"
+                                      for n, r in rates.items())
+          + f"; mean batch {m['batch_size_mean']:.2f}", flush=True)
+    ttft = shared_prompt(model, args.system, 10)
+    later = max(ttft[1:])
+    print(f"shared {args.system}-token prompt, 10 requests: first TTFT {ttft[0]:.2f} s, later "
+          f"{min(ttft[1:]):.2f}-{later:.2f} s ({later / ttft[0]:.1%} of the first)", flush=True)
+    model.close()
+
+
+if __name__ == "__main__":
+    main()
