@@ -129,7 +129,12 @@ class MarkdownView(QWidget):
             key = ("\n\n".join(group), suffix if i == len(groups) - 1 else "")
             if self._keys[i:i + 1] == [key]:
                 continue
-            self._label(i).setText("".join(to_html(b) for b in group) + key[1])
+            html = "".join(to_html(b) for b in group)
+            if key[1] and html.endswith("</p>"):  # the cursor goes on the text's last line
+                html = html[:-4] + key[1] + "</p>"
+            else:
+                html += key[1]
+            self._label(i).setText(html)
             self._keys[i] = key
             self.renders += 1
         self._trim(len(groups))

@@ -39,3 +39,12 @@ def test_growing_text_re_renders_only_the_tail(qtbot):
     assert len(view._labels) < 30
     view.set_markdown(text)
     assert view.text() == to_html(text)
+
+
+def test_the_cursor_follows_the_last_line_of_text(qtbot):
+    view = MarkdownView()
+    qtbot.addWidget(view)
+    view.set_markdown("Hello there", streaming=True, suffix="<i>CURSOR</i>")
+    assert view.text().endswith("Hello there<i>CURSOR</i></p>")
+    view.set_markdown("Hello there")
+    assert view.text() == to_html("Hello there")
