@@ -719,7 +719,7 @@ class LayerMapPanel(QWidget):
         self.hint.setWordWrap(True)
         outer.addWidget(self.hint)
         # what the last edit did (a keyboard move with "Keep contiguous" can take many layers along)
-        model.undo_stack.indexChanged.connect(self._show_last_edit)
+        model.undo_stack.undoTextChanged.connect(self._show_last_edit)
         self.issues = QLabel()
         self.issues.setWordWrap(True)
         self.issues.setObjectName("WarnText")
@@ -765,8 +765,8 @@ class LayerMapPanel(QWidget):
         h.addWidget(lab)
         return w
 
-    def _show_last_edit(self, _index: int = 0) -> None:
-        done = self.model.undo_stack.undoText()
+    def _show_last_edit(self, done: str) -> None:
+        # the text comes with the signal: the stack itself may be on its way out (the model closing)
         self.hint.setText(f"Last edit: {done} · Ctrl+Z undoes it" if done else self.hint_text)
 
     def set_notice(self, text: str, error: bool = False) -> None:
