@@ -73,7 +73,7 @@ def test_streaming_a_15k_token_reply_never_stalls_the_window(qtbot, make_bridge,
     assert hb.max_busy_ms <= STALL_LIMIT_MS, _report(hb)
 
 
-@pytest.mark.parametrize("slow", ["summary", "costs"])
+@pytest.mark.parametrize("slow", ["summary", "costs", "plan"])
 def test_opening_a_model_reads_it_off_the_gui_thread(qtbot, make_bridge, two_gpus, tiny_model, monkeypatch,
                                                      slow):
     """A big model's header takes a second to read; a slowed reader stands in for it (it sleeps, so
@@ -85,9 +85,12 @@ def test_opening_a_model_reads_it_off_the_gui_thread(qtbot, make_bridge, two_gpu
     if slow == "summary":
         real = ml.summarize
         monkeypatch.setattr(ml, "summarize", lambda *a, **k: (time.sleep(0.4), real(*a, **k))[1])
-    else:
+    elif slow == "costs":
         real = layer_map.costs_for_file
         monkeypatch.setattr(main_window, "costs_for_file", lambda p: (time.sleep(0.4), real(p))[1])
+    else:  # planning a big model over many cards
+        real = layer_map.initial_plan
+        monkeypatch.setattr(main_window, "initial_plan", lambda *a: (time.sleep(0.4), real(*a))[1])
     bridge = make_bridge()
     win = MainWindow(settings=Settings(), bridge=bridge, devices=two_gpus, scan_defaults=False,
                      include_demo=False)
