@@ -540,12 +540,14 @@ class Runtime:
         with self._lock:
             current = self._current
             pending = sum(1 for r in self._live.values() if r is not current)
+        sched = self._scheduler
+        running = int(sched.metrics()["running"]) if sched is not None else 0  # batched generations
         info = self._model_info
         return {
             "model": info.to_dict() if info else None,
-            "busy": current is not None,
+            "busy": current is not None or running > 0,
             "current_request": {"id": current.id, "kind": current.kind} if current else None,
-            "queued": pending,
+            "queued": max(0, pending - running),
             "sessions": len(self._sessions),
             "alive": self._thread.is_alive(),
             "parallel": self.parallel,

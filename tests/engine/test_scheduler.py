@@ -209,6 +209,11 @@ def test_runtime_refuses_past_the_queue_with_queue_full(fixture, batching_runtim
     with pytest.raises(QueueFull) as info:
         rt.complete(prompts["short"], greedy_params(max_tokens=2))
     assert info.value.retry_after >= 1
+    deadline = time.time() + 10
+    while rt.status()["queued"] != 2 and time.time() < deadline:
+        time.sleep(0.02)
+    status = rt.status()
+    assert status["busy"] and status["queued"] == 2  # 3 generating, 2 waiting for a slot
     for h in handles:
         h.cancel()
     for h in handles:
