@@ -15,7 +15,8 @@ the last user or system message (`/think` turns it back on; both tags are remove
 `chat_template_mode` (an extra: "auto", "on", "off") chooses between the chat template and the plain
 text of the messages; "auto" (default) sends a pretrained base model plain text to continue.
 `conversation_id` (an extra) keeps a chat in its own engine session; without it, requests share one
-session, whose common-prefix reuse makes a client that resends the whole history cheap anyway.
+session, whose common-prefix reuse makes a client that resends the whole history cheap anyway (with
+serve --parallel, the runtime's prefix cache does that for all of them).
 
 Request bodies are pydantic models with strict types (ChatRequest, CompletionRequest), parsed and
 validated by FastAPI. Every caller mistake gets a 4xx with an OpenAI-style error body (`{"error":
@@ -66,6 +67,8 @@ from .scheduler import QueueFull
 log = logging.getLogger(__name__)
 
 # One engine session for requests without a conversation_id (prefix reuse across resent histories).
+# A batching runtime (serve --parallel) gives them its prefix cache instead, which concurrent requests
+# share and which resumes a hybrid model at any 128-token block, not only at the last turn boundary.
 SHARED_CONVERSATION = "http:shared"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_CALL_OPEN = "<tool_call>"
@@ -992,7 +995,8 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         params = sampling_params(req, default_max_tokens=default_max_tokens,
                                  context_length=loaded_info().context_length)
         stops = stop_strings(req)
-        conversation = req.conversation_id if req.conversation_id is not None else SHARED_CONVERSATION
+        conversation = req.conversation_id if req.conversation_id is not None else (
+            SHARED_CONVERSATION if runtime.parallel == 1 else None)
         # an extra: "on" / "off" / "auto" (default: plain text for a pretrained base model)
         template_mode = req.chat_template_mode
         if template_mode not in PROMPT_MODES:

@@ -109,3 +109,19 @@ def test_metrics_in_prometheus_text_and_json(served):
         body = plain.json()
         assert "decode_tps" in body and body["batching"]["parallel"] == 2
         assert client.get("/metrics", params={"format": "xml"}).status_code == 400
+
+
+def test_repeated_long_system_prompt_reports_cached_tokens(served):
+    server, _ = served
+    system = "You are the mine's assistant. " + " ".join(["rail ore lantern tunnel"] * 60)
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+        usages = []
+        for question in ("Where is the ore?", "How deep is the shaft?"):
+            body = {"messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": question}],
+                    "max_tokens": 3, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            usages.append(r.json()["usage"])
+    assert usages[0]["prompt_tokens"] > 200
+    assert usages[1]["prompt_tokens_details"]["cached_tokens"] >= 128  # the system prompt's blocks
