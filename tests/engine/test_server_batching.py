@@ -125,3 +125,37 @@ def test_repeated_long_system_prompt_reports_cached_tokens(served):
             usages.append(r.json()["usage"])
     assert usages[0]["prompt_tokens"] > 200
     assert usages[1]["prompt_tokens_details"]["cached_tokens"] >= 128  # the system prompt's blocks
+
+
+def test_shutdown_ends_running_and_queued_streams(fixtures_dir):
+    """Closing the runtime (what `serve` does on Ctrl+C after uvicorn's grace period) ends every
+    stream, running or queued, with a finish instead of leaving clients hanging."""
+    rt = Runtime(sample_memory_s=0, parallel=2, max_queue=2)
+    rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"]).result(60)
+    server = ServerThread(create_app(rt)).start()
+    finishes: dict[int, list] = {}
+    try:
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as client:
+            def stream(i: int) -> None:
+                with client.stream("POST", "/v1/chat/completions", json=_chat(5000, True)) as r:
+                    finishes[i] = [json.loads(x[6:])["choices"][0].get("finish_reason")
+                                   for x in r.iter_lines() if x.startswith("data: {")]
+
+            threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]  # 2 run, 1 waits
+            for t in threads:
+                t.start()
+            deadline = threading.Event()
+            for _ in range(100):
+                if rt.status()["busy"] and rt.status()["queued"] >= 1:
+                    break
+                deadline.wait(0.05)
+            rt.close()
+            for t in threads:
+                t.join(TIMEOUT)
+                assert not t.is_alive(), "a stream hung after shutdown"
+    finally:
+        server.stop()
+    assert sorted(finishes) == [0, 1, 2]
+    for reasons in finishes.values():
+        assert [r for r in reasons if r] == ["cancelled"]  # one finish each, the last chunk
+        assert reasons[-1] == "cancelled"
