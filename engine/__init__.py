@@ -1,6 +1,6 @@
 """minecart's engine: GGUF files, tokenizer, models, backends, placement, generation, server, CLI.
 
-Public API (architecture.md): `load_model(path, placement=None, devices=None, kv_type="f32") -> Model`
+Public API (architecture.md): `load_model(path, placement=None, devices=None, kv_type="f16") -> Model`
 and `KV_TYPES`, the KV cache types it runs.
 The engine never imports Qt; the desktop app and the HTTP server are clients of it.
 """
@@ -13,7 +13,7 @@ __all__ = ["KV_TYPES", "MinecartError", "load_model"]
 
 
 def __getattr__(name):
-    # KV_TYPES: the KV cache types load_model(kv_type=) runs ("f32", "q3"), from engine/kvquant.py;
+    # KV_TYPES: the KV cache types load_model(kv_type=) runs ("f32", "f16", "q8_0", "q3"), from engine/kvquant.py;
     # looked up on first use so importing the package does not import NumPy.
     if name == "KV_TYPES":
         from .kvquant import KV_TYPES

@@ -35,7 +35,7 @@ from .execution import (
 from .experts import ExpertsApart
 from .generation import generate
 from .gguf_file import GGUFFile
-from .kvquant import check_kv_type
+from .kvquant import DEFAULT_KV_TYPE, check_kv_type
 from .models import module_for, spec_for
 from .placement import Placement
 from .session import Session
@@ -108,7 +108,7 @@ class Model:
         self._roles = roles
         self.load_seconds = 0.0
         self.vision: VisionTower | None = None  # engine.vision.VisionTower when an mmproj was loaded (load_model(mmproj=))
-        self.kv_type = "f32"  # KV cache type of new states: "f32" or "q3" (load_model(kv_type=))
+        self.kv_type = DEFAULT_KV_TYPE  # KV cache type of new states (load_model(kv_type=))
 
     # ---- text side (built on first use: a 248k-entry BPE vocabulary takes seconds to build, and
     # logits-only users such as tests and benchmarks never need it) --------------------------------
@@ -388,7 +388,7 @@ def check_model_file(path) -> None:
 
 def load_model(path, placement=None, devices=None, *, backend=None,
                progress: Callable[[float, str], None] | None = None, cancel=None,
-               mmproj=None, max_image_tokens: int | None = None, kv_type: str = "f32",
+               mmproj=None, max_image_tokens: int | None = None, kv_type: str | None = None,
                experts: str | None = None) -> Model:
     """Open a GGUF model and load its weights.
 
@@ -399,11 +399,14 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     mmproj: the vision projector GGUF (path); None = an mmproj-*.gguf beside the model that fits it,
     if any; False = none. It ends up as `model.vision` (engine/vision); max_image_tokens caps the
     image tokens per picture (default engine.vision.DEFAULT_MAX_IMAGE_TOKENS). kv_type: the KV cache
-    of every session, "f32" (exact) or "q3" (3-bit, engine/kvquant.py; NumPy and CUDA backends).
+    of every session: "f16", "q8_0", "q3" (3-bit) or "f32" (exact), engine/kvquant.py; None = the
+    placement's when one is given (the plan that was priced is the plan that runs), else "f16".
     experts: a device ("cpu:0" = host RAM) for every MoE layer's routed experts and router, apart from
     the layer (engine/experts.py); None = with their layer.
     """
     t0 = time.perf_counter()
+    if kv_type is None:
+        kv_type = placement.kv_type if isinstance(placement, Placement) else DEFAULT_KV_TYPE
     check_kv_type(kv_type)
     gf, config = open_model_file(path)
     module = module_for(config.architecture)

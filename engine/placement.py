@@ -51,6 +51,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from . import kvquant
 from .devices import format_bytes
 from .errors import PlacementError
 from .models import qwen35
@@ -92,7 +93,8 @@ STAGED_TYPES = ("Q8_0", "Q4_0")
 # fp16 scale (2 bytes), the Walsh-Hadamard + Lloyd-Max cache (docs/kv-cache.md). Head dims are
 # multiples of 32, so a row is whole blocks and the per-value price is exact.
 KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q3": 14 / 32}
-DEFAULT_KV_TYPE = "f16"  # llama.cpp's default too: half the f32 cache for the same context
+# the engine's KV cache default (engine/kvquant.py): f16, llama.cpp's default too
+DEFAULT_KV_TYPE = kvquant.DEFAULT_KV_TYPE
 
 # How a backend holds weights: "stored" = GGUF blocks as in the file (CUDA backend); "numpy" = the
 # reference backend (float32, embedding rows read from the file, float32 copy of a tied LM head).

@@ -63,7 +63,7 @@ class Session:
     def __init__(self, model, capacity: int | None = None, kv_type: str | None = None):
         self.model = model
         self.capacity = capacity
-        # kv_type: None = the model's (load_model(kv_type=)); "f32" or "q3" (engine/kvquant.py)
+        # kv_type: None = the model's (load_model(kv_type=)); one of engine/kvquant.py's KV_TYPES
         states = model.new_state(capacity, kv_type=kv_type) if kv_type else model.new_state(capacity)
         self.states: list[LayerState] = states
         self.tokens: list[int] = []

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ImageError, RequestError
+from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from ..model import check_model_file
 from ..prompt import PROMPT_MODES
 from ..runtime import RequestHandle, Runtime, RuntimeEvent
@@ -59,9 +60,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-image-tokens", type=int, default=None, metavar="N",
                    help="cap on image tokens per picture, one per 32x32 pixels; bigger pictures are "
                         "scaled down (default: 1024, about one megapixel)")
-    p.add_argument("--kv-type", default="f32", choices=("f32", "q3"),
-                   help="KV cache type: f32 (exact, default) or q3 (3-bit Walsh-Hadamard + Lloyd-Max "
-                        "codes, ~9x smaller; CPU and CUDA backends)")
+    p.add_argument("--kv-type", default=DEFAULT_KV_TYPE, choices=KV_TYPES,
+                   help="KV cache type: f16 (default, half of f32), q8_0 (a quarter, plus scales), q3 "
+                        "(3-bit Walsh-Hadamard + Lloyd-Max codes, ~9x smaller than f32) or f32 (exact)")
     p.add_argument("--experts-on", default=None, metavar="host|DEVICE",
                    help="where an MoE model's routed experts live: 'host' (host RAM; the CPU runs them "
                         "with integer kernels while the GPU runs the rest) or a device such as cpu:0 "
@@ -186,8 +187,7 @@ def start_runtime(args: argparse.Namespace, *, quiet: bool = False, sample_memor
         if args.max_image_tokens < 1:
             raise RequestError("--max-image-tokens must be at least 1")
         vision["max_image_tokens"] = args.max_image_tokens
-    if args.kv_type != "f32":
-        vision["kv_type"] = args.kv_type
+    vision["kv_type"] = args.kv_type
     if args.experts_on is not None:
         vision["experts"] = "cpu:0" if args.experts_on == "host" else args.experts_on
     handle = runtime.load(path, devices=devices, **vision)

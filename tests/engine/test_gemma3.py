@@ -43,7 +43,8 @@ def gemma():
     _require_demo()
     from minecart.engine.model import load_model
 
-    model = load_model(demo.demo_model_path(), devices=["cpu:0"])
+    # the exact (f32) KV cache: these compare with transformers at fp32 tolerances
+    model = load_model(demo.demo_model_path(), devices=["cpu:0"], kv_type="f32")
     yield model
     model.close()
 

@@ -264,7 +264,7 @@ def test_cli_has_the_kv_type_flag():
     parser = argparse.ArgumentParser()
     run_cmd.register(parser.add_subparsers())
     assert parser.parse_args(["run", "m.gguf", "--kv-type", "q3"]).kv_type == "q3"
-    assert parser.parse_args(["run", "m.gguf"]).kv_type == "f32"
+    assert parser.parse_args(["run", "m.gguf"]).kv_type == "f16"  # the engine's default
 
 
 def test_cuda_source_carries_the_same_codebook_and_signs():

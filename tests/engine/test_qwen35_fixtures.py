@@ -45,7 +45,8 @@ def _check(variant, seq, what, got, ref, tol=TOL):
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def variant(request, fixtures_dir):
     gguf_name, ref_dir = VARIANTS[request.param]
-    model = load_model(fixtures_dir / "dense" / gguf_name, devices=["cpu:0"])
+    # the exact (f32) KV cache: these compare with transformers at fp32 tolerances
+    model = load_model(fixtures_dir / "dense" / gguf_name, devices=["cpu:0"], kv_type="f32")
     lm_head = model.weights["head"]["token_embd.weight"].dense()
     refs = {s: dict(np.load(fixtures_dir / "dense" / ref_dir / f"{s}.npz")) for s in SEQUENCES}
     yield request.param, model, lm_head, refs
@@ -186,7 +187,7 @@ def vl_model(fixtures_dir):
     path = fixtures_dir / "vision" / "qwen35-tiny-vl-f16.gguf"
     if not path.is_file():
         pytest.skip("vision fixture not present")
-    model = load_model(path, devices=["cpu:0"])
+    model = load_model(path, devices=["cpu:0"], kv_type="f32")
     yield model, model.weights["head"]["token_embd.weight"].dense()
     model.close()
 
