@@ -73,11 +73,12 @@ def _snapshot_bytes(snap: Snapshot) -> int:
 
 
 def _holder_bytes(session: Session) -> int:
-    """Bytes of the rows a session's state really holds (KV rows in use, recurrent arrays)."""
+    """Bytes a session's state holds: KV arrays at their capacity (what a device allocates; holders
+    are made with the capacity they need), recurrent arrays."""
     n = 0
     for st in session.states:
-        if isinstance(st.kv, (GrowingKVCache, Q3KVCache)) and st.kv.capacity:
-            n += int(st.kv.nbytes) * st.kv.length // st.kv.capacity
+        if isinstance(st.kv, (GrowingKVCache, Q3KVCache)):
+            n += int(st.kv.nbytes)
         n += sum(int(a.nbytes) for a in st.recurrent.values())
     return n
 
@@ -103,11 +104,13 @@ class PrefixCache:
         self.evictions = 0
 
     # ---- the one entry point ---------------------------------------------------------------------------
-    def start(self, new_session: Callable[[], Session], ids: Sequence[int],
+    def start(self, new_session: Callable[[int | None], Session], ids: Sequence[int],
               cancel: threading.Event | None = None) -> CacheStart:
         """A session holding the longest cached start of `ids` (whole blocks), extended to the last
         whole block of `ids` with each new boundary cached. A cancel stops the extension early (the
-        session keeps what ran; the caller's generate loop notices the cancel)."""
+        session keeps what ran; the caller's generate loop notices the cancel). new_session(capacity)
+        makes an empty session; on a miss its KV capacity is the prompt's whole blocks, so the holder
+        forked from it keeps no more than it covers (the request's own session grows as it goes)."""
         ids = [int(t) for t in ids]
         node, session = self._resume(new_session, ids)
         cached = node.n_tokens
@@ -131,7 +134,8 @@ class PrefixCache:
         return CacheStart(session, cached, prefilled, time.perf_counter() - t0)
 
     # ---- trie ----------------------------------------------------------------------------------------------
-    def _resume(self, new_session: Callable[[], Session], ids: list[int]) -> tuple[_Node, Session]:
+    def _resume(self, new_session: Callable[[int | None], Session],
+                ids: list[int]) -> tuple[_Node, Session]:
         """The deepest node on `ids`' path and a fresh session restored to it (or the root and a new
         session). Counts the lookup."""
         with self._lock:
@@ -155,7 +159,8 @@ class PrefixCache:
             holder, snap = node.holder, node.snapshot
             twin = holder.session.fork() if holder is not None else None
         if twin is None or snap is None:
-            return self._root, new_session()
+            whole = len(ids) // self.block * self.block
+            return self._root, new_session(whole or None)
         twin.restore(snap)
         twin.snapshots = []  # the holder's own turn boundaries are not this request's
         return node, twin
