@@ -194,3 +194,35 @@ def test_gemma3_batch_matches_alone():
     for s in sessions:
         s.close()
     model.close()
+
+
+def test_batch_over_a_three_device_split_equals_one_device(fixture, fixtures_dir):
+    """The batch's stacked rows cross the host bridges of a layer split like one sequence's do."""
+    model, refs = fixture
+    from minecart.engine.config import ModelConfig
+    from minecart.engine.gguf_file import GGUFFile
+    from minecart.engine.placement import Placement, model_costs
+
+    path = fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf"
+    gf = GGUFFile(path)
+    costs = model_costs(ModelConfig.from_gguf(gf), gf, layout="numpy")
+    gf.close()
+    plan = Placement.from_layer_counts(costs, [("cpu:0", 2), ("cpu:1", 3), ("cpu:2", 3)])
+    split = load_model(path, placement=plan)
+    assert [s.device for s in split.executor.stages] == ["cpu:0", "cpu:1", "cpu:2"]
+    names = ["short", "len70", "chat"]
+    results = []
+    for m in (model, split):
+        sessions = [m.new_session() for _ in names]
+        for s, n in zip(sessions, names, strict=True):
+            s.prefill(refs[n]["tokens"])
+        steps = []
+        for k in range(3):
+            ids = [[int(refs[n]["gen_tokens"][k])] for n in names]
+            steps.append(m.executor.forward_batch(ids, [s.states for s in sessions],
+                                                  [np.array([s.position + k]) for s in sessions]))
+        results.append(np.stack(steps))
+        for s in sessions:
+            s.close()
+    split.close()
+    assert _rel(results[1], results[0]) <= SAME
