@@ -31,7 +31,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +114,31 @@ def _cache_accounted(ev: GenerationEvent, start: CacheStart) -> GenerationEvent:
     return replace(ev, cached_tokens=ev.cached_tokens - start.prefilled_tokens,
                    prompt_tps=computed / seconds if computed and seconds > 0 else None,
                    elapsed=ev.elapsed + start.prefill_s)
+
+
+class _Stream(Iterator[GenerationEvent]):
+    """The events of one generation. Until it is first iterated its caller holds a place in the
+    queue; closing (or dropping) it before that gives the place up, so nobody behind it waits on a
+    stream no one reads."""
+
+    def __init__(self, scheduler: Scheduler, ticket: int, events: Generator[GenerationEvent, None, None]):
+        self._scheduler = scheduler
+        self._ticket = ticket
+        self._events = events
+        self._started = False
+
+    def __next__(self) -> GenerationEvent:
+        self._started = True
+        return next(self._events)
+
+    def close(self) -> None:
+        self._events.close()
+        if not self._started:
+            self._started = True
+            self._scheduler._leave_queue(self._ticket)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class BatchedModel:
@@ -209,14 +234,22 @@ class Scheduler:
                                 "requests are waiting; retry later", self.retry_after())
             ticket = next(self._tickets)
             self._queue.append(ticket)
-        return self._generate(ticket, prompt, params, session, cancel, enable_thinking, extras)
+        return _Stream(self, ticket,
+                       self._generate(ticket, prompt, params, session, cancel, enable_thinking, extras))
+
+    def _leave_queue(self, ticket: int) -> None:
+        """Give up a place in the queue that was never used (a stream closed before its first event)."""
+        with self._cond:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
 
     def retry_after(self) -> int:
         """Seconds a rejected caller should wait: about one queue's worth of generations."""
         return max(1, min(60, 1 + len(self._queue) // max(1, self.parallel)))
 
     def _generate(self, ticket: int, prompt, params, session, cancel, enable_thinking: bool,
-                  extras: dict[str, Any]) -> Iterator[GenerationEvent]:
+                  extras: dict[str, Any]) -> Generator[GenerationEvent, None, None]:
         t0 = time.perf_counter()
         admitted = self._wait_for_slot(ticket, cancel)
         if not admitted:

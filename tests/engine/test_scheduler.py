@@ -234,3 +234,19 @@ def test_runtime_conversation_reuses_its_session_and_one_offs_share_the_cache(fi
     conv = [rt.complete(long_prompt[:100], greedy_params(max_tokens=2), conversation_id="c").wait(30),
             rt.complete(long_prompt[:150], greedy_params(max_tokens=2), conversation_id="c").wait(30)]
     assert conv[1].usage.cached_tokens >= 100  # the conversation's own session kept its history
+
+
+def test_a_stream_closed_unread_gives_its_place_up(fixture):
+    model, prompts, _ = fixture
+    sched = Scheduler(model, parallel=1, max_queue=2)
+    try:
+        first = sched.generate(prompts["short"], greedy_params(max_tokens=3))
+        never_read = sched.generate(prompts["short"], greedy_params(max_tokens=3))
+        dropped = sched.generate(prompts["short"], greedy_params(max_tokens=3))
+        assert sched.metrics()["queue_depth"] == 3
+        never_read.close()
+        del dropped  # garbage: the place goes too
+        assert sched.metrics()["queue_depth"] == 1
+        assert list(first)[-1].finish_reason == "length"  # nobody queued ahead of it any more
+    finally:
+        sched.close()

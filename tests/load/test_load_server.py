@@ -1,7 +1,8 @@
 """A bounded load test of the HTTP API over a batching runtime, on loopback, in the normal test run.
 
-8 client threads talk to a real uvicorn server (127.0.0.1, a free port) over Runtime(parallel=8) with
-the Qwen3.5 fixture model for LOAD_SECONDS (default 20; MINECART_LOAD_SECONDS overrides it): streamed
+8 client threads (MINECART_LOAD_CLIENTS) talk to a real uvicorn server (127.0.0.1, a free port) over
+Runtime(parallel=8) with the Qwen3.5 fixture model for LOAD_SECONDS (default 20;
+MINECART_LOAD_SECONDS overrides it): streamed
 chats read to the end, streams dropped after a few chunks (the disconnect must cancel the generation),
 plain completions, and bad requests (broken JSON, wrong types, an unknown model, empty messages);
 half the chats share a long system prompt (the prefix cache's hits).
@@ -27,7 +28,8 @@ from minecart.engine.runtime import Runtime
 from minecart.engine.server import ServerThread, create_app
 
 LOAD_SECONDS = float(os.environ.get("MINECART_LOAD_SECONDS", "20"))
-CLIENTS = 8
+CLIENTS = int(os.environ.get("MINECART_LOAD_CLIENTS", "8"))  # e.g. 32 for the issue's full-scale run
+PARALLEL = min(8, CLIENTS)  # generations batched at once; the other clients wait in the queue
 DEADLINE_S = 30.0  # a request not answered by then is a hang
 
 
@@ -40,7 +42,7 @@ def _rss_bytes() -> int:
 
 @pytest.fixture(scope="module")
 def served(fixtures_dir):
-    rt = Runtime(sample_memory_s=0, parallel=CLIENTS, max_queue=CLIENTS)
+    rt = Runtime(sample_memory_s=0, parallel=PARALLEL, max_queue=CLIENTS)
     rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"]).result(60)
     server = ServerThread(create_app(rt)).start()
     yield server, rt
