@@ -324,7 +324,8 @@ def test_launches_per_decode_step_fixture(fixtures_dir, monkeypatch, path):
     from minecart.engine.model import load_model
 
     be = CupyBackend("cuda:0", path=path)
-    m = load_model(fixtures_dir / "dense/qwen35-tiny-dense-q8_0.gguf", backend=be)
+    # the fused decode step appends to an f32 cache (f16/q8_0 caches take the composed attention ops)
+    m = load_model(fixtures_dir / "dense/qwen35-tiny-dense-q8_0.gguf", backend=be, kv_type="f32")
     gdn, attn = _count_launches(m, be, monkeypatch, f"fixture q8_0 {path}")
     # dp4a: the fixture's dv = 16 is not a whole q8 block, so ssm_out quantizes its input itself
     assert gdn <= (9 if path == "dp4a" else 8) and attn <= 10
@@ -344,7 +345,7 @@ def test_launches_per_decode_step_real_heads(tmp_path, monkeypatch, path):
     from minecart.engine.model import load_model
 
     be = CupyBackend("cuda:0", path=path)
-    m = load_model(_synth(tmp_path), backend=be)
+    m = load_model(_synth(tmp_path), backend=be, kv_type="f32")  # the fused step's cache (see above)
     gdn, attn = _count_launches(m, be, monkeypatch, f"small-dense q8_0 {path}")
     assert gdn <= 8 and attn <= 10
 

@@ -33,7 +33,9 @@ def nerr(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def nb():
-    return NumpyBackend()
+    # the float reference (dequantize, fp32/fp64 sums) for the GPU kernels; its integer expert path
+    # (engine/cpu_experts.py) is checked against its own twins on the CPU
+    return NumpyBackend(int_experts=False)
 
 
 @pytest.fixture(scope="module")
