@@ -250,3 +250,30 @@ def test_a_stream_closed_unread_gives_its_place_up(fixture):
         assert list(first)[-1].finish_reason == "length"  # nobody queued ahead of it any more
     finally:
         sched.close()
+
+
+def test_prompt_with_embedding_rows_prefills_through_the_scheduler(fixture):
+    """Rows given as embeddings (pictures) with (3, T) positions run chunk by chunk through the
+    scheduler alone (not stacked) and give the logits of the model's own session."""
+    model, prompts, _ = fixture
+    ids = prompts["len70"]
+    rng = np.random.default_rng(5)
+    rows = np.arange(10, 22)
+    values = rng.standard_normal((len(rows), model.config.hidden)).astype(np.float32)
+    pos = np.stack([np.arange(len(ids))] * 3)
+    pos[1, 10:22] = 10 + np.arange(12) // 4  # distinct (h, w) inside the picture
+    pos[2, 10:22] = 10 + np.arange(12) % 4
+    alone = model.new_session()
+    expected = alone.prefill(ids, positions=pos, embed_override=(rows, values))
+    sched = Scheduler(model, parallel=2, chunk=16)
+    try:
+        session = sched.new_session()
+        got = session.prefill(ids, positions=pos, embed_override=(rows, values))
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * float(np.abs(expected).max()))
+        assert sched.metrics()["prefill_tokens"] == len(ids)
+        step = session.step(5)  # the state the chunks left behind continues like the session's
+        np.testing.assert_allclose(step, alone.step(5), rtol=0, atol=1e-4 * float(np.abs(step).max()))
+        session.close()
+    finally:
+        alone.close()
+        sched.close()
