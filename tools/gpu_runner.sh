@@ -17,7 +17,7 @@
 # the code (OLD_TREE: a folder with app/ engine/ kernels/ resources/, e.g. a `git archive` of the
 # commit before a refactor) and by this tree, alternating old, new, old, new, so a change that must
 # not slow the engine is judged in one run (COMPARE_ARGS, default: --prefill 4096 --decode-ctx 0
-# --decode-tokens 64; compare.log, compare_*.json).
+# --decode-tokens 64; COMPARE_KV: this tree's KV cache types, default f32; compare.log, compare_*.json).
 set -u
 MODE=${1:-all}
 shift || true
@@ -86,13 +86,16 @@ if [ "$MODE" = compare ]; then
   for d in app engine kernels resources; do ln -sfn "$OLD_TREE/$d" "/tmp/mc_old/minecart/$d"; done
   timeout 240 python3 -m minecart.engine.cli synth ${BENCH_ARGS:---shape qwen3.5-9b --quant q8_0} /tmp/cmp.gguf \
     >"$OUT/compare.log" 2>&1
+  # new runs once per KV type in COMPARE_KV (default "f32": the old code's cache; add f16 to see what
+  # the default cache costs); the old tree has no --kv-type flag
   for round in 1 2; do
-    for which in old new; do
+    for which in old ${COMPARE_KV:-f32}; do
       path=/tmp/mc:/tmp/site
-      [ "$which" = old ] && path=/tmp/mc_old:/tmp/site
+      extra="--kv-type $which"
+      [ "$which" = old ] && path=/tmp/mc_old:/tmp/site && extra=""
       # shellcheck disable=SC2086
       PYTHONPATH=$path timeout 200 python3 -m minecart.engine.cli bench /tmp/cmp.gguf \
-        ${COMPARE_ARGS:---prefill 4096 --decode-ctx 0 --decode-tokens 64} --json \
+        ${COMPARE_ARGS:---prefill 4096 --decode-ctx 0 --decode-tokens 64} $extra --json \
         >"$OUT/compare_${which}_${round}.json" 2>>"$OUT/compare.log"
       echo "$which round $round exit $?" | tee -a "$OUT/compare.log"
     done

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import DeviceError, MinecartError
 from ..execution import make_backend
+from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from .run_cmd import add_threads_arg
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens", type=int, default=32, help="decode steps timed per context")
     p.add_argument("--chunk", type=int, default=0, help="prefill chunk size (0 = one pass)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--kv-type", default=DEFAULT_KV_TYPE, choices=KV_TYPES,
+                   help=f"KV cache type (default {DEFAULT_KV_TYPE}, the engine's)")
     p.add_argument("--devices", default=None,
                    help="split benchmark instead: comma-separated devices (e.g. cuda:0,cuda:1,cuda:2 or "
                         "cpu:0,cpu:1); the model is split over the first 1, 2, ... of them, each with and "
@@ -310,7 +313,8 @@ def _cell(value: float | None, spec: str) -> str:
 
 def format_table(res: dict[str, Any]) -> str:
     c = res.get("ceilings", {})
-    lines = [f"model: {res['model']}", f"backend: {res['backend']}", format_ceilings(c),
+    lines = [f"model: {res['model']}", f"backend: {res['backend']}, KV cache {res.get('kv_type', '?')}",
+             format_ceilings(c),
              f"weights read per decode token: {_si(res['weight_bytes_per_token'])}B; "
              f"matrix ops per prompt token: {_si(res['int8_ops_per_token'])}"]
     k = res.get("kernels") or {}
@@ -405,7 +409,7 @@ def _synthesize(path: Path, args: argparse.Namespace) -> None:
 
 def _run_one(path: Path, args: argparse.Namespace, load_model: Callable[..., Model]) -> int:
     t = time.perf_counter()
-    model = load_model(path, devices=[args.device])
+    model = load_model(path, devices=[args.device], kv_type=args.kv_type)
     try:
         print(f"loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr)
 
@@ -417,6 +421,7 @@ def _run_one(path: Path, args: argparse.Namespace, load_model: Callable[..., Mod
     finally:
         model.close()
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    res["kv_type"] = args.kv_type
     print(json.dumps(res, indent=1) if args.json else format_table(res))
     return 0
 
