@@ -711,6 +711,10 @@ class Runtime:
         sched, self._scheduler = self._scheduler, None
         if sched is None:
             return
+        with self._lock:
+            generations = [r for r in self._live.values() if r.kind in GENERATION_KINDS]
+        for r in generations:  # so that each ends "cancelled", not as if it had finished
+            r.cancel()
         sched.close()
         with self._lock:
             threads = list(self._generation_threads)

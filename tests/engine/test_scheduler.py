@@ -277,3 +277,21 @@ def test_prompt_with_embedding_rows_prefills_through_the_scheduler(fixture):
     finally:
         alone.close()
         sched.close()
+
+
+def test_runtime_unload_ends_batched_generations_cancelled(fixture, fixtures_dir):
+    from minecart.engine.runtime import Runtime
+
+    _, prompts, _ = fixture
+    rt = Runtime(sample_memory_s=0, parallel=2, max_queue=2)
+    try:
+        rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"]).result(60)
+        handles = [rt.complete(prompts["short"], greedy_params(max_tokens=5000)) for _ in range(3)]
+        deadline = time.time() + 10
+        while not rt.status()["busy"] and time.time() < deadline:
+            time.sleep(0.02)
+        assert rt.unload().wait(30).kind == "done"
+        assert [h.wait(30).kind for h in handles] == ["cancelled"] * 3
+        assert rt.batching_metrics() is None and not rt.loaded
+    finally:
+        rt.close()
