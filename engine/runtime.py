@@ -638,21 +638,20 @@ class Runtime:
             with self._lock:
                 self._current = req
         try:
-            try:
-                if not req.pick_up():
-                    req.emit("cancelled", finish_reason="cancelled")  # no-op if already ended
-                    return
-                req.emit("started", data={"queue_wait_s": (req.picked_up or 0.0) - req.submitted})
-                self._handler(req.kind)(req)
-            except GenerationCancelled:
+            if not req.pick_up():
+                req.emit("cancelled", finish_reason="cancelled")  # no-op if already ended
+                return
+            req.emit("started", data={"queue_wait_s": (req.picked_up or 0.0) - req.submitted})
+            self._handler(req.kind)(req)
+        except GenerationCancelled:
+            req.emit("cancelled", finish_reason="cancelled")
+        except Exception as exc:  # noqa: BLE001 - engine errors go to the client, the thread lives on
+            if req.cancel_event.is_set() and req.kind == "load":
                 req.emit("cancelled", finish_reason="cancelled")
-            except Exception as exc:  # noqa: BLE001 - engine errors go to the client, the thread lives on
-                if req.cancel_event.is_set() and req.kind == "load":
-                    req.emit("cancelled", finish_reason="cancelled")
-                else:
-                    req.emit("error", text=_error_text(exc), error=exc)
-            except BaseException as exc:  # noqa: BLE001 - even SystemExit from a model must not kill us
+            else:
                 req.emit("error", text=_error_text(exc), error=exc)
+        except BaseException as exc:  # noqa: BLE001 - even SystemExit from a model must not kill us
+            req.emit("error", text=_error_text(exc), error=exc)
         finally:
             if not req.finished:  # a handler that forgot its terminal event
                 req.emit("done")
