@@ -47,11 +47,12 @@ from typing import Any
 
 import numpy as np
 
+from . import gpu_profiles
 from .backends.base import Backend
 from .config import ModelConfig
 from .errors import DeviceError, GenerationCancelled
 from .models.batch import SequenceRows
-from .placement import DeviceSpec, GiB, Placement, model_costs, plan_auto
+from .placement import DeviceSpec, DeviceSpeed, GiB, Placement, model_costs, plan_auto
 
 HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
 
@@ -140,7 +141,9 @@ def plan_devices(config: ModelConfig, placement: Placement | Mapping[str, str] |
 
 def _device_specs(devices) -> list[DeviceSpec]:
     """DeviceSpecs for plan_auto from what the caller passed: DeviceSpecs as they are, a Rig's specs,
-    device names with the free memory the device listing reports (CPU devices share the RAM)."""
+    device names with the free memory the device listing reports (CPU devices share the RAM) and, for
+    a card resources/gpu_profiles.json knows by name, its speed (so the plan puts layers on the faster
+    card first, not the first card in order)."""
     from .rig import Rig  # local import: rig.py builds backends, and is only needed for rigs
 
     if isinstance(devices, Rig):
@@ -150,11 +153,15 @@ def _device_specs(devices) -> list[DeviceSpec]:
         return items
     names = [d.name if isinstance(d, DeviceSpec) else str(d) for d in items]
     free: dict[str, int] = {}
+    speeds: dict[str, DeviceSpeed] = {}
     try:
         from .devices import list_devices  # local import: the listing may initialise NVML
 
         for info in list_devices(include_cpu=True, with_probe=False):
             free[info.id] = int(info.free_bytes)
+            profile = gpu_profiles.find(info.name) if info.kind == "cuda" else None
+            if profile is not None:
+                speeds[info.id] = profile.speed
     except Exception:  # noqa: BLE001 - the listing is a convenience: without it devices count as equal
         pass
     cpu_names = [n for n in names if n.startswith("cpu:")]
@@ -167,7 +174,7 @@ def _device_specs(devices) -> list[DeviceSpec]:
             f = free.get(n, -1)
             if f <= 0:
                 f = 64 * GiB
-        out.append(DeviceSpec(n, f))
+        out.append(DeviceSpec(n, f, speed=speeds.get(n)))
     return out
 
 

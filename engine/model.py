@@ -402,11 +402,13 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     of every session: "f16", "q8_0", "q3" (3-bit) or "f32" (exact), engine/kvquant.py; None = the
     placement's when one is given (the plan that was priced is the plan that runs), else "f16".
     experts: a device ("cpu:0" = host RAM) for every MoE layer's routed experts and router, apart from
-    the layer (engine/experts.py); None = with their layer.
+    the layer (engine/experts.py); None = the placement's experts_device, else with their layer.
     """
     t0 = time.perf_counter()
     if kv_type is None:
         kv_type = placement.kv_type if isinstance(placement, Placement) else DEFAULT_KV_TYPE
+    if experts is None and isinstance(placement, Placement) and placement.experts_device:
+        experts = placement.experts_device  # the plan put every layer's routed experts there
     check_kv_type(kv_type)
     gf, config = open_model_file(path)
     module = module_for(config.architecture)

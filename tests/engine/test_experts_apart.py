@@ -77,3 +77,21 @@ def test_the_cli_puts_experts_in_host_ram(moe_path):
         assert info is not None and "cpu:0" in info.devices and "cpu:1" in info.devices
     finally:
         rt.close()
+
+
+def test_a_placement_with_an_experts_device_loads_them_there(moe_path):
+    import dataclasses
+
+    from minecart.engine.config import ModelConfig
+    from minecart.engine.gguf_file import GGUFFile
+    from minecart.engine.placement import Placement, model_costs
+
+    with load_model(moe_path, devices=["cpu:0"]) as ref:
+        want = ref.logits(PROMPT)
+    with GGUFFile(moe_path) as gf:
+        costs = model_costs(ModelConfig.from_gguf(gf), gf, layout="numpy")
+    plan = dataclasses.replace(Placement.single(costs, "cpu:0"), experts_device="cpu:1")
+    with load_model(moe_path, placement=plan, devices=["cpu:0", "cpu:1"]) as model:
+        assert model.device_plan["layer.0.experts"] == "cpu:1"
+        assert isinstance(model.backends["layer.0"], ExpertsApart)
+        np.testing.assert_array_equal(model.logits(PROMPT), want)
