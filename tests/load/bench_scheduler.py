@@ -2,8 +2,9 @@
 
 Run by hand, not by pytest: `python tests/load/bench_scheduler.py [MODEL.gguf]` (default: the demo
 model). Prints (1) aggregate generated tokens/s of 1, 4 and 8 concurrent greedy completions (each a
-different prompt, --tokens long), with the ratio to one alone; (2) time to first token of 10 requests
-that share a --system-token prompt and differ in a short tail, the first one filling the cache.
+different prompt, --tokens long), with the ratio to one alone; (2) time to first token of a
+128-token prompt alone and while 7 others decode; (3) time to first token of 10 requests that share
+a --system-token prompt and differ in a short tail, the first one filling the cache.
 """
 
 from __future__ import annotations
@@ -55,6 +56,41 @@ def shared_prompt(model, system_tokens: int, requests: int) -> list[float]:
     return ttft
 
 
+def ttft_while_others_decode(model, others: int, prompt_tokens: int) -> tuple[float, float]:
+    """(time to first token of a prompt alone, the same while `others` sequences decode)."""
+    rng = np.random.default_rng(11)
+    prompt = [2] + [int(t) for t in rng.integers(1000, 20000, prompt_tokens - 1)]
+    sched = Scheduler(model, parallel=others + 1)
+    try:
+        def first_token() -> float:
+            t0 = time.perf_counter()
+            for _ev in sched.generate(prompt, greedy_params(max_tokens=1)):
+                break
+            return time.perf_counter() - t0
+
+        alone = first_token()
+        stop = threading.Event()
+
+        def decode(i: int) -> None:
+            p = [2] + [int(t) for t in rng.integers(1000, 20000, 8 + i)]
+            for _ev in sched.generate(p, greedy_params(max_tokens=100000), cancel=stop):
+                pass
+
+        threads = [threading.Thread(target=decode, args=(i,)) for i in range(others)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while sched.metrics()["batch_size"] < others and time.time() < deadline:
+            time.sleep(0.05)
+        busy = first_token()
+        stop.set()
+        for t in threads:
+            t.join()
+    finally:
+        sched.close()
+    return alone, busy
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")
@@ -78,6 +114,9 @@ def main() -> None:
     print(f"{path.name}: " + ", ".join(f"{n} concurrent: {r:.1f} tok/s ({r / rates[1]:.2f}x)"
                                       for n, r in rates.items())
           + f"; mean batch {m['batch_size_mean']:.2f}", flush=True)
+    alone, busy = ttft_while_others_decode(model, 7, 128)
+    print(f"time to first token of a 128-token prompt: alone {alone:.2f} s, while 7 others decode "
+          f"{busy:.2f} s ({busy / alone:.2f}x)", flush=True)
     ttft = shared_prompt(model, args.system, 10)
     later = max(ttft[1:])
     print(f"shared {args.system}-token prompt, 10 requests: first TTFT {ttft[0]:.2f} s, later "
