@@ -203,20 +203,12 @@ def _header_prefix(file: RemoteFile, cancel: threading.Event) -> bytes:
 
 
 def _device_specs(devices: list[DeviceInfo]):
-    """What the planner needs per device, with the card's speed from resources/gpu_profiles.json when
-    the card is known there (unknown cards are priced as placement's UNKNOWN_GPU)."""
-    from minecart.engine import gpu_profiles
-    from minecart.engine.placement import DeviceSpec
-
+    """What the planner needs per device, as the layer map prices it (layer_map.device_spec: the card's
+    speed and link from resources/gpu_profiles.json when the card is known there; unknown cards are
+    priced as placement's UNKNOWN_GPU)."""
     from .layer_map import device_spec
 
-    out = []
-    for d in devices:
-        spec = device_spec(d)
-        profile = gpu_profiles.find(d.name) if d.kind == "cuda" else None
-        out.append(DeviceSpec(spec.name, spec.free_bytes, spec.label,
-                              speed=profile.speed if profile is not None else None))
-    return out
+    return [device_spec(d) for d in devices]
 
 
 def plan_fit(file: RemoteFile, devices: list[DeviceInfo], context: int = 4096,

@@ -8,15 +8,22 @@ model, so any view (and the keyboard) edits the plan the same way. `LayerMapPane
 Every edit is one step of the model's QUndoStack (Ctrl+Z / Ctrl+Shift+Z).
 The plan on screen is the plan that runs: Load and Reload hand it to the engine, Apply re-places the
 loaded model with it (MainWindow), and after a load the map shows the engine's placement.
+Under the title the panel shows the plan's predicted decode and prefill tokens/s (engine predict_speed,
+each card priced from its resources/gpu_profiles.json profile; a card without one is named instead of
+guessed), recomputed on every edit. For an MoE model, "Experts in host RAM" puts every layer's routed
+experts on the CPU (Placement.experts_device), and the lanes and the prediction follow.
+
+Not here: loading, or planning beyond the engine's own placement functions.
 """
 
 from __future__ import annotations
 
 import json
 
-from minecart.engine import KV_TYPES
+from minecart.engine import KV_TYPES, gpu_profiles
 from minecart.engine import placement as pl
 from minecart.engine.devices import DeviceInfo, format_bytes
+from minecart.engine.rig import LINKS
 from PySide6.QtCore import (
     QAbstractItemModel,
     QByteArray,
@@ -97,10 +104,25 @@ def runnable_plan(plan: pl.Placement | None) -> pl.Placement | None:
     return plan.with_settings(kv_type=DEFAULT_KV_TYPE)
 
 
+def card_profile(dev: DeviceInfo) -> gpu_profiles.CardProfile | None:
+    """The resources/gpu_profiles.json profile of a GPU, by the name its driver gives it; None for the
+    CPU and for cards the table does not list."""
+    return gpu_profiles.find(dev.name) if dev.kind == "cuda" else None
+
+
 def device_spec(dev: DeviceInfo) -> pl.DeviceSpec:
-    """What placement needs to know about a device: its name and the bytes it can give us."""
+    """What placement needs to know about a device: its name, the bytes it can give us and, for a card
+    with a profile, its speed and its own PCIe link (for the speed prediction and speed-aware splits)."""
     free = dev.free_bytes if dev.free_bytes >= 0 else max(dev.total_bytes, 0)
-    return pl.DeviceSpec(dev.id, int(free), dev.name)
+    profile = card_profile(dev)
+    if profile is None:
+        return pl.DeviceSpec(dev.id, int(free), dev.name)
+    return pl.DeviceSpec(dev.id, int(free), dev.name, speed=profile.speed, link=LINKS.get(profile.link))
+
+
+def format_rate(tokens_per_s: float) -> str:
+    """Tokens/s for people: one decimal below 10, whole numbers with thousands separators above."""
+    return f"{tokens_per_s:.1f}" if tokens_per_s < 10 else f"{tokens_per_s:,.0f}"
 
 
 class LayerMapModel(QAbstractItemModel):
@@ -166,6 +188,49 @@ class LayerMapModel(QAbstractItemModel):
 
     def overflowing(self) -> list[str]:
         return [i.device for i in self.issues() if i.severity == "error" and i.device]
+
+    # ---- speed and experts --------------------------------------------------------------------------
+    def unpriced_cards(self) -> list[str]:
+        """Names of the GPUs holding part of the plan whose speed nobody knows (no profile, or a card
+        that is gone): a prediction with them in it would be a guess."""
+        if self.plan is None:
+            return []
+        by_id = {d.id: d for d in self.devices}
+        out = []
+        for dev_id in self.plan.devices_holding():
+            dev = by_id.get(dev_id)
+            if dev is None or dev.kind == "missing" or (dev.kind == "cuda" and card_profile(dev) is None):
+                out.append(dev.name if dev is not None else dev_id)
+        return out
+
+    def prediction(self) -> pl.SpeedPrediction | None:
+        """Predicted tokens/s of the plan on these devices; None without a plan or when a card in it
+        has no known speed (unpriced_cards). Costs ~0.6 ms for a 64-layer model over two cards, so it
+        runs on the GUI thread at every edit."""
+        if self.plan is None or self.unpriced_cards():
+            return None
+        return pl.predict_speed(self.plan, self.device_specs())
+
+    @property
+    def has_experts(self) -> bool:
+        """The model has routed experts (an MoE model) that can sit apart from their layers."""
+        return self.plan is not None and any(p.experts for p in self.plan.costs.parts)
+
+    def host_device(self) -> str:
+        """The CPU's device name, where "host RAM" experts go."""
+        return next((d.id for d in self.devices if d.kind == "cpu"), "cpu:0")
+
+    def set_experts_in_host(self, on: bool) -> bool:
+        """Every MoE layer's routed experts on the CPU (on) or with their layers (off), as one edit."""
+        if self.plan is None or not self.has_experts:
+            return False
+        dev = self.host_device() if on else ""
+        text = "put the routed experts in host RAM" if on else "put the routed experts back with their layers"
+
+        def change(plan: pl.Placement) -> None:
+            plan.experts_device = dev
+
+        return self._edit(text, change)
 
     # ---- editing: each edit is one undoable step -----------------------------------------------------
     def _edit(self, text: str, change) -> bool:
@@ -351,7 +416,7 @@ class LayerMapModel(QAbstractItemModel):
 def _become(plan: pl.Placement, other: pl.Placement) -> None:
     """Make `plan` equal to `other` in place (an undo step edits a copy of the plan)."""
     plan.assignment[:] = other.assignment
-    for name in ("context", "chunk", "kv_type", "n_sequences", "cuda_context_bytes"):
+    for name in ("context", "chunk", "kv_type", "n_sequences", "cuda_context_bytes", "experts_device"):
         setattr(plan, name, getattr(other, name))
 
 
@@ -596,6 +661,10 @@ class DeviceLane(QFrame):
         need = b.total if b else 0
         if b:
             parts = [f"weights {format_bytes(b.weights)}"]
+            plan = self.model.plan
+            if plan.experts_device == dev.id and plan.expert_parts():
+                # the lane may hold no block at all: say what its weights are
+                parts[0] += f" (incl. the routed experts of {len(plan.expert_parts())} layers)"
             if b.kv_cache:
                 parts.append(f"KV {format_bytes(b.kv_cache)} ({self.model.plan.kv_type})")
             if b.recurrent:
@@ -628,6 +697,7 @@ class LayerMapPanel(QWidget):
         super().__init__(parent)
         self.model = model
         self.lanes: list[DeviceLane] = []
+        self.prediction: pl.SpeedPrediction | None = None  # of the plan on screen
         outer = QVBoxLayout(self)
         outer.setContentsMargins(24, 18, 24, 18)
         outer.setSpacing(12)
@@ -664,6 +734,14 @@ class LayerMapPanel(QWidget):
         self.contiguous.setChecked(True)
         self.contiguous.setToolTip("Dropping a layer on a device moves the boundary: the layers between come along")
         top.addWidget(self.contiguous)
+        # shown for MoE models only: the way to fit one whose experts outweigh the cards
+        self.experts_host = QCheckBox("Experts in host RAM")
+        self.experts_host.setToolTip("Put every MoE layer's routed experts in the computer's RAM (the CPU "
+                                     "runs them); the cards keep attention and the shared parts, so they "
+                                     "need far less memory, at some cost in speed. Takes effect on Load "
+                                     "(a loaded model loads again)")
+        self.experts_host.hide()
+        top.addWidget(self.experts_host)
         self.auto_btn = QPushButton(theme.icon("auto"), " Auto-split")
         self.auto_btn.setToolTip("Use as few devices as hold the model (GPUs in order, the CPU last), "
                                  "split by free memory")
@@ -676,6 +754,12 @@ class LayerMapPanel(QWidget):
         outer.addLayout(head)
         outer.addLayout(top)
         outer.addWidget(self.subtitle)
+        # the plan's predicted speed, recomputed at every edit (LayerMapModel.prediction)
+        self.speed = QLabel()
+        self.speed.setObjectName("Prediction")
+        self.speed.setWordWrap(True)
+        self.speed.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        outer.addWidget(self.speed)
         # why the map shows what it shows: a fallback or a failed load (MainWindow's load state)
         self.notice = QLabel()
         self.notice.setObjectName("WarnText")
@@ -729,6 +813,7 @@ class LayerMapPanel(QWidget):
         self.context.editingFinished.connect(self._settings_changed)
         self.kv_type.currentTextChanged.connect(self._settings_changed)
         self.contiguous.toggled.connect(lambda on: setattr(self.model, "keep_contiguous", on))
+        self.experts_host.toggled.connect(self.model.set_experts_in_host)
         # Ctrl+Z / Ctrl+Shift+Z on this page only (the chat's text boxes keep their own undo)
         self.undo_action = model.undo_stack.createUndoAction(self, "Undo")
         self.redo_action = model.undo_stack.createRedoAction(self, "Redo")
@@ -854,6 +939,11 @@ class LayerMapPanel(QWidget):
             self.subtitle.setText(f"{c.name} · {c.n_layers} layers ({n_gdn} GDN, {n_att} attention) · "
                                   f"weights {format_bytes(c.weight_bytes)} · {plan.crossings()} device crossing"
                                   f"{'' if plan.crossings() == 1 else 's'} per token")
+        self.experts_host.setVisible(self.model.has_experts)
+        self.experts_host.blockSignals(True)  # shows the plan; a click, not this, edits it
+        self.experts_host.setChecked(has_plan and bool(plan.experts_device))
+        self.experts_host.blockSignals(False)
+        self._show_speed()
         if issues:
             self.issues.setText("\n".join(("⛔ " if i.severity == "error" else "⚠ ") + i.message for i in issues))
             self.issues.setObjectName("ErrorText" if issues[0].severity == "error" else "WarnText")
@@ -862,6 +952,29 @@ class LayerMapPanel(QWidget):
         self.issues.setVisible(bool(issues))
         self.apply_btn.setToolTip("Fix the errors below first" if any(i.severity == "error" for i in issues)
                                   else "Re-place the loaded model with this plan (and remember it for this model)")
+
+
+    def _show_speed(self) -> None:
+        plan = self.model.plan
+        unpriced = self.model.unpriced_cards()
+        pred = self.model.prediction()
+        self.prediction = pred
+        if plan is None:
+            self.speed.setText("")
+            self.speed.setToolTip("")
+        elif pred is None:
+            self.speed.setText(f"Predicted: speed unknown for {', '.join(unpriced)} (not in the card profiles)")
+            self.speed.setToolTip("resources/gpu_profiles.json lists the common mining and gaming cards; "
+                                  "a card it does not list is not guessed at")
+        else:
+            self.speed.setText(f"Predicted: decode ~{format_rate(pred.decode_tokens_per_s)} tok/s · "
+                               f"prefill ~{format_rate(pred.prefill_tokens_per_s)} tok/s "
+                               f"({pred.prompt:,}-token prompt)")
+            specs = {s.name: s for s in self.model.device_specs()}
+            where = [f"{d}: {specs[d].speed.source if d in specs and specs[d].speed else pl.CPU_SPEED.name}"
+                     for d in plan.devices_holding()]
+            self.speed.setToolTip("From each card's memory bandwidth and int8/fp32 rate and its link "
+                                  "(engine predict_speed):\n" + "\n".join(where))
 
 
 def costs_for_file(path) -> pl.ModelCosts:

@@ -248,6 +248,7 @@ class MainWindow(QMainWindow):
         self._load_after_plan: Path | None = None  # Load pressed before the plan was on screen
         self._summarizing: Path | None = None  # a file being read to be selected
         self._sent_plan = None  # the Placement given to the engine by the running load or re-place
+        self._loaded_experts_device = ""  # where the loaded model's routed experts are ("" = with their layers)
         self._fallback_note = ""  # why the running load does not use the plan on screen
         # one state that the status chip, the status bar and the layer map notice all read:
         # "none", "loading", "loaded", "failed", "cancelled"; the note says why
@@ -559,6 +560,7 @@ class MainWindow(QMainWindow):
             else ml.ModelSummary(path=path, name=info.name)
         self._pending_load = None
         self.settings["last_model"] = str(path)
+        self._loaded_experts_device = self._sent_plan.experts_device if self._sent_plan is not None else ""
         if self._sent_plan is not None and not self._fallback_note:
             self.settings.remember_plan(path, self._sent_plan.to_dict())  # it ran: keep it
         try:
@@ -649,6 +651,12 @@ class MainWindow(QMainWindow):
         if runnable_plan(plan).kv_type != (self.bridge.kv_type or "f32"):
             self.load(self.selected.path)  # the plan on screen, with its KV type
             self.top.progress_label.setText(f"Loading again with a {plan.kv_type} KV cache…")
+            return
+        if plan.experts_device != self._loaded_experts_device:
+            # the engine's re-place keeps routed experts where the load put them: load again
+            self.load(self.selected.path)
+            self.top.progress_label.setText("Loading again with the experts " +
+                                            ("in host RAM…" if plan.experts_device else "with their layers…"))
             return
         plan, self._fallback_note = self._runnable(plan)
         self._sent_plan = plan

@@ -1,0 +1,194 @@
+"""The layer map's predicted speed and the MoE "Experts in host RAM" control.
+
+The prediction on screen is engine predict_speed of the plan on screen, with each card priced from its
+gpu_profiles entry (the test builds those specs itself, so a wrong spec in the app shows up as a
+mismatch); it follows a drag between lanes; a card without a profile is named, not guessed at. For the
+tiny synthetic MoE model, the experts toggle moves every layer's routed experts to the CPU: the cards
+then need less memory, the prediction changes, and Load gives the engine that plan (a recording loader
+for the two-card rig; the real engine on the CPU, whose loaded model places "layer.N.experts" on cpu:0)."""
+
+from __future__ import annotations
+
+import pytest
+from minecart.app.layer_map import LayerMapModel, LayerMapPanel, costs_for_file, format_rate
+from minecart.app.main_window import MainWindow
+from minecart.app.settings import Settings
+from minecart.engine import gpu_profiles
+from minecart.engine import placement as pl
+from minecart.engine.devices import DeviceInfo
+from minecart.engine.rig import LINKS
+
+from tests._moe import tiny_moe_file
+from tests.app.test_layer_map import _drop
+
+GIB = 1 << 30
+
+
+def _rig():
+    """A P104-100 and a CMP 30HX (both in resources/gpu_profiles.json) and the CPU."""
+    return [
+        DeviceInfo(id="cuda:0", kind="cuda", name="NVIDIA P104-100", total_bytes=8 * GIB, used_bytes=GIB // 4,
+                   free_bytes=8 * GIB - GIB // 4, compute_capability=(6, 1), source="nvml"),
+        DeviceInfo(id="cuda:1", kind="cuda", name="NVIDIA CMP 30HX", total_bytes=6 * GIB, used_bytes=GIB // 4,
+                   free_bytes=6 * GIB - GIB // 4, compute_capability=(7, 5), source="nvml"),
+        DeviceInfo(id="cpu:0", kind="cpu", name="Test CPU", total_bytes=32 * GIB, used_bytes=4 * GIB,
+                   free_bytes=28 * GIB, source="os"),
+    ]
+
+
+def _expected_specs(devices):
+    out = []
+    for d in devices:
+        prof = gpu_profiles.find(d.name) if d.kind == "cuda" else None
+        out.append(pl.DeviceSpec(d.id, d.free_bytes, d.name, speed=prof.speed if prof else None,
+                                 link=LINKS[prof.link] if prof else None))
+    return out
+
+
+def _shown(pred: pl.SpeedPrediction) -> str:
+    return (f"decode ~{format_rate(pred.decode_tokens_per_s)} tok/s · "
+            f"prefill ~{format_rate(pred.prefill_tokens_per_s)} tok/s")
+
+
+def _panel(qtbot, devices, plan):
+    model = LayerMapModel(devices)
+    model.set_plan(plan)
+    panel = LayerMapPanel(model)
+    qtbot.addWidget(panel)
+    panel.resize(1100, 700)
+    panel.show()
+    qtbot.waitExposed(panel)
+    return model, panel
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory):
+    return tiny_moe_file(tmp_path_factory, "separate")
+
+
+def test_prediction_follows_a_drag_between_lanes(qtbot, tiny_model):
+    devices = _rig()
+    costs = costs_for_file(tiny_model)
+    model, panel = _panel(qtbot, devices, pl.Placement.single(costs, "cuda:0"))
+    specs = _expected_specs(devices)
+    before = pl.predict_speed(model.plan, specs)
+    assert _shown(before) in panel.speed.text()
+    model.keep_contiguous = False
+    n = costs.n_layers
+    _drop(panel.lanes[1].view, [n - 1, n], model)  # the last two layers onto the CMP 30HX
+    assert model.plan.assignment[n] == "cuda:1"
+    after = pl.predict_speed(model.plan, specs)
+    # two cards and a crossing: a different plan, a different speed, and the screen says which
+    assert _shown(after) != _shown(before)
+    assert _shown(after) in panel.speed.text()
+    assert panel.prediction == after
+    # undo brings the first prediction back
+    model.undo_stack.undo()
+    assert _shown(before) in panel.speed.text()
+
+
+def test_a_card_without_a_profile_is_named_not_guessed(qtbot, two_gpus, tiny_model):
+    costs = costs_for_file(tiny_model)
+    model, panel = _panel(qtbot, two_gpus, pl.Placement.single(costs, "cuda:0"))
+    assert panel.speed.text() == "Predicted: speed unknown for Test GPU A (not in the card profiles)"
+    assert panel.prediction is None
+    # on the CPU alone (its speed is the engine's measured NumPy rate) there is a prediction again
+    model.move_parts(list(range(len(model.plan.assignment))), "cpu:0")
+    cpu_only = pl.predict_speed(model.plan, _expected_specs(two_gpus))
+    assert _shown(cpu_only) in panel.speed.text()
+
+
+def test_experts_in_host_ram_shrinks_the_cards_and_changes_the_prediction(qtbot, moe_path):
+    devices = _rig()
+    costs = costs_for_file(moe_path)
+    assert any(p.experts for p in costs.parts)
+    model, panel = _panel(qtbot, devices, pl.Placement.single(costs, "cuda:0"))
+    assert panel.experts_host.isVisibleTo(panel) and not panel.experts_host.isChecked()
+    gpu_before = model.bytes_per_device()["cuda:0"].total
+    speed_before = panel.speed.text()
+    panel.experts_host.click()
+    assert model.plan.experts_device == "cpu:0"
+    per = model.bytes_per_device()
+    expert_bytes = sum(b for p in costs.parts for n, b in p.tensors if n in p.experts)
+    assert per["cuda:0"].weights <= gpu_before - expert_bytes
+    assert per["cuda:0"].total < gpu_before
+    # the CPU lane holds no block but the experts' memory, and says so
+    cpu_lane = panel.lanes[2]
+    assert "routed experts" in cpu_lane.numbers.text() and cpu_lane.bar.used == per["cpu:0"].total
+    expected = pl.predict_speed(model.plan, _expected_specs(devices))
+    assert _shown(expected) in panel.speed.text() and panel.speed.text() != speed_before
+    # one undo step puts them back
+    model.undo_stack.undo()
+    assert model.plan.experts_device == "" and not panel.experts_host.isChecked()
+
+
+def test_experts_toggle_is_hidden_for_a_dense_model(qtbot, tiny_model):
+    model, panel = _panel(qtbot, _rig(), pl.Placement.single(costs_for_file(tiny_model), "cuda:0"))
+    assert not panel.experts_host.isVisibleTo(panel)
+    assert not model.set_experts_in_host(True)
+
+
+def _window(qtbot, bridge, devices):
+    win = MainWindow(settings=Settings(), bridge=bridge, devices=devices, scan_defaults=False,
+                     include_demo=False)
+    qtbot.addWidget(win)
+    win.show()
+    return win
+
+
+def test_load_passes_the_experts_in_host_plan(qtbot, make_bridge, scripted, moe_path):
+    calls = []
+
+    def loader(path, devices=None, placement=None, progress=None, cancel=None, **kw):
+        calls.append(placement)
+        model = scripted(reply="ok")
+        model.placement = placement
+        return model
+
+    bridge = make_bridge(loader=loader)
+    win = _window(qtbot, bridge, _rig())
+    win.select_model(moe_path)
+    qtbot.waitUntil(lambda: win.layer_model.plan is not None, timeout=10000)
+    win.layers.experts_host.click()
+    with qtbot.waitSignal(bridge.loaded, timeout=10000):
+        win.top.load_btn.click()
+    assert calls[-1].experts_device == "cpu:0"
+    assert calls[-1].assignment == win.layer_model.plan.assignment
+    # Apply with the experts back on the cards loads again (a re-place keeps experts where they are)
+    win.layers.experts_host.click()
+    with qtbot.waitSignal(bridge.loaded, timeout=10000):
+        win.layers.apply_btn.click()
+    assert calls[-1].experts_device == ""
+    assert len(calls) == 2
+
+
+def test_the_engine_loads_the_experts_where_the_map_says(qtbot, moe_path):
+    from minecart.app.engine_bridge import EngineBridge
+    from minecart.engine import load_model
+    from minecart.engine.runtime import Runtime
+
+    loaded = []
+
+    def loader(path, **kw):  # the engine's own load_model, the loaded model kept for the test to read
+        loaded.append(load_model(path, **kw))
+        return loaded[-1]
+
+    cpu = [DeviceInfo(id="cpu:0", kind="cpu", name="Test CPU", total_bytes=32 * GIB, used_bytes=4 * GIB,
+                      free_bytes=28 * GIB, source="os")]
+    bridge = EngineBridge(runtime=Runtime(loader=loader, sample_memory_s=0))
+    try:
+        win = _window(qtbot, bridge, cpu)
+        win.select_model(moe_path)
+        qtbot.waitUntil(lambda: win.layer_model.plan is not None, timeout=10000)
+        win.layers.experts_host.click()
+        with qtbot.waitSignal(bridge.loaded, timeout=60000):
+            win.top.load_btn.click()
+        plan = loaded[-1].device_plan
+        experts = [p for p in plan if p.endswith(".experts")]
+        n_moe = sum(1 for p in win.layer_model.plan.costs.parts if p.experts)
+        assert len(experts) == n_moe > 0
+        assert all(plan[p] == "cpu:0" for p in experts)
+        # the map shows the placement that ran, experts included
+        assert win.layer_model.plan.experts_device == "cpu:0" and win.layers.experts_host.isChecked()
+    finally:
+        bridge.shutdown()
