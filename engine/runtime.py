@@ -25,9 +25,11 @@ It does split a reply into thinking and answer text (`<think>...</think>`), beca
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import queue
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -119,6 +121,7 @@ class _Request:
     submitted: float = field(default_factory=time.time)
     picked_up: float | None = None  # when the worker thread took it off the queue
     finished: bool = False
+    ended_as: str = ""  # the terminal event's kind once finished ("done", "error", "cancelled")
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def emit(self, kind: str, **kwargs: Any) -> None:
@@ -127,6 +130,7 @@ class _Request:
                 return
             if kind in TERMINAL_KINDS:
                 self.finished = True
+                self.ended_as = kind
             self.replies.put(RuntimeEvent(kind, self.id, **kwargs))
 
     def cancel(self) -> None:
@@ -660,6 +664,8 @@ class Runtime:
                     self._current = None
                 self._live.pop(req.id, None)
                 self._generation_threads.discard(threading.current_thread())
+            if req.ended_as in ("error", "cancelled"):
+                return_freed_memory()
 
     def _clear_sessions(self) -> None:
         while self._sessions:
@@ -960,6 +966,29 @@ def _close_session(session: RuntimeSession | None) -> None:
         session.close()
     except Exception:  # noqa: BLE001 - a failed free must not take the request down with it
         pass
+
+
+_LIBC: Any = None  # glibc, once loaded by return_freed_memory (None elsewhere: nothing to do)
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim) after a request failed or
+    was cancelled. Such a request (a prompt past the context, a cancelled long prefill) frees
+    hundreds of MB that malloc keeps for reuse, so the process's memory only grew: measured on the
+    2-core machine, 1.5 MB prompts past the context took it 251 -> 402 -> 444 -> 474 MB over three
+    requests, and 270 -> 313 MB, then flat, with a trim after each. A no-op where there is no glibc."""
+    global _LIBC
+    if _LIBC is None:
+        if not sys.platform.startswith("linux"):
+            _LIBC = False
+            return
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):  # musl or another libc: no malloc_trim
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 def _vision_args(args: dict[str, Any]) -> dict[str, Any]:

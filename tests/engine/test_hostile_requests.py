@@ -205,3 +205,31 @@ def test_generate_checks_the_context_before_the_turn_boundary(runtime_and_model)
     finally:
         model.config = saved
         session.close()
+
+
+def test_a_failed_or_cancelled_request_returns_the_freed_heap(runtime_and_model, monkeypatch):
+    """The heap a failed request freed goes back to the system (runtime.return_freed_memory, glibc's
+    malloc_trim): memory stayed at its high-water mark after every failure before."""
+    from minecart.engine import runtime as runtime_mod
+
+    rt, model = runtime_and_model
+    trims: list[int] = []
+    monkeypatch.setattr(runtime_mod, "return_freed_memory", lambda: trims.append(1))
+    saved = model.config
+    try:
+        _with_context(model, 64)
+        final = rt.chat([{"role": "user", "content": "word " * 500}], greedy_params(max_tokens=2),
+                        conversation_id="trim").wait(TIMEOUT)
+    finally:
+        model.config = saved
+    assert final.kind == "error" and trims == [1]
+    final = rt.chat([{"role": "user", "content": "hi"}], greedy_params(max_tokens=2),
+                    conversation_id="trim").wait(TIMEOUT)
+    assert final.kind == "done" and trims == [1]  # a request that went well keeps the heap as is
+
+
+def test_return_freed_memory_runs_here():
+    from minecart.engine.runtime import return_freed_memory
+
+    return_freed_memory()  # loads glibc's malloc_trim on Linux, a no-op elsewhere; never raises
+    return_freed_memory()
