@@ -4,7 +4,9 @@ The timer ticks every 5 ms; the longest gap between two ticks is how long the ev
 Use it around code that waits with qtbot (so the event loop runs): `with Heartbeat() as hb: ...`,
 then `assert hb.max_gap_ms <= 50`. `max_busy_ms` is the longest CPU time the GUI thread itself spent
 between two ticks (time.thread_time): the window's own work, without the time the thread sat
-preempted, which on a loaded 2-core machine no code of the window can remove."""
+preempted, which on a loaded 2-core machine no code of the window can remove.
+`Heartbeat(freeze=False)` leaves the garbage collector as the window set it (for tests of the window's
+own gc.freeze); by default the heap is collected and frozen while the beat runs."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from PySide6.QtCore import QTimer
 
 
 class Heartbeat:
-    def __init__(self, interval_ms: int = 5):
+    def __init__(self, interval_ms: int = 5, freeze: bool = True):
+        self.freeze = freeze
         self.timer = QTimer()
         self.timer.setInterval(interval_ms)
         self.timer.timeout.connect(self._tick)
@@ -37,11 +40,13 @@ class Heartbeat:
         # after earlier tests loaded real models, one full collection of that heap took 100-460 ms on
         # whichever thread triggered it (gc.callbacks in this suite): frozen, the beat times the code
         # under test, not the heap other tests left
-        gc.collect()
-        gc.freeze()
+        if self.freeze:
+            gc.collect()
+            gc.freeze()
         self.timer.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self.timer.stop()
-        gc.unfreeze()
+        if self.freeze:
+            gc.unfreeze()
