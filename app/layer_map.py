@@ -275,7 +275,7 @@ class LayerMapModel(QAbstractItemModel):
             return
         auto = fewest_devices_plan(self.plan.costs, self.device_specs(), context=context or self.plan.context,
                                    chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
-                                   n_sequences=self.plan.n_sequences)
+                                   n_sequences=self.plan.n_sequences, experts_device=self.plan.experts_device)
         self._edit("auto-split the layers", lambda plan: _become(plan, auto))
 
     def set_settings(self, **settings) -> None:
@@ -1004,21 +1004,33 @@ def initial_plan(costs: pl.ModelCosts, devices: list[DeviceInfo], saved: dict | 
                                kv_type=DEFAULT_KV_TYPE), note
 
 
-def fewest_devices_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec], **settings) -> pl.Placement:
+def fewest_devices_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec], experts_device: str = "",
+                        **settings) -> pl.Placement:
     """Split over as few devices as hold the model: the first GPU, then the first two, ..., then all GPUs
     and the CPU last. A layer split does not make one stream faster, and every extra device adds a hop
     over the PCIe link (x1 risers on mining rigs), so fewer is better. If nothing fits, everything is
-    used and the plan's warnings say by how much it overflows."""
+    used and the plan's warnings say by how much it overflows. experts_device: where an MoE model's
+    routed experts stay ("cpu:0" = host RAM; "" = with their layers); the layers are split around them."""
     gpus = [s for s in specs if s.is_cuda]
     order = gpus + [s for s in specs if not s.is_cuda]
     if not order:
         raise pl.PlacementError("no devices to place the model on")
     plan = None
     for k in range(1, len(order) + 1):
-        plan = pl.plan_auto(costs, None, order[:k], **settings)
-        if not any(i.severity == "error" for i in pl.validate(plan, order[:k])):
+        if experts_device:
+            # plan_candidates knows experts apart; the fit is checked on every device, the experts' too
+            tried = [c.plan for c in pl.plan_candidates(costs, order[:k], experts_device=experts_device,
+                                                        **settings)]
+            plan = next((p for p in tried if not _errors(p, specs)), tried[0])
+        else:
+            plan = pl.plan_auto(costs, None, order[:k], **settings)
+        if not _errors(plan, specs if experts_device else order[:k]):
             return plan
     return plan
+
+
+def _errors(plan: pl.Placement, specs: list[pl.DeviceSpec]) -> bool:
+    return any(i.severity == "error" for i in pl.validate(plan, specs))
 
 
 __all__ = ["DEFAULT_KV_TYPE", "LayerMapModel", "LayerMapPanel", "costs_for_file", "fewest_devices_plan",

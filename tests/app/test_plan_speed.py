@@ -122,6 +122,23 @@ def test_experts_in_host_ram_shrinks_the_cards_and_changes_the_prediction(qtbot,
     assert model.plan.experts_device == "" and not panel.experts_host.isChecked()
 
 
+def test_auto_split_keeps_the_experts_in_host_ram(qtbot, moe_path):
+    from dataclasses import replace
+
+    # cards too small for the whole model but big enough once its experts are in host RAM
+    costs = costs_for_file(moe_path)
+    whole = pl.Placement.single(costs, "cuda:0").bytes_per_device()["cuda:0"].total
+    apart = pl.Placement.single(costs, "cuda:0", experts_device="cpu:0").bytes_per_device()["cuda:0"].total
+    room = (whole + apart) // 2 + (256 << 20)  # + the planner's reserve
+    devices = [replace(d, free_bytes=room) if d.kind == "cuda" else d for d in _rig()]
+    model, panel = _panel(qtbot, devices, pl.Placement.single(costs, "cpu:0"))
+    panel.experts_host.click()
+    panel.auto_btn.click()
+    assert model.plan.experts_device == "cpu:0" and panel.experts_host.isChecked()
+    assert set(model.plan.devices_used()) == {"cuda:0"}  # one card holds the layers without the experts
+    assert not [i for i in model.issues() if i.severity == "error"]
+
+
 def test_experts_toggle_is_hidden_for_a_dense_model(qtbot, tiny_model):
     model, panel = _panel(qtbot, _rig(), pl.Placement.single(costs_for_file(tiny_model), "cuda:0"))
     assert not panel.experts_host.isVisibleTo(panel)
