@@ -66,6 +66,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import theme
+from .jobs import Job
 
 MIME_PARTS = "application/x-minecart-parts"
 
@@ -125,10 +126,22 @@ def format_rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:.1f}" if tokens_per_s < 10 else f"{tokens_per_s:,.0f}"
 
 
+# Auto-split jobs still running, held here so none is destroyed mid-run with the model that started it.
+_RUNNING_JOBS: set[Job] = set()
+
+
+def wait_for_planning(timeout_ms: int = 3000) -> None:
+    """Let running auto-split jobs finish (the window calls this as it closes)."""
+    for job in list(_RUNNING_JOBS):
+        job.wait(timeout_ms)
+
+
 class LayerMapModel(QAbstractItemModel):
     """Devices (top level) and the parts on each (children), over a mutable engine Placement."""
 
     plan_changed = Signal()
+    auto_split_running = Signal(bool)  # an auto-split is being planned on a worker thread
+    auto_split_failed = Signal(str)
 
     def __init__(self, devices: list[DeviceInfo], parent=None):
         super().__init__(parent)
@@ -137,6 +150,8 @@ class LayerMapModel(QAbstractItemModel):
         self.keep_contiguous = True
         self._children: list[list[int]] = [[] for _ in self.devices]
         self.undo_stack = QUndoStack(self)  # every edit of the plan, for Ctrl+Z / Ctrl+Shift+Z
+        self._auto_seq = 0  # the newest auto-split asked for; an older one's result is dropped
+        self._auto_base: pl.Placement | None = None  # the plan that newest auto-split started from
 
     # ---- data in and out ----------------------------------------------------------------------------
     def set_devices(self, devices: list[DeviceInfo]) -> None:
@@ -273,10 +288,51 @@ class LayerMapModel(QAbstractItemModel):
     def auto_split(self, context: int | None = None, kv_type: str | None = None) -> None:
         if self.plan is None:
             return
+        # on the calling thread: tests and scripts; the window uses auto_split_later
         auto = fewest_devices_plan(self.plan.costs, self.device_specs(), context=context or self.plan.context,
                                    chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
                                    n_sequences=self.plan.n_sequences, experts_device=self.plan.experts_device)
         self._edit("auto-split the layers", lambda plan: _become(plan, auto))
+
+    @property
+    def auto_splitting(self) -> bool:
+        return self._auto_base is not None
+
+    def auto_split_later(self, context: int | None = None, kv_type: str | None = None) -> None:
+        """auto_split on a worker thread: with card profiles the split is a speed-aware search
+        (plan_candidates), 60+ ms for a 64-layer model over three cards. Its result becomes one undo
+        step when it arrives, unless the plan was edited meanwhile (then it is dropped)."""
+        if self.plan is None:
+            return
+        base = self.plan.copy()
+        specs = self.device_specs()
+        settings = dict(context=context or base.context, chunk=base.chunk, kv_type=kv_type or base.kv_type,
+                        n_sequences=base.n_sequences, experts_device=base.experts_device)
+        self._auto_seq += 1
+        seq = self._auto_seq
+        self._auto_base = base
+        job = Job(lambda _progress, _cancel: (seq, fewest_devices_plan(base.costs, specs, **settings)),
+                  error_types=(pl.PlacementError,))
+        job.finished_ok.connect(self._auto_split_ready)
+        job.failed.connect(self._auto_split_error)
+        job.finished.connect(lambda: _RUNNING_JOBS.discard(job))
+        _RUNNING_JOBS.add(job)
+        job.start()
+        self.auto_split_running.emit(True)
+
+    def _auto_split_ready(self, result) -> None:
+        seq, auto = result
+        if seq != self._auto_seq:
+            return
+        base, self._auto_base = self._auto_base, None
+        if self.plan is not None and self.plan == base:
+            self._edit("auto-split the layers", lambda plan: _become(plan, auto))
+        self.auto_split_running.emit(False)
+
+    def _auto_split_error(self, message: str) -> None:
+        self._auto_base = None
+        self.auto_split_running.emit(False)
+        self.auto_split_failed.emit(message)
 
     def set_settings(self, **settings) -> None:
         if self.plan is None:
@@ -823,6 +879,8 @@ class LayerMapPanel(QWidget):
             act.setShortcutContext(Qt.ShortcutContext.WidgetWithChildrenShortcut)
             self.addAction(act)
         self.auto_btn.clicked.connect(self._auto)
+        model.auto_split_running.connect(self._auto_running)
+        model.auto_split_failed.connect(lambda msg: self.hint.setText(f"Auto-split failed: {msg}"))
         self.apply_btn.clicked.connect(self._apply)
         model.plan_changed.connect(self.refresh)
         model.modelReset.connect(self._maybe_rebuild_lanes)
@@ -908,7 +966,11 @@ class LayerMapPanel(QWidget):
             self.model.set_settings(context=ctx, kv_type=kv)
 
     def _auto(self) -> None:
-        self.model.auto_split(int(self.context.value()), self.kv_type.currentText())
+        self.model.auto_split_later(int(self.context.value()), self.kv_type.currentText())
+
+    def _auto_running(self, running: bool) -> None:
+        self.auto_btn.setText(" Planning…" if running else " Auto-split")
+        self.auto_btn.setEnabled(not running and self.model.plan is not None)
 
     def _apply(self) -> None:
         if self.model.plan is not None:
@@ -925,7 +987,7 @@ class LayerMapPanel(QWidget):
         for kind, swatch in self.kind_swatches.items():
             swatch.setVisible(kind in present)
         self.apply_btn.setEnabled(has_plan and not any(i.severity == "error" for i in issues))
-        self.auto_btn.setEnabled(has_plan)
+        self.auto_btn.setEnabled(has_plan and not self.model.auto_splitting)
         if has_plan:
             self.context.blockSignals(True)
             self.context.setValue(plan.context)

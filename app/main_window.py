@@ -51,7 +51,14 @@ from .cockpit import Cockpit
 from .conversations import ConversationStore
 from .devices_panel import DevicesPanel
 from .engine_bridge import EngineBridge
-from .layer_map import LayerMapModel, LayerMapPanel, costs_for_file, initial_plan, runnable_plan
+from .layer_map import (
+    LayerMapModel,
+    LayerMapPanel,
+    costs_for_file,
+    initial_plan,
+    runnable_plan,
+    wait_for_planning,
+)
 from .library_panel import LibraryPanel
 from .settings import Settings
 
@@ -632,7 +639,7 @@ class MainWindow(QMainWindow):
             self._show_engine_plan(info, self.selected.path)
         elif self.layer_model.plan is not None:
             self._plan_from_engine = None
-            self.layer_model.auto_split()
+            self.layer_model.auto_split_later()
 
     def _on_load_cancelled(self) -> None:
         self.top.set_loading(False)
@@ -762,6 +769,7 @@ class MainWindow(QMainWindow):
             pass
         for th in list(self._costs_threads) + list(self.library.summary_threads):
             th.wait(2000)
+        wait_for_planning()
         if self.library.scan_thread is not None:
             self.library.scan_thread.cancel.set()
             self.library.scan_thread.wait(3000)

@@ -139,7 +139,9 @@ def test_memory_bars_warn_before_overflow(qtbot, two_gpus, tiny_model):
 def test_auto_split_uses_gpus_and_apply_emits_plan(qtbot, two_gpus, tiny_model):
     model, panel = _panel(qtbot, two_gpus, tiny_model)
     model.set_plan(pl.Placement.single(model.plan.costs, "cpu:0"))
-    panel.auto_btn.click()
+    panel.auto_btn.click()  # planned on a worker thread
+    assert not panel.auto_btn.isEnabled() and panel.auto_btn.text().strip() == "Planning…"
+    qtbot.waitUntil(lambda: panel.auto_btn.isEnabled(), timeout=5000)
     assert set(model.plan.devices_used()) <= {"cuda:0", "cuda:1"}
     with qtbot.waitSignal(panel.apply_requested, timeout=2000) as sig:
         panel.apply_btn.click()

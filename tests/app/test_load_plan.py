@@ -107,7 +107,9 @@ def test_failed_load_is_told_in_the_status_area_and_the_map_drops_the_plan(qtbot
     assert "load failed" in _chips(win) and "loaded" not in _chips(win)
     assert win.status_model.text().startswith("Loading failed:") and "out of memory" in win.status_model.text()
     assert not win.layers.notice.isHidden() and "out of memory" in win.layers.notice.text()
-    assert _by_part(win.layer_model.plan) == auto  # the failed plan is not kept
+    # the failed plan is not kept: the automatic plan (planned on a worker thread) replaces it
+    qtbot.waitUntil(lambda: not win.layer_model.auto_splitting, timeout=5000)
+    assert _by_part(win.layer_model.plan) == auto
     assert win.top.title.text() == "No model loaded" and not win.top.unload_btn.isVisible()
     assert win.settings.plan_for(tiny_model) is None  # nor remembered
 

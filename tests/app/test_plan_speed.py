@@ -134,9 +134,38 @@ def test_auto_split_keeps_the_experts_in_host_ram(qtbot, moe_path):
     model, panel = _panel(qtbot, devices, pl.Placement.single(costs, "cpu:0"))
     panel.experts_host.click()
     panel.auto_btn.click()
+    qtbot.waitUntil(lambda: model.plan.devices_used() != ["cpu:0"], timeout=5000)
     assert model.plan.experts_device == "cpu:0" and panel.experts_host.isChecked()
     assert set(model.plan.devices_used()) == {"cuda:0"}  # one card holds the layers without the experts
     assert not [i for i in model.issues() if i.severity == "error"]
+
+
+def test_auto_split_is_planned_off_the_gui_thread(qtbot, monkeypatch):
+    """A speed-aware split of a 64-layer model over three known cards (60+ ms of planning, slowed
+    here to 300 ms) leaves the GUI thread free; an edit made meanwhile wins over the late result."""
+    import time
+
+    from minecart.app import layer_map
+
+    from tests.app.heartbeat import Heartbeat
+
+    devices = _rig()
+    costs = pl.costs_for_shape("qwen3.5-27b", "Q4_K")
+    model, panel = _panel(qtbot, devices, pl.Placement.single(costs, "cpu:0"))
+    real = layer_map.fewest_devices_plan
+    monkeypatch.setattr(layer_map, "fewest_devices_plan", lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1])
+    with Heartbeat() as hb:
+        panel.auto_btn.click()
+        qtbot.waitUntil(lambda: panel.auto_btn.isEnabled(), timeout=10000)
+    assert hb.max_gap_ms < 100, f"the GUI thread stalled {hb.max_gap_ms:.0f} ms"
+    assert "cuda:0" in model.plan.devices_used() and model.undo_stack.undoText() == "auto-split the layers"
+    # an edit while the split is being planned: the late result is dropped, the edit stays
+    model.set_plan(pl.Placement.single(costs, "cpu:0"))
+    panel.auto_btn.click()
+    model.move_parts([len(model.plan.assignment) - 1], "cuda:1")
+    edited = list(model.plan.assignment)
+    qtbot.waitUntil(lambda: not model.auto_splitting, timeout=10000)
+    assert model.plan.assignment == edited
 
 
 def test_experts_toggle_is_hidden_for_a_dense_model(qtbot, tiny_model):
