@@ -411,6 +411,10 @@ class LayerMapModel(QAbstractItemModel):
                 lines.append(f"KV cache {format_bytes(kv)} at {self.plan.context} tokens ({self.plan.kv_type})")
             if cost.state_bytes:
                 lines.append(f"recurrent state {format_bytes(cost.state_bytes)}")
+            if cost.experts:
+                where = (f"in host RAM ({self.plan.experts_device})" if self.plan.experts_device
+                         else "with the layer")
+                lines.append(f"routed experts {format_bytes(cost.expert_bytes)}, {where}")
             lines.append(f"on {self.plan.assignment[part]} · drag to another device, or Alt+↑/↓")
             return "<br>".join(lines)
         if role == Qt.ItemDataRole.AccessibleTextRole:

@@ -17,6 +17,7 @@ from minecart.engine import gpu_profiles
 from minecart.engine import placement as pl
 from minecart.engine.devices import DeviceInfo
 from minecart.engine.rig import LINKS
+from PySide6.QtCore import Qt
 
 from tests._moe import tiny_moe_file
 from tests.app.test_layer_map import _drop
@@ -115,6 +116,9 @@ def test_experts_in_host_ram_shrinks_the_cards_and_changes_the_prediction(qtbot,
     # the CPU lane holds no block but the experts' memory, and says so
     cpu_lane = panel.lanes[2]
     assert "routed experts" in cpu_lane.numbers.text() and cpu_lane.bar.used == per["cpu:0"].total
+    layer = model.index(1, 0, model.index(0, 0))  # layer 0's block, still on the card
+    assert "routed experts" in layer.data(Qt.ItemDataRole.ToolTipRole)
+    assert "in host RAM (cpu:0)" in layer.data(Qt.ItemDataRole.ToolTipRole)
     expected = pl.predict_speed(model.plan, _expected_specs(devices))
     assert _shown(expected) in panel.speed.text() and panel.speed.text() != speed_before
     # one undo step puts them back
