@@ -766,7 +766,14 @@ class LayerMapPanel(QWidget):
         t = QLabel("Layer map")
         t.setObjectName("PageTitle")
         head.addWidget(t)
-        head.addStretch(1)
+        head.addSpacing(18)
+        # the plan's predicted speed, recomputed at every edit (LayerMapModel.prediction); beside the
+        # title, on a row of its own it pushed the window past its minimum height. It gives up width
+        # (clipped, the tooltip keeps the words) rather than widening the window.
+        self.speed = QLabel()
+        self.speed.setObjectName("Prediction")
+        self.speed.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        head.addWidget(self.speed, 1)
         # the controls get a row of their own: beside the title they made the page 1,058 px wide
         top = QHBoxLayout()
         self.subtitle = QLabel("Select a model to plan where its layers run.")
@@ -814,12 +821,6 @@ class LayerMapPanel(QWidget):
         outer.addLayout(head)
         outer.addLayout(top)
         outer.addWidget(self.subtitle)
-        # the plan's predicted speed, recomputed at every edit (LayerMapModel.prediction)
-        self.speed = QLabel()
-        self.speed.setObjectName("Prediction")
-        self.speed.setWordWrap(True)
-        self.speed.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        outer.addWidget(self.speed)
         # why the map shows what it shows: a fallback or a failed load (MainWindow's load state)
         self.notice = QLabel()
         self.notice.setObjectName("WarnText")
@@ -1030,8 +1031,9 @@ class LayerMapPanel(QWidget):
             self.speed.setToolTip("")
         elif pred is None:
             self.speed.setText(f"Predicted: speed unknown for {', '.join(unpriced)} (not in the card profiles)")
-            self.speed.setToolTip("resources/gpu_profiles.json lists the common mining and gaming cards; "
-                                  "a card it does not list is not guessed at")
+            self.speed.setToolTip(f"Speed unknown for {', '.join(unpriced)}: resources/gpu_profiles.json "
+                                  "lists the common mining and gaming cards; a card it does not list is not "
+                                  "guessed at")
         else:
             self.speed.setText(f"Predicted: decode ~{format_rate(pred.decode_tokens_per_s)} tok/s · "
                                f"prefill ~{format_rate(pred.prefill_tokens_per_s)} tok/s "
@@ -1039,8 +1041,8 @@ class LayerMapPanel(QWidget):
             specs = {s.name: s for s in self.model.device_specs()}
             where = [f"{d}: {specs[d].speed.source if d in specs and specs[d].speed else pl.CPU_SPEED.name}"
                      for d in plan.devices_holding()]
-            self.speed.setToolTip("From each card's memory bandwidth and int8/fp32 rate and its link "
-                                  "(engine predict_speed):\n" + "\n".join(where))
+            self.speed.setToolTip(self.speed.text() + "\nFrom each card's memory bandwidth, int8/fp32 rate "
+                                  "and link (engine predict_speed):\n" + "\n".join(where))
 
 
 def costs_for_file(path) -> pl.ModelCosts:
