@@ -808,7 +808,6 @@ class LayerMapPanel(QWidget):
                                      "need far less memory, at some cost in speed. Takes effect on Load "
                                      "(a loaded model loads again)")
         self.experts_host.hide()
-        top.addWidget(self.experts_host)
         self.auto_btn = QPushButton(theme.icon("auto"), " Auto-split")
         self.auto_btn.setToolTip("Use as few devices as hold the model (GPUs in order, the CPU last), "
                                  "split by free memory")
@@ -820,7 +819,11 @@ class LayerMapPanel(QWidget):
         top.addStretch(1)
         outer.addLayout(head)
         outer.addLayout(top)
-        outer.addWidget(self.subtitle)
+        # the model's line, with the MoE control beside it (the toolbar row had no room left at 960 px)
+        about = QHBoxLayout()
+        about.addWidget(self.subtitle, 1)
+        about.addWidget(self.experts_host)
+        outer.addLayout(about)
         # why the map shows what it shows: a fallback or a failed load (MainWindow's load state)
         self.notice = QLabel()
         self.notice.setObjectName("WarnText")

@@ -212,6 +212,17 @@ def test_load_passes_the_experts_in_host_plan(qtbot, make_bridge, scripted, moe_
     assert len(calls) == 2
 
 
+def test_an_moe_layer_map_fits_960_px(qtbot, make_bridge, moe_path):
+    win = _window(qtbot, make_bridge(), _rig())
+    win.resize(960, 700)
+    win.show_page("layers")
+    win.select_model(moe_path)
+    qtbot.waitUntil(lambda: win.layer_model.plan is not None, timeout=10000)
+    qtbot.wait(20)
+    assert win.layers.experts_host.isVisible() and win.layers.speed.isVisible()
+    assert win.width() == 960 and win.minimumSizeHint().width() <= 960
+
+
 def test_the_engine_loads_the_experts_where_the_map_says(qtbot, moe_path):
     from minecart.app.engine_bridge import EngineBridge
     from minecart.engine import load_model
