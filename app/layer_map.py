@@ -130,6 +130,13 @@ def format_rate(tokens_per_s: float) -> str:
 _RUNNING_JOBS: set[Job] = set()
 
 
+def _forget(job: Job) -> None:
+    # 'finished' is emitted just before the thread ends: let it end before the last reference goes,
+    # or the QThread is destroyed while still running (Qt aborts the process)
+    job.wait()
+    _RUNNING_JOBS.discard(job)
+
+
 def wait_for_planning(timeout_ms: int = 3000) -> None:
     """Let running auto-split jobs finish (the window calls this as it closes)."""
     for job in list(_RUNNING_JOBS):
@@ -315,7 +322,7 @@ class LayerMapModel(QAbstractItemModel):
                   error_types=(pl.PlacementError,))
         job.finished_ok.connect(self._auto_split_ready)
         job.failed.connect(self._auto_split_error)
-        job.finished.connect(lambda: _RUNNING_JOBS.discard(job))
+        job.finished.connect(lambda: _forget(job))
         _RUNNING_JOBS.add(job)
         job.start()
         self.auto_split_running.emit(True)
