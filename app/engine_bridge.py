@@ -17,6 +17,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from minecart.engine.placement import DEFAULT_KV_TYPE
 from minecart.engine.runtime import Runtime
 from minecart.engine.sampling import SamplingParams
 from PySide6.QtCore import QObject, QThread, Signal
@@ -134,8 +135,8 @@ class EngineBridge(QObject):
         self._chat = None
         self._watchers: set[_Watcher] = set()
         self.model_info = None
-        self.kv_type: str | None = None  # KV cache type of the loaded model ("f32", "q3"); None: none loaded
-        self._loading_kv_type = "f32"
+        self.kv_type: str | None = None  # KV cache type of the loaded model (engine KV_TYPES); None: none loaded
+        self._loading_kv_type = DEFAULT_KV_TYPE
 
     # ---- state -----------------------------------------------------------------------------------
     @property
@@ -174,7 +175,7 @@ class EngineBridge(QObject):
         w.start()
 
     def load(self, path, placement=None, devices=None, kv_type: str | None = None) -> bool:
-        """Load a model; kv_type: its KV cache type (engine KV_TYPES; None: f32, exact)."""
+        """Load a model; kv_type: its KV cache type (engine KV_TYPES; None: the engine's default)."""
         if self.runtime is None:
             self.load_failed.emit(self.runtime_error or "the engine is not available")
             return False
@@ -183,7 +184,7 @@ class EngineBridge(QObject):
         if self._load is not None:
             self._load.cancel()
         # always named: the type on screen is the type that runs, whatever the engine's default
-        kv_type = kv_type or "f32"
+        kv_type = kv_type or DEFAULT_KV_TYPE
         self._loading_kv_type = kv_type
         return self._submit("_load",
                             lambda: self.runtime.load(path, devices=devices, placement=placement,
@@ -196,7 +197,7 @@ class EngineBridge(QObject):
             self.load_failed.emit("load a model before applying a layer plan")
             return False
         # the runtime re-places the model with the options it was loaded with: the KV type stays
-        self._loading_kv_type = self.kv_type or "f32"
+        self._loading_kv_type = self.kv_type or DEFAULT_KV_TYPE
         return self._submit("_load", lambda: self.runtime.replace(placement), self.load_failed,
                             self._on_load_event)
 

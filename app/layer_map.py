@@ -80,12 +80,12 @@ KIND_NAMES = {"embedding": "Token embedding", "head": "LM head (output norm + pr
               "attention": "Full attention layer (KV cache)", "sliding": "Sliding-window attention layer"}
 
 
-# The KV cache types offered are the ones the engine runs (load_model(kv_type=)). The app's default is
-# the exact one; the type on screen is always passed to the engine, whatever the engine's own default.
-DEFAULT_KV_TYPE = "f32"
+# The KV cache types offered are the ones the engine runs (load_model(kv_type=)); the default is the
+# engine's (f16), and the type on screen is always passed to the engine.
+DEFAULT_KV_TYPE = pl.DEFAULT_KV_TYPE
 KV_TYPE_TIPS = {
-    "f32": "f32: exact, 4 bytes per value (the app's default)",
-    "f16": "f16: half precision, 2 bytes per value, half the f32 cache (llama.cpp's default)",
+    "f32": "f32: exact, 4 bytes per value",
+    "f16": "f16: half precision, 2 bytes per value, half the f32 cache (the default, as in llama.cpp)",
     "q8_0": "q8_0: 8-bit codes + one fp16 scale per 32 values, 1.06 bytes per value, 3.8x smaller than f32",
     "q3": "q3: 3-bit codes + one fp16 scale per 32 values, 9x smaller than f32. Costs a little accuracy: "
           "on the test models the logits differ from f32 by ~2% (about what Q8_0 weights cost), the top "
@@ -94,7 +94,7 @@ KV_TYPE_TIPS = {
 
 
 def runnable_kv_type(kv_type: str | None) -> str:
-    """`kv_type` if the engine runs it, else the default (f32)."""
+    """`kv_type` if the engine runs it, else the default (the engine's)."""
     return kv_type if kv_type in KV_TYPES else DEFAULT_KV_TYPE
 
 

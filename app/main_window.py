@@ -52,6 +52,7 @@ from .conversations import ConversationStore
 from .devices_panel import DevicesPanel
 from .engine_bridge import EngineBridge
 from .layer_map import (
+    DEFAULT_KV_TYPE,
     LayerMapModel,
     LayerMapPanel,
     costs_for_file,
@@ -612,7 +613,7 @@ class MainWindow(QMainWindow):
             self._plan_from_engine = path
             self._plan_path = path
             # the engine's placement prices the KV cache of its own settings; show the type that runs
-            self.layer_model.set_plan(plan.with_settings(kv_type=self.bridge.kv_type or "f32"))
+            self.layer_model.set_plan(plan.with_settings(kv_type=self.bridge.kv_type or DEFAULT_KV_TYPE))
 
     def _on_load_failed(self, text: str) -> None:
         self.top.set_loading(False)
@@ -679,7 +680,7 @@ class MainWindow(QMainWindow):
             self.settings.remember_plan(self.selected.path, runnable_plan(plan).to_dict())
             self.statusBar().showMessage("Plan saved; it is used when this model loads.", 5000)
             return
-        if runnable_plan(plan).kv_type != (self.bridge.kv_type or "f32"):
+        if runnable_plan(plan).kv_type != (self.bridge.kv_type or DEFAULT_KV_TYPE):
             self.load(self.selected.path)  # the plan on screen, with its KV type
             self.top.progress_label.setText(f"Loading again with a {plan.kv_type} KV cache…")
             return

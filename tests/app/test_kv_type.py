@@ -49,13 +49,13 @@ def _chips(win) -> list[str]:
 def test_combo_offers_the_engine_types(qtbot, two_gpus, tiny_model):
     model = lm.LayerMapModel(two_gpus)
     plan, _ = lm.initial_plan(lm.costs_for_file(tiny_model), two_gpus)
-    assert plan.kv_type == "f32"  # a fresh plan prices the cache the engine uses by default
+    assert plan.kv_type == pl.DEFAULT_KV_TYPE == "f16"  # a fresh plan prices the engine's default cache
     model.set_plan(plan)
     panel = lm.LayerMapPanel(model)
     qtbot.addWidget(panel)
     items = [panel.kv_type.itemText(i) for i in range(panel.kv_type.count())]
     assert tuple(items) == tuple(KV_TYPES) and "f32" in items and "q3" in items
-    assert panel.kv_type.currentText() == "f32"
+    assert panel.kv_type.currentText() == "f16"
     assert "9x smaller" in panel.kv_type.toolTip() and "q3" in panel.kv_type.toolTip()
     for i, name in enumerate(items):
         assert panel.kv_type.itemData(i, Qt.ItemDataRole.ToolTipRole) == lm.KV_TYPE_TIPS[name]
@@ -66,11 +66,12 @@ def test_apply_q3_loads_the_model_with_a_q3_cache(qtbot, make_bridge, scripted, 
     win = _window(qtbot, bridge, two_gpus)
     with qtbot.waitSignal(bridge.loaded, timeout=10000):
         win.load(tiny_model)
-    assert calls[-1]["kv_type"] == "f32" and loader_calls[-1]["kv_type"] == "f32"  # named, not left to the engine
-    assert bridge.kv_type == "f32" and "KV f32" in _chips(win)
+    assert calls[-1]["kv_type"] == "f16" and loader_calls[-1]["kv_type"] == "f16"  # named, not left to the engine
+    assert bridge.kv_type == "f16" and "KV f16" in _chips(win)
     qtbot.waitUntil(lambda: win.layer_model.plan is not None, timeout=10000)
     panel = win.layers
-    assert panel.kv_type.currentText() == "f32"
+    assert panel.kv_type.currentText() == "f16"
+    panel.kv_type.setCurrentText("f32")  # the exact cache's estimate, to compare q3 with
     kv_f32 = sum(b.kv_cache for b in win.layer_model.bytes_per_device().values())
     lines_f32 = [lane.numbers.text() for lane in panel.lanes]
     assert any("(f32)" in t for t in lines_f32)
