@@ -51,8 +51,16 @@ class ChatTemplateLike(Protocol):
                add_generation_prompt: bool = ..., enable_thinking: bool | None = ...) -> str: ...
 
 
+class VocabConfig(Protocol):
+    @property
+    def vocab_size(self) -> int: ...  # rows of the token embedding
+
+
 class PromptModel(Protocol):
     """What rendering needs from a model (engine.model.Model has it; so do the tests' fakes)."""
+
+    @property
+    def config(self) -> VocabConfig: ...
 
     @property
     def tokenizer(self) -> TokenizerLike | None: ...
@@ -122,17 +130,15 @@ def _tokenizer(model: PromptModel) -> TokenizerLike:
 
 
 def _checked_ids(model: PromptModel, ids: Sequence[int]) -> list[int]:
-    """Token ids given by a caller, each inside the model's vocabulary (a RequestError naming the
-    first one that is not; the embedding lookup would fail later with a bare ValueError)."""
-    from .tokenizer import Tokenizer
-
+    """Token ids given by a caller, each a row of the model's token embedding (a RequestError naming
+    the first one that is not; the lookup would fail later with a bare IndexError), whether or not
+    the file has a tokenizer."""
     out = [int(t) for t in ids]
-    tok = model.tokenizer
-    n = tok.vocab_size if isinstance(tok, Tokenizer) else None
+    n = int(model.config.vocab_size)
     for t in out:
-        if t < 0 or (n is not None and t >= n):
+        if t < 0 or (n > 0 and t >= n):
             raise RequestError(f"token id {t} is outside the vocabulary"
-                               + (f" (0..{n - 1})" if n is not None else ""))
+                               + (f" (0..{n - 1})" if n > 0 else ""))
     return out
 
 

@@ -320,6 +320,9 @@ class ConfigInfo(Protocol):
     @property
     def context_length(self) -> int: ...
 
+    @property
+    def vocab_size(self) -> int: ...  # rows of the token embedding (prompt.py checks token ids)
+
 
 class RuntimeSession(Protocol):
     """A model session as the runtime holds it: it only frees it (engine.session.Session)."""

@@ -22,6 +22,7 @@ class FakeConfig:
     name: str = "fake-chat"
     architecture: str = "fake"
     context_length: int = 4096
+    vocab_size: int = 256  # the byte tokenizer's ids
 
 
 def FakeEvent(token: int, text: str, finish_reason: str | None, prompt_tokens: int,

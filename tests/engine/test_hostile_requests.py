@@ -233,3 +233,25 @@ def test_return_freed_memory_runs_here():
 
     return_freed_memory()  # loads glibc's malloc_trim on Linux, a no-op elsewhere; never raises
     return_freed_memory()
+
+
+def test_token_ids_outside_the_vocabulary_without_a_tokenizer_are_a_400(tmp_path_factory):
+    """A file with no tokenizer (a synthesized model) takes prompts as token ids; an id past its
+    embedding used to reach the lookup and come back as a 500."""
+    from tests._moe import tiny_moe_file
+
+    path = tiny_moe_file(tmp_path_factory, "separate")
+    rt = Runtime(sample_memory_s=0)
+    try:
+        rt.load(str(path), devices=["cpu:0"]).result(TIMEOUT)
+        final = rt.complete([1, 2, 10**6], greedy_params(max_tokens=2)).wait(TIMEOUT)
+        assert final.kind == "error" and "outside the vocabulary (0..639)" in final.text
+        with ServerThread(create_app(rt)) as srv:
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 700], "max_tokens": 2},
+                           timeout=TIMEOUT)
+            assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2},
+                           timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+    finally:
+        rt.close()
