@@ -74,7 +74,7 @@ class ScriptedModel:
     def __init__(self, script, delay=0.0):
         self.tokenizer = ByteTokenizer()
         self.chat_template = None
-        self.config = SimpleNamespace(context_length=0)
+        self.config = SimpleNamespace(context_length=0, vocab_size=256)  # the byte tokenizer's ids
         self.path = Path("scripted.gguf")
         self.session = ScriptedSession(script, delay)
 
