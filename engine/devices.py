@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from . import probe_cache
+
 CPU_ID = "cpu:0"  # placement names devices "cuda:N" / "cpu:N"
 
 
@@ -174,58 +176,9 @@ def cpu_device() -> DeviceInfo:
 
 
 def _probe_summary(dev: DeviceInfo) -> str:
-    """One line from the kernel probe cache for this GPU, or '' if nothing was probed (yet).
-
-    The probe cache belongs to the GPU teammates and may not exist; every failure here means "no probe".
-    """
-    try:
-        from . import probe_cache
-    except Exception:
-        return ""
-    for fn_name in ("summary_for", "describe", "summary"):
-        fn = getattr(probe_cache, fn_name, None)
-        if fn is None:
-            continue
-        for key in (dev.uuid, dev.id, dev.name):
-            if not key:
-                continue
-            try:
-                res = fn(key)
-            except Exception:
-                continue
-            if res:
-                return res if isinstance(res, str) else _format_probe(res)
-    load = getattr(probe_cache, "load", None) or getattr(probe_cache, "read", None)
-    if load is not None:
-        try:
-            data = load()
-        except Exception:
-            return ""
-        if isinstance(data, dict):
-            for key in (dev.uuid, dev.id, dev.name):
-                if key and key in data:
-                    return _format_probe(data[key])
-    return ""
-
-
-def _format_probe(entry) -> str:
-    """Turn a probe record (dict, dataclass or str) into one short line."""
-    if isinstance(entry, str):
-        return entry
-    if hasattr(entry, "summary"):
-        s = entry.summary
-        return s() if callable(s) else str(s)
-    if hasattr(entry, "__dict__") and not isinstance(entry, dict):
-        entry = dict(vars(entry))
-    if isinstance(entry, dict):
-        if "summary" in entry:
-            return str(entry["summary"])
-        parts = []
-        for k, v in entry.items():
-            if isinstance(v, (str, int, float, bool)):
-                parts.append(f"{k}: {v}")
-        return "; ".join(parts)
-    return str(entry)
+    """One line from the kernel probe cache (engine/probe_cache.py, keyed by GPU UUID) for this GPU,
+    or '' if it was not probed yet."""
+    return probe_cache.summary_for(dev.uuid) if dev.uuid else ""
 
 
 def list_devices(include_cpu: bool = True, with_probe: bool = True) -> list[DeviceInfo]:

@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .errors import GGUFError, MissingKeyError, MissingTensorError, UnsupportedQuantError
-from .quants import BLOCK_SIZES, GGML_TYPES
+from .quants import BLOCK_SIZES, GGML_TYPES, dequantize, dequantize_rows
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)  # v1 used 32-bit counts; v2 and v3 share the little-endian layout
@@ -394,14 +394,10 @@ class GGUFFile:
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as float32 in its logical row-major shape."""
-        from .quants import dequantize
-
         return dequantize(self.tensor(name), path=self.path)
 
     def dequantize_rows(self, name: str, rows) -> np.ndarray:
         """Some rows of a 2-D+ tensor as float32 (e.g. an embedding lookup)."""
-        from .quants import dequantize_rows
-
         return dequantize_rows(self.tensor(name), rows, path=self.path)
 
     def close(self) -> None:

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import gpu_profiles
+from .backends.numpy_backend import NumpyBackend
 from .errors import DeviceError
 from .placement import DeviceSpec, DeviceSpeed, GiB, KiB, Link, MiB, check_device_name, format_bytes
 
@@ -307,10 +309,9 @@ def _wait_until(deadline: float) -> None:
 
 def _make_backend(physical: str):
     if physical.startswith("cpu:"):
-        from .backends.numpy_backend import NumpyBackend
-
         return NumpyBackend(device=physical)
     try:
+        # local import: CuPy is an optional dependency, and importing it starts CUDA
         from .backends.cupy_backend import CupyBackend
     except ImportError as exc:
         raise DeviceError(f"{physical} needs the CUDA backend, which could not be imported ({exc}); "
@@ -354,8 +355,6 @@ class Rig:
         resources/gpu_profiles.json: its memory is the cap (unless CAP follows it) and its speed is
         the device's for planning; without @LINK a card has its own link, a bare cap none.
         Logical cuda:N runs on physical cuda:(N mod physical_gpus); cpu:N on its own NumPy backend."""
-        from . import gpu_profiles
-
         devices = []
         for item in filter(None, (s.strip() for s in text.split(","))):
             m = re.fullmatch(r"((?:cuda|cpu):\d+)(?:=([^@]+))?(?:@(.+))?", item)

@@ -688,7 +688,8 @@ class Runtime:
         a = req.args
         if self._model is not None and self._loader is _default_loader:
             # A broken or unsupported file must not cost the user the model that works: check the
-            # header and tensor table (no weights read) before the old model is freed.
+            # header and tensor table (no weights read) before the old model is freed. (Local import:
+            # the runtime imports without the whole engine, see _default_loader.)
             from .model import check_model_file
 
             check_model_file(a["path"])

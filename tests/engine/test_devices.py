@@ -40,14 +40,13 @@ def test_gpus_from_nvml_then_cpu(monkeypatch):
     assert "GPU-0001" in lines[1] and lines[2].startswith("cpu:0: ")
 
 
-def test_probe_line_is_attached(monkeypatch):
-    _fake_nvml(monkeypatch, [("NVIDIA CMP 170HX", (8, 0), 8 << 30)])
-    fake_cache = types.ModuleType("minecart.engine.probe_cache")
-    fake_cache.summary_for = lambda key: "tensor cores throttled; DP4A full speed" if key == "GPU-0000" else None
-    monkeypatch.setitem(sys.modules, "minecart.engine.probe_cache", fake_cache)
-    import minecart.engine as eng
+def test_probe_line_is_attached(monkeypatch, tmp_path):
+    from minecart.engine import probe_cache
 
-    monkeypatch.setattr(eng, "probe_cache", fake_cache, raising=False)
+    _fake_nvml(monkeypatch, [("NVIDIA CMP 170HX", (8, 0), 8 << 30)])
+    monkeypatch.setenv("MINECART_CACHE_DIR", str(tmp_path))  # a real probe cache file
+    probe_cache.save("GPU-0000", {"summary": "tensor cores throttled; DP4A full speed"})
+    probe_cache.save("GPU-9999", {"summary": "another card"})
     devs = dv.list_devices()
     assert devs[0].probe == "tensor cores throttled; DP4A full speed"
     assert dv.describe_devices(devs)[0].endswith("probe: tensor cores throttled; DP4A full speed")
