@@ -65,6 +65,9 @@ from .runtime import ModelInfo, RequestHandle, Runtime, RuntimeEvent
 from .scheduler import QueueFull
 
 log = logging.getLogger(__name__)
+# One JSON line per request when it has been answered (a stream: when it ended): time, client, method,
+# path (no query string: it may carry keys), status, duration. `minecart serve` prints them on stderr.
+access_log = logging.getLogger("minecart.access")
 
 # One engine session for requests without a conversation_id (prefix reuse across resent histories).
 # A batching runtime (serve --parallel) gives them its prefix cache instead, which concurrent requests
@@ -758,6 +761,27 @@ class _Gatekeeper:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        t0 = time.perf_counter()
+        status = 0  # 0: the client went away before any answer started
+
+        async def logged_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, logged_send)
+        finally:
+            if access_log.isEnabledFor(logging.INFO):
+                client = scope.get("client") or ("", 0)
+                access_log.info(json.dumps({
+                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "client": f"{client[0]}:{client[1]}", "method": scope["method"],
+                    "path": scope["path"], "status": status,
+                    "duration_ms": round((time.perf_counter() - t0) * 1000, 1)}))
+
+    async def _handle(self, scope, receive, send):
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refused = self.guard.refusal(headers) or self._key_refusal(scope["path"], headers)
         origin = headers.get("origin")

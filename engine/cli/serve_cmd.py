@@ -8,6 +8,7 @@ uvicorn; the endpoints live in engine/server.py.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -50,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=16, metavar="M",
                    help="requests allowed to wait for one of the --parallel slots; past that a request "
                         "gets HTTP 429 with Retry-After (default: 16)")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="do not print the access log (one JSON line per request on stderr: time, "
+                        "client, method, path, status, duration)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default: info)")
     p.set_defaults(func=serve_main)
@@ -58,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def serve_main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..server import create_app
+    from ..server import access_log, create_app
 
     if not 0 <= args.port <= 65535:
         raise RequestError(f"--port {args.port} is not a TCP port (0-65535)")
@@ -76,8 +80,14 @@ def serve_main(args: argparse.Namespace) -> int:
                          api_key=api_key, allowed_origins=args.allow_origin,
                          allowed_hosts=args.allow_host, listen_host=args.host)
         print(f"serving on http://{args.host}:{args.port}/v1 (Ctrl+C stops)", file=sys.stderr)
+        if not args.no_access_log:  # one JSON line per request on stderr (engine/server.py)
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            access_log.addHandler(handler)
+            access_log.setLevel(logging.INFO)
+            access_log.propagate = False
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=3)
+                    timeout_graceful_shutdown=3, access_log=False)
     finally:
         runtime.close()
     return 0

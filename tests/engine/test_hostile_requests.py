@@ -255,3 +255,27 @@ def test_token_ids_outside_the_vocabulary_without_a_tokenizer_are_a_400(tmp_path
             assert r.status_code == 200, r.text
     finally:
         rt.close()
+
+
+def test_every_request_leaves_one_structured_access_line(server, caplog):
+    import json as _json
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="minecart.access"):
+        httpx.get(server.url + "/v1/models", timeout=TIMEOUT)
+        httpx.post(server.url + "/v1/chat/completions", content=b"{}", timeout=TIMEOUT,
+                   headers={"content-type": "text/plain", "origin": "http://evil.example"})
+        r = httpx.post(server.url + "/v1/chat/completions?key=secret", timeout=TIMEOUT,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                             "stream": True})
+        assert r.status_code == 200
+        deadline = time.monotonic() + 5
+        while len([x for x in caplog.records if x.name == "minecart.access"]) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    lines = [_json.loads(x.getMessage()) for x in caplog.records if x.name == "minecart.access"]
+    assert [(x["method"], x["path"], x["status"]) for x in lines] == [
+        ("GET", "/v1/models", 200), ("POST", "/v1/chat/completions", 403),
+        ("POST", "/v1/chat/completions", 200)]
+    assert all(x["duration_ms"] >= 0 and x["client"].startswith("127.0.0.1:") for x in lines)
+    assert "secret" not in "".join(x.getMessage() for x in caplog.records)  # no query strings
