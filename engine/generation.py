@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import GenerationCancelled, RequestError
+from .execution import shift_override
 from .prompt import PromptInput, PromptMode, render_prompt
 from .sampling import Sampler, SamplingParams
 from .session import PREFILL_CHUNK, Session
-from .vision.insert import checkpoint_turn_boundary as checkpoint_image_turn
 from .vision.insert import has_images as has_images_in
 from .vision.insert import prepare_chat
 
@@ -167,11 +167,15 @@ def generate(model: Model, prompt: PromptInput, params: SamplingParams | None = 
         prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking, tools=tools)
         check_fits_context(model, len(prepared.ids))
         before: Callable[[], int] | None = None
-        if session is not None:
+        b = prepared.boundary
+        if session is not None and b:
             image_session = session
 
             def before() -> int:
-                return int(checkpoint_image_turn(image_session, prepared, cancel))
+                return checkpoint_turn_boundary(
+                    image_session, prepared.ids[:b], cancel, prefill_chunk,
+                    positions=prepared.positions[:, :b],
+                    embed_override=shift_override(prepared.embed_override, 0, b))
         return _generate(model, prepared.ids, params.with_max_tokens(templated=True), session,
                          cancel, prefill_chunk,
                          prepared.positions, prepared.embed_override,
@@ -201,9 +205,12 @@ def generate(model: Model, prompt: PromptInput, params: SamplingParams | None = 
 
 
 def checkpoint_turn_boundary(session: Session, ids: list[int], cancel: threading.Event | None = None,
-                             chunk: int = PREFILL_CHUNK) -> int:
+                             chunk: int = PREFILL_CHUNK, *, positions: np.ndarray | None = None,
+                             embed_override: Any = None) -> int:
     """Run the prompt up to the end of the last user message and checkpoint the session there;
     returns the tokens computed (0 when the session has no recurrent state or had them already).
+    positions / embed_override: those of `ids` for a prompt with pictures (their rows match only
+    the same pictures, see Session.sync).
 
     Why: a hybrid model's recurrent (Gated DeltaNet) state cannot be rewound, only restored from a
     snapshot. The next turn re-renders this turn's assistant message without the generation prompt's
@@ -212,11 +219,11 @@ def checkpoint_turn_boundary(session: Session, ids: list[int], cancel: threading
     Chunked and cancellable like every prefill; called only after the prompt passed its checks."""
     if not session.has_recurrent_state:
         return 0
-    if session.has_snapshot(ids):
+    if session.has_snapshot(ids, embed_override):
         # Checkpointed on an earlier pass (regenerate): running back to the boundary now would
         # throw away the later snapshot of the whole prompt and recompute the last message.
         return 0
-    session.sync(ids, chunk=chunk, cancel=cancel)
+    session.sync(ids, chunk=chunk, cancel=cancel, positions=positions, embed_override=embed_override)
     computed = int(session.computed_tokens)
     session.checkpoint()
     return computed

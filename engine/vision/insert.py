@@ -269,26 +269,3 @@ def _encode_pictures(tower, messages, max_image_tokens):
             parts.append(part)
         kept_messages.append(dict(m, content=parts))
     return kept_messages, encoded
-
-
-def checkpoint_turn_boundary(session, prepared: PreparedPrompt, cancel=None) -> int:
-    """Run the prompt up to the end of the last user turn and checkpoint the session there; returns
-    the tokens computed. Why: a hybrid model's recurrent state cannot be rewound, and the next turn
-    re-renders this one without the generation prompt's `<think>`, so without this snapshot every
-    turn would re-run the whole chat, pictures included (the runtime does the same for text chats)."""
-    b = prepared.boundary
-    if not b or not getattr(session, "has_recurrent_state", False):
-        return 0
-    override = None
-    if prepared.embed_override is not None:
-        rows, values = prepared.embed_override
-        keep = rows < b
-        override = (rows[keep], values[keep]) if keep.any() else None
-    has_snapshot = getattr(session, "has_snapshot", None)
-    if callable(has_snapshot) and has_snapshot(prepared.ids[:b], override):
-        return 0  # checkpointed on an earlier pass (regenerate): keep the whole-prompt snapshot usable
-    session.sync(prepared.ids[:b], positions=prepared.positions[:, :b], embed_override=override,
-                 cancel=cancel)
-    computed = int(session.computed_tokens)
-    session.checkpoint()
-    return computed
