@@ -44,12 +44,14 @@ from .errors import RequestError
 
 # The KV cache types the backends store (docs/kv-cache.md): "f16" (the default, as llama.cpp's), "f32"
 # (exact), "q8_0" (llama.cpp's Q8_0 blocks: 32 int8 + an fp16 scale) and "q3" (this file's format).
-# engine/placement.py KV_BYTES_PER_VALUE prices each at exactly what its cache allocates.
+# KV_BYTES_PER_VALUE is what each cache allocates per stored value (engine/placement.py prices with it).
 KV_TYPES = ("f32", "f16", "q8_0", "q3")
 DEFAULT_KV_TYPE = "f16"
 BLOCK = 32  # coordinates per scale
 BITS = 3
 N_LEVELS = 1 << BITS
+# q8_0 and q3: the codes plus one fp16 scale per BLOCK values
+KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8_0": 1 + 2 / BLOCK, "q3": BITS / 8 + 2 / BLOCK}
 
 # The 8-level Lloyd-Max quantizer of N(0, 1): levels (ascending) and the decision thresholds between
 # them (midpoints of neighbouring levels). Computed once by `derive_lloyd_max()` (float64 Lloyd
@@ -407,13 +409,10 @@ def greedy_tokens(model, prompt, n: int, kv_type: str) -> list[int]:
 
 
 def kv_bytes_per_token(config, kv_type: str) -> int:
-    """Stored KV bytes per token per attention layer (K and V, every KV head)."""
-    values = config.head_dim + config.value_head_dim
-    if kv_type == "q3":
-        return config.n_kv_heads * (bytes_per_row(config.head_dim) + bytes_per_row(config.value_head_dim))
-    if kv_type == "q8_0":
-        return config.n_kv_heads * (values + 2 * (values // BLOCK))
-    return config.n_kv_heads * values * {"f32": 4, "f16": 2}[check_kv_type(kv_type)]
+    """Stored KV bytes per token per attention layer (K and V, every KV head; head dims are whole
+    blocks of BLOCK values, so the product is exact)."""
+    values = config.n_kv_heads * (config.head_dim + config.value_head_dim)
+    return round(values * KV_BYTES_PER_VALUE[check_kv_type(kv_type)])
 
 
 def measure(model, sequences: dict, *, greedy: int = 32) -> dict:

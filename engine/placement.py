@@ -92,7 +92,7 @@ STAGED_TYPES = ("Q8_0", "Q4_0")
 # llama.cpp's Q8_0 blocks (32 int8 + an fp16 scale); q3 = 3-bit codes in blocks of 32 (12 bytes) plus an
 # fp16 scale (2 bytes), the Walsh-Hadamard + Lloyd-Max cache (docs/kv-cache.md). Head dims are
 # multiples of 32, so a row is whole blocks and the per-value price is exact.
-KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q3": 14 / 32}
+KV_BYTES_PER_VALUE = kvquant.KV_BYTES_PER_VALUE  # per stored value of each KV cache type
 # the engine's KV cache default (engine/kvquant.py): f16, llama.cpp's default too
 DEFAULT_KV_TYPE = kvquant.DEFAULT_KV_TYPE
 
