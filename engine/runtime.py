@@ -360,7 +360,7 @@ class RuntimeModel(PromptModel, Protocol):
 
 
 Progress = Callable[[float, str], None]
-Loader = Callable[..., RuntimeModel]  # (path, devices=, placement=, progress=, cancel=, **vision)
+Loader = Callable[..., RuntimeModel]  # (path, devices=, placement=, progress=, cancel=, **options)
 
 
 @dataclass(frozen=True)
@@ -390,12 +390,12 @@ class ModelInfo:
 
 def _default_loader(path: str, devices: list[str] | None = None, placement: Any = None,
                     progress: Progress | None = None, cancel: threading.Event | None = None,
-                    **vision: Any) -> RuntimeModel:
+                    **options: Any) -> RuntimeModel:
     from .model import load_model  # the runtime imports without the whole engine (tests, the app)
 
-    # vision: mmproj= / max_image_tokens= / kv_type= (engine/vision), only present when set
+    # options: mmproj= / max_image_tokens= / kv_type= / experts=, only those that were given
     return load_model(path, devices=devices, placement=placement, progress=progress, cancel=cancel,
-                      **vision)
+                      **options)
 
 
 _SHUTDOWN = object()
@@ -456,9 +456,9 @@ class Runtime:
         model; False: none); max_image_tokens: cap per picture (engine/vision); kv_type: KV cache
         type ("f32" default, "q3": 3-bit, engine/kvquant.py); experts: the device of an MoE model's
         routed experts ("cpu:0" = host RAM; engine/experts.py), default with their layers."""
-        vision = {k: v for k, v in (("mmproj", mmproj), ("max_image_tokens", max_image_tokens),
+        options = {k: v for k, v in (("mmproj", mmproj), ("max_image_tokens", max_image_tokens),
                                     ("kv_type", kv_type), ("experts", experts)) if v is not None}
-        return self._submit("load", path=str(path), devices=devices, placement=placement, **vision)
+        return self._submit("load", path=str(path), devices=devices, placement=placement, **options)
 
     def unload(self) -> RequestHandle:
         return self._submit("unload")
@@ -701,7 +701,7 @@ class Runtime:
             placement=a["placement"],
             progress=_progress_emitter(req),
             cancel=req.cancel_event,
-            **_vision_args(a),
+            **_load_options(a),
         )
         if not req.cancel_event.is_set():
             # The tokenizer and template are built lazily (a 248k-token BPE takes seconds); build them
@@ -995,7 +995,7 @@ def return_freed_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-def _vision_args(args: dict[str, Any]) -> dict[str, Any]:
+def _load_options(args: dict[str, Any]) -> dict[str, Any]:
     """The load's options that were given (mmproj, max_image_tokens, kv_type, experts), for the loader."""
     return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type", "experts")
             if args.get(k) is not None}

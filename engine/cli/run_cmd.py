@@ -177,20 +177,20 @@ def start_runtime(args: argparse.Namespace, *, quiet: bool = False, sample_memor
     devices = device_list(args.devices)
     runtime = Runtime(sample_memory_s=sample_memory_s, parallel=parallel, max_queue=max_queue)
     t0 = time.perf_counter()
-    vision: dict[str, Any] = {}
+    options: dict[str, Any] = {}
     if args.mmproj:
         mmproj = Path(args.mmproj).expanduser()
         if not mmproj.is_file():
             raise RequestError(f"mmproj file not found: {mmproj} (give the path of a .gguf vision projector)")
-        vision["mmproj"] = str(mmproj)
+        options["mmproj"] = str(mmproj)
     if args.max_image_tokens is not None:
         if args.max_image_tokens < 1:
             raise RequestError("--max-image-tokens must be at least 1")
-        vision["max_image_tokens"] = args.max_image_tokens
-    vision["kv_type"] = args.kv_type
+        options["max_image_tokens"] = args.max_image_tokens
+    options["kv_type"] = args.kv_type
     if args.experts_on is not None:
-        vision["experts"] = "cpu:0" if args.experts_on == "host" else args.experts_on
-    handle = runtime.load(path, devices=devices, **vision)
+        options["experts"] = "cpu:0" if args.experts_on == "host" else args.experts_on
+    handle = runtime.load(path, devices=devices, **options)
     tty = sys.stderr.isatty()
     try:
         for ev in handle.events():
