@@ -23,7 +23,7 @@ import json
 from minecart.engine import KV_TYPES, gpu_profiles
 from minecart.engine import placement as pl
 from minecart.engine.devices import DeviceInfo, format_bytes
-from minecart.engine.rig import LINKS
+from minecart.engine.rig import device_spec as rig_device_spec
 from PySide6.QtCore import (
     QAbstractItemModel,
     QByteArray,
@@ -112,13 +112,10 @@ def card_profile(dev: DeviceInfo) -> gpu_profiles.CardProfile | None:
 
 
 def device_spec(dev: DeviceInfo) -> pl.DeviceSpec:
-    """What placement needs to know about a device: its name, the bytes it can give us and, for a card
-    with a profile, its speed and its own PCIe link (for the speed prediction and speed-aware splits)."""
+    """What placement needs to know about a device (engine rig.device_spec: name, bytes, speed and link
+    of a known card); a device that does not report its free memory counts its total."""
     free = dev.free_bytes if dev.free_bytes >= 0 else max(dev.total_bytes, 0)
-    profile = card_profile(dev)
-    if profile is None:
-        return pl.DeviceSpec(dev.id, int(free), dev.name)
-    return pl.DeviceSpec(dev.id, int(free), dev.name, speed=profile.speed, link=LINKS.get(profile.link))
+    return rig_device_spec(dev, free)
 
 
 def format_rate(tokens_per_s: float) -> str:

@@ -47,12 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from . import gpu_profiles
 from .backends.base import Backend
 from .config import ModelConfig
+from .devices import DeviceInfo
 from .errors import DeviceError, GenerationCancelled
 from .models.batch import SequenceRows
-from .placement import DeviceSpec, DeviceSpeed, GiB, Placement, model_costs, plan_auto
+from .placement import DeviceSpec, GiB, Placement, model_costs, plan_auto
+from .rig import Rig, device_spec
 
 HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
 
@@ -141,40 +142,33 @@ def plan_devices(config: ModelConfig, placement: Placement | Mapping[str, str] |
 
 def _device_specs(devices) -> list[DeviceSpec]:
     """DeviceSpecs for plan_auto from what the caller passed: DeviceSpecs as they are, a Rig's specs,
-    device names with the free memory the device listing reports (CPU devices share the RAM) and, for
-    a card resources/gpu_profiles.json knows by name, its speed (so the plan puts layers on the faster
-    card first, not the first card in order)."""
-    from .rig import Rig  # local import: rig.py builds backends, and is only needed for rigs
-
+    device names with what the device listing reports (rig.device_spec: free memory and, for a card
+    resources/gpu_profiles.json knows, its speed and link, so the plan puts layers on the faster card
+    first, not the first card in order; CPU devices share the RAM)."""
     if isinstance(devices, Rig):
         return devices.device_specs()
     items = list(devices)
     if all(isinstance(d, DeviceSpec) for d in items):
         return items
     names = [d.name if isinstance(d, DeviceSpec) else str(d) for d in items]
-    free: dict[str, int] = {}
-    speeds: dict[str, DeviceSpeed] = {}
+    listed: dict[str, DeviceInfo] = {}
     try:
         from .devices import list_devices  # local import: the listing may initialise NVML
 
-        for info in list_devices(include_cpu=True, with_probe=False):
-            free[info.id] = int(info.free_bytes)
-            profile = gpu_profiles.find(info.name) if info.kind == "cuda" else None
-            if profile is not None:
-                speeds[info.id] = profile.speed
+        listed = {info.id: info for info in list_devices(include_cpu=True, with_probe=False)}
     except Exception:  # noqa: BLE001 - the listing is a convenience: without it devices count as equal
         pass
     cpu_names = [n for n in names if n.startswith("cpu:")]
-    ram = free.get("cpu:0", 0)
+    ram = listed["cpu:0"].free_bytes if "cpu:0" in listed else 0
     out = []
     for n in names:
+        info = listed.get(n)
         if n.startswith("cpu:"):
-            f = ram // max(1, len(cpu_names)) if ram > 0 else 64 * GiB
+            out.append(DeviceSpec(n, ram // max(1, len(cpu_names)) if ram > 0 else 64 * GiB))
+        elif info is not None and info.free_bytes > 0:
+            out.append(device_spec(info))
         else:
-            f = free.get(n, -1)
-            if f <= 0:
-                f = 64 * GiB
-        out.append(DeviceSpec(n, f, speed=speeds.get(n)))
+            out.append(DeviceSpec(n, 64 * GiB) if info is None else device_spec(info, 64 * GiB))
     return out
 
 
@@ -187,8 +181,6 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
     placement: a Placement, a part -> device Mapping, or None; devices: device names, DeviceSpecs, or
     an engine.rig.Rig (its logical devices then provide the backends). Several devices without a
     placement are planned with plan_auto (in proportion to free memory, contiguous)."""
-    from .rig import Rig  # local import: see _device_specs
-
     parts = part_names(config)
     rig = devices if isinstance(devices, Rig) else None
     names = None

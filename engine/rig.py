@@ -31,6 +31,7 @@ from typing import Any
 
 from . import gpu_profiles
 from .backends.numpy_backend import NumpyBackend
+from .devices import DeviceInfo
 from .errors import DeviceError
 from .placement import DeviceSpec, DeviceSpeed, GiB, KiB, Link, MiB, check_device_name, format_bytes
 
@@ -151,6 +152,18 @@ def allocated_bytes(obj, _seen: set | None = None, _depth: int = 0) -> int:
 
 # ------------------------------------------------------------------------------------------------
 # Logical devices
+
+
+def device_spec(info: DeviceInfo, free_bytes: int | None = None) -> DeviceSpec:
+    """What placement needs to know about a listed device (engine/devices.py): its name, the bytes it
+    can give (its free memory unless `free_bytes` says otherwise), its name for people and, for a card
+    resources/gpu_profiles.json knows, its speed and its own PCIe link (for the speed prediction and
+    speed-aware splits). Used by the engine's automatic plans, `minecart plan` and the app's map."""
+    free = info.free_bytes if free_bytes is None else free_bytes
+    profile = gpu_profiles.find(info.name) if info.kind == "cuda" else None
+    if profile is None:
+        return DeviceSpec(info.id, int(free), info.name)
+    return DeviceSpec(info.id, int(free), info.name, speed=profile.speed, link=LINKS.get(profile.link))
 
 
 @dataclass(frozen=True)

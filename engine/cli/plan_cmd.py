@@ -120,8 +120,7 @@ def _present_devices(args) -> list[DeviceSpec]:
     """The GPUs of this machine: free memory now, speed and link from the card's profile when its name
     has one (resources/gpu_profiles.json); the host RAM as cpu:0 with --host-experts."""
     from .. import devices as devices_mod
-    from .. import gpu_profiles
-    from ..rig import LINKS
+    from ..rig import device_spec
 
     found = devices_mod.list_devices(include_cpu=args.host_experts, with_probe=False)
     ids = [i.id for i in found]
@@ -135,10 +134,7 @@ def _present_devices(args) -> list[DeviceSpec]:
         if info.free_bytes <= 0:
             raise DeviceError(f"{info.id} ({info.name}) does not report its free memory; describe the rig "
                               f"with --rig (e.g. --rig {info.id}=8GiB)")
-        profile = gpu_profiles.find(info.name) if info.kind == "cuda" else None
-        out.append(DeviceSpec(info.id, int(info.free_bytes), label=info.name,
-                              speed=profile.speed if profile else None,
-                              link=LINKS[profile.link] if profile else None))
+        out.append(device_spec(info))
     if not any(d.name.startswith("cuda:") for d in out):
         raise DeviceError("no GPU found on this machine (or every one is excluded); describe the rig to plan "
                           "for with --rig, e.g. --rig cuda:0=P104-100,cuda:1=8GiB")
