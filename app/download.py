@@ -23,9 +23,11 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from minecart.engine.devices import DeviceInfo, format_bytes
 from minecart.engine.placement import MiB, device_overhead
@@ -157,31 +159,41 @@ class PlanFit:
     detail: str = ""  # why it does not fit (the planner's first error), for the tooltip
 
 
+@contextmanager
+def _get(file: RemoteFile, first_byte: int = 0, last_byte: int | None = None) -> Iterator[Any]:
+    """A streamed GET of `file` from byte `first_byte` (to `last_byte`, inclusive), with the Hub's
+    headers; a 4xx/5xx is raised as huggingface_hub's error. The response's status tells whether the
+    server honoured the Range (206)."""
+    from huggingface_hub import get_session, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+    headers = build_hf_headers()
+    if first_byte or last_byte is not None:
+        headers["Range"] = f"bytes={first_byte}-{'' if last_byte is None else last_byte}"
+    url = hf_hub_url(file.repo, file.path, endpoint=endpoint())
+    with get_session().stream("GET", url, headers=headers, follow_redirects=True, timeout=30.0) as r:
+        if r.status_code >= 400:
+            r.read()
+            hf_raise_for_status(r)
+        yield r
+
+
 def _header_prefix(file: RemoteFile, cancel: threading.Event) -> bytes:
     """The file's first bytes, enough to hold the whole GGUF header (metadata and tensor table): asked
     for with growing Range requests until engine/model_library's header reader no longer runs out."""
     import tempfile
 
-    from huggingface_hub import get_session, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
     from minecart.engine import model_library as ml
 
-    url = hf_hub_url(file.repo, file.path, endpoint=endpoint())
     want = min(HEADER_FIRST_BYTES, file.size)
     with tempfile.TemporaryDirectory(prefix="minecart-header-") as tmp:
         probe = Path(tmp) / "prefix.gguf"
         while True:
             if cancel.is_set():
                 raise DownloadCancelled("cancelled")
-            headers = build_hf_headers()
-            headers["Range"] = f"bytes=0-{want - 1}"
             chunks, got = [], 0
             try:
-                with get_session().stream("GET", url, headers=headers, follow_redirects=True,
-                                          timeout=30.0) as r:
-                    if r.status_code >= 400:
-                        r.read()
-                        hf_raise_for_status(r)
+                with _get(file, 0, want - 1) as r:
                     for chunk in r.iter_bytes(CHUNK_BYTES):  # a server ignoring Range: stop early
                         chunks.append(chunk)
                         got += len(chunk)
@@ -291,9 +303,6 @@ def download(file: RemoteFile, folder: Path, progress: Callable[[int, int], None
     """Fetch `file` into `folder` (see `destination`), resuming a part left by an earlier try.
     `progress(done_bytes, total_bytes)` is called from this thread after every chunk. Raises
     DownloadCancelled when `cancel` is set (the part stays), DownloadError on any failure."""
-    from huggingface_hub import get_session, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
-
     cancel = cancel or threading.Event()
     progress = progress or (lambda done, total: None)
     dest = destination(file, folder)  # before any request: a bad name fails without network
@@ -310,16 +319,8 @@ def download(file: RemoteFile, folder: Path, progress: Callable[[int, int], None
         part.unlink()
         have = 0
     digest = _hash_file(part, cancel) if have and file.sha256 else hashlib.sha256()
-    headers = build_hf_headers()
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    url = hf_hub_url(file.repo, file.path, endpoint=endpoint())
     try:
-        with get_session().stream("GET", url, headers=headers, follow_redirects=True,
-                                  timeout=30.0) as r:
-            if r.status_code >= 400:
-                r.read()
-                hf_raise_for_status(r)
+        with _get(file, have) as r:
             if have and r.status_code != 206:  # the server ignored the Range: start over
                 have = 0
                 digest = hashlib.sha256()
