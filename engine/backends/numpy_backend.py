@@ -41,16 +41,7 @@ def _dequantize_rows(info, ids: np.ndarray) -> np.ndarray:
     """float32 rows `ids` of a 2-D GGUF tensor, decoding only those rows."""
     from .. import quants
 
-    rows_fn = getattr(quants, "dequantize_rows", None)
-    if rows_fn is not None:
-        return np.asarray(rows_fn(info, ids), dtype=F32).reshape(len(ids), info.shape[-1])
-    # Fallback until quants.dequantize_rows exists: quantization blocks never cross a row, so the
-    # raw bytes of the selected rows decode on their own.
-    import gguf
-
-    raw = np.asarray(info.raw).reshape(info.shape[0], -1)[ids]
-    out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.ggml_type))
-    return np.asarray(out, dtype=F32).reshape(len(ids), info.shape[-1])
+    return np.asarray(quants.dequantize_rows(info, ids), dtype=F32).reshape(len(ids), info.shape[-1])
 
 
 class NumpyWeight:

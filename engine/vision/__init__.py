@@ -47,7 +47,7 @@ def attach_vision(model_path, text_config, backend=None, mmproj=None,
     if mmproj is False:
         return None
     if mmproj is None:
-        if getattr(text_config, "architecture", None) not in VISION_TEXT_ARCHITECTURES:
+        if text_config is None or text_config.architecture not in VISION_TEXT_ARCHITECTURES:
             return None
         found = find_mmproj(model_path, text_config)
         if found is None:

@@ -139,8 +139,8 @@ def has_images(prompt) -> bool:
 
 def special_ids(tokenizer=None) -> dict[str, int]:
     ids = dict(DEFAULT_IDS)
-    id_of = getattr(tokenizer, "id_of", None)
-    if callable(id_of):
+    if tokenizer is not None:
+        id_of = tokenizer.id_of
         for text in ids:
             found = id_of(text)
             if found is not None:
@@ -211,7 +211,7 @@ def prepare_chat(model, messages, *, enable_thinking: bool = True, tools=None,
                  max_image_tokens: int | None = None) -> PreparedPrompt:
     """Render chat `messages` with the model's template, encode their pictures with `model.vision`
     and lay both out (expanded ids, (3, T) positions, embedding rows)."""
-    tower = getattr(model, "vision", None)
+    tower = model.vision
     if tower is None:
         raise RequestError("this model cannot read pictures (it has no vision encoder); load it together "
                            "with its mmproj-*.gguf file (beside the model, or --mmproj)")

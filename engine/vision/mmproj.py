@@ -181,12 +181,12 @@ def _role(name: str) -> str:
 
 def check_fits(cfg: VisionConfig, text_config, path) -> None:
     """Raise MmprojMismatchError when this tower cannot feed `text_config`'s model."""
-    arch = getattr(text_config, "architecture", None)
+    arch = text_config.architecture
     if arch not in VISION_TEXT_ARCHITECTURES:
         raise MmprojMismatchError(path, f"the text model's architecture is {arch!r}; a "
                                   f"{cfg.projector_type} tower feeds Qwen3.5/3.6 models "
                                   f"({', '.join(VISION_TEXT_ARCHITECTURES)}) only")
-    hidden = int(getattr(text_config, "hidden", 0) or getattr(text_config, "hidden_size", 0) or 0)
+    hidden = int(text_config.hidden)
     if cfg.projection_dim != hidden:
         raise MmprojMismatchError(path, f"the projector outputs {cfg.projection_dim}-wide embeddings but "
                                   f"the text model's hidden size is {hidden}: this mmproj belongs to "
@@ -274,14 +274,9 @@ def _zero_padded(gf: GGUFFile, info, rows: int = 0, cols: int = 0):
                                n_bytes=int(data.nbytes))
 
 
-def _supports_vision(backend) -> bool:
-    return all(callable(getattr(backend, op, None))
-               for op in ("layer_norm", "gelu", "vision_rope", "attention_full"))
-
-
 def load_vision(path, text_config=None, backend=None, *, max_image_tokens: int | None = None) -> VisionTower:
     """Open an mmproj GGUF, check it (and that it fits `text_config` when given), load its tensors on
-    `backend` (default, or one without the vision ops: the NumPy backend on the CPU)."""
+    `backend` (default: the NumPy backend on the CPU)."""
     gf = GGUFFile(path)
     try:
         cfg = VisionConfig.from_gguf(gf)
@@ -293,7 +288,7 @@ def load_vision(path, text_config=None, backend=None, *, max_image_tokens: int |
             if tuple(info.shape) != shape:
                 raise ShapeMismatchError(gf.path, f"shape {tuple(info.shape)} does not match the metadata "
                                          f"(expected {shape}); re-convert the mmproj", tensor=name)
-        if backend is None or not _supports_vision(backend):
+        if backend is None:
             from ..backends.numpy_backend import NumpyBackend
 
             backend = NumpyBackend("cpu:0")

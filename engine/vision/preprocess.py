@@ -246,10 +246,10 @@ def preprocess_image(source, config=None, *, max_tokens: int | None = DEFAULT_MA
     """Decode, convert, resize, normalize and patchify one image for a tower `config` (VisionConfig;
     None: Qwen3.5's values). The size cap is `max_tokens` image tokens (None: transformers' limits,
     up to 16384 tokens); explicit min_pixels / max_pixels override it."""
-    patch = getattr(config, "patch_size", 16)
-    merge = getattr(config, "merge_size", 2)
-    mean = getattr(config, "image_mean", (0.5, 0.5, 0.5))
-    std = getattr(config, "image_std", (0.5, 0.5, 0.5))
+    if config is None:  # Qwen3.5's tower
+        patch, merge, mean, std = 16, 2, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+    else:
+        patch, merge, mean, std = config.patch_size, config.merge_size, config.image_mean, config.image_std
     factor = patch * merge
     lo, hi = pixel_limits(max_tokens, factor)
     lo = lo if min_pixels is None else int(min_pixels)
