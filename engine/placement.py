@@ -1120,14 +1120,24 @@ def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int,
     return t
 
 
+# A floor per layer and prefill chunk, whatever its size: the ~20 kernel launches of a layer's prefill
+# step (about twice a fused decode step's 9-10, docs/kernels.md), each a few microseconds at least.
+# Without it a small model's predicted prefill ran into millions of tokens/s.
+PREFILL_LAYER_SECONDS = 50e-6
+
+
 def _prefill_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, tokens: int,
                      experts_here: bool | None) -> float:
     """Seconds a device spends on `tokens` prompt tokens: the matmuls' operations at its int8 (or fp32)
-    rate, or reading the weights once, whichever is longer. The LM head runs for the last row only."""
+    rate, or reading the weights once, whichever is longer, plus each layer's launch floor (not for
+    routed experts priced on their own). The LM head runs for the last row only."""
     ops_t = read_t = 0.0
+    layers = 0
     for p in parts:
         if p.kind == "head":
             continue
+        if p.kind != "embedding" and experts_here is not True:
+            layers += 1
         experts = set(p.experts)
         for name, kind, held, values in p.matmuls:
             is_expert = name in experts
@@ -1138,7 +1148,7 @@ def _prefill_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, tokens: int,
             eff = EXPERT_PREFILL_EFFICIENCY if is_expert else PREFILL_EFFICIENCY.get(kind, PREFILL_EFFICIENCY_OTHER)
             ops_t += 2.0 * values * frac * tokens / (rate * eff)
             read_t += held / speed.bandwidth
-    return max(ops_t, read_t)
+    return max(ops_t, read_t) + layers * PREFILL_LAYER_SECONDS
 
 
 def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt: int | None = None,
