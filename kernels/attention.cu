@@ -19,6 +19,8 @@
 #define KV_ELEM float
 __device__ __forceinline__ float4 kv_load4(const float* __restrict__ p, i64 i) { return *(const float4*)(p + i); }
 __device__ __forceinline__ float kv_load1(const float* __restrict__ p, i64 i) { return p[i]; }
+// Store value i of the cache (attn_prep.cu; `lane` is for the q8_0 store, a warp-wide operation).
+__device__ __forceinline__ void kv_store1(float* __restrict__ p, i64 i, float x, int lane) { p[i] = x; }
 #endif
 
 #define FA_BQ 32

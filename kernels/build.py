@@ -12,16 +12,22 @@ check.py can use the specs on a machine without CuPy.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 
 # GGML type ids (the template argument QT of the kernels).
-QT = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
-DP4A_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
-HFMA2_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")  # formats with an fp16 HFMA2 kernel (hfma2.cu)
+QT = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30,
+      "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23}
+DP4A_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
+HFMA2_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")  # formats with an fp16 HFMA2 kernel (hfma2.cu)
 GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split into these
 # (warps per row, L2 prefetch) of the gemv_dp4a_split instantiations (single-token launches)
 GEMV_SPLIT = ((1, 0), (2, 0), (4, 0), (1, 1), (2, 1))
@@ -63,13 +69,13 @@ def module_specs() -> list[ModuleSpec]:
     specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew), ("gdn_gates", "rope_neox")))
     att = [f"flash_prefill{v}<{d}>" for v in ("", "_g") for d in HEAD_DIMS]
     att += [f"flash_decode<{d}>" for d in HEAD_DIMS]
-    specs.append(ModuleSpec("attention", ("attention.cu",), tuple(att),
-                            ("flash_merge", "flash_merge_len", "kv_append")))
+    specs.append(ModuleSpec("attention", ("attention.cu", "attn_prep.cu"), tuple(att),
+                            ("flash_merge", "flash_merge_len", "kv_append", "attn_prep")))
     # the same prefill/decode kernels over f16 and q8_0 caches (kv_f16.cu / kv_q8_0.cu define the loads)
     typed = tuple(f"flash_prefill_g<{d}>" for d in HEAD_DIMS) + tuple(f"flash_decode<{d}>" for d in HEAD_DIMS)
     for kv in KV_CACHE_TYPES:
-        specs.append(ModuleSpec(f"attention_{kv}", (f"kv_{kv}.cu", "attention.cu"), typed,
-                                (f"kv_append_{kv}",)))
+        specs.append(ModuleSpec(f"attention_{kv}", (f"kv_{kv}.cu", "attention.cu", "attn_prep.cu"), typed,
+                                (f"kv_append_{kv}", "attn_prep")))
     gdn = [f"gdn_scan<{d}>" for d in GDN_KEY_DIMS]
     gdn += [f"gdn_chunk_{p}<{d}>" for p in ("prep", "state") for d in GDN_CHUNK_KEY_DIMS]
     specs.append(ModuleSpec("gdn", ("gdn.cu",), tuple(gdn),
@@ -77,10 +83,17 @@ def module_specs() -> list[ModuleSpec]:
     # fused single-token decode kernels (fused.py)
     specs.append(ModuleSpec("fused", ("fused.cu",),
                             ("rms_norm_q8<0>", "rms_norm_q8<1>") + tuple(f"gdn_decode<{d}>" for d in GDN_KEY_DIMS),
-                            ("swiglu_q8", "attn_prep", "attn_merge_gate")))
+                            ("swiglu_q8", "attn_merge_gate")))
     specs.append(ModuleSpec("sampling", ("sampling.cu",), (),
                             ("topk_stage1", "topk_stage2", "moe_route", "moe_combine")))
     specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))
+    # -- MoE (moe.py): one module per expert format; gate/up decode kernels for every up format --
+    for t in DP4A_TYPES:
+        q = QT[t]
+        moe = [f"moe_gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
+        moe += [f"moe_gate_up_q8<{q}, {QT[u]}>" for u in DP4A_TYPES] + [f"moe_down_sum<{q}>"]
+        specs.append(ModuleSpec(f"moe_{t}", ("gemv.cu", "moe.cu"), tuple(moe), ("moe_sort", "moe_swiglu_q8")))
+    # -- end MoE --
     for t in HFMA2_TYPES:  # fp16 HFMA2 matmuls (hfma2.py), one module per weight format
         hf = [f"gemv_hfma2<{QT[t]}, {nt}>" for nt in GEMV_TOKENS] + [f"gemm_hfma2<{QT[t]}>"]
         specs.append(ModuleSpec(f"hfma2_{t}", ("gemv.cu", "hfma2.cu"), tuple(hf), ("quantize_h16",)))
@@ -97,27 +110,185 @@ def module_source(spec: ModuleSpec) -> str:
 
 
 _SPECS = {s.name: s for s in module_specs()}
-_cache: dict[tuple[str, int], object] = {}
+_cache: dict[tuple[str, int, str], object] = {}
 _lock = threading.Lock()
 
 
 def get_module(name: str):
-    """The compiled cupy.RawModule `name` for the current device (compiled once per capability)."""
+    """The compiled cupy.RawModule `name` for the current device (compiled once per capability), or,
+    when MINECART_KERNEL_PTX names a PTX directory, the module loaded from that directory's PTX."""
     import cupy as cp
 
     dev = cp.cuda.Device()
-    key = (name, int(dev.compute_capability))
+    ptx = ptx_dir()
+    key = (name, int(dev.compute_capability), str(ptx or ""))
     mod = _cache.get(key)
     if mod is None:
         with _lock:
             mod = _cache.get(key)
             if mod is None:
                 spec = _SPECS[name]
-                mod = cp.RawModule(code=module_source(spec), options=COMPILE_OPTIONS,
-                                   name_expressions=list(spec.name_expressions) or None)
+                if ptx is not None:
+                    mod = PtxModule(ptx, spec)
+                else:
+                    mod = cp.RawModule(code=module_source(spec), options=COMPILE_OPTIONS,
+                                       name_expressions=list(spec.name_expressions) or None)
                 _cache[key] = mod
     return mod
 
 
 def get_kernel(module: str, name: str):
     return get_module(module).get_function(name)
+
+
+# ---- precompiled PTX directories (MINECART_KERNEL_PTX) ----------------------------------------------
+# `python -m minecart.kernels.check --emit-ptx DIR --arch compute_61` writes DIR/<module>.ptx for every
+# module above and DIR/kernels.json (PTX_MANIFEST): the architecture, and per module its PTX file, a
+# digest of the source it was built from, the lowered (mangled) symbol of every name expression and the
+# PTX's .entry symbols. With MINECART_KERNEL_PTX=DIR, get_kernel loads the modules from that PTX
+# (cupy.RawModule(path=...); the driver JIT-compiles it for the card) instead of compiling the sources:
+# this is how the compute_61 / compute_70 code paths run on a GPU whose NVRTC cannot target them.
+PTX_ENV = "MINECART_KERNEL_PTX"
+PTX_MANIFEST = "kernels.json"
+_EXTERN_C = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?void\s+(\w+)')
+
+
+class KernelPtxError(RuntimeError):
+    """A PTX directory (MINECART_KERNEL_PTX) lacks a module or kernel, or was built from other sources."""
+
+
+def extern_c_kernels(spec: ModuleSpec) -> tuple[str, ...]:
+    """The extern "C" kernels of a module: those its sources define, plus any its spec lists."""
+    found = _EXTERN_C.findall(module_source(spec))
+    return tuple(dict.fromkeys([*found, *spec.extern_c]))
+
+
+def kernel_requests(specs: list[ModuleSpec] | None = None) -> list[tuple[str, str]]:
+    """(module, kernel name) for every kernel get_kernel can be asked for: each module's template
+    instantiations (name expressions) and its extern "C" kernels."""
+    out: list[tuple[str, str]] = []
+    for spec in module_specs() if specs is None else specs:
+        out += [(spec.name, n) for n in (*spec.name_expressions, *extern_c_kernels(spec))]
+    return out
+
+
+def source_digest(spec: ModuleSpec, source: str | None = None) -> str:
+    """What a module's PTX depends on: its joined source (`source`, else read now), name expressions
+    and compile options."""
+    h = hashlib.sha256((module_source(spec) if source is None else source).encode())
+    for part in (*spec.name_expressions, "\0", *COMPILE_OPTIONS):
+        h.update(b"\0" + part.encode())
+    return h.hexdigest()
+
+
+def ptx_dir() -> Path | None:
+    """The PTX directory named by MINECART_KERNEL_PTX, or None (compile the sources, the default)."""
+    env = os.environ.get(PTX_ENV, "").strip()
+    return Path(env).resolve() if env else None
+
+
+def read_ptx_manifest(directory: Path) -> dict[str, Any]:
+    """DIR/kernels.json, or a KernelPtxError that says how to make it."""
+    path = Path(directory) / PTX_MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise KernelPtxError(f"{PTX_ENV}={directory}: cannot read {path} ({exc}); build the directory with "
+                             f"`python -m minecart.kernels.check --emit-ptx {directory} --arch compute_61`") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("modules"), dict):
+        raise KernelPtxError(f"{path} is not a kernel PTX manifest (no 'modules' object)")
+    return data
+
+
+def _rebuild_hint(directory: Path, manifest: dict[str, Any]) -> str:
+    return (f"rebuild it: `python -m minecart.kernels.check --emit-ptx {directory} --arch "
+            f"{manifest.get('arch', 'compute_61')}` (or `python tools/make_ptx.py`)")
+
+
+def _ptx_module_entry(directory: Path, module: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's record of `module`, checked against this tree's sources."""
+    entry = manifest["modules"].get(module)
+    if entry is None:
+        raise KernelPtxError(f"kernel module {module!r} is not in the PTX directory {directory} ({PTX_ENV}); "
+                             + _rebuild_hint(directory, manifest))
+    spec = _SPECS.get(module)
+    if spec is not None and entry.get("source_digest") != source_digest(spec):
+        raise KernelPtxError(f"the PTX of kernel module {module!r} in {directory} ({PTX_ENV}) was built from "
+                             "other sources than this tree's; " + _rebuild_hint(directory, manifest))
+    return entry
+
+
+def _ptx_entry_symbol(directory: Path, module: str, name: str, entry: dict[str, Any],
+                      manifest: dict[str, Any]) -> str:
+    symbol = entry.get("names", {}).get(name)
+    if symbol is None and name in entry.get("entries", ()):
+        symbol = name  # an extern "C" kernel: its symbol is its name
+    if symbol is None:
+        raise KernelPtxError(f"kernel {name!r} of module {module!r} is not in the PTX directory {directory} "
+                             f"({PTX_ENV}); " + _rebuild_hint(directory, manifest))
+    return str(symbol)
+
+
+def ptx_symbol(directory: Path, module: str, name: str,
+               manifest: dict[str, Any] | None = None) -> tuple[Path, str]:
+    """(PTX file, symbol) of kernel `name` (a name expression or an extern "C" name) of `module` in a PTX
+    directory; a KernelPtxError names what is missing or stale and how to rebuild."""
+    data = read_ptx_manifest(directory) if manifest is None else manifest
+    entry = _ptx_module_entry(directory, module, data)
+    return Path(directory) / entry["file"], _ptx_entry_symbol(directory, module, name, entry, data)
+
+
+def verify_ptx_dir(directory: Path, specs: list[ModuleSpec] | None = None) -> list[str]:
+    """Every problem a PTX directory has for this tree (a missing module, file or kernel, stale
+    sources), one line each; [] when every kernel get_kernel can ask for resolves. Needs no GPU."""
+    try:
+        data = read_ptx_manifest(directory)
+    except KernelPtxError as exc:
+        return [str(exc)]
+    problems: list[str] = []
+    for spec in module_specs() if specs is None else specs:
+        try:
+            entry = _ptx_module_entry(directory, spec.name, data)
+        except KernelPtxError as exc:
+            problems.append(str(exc))
+            continue
+        path = Path(directory) / entry["file"]
+        if not path.is_file():
+            problems.append(f"{path} is missing (listed in {Path(directory) / PTX_MANIFEST})")
+        for module, name in kernel_requests([spec]):
+            try:
+                _ptx_entry_symbol(directory, module, name, entry, data)
+            except KernelPtxError as exc:
+                problems.append(str(exc))
+    return problems
+
+
+def kernel_build_tag() -> str:
+    """'' for kernels compiled from source here, 'ptx-compute_61' (the PTX directory's architecture)
+    when they come from MINECART_KERNEL_PTX: keeps per-card timings of the two builds apart."""
+    d = ptx_dir()
+    if d is None:
+        return ""
+    return f"ptx-{read_ptx_manifest(d).get('arch', 'unknown')}"
+
+
+class PtxModule:
+    """A module loaded from a PTX directory: get_function takes the same names as a RawModule compiled
+    with name_expressions (a name expression or an extern "C" name) and maps them to PTX symbols. The
+    manifest and the source digest are checked once, here; a lookup is a dictionary access."""
+
+    def __init__(self, directory: Path, spec: ModuleSpec):
+        import cupy as cp
+
+        self.directory = Path(directory)
+        self.module = spec.name
+        self.manifest = read_ptx_manifest(self.directory)
+        self.entry = _ptx_module_entry(self.directory, spec.name, self.manifest)
+        path = self.directory / self.entry["file"]
+        if not path.is_file():
+            raise KernelPtxError(f"{path} is missing (listed in {self.directory / PTX_MANIFEST})")
+        self.raw = cp.RawModule(path=str(path))
+
+    def get_function(self, name: str):
+        return self.raw.get_function(_ptx_entry_symbol(self.directory, self.module, name, self.entry,
+                                                       self.manifest))

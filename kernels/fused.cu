@@ -9,8 +9,7 @@
 // gdn_decode       one token of a Gated DeltaNet mixer, blocks of 32 value columns: conv1d + SiLU with the
 //                  conv state update, L2 norms of q and k, q scale, gates, the delta-rule step on the
 //                  state in place, gated RMSNorm, and the q8_1 quantization of the output.
-// attn_prep        one token of gated attention before the scores: q/gate split, q and k RMSNorm,
-//                  partial NEOX (M-)RoPE, K/V append to the cache.
+// (attn_prep, the step before the scores, lives in attn_prep.cu: it writes the cache in its own type.)
 // attn_merge_gate  flash_decode's split merge (attention.cu flash_merge) times sigmoid(gate), with q8_1.
 //
 // q8_1 blocks are written with q8_1_block (common.cuh), so they equal quantize_q8_1 of the fp32 output.
@@ -286,55 +285,6 @@ __global__ void __launch_bounds__(128) gdn_decode(
         i64 b = ((i64)j * DV >> 5) + (tid >> 5);
         q8_1_block(out, xq + b * 32, xd + b, xs + b, lane);
     }
-}
-
-// ---- gated attention, one token ---------------------------------------------------------------------
-// Blocks [0, nh): query head h of qg (per head [q (D) | gate (D)]) -> q_out (nh, D). Blocks [nh, nh + n_kv):
-// key head h of k -> cache row `row` (or *row_ptr inside a captured graph), and its v row copied.
-// Each: RMSNorm with weight (D,), then NEOX RoPE of the first n_rot dims as rope_neox (elementwise.cu)
-// for T == 1: pos (3,) position components, comp[i] the component of pair i.
-
-extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* __restrict__ k,
-                                     const float* __restrict__ v, const float* __restrict__ q_norm,
-                                     const float* __restrict__ k_norm, float* __restrict__ q_out,
-                                     float* __restrict__ kc, float* __restrict__ vc,
-                                     const int* __restrict__ row_ptr, int row, const int* __restrict__ pos,
-                                     const int* __restrict__ comp, const float* __restrict__ inv_freq, int nh,
-                                     int n_kv, int D, int DV, int n_rot, float inv_scale, float eps) {
-    __shared__ float hs[256];
-    __shared__ float scratch[32];
-    int b = blockIdx.x, tid = threadIdx.x;
-    bool is_q = b < nh;
-    int h = is_q ? b : b - nh;
-    const float* src = is_q ? qg + (i64)h * 2 * D : k + (i64)h * D;
-    const float* w = is_q ? q_norm : k_norm;
-    float ss = 0.0f;
-    for (int i = tid; i < D; i += blockDim.x) {
-        float x = src[i];
-        hs[i] = x;
-        ss += x * x;
-    }
-    ss = block_sum(ss, scratch);  // also makes hs visible to the whole block
-    float inv = rsqrtf(ss / (float)D + eps);
-    if (row_ptr != 0) row = *row_ptr;
-    float* dst = is_q ? q_out + (i64)h * D : kc + ((i64)row * n_kv + h) * D;
-    int half = n_rot >> 1;
-    for (int jd = tid; jd < D; jd += blockDim.x) {
-        float r;
-        if (jd >= n_rot) {
-            r = (hs[jd] * inv) * w[jd];
-        } else {
-            int i = jd < half ? jd : jd - half;
-            float p = (float)pos[comp[i]] * inv_scale;
-            float sn, cs;
-            sincosf(p * inv_freq[i], &sn, &cs);
-            float x0 = (hs[i] * inv) * w[i], x1 = (hs[i + half] * inv) * w[i + half];
-            r = jd < half ? (x0 * cs - x1 * sn) : (x0 * sn + x1 * cs);
-        }
-        dst[jd] = r;
-    }
-    if (!is_q)
-        for (int i = tid; i < DV; i += blockDim.x) vc[((i64)row * n_kv + h) * DV + i] = v[(i64)h * DV + i];
 }
 
 // One block of D threads (D % 32 == 0) per head h: o = merge of the splits (as flash_merge), times

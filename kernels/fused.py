@@ -17,7 +17,7 @@ import os
 import cupy as cp
 import numpy as np
 
-from .build import GDN_KEY_DIMS, HEAD_DIMS, get_kernel
+from .build import GDN_KEY_DIMS, HEAD_DIMS, KV_CACHE_TYPES, get_kernel
 from .ops import decode_partials
 
 GDN_MAX_KW = 8  # fused.cu: longest conv kernel of gdn_decode
@@ -143,16 +143,26 @@ def attention_supported(nh: int, n_kv: int, d: int, dv: int) -> bool:
     return d in HEAD_DIMS and dv == d and n_kv >= 1 and nh % n_kv == 0 and nh // n_kv <= 8
 
 
+def _attention_module(kv_type: str) -> str:
+    """The module holding attn_prep / flash_decode for a cache of `kv_type` (kernels/build.py)."""
+    if kv_type == "f32":
+        return "attention"
+    if kv_type not in KV_CACHE_TYPES:
+        raise ValueError(f"no fused decode attention for a {kv_type!r} KV cache (f32, {', '.join(KV_CACHE_TYPES)})")
+    return f"attention_{kv_type}"
+
+
 def attn_prep(qg, k, v, q_norm, k_norm, kc, vc, row: int, row_ptr, pos3, comp, inv_freq, n_rot: int,
-              eps: float, rope_scale: float = 1.0):
+              eps: float, rope_scale: float = 1.0, kv_type: str = "f32"):
     """One token: q (1, nh, d) normed and roped from qg (1, nh, 2, d); k normed and roped and v written to
-    cache row `row` (or the device int32 at row_ptr). pos3 (3, 1) int32 on the device; comp and
-    inv_freq as ops.rope takes them. Returns q."""
+    cache row `row` (or the device int32 at row_ptr) in the cache's type (kv_type f32, f16 or q8_0:
+    kernels/kvcache.py layouts). pos3 (3, 1) int32 on the device; comp and inv_freq as ops.rope takes
+    them. Returns q."""
     qg, k, v = _c32(qg), _c32(k), _c32(v)
     nh, d = qg.shape[1], qg.shape[3]
     n_kv, dv = k.shape[1], v.shape[2]
     q = cp.empty((1, nh, d), dtype=cp.float32)
-    get_kernel("fused", "attn_prep")(
+    get_kernel(_attention_module(kv_type), "attn_prep")(
         (nh + n_kv,), (128,),
         (qg, k, v, _c32(q_norm), _c32(k_norm), q, kc, vc, row_ptr if row_ptr is not None else np.uint64(0),
          np.int32(row), pos3, comp, inv_freq, np.int32(nh), np.int32(n_kv), np.int32(d), np.int32(dv),
@@ -161,16 +171,16 @@ def attn_prep(qg, k, v, q_norm, k_norm, kc, vc, row: int, row_ptr, pos3, comp, i
 
 
 def attention_decode_gated(q, qg, kc, vc, kv_len: int, scale: float, window: int = 0, kv_len_ptr=None,
-                           want_q8: bool = False):
+                           want_q8: bool = False, kv_type: str = "f32"):
     """Single-token attention over cache rows [0, kv_len) (kv_len_ptr: the device length before this
-    token, inside a captured graph) with flash_decode (attention.cu), merged and multiplied by
-    sigmoid(gate) (gate = qg[:, :, 1, :]). Returns (o (1, nh d), q8 or None)."""
+    token, inside a captured graph) with flash_decode (attention.cu, reading the cache in its kv_type),
+    merged and multiplied by sigmoid(gate) (gate = qg[:, :, 1, :]). Returns (o (1, nh d), q8 or None)."""
     nh, D = q.shape[1], q.shape[2]
     n_kv = kc.shape[1]
     # the same context split as ops.attention's decode branch (graph: slices sized on the device)
     n_splits, split_len, po, pm, pl = decode_partials(kc, kv_len, nh, D, kv_len_ptr)
     lp = kv_len_ptr if kv_len_ptr is not None else np.uint64(0)
-    get_kernel("attention", f"flash_decode<{D}>")(
+    get_kernel(_attention_module(kv_type), f"flash_decode<{D}>")(
         (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
                                    lp, np.int32(split_len), np.float32(scale), np.int32(window)))
     out = cp.empty((1, nh * D), dtype=cp.float32)

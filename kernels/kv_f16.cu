@@ -23,6 +23,8 @@ __device__ __forceinline__ u16 f2h_rn(float f) {
     return h;
 }
 
+__device__ __forceinline__ void kv_store1(u16* __restrict__ p, i64 i, float x, int lane) { p[i] = f2h_rn(x); }
+
 // Rows start..start+T-1 of the K and V caches (start = *start_ptr when start_ptr is given: a captured
 // decode step) get T rows of row_k (K) and row_v (V) fp32 values, rounded to half.
 extern "C" __global__ void kv_append_f16(const float* __restrict__ k, const float* __restrict__ v,

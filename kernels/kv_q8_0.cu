@@ -27,10 +27,26 @@ __device__ __forceinline__ float kv_load1(const u8* __restrict__ p, i64 i) {
     return h2f(*(const u16*)b) * (float)(i8)b[2 + (i & 31)];
 }
 
+// Store value i of the cache, quantized with the 31 other values of its block: the 32 lanes of a warp
+// call it together with i % 32 == lane (attn_prep.cu, kv_append_q8_0). ggml's quantize_row_q8_0_ref:
+// d = max|x| / 127, q = roundf(x * (1 / d)) (0 for an all-zero block), d stored as fp16 (rounded to
+// nearest even); the quantization uses the fp32 d.
+__device__ __forceinline__ void kv_store1(u8* __restrict__ p, i64 i, float v, int lane) {
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int q = (int)roundf(v * id);
+    u8* dst = p + (i >> 5) * KVQ8_BLOCK;
+    if (lane == 0) {
+        u16 h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(d));
+        *(u16*)dst = h;
+    }
+    dst[2 + lane] = (u8)(i8)q;
+}
+
 // Quantize T rows of `row` fp32 values (x, contiguous) into cache rows start..start+T-1 (start =
-// *start_ptr when given: a captured decode step). One warp per block of 32 values, ggml's
-// quantize_row_q8_0_ref: d = max|x| / 127, q = roundf(x * (1 / d)) (0 for an all-zero block), d stored
-// as fp16 (rounded to nearest even); the quantization uses the fp32 d.
+// *start_ptr when given: a captured decode step). One warp per block of 32 values (kv_store1).
 extern "C" __global__ void kv_append_q8_0(const float* __restrict__ x, u8* __restrict__ cache, int start,
                                           const int* __restrict__ start_ptr, int T, int row) {
     i64 s = start_ptr != 0 ? *start_ptr : start;
@@ -38,16 +54,5 @@ extern "C" __global__ void kv_append_q8_0(const float* __restrict__ x, u8* __res
     i64 blk = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     i64 n_blocks = (i64)T * (row / 32);
     if (blk >= n_blocks) return;
-    float v = x[blk * 32 + lane];
-    float amax = warp_max(fabsf(v));
-    float d = amax / 127.0f;
-    float id = d != 0.0f ? 1.0f / d : 0.0f;
-    int q = (int)roundf(v * id);
-    u8* dst = cache + (s * (row / 32) + blk) * KVQ8_BLOCK;
-    if (lane == 0) {
-        u16 h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(d));
-        *(u16*)dst = h;
-    }
-    dst[2 + lane] = (u8)(i8)q;
+    kv_store1(cache, s * row + blk * 32 + lane, x[blk * 32 + lane], lane);
 }

@@ -51,8 +51,20 @@ def gpu_uuid(index: int) -> str:
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
+class WeightGroup:
+    """Matmul weights that the model multiplies one input by (an ArchSpec fused group), laid out at
+    load as one QWeight `q` (CupyBackend.load_fused): member i is rows ranges[i] of it, and that
+    member's own QWeight holds row views of q's arrays, so nothing is stored twice. q is None once a
+    member has been freed (the others keep working on their views; matmul_many then runs them apart)."""
+
+    def __init__(self, q: ops.QWeight, ranges: list[tuple[int, int]]):
+        self.q: ops.QWeight | None = q
+        self.ranges = ranges
+
+
 class CupyWeight:
-    """A weight on the GPU. `.shape` is the logical shape, `.type_name` the GGML type as stored here."""
+    """A weight on the GPU. `.shape` is the logical shape, `.type_name` the GGML type as stored here.
+    `group` / `index`: the WeightGroup this weight is member `index` of (None: loaded on its own)."""
 
     def __init__(self, name: str, shape: tuple[int, ...], type_name: str, q: ops.QWeight, role: str):
         self.name = name
@@ -60,6 +72,8 @@ class CupyWeight:
         self.type_name = type_name
         self.q = q
         self.role = role
+        self.group: WeightGroup | None = None
+        self.index = 0
 
     @property
     def nbytes(self) -> int:
@@ -308,6 +322,13 @@ def _f32(x):
     return cp.ascontiguousarray(x, dtype=cp.float32)
 
 
+def _rows_first(q: ops.QWeight) -> bool:
+    """Whether a QWeight's arrays hold one matrix row per index of their first axis (so that the rows
+    of several such matrices concatenated along it are one matrix)."""
+    return q.experts == 1 and q.wq is not None and q.wq.shape[0] == q.rows and \
+        (q.wd is None or q.wd.shape[0] == q.rows)
+
+
 class CupyBackend(FusedOpsMixin, DeviceHooks):
     name = "cupy"
 
@@ -420,13 +441,74 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 type_name = "F32"
             return CupyWeight(info.name, logical, type_name, q, role)
 
+    def load_fused(self, infos):
+        """The weights of one group (base.FusedOpsMixin.load_fused) in one device array per QWeight
+        field, each weight's QWeight a row range (view) of it. Tensor by tensor, upload_weight lays
+        the tensor out for the kernels and its rows are copied into the group's arrays (allocated
+        once the first tensor shows the layout); the tensor's own arrays are then dropped, so the
+        group is never on the device twice, only one tensor beside it. Loaded apart instead (each
+        its own weight) when the tensors differ in type or row length, or the layout does not keep a
+        matrix's rows along its first axis (a concatenation of such layouts would not be one matrix)."""
+        infos = list(infos)
+        logical = [(1, int(i.shape[0])) if len(i.shape) == 1 else tuple(int(d) for d in i.shape)
+                   for i in infos]
+        if len(infos) < 2 or any(len(s) != 2 for s in logical) or \
+                len({(i.type_name, s[1]) for i, s in zip(infos, logical, strict=True)}) != 1:
+            return super().load_fused(infos)
+        total = sum(s[0] for s in logical)
+        out: list[CupyWeight] = []
+        ranges: list[tuple[int, int]] = []
+        group: ops.QWeight | None = None
+        w: CupyWeight | None = None
+        with self._dev:
+            try:
+                for info, (rows, _) in zip(infos, logical, strict=True):
+                    w = None
+                    w = self.load_weight(info, role="matmul")  # this tensor alone, in the kernels' layout
+                    q = w.q
+                    if group is None:
+                        if not _rows_first(q):  # each tensor apart
+                            out.append(w)
+                            for other in infos[1:]:
+                                w = None
+                                w = self.load_weight(other, role="matmul")
+                                out.append(w)
+                            return out
+                        wd = None if q.wd is None else cp.empty((total,) + q.wd.shape[1:], q.wd.dtype)
+                        group = ops.QWeight(q.type_name, total, q.cols, 1,
+                                            cp.empty((total,) + q.wq.shape[1:], q.wq.dtype), wd)
+                    r0 = ranges[-1][1] if ranges else 0
+                    if not _rows_first(q) or q.type_name != group.type_name or \
+                            q.wq.shape[1:] != group.wq.shape[1:] or q.wq.dtype != group.wq.dtype or \
+                            (q.wd is None) != (group.wd is None):
+                        raise RuntimeError(f"'{info.name}' is laid out unlike the first tensor of its group")
+                    group.wq[r0 : r0 + rows] = q.wq
+                    q.wq = group.wq[r0 : r0 + rows]
+                    if group.wd is not None:
+                        group.wd[r0 : r0 + rows] = q.wd
+                        q.wd = group.wd[r0 : r0 + rows]
+                    ranges.append((r0, r0 + rows))
+                    out.append(w)
+            except BaseException:
+                for done in out + ([] if w is None or w in out else [w]):
+                    self.free(done)
+                raise
+            finally:
+                # hand the tensors' own (now unused) arrays back to the device: no pool holes
+                cp.get_default_memory_pool().free_all_blocks()
+        assert group is not None
+        rec = WeightGroup(group, ranges)
+        for i, w in enumerate(out):
+            w.group, w.index = rec, i
+        return out
+
     def free(self, obj) -> None:
         if isinstance(obj, CupyWeight):
             obj.q.wq = None
             obj.q.wd = None
-            groups = self._fused_groups()
-            for key in [k for k, (ws, _, _) in groups.items() if any(w is obj for w in ws)]:
-                del groups[key]  # the concatenated weight goes with its first freed member
+            if obj.group is not None:  # the group's arrays live on in the other members' views
+                obj.group.q = None
+                obj.group = None
         elif isinstance(obj, CupyKVCache):
             obj.k = obj.v = None
         elif isinstance(obj, CupyQ3KVCache):
@@ -750,48 +832,15 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return ops.gdn_scan(q, k, v, g, beta, state)
 
     # ---- fused decode ops (base.FusedOpsMixin; kernels/fused.py) ------------------------------------
-    def _fused_groups(self) -> dict:
-        """{ids of a weight group: (the weights, concatenated QWeight, row ranges)}."""
-        return self.__dict__.setdefault("_fused", {})
-
-    def _fuse(self, ws):
-        """(one QWeight holding the rows of every weight of `ws`, row ranges), or None when they differ
-        in format or row length. Each original's wq/wd become row views of the new arrays, so nothing
-        is stored twice and the originals keep working on their own."""
-        qs = [getattr(w, "q", None) for w in ws]
-        if any(q is None or q.wq is None or q.experts != 1 for q in qs):
-            return None
-        q0 = qs[0]
-        if any(q.type_name != q0.type_name or q.cols != q0.cols or (q.wd is None) != (q0.wd is None)
-               or q.wq.shape[1:] != q0.wq.shape[1:] for q in qs):
-            return None
-        wq = cp.concatenate([q.wq for q in qs], axis=0)
-        wd = cp.concatenate([q.wd for q in qs], axis=0) if q0.wd is not None else None
-        ranges, r0 = [], 0
-        for q in qs:
-            q.wq = wq[r0 : r0 + q.rows]
-            if wd is not None:
-                q.wd = wd[r0 : r0 + q.rows]
-            ranges.append((r0, r0 + q.rows))
-            r0 += q.rows
-        cp.get_default_memory_pool().free_all_blocks()  # hand the separate copies back to the device
-        return ops.QWeight(q0.type_name, r0, q0.cols, 1, wq, wd), ranges
-
     def matmul_many(self, x, ws):
+        """One matmul over a group's concatenated rows (the weights load_fused made, all of them, in
+        order), split into each weight's output; anything else runs as separate matmuls."""
         ws = list(ws)
-        if len(ws) < 2:
+        rec = ws[0].group if ws and isinstance(ws[0], CupyWeight) else None
+        if rec is None or rec.q is None or len(ws) != len(rec.ranges) or len(ws) < 2 or \
+                any(not isinstance(w, CupyWeight) or w.group is not rec or w.index != i for i, w in enumerate(ws)):
             return super().matmul_many(x, ws)
-        groups = self._fused_groups()
-        key = tuple(id(w) for w in ws)
-        rec = groups.get(key)
-        if rec is None:
-            if self._capture is not None:  # fusing allocates and copies: an eager step does it
-                raise _CacheFull("projection weights are concatenated by an eager step; the next one captures")
-            made = self._fuse(ws)
-            rec = groups[key] = (ws, None, None) if made is None else (ws, made[0], made[1])
-        _, big, ranges = rec
-        if big is None:  # formats or row lengths differ: separate matmuls
-            return super().matmul_many(x, ws)
+        big, ranges = rec.q, rec.ranges
         with self._dev:
             lead = x.shape[:-1]
             x2 = _f32(x).reshape(-1, x.shape[-1])
@@ -835,7 +884,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                         sections=(), scale: float, eps: float, window: int = 0):
         T, nh, _, d = qg.shape
         n_kv, dv = k.shape[1], v.shape[2]
-        fast = (T == 1 and type(cache) is CupyKVCache and cache.k is not None
+        kv_type = ""  # q3 caches take the composed ops (they dequantize into a scratch)
+        if type(cache) is CupyKVCache:
+            kv_type = "f32"
+        elif isinstance(cache, CupyTypedKVCache):  # f16 / q8_0: attn_prep stores the row in that type
+            kv_type = cache.kv_type
+        fast = (T == 1 and kv_type != "" and cache.k is not None
                 and fused.attention_supported(nh, n_kv, d, dv)
                 and (self._capture is not None or cache.length + 1 <= cache.capacity))
         if not fast:  # prefill, q3 caches, other shapes, and an eager step that must grow the cache
@@ -852,11 +906,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 pos3 = cp.asarray(np.ascontiguousarray(np.broadcast_to(p, (3, 1)), dtype=np.int32))
                 row_ptr, row = None, cache.length
             q = fused.attn_prep(qg, k, v, q_norm, k_norm, cache.k, cache.v, row, row_ptr, pos3, comp_d,
-                                inv_freq, n_rot, eps)
+                                inv_freq, n_rot, eps, kv_type=kv_type)
             cache.length += 1
             o, q8 = fused.attention_decode_gated(q, qg, cache.k, cache.v, cache.length, float(scale),
                                                  int(window), kv_len_ptr=row_ptr,
-                                                 want_q8=self.gemv_path.startswith("dp4a"))
+                                                 want_q8=self.gemv_path.startswith("dp4a"), kv_type=kv_type)
             if q8 is not None:
                 ops.register_quantized(o, q8)  # attn_output's int8 input
             return o

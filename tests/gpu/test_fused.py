@@ -208,14 +208,29 @@ ATTN_SHAPES = [  # nh, n_kv, d, rope dims, M-RoPE sections
 ]
 
 
+# the fused step (attn_prep + flash_decode + attn_merge_gate) on every cache type it writes: f32, and
+# f16 / q8_0 stored by attn_prep itself; tolerance of the typed caches: a value whose fp32 norm/RoPE
+# differs in the last bit from the NumPy twin's may round to the neighbouring f16 / int8 step
+ATTN_KV_TOL = {"f32": 2e-5, "f16": 2e-3, "q8_0": 1e-2}
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "nh{}-kv{}-d{}-rot{}-{}".format(*s[:4], len(s[4])))
-def test_gated_attention_decode(nb, gb, poison, shape):
+def test_gated_attention_decode(nb, gb, poison, shape, kv):
+    from minecart.kernels import fused
+
     nh, n_kv, d, n_rot, sections = shape
     rng = np.random.default_rng(nh * d + n_rot)
     qn = (1 + 0.2 * rng.standard_normal(d)).astype(np.float32)
     kn = (1 + 0.2 * rng.standard_normal(d)).astype(np.float32)
-    n_cache = nb.new_kv_cache(n_kv, d, d, 64)
-    g_cache = gb.new_kv_cache(n_kv, d, d, 64)
+    n_cache = nb.new_kv_cache(n_kv, d, d, 64, kv_type=kv)
+    g_cache = gb.new_kv_cache(n_kv, d, d, 64, kv_type=kv)
+    calls = Counter()
+    real_prep = fused.attn_prep
+
+    def counted_prep(*a, **k):
+        calls[k.get("kv_type", "f32")] += 1
+        return real_prep(*a, **k)
     kw = dict(n_rot=n_rot, base=10000.0, sections=sections, scale=1.0 / math.sqrt(d), eps=1e-6)
 
     def step(T, p0):
@@ -233,18 +248,32 @@ def test_gated_attention_decode(nb, gb, poison, shape):
         return ref, y
 
     step(37, 0)  # prefill through the composed path
-    for t in range(3):
-        ref, y = step(1, 37 + t)
-        q8 = _published(y)
-        err = nerr(gb.to_numpy(y), ref)
-        assert err < 2e-5, f"decode step {t}: error {err:.2e}"
-        if gb.gemv_path == "dp4a":
-            assert q8 is not None
-            _check_q8(y, q8)
+    fused.attn_prep = counted_prep
+    try:
+        for t in range(3):
+            ref, y = step(1, 37 + t)
+            q8 = _published(y)
+            err = nerr(gb.to_numpy(y), ref)
+            assert err < ATTN_KV_TOL[kv], f"{kv} decode step {t}: error {err:.2e}"
+            if gb.gemv_path == "dp4a":
+                assert q8 is not None
+                _check_q8(y, q8)
+    finally:
+        fused.attn_prep = real_prep
+    assert calls[kv] == 3, f"the fused step did not run on the {kv} cache: {dict(calls)}"
     L = n_cache.length
     assert g_cache.length == L == 40
-    assert nerr(gb.to_numpy(g_cache.k[:L]), n_cache.k[:L]) < 1e-6
-    np.testing.assert_array_equal(gb.to_numpy(g_cache.v[:L]), n_cache.v[:L])
+    if kv == "f32":
+        assert nerr(gb.to_numpy(g_cache.k[:L]), n_cache.k[:L]) < 1e-6
+        np.testing.assert_array_equal(gb.to_numpy(g_cache.v[:L]), n_cache.v[:L])
+    elif kv == "f16":  # V rows are copied, so they round exactly as the twin's; K within one f16 step
+        np.testing.assert_array_equal(gb.to_numpy(g_cache.v[:L]), n_cache.v[:L])
+        assert nerr(gb.to_numpy(g_cache.k[:L]).astype(np.float32), n_cache.k[:L].astype(np.float32)) < 1e-3
+    else:  # q8_0: V rows quantize from the same fp32 values: the bytes equal the twin's blocks
+        got_v = gb.to_numpy(g_cache.v[:L]).reshape(L, n_kv, d // 32, 34)
+        np.testing.assert_array_equal(got_v[..., 2:].copy().view(np.int8).reshape(L, n_kv, d), n_cache.v_q[:L])
+        np.testing.assert_array_equal(got_v[..., :2].copy().view(np.float16).reshape(L, n_kv, d // 32),
+                                      n_cache.v_scales[:L])
 
 
 # ---- launches per decode step ------------------------------------------------------------------------------
@@ -324,8 +353,8 @@ def test_launches_per_decode_step_fixture(fixtures_dir, monkeypatch, path):
     from minecart.engine.model import load_model
 
     be = CupyBackend("cuda:0", path=path)
-    # the fused decode step appends to an f32 cache (f16/q8_0 caches take the composed attention ops)
-    m = load_model(fixtures_dir / "dense/qwen35-tiny-dense-q8_0.gguf", backend=be, kv_type="f32")
+    # the default (f16) cache: attn_prep stores the row as f16, so the step has the f32 cache's launches
+    m = load_model(fixtures_dir / "dense/qwen35-tiny-dense-q8_0.gguf", backend=be)
     gdn, attn = _count_launches(m, be, monkeypatch, f"fixture q8_0 {path}")
     # dp4a: the fixture's dv = 16 is not a whole q8 block, so ssm_out quantizes its input itself
     assert gdn <= (9 if path == "dp4a" else 8) and attn <= 10
@@ -345,7 +374,7 @@ def test_launches_per_decode_step_real_heads(tmp_path, monkeypatch, path):
     from minecart.engine.model import load_model
 
     be = CupyBackend("cuda:0", path=path)
-    m = load_model(_synth(tmp_path), backend=be, kv_type="f32")  # the fused step's cache (see above)
+    m = load_model(_synth(tmp_path), backend=be)  # the default f16 cache (attn_prep stores it)
     gdn, attn = _count_launches(m, be, monkeypatch, f"small-dense q8_0 {path}")
     assert gdn <= 8 and attn <= 10
 
