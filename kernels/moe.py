@@ -1,0 +1,311 @@
+"""Launch wrappers of moe.cu: the routed experts of a mixture-of-experts layer on the DP4A path.
+
+`routed_experts(x, ids, wts, gate, up, down, k)` is the whole expert part of a MoE block after routing
+(ops.moe_route gives ids and wts): for a few tokens (decode, T <= DECODE_MAX_T) two launches for all
+experts of all tokens (moe_gate_up_q8, moe_down_sum); for more (prefill) a device-side counting sort of
+the (token, slot) pairs by expert and one grouped DP4A GEMM launch per projection (moe_gemm_dp4a), each
+tile reading its expert's weights once, with SwiGLU + q8_1 between them and ops.moe_combine after. No
+host synchronization and no allocation whose size depends on the routing (CUDA-graph safe); every
+result is deterministic. `bench_moe` times this against the per-pair GEMV path (ops.matmul_experts).
+
+Each function takes and returns cupy arrays on the current device and launches on the current stream.
+Not here: the router matmul and the top-k (ops), choosing DP4A or FMA for a card (the backend).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cupy as cp
+import numpy as np
+
+from . import ops
+from .build import DP4A_TYPES, QT, get_kernel
+from .ops import QWeight
+
+MOE_BM = 64  # sorted rows per tile of moe_gemm_dp4a (moe.cu)
+MOE_BN = 128  # output columns per tile
+DECODE_MAX_T = ops.GEMV_MAX_T  # up to this many tokens: the two fused decode kernels
+_SORT_SMEM = 48 * 1024  # moe_sort's dynamic shared memory: 4 * (E * (warps + 3) + 2) bytes at most
+MAX_EXPERTS = (_SORT_SMEM // 4 - 2) // 4  # experts moe_sort can count (one warp)
+
+Q8 = tuple[cp.ndarray, cp.ndarray, cp.ndarray]  # q8_1 activations: (xq int8 (T, K), xd, xs (T, K / 32))
+
+
+def _module(w: QWeight) -> str:
+    return f"moe_{w.type_name}"
+
+
+def sort_warps(n_experts: int) -> int:
+    """Warps of the moe_sort block for E experts: up to 16, as many as its shared memory allows."""
+    nw = min(16, (_SORT_SMEM // 4 - 2) // max(1, n_experts) - 3)
+    if nw < 1:
+        raise ValueError(f"moe_sort handles at most {MAX_EXPERTS} experts; got {n_experts}")
+    return nw
+
+
+def max_tiles(pairs: int, n_experts: int) -> int:
+    """Row tiles the grouped GEMM may need for `pairs` pairs over E experts, whatever the routing:
+    sum over experts of ceil(count / MOE_BM) <= pairs // MOE_BM + (experts with a pair)."""
+    return pairs // MOE_BM + min(n_experts, pairs)
+
+
+@dataclass(frozen=True)
+class ExpertSort:
+    """The (token, slot) pairs sorted by expert, on the device (moe_sort). perm[s]: the pair at sorted
+    position s; expert e owns sorted rows offsets[e] .. offsets[e + 1] - 1 (counts[e] of them); tile i <
+    n_tiles[0] of the grouped GEMM covers rows offsets[tile_e[i]] + tile_r0[i] + (0 .. MOE_BM - 1)."""
+
+    counts: cp.ndarray  # (E,) int32
+    offsets: cp.ndarray  # (E + 1,) int32
+    perm: cp.ndarray  # (P,) int32
+    tile_e: cp.ndarray  # (max_tiles,) int32, first n_tiles[0] written
+    tile_r0: cp.ndarray  # (max_tiles,) int32
+    n_tiles: cp.ndarray  # (1,) int32
+    max_tiles: int
+
+    @property
+    def pairs(self) -> int:
+        return int(self.perm.size)
+
+
+def sort_pairs(ids: cp.ndarray, n_experts: int, module: str = "moe_Q8_0") -> ExpertSort:
+    """Stable counting sort of the pairs p (expert ids[p], int32 in [0, n_experts)) by expert, in one
+    launch of one block (no host sync)."""
+    ids = cp.ascontiguousarray(ids, dtype=cp.int32).reshape(-1)
+    P, E = int(ids.size), int(n_experts)
+    nt = max_tiles(P, E)
+    i32 = cp.int32
+    srt = ExpertSort(cp.empty(E, i32), cp.empty(E + 1, i32), cp.empty(P, i32), cp.empty(max(nt, 1), i32),
+                     cp.empty(max(nt, 1), i32), cp.empty(1, i32), nt)
+    nw = sort_warps(E)
+    nbits = max(0, (E - 1).bit_length())
+    get_kernel(module, "moe_sort")((1,), (32 * nw,),
+                                   (ids, np.int32(P), np.int32(E), np.int32(nbits), np.int32(nt), srt.counts,
+                                    srt.offsets, srt.perm, srt.tile_e, srt.tile_r0, srt.n_tiles),
+                                   shared_mem=4 * (E * (nw + 3) + 2))
+    return srt
+
+
+def grouped_matmul(q8: Q8, w: QWeight, srt: ExpertSort, x_div: int, gather: bool, scatter: bool,
+                   nblk: int = 1) -> cp.ndarray:
+    """Row s of the sorted products: (activation row) @ W[expert of s]^T -> (P, R) fp32, one launch.
+
+    q8: the q8_1 activations; their row is perm[s] // x_div with gather (the gate/up input x, x_div = k),
+    else s (the down input, already in sorted order). The result row is perm[s] with scatter (pair
+    order), else s. nblk: quant blocks per shared-memory stage (1 or 2, as gemm_dp4a)."""
+    xq, xd, xs = q8
+    R, K = w.rows, w.cols
+    if xq.shape[-1] != K:
+        raise ValueError(f"grouped matmul: input has {xq.shape[-1]} columns, weight has {K}")
+    y = cp.empty((srt.pairs, R), dtype=cp.float32)
+    if srt.pairs == 0 or srt.max_tiles == 0:
+        return y
+    wd = w.wd if w.wd is not None else ops._dummy()
+    k = get_kernel(_module(w), f"moe_gemm_dp4a<{QT[w.type_name]}, {int(nblk)}>")
+    k((srt.max_tiles, math.ceil(R / MOE_BN)), (256,),
+      (w.wq, wd, xq, xd, xs, y, np.int32(R), np.int32(K), srt.perm, srt.offsets, srt.tile_e, srt.tile_r0,
+       srt.n_tiles, np.int32(x_div), np.int32(bool(gather)), np.int32(bool(scatter))))
+    return y
+
+
+def swiglu_q8(g: cp.ndarray, u: cp.ndarray, F: int, want_h: bool = False, module: str = "moe_Q8_0"):
+    """silu(g) * u of rows of F values (F % 32 == 0) -> (h fp32 (rows, F) or None, q8_1 of h).
+
+    g, u: views of the first / next F columns of one (rows, 2F) array (fused gate/up) or two (rows, F)
+    arrays; both must share the row stride."""
+    rows = g.shape[0]
+    ld = g.strides[0] // 4
+    if F % 32 or u.strides[0] != g.strides[0] or g.dtype != cp.float32 or u.dtype != cp.float32:
+        raise ValueError("moe swiglu_q8: fp32 rows of a multiple of 32 values with one row stride")
+    hq = cp.empty((rows, F), dtype=cp.int8)
+    hd = cp.empty((rows, F // 32), dtype=cp.float32)
+    hs = cp.empty((rows, F // 32), dtype=cp.float32)
+    h = cp.empty((rows, F), dtype=cp.float32) if want_h else None
+    nb = rows * F // 32
+    if nb:
+        warps = 8
+        get_kernel(module, "moe_swiglu_q8")((math.ceil(nb / warps),), (32 * warps,),
+                                            (g, u, np.int32(ld), np.int32(F), np.int64(nb), hq, hd, hs,
+                                             h if h is not None else np.uint64(0)))
+    return h, (hq, hd, hs)
+
+
+def _ffn(gate: QWeight, up: QWeight | None, down: QWeight) -> int:
+    """The expert FFN width F, after checking that the three stacks fit together."""
+    fused = up is None
+    F = gate.rows // 2 if fused else gate.rows
+    H = gate.cols
+    if fused and gate.rows % 2:
+        raise ValueError(f"fused gate/up experts have an odd row count {gate.rows}")
+    if up is not None and (up.rows, up.cols, up.experts) != (gate.rows, gate.cols, gate.experts):
+        raise ValueError(f"gate experts ({gate.experts}, {gate.rows}, {gate.cols}) and up experts "
+                         f"({up.experts}, {up.rows}, {up.cols}) differ in shape")
+    if (down.rows, down.cols, down.experts) != (H, F, gate.experts):
+        raise ValueError(f"down experts ({down.experts}, {down.rows}, {down.cols}) do not fit gate/up "
+                         f"experts of {gate.experts} x ({F}, {H})")
+    return F
+
+
+def supported(gate: QWeight, up: QWeight | None, down: QWeight) -> bool:
+    """Whether these expert stacks run on the kernels here (DP4A formats, a sortable expert count)."""
+    ws = [gate, down] + ([] if up is None else [up])
+    return all(w.type_name in DP4A_TYPES for w in ws) and 0 < gate.experts <= MAX_EXPERTS
+
+
+def gate_up_q8(q8: Q8, gate: QWeight, up: QWeight | None, ids: cp.ndarray, x_div: int,
+               want_h: bool = False):
+    """Decode: h[p] = silu(gate_e . x) * (up_e . x) for every pair p (e = ids[p], x = q8 row p // x_div),
+    one launch -> (h fp32 (P, F) or None, q8_1 of h)."""
+    xq, xd, xs = q8
+    F = gate.rows // 2 if up is None else gate.rows
+    K = gate.cols
+    P = int(ids.size)
+    hq = cp.empty((P, F), dtype=cp.int8)
+    hd = cp.empty((P, F // 32), dtype=cp.float32)
+    hs = cp.empty((P, F // 32), dtype=cp.float32)
+    h = cp.empty((P, F), dtype=cp.float32) if want_h else None
+    if P:
+        u = gate if up is None else up
+        k = get_kernel(_module(gate), f"moe_gate_up_q8<{QT[gate.type_name]}, {QT[u.type_name]}>")
+        gd = gate.wd if gate.wd is not None else ops._dummy()
+        ud = u.wd if u.wd is not None else ops._dummy()
+        k((F // 32, P), (256,),
+          (gate.wq, gd, u.wq, ud, np.int32(gate.rows), np.int32(u.rows), np.int32(F if up is None else 0),
+           np.int32(F), np.int32(K), xq, xd, xs, ids, np.int32(x_div), hq, hd, hs,
+           h if h is not None else np.uint64(0)))
+    return h, (hq, hd, hs)
+
+
+def down_sum(hq8: Q8, down: QWeight, ids: cp.ndarray, wts: cp.ndarray, T: int, k: int) -> cp.ndarray:
+    """Decode: out[t] = sum over slots s of wts[t k + s] * h[t k + s] @ down_e^T (e = ids[t k + s]), the
+    slots added in order, one launch -> (T, H)."""
+    hq, hd, hs = hq8
+    H, F = down.rows, down.cols
+    out = cp.empty((T, H), dtype=cp.float32)
+    if T:
+        wd = down.wd if down.wd is not None else ops._dummy()
+        get_kernel(_module(down), f"moe_down_sum<{QT[down.type_name]}>")(
+            (math.ceil(H / 4), T), (128,),
+            (down.wq, wd, np.int32(H), np.int32(F), hq, hd, hs, ids, wts, np.int32(k), out))
+    return out
+
+
+def routed_experts(x: cp.ndarray, ids: cp.ndarray, wts: cp.ndarray, gate: QWeight, up: QWeight | None,
+                   down: QWeight, k: int, nblk: int = 1) -> cp.ndarray:
+    """The routed experts of a MoE block: x (T, H) fp32, ids / wts (T * k,) from ops.moe_route, expert
+    stacks gate (E, F or 2F (fused gate/up: gate rows first), H), up (E, F, H) or None, down (E, H, F)
+    -> (T, H) = sum over slots of wts * down(silu(gate x) * up x). DP4A formats only (`supported`)."""
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    T, H = x.shape
+    if H != gate.cols:
+        raise ValueError(f"MoE input has {H} columns, the expert matrices {gate.cols}")
+    F = _ffn(gate, up, down)
+    ids = cp.ascontiguousarray(ids, dtype=cp.int32).reshape(-1)
+    wts = cp.ascontiguousarray(wts, dtype=cp.float32).reshape(-1)
+    if ids.size != T * k or wts.size != T * k:
+        raise ValueError(f"MoE routing has {ids.size} ids and {wts.size} weights for {T} tokens x {k}")
+    if T == 0:
+        return cp.empty((0, H), dtype=cp.float32)
+    q8 = ops.quantize_cached(x)
+    if T <= DECODE_MAX_T:
+        _, hq8 = gate_up_q8(q8, gate, up, ids, k)
+        return down_sum(hq8, down, ids, wts, T, k)
+    srt = sort_pairs(ids, gate.experts, _module(gate))
+    if up is None:
+        gu = grouped_matmul(q8, gate, srt, k, gather=True, scatter=False, nblk=nblk)  # (P, 2F) sorted
+        g, u = gu[:, :F], gu[:, F:]
+    else:
+        g = grouped_matmul(q8, gate, srt, k, gather=True, scatter=False, nblk=nblk)
+        u = grouped_matmul(q8, up, srt, k, gather=True, scatter=False, nblk=nblk)
+    _, hq8 = swiglu_q8(g, u, F, module=_module(gate))
+    y = grouped_matmul(hq8, down, srt, 1, gather=False, scatter=True, nblk=nblk)  # (P, H) pair order
+    return ops.moe_combine(y, wts, T, k)
+
+
+# ---- benchmark ----------------------------------------------------------------------------------------
+
+def _random_weight(rng: np.random.Generator, type_name: str, E: int, R: int, K: int) -> QWeight:
+    """Random expert stack with sane scales (fp16 fields set to small positive values)."""
+    per, nbytes = ops._BLOCK_BYTES[type_name]
+    nblocks = E * R * (K // per)
+    raw = rng.integers(0, 256, size=(nblocks, nbytes), dtype=np.uint8)
+    f16 = lambda v: np.frombuffer(np.float16(v).tobytes(), np.uint8)  # noqa: E731
+    if type_name in ("Q8_0", "Q4_0"):
+        raw[:, 0:2] = f16(0.01)
+    elif type_name == "Q4_K":
+        raw[:, 0:2] = f16(0.002)
+        raw[:, 2:4] = f16(0.001)
+    elif type_name == "Q6_K":
+        raw[:, 208:210] = f16(0.0005)
+    return ops.upload_weight(raw, type_name, (E, R, K))
+
+
+def _old_path(x, ids, wts, gate, up, down, k):
+    """The per-pair GEMV path the backend used before these kernels (for comparison)."""
+    T = x.shape[0]
+    if up is None:
+        gu = ops.matmul_experts(x, gate, ids, k, "dp4a")
+        fe = gu.shape[1] // 2
+        h = ops.ewise("swiglu", cp.ascontiguousarray(gu[:, :fe]), cp.ascontiguousarray(gu[:, fe:]))
+    else:
+        h = ops.ewise("swiglu", ops.matmul_experts(x, gate, ids, k, "dp4a"),
+                      ops.matmul_experts(x, up, ids, k, "dp4a"))
+    y = ops.matmul_experts(h, down, ids, 1, "dp4a")
+    return ops.moe_combine(y, wts, T, k)
+
+
+def bench_moe(tokens=(1, 8, 512, 4096), H: int = 2048, E: int = 256, k: int = 8, F: int = 512,
+              type_name: str = "Q4_K", down_type: str | None = None, fused: bool = True, nblk: int = 1,
+              repeats: int = 10, seed: int = 0) -> list[dict]:
+    """Time the routed experts of one MoE layer, old (per-pair GEMVs) vs new (moe.cu), at each token
+    count, on random weights and a softmax top-k routing of random logits; prints one line per T and
+    returns the records. Default shape: Qwen3.6-35B-A3B (n_embd 2048, 256 experts, top-8, FFN 512).
+
+    GB/s counts the weight bytes of the experts the batch routes to, read once; TOPS counts
+    2 * (T k) * 3 F H multiply-adds per layer. Also reports the max relative difference new vs old."""
+    rng = np.random.default_rng(seed)
+    gate = _random_weight(rng, type_name, E, 2 * F if fused else F, H)
+    up = None if fused else _random_weight(rng, type_name, E, F, H)
+    down = _random_weight(rng, down_type or type_name, E, H, F)
+    per_expert = (gate.nbytes + (0 if up is None else up.nbytes) + down.nbytes) / E
+    out = []
+    for T in tokens:
+        x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
+        ids, wts = ops.moe_route(cp.asarray(rng.standard_normal((T, E)).astype(np.float32)), k)
+        used = int(cp.unique(ids).size)
+        rec: dict = {"T": T, "experts_used": used, "type": type_name, "down_type": down_type or type_name}
+        # a new activation array each run, so the q8_1 cache (ops.quantize_cached) never skips a launch
+        xs = [x.copy() for _ in range(repeats)]
+        results = {}
+        for name in ("old", "new"):
+            def fn(xx, name=name, ids=ids, wts=wts):
+                if name == "old":
+                    return _old_path(xx, ids, wts, gate, up, down, k)
+                return routed_experts(xx, ids, wts, gate, up, down, k, nblk)
+
+            results[name] = fn(x)  # warm-up (compiles)
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for xx in xs:
+                fn(xx)
+            stop.record()
+            stop.synchronize()
+            ms = cp.cuda.get_elapsed_time(start, stop) / repeats
+            rec[f"{name}_ms"] = ms
+            rec[f"{name}_gbs"] = used * per_expert / (ms * 1e-3) / 1e9
+            rec[f"{name}_tops"] = 2.0 * T * k * 3 * F * H / (ms * 1e-3) / 1e12
+        a, b = (cp.asnumpy(results[n]).astype(np.float64) for n in ("old", "new"))
+        rec["max_rel_diff"] = float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
+        rec["speedup"] = rec["old_ms"] / rec["new_ms"]
+        print(f"MoE {type_name}/{rec['down_type']} H={H} E={E} k={k} F={F} T={T:5d} ({used:3d} experts): "
+              f"old {rec['old_ms']:8.3f} ms {rec['old_gbs']:7.1f} GB/s {rec['old_tops']:6.2f} TOPS | "
+              f"new {rec['new_ms']:8.3f} ms {rec['new_gbs']:7.1f} GB/s {rec['new_tops']:6.2f} TOPS | "
+              f"x{rec['speedup']:.2f}, max rel diff {rec['max_rel_diff']:.1e}")
+        out.append(rec)
+    return out
+
+
+if __name__ == "__main__":
+    bench_moe()
