@@ -307,5 +307,21 @@ def bench_moe(tokens=(1, 8, 512, 4096), H: int = 2048, E: int = 256, k: int = 8,
     return out
 
 
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Time the MoE expert kernels, old (per-pair GEMVs) vs new "
+                                             "(moe.cu), at the Qwen3.6-35B-A3B shape by default.")
+    ap.add_argument("--type", default="Q4_K", choices=DP4A_TYPES, help="gate/up expert format")
+    ap.add_argument("--down-type", default=None, choices=DP4A_TYPES, help="down expert format (default --type)")
+    ap.add_argument("--tokens", default="1,8,512,4096", help="comma-separated token counts")
+    ap.add_argument("--separate", action="store_true", help="separate gate and up stacks (default fused)")
+    ap.add_argument("--nblk", type=int, default=1, choices=(1, 2), help="quant blocks per GEMM stage")
+    ap.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
+    a = ap.parse_args()
+    bench_moe(tuple(int(t) for t in a.tokens.split(",")), type_name=a.type, down_type=a.down_type,
+              fused=not a.separate, nblk=a.nblk, repeats=a.repeats)
+
+
 if __name__ == "__main__":
-    bench_moe()
+    main()

@@ -205,7 +205,7 @@ def emulate_down_sum(h: np.ndarray, Wd: np.ndarray, ids, wts, T: int, k: int):
 def route(rng, T: int, E: int, k: int, how: str):
     """(ids (T k,), wts (T k,)) with distinct experts per token: random, all on the first k experts,
     or skewed toward a few."""
-    if how == "one":
+    if how == "one" or T == 0:
         ids = np.tile(np.arange(k), T)
     else:
         p = None
