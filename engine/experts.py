@@ -2,38 +2,70 @@
 
 A mixture-of-experts model is mostly experts (Qwen3.6-35B-A3B: ~95% of the bytes), and a token reads
 only a few of them. When the GPUs run out of memory, the experts can stay in host RAM: the layer's
-attention / Gated DeltaNet, norms and shared expert run on the GPU, and each MoE block's routing and
-routed experts run on the CPU backend next to their weights (the NumPy backend, which uses the integer
-kernels of engine/cpu_experts.py for a decode token). Only the hidden state crosses the link: one
-(T, hidden) row block there and back per MoE layer, not the expert weights.
+attention / Gated DeltaNet, norms and shared expert run on the GPU, and each MoE block's routed
+experts run where it pays:
+
+- a decode token (and any short chunk) on the CPU backend next to the weights (the NumPy backend,
+  which uses the integer kernels of engine/cpu_experts.py for one token). Only the hidden state
+  crosses the link: one (T, hidden) row block there and back per MoE layer;
+- a prefill chunk of at least `stream_min_tokens` tokens on the GPU: the layer's experts are copied
+  over the link into a GPU staging buffer (engine/backends/expert_stream.py, double-buffered: the
+  next host-held layer's copy starts when this layer's MoE starts) and the GPU's own `moe` runs
+  them. The threshold is arithmetic (engine/placement.py stream_min_tokens_for): stream when copying
+  the layer's expert bytes over the link takes less time than the CPU computing the chunk's tokens.
 
 `ExpertsApart` is the device backend of such a device: a thin proxy that passes every op to the real
-backend except `moe` on expert weights held by the experts' backend, which it runs there. Every part
-on that device shares the one proxy (the executor runs a device's parts through one backend). A
-captured CUDA graph cannot contain a host round trip, so the proxy's `graph_step` declines: decode on
-that device runs eagerly.
+backend except `moe` on expert weights held by the experts' backend. Every part on that device shares
+the one proxy (the executor runs a device's parts through one backend). A captured CUDA graph cannot
+contain a host round trip, so the proxy's `graph_step` declines: decode on that device runs eagerly.
 
-What this is not: the placement of experts (engine/placement.py prices and plans parts; load_model's
-`experts` option puts them), or streaming experts to the GPU for prefill (not built).
+What this is not: the placement of experts (engine/placement.py prices and plans them per layer;
+load_model's `experts` option puts them), or the GPU MoE kernels (the backend's `moe`).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
-from .backends.base import Backend
+from .backends.base import Backend, DeviceHooks
+from .placement import CPU_SPEED, DEFAULT_LINK, PREFILL_EFFICIENCY, Link, stream_min_tokens_for
+from .rig import RigBackend
+
+_LAYER = re.compile(r"blk\.(\d+)\.")
 
 
 class ExpertsApart:
-    """`inner` runs everything except the routed experts whose weights `experts` holds."""
+    """`inner` runs everything except the routed experts whose weights `experts` holds.
 
-    def __init__(self, inner: Backend, experts: Backend):
+    Streaming host-held experts to the GPU for long prefill chunks is on when `inner` is a CUDA
+    backend and `experts` a host one (set `streaming = False`, or the environment variable
+    MINECART_NO_EXPERT_STREAM, to compute every chunk on the host). `min_stream_tokens` overrides
+    the computed threshold (tests); `link` / `cpu_flops` are its inputs: the GPU's link (a rig's
+    simulated link when there is one, else DEFAULT_LINK) and the host's float32 rate for experts.
+    Counters: host_moe_calls (MoE blocks run on the host), streamed_moe_calls (run on the GPU with
+    streamed experts)."""
+
+    def __init__(self, inner: Backend, experts: Backend, *, link: Link | None = None,
+                 cpu_flops: float | None = None, stream: Any = None):
         self._inner = inner
         self.experts = experts
         self._held: set[int] = set()  # id() of the expert weights loaded on `experts`
+        self._layer_of: dict[int, int] = {}  # id() of a held layer's first expert tensor -> layer index
         self.device = inner.device
         self.name = inner.name
         self.host_moe_calls = 0
+        self.streamed_moe_calls = 0
+        rig_link = inner.rig_device.link if isinstance(inner, RigBackend) else None
+        self.link = link or rig_link or DEFAULT_LINK
+        self.cpu_flops = cpu_flops or CPU_SPEED.fp32_flops * PREFILL_EFFICIENCY["F32"]
+        self.min_stream_tokens: int | None = None
+        self.streaming = not os.environ.get("MINECART_NO_EXPERT_STREAM")
+        # backends.expert_stream.ExpertStream, made for the first held layer when none is given (a
+        # given one, with its add_layer / prefetch / acquire / release / settle, serves the tests)
+        self._stream: Any = stream
+        self._simulated = rig_link is not None
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._inner, attr)
@@ -45,20 +77,93 @@ class ExpertsApart:
     def inner(self) -> Backend:
         return self._inner
 
+    @property
+    def stream(self) -> Any:
+        """The ExpertStream staging this device's host-held experts (None: they are never streamed)."""
+        return self._stream
+
     def hold(self, weights: dict) -> None:
-        """Note the weights of a "layer.<i>.experts" part, loaded on the experts' backend."""
+        """Note the weights of a "layer.<i>.experts" part, loaded on the experts' backend; on a GPU
+        with host-held experts, also their page-locked copy for streaming."""
         self._held.update(id(w) for w in weights.values())
+        experts = {n: w for n, w in weights.items() if w.role == "experts"}
+        if not experts:
+            return
+        first = next(iter(experts.values()))
+        m = _LAYER.match(first.name)
+        if m is None:
+            raise ValueError(f"'{first.name}' is not a layer tensor (blk.N.*)")
+        key = int(m.group(1))
+        for w in experts.values():
+            self._layer_of[id(w)] = key
+        stream = self._ensure_stream()
+        if stream is not None:
+            (router,) = [w for w in weights.values() if w.role != "experts"]
+            stream.add_layer(key, experts, router)
 
     def release(self, weights: dict) -> None:
         self._held.difference_update(id(w) for w in weights.values())
+        for w in weights.values():
+            self._layer_of.pop(id(w), None)
+
+    def close(self) -> None:
+        """Let go of the staging buffers and page-locked copies (waiting for any copy in flight)."""
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def _ensure_stream(self) -> Any:
+        if self._stream is not None:
+            return self._stream
+        gpu = self._inner.inner if isinstance(self._inner, RigBackend) else self._inner
+        if not (isinstance(gpu, DeviceHooks) and gpu.pins_host_memory and str(self.device).startswith("cuda")
+                and str(self.experts.device).startswith("cpu")):
+            return None
+        # local import: CuPy is optional, and only a GPU with host-held experts needs the stream
+        from .backends.expert_stream import make_stream
+
+        inner = self._inner
+        link = self.link if self._simulated else None
+        self._stream = make_stream(gpu, inner, link.seconds if link is not None else None)
+        return self._stream
+
+    # ---- the MoE block ------------------------------------------------------------------------------
+    def stream_min_tokens(self, layer: int, k: int) -> int:
+        """Fewest tokens of a chunk for which layer `layer`'s experts are streamed to the GPU."""
+        if self.min_stream_tokens is not None:
+            return self.min_stream_tokens
+        st = self._stream
+        per_token = 2.0 * st.active_values(layer, k) / self.cpu_flops
+        return stream_min_tokens_for(st.layer_bytes(layer), per_token, self.link)
 
     def moe(self, x, router, gate_exps, up_exps, down_exps, k: int):
-        if id(gate_exps) not in self._held:  # this layer's experts sit on this device
+        layer = self._layer_of.get(id(gate_exps))
+        if id(gate_exps) not in self._held or layer is None:  # this layer's experts sit on this device
             return self._inner.moe(x, router, gate_exps, up_exps, down_exps, k)
+        st = self._stream
+        if st is not None and self.streaming and int(x.shape[0]) >= self.stream_min_tokens(layer, k):
+            return self._streamed_moe(layer, x, gate_exps, up_exps, down_exps, k)
         self.host_moe_calls += 1
         xe = self.experts.asarray(self._inner.to_numpy(x))
         y = self.experts.moe(xe, router, gate_exps, up_exps, down_exps, k)
         return self._inner.asarray(self.experts.to_numpy(y))
+
+    def _streamed_moe(self, layer: int, x, gate_exps, up_exps, down_exps, k: int):
+        st = self._stream
+        w = st.acquire(layer)
+        try:
+            nxt = min((i for i in set(self._layer_of.values()) if i > layer), default=None)
+            if nxt is not None:
+                st.prefetch(nxt)  # the next host-held layer's copy runs while this one computes
+            y = self._inner.moe(x, w["router"], w[gate_exps.name],
+                                None if up_exps is None else w[up_exps.name], w[down_exps.name], k)
+        except BaseException:
+            st.settle()  # no copy left in flight behind a failed or cancelled chunk
+            raise
+        finally:
+            st.release(layer)
+        self.streamed_moe_calls += 1
+        return y
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True) -> Any:

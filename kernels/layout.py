@@ -1,0 +1,36 @@
+"""Device layouts of stored weights, one definition for the host (NumPy) and the device (CuPy).
+
+The kernels read Q8_0, Q4_0, Q5_0 and IQ4_NL matrices re-laid out: the rest of each row's blocks
+contiguous (`wq`) and their fp16 block scales apart (`wd`, uint16 bits); every other stored type keeps
+its GGUF blocks as rows (`wq` only). `relayout` does that re-layout with whichever array module it is given, so
+`kernels/ops.upload_weight` (CuPy, after copying the raw blocks to the device) and the host-RAM expert
+stream (NumPy, once at load into page-locked memory, engine/backends/expert_stream.py) make the same
+bytes. Imports numpy only (no CuPy), so the CPU tests check it.
+
+What this is not: the choice of a type's kernel or of F32 decoding for types without one
+(CupyBackend.load_weight), nor the block formats themselves (engine/quants.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# 32-value block types whose fp16 scale (the block's first 2 bytes) the kernels read apart: bytes a block
+SPLIT_SCALES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "IQ4_NL": 18}
+
+
+def relayout(xp: Any, raw: Any, type_name: str, rows: int, cols: int) -> tuple[Any, Any | None]:
+    """(wq, wd) of a (rows, cols) matrix whose stored bytes are `raw` (any shape, C order, on xp's side):
+    wq (rows, bytes per row) uint8 and wd (rows, cols // 32) uint16 for SPLIT_SCALES types; wq = the
+    rows as stored and wd None otherwise. xp: numpy or cupy."""
+    flat = raw.reshape(-1).view(xp.uint8)
+    nb = SPLIT_SCALES.get(type_name)
+    if nb is None:
+        return flat.reshape(rows, -1), None
+    if cols % 32 or flat.size != rows * (cols // 32) * nb:
+        raise ValueError(f"{type_name} matrix ({rows}, {cols}): {flat.size} bytes are not whole "
+                         f"{nb}-byte blocks of 32 values per row")
+    blk = flat.reshape(rows, cols // 32, nb)
+    wd = xp.ascontiguousarray(blk[:, :, :2]).view(xp.uint16).reshape(rows, cols // 32)
+    wq = xp.ascontiguousarray(blk[:, :, 2:]).reshape(rows, -1)
+    return wq, wd
