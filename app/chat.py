@@ -9,6 +9,10 @@ copy, thinking on/off, a system prompt and sampling settings are here; conversat
 (conversations.py). Images can be dropped or pasted; they show as thumbnails and go into the request as
 {"type": "image", "path": ...} content parts when the model has a vision tower; without one the chat says
 so and sends the text alone.
+The context meter beside Send shows how much of the loaded model's context limit the chat holds
+("1,234 / 8,192 tokens" and a thin bar), from the counts the bridge sends with each batch of tokens and
+at the end of each turn. A turn beyond the limit gets a note with two actions: start a new chat, or
+raise the limit (the window re-places the model with a longer context and asks again).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from PySide6.QtWidgets import (
     QListWidget,
     QListWidgetItem,
     QPlainTextEdit,
+    QProgressBar,
     QPushButton,
     QScrollArea,
     QSizePolicy,
@@ -53,6 +58,10 @@ BASE_MODEL_TEXT = ("{name} is a pretrained base model (its file has no chat temp
                    "rather than following instructions. \u201cContinue text\u201d is on, so your message is "
                    "sent as the start of a text for it to carry on; load an instruction-tuned model for "
                    "real chat.")
+CONTEXT_FULL_TEXT = ("This chat needs {needed:,} tokens, but the loaded model holds at most {limit:,} "
+                     "(its context limit: the prompt, the whole conversation and the answer together). "
+                     "Start a new chat, or raise the limit: the model is re-placed with a longer context "
+                     "if one fits the memory of your devices, and this message is sent again.")
 NO_VISION_TEXT = ("This model has no vision tower, so it cannot see images. The picture stays in the chat, "
                   "but only your text is sent. Load a model with a vision projector (mmproj) to ask about images.")
 
@@ -181,8 +190,27 @@ class MessageWidget(QFrame):
         self.copy_btn.clicked.connect(lambda: self.copy_requested.emit(self))
         self.edit_btn.clicked.connect(lambda: self.edit_requested.emit(self))
         self.regen_btn.clicked.connect(lambda: self.regenerate_requested.emit(self))
+        self.actions: list[QPushButton] = []  # buttons under the text (add_action), e.g. a note's way out
+        self._actions_row: QHBoxLayout | None = None
         self.streaming = False
         self.render()
+
+    def add_action(self, text: str, slot, primary: bool = False) -> QPushButton:
+        """A button under the message's text that calls `slot()` (a note's ways out)."""
+        if self._actions_row is None:
+            self._actions_row = QHBoxLayout()
+            self._actions_row.setSpacing(8)
+            self._actions_row.addStretch(1)
+            lay = self.layout()
+            assert isinstance(lay, QVBoxLayout)
+            lay.insertLayout(lay.indexOf(self.stats), self._actions_row)
+        b = QPushButton(text)
+        if primary:
+            b.setObjectName("Primary")
+        b.clicked.connect(lambda _=False: slot())
+        self._actions_row.insertWidget(self._actions_row.count() - 1, b)
+        self.actions.append(b)
+        return b
 
     def render(self) -> None:
         m = self.message
@@ -206,6 +234,52 @@ class MessageWidget(QFrame):
         if st:
             self.stats.setText(st)
             self.stats.show()
+
+
+class ContextMeter(QFrame):
+    """How much of the loaded model's context limit the open chat holds: "1,234 / 8,192 tokens" and
+    a thin bar. Hidden while no model is loaded. Setting it is cheap (a label and a bar), so it can
+    follow a streaming reply batch by batch."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("ContextMeter")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(2)
+        self.label = QLabel()
+        self.label.setObjectName("StatsLabel")
+        self.label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        lay.addWidget(self.label)
+        self.bar = QProgressBar()
+        self.bar.setTextVisible(False)
+        self.bar.setFixedHeight(4)
+        self.bar.setMinimumWidth(120)
+        lay.addWidget(self.bar)
+        self.used: int | None = None
+        self.limit = 0
+        self.hide()
+
+    def set_usage(self, used: int | None, limit: int) -> None:
+        """used: tokens the chat holds (None: not known until its next turn); limit: the model's
+        context limit (0: no model, the meter hides)."""
+        self.used, self.limit = used, max(0, int(limit))
+        if not self.limit:
+            self.hide()
+            return
+        shown = "–" if used is None else f"{used:,}"
+        self.label.setText(f"{shown} / {self.limit:,} tokens")
+        self.bar.setRange(0, self.limit)
+        self.bar.setValue(0 if used is None else min(int(used), self.limit))
+        if used is None:
+            tip = "How much of the context this chat uses is measured at its next turn."
+        else:
+            tip = (f"This chat holds {used:,} of the {self.limit:,} tokens the loaded model's context "
+                   f"holds ({100 * min(used, self.limit) / self.limit:.0f}%): the whole conversation "
+                   "and the answer together. Past it, start a new chat or load the model with a "
+                   "longer context.")
+        self.setToolTip(tip)
+        self.show()
 
 
 class Composer(QPlainTextEdit):
@@ -333,6 +407,10 @@ class SettingsPanel(QFrame):
 class ChatPanel(QWidget):
     """Conversations, messages, composer. Talks to the engine only through the EngineBridge."""
 
+    # "Raise the limit" under a context-full note: the tokens the turn needed (the window re-places
+    # the model with a longer context and calls retry_turn once it is back)
+    raise_context_requested = Signal(int)
+
     def __init__(self, bridge, settings, store: ConversationStore | None = None, parent=None):
         super().__init__(parent)
         self.bridge = bridge
@@ -346,6 +424,8 @@ class ChatPanel(QWidget):
         self.model_has_vision = False
         self.model_path = ""
         self._dirty: set[MessageWidget] = set()
+        self._context_used: dict[str, int] = {}  # conversation id -> tokens its last turn held
+        self.context_notice: MessageWidget | None = None  # the newest context-full note, if on screen
         app = QApplication.instance()
         if app is not None:  # quitting mid-reply keeps what has streamed so far
             app.aboutToQuit.connect(self.save)
@@ -491,6 +571,8 @@ class ChatPanel(QWidget):
         self.hint.setObjectName("StatsLabel")
         row.addWidget(self.hint)
         row.addStretch(1)
+        self.context_meter = ContextMeter()
+        row.addWidget(self.context_meter)
         self.send_btn = QPushButton(theme.icon("send", "#1a1307"), " Send")
         self.send_btn.setObjectName("Primary")
         row.addWidget(self.send_btn)
@@ -534,6 +616,8 @@ class ChatPanel(QWidget):
         bridge.chat_done.connect(self._on_done)
         bridge.chat_cancelled.connect(self._on_cancelled)
         bridge.chat_error.connect(self._on_error)
+        bridge.context_full.connect(self._on_context_full)
+        bridge.context_used.connect(self._on_context_used)
         bridge.busy_changed.connect(lambda _busy: self._update_buttons())
 
         self.render_timer = QTimer(self)
@@ -586,6 +670,7 @@ class ChatPanel(QWidget):
         self.model_has_vision = has_vision
         self.model_path = path
         self.model_name = name
+        self._update_meter()
         self._update_empty()
         self._update_buttons()
         self.attach_notice.setVisible(bool(self.pending_images) and not has_vision)
@@ -606,6 +691,17 @@ class ChatPanel(QWidget):
         else:
             self.empty.setText("<div style='font-size:15pt; color:#e4e7ee; font-weight:600'>No model loaded</div>"
                                "<div style='margin-top:6px'>Pick one on the Models page, or wait for the default model to load.</div>")
+
+    def _update_meter(self) -> None:
+        limit = self.bridge.context_limit if self.model_loaded else 0
+        self.context_meter.set_usage(self._context_used.get(self.conv.id) if self.conv.messages else 0,
+                                     limit)
+
+    def _on_context_used(self, used: int) -> None:
+        if self.current is None:
+            return  # a turn of a chat left since (its counts belong to no chat on screen)
+        self._context_used[self.conv.id] = int(used)
+        self.context_meter.set_usage(int(used), self.bridge.context_limit)
 
     def _update_buttons(self) -> None:
         busy = self.bridge.generating
@@ -708,9 +804,11 @@ class ChatPanel(QWidget):
         self.widgets = []
         self.current = None
         self._dirty.clear()  # a reply that was streaming had its widget deleted just above
+        self.context_notice = None
         for m in self.conv.messages:
             self._add_widget(m)
         self._update_empty()
+        self._update_meter()
         self._scroll_to_end()
 
     # ---- messages --------------------------------------------------------------------------------------
@@ -949,7 +1047,30 @@ class ChatPanel(QWidget):
     def _on_cancelled(self, info: dict) -> None:
         self._finish(info, "stopped")
 
+    def _on_context_full(self, needed: int, limit: int) -> None:
+        """The turn did not fit the context limit (the engine refused it before computing anything):
+        a note with the two ways out."""
+        self._end_failed_turn()
+        self._context_used[self.conv.id] = int(needed)
+        self.context_meter.set_usage(int(needed), limit)
+        w = self._add_message({"role": "notice", "content": CONTEXT_FULL_TEXT.format(needed=needed, limit=limit)})
+        w.add_action("Start a new chat", self.new_chat)
+        w.add_action("Raise the limit", lambda: self.raise_context_requested.emit(int(needed)), primary=True)
+        self.context_notice = w
+        self._update_buttons()
+        self.save()
+
+    def retry_turn(self) -> None:
+        """Ask again for the chat's last user message (after the limit was raised)."""
+        self._regenerate(None)
+
     def _on_error(self, text: str) -> None:
+        self._end_failed_turn()
+        self._add_message({"role": "error", "content": text})
+        self._update_buttons()
+
+    def _end_failed_turn(self) -> None:
+        """The reply of a turn that failed: removed when nothing came, else finished as it is."""
         w = self.current
         if w is not None and not w.message.get("content") and not w.message.get("thinking"):
             idx = _position(self.conv.messages, w.message)
@@ -963,8 +1084,6 @@ class ChatPanel(QWidget):
         else:
             self._finish({}, "error")
         self.current = None
-        self._add_message({"role": "error", "content": text})
-        self._update_buttons()
 
     # ---- settings ----------------------------------------------------------------------------------------
     def _settings_changed(self) -> None:

@@ -6,7 +6,9 @@ small QThread (`_Watcher`) that blocks on the request's event stream and re-emit
 signal, which Qt queues to the GUI thread (tokens gathered for 25 ms into one signal). So the GUI thread never waits on the engine: it only calls
 methods that return at once (`load`, `chat`, `stop`, `replace`) and reacts to signals. An engine exception
 arrives as an "error" event and becomes `chat_error` / `load_failed`; the window shows it and keeps
-working.
+working. A prompt beyond the loaded model's context limit becomes `context_full` instead (the chat
+offers a new chat or a longer context), and `context_used` tells how many tokens of the context the
+running chat holds (after each batch of tokens and at the end of a turn).
 
 Not here: widgets, or any knowledge of how a model runs.
 """
@@ -17,6 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from minecart.engine.errors import ContextFullError
 from minecart.engine.placement import DEFAULT_KV_TYPE
 from minecart.engine.runtime import Runtime
 from minecart.engine.sampling import SamplingParams
@@ -43,10 +46,11 @@ class _Watcher(QThread):
         text: list[str] = []
         thinking: list[str] = []
         since = 0.0
+        used = 0  # prompt + generated tokens after the newest token of the batch (0: not known)
 
         def flush() -> None:
-            if text or thinking:
-                self.event.emit(_Tokens("".join(text), "".join(thinking)))
+            if text or thinking or used:
+                self.event.emit(_Tokens("".join(text), "".join(thinking), used))
                 text.clear()
                 thinking.clear()
 
@@ -63,6 +67,8 @@ class _Watcher(QThread):
                         since = time.monotonic()
                     text.append(ev.text or "")
                     thinking.append(ev.thinking or "")
+                    if ev.generation is not None:
+                        used = ev.generation.prompt_tokens + ev.generation.generated_tokens
                     if time.monotonic() - since >= self.BATCH_S:
                         flush()
                     continue
@@ -77,10 +83,12 @@ class _Watcher(QThread):
 
 @dataclass(frozen=True)
 class _Tokens:
-    """The text and thinking of the tokens that arrived within one batch."""
+    """The text and thinking of the tokens that arrived within one batch, and the tokens the sequence
+    holds after them (prompt + generated so far; 0 = not known)."""
 
     text: str
     thinking: str
+    used: int = 0
     kind: str = "token"
 
 
@@ -120,6 +128,8 @@ class EngineBridge(QObject):
     chat_done = Signal(dict)  # {"finish_reason", "usage", "timing"}
     chat_error = Signal(str)
     chat_cancelled = Signal(dict)
+    context_full = Signal(int, int)  # tokens the turn needed, the loaded model's context limit
+    context_used = Signal(int)  # tokens the running chat holds (prompt + answer so far)
     busy_changed = Signal(bool)
 
     def __init__(self, runtime=None, parent=None):
@@ -150,6 +160,12 @@ class EngineBridge(QObject):
     @property
     def generating(self) -> bool:
         return self._chat is not None
+
+    @property
+    def context_limit(self) -> int:
+        """The most tokens a chat of the loaded model holds, prompt and answer (0: no model)."""
+        info = self.model_info
+        return int(info.context_limit) if info is not None else 0
 
     # ---- requests --------------------------------------------------------------------------------
     def _submit(self, slot: str, request, failed, on_event) -> bool:
@@ -267,6 +283,8 @@ class EngineBridge(QObject):
         if kind == "token":
             if ev.text or ev.thinking:
                 self.token.emit(ev.text or "", ev.thinking or "")
+            if isinstance(ev, _Tokens) and ev.used:
+                self.context_used.emit(ev.used)
             return
         if kind not in ("done", "cancelled", "error"):
             return
@@ -274,10 +292,14 @@ class EngineBridge(QObject):
         self.busy_changed.emit(False)
         info = {"finish_reason": ev.finish_reason, "usage": ev.usage,
                 "timing": (ev.data or {}).get("timing")}
+        if ev.usage is not None and ev.usage.total_tokens:
+            self.context_used.emit(ev.usage.total_tokens)
         if kind == "done":
             self.chat_done.emit(info)
         elif kind == "cancelled":
             self.chat_cancelled.emit(info)
+        elif isinstance(ev.error, ContextFullError):
+            self.context_full.emit(ev.error.needed, ev.error.limit)
         else:
             self.chat_error.emit(ev.text or "generation failed")
 
@@ -300,6 +322,7 @@ class _SyntheticError:
     kind = "error"
     finish_reason = "error"
     usage = None
+    error = None
     data: dict = {}
     fraction = None
     thinking = ""

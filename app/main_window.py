@@ -64,6 +64,7 @@ from .library_panel import LibraryPanel
 from .settings import Settings
 
 PAGES = ["chat", "models", "layers", "graphs", "rig"]
+CONTEXT_STEP = 1024  # a raised context limit is a whole number of these tokens
 
 # the status chip for each load state (MainWindow.load_state)
 CHIPS = {"none": ("not loaded", "warn"), "loading": ("loading", ""), "loaded": ("loaded", "ok"),
@@ -276,6 +277,7 @@ class MainWindow(QMainWindow):
         self._sent_plan = None  # the Placement given to the engine by the running load or re-place
         self._loaded_experts_device = ""  # where the loaded model's routed experts are ("" = with their layers)
         self._fallback_note = ""  # why the running load does not use the plan on screen
+        self._retry_after_raise = False  # the chat's "Raise the limit" re-places: ask again once loaded
         # one state that the status chip, the status bar and the layer map notice all read:
         # "none", "loading", "loaded", "failed", "cancelled"; the note says why
         self.load_state = "none"
@@ -348,6 +350,7 @@ class MainWindow(QMainWindow):
         self.bridge.load_failed.connect(self._on_load_failed)
         self.bridge.load_cancelled.connect(self._on_load_cancelled)
         self.bridge.chat_done.connect(self._on_chat_done)
+        self.chat.raise_context_requested.connect(self.raise_context)
 
         for i, key in enumerate(("Ctrl+1", "Ctrl+2", "Ctrl+3", "Ctrl+4", "Ctrl+5")):
             act = QAction(self)
@@ -603,6 +606,9 @@ class MainWindow(QMainWindow):
         self._set_state("loaded", self._fallback_note)
         self._update_top()
         settle_heap()  # the model and its tokenizer are here to stay
+        if self._retry_after_raise:
+            self._retry_after_raise = False
+            self.chat.retry_turn()  # the turn that did not fit, now with the longer context
 
     def _show_engine_plan(self, info, path: Path) -> None:
         """The layer map shows where the engine actually put the layers once a model is loaded."""
@@ -616,6 +622,7 @@ class MainWindow(QMainWindow):
             self.layer_model.set_plan(plan.with_settings(kv_type=self.bridge.kv_type or DEFAULT_KV_TYPE))
 
     def _on_load_failed(self, text: str) -> None:
+        self._retry_after_raise = False
         self.top.set_loading(False)
         self._pending_load = None
         self._load_after_plan = None
@@ -643,6 +650,7 @@ class MainWindow(QMainWindow):
             self.layer_model.auto_split_later()
 
     def _on_load_cancelled(self) -> None:
+        self._retry_after_raise = False
         self.top.set_loading(False)
         self._pending_load = None
         self._load_after_plan = None
@@ -699,6 +707,39 @@ class MainWindow(QMainWindow):
         self.top.progress_label.setText("Re-placing layers…")
         unsettle_heap()
         self.bridge.replace(plan)
+
+    def raise_context(self, needed: int) -> None:
+        """The chat's "Raise the limit" for a turn of `needed` tokens: re-place the loaded model with
+        a longer context (twice the limit, or the turn rounded up to CONTEXT_STEP if more; at most
+        what fits the devices and the trained context) and ask again once it is back. When the turn
+        cannot fit, the layer map opens with its context field focused and the status bar says why."""
+        from minecart.engine.placement import max_context
+
+        plan = self.layer_model.plan
+        loaded = self.loaded_path is not None and self.selected is not None \
+            and self.selected.path == self.loaded_path
+        if plan is None or not loaded or self.loading:
+            self._focus_context("Set a longer context here, then press Apply or Load.")
+            return
+        fits = max_context(plan, self.layer_model.device_specs())
+        if fits < needed:
+            self._focus_context(f"This chat needs {needed:,} tokens, but at most {fits:,} fit "
+                                f"{self.selected.display_name} on these devices with a {plan.kv_type} KV "
+                                "cache: start a new chat, or try a smaller KV cache type or more devices.")
+            return
+        target = min(fits, max(2 * plan.context, -(-int(needed) // CONTEXT_STEP) * CONTEXT_STEP))
+        self._retry_after_raise = True
+        self.layer_model.set_settings(context=target)
+        assert self.layer_model.plan is not None
+        self.apply_plan(self.layer_model.plan)
+        self.statusBar().showMessage(f"Raising the context limit to {target:,} tokens…", 8000)
+
+    def _focus_context(self, note: str) -> None:
+        """The layer map, its context field focused for typing, with `note` in the status bar."""
+        self.show_page("layers")
+        self.layers.context.setFocus(Qt.FocusReason.OtherFocusReason)
+        self.layers.context.selectAll()
+        self.statusBar().showMessage(note, 12000)
 
     def _folders_changed(self, folders: list) -> None:
         self.settings["model_folders"] = list(folders)

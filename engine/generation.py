@@ -5,7 +5,8 @@ GenerationEvent per generated token; the last event carries finish_reason:
 - "stop": an end-of-turn token (the tokenizer's EOS ids or params.stop_token_ids; the token itself is
   not fed to the model and adds no text) or a stop string (the text up to it is emitted, the rest not);
 - "length": params.max_tokens tokens were generated, or the context is full (prompt + answer =
-  the model's context_length; a prompt that leaves no room for an answer is a RequestError);
+  the context limit, engine/session.py context_limit: the planned context; a prompt that leaves no
+  room for an answer is a ContextFullError, a RequestError, raised before any token is computed);
 - "cancelled": `cancel` (a threading.Event) was set; checked before every token, so it takes effect
   within one token. That final event has token None.
 Nothing is yielded after a final event. Text that could be the start of a stop string is held back
@@ -34,7 +35,7 @@ from .errors import GenerationCancelled, RequestError
 from .execution import shift_override
 from .prompt import PromptInput, PromptMode, render_prompt
 from .sampling import Sampler, SamplingParams
-from .session import PREFILL_CHUNK, Session
+from .session import PREFILL_CHUNK, Session, context_full, context_limit
 from .vision.insert import has_images as has_images_in
 from .vision.insert import prepare_chat
 
@@ -131,18 +132,12 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def context_limit(model: Model) -> int:
-    """The most tokens (prompt + answer) one sequence may hold: the model's trained context length
-    (0 = unknown, no limit). Past it the KV cache would still grow, but the model's output is garbage."""
-    return int(model.config.context_length or 0)
-
-
-def check_fits_context(model: Model, n_prompt: int) -> None:
-    limit = context_limit(model)
-    if limit and n_prompt >= limit:
-        raise RequestError(f"the prompt is {n_prompt:,} tokens, but {model.path.name} holds at most "
-                           f"{limit:,} (its context length) including the answer; shorten the prompt "
-                           "or the conversation, or start a new chat")
+def check_fits_context(model: Model, n_prompt: int, session: Session | None = None) -> None:
+    """Refuse a prompt that leaves no room for one answer token within the context limit (the
+    session's, else the model's: engine/session.py context_limit), before any token is computed."""
+    limit = session.limit if session is not None else context_limit(model)
+    if n_prompt >= limit:
+        raise context_full(n_prompt + 1, limit, int(model.config.context_length or 0))
 
 
 def generate(model: Model, prompt: PromptInput, params: SamplingParams | None = None, *,
@@ -165,7 +160,7 @@ def generate(model: Model, prompt: PromptInput, params: SamplingParams | None = 
             and not isinstance(prompt, str) and has_images_in(prompt):
         # chat messages with pictures: expanded ids, (3, T) positions, embedding rows
         prepared = prepare_chat(model, prompt, enable_thinking=enable_thinking, tools=tools)
-        check_fits_context(model, len(prepared.ids))
+        check_fits_context(model, len(prepared.ids), session)
         before: Callable[[], int] | None = None
         b = prepared.boundary
         if session is not None and b:
@@ -192,7 +187,7 @@ def generate(model: Model, prompt: PromptInput, params: SamplingParams | None = 
         raise RequestError("the prompt is empty")
     # a default length for the kind of prompt: plain text continues, ids and chats answer
     params = params.with_max_tokens(templated=rendered.source != "text")
-    check_fits_context(model, len(ids))
+    check_fits_context(model, len(ids), session)
     before = None
     if session is not None and turn_boundary and 0 < turn_boundary < len(ids):
         boundary_ids = ids[:turn_boundary]
@@ -266,7 +261,7 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
     session = session if session is not None else model.new_session()
     tokenizer = model.tokenizer
     end_ids = (set(tokenizer.eos_ids) if tokenizer is not None else set()) | set(params.stop_token_ids)
-    limit = context_limit(model)
+    limit = session.limit
 
     if cancel is not None and cancel.is_set():
         yield clock.event(None, "", "cancelled")
@@ -315,7 +310,7 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
                 yield clock.event(token, shown, "stop")
                 return
             # the context is full once the prompt and the answer so far leave no room for this token
-            if clock.n_gen >= max_tokens or (limit and clock.n_prompt + clock.n_gen >= limit):
+            if clock.n_gen >= max_tokens or clock.n_prompt + clock.n_gen >= limit:
                 yield clock.event(token, shown + held_text(), "length")
                 return
             yield clock.event(token, shown)

@@ -14,6 +14,13 @@ to is intact), then prefills the remaining known tokens up to n. With no usable 
 zero state and prefills `tokens[:n]` again: truncation always works, its cost depends on the snapshots.
 Models without recurrent layers (Gemma 3) truncate their caches directly.
 
+The context limit. A sequence holds at most `context_limit(model)` tokens: the loaded model's planned
+context (Placement.context, the context its memory estimate was made for: the app's layer map, the
+CLI's --context), capped at the trained context; the trained context when the model was loaded without
+a plan. A session's KV caches are allocated for the whole limit when it is made (`initial_capacity`),
+so the plan's memory is what it holds from the first token; a session never runs past its limit
+(ContextFullError, before any token of the run is computed).
+
 Images. Rows given as embeddings (`embed_override`, with (3, T) M-RoPE positions) enter the history as
 negative keys derived from their values, so only the same image counts as a common prefix; the rows'
 values and every token's (t, h, w) position are kept, so a truncate can re-prefill them exactly.
@@ -25,12 +32,14 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from .backends.base import LayerState
-from .errors import GenerationCancelled
+from .errors import ContextFullError, GenerationCancelled
 from .execution import shift_override
+from .placement import Placement
 
 # Turn boundaries kept per session: enough for "regenerate" (after the prompt) and "edit the last
 # message" (end of the previous turn). Each holds the recurrent state on the host: ~50 MiB for 9B,
@@ -39,6 +48,60 @@ MAX_SNAPSHOTS = 3
 # Tokens per prefill run. Every prefill is chunked, whoever calls it: a chunk bounds the memory of one
 # run (activations grow with its length) and the latency of a cancel (checked between chunks).
 PREFILL_CHUNK = 512
+# KV rows a session of a model loaded without a plan (load_model(backend=...): tests, benchmarks)
+# allocates at first; its caches grow by doubling up to the context limit.
+DEFAULT_CAPACITY = 8192
+
+
+class _ContextConfig(Protocol):
+    @property
+    def context_length(self) -> int: ...  # trained context (0 = unknown)
+
+
+class PlannedModel(Protocol):
+    """What the context limit is read from (engine.model.Model, the scheduler's view of it, and the
+    runtime's models all have these)."""
+
+    @property
+    def config(self) -> _ContextConfig: ...
+
+    @property
+    def placement(self) -> object: ...  # a Placement, a part -> device mapping, or None
+
+
+def context_limit(model: PlannedModel) -> int:
+    """The most tokens one sequence of `model` may hold, prompt and answer together: the planned
+    context (the Placement it was loaded with: its memory estimate assumed this many tokens), capped
+    at the trained context; without a plan the trained context, or DEFAULT_CAPACITY when the file
+    does not say. Always >= 1."""
+    trained = int(model.config.context_length or 0)
+    placement = model.placement
+    if isinstance(placement, Placement):
+        return min(placement.context, trained) if trained else placement.context
+    return trained or DEFAULT_CAPACITY
+
+
+def initial_capacity(model: PlannedModel) -> int:
+    """KV rows a new session allocates: the whole context limit when the model has a plan (so the
+    caches never grow: the plan's memory is taken up front); without one at most DEFAULT_CAPACITY."""
+    limit = context_limit(model)
+    return limit if isinstance(model.placement, Placement) else min(limit, DEFAULT_CAPACITY)
+
+
+def context_full(n_tokens: int, limit: int, trained: int) -> ContextFullError:
+    """The error for a sequence of `n_tokens` on a model that holds `limit` (trained for `trained`)."""
+    if trained and limit >= trained:
+        what = "the context length it was trained for"
+        how = "shorten the prompt or the conversation, or start a new chat"
+    else:
+        what = "the context length it was loaded with"
+        most = f", up to {trained:,} (its trained context)" if trained else ""
+        how = ("shorten the prompt or the conversation, start a new chat, or load the model with a "
+               "longer context (--context N for minecart run, chat and serve; the context field on "
+               f"the app's Layers page){most}")
+    return ContextFullError(f"the prompt and its answer need {n_tokens:,} tokens, but the loaded model "
+                            f"holds at most {limit:,} ({what}): {how}",
+                            needed=n_tokens, limit=limit, trained=trained)
 
 
 @dataclass(frozen=True)
@@ -61,8 +124,12 @@ class Session:
     """One sequence's state on `model`. Not thread-safe: use it from the thread that owns the model."""
 
     def __init__(self, model, capacity: int | None = None, kv_type: str | None = None):
+        """capacity: KV rows to allocate (default: initial_capacity(model), the whole context limit
+        of a planned model). A capacity beyond the model's limit raises this session's limit to it
+        (a benchmark at a long context); the session never holds more than `limit` tokens."""
         self.model = model
         self.capacity = capacity
+        self.limit = max(int(capacity or 0), context_limit(model))
         # kv_type: None = the model's (load_model(kv_type=)); one of engine/kvquant.py's KV_TYPES
         states = model.new_state(capacity, kv_type=kv_type) if kv_type else model.new_state(capacity)
         self.states: list[LayerState] = states
@@ -117,6 +184,8 @@ class Session:
     def _advance(self, ids: list[int], positions=None, rows: str | None = "last", embed_override=None,
                  chunk: int | None = None, cancel=None):
         T = len(ids)
+        if len(self.tokens) + T > self.limit:
+            raise context_full(len(self.tokens) + T, self.limit, int(self.model.config.context_length or 0))
         keys = self._keys(ids, embed_override)
         if positions is None:
             start = self.position
@@ -323,6 +392,7 @@ class Session:
         twin = Session.__new__(Session)
         twin.model = self.model
         twin.capacity = self.capacity
+        twin.limit = self.limit
         twin.states = []
         for i, st in enumerate(self.states):
             be = self._layer_backend(i)
