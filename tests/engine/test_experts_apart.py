@@ -5,6 +5,8 @@ one device, the experts' weights live on their device only, and a placement chan
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from minecart.engine.experts import ExpertsApart
@@ -95,3 +97,265 @@ def test_a_placement_with_an_experts_device_loads_them_there(moe_path):
         assert model.device_plan["layer.0.experts"] == "cpu:1"
         assert isinstance(model.backends["layer.0"], ExpertsApart)
         np.testing.assert_array_equal(model.logits(PROMPT), want)
+
+
+# ---- streaming host-held experts to the GPU for prefill: the proxy's decisions, on the CPU ---------------
+
+
+class _LoggedStream:
+    """An ExpertStream stand-in: 'stages' a layer by handing back its host weights (so the numbers are
+    the host's), and logs what the proxy asks of it."""
+
+    def __init__(self):
+        self.log: list = []
+        self.layers: dict = {}
+        self.staged: set = set()
+
+    def add_layer(self, key, experts, router):
+        self.layers[key] = {**experts, "router": router}
+
+    def layer_bytes(self, key):
+        return sum(w.info.n_bytes for n, w in self.layers[key].items() if n != "router")
+
+    def active_values(self, key, k):
+        return 1.0
+
+    def prefetch(self, key):
+        if key not in self.staged:
+            self.log.append(("prefetch", key))
+            self.staged.add(key)
+
+    def acquire(self, key):
+        self.prefetch(key)
+        self.log.append(("acquire", key))
+        return self.layers[key]
+
+    def release(self, key):
+        self.log.append(("release", key))
+
+    def settle(self):
+        self.log.append(("settle",))
+
+    def close(self):
+        self.log.append(("close",))
+
+
+def _moe_args(model, i):
+    w = model.weights[f"layer.{i}.experts"]
+    p = f"blk.{i}."
+    fused = w.get(p + "ffn_gate_up_exps.weight")
+    return (w[p + "ffn_gate_inp.weight"], fused if fused is not None else w[p + "ffn_gate_exps.weight"],
+            None if fused is not None else w[p + "ffn_up_exps.weight"], w[p + "ffn_down_exps.weight"])
+
+
+def test_a_long_chunk_streams_each_layer_and_prefetches_the_next(moe_path):
+    with load_model(moe_path, devices=["cpu:0"], experts="cpu:1") as model:
+        host = model.backends["layer.0"]
+        assert isinstance(host, ExpertsApart) and host.stream is None  # CPU layers: nothing to stream
+        st = _LoggedStream()
+        proxy = ExpertsApart(host.inner, host.experts, stream=st)
+        n = model.config.n_layers
+        for i in range(n):
+            proxy.hold(model.weights[f"layer.{i}.experts"])
+        assert sorted(st.layers) == list(range(n))
+        proxy.min_stream_tokens = 4
+        k = model.config.n_experts_used
+        x = np.random.default_rng(1).standard_normal((9, model.config.hidden)).astype(np.float32)
+        for i in range(n):
+            got = proxy.moe(x, *_moe_args(model, i), k)
+            np.testing.assert_array_equal(got, host.moe(x, *_moe_args(model, i), k))  # the same numbers
+        want = [("prefetch", 0), ("acquire", 0)]
+        for i in range(n):
+            if i + 1 < n:
+                want.append(("prefetch", i + 1))  # issued as layer i's MoE starts
+            want += [("release", i)] + ([("acquire", i + 1)] if i + 1 < n else [])
+        assert st.log == want  # nothing prefetched past the last layer: no copy left in flight
+        assert proxy.streamed_moe_calls == n and proxy.host_moe_calls == 0
+        # a short chunk (decode) runs on the host; so does every chunk with streaming off
+        proxy.moe(x[:3], *_moe_args(model, 0), k)
+        proxy.streaming = False
+        proxy.moe(x, *_moe_args(model, 1), k)
+        assert proxy.host_moe_calls == 2 and proxy.streamed_moe_calls == n
+        # a failure inside the MoE settles the copies in flight and frees the buffer
+        st.log.clear()
+        proxy.streaming = True
+        with pytest.raises(ValueError):
+            proxy.moe(x[:, :5], *_moe_args(model, 2), k)
+        assert ("settle",) in st.log and st.log[-1] == ("release", 2)
+
+
+def test_the_stream_threshold_is_copy_time_over_cpu_time_per_token(moe_path):
+    from minecart.engine.placement import Link, stream_min_tokens_for
+
+    with load_model(moe_path, devices=["cpu:0"], experts="cpu:1") as model:
+        host = model.backends["layer.0"]
+        st = _LoggedStream()
+        proxy = ExpertsApart(host.inner, host.experts, stream=st, link=Link(1e6, 0.0), cpu_flops=1e6)
+        proxy.hold(model.weights["layer.0.experts"])
+        # 1 active value per token (the stand-in): 2 flops at 1e6 flop/s = 2 us a token on the CPU
+        want = stream_min_tokens_for(st.layer_bytes(0), 2.0 / 1e6, Link(1e6, 0.0))
+        assert proxy.stream_min_tokens(0, 2) == want == -(-st.layer_bytes(0) // 2)
+
+
+def test_the_first_n_layers_keep_their_experts(moe_path):
+    with load_model(moe_path, devices=["cpu:0"]) as ref:
+        want = ref.logits(PROMPT)
+    with load_model(moe_path, devices=["cpu:1"], experts="2") as model:
+        n = model.config.n_layers
+        assert [model.device_plan[f"layer.{i}.experts"] for i in range(n)] == ["cpu:1"] * 2 + ["cpu:0"] * (n - 2)
+        assert model.placement.experts_apart() == {f"layer.{i}": "cpu:0" for i in range(2, n)}
+        proxy = model.backends["layer.0"]
+        assert isinstance(proxy, ExpertsApart)
+        np.testing.assert_array_equal(model.logits(PROMPT), want)
+        assert proxy.host_moe_calls == n - 2  # the two kept layers ran beside their layer
+
+
+def test_auto_with_room_for_everything_keeps_the_experts_with_their_layers(moe_path):
+    with load_model(moe_path, devices=["cpu:1"], experts="auto") as model:
+        assert model.placement.experts_apart() == {}
+        assert not isinstance(model.backends["layer.0"], ExpertsApart)
+
+
+def test_a_bad_experts_value_is_refused(moe_path):
+    from minecart.engine.errors import PlacementError
+
+    with pytest.raises(PlacementError, match="--experts-on 'gpu' is not understood"):
+        load_model(moe_path, devices=["cpu:0"], experts="gpu")
+
+
+# ---- placement: per-layer experts, staging buffers, the stream threshold, --experts-on -------------------
+
+
+def _costs35():
+    from minecart.engine.placement import costs_for_shape
+
+    return costs_for_shape("qwen3.6-35b-a3b", "Q4_K")
+
+
+def test_experts_device_is_shorthand_for_every_moe_layer():
+    from minecart.engine.placement import Placement
+
+    costs = _costs35()
+    plan = Placement.single(costs, "cuda:0", experts_device="cpu:0")
+    assert plan.experts_apart() == {f"layer.{i}": "cpu:0" for i in range(40)}
+    assert plan.experts_device == "cpu:0"
+    plan.experts_device = ""
+    assert plan.experts == {} and plan.experts_device == "" and plan.expert_parts() == []
+    plan.experts = {"layer.39": "cpu:0"}
+    assert plan.experts_device == "cpu:0" and [p.name for p in plan.expert_parts()] == ["layer.39"]
+    assert plan.experts_of("layer.39") == "cpu:0" and plan.experts_of("layer.0") == "cuda:0"
+
+
+def test_per_layer_experts_are_priced_where_they_sit_with_two_staging_buffers():
+    from minecart.engine.placement import Placement
+
+    costs = _costs35()
+    whole = Placement.single(costs, "cuda:0").bytes_per_device()["cuda:0"]
+    apart = {f"layer.{i}": "cpu:0" for i in range(10, 40)}
+    plan = Placement.single(costs, "cuda:0", experts=apart)
+    per = plan.bytes_per_device()
+    moved = sum(costs.part(p).expert_bytes for p in apart)
+    assert per["cuda:0"].weights == whole.weights - moved and per["cpu:0"].weights == moved
+    layer = costs.part("layer.10").expert_bytes
+    assert per["cuda:0"].expert_staging == plan.expert_staging_bytes("cuda:0") == 2 * layer
+    assert per["cuda:0"].activations - whole.activations >= 2 * layer  # scratch holds the staging buffers
+    assert per["cpu:0"].expert_staging == 0
+    # layers on the CPU with their experts on the CPU: nothing apart, nothing streamed
+    cpu = Placement.single(costs, "cpu:0", experts_device="cpu:0")
+    assert cpu.expert_parts() == [] and cpu.bytes_per_device()["cpu:0"].expert_staging == 0
+
+
+def test_a_per_layer_map_survives_json_and_old_files_still_load():
+    from minecart.engine.errors import PlacementError
+    from minecart.engine.placement import Placement
+
+    costs = _costs35()
+    plan = Placement.single(costs, "cuda:0", experts={f"layer.{i}": "cpu:0" for i in range(5, 40)})
+    d = json.loads(plan.to_json())
+    assert d["settings"]["experts_device"] == ""  # not every layer's: an older reader keeps them all
+    back = Placement.from_json(plan.to_json())
+    assert back.experts_apart() == plan.experts_apart() and back.bytes_per_device() == plan.bytes_per_device()
+    old = dict(d, settings={k: v for k, v in d["settings"].items() if k != "experts"})
+    old["settings"]["experts_device"] = "cpu:0"  # a file from before the map: every layer's experts
+    assert Placement.from_dict(old).experts_apart() == {f"layer.{i}": "cpu:0" for i in range(40)}
+    every = Placement.single(costs, "cuda:0", experts_device="cpu:0")
+    assert json.loads(every.to_json())["settings"]["experts_device"] == "cpu:0"
+    with pytest.raises(PlacementError, match="'head' has no routed experts"):
+        Placement.single(costs, "cuda:0", experts={"head": "cpu:0"})
+
+
+def test_the_stream_threshold_falls_as_the_link_gets_faster():
+    from minecart.engine.placement import (
+        CPU_SPEED,
+        Link,
+        _expert_seconds_per_token,
+        stream_min_tokens,
+    )
+    from minecart.engine.placement import stream_min_tokens_for as from_numbers
+    from minecart.engine.rig import LINKS
+
+    p = _costs35().part("layer.0")
+    t = [stream_min_tokens(p, LINKS[name]) for name in ("gen1x1", "gen3x4", "gen4x16")]
+    assert t[0] > t[1] > t[2] >= 1
+    per_token = _expert_seconds_per_token(p, CPU_SPEED)
+    copy = LINKS["gen3x4"].seconds(p.expert_bytes)
+    assert (t[1] - 1) * per_token < copy <= t[1] * per_token  # the fewest tokens for which the copy wins
+    assert from_numbers(10 ** 6, 1e-3, Link(1e9, 0.0)) == 1
+    assert from_numbers(10 ** 9, 1e-3, Link(1e9, 0.0)) == 1000
+    assert from_numbers(10 ** 9, 0.0, Link(1e9, 0.0)) > 10 ** 8  # nothing to gain: never
+
+
+def test_streamed_prefill_is_predicted_link_bound():
+    from minecart.engine.placement import DeviceSpec, Placement, predict_speed
+    from minecart.engine.rig import LINKS
+
+    costs = _costs35()
+    speeds = {}
+    for link in ("gen1x1", "gen1x4", "gen4x16"):
+        plan = Placement.single(costs, "cuda:0", experts_device="cpu:0", chunk=4096)
+        devices = [DeviceSpec("cuda:0", 8 << 30, link=LINKS[link]), DeviceSpec("cpu:0", 64 << 30)]
+        speeds[link] = predict_speed(plan, devices)
+    # slow links bound the prefill; on a fast one the GPU's compute does (a GTX 1070-class card here)
+    assert speeds["gen1x1"].prefill_tokens_per_s < speeds["gen1x4"].prefill_tokens_per_s \
+        < speeds["gen4x16"].prefill_tokens_per_s
+    # decode runs the experts on the CPU whatever the link (only hidden rows cross it)
+    assert speeds["gen1x1"].decode_tokens_per_s == pytest.approx(speeds["gen4x16"].decode_tokens_per_s, rel=0.01)
+    # 40 layers x their expert bytes over Gen1 x1 bound the one 4096-token chunk
+    link_s = sum(LINKS["gen1x1"].seconds(p.expert_bytes) for p in costs.parts if p.experts)
+    assert 4096 / link_s * 0.95 <= speeds["gen1x1"].prefill_tokens_per_s <= 4096 / link_s
+
+
+def test_experts_on_values():
+    from minecart.engine.errors import PlacementError
+    from minecart.engine.placement import check_experts_on, experts_map
+
+    layers = [f"layer.{i}" for i in range(4)]
+    assert experts_map("host", layers) == dict.fromkeys(layers, "cpu:0")
+    assert experts_map("1", layers) == dict.fromkeys(layers[1:], "cpu:0")
+    assert experts_map("9", layers) == {}
+    assert experts_map("cpu:1", layers) == dict.fromkeys(layers, "cpu:1")
+    assert check_experts_on(" Auto ") == "auto"
+    with pytest.raises(PlacementError, match="auto needs"):
+        experts_map("auto", layers)
+    with pytest.raises(PlacementError, match="not understood"):
+        check_experts_on("-3")
+
+
+@pytest.mark.parametrize("gib,kept", [(200, 40), (8, None), (2, 0)])
+def test_auto_fills_the_gpu_with_whole_layers_experts_first(gib, kept):
+    from minecart.engine.placement import DeviceSpec, Placement, fill_experts, fits
+
+    costs = _costs35()
+    plan = Placement.single(costs, "cuda:0", context=8192)
+    devices = [DeviceSpec("cuda:0", gib << 30), DeviceSpec("cpu:0", 64 << 30)]
+    apart = fill_experts(plan, devices)
+    n_kept = 40 - len(apart)
+    assert sorted(apart) == sorted(f"layer.{i}" for i in range(n_kept, 40))  # the first layers keep theirs
+    if kept is not None:
+        assert n_kept == kept
+    else:
+        assert 0 < n_kept < 40
+        filled = plan.with_settings(experts=apart)
+        assert fits(filled, devices)
+        one_more = plan.with_settings(experts={p: d for p, d in apart.items() if p != f"layer.{n_kept}"})
+        assert not fits(one_more, devices)  # the next layer's experts would not fit
