@@ -39,6 +39,6 @@ def test_rows_compare_with_the_plan_the_engine_ran(tmp_path, capsys):
     assert rows[2]["decode_predicted"] < rows[1]["decode_predicted"]  # the riser costs time
     path = tmp_path / "split.json"
     path.write_text(json.dumps(REPORT))
-    assert pvm.main([str(path), "--shape", "qwen3.5-9b"]) == 0
+    assert pvm.main(["report", str(path), "--shape", "qwen3.5-9b"]) == 0
     out = capsys.readouterr()
     assert "| 2 devices @gen1x1 (one GPU) |" in out.out and "largest miss" in out.err
