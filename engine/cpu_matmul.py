@@ -168,7 +168,8 @@ def rows_matmul(x: np.ndarray, w: np.ndarray, *, threads: int = 1) -> np.ndarray
 
         kernel = _kernel_for(True)
         before = numba.get_num_threads()
-        numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
+        config: Any = numba.config  # its attributes are set at import, unknown to mypy
+        numba.set_num_threads(max(1, min(int(threads), int(config.NUMBA_NUM_THREADS))))
         try:
             kernel(xp, w, out)
         finally:
