@@ -153,7 +153,7 @@ class ExpertsApart:
         w = st.acquire(layer)
         try:
             nxt = min((i for i in set(self._layer_of.values()) if i > layer), default=None)
-            if nxt is not None:
+            if nxt is not None and int(x.shape[0]) >= self.stream_min_tokens(nxt, k):
                 st.prefetch(nxt)  # the next host-held layer's copy runs while this one computes
             y = self._inner.moe(x, w["router"], w[gate_exps.name],
                                 None if up_exps is None else w[up_exps.name], w[down_exps.name], k)

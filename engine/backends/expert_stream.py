@@ -75,7 +75,8 @@ class _HostLayer:
 class _Slot:
     """One GPU staging buffer and what it holds: `key` (a layer, or None), `ready` (recorded on the
     copy stream when its copy landed), `free` (recorded on the compute stream after the MoE that read
-    it), `deadline` (perf_counter time the simulated link finishes the copy)."""
+    it), `deadline` (perf_counter time the simulated link finishes the copy). A layer still in a
+    buffer from the chunk before is used again without a copy."""
 
     def __init__(self) -> None:
         self.buf: Any = None
@@ -83,6 +84,9 @@ class _Slot:
         self.ready: Any = None
         self.free: Any = None
         self.deadline = 0.0
+        self.acquired = True  # False from a copy's start until an MoE takes the buffer
+        self.busy = False  # an MoE holds it (acquire .. release): never refilled meanwhile
+        self.stamp = 0  # when it was last filled or taken (the other one is refilled first)
 
 
 def _gpu_type(type_name: str, cols: int) -> str:
@@ -110,6 +114,7 @@ class ExpertStream:
         self._layers: dict[int, _HostLayer] = {}
         self._layouts: dict[tuple[str, int], Any] = {}  # (type, K) -> host re-layout, None = via the GPU
         self._slots = [_Slot(), _Slot()]
+        self._clock = 0
         self._link_free = 0.0
         with cp.cuda.Device(gpu.index):
             self._copy = cp.cuda.Stream(non_blocking=True)  # never waits for the legacy default stream
@@ -204,7 +209,10 @@ class ExpertStream:
         if any(s.key == key for s in self._slots):
             return
         layer = self._layers[key]
-        slot = min(self._slots, key=lambda s: s.deadline)  # the one filled longest ago
+        idle = [s for s in self._slots if not s.busy]
+        if not idle:
+            raise RuntimeError("both expert staging buffers are in use; release one before prefetching")
+        slot = min(idle, key=lambda s: s.stamp)  # the one filled or read longest ago
         if slot.buf is None or slot.buf.nbytes < layer.nbytes:
             if slot.buf is not None:
                 if slot.free is not None:
@@ -220,6 +228,9 @@ class ExpertStream:
             slot.ready = cp.cuda.Event(block=False, disable_timing=True)
             slot.ready.record(self._copy)
         slot.key = key
+        slot.acquired = False
+        self._clock += 1
+        slot.stamp = self._clock
         now = time.perf_counter()
         if self._link_seconds is not None:
             self._link_free = max(self._link_free, now) + self._link_seconds(layer.nbytes)
@@ -235,6 +246,9 @@ class ExpertStream:
         the copy; the host waits only for a simulated link."""
         self.prefetch(key)
         slot = next(s for s in self._slots if s.key == key)
+        slot.acquired = slot.busy = True
+        self._clock += 1
+        slot.stamp = self._clock
         layer = self._layers[key]
         with cp.cuda.Device(self.gpu.index):
             cp.cuda.get_current_stream().wait_event(slot.ready)
@@ -258,14 +272,24 @@ class ExpertStream:
         with cp.cuda.Device(self.gpu.index):
             slot.free = cp.cuda.Event(block=False, disable_timing=True)
             slot.free.record(cp.cuda.get_current_stream())
+        slot.busy = False
 
     def in_flight(self) -> int:
         """Copies issued and not landed yet."""
         return sum(1 for s in self._slots if s.ready is not None and not s.ready.done)
 
+    def orphans(self) -> int:
+        """Copies issued that no MoE has taken yet (a prefetch whose layer never ran)."""
+        return sum(1 for s in self._slots if s.key is not None and not s.acquired)
+
     def settle(self) -> None:
-        """Wait for every copy in flight (a cancelled or failed prefill leaves none behind)."""
+        """Wait for every copy in flight and forget the buffers no MoE took (a failed prefill leaves no
+        copy behind)."""
         self._copy.synchronize()
+        for s in self._slots:
+            if not s.acquired:
+                s.key = None
+                s.acquired = True
 
     def close(self) -> None:
         self.settle()
