@@ -14,6 +14,9 @@ experts in host RAM) and exits 1.
 
 Part names follow the GGUF tensor names: `embed` (token embedding), `blk.N` (layer N), `blk.N.experts`
 (layer N's routed experts, when they sit apart from the layer) and `head` (final norm and LM head).
+`--experts-on host|auto|N` keeps MoE layers' routed experts in host RAM: all of them, as many as the
+GPUs cannot hold, or all but the first N layers'; a GPU whose layers' experts are in host RAM keeps
+two staging buffers for streaming them in prefill, shown apart under the table.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ..devices import format_bytes
 from ..errors import DeviceError, PlacementError
 from ..placement import (
     DEFAULT_KV_TYPE,
+    EXPERTS_ON_HELP,
     GLOBAL,
     HEAD,
     KV_BYTES_PER_VALUE,
@@ -34,9 +38,13 @@ from ..placement import (
     MiB,
     ModelCosts,
     PlanChoice,
+    check_experts_on,
     costs_for_shape,
+    experts_map,
+    fill_experts,
     model_costs,
     plan_candidates,
+    plan_choice,
 )
 
 RESERVE = 256 * MiB  # kept free on every device beyond the estimate (plan_auto's default)
@@ -65,8 +73,11 @@ def register(subparsers) -> None:
     p.add_argument("--kv-type", default=DEFAULT_KV_TYPE, choices=list(KV_BYTES_PER_VALUE),
                    help=f"KV cache type; default {DEFAULT_KV_TYPE}")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens; default 512")
+    p.add_argument("--experts-on", default=None, type=_experts_on, metavar="host|auto|N",
+                   help=EXPERTS_ON_HELP.replace("host RAM", "host RAM (the rig's first CPU device)", 1))
     p.add_argument("--host-experts", action="store_true",
-                   help="MoE: keep the routed experts on the rig's first CPU device (host RAM)")
+                   help="MoE: keep the routed experts on the rig's first CPU device (host RAM); the same "
+                        "as --experts-on host")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -81,11 +92,23 @@ def run(args) -> int:
     if costs.context_length and args.context > costs.context_length:
         raise PlacementError(f"--context {args.context} is longer than {costs.name} was trained for "
                              f"({costs.context_length} tokens); give at most {costs.context_length}")
+    experts_on = "host" if args.host_experts else args.experts_on
     experts_device = ""
-    if args.host_experts:
+    experts: dict[str, str] | None = None
+    if experts_on is not None:
         experts_device = _host_device(devices, costs)
+        if experts_on.isdigit():  # the first N MoE layers keep theirs
+            experts = experts_map(experts_on, [p.name for p in costs.parts if p.experts], experts_device)
+        elif experts_on not in ("host", "auto"):
+            raise DeviceError(f"--experts-on {experts_on}: plan puts routed experts in host RAM (host, "
+                              f"auto or N); a device of their own is for `minecart run`")
     choices = plan_candidates(costs, devices, context=args.context, chunk=args.chunk, kv_type=args.kv_type,
-                              reserve=RESERVE, experts_device=experts_device)
+                              reserve=RESERVE, experts_device="" if experts is not None else experts_device,
+                              experts=experts)
+    if experts_on == "auto":  # the best split with every expert in host RAM, then the GPUs filled back
+        filled = choices[0].plan.with_settings(experts=fill_experts(choices[0].plan, devices,
+                                                                    host=experts_device, reserve=RESERVE))
+        choices = [plan_choice(filled, devices, reserve=RESERVE)] + choices
     best = choices[0]
     advice = [] if best.fits else _advice(costs, devices, args, choices, experts_device)
     report = _report(costs, devices, best, args.context, args.kv_type, advice)
@@ -163,12 +186,21 @@ def _costs(args, devices: list[DeviceSpec]) -> ModelCosts:
         gf.close()
 
 
+def _experts_on(text: str) -> str:
+    try:
+        return check_experts_on(text)
+    except PlacementError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _host_device(devices: list[DeviceSpec], costs: ModelCosts) -> str:
     if not any(p.experts for p in costs.parts):
-        raise DeviceError(f"--host-experts: {costs.name} has no routed experts (it is not a MoE model)")
+        raise DeviceError(f"--experts-on / --host-experts: {costs.name} has no routed experts (it is not "
+                          f"a MoE model)")
     cpus = [d.name for d in devices if d.name.startswith("cpu:")]
     if not cpus:
-        raise DeviceError("--host-experts needs the host's RAM in the rig: add e.g. cpu:0=64GiB to --rig")
+        raise DeviceError("routed experts in host RAM need the host's RAM in the rig: add e.g. cpu:0=64GiB "
+                          "to --rig")
     return cpus[0]
 
 
@@ -235,8 +267,7 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
     rows = []
     for d in devices:
         parts = [part_label(p) for p in plan.parts_on(d.name)]
-        if plan.experts_device == d.name:
-            parts += [f"{part_label(p.name)}.experts" for p in plan.expert_parts()]
+        parts += [f"{part_label(p)}.experts" for p, dev in plan.experts_apart().items() if dev == d.name]
         b = per.get(d.name)
         rows.append({
             "name": d.name, "capacity_bytes": int(by_name[d.name].free_bytes),
@@ -244,6 +275,8 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
             "card": d.speed.name if d.speed else "", "label": d.label, "link": d.link.name if d.link else "",
             "weights_bytes": b.weights if b else 0, "kv_cache_bytes": b.kv_cache if b else 0,
             "other_bytes": (b.total - b.weights - b.kv_cache) if b else 0,
+            # of other_bytes: the two buffers host-held experts are streamed into for prefill
+            "expert_staging_bytes": b.expert_staging if b else 0,
             "decode_seconds_per_token": choice.speed.per_device.get(d.name, 0.0),
         })
     return {
@@ -257,6 +290,8 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
                       "prefill_prompt_tokens": choice.speed.prompt},
         "model": costs.name, "source": costs.source,
         "kv_bytes_per_token": kv_bytes_per_token(costs, kv_type),
+        # MoE layers whose routed experts sit apart from the layer: blk.N -> device
+        "experts": {part_label(p): dev for p, dev in plan.experts_apart().items()},
         "max_context": int(choice.max_context),
         "reserve_bytes": RESERVE,
         "suggestions": advice,
@@ -302,6 +337,10 @@ def _table(r: dict[str, Any]) -> str:
     lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
     for row in rows:
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    for d in r["devices"]:
+        if d["expert_staging_bytes"]:
+            lines.append(f"{d['name']}: {format_bytes(d['expert_staging_bytes'])} of 'other' are the two "
+                         f"buffers that host-RAM experts are streamed into for prefill")
     p = r["predicted"]
     lines += ["", f"predicted: decode {p['decode_tokens_per_s']:.1f} tokens/s (empty context), "
               f"{p['decode_tokens_per_s_at_context']:.1f} at {r['context']} tokens; prefill "

@@ -35,8 +35,11 @@ def test_27b_q4k_at_32k_fits_8_8_6(capsys):
                  "cuda:0=8GiB,cuda:1=8GiB,cuda:2=6GiB", "--context", "32768")
     assert rc == 0 and r["fits"]
     parts = [p for d in r["devices"] for p in d["parts"]]
-    assert parts == ["embed"] + [f"blk.{i}" for i in range(64)] + ["head"]  # every part once, in order
-    for d in r["devices"]:
+    expected = ["embed"] + [f"blk.{i}" for i in range(64)] + ["head"]
+    assert sorted(parts, key=expected.index) == expected  # every part once
+    for d in r["devices"]:  # each device a run of consecutive parts (in whichever device order is best)
+        first = expected.index(d["parts"][0])
+        assert d["parts"] == expected[first : first + len(d["parts"])]
         assert d["planned_bytes"] + r["reserve_bytes"] <= d["capacity_bytes"]
 
 
@@ -169,3 +172,38 @@ def test_without_a_rig_the_gpus_of_this_machine(capsys, monkeypatch):
                         lambda include_cpu=True, with_probe=True: [cpu] if include_cpu else [])
     assert main(["plan", *args]) == 1
     assert "no GPU found on this machine" in capsys.readouterr().err
+
+
+MOE35 = ["--shape", "qwen3.6-35b-a3b", "--quant", "q4_k", "--context", "8192"]
+
+
+def test_experts_on_host_shows_the_staging_buffers(capsys):
+    from minecart.engine.placement import costs_for_shape
+
+    layer = costs_for_shape("qwen3.6-35b-a3b", "Q4_K").part("layer.0").expert_bytes
+    rc, r = plan(capsys, *MOE35, "--rig", "cuda:0=P104-100,cpu:0=32GiB", "--experts-on", "host")
+    assert rc == 0 and r["experts"] == {f"blk.{i}": "cpu:0" for i in range(40)}
+    gpu, cpu = r["devices"]
+    assert gpu["expert_staging_bytes"] == 2 * layer and cpu["expert_staging_bytes"] == 0
+    assert gpu["other_bytes"] >= 2 * layer
+    main(["plan", *MOE35, "--rig", "cuda:0=P104-100,cpu:0=32GiB", "--experts-on", "host"])
+    assert "the two buffers that host-RAM experts are streamed into" in capsys.readouterr().out
+
+
+def test_experts_on_auto_fills_the_card_first(capsys):
+    rc, r = plan(capsys, *MOE35, "--rig", "cuda:0=P104-100,cpu:0=32GiB", "--experts-on", "auto")
+    assert rc == 0 and r["fits"]
+    kept = 40 - len(r["experts"])
+    assert 0 < kept < 40 and set(r["experts"]) == {f"blk.{i}" for i in range(kept, 40)}
+    gpu, cpu = r["devices"]
+    assert gpu["parts"][:kept + 1] == ["embed"] + [f"blk.{i}" for i in range(kept)]
+    assert gpu["planned_bytes"] <= gpu["capacity_bytes"] - r["reserve_bytes"]
+    assert cpu["parts"] == [f"blk.{i}.experts" for i in range(kept, 40)]
+
+
+def test_experts_on_n_keeps_the_first_n_layers_experts(capsys):
+    rc, r = plan(capsys, *MOE35, "--rig", "cuda:0=24GiB,cpu:0=32GiB", "--experts-on", "10")
+    assert rc == 0 and r["experts"] == {f"blk.{i}": "cpu:0" for i in range(10, 40)}
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *MOE35, "--rig", "cuda:0=24GiB,cpu:0=32GiB", "--experts-on", "gpu"])
+    assert exc.value.code == 2 and "is not understood" in capsys.readouterr().err
