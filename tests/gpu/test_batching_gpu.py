@@ -1,0 +1,137 @@
+"""Batched decode on the GPU (Executor.forward_batch on the CuPy backend) against each sequence alone,
+and the batch's CUDA graph against the same batch run eagerly.
+
+- small-dense (Qwen3.5 with real head dims: the fused gated-attention and Gated DeltaNet decode
+  kernels, per sequence) and a tiny Gemma 3 (the composed attention over a sliding window);
+- 3, 9 (above GEMV_MAX_T: the projections take the tiled GEMM) and 32 sequences;
+- teacher-forced tokens, prompts of different lengths, caches that must grow during the batch (a
+  captured step cannot reallocate: that step runs eagerly and the next re-captures), and a sequence
+  leaving the batch half way (the batch's graph is captured again for the new set).
+Graph against eager is the same kernels, so it is held to 1e-5 of the logits' range (as
+tests/gpu/test_model.py holds the single-token graph); batched against alone runs other matmul kernels
+(GEMV for B tokens, GEMM) and is held to the bounds of the GPU-vs-reference tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests._gemma3 import tiny_gemma3_file
+from tests.gpu._compare import compare
+
+cp = pytest.importorskip("cupy")
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from minecart.engine.synth import write_synthetic
+
+    d = tmp_path_factory.mktemp("batch")
+    qwen = d / "small-dense-q4_k.gguf"
+    write_synthetic(qwen, "small-dense", "q4_k", seed=5)
+    return {"qwen": qwen, "gemma": tiny_gemma3_file(d / "gemma.gguf", seed=2)}
+
+
+def _load(path, gpu_path: str, graphs: bool = True):
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.model import load_model
+
+    be = CupyBackend("cuda:0", path=gpu_path)
+    be.use_graphs = graphs
+    return load_model(path, backend=be), be
+
+
+def _work(model, batch: int, steps: int, seed: int):
+    rng = np.random.default_rng(seed)
+    vocab = int(model.config.vocab_size)
+    prompts = [[int(t) for t in rng.integers(1, vocab, 5 + 3 * b)] for b in range(batch)]
+    tokens = rng.integers(1, vocab, (steps, batch))
+    return prompts, tokens
+
+
+def _alone(model, prompts, tokens, capacity: int, stop: dict[int, int]) -> dict[int, np.ndarray]:
+    """Each sequence on its own session (the single-token decode, graphed): logits per step."""
+    out = {}
+    for b, p in enumerate(prompts):
+        s = model.new_session(capacity=capacity)
+        s.prefill(p)
+        out[b] = np.stack([s.step(int(tokens[k][b])) for k in range(stop.get(b, len(tokens)))])
+        s.close()
+    return out
+
+
+def _batched(model, prompts, tokens, capacity: int, stop: dict[int, int]) -> dict[int, np.ndarray]:
+    """All sequences through Executor.forward_batch, one step at a time; sequence b leaves the batch
+    after stop[b] steps."""
+    sessions = [model.new_session(capacity=capacity) for _ in prompts]
+    for s, p in zip(sessions, prompts, strict=True):
+        s.prefill(p)
+    pos = [int(s.position) for s in sessions]
+    rows: dict[int, list] = {b: [] for b in range(len(prompts))}
+    for k in range(len(tokens)):
+        live = [b for b in range(len(prompts)) if k < stop.get(b, len(tokens))]
+        out = model.executor.forward_batch([[int(tokens[k][b])] for b in live],
+                                           [sessions[b].states for b in live],
+                                           [np.array([pos[b]]) for b in live])
+        assert out.shape == (len(live), model.config.vocab_size)
+        for i, b in enumerate(live):
+            rows[b].append(out[i].copy())
+            pos[b] += 1
+    for s in sessions:
+        s.close()
+    return {b: np.stack(v) for b, v in rows.items()}
+
+
+@pytest.mark.parametrize("which", ["qwen", "gemma"])
+@pytest.mark.parametrize("gpu_path", ["fma", "dp4a"])
+@pytest.mark.parametrize("batch", [3, 9, 32])
+def test_batch_matches_alone_and_its_graph_matches_eager(files, which, gpu_path, batch):
+    steps = 10
+    mg, be_g = _load(files[which], gpu_path, graphs=True)
+    me, _ = _load(files[which], gpu_path, graphs=False)
+    prompts, tokens = _work(mg, batch, steps, seed=batch)
+    capacity = max(len(p) for p in prompts) // 2 + 4  # every cache grows during the run
+    stop = {1: steps // 2}  # sequence 1 leaves half way: the rest is a new batch
+    alone = _alone(me, prompts, tokens, capacity, stop)
+    graphed = _batched(mg, prompts, tokens, capacity, stop)
+    eager = _batched(me, prompts, tokens, capacity, stop)
+    assert me.executor.batch_graph_steps == 0
+    assert mg.executor.batch_graph_steps > 0, "the batched decode never ran as a CUDA graph"
+    worst_ge, worst = 0.0, {"max_rel": 0.0, "top1": 1.0, "kl_mean": 0.0, "kl_max": 0.0}
+    for b in range(batch):
+        assert np.isfinite(graphed[b]).all() and np.isfinite(eager[b]).all()
+        ge = float(np.max(np.abs(graphed[b] - eager[b])) / np.max(np.abs(eager[b])))
+        worst_ge = max(worst_ge, ge)
+        r = compare(alone[b], eager[b])
+        worst = {"max_rel": max(worst["max_rel"], r["max_rel"]), "top1": min(worst["top1"], r["top1"]),
+                 "kl_mean": max(worst["kl_mean"], r["kl_mean"]), "kl_max": max(worst["kl_max"], r["kl_max"])}
+    print(f"\n{which} {gpu_path} B={batch}: graph vs eager batch {worst_ge:.2e}; batch vs alone {worst}; "
+          f"graphed steps {mg.executor.batch_graph_steps}, eager-only sizes {sorted(be_g._batch_eager)}")
+    assert worst_ge <= 1e-5
+    if gpu_path == "fma":
+        assert worst["max_rel"] < 1e-3 and worst["top1"] == 1.0
+    else:
+        assert worst["max_rel"] < 2e-2 and worst["kl_mean"] < 1e-3
+    mg.close()
+    me.close()
+
+
+def test_bench_tool_runs_on_the_gpu(tmp_path):
+    """tools/bench_batch_gpu.py end to end on a small synthesized model (the real run uses the 9B)."""
+    import json
+
+    from tools import bench_batch_gpu
+
+    out = tmp_path / "bench.json"
+    assert bench_batch_gpu.main(["--shape", "small-dense", "--quant", "q4_k", "--dir", str(tmp_path),
+                                 "--batches", "1,4,9", "--steps", "4", "--context", "16", "--repeat", "1",
+                                 "--ttft-prompt", "64", "--chunk", "32", "--others", "2",
+                                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    print(json.dumps(res["decode"], indent=1), res["ttft"])
+    assert [r["batch"] for r in res["decode"]] == [1, 4, 9]
+    assert all(r["tok_s"] > 0 for r in res["decode"]) and res["ttft"]["alone_s"] > 0
+    assert res["decode"][2]["graphed_steps"] > 0
