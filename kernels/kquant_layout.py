@@ -1,9 +1,11 @@
-"""The device layout of the K-quant weight formats (Q4_K, Q5_K, Q6_K), in NumPy.
+"""The device layout of the K-quant weight formats (Q4_K, Q5_K, Q6_K), in NumPy (and CuPy).
 
-`repack` is the specification of what kernels/kquant.cu (`repack_kq`) writes on the GPU at upload
-(ops.upload_weight copies the file's raw blocks to the device and repacks them there); `unpack` reads
-the layout back to float32 with the file format's arithmetic, so a test can compare it bit for bit with
-engine/quants.py; `wq_row_bytes` is the row stride the kernels use (common.cuh `row_bytes`).
+`repack` makes it from the file's raw blocks with byte-wide array operations only, so the same function
+runs on the device (ops.upload_weight copies the raw rows to the GPU and runs it there with CuPy, a
+chunk of rows at a time) and on the host (NumPy); `repack_reference` states the same bytes value by
+value (the tests hold `repack` to it); `unpack` reads the layout back to float32 with the file format's
+arithmetic, so a test can compare it bit for bit with engine/quants.py; `wq_row_bytes` is the row
+stride the kernels use (common.cuh `row_bytes`).
 
 The layout (per row of K values, n = K / 256 super-blocks, nb = K / 32 blocks of 32 values; the bytes
 are the file's: Q4_K 144 n, Q5_K 176 n, Q6_K 210 n when n % 8 == 0, else up to 14 bytes of padding):
@@ -27,10 +29,13 @@ are the file's: Q4_K 144 n, Q5_K 176 n, Q6_K 210 n when n % 8 == 0, else up to 1
 Values: Q4_K/Q5_K x = (d * sc) * q - (dmin * m), q in 0..15 / 0..31; Q6_K x = (d * sc) * (q - 32),
 q in 0..63 (fp32 products rounded as engine/quants.py rounds them).
 
-Not here: the CUDA code (kernels/kquant.cu, common.cuh) and launches (ops.py). NumPy only.
+Not here: the CUDA loads (common.cuh, the K-quant section) and launches (ops.py). Imports numpy only
+(CuPy arrives as the `xp` argument).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -104,8 +109,9 @@ def _bit_words(q: np.ndarray, shift: int, width: int) -> np.ndarray:
     return (field << (8 * i + width * k).astype(np.uint32)).sum(axis=-1, dtype=np.uint32)
 
 
-def repack(raw: np.ndarray, type_name: str, K: int) -> tuple[np.ndarray, np.ndarray]:
-    """The file's raw blocks of rows of K values -> (wq (rows, wq_row_bytes) uint8, wd (rows, K/32) uint16)."""
+def repack_reference(raw: np.ndarray, type_name: str, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """`repack` written value by value (every quant decoded to an integer, then packed): the slow,
+    plain statement of the layout that the tests hold `repack` to."""
     q, sc, m, d16, dmin16 = decode_ints(raw, type_name, K)
     rows, n = q.shape[:2]
     nib = _nibble_bytes(q).reshape(rows, n, 128)
@@ -134,6 +140,69 @@ def repack(raw: np.ndarray, type_name: str, K: int) -> tuple[np.ndarray, np.ndar
     nibble = (src >> shifts) & np.uint16(15)
     wd = sc.astype(np.uint16) | (m.astype(np.uint16) << np.uint16(6)) | (nibble << np.uint16(12))
     return np.ascontiguousarray(wq), wd.reshape(rows, 8 * n).astype(np.uint16)
+
+
+def repack(raw: Any, type_name: str, K: int, xp: Any = np) -> tuple[Any, Any]:
+    """The file's raw blocks of whole rows of K values -> (wq (rows, wq_row_bytes) uint8, wd (rows, K/32)
+    uint16), with byte-wide array operations only, so that `xp` may be numpy (host) or cupy (device,
+    where ops.upload_weight runs it on the copied raw bytes); `repack_reference` is the same bytes
+    value by value. Temporaries: about 3x the tensor's bytes."""
+    if type_name not in KQUANT_TYPES:
+        raise ValueError(f"{type_name} is not a K-quant format ({', '.join(KQUANT_TYPES)})")
+    if K <= 0 or K % 256:
+        raise ValueError(f"{type_name} rows must be a multiple of 256 values, got {K}")
+    sb = SUPER_BYTES[type_name]
+    flat = xp.ascontiguousarray(raw).reshape(-1).view(xp.uint8)
+    n = K // 256
+    if flat.size % (n * sb):
+        raise ValueError(f"{flat.size} bytes are not whole rows of {K} {type_name} values ({n * sb} bytes each)")
+    rows = flat.size // (n * sb)
+    blk = flat.reshape(rows * n, sb)
+    u8 = xp.uint8
+    if type_name == "Q6_K":
+        ql = blk[:, 0:128].reshape(-1, 2, 2, 32)  # [half, quadrant & 1, l]
+        a, b = ql[..., :16], ql[..., 16:]
+        low = (a & u8(15)) | ((b & u8(15)) << u8(4))  # quadrants 0, 1: the low nibbles
+        high = (a >> u8(4)) | (b & u8(0xF0))  # quadrants 2, 3: the high nibbles
+        nib = xp.concatenate([low, high], axis=2).reshape(-1, 128)  # block j = 4 half + quadrant
+        qh = blk[:, 128:192].reshape(-1, 2, 1, 32)
+        shifts = xp.asarray(np.array([0, 2, 4, 6], np.uint8)).reshape(1, 1, 4, 1)
+        top = ((qh >> shifts) & u8(3)).reshape(-1, 2, 4, 2, 4, 4)  # [half, quadrant, h, k, i]
+        kshift = xp.asarray(np.array([0, 2, 4, 6], np.uint8)).reshape(1, 1, 1, 1, 4, 1)
+        hbytes = (top << kshift).sum(axis=4, dtype=u8).reshape(-1, 64)  # block j: H0 bytes, H1 bytes
+        body = xp.concatenate([nib, hbytes], axis=1).reshape(rows, n, 192)
+        G = -(-n // Q6K_GROUP)
+        pad = G * Q6K_GROUP - n
+        d = blk[:, 208:210].reshape(rows, n, 2)
+        if pad:
+            body = xp.concatenate([body, xp.zeros((rows, pad, 192), dtype=u8)], axis=1)
+            d = xp.concatenate([d, xp.zeros((rows, pad, 2), dtype=u8)], axis=1)
+        groups = xp.concatenate([d.reshape(rows, G, 16), body.reshape(rows, G, 192 * Q6K_GROUP)], axis=2)
+        wq = xp.ascontiguousarray(groups.reshape(rows, -1)[:, :wq_row_bytes(type_name, K)])
+        wd = xp.ascontiguousarray(blk[:, 192:208]).view(xp.uint16).reshape(rows, 8 * n)
+        return wq, wd
+    qs = blk[:, sb - 128:].reshape(-1, 4, 32)  # pair p: sub-blocks 2p (low nibbles), 2p + 1 (high)
+    a, b = qs[..., :16], qs[..., 16:]
+    low = (a & u8(15)) | ((b & u8(15)) << u8(4))
+    high = (a >> u8(4)) | (b & u8(0xF0))
+    nib = xp.stack([low, high], axis=2).reshape(-1, 128)
+    if type_name == "Q5_K":
+        # bit j of qh[l] is bit 4 of value l of sub-block j; block j's word H has it at bit 8 i + k
+        # (l = 4 k + i) or 8 i + 4 + k (l = 16 + 4 k + i): an 8 x 8 bit transpose per i
+        qh = blk[:, 16:48].reshape(-1, 1, 8, 4)  # [., src = 4 half + k, i]
+        jshift = xp.asarray(np.arange(8, dtype=np.uint8)).reshape(1, 8, 1, 1)
+        bits = (qh >> jshift) & u8(1)  # [., j, src, i]
+        hbytes = (bits << jshift.reshape(1, 1, 8, 1)).sum(axis=2, dtype=u8).reshape(-1, 32)
+        nib = xp.concatenate([nib, hbytes], axis=1)
+    wq = xp.ascontiguousarray(nib.reshape(rows, -1))
+    sc_b, m_b, c = blk[:, 4:8], blk[:, 8:12], blk[:, 12:16]
+    sc = xp.concatenate([sc_b & u8(63), (c & u8(15)) | ((sc_b >> u8(6)) << u8(4))], axis=1).astype(xp.uint16)
+    m = xp.concatenate([m_b & u8(63), (c >> u8(4)) | ((m_b >> u8(6)) << u8(4))], axis=1).astype(xp.uint16)
+    dd = xp.ascontiguousarray(blk[:, 0:4]).view(xp.uint16)  # (., 2): d, dmin bits
+    src = xp.repeat(dd, 4, axis=1)  # blocks 0-3: d, 4-7: dmin
+    shifts = xp.asarray(np.array(_DD_SHIFT * 2, np.uint16)).reshape(1, 8)
+    wd = sc | (m << xp.uint16(6)) | (((src >> shifts) & xp.uint16(15)) << xp.uint16(12))
+    return wq, wd.reshape(rows, 8 * n)
 
 
 def _f16(bits: np.ndarray) -> np.ndarray:

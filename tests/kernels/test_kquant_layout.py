@@ -1,5 +1,6 @@
-"""The K-quant device layout (kernels/kquant_layout.py) on the CPU: the repack is lossless (unpacking
-it gives engine/quants.py's dequantization bit for bit, and the file's integers back), it keeps the
+"""The K-quant device layout (kernels/kquant_layout.py) on the CPU: the byte-wise repack (what the GPU
+runs) equals the value-by-value model, the repack is lossless (unpacking it gives engine/quants.py's
+dequantization bit for bit, and the file's integers back), it keeps the
 file's bytes, and a NumPy emulation of the CUDA loads (common.cuh kq_dd / kq_load: the bit tricks on
 32-bit words) reads the same integers. The GPU test (tests/gpu/test_kquant_gemv.py) checks the CUDA
 repack byte for byte against `repack` and every kernel against dequantize-then-matmul."""
@@ -50,6 +51,9 @@ def test_repack_is_lossless(type_name, K, extreme):
     raw = random_blocks(type_name, rows, K, rng, extreme)
     wq, wd = L.repack(raw, type_name, K)
     assert wq.dtype == np.uint8 and wd.dtype == np.uint16
+    ref_q, ref_d = L.repack_reference(raw, type_name, K)  # the value-by-value statement of the layout
+    np.testing.assert_array_equal(wq, ref_q)
+    np.testing.assert_array_equal(wd, ref_d)
     assert wq.shape == (rows, L.wq_row_bytes(type_name, K)) and wd.shape == (rows, K // 32)
     assert wq.shape[1] % 16 == 0  # every row starts 16-byte aligned
     # the file's integers come back exactly
@@ -83,6 +87,10 @@ def test_bad_input_is_rejected():
         L.wq_row_bytes("Q8_0", 256)
     with pytest.raises(ValueError, match="whole rows"):
         L.repack(np.zeros(145, np.uint8), "Q4_K", 256)
+    with pytest.raises(ValueError, match="whole rows"):
+        L.repack_reference(np.zeros(145, np.uint8), "Q4_K", 256)
+    with pytest.raises(ValueError, match="do not hold"):
+        L.unpack(np.zeros((1, 128), np.uint8), np.zeros((1, 4), np.uint16), "Q4_K", 256)
 
 
 # ---- NumPy emulation of the device loads (common.cuh) ---------------------------------------------

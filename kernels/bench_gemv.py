@@ -1,0 +1,147 @@
+"""Decode GEMV benchmark: the single-token DP4A GEMV of each weight format at the 9B decode shapes, every
+kernel variant, as GPU time, GB/s of weight bytes and % of the copy bandwidth measured in the same run.
+
+`python -m minecart.kernels.bench_gemv` (about 30 s on an H200, compiles included). Weights are random
+blocks made on the device (sane fp16 scales); several copies of each matrix are cycled (>= 256 MB per
+shape) so that they come from HBM, not L2, as in a decode step. Q8_0 runs gemv_dp4a ("old") and
+gemv_dp4a_split (ops.GEMV_VARIANT); the K-quants run gemv_kq in each compiled shape and the generic
+kernels over the same layout ("split", ops.GEMV_KQ_VARIANT). The bytes counted are the device bytes
+(`QWeight.nbytes`: the file's, Q6_K plus the padding of a tail group). The last lines weight each
+shape by its launches per 9B decode step.
+
+Not here: correctness (tests/gpu/test_kquant_gemv.py, tests/gpu/test_fused.py) and the choice of the
+default variant (ops._gemv_kq, ops._gemv_split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+
+import cupy as cp
+import numpy as np
+
+from . import kquant_layout, ops
+from .build import GEMV_KQ
+from .probe import measure_copy, random_q8_0, time_gpu
+
+# (rows, row length, residual epilogue) of the 9B single-token GEMVs: attention output / FFN down with
+# the residual, the fused GDN input projections, gate+up, the fused attention q/k/v/gate, the LM head
+SHAPES_9B = ((4096, 4096, True), (12352, 4096, False), (24576, 4096, False), (10240, 4096, False),
+             (4096, 12288, True), (248320, 4096, False))
+CALLS_9B = {(4096, 4096): 32, (12352, 4096): 24, (24576, 4096): 32, (10240, 4096): 8, (4096, 12288): 32,
+            (248320, 4096): 1}  # launches per 9B decode step
+TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+Q8_VARIANTS = ("old", "split1", "split2", "split4", "auto")
+
+
+@dataclass(frozen=True)
+class Row:
+    type_name: str
+    R: int
+    K: int
+    residual: bool
+    variant: str  # Q8_0: ops.GEMV_VARIANT; K-quants: ops.GEMV_KQ_VARIANT
+    kernel: str  # the instantiation "auto" resolved to
+    seconds: float  # GPU time per launch
+    gbs: float  # weight bytes / time, 1e9 B/s
+    copy_share: float  # gbs / copy bandwidth
+
+
+def random_weight(type_name: str, R: int, K: int, seed: int) -> ops.QWeight:
+    """A random (R, K) matrix of `type_name` made and laid out on the device."""
+    if type_name == "Q8_0":
+        return random_q8_0(R, K, seed)
+    if type_name not in kquant_layout.KQUANT_TYPES:
+        raise ValueError(f"bench_gemv covers Q8_0 and the K-quants, not {type_name}")
+    sb = kquant_layout.SUPER_BYTES[type_name]
+    rs = cp.random.RandomState(seed)
+    raw = rs.randint(0, 256, size=(R * (K // 256), sb), dtype=cp.int32).astype(cp.uint8)
+    scale = cp.asarray(np.frombuffer(np.array([1e-3], "<f2").tobytes(), np.uint8))
+    for off in ((208,) if type_name == "Q6_K" else (0, 2)):
+        raw[:, off:off + 2] = scale
+    wq, wd = ops._upload_kquant(raw.reshape(R, -1), type_name, K)
+    return ops.QWeight(type_name, R, K, 1, wq, wd)
+
+
+def _kernel_name(type_name: str, R: int, K: int) -> str:
+    if type_name in kquant_layout.KQUANT_TYPES:
+        kq = ops._gemv_kq(type_name, R, K)
+        if kq is not None:
+            return f"gemv_kq<{kq[0]}x{kq[1]}>"
+    split = ops._gemv_split(R, K)
+    return "gemv_dp4a" if split is None else f"gemv_dp4a_split<{split[0]}, pf {split[1]}>"
+
+
+def run(shapes=SHAPES_9B, types=TYPES, cycle_bytes: int = 256 << 20, reps: int = 5,
+        copy: float | None = None, out=None) -> list[Row]:
+    """Time every variant of every type at every shape; print a line each to `out` (None: silent)."""
+    copy = copy if copy is not None else measure_copy()
+    if out is not None:
+        print(f"copy bandwidth {copy:.0f} GB/s", file=out)
+    rows: list[Row] = []
+    saved = (ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT)
+    rng = np.random.default_rng(0)
+    try:
+        for type_name in types:
+            variants = Q8_VARIANTS if type_name == "Q8_0" else ("auto", "split") + tuple(f"{a}x{b}" for a, b in GEMV_KQ)
+            for R, K, with_res in shapes:
+                first = random_weight(type_name, R, K, 0)
+                per = first.nbytes
+                ws = [first] + [random_weight(type_name, R, K, i) for i in range(1, max(1, math.ceil(cycle_bytes / per)))]
+                x = cp.asarray(rng.standard_normal((1, K)).astype(np.float32))
+                res = cp.asarray(rng.standard_normal((1, R)).astype(np.float32)) if with_res else None
+                ops.register_quantized(x, ops.quantize_q8_1(x))
+
+                def call(ws=ws, x=x, res=res):
+                    for w in ws:
+                        ops.matmul(x, w, "dp4a", residual=res)
+
+                for v in variants:
+                    if type_name == "Q8_0":
+                        ops.GEMV_VARIANT = v
+                    else:
+                        ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT = "auto", v
+                    t = time_gpu(call, reps) / len(ws)
+                    gbs = per / t / 1e9
+                    row = Row(type_name, R, K, with_res, v, _kernel_name(type_name, R, K), t, gbs, gbs / copy)
+                    rows.append(row)
+                    if out is not None:
+                        print(f"{type_name} {R}x{K}{' +res' if with_res else ''} {v:7s} {row.kernel:28s} "
+                              f"{t * 1e6:8.1f} us {gbs:6.0f} GB/s {100 * row.copy_share:4.0f}% of copy", file=out)
+                del ws, first
+                cp.get_default_memory_pool().free_all_blocks()
+    finally:
+        ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT = saved
+    if out is not None:
+        for type_name in types:
+            auto = [r for r in rows if r.type_name == type_name and r.variant == "auto" and (r.R, r.K) in CALLS_9B]
+            if auto:
+                step = sum(r.seconds * CALLS_9B[(r.R, r.K)] for r in auto)
+                byt = sum(r.seconds * r.gbs * 1e9 * CALLS_9B[(r.R, r.K)] for r in auto)
+                print(f"{type_name}: GEMV time per 9B decode step (auto) {step * 1e3:.3f} ms, "
+                      f"{byt / step / 1e9:.0f} GB/s = {100 * byt / step / 1e9 / copy:.0f}% of copy", file=out)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minecart.kernels.bench_gemv", description=__doc__.split("\n\n")[0])
+    p.add_argument("--types", default=",".join(TYPES), help=f"comma-separated formats (default {','.join(TYPES)})")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    args = p.parse_args(argv)
+    types = tuple(t for t in args.types.split(",") if t)
+    bad = [t for t in types if t not in TYPES]
+    if bad:
+        p.error(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(TYPES)}")
+    rows = run(types=types, out=sys.stdout)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
