@@ -1,12 +1,19 @@
 """CI guard: compile every kernel for every supported architecture and reject tensor-core instructions.
 
     python -m minecart.kernels.check [--arch sm_61 ...] [--dump DIR] [--jobs N]
+    python -m minecart.kernels.check --emit-ptx DIR --arch compute_61
 
 Compiles each module of build.module_specs() (every template instantiation) to PTX with NVRTC 12.x,
 loaded through ctypes from the PyPI wheel `nvidia-cuda-nvrtc-cu12` (no CuPy, no GPU, no driver), for
 sm_61, sm_70, sm_75, sm_86 and sm_90, and fails if any PTX contains mma, wmma, wgmma, ldmatrix or
 tcgen05 instructions (architecture.md, "GPU rules"). Exit status 0 = clean, 1 = tensor-core
 instruction found, 2 = compile error or NVRTC missing. `--dump DIR` writes DIR/<arch>/<module>.ptx.
+
+`--emit-ptx DIR --arch compute_61` (one architecture) writes a PTX directory that kernels/build.py
+loads when MINECART_KERNEL_PTX=DIR: DIR/<module>.ptx for every module and DIR/kernels.json mapping each
+name expression to its lowered symbol (build.py, "precompiled PTX directories"). The emitted set is
+build.module_specs(), the list get_kernel compiles from, so a new module or instantiation is included
+without a change here. The same tensor-core scan runs on the emitted PTX.
 
 This checks the PTX that NVRTC emits; it is not a performance or correctness test.
 """
@@ -16,18 +23,28 @@ from __future__ import annotations
 import argparse
 import ctypes
 import glob
+import json
 import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .build import COMPILE_OPTIONS, ModuleSpec, module_source, module_specs
+from .build import (
+    COMPILE_OPTIONS,
+    PTX_MANIFEST,
+    ModuleSpec,
+    module_source,
+    module_specs,
+    source_digest,
+    verify_ptx_dir,
+)
 
 ARCHS = ("sm_61", "sm_70", "sm_75", "sm_86", "sm_90")
 FORBIDDEN = ("mma", "wmma", "wgmma", "ldmatrix", "tcgen05")
 # An instruction line: optional predicate, then the opcode; the opcode's first dotted part is checked,
 # so names like "gemma" in a symbol or comment never match.
+_ENTRY = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([A-Za-z_$][\w$]*)", re.M)
 _INSTR = re.compile(r"^\s*(?:@!?%?\w+\s+)?([a-z_][a-z0-9_]*)(?:\.|\s|;)")
 
 
@@ -76,6 +93,7 @@ class Nvrtc:
         lib.nvrtcGetProgramLogSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
         lib.nvrtcGetProgramLog.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
 
     def version(self) -> tuple[int, int]:
         major, minor = ctypes.c_int(), ctypes.c_int()
@@ -87,6 +105,12 @@ class Nvrtc:
             raise NvrtcError(f"{what}: {self.lib.nvrtcGetErrorString(rc).decode()}")
 
     def compile_ptx(self, source: str, name: str, arch: str, name_expressions=(), options=()) -> str:
+        return self.compile_ptx_lowered(source, name, arch, name_expressions, options)[0]
+
+    def compile_ptx_lowered(self, source: str, name: str, arch: str, name_expressions=(),
+                            options=()) -> tuple[str, dict[str, str]]:
+        """The PTX of `source` for `arch` (sm_XX or compute_XX), and each name expression's lowered
+        (mangled) symbol, the name the PTX's .entry carries."""
         prog = ctypes.c_void_p()
         self._ok(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
                                              0, None, None), "nvrtcCreateProgram")
@@ -106,7 +130,13 @@ class Nvrtc:
             self._ok(self.lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
             buf = ctypes.create_string_buffer(size.value)
             self._ok(self.lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
-            return buf.value.decode()
+            lowered: dict[str, str] = {}
+            for expr in name_expressions:
+                out = ctypes.c_char_p()
+                self._ok(self.lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)),
+                         f"lowered name of {expr}")
+                lowered[expr] = (out.value or b"").decode()
+            return buf.value.decode(), lowered
         finally:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -161,18 +191,95 @@ def check(specs: list[ModuleSpec] | None = None, archs=ARCHS, dump: Path | None 
     return status
 
 
+def normalize_arch(arch: str) -> str:
+    """'sm_61' or 'compute_61' -> 'sm_61' (one of ARCHS), else ValueError."""
+    a = arch.strip().replace("compute_", "sm_")
+    if a not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; one of {', '.join(ARCHS)} (or compute_XX)")
+    return a
+
+
+def ptx_entries(ptx: str) -> list[str]:
+    """The kernel (.entry) symbols a PTX text defines."""
+    return _ENTRY.findall(ptx)
+
+
+def emit_ptx(directory: Path, arch: str, specs: list[ModuleSpec] | None = None, jobs: int = 2,
+             out=sys.stdout) -> int:
+    """Write the PTX directory of `arch` (see the module docstring); returns the exit status (0 ok,
+    1 tensor-core instruction, 2 compile error or an unresolved kernel). Old *.ptx files in DIR go."""
+    nvrtc = Nvrtc()
+    sm = normalize_arch(arch)
+    compute = sm.replace("sm_", "compute_")
+    specs = module_specs() if specs is None else specs
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in [*directory.glob("*.ptx"), directory / PTX_MANIFEST]:
+        old.unlink(missing_ok=True)
+
+    def one(spec: ModuleSpec):
+        src = module_source(spec)  # read once: the digest must describe the text compiled
+        ptx, lowered = nvrtc.compile_ptx_lowered(src, spec.name, compute, spec.name_expressions,
+                                                 COMPILE_OPTIONS)
+        (directory / f"{spec.name}.ptx").write_text(ptx)
+        return spec, ptx, lowered, source_digest(spec, src)
+
+    status = 0
+    modules: dict[str, dict] = {}
+    print(f"NVRTC {'.'.join(map(str, nvrtc.version()))}: {len(specs)} modules as {compute} PTX -> {directory}",
+          file=out)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for fut in [pool.submit(one, s) for s in specs]:
+            try:
+                spec, ptx, lowered, digest = fut.result()
+            except NvrtcError as exc:
+                print(f"COMPILE ERROR {exc}", file=out)
+                status = 2
+                continue
+            if tensor_core_lines(ptx):
+                status = max(status, 1)
+                print(f"TENSOR CORE {spec.name} {compute}", file=out)
+            modules[spec.name] = {"file": f"{spec.name}.ptx", "source_digest": digest,
+                                  "names": lowered, "entries": ptx_entries(ptx)}
+            print(f"ok {spec.name:<16} {compute} ({len(lowered)} instantiations, {len(ptx) >> 10} KiB)",
+                  file=out)
+    manifest = {"arch": compute, "nvrtc": ".".join(map(str, nvrtc.version())),
+                "options": list(COMPILE_OPTIONS), "modules": modules}
+    (directory / PTX_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    if status == 0:
+        problems = verify_ptx_dir(directory, specs)
+        for line in problems:
+            print(f"UNRESOLVED {line}", file=out)
+        status = 2 if problems else 0
+    print("PASS: PTX directory complete" if status == 0 else "FAIL", file=out)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minecart.kernels.check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", action="append", choices=ARCHS, help="architecture to check (repeatable; default all)")
+    p.add_argument("--arch", action="append",
+                   help="architecture to check, sm_XX or compute_XX among " + ", ".join(ARCHS)
+                        + " (repeatable; default all)")
     p.add_argument("--module", action="append", help="only this module (repeatable; default all)")
     p.add_argument("--dump", type=Path, help="write each module's PTX to DIR/<arch>/<module>.ptx")
+    p.add_argument("--emit-ptx", type=Path, metavar="DIR",
+                   help="write a PTX directory for MINECART_KERNEL_PTX (every module and instantiation, "
+                        "with the name map kernels.json) for the one --arch given")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compilations")
     a = p.parse_args(argv)
+    try:
+        archs = tuple(dict.fromkeys(normalize_arch(x) for x in (a.arch or ARCHS)))
+    except ValueError as exc:
+        p.error(str(exc))
     specs = module_specs()
     if a.module:
         specs = [s for s in specs if s.name in a.module]
     try:
-        return check(specs, tuple(a.arch or ARCHS), a.dump, a.jobs)
+        if a.emit_ptx is not None:
+            if len(archs) != 1:
+                p.error("--emit-ptx needs exactly one --arch (e.g. --arch compute_61)")
+            return emit_ptx(a.emit_ptx, archs[0], specs, a.jobs)
+        return check(specs, archs, a.dump, a.jobs)
     except NvrtcError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

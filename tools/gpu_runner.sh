@@ -18,6 +18,13 @@
 # commit before a refactor) and by this tree, alternating old, new, old, new, so a change that must
 # not slow the engine is judged in one run (COMPARE_ARGS, default: --prefill 4096 --decode-ctx 0
 # --decode-tokens 64; COMPARE_KV: this tree's KV cache types, default f32; compare.log, compare_*.json).
+# `ptx` (not part of `all`): the GPU tests with every kernel loaded from compute_61 PTX, then from
+# compute_70 PTX (MINECART_KERNEL_PTX=.gpu/ptx61, .gpu/ptx70; the driver JIT-compiles them, so the
+# Pascal/Volta code paths run on this card). Make the PTX BEFORE the device call, on the machine with
+# the NVRTC 12 wheel: `python tools/make_ptx.py` (writes .gpu/ptx.tar.xz; unpacked here). A stale
+# archive (kernel sources changed since) is refused up front. PTX_TESTS: the tests to run (default
+# tests/gpu without the split, vision and q3-model tests); PTX_TIMEOUT (s per architecture, default
+# 170); separate probe caches per build. Logs: ptx61_tests.log, ptx70_tests.log.
 set -u
 MODE=${1:-all}
 shift || true
@@ -120,4 +127,34 @@ for which, ds in rows.items():
     for d in ds:
         print(which, "prefill", pick(d, "prefill"), "decode", pick(d, "decode"))
 PY
+fi
+
+if [ "$MODE" = ptx ]; then
+  rm -rf .gpu/ptx61 .gpu/ptx70
+  if ! tar -xJf .gpu/ptx.tar.xz -C .gpu 2>"$OUT/ptx.log"; then
+    echo "no .gpu/ptx.tar.xz: run python tools/make_ptx.py before the device call" | tee -a "$OUT/ptx.log"
+  fi
+  DEFAULT_PTX_TESTS="tests/gpu --ignore=tests/gpu/test_split.py --ignore=tests/gpu/test_vision_gpu.py \
+--ignore=tests/gpu/test_kvq3_model.py"
+  for arch in 61 70; do
+    dir="$ROOT/.gpu/ptx$arch"
+    log="$OUT/ptx${arch}_tests.log"
+    # the whole registry must resolve from this PTX, from this tree's sources, before device time is spent
+    if ! python3 -c "
+import sys
+from minecart.kernels.build import verify_ptx_dir
+problems = verify_ptx_dir(sys.argv[1])
+print('\n'.join(problems[:20]) or 'PTX directory complete: ' + sys.argv[1])
+sys.exit(1 if problems else 0)" "$dir" >"$log" 2>&1; then
+      echo "compute_$arch PTX refused (see above): rebuild with python tools/make_ptx.py" | tee -a "$log"
+      head -5 "$log"
+      continue
+    fi
+    # shellcheck disable=SC2086
+    MINECART_KERNEL_PTX="$dir" MINECART_CACHE_DIR="/tmp/minecart-cache-ptx$arch" \
+      timeout "${PTX_TIMEOUT:-170}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 120 --durations=15 \
+      ${PTX_TESTS:-$DEFAULT_PTX_TESTS} "$@" >>"$log" 2>&1
+    echo "compute_$arch PTX gpu tests exit $?" | tee -a "$log"
+    grep -E "^(FAILED|ERROR)|KernelPtxError|passed|failed" "$log" | tail -15
+  done
 fi
