@@ -142,11 +142,16 @@ def repack_reference(raw: np.ndarray, type_name: str, K: int) -> tuple[np.ndarra
     return np.ascontiguousarray(wq), wd.reshape(rows, 8 * n).astype(np.uint16)
 
 
+_M0F = 0x0F0F0F0F
+_MF0 = 0xF0F0F0F0
+_HOST_CHUNK = 4096  # super-blocks per NumPy step (its temporaries stay in cache)
+
+
 def repack(raw: Any, type_name: str, K: int, xp: Any = np) -> tuple[Any, Any]:
     """The file's raw blocks of whole rows of K values -> (wq (rows, wq_row_bytes) uint8, wd (rows, K/32)
-    uint16), with byte-wide array operations only, so that `xp` may be numpy (host) or cupy (device,
-    where ops.upload_weight runs it on the copied raw bytes); `repack_reference` is the same bytes
-    value by value. Temporaries: about 3x the tensor's bytes."""
+    uint16), with word-wide array operations only, so that `xp` may be numpy (host, a few thousand
+    super-blocks at a time) or cupy (device: ops.upload_weight runs it on the copied raw rows);
+    `repack_reference` is the same bytes value by value. Temporaries: about 2x the input's bytes."""
     if type_name not in KQUANT_TYPES:
         raise ValueError(f"{type_name} is not a K-quant format ({', '.join(KQUANT_TYPES)})")
     if K <= 0 or K % 256:
@@ -158,51 +163,94 @@ def repack(raw: Any, type_name: str, K: int, xp: Any = np) -> tuple[Any, Any]:
         raise ValueError(f"{flat.size} bytes are not whole rows of {K} {type_name} values ({n * sb} bytes each)")
     rows = flat.size // (n * sb)
     blk = flat.reshape(rows * n, sb)
-    u8 = xp.uint8
+    body_bytes = {"Q4_K": 128, "Q5_K": 160, "Q6_K": 192}[type_name]
+    body = xp.empty((rows * n, body_bytes), dtype=xp.uint8)
+    wd = xp.empty((rows * n, 8), dtype=xp.uint16)
+    step = _HOST_CHUNK if xp is np else max(1, rows * n)
+    for i in range(0, rows * n, step):
+        _repack_super_blocks(xp, blk[i:i + step], type_name, body[i:i + step], wd[i:i + step])
+    wd = wd.reshape(rows, 8 * n)
+    if type_name != "Q6_K":
+        return body.reshape(rows, -1), wd
+    # Q6_K: groups of 8 super-blocks behind a 16-byte header of their fp16 d
+    G = -(-n // Q6K_GROUP)
+    wq = xp.zeros((rows, G, 16 + 192 * Q6K_GROUP), dtype=xp.uint8)
+    body = body.reshape(rows, n, 192)
+    d = blk[:, 208:210].reshape(rows, n, 2)
+    for g in range(G):
+        cnt = min(Q6K_GROUP, n - g * Q6K_GROUP)
+        s0 = g * Q6K_GROUP
+        wq[:, g, :2 * cnt] = d[:, s0:s0 + cnt].reshape(rows, 2 * cnt)
+        wq[:, g, 16:16 + 192 * cnt] = body[:, s0:s0 + cnt].reshape(rows, 192 * cnt)
+    return xp.ascontiguousarray(wq.reshape(rows, -1)[:, :wq_row_bytes(type_name, K)]), wd
+
+
+def _nibble_words(xp: Any, qs: Any) -> tuple[Any, Any]:
+    """qs (N, G, 2, 4) u32: 32-byte groups whose bytes l hold value l (low nibble) / l (high nibble) of
+    two 32-value runs -> (low-run words, high-run words) (N, G, 4), byte i = value i | value 16 + i << 4."""
+    m0f = xp.uint32(_M0F)
+    lo = qs & m0f  # whole-array operations first (contiguous), the half-strided ones last
+    hi = (qs >> xp.uint32(4)) & m0f
+    four = xp.uint32(4)
+    return lo[:, :, 0] | (lo[:, :, 1] << four), hi[:, :, 0] | (hi[:, :, 1] << four)
+
+
+def _transpose_bits8(xp: Any, x: Any) -> Any:
+    """Each u64 as an 8 x 8 bit matrix (byte r, bit c) -> its transpose (byte c, bit r)."""
+    u = xp.uint64
+    for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC), (28, 0x00000000F0F0F0F0)):
+        t = (x ^ (x >> u(shift))) & u(mask)
+        x = x ^ t ^ (t << u(shift))
+    return x
+
+
+def _transpose_pairs4(xp: Any, x: Any) -> Any:
+    """Each u32 as a 4 x 4 matrix of 2-bit fields (byte r, bits 2c..2c+1) -> its transpose."""
+    u = xp.uint32
+    for shift, mask in ((6, 0x00CC00CC), (12, 0x0000F0F0)):
+        t = (x ^ (x >> u(shift))) & u(mask)
+        x = x ^ t ^ (t << u(shift))
+    return x
+
+
+def _repack_super_blocks(xp: Any, blk: Any, type_name: str, body: Any, wd: Any) -> None:
+    """Super-blocks blk (N, file bytes) -> their wq bytes `body` (N, 128 / 160 / 192; Q6_K without the
+    group headers) and wd entries (N, 8) u16, written in place."""
+    N = blk.shape[0]
+    u32 = xp.uint32
     if type_name == "Q6_K":
-        ql = blk[:, 0:128].reshape(-1, 2, 2, 32)  # [half, quadrant & 1, l]
-        a, b = ql[..., :16], ql[..., 16:]
-        low = (a & u8(15)) | ((b & u8(15)) << u8(4))  # quadrants 0, 1: the low nibbles
-        high = (a >> u8(4)) | (b & u8(0xF0))  # quadrants 2, 3: the high nibbles
-        nib = xp.concatenate([low, high], axis=2).reshape(-1, 128)  # block j = 4 half + quadrant
-        qh = blk[:, 128:192].reshape(-1, 2, 1, 32)
-        shifts = xp.asarray(np.array([0, 2, 4, 6], np.uint8)).reshape(1, 1, 4, 1)
-        top = ((qh >> shifts) & u8(3)).reshape(-1, 2, 4, 2, 4, 4)  # [half, quadrant, h, k, i]
-        kshift = xp.asarray(np.array([0, 2, 4, 6], np.uint8)).reshape(1, 1, 1, 1, 4, 1)
-        hbytes = (top << kshift).sum(axis=4, dtype=u8).reshape(-1, 64)  # block j: H0 bytes, H1 bytes
-        body = xp.concatenate([nib, hbytes], axis=1).reshape(rows, n, 192)
-        G = -(-n // Q6K_GROUP)
-        pad = G * Q6K_GROUP - n
-        d = blk[:, 208:210].reshape(rows, n, 2)
-        if pad:
-            body = xp.concatenate([body, xp.zeros((rows, pad, 192), dtype=u8)], axis=1)
-            d = xp.concatenate([d, xp.zeros((rows, pad, 2), dtype=u8)], axis=1)
-        groups = xp.concatenate([d.reshape(rows, G, 16), body.reshape(rows, G, 192 * Q6K_GROUP)], axis=2)
-        wq = xp.ascontiguousarray(groups.reshape(rows, -1)[:, :wq_row_bytes(type_name, K)])
-        wd = xp.ascontiguousarray(blk[:, 192:208]).view(xp.uint16).reshape(rows, 8 * n)
-        return wq, wd
-    qs = blk[:, sb - 128:].reshape(-1, 4, 32)  # pair p: sub-blocks 2p (low nibbles), 2p + 1 (high)
-    a, b = qs[..., :16], qs[..., 16:]
-    low = (a & u8(15)) | ((b & u8(15)) << u8(4))
-    high = (a >> u8(4)) | (b & u8(0xF0))
-    nib = xp.stack([low, high], axis=2).reshape(-1, 128)
+        ql = xp.ascontiguousarray(blk[:, 0:128]).view(u32).reshape(N, 4, 2, 4)  # [2 half + (quadrant & 1)]
+        low, high = _nibble_words(xp, ql)  # quadrants 0, 1 (low nibbles) and 2, 3 (high nibbles)
+        nib = xp.concatenate([low.reshape(N, 2, 2, 4), high.reshape(N, 2, 2, 4)], axis=2)  # [half, quadrant]
+        body[:, :128] = nib.reshape(N, 32).view(xp.uint8)
+        # qh byte l of a half holds the top bits of values l, l + 32, l + 64, l + 96 (quadrants); block
+        # (half, quadrant)'s words want, per byte i of H_h, the fields of values 16 h + 4 k + i at bits 2 k:
+        # a 4 x 4 transpose of 2-bit fields over k and the quadrant, for each (half, h, i)
+        qh = xp.ascontiguousarray(blk[:, 128:192].reshape(N, 2, 2, 4, 4).transpose(0, 1, 2, 4, 3))
+        t = _transpose_pairs4(xp, qh.view(u32)).view(xp.uint8).reshape(N, 2, 2, 4, 4)  # [half, h, i, quadrant]
+        body[:, 128:] = t.transpose(0, 1, 4, 2, 3).reshape(N, 64)
+        wd[:] = xp.ascontiguousarray(blk[:, 192:208]).view(xp.uint16)
+        return
+    qs = xp.ascontiguousarray(blk[:, -128:]).view(u32).reshape(N, 4, 2, 4)
+    low, high = _nibble_words(xp, qs)  # sub-blocks 2 p and 2 p + 1
+    body[:, :128] = xp.stack([low, high], axis=2).reshape(N, 32).view(xp.uint8)
     if type_name == "Q5_K":
-        # bit j of qh[l] is bit 4 of value l of sub-block j; block j's word H has it at bit 8 i + k
-        # (l = 4 k + i) or 8 i + 4 + k (l = 16 + 4 k + i): an 8 x 8 bit transpose per i
-        qh = blk[:, 16:48].reshape(-1, 1, 8, 4)  # [., src = 4 half + k, i]
-        jshift = xp.asarray(np.arange(8, dtype=np.uint8)).reshape(1, 8, 1, 1)
-        bits = (qh >> jshift) & u8(1)  # [., j, src, i]
-        hbytes = (bits << jshift.reshape(1, 1, 8, 1)).sum(axis=2, dtype=u8).reshape(-1, 32)
-        nib = xp.concatenate([nib, hbytes], axis=1)
-    wq = xp.ascontiguousarray(nib.reshape(rows, -1))
-    sc_b, m_b, c = blk[:, 4:8], blk[:, 8:12], blk[:, 12:16]
-    sc = xp.concatenate([sc_b & u8(63), (c & u8(15)) | ((sc_b >> u8(6)) << u8(4))], axis=1).astype(xp.uint16)
-    m = xp.concatenate([m_b & u8(63), (c >> u8(4)) | ((m_b >> u8(6)) << u8(4))], axis=1).astype(xp.uint16)
-    dd = xp.ascontiguousarray(blk[:, 0:4]).view(xp.uint16)  # (., 2): d, dmin bits
+        # bit j of qh[l] is bit 4 of value l of sub-block j; H_j's byte i wants those of values
+        # 4 k + i (bit k) and 16 + 4 k + i (bit 4 + k): an 8 x 8 bit transpose for each i
+        qh = xp.ascontiguousarray(blk[:, 16:48].reshape(N, 8, 4).transpose(0, 2, 1))  # [i, 4 half + k]
+        t = _transpose_bits8(xp, qh.view(xp.uint64)).view(xp.uint8).reshape(N, 4, 8)  # [i, j]
+        body[:, 128:] = t.transpose(0, 2, 1).reshape(N, 32)
+    w = xp.ascontiguousarray(blk[:, 4:16]).view(u32)  # the 12 scale bytes as 3 words A, B, C
+    A, B, C = w[:, 0:1], w[:, 1:2], w[:, 2:3]
+    m3f, m03, m0f = u32(0x3F3F3F3F), u32(0x03030303), u32(_M0F)
+    sc = xp.concatenate([A & m3f, (C & m0f) | (((A >> u32(6)) & m03) << u32(4))], axis=1)
+    m = xp.concatenate([B & m3f, ((C >> u32(4)) & m0f) | (((B >> u32(6)) & m03) << u32(4))], axis=1)
+    dd = xp.ascontiguousarray(blk[:, 0:4]).view(xp.uint16)  # (N, 2): d, dmin bits
     src = xp.repeat(dd, 4, axis=1)  # blocks 0-3: d, 4-7: dmin
     shifts = xp.asarray(np.array(_DD_SHIFT * 2, np.uint16)).reshape(1, 8)
-    wd = sc | (m << xp.uint16(6)) | (((src >> shifts) & xp.uint16(15)) << xp.uint16(12))
-    return wq, wd.reshape(rows, 8 * n)
+    u16 = xp.uint16
+    wd[:] = (sc.view(xp.uint8).astype(u16) | (m.view(xp.uint8).astype(u16) << u16(6))
+             | (((src >> shifts) & u16(15)) << u16(12)))
 
 
 def _f16(bits: np.ndarray) -> np.ndarray:

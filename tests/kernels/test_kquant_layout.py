@@ -171,3 +171,42 @@ def test_device_load_emulation(type_name):
                 assert dd >> 16 == dmin16[row, b >> 3]
                 e = int(wd[row, b])
                 assert (e & 63, (e >> 6) & 63) == (sc[row, b >> 3, b & 7], m[row, b >> 3, b & 7])
+
+
+def kq_dd_shift(j: int) -> int:
+    """common.cuh kq_dd_shift: where block j's nibble goes in d | dmin << 16."""
+    return ((0x80C4 >> (4 * (j & 3))) & 15) + 4 * (j & 4)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_dd_gather_by_shuffles(type_name):
+    """gemv_kq's gather of d | dmin << 16 (each of a super-block's 8 lanes shifts its entry's nibble
+    into place, three xor-shuffles OR them) equals kq_dd on the super-block's wd words and the file's
+    d / dmin, for every super-block."""
+    rng = np.random.default_rng(4)
+    K = 4352
+    raw = random_blocks(type_name, 3, K, rng, extreme=True)
+    wq, wd = L.repack(raw, type_name, K)
+    _, _, _, d16, dmin16 = L.decode_ints(raw, type_name, K)
+    for row in range(3):
+        for s in range(K // 256):
+            lanes = [(int(wd[row, 8 * s + j]) >> 12 & 15) << kq_dd_shift(j) for j in range(8)]
+            for step in (1, 2, 4):  # __shfl_xor_sync(v, step) then OR, as the kernel does
+                lanes = [lanes[j] | lanes[j ^ step] for j in range(8)]
+            want = int(d16[row, s]) | int(dmin16[row, s]) << 16
+            assert all(v == want for v in lanes)
+            w = _u32(wd[row, 8 * s:8 * s + 8].view(np.uint8))
+            assert kq_dd(*[int(w[i]) for i in range(4)]) == want
+
+
+@pytest.mark.parametrize("type_name", L.KQUANT_TYPES)
+def test_repack_in_host_chunks(monkeypatch, type_name):
+    """The host repack walks the super-blocks in chunks; chunk edges inside rows change nothing."""
+    rng = np.random.default_rng(6)
+    K, rows = 2304, 4
+    raw = random_blocks(type_name, rows, K, rng)
+    monkeypatch.setattr(L, "_HOST_CHUNK", 5)
+    wq, wd = L.repack(raw, type_name, K)
+    ref_q, ref_d = L.repack_reference(raw, type_name, K)
+    np.testing.assert_array_equal(wq, ref_q)
+    np.testing.assert_array_equal(wd, ref_d)
