@@ -18,6 +18,10 @@ Block layouts (little-endian; fp16 scales; "qs" holds 4-bit values two per byte)
   Q4_K  [d][dmin][12 B packed 6-bit scales/mins][128 B qs]         x = d*sc*q - dmin*m (8 x 32 values)
   Q5_K  as Q4_K with [32 B qh] before qs
   Q6_K  [128 B ql][64 B qh][16 x int8 scales][d f16]               x = d*sc*(q-32) (16 x 16 values)
+  IQ4_NL [d f16][16 B qs]         lo nibble = value j, hi = j+16   x = d*KVALUES[q]
+  IQ4_XS [d f16][scales_h u16][scales_l 4 B][128 B qs]             x = d*(ls-32)*KVALUES[q] (8 x 32
+         values; sub-block ib: 6-bit ls = low 4 bits from nibble ib%2 of scales_l[ib/2], high 2 bits
+         from bits 2ib..2ib+1 of scales_h; its 16 qs bytes as IQ4_NL's)
 """
 
 from __future__ import annotations
@@ -87,10 +91,13 @@ BLOCK_SIZES: dict[int, tuple[int, int]] = {
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
 Q4_K, Q5_K, Q6_K, BF16 = 12, 13, 14, 30
+IQ4_NL, IQ4_XS = 20, 23
 QK_K = 256
+# the 16 non-linear levels of IQ4_NL / IQ4_XS, indexed by a 4-bit code
+KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 # The types minecart decodes. Everything else opens (the file is readable) but cannot be computed with.
-SUPPORTED_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K})
+SUPPORTED_TYPES = frozenset({F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS})
 
 # Blocks per dequantization step: bounds the temporaries (a few arrays of this many blocks) so that a
 # multi-gigabyte tensor dequantizes without several times its size in scratch memory.
@@ -237,6 +244,24 @@ def _deq_q6_k(blocks):
     return (scale.reshape(n, 16, 1) * q.astype(np.float32)).reshape(n, QK_K)
 
 
+def iq4_xs_scales(blocks: np.ndarray) -> np.ndarray:
+    """The 8 signed sub-block scales ls - 32 of IQ4_XS blocks (n, 136) -> (n, 8) int8 in [-32, 31]."""
+    low = (blocks[:, 4:8].reshape(-1, 4, 1) >> np.array([0, 4], dtype=np.uint8)) & np.uint8(15)
+    high = (blocks[:, 2:4].view("<u2") >> (2 * np.arange(8, dtype=np.uint16))) & np.uint16(3)
+    return (low.reshape(-1, 8) | (high.astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(32)
+
+
+def _deq_iq4_nl(blocks):
+    return _f16(blocks, 0) * KVALUES[_nibbles(blocks[:, 2:18])].astype(np.float32)
+
+
+def _deq_iq4_xs(blocks):
+    n = blocks.shape[0]
+    dl = _f16(blocks, 0) * iq4_xs_scales(blocks).astype(np.float32)  # (n, 8): d * (ls - 32)
+    codes = _nibbles(blocks[:, 8:136].reshape(n * 8, 16)).reshape(n, 8, 32)
+    return (dl.reshape(n, 8, 1) * KVALUES[codes].astype(np.float32)).reshape(n, QK_K)
+
+
 # The hot types decode straight into the output slice (one pass less, no float32 temporary of the whole
 # chunk). Same operations in the same order as the functions above, so the values are bit-identical;
 # the int8 -> float32 casts inside the ufuncs are exact.
@@ -294,6 +319,8 @@ _DEQUANTIZERS = {
     Q4_K: _deq_q4_k,
     Q5_K: _deq_q5_k,
     Q6_K: _deq_q6_k,
+    IQ4_NL: _deq_iq4_nl,
+    IQ4_XS: _deq_iq4_xs,
 }
 assert set(_DEQUANTIZERS) == SUPPORTED_TYPES
 
@@ -369,8 +396,8 @@ def dequantize_rows(info, rows, path: str | Path = "<memory>") -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------------
 # quantizers: float -> raw blocks. Q8_0 and the 32-block types follow ggml's reference rounding (through
-# gguf.quants); Q4_K and Q6_K use a plain min/max fit (not llama.cpp's error-minimizing search), which is
-# all tests and synthetic models need.
+# gguf.quants); Q4_K, Q6_K, IQ4_NL and IQ4_XS use a plain absmax/min-max fit with nearest-level codes (no
+# error-minimizing search), which is all tests and synthetic models need.
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -418,6 +445,47 @@ def _quant_q6_k(x: np.ndarray) -> np.ndarray:
     )
 
 
+def _iq4_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """The nearest KVALUES code of x / scale (scale broadcast over x; 0 where scale is 0)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(scale != 0, x / scale, 0.0)
+    mids = (KVALUES[1:].astype(np.float32) + KVALUES[:-1].astype(np.float32)) / 2
+    return np.searchsorted(mids, t).astype(np.uint8)
+
+
+def _iq4_pack(codes: np.ndarray) -> np.ndarray:
+    """(n, 32) codes -> (n, 16) bytes: value j in the low nibble of byte j, value j+16 in its high nibble."""
+    return codes[:, :16] | (codes[:, 16:] << np.uint8(4))
+
+
+def _signed_absmax(x: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude along the last axis (its sign kept)."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+
+
+def _quant_iq4_nl(x: np.ndarray) -> np.ndarray:
+    blk = x.reshape(-1, 32)
+    d = (_signed_absmax(blk) / -127.0).astype(np.float16)  # the largest magnitude maps to the -127 level
+    codes = _iq4_codes(blk, d.astype(np.float32)[:, None])
+    return np.concatenate([_f16_bytes(d), _iq4_pack(codes)], axis=1)
+
+
+def _quant_iq4_xs(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    sub = x.reshape(n, 8, 32)
+    step = _signed_absmax(sub) / -127.0  # (n, 8) wanted sub-block scales
+    d = (np.abs(step).max(axis=1) / 31.0).astype(np.float16).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.where(d[:, None] > 0, np.rint(step / d[:, None]), 0).clip(-32, 31).astype(np.int16) + 32
+    codes = _iq4_codes(sub, (d[:, None] * (ls - 32).astype(np.float32))[:, :, None])
+    scales_h = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    low = (ls & 15).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << np.uint8(4))
+    qs = _iq4_pack(codes.reshape(n * 8, 32)).reshape(n, 128)
+    return np.concatenate([_f16_bytes(d), scales_h.astype("<u2").reshape(n, 1).view(np.uint8), scales_l, qs],
+                          axis=1)
+
+
 def quantize(values: np.ndarray, type_id: int) -> np.ndarray:
     """float values (..., n) -> raw uint8 (..., bytes_per_row) in GGML type `type_id`."""
     x = np.asarray(values, dtype=np.float32)
@@ -427,9 +495,9 @@ def quantize(values: np.ndarray, type_id: int) -> np.ndarray:
         out = x.astype("<f4").view(np.uint8)
     elif type_id == F16:
         out = x.astype("<f2").view(np.uint8)
-    elif type_id in (Q4_K, Q6_K):
-        fn = _quant_q4_k if type_id == Q4_K else _quant_q6_k
-        blocks = x.reshape(-1, QK_K)
+    elif type_id in (Q4_K, Q6_K, IQ4_XS, IQ4_NL):
+        fn = {Q4_K: _quant_q4_k, Q6_K: _quant_q6_k, IQ4_XS: _quant_iq4_xs, IQ4_NL: _quant_iq4_nl}[type_id]
+        blocks = x.reshape(-1, QK_K) if type_id != IQ4_NL else x.reshape(-1, 32)
         out = np.concatenate([fn(blocks[i : i + _CHUNK_BLOCKS]) for i in range(0, max(len(blocks), 1), _CHUNK_BLOCKS)])
     elif type_id in (BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1):
         import gguf
