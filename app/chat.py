@@ -58,6 +58,7 @@ BASE_MODEL_TEXT = ("{name} is a pretrained base model (its file has no chat temp
                    "rather than following instructions. \u201cContinue text\u201d is on, so your message is "
                    "sent as the start of a text for it to carry on; load an instruction-tuned model for "
                    "real chat.")
+FULL_SHARE = 0.9  # the context meter turns red from this share of the limit on
 CONTEXT_FULL_TEXT = ("This chat needs {needed:,} tokens, but the loaded model holds at most {limit:,} "
                      "(its context limit: the prompt, the whole conversation and the answer together). "
                      "Start a new chat, or raise the limit: the model is re-placed with a longer context "
@@ -271,6 +272,11 @@ class ContextMeter(QFrame):
         self.label.setText(f"{shown} / {self.limit:,} tokens")
         self.bar.setRange(0, self.limit)
         self.bar.setValue(0 if used is None else min(int(used), self.limit))
+        level = "full" if used is not None and used >= FULL_SHARE * self.limit else "ok"
+        if self.bar.property("level") != level:  # the style sheet colours the bar by level
+            self.bar.setProperty("level", level)
+            self.bar.style().unpolish(self.bar)
+            self.bar.style().polish(self.bar)
         if used is None:
             tip = "How much of the context this chat uses is measured at its next turn."
         else:

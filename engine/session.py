@@ -129,7 +129,6 @@ class Session:
         (a benchmark at a long context); the session never holds more than `limit` tokens."""
         self.model = model
         self.capacity = capacity
-        self.limit = max(int(capacity or 0), context_limit(model))
         # kv_type: None = the model's (load_model(kv_type=)); one of engine/kvquant.py's KV_TYPES
         states = model.new_state(capacity, kv_type=kv_type) if kv_type else model.new_state(capacity)
         self.states: list[LayerState] = states
@@ -146,6 +145,12 @@ class Session:
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+    @property
+    def limit(self) -> int:
+        """The most tokens this session may hold: the model's context limit (read now, so it follows
+        the model's plan), or the session's capacity when that was asked larger."""
+        return max(int(self.capacity or 0), context_limit(self.model))
 
     @property
     def position(self) -> int:
@@ -392,7 +397,6 @@ class Session:
         twin = Session.__new__(Session)
         twin.model = self.model
         twin.capacity = self.capacity
-        twin.limit = self.limit
         twin.states = []
         for i, st in enumerate(self.states):
             be = self._layer_backend(i)

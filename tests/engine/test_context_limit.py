@@ -75,13 +75,21 @@ def test_the_limit_is_the_planned_context_capped_at_the_trained_one(path, model4
         plain.close()
 
 
-def test_the_loader_plans_the_context_it_is_given(path):
-    m = load_model(path, devices=["cpu:0"], mmproj=False, context=96)
+@pytest.mark.parametrize("kv_type", kq.KV_TYPES)
+def test_the_loader_plans_the_context_and_kv_cache_it_runs(path, kv_type):
+    m = load_model(path, devices=["cpu:0"], mmproj=False, context=96, kv_type=kv_type)
     try:
         assert isinstance(m.placement, Placement) and m.placement.context == 96
+        assert m.placement.kv_type == kv_type == m.kv_type  # the plan prices the cache that runs
         assert context_limit(m) == 96
+        s = m.new_session()
+        assert sum(c.nbytes for c in _caches(s)) == m.placement.bytes_per_device()["cpu:0"].kv_cache
+        s.close()
     finally:
         m.close()
+
+
+def test_the_loader_defaults_to_the_plan_default_context(path):
     m = load_model(path, devices=["cpu:0"], mmproj=False)
     try:
         assert context_limit(m) == 4096  # the plan's default context
