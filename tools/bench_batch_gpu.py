@@ -10,7 +10,7 @@ Without --model it synthesizes --shape/--quant (engine/synth.py) into --dir, kep
 runs. Then, on the engine's own paths:
 
 - decode: for each B in --batches, B sessions each prefill their own random --context-token prompt
-  (lengths differ by a few tokens), one untimed step (kernel compilation, graph capture), then --steps
+  (lengths differ by a few tokens), two untimed steps (kernel compilation, graph capture), then --steps
   timed steps of all B together through Executor.forward_batch, the call the scheduler makes once per
   step (host logits (B, vocab) included). The tokens fed are drawn up front, not sampled: sampling runs
   on the requests' threads, beside the step. Rate = B * steps / seconds; each B is measured --repeat
@@ -46,6 +46,9 @@ from minecart.engine.synth import write_synthetic
 
 TARGETS = {"8": 5.0, "32": 12.0}  # aggregate decode rate vs one sequence, by batch size
 TTFT_TARGET = 2.0  # time to first token while --others decode, vs alone
+# untimed steps first: the first runs eagerly (kernels compile), the second captures the batch's
+# CUDA graph (engine/execution.py captures a batch the second time in a row it decodes together)
+WARMUP_STEPS = 2
 
 
 def _log(msg: str) -> None:
@@ -84,7 +87,7 @@ class DecodeRun:
         for b, s in enumerate(self.sessions):  # lengths differ, as real conversations do
             s.prefill([int(t) for t in rng.integers(1, vocab, context + b % 5)])
         self.positions = [int(s.position) for s in self.sessions]
-        self.tokens = rng.integers(1, vocab, (steps + 1, batch))
+        self.tokens = rng.integers(1, vocab, (steps + WARMUP_STEPS, batch))
         self.done = 0
 
     def step(self) -> np.ndarray:
@@ -104,7 +107,8 @@ def decode_rate(model, batch: int, args: argparse.Namespace, seed: int) -> dict[
     ex = model.executor
     run = DecodeRun(model, batch, args.context, args.steps, seed)
     try:
-        out = run.step()  # untimed: kernel compilation, graph capture
+        for _ in range(WARMUP_STEPS):  # untimed: kernel compilation, then the batch's graph capture
+            out = run.step()
         if out.shape != (batch, model.config.vocab_size) or not np.isfinite(out).all():
             raise RuntimeError(f"batch {batch}: logits {out.shape} with non-finite values")
         graphed0, eager0 = ex.graphed_stage_steps, ex.eager_stage_steps

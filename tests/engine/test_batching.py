@@ -229,3 +229,104 @@ def test_batch_over_a_three_device_split_equals_one_device(fixture, fixtures_dir
             s.close()
     split.close()
     assert _rel(results[1], results[0]) <= SAME
+
+
+class _RecordingGraphs:
+    """What a graph-capturing backend sees of a batched decode step (CupyBackend._graph_batch_step
+    relies on it): graph_step gets the B tokens, a tuple of the sequences' state lists and a tuple of
+    their own position arrays; while `run` runs, every position array reaching rope is either one of
+    those very objects (after the int64 conversion the backends do) or the stacked rows' (B columns).
+    `run` runs eagerly here, standing in for capture and replay."""
+
+    def __init__(self, be):
+        self.be = be
+        self.calls: list[tuple] = []
+        self.rope_seen: list[str] = []
+        self._own: dict[int, int] | None = None
+        rope = be.rope
+
+        def recording_rope(x, positions, *args, **kwargs):
+            if self._own is not None:
+                p = np.asarray(positions, dtype=np.int64)
+                if id(p) in self._own:
+                    self.rope_seen.append("own")
+                else:
+                    assert np.shape(p)[-1] == len(self._own), "a position array the capture cannot place"
+                    self.rope_seen.append("stacked")
+            return rope(x, positions, *args, **kwargs)
+
+        def graph_step(key, run, ids, positions, *, owner, watch=None, **_kw):
+            if len(ids) == 1 or not isinstance(owner, tuple):
+                return None
+            assert key == ("batch", len(ids)) and len(positions) == len(owner) == len(ids)
+            assert len(watch) == sum(len(o) for o in owner)
+            self.calls.append((tuple(ids), tuple(id(o) for o in owner)))
+            self._own = {id(p): b for b, p in enumerate(positions)}
+            try:
+                return run(ids)
+            finally:
+                self._own = None
+
+        be.rope = recording_rope
+        be.graph_step = graph_step
+
+
+def test_batched_decode_reaches_graph_step_as_captures_need(fixture):
+    """The executor offers a batched decode step to graph_step the second time in a row the same
+    sequences decode together (never a step with a prompt chunk, never a new set's first step), and
+    its result is the eager batch's."""
+    model, refs = fixture
+    be = model.executor.stages[0].backend
+    names = ["short", "len70", "chat"]
+    sessions = [model.new_session() for _ in names]
+    for s, n in zip(sessions, names, strict=True):
+        s.prefill(refs[n]["tokens"])
+    twins = [s.fork() for s in sessions]
+    pos0 = [s.position for s in sessions]
+
+    def step(k: int, live: list[int], ss) -> np.ndarray:
+        return model.executor.forward_batch([[int(refs[names[b]]["gen_tokens"][k])] for b in live],
+                                            [ss[b].states for b in live], [np.array([pos0[b] + k]) for b in live])
+
+    eager = [step(k, [0, 1, 2] if k < 3 else [0, 2], twins) for k in range(5)]
+    rec = _RecordingGraphs(be)
+    try:
+        model.executor._last_batch = ()
+        before = model.executor.batch_graph_steps
+        for k in range(5):
+            out = step(k, [0, 1, 2] if k < 3 else [0, 2], sessions)
+            np.testing.assert_array_equal(out, eager[k])
+            # steps 0 and 3 are a set's first: eager; 1, 2 and 4 go through graph_step
+            assert len(rec.calls) == {0: 0, 1: 1, 2: 2, 3: 2, 4: 3}[k]
+        assert model.executor.batch_graph_steps - before == 3
+        assert [len(c[0]) for c in rec.calls] == [3, 3, 2]
+        assert rec.calls[0][1] == rec.calls[1][1] != rec.calls[2][1]
+        # qwen35's rope runs per sequence inside its gated attention, on the sequence's own array
+        assert rec.rope_seen and set(rec.rope_seen) == {"own"}
+    finally:
+        del be.rope, be.graph_step  # the instance attributes: the class's methods again
+    for s in [*sessions, *twins]:
+        s.close()
+
+
+def test_gemma3_batched_rope_reads_the_stacked_rows(tmp_path):
+    """Gemma 3 ropes the stacked rows once per layer (B columns): what a captured batch step reads
+    from its (3, B) position slots."""
+    from tests._gemma3 import tiny_gemma3_file
+
+    model = load_model(tiny_gemma3_file(tmp_path / "g.gguf"), devices=["cpu:0"])
+    be = model.executor.stages[0].backend
+    sessions = [model.new_session(capacity=32) for _ in range(3)]
+    for b, s in enumerate(sessions):
+        s.prefill([5 + b, 7, 9, 11][: 2 + b])
+    rec = _RecordingGraphs(be)
+    try:
+        for k in range(3):
+            model.executor.forward_batch([[20 + k]] * 3, [s.states for s in sessions],
+                                         [np.array([s.position + k]) for s in sessions])
+        assert len(rec.calls) == 2 and set(rec.rope_seen) == {"stacked"}
+    finally:
+        del be.rope, be.graph_step
+    for s in sessions:
+        s.close()
+    model.close()
