@@ -251,14 +251,16 @@ class ContextMeter(QFrame):
         self.label = QLabel()
         self.label.setObjectName("StatsLabel")
         self.label.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        self.label.setMinimumWidth(40)  # a narrow window gets the short text (resizeEvent)
         lay.addWidget(self.label)
         self.bar = QProgressBar()
         self.bar.setTextVisible(False)
         self.bar.setFixedHeight(4)
-        self.bar.setMinimumWidth(120)
+        self.bar.setMinimumWidth(40)
         lay.addWidget(self.bar)
         self.used: int | None = None
         self.limit = 0
+        self.text = ""  # "1,234 / 8,192 tokens"; the label shows it, or without " tokens" when narrow
         self.hide()
 
     def set_usage(self, used: int | None, limit: int) -> None:
@@ -269,7 +271,8 @@ class ContextMeter(QFrame):
             self.hide()
             return
         shown = "–" if used is None else f"{used:,}"
-        self.label.setText(f"{shown} / {self.limit:,} tokens")
+        self.text = f"{shown} / {self.limit:,} tokens"
+        self._fit_text()
         self.bar.setRange(0, self.limit)
         self.bar.setValue(0 if used is None else min(int(used), self.limit))
         level = "full" if used is not None and used >= FULL_SHARE * self.limit else "ok"
@@ -286,6 +289,18 @@ class ContextMeter(QFrame):
                    "longer context.")
         self.setToolTip(tip)
         self.show()
+
+    def sizeHint(self) -> QSize:
+        return QSize(max(120, self.label.fontMetrics().horizontalAdvance(self.text) + 4),
+                     super().sizeHint().height())
+
+    def _fit_text(self) -> None:
+        fits = self.label.fontMetrics().horizontalAdvance(self.text) <= self.label.width()
+        self.label.setText(self.text if fits else self.text.removesuffix(" tokens"))
+
+    def resizeEvent(self, e) -> None:
+        super().resizeEvent(e)
+        self._fit_text()
 
 
 class Composer(QPlainTextEdit):

@@ -257,3 +257,22 @@ def test_logits_are_not_limited(model40):
     """Model.logits is the fresh-sequence check of tests and benchmarks: it sizes its own state."""
     out = model40.logits(list(range(100, 164)))
     assert out.shape[0] == 64 and np.all(np.isfinite(out))
+
+
+def test_batched_requests_are_checked_before_the_prefix_cache_prefills(model40):
+    from minecart.engine.prefix_cache import PrefixCache
+    from minecart.engine.scheduler import Scheduler
+
+    sched = Scheduler(model40, parallel=2, prefix_cache=PrefixCache(block=8))
+    try:
+        with pytest.raises(ContextFullError) as err:
+            list(sched.generate(list(range(100, 200)), greedy_params(max_tokens=2)))
+        assert (err.value.needed, err.value.limit) == (101, 40)  # the whole prompt, not one block
+        assert sched.prefix_cache.lookups == 0  # refused before the cache was asked
+        events = list(sched.generate(list(range(100, 139)), greedy_params(max_tokens=9)))
+        assert events[-1].finish_reason == "length" and events[-1].generated_tokens == 1
+        s = sched.new_session()
+        assert s.limit == 40  # the scheduler's view of the model has the model's limit
+        s.close()
+    finally:
+        sched.close()
