@@ -185,3 +185,25 @@ def test_bench_gemv_runs():
     rows = bench_gemv.run(shapes=((1024, 2304, False),), types=L.KQUANT_TYPES, cycle_bytes=8 << 20, reps=2)
     assert {r.type_name for r in rows} == set(L.KQUANT_TYPES)
     assert all(r.seconds > 0 and r.gbs > 0 and r.copy_share > 0 for r in rows)
+
+
+@pytest.mark.parametrize("type_name", L.KQUANT_TYPES)
+def test_backend_keeps_the_format(poison, type_name):
+    """CupyBackend.load_weight keeps each K-quant in its own format (Q5_K included, no F32 decode) and
+    its matmul / embed agree with the NumPy backend."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.backends.numpy_backend import NumpyBackend
+
+    rng = np.random.default_rng(9)
+    R, K, T = 77, 2304, 3
+    raw = sane_blocks(type_name, R, K, rng)
+    info = TensorInfo("blk.0.w.weight", TYPE_IDS[type_name], type_name, (R, K), raw, raw.nbytes)
+    nbk, gb = NumpyBackend(int_experts=False), CupyBackend("cuda:0", probe=False)
+    w = gb.load_weight(info)
+    assert w.q.type_name == type_name
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    y = gb.to_numpy(gb.matmul(gb.asarray(x), w))
+    ref = nbk.matmul(x, nbk.load_weight(info))
+    assert nerr(y, ref) < 1.5e-2
+    e = gb.to_numpy(gb.embed(gb.load_weight(info, role="embedding"), [0, 76, 5]))
+    np.testing.assert_array_equal(e, dense(type_name, raw, (R, K))[[0, 76, 5]])
