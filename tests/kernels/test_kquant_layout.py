@@ -210,3 +210,29 @@ def test_repack_in_host_chunks(monkeypatch, type_name):
     ref_q, ref_d = L.repack_reference(raw, type_name, K)
     np.testing.assert_array_equal(wq, ref_q)
     np.testing.assert_array_equal(wd, ref_d)
+
+
+@pytest.mark.parametrize("wpr,nu", [(1, 4), (2, 4), (4, 4), (1, 8), (2, 8)])
+def test_gemv_kq_blocking(wpr, nu):
+    """gemv_kq's loop (gemv.cu) visits every 32-value block of a row exactly once over its WPR warps,
+    the loop is uniform over a warp (so the shuffles see all 32 lanes), each lane's block has
+    b & 7 == lane & 7, and the 8 lanes of a group hold the 8 blocks of one super-block, all valid or all
+    past the row end (rows are whole super-blocks)."""
+    for K in (256, 2304, 4096, 4352, 12288, 12544):
+        nb = K // 32
+        seen = np.zeros(nb, np.int64)
+        for sub in range(wpr):
+            base = sub * 32
+            while base < nb:  # the same trip count for every lane
+                for u in range(nu):
+                    bs = [base + 32 * wpr * u + lane for lane in range(32)]
+                    for g in range(4):
+                        grp = bs[8 * g:8 * g + 8]
+                        assert len({b >> 3 for b in grp}) == 1
+                        assert len({b < nb for b in grp}) == 1
+                    for lane, b in enumerate(bs):
+                        assert b & 7 == lane & 7
+                        if b < nb:
+                            seen[b] += 1
+                base += 32 * wpr * nu
+        assert (seen == 1).all(), f"K={K}: blocks visited {np.unique(seen)} times"
