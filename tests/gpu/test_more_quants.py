@@ -185,6 +185,47 @@ def test_concatenated_group(nb, backends, poison, type_name, T):
         assert nerr(out, alone) < 1e-6, info.name
 
 
+# (gate, up or None for a fused gate/up stack, down, H, F): every Q32 format in the MoE kernels (moe.cu),
+# Q4_1 / Q5_1 with their offsets in the grouped GEMM and the decode kernels
+MOE_FORMATS = [("Q4_1", "Q5_1", "IQ4_XS", 256, 256), ("Q5_0", None, "IQ4_NL", 160, 96),
+               ("IQ4_XS", "IQ4_XS", "Q4_1", 256, 96), ("IQ4_NL", "Q5_0", "Q5_1", 128, 64)]
+
+
+@pytest.mark.parametrize("fmt", MOE_FORMATS, ids=[f"{g}-{u or 'fused'}-{d}" for g, u, d, _, _ in MOE_FORMATS])
+@pytest.mark.parametrize("T,k,how", [(1, 8, "random"), (9, 8, "random"), (130, 8, "one")])
+def test_routed_experts(backends, poison, fmt, T, k, how):
+    """kernels/moe.py routed_experts (decode kernels for T <= 8, the grouped GEMM above) on these formats,
+    against the float MoE and the q8 chain of tests/gpu/test_moe_kernels.py (same tolerances)."""
+    from minecart.kernels import moe
+
+    from tests.gpu.test_moe_kernels import dev_q8, float_moe, q8_chain
+    from tests.kernels.test_moe_emulation import route
+
+    gt, ut, dt, H, F = fmt
+    be = backends["dp4a"]
+    rng = np.random.default_rng(hash((fmt, T)) % 2**32)
+    E = 16
+
+    def stack(type_name, R, K):
+        info = make_tensor(rng, type_name, (E, R, K), 0.1, name="exps")
+        return be.load_weight(info, role="experts").q, Q.dequantize(info).astype(np.float64)
+
+    gate, Wg = stack(gt, F if ut else 2 * F, H)
+    up, Wu = stack(ut, F, H) if ut else (None, Wg[:, F:])
+    Wg = Wg[:, :F]
+    down, Wd = stack(dt, H, F)
+    assert moe.supported(gate, up, down)
+    ids, wts = route(rng, T, E, k, how)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    _, xv = dev_q8(x)
+    poison()
+    out = cp.asnumpy(moe.routed_experts(cp.asarray(x), cp.asarray(ids), cp.asarray(wts), gate, up, down, k))
+    e_float = nerr(out, float_moe(x, ids, wts, Wg, Wu, Wd, k))
+    e_chain = nerr(out, q8_chain(xv, ids, wts, Wg, Wu, Wd, k))
+    print(f"\nrouted experts {fmt[:3]} T={T} k={k}: vs float {e_float:.2e}, vs q8 chain {e_chain:.2e}")
+    assert e_float < 3e-2 and e_chain < 5e-3
+
+
 # ---- whole models -------------------------------------------------------------------------------
 
 PROMPT = [int(t) for t in np.random.default_rng(1).integers(0, G.VOCAB, 40)]
