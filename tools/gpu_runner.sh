@@ -134,8 +134,12 @@ if [ "$MODE" = ptx ]; then
   if ! tar -xJf .gpu/ptx.tar.xz -C .gpu 2>"$OUT/ptx.log"; then
     echo "no .gpu/ptx.tar.xz: run python tools/make_ptx.py before the device call" | tee -a "$OUT/ptx.log"
   fi
-  DEFAULT_PTX_TESTS="tests/gpu --ignore=tests/gpu/test_split.py --ignore=tests/gpu/test_vision_gpu.py \
---ignore=tests/gpu/test_kvq3_model.py"
+  # the route check first (it proves the kernels come from the PTX), then the kernel tests and the
+  # fixture models, then the other files of tests/gpu (new ones included) but the split, vision and
+  # q3-model tests; explicit files, because pytest keeps the order of files but not of a directory
+  first="tests/gpu/test_ptx_route.py tests/gpu/test_kernels.py tests/gpu/test_model.py"
+  DEFAULT_PTX_TESTS="$first $(ls tests/gpu/test_*.py | grep -v -x -F -e tests/gpu/test_split.py \
+    -e tests/gpu/test_vision_gpu.py -e tests/gpu/test_kvq3_model.py $(printf -- '-e %s ' $first) | tr '\n' ' ')"
   for arch in 61 70; do
     dir="$ROOT/.gpu/ptx$arch"
     log="$OUT/ptx${arch}_tests.log"
@@ -144,10 +148,12 @@ if [ "$MODE" = ptx ]; then
 import sys
 from minecart.kernels.build import verify_ptx_dir
 problems = verify_ptx_dir(sys.argv[1])
-print('\n'.join(problems[:20]) or 'PTX directory complete: ' + sys.argv[1])
+stale = sorted({p.split(\"'\")[1] for p in problems if 'other sources' in p})
+print(f'{len(problems)} problem(s); stale modules: {\", \".join(stale) or \"none\"}; first: {problems[0]}'
+      if problems else 'PTX directory complete: ' + sys.argv[1])
 sys.exit(1 if problems else 0)" "$dir" >"$log" 2>&1; then
-      echo "compute_$arch PTX refused (see above): rebuild with python tools/make_ptx.py" | tee -a "$log"
-      head -5 "$log"
+      cat "$log"
+      echo "compute_$arch PTX refused (above): rebuild with python tools/make_ptx.py" | tee -a "$log"
       continue
     fi
     # shellcheck disable=SC2086
@@ -157,4 +163,5 @@ sys.exit(1 if problems else 0)" "$dir" >"$log" 2>&1; then
     echo "compute_$arch PTX gpu tests exit $?" | tee -a "$log"
     grep -E "^(FAILED|ERROR)|KernelPtxError|passed|failed" "$log" | tail -15
   done
+  rm -rf .gpu/ptx61 .gpu/ptx70  # unpacked copies only (~48 MiB): never carried back or along
 fi

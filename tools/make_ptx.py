@@ -16,6 +16,7 @@ edit: on the device, a module whose sources changed since this run fails with a 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -58,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             raw += _dir_bytes(Path(tmp) / name)
         archive = out / "ptx.tar.xz"
         part = out / "ptx.tar.xz.part"
-        subprocess.run(["tar", "-cJf", str(part), "-C", tmp, *names], check=True)
+        subprocess.run(["tar", "-cJf", str(part), "-C", tmp, *names], check=True,
+                       env={**os.environ, "XZ_OPT": os.environ.get("XZ_OPT", "-T0")})
         part.replace(archive)
     for name in names:  # raw PTX left by an earlier run would ride along in the carry
         shutil.rmtree(out / name, ignore_errors=True)
