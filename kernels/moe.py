@@ -257,7 +257,7 @@ def _old_path(x, ids, wts, gate, up, down, k):
 
 
 def bench_moe(tokens=(1, 8, 512, 4096), H: int = 2048, E: int = 256, k: int = 8, F: int = 512,
-              type_name: str = "Q4_K", down_type: str | None = None, fused: bool = True, nblk: int = 1,
+              type_name: str = "Q4_K", down_type: str | None = None, fused: bool = False, nblk: int = 1,
               repeats: int = 10, seed: int = 0) -> list[dict]:
     """Time the routed experts of one MoE layer, old (per-pair GEMVs) vs new (moe.cu), at each token
     count, on random weights and a softmax top-k routing of random logits; prints one line per T and
@@ -315,12 +315,13 @@ def main() -> None:
     ap.add_argument("--type", default="Q4_K", choices=DP4A_TYPES, help="gate/up expert format")
     ap.add_argument("--down-type", default=None, choices=DP4A_TYPES, help="down expert format (default --type)")
     ap.add_argument("--tokens", default="1,8,512,4096", help="comma-separated token counts")
-    ap.add_argument("--separate", action="store_true", help="separate gate and up stacks (default fused)")
+    ap.add_argument("--fused", action="store_true", help="one gate_up stack (default: gate and up apart, "
+                                                         "as engine/synth.py writes the 35B-A3B file)")
     ap.add_argument("--nblk", type=int, default=1, choices=(1, 2), help="quant blocks per GEMM stage")
     ap.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
     a = ap.parse_args()
     bench_moe(tuple(int(t) for t in a.tokens.split(",")), type_name=a.type, down_type=a.down_type,
-              fused=not a.separate, nblk=a.nblk, repeats=a.repeats)
+              fused=a.fused, nblk=a.nblk, repeats=a.repeats)
 
 
 if __name__ == "__main__":
