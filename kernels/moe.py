@@ -139,6 +139,9 @@ def _ffn(gate: QWeight, up: QWeight | None, down: QWeight) -> int:
     H = gate.cols
     if fused and gate.rows % 2:
         raise ValueError(f"fused gate/up experts have an odd row count {gate.rows}")
+    if up is not None and up.type_name != gate.type_name:
+        raise ValueError(f"MoE kernels need gate and up experts in one format; got {gate.type_name} and "
+                         f"{up.type_name}")
     if up is not None and (up.rows, up.cols, up.experts) != (gate.rows, gate.cols, gate.experts):
         raise ValueError(f"gate experts ({gate.experts}, {gate.rows}, {gate.cols}) and up experts "
                          f"({up.experts}, {up.rows}, {up.cols}) differ in shape")
@@ -149,9 +152,12 @@ def _ffn(gate: QWeight, up: QWeight | None, down: QWeight) -> int:
 
 
 def supported(gate: QWeight, up: QWeight | None, down: QWeight) -> bool:
-    """Whether these expert stacks run on the kernels here (DP4A formats, a sortable expert count)."""
+    """Whether these expert stacks run on the kernels here: DP4A formats, gate and up in one format
+    (moe_gate_up_q8 is compiled for equal formats only, to keep the build small), a sortable expert
+    count."""
     ws = [gate, down] + ([] if up is None else [up])
-    return all(w.type_name in DP4A_TYPES for w in ws) and 0 < gate.experts <= MAX_EXPERTS
+    same = up is None or up.type_name == gate.type_name
+    return same and all(w.type_name in DP4A_TYPES for w in ws) and 0 < gate.experts <= MAX_EXPERTS
 
 
 def gate_up_q8(q8: Q8, gate: QWeight, up: QWeight | None, ids: cp.ndarray, x_div: int,

@@ -27,7 +27,7 @@ TYPES = {"Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_K": Q.Q4_K, "Q6_K": Q.Q6_K}
 # rows of 256 values); the Q8_0/Q4_0 sizes leave partial 128-column tiles (160 rows, 2 x 96 rows)
 FORMATS = [("Q8_0", None, "Q8_0", 160, 96), ("Q4_0", "Q4_0", "Q4_0", 160, 96),
            ("Q4_K", None, "Q6_K", 512, 256), ("Q6_K", "Q6_K", "Q4_K", 256, 256),
-           ("Q4_K", "Q4_K", "Q8_0", 256, 96), ("Q8_0", "Q4_K", "Q4_0", 256, 96)]
+           ("Q4_K", "Q4_K", "Q8_0", 256, 96), ("Q8_0", "Q8_0", "Q4_0", 256, 96)]
 FMT_IDS = [f"{g}-{u or 'fused'}-{d}" for g, u, d, _, _ in FORMATS]
 
 
@@ -290,6 +290,21 @@ def test_routed_experts_in_a_cuda_graph(gb, T):
             eager = moe.routed_experts(x.copy(), ids, wts, gate, None, down, k)
             stream.synchronize()
             assert nerr(cp.asnumpy(out), cp.asnumpy(eager)) < 1e-6
+
+
+def test_mixed_gate_up_formats_are_not_taken(gb):
+    """moe_gate_up_q8 exists for equal gate/up formats only: others are refused (the backend then takes
+    the per-pair GEMVs, as test_kernels.py's test_moe checks)."""
+    from minecart.kernels import moe
+
+    rng = np.random.default_rng(2)
+    gate, _ = stack(gb, rng, "Q8_0", 4, 32, 256)
+    up, _ = stack(gb, rng, "Q4_K", 4, 32, 256)
+    down, _ = stack(gb, rng, "Q8_0", 4, 256, 32)
+    assert not moe.supported(gate, up, down) and moe.supported(gate, None, down)
+    ids, wts = route(rng, 2, 4, 2, "random")
+    with pytest.raises(ValueError, match="one format"):
+        moe.routed_experts(cp.zeros((2, 256), cp.float32), cp.asarray(ids), cp.asarray(wts), gate, up, down, 2)
 
 
 @pytest.mark.parametrize("T", [1, 6, 40])
