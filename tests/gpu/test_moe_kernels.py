@@ -270,6 +270,8 @@ def test_routed_experts_in_a_cuda_graph(gb, T):
         kept.append(mem)
         return mem
 
+    moe.routed_experts(x.copy(), ids, wts, gate, None, down, k)  # modules compiled and loaded before capture
+    cp.cuda.Device().synchronize()
     with stream:
         cp.cuda.set_allocator(keep_alloc)
         try:
