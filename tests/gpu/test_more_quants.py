@@ -185,10 +185,12 @@ def test_concatenated_group(nb, backends, poison, type_name, T):
         assert nerr(out, alone) < 1e-6, info.name
 
 
-# (gate, up or None for a fused gate/up stack, down, H, F): every Q32 format in the MoE kernels (moe.cu),
-# Q4_1 / Q5_1 with their offsets in the grouped GEMM and the decode kernels
-MOE_FORMATS = [("Q4_1", "Q5_1", "IQ4_XS", 256, 256), ("Q5_0", None, "IQ4_NL", 160, 96),
-               ("IQ4_XS", "IQ4_XS", "Q4_1", 256, 96), ("IQ4_NL", "Q5_0", "Q5_1", 128, 64)]
+# (gate, up or None for a fused gate/up stack, down, H, F): every Q32 format in the MoE kernels (moe.cu;
+# gate and up share a format there), Q4_1 / Q5_1 with their offsets in the grouped GEMM and the decode
+# kernels
+MOE_FORMATS = [("Q4_1", "Q4_1", "IQ4_XS", 256, 256), ("Q5_0", None, "IQ4_NL", 160, 96),
+               ("IQ4_XS", "IQ4_XS", "Q4_1", 256, 96), ("IQ4_NL", "IQ4_NL", "Q5_1", 128, 64),
+               ("Q5_1", None, "Q5_0", 128, 64)]
 
 
 @pytest.mark.parametrize("fmt", MOE_FORMATS, ids=[f"{g}-{u or 'fused'}-{d}" for g, u, d, _, _ in MOE_FORMATS])
