@@ -11,7 +11,9 @@ loaded model with it (MainWindow), and after a load the map shows the engine's p
 Under the title the panel shows the plan's predicted decode and prefill tokens/s (engine predict_speed,
 each card priced from its resources/gpu_profiles.json profile; a card without one is named instead of
 guessed), recomputed on every edit. For an MoE model, "Experts in host RAM" puts every layer's routed
-experts on the CPU (Placement.experts_device), and the lanes and the prediction follow.
+experts on the CPU, and a block's context menu moves the experts of the selected layers alone
+(Placement.experts, "layer.N" -> device; a layer marked "+X" keeps its experts on the host, and
+their GPU streams them through two staging buffers for prefill); the lanes and the prediction follow.
 
 Not here: loading, or planning beyond the engine's own placement functions.
 """
@@ -251,6 +253,26 @@ class LayerMapModel(QAbstractItemModel):
 
         return self._edit(text, change)
 
+    def set_experts_apart(self, part_indices: list[int], on_host: bool) -> bool:
+        """The routed experts of the selected MoE layers in host RAM (on_host) or back with their
+        layers, as one edit; other layers keep theirs where they are."""
+        if self.plan is None:
+            return False
+        names = [self.plan.costs.parts[i].name for i in part_indices if self.plan.costs.parts[i].experts]
+        if not names:
+            return False
+        host = self.host_device()
+
+        def change(plan: pl.Placement) -> None:
+            for n in names:
+                if on_host:
+                    plan.experts[n] = host
+                else:
+                    plan.experts.pop(n, None)
+
+        where = "in host RAM" if on_host else "back with their layers"
+        return self._edit(f"put the routed experts of {len(names)} layer(s) {where}", change)
+
     # ---- editing: each edit is one undoable step -----------------------------------------------------
     def _edit(self, text: str, change) -> bool:
         """Apply `change(plan)` to a copy of the plan as one undo step; False when it changed nothing."""
@@ -295,7 +317,7 @@ class LayerMapModel(QAbstractItemModel):
         # on the calling thread: tests and scripts; the window uses auto_split_later
         auto = fewest_devices_plan(self.plan.costs, self.device_specs(), context=context or self.plan.context,
                                    chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
-                                   n_sequences=self.plan.n_sequences, experts_device=self.plan.experts_device)
+                                   n_sequences=self.plan.n_sequences, experts=dict(self.plan.experts))
         self._edit("auto-split the layers", lambda plan: _become(plan, auto))
 
     @property
@@ -311,7 +333,7 @@ class LayerMapModel(QAbstractItemModel):
         base = self.plan.copy()
         specs = self.device_specs()
         settings = dict(context=context or base.context, chunk=base.chunk, kv_type=kv_type or base.kv_type,
-                        n_sequences=base.n_sequences, experts_device=base.experts_device)
+                        n_sequences=base.n_sequences, experts=dict(base.experts))
         self._auto_seq += 1
         seq = self._auto_seq
         self._auto_base = base
@@ -388,7 +410,10 @@ class LayerMapModel(QAbstractItemModel):
             return "EMB"
         if cost.kind == "head":
             return "HEAD"
-        return cost.name.split(".", 1)[1]
+        label = cost.name.split(".", 1)[1]
+        if cost.experts and self.plan.experts_of(i) != self.plan.assignment[i]:
+            label += "+X"  # its routed experts sit elsewhere (host RAM)
+        return label
 
     def data(self, index, role=Qt.ItemDataRole.DisplayRole):
         if not index.isValid():
@@ -416,9 +441,11 @@ class LayerMapModel(QAbstractItemModel):
             if cost.state_bytes:
                 lines.append(f"recurrent state {format_bytes(cost.state_bytes)}")
             if cost.experts:
-                where = (f"in host RAM ({self.plan.experts_device})" if self.plan.experts_device
-                         else "with the layer")
-                lines.append(f"routed experts {format_bytes(cost.expert_bytes)}, {where}")
+                dev = self.plan.experts_of(part)
+                where = "with the layer" if dev == self.plan.assignment[part] else f"on {dev}"
+                if dev.startswith("cpu:"):
+                    where = f"in host RAM ({dev}), streamed to the GPU for prefill"
+                lines.append(f"routed experts {format_bytes(cost.expert_bytes)}, {where} · right-click to move them")
             lines.append(f"on {self.plan.assignment[part]} · drag to another device, or Alt+↑/↓")
             return "<br>".join(lines)
         if role == Qt.ItemDataRole.AccessibleTextRole:
@@ -480,8 +507,9 @@ class LayerMapModel(QAbstractItemModel):
 def _become(plan: pl.Placement, other: pl.Placement) -> None:
     """Make `plan` equal to `other` in place (an undo step edits a copy of the plan)."""
     plan.assignment[:] = other.assignment
-    for name in ("context", "chunk", "kv_type", "n_sequences", "cuda_context_bytes", "experts_device"):
+    for name in ("context", "chunk", "kv_type", "n_sequences", "cuda_context_bytes"):
         setattr(plan, name, getattr(other, name))
+    plan.experts = dict(other.experts)
 
 
 class _PlanEdit(QUndoCommand):
@@ -965,6 +993,19 @@ class LayerMapPanel(QWidget):
             act = QAction(f"Move to {dev.name} ({dev.id})", menu)
             act.triggered.connect(lambda _=False, d=dev.id: self.model.move_parts(parts, d))
             menu.addAction(act)
+        moe = [i for i in parts if self.model.plan is not None and self.model.plan.costs.parts[i].experts]
+        if moe:
+            menu.addSeparator()
+            plan = self.model.plan
+            apart = [i for i in moe if plan.experts_of(i) != plan.assignment[i]]
+            to_host = QAction(f"Routed experts of {len(moe)} layer(s) to host RAM", menu)
+            to_host.triggered.connect(lambda _=False: self.model.set_experts_apart(moe, True))
+            to_host.setEnabled(len(apart) < len(moe))
+            back = QAction(f"Routed experts of {len(moe)} layer(s) back with the layer", menu)
+            back.triggered.connect(lambda _=False: self.model.set_experts_apart(moe, False))
+            back.setEnabled(bool(apart))
+            menu.addAction(to_host)
+            menu.addAction(back)
         menu.addSeparator()
         menu.addAction(self.undo_action)
         menu.addAction(self.redo_action)
@@ -1015,7 +1056,9 @@ class LayerMapPanel(QWidget):
                                   f"{'' if plan.crossings() == 1 else 's'} per token")
         self.experts_host.setVisible(self.model.has_experts)
         self.experts_host.blockSignals(True)  # shows the plan; a click, not this, edits it
-        self.experts_host.setChecked(has_plan and bool(plan.experts_device))
+        moe = [p.name for p in plan.costs.parts if p.experts] if has_plan else []
+        # checked when every MoE layer's experts are in host RAM (the block menu moves single layers)
+        self.experts_host.setChecked(bool(moe) and all(plan.experts.get(n, "").startswith("cpu:") for n in moe))
         self.experts_host.blockSignals(False)
         self._show_speed()
         if issues:
@@ -1079,27 +1122,27 @@ def initial_plan(costs: pl.ModelCosts, devices: list[DeviceInfo], saved: dict | 
                                kv_type=DEFAULT_KV_TYPE), note
 
 
-def fewest_devices_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec], experts_device: str = "",
-                        **settings) -> pl.Placement:
+def fewest_devices_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec],
+                        experts: dict[str, str] | None = None, **settings) -> pl.Placement:
     """Split over as few devices as hold the model: the first GPU, then the first two, ..., then all GPUs
     and the CPU last. A layer split does not make one stream faster, and every extra device adds a hop
     over the PCIe link (x1 risers on mining rigs), so fewer is better. If nothing fits, everything is
-    used and the plan's warnings say by how much it overflows. experts_device: where an MoE model's
-    routed experts stay ("cpu:0" = host RAM; "" = with their layers); the layers are split around them."""
+    used and the plan's warnings say by how much it overflows. experts: where MoE layers' routed experts
+    stay when apart ("layer.N" -> "cpu:0" = host RAM; absent = with their layers); the layers are split
+    around them."""
     gpus = [s for s in specs if s.is_cuda]
     order = gpus + [s for s in specs if not s.is_cuda]
     if not order:
         raise pl.PlacementError("no devices to place the model on")
     plan = None
     for k in range(1, len(order) + 1):
-        if experts_device:
+        if experts:
             # plan_candidates knows experts apart; the fit is checked on every device, the experts' too
-            tried = [c.plan for c in pl.plan_candidates(costs, order[:k], experts_device=experts_device,
-                                                        **settings)]
+            tried = [c.plan for c in pl.plan_candidates(costs, order[:k], experts=experts, **settings)]
             plan = next((p for p in tried if not _errors(p, specs)), tried[0])
         else:
             plan = pl.plan_auto(costs, None, order[:k], **settings)
-        if not _errors(plan, specs if experts_device else order[:k]):
+        if not _errors(plan, specs if experts else order[:k]):
             return plan
     return plan
 

@@ -75,3 +75,15 @@ class GenerationCancelled(MinecartError):
 
 class RequestError(MinecartError):
     """A malformed request (HTTP API or CLI arguments) that the caller can correct."""
+
+
+class ContextFullError(RequestError):
+    """A sequence would hold more tokens than the loaded model's context limit (engine/session.py
+    context_limit): `needed` tokens were asked for, `limit` fit, the model was trained for `trained`
+    (0 = unknown). Raised before any token of the request is computed; the session stays usable."""
+
+    def __init__(self, message: str, *, needed: int, limit: int, trained: int = 0):
+        super().__init__(message)
+        self.needed = int(needed)
+        self.limit = int(limit)
+        self.trained = int(trained)

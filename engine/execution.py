@@ -401,6 +401,8 @@ class Executor:
         self.chain_graphs = not any(st.backend.has_link() for st in self.stages)
         self.graphed_stage_steps = 0  # decode stage runs replayed (or captured) as graphs
         self.eager_stage_steps = 0  # decode stage runs done eagerly (no graph, or not valid this step)
+        self.batch_graph_steps = 0  # batched decode steps replayed (or captured) as one graph
+        self._last_batch: tuple[int, ...] = ()  # ids of the previous batched decode step's sequences
         self._call_lock = threading.Lock()
 
     @property
@@ -480,7 +482,8 @@ class Executor:
         bounds = [0]
         for seq in ids:
             bounds.append(bounds[-1] + len(seq))
-        pos = [np.asarray(p) for p in positions]
+        # int64 as the backends convert them, so a captured step recognises each sequence's own array
+        pos = [np.asarray(p, dtype=np.int64) for p in positions]
         if any(p.ndim == 2 for p in pos):  # M-RoPE in any sequence: every one as (3, T)
             pos = [p if p.ndim == 2 else np.broadcast_to(p, (3, p.shape[0])) for p in pos]
         stacked = np.concatenate(pos, axis=-1)
@@ -488,9 +491,34 @@ class Executor:
                       for i in range(self.config.n_layers)]
         chunk = _Chunk(0, flat, stacked, None, tuple(b - 1 for b in bounds[1:]))
         with self._call_lock:
-            out = self._one_chunk(chunk, layer_rows, None)
+            out = None
+            if len(flat) == B:  # every sequence decodes one token
+                out = self._batch_graph_step(chunk, tuple(states), tuple(pos), layer_rows)
+            if out is None:
+                out = self._one_chunk(chunk, layer_rows, None)
         assert out is not None  # row indices always reach the head
         return out
+
+    def _batch_graph_step(self, c: _Chunk, owners: tuple, pos: tuple, layer_rows: list) -> np.ndarray | None:
+        """A batched decode step (one token per sequence) through the backend's graph_step: captured
+        the second time in a row the same sequences decode together (a batch that changes every step
+        never pays a capture), replayed while they keep doing so. None: run it eagerly (graphs off,
+        a split model, a backend without graphs, a cache that must grow, a new batch)."""
+        ident = tuple(id(o) for o in owners)
+        again, self._last_batch = ident == self._last_batch, ident
+        if not (self.use_graphs and again and len(self.stages) == 1):
+            return None
+        stage = self.stages[0]
+        watch = [st for seq in owners for st in seq]
+
+        def run(x):
+            return self.run_stage(stage, x, c.positions, layer_rows, c.rows)
+
+        out = stage.backend.graph_step(("batch", len(owners)), run, c.ids, pos, owner=owners, watch=watch)
+        if out is None:
+            return None
+        self.batch_graph_steps += 1
+        return np.asarray(out)
 
     def _one_chunk(self, c: _Chunk, states: list, hook) -> np.ndarray | None:
         """One chunk on the calling thread: a decode step through the stages' graphs, or stage after

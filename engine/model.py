@@ -26,6 +26,7 @@ from .config import ModelConfig, validate_tensors
 from .errors import GenerationCancelled, GGUFError, TokenizerError, UnsupportedArchitectureError
 from .execution import (
     Executor,
+    _device_specs,  # the devices' free memory, for --experts-on auto
     make_backend,
     normalize_device,
     part_names,
@@ -37,13 +38,13 @@ from .generation import generate
 from .gguf_file import GGUFFile
 from .kvquant import DEFAULT_KV_TYPE, check_kv_type
 from .models import module_for, spec_for
-from .placement import Placement
-from .session import Session
+from .models.spec import ArchSpec
+from .placement import Placement, check_experts_on, experts_map, fill_experts, model_costs
+from .session import Session, initial_capacity
 from .tokenizer import Tokenizer
 from .vision import VisionTower, attach_vision
 
 _NOT_LOADED = object()
-DEFAULT_CAPACITY = 8192  # initial KV capacity of a session (tokens), capped by the model's context
 
 
 def _load_tokenizer(gf):
@@ -166,9 +167,9 @@ class Model:
                                      chunk=chunk, cancel=cancel, embed_override=embed_override)
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
-        # default: the placement's planned context (its memory estimate assumed it), else 8192 tokens
-        planned = self.placement.context if isinstance(self.placement, Placement) else None
-        cap = capacity or planned or min(self.config.context_length or DEFAULT_CAPACITY, DEFAULT_CAPACITY)
+        # default: the whole context limit of a planned model (its memory estimate assumed it; see
+        # engine/session.py initial_capacity), so a session's caches never grow past the plan
+        cap = capacity or initial_capacity(self)
         kv_type = kv_type or self.kv_type
         return [self.module.new_layer_state(self.config, _with_kv_type(self.backends[f"layer.{i}"], kv_type),
                                             i, cap)
@@ -237,6 +238,7 @@ class Model:
             backends[p] = by_device[dev]
         kept = {p: ws for p, ws in self.weights.items() if p not in moved}
         new_weights = _load_parts(self.gguf, {p: self._roles[p] for p in moved}, backends,
+                                  spec_for(self.config.architecture),
                                   progress=progress, cancel=cancel, shared_from=kept,
                                   shared_roles=self._roles)
         for p in moved:
@@ -244,6 +246,8 @@ class Model:
                 if not _used_elsewhere(wt, p, self.weights, moved):
                     self.backends[p].free(wt)
             self.weights[p] = new_weights[p]
+        for proxy in {id(b): b for b in self.backends.values() if isinstance(b, ExpertsApart)}.values():
+            proxy.close()  # the new wiring makes its own (engine/experts.py)
         self.backends = _wire_experts(new_plan, backends, self.weights)
         self.device_plan = new_plan
         self.placement = placement
@@ -257,6 +261,8 @@ class Model:
             self.vision.close()
             self.vision = None
         self.executor.close()
+        for proxy in {id(b): b for b in self.backends.values() if isinstance(b, ExpertsApart)}.values():
+            proxy.close()  # its staging buffers and page-locked expert copies (engine/experts.py)
         for part, ws in self.weights.items():
             be = self.backends.get(part)
             for wt in ws.values():
@@ -317,10 +323,12 @@ def _used_elsewhere(wt, part, weights, moved) -> bool:
     return any(w2 is wt for p, ws in weights.items() if p != part and p not in moved for w2 in ws.values())
 
 
-def _load_parts(gf: GGUFFile, roles: dict, backends: dict, *, progress=None, cancel=None,
+def _load_parts(gf: GGUFFile, roles: dict, backends: dict, spec: ArchSpec, *, progress=None, cancel=None,
                 shared_from: dict | None = None, shared_roles: dict | None = None) -> dict:
     """{part: {name: Weight}}. A tensor needed by two parts on the same backend with the same role is
-    loaded once (the tied embedding / LM head). On cancel, everything loaded here is freed."""
+    loaded once (the tied embedding / LM head). The weights of each of the spec's fused groups that a
+    part holds (the projections one matmul_many call reads) are loaded together, through
+    Backend.load_fused, which lays them out as one array. On cancel, everything loaded here is freed."""
     total = sum(len(r) for r in roles.values()) or 1
     loaded: dict = {}  # (id(backend), name, role) -> weight
     if shared_from and shared_roles:  # weights already loaded (reload_placement): reuse, not reload
@@ -335,24 +343,35 @@ def _load_parts(gf: GGUFFile, roles: dict, backends: dict, *, progress=None, can
         for part, part_roles in roles.items():
             be = backends[part]
             out[part] = {}
+            grouped = {members[0]: members for members in spec.fused_members(part_roles)}
+            in_group = {n for members in grouped.values() for n in members}
             for name, role in part_roles.items():
+                if name in in_group and name not in grouped:
+                    continue  # loaded with the first member of its group
                 if cancel is not None and cancel.is_set():
                     raise GenerationCancelled(f"{gf.path}: loading cancelled")
-                key = (id(be), name, role)
-                wt = loaded.get(key)
-                if wt is None:
-                    wt = be.load_weight(gf.tensor(name), role=role)
-                    loaded[key] = wt
-                    fresh.append((be, wt))
-                out[part][name] = wt
-                done += 1
-                if progress is not None:
-                    progress(done / total, f"{part}: {name}")
+                names = grouped.get(name, (name,))
+                keys = [(id(be), n, part_roles[n]) for n in names]
+                wts = [loaded.get(k) for k in keys]
+                if any(wt is None for wt in wts):  # a group is loaded whole, never in pieces
+                    if len(names) > 1:
+                        wts = be.load_fused([gf.tensor(n) for n in names])
+                    else:
+                        wts = [be.load_weight(gf.tensor(name), role=role)]
+                    for k, wt in zip(keys, wts, strict=True):
+                        loaded[k] = wt
+                        fresh.append((be, wt))
+                for n, wt in zip(names, wts, strict=True):
+                    out[part][n] = wt
+                    done += 1
+                    if progress is not None:
+                        progress(done / total, f"{part}: {n}")
     except BaseException:
         for be, wt in fresh:
             be.free(wt)
         raise
-    return out
+    # keep the part's tensors in role order (what callers iterate over)
+    return {part: {n: out[part][n] for n in part_roles} for part, part_roles in roles.items()}
 
 
 def open_model_file(path) -> tuple[GGUFFile, ModelConfig]:
@@ -389,7 +408,7 @@ def check_model_file(path) -> None:
 def load_model(path, placement=None, devices=None, *, backend=None,
                progress: Callable[[float, str], None] | None = None, cancel=None,
                mmproj=None, max_image_tokens: int | None = None, kv_type: str | None = None,
-               experts: str | None = None) -> Model:
+               experts: str | None = None, context: int | None = None) -> Model:
     """Open a GGUF model and load its weights.
 
     placement: a part -> device plan (see plan_devices); devices: device strings to spread the layers
@@ -401,19 +420,27 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     image tokens per picture (default engine.vision.DEFAULT_MAX_IMAGE_TOKENS). kv_type: the KV cache
     of every session: "f16", "q8_0", "q3" (3-bit) or "f32" (exact), engine/kvquant.py; None = the
     placement's when one is given (the plan that was priced is the plan that runs), else "f16".
-    experts: a device ("cpu:0" = host RAM) for every MoE layer's routed experts and router, apart from
-    the layer (engine/experts.py); None = the placement's experts_device, else with their layer.
+    experts: where MoE layers' routed experts and routers go, apart from their layer (engine/experts.py):
+    "host" (host RAM, cpu:0), a device for all of them, "N" (the first N MoE layers keep theirs, the
+    rest in host RAM) or "auto" (the GPUs keep as many layers' experts as fit; placement.fill_experts);
+    None = the placement's per-layer experts map, else with their layer.
+    context: the context limit in tokens (engine/session.py context_limit: every session is allocated
+    for it and never holds more); it replaces the placement's context; None = the placement's (4096
+    when no placement is given).
     """
     t0 = time.perf_counter()
     if kv_type is None:
         kv_type = placement.kv_type if isinstance(placement, Placement) else DEFAULT_KV_TYPE
-    if experts is None and isinstance(placement, Placement) and placement.experts_device:
-        experts = placement.experts_device  # the plan put every layer's routed experts there
+    apart: dict[str, str] | None = None  # "layer.N" -> the device of its routed experts, when apart
+    if experts is None and isinstance(placement, Placement) and placement.experts:
+        apart = dict(placement.experts)  # the plan put these layers' routed experts there
+    elif experts is not None:
+        experts = check_experts_on(experts)
     check_kv_type(kv_type)
     gf, config = open_model_file(path)
     module = module_for(config.architecture)
     roles = spec_for(config.architecture).tensor_roles(config, set(gf.tensors),
-                                                       experts_apart=experts is not None)
+                                                       experts_apart=experts is not None or bool(apart))
     if backend is not None:
         plan = {p: str(backend.device) for p in part_names(config)}
         backends = dict.fromkeys(plan, backend)
@@ -421,12 +448,32 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     else:
         placement, plan, by_device = resolve_devices(config, gf, placement, devices)
         backends = {p: by_device[d] for p, d in plan.items()}
-    if experts is not None:
-        edev = normalize_device(experts)
-        if edev not in by_device:
-            by_device[edev] = make_backend(edev)
+    if context is not None and not isinstance(placement, Placement):
+        # backend= without a plan: the one-device plan, to carry the context
+        layout = "numpy" if str(backend.device).startswith("cpu") else "stored"
+        placement = Placement.single(model_costs(config, gf, layout=layout), str(backend.device))
+    if isinstance(placement, Placement):
+        # the plan says what runs: its context is the context limit (engine/session.py), and it
+        # prices the KV cache type the sessions get
+        placement = placement.with_settings(
+            context=placement.context if context is None else int(context), kv_type=kv_type)
+    if experts is not None:  # --experts-on: host, auto, N (layers that keep theirs) or a device
+        moe_layers = [p[: -len(EXPERTS_SUFFIX)] for p in roles if p.endswith(EXPERTS_SUFFIX)]
+        if experts == "auto":
+            if not isinstance(placement, Placement):  # backend= without a plan: the one-device plan
+                placement = Placement.single(model_costs(config, gf), str(backend.device))
+            apart = fill_experts(placement, _device_specs(devices if devices is not None else list(by_device)))
+        else:
+            apart = experts_map(experts, moe_layers)
+        if isinstance(placement, Placement):
+            placement = placement.with_settings(experts=apart)  # model.placement says where they are
+    if apart is not None:
         for part in roles:
             if part.endswith(EXPERTS_SUFFIX):
+                layer = part[: -len(EXPERTS_SUFFIX)]
+                edev = normalize_device(apart.get(layer, plan[layer]))
+                if edev not in by_device:
+                    by_device[edev] = make_backend(edev)
                 plan[part] = edev
                 backends[part] = by_device[edev]
     if kv_type != "f32":  # fail before loading weights when a device or the head dims cannot take it
@@ -435,7 +482,8 @@ def load_model(path, placement=None, devices=None, *, backend=None,
                                     kv_type=kv_type))
     if progress is not None:
         progress(0.0, f"opening {Path(path).name}")
-    weights = _load_parts(gf, roles, backends, progress=progress, cancel=cancel)
+    weights = _load_parts(gf, roles, backends, spec_for(config.architecture), progress=progress,
+                          cancel=cancel)
     if progress is not None:
         # A caller that shows progress (app, CLI, server) has a person waiting: decode a lazily
         # decoded LM head now, not inside the first token. Logits-only callers (tests) stay lazy.

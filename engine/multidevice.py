@@ -69,7 +69,7 @@ class SplitBenchResult:
                            f"device used at the end {m['device_used'] / GiB:.3f} GiB, of it outside the pool "
                            f"{m['outside_pool'] / GiB:.3f} GiB")
                 out.append("    estimate: " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in t.items()) + " GiB "
-                           "(fragmentation and staging are part of activations)")
+                           "(staging is part of activations; modules and graphs of overhead)")
         return out
 
 
@@ -107,8 +107,9 @@ def _memory_report(model, states, context: int, chunk: int) -> dict:
     memory in use when the process first made a backend there, less the pool) plus the highest total
     of CuPy's memory pool on it over the run (`memory_peak`: sampled after every prefill and decode of
     bench_split; the pool keeps freed blocks, so this is what the run held from the device, holes
-    included). The estimate is priced with that measured context as its CUDA overhead, so the ratio
-    judges everything else. Beside it: "device_used" (device total - free at the end) and
+    included), plus the device memory outside the pool beyond the context at the end (kernel modules,
+    graph executables). The estimate is priced with that measured context as its CUDA overhead, so the
+    ratio judges everything else. Beside it: "device_used" (device total - free at the end) and
     "outside_pool" (device memory the pool does not account for: context, kernel modules, graph
     executables, driver page rounding), for the record. Logical devices sharing a GPU and CPU devices
     are measured as the arrays their parts' weights and the sequence's states hold
@@ -130,12 +131,15 @@ def _memory_report(model, states, context: int, chunk: int) -> dict:
             ctx = int(real.context_bytes)
             e = dataclasses.replace(plan, cuda_context_bytes=ctx).bytes_per_device()[dev]
             pool = int(real.memory_peak())
-            measured, estimate, how = ctx + pool, e.total, "CUDA context + pool peak"
+            outside = int(real.outside_pool_bytes())
+            # beyond the context, outside the pool: kernel modules, graph executables (in the estimate)
+            measured = ctx + pool + max(0, outside - ctx)
+            estimate, how = e.total, "CUDA context + pool peak + modules and graphs"
             extra = {"context": ctx, "pool_peak": pool, "device_used": int(real.peak_memory()),
-                     "outside_pool": int(real.outside_pool_bytes()),
+                     "outside_pool": outside,
                      "estimate_terms": {"weights": e.weights, "kv_cache": e.kv_cache, "recurrent": e.recurrent,
-                                        "activations": e.activations, "fragmentation": e.fragmentation,
-                                        "staging": e.staging, "overhead": e.overhead}}
+                                        "activations": e.activations, "staging": e.staging,
+                                        "overhead": e.overhead, "modules": e.modules, "graphs": e.graphs}}
         else:
             parts = [p for p, d in model.device_plan.items() if d == dev]
             held = [model.weights[p] for p in parts]

@@ -12,19 +12,21 @@ Plain data, no Qt, no numpy. A model is split into ordered *parts*: "global" (to
   chosen prefill chunk, counted the way the CUDA backend allocates them (each architecture's spec says
   how: engine/models/<arch>.py SPEC.layer_costs;
   fused attention is assumed, so no T x context score matrix is counted), plus on a "cuda:*" device
-  holding stored (quantized) weights what CuPy's memory pool keeps beyond the live arrays: the holes
-  that the first-use concatenation of projection weights leaves (fragmentation) and the load-time
-  staging copy of a Q8_0/Q4_0 matrix (staging). DeviceBytes.fragmentation / .staging say how much of
-  the scratch those two are;
-- overhead: the CUDA context of a "cuda:*" device (CUDA_CONTEXT_BYTES, a guess until measured; the
-  CUDA backend measures it per device: CupyBackend.context_bytes).
+  holding stored (quantized) weights the part of the load-time peak that the run's own arrays do not
+  cover (staging: the raw copy of a Q8_0/Q4_0 matrix being re-laid out, and the one tensor that sits
+  beside its group while a weight group is laid out as one array, CupyBackend.load_fused).
+  DeviceBytes.staging says how much of the scratch that is;
+- overhead: on a "cuda:*" device, the CUDA context (CUDA_CONTEXT_BYTES, a guess until measured; the
+  CUDA backend measures it per device: CupyBackend.context_bytes), the loaded kernel modules
+  (KERNEL_MODULES_BYTES) and the captured decode graphs (GRAPH_BYTES_PER_LAYER per layer held):
+  device memory outside CuPy's pool. DeviceBytes.modules / .graphs say how much of it those two are.
 
-What "measured" means for the estimate (engine/multidevice.py `_memory_report`): per device, the CUDA
-context (device memory in use right after the context was made, before any array) plus the highest
-total_bytes of CuPy's memory pool on that device, sampled after prefill and after decode. The pool
-keeps freed blocks for reuse, so its total is the high-water mark of what the run held from the device,
-holes included; memory outside the pool (kernel modules loaded later, CUDA-graph executables, the
-driver's page rounding) is not part of the estimate and is reported beside it.
+What "measured" means for the estimate (engine/multidevice.py `_memory_report`, tools/plan_vs_measured.py):
+per device, the CUDA context (device memory in use right after the context was made, before any array),
+plus the highest total_bytes of CuPy's memory pool on that device, sampled after prefill and after
+decode (the pool keeps freed blocks for reuse, so its total is the high-water mark of what the run held
+from the device, holes included), plus the device memory held outside the pool beyond the context at
+the end (kernel modules, CUDA-graph executables, the driver's page rounding).
 
 What this module is not: it does not load weights or run anything (engine/multidevice.py executes a
 Placement), and it does not know about GPUs beyond their names and free bytes (callers pass DeviceSpec).
@@ -45,7 +47,9 @@ only adds it up per device.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -55,7 +59,7 @@ from . import kvquant
 from .devices import format_bytes
 from .errors import PlacementError
 from .models import qwen35
-from .models.spec import ModelConfig, spec_for
+from .models.spec import ArchSpec, ModelConfig, spec_for
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -67,15 +71,15 @@ GiB = 1024 * MiB
 # (300-400 MiB is the usual range on Pascal/Turing); 400 MiB is used until measured on such a card.
 CUDA_CONTEXT_BYTES = 400 * MiB
 
-# What CuPy's pool keeps beyond the live arrays, per byte of projection weights that the CUDA backend
-# concatenates on first use (CupyBackend._fuse: q/k/v, the GDN input projections, FFN gate/up). The
-# concatenated copy is made while the separate weights still exist and they sit inside split pool
-# chunks, so the pool cannot give their space back; later arrays (activations, KV cache, the next
-# layer's copy) reuse part of it. A replay of CuPy's allocator (best-fit bins, split and merge,
-# free_all_blocks frees only unsplit chunks) over the load, first prefill and steady prefill of the
-# Qwen3.5 2B/4B/9B shapes at chunks of 256-2048 tokens left 0.0-0.28 of the concatenated bytes as
-# holes, 0.2 typical; that fraction is used.
-FUSE_FRAGMENTATION = 0.2
+# Device memory outside CuPy's pool beyond the CUDA context, per "cuda:*" device: the compiled kernel
+# modules once loaded (minecart's and CuPy's own; RawModule code is not pool memory), and the captured
+# decode graphs' executables, counted per layer the device holds. On the H200 (2026-11-30 run,
+# docs/BENCHMARKS.md) everything outside the pool beyond the 527 MiB context was ~15 MiB with 8 layers,
+# ~55 MiB with 16 and ~95 MiB with 32 (9B, Q8_0): about 22 MiB of modules (measured when loaded)
+# plus ~2.3 MiB per layer. tools/plan_vs_measured.py measures both terms apart (modules: outside the
+# pool after an eager decode step; graphs: what capturing the decode graphs adds).
+KERNEL_MODULES_BYTES = 22 * MiB
+GRAPH_BYTES_PER_LAYER = 2 * MiB + 256 * KiB
 
 # The Gated DeltaNet prefill's chunked kernels (kernels/gdn_chunk.py): runs of at least this many tokens
 # take them, in segments of at most GDN_SEGMENT_TOKENS tokens, chunks of GDN_CHUNK_TOKENS.
@@ -86,7 +90,7 @@ GDN_CHUNK_TOKENS = 64
 # GGML types the CUDA backend re-lays out at load (int8/int4 quants + fp16 scales, kernels/ops.py
 # upload_weight): the raw blocks are copied to the device first, so for a moment the tensor is there
 # twice (raw, then scales + quants); the freed raw copy stays in the pool as a hole.
-STAGED_TYPES = ("Q8_0", "Q4_0")
+STAGED_TYPES = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL")  # = kernels/ops.py _SPLIT_SCALE
 
 # Bytes per stored KV value, exactly what the backends' caches allocate (engine/kvquant.py): f16; q8_0 =
 # llama.cpp's Q8_0 blocks (32 int8 + an fp16 scale); q3 = 3-bit codes in blocks of 32 (12 bytes) plus an
@@ -170,7 +174,9 @@ def check_device_name(name: str) -> str:
 
 
 def device_overhead(name: str, cuda_context_bytes: int = CUDA_CONTEXT_BYTES) -> int:
-    return cuda_context_bytes if name.startswith("cuda:") else 0
+    """The fixed device memory of using a device at all: on a GPU its CUDA context and the loaded kernel
+    modules (the decode graphs, which grow with the layers held, are added per device by the estimate)."""
+    return cuda_context_bytes + KERNEL_MODULES_BYTES if name.startswith("cuda:") else 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,15 +197,17 @@ class PartCost:
     mixer_values_per_token / segment_values_per_token: a GDN layer's live activations per token while
              its chunked prefill kernels run, and their scratch per token of one segment (at most
              GDN_SEGMENT_TOKENS tokens; only runs of GDN_CHUNKED_MIN_TOKENS or more take them).
-    fused_bytes: stored bytes of the weights the CUDA backend concatenates on first use (the
-             architecture spec's fused_groups).
+    fused_bytes: stored bytes of the weights loaded as one array per group (`fused`).
+    fused: the weight groups the loader lays out as one array each (the architecture spec's
+             fused_groups, ArchSpec.fused_members; on the CUDA backend, members of one GGML type and
+             row length), GGUF names in load order.
     staged: tensors uploaded through a raw staging copy on the CUDA backend (STAGED_TYPES matrices),
              in load order like `tensors`.
     matmuls: (GGUF name, GGML type as held, bytes as held, weight values) of every tensor the part
              multiplies activations by (what a token reads; the speed prediction's input). The
              embedding lookup reads one row and is left out.
     experts: names of the routed-expert tensors (a token reads expert_fraction of them); they may
-             sit on another device than the rest of the layer (Placement.experts_device).
+             sit on another device than the rest of the layer (Placement.experts).
     """
 
     name: str
@@ -212,6 +220,7 @@ class PartCost:
     mixer_values_per_token: int = 0
     segment_values_per_token: int = 0
     fused_bytes: int = 0
+    fused: tuple[tuple[str, ...], ...] = ()
     staged: tuple[str, ...] = ()
     matmuls: tuple[tuple[str, str, int, int], ...] = ()
     experts: tuple[str, ...] = ()
@@ -281,6 +290,7 @@ class ModelCosts:
         parts = tuple(
             PartCost(**dict(p, tensors=tuple((str(n), int(b)) for n, b in p["tensors"]),
                             staged=tuple(str(n) for n in p.get("staged", ())),
+                            fused=tuple(tuple(str(n) for n in g) for g in p.get("fused", ())),
                             matmuls=tuple((str(n), str(t), int(b), int(v)) for n, t, b, v in p.get("matmuls", ())),
                             experts=tuple(str(n) for n in p.get("experts", ()))))
             for p in d["parts"]
@@ -348,20 +358,17 @@ def _tensor_bytes(info, role: str, part: str, layout: str) -> int:
     return 4 * n
 
 
-def _fused_bytes(groups: Sequence[Sequence[str]], names: Sequence[str], tensors: Mapping[str, Any],
-                 sizes: Mapping[str, int]) -> int:
-    """Stored bytes of a layer's weights that the CUDA backend concatenates on first use: every one of
-    the architecture's fused groups present with two or more members of one GGML type and row length."""
-    total = 0
-    for i in {int(m.group(1)) for m in map(_BLK_RE.match, names) if m}:
-        for group in groups:
-            members = [f"blk.{i}.{suffix}" for suffix in group if f"blk.{i}.{suffix}" in sizes]
-            if len(members) < 2:
-                continue
-            kinds = {(getattr(tensors[n], "type_name", ""), _shape_of(tensors[n])[-1:]) for n in members}
-            if len(kinds) == 1:
-                total += sum(sizes[n] for n in members)
-    return total
+def _fused_groups(spec: ArchSpec, roles: Mapping[str, str], tensors: Mapping[str, Any]
+                  ) -> tuple[tuple[str, ...], ...]:
+    """The weight groups of one part that the CUDA backend lays out as one array each
+    (CupyBackend.load_fused): the spec's groups (ArchSpec.fused_members, what the loader asks for)
+    whose members share one GGML type and row length; the others load as separate weights."""
+    out = []
+    for members in spec.fused_members(roles):
+        kinds = {(getattr(tensors[n], "type_name", ""), _shape_of(tensors[n])[-1:]) for n in members}
+        if len(kinds) == 1:
+            out.append(members)
+    return tuple(out)
 
 
 def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout: str = "stored") -> ModelCosts:
@@ -389,10 +396,8 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
         return tuple(n for n, role in roles.get(part, {}).items()
                      if role != "vector" and getattr(tensors[n], "type_name", "") in STAGED_TYPES)
 
-    def fused(sizes: tuple[tuple[str, int], ...]) -> int:
-        if layout != "stored":
-            return 0
-        return _fused_bytes(spec.fused_groups, [n for n, _ in sizes], tensors, dict(sizes))
+    def fused(part: str) -> tuple[tuple[str, ...], ...]:
+        return _fused_groups(spec, roles.get(part, {}), tensors) if layout == "stored" else ()
 
     def matmuls(part: str, sizes: tuple[tuple[str, int], ...]) -> tuple[tuple[str, str, int, int], ...]:
         held = dict(sizes)
@@ -417,11 +422,14 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
     for i, kind in enumerate(config.layer_types):
         c = spec.layer_costs(config, kind)
         sizes = sized(layer_part(i))
+        groups = fused(layer_part(i))
+        held = dict(sizes)
         parts.append(PartCost(layer_part(i), kind, sizes,
                               kv_values_per_token=c.kv_values_per_token, state_bytes=c.state_bytes,
                               act_values_per_token=c.act_values_per_token,
                               mixer_values_per_token=c.mixer_values_per_token,
-                              segment_values_per_token=c.segment_values_per_token, fused_bytes=fused(sizes),
+                              segment_values_per_token=c.segment_values_per_token,
+                              fused_bytes=sum(held[n] for g in groups for n in g), fused=groups,
                               staged=staged(layer_part(i)), matmuls=matmuls(layer_part(i), sizes),
                               experts=experts(layer_part(i)), expert_fraction=fraction))
     head = sized(HEAD)
@@ -504,10 +512,10 @@ def costs_for_shape(name: str, quant: str = "Q8_0", n_layers: int | None = None)
 class DeviceBytes:
     """Estimated bytes one device needs for a placement.
 
-    activations is the device's whole scratch: the peak live activations plus `fragmentation` and
-    `staging`, which are given separately for the record (they are part of activations, not added on
-    top): pool holes after the first-use weight concatenation, and the part of the load-time staging
-    peak that the run's own arrays do not cover."""
+    activations is the device's whole scratch: the peak live activations plus `staging`, which is given
+    separately for the record (part of activations, not added on top): the part of the load-time peak
+    that the run's own arrays do not cover. overhead likewise includes `modules` (the loaded kernel
+    modules) and `graphs` (the captured decode graphs) beside the CUDA context."""
 
     device: str
     weights: int = 0
@@ -515,8 +523,12 @@ class DeviceBytes:
     recurrent: int = 0
     activations: int = 0
     overhead: int = 0
-    fragmentation: int = 0
     staging: int = 0
+    modules: int = 0
+    graphs: int = 0
+    # part of activations too: the two GPU buffers that host-held routed experts are streamed into
+    # for prefill (engine/experts.py), each as large as the largest such layer's experts
+    expert_staging: int = 0
 
     @property
     def total(self) -> int:
@@ -530,21 +542,47 @@ class DeviceBytes:
 
 def _load_peak(parts: Sequence[PartCost], elsewhere: Collection[str] = ()) -> int:
     """Most bytes the CUDA backend's pool holds while these parts' weights load, in load order (parts in
-    order, tensors in role order, a tensor already on the device not loaded again): a STAGED_TYPES
-    matrix is uploaded raw and re-laid out into quants + scales, so right after it the device holds
-    every weight so far plus the freed raw copy (the pool keeps it as a hole that later weights fill).
-    Derivation: upload_weight allocates raw (b), scales and quants (b together), then frees raw."""
+    order, tensors in role order, a group when its first member comes, a tensor already on the device
+    not loaded again). Derivations (kernels/ops.py upload_weight, CupyBackend.load_fused):
+    - a STAGED_TYPES matrix of b bytes is uploaded raw and re-laid out into quants + scales (b
+      together) before the raw copy is freed: right after it the pool holds every weight so far plus
+      that freed copy (a hole that later weights fill);
+    - a weight group of G bytes is allocated whole while its first tensor sits beside it in its own
+      arrays; each next tensor's arrays reuse that space (the first is the largest in every group the
+      architectures declare), and the group's end hands them back to the device: the peak is the
+      weights so far, G and the largest member (twice for a staged type: raw copy and layout)."""
     seen: set[str] = set(elsewhere)  # tensors loaded onto another device (routed experts apart)
     loaded = peak = 0
     for p in parts:
-        staged = set(p.staged)
-        for name, b in p.tensors:
-            if name in seen:
-                continue
-            seen.add(name)
-            loaded += b
-            peak = max(peak, loaded + (b if name in staged else 0))
+        for names, total, beside in _load_steps(p):
+            if not seen.isdisjoint(names):  # some already loaded (a shared or moved tensor): the rest
+                sizes, staged = dict(p.tensors), set(p.staged)
+                rest = [n for n in names if n not in seen]
+                total = sum(sizes[n] for n in rest)
+                beside = (max((sizes[n] * (2 if n in staged else 1) for n in rest), default=0) if len(rest) > 1
+                          else sum(sizes[n] for n in rest if n in staged))
+                names = tuple(rest)
+            seen.update(names)
+            loaded += total
+            peak = max(peak, loaded + beside)
     return max(peak, loaded)
+
+
+@functools.lru_cache(maxsize=8192)
+def _load_steps(p: PartCost) -> tuple[tuple[tuple[str, ...], int, int], ...]:
+    """A part's loads in order, as _load_peak prices them: (tensor names, their bytes, bytes beside
+    them at that moment), one step per tensor and one per weight group (at its first member)."""
+    sizes, staged = dict(p.tensors), set(p.staged)
+    groups = {g[0]: g for g in p.fused}
+    grouped = {n for g in p.fused for n in g}
+    out = []
+    for name, b in p.tensors:
+        if name in groups:
+            g = groups[name]
+            out.append((g, sum(sizes[n] for n in g), max(sizes[n] * (2 if n in staged else 1) for n in g)))
+        elif name not in grouped:
+            out.append(((name,), b, b if name in staged else 0))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -556,12 +594,17 @@ class Segment:
     stop: int
 
 
-@dataclass
+@dataclass(init=False)
 class Placement:
     """Ordered assignment of a model's parts to devices, with the settings the byte estimate depends on.
 
     assignment[i] is the device of costs.parts[i]. Edit through move_part / move_boundary /
     assign_range so the checks run; read through devices_used(), segments(), bytes_per_device().
+
+    experts: where MoE layers' routed experts sit when apart from their layer, "layer.N" -> device
+    ("cpu:0" = host RAM, the usual way to fit a MoE model on small cards); a layer not named keeps
+    them with the layer. `experts_device=` (constructor, and the property) is the shorthand for
+    every MoE layer's experts on one device; given, it replaces `experts`.
     """
 
     costs: ModelCosts
@@ -572,9 +615,24 @@ class Placement:
     n_sequences: int = 1  # sequences held at once (each has its own KV cache and recurrent state)
     cuda_context_bytes: int = CUDA_CONTEXT_BYTES
     extra: dict = field(default_factory=dict)  # free-form, kept through JSON (e.g. the app's notes)
-    # every layer's routed experts on this device instead of with their layer ("" = with the layer;
-    # "cpu:0" = experts in host RAM, the usual way to fit a MoE model on small cards)
-    experts_device: str = ""
+    experts: dict[str, str] = field(default_factory=dict)  # "layer.N" -> its routed experts' device
+
+    def __init__(self, costs: ModelCosts, assignment: list[str], context: int = 4096, chunk: int = 512,
+                 kv_type: str = DEFAULT_KV_TYPE, n_sequences: int = 1,
+                 cuda_context_bytes: int = CUDA_CONTEXT_BYTES, extra: dict | None = None,
+                 experts: Mapping[str, str] | None = None, experts_device: str = ""):
+        self.costs = costs
+        self.assignment = assignment
+        self.context = context
+        self.chunk = chunk
+        self.kv_type = kv_type
+        self.n_sequences = n_sequences
+        self.cuda_context_bytes = cuda_context_bytes
+        self.extra = {} if extra is None else extra
+        self.experts = dict(experts or {})
+        if experts_device:
+            self.experts_device = experts_device
+        self.__post_init__()
 
     def __post_init__(self):
         if len(self.assignment) != len(self.costs.parts):
@@ -583,10 +641,57 @@ class Placement:
         for d in self.assignment:
             check_device_name(d)
         _kv_bytes_per_value(self.kv_type)
-        if self.experts_device:
-            check_device_name(self.experts_device)
+        moe = {p.name for p in self.costs.parts if p.experts}
+        for part, dev in self.experts.items():
+            if part not in moe:
+                raise PlacementError(f"'{part}' has no routed experts in {self.costs.name}; only its MoE "
+                                     f"layers' experts can sit apart")
+            check_device_name(dev)
         if self.context < 1 or self.chunk < 1:
             raise PlacementError("context and chunk must be at least 1 token")
+
+    # ---- routed experts apart from their layer -----------------------------------------------------
+    @property
+    def experts_device(self) -> str:
+        """The device the experts map sends routed experts to ("" = none; the first in layer order
+        when it names several). A layer that sits on that device itself keeps them beside it."""
+        return next((self.experts[p.name] for p in self.costs.parts if p.name in self.experts), "")
+
+    @experts_device.setter
+    def experts_device(self, device: str) -> None:
+        """Every MoE layer's routed experts on `device` ("" = each back with its layer)."""
+        if device:
+            check_device_name(device)
+        self.experts = {p.name: device for p in self.costs.parts if p.experts} if device else {}
+
+    def experts_of(self, part: str | int) -> str:
+        """The device of a layer's routed experts (the layer's own unless they sit apart)."""
+        name = self.parts[self._index(part)]
+        return self.experts.get(name) or self.device_of(name)
+
+    def experts_apart(self) -> dict[str, str]:
+        """"layer.N" -> device, for the MoE layers whose routed experts sit on another device than
+        the layer (the per-layer map the app and `minecart plan` show)."""
+        return {p.name: self.experts[p.name] for p in self.expert_parts()}
+
+    def _all_experts_on(self) -> str:
+        """The device the experts map sends every MoE layer's routed experts to, or "" when it does
+        not send them all to one device."""
+        moe = [p.name for p in self.costs.parts if p.experts]
+        devs = {self.experts.get(p, "") for p in moe}
+        return devs.pop() if moe and len(devs) == 1 else ""
+
+    def streamed_parts(self, device: str) -> list[PartCost]:
+        """The layers on GPU `device` whose routed experts are in host RAM: a prefill chunk streams
+        them into the GPU's two staging buffers (engine/experts.py)."""
+        if not device.startswith("cuda:"):
+            return []
+        return [p for p in self.expert_parts()
+                if self.device_of(p.name) == device and self.experts[p.name].startswith("cpu:")]
+
+    def expert_staging_bytes(self, device: str) -> int:
+        """The staging buffers' bytes on `device`: two, each the largest streamed layer's experts."""
+        return 2 * max((p.expert_bytes for p in self.streamed_parts(device)), default=0)
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
@@ -646,15 +751,17 @@ class Placement:
         return len(self.segments()) - 1
 
     def devices_holding(self) -> list[str]:
-        """devices_used() plus the experts' device when it holds nothing else."""
+        """devices_used() plus the devices holding routed experts apart and nothing else."""
         used = self.devices_used()
-        if self.experts_device and self.experts_device not in used and self.expert_parts():
-            used.append(self.experts_device)
+        for p in self.expert_parts():
+            if self.experts[p.name] not in used:
+                used.append(self.experts[p.name])
         return used
 
     def expert_parts(self) -> list[PartCost]:
-        """The layers whose routed experts sit on experts_device (every layer that has experts)."""
-        return [p for p in self.costs.parts if p.experts] if self.experts_device else []
+        """The MoE layers whose routed experts sit apart from the layer, in layer order."""
+        return [p for p in self.costs.parts
+                if p.experts and self.experts.get(p.name, self.device_of(p.name)) != self.device_of(p.name)]
 
     def bytes_per_device(self) -> dict[str, DeviceBytes]:
         """Estimated bytes per device holding anything, in devices_holding() order."""
@@ -665,18 +772,19 @@ class Placement:
         for dev in self.devices_holding():
             on_dev = [p for p, d in zip(self.costs.parts, self.assignment, strict=True) if d == dev]
             tensors = {n: b for n, b in _union_bytes(on_dev).items() if n not in moved}
-            if dev == self.experts_device:
-                tensors.update((n, b) for p in apart for n, b in p.tensors if n in moved)
-            kv = state = act = fused = kv_widest = 0
+            tensors.update((n, b) for p in apart if self.experts[p.name] == dev
+                           for n, b in p.tensors if n in moved)
+            kv = state = act = kv_widest = 0
             for p in on_dev:
                 kv += p.kv_values_per_token
                 kv_widest = max(kv_widest, p.kv_values_per_token)
                 state += p.state_bytes
                 act = max(act, p.activation_bytes(self.chunk))
-                fused += p.fused_bytes
             # Two buffers of the incoming hidden state (the bridge's landing buffer and the one in use)
             # plus the widest part's live activations.
             act += 2 * self.chunk * self.costs.hidden * 4
+            expert_staging = self.expert_staging_bytes(dev)
+            act += expert_staging
             kv_bytes = int(round(kv * self.context * per_value)) * self.n_sequences
             cuda = dev.startswith("cuda:")
             if cuda and self.kv_type == "q3" and kv_widest:
@@ -688,20 +796,24 @@ class Placement:
                 # a captured decode graph keeps the recurrent state of the sequence it was captured for
                 # until a graph for the next sequence replaces it (CupyBackend._DecodeGraph.states)
                 act += state
-            frag = staging = 0
+            staging = modules = graphs = 0
             if cuda and self.costs.layout == "stored":
-                frag = int(FUSE_FRAGMENTATION * fused)
-                run_peak = weights + kv_bytes + state * self.n_sequences + act + frag
+                run_peak = weights + kv_bytes + state * self.n_sequences + act
                 staging = max(0, _load_peak(on_dev, moved) - run_peak)
+            if cuda:
+                modules = KERNEL_MODULES_BYTES
+                graphs = GRAPH_BYTES_PER_LAYER * sum(1 for p in on_dev if p.name.startswith("layer."))
             out[dev] = DeviceBytes(
                 device=dev,
                 weights=weights,
                 kv_cache=kv_bytes,
                 recurrent=state * self.n_sequences,
-                activations=act + frag + staging,
-                overhead=device_overhead(dev, self.cuda_context_bytes),
-                fragmentation=frag,
+                activations=act + staging,
+                overhead=device_overhead(dev, self.cuda_context_bytes) + graphs,
                 staging=staging,
+                modules=modules,
+                graphs=graphs,
+                expert_staging=expert_staging,
             )
         return out
 
@@ -777,7 +889,12 @@ class Placement:
             "assignment": {p: d for p, d in zip(self.parts, self.assignment, strict=True)},
             "settings": {"context": self.context, "chunk": self.chunk, "kv_type": self.kv_type,
                          "n_sequences": self.n_sequences, "cuda_context_bytes": self.cuda_context_bytes,
-                         "experts_device": self.experts_device},
+                         # experts: the per-layer map, which wins when both are there; experts_device:
+                         # what files before the map held (every MoE layer's experts on one device),
+                         # written when that says the same, for older minecarts
+                         "experts_device": self._all_experts_on(),
+                         "experts": {p.name: self.experts[p.name] for p in self.costs.parts
+                                     if p.name in self.experts}},
             "extra": self.extra,
         }
 
@@ -805,7 +922,9 @@ class Placement:
                    chunk=int(s.get("chunk", 512)), kv_type=_saved_kv_type(s.get("kv_type", "f32")),
                    n_sequences=int(s.get("n_sequences", 1)),
                    cuda_context_bytes=int(s.get("cuda_context_bytes", CUDA_CONTEXT_BYTES)),
-                   extra=dict(d.get("extra", {})), experts_device=str(s.get("experts_device", "")))
+                   extra=dict(d.get("extra", {})),
+                   experts={str(k): str(v) for k, v in s.get("experts", {}).items()} if "experts" in s else None,
+                   experts_device="" if "experts" in s else str(s.get("experts_device", "")))
 
     @classmethod
     def from_json(cls, text: str, costs: ModelCosts | None = None) -> Placement:
@@ -872,14 +991,11 @@ def plan_auto(config: ModelConfig | ModelCosts, gguf_file=None, devices: Sequenc
             return best.plan
     probe = Placement.single(costs, names[0], context=context, chunk=chunk, kv_type=kv_type,
                              n_sequences=n_sequences, cuda_context_bytes=cuda_context_bytes)
-    per_value = _kv_bytes_per_value(kv_type)
-    frag = FUSE_FRAGMENTATION if costs.layout == "stored" else 0.0
-    item = [p.weight_bytes + int(round(p.kv_values_per_token * context * per_value)) * n_sequences
-            + p.state_bytes * n_sequences + int(frag * p.fused_bytes) for p in costs.parts]
+    item = _split_items(costs, context, kv_type, n_sequences)
     # Live scratch is priced at the widest part of the whole model so the budgets do not depend on the
-    # split (fragmentation is in the items; load-time staging is settled by _relieve below).
+    # split (the rest of load-time staging is settled by _relieve below).
     whole = probe.bytes_per_device()[names[0]]
-    scratch = whole.activations - whole.fragmentation - whole.staging
+    scratch = whole.activations - whole.staging
     usable = [max(0, d.free_bytes - reserve - device_overhead(d.name, cuda_context_bytes) - scratch)
               for d in devices]
     total_usable = sum(usable)
@@ -892,6 +1008,84 @@ def plan_auto(config: ModelConfig | ModelCosts, gguf_file=None, devices: Sequenc
     if total_usable > 0:
         _relieve(plan, {d.name: d.free_bytes - reserve for d in devices})
     return plan
+
+
+EXPERTS_ON_HELP = ("where an MoE model's routed experts live: 'host' (every MoE layer's experts in host "
+                   "RAM: prefill streams them to the GPU, the CPU runs them for decode), N (the first N "
+                   "MoE layers keep theirs on the GPU, the rest in host RAM), 'auto' (fill the GPUs with "
+                   "whole layers' experts after everything else and the KV cache; the rest in host RAM), "
+                   "or a device such as cpu:0; default: with their layers")
+
+
+def check_experts_on(text: str) -> str:
+    """`text` as a valid --experts-on value ("host", "auto", a count of layers or a device name),
+    else PlacementError naming the choices."""
+    t = text.strip().lower()
+    if t in ("host", "auto") or t.isdigit():
+        return t
+    try:
+        return check_device_name(t)
+    except PlacementError:
+        raise PlacementError(f"--experts-on '{text}' is not understood; use host, auto, a number of MoE "
+                             f"layers that keep their experts on the GPU (e.g. 20), or a device such as "
+                             f"cpu:0") from None
+
+
+def experts_map(experts_on: str, moe_layers: Sequence[str], host: str = "cpu:0") -> dict[str, str]:
+    """The per-layer experts map ("layer.N" -> device) of an --experts-on value other than "auto":
+    "host" = every MoE layer's experts on `host`; a device = every MoE layer's there; "N" = the first
+    N MoE layers (in layer order) keep theirs with the layer, the rest go to `host`."""
+    t = check_experts_on(experts_on)
+    if t == "auto":
+        raise PlacementError("--experts-on auto needs the devices' free memory: use fill_experts")
+    if t.isdigit():
+        return {p: host for p in list(moe_layers)[int(t):]}
+    return {p: host if t == "host" else t for p in moe_layers}
+
+
+def fill_experts(plan: Placement, devices: Sequence[DeviceSpec], *, host: str = "cpu:0",
+                 reserve: int = 256 * MiB) -> dict[str, str]:
+    """--experts-on auto: every MoE layer's routed experts start in host RAM (`host`); then, in layer
+    order, each layer's experts come back to its GPU while that GPU's whole estimate (the non-expert
+    parts, the KV cache at the plan's context, scratch, the staging buffers that stay) plus `reserve`
+    still fits its free memory. Returns the experts map; the plan is not changed."""
+    by_name = {d.name: d for d in devices}
+    moe = [p.name for p in plan.costs.parts if p.experts]
+    trial = plan.with_settings(experts={p: host for p in moe})
+    for part in moe:
+        dev = trial.device_of(part)
+        if dev not in by_name or dev == host:
+            continue
+        kept = trial.with_settings(experts={p: d for p, d in trial.experts.items() if p != part})
+        if kept.bytes_per_device()[dev].total + reserve <= by_name[dev].free_bytes:
+            trial = kept
+    return dict(trial.experts)
+
+
+def plan_choice(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 * MiB) -> PlanChoice:
+    """A plan priced the way plan_candidates prices its candidates."""
+    return PlanChoice(plan, fits(plan, devices, reserve=reserve), predict_speed(plan, devices),
+                      max_context(plan, devices, reserve=reserve))
+
+
+def _split_items(costs: ModelCosts, context: int, kv_type: str, n_sequences: int,
+                 moved: Collection[str] = ()) -> list[int]:
+    """Per part, the bytes the automatic splits share out: its weights (less the routed experts
+    `moved` apart), KV cache, recurrent state and, with stored weights (a CUDA device), its decode
+    graph's share, and for the LM head the raw staging copy of its largest STAGED_TYPES matrix: the
+    head loads last on its device, so nothing loaded after it fills that hole."""
+    per_value = _kv_bytes_per_value(kv_type)
+    stored = costs.layout == "stored"
+    out = []
+    for p in costs.parts:
+        b = sum(n_b for n, n_b in p.tensors if n not in moved)
+        b += int(round(p.kv_values_per_token * context * per_value)) * n_sequences + p.state_bytes * n_sequences
+        if stored and p.name.startswith("layer."):
+            b += GRAPH_BYTES_PER_LAYER
+        if stored and p.name == HEAD:
+            b += max((n_b for n, n_b in p.tensors if n in set(p.staged)), default=0)
+        out.append(b)
+    return out
 
 
 def _relieve(plan: Placement, room: Mapping[str, int], max_moves: int = 64) -> None:
@@ -1151,6 +1345,36 @@ def _prefill_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, tokens: int,
     return max(ops_t, read_t) + layers * PREFILL_LAYER_SECONDS
 
 
+def stream_min_tokens(part: PartCost, link: Link, cpu: DeviceSpeed = CPU_SPEED) -> int:
+    """The fewest tokens of a prefill chunk for which copying `part`'s routed experts over `link`
+    to its GPU is quicker than computing the chunk's tokens with them on the CPU (`cpu`'s rate)."""
+    return stream_min_tokens_for(part.expert_bytes, _expert_seconds_per_token(part, cpu), link)
+
+
+def stream_min_tokens_for(expert_bytes: int, cpu_seconds_per_token: float, link: Link) -> int:
+    """The same from the numbers: a layer's expert bytes (as the GPU holds them) and the seconds the
+    CPU spends per token on that layer's experts. Copy seconds / CPU seconds per token, rounded up."""
+    if cpu_seconds_per_token <= 0:
+        return 1 << 30  # nothing to gain: never stream
+    return max(1, math.ceil(link.seconds(expert_bytes) / cpu_seconds_per_token))
+
+
+def _expert_seconds_per_token(part: PartCost, speed: DeviceSpeed) -> float:
+    """Seconds one prompt token spends in `part`'s routed experts at `speed` (its used fraction). A
+    device without an int8 rate (the CPU: the NumPy backend decodes the chosen experts to float32 and
+    multiplies with BLAS) runs them at its fp32 rate and the dense prefill efficiency."""
+    t = 0.0
+    experts = set(part.experts)
+    for name, kind, _, values in part.matmuls:
+        if name in experts:
+            if speed.int8_ops <= 0:
+                rate = speed.fp32_flops * PREFILL_EFFICIENCY["F32"]
+            else:
+                rate = (speed.fp32_flops if kind in FLOAT_TYPES else speed.int8_ops) * EXPERT_PREFILL_EFFICIENCY
+            t += 2.0 * values * part.expert_fraction / rate
+    return t
+
+
 def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt: int | None = None,
                   logits_over_link: bool = True) -> SpeedPrediction:
     """Predicted decode and prefill tokens/s of `plan` on `devices` (their speed and link; a device
@@ -1169,46 +1393,65 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
     hidden_bytes = 4 * plan.costs.hidden
     prompt = min(plan.context, PREFILL_PROMPT) if prompt is None else max(1, prompt)
     chunk = min(plan.chunk, prompt)
-    apart = bool(plan.expert_parts())
+    apart_parts = plan.expert_parts()
     segs = plan.segments()
     decode0: dict[str, float] = {}
     decode_ctx = 0.0
     stages: list[float] = []  # seconds per prefill chunk of each stage, links included
     compute: list[float] = []  # ... without the links
+    # A GPU layer's host-held experts are streamed to the GPU for a prefill chunk long enough
+    # (stream_min_tokens): the GPU computes them while the link copies the next layer's.
+    streamed: list[PartCost] = []
+    stream_gpu: dict[str, float] = {}  # GPU -> seconds a chunk computes its streamed experts
+    stream_copy: dict[str, float] = {}  # GPU -> seconds its link copies them, per chunk
+    for p in apart_parts:
+        gdev, edev = plan.device_of(p.name), plan.experts[p.name]
+        gspec = by_name.get(gdev)
+        if not (gdev.startswith("cuda:") and edev.startswith("cpu:")) or \
+                chunk < stream_min_tokens(p, _link_of(gspec), _speed_of(by_name.get(edev), edev)):
+            continue
+        streamed.append(p)
+        stream_gpu[gdev] = stream_gpu.get(gdev, 0.0) + _prefill_seconds([p], _speed_of(gspec, gdev), chunk, True)
+        stream_copy[gdev] = stream_copy.get(gdev, 0.0) + _link_of(gspec).seconds(p.expert_bytes)
     for k, seg in enumerate(segs):
         spec = by_name.get(seg.device)
         speed = _speed_of(spec, seg.device)
         parts = plan.costs.parts[seg.start:seg.stop]
-        mode = False if apart else None
-        decode0[seg.device] = decode0.get(seg.device, 0.0) + _decode_seconds(parts, speed, 0, per_value, mode)
-        decode_ctx += _decode_seconds(parts, speed, plan.context, per_value, mode)
-        stage = _prefill_seconds(parts, speed, chunk, mode)
+        # a layer whose experts sit apart is priced without them here (they are priced where they are)
+        groups = [(g, mode) for g, mode in (([p for p in parts if p not in apart_parts], None),
+                                            ([p for p in parts if p in apart_parts], False)) if g]
+        decode0[seg.device] = decode0.get(seg.device, 0.0) + sum(
+            _decode_seconds(g, speed, 0, per_value, mode) for g, mode in groups)
+        decode_ctx += sum(_decode_seconds(g, speed, plan.context, per_value, mode) for g, mode in groups)
+        stage = sum(_prefill_seconds(g, speed, chunk, mode) for g, mode in groups)
+        if seg.device in stream_gpu:  # once per GPU: its streamed experts, the copies overlapping
+            stage = max(stage + stream_gpu.pop(seg.device), stream_copy[seg.device])
         compute.append(stage)
         if k:  # the chunk's hidden state arrives over this card's link
             stage += _link_of(spec).seconds(chunk * hidden_bytes)
         if k < len(segs) - 1:
             stage += _link_of(spec).seconds(chunk * hidden_bytes)
         stages.append(stage)
-    if apart:
-        dev = plan.experts_device
+    for dev in dict.fromkeys(plan.experts[p.name] for p in apart_parts):
         spec = by_name.get(dev)
         speed = _speed_of(spec, dev)
-        experts = plan.expert_parts()
+        experts = [p for p in apart_parts if plan.experts[p.name] == dev]
         t = _decode_seconds(experts, speed, 0, per_value, True)
         decode0[dev] = decode0.get(dev, 0.0) + t
         decode_ctx += t
         # each layer's FFN input goes to the experts' device and its output comes back, over the
         # layer's card's link and (for a GPU holding the experts) that card's link too
-        def hop(p: PartCost, n_bytes: int) -> float:
+        def hop(p: PartCost, n_bytes: int, dev: str = dev, spec: DeviceSpec | None = spec) -> float:
             there = 0.0 if dev.startswith("cpu:") else _link_of(spec).seconds(n_bytes)
             return 2 * (_link_of(by_name.get(plan.device_of(p.name))).seconds(n_bytes) + there)
 
         hops_s = sum(hop(p, hidden_bytes) for p in experts)
         decode0[dev] += hops_s
         decode_ctx += hops_s
-        compute.append(_prefill_seconds(experts, speed, chunk, True))
-        stages.append(compute[-1]
-                      + sum(hop(p, chunk * hidden_bytes) for p in experts))
+        on_dev = [p for p in experts if p not in streamed]  # the rest prefill where they are
+        if on_dev:
+            compute.append(_prefill_seconds(on_dev, speed, chunk, True))
+            stages.append(compute[-1] + sum(hop(p, chunk * hidden_bytes) for p in on_dev))
     links = 0.0
     for a, b in zip(segs, segs[1:], strict=False):
         links += _link_of(by_name.get(a.device)).seconds(hidden_bytes) + _link_of(by_name.get(b.device)).seconds(hidden_bytes)
@@ -1310,26 +1553,24 @@ class PlanChoice:
 
 def plan_candidates(costs: ModelCosts, devices: Sequence[DeviceSpec], *, context: int, chunk: int = 512,
                     kv_type: str = DEFAULT_KV_TYPE, reserve: int = 256 * MiB, n_sequences: int = 1,
-                    cuda_context_bytes: int = CUDA_CONTEXT_BYTES, experts_device: str = "") -> list[PlanChoice]:
+                    cuda_context_bytes: int = CUDA_CONTEXT_BYTES, experts_device: str = "",
+                    experts: Mapping[str, str] | None = None) -> list[PlanChoice]:
     """Every distinct contiguous plan of the speed-aware search, best first: fitting plans before the
     rest, then the fastest decode (plans within SAME_SPEED of each other count as equal), then the
     longest context that fits, then the fastest prefill. Candidates: for each device order, the
     proportional split (free memory) and the fill-in-turn split, over all devices and over each
-    leading subset of the order."""
+    leading subset of the order. experts_device / experts: routed experts apart from their layers,
+    every MoE layer's on one device / a per-layer map (Placement.experts)."""
     def placement(assignment: list[str]) -> Placement:
         return Placement(costs, assignment, context=context, chunk=chunk, kv_type=kv_type,
                          n_sequences=n_sequences, cuda_context_bytes=cuda_context_bytes,
-                         experts_device=experts_device)
+                         experts=experts, experts_device=experts_device)
 
     probe = placement([devices[0].name] * len(costs.parts))
-    per_value = _kv_bytes_per_value(kv_type)
-    frag = FUSE_FRAGMENTATION if costs.layout == "stored" else 0.0
     moved = {n for p in probe.expert_parts() for n in p.experts}
-    item = [sum(b for n, b in p.tensors if n not in moved)
-            + int(round(p.kv_values_per_token * context * per_value)) * n_sequences
-            + p.state_bytes * n_sequences + int(frag * p.fused_bytes) for p in costs.parts]
+    item = _split_items(costs, context, kv_type, n_sequences, moved)
     whole = probe.bytes_per_device()[devices[0].name]
-    scratch = whole.activations - whole.fragmentation - whole.staging
+    scratch = whole.activations - whole.staging
     seen: set[tuple[str, ...]] = set()
     out: list[PlanChoice] = []
     for order in _orders(devices):

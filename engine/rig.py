@@ -222,8 +222,8 @@ class RigBackend:
         return None if cap is None else cap - self.used_bytes
 
     # ---- memory ---------------------------------------------------------------------------------------
-    def _charge(self, obj, what: str):
-        n = allocated_bytes(obj)
+    def _charge(self, obj, what: str, n: int | None = None):
+        n = allocated_bytes(obj) if n is None else n
         with self._lock:
             cap = self.rig_device.memory_cap
             if cap is not None and self.used_bytes + n > cap:
@@ -244,6 +244,22 @@ class RigBackend:
 
     def load_weight(self, info, *, role: str = "matmul"):
         return self._charge(self._inner.load_weight(info, role=role), f"weight '{info.name}'")
+
+    def load_fused(self, infos):
+        """A weight group (one array on the real backend, each weight a view of its rows): each
+        weight is charged its own rows' bytes (allocated_bytes would count the whole array per view)."""
+        ws = self._inner.load_fused(infos)
+        charged = 0
+        try:
+            for info, w in zip(infos, ws, strict=True):
+                self._charge(w, f"weight '{info.name}'", int(w.nbytes))
+                charged += 1
+        except DeviceError:  # _charge freed the weight it refused; the rest of the group goes too
+            for j, w in enumerate(ws):
+                if j != charged:
+                    (self.free if j < charged else self._inner.free)(w)
+            raise
+        return ws
 
     def zeros(self, shape, dtype: str = "float32"):
         return self._charge(self._inner.zeros(shape, dtype), f"a {dtype} array of shape {tuple(shape)}")

@@ -53,7 +53,7 @@ from .prompt import (
 )
 from .sampling import SamplingParams
 from .scheduler import QueueFull, Scheduler
-from .session import Session
+from .session import Session, context_limit
 
 TERMINAL_KINDS = frozenset({"done", "error", "cancelled"})
 GENERATION_KINDS = frozenset({"chat", "completion"})  # run concurrently when the runtime batches
@@ -375,6 +375,9 @@ class ModelInfo:
     placement: Any = None
     has_vision: bool = False
     base_model: bool = False  # pretrained, not instruction-tuned: it continues text
+    # the most tokens one sequence holds, prompt and answer (engine/session.py context_limit: the
+    # planned context, at most context_length); 0 = not known (a ModelInfo made by hand)
+    context_limit: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -382,6 +385,7 @@ class ModelInfo:
             "name": self.name,
             "architecture": self.architecture,
             "context_length": self.context_length,
+            "context_limit": self.context_limit,
             "devices": list(self.devices),
             "has_vision": self.has_vision,
             "base_model": self.base_model,
@@ -450,14 +454,17 @@ class Runtime:
 
     def load(self, path: str | Path, devices: list[str] | None = None, placement: Any = None, *,
              mmproj: str | Path | bool | None = None, max_image_tokens: int | None = None,
-             kv_type: str | None = None, experts: str | None = None) -> RequestHandle:
+             kv_type: str | None = None, experts: str | None = None,
+             context: int | None = None) -> RequestHandle:
         """Load a GGUF model (replacing the current one). Events: "progress"..., then "done" with
         data["model"] = ModelInfo. mmproj: the vision projector file (default: found beside the
         model; False: none); max_image_tokens: cap per picture (engine/vision); kv_type: KV cache
         type ("f32" default, "q3": 3-bit, engine/kvquant.py); experts: the device of an MoE model's
-        routed experts ("cpu:0" = host RAM; engine/experts.py), default with their layers."""
+        routed experts ("cpu:0" = host RAM; engine/experts.py), default with their layers; context:
+        the context limit in tokens (load_model(context=); default the placement's)."""
         options = {k: v for k, v in (("mmproj", mmproj), ("max_image_tokens", max_image_tokens),
-                                    ("kv_type", kv_type), ("experts", experts)) if v is not None}
+                                    ("kv_type", kv_type), ("experts", experts),
+                                    ("context", context)) if v is not None}
         return self._submit("load", path=str(path), devices=devices, placement=placement, **options)
 
     def unload(self) -> RequestHandle:
@@ -997,7 +1004,7 @@ def return_freed_memory() -> None:
 
 def _load_options(args: dict[str, Any]) -> dict[str, Any]:
     """The load's options that were given (mmproj, max_image_tokens, kv_type, experts), for the loader."""
-    return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type", "experts")
+    return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type", "experts", "context")
             if args.get(k) is not None}
 
 
@@ -1037,6 +1044,7 @@ def _describe(model: RuntimeModel, load_args: dict[str, Any]) -> ModelInfo:
         placement=model.placement if model.placement is not None else load_args.get("placement"),
         has_vision=model.vision is not None,
         base_model=bool(model.is_base_model),
+        context_limit=context_limit(model),
     )
 
 

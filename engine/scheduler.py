@@ -39,7 +39,7 @@ import numpy as np
 
 from .errors import GenerationCancelled, RequestError
 from .execution import Override, shift_override
-from .generation import GenerationEvent, generate
+from .generation import GenerationEvent, check_fits_context, generate
 from .prefix_cache import CacheStart, PrefixCache
 from .prompt import PromptInput
 from .sampling import SamplingParams
@@ -148,6 +148,14 @@ class BatchedModel:
     def __init__(self, scheduler: Scheduler, model: Model):
         self.scheduler = scheduler
         self.model = model
+
+    @property
+    def config(self):  # the model's: a session reads its context limit from it (engine/session.py)
+        return self.model.config
+
+    @property
+    def placement(self):
+        return self.model.placement
 
     def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None,
                 chunk: int | None = None, cancel=None, embed_override=None):
@@ -264,6 +272,7 @@ class Scheduler:
                     and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 # a one-off session is not kept, so no later turn comes back to a turn boundary
                 extras = {}
+                check_fits_context(self.model, len(prompt))  # before the cache prefills its blocks
                 start = self.prefix_cache.start(self.new_session, prompt, cancel)
                 session = start.session
             elif session is None:

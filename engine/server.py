@@ -22,8 +22,9 @@ Request bodies are pydantic models with strict types (ChatRequest, CompletionReq
 validated by FastAPI. Every caller mistake gets a 4xx with an OpenAI-style error body (`{"error":
 {"message", "type", "param", "code"}}`): 400 for a malformed body (its place named as a JSON path), 404
 `model_not_found` for a `model` other than the loaded one (its id, file name or stem; leaving `model`
-out is fine), 413/415 for a body too large or not declared as JSON. max_tokens beyond the context is
-capped to it. A 500 is answered without dropping the kept-alive connection, and no response carries a
+out is fine), 413/415 for a body too large or not declared as JSON. max_tokens beyond the context limit (the
+planned context, `serve --context`) is capped to it; a prompt beyond it is a 400
+`context_length_exceeded` naming the limit and how to raise it. A 500 is answered without dropping the kept-alive connection, and no response carries a
 traceback or the model's file path. With an API key, /v1, /metrics and /openapi.json need it; /health
 stays open. A client that disconnects cancels its generation.
 
@@ -52,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import (
+    ContextFullError,
     GenerationCancelled,
     ImageError,
     MinecartError,
@@ -116,6 +118,8 @@ def error_from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, QueueFull):  # a RequestError, but the caller's only mistake is timing
         return APIError(429, str(exc), type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, ContextFullError):  # the prompt is beyond the loaded model's context limit
+        return bad_request(str(exc), code="context_length_exceeded")
     if isinstance(exc, (RequestError, TemplateError, ImageError)):
         return bad_request(str(exc) or type(exc).__name__)
     if isinstance(exc, GenerationCancelled):
@@ -969,7 +973,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         info = loaded_info()
         return {"id": current_model_id(), "object": "model", "created": int(time.time()),
                 "owned_by": "minecart", "architecture": info.architecture,
-                "context_length": info.context_length}
+                "context_length": info.context_length, "context_limit": info.context_limit}
 
     @app.get("/v1/models")
     async def models():
@@ -1017,7 +1021,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         tools = parse_tools(req)
         enable_thinking = thinking_switch(req, messages)
         params = sampling_params(req, default_max_tokens=default_max_tokens,
-                                 context_length=loaded_info().context_length)
+                                 context_length=loaded_info().context_limit)
         stops = stop_strings(req)
         conversation = req.conversation_id if req.conversation_id is not None else (
             SHARED_CONVERSATION if runtime.parallel == 1 else None)
@@ -1128,7 +1132,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         if not prompt or (isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt)):
             raise bad_request(f"'prompt' must be {_FIELD_RULES['prompt']}", "prompt")
         params = sampling_params(req, default_max_tokens=default_max_tokens or 16,
-                                 context_length=loaded_info().context_length)
+                                 context_length=loaded_info().context_limit)
         stops = stop_strings(req)
         conversation = req.conversation_id
         handle = runtime.complete(prompt, params, conversation_id=conversation, stop=stops)

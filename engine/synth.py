@@ -38,12 +38,13 @@ SHAPES: dict[str, SynthShape] = qwen35.SHAPES
 
 # quant name -> ggml type id
 QUANTS = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
-          "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+          "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K,
+          "iq4_nl": Q.IQ4_NL, "iq4_xs": Q.IQ4_XS}
 # general.file_type (llama.cpp LlamaFileType) of a file whose matrices are all of one type
 _FILE_TYPE = {Q.F32: 0, Q.F16: 1, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7, Q.Q5_0: 8, Q.Q5_1: 9, Q.Q4_K: 14,
-              Q.Q5_K: 16, Q.Q6_K: 18, Q.BF16: 32}
+              Q.Q5_K: 16, Q.Q6_K: 18, Q.BF16: 32, Q.IQ4_NL: 25, Q.IQ4_XS: 30}
 # llama-quantize's fallback when a row is not a whole number of 256-value K blocks
-_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
 
 # Qwen3.5/3.6 added tokens at their real ids (docs/qwen35.md, "Tokens"); type 3 CONTROL, 4 USER_DEFINED
 SPECIAL_TOKENS = {
@@ -226,6 +227,10 @@ def _random_quant_blocks(rng: np.random.Generator, type_id: int, n: int, std: fl
     elif type_id == Q.Q6_K:  # x = d*sc*(q-32): q - 32 uniform on [-32, 31] (std 18.5), sc in [64, 127]
         blocks[:, 192:208] = (blocks[:, 192:208] >> np.uint8(2)) | np.uint8(64)
         put(208, f16(jitter * (std / (18.5 * 95.5))))
+    elif type_id in (Q.IQ4_NL, Q.IQ4_XS):  # levels (rms 67.4); IQ4_XS: times ls - 32 on [-32, 31] (rms 18.5)
+        sign = np.where(np.arange(256) % 2 == 0, 1.0, -1.0).astype(np.float32)  # levels are not zero-mean
+        rms = 67.4 if type_id == Q.IQ4_NL else 67.4 * 18.5
+        put(0, f16(sign * jitter * (std / rms)))
     else:
         raise ValueError(f"no random block generator for {Q.type_name(type_id)}")
     return blocks

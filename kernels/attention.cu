@@ -388,8 +388,6 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
     }
 }
 
-#define FD_G 8
-#define FD_BK 32
 
 // Keys per slice of flash_decode: split_len, or with split_len == 0 (graph replay: the length is only
 // known on the device) ceil(kv_len / n_splits) rounded up to 32, at least 32. fused.cu attn_merge_gate
@@ -398,7 +396,21 @@ __device__ __forceinline__ int fd_split_len(int split_len, int kv_len, int n_spl
     return split_len > 0 ? split_len : max(32, (kv_len + 32 * n_splits - 1) / (32 * n_splits) * 32);
 }
 
-template <int D>
+// flash_decode<D, GM>: one block of 4 warps per (KV head, context slice), serving the G <= GM query
+// heads of that KV head, so each K/V row is read once for the whole GQA group. Each warp takes FD_U
+// consecutive keys at a time (groups of keys interleaved over the warps) and issues all of their K and V
+// loads before using any, in the cache's own type (kv_load4: 16-byte fp32, 8-byte f16 or a q8_0 block's
+// 4 values, widened to fp32 in registers); lane l holds the values 4l..4l+3 (+128 per chunk) of a row,
+// so a warp's load is one contiguous run of the row. A score is the warp sum of the lanes' partial dot
+// products (fp32), times `scale`; each warp keeps its own running max m, sum l and unnormalized output o
+// (G x D/32 values per lane) over its keys, and at the end the 4 warps' (m, l, o) are merged in warp
+// order through shared memory (deterministic) into the slice's partials po, pm, pl for the merge kernels.
+// No shared memory on the key loop, no barrier inside it: the loads of the next keys are in flight while
+// the current ones are used, which is what lets a decode step at long context stream the cache at memory
+// speed.
+#define FD_WARPS 4
+
+template <int D, int GM>
 __global__ void __launch_bounds__(128) flash_decode(
         const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
@@ -411,77 +423,186 @@ __global__ void __launch_bounds__(128) flash_decode(
     if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
     split_len = fd_split_len(split_len, kv_len, gridDim.y);
     if (blockIdx.y * split_len >= kv_len) return;
-    __shared__ float qs[FD_G][D];
-    __shared__ float KV[FD_BK * (D + 1)];
-    __shared__ float P[FD_G][FD_BK];
-    __shared__ float s_alpha[FD_G];
+    constexpr int NCH = (D / 4 + 31) / 32;  // 4-value chunks per lane (D = 64: lanes 16..31 hold none)
+    constexpr int FD_U = GM <= 4 ? 4 : 2;  // keys per warp step (fewer with 8 heads: registers)
+    __shared__ float4 qs[GM][D / 4];
+    __shared__ float s_m[FD_WARPS][GM], s_l[FD_WARPS][GM];
+    __shared__ float s_o[GM][D];
     int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     int kvh = blockIdx.x, split = blockIdx.y;
     int G = nh / n_kv;
     int h0 = kvh * G;
-    for (int i = tid; i < G * D; i += 128) qs[i / D][i % D] = q[(i64)h0 * D + i];
+    for (int i = tid; i < GM * (D / 4); i += 128) {
+        int g = i / (D / 4), c4 = i % (D / 4);
+        qs[g][c4] = g < G ? *(const float4*)(q + (i64)(h0 + g) * D + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     int p = kv_len - 1;
     int lo = split * split_len, hi = min(kv_len, lo + split_len);
     if (window > 0) lo = max(lo, p - window + 1);
-    const int NU = (D + 127) / 128;
-    float o[FD_G][NU];
+    float4 o[GM][NCH];
+    float m_run[GM], l_run[GM];
 #pragma unroll
-    for (int g = 0; g < FD_G; g++)
+    for (int g = 0; g < GM; g++) {
+        m_run[g] = NEG_BIG;
+        l_run[g] = 0.0f;
 #pragma unroll
-        for (int u = 0; u < NU; u++) o[g][u] = 0.0f;
-    float m_run[2] = {NEG_BIG, NEG_BIG}, l_run[2] = {0.0f, 0.0f};
+        for (int c = 0; c < NCH; c++) o[g][c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     __syncthreads();
-    for (int kt = lo; kt < hi; kt += FD_BK) {
-        for (int i = tid; i < FD_BK * D; i += 128) {
-            int r = i / D, c = i % D;
-            KV[r * (D + 1) + c] = (kt + r < hi) ? kv_load1(kc, ((i64)(kt + r) * n_kv + kvh) * D + c) : 0.0f;
-        }
-        __syncthreads();
-        bool valid = kt + lane < hi;
+    const i64 row_stride = (i64)n_kv * D;  // elements from one key's row of this head to the next
+    for (int t0 = lo + w * FD_U; t0 < hi; t0 += FD_WARPS * FD_U) {
+        float4 kr[FD_U][NCH], vr[FD_U][NCH];
 #pragma unroll
-        for (int a = 0; a < 2; a++) {
-            int g = w + 4 * a;
+        for (int u = 0; u < FD_U; u++) {
+            int t = t0 + u;
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                int c4 = lane + 32 * c;
+                bool ok = t < hi && c4 < D / 4;
+                i64 e = (i64)t * row_stride + (i64)kvh * D + 4 * c4;
+                kr[u][c] = ok ? kv_load4(kc, e) : make_float4(0.f, 0.f, 0.f, 0.f);
+                vr[u][c] = ok ? kv_load4(vc, e) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
             if (g < G) {
-                float s = 0.0f;
-#pragma unroll 8
-                for (int c = 0; c < D; c++) s = fmaf(qs[g][c], KV[lane * (D + 1) + c], s);
-                s *= scale;
-                float mx = warp_max(valid ? s : NEG_BIG);
-                float m_new = fmaxf(m_run[a], mx);
-                float alpha = __expf(m_run[a] - m_new);
-                float pv = valid ? __expf(s - m_new) : 0.0f;
-                l_run[a] = l_run[a] * alpha + warp_sum(pv);
-                m_run[a] = m_new;
-                P[g][lane] = pv;
-                if (lane == 0) s_alpha[g] = alpha;
+                float s[FD_U];
+                float mx = NEG_BIG;
+#pragma unroll
+                for (int u = 0; u < FD_U; u++) {
+                    float a = 0.0f;
+#pragma unroll
+                    for (int c = 0; c < NCH; c++) {
+                        int c4 = lane + 32 * c;
+                        if (c4 < D / 4) {
+                            float4 qq = qs[g][c4], kk = kr[u][c];
+                            a = fmaf(qq.x, kk.x, a);
+                            a = fmaf(qq.y, kk.y, a);
+                            a = fmaf(qq.z, kk.z, a);
+                            a = fmaf(qq.w, kk.w, a);
+                        }
+                    }
+                    a = warp_sum(a) * scale;
+                    s[u] = t0 + u < hi ? a : NEG_BIG;
+                    mx = fmaxf(mx, s[u]);
+                }
+                float m_new = fmaxf(m_run[g], mx);
+                float alpha = __expf(m_run[g] - m_new);
+                float lsum = 0.0f;
+#pragma unroll
+                for (int c = 0; c < NCH; c++) {
+                    o[g][c].x *= alpha;
+                    o[g][c].y *= alpha;
+                    o[g][c].z *= alpha;
+                    o[g][c].w *= alpha;
+                }
+#pragma unroll
+                for (int u = 0; u < FD_U; u++) {
+                    float pu = t0 + u < hi ? __expf(s[u] - m_new) : 0.0f;
+                    lsum += pu;
+#pragma unroll
+                    for (int c = 0; c < NCH; c++) {
+                        o[g][c].x = fmaf(pu, vr[u][c].x, o[g][c].x);
+                        o[g][c].y = fmaf(pu, vr[u][c].y, o[g][c].y);
+                        o[g][c].z = fmaf(pu, vr[u][c].z, o[g][c].z);
+                        o[g][c].w = fmaf(pu, vr[u][c].w, o[g][c].w);
+                    }
+                }
+                l_run[g] = l_run[g] * alpha + lsum;
+                m_run[g] = m_new;
+            }
+        }
+    }
+    // merge the 4 warps: M = max of their maxima, each warp's o and l scaled by e^(m_w - M), summed in
+    // warp order
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            s_m[w][g] = m_run[g];
+            s_l[w][g] = l_run[g];
+        }
+    }
+    __syncthreads();
+    float f[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        float M = s_m[0][g];
+#pragma unroll
+        for (int j = 1; j < FD_WARPS; j++) M = fmaxf(M, s_m[j][g]);
+        f[g] = __expf(m_run[g] - M);
+    }
+#pragma unroll
+    for (int j = 0; j < FD_WARPS; j++) {
+        if (w == j) {
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+#pragma unroll
+                for (int c = 0; c < NCH; c++) {
+                    int c4 = lane + 32 * c;
+                    if (g < G && c4 < D / 4) {
+                        float4 v = o[g][c];
+                        float* d = &s_o[g][4 * c4];
+                        if (j == 0) {
+                            d[0] = v.x * f[g]; d[1] = v.y * f[g]; d[2] = v.z * f[g]; d[3] = v.w * f[g];
+                        } else {
+                            d[0] += v.x * f[g]; d[1] += v.y * f[g]; d[2] += v.z * f[g]; d[3] += v.w * f[g];
+                        }
+                    }
+                }
             }
         }
         __syncthreads();
-        for (int i = tid; i < FD_BK * D; i += 128) {
-            int r = i / D, c = i % D;
-            KV[r * (D + 1) + c] = (kt + r < hi) ? kv_load1(vc, ((i64)(kt + r) * n_kv + kvh) * D + c) : 0.0f;
-        }
-        __syncthreads();
-        decode_pv_tile<D, NU, FD_G, FD_BK>(o, P, s_alpha, KV, G, tid);
-        __syncthreads();
     }
-    decode_store_partials<D, NU, FD_G>(o, m_run, l_run, po, pm, pl, (i64)split * nh + h0, G, tid, w, lane);
+    i64 base = (i64)split * nh + h0;
+    for (int i = tid; i < G * D; i += 128) po[base * D + i] = s_o[i / D][i % D];
+    if (tid < G) {
+        float M = s_m[0][tid];
+        for (int j = 1; j < FD_WARPS; j++) M = fmaxf(M, s_m[j][tid]);
+        float L = 0.0f;
+        for (int j = 0; j < FD_WARPS; j++) L += s_l[j][tid] * __expf(s_m[j][tid] - M);
+        pm[base + tid] = M;
+        pl[base + tid] = L;
+    }
 }
 
+// The merge of a head's splits (one block per head h, blockDim a multiple of 32): the maximum and the
+// weighted sum over the splits are block reductions (each thread strides over the splits), and each
+// output column adds e^(m_s - m) o_s in split order with the weights staged in shared memory, 8 splits'
+// loads in flight per thread: the merge's cost stays small next to flash_decode at long context, where
+// there are hundreds of splits (one dependent load per split made it the larger of the two).
 __device__ __forceinline__ void merge_splits(const float* __restrict__ po, const float* __restrict__ pm,
                                              const float* __restrict__ pl, float* __restrict__ out,
                                              int n_splits, int nh, int D) {
-    int h = blockIdx.x;
+    __shared__ float red[32];
+    __shared__ float wsh[256];
+    int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
     float m = NEG_BIG;
-    for (int s = 0; s < n_splits; s++) m = fmaxf(m, pm[(i64)s * nh + h]);
+    for (int s = tid; s < n_splits; s += nt) m = fmaxf(m, pm[(i64)s * nh + h]);
+    m = warp_max(m);
+    if (lane == 0) red[tid >> 5] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < (nt >> 5); w++) m = fmaxf(m, red[w]);
     float l = 0.0f;
-    for (int s = 0; s < n_splits; s++) l += __expf(pm[(i64)s * nh + h] - m) * pl[(i64)s * nh + h];
+    for (int s = tid; s < n_splits; s += nt) l += __expf(pm[(i64)s * nh + h] - m) * pl[(i64)s * nh + h];
+    l = block_sum(l, red);  // its first barrier also orders the reads of red above before its writes
     float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    for (int c0 = 0; c0 < D; c0 += nt) {
+        int c = c0 + tid;
         float acc = 0.0f;
-        for (int s = 0; s < n_splits; s++)
-            acc += __expf(pm[(i64)s * nh + h] - m) * po[((i64)s * nh + h) * D + c];
-        out[(i64)h * D + c] = acc * inv;
+        for (int s0 = 0; s0 < n_splits; s0 += nt) {
+            __syncthreads();
+            if (s0 + tid < n_splits) wsh[tid] = __expf(pm[(i64)(s0 + tid) * nh + h] - m);
+            __syncthreads();
+            int n = min(nt, n_splits - s0);
+            if (c < D) {
+                const float* p = po + ((i64)s0 * nh + h) * D + c;
+#pragma unroll 8
+                for (int s = 0; s < n; s++) acc += wsh[s] * p[(i64)s * nh * D];
+            }
+        }
+        if (c < D) out[(i64)h * D + c] = acc * inv;
     }
 }
 

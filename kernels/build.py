@@ -4,7 +4,9 @@ A module is common.cuh plus one or more .cu files, textually joined (NVRTC gets 
 template instantiations named through `name_expressions`. Compiled modules are cached in-process per
 (module, compute capability); CuPy also caches the binaries on disk keyed by source and options, so a
 second start does not recompile. `module_specs()` is also what kernels/check.py compiles for every
-architecture, so the guard sees exactly what runs.
+architecture, so the guard sees exactly what runs. With MINECART_KERNEL_PTX=DIR the modules are loaded
+from PTX that check.py emitted instead (compute_61 / compute_70 on a newer card: "precompiled PTX
+directories" at the end of this file).
 
 Not here: launch geometry (ops.py) and the tensor-core guard (check.py). Imports cupy lazily so that
 check.py can use the specs on a machine without CuPy.
@@ -12,6 +14,7 @@ check.py can use the specs on a machine without CuPy.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,18 +24,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .kquant_layout import KQUANT_TYPES
+
 HERE = Path(__file__).resolve().parent
 
 # GGML type ids (the template argument QT of the kernels).
 QT = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30,
-      "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23}
-DP4A_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
+      "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "IQ4_NL": 20, "IQ4_XS": 23,
+      "Q5_K": 13}
+DP4A_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q5_K")
+# (warps per row, blocks per lane in flight) of gemv_kq, the single-token GEMV of the K-quants
+# (KQUANT_TYPES, repacked at upload by kquant_layout.py); ops._gemv_kq / MINECART_GEMV_KQ pick one
+GEMV_KQ = ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8))
 HFMA2_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")  # formats with an fp16 HFMA2 kernel (hfma2.cu)
 GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split into these
 # (warps per row, L2 prefetch) of the gemv_dp4a_split instantiations (single-token launches)
 GEMV_SPLIT = ((1, 0), (2, 0), (4, 0), (1, 1), (2, 1))
 GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a (the probe picks)
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
+DECODE_GROUPS = (2, 4, 8)  # flash_decode<D, GM>: query heads per KV head up to GM (ops.decode_group)
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
 GDN_CHUNK_KEY_DIMS = (32, 64, 128)  # key dims of the chunked GDN prefill kernels (multiples of 32)
 KV_CACHE_TYPES = ("f16", "q8_0")  # KV caches attention.cu reads directly (modules attention_<type>)
@@ -56,6 +66,8 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
         names += [f"gemv_dp4a<{q}, {nt}>" for nt in GEMV_TOKENS]
         names += [f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>" for wpr, pf in GEMV_SPLIT]
         names += [f"gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
+    if type_name in KQUANT_TYPES:
+        names += [f"gemv_kq<{q}, {wpr}, {nu}>" for wpr, nu in GEMV_KQ]
     names += [f"embed_rows<{q}>"]
     return ModuleSpec(f"matmul_{type_name}", ("gemv.cu", "gemm.cu", "embed.cu"), tuple(names))
 
@@ -68,11 +80,11 @@ def module_specs() -> list[ModuleSpec]:
     ew = [f"ewise<{op}>" for op in range(8)]
     specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew), ("gdn_gates", "rope_neox")))
     att = [f"flash_prefill{v}<{d}>" for v in ("", "_g") for d in HEAD_DIMS]
-    att += [f"flash_decode<{d}>" for d in HEAD_DIMS]
+    att += [f"flash_decode<{d}, {g}>" for d in HEAD_DIMS for g in DECODE_GROUPS]
     specs.append(ModuleSpec("attention", ("attention.cu", "attn_prep.cu"), tuple(att),
                             ("flash_merge", "flash_merge_len", "kv_append", "attn_prep")))
     # the same prefill/decode kernels over f16 and q8_0 caches (kv_f16.cu / kv_q8_0.cu define the loads)
-    typed = tuple(f"flash_prefill_g<{d}>" for d in HEAD_DIMS) + tuple(f"flash_decode<{d}>" for d in HEAD_DIMS)
+    typed = tuple(f"flash_prefill_g<{d}>" for d in HEAD_DIMS) + tuple(f"flash_decode<{d}, {g}>" for d in HEAD_DIMS for g in DECODE_GROUPS)
     for kv in KV_CACHE_TYPES:
         specs.append(ModuleSpec(f"attention_{kv}", (f"kv_{kv}.cu", "attention.cu", "attn_prep.cu"), typed,
                                 (f"kv_append_{kv}", "attn_prep")))
@@ -87,11 +99,11 @@ def module_specs() -> list[ModuleSpec]:
     specs.append(ModuleSpec("sampling", ("sampling.cu",), (),
                             ("topk_stage1", "topk_stage2", "moe_route", "moe_combine")))
     specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))
-    # -- MoE (moe.py): one module per expert format; gate/up decode kernels for every up format --
+    # -- MoE (moe.py): one module per expert format (gate and up of one format) --
     for t in DP4A_TYPES:
         q = QT[t]
         moe = [f"moe_gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
-        moe += [f"moe_gate_up_q8<{q}, {QT[u]}>" for u in DP4A_TYPES] + [f"moe_down_sum<{q}>"]
+        moe += [f"moe_gate_up_q8<{q}, {q}>", f"moe_down_sum<{q}>"]
         specs.append(ModuleSpec(f"moe_{t}", ("gemv.cu", "moe.cu"), tuple(moe), ("moe_sort", "moe_swiglu_q8")))
     # -- end MoE --
     for t in HFMA2_TYPES:  # fp16 HFMA2 matmuls (hfma2.py), one module per weight format
@@ -182,9 +194,14 @@ def source_digest(spec: ModuleSpec, source: str | None = None) -> str:
 
 
 def ptx_dir() -> Path | None:
-    """The PTX directory named by MINECART_KERNEL_PTX, or None (compile the sources, the default)."""
-    env = os.environ.get(PTX_ENV, "").strip()
-    return Path(env).resolve() if env else None
+    """The PTX directory named by MINECART_KERNEL_PTX, or None (compile the sources, the default).
+    Read at every get_kernel call, so it stays a dictionary look-up."""
+    return _resolved_dir(os.environ.get(PTX_ENV, ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _resolved_dir(env: str) -> Path | None:
+    return Path(env.strip()).resolve() if env.strip() else None
 
 
 def read_ptx_manifest(directory: Path) -> dict[str, Any]:

@@ -15,9 +15,15 @@ typedef long long i64;
 #define QT_F32 0
 #define QT_F16 1
 #define QT_Q4_0 2
+#define QT_Q4_1 3
+#define QT_Q5_0 6
+#define QT_Q5_1 7
 #define QT_Q8_0 8
 #define QT_Q4_K 12
+#define QT_Q5_K 13
 #define QT_Q6_K 14
+#define QT_IQ4_NL 20
+#define QT_IQ4_XS 23
 #define QT_BF16 30
 
 #define WARP 32
@@ -97,7 +103,8 @@ __device__ __forceinline__ int ld_u16x2(const u8* p) {
 // Q8_0 and Q4_0 are re-laid out at upload (same bytes, no precision change): quants of a row are
 // contiguous (`wq`, Q8_0: K int8; Q4_0: K/2 bytes, each block's 16 bytes in GGUF order) and the fp16
 // block scales sit in a separate (rows, K/32) array (`wd`), so kernels can use aligned 16-byte loads.
-// Q4_K and Q6_K keep their GGUF blocks (`wq` = raw bytes, `wd` unused). F32/F16/BF16 are plain rows.
+// Q4_K, Q5_K and Q6_K are repacked at upload (kernels/kquant_layout.py; the K-quant section below).
+// F32/F16/BF16 are plain rows.
 
 // Row stride in bytes of `wq` for each format.
 template <int QT> __device__ __forceinline__ i64 row_bytes(int K) {
@@ -105,51 +112,230 @@ template <int QT> __device__ __forceinline__ i64 row_bytes(int K) {
     if (QT == QT_F16 || QT == QT_BF16) return (i64)K * 2;
     if (QT == QT_Q8_0) return K;
     if (QT == QT_Q4_0) return K / 2;
-    if (QT == QT_Q4_K) return (i64)(K / 256) * 144;
-    return (i64)(K / 256) * 210;  // Q6_K
+    if (QT == QT_Q4_K) return (i64)(K / 256) * 128;  // K-quants: the quants only (kquant_layout.py)
+    if (QT == QT_Q5_K) return (i64)(K / 256) * 160;
+    if (QT == QT_Q6_K) return (i64)(K / 256) * 192 + 16 * (i64)((K / 256 + 7) / 8);
+    if (QT == QT_Q4_1 || QT == QT_Q5_0) return (i64)(K / 32) * 20;  // Q32 formats: see q32_block
+    if (QT == QT_Q5_1) return (i64)(K / 32) * 24;
+    if (QT == QT_IQ4_NL) return K / 2;
+    if (QT == QT_IQ4_XS) return (i64)(K / 256) * 136;
+    return 0;  // no other format
 }
 
-// Sub-block b (values 32b..32b+31 of a row) of a K-quant row (GGUF blocks of 256): where its quants
-// are and how they scale. Shared by the fp32 dequantization below and the DP4A loads (gemv.cu).
-struct KSub {
-    const u8* q;   // Q4_K: 32 bytes, value = nibble at `shl`; Q6_K: the low nibbles (ql), at `shl`
-    const u8* qh;  // Q6_K: the high 2-bit pairs, at `shh`
-    int shl, shh;
-    float d0, d1;  // scale of values 0..15 and 16..31 (Q4_K: d * s for both)
-    float dm;      // Q4_K: dmin * m, subtracted from every value; Q6_K: 0 (values are q - 32)
+// ---- K-quants (Q4_K, Q5_K, Q6_K) --------------------------------------------------------------------
+// Device layout (kernels/kquant_layout.py is its specification, made by ops.upload_weight): per row,
+// `wq` holds the quants only, each 32-value block's nibbles as 16 aligned bytes (byte i: value i in the
+// low nibble, value 16 + i in the high one), Q5_K / Q6_K with the block's high bits after the super-
+// block's nibbles (Q5_K: a u32 per block, Q6_K: two), Q6_K in groups of 8 super-blocks behind a
+// 16-byte header of their fp16 d. `wd` holds one u16 per block: Q4_K / Q5_K the 6-bit scale (bits 0-5)
+// and min (6-11) and a nibble of the super-block's d or dmin (12-15, see kq_dd); Q6_K the block's two
+// int8 scales (values 0..15, 16..31). The bytes are the file's (Q6_K: plus padding of a tail group).
+__host__ __device__ constexpr bool kq_format(int qt) { return qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q6_K; }
+
+#define KQ6_GROUP_BYTES (16 + 8 * 192)  // Q6_K: 8 super-blocks and their header
+
+// The 16 nibble bytes of block b (values 32b..32b+31) of a row.
+template <int QT> __device__ __forceinline__ const u8* kq_quants(const u8* wrow, int b) {
+    if (QT == QT_Q4_K) return wrow + 16 * (i64)b;
+    if (QT == QT_Q5_K) return wrow + 160 * (i64)(b >> 3) + 16 * (b & 7);
+    return wrow + (i64)(b >> 6) * KQ6_GROUP_BYTES + 16 + 192 * ((b >> 3) & 7) + 16 * (b & 7);  // Q6_K
+}
+
+// Block b's high bits: Q5_K one u32 (4-aligned), Q6_K two (8-aligned).
+template <int QT> __device__ __forceinline__ const u8* kq_high(const u8* wrow, int b) {
+    if (QT == QT_Q5_K) return wrow + 160 * (i64)(b >> 3) + 128 + 4 * (b & 7);
+    return wrow + (i64)(b >> 6) * KQ6_GROUP_BYTES + 16 + 192 * ((b >> 3) & 7) + 128 + 8 * (b & 7);
+}
+
+// Q6_K: the fp16 d of block b's super-block.
+__device__ __forceinline__ u16 kq6_d(const u8* wrow, int b) {
+    return *(const u16*)(wrow + (i64)(b >> 6) * KQ6_GROUP_BYTES + 2 * ((b >> 3) & 7));
+}
+
+// Q4_K / Q5_K: d | dmin << 16 (fp16 bits) from the super-block's 8 wd entries as 4 words (entries 2i,
+// 2i + 1 in word i). Entries 2, 0, 3, 1 hold d's bits 0-3, 4-7, 8-11, 12-15 in their top nibbles
+// (entries 6, 4, 7, 5 dmin's), so one bit-select puts d's low byte in byte 1 and its high byte in
+// byte 3, and one byte permute gathers both halves.
+__device__ __forceinline__ u32 kq_dd(u32 w0, u32 w1, u32 w2, u32 w3) {
+    u32 xd = (w0 & 0xF0F0F0F0u) | ((w1 >> 4) & 0x0F0F0F0Fu);
+    u32 xm = (w2 & 0xF0F0F0F0u) | ((w3 >> 4) & 0x0F0F0F0Fu);
+    return __byte_perm(xd, xm, 0x7531);
+}
+
+// Where block j's (j = b & 7) nibble of dd goes: d bits (4, 12, 0, 8) for j = 0..3, dmin's (+16) for 4..7.
+__device__ __forceinline__ int kq_dd_shift(int j) { return ((0x80C4 >> (4 * (j & 3))) & 15) + 4 * (j & 4); }
+
+// Exact int -> float of 0 <= x < 2^23 without the quarter-rate I2F: x under the exponent of 2^23.
+__device__ __forceinline__ float u23_to_f(u32 x) { return __fsub_rn(__int_as_float(0x4B000000u | x), 8388608.0f); }
+// The signed byte in bits 0-7 of x, exactly, the same way.
+__device__ __forceinline__ float s8_to_f(u32 x) {
+    return __fsub_rn(__int_as_float(0x4B000000u | ((x ^ 0x80u) & 0xFFu)), 8388736.0f);
+}
+
+// Q4_K / Q5_K scale and offset of a block from its wd entry e and dd: x = dl * q + m, m = -(dmin * min),
+// both products rounded as the file format's fp32 dequantization rounds them.
+__device__ __forceinline__ void kq_affine(u32 e, u32 dd, float& dl, float& m) {
+    dl = __fmul_rn(h2f((u16)(dd & 0xFFFFu)), u23_to_f(e & 63u));
+    m = -__fmul_rn(h2f((u16)(dd >> 16)), u23_to_f((e >> 6) & 63u));
+}
+
+// Q6_K q - 32 from a 6-bit q in each byte, as signed bytes without borrows: bit 5 set -> clear it;
+// clear -> add 0xE0.
+__device__ __forceinline__ u32 kq6_signed(u32 q) { return (q ^ 0x20202020u) | (((~q) & 0x20202020u) * 6u); }
+
+// Word k (0..3) of a block's nibble bytes and its high-bit words -> lo = values 4k..4k+3, hi = values
+// 16+4k..16+4k+3, one per byte (Q4_K/Q5_K unsigned, Q6_K q - 32 signed). k must be a constant.
+template <int QT>
+__device__ __forceinline__ void kq_expand(u32 v, u32 h0, u32 h1, int k, int& lo, int& hi) {
+    u32 l = v & 0x0F0F0F0Fu, h = (v >> 4) & 0x0F0F0F0Fu;
+    if (QT == QT_Q5_K) {
+        l |= (h0 << (4 - k)) & 0x10101010u;
+        h |= (h0 >> k) & 0x10101010u;
+    } else if (QT == QT_Q6_K) {
+        l = kq6_signed(l | ((k < 3 ? h0 << (4 - 2 * k) : h0 >> 2) & 0x30303030u));
+        h = kq6_signed(h | ((k < 3 ? h1 << (4 - 2 * k) : h1 >> 2) & 0x30303030u));
+    }
+    lo = (int)l;
+    hi = (int)h;
+}
+
+// Block b of a K-quant row, self-contained (one thread): q[i] holds values 4i..4i+3 as bytes (value
+// = dlo * q + m for 0..15, dhi * q + m for 16..31). Loads: 16 nibble bytes, the high bits (Q5_K 4,
+// Q6_K 8 bytes), the wd entry and, Q4_K/Q5_K, the super-block's 16 wd bytes for dd (a broadcast among
+// the threads of one super-block), Q6_K its d.
+template <int QT>
+__device__ __forceinline__ void kq_load(const u8* wrow, const u16* wdrow, int b, int* q, float& dlo,
+                                        float& dhi, float& m) {
+    uint4 v = *(const uint4*)kq_quants<QT>(wrow, b);
+    u32 h0 = 0u, h1 = 0u;
+    if (QT == QT_Q5_K) h0 = *(const u32*)kq_high<QT>(wrow, b);
+    if (QT == QT_Q6_K) {
+        uint2 h = *(const uint2*)kq_high<QT>(wrow, b);
+        h0 = h.x;
+        h1 = h.y;
+    }
+    u32 e = wdrow[b];
+    if (QT == QT_Q6_K) {
+        float d = h2f(kq6_d(wrow, b));
+        dlo = __fmul_rn(d, s8_to_f(e));
+        dhi = __fmul_rn(d, s8_to_f(e >> 8));
+        m = 0.0f;
+    } else {
+        uint4 w = *(const uint4*)(wdrow + (b & ~7));
+        kq_affine(e, kq_dd(w.x, w.y, w.z, w.w), dlo, m);
+        dhi = dlo;
+    }
+    u32 vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], h0, h1, k, q[k], q[4 + k]);
+}
+
+// ---- Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS ("Q32" formats: one scale per 32 values) ----------------------
+// Device layouts (kernels/ops.py upload_weight): Q4_1 (20 B) and Q5_1 (24 B) keep their GGUF blocks,
+// 4- and 8-byte aligned. Q5_0 is split at upload as Q4_0 is: the fp16 scales go to `wd`, `wq` keeps
+// [qh u32][qs 16 B] per block (20 B, 4-byte aligned). IQ4_NL is split exactly as Q4_0 (`wq`: 16 B of
+// codes per block, `wd`: d). IQ4_XS keeps its 136-byte GGUF super-blocks (8-byte aligned); its 32-value
+// sub-block b & 7 of super-block b >> 3 is "block b" here.
+__host__ __device__ constexpr bool q32_format(int qt) {
+    return qt == QT_Q4_1 || qt == QT_Q5_0 || qt == QT_Q5_1 || qt == QT_IQ4_NL || qt == QT_IQ4_XS;
+}
+
+// The formats whose weight blocks carry an offset (gemv.cu WBlock.m, added times the activation block
+// sum xs). The one list of them: a kernel that skips the offset term for other formats asks this.
+__host__ __device__ constexpr bool qt_has_offset(int qt) {
+    return qt == QT_Q4_0 || qt == QT_Q4_K || qt == QT_Q5_K || qt == QT_Q4_1 || qt == QT_Q5_1;
+}
+
+// The 16 IQ4 levels (-127 ... 113) as signed bytes, four per word: IQ4_Wn holds levels 4n..4n+3.
+#define IQ4_W0 0xbfad9881u
+#define IQ4_W1 0xf6eaddcfu
+#define IQ4_W2 0x26190d01u
+#define IQ4_W3 0x71594535u
+
+// Four 4-bit codes (nibble k of the low 16 bits of s) -> their levels (byte k). Two byte permutes look
+// the codes' low 3 bits up in levels 0..7 and 8..15; a third takes byte k from the second when bit 3
+// of code k is set (selector k + 4). Selector nibbles stay below 8, so PRMT's sign mode is never used.
+__device__ __forceinline__ u32 iq4_lookup4(u32 s) {
+    u32 sel = s & 0x7777u;
+    u32 lo = __byte_perm(IQ4_W0, IQ4_W1, sel);
+    u32 hi = __byte_perm(IQ4_W2, IQ4_W3, sel);
+    return __byte_perm(lo, hi, 0x3210u | ((s & 0x8888u) >> 1));
+}
+
+// One word of 4 code bytes (low nibble: value j, high nibble: value j + 16) -> the levels of the low
+// nibbles (`lo`, byte k = value of byte k's low nibble) and of the high nibbles (`hi`).
+__device__ __forceinline__ void iq4_levels(u32 v, int& lo, int& hi) {
+    u32 a = iq4_lookup4(v);        // levels of lo0, hi0, lo1, hi1
+    u32 b = iq4_lookup4(v >> 16);  // levels of lo2, hi2, lo3, hi3
+    lo = (int)__byte_perm(a, b, 0x6420u);
+    hi = (int)__byte_perm(a, b, 0x7531u);
+}
+
+// Bits 0..3 of x -> bit 0 of bytes 0..3 (the four shifted copies of x do not overlap, so no carries).
+__device__ __forceinline__ u32 spread4(u32 x) { return ((x & 15u) * 0x00204081u) & 0x01010101u; }
+
+// Block b of a Q32 format as bytes: value 4i + k in byte k of q[i]; x = d * q + m. The bytes are
+// unsigned 0..31 for Q4_1 / Q5_1 (m = the block's offset), signed for Q5_0 (q - 16, m = 0) and the
+// IQ4 formats (levels, m = 0). IQ4_XS: d = d_super * (ls - 32) (exact in fp32: 11 x 6 bits).
+struct Q32Block {
+    int q[8];
+    float d, m;
 };
 
 template <int QT>
-__device__ __forceinline__ KSub ksub(const u8* wrow, int b) {
-    KSub r;
-    int j = b & 7;
-    if (QT == QT_Q4_K) {
-        const u8* p = wrow + (b >> 3) * 144;
-        float d = h2f(*(const u16*)p), dmin = h2f(*(const u16*)(p + 2));
-        const u8* sc = p + 4;
-        int s, m;
-        if (j < 4) { s = sc[j] & 63; m = sc[j + 4] & 63; }
-        else { s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4); m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4); }
-        r.q = p + 16 + 32 * (j >> 1);
-        r.qh = p;
-        r.shl = 4 * (j & 1);
-        r.shh = 0;
-        r.d0 = r.d1 = d * (float)s;
-        r.dm = dmin * (float)m;
-    } else {  // Q6_K
-        const u8* p = wrow + (b >> 3) * 210;
-        int n = j >> 2, s = j & 3;
-        const i8* sc = (const i8*)(p + 192 + 8 * n + 2 * s);
-        float d = h2f(*(const u16*)(p + 208));
-        r.q = p + 64 * n + 32 * (s & 1);
-        r.qh = p + 128 + 32 * n;
-        r.shl = 4 * (s >> 1);
-        r.shh = 2 * s;
-        r.d0 = d * (float)sc[0];
-        r.d1 = d * (float)sc[1];
-        r.dm = 0.0f;
+__device__ __forceinline__ void q32_block(const u8* wrow, const u16* wdrow, int b, Q32Block& r) {
+    u32 qs[4], qh = 0u;
+    r.m = 0.0f;
+    if (QT == QT_Q4_1) {
+        const u32* p = (const u32*)(wrow + (i64)b * 20);
+        u32 dm = p[0];
+        r.d = h2f((u16)(dm & 0xffffu));
+        r.m = h2f((u16)(dm >> 16));
+        qs[0] = p[1]; qs[1] = p[2]; qs[2] = p[3]; qs[3] = p[4];
+    } else if (QT == QT_Q5_0) {
+        const u32* p = (const u32*)(wrow + (i64)b * 20);
+        qh = p[0];
+        qs[0] = p[1]; qs[1] = p[2]; qs[2] = p[3]; qs[3] = p[4];
+        r.d = h2f(wdrow[b]);
+    } else if (QT == QT_Q5_1) {
+        const uint2* p = (const uint2*)(wrow + (i64)b * 24);
+        uint2 a = p[0], c = p[1], e = p[2];
+        r.d = h2f((u16)(a.x & 0xffffu));
+        r.m = h2f((u16)(a.x >> 16));
+        qh = a.y;
+        qs[0] = c.x; qs[1] = c.y; qs[2] = e.x; qs[3] = e.y;
+    } else if (QT == QT_IQ4_NL) {
+        uint4 v = ((const uint4*)wrow)[b];
+        qs[0] = v.x; qs[1] = v.y; qs[2] = v.z; qs[3] = v.w;
+        r.d = h2f(wdrow[b]);
+    } else {  // IQ4_XS
+        const u8* p = wrow + (i64)(b >> 3) * 136;
+        int ib = b & 7;
+        u32 sh = *(const u16*)(p + 2);
+        u32 sl = p[4 + (ib >> 1)];
+        int ls = (int)(((sl >> (4 * (ib & 1))) & 15u) | (((sh >> (2 * ib)) & 3u) << 4));
+        r.d = h2f(*(const u16*)p) * (float)(ls - 32);
+        const uint2* q = (const uint2*)(p + 8 + 16 * ib);
+        uint2 a = q[0], c = q[1];
+        qs[0] = a.x; qs[1] = a.y; qs[2] = c.x; qs[3] = c.y;
     }
-    return r;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        if (QT == QT_IQ4_NL || QT == QT_IQ4_XS) {
+            iq4_levels(qs[i], r.q[i], r.q[4 + i]);
+        } else {
+            u32 lo = qs[i] & 0x0f0f0f0fu, hi = (qs[i] >> 4) & 0x0f0f0f0fu;
+            if (QT == QT_Q5_0) {  // q - 16 as a signed byte: the nibble, with 0xF0 where bit 4 is clear
+                lo |= spread4(~qh >> (4 * i)) * 0xF0u;
+                hi |= spread4(~qh >> (16 + 4 * i)) * 0xF0u;
+            } else if (QT == QT_Q5_1) {
+                lo |= spread4(qh >> (4 * i)) << 4;
+                hi |= spread4(qh >> (16 + 4 * i)) << 4;
+            }
+            r.q[i] = (int)lo;
+            r.q[4 + i] = (int)hi;
+        }
+    }
 }
 
 // Dequantize the 32 values of block b (values 32b..32b+31) of one row to fp32.
@@ -200,17 +386,24 @@ __device__ __forceinline__ void deq_block32(const u8* wrow, const u16* wdrow, in
                 out[4 * j + k] = d * (float)((byte & 15) - 8);
                 out[16 + 4 * j + k] = d * (float)((byte >> 4) - 8);
             }
-    } else if (QT == QT_Q4_K) {
-        KSub k = ksub<QT>(wrow, b);
+    } else if (q32_format(QT)) {
+        Q32Block k;
+        q32_block<QT>(wrow, wdrow, b, k);
 #pragma unroll
-        for (int l = 0; l < 32; l++) out[l] = k.d0 * (float)((k.q[l] >> k.shl) & 15) - k.dm;
-    } else {  // Q6_K
-        KSub k = ksub<QT>(wrow, b);
+        for (int i = 0; i < 8; i++)
 #pragma unroll
-        for (int l = 0; l < 32; l++) {
-            int q = ((k.q[l] >> k.shl) & 15) | (((k.qh[l] >> k.shh) & 3) << 4);
-            out[l] = (l < 16 ? k.d0 : k.d1) * (float)(q - 32);
-        }
+            for (int j = 0; j < 4; j++) out[4 * i + j] = fmaf(k.d, (float)(i8)((k.q[i] >> (8 * j)) & 0xff), k.m);
+    } else if (kq_format(QT)) {  // Q4_K, Q5_K, Q6_K: products rounded as engine/quants.py rounds them
+        int q[8];
+        float dlo, dhi, m;
+        kq_load<QT>(wrow, wdrow, b, q, dlo, dhi, m);
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                float p = __fmul_rn(i < 4 ? dlo : dhi, s8_to_f((u32)q[i] >> (8 * j)));
+                out[4 * i + j] = (QT == QT_Q6_K) ? p : __fadd_rn(p, m);
+            }
     }
 }
 

@@ -323,7 +323,7 @@ extern "C" __global__ void attn_merge_gate(const float* __restrict__ po, const f
         __syncthreads();
         int n = min(nt, ns - s0);
         const float* p = po + ((i64)s0 * nh + h) * D + c;
-#pragma unroll 4
+#pragma unroll 8
         for (int s = 0; s < n; s++) acc += wsh[s] * p[(i64)s * nh * D];
     }
     float r = (acc * inv) * sigmoid_f(gate);

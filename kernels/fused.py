@@ -18,7 +18,7 @@ import cupy as cp
 import numpy as np
 
 from .build import GDN_KEY_DIMS, HEAD_DIMS, KV_CACHE_TYPES, get_kernel
-from .ops import decode_partials
+from .ops import decode_kernel, decode_partials
 
 GDN_MAX_KW = 8  # fused.cu: longest conv kernel of gdn_decode
 GDN_MAX_DV = 128  # the head's gated RMSNorm: one thread per value column, 128 threads per block
@@ -180,7 +180,7 @@ def attention_decode_gated(q, qg, kc, vc, kv_len: int, scale: float, window: int
     # the same context split as ops.attention's decode branch (graph: slices sized on the device)
     n_splits, split_len, po, pm, pl = decode_partials(kc, kv_len, nh, D, kv_len_ptr)
     lp = kv_len_ptr if kv_len_ptr is not None else np.uint64(0)
-    get_kernel(_attention_module(kv_type), f"flash_decode<{D}>")(
+    get_kernel(_attention_module(kv_type), decode_kernel(D, nh, n_kv))(
         (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
                                    lp, np.int32(split_len), np.float32(scale), np.int32(window)))
     out = cp.empty((1, nh * D), dtype=cp.float32)

@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     __shared__ float sxd[2][NBLK][GB_M], sxs[2][NBLK][GB_M];
     __shared__ float sdlo[2][NBLK][GB_N], sdhi[2][NBLK][GB_N], sm[2][NBLK][GB_N];
     const bool split = (QT == QT_Q6_K);
-    const bool has_m = (QT == QT_Q4_0 || QT == QT_Q4_K);
+    const bool has_m = qt_has_offset(QT);
 
     int tid = threadIdx.x;
     int t0 = blockIdx.y * GB_M, r0 = blockIdx.x * GB_N;

@@ -13,7 +13,7 @@
 struct WBlock {
     int q[8];      // 32 signed int8 weights, 4 per int
     float dlo, dhi;  // scale of values 0..15 and 16..31
-    float m;       // constant added per unit of the activation sum (Q4_0 -8d, Q4_K -dmin*m)
+    float m;       // constant added per unit of the activation sum (Q4_0 -8d, Q4_K -dmin*m, Q4_1/Q5_1 m)
 };
 
 template <int QT>
@@ -36,28 +36,15 @@ __device__ __forceinline__ void load_wblock(const u8* wrow, const u16* wdrow, in
         float d = h2f(wdrow[b]);
         w.dlo = w.dhi = d;
         w.m = -8.0f * d;
-    } else if (QT == QT_Q4_K) {
-        KSub k = ksub<QT>(wrow, b);
-        const int4* q = (const int4*)k.q;
-        int4 a = q[0], c = q[1];
-        int v[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+    } else if (q32_format(QT)) {  // Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS (common.cuh q32_block)
+        Q32Block k;
+        q32_block<QT>(wrow, wdrow, b, k);
 #pragma unroll
-        for (int i = 0; i < 8; i++) w.q[i] = (v[i] >> k.shl) & 0x0f0f0f0f;
-        w.dlo = w.dhi = k.d0;
-        w.m = -k.dm;
-    } else {  // Q6_K
-        KSub k = ksub<QT>(wrow, b);
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            int lo = (ld_u16x2(k.q + 4 * i) >> k.shl) & 0x0f0f0f0f;
-            int hi = (ld_u16x2(k.qh + 4 * i) >> k.shh) & 0x03030303;
-            int q = lo | (hi << 4);  // 0..63 per byte
-            // q - 32 as signed bytes without borrows: bit 5 set -> clear it; else add 0xE0.
-            w.q[i] = (q ^ 0x20202020) | (((~q) & 0x20202020) * 6);
-        }
-        w.dlo = k.d0;
-        w.dhi = k.d1;
-        w.m = 0.0f;
+        for (int i = 0; i < 8; i++) w.q[i] = k.q[i];
+        w.dlo = w.dhi = k.d;
+        w.m = k.m;
+    } else {  // Q4_K, Q5_K, Q6_K: the repacked layout (common.cuh kq_load)
+        kq_load<QT>(wrow, wdrow, b, w.q, w.dlo, w.dhi, w.m);
     }
 }
 
@@ -252,6 +239,110 @@ gemv_dp4a_split(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8*
                 for (int s = 1; s < WPR; s++) v += part[r * WPR + s][t];
                 i64 yi = (i64)t * R + orow;
                 y[yi] = res != 0 ? v + res[yi] : v;
+            }
+        }
+    }
+}
+
+// gemv_kq: the single-token DP4A GEMV of the K-quants (Q4_K, Q5_K, Q6_K) in their repacked layout
+// (common.cuh), gemv_dp4a_split's geometry: blocks of 4 warps, WPR warps per row (warp sums added in
+// warp order through shared memory), 8 blocks per SM (64 registers) for NU = 4, 5 (96 registers, no
+// spills on sm_61..sm_90 per ptxas) for NU = 8. Each lane has NU blocks in flight,
+// held as they arrive (Q4_K: 16 nibble bytes + its u16 wd entry = 5 registers; Q5_K + one high-bit
+// word; Q6_K + two and its d) and expanded to int8 one block at a time, so twice the blocks of
+// gemv_dp4a_split fit in the same registers. Loads are 16-byte (nibbles), 4/8-byte (high bits) and
+// 2-byte (wd entry), all coalesced across the warp. Q4_K / Q5_K: the super-block's d and dmin are
+// gathered from the top nibbles of its 8 lanes' wd entries by three xor-shuffles (lanes 8g..8g+7 hold
+// one super-block's 8 blocks, as b & 7 == lane & 7), so no lane re-reads or re-decodes a scale field.
+// The loop is uniform over the warp (the shuffles need every lane); lanes past the row end load
+// nothing and add nothing. Optional residual `res` (1, R) as gemv_dp4a.
+template <int QT, int WPR, int NU>
+__global__ void __launch_bounds__(128, NU > 4 ? 5 : 8)
+gemv_kq(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+        const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
+        const float* __restrict__ res) {
+    constexpr int RPB = 4 / WPR;  // rows per block (blockDim.x must be 128)
+    __shared__ float part[4];
+    int warp = threadIdx.x >> 5;
+    int lane = threadIdx.x & 31;
+    int sub = warp % WPR;
+    int row = blockIdx.x * RPB + warp / WPR;
+    int nb = K >> 5;
+    float acc = 0.0f;
+    if (row < R) {  // uniform over the warp
+        const u8* wrow = wq + (i64)row * row_bytes<QT>(K);
+        const u16* wdrow = wd + (i64)row * nb;
+        const int ddsh = kq_dd_shift(lane & 7);
+        for (int base = sub * 32; base < nb; base += 32 * WPR * NU) {
+            uint4 v[NU];
+            u32 h0[NU], h1[NU], e[NU];
+#pragma unroll
+            for (int u = 0; u < NU; u++) {
+                int b = base + 32 * WPR * u + lane;
+                v[u] = make_uint4(0u, 0u, 0u, 0u);
+                h0[u] = h1[u] = e[u] = 0u;
+                if (b < nb) {
+                    v[u] = *(const uint4*)kq_quants<QT>(wrow, b);
+                    e[u] = wdrow[b];
+                    if (QT == QT_Q5_K) h0[u] = *(const u32*)kq_high<QT>(wrow, b);
+                    if (QT == QT_Q6_K) {
+                        uint2 h = *(const uint2*)kq_high<QT>(wrow, b);
+                        h0[u] = h.x;
+                        h1[u] = h.y;
+                        e[u] |= (u32)kq6_d(wrow, b) << 16;  // the two scales below d
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < NU; u++) {
+                int b = base + 32 * WPR * u + lane;
+                float dlo, dhi, m;
+                if (QT == QT_Q6_K) {
+                    float d = h2f((u16)(e[u] >> 16));
+                    dlo = __fmul_rn(d, s8_to_f(e[u]));
+                    dhi = __fmul_rn(d, s8_to_f(e[u] >> 8));
+                    m = 0.0f;
+                } else {
+                    u32 dd = ((e[u] >> 12) & 15u) << ddsh;
+                    dd |= __shfl_xor_sync(0xffffffffu, dd, 1);
+                    dd |= __shfl_xor_sync(0xffffffffu, dd, 2);
+                    dd |= __shfl_xor_sync(0xffffffffu, dd, 4);
+                    kq_affine(e[u], dd, dlo, m);
+                    dhi = dlo;
+                }
+                if (b < nb) {
+                    const int4* xp = (const int4*)(xq + (i64)b * 32);
+                    int4 a = xp[0], c = xp[1];
+                    int xa[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+                    u32 vv[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+                    int lo = 0, hi = 0;
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        int ql, qh;
+                        kq_expand<QT>(vv[k], h0[u], h1[u], k, ql, qh);
+                        lo = dp4a(ql, xa[k], lo);
+                        hi = dp4a(qh, xa[4 + k], hi);
+                    }
+                    acc += xd[b] * (dlo * (float)lo + dhi * (float)hi);
+                    if (QT != QT_Q6_K) acc += m * xs[b];
+                }
+            }
+        }
+    }
+    float s = warp_sum(acc);
+    if (WPR == 1) {
+        if (row < R && lane == 0) y[row] = res != 0 ? s + res[row] : s;
+    } else {
+        if (lane == 0) part[warp] = s;
+        __syncthreads();
+        int i = threadIdx.x;
+        if (i < RPB) {
+            int orow = blockIdx.x * RPB + i;
+            if (orow < R) {
+                float v = part[i * WPR];
+#pragma unroll
+                for (int k = 1; k < WPR; k++) v += part[i * WPR + k];
+                y[orow] = res != 0 ? v + res[orow] : v;
             }
         }
     }

@@ -5,8 +5,9 @@
 //
 // Activations: quantize_h16 scales each 32-value block of x by its absmax: x' = x / amax (stored as
 //   fp16, |x'| <= 1), xd = amax, xs = sum(x) (fp32, for the Q4_0 / Q4_K offset term).
-// Weights: dequantized on the fly to fp16 integers q (Q8_0 / Q6_K: signed bytes, |q| <= 128; Q4_0 /
-//   Q4_K: 0..15), their fp32 block scales applied afterwards; F16 rows are used as they are (scale 1).
+// Weights: dequantized on the fly to fp16 integers q (Q8_0 / Q6_K / Q5_0 / IQ4_NL / IQ4_XS: signed bytes,
+//   |q| <= 128; Q4_0 / Q4_K: 0..15; Q4_1 / Q5_1: 0..31), their fp32 block scales applied afterwards; F16
+//   rows are used as they are (scale 1).
 // Why the fp16 partial cannot overflow: a partial is one f16x2 register, each lane summing at most 16
 //   products q * x' over one 32-value block (GEMM: 16 k-pairs, GEMV: 8 k-pairs per half-block), so
 //   |partial| <= 16 * 128 * 1 = 2048 < 65504 for every quantized format, whatever the range of x (the
@@ -164,7 +165,7 @@ __global__ void gemv_hfma2(const u8* __restrict__ wq, const u16* __restrict__ wd
                     hi = dot_h2_f32(h + 8, 1, xv + 8, 1, 8);
                 }
                 acc[t] += xd[xb] * (w[u].dlo * lo + w[u].dhi * hi);
-                if (QT == QT_Q4_0 || QT == QT_Q4_K) acc[t] += w[u].m * xs[xb];  // (xs may be inf elsewhere)
+                if (qt_has_offset(QT)) acc[t] += w[u].m * xs[xb];  // (xs may be inf elsewhere)
             }
         }
     }
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(256) gemm_hfma2(
     __shared__ float sxd[2][GH_M], sxs[2][GH_M];
     __shared__ float sdlo[2][GH_N], sdhi[2][GH_N], sm[2][GH_N];
     const bool split = (QT == QT_Q6_K);
-    const bool has_m = (QT == QT_Q4_0 || QT == QT_Q4_K);
+    const bool has_m = qt_has_offset(QT);
 
     int tid = threadIdx.x;
     int t0 = blockIdx.y * GH_M, r0 = blockIdx.x * GH_N;

@@ -1,14 +1,15 @@
 """Device layouts of stored weights, one definition for the host (NumPy) and the device (CuPy).
 
 The kernels read Q8_0, Q4_0, Q5_0 and IQ4_NL matrices re-laid out: the rest of each row's blocks
-contiguous (`wq`) and their fp16 block scales apart (`wd`, uint16 bits); every other stored type keeps
-its GGUF blocks as rows (`wq` only). `relayout` does that re-layout with whichever array module it is given, so
+contiguous (`wq`) and their fp16 block scales apart (`wd`, uint16 bits); the K-quants (Q4_K/Q5_K/Q6_K)
+are repacked by kernels/kquant_layout.py; every other stored type keeps its GGUF blocks as rows (`wq`
+only). `relayout` does that re-layout with whichever array module it is given, so
 `kernels/ops.upload_weight` (CuPy, after copying the raw blocks to the device) and the host-RAM expert
 stream (NumPy, once at load into page-locked memory, engine/backends/expert_stream.py) make the same
 bytes. Imports numpy only (no CuPy), so the CPU tests check it.
 
 What this is not: the choice of a type's kernel or of F32 decoding for types without one
-(CupyBackend.load_weight), nor the block formats themselves (engine/quants.py).
+(kernels/ops.py kept_type), nor the block formats themselves (engine/quants.py).
 """
 
 from __future__ import annotations

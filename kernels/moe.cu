@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(256) moe_gemm_dp4a(
     __shared__ float sxd[2][NBLK][MOE_BM], sxs[2][NBLK][MOE_BM];
     __shared__ float sdlo[2][NBLK][MOE_BN], sdhi[2][NBLK][MOE_BN], smw[2][NBLK][MOE_BN];
     const bool split = (QT == QT_Q6_K);
-    const bool has_m = (QT == QT_Q4_0 || QT == QT_Q4_K);
+    const bool has_m = qt_has_offset(QT);  // formats with an offset term (common.cuh)
 
     int tile = blockIdx.x;
     if (tile >= n_tiles[0]) return;  // the whole block leaves together

@@ -2,8 +2,9 @@
 
 Every function takes and returns cupy arrays on the current device, launches on the current stream and
 never synchronizes. Shapes follow the Backend protocol (engine/backends/base.py). The weight container
-`QWeight` holds a matmul/embedding tensor in its device layout (see common.cuh): Q8_0 and Q4_0 re-laid
-out as contiguous quants + fp16 scales, K-quants as raw GGUF blocks, F32/F16/BF16 as plain rows.
+`QWeight` holds a matmul/embedding tensor in its device layout (see common.cuh): Q8_0, Q4_0, Q5_0 and
+IQ4_NL re-laid out as contiguous quants + fp16 scales, the K-quants (Q4_K, Q5_K, Q6_K) repacked on the
+device (kquant_layout.py), Q4_1, Q5_1 and IQ4_XS as raw GGUF blocks, F32/F16/BF16 as plain rows.
 
 Not here: choosing between DP4A and FMA for a card (probe.py decides; the backend passes `path`).
 """
@@ -18,10 +19,25 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
-from .build import DP4A_TYPES, GDN_KEY_DIMS, GEMV_TOKENS, HEAD_DIMS, QT, get_kernel
+from . import kquant_layout
+from .build import (
+    DECODE_GROUPS,
+    DP4A_TYPES,
+    GDN_KEY_DIMS,
+    GEMV_KQ,
+    GEMV_TOKENS,
+    HEAD_DIMS,
+    QT,
+    get_kernel,
+)
 
 _BLOCK_BYTES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210),
-                "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2)}
+                "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
+                "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
+                "Q5_K": (256, 176)}
+# formats whose fp16 block scale moves to `wd` at upload, the rest of each block staying in `wq`
+# (engine/placement.py STAGED_TYPES prices the raw staging copy of these)
+_SPLIT_SCALE = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL")
 _DUMMY: dict[int, cp.ndarray] = {}
 
 
@@ -30,6 +46,16 @@ def _dummy():
     if dev not in _DUMMY:
         _DUMMY[dev] = cp.zeros(8, dtype=cp.uint16)
     return _DUMMY[dev]
+
+
+def kept_type(type_name: str, cols: int) -> str:
+    """The type a matrix of `type_name` with rows of `cols` values is kept in on the device: its own
+    when a kernel reads it (the row a whole number of its blocks, and of 32 values), else "F32" (the
+    loader decodes it once). CupyBackend.load_weight and the host-expert stream both ask this."""
+    per = _BLOCK_BYTES.get(type_name, (0, 0))[0]
+    if type_name in QT and per and cols % 32 == 0 and cols % per == 0:
+        return type_name
+    return "F32"
 
 
 def supported_types() -> tuple[str, ...]:
@@ -71,9 +97,13 @@ def upload_weight(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> QW
         raise ValueError(f"row length {K} is not a multiple of the {type_name} block ({max(per, 32)} values)")
     rows = experts * R
     nb_row = K // per * nbytes
+    if type_name in kquant_layout.KQUANT_TYPES:  # repacked on the device (kquant_layout.py)
+        wq, wd = _upload_kquant(np.ascontiguousarray(raw).reshape(-1).view(np.uint8).reshape(rows, nb_row),
+                                type_name, K)
+        return QWeight(type_name, R, K, experts, wq, wd)
     dev = cp.asarray(np.ascontiguousarray(raw).reshape(-1).view(np.uint8)).reshape(rows, nb_row)
     wd = None
-    if type_name in ("Q8_0", "Q4_0"):
+    if type_name in _SPLIT_SCALE:
         blk = dev.reshape(rows, K // 32, nbytes)
         wd = cp.ascontiguousarray(blk[:, :, :2]).view(cp.uint16).reshape(rows, K // 32)
         wq = cp.ascontiguousarray(blk[:, :, 2:]).reshape(rows, -1)
@@ -81,6 +111,24 @@ def upload_weight(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> QW
     else:
         wq = dev
     return QWeight(type_name, R, K, experts, wq, wd)
+
+
+_KQ_CHUNK_BYTES = 64 << 20  # raw bytes repacked per step (the repack's temporaries are ~3x this)
+
+
+def _upload_kquant(host: np.ndarray, type_name: str, K: int) -> tuple[cp.ndarray, cp.ndarray]:
+    """K-quant rows (host (rows, file bytes per row) uint8) -> (wq, wd) in the device layout of
+    kquant_layout.py: each chunk of rows is copied to the device and repacked there by
+    `kquant_layout.repack` run with CuPy, so device memory holds the result plus one chunk's work."""
+    rows = host.shape[0]
+    wq = cp.empty((rows, kquant_layout.wq_row_bytes(type_name, K)), dtype=cp.uint8)
+    wd = cp.empty((rows, K // 32), dtype=cp.uint16)
+    step = max(1, _KQ_CHUNK_BYTES // max(1, host.shape[1]))
+    for r0 in range(0, rows, step):
+        q, d = kquant_layout.repack(cp.asarray(host[r0:r0 + step]), type_name, K, xp=cp)
+        wq[r0:r0 + step] = q
+        wd[r0:r0 + step] = d
+    return wq, wd
 
 
 # ---- activation quantization and matmuls ------------------------------------------------------------
@@ -142,6 +190,34 @@ GEMV_VARIANT = os.environ.get("MINECART_GEMV", "auto")
 _GEMV_SPLIT = {"split1": (1, 0), "split2": (2, 0), "split4": (4, 0), "split1pf": (1, 1), "split2pf": (2, 1)}
 
 
+# Single-token DP4A GEMV of the K-quants (env MINECART_GEMV_KQ, read per call): "auto" = gemv_kq with
+# (warps per row, blocks per lane in flight) by shape (_gemv_kq), "WxN" = gemv_kq<W, N> (build.GEMV_KQ),
+# "split" = the generic kernels of GEMV_VARIANT (gemv_dp4a_split / gemv_dp4a over the same layout).
+GEMV_KQ_VARIANT = os.environ.get("MINECART_GEMV_KQ", "auto")
+
+
+def _gemv_kq(type_name: str, R: int, K: int) -> tuple[int, int] | None:
+    """(warps per row, blocks per lane in flight) of gemv_kq for a single-token K-quant GEMV, None for
+    the generic kernels. "auto": a warp per row up to 4096 values (4 blocks per lane cover the row in
+    one round); longer rows 2 warps (4 with 32K+ values), 8 blocks per lane for the 4/5-bit formats."""
+    v = GEMV_KQ_VARIANT
+    if v == "split" or type_name not in kquant_layout.KQUANT_TYPES:
+        return None
+    if v != "auto":
+        try:
+            wpr, nu = (int(a) for a in v.split("x"))
+        except ValueError:
+            raise ValueError(f"MINECART_GEMV_KQ={v!r}: use auto, split or WxN, one of "
+                             f"{', '.join(f'{a}x{b}' for a, b in GEMV_KQ)}") from None
+        if (wpr, nu) not in GEMV_KQ:
+            raise ValueError(f"MINECART_GEMV_KQ={v!r}: gemv_kq is compiled for "
+                             f"{', '.join(f'{a}x{b}' for a, b in GEMV_KQ)}")
+        return wpr, nu
+    if K <= 4096:
+        return 1, 4
+    return (4 if K >= 32768 else 2), (4 if type_name == "Q6_K" else 8)
+
+
 def _gemv_split(R: int, K: int) -> tuple[int, int] | None:
     """(warps per row, prefetch) of the single-token DP4A GEMV for R rows of K values, None for gemv_dp4a.
 
@@ -196,8 +272,14 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         grid = (math.ceil(R / warps),)
         for t0, nt in _chunks(T):
             res = residual[t0:] if residual is not None else np.uint64(0)
-            split = _gemv_split(R, K) if use_dp4a and nt == 1 else None
-            if split is not None:
+            kq = _gemv_kq(w.type_name, R, K) if use_dp4a and nt == 1 else None
+            split = _gemv_split(R, K) if use_dp4a and nt == 1 and kq is None else None
+            if kq is not None:
+                wpr, nu = kq
+                k = _mm_kernel(w, f"gemv_kq<{q}, {wpr}, {nu}>")
+                k((math.ceil(R * wpr / 4),), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
+                                                      np.int32(K), res))
+            elif split is not None:
                 wpr, pf = split
                 k = _mm_kernel(w, f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>")
                 k((math.ceil(R * wpr / 4),), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
@@ -355,6 +437,22 @@ def sm_count() -> int:
     return _SMS[dev]
 
 
+# context slices of a single-token flash_decode: about this many blocks per multiprocessor over the
+# KV heads (kernels/probe.py op_breakdown times 2-8 at 16K; env MINECART_FD_BLOCKS overrides)
+DECODE_BLOCKS_PER_SM = int(os.environ.get("MINECART_FD_BLOCKS", "6"))
+
+
+def decode_kernel(D: int, nh: int, n_kv: int) -> str:
+    """The flash_decode instantiation for head dim D and nh / n_kv query heads per KV head (<= 8): the
+    smallest compiled group size GM that holds them (registers scale with GM)."""
+    G = nh // n_kv
+    gm = next((g for g in DECODE_GROUPS if g >= G), None)
+    if gm is None or nh % n_kv:
+        raise ValueError(f"decode attention serves up to {DECODE_GROUPS[-1]} query heads per KV head; "
+                         f"got {nh} query heads over {n_kv} KV heads")
+    return f"flash_decode<{D}, {gm}>"
+
+
 def decode_partials(kc, kv_len: int, nh: int, D: int, kv_len_ptr=None):
     """The context split of a single-token flash_decode and its partial buffers: about six blocks per
     multiprocessor over the n_kv heads; with kv_len_ptr (graph replay) as many splits as the whole
@@ -362,7 +460,7 @@ def decode_partials(kc, kv_len: int, nh: int, D: int, kv_len_ptr=None):
     past it exit at once). Returns (n_splits, split_len, po, pm, pl)."""
     n_kv = kc.shape[1]
     span = kc.shape[0] if kv_len_ptr is not None else kv_len
-    want = max(1, (6 * sm_count()) // n_kv)
+    want = max(1, (DECODE_BLOCKS_PER_SM * sm_count()) // n_kv)
     split_len = max(32, math.ceil(span / want / 32) * 32)
     n_splits = max(1, math.ceil(span / split_len))
     if kv_len_ptr is not None:
@@ -400,7 +498,7 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
         # Split the context so that there are about six blocks per multiprocessor: each block streams
         # its slice through shared memory with no overlap of load and compute, so occupancy hides latency.
         n_splits, split_len, po, pm, pl = decode_partials(kc, kv_len, nh, D, kv_len_ptr)
-        get_kernel(module, f"flash_decode<{D}>")(
+        get_kernel(module, decode_kernel(D, nh, n_kv))(
             (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
                                        kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
                                        np.int32(split_len), np.float32(scale), np.int32(window)))

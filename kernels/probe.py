@@ -28,7 +28,7 @@ try:
 except ImportError:  # CPU-only machine: only choose_fastest is usable
     cp = ops = gdn_chunk = None
 
-from .build import get_kernel
+from .build import KV_CACHE_TYPES, get_kernel
 
 GEMV_PATHS = ("dp4a", "fma", "hfma2")  # decode candidates
 GEMM_PATHS = ("dp4a", "dp4a2", "fma", "hfma2")  # prefill candidates
@@ -198,7 +198,7 @@ def op_breakdown(T: int = 4096, ctx: int = 18432) -> dict:
     """GPU time of the main kernels at Qwen3.5-9B shapes (for docs/kernels.md): prefill pieces at T
     tokens, decode pieces at context `ctx`. Milliseconds per call, plus achieved rates."""
     rs = cp.random.RandomState(5)
-    res: dict = {}
+    res: dict = {"copy_gbs": measure_copy()}  # the ceiling the GB/s figures below are read against
     H, F = 4096, 12288
     for name, (R, K) in {"gemm_4096x4096": (4096, H), "gemm_12288x4096": (F, H), "gemm_4096x12288": (H, F)}.items():
         w = random_q8_0(R, K, 1)
@@ -228,6 +228,34 @@ def op_breakdown(T: int = 4096, ctx: int = 18432) -> dict:
     t = time_gpu(lambda: ops.attention(q1, kc, vc, ctx - 1, ctx, 1 / 16), 20)
     res["flash_decode_ctx_us"] = t * 1e6
     res["flash_decode_ctx_gbs"] = 2 * ctx * n_kv * D * 4 / t / 1e9
+    # decode attention at 16K over each cache type, GB/s of cache bytes read (compare with copy_gbs)
+    from . import kvcache
+
+    L = 16384
+    for kv in ("f32",) + KV_CACHE_TYPES:
+        if kv == "f32":
+            kL = rs.standard_normal((L, n_kv, D), dtype=cp.float32)
+            vL = rs.standard_normal((L, n_kv, D), dtype=cp.float32)
+        else:
+            kL, vL = kvcache.alloc(L, n_kv, D, kv), kvcache.alloc(L, n_kv, D, kv)
+            kvcache.append(rs.standard_normal((L, n_kv, D), dtype=cp.float32),
+                           rs.standard_normal((L, n_kv, D), dtype=cp.float32), kL, vL, kv, 0)
+        t = time_gpu(lambda kL=kL, vL=vL, kv=kv: ops.attention(q1, kL, vL, L - 1, L, 1 / 16, kv_type=kv), 20)
+        res[f"flash_decode_16k_{kv}_us"] = t * 1e6
+        res[f"flash_decode_16k_{kv}_gbs"] = (kL.nbytes + vL.nbytes) / t / 1e9
+        if kv == "f16":  # the context split: blocks per multiprocessor
+            keep = ops.DECODE_BLOCKS_PER_SM
+            try:
+                for bps in (2, 3, 4, 8):
+                    ops.DECODE_BLOCKS_PER_SM = bps
+                    t = time_gpu(lambda kL=kL, vL=vL: ops.attention(q1, kL, vL, L - 1, L, 1 / 16, kv_type="f16"), 20)
+                    res[f"flash_decode_16k_f16_{bps}bps_us"] = t * 1e6
+            finally:
+                ops.DECODE_BLOCKS_PER_SM = keep
+        kern = get_kernel("attention" if kv == "f32" else f"attention_{kv}", ops.decode_kernel(D, nh, n_kv))
+        res[f"flash_decode_{kv}_regs"] = kern.num_regs  # registers per thread and spill bytes (ptxas)
+        res[f"flash_decode_{kv}_local_bytes"] = kern.local_size_bytes
+        del kL, vL
     n_k, n_v, dk = 16, 32, 128
     qg = rs.standard_normal((T, n_k, dk), dtype=cp.float32) * 0.01
     kg = rs.standard_normal((T, n_k, dk), dtype=cp.float32) * 0.08

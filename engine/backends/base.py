@@ -137,6 +137,14 @@ class FusedOpsMixin:
         """[x @ W.T for W in ws]: several weights applied to one input (fused projections)."""
         return [self.matmul(x, w) for w in ws]
 
+    def load_fused(self: Backend, infos) -> list:
+        """[load_weight(info, role="matmul") for info in infos]: the matmul weights of one group that
+        the model applies to one input (an ArchSpec fused group; engine/model.py loads every group
+        through here). A backend may hold them as one array, each returned weight a row range of it
+        (so that matmul_many runs them as one matmul); each still works on its own, and the results
+        are the same."""
+        return [self.load_weight(info, role="matmul") for info in infos]
+
     def matmul_add(self: Backend, x, w, residual):
         """residual + x @ W.T (the residual add of a layer, folded into its last matmul)."""
         return self.add(residual, self.matmul(x, w))
@@ -358,6 +366,8 @@ class Backend(Protocol):
 
     # ---- fused ops (FusedOpsMixin composes them from the ops above; a fast backend overrides them) ----
     def matmul_many(self, x: Array, ws: list) -> list: ...
+
+    def load_fused(self, infos: list) -> list: ...
 
     def matmul_add(self, x: Array, w: Weight, residual: Array) -> Array: ...
 

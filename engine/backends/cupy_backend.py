@@ -8,8 +8,10 @@ step of each stage is captured once into a CUDA graph and replayed for every lat
 (`graph_step`, called by engine/execution.py), so decoding pays one launch per token instead of one
 per kernel.
 
-Weights go to the device still quantized (Q8_0/Q4_0 re-laid out as int8/int4 quants + fp16 scales;
-Q4_K/Q6_K as GGUF blocks; F32/F16/BF16 as rows); formats without a kernel are decoded to F32 once.
+Weights go to the device still quantized, laid out once at upload for the kernels (kernels/ops.py
+upload_weight: Q8_0/Q4_0/Q5_0/IQ4_NL with their fp16 scales split off, the K-quants repacked by
+kernels/kquant_layout.py, Q4_1/Q5_1/IQ4_XS as their blocks, F32/F16/BF16 as rows); a format or row
+length without a kernel (ops.kept_type) is decoded to F32 once.
 Matmuls take the DP4A, fp32 FMA or fp16 HFMA2 path according to the per-card probe (kernels/probe.py, cached
 per GPU UUID by engine/probe_cache.py); MINECART_MATMUL_PATH=dp4a|dp4a2|fma|hfma2 overrides it.
 
@@ -28,7 +30,8 @@ from typing import Any
 import cupy as cp
 import numpy as np
 from minecart.kernels import fused, gdn_chunk, kvcache, kvq3, ops
-from minecart.kernels.build import QT
+from minecart.kernels import moe as moe_kernels
+from minecart.kernels.build import kernel_build_tag
 
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
@@ -318,6 +321,110 @@ class _DecodeGraph:
         return self.result()
 
 
+# ---- [batched decode graphs] a decode step of B sequences as one graph (engine/execution.py forward_batch)
+_BATCH_SLOTS = 8192  # int32 inputs of a captured batch step: 7 B token/position slots, then cache lengths
+BATCH_GRAPHS_KEPT = 4  # batch graphs kept (the most recently used); each holds its step's activations
+
+
+def _pos3(p) -> np.ndarray:
+    """One sequence's decode position as (t, h, w): a (1,) text position, or a (3, 1) M-RoPE column."""
+    a = np.asarray(p, dtype=np.int64).reshape(-1)
+    if a.size == 1:
+        return np.repeat(a, 3)
+    if a.size == 3:
+        return a
+    raise ValueError(f"a decode position must be (1,) or (3, 1), got {np.shape(p)}")
+
+
+class _BatchCapture(_Capture):
+    """The inputs of a captured decode step of n sequences, one token each. Slots: [0, n) the tokens;
+    [n, 4n) every row's (t, h, w) position as (3, n) (what a layer's rope over the stacked rows reads);
+    [4n, 7n) each sequence's own (t, h, w) (what a per-sequence mixer's rope reads, contiguous (3, 1));
+    then one KV length per cache the step appends to. A position array handed to the backend during the
+    capture is told apart by identity (one of the sequences' own arrays, bound by `bind`) or else by
+    width (n columns: the stacked rows)."""
+
+    def __init__(self, stream, n: int):
+        import cupyx
+
+        self.stream = stream
+        self.n = n
+        self.host = cupyx.empty_pinned((_BATCH_SLOTS,), dtype=np.int32)
+        self.host[:] = 0
+        self.dev = cp.zeros(_BATCH_SLOTS, dtype=cp.int32)
+        self.caches = []
+        self.outputs = []
+        self._out_dev = []
+        self.cache_base = 7 * n
+        self._seq_of: dict[int, int] = {}
+
+    def bind(self, positions) -> None:
+        self._seq_of = {id(p): b for b, p in enumerate(positions)}
+
+    def write_batch(self, ids, positions) -> None:
+        n = self.n
+        self.host[0:n] = np.asarray(ids, dtype=np.int64)
+        p3 = np.stack([_pos3(p) for p in positions], axis=1)  # (3, n)
+        self.host[n : 4 * n] = p3.reshape(-1)
+        self.host[4 * n : 7 * n] = p3.T.reshape(-1)
+
+    def copy_inputs(self) -> None:
+        cp.cuda.runtime.memcpyAsync(self.dev.data.ptr, self.host.ctypes.data, _BATCH_SLOTS * 4,
+                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+
+    def ids_dev(self, ids):
+        if len(ids) != self.n:
+            raise RuntimeError(f"a captured batch step embeds {self.n} tokens, got {len(ids)}")
+        return self.dev[0 : self.n]
+
+    def positions_dev(self, pos):
+        n = self.n
+        b = self._seq_of.get(id(pos))
+        if b is not None:
+            return self.dev[4 * n + 3 * b : 4 * n + 3 * b + 3].reshape(3, 1)
+        if np.shape(pos)[-1] == n:
+            return self.dev[n : 4 * n].reshape(3, n)
+        raise RuntimeError("a position array that is neither the batch's rows nor one sequence's")
+
+    def cache_row(self, cache: GrowingKVCache):
+        if cache.length + 1 > cache.capacity:
+            raise _CacheFull("KV cache full: this step grows it eagerly; the next one re-captures")
+        i = self.cache_base + len(self.caches)
+        if i >= _BATCH_SLOTS:
+            raise RuntimeError("too many sequences x attention layers for one captured batch step")
+        self.caches.append((cache, cache.length))
+        self.host[i] = cache.length
+        return self.dev[i : i + 1]
+
+    def write_inputs(self, token: int, pos: np.ndarray) -> None:
+        raise RuntimeError("a batch step's inputs are written by write_batch")
+
+
+class _BatchGraph(_DecodeGraph):
+    """A captured decode step of a fixed list of sequences (owner: their state lists, in order)."""
+
+    def valid(self, owner, watch, io=(None, None)) -> bool:
+        if len(owner) != len(self.states) or any(a is not b for a, b in zip(owner, self.states, strict=True)):
+            return False
+        return self.alive() and _device_pointers(watch, []) == self.pointers
+
+    def alive(self) -> bool:
+        """False once a sequence's cache was freed (its session closed) or has no room for a token."""
+        return all(c.k is not None and c.length + 1 <= c.capacity for c, _ in self.cap.caches)
+
+    def replay_batch(self, ids, positions) -> np.ndarray:
+        cap = self.cap
+        assert isinstance(cap, _BatchCapture)
+        cap.write_batch(ids, positions)
+        for i, (c, _) in enumerate(cap.caches):
+            cap.host[cap.cache_base + i] = c.length
+        self.graph.launch(cap.stream)
+        for c, _ in cap.caches:
+            c.length += 1
+        cap.stream.synchronize()
+        return np.array(cap.outputs[-1])
+
+
 def _f32(x):
     return cp.ascontiguousarray(x, dtype=cp.float32)
 
@@ -348,6 +455,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._capture: _Capture | None = None  # set while a decode step is being captured
         self._graphs: dict[int, _DecodeGraph] = {}
         self._graph_stream = None
+        self._batch_graphs: dict[Any, _BatchGraph] = {}  # [batched decode] most recently used last
+        self._batch_eager: set[int] = set()  # [batched decode] batch sizes whose capture failed
         self.use_graphs = not os.environ.get("MINECART_NO_CUDA_GRAPH")
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
@@ -366,7 +475,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         """Reuse this card's cached probe result, or probe now (< 1 s) and cache it."""
         from .. import probe_cache
 
-        uuid = gpu_uuid(self.index)
+        tag = kernel_build_tag()  # kernels loaded from PTX (MINECART_KERNEL_PTX) are timed apart
+        uuid = gpu_uuid(self.index) + (f"+{tag}" if tag else "")
         rec = probe_cache.get(uuid)
         if rec is None:
             from minecart.kernels import probe
@@ -428,10 +538,10 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             shape = tuple(int(s) for s in info.shape)
             logical = (1, shape[0]) if role == "matmul" and len(shape) == 1 else shape
             type_name = info.type_name
-            if type_name in QT and logical[-1] % 32 == 0 and (type_name not in ("Q4_K", "Q6_K") or logical[-1] % 256 == 0):
+            if ops.kept_type(type_name, logical[-1]) == type_name:
                 q = ops.upload_weight(np.asarray(info.raw), type_name, logical)
             else:
-                # No kernel for this format (Q5_0, Q5_K, ...): decode once to F32 on the host.
+                # No kernel for this format or row length: decode once to F32 on the host.
                 from .. import quants
 
                 dense = np.ascontiguousarray(quants.dequantize(info), dtype=np.float32).reshape(logical)
@@ -441,7 +551,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 type_name = "F32"
             return CupyWeight(info.name, logical, type_name, q, role)
 
-    def load_fused(self, infos):
+    def load_fused(self, infos: list) -> list[CupyWeight]:
         """The weights of one group (base.FusedOpsMixin.load_fused) in one device array per QWeight
         field, each weight's QWeight a row range (view) of it. Tensor by tensor, upload_weight lays
         the tensor out for the kernels and its rows are copied into the group's arrays (allocated
@@ -922,6 +1032,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             T = x.shape[0]
             logits = ops.matmul(x, router.q, "fma")  # router stays fp32 (doc 3.6)
             ids, wts = ops.moe_route(logits, int(k))
+            ups = None if up_exps is None else up_exps.q
+            path = self.gemv_path if T <= moe_kernels.DECODE_MAX_T else self.gemm_path
+            if path.startswith("dp4a") and moe_kernels.supported(gate_exps.q, ups, down_exps.q):
+                # decode: 2 launches for all experts; prefill: sort by expert + grouped GEMMs (moe.cu)
+                return moe_kernels.routed_experts(x, ids, wts, gate_exps.q, ups, down_exps.q, int(k),
+                                                  nblk=2 if path == "dp4a2" else 1)
             path = self.gemv_path
             if up_exps is None:  # fused gate+up: first Fe rows gate, next Fe rows up
                 gu = ops.matmul_experts(x, gate_exps.q, ids, int(k), path)
@@ -958,7 +1074,13 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         (with host_out): launch and return an event the next stage can follow instead of waiting.
         Returns host logits (1, vocab), True when the output is in `host_out`, an event when it will
         be once that event completes, or None when this step cannot use a graph (nothing ran and
-        `after` was not waited for: the caller waits for it and runs the step eagerly)."""
+        `after` was not waited for: the caller waits for it and runs the step eagerly).
+
+        A batched decode step (engine/execution.py forward_batch: len(ids) = B > 1 sequences, one token
+        each) comes with owner = a tuple of the sequences' state lists and positions = a tuple of their
+        own position arrays; it returns host logits (B, vocab) or None (see _graph_batch_step)."""
+        if self.use_graphs and self._capture is None and len(ids) > 1 and isinstance(owner, tuple):
+            return self._graph_batch_step(key, run, ids, positions, owner, watch)  # [batched decode]
         if not self.use_graphs or self._capture is not None or len(ids) != 1:
             return None
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -1029,6 +1151,77 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         stream.synchronize()
         return rec.result()
 
+    # ---- [batched decode graphs] -------------------------------------------------------------------
+    def _graph_batch_step(self, key, run, ids, positions, owners: tuple, watch):
+        """graph_step for a decode step of B = len(ids) sequences, one token each (engine/execution.py
+        forward_batch): positions holds each sequence's own position array ((1,) or (3, 1)), owners
+        each sequence's state list, watch every state the step touches. Kept per key (the executor's
+        ("batch", B)) while the same sequences decode; host logits (B, vocab), or None: run eagerly
+        (a cache must grow, or this batch size cannot be captured: it then stays eager)."""
+        n = len(ids)
+        if n in self._batch_eager or len(positions) != n or len(owners) != n:
+            return None
+        # graphs of sequences that have ended hold their states: let them go
+        self._batch_graphs = {k: g for k, g in self._batch_graphs.items() if g.alive()}
+        rec = self._batch_graphs.pop(key, None)
+        if rec is not None and not rec.valid(owners, watch):
+            rec = None
+        with self._dev:
+            if rec is None:
+                return self._capture_batch(key, run, ids, positions, owners, watch)
+            self._batch_graphs[key] = rec  # most recently used last
+            return rec.replay_batch(ids, positions)
+
+    def _capture_batch(self, key, run, ids, positions, owners: tuple, watch):
+        if self._graph_stream is None:
+            self._graph_stream = cp.cuda.Stream(non_blocking=False)
+        stream: Any = self._graph_stream  # a cupy Stream (None only before the first capture)
+        cap = _BatchCapture(stream, len(ids))
+        cap.write_batch(ids, positions)
+        cap.bind(positions)
+        pool = cp.get_default_memory_pool()
+        kept: list = []
+
+        def keep_alloc(size):
+            mem = pool.malloc(size)
+            kept.append(mem)  # the graph reuses these addresses on every replay
+            return mem
+
+        self._capture = cap
+        graph = None
+        try:
+            with stream:
+                cp.cuda.set_allocator(keep_alloc)
+                try:
+                    from minecart.kernels.probe import begin_capture
+
+                    begin_capture(stream)
+                    try:
+                        cap.copy_inputs()
+                        run(ids)
+                    finally:
+                        graph = stream.end_capture()
+                finally:
+                    cp.cuda.set_allocator(pool.malloc)
+        except Exception as exc:
+            for cache, length in cap.caches:
+                cache.length = length  # undo the host bookkeeping of the aborted capture
+            if not isinstance(exc, _CacheFull) and not isinstance(exc.__context__, _CacheFull):
+                self._batch_eager.add(len(ids))  # e.g. a host sync inside: this size runs eagerly
+            return None
+        finally:
+            self._capture = None
+        if not cap.outputs:
+            self._batch_eager.add(len(ids))
+            return None
+        rec = _BatchGraph(graph, cap, kept, owners, watch)
+        while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:
+            self._batch_graphs.pop(next(iter(self._batch_graphs)))
+        self._batch_graphs[key] = rec
+        graph.launch(stream)
+        stream.synchronize()
+        return np.array(cap.outputs[-1])
+
     # ---- measurements (bench, probe) --------------------------------------------------------------
     def measure_ceilings(self, seconds: float = 0.3) -> dict:
         """Copy bandwidth (GB/s, bytes read + written), DP4A (TOPS) and fp32 FMA (TFLOP/s) of this card."""
@@ -1088,6 +1281,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         is measured alone: a small array left alive keeps its whole pool chunk). The RoPE tables and the q3
         dequantization scratch go too; they are made again when next needed."""
         self._graphs = {}
+        self._batch_graphs = {}  # [batched decode]
         self._rope_tables = {}
         self.__dict__.pop("_q3_scratch_arrays", None)
         from minecart.kernels import hfma2

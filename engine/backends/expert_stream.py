@@ -90,12 +90,8 @@ class _Slot:
 
 
 def _gpu_type(type_name: str, cols: int) -> str:
-    """The type CupyBackend.load_weight keeps a matrix in: its own when a kernel reads it (a multiple
-    of 32 values per row; of 256 for the 256-value K-quant blocks), else F32 (decoded at load)."""
-    if type_name in ops.supported_types() and cols % 32 == 0 and \
-            (type_name not in ("Q4_K", "Q6_K") or cols % 256 == 0):
-        return type_name
-    return "F32"
+    """The type CupyBackend.load_weight keeps a matrix in (kernels/ops.py kept_type)."""
+    return ops.kept_type(type_name, cols)
 
 
 class ExpertStream:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import cpu_matmul
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
 F32 = np.float32
@@ -194,15 +195,17 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     name = "numpy"
 
     def __init__(self, device: str = "cpu:0", *, int_experts: bool | None = None,
-                 expert_threads: int | None = None):
+                 expert_threads: int | None = None, rows_kernel: bool = True):
         """int_experts: a decode token's routed experts on the integer kernels (engine/cpu_experts.py);
-        None: wherever numba imports. expert_threads: their threads (None: engine.threads.default_threads,
-        as for BLAS)."""
+        None: wherever numba imports. expert_threads: their threads, and those of the rows kernel (None:
+        engine.threads.default_threads, as for BLAS). rows_kernel: matmuls of 2-16 rows (a batched
+        decode step) on engine/cpu_matmul.py's kernel where numba imports; False keeps BLAS."""
         if not str(device).startswith("cpu"):
             raise ValueError(f"NumpyBackend runs on the CPU; got device '{device}' (use 'cpu:0')")
         self.device = str(device)
         self.int_experts = int_experts
         self.expert_threads = expert_threads
+        self.rows_kernel = rows_kernel
 
     def __repr__(self) -> str:
         return f"NumpyBackend({self.device!r})"
@@ -230,6 +233,22 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         if role == "experts":  # kept as stored; moe decodes the experts a call uses
             return NumpyWeight(info, role, None)
         raise ValueError(f"unknown weight role '{role}' for tensor '{info.name}'")
+
+    def load_fused(self, infos: list) -> list[NumpyWeight]:
+        """The weights of one group (base.FusedOpsMixin.load_fused) decoded into one float32 array,
+        each weight a row range (view) of it, as the CUDA backend lays them out; weights of differing
+        row lengths are loaded apart. The group is never held twice: one tensor at a time is decoded and
+        copied into its rows."""
+        shapes = [(1, int(i.shape[0])) if len(i.shape) == 1 else tuple(int(d) for d in i.shape) for i in infos]
+        if len({s[1:] for s in shapes}) != 1 or any(len(s) != 2 for s in shapes):
+            return super().load_fused(infos)
+        group = np.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=F32)
+        out, r0 = [], 0
+        for info, (rows, _) in zip(infos, shapes, strict=True):
+            group[r0 : r0 + rows] = _dequantize(info).reshape(rows, -1)
+            out.append(NumpyWeight(info, "matmul", group[r0 : r0 + rows]))
+            r0 += rows
+        return out
 
     def prepare_lm_head(self, weight) -> None:
         """Decode a tied embedding/LM-head table to float32 now (load time), not in the first token.
@@ -267,7 +286,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
 
     def geglu(self, gate, up):
         g = np.asarray(gate, F64)
-        gelu = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g**3)))
+        # g * g * g, not g**3: NumPy's float64 power is ~20x slower (17 of 155 ms of a batched step)
+        gelu = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * (g * g * g))))
         return (gelu * up).astype(F32)
 
     def rms_norm(self, x, w, eps: float):
@@ -301,7 +321,14 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     def matmul(self, x, w: NumpyWeight):
         # float32 BLAS with float32 accumulation: relative error ~1e-7 * sqrt(n_in), well inside the
         # 1e-4 budget, and the same arithmetic class as the float32 references.
-        return np.asarray(x, F32) @ w.dense().T
+        x = np.asarray(x, F32)
+        dense = w.dense()
+        # [batched decode] 2-16 rows (a batch of decoding sequences): engine/cpu_matmul.py's kernel,
+        # same float32 arithmetic in another order; BLAS's GEMM packs the whole weight for so few rows
+        if (self.rows_kernel and x.ndim == 2 and dense.flags.c_contiguous
+                and cpu_matmul.ROWS_MIN <= x.shape[0] <= cpu_matmul.ROWS_MAX and cpu_matmul.available()):
+            return cpu_matmul.rows_matmul(x, dense, threads=self._expert_threads())
+        return x @ dense.T
 
     # ---- positions and attention ---------------------------------------------------------------
     def rope(self, x, positions, n_rot: int, base: float, *, sections=(), scale: float = 1.0):
@@ -351,22 +378,27 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         group = nh // n_kv
         keys, values = (a.astype(F64) for a in cache.read(L))  # (L, n_kv, d); f16/q8_0/q3 caches widen
         k_pos = np.arange(L)
-        out = np.empty((T, nh, cache.value_dim), F32)
-        # queries in blocks, so a long prompt never materializes a (T, L) float64 score matrix
-        for q0 in range(0, T, ATTN_QUERY_BLOCK):
-            q1 = min(q0 + ATTN_QUERY_BLOCK, T)
+        dv = cache.value_dim
+        out = np.empty((T, nh, dv), F32)
+        kh = keys.transpose(1, 2, 0)[:, None]  # (n_kv, 1, d, L)
+        vh = values.transpose(1, 0, 2)[:, None]  # (n_kv, 1, L, dv)
+        # every head at once (head h = kv * group + g: contiguous GQA grouping), queries in blocks of
+        # ATTN_QUERY_BLOCK / nh, so a long prompt never holds more than ATTN_QUERY_BLOCK rows of float64
+        # scores per key; a decode token is one block (a batch of sequences calls this once per sequence)
+        block = max(1, ATTN_QUERY_BLOCK // nh)
+        for q0 in range(0, T, block):
+            q1 = min(q0 + block, T)
             q_pos = np.arange(L - T + q0, L - T + q1)  # absolute index of each query
             visible = k_pos[None, :] <= q_pos[:, None]  # causal
             if window > 0:
                 visible &= k_pos[None, :] > q_pos[:, None] - window
-            for h in range(nh):
-                kv = h // group  # contiguous GQA grouping
-                scores = (q[q0:q1, h, :].astype(F64) @ keys[:, kv, :].T) * scale
-                scores = np.where(visible, scores, -np.inf)
-                scores -= scores.max(axis=1, keepdims=True)
-                p = np.exp(scores)
-                p /= p.sum(axis=1, keepdims=True)
-                out[q0:q1, h, :] = p @ values[:, kv, :]
+            qh = q[q0:q1].astype(F64).reshape(q1 - q0, n_kv, group, -1).transpose(1, 2, 0, 3)
+            scores = (qh @ kh) * scale  # (n_kv, group, queries, L)
+            scores = np.where(visible, scores, -np.inf)
+            scores -= scores.max(axis=-1, keepdims=True)
+            p = np.exp(scores)
+            p /= p.sum(axis=-1, keepdims=True)
+            out[q0:q1] = (p @ vh).transpose(2, 0, 1, 3).reshape(q1 - q0, nh, dv)
         return out
 
     # ---- vision tower ----------------------------------------------------------------------------

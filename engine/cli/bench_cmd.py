@@ -15,8 +15,10 @@ BLAS (cpu_ceilings) - then:
   n_experts_used a token picks);
 - peak VRAM.
 Prints a table (or JSON with --json). The device is opened before anything is written; a file --shape
-synthesizes is deleted afterwards, pass or fail, unless --workdir names where to keep it. Not here:
-any comparison with other engines (docs/BENCHMARKS.md).
+synthesizes is deleted afterwards, pass or fail, unless --workdir names where to keep it.
+`--quant q8_0,q4_k,q6_k` benchmarks several synthesized types in one run and ends with a table of
+them; `--compare-gguf FILE [--peer-bench LLAMA_BENCH]` runs FILE at the peer table's contexts and, with
+a llama-bench binary, that binary on the same file in the same run (bench_compare.py).
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ import numpy as np
 
 from ..errors import DeviceError, MinecartError
 from ..execution import make_backend
+from ..experts import ExpertsApart
 from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
-from .run_cmd import add_threads_arg
+from ..placement import EXPERTS_ON_HELP
+from ..rig import RigBackend
+from .run_cmd import add_threads_arg, experts_on_arg
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -49,7 +54,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", help="GGUF file to benchmark (or use --shape)")
     p.add_argument("--shape", help="synthesize a model of this shape (e.g. qwen3.5-9b) instead of a file")
-    p.add_argument("--quant", default="q8_0", help="quant type for --shape (default q8_0)")
+    p.add_argument("--quant", default="q8_0",
+                   help="quant type(s) for --shape, comma separated: each is synthesized and benchmarked in "
+                        "turn, then compared in one table (e.g. q8_0,q4_k,q6_k; default q8_0)")
+    p.add_argument("--compare-gguf", metavar="FILE", default=None,
+                   help="benchmark FILE at the peer table's contexts (prompt 512 and 4096, decode of 64 tokens "
+                        "at context 0, 4096 and 16384) and print tokens/s with the ratios to the ceilings")
+    p.add_argument("--peer-bench", metavar="LLAMA_BENCH", default=None,
+                   help="with --compare-gguf: also run this llama-bench binary on the same file at the same "
+                        "contexts (-fa 1 -ngl 99, JSON) after ours, and print the ratio to it")
     p.add_argument("--layers", type=int, help="keep only the first N layers of a --shape model")
     p.add_argument("--workdir", default=None,
                    help="where --shape writes its file and keeps it for the next run (default: a "
@@ -72,6 +85,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "'500MB/s+20us' (default gen1x1)")
     p.add_argument("--split-prompt", type=int, default=2048,
                    help="prompt tokens for the split benchmark (default 2048)")
+    p.add_argument("--experts-on", default=None, type=experts_on_arg, metavar="host|auto|N",
+                   help=EXPERTS_ON_HELP + "; reports prefill's streamed bytes/s beside the link's rate "
+                   "and decode's CPU expert reads beside the CPU's copy bandwidth")
+    p.add_argument("--experts-link", default=None, metavar="LINK",
+                   help="with --experts-on: simulate the GPU's PCIe link (engine/rig.py), e.g. gen1x1 or "
+                        "gen3x4 (default: the real link)")
     add_threads_arg(p)
     p.set_defaults(func=run)
 
@@ -239,7 +258,8 @@ def _with_ceiling(row: dict[str, Any], ceiling: float | None) -> dict[str, Any]:
 def bench(model: Model, *, prefill: Sequence[int] = (512, 2048, 8192, 18432),
           decode_ctx: Sequence[int] = (0, 4096, 18432), decode_tokens: int = 32, chunk: int = 0,
           log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    backend = model.backends.get("global") or next(iter(model.backends.values()))
+    proxy = model.backends.get("global") or next(iter(model.backends.values()))
+    backend = _device_backend(proxy)
     say = log or (lambda s: None)
     say("measuring the device's ceilings ...")
     ceil = device_ceilings(backend)
@@ -261,10 +281,14 @@ def bench(model: Model, *, prefill: Sequence[int] = (512, 2048, 8192, 18432),
     ops_rate = ceil.get("dp4a_tops") or ceil.get("fma_tflops")
     prefill_ceiling = ops_rate * 1e12 / (2 * params) if ops_rate else None
     decode_ceiling = ceil["copy_gbs"] * 1e9 / wbytes if ceil.get("copy_gbs") else None
+    streams = _expert_streams(model)
     for n in prefill:
         ids = [int(t) for t in rng.integers(0, min(vocab, 50000), n)]
+        moved = sum(st.streamed_bytes for st in streams)
         dt = _prefill_seconds(model, backend, ids, chunk)
         row = _with_ceiling({"tokens": n, "seconds": dt, "tokens_per_s": n / dt}, prefill_ceiling)
+        if streams:  # host-RAM experts streamed to the GPU: bytes over the link per second
+            row["streamed_bytes_per_s"] = (sum(st.streamed_bytes for st in streams) - moved) / dt
         res["prefill"].append(row)
         say(f"prefill {n} tokens: {row['tokens_per_s']:,.1f} tok/s")
     for ctx in decode_ctx:
@@ -276,12 +300,55 @@ def bench(model: Model, *, prefill: Sequence[int] = (512, 2048, 8192, 18432),
         say(f"decode at context {ctx}: {row['tokens_per_s']:,.1f} tok/s")
     if res["decode"] and len(res["decode"]) > 1:
         res["long_vs_short_decode"] = res["decode"][-1]["tokens_per_s"] / res["decode"][0]["tokens_per_s"]
+    if isinstance(proxy, ExpertsApart):
+        res["host_experts"] = host_expert_rates(model, proxy, res)
     if not backend.device.startswith("cpu"):
         from ..backends.cupy_backend import CupyBackend  # local import: CuPy is optional
 
         assert isinstance(backend, CupyBackend)
         res["peak_vram_bytes"] = backend.peak_memory()
     return res
+
+
+def _device_backend(backend: Any) -> Backend:
+    """The device's own backend under an experts proxy (engine/experts.py) and a rig's link proxy:
+    ceilings and kernel rates are the card's, not the link's."""
+    if isinstance(backend, ExpertsApart):
+        backend = backend.inner
+    return backend.inner if isinstance(backend, RigBackend) else backend
+
+
+def _expert_streams(model: Model) -> list[Any]:
+    """The expert streams of the model's devices (host-RAM experts streamed to a GPU for prefill)."""
+    proxies = {id(b): b for b in model.backends.values() if isinstance(b, ExpertsApart)}.values()
+    return [p.stream for p in proxies if p.stream is not None]
+
+
+def host_expert_rates(model: Model, proxy: ExpertsApart, res: dict[str, Any]) -> dict[str, Any]:
+    """Routed experts in host RAM: prefill streams them over the link (bytes per second beside the
+    link's rate: a rig's simulated link, else the one assumed for the threshold); decode runs a
+    token's experts on the CPU (the active expert bytes it reads per second, beside the CPU's copy
+    bandwidth measured now)."""
+    cfg = model.config
+    host = {p: ws for p, ws in model.weights.items()
+            if p.endswith(".experts") and model.device_plan[p].startswith("cpu")}
+    frac = cfg.n_experts_used / cfg.n_experts if cfg.n_experts else 0.0
+    active = sum(int(w.info.n_bytes) for ws in host.values() for w in ws.values() if w.role == "experts") * frac
+    cpu = cpu_ceilings()
+    out: dict[str, Any] = {"layers": len(host), "link": proxy.link.name, "link_bytes_per_s": proxy.link.bandwidth,
+                           "stream_min_tokens": None, "expert_bytes_per_token": active,
+                           "cpu_copy_gbs": cpu["copy_gbs"], "prefill": [], "decode": []}
+    if proxy.stream is not None and host:
+        first = min(int(p.split(".")[1]) for p in host)
+        out["stream_min_tokens"] = proxy.stream_min_tokens(first, cfg.n_experts_used)
+    for r in res["prefill"]:
+        if "streamed_bytes_per_s" in r:
+            out["prefill"].append({"tokens": r["tokens"], "streamed_bytes_per_s": r["streamed_bytes_per_s"],
+                                   "vs_link": r["streamed_bytes_per_s"] / proxy.link.bandwidth})
+    for r in res["decode"]:
+        gbs = active * r["tokens_per_s"] / 1e9
+        out["decode"].append({"context": r["context"], "cpu_expert_gbs": gbs, "vs_cpu_copy": gbs / cpu["copy_gbs"]})
+    return out
 
 
 def format_ceilings(c: dict[str, float]) -> str:
@@ -337,6 +404,18 @@ def format_table(res: dict[str, Any]) -> str:
         lines.append(f"longest-context decode / short-context decode: {res['long_vs_short_decode']:.0%}")
     if "peak_vram_bytes" in res:
         lines.append(f"peak VRAM: {res['peak_vram_bytes'] / 2**30:.2f} GiB")
+    h = res.get("host_experts")
+    if h:
+        how = (f"chunks of {h['stream_min_tokens']} tokens or more are streamed to the GPU"
+               if h["stream_min_tokens"] is not None else "never streamed: their layers are not on a GPU")
+        lines.append(f"routed experts of {h['layers']} layers in host RAM (link {h['link']}, "
+                     f"{h['link_bytes_per_s'] / 1e9:.2f} GB/s; {how})")
+        for r in h["prefill"]:
+            lines.append(f"  prefill {r['tokens']}: streamed {r['streamed_bytes_per_s'] / 1e9:.2f} GB/s "
+                         f"({r['vs_link']:.0%} of the link)")
+        for r in h["decode"]:
+            lines.append(f"  decode @ {r['context']}: CPU experts read {r['cpu_expert_gbs']:.2f} GB/s "
+                         f"({r['vs_cpu_copy']:.0%} of the CPU's {h['cpu_copy_gbs']:.1f} GB/s copy)")
     return "\n".join(lines)
 
 
@@ -360,12 +439,92 @@ def check_devices(args: argparse.Namespace) -> None:
                               "--device cpu:0") from exc
 
 
+def quant_list(text: str) -> list[str]:
+    """`--quant q8_0,q4_k` -> ["q8_0", "q4_k"], each checked against the types synth can write."""
+    from ..synth import QUANTS
+
+    quants = list(dict.fromkeys(q.strip().lower() for q in text.split(",") if q.strip()))
+    unknown = [q for q in quants if q not in QUANTS]
+    if unknown or not quants:
+        raise MinecartError(f"unknown --quant {', '.join(unknown) or repr(text)}; choose among {', '.join(QUANTS)}")
+    return quants
+
+
 def run(args: argparse.Namespace) -> int:
     from ..model import load_model
 
+    quants = quant_list(args.quant)
+    if args.compare_gguf:
+        return run_compare(args, load_model)
+    if args.peer_bench:
+        raise MinecartError("--peer-bench goes with --compare-gguf FILE")
     if not args.model and not args.shape:
         raise MinecartError("give a GGUF file or --shape NAME (e.g. --shape qwen3.5-9b --quant q8_0)")
+    if len(quants) > 1 and not args.shape:
+        raise MinecartError("several --quant types need --shape (a GGUF file has its own types)")
     check_devices(args)
+    results = []
+    for q in quants:  # one after the other, each file deleted after its run unless --workdir keeps it
+        res = _run_quant(argparse.Namespace(**{**vars(args), "quant": q}), load_model)
+        if res is not None:
+            results.append(res)
+    if len(results) == 1:
+        print(json.dumps(results[0], indent=1) if args.json else format_table(results[0]))
+    elif results:
+        print(json.dumps({"runs": results}, indent=1) if args.json
+              else "\n\n".join([*map(format_table, results), format_quant_summary(results)]))
+    return 0
+
+
+def run_compare(args: argparse.Namespace, load_model: Callable[..., Model]) -> int:
+    """--compare-gguf FILE [--peer-bench BIN]: FILE at the peer table's contexts, ours then the peer's."""
+    from . import bench_compare as bc
+
+    if args.model or args.shape or args.devices:
+        raise MinecartError("--compare-gguf FILE benchmarks that file alone: leave out the model argument, "
+                            "--shape and --devices")
+    path = Path(args.compare_gguf)
+    if not path.is_file():
+        raise MinecartError(f"--compare-gguf {path}: no such file")
+    check_devices(args)
+    sub = argparse.Namespace(**{**vars(args), "prefill": ",".join(map(str, bc.PEER_PREFILL)),
+                                "decode_ctx": ",".join(map(str, bc.PEER_DECODE_CTX)),
+                                "decode_tokens": bc.PEER_DECODE_TOKENS})
+    res = _measure(path, sub, load_model)
+    peer = None
+    if args.peer_bench:
+        shape = (bc.PEER_PREFILL, bc.PEER_DECODE_CTX, bc.PEER_DECODE_TOKENS)
+        print(f"running {' '.join(bc.peer_command(args.peer_bench, path, *shape))} ...", file=sys.stderr,
+              flush=True)
+        peer = bc.run_peer(args.peer_bench, path, args.device, *shape)
+    rows = bc.compare_rows(res, peer)
+    if args.json:
+        res["compare"] = {"rows": rows, "peer": None if peer is None else
+                          {"label": peer.label, "prefill": peer.prefill, "decode": peer.decode}}
+        print(json.dumps(res, indent=1))
+    else:
+        print(bc.format_compare(res, rows, peer))
+    return 0
+
+
+def format_quant_summary(results: list[dict[str, Any]]) -> str:
+    """One line per quant type of a `--quant a,b,c` run: every test's tokens/s and share of its ceiling."""
+    tests = [f"prefill {r['tokens']}" for r in results[0]["prefill"]] + \
+            [f"decode @ {r['context']}" for r in results[0]["decode"]]
+    lines = ["quant types compared (tokens/s, share of the ceiling):",
+             f"{'file':<34}" + "".join(f"{t:>20}" for t in tests)]
+    for res in results:
+        cells = []
+        for r in res["prefill"] + res["decode"]:
+            ratio = f" ({r['ratio']:.0%})" if r.get("ratio") is not None else ""
+            cells.append(f"{r['tokens_per_s']:,.1f}{ratio}")
+        lines.append(f"{Path(res['model']).name:<34}" + "".join(f"{c:>20}" for c in cells))
+    return "\n".join(lines)
+
+
+def _run_quant(args: argparse.Namespace, load_model: Callable[..., Model]) -> dict[str, Any] | None:
+    """One benchmark of the file or --shape (args.quant is one type): its result, or None for the split
+    benchmark (which prints its own table)."""
     made_dir: Path | None = None  # a temporary folder this run made (deleted at the end)
     made_file: Path | None = None  # a file this run synthesized and does not keep
     try:
@@ -384,8 +543,9 @@ def run(args: argparse.Namespace) -> int:
                 made_file = None  # kept for the next run
         assert path is not None
         if args.devices:
-            return run_split(path, args)
-        return _run_one(path, args, load_model)
+            run_split(path, args)
+            return None
+        return _measure(path, args, load_model)
     finally:
         if made_file is not None:
             made_file.unlink(missing_ok=True)
@@ -407,9 +567,16 @@ def _synthesize(path: Path, args: argparse.Namespace) -> None:
     print(f"  {info['bytes'] / 1e9:.2f} GB in {info['seconds']:.1f} s", file=sys.stderr)
 
 
-def _run_one(path: Path, args: argparse.Namespace, load_model: Callable[..., Model]) -> int:
+def _measure(path: Path, args: argparse.Namespace, load_model: Callable[..., Model]) -> dict[str, Any]:
+    """Load `path`, benchmark it at args' prompt lengths and decode contexts, close it; the result."""
     t = time.perf_counter()
-    model = load_model(path, devices=[args.device], kv_type=args.kv_type)
+    if args.experts_on is not None:  # host-RAM experts, the GPU behind a simulated link if one is given
+        from ..rig import Rig
+
+        devices: Any = Rig.parse(f"{args.device}@{args.experts_link}") if args.experts_link else [args.device]
+        model = load_model(path, devices=devices, kv_type=args.kv_type, experts=args.experts_on)
+    else:
+        model = load_model(path, devices=[args.device], kv_type=args.kv_type)
     try:
         print(f"loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr)
 
@@ -422,8 +589,7 @@ def _run_one(path: Path, args: argparse.Namespace, load_model: Callable[..., Mod
         model.close()
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     res["kv_type"] = args.kv_type
-    print(json.dumps(res, indent=1) if args.json else format_table(res))
-    return 0
+    return res
 
 
 def split_configs(devices: list[str], link: str) -> list[tuple[str, str]]:

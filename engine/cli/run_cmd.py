@@ -18,9 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ImageError, RequestError
+from ..errors import ImageError, PlacementError, RequestError
 from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from ..model import check_model_file
+from ..placement import EXPERTS_ON_HELP, check_experts_on
 from ..prompt import PROMPT_MODES
 from ..runtime import RequestHandle, Runtime, RuntimeEvent
 from ..sampling import DEFAULT_MAX_TOKENS_CHAT, DEFAULT_MAX_TOKENS_TEXT, SamplingParams
@@ -39,6 +40,14 @@ def positive_int(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
+
+
+def experts_on_arg(text: str) -> str:
+    """argparse type of --experts-on: host, auto, N or a device (placement.check_experts_on)."""
+    try:
+        return check_experts_on(text)
+    except PlacementError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
@@ -63,10 +72,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", default=DEFAULT_KV_TYPE, choices=KV_TYPES,
                    help="KV cache type: f16 (default, half of f32), q8_0 (a quarter, plus scales), q3 "
                         "(3-bit Walsh-Hadamard + Lloyd-Max codes, ~9x smaller than f32) or f32 (exact)")
-    p.add_argument("--experts-on", default=None, metavar="host|DEVICE",
-                   help="where an MoE model's routed experts live: 'host' (host RAM; the CPU runs them "
-                        "with integer kernels while the GPU runs the rest) or a device such as cpu:0 "
-                        "(default: with their layers)")
+    p.add_argument("--context", type=positive_int, default=None, metavar="N",
+                   help="context limit in tokens, prompt and answer together: sessions are allocated "
+                        "for it and a longer prompt is refused (default: 4096; at most the model's "
+                        "trained context)")
+    p.add_argument("--experts-on", default=None, type=experts_on_arg, metavar="host|auto|N",
+                   help=EXPERTS_ON_HELP)
     add_threads_arg(p)
 
 
@@ -188,8 +199,10 @@ def start_runtime(args: argparse.Namespace, *, quiet: bool = False, sample_memor
             raise RequestError("--max-image-tokens must be at least 1")
         options["max_image_tokens"] = args.max_image_tokens
     options["kv_type"] = args.kv_type
+    if args.context is not None:
+        options["context"] = args.context
     if args.experts_on is not None:
-        options["experts"] = "cpu:0" if args.experts_on == "host" else args.experts_on
+        options["experts"] = args.experts_on  # load_model reads host / auto / N / a device
     handle = runtime.load(path, devices=devices, **options)
     tty = sys.stderr.isatty()
     try:

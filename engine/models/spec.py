@@ -5,7 +5,7 @@ layer kinds, and `ArchSpec`, the typed and frozen description that each model fi
 metadata becomes a ModelConfig, every tensor (GGUF name, shape as a function of the config,
 Backend.load_weight role, how `minecart synth` fills it), which tensors a layer of each kind has, the
 layouts a file may choose (fused gate/up experts, a shared expert or none, a separate or tied LM head),
-which projections the CUDA backend concatenates, and what each layer costs in state and activations.
+which projections read one input (the loader lays each such group out as one array), and what each layer costs in state and activations.
 Everything else is derived from it here: `ModelConfig.from_gguf`, `validate_tensors` (every needed
 tensor present with the shape the metadata implies), `tensor_roles` (what the loader reads, per part),
 `plan` (the file's tensors in converter order, for engine/synth.py and for pricing a shape without a
@@ -242,7 +242,8 @@ class ArchSpec:
         lambda c, i, names: frozenset())
     # consistency of the metadata beyond single keys, checked before any tensor (raises GGUFError)
     check_metadata: Callable[[ModelConfig, GGUFLike], None] = lambda c, gf: None
-    # groups of layer tensors the CUDA backend concatenates on first use (the model's matmul_many calls)
+    # groups of layer tensors that one matmul_many call of the model reads together (names after
+    # "blk.{i}."); the loader lays each group out as one array (Backend.load_fused, fused_members)
     fused_groups: tuple[tuple[str, ...], ...] = ()
 
     # ---- derived -------------------------------------------------------------------------------------
@@ -253,6 +254,23 @@ class ArchSpec:
     def layer_tensors(self, config: ModelConfig, i: int, options: frozenset[str]) -> list[TensorDef]:
         kind = self.layer_kind(config, i)
         return [t for g in self.layer_groups if g.applies(config, kind, options) for t in g.tensors]
+
+    def fused_members(self, roles: Mapping[str, str]) -> list[tuple[str, ...]]:
+        """The weight groups among one part's tensors ({GGUF name: role}, a tensor_roles entry): for
+        each layer and each of fused_groups, its members that the part holds as matmul weights, in the
+        group's order, where there are at least two. The loader loads each as one array
+        (Backend.load_fused); the model reads them with one matmul_many call."""
+        layers: dict[str, None] = {}  # "blk.{i}." prefixes in order of appearance
+        for name in roles:
+            if name.startswith("blk."):
+                layers.setdefault(name[: name.index(".", 4) + 1], None)
+        out = []
+        for prefix in layers:
+            for group in self.fused_groups:
+                members = tuple(prefix + t for t in group if roles.get(prefix + t) == MATMUL)
+                if len(members) >= 2:
+                    out.append(members)
+        return out
 
     def tensor_roles(self, config: ModelConfig, available: Collection[str] | None = None, *,
                      experts_apart: bool = False) -> dict[str, dict[str, str]]:

@@ -253,3 +253,32 @@ def test_the_engine_loads_the_experts_where_the_map_says(qtbot, moe_path):
         assert win.layer_model.plan.experts_device == "cpu:0" and win.layers.experts_host.isChecked()
     finally:
         bridge.shutdown()
+
+
+def test_one_layers_experts_to_host_ram_and_back(qtbot, moe_path):
+    """The block menu's per-layer action: only the chosen MoE layer's experts leave the card (its
+    block says "+X" and its tooltip where they went), the card needs that layer's expert bytes less
+    (plus its two staging buffers for streamed prefill), Auto-split keeps the per-layer map, and one undo
+    step brings them back."""
+    devices = _rig()
+    costs = costs_for_file(moe_path)
+    model, panel = _panel(qtbot, devices, pl.Placement.single(costs, "cuda:0"))
+    moe = [i for i, p in enumerate(costs.parts) if p.experts]
+    first = moe[0]
+    gpu_before = model.bytes_per_device()["cuda:0"].weights
+    assert model.set_experts_apart([first], True)
+    assert model.plan.experts == {costs.parts[first].name: "cpu:0"}
+    assert model.part_label(first).endswith("+X") and not model.part_label(moe[1]).endswith("+X")
+    per = model.bytes_per_device()
+    assert per["cuda:0"].weights == gpu_before - costs.parts[first].expert_bytes
+    assert per["cpu:0"].weights == costs.parts[first].expert_bytes
+    block = model.index(moe.index(first) + 1, 0, model.index(0, 0))
+    assert model.part_of(block) == first
+    assert "in host RAM (cpu:0)" in block.data(Qt.ItemDataRole.ToolTipRole)
+    assert not panel.experts_host.isChecked()  # not every layer's experts: the all-layers box stays off
+    assert not model.set_experts_apart([first], True)  # nothing to change: no undo step
+    model.auto_split()
+    assert model.plan.experts == {costs.parts[first].name: "cpu:0"}
+    model.undo_stack.undo()  # the auto-split
+    model.undo_stack.undo()  # the per-layer move
+    assert model.plan.experts == {} and not model.part_label(first).endswith("+X")

@@ -64,12 +64,15 @@ class ScriptedSession:
     def checkpoint(self):
         self.checkpoints += 1
 
+    limit = 8192  # the context limit of a session (engine.session.Session.limit)
+
 
 class ScriptedModel:
     """The part of engine.model.Model that generate uses, with a scripted session."""
 
     is_base_model = False
     vision = None
+    placement = None  # no plan: the context limit is the trained context (engine.session.context_limit)
 
     def __init__(self, script, delay=0.0):
         self.tokenizer = ByteTokenizer()

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from minecart.engine.errors import PlacementError
 from minecart.engine.placement import (
     CUDA_CONTEXT_BYTES,
+    GRAPH_BYTES_PER_LAYER,
+    KERNEL_MODULES_BYTES,
     DeviceSpec,
     GiB,
     MiB,
@@ -121,8 +124,12 @@ def test_tied_embedding_counted_once_per_device(tiny):
 def test_cuda_overhead_only_on_cuda():
     costs = costs_for_shape("qwen3.5-0.8b")
     per = Placement.from_layer_counts(costs, [("cuda:0", 12), ("cpu:0", 12)]).bytes_per_device()
-    assert per["cuda:0"].overhead == CUDA_CONTEXT_BYTES
-    assert per["cpu:0"].overhead == 0
+    # the context, the kernel modules and one decode graph's share per layer: device memory outside the pool
+    assert per["cuda:0"].modules == KERNEL_MODULES_BYTES and per["cuda:0"].graphs == 12 * GRAPH_BYTES_PER_LAYER
+    assert per["cuda:0"].overhead == CUDA_CONTEXT_BYTES + KERNEL_MODULES_BYTES + 12 * GRAPH_BYTES_PER_LAYER
+    assert per["cuda:0"].total == sum(getattr(per["cuda:0"], k) for k in
+                                      ("weights", "kv_cache", "recurrent", "activations", "overhead"))
+    assert per["cpu:0"].overhead == per["cpu:0"].modules == per["cpu:0"].graphs == 0
 
 
 # ---- automatic split --------------------------------------------------------------------------------
@@ -294,6 +301,9 @@ def test_fused_and_staged_tensors_of_a_shape():
     assert gdn.fused_bytes == sum(b[f"blk.0.{n}.weight"] for n in
                                   ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ffn_gate", "ffn_up"))
     assert attn.fused_bytes == sum(b[f"blk.3.{n}.weight"] for n in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up"))
+    # the groups the loader lays out as one array each, in the spec's order
+    assert gdn.fused == (tuple(f"blk.0.{n}.weight" for n in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")),
+                         ("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"))
     # Q8_0 matrices go through a raw staging copy; 1-D F32 tensors and ssm_conv1d do not
     assert "blk.0.attn_qkv.weight" in gdn.staged and "blk.0.ssm_conv1d.weight" not in gdn.staged
     assert "blk.0.attn_norm.weight" not in gdn.staged
@@ -305,12 +315,12 @@ def test_pool_terms_only_for_stored_weights_on_cuda(tiny):
     config, gf = tiny
     costs = model_costs(config, gf)
     per = Placement.from_layer_counts(costs, [("cpu:0", 4), ("cuda:1", 4)]).bytes_per_device()
-    assert per["cpu:0"].fragmentation == per["cpu:0"].staging == 0
-    assert per["cuda:1"].fragmentation == int(0.2 * sum(p.fused_bytes for p in costs.parts[5:9]))
+    assert per["cpu:0"].staging == per["cpu:0"].modules == per["cpu:0"].graphs == 0
+    assert per["cuda:1"].modules == KERNEL_MODULES_BYTES and per["cuda:1"].graphs == 4 * GRAPH_BYTES_PER_LAYER
     ref = model_costs(config, gf, layout="numpy")
-    assert all(p.fused_bytes == 0 and p.staged == () for p in ref.parts)
+    assert all(p.fused_bytes == 0 and p.fused == () and p.staged == () for p in ref.parts)
     one = Placement.single(ref, "cuda:0").bytes_per_device()["cuda:0"]
-    assert one.fragmentation == one.staging == 0
+    assert one.staging == 0
 
 
 def test_staging_of_the_lm_head_loaded_last():
@@ -323,11 +333,26 @@ def test_staging_of_the_lm_head_loaded_last():
     b = plan.bytes_per_device()["cuda:1"]
     assert b.staging > 0
     assert b.total - b.overhead == b.weights + head
-    assert b.activations >= b.fragmentation + b.staging
-    # the whole model on one card: the first-use concatenation holes and the KV cache of a long
-    # context cover it (they reuse the hole), so no staging term
+    assert b.activations >= b.staging
+    # the whole model on one card: the KV cache of a long context covers it (it reuses the hole), so
+    # no staging term
     b = Placement.single(costs, "cuda:0", context=32768, chunk=512, kv_type="f32").bytes_per_device()["cuda:0"]
     assert b.staging == 0
+
+
+def test_load_peak_of_a_weight_group():
+    """A group is allocated whole while its first (largest) tensor sits beside it in its own arrays
+    (twice for a staged type: raw copy and layout); a lone staged tensor adds its raw copy."""
+    from minecart.engine.placement import PartCost, _load_peak
+
+    part = PartCost("layer.0", "gdn", (("a", 100), ("n", 1), ("b", 40), ("c", 30), ("d", 20)),
+                    fused=(("a", "b"),), fused_bytes=140)
+    assert _load_peak([part]) == 140 + 100  # the group's moment beats the end (191)
+    assert _load_peak([replace(part, tensors=part.tensors + (("e", 300),))]) == 491  # now the end does
+    staged = replace(part, staged=("a", "b", "d"), tensors=(("a", 100), ("b", 40), ("d", 90)))
+    assert _load_peak([staged]) == max(140 + 2 * 100, 140 + 90 + 90)
+    # a member loaded on another device (experts apart) is not loaded here; the rest loads alone
+    assert _load_peak([replace(part, tensors=part.tensors[:3])], elsewhere={"b"}) == 101
 
 
 def test_gdn_chunk_scratch_counts_from_256_tokens():
@@ -348,15 +373,18 @@ def test_old_saved_placement_without_pool_fields_loads(tiny):
     plan = Placement.single(model_costs(config, gf), "cuda:0")
     d = json.loads(plan.to_json())
     for p in d["model"]["parts"]:
-        for key in ("mixer_values_per_token", "segment_values_per_token", "fused_bytes", "staged"):
+        for key in ("mixer_values_per_token", "segment_values_per_token", "fused_bytes", "fused", "staged"):
             p.pop(key)
     back = Placement.from_dict(d)
-    assert back.bytes_per_device()["cuda:0"].fragmentation == 0
+    assert all(p.fused == () for p in back.costs.parts)
+    assert back.bytes_per_device()["cuda:0"].weights == plan.bytes_per_device()["cuda:0"].weights
+    # and a placement saved with the groups reads them back
+    assert Placement.from_json(plan.to_json()).costs == plan.costs
 
 
-def test_gemma3_has_no_concatenation_holes():
-    """Gemma 3's layer calls backend.matmul once per projection, so the CUDA backend never concatenates
-    its weights and no pool holes may be priced for it (its spec lists no fused groups)."""
+def test_gemma3_has_no_weight_groups():
+    """Gemma 3's layer calls backend.matmul once per projection, so its spec lists no fused groups and
+    nothing of it is loaded as a group."""
     from minecart.engine import demo
     from minecart.engine.config import ModelConfig
     from minecart.engine.gguf_file import GGUFFile
@@ -366,8 +394,8 @@ def test_gemma3_has_no_concatenation_holes():
     gf = GGUFFile(demo.demo_model_path())
     costs = model_costs(ModelConfig.from_gguf(gf), gf)
     assert [p.fused_bytes for p in costs.parts] == [0] * len(costs.parts)
-    assert Placement.single(costs, "cuda:0").bytes_per_device()["cuda:0"].fragmentation == 0
-    # Qwen3.5 concatenates (matmul_many): its layers do have fused bytes
+    assert [p.fused for p in costs.parts] == [()] * len(costs.parts)
+    # Qwen3.5 reads its projections with matmul_many: its layers do have groups
     assert costs_for_shape("qwen3.5-0.8b", n_layers=1).part("layer.0").fused_bytes > 0
 
 

@@ -12,7 +12,7 @@ from minecart.engine.gguf_file import TensorInfo
 
 # byte offsets of the fp16 scale fields in each block layout
 _F16_FIELDS = {Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q5_0: (0,), Q.Q4_1: (0, 2), Q.Q5_1: (0, 2), Q.Q4_K: (0, 2),
-               Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+               Q.Q5_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
 
 
 def random_raw(type_id: int, shape: tuple[int, ...], rng) -> np.ndarray:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from minecart.engine import load_model
 from minecart.engine.backends.base import FusedOpsMixin
 from minecart.engine.backends.numpy_backend import NumpyBackend, NumpyWeight

@@ -102,13 +102,14 @@ def test_matmul_many_and_add(nb, gb, poison, type_name, T):
     K = 512
     infos = [make_tensor(rng, type_name, (R, K), 0.05, name=f"w{i}") for i, R in enumerate((259, 64, 3, 1))]
     x = rng.standard_normal((T, K)).astype(np.float32)
-    ws = [gb.load_weight(i) for i in infos]
     gx = gb.asarray(x)
-    alone = [gb.to_numpy(gb.matmul(gx, w)) for w in ws]
+    alone = [gb.to_numpy(gb.matmul(gx, gb.load_weight(i))) for i in infos]  # each loaded apart
+    ws = gb.load_fused(infos)  # one array for the group, each weight a row view of it
+    assert ws[0].group is not None and all(w.group is ws[0].group for w in ws)
     poison()
     many = [gb.to_numpy(y) for y in gb.matmul_many(gx, ws)]
-    again = [gb.to_numpy(y) for y in gb.matmul_many(gx, ws)]  # the concatenated weight, cached
-    after = [gb.to_numpy(gb.matmul(gx, w)) for w in ws]  # originals now view the concatenation
+    again = [gb.to_numpy(y) for y in gb.matmul_many(gx, ws)]
+    after = [gb.to_numpy(gb.matmul(gx, w)) for w in ws]  # each member alone, on its row view
     for a, m, g, f, info in zip(alone, many, again, after, infos, strict=True):
         assert m.shape == a.shape == (T, info.shape[0])
         for b in (m, g, f):  # same kernels on the same rows: equal (bit-identical expected)

@@ -58,6 +58,7 @@ def test_guard_fails_on_planted_mma():
 
 
 @needs_nvrtc
+@pytest.mark.timeout(1800)  # ~45 modules x 5 architectures: 6-8 min of NVRTC on a 2-core machine
 def test_guard_passes_all_kernels_all_archs(tmp_path):
     out = io.StringIO()
     status = check.check(archs=check.ARCHS, dump=tmp_path, jobs=2, out=out)

@@ -139,3 +139,56 @@ def test_decode_split_for_the_device_length(window):
         assert np.all(np.isfinite(got)), f"L={L}: the merge read a split that holds no keys"
         np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)
         assert _fd_split_len(0, L, n_splits) * n_splits >= L
+
+
+# ---- inside one flash_decode block: 4 warps, groups of U keys, merged in warp order ---------------------
+
+NEG_BIG = -1.0e30
+
+
+def emulate_flash_decode_block(q, k, v, lo, hi, scale, U, warps=4):
+    """attention.cu flash_decode<D, GM> for one (KV head, slice) block, in float32: warp w takes the
+    key groups starting at lo + w*U, lo + (w + warps)*U, ...; each group's scores update the warp's
+    running max, sum and unnormalized output (alpha rescale); then the warps are merged in order.
+    q (G, D), k/v (L, D). Returns the slice's partials (o (G, D), m (G,), l (G,))."""
+    f32 = np.float32
+    G, D = q.shape
+    ms = np.full((warps, G), NEG_BIG, f32)
+    ls = np.zeros((warps, G), f32)
+    os_ = np.zeros((warps, G, D), f32)
+    for w in range(warps):
+        for t0 in range(lo + w * U, hi, warps * U):
+            ts = [t for t in range(t0, t0 + U)]
+            s = np.array([[(q[g] @ k[t]) * f32(scale) if t < hi else NEG_BIG for t in ts] for g in range(G)], f32)
+            m_new = np.maximum(ms[w], s.max(axis=1))
+            alpha = np.exp(ms[w] - m_new).astype(f32)
+            p = np.where(np.array(ts)[None, :] < hi, np.exp(s - m_new[:, None]), 0).astype(f32)
+            vv = np.stack([v[t] if t < hi else np.zeros(D, f32) for t in ts])
+            os_[w] = os_[w] * alpha[:, None] + p @ vv
+            ls[w] = ls[w] * alpha + p.sum(axis=1)
+            ms[w] = m_new
+    M = ms.max(axis=0)
+    f = np.exp(ms - M).astype(f32)
+    o = np.zeros((G, D), f32)
+    for w in range(warps):  # warp order, as the kernel adds them in shared memory
+        o += os_[w] * f[w][:, None]
+    return o, M, (ls * f).sum(axis=0)
+
+
+@pytest.mark.parametrize("U", [2, 4])
+@pytest.mark.parametrize("lo,hi", [(0, 1), (0, 7), (5, 37), (64, 160), (3, 3 + 4 * 4 * 3 + 1), (10, 10)])
+def test_flash_decode_block_equals_softmax(U, lo, hi):
+    rng = np.random.default_rng(lo * 7 + hi + U)
+    G, D, L = 4, 64, 200
+    q = rng.standard_normal((G, D)).astype(np.float32)
+    k = (3 * rng.standard_normal((L, D))).astype(np.float32)  # large scores: the rescales matter
+    v = rng.standard_normal((L, D)).astype(np.float32)
+    o, m, l = emulate_flash_decode_block(q, k, v, lo, hi, 0.125, U)
+    if lo >= hi:  # a slice cut away by the window: neutral partials for the merge
+        assert np.all(m == NEG_BIG) and np.all(l == 0) and np.all(o == 0)
+        return
+    s = (q.astype(np.float64) @ k[lo:hi].T.astype(np.float64)) * 0.125
+    np.testing.assert_allclose(m, s.max(axis=1), rtol=1e-5)
+    e = np.exp(s - s.max(axis=1, keepdims=True))
+    np.testing.assert_allclose(l, e.sum(axis=1), rtol=1e-5)
+    np.testing.assert_allclose(o / l[:, None], (e @ v[lo:hi]) / e.sum(axis=1, keepdims=True), rtol=2e-5, atol=2e-6)
