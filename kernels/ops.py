@@ -198,8 +198,9 @@ GEMV_KQ_VARIANT = os.environ.get("MINECART_GEMV_KQ", "auto")
 
 def _gemv_kq(type_name: str, R: int, K: int) -> tuple[int, int] | None:
     """(warps per row, blocks per lane in flight) of gemv_kq for a single-token K-quant GEMV, None for
-    the generic kernels. "auto": a warp per row up to 4096 values (4 blocks per lane cover the row in
-    one round); longer rows 2 warps (4 with 32K+ values), 8 blocks per lane for the 4/5-bit formats."""
+    the generic kernels. "auto": a warp per row with 4 blocks per lane in flight, up to 32K values per
+    row (the fastest or within 2% of it at every 9B decode shape on the H200, bench_gemv 2026-12-01:
+    4096x12288 Q4_K 12.0 us vs 13.3 for 2x8); 4 warps per row above that."""
     v = GEMV_KQ_VARIANT
     if v == "split" or type_name not in kquant_layout.KQUANT_TYPES:
         return None
@@ -213,9 +214,7 @@ def _gemv_kq(type_name: str, R: int, K: int) -> tuple[int, int] | None:
             raise ValueError(f"MINECART_GEMV_KQ={v!r}: gemv_kq is compiled for "
                              f"{', '.join(f'{a}x{b}' for a, b in GEMV_KQ)}")
         return wpr, nu
-    if K <= 4096:
-        return 1, 4
-    return (4 if K >= 32768 else 2), (4 if type_name == "Q6_K" else 8)
+    return (4 if K >= 32768 else 1), 4
 
 
 def _gemv_split(R: int, K: int) -> tuple[int, int] | None:
@@ -438,8 +437,9 @@ def sm_count() -> int:
 
 
 # context slices of a single-token flash_decode: about this many blocks per multiprocessor over the
-# KV heads (kernels/probe.py op_breakdown times 2-8 at 16K; env MINECART_FD_BLOCKS overrides)
-DECODE_BLOCKS_PER_SM = int(os.environ.get("MINECART_FD_BLOCKS", "6"))
+# KV heads, one wave at 141 registers a thread (kernels/probe.py op_breakdown times 2-8 at 16K; on the
+# H200, f16 cache: 2: 43.2 us, 3: 41.8, 4: 50.7, 6: 49.5, 8: 63.2; env MINECART_FD_BLOCKS overrides)
+DECODE_BLOCKS_PER_SM = int(os.environ.get("MINECART_FD_BLOCKS", "3"))
 
 
 def decode_kernel(D: int, nh: int, n_kv: int) -> str:
