@@ -172,6 +172,11 @@ class _CacheFull(RuntimeError):
     """A cache must grow during this step: run it eagerly (a graph cannot reallocate)."""
 
 
+def _cache_full(exc: BaseException) -> bool:
+    """Whether a failed capture failed because a cache must grow (that step only runs eagerly)."""
+    return isinstance(exc, _CacheFull) or isinstance(exc.__context__, _CacheFull)
+
+
 _SLOTS = 1024  # int32 inputs of a captured decode step: [token, pos t, pos h, pos w, cache lengths...]
 
 
@@ -1099,14 +1104,13 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 return self._capture_graph(key, run, ids, pos, owner, watch, io)
             return rec.replay(int(ids[0]), pos, after, wait or host_out is None)
 
-    def _capture_graph(self, key, run, ids, pos, owner, watch, io):
-        if self._graph_stream is None:
-            # a blocking stream: ordered with the eager work that CuPy issues on the legacy stream
-            self._graph_stream = cp.cuda.Stream(non_blocking=False)
-        stream = self._graph_stream
-        host_in, host_out = io
-        cap = _Capture(stream)
-        cap.write_inputs(int(ids[0]), pos)
+    def _record(self, cap, body) -> tuple[Any, list]:
+        """Capture body() into a CUDA graph on this backend's graph stream, with `cap` (a _Capture or
+        _BatchCapture) as the step's book-keeping: its inputs copied by the graph's first node, every
+        allocation kept for the replays. -> (graph, the kept allocations). When the capture fails the
+        caches' host lengths are put back and the error is raised again (the caller decides whether
+        that step, or that kind of step, stays eager)."""
+        stream = self._graph_stream_for_capture()
         pool = cp.get_default_memory_pool()
         kept: list = []
 
@@ -1116,7 +1120,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return mem
 
         self._capture = cap
-        graph = None
         try:
             with stream:
                 cp.cuda.set_allocator(keep_alloc)
@@ -1126,30 +1129,51 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                     begin_capture(stream)
                     try:
                         cap.copy_inputs()
-                        y = run(ids if host_in is None else cap.receive(host_in))
-                        if host_out is not None:
-                            cap.send(y, host_out)
+                        body()
                     finally:
                         graph = stream.end_capture()
                 finally:
                     cp.cuda.set_allocator(pool.malloc)
-        except Exception as exc:
+        except Exception:
             for cache, length in cap.caches:
                 cache.length = length  # undo the host bookkeeping of the aborted capture
-            if not isinstance(exc, _CacheFull) and not isinstance(exc.__context__, _CacheFull):
-                self.use_graphs = False  # this model/backend pair cannot be captured: stay eager
-            return None
+            raise
         finally:
             self._capture = None
+        return graph, kept
+
+    def _capture_graph(self, key, run, ids, pos, owner, watch, io):
+        host_in, host_out = io
+        cap = _Capture(self._graph_stream_for_capture())
+        cap.write_inputs(int(ids[0]), pos)
+
+        def body() -> None:
+            y = run(ids if host_in is None else cap.receive(host_in))
+            if host_out is not None:
+                cap.send(y, host_out)
+
+        try:
+            graph, kept = self._record(cap, body)
+        except Exception as exc:
+            if not _cache_full(exc):
+                self.use_graphs = False  # this model/backend pair cannot be captured: stay eager
+            return None
         if host_out is None and not cap.outputs:
             return None
         rec = _DecodeGraph(graph, cap, kept, owner, watch, io)
         # the live graphs of one sequence (one per stage this backend runs); others are dropped
         self._graphs = {k: g for k, g in self._graphs.items() if g.states is owner}
         self._graphs[key] = rec
-        graph.launch(stream)
-        stream.synchronize()
+        graph.launch(cap.stream)
+        cap.stream.synchronize()
         return rec.result()
+
+    def _graph_stream_for_capture(self):
+        """The stream decode graphs are captured on and replayed from (made on first use)."""
+        if self._graph_stream is None:
+            # a blocking stream: ordered with the eager work that CuPy issues on the legacy stream
+            self._graph_stream = cp.cuda.Stream(non_blocking=False)
+        return self._graph_stream
 
     # ---- [batched decode graphs] -------------------------------------------------------------------
     def _graph_batch_step(self, key, run, ids, positions, owners: tuple, watch):
@@ -1173,44 +1197,15 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return rec.replay_batch(ids, positions)
 
     def _capture_batch(self, key, run, ids, positions, owners: tuple, watch):
-        if self._graph_stream is None:
-            self._graph_stream = cp.cuda.Stream(non_blocking=False)
-        stream: Any = self._graph_stream  # a cupy Stream (None only before the first capture)
-        cap = _BatchCapture(stream, len(ids))
+        cap = _BatchCapture(self._graph_stream_for_capture(), len(ids))
         cap.write_batch(ids, positions)
         cap.bind(positions)
-        pool = cp.get_default_memory_pool()
-        kept: list = []
-
-        def keep_alloc(size):
-            mem = pool.malloc(size)
-            kept.append(mem)  # the graph reuses these addresses on every replay
-            return mem
-
-        self._capture = cap
-        graph = None
         try:
-            with stream:
-                cp.cuda.set_allocator(keep_alloc)
-                try:
-                    from minecart.kernels.probe import begin_capture
-
-                    begin_capture(stream)
-                    try:
-                        cap.copy_inputs()
-                        run(ids)
-                    finally:
-                        graph = stream.end_capture()
-                finally:
-                    cp.cuda.set_allocator(pool.malloc)
+            graph, kept = self._record(cap, lambda: run(ids))
         except Exception as exc:
-            for cache, length in cap.caches:
-                cache.length = length  # undo the host bookkeeping of the aborted capture
-            if not isinstance(exc, _CacheFull) and not isinstance(exc.__context__, _CacheFull):
+            if not _cache_full(exc):
                 self._batch_eager.add(len(ids))  # e.g. a host sync inside: this size runs eagerly
             return None
-        finally:
-            self._capture = None
         if not cap.outputs:
             self._batch_eager.add(len(ids))
             return None
@@ -1218,8 +1213,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:
             self._batch_graphs.pop(next(iter(self._batch_graphs)))
         self._batch_graphs[key] = rec
-        graph.launch(stream)
-        stream.synchronize()
+        graph.launch(cap.stream)
+        cap.stream.synchronize()
         return np.array(cap.outputs[-1])
 
     # ---- measurements (bench, probe) --------------------------------------------------------------
