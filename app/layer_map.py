@@ -754,14 +754,17 @@ class DeviceLane(QFrame):
         if b:
             parts = [f"weights {format_bytes(b.weights)}"]
             plan = self.model.plan
-            if plan.experts_device == dev.id and plan.expert_parts():
-                # the lane may hold no block at all: say what its weights are
-                parts[0] += f" (incl. the routed experts of {len(plan.expert_parts())} layers)"
+            held = sum(1 for d in plan.experts_apart().values() if d == dev.id)
+            if held:  # the lane may hold no block at all: say what its weights are
+                parts[0] += f" (incl. the routed experts of {held} layers)"
             if b.kv_cache:
                 parts.append(f"KV {format_bytes(b.kv_cache)} ({self.model.plan.kv_type})")
             if b.recurrent:
                 parts.append(f"state {format_bytes(b.recurrent)}")
-            parts.append(f"scratch {format_bytes(b.activations)}")
+            scratch = f"scratch {format_bytes(b.activations)}"
+            if b.expert_staging:  # host-RAM experts stream through two buffers on this card
+                scratch += f" (incl. expert staging {format_bytes(b.expert_staging)})"
+            parts.append(scratch)
             if b.overhead:
                 parts.append(f"CUDA ctx {format_bytes(b.overhead)}")
             self.numbers.setText(f"<span style='color:#e4e7ee'><b>{format_bytes(need)}</b></span> of "

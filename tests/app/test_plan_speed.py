@@ -276,6 +276,11 @@ def test_one_layers_experts_to_host_ram_and_back(qtbot, moe_path):
     assert model.part_of(block) == first
     assert "in host RAM (cpu:0)" in block.data(Qt.ItemDataRole.ToolTipRole)
     assert not panel.experts_host.isChecked()  # not every layer's experts: the all-layers box stays off
+    # the CPU lane says whose experts it holds; the card's lane its two staging buffers
+    assert "routed experts of 1 layers" in panel.lanes[2].numbers.text()
+    staging = model.plan.expert_staging_bytes("cuda:0")
+    assert staging == 2 * costs.parts[first].expert_bytes and per["cuda:0"].expert_staging == staging
+    assert "expert staging" in panel.lanes[0].numbers.toolTip()
     assert not model.set_experts_apart([first], True)  # nothing to change: no undo step
     model.auto_split()
     assert model.plan.experts == {costs.parts[first].name: "cpu:0"}
