@@ -106,6 +106,13 @@ def make_bridge(qapp):
     yield factory
     for b in made:
         b.shutdown()
+    # the watchers' last queued signals and their deleteLater run now, while the bridges that receive
+    # them still exist, not in the next test's event processing (one CI run crashed there, in
+    # pytest-qt's processEvents before test_gc_pauses, right after this fixture's test)
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    QCoreApplication.sendPostedEvents(None, 0)
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete.value)
 
 
 @pytest.fixture
