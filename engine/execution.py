@@ -140,7 +140,7 @@ def plan_devices(config: ModelConfig, placement: Placement | Mapping[str, str] |
     return plan
 
 
-def _device_specs(devices) -> list[DeviceSpec]:
+def device_specs(devices) -> list[DeviceSpec]:
     """DeviceSpecs for plan_auto from what the caller passed: DeviceSpecs as they are, a Rig's specs,
     device names with what the device listing reports (rig.device_spec: free memory and, for a card
     resources/gpu_profiles.json knows, its speed and link, so the plan puts layers on the faster card
@@ -194,7 +194,7 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
         return model_costs(config, gguf_file, layout="numpy" if cpu_only else "stored")
 
     if placement is None and names is not None and len(names) > 1:
-        placement = plan_auto(costs(names), devices=_device_specs(devices))
+        placement = plan_auto(costs(names), devices=device_specs(devices))
     if isinstance(placement, Placement):
         plan = {p: normalize_device(placement.device_of(p)) for p in parts}
     else:

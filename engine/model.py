@@ -26,7 +26,7 @@ from .config import ModelConfig, validate_tensors
 from .errors import GenerationCancelled, GGUFError, TokenizerError, UnsupportedArchitectureError
 from .execution import (
     Executor,
-    _device_specs,  # the devices' free memory, for --experts-on auto
+    device_specs,  # the devices' free memory, for --experts-on auto
     make_backend,
     normalize_device,
     part_names,
@@ -462,7 +462,7 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         if experts == "auto":
             if not isinstance(placement, Placement):  # backend= without a plan: the one-device plan
                 placement = Placement.single(model_costs(config, gf), str(backend.device))
-            apart = fill_experts(placement, _device_specs(devices if devices is not None else list(by_device)))
+            apart = fill_experts(placement, device_specs(devices if devices is not None else list(by_device)))
         else:
             apart = experts_map(experts, moe_layers)
         if isinstance(placement, Placement):

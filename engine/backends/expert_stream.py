@@ -89,11 +89,6 @@ class _Slot:
         self.stamp = 0  # when it was last filled or taken (the other one is refilled first)
 
 
-def _gpu_type(type_name: str, cols: int) -> str:
-    """The type CupyBackend.load_weight keeps a matrix in (kernels/ops.py kept_type)."""
-    return ops.kept_type(type_name, cols)
-
-
 class ExpertStream:
     """Stages host-held layers' experts on `gpu` (a CupyBackend). `alloc(nbytes)` makes a device
     uint8 buffer (through the device's backend, so a rig's memory cap counts the staging buffers);
@@ -129,7 +124,7 @@ class ExpertStream:
             if len(shape) != 3:
                 raise ValueError(f"'{name}' is not an expert tensor (E, R, K): shape {shape}")
             E, R, K = shape
-            type_name = _gpu_type(info.type_name, K)
+            type_name = ops.kept_type(info.type_name, K)  # as CupyBackend.load_weight keeps it
             raw = np.asarray(info.raw) if type_name == info.type_name else \
                 np.ascontiguousarray(quants.dequantize(info), dtype=np.float32)
             wq, wd = self._device_layout(raw, type_name, E, R, K)

@@ -478,7 +478,7 @@ def test_automatic_plans_know_the_cards_speeds(monkeypatch, path):
     the faster card even when it is listed second (it used to fill cards in order)."""
     from minecart.engine import devices as devices_mod
     from minecart.engine.devices import DeviceInfo
-    from minecart.engine.execution import _device_specs
+    from minecart.engine.execution import device_specs
     from minecart.engine.placement import costs_for_shape, plan_auto
 
     listed = [DeviceInfo(id="cuda:0", kind="cuda", name="NVIDIA P104-100", total_bytes=8 << 30,
@@ -486,7 +486,7 @@ def test_automatic_plans_know_the_cards_speeds(monkeypatch, path):
               DeviceInfo(id="cuda:1", kind="cuda", name="NVIDIA CMP 100-210", total_bytes=16 << 30,
                          used_bytes=0, free_bytes=16 << 30)]
     monkeypatch.setattr(devices_mod, "list_devices", lambda **_: listed)
-    specs = _device_specs(["cuda:0", "cuda:1"])
+    specs = device_specs(["cuda:0", "cuda:1"])
     assert [s.speed is not None for s in specs] == [True, True]
     assert specs[1].speed.bandwidth > specs[0].speed.bandwidth
     plan = plan_auto(costs_for_shape("qwen3.5-9b", "Q4_K"), devices=specs)
