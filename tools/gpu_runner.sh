@@ -129,6 +129,23 @@ for which, ds in rows.items():
 PY
 fi
 
+if [ "$MODE" = profile ]; then
+  # where a decode step goes: Nsight Compute kernel times of one eager single-token step and of one
+  # eager batched step per PROFILE_BATCHES entry (tools/profile_decode.py), then the graphed step's wall
+  # vs GPU time. PROFILE_ARGS (default: --shape qwen3.5-9b --quant q4_k). Logs: profile_*.txt.
+  PA=${PROFILE_ARGS:---shape qwen3.5-9b --quant q4_k}
+  for b in 1 ${PROFILE_BATCHES:-8}; do
+    # shellcheck disable=SC2086
+    timeout 240 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+      python3 tools/profile_decode.py $PA --ncu --batch "$b" >"$OUT/ncu_b$b.csv" 2>"$OUT/profile_b$b.err"
+    echo "ncu batch $b exit $?" | tee "$OUT/profile_b$b.txt"
+    python3 tools/profile_decode.py --summarize "$OUT/ncu_b$b.csv" 2>&1 | head -40 | tee -a "$OUT/profile_b$b.txt"
+    rm -f "$OUT/ncu_b$b.csv"
+  done
+  # shellcheck disable=SC2086
+  timeout 120 python3 tools/profile_decode.py $PA 2>&1 | tail -12 | tee "$OUT/profile_graph.txt"
+fi
+
 if [ "$MODE" = ptx ]; then
   rm -rf .gpu/ptx61 .gpu/ptx70
   if ! tar -xJf .gpu/ptx.tar.xz -C .gpu 2>"$OUT/ptx.log"; then

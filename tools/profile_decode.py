@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--path", default=None)
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="with --ncu: profile one eager batched step of this many sequences instead")
     ap.add_argument("--json", default=None)
     ap.add_argument("--summarize", default=None, help="an ncu --csv file: print time per kernel name")
     args = ap.parse_args()
@@ -47,6 +49,9 @@ def main() -> None:
     logits = s.prefill(list(range(100, 164)))
     for _ in range(3):
         logits = s.step(int(np.argmax(logits)))
+    if args.ncu and args.batch > 1:
+        _profile_batch(model, args.batch)
+        return
     if args.ncu:
         be.use_graphs = False
         s.step(int(np.argmax(logits)))  # eager once more (compiles anything new)
@@ -86,6 +91,29 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def _profile_batch(model, batch: int) -> None:
+    """One eager batched decode step of `batch` sequences (Executor.forward_batch, the scheduler's call)
+    between cudaProfilerStart/Stop."""
+    import cupy as cp
+
+    sessions = [model.new_session(1024) for _ in range(batch)]
+    pos = []
+    for b, s in enumerate(sessions):
+        s.prefill(list(range(100 + b, 164 + b)))
+        pos.append(64)
+    ex = model.executor
+    ex.use_graphs = False
+    states = [s.states for s in sessions]
+    for _ in range(2):  # compiles anything new
+        ex.forward_batch([[7]] * batch, states, [np.array([p]) for p in pos])
+        pos = [p + 1 for p in pos]
+    cp.cuda.runtime.deviceSynchronize()
+    cp.cuda.profiler.start()
+    ex.forward_batch([[7]] * batch, states, [np.array([p]) for p in pos])
+    cp.cuda.runtime.deviceSynchronize()
+    cp.cuda.profiler.stop()
 
 
 def summarize(csv_path: str) -> None:
