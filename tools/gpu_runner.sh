@@ -146,6 +146,41 @@ if [ "$MODE" = profile ]; then
   timeout 120 python3 tools/profile_decode.py $PA 2>&1 | tail -12 | tee "$OUT/profile_graph.txt"
 fi
 
+if [ "$MODE" = moe-host ]; then
+  # issue #15's host-expert benchmark against the peer, in one call: llama.cpp builds in the background
+  # (.gpu/build-llama.sh from ../shared/tools/llama-peer) while the 35B-A3B Q4_K shape is synthesized and
+  # minecart runs it (a) all on the GPU and (b) on the GPU capped at MOE_CAP (default 8GiB) with
+  # `--experts-on auto` (the experts that do not fit in host RAM: streamed for prefill, CPU integer
+  # kernels for decode, MOE_THREADS threads); then llama-bench on the same file (c) all on the GPU and
+  # (d) with --n-cpu-moe N, N = the number of layers minecart's plan put in host RAM, same threads.
+  # Logs: moe_ours_gpu.json, moe_ours_host.json, moe_peer.log (+ .err files).
+  T=${MOE_THREADS:-16}
+  (bash .gpu/build-llama.sh >"$OUT/peer_build.log" 2>&1) &
+  BUILD=$!
+  F=/tmp/bench/qwen3.6-35b-a3b-q4_k.gguf
+  mkdir -p /tmp/bench
+  [ -f "$F" ] || timeout 300 python3 -m minecart.engine.cli synth --shape qwen3.6-35b-a3b --quant q4_k "$F" \
+    >"$OUT/moe_synth.log" 2>&1
+  MB="--prefill 4096 --decode-ctx 0 --decode-tokens 32 --threads $T --json"
+  # shellcheck disable=SC2086
+  timeout 200 python3 -m minecart.engine.cli bench "$F" $MB >"$OUT/moe_ours_gpu.json" 2>"$OUT/moe_ours_gpu.err"
+  echo "ours all-GPU exit $?"; tail -4 "$OUT/moe_ours_gpu.err"
+  # shellcheck disable=SC2086
+  timeout 300 python3 -m minecart.engine.cli bench "$F" $MB --experts-on auto --experts-cap "${MOE_CAP:-8GiB}" \
+    >"$OUT/moe_ours_host.json" 2>"$OUT/moe_ours_host.err"
+  echo "ours host-experts exit $?"; tail -8 "$OUT/moe_ours_host.err"
+  N=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['host_experts']['layers'])" \
+      "$OUT/moe_ours_host.json" 2>/dev/null || echo 30)
+  wait $BUILD; cat "$OUT/peer_build.log"
+  LB=/tmp/peer/build/bin/llama-bench
+  {
+    echo "== peer all on GPU"; timeout 150 $LB -m "$F" -ngl 99 -fa 1 -r 2 -p 4096 -n 32 -t "$T"
+    echo "== peer --n-cpu-moe $N (the layers minecart put in host RAM)"
+    timeout 240 $LB -m "$F" -ngl 99 -fa 1 -r 2 -p 4096 -n 32 -t "$T" --n-cpu-moe "$N"
+  } >"$OUT/moe_peer.log" 2>&1
+  echo "peer exit $?"; grep -E "^\||==" "$OUT/moe_peer.log" | tail -12
+fi
+
 if [ "$MODE" = ptx ]; then
   rm -rf .gpu/ptx61 .gpu/ptx70
   if ! tar -xJf .gpu/ptx.tar.xz -C .gpu 2>"$OUT/ptx.log"; then

@@ -91,6 +91,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--experts-link", default=None, metavar="LINK",
                    help="with --experts-on: simulate the GPU's PCIe link (engine/rig.py), e.g. gen1x1 or "
                         "gen3x4 (default: the real link)")
+    p.add_argument("--experts-cap", default=None, metavar="SIZE",
+                   help="with --experts-on: cap the GPU's memory at SIZE (e.g. 8GiB; engine/rig.py), as "
+                        "on a card that size: with --experts-on auto the planner keeps the experts that "
+                        "fit on it and puts the rest in host RAM")
     add_threads_arg(p)
     p.set_defaults(func=run)
 
@@ -573,7 +577,9 @@ def _measure(path: Path, args: argparse.Namespace, load_model: Callable[..., Mod
     if args.experts_on is not None:  # host-RAM experts, the GPU behind a simulated link if one is given
         from ..rig import Rig
 
-        devices: Any = Rig.parse(f"{args.device}@{args.experts_link}") if args.experts_link else [args.device]
+        desc = args.device + (f"={args.experts_cap}" if args.experts_cap else "") + \
+            (f"@{args.experts_link}" if args.experts_link else "")
+        devices: Any = Rig.parse(desc) if desc != args.device else [args.device]
         model = load_model(path, devices=devices, kv_type=args.kv_type, experts=args.experts_on)
     else:
         model = load_model(path, devices=[args.device], kv_type=args.kv_type)
