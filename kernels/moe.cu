@@ -425,3 +425,289 @@ __global__ void __launch_bounds__(128) moe_down_sum(
     acc = warp_sum(acc);
     if (lane == 0) out[(i64)t * H + c] = acc;
 }
+
+// ---- decode block: a whole MoE block of a few tokens (T <= 8) in three launches ------------------------
+//   moe_dec_router   logits of the E router rows and of the shared expert's gate row (fp32 weights,
+//                    fp32 activations), and the shared expert's SwiGLU h_s (q8_1 blocks, optional fp32)
+//   moe_dec_gate_up  per (32 columns of h, pair p = t k + s): the top-k of token t's logits (warp 0, in
+//                    every block: no routing launch), then gate/up of expert ids[p], SwiGLU, q8_1 h
+//   moe_dec_down     per (output column, token): the k routed down rows weighted by the routing, the
+//                    shared expert's down row (same format as the routed one) or its output computed
+//                    apart, times sigmoid(its gate logit), plus the residual
+// Logits rows have E + 1 entries: the E router logits, then the shared expert's gate logit.
+
+#define MOE_DEC_MAXK 32  // top-k the decode block selects at most
+
+// silu(gate row j) * (up row j) for the two columns j0, j0 + 1 (rows g0, g0 + gstride; u0, u0 + ustride)
+// against activation row xrow: four rows, two quant blocks of each per lane in flight. All lanes return
+// the two values.
+template <int QG, int QU>
+__device__ __forceinline__ float2 moe_dec_pair(const u8* g0, const u16* gd0, const u8* u0, const u16* ud0,
+                                               i64 gstride, i64 ustride, int nb, const i8* __restrict__ xq,
+                                               const float* __restrict__ xd, const float* __restrict__ xs,
+                                               i64 xrow, int lane) {
+    const u8* g1 = g0 + gstride;
+    const u8* u1 = u0 + ustride;
+    float ag0 = 0.0f, ag1 = 0.0f, au0 = 0.0f, au1 = 0.0f;
+    for (int b0 = lane; b0 < nb; b0 += 64) {
+        int b1 = b0 + 32;
+        bool two = b1 < nb;
+        WBlock wg0[2], wg1[2], wu0[2], wu1[2];
+        load_wblock<QG>(g0, gd0, b0, wg0[0]);
+        load_wblock<QG>(g1, gd0 + nb, b0, wg1[0]);
+        load_wblock<QU>(u0, ud0, b0, wu0[0]);
+        load_wblock<QU>(u1, ud0 + nb, b0, wu1[0]);
+        if (two) {
+            load_wblock<QG>(g0, gd0, b1, wg0[1]);
+            load_wblock<QG>(g1, gd0 + nb, b1, wg1[1]);
+            load_wblock<QU>(u0, ud0, b1, wu0[1]);
+            load_wblock<QU>(u1, ud0 + nb, b1, wu1[1]);
+        }
+        i64 xb = xrow * nb + b0;
+        wblock_dot_acc(ag0, wg0[0], xq, xd, xs, xb);
+        wblock_dot_acc(ag1, wg1[0], xq, xd, xs, xb);
+        wblock_dot_acc(au0, wu0[0], xq, xd, xs, xb);
+        wblock_dot_acc(au1, wu1[0], xq, xd, xs, xb);
+        if (two) {
+            wblock_dot_acc(ag0, wg0[1], xq, xd, xs, xb + 32);
+            wblock_dot_acc(ag1, wg1[1], xq, xd, xs, xb + 32);
+            wblock_dot_acc(au0, wu0[1], xq, xd, xs, xb + 32);
+            wblock_dot_acc(au1, wu1[1], xq, xd, xs, xb + 32);
+        }
+    }
+    ag0 = warp_sum(ag0);
+    ag1 = warp_sum(ag1);
+    au0 = warp_sum(au0);
+    au1 = warp_sum(au1);
+    return make_float2(silu_f(ag0) * au0, silu_f(ag1) * au1);
+}
+
+// Grid (nrb + (sgate ? Fs / 32 : 0), T), 512 threads (16 warps).
+// Blocks bx < nrb: warp w takes logit row r = 16 bx + w < E + (sgate != 0): router row r (r < E) or the
+// shared gate row sgate (r = E), dotted with x[t] (fp32, H values, H % 4 == 0) -> logits[t (E + 1) + r].
+// Blocks bx >= nrb (shared expert, cb = bx - nrb): warp w computes h_s[t, 32 cb + 2 w + {0, 1}] =
+// silu(gate . x) * (up . x) from the shared gate / up matrices (Fs rows each, format QS, against the
+// q8_1 row t of x), and warp 0 writes the q8_1 block (t, cb) of h_s (and the fp32 values when hsf).
+template <int QS>
+__global__ void __launch_bounds__(512) moe_dec_router(
+        const float* __restrict__ x, int H, const float* __restrict__ router, int E,
+        const float* __restrict__ sgate, float* __restrict__ logits, int nrb,
+        const u8* __restrict__ sgq, const u16* __restrict__ sgd, const u8* __restrict__ suq,
+        const u16* __restrict__ sud, int Fs, const i8* __restrict__ xq, const float* __restrict__ xd,
+        const float* __restrict__ xs, i8* __restrict__ hsq, float* __restrict__ hsd, float* __restrict__ hss,
+        float* __restrict__ hsf) {
+    __shared__ float sh[32];
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int t = blockIdx.y;
+    if ((int)blockIdx.x < nrb) {  // the whole block takes this branch
+        int r = blockIdx.x * 16 + w;
+        int nr = E + (sgate != 0 ? 1 : 0);
+        if (r >= nr) return;
+        const float4* wr = (const float4*)(r < E ? router + (i64)r * H : sgate);
+        const float4* xr = (const float4*)(x + (i64)t * H);
+        int n4 = H >> 2;
+        float acc = 0.0f;
+        for (int i0 = lane; i0 < n4; i0 += 32 * 4) {
+            float4 wv[4], xv[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                int i = i0 + 32 * u;
+                if (i < n4) { wv[u] = wr[i]; xv[u] = xr[i]; }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                if (i0 + 32 * u >= n4) break;
+                acc = fmaf(wv[u].x, xv[u].x, acc);
+                acc = fmaf(wv[u].y, xv[u].y, acc);
+                acc = fmaf(wv[u].z, xv[u].z, acc);
+                acc = fmaf(wv[u].w, xv[u].w, acc);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) logits[(i64)t * (E + 1) + r] = acc;
+        return;
+    }
+    int cb = blockIdx.x - nrb;
+    int nb = H >> 5;
+    int j0 = cb * 32 + 2 * w;
+    i64 gstride = row_bytes<QS>(H);
+    float2 v = moe_dec_pair<QS, QS>(sgq + (i64)j0 * gstride, sgd + (i64)j0 * nb, suq + (i64)j0 * gstride,
+                                    sud + (i64)j0 * nb, gstride, gstride, nb, xq, xd, xs, t, lane);
+    if (lane == 0) { sh[2 * w] = v.x; sh[2 * w + 1] = v.y; }
+    __syncthreads();
+    if (w == 0) {
+        float hv = sh[lane];
+        i64 blk = (i64)t * (Fs >> 5) + cb;
+        if (hsf != 0) hsf[(i64)t * Fs + cb * 32 + lane] = hv;
+        q8_1_block(hv, hsq + blk * 32, hsd + blk, hss + blk, lane);
+    }
+}
+
+// The (value, index) pair that ranks first: larger value, ties to the lower index.
+__device__ __forceinline__ void moe_dec_argmax(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    }
+}
+
+// The best (value, index) among sp[lane], sp[lane + 32], ...: the largest, the first of equal values
+// (indices ascend), -inf included; NaN entries (taken experts) never; (-inf, 0x7fffffff) when none is left.
+__device__ __forceinline__ void moe_dec_lane_best(const float* sp, int E, int lane, float& v, int& i) {
+    v = -INFINITY;
+    i = 0x7fffffff;
+    for (int e = lane; e < E; e += 32) {
+        float c = sp[e];
+        if (c > v || (i == 0x7fffffff && c == v)) { v = c; i = e; }
+    }
+}
+
+// Grid (F / 32, T k), 512 threads (16 warps), dynamic shared memory 4 E bytes.
+// Routing (warp 0 of every block, so no launch of its own): token t = p / k of pair p = blockIdx.y,
+// softmax over logits[t (E + 1) + e] (e < E), the k largest logits (ties to the lower expert index,
+// as a stable sort), weights p_e / max(sum of the k selected p, 6.1e-5). Every block computes the same
+// routing from the same logits; block (0, t k) writes ids[t k + j] and wts[t k + j] for j < k (what
+// moe_dec_down reads). Then the block computes h[p, 32 cb + l] = silu(gate . x) * (up . x) with expert
+// e = the (p % k)-th selected, x the q8_1 row t (gate row j of e: row e RG + j of the gate stack; up row
+// j: row e RU + up0 + j of the up stack, as moe_gate_up_q8), warp w columns 2 w and 2 w + 1, and warp 0
+// writes its q8_1 block (p, cb).
+template <int QG, int QU>
+__global__ void __launch_bounds__(512) moe_dec_gate_up(
+        const float* __restrict__ logits, int E, int k, const u8* __restrict__ gq, const u16* __restrict__ gd,
+        const u8* __restrict__ uq, const u16* __restrict__ ud, int RG, int RU, int up0, int F, int K,
+        const i8* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs,
+        int* __restrict__ ids, float* __restrict__ wts, i8* __restrict__ hq, float* __restrict__ hd,
+        float* __restrict__ hs) {
+    extern __shared__ float sp_route[];
+    __shared__ int ssel[MOE_DEC_MAXK];
+    __shared__ float sh[32];
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int p = blockIdx.y;
+    int t = p / k, slot = p - t * k;
+    int cb = blockIdx.x;
+    if (w == 0) {
+        const float* l = logits + (i64)t * (E + 1);
+        float mx = -INFINITY;
+        for (int e = lane; e < E; e += 32) {
+            float v = l[e];
+            sp_route[e] = v;
+            mx = fmaxf(mx, v);
+        }
+        mx = warp_max(mx);
+        float s = 0.0f;
+        for (int e = lane; e < E; e += 32) s += __expf(sp_route[e] - mx);
+        s = warp_sum(s);
+        __syncwarp();
+        float lv;
+        int li;
+        moe_dec_lane_best(sp_route, E, lane, lv, li);
+        float sel_sum = 0.0f, my_p = 0.0f;
+        for (int r = 0; r < k; r++) {
+            float bv = lv;
+            int bi = li;
+            moe_dec_argmax(bv, bi);
+            bi = min(bi, E - 1);  // only NaN / empty rows get here; keep the expert id in range
+            float pr = __expf(bv - mx) / s;
+            sel_sum += pr;
+            if (lane == r) my_p = pr;
+            if (lane == 0) ssel[r] = bi;
+            if ((bi & 31) == lane) {  // the owner lane drops the winner (NaN: never ranks) and rescans
+                sp_route[bi] = __int_as_float(0x7fffffff);
+                moe_dec_lane_best(sp_route, E, lane, lv, li);
+            }
+            __syncwarp();
+        }
+        if (cb == 0 && slot == 0 && lane < k) {
+            ids[t * k + lane] = ssel[lane];
+            wts[t * k + lane] = my_p * (1.0f / fmaxf(sel_sum, 6.1e-5f));
+        }
+    }
+    __syncthreads();
+    i64 e = ssel[slot];
+    int nb = K >> 5;
+    int j0 = cb * 32 + 2 * w;
+    i64 gstride = row_bytes<QG>(K), ustride = row_bytes<QU>(K);
+    i64 gr0 = e * RG + j0, ur0 = e * RU + up0 + j0;
+    float2 v = moe_dec_pair<QG, QU>(gq + gr0 * gstride, gd + gr0 * nb, uq + ur0 * ustride, ud + ur0 * nb,
+                                    gstride, ustride, nb, xq, xd, xs, t, lane);
+    if (lane == 0) { sh[2 * w] = v.x; sh[2 * w + 1] = v.y; }
+    __syncthreads();
+    if (w == 0) {
+        float hv = sh[lane];
+        i64 blk = (i64)p * (F >> 5) + cb;
+        q8_1_block(hv, hq + blk * 32, hd + blk, hs + blk, lane);
+    }
+}
+
+// Grid (ceil(H / 4), T), 128 threads: warp w of block (bx, t) computes, for c = 4 bx + w,
+//   out[t, c] = res[t, c] + (sum_s wts[p] (down row c of expert ids[p]) . h[p]
+//                            + sigmoid(logits[t (E + 1) + E]) * shared[t, c])      (p = t k + s)
+// where shared[t, c] = (row c of sdown (H x Fs, format QD)) . h_s[t] when sdown is given, else ys[t, c]
+// when ys is given, and the shared term is left out when neither is; res may be null. The lanes walk
+// the k F / 32 routed (slot, block) items and then the Fs / 32 shared blocks in order, 4 in flight;
+// routed items are weighted into one fp32 sum, shared ones into another, each then summed over the warp.
+template <int QD>
+__global__ void __launch_bounds__(128) moe_dec_down(
+        const u8* __restrict__ wq, const u16* __restrict__ wd, int H, int F, const i8* __restrict__ hq,
+        const float* __restrict__ hd, const float* __restrict__ hs, const int* __restrict__ ids,
+        const float* __restrict__ wts, int k, const float* __restrict__ logits, int E,
+        const u8* __restrict__ sq, const u16* __restrict__ sd, int Fs, const i8* __restrict__ hsq,
+        const float* __restrict__ hsd, const float* __restrict__ hss, const float* __restrict__ ys,
+        const float* __restrict__ res, float* __restrict__ out) {
+    int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int c = blockIdx.x * 4 + w;
+    int t = blockIdx.y;
+    if (c >= H) return;
+    int nb = F >> 5;
+    int nbs = sq != 0 ? (Fs >> 5) : 0;
+    int nr = k * nb;
+    int n = nr + nbs;
+    i64 stride = row_bytes<QD>(F), sstride = row_bytes<QD>(Fs);
+    float acc = 0.0f, acc_s = 0.0f;
+    for (int i0 = lane; i0 < n; i0 += 128) {
+        WBlock wb[4];
+        int pp[4], bb[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int i = i0 + 32 * u;
+            pp[u] = -1;
+            bb[u] = 0;
+            if (i < nr) {
+                pp[u] = t * k + i / nb;
+                bb[u] = i % nb;
+                i64 r = (i64)ids[pp[u]] * H + c;
+                load_wblock<QD>(wq + r * stride, wd + r * nb, bb[u], wb[u]);
+            } else if (i < n) {
+                bb[u] = i - nr;
+                load_wblock<QD>(sq + (i64)c * sstride, sd + (i64)c * (Fs >> 5), bb[u], wb[u]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int i = i0 + 32 * u;
+            if (i >= n) break;
+            float part = 0.0f;
+            if (i < nr) {
+                wblock_dot_acc(part, wb[u], hq, hd, hs, (i64)pp[u] * nb + bb[u]);
+                acc = fmaf(wts[pp[u]], part, acc);
+            } else {
+                wblock_dot_acc(part, wb[u], hsq, hsd, hss, (i64)t * nbs + bb[u]);
+                acc_s += part;
+            }
+        }
+    }
+    acc = warp_sum(acc);
+    acc_s = warp_sum(acc_s);
+    if (lane == 0) {
+        i64 o = (i64)t * H + c;
+        float v = acc;
+        if (sq != 0 || ys != 0) {
+            float sv = sq != 0 ? acc_s : ys[o];
+            v = v + sv * sigmoid_f(logits[(i64)t * (E + 1) + E]);
+        }
+        if (res != 0) v = res[o] + v;
+        out[o] = v;
+    }
+}

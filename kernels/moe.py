@@ -8,8 +8,30 @@ tile reading its expert's weights once, with SwiGLU + q8_1 between them and ops.
 host synchronization and no allocation whose size depends on the routing (CUDA-graph safe); every
 result is deterministic. `bench_moe` times this against the per-pair GEMV path (ops.matmul_experts).
 
+`decode_block(x, router, gate, up, down, k, shared, residual)` is a whole Qwen3.5/3.6 MoE block of a
+few tokens (T <= DECODE_MAX_T): routing, routed experts, the sigmoid-gated shared expert and the
+residual add, in three launches (four when the shared expert's down matrix is in another format than
+the routed ones). Kernels of one decode MoE block, before and after (35B-A3B: H 2048, 256 experts,
+top-8, expert FFN 512, shared FFN 512; f and its q8_1 come from the fused add + RMSNorm before it):
+
+    before (qwen35._moe -> CupyBackend.moe + the composed shared expert): 12 launches
+      1 router GEMV (fp32)          2 moe_route (softmax top-k)      3 moe_gate_up_q8     4 moe_down_sum
+      5 shared gate+up GEMV (one fused group)   6 swiglu_q8   7 shared down GEMV
+      8 shared gate-logit GEMV (fp32)   9 sigmoid   10 mul (broadcast)   11 add (routed + shared)
+      12 add (residual, in feed_forward)   (+ the q8_1 of f: already made by the norm, no launch)
+    after (decode_block): 3 launches
+      moe_dec_router   router logits + the shared gate logit (E + 1 fp32 rows) and the shared expert's
+                       gate/up + SwiGLU, written as q8_1 blocks, side by side in one grid
+      moe_dec_gate_up  routing (softmax top-k of the logits, warp 0 of every block: the 256-value top-8
+                       costs less than a launch) and the k routed experts' gate/up + SwiGLU -> q8_1 h
+      moe_dec_down     the k routed down rows weighted by the routing, the shared down row times
+                       sigmoid(gate logit), plus the residual, per output column
+    (+1 shared down GEMV, ops.matmul, when its format differs from the routed down format: the fused
+    down kernel is compiled for one format to keep the build small.)
+`bench_decode_block` times both at the 35B-A3B shape, each replayed as a CUDA graph (as decode runs).
+
 Each function takes and returns cupy arrays on the current device and launches on the current stream.
-Not here: the router matmul and the top-k (ops), choosing DP4A or FMA for a card (the backend).
+Not here: choosing DP4A or FMA for a card (the backend), prefill routing (ops.moe_route + the sort).
 """
 
 from __future__ import annotations
@@ -228,6 +250,149 @@ def routed_experts(x: cp.ndarray, ids: cp.ndarray, wts: cp.ndarray, gate: QWeigh
     _, hq8 = swiglu_q8(g, u, F, module=_module(gate))
     y = grouped_matmul(hq8, down, srt, 1, gather=False, scatter=True, nblk=nblk)  # (P, H) pair order
     return ops.moe_combine(y, wts, T, k)
+
+
+# ---- decode block ----------------------------------------------------------------------------------
+
+DEC_MAX_K = 32  # moe.cu MOE_DEC_MAXK: experts per token the decode block selects at most
+_DEC_SMEM = 48 * 1024  # moe_dec_gate_up's dynamic shared memory (4 E bytes) stays under the default cap
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """The shared expert of a Qwen3.5/3.6 MoE block: sigmoid(x . gate_inp) * SwiGLU(x) on its own
+    gate (Fs, H), up (Fs, H) and down (H, Fs) matrices; gate_inp is one fp32 row (1, H)."""
+
+    gate_inp: QWeight
+    gate: QWeight
+    up: QWeight
+    down: QWeight
+
+
+def decode_block_problem(router: QWeight, gate: QWeight, up: QWeight | None, down: QWeight, k: int,
+                         shared: SharedExpert | None) -> str | None:
+    """Why `decode_block` cannot run this block (a sentence), or None when it can."""
+    if not supported(gate, up, down):
+        return "the routed experts are not in one DP4A format for gate and up"
+    E, H = gate.experts, gate.cols
+    if router.type_name != "F32" or router.experts != 1 or (router.rows, router.cols) != (E, H):
+        return f"the router is {router.type_name} ({router.rows}, {router.cols}), not F32 ({E}, {H})"
+    if not 1 <= k <= min(DEC_MAX_K, E):
+        return f"top-{k} of {E} experts (the decode block selects 1..{DEC_MAX_K})"
+    if 4 * E > _DEC_SMEM:
+        return f"{E} experts (the decode block routes at most {_DEC_SMEM // 4})"
+    try:
+        F = _ffn(gate, up, down)
+    except ValueError as e:
+        return str(e)
+    if F % 32 or H % 32:
+        return f"expert FFN {F} or hidden {H} is not a multiple of 32"
+    if shared is None:
+        return None
+    g, u, d, gi = shared.gate, shared.up, shared.down, shared.gate_inp
+    if gi.type_name != "F32" or (gi.rows, gi.cols, gi.experts) != (1, H, 1):
+        return f"the shared gate row is {gi.type_name} ({gi.rows}, {gi.cols}), not F32 (1, {H})"
+    if g.type_name != u.type_name or g.type_name not in DP4A_TYPES or d.type_name not in DP4A_TYPES:
+        return f"shared expert formats {g.type_name}/{u.type_name}/{d.type_name} (gate and up in one DP4A format)"
+    Fs = g.rows
+    if (g.cols, u.rows, u.cols, d.rows, d.cols) != (H, Fs, H, H, Fs) or g.experts != 1 or u.experts != 1 \
+            or d.experts != 1 or Fs % 32:
+        return (f"shared expert shapes gate ({g.rows}, {g.cols}), up ({u.rows}, {u.cols}), down ({d.rows}, "
+                f"{d.cols}) do not fit hidden {H}")
+    return None
+
+
+@dataclass(frozen=True)
+class DecodeBlock:
+    """What decode_block computed: out (T, H), and on the way the logits (T, E + 1: router logits, then
+    the shared gate logit), the routing ids / wts (T k,) and the q8_1 h of the routed pairs."""
+
+    out: cp.ndarray
+    logits: cp.ndarray
+    ids: cp.ndarray
+    wts: cp.ndarray
+    h: Q8
+
+
+def decode_block_parts(x: cp.ndarray, router: QWeight, gate: QWeight, up: QWeight | None, down: QWeight,
+                       k: int, shared: SharedExpert | None = None,
+                       residual: cp.ndarray | None = None) -> DecodeBlock:
+    """`decode_block` with its intermediate results (the tests check each)."""
+    why = decode_block_problem(router, gate, up, down, k, shared)
+    if why is not None:
+        raise ValueError(f"MoE decode block: {why}")
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    T, H = x.shape
+    if H != gate.cols:
+        raise ValueError(f"MoE input has {H} columns, the expert matrices {gate.cols}")
+    if T > DECODE_MAX_T:
+        raise ValueError(f"the MoE decode block takes at most {DECODE_MAX_T} tokens; got {T}")
+    if residual is not None:
+        residual = cp.ascontiguousarray(residual, dtype=cp.float32).reshape(T, H)
+    E = gate.experts
+    F = gate.rows // 2 if up is None else gate.rows
+    P = T * k
+    f32, i32 = cp.float32, cp.int32
+    out = cp.empty((T, H), dtype=f32)
+    logits = cp.empty((T, E + 1), dtype=f32)
+    ids = cp.empty(P, dtype=i32)
+    wts = cp.empty(P, dtype=f32)
+    hq8 = (cp.empty((P, F), dtype=cp.int8), cp.empty((P, F // 32), dtype=f32), cp.empty((P, F // 32), dtype=f32))
+    if T == 0:
+        return DecodeBlock(out, logits, ids, wts, hq8)
+    xq, xd, xs = ops.quantize_cached(x)
+    null = np.uint64(0)
+
+    def wd(w: QWeight) -> cp.ndarray:
+        return w.wd if w.wd is not None else ops._dummy()
+
+    # 1. router logits (+ the shared gate logit) and the shared expert's SwiGLU
+    nrb = math.ceil((E + (shared is not None)) / 16)
+    Fs = shared.gate.rows if shared is not None else 32
+    sq8 = (cp.empty((T, Fs), dtype=cp.int8), cp.empty((T, Fs // 32), dtype=f32),
+           cp.empty((T, Fs // 32), dtype=f32))
+    apart = shared is not None and shared.down.type_name != down.type_name
+    hsf = cp.empty((T, Fs), dtype=f32) if apart else None
+    sg = shared.gate if shared is not None else gate  # (a stand-in format without a shared expert)
+    su = shared.up if shared is not None else gate
+    get_kernel(_module(sg), f"moe_dec_router<{QT[sg.type_name]}>")(
+        (nrb + (Fs // 32 if shared is not None else 0), T), (512,),
+        (x, np.int32(H), router.wq, np.int32(E), shared.gate_inp.wq if shared is not None else null, logits,
+         np.int32(nrb), sg.wq, wd(sg), su.wq, wd(su), np.int32(Fs), xq, xd, xs, sq8[0], sq8[1], sq8[2],
+         hsf if hsf is not None else null))
+    # 2. routing + the routed experts' gate/up + SwiGLU
+    u = gate if up is None else up
+    get_kernel(_module(gate), f"moe_dec_gate_up<{QT[gate.type_name]}, {QT[u.type_name]}>")(
+        (F // 32, P), (512,),
+        (logits, np.int32(E), np.int32(k), gate.wq, wd(gate), u.wq, wd(u), np.int32(gate.rows),
+         np.int32(u.rows), np.int32(F if up is None else 0), np.int32(F), np.int32(H), xq, xd, xs, ids, wts,
+         hq8[0], hq8[1], hq8[2]), shared_mem=4 * E)
+    # 3. (the shared down GEMV, when its format differs) + the weighted down sums and the residual
+    ys = None
+    if shared is not None and apart:
+        assert hsf is not None
+        ops.register_quantized(hsf, sq8)
+        ys = ops.matmul(hsf, shared.down, "dp4a")
+    fused_down = shared is not None and not apart
+    sd = shared.down if shared is not None and fused_down else down
+    get_kernel(_module(down), f"moe_dec_down<{QT[down.type_name]}>")(
+        (math.ceil(H / 4), T), (128,),
+        (down.wq, wd(down), np.int32(H), np.int32(F), hq8[0], hq8[1], hq8[2], ids, wts, np.int32(k), logits,
+         np.int32(E), sd.wq if fused_down else null, wd(sd) if fused_down else null, np.int32(Fs),
+         sq8[0], sq8[1], sq8[2], ys if ys is not None else null,
+         residual if residual is not None else null, out))
+    return DecodeBlock(out, logits, ids, wts, hq8)
+
+
+def decode_block(x: cp.ndarray, router: QWeight, gate: QWeight, up: QWeight | None, down: QWeight, k: int,
+                 shared: SharedExpert | None = None, residual: cp.ndarray | None = None) -> cp.ndarray:
+    """A MoE block of T <= DECODE_MAX_T tokens x (T, H) fp32 -> (T, H):
+    residual + sum over the top-k experts of w_e * down_e(silu(gate_e x) * up_e x)
+             + sigmoid(x . shared.gate_inp) * shared.down(silu(shared.gate x) * shared.up x),
+    routed as the NumPy backend's moe_route (softmax of fp32 router logits, top-k with ties to the
+    lower expert index, renormalized). Expert stacks as routed_experts; router (E, H) F32. Three
+    launches (four with the shared down in another format); DP4A formats (`decode_block_problem`)."""
+    return decode_block_parts(x, router, gate, up, down, k, shared, residual).out
 
 
 # ---- benchmark ----------------------------------------------------------------------------------------
