@@ -1230,29 +1230,16 @@ def check(plan: Placement, devices: Sequence[DeviceSpec], **kwargs) -> None:
 # ------------------------------------------------------------------------------------------------
 # Predicted speed of a plan, and the speed-aware automatic split
 
-# How much of a card's spec memory bandwidth the decode step reaches, by the GGML type of the matrix
-# it reads. Measured with this engine on the lent H200 (docs/performance.md, 2026-12-01; spec bandwidth
-# 4.8 TB/s): 9B Q8_0 281.8 tokens/s x 8.44 GB read per token = 2.38 TB/s (0.50); 9B Q4_K 296.1 x 4.47 GB
-# = 1.32 TB/s (0.28: the K-quant GEMVs are at 66% of copy bandwidth and more of the step is fixed cost).
-# Q4_0 shares Q8_0's re-laid-out int8 path; float matrices (F16/BF16/F32) are assumed at Q8_0's figure.
-DECODE_EFFICIENCY = {"Q8_0": 0.50, "Q4_0": 0.50, "F16": 0.50, "BF16": 0.50, "F32": 0.50}
-DECODE_EFFICIENCY_OTHER = 0.28  # K-quants, IQ types
 # How much of a card's int8 dot-product rate a prefill of 4096 tokens reaches, end to end (attention and
 # the Gated DeltaNet scan included). Same source: 9B Q8_0 4,967 tokens/s x 13.84 G int8 ops per token =
 # 68.7 TOPS of the 133.7 measured (0.51); 9B Q4_K 4,025 tokens/s (0.42). Float matrices run on fp32 FMA
 # at the same fraction.
 PREFILL_EFFICIENCY = {"Q8_0": 0.51, "Q4_0": 0.51, "F16": 0.51, "BF16": 0.51, "F32": 0.51}
 PREFILL_EFFICIENCY_OTHER = 0.42
-# Attention's read of the KV cache during decode, as a fraction of spec bandwidth. Same source: 9B Q8_0
-# decode 270.8 tokens/s at 4K context and 213.3 at 16K (fp32 cache, 64 KiB per token): the extra 12K
-# tokens (805 MB) cost 0.995 ms, 809 GB/s = 0.17 of 4.8 TB/s (kernels.md: flash_decode 757 GB/s at 18K).
-KV_DECODE_EFFICIENCY = 0.17
-# Routed experts (the whole MoE FFN) run far below the dense matmuls today. Same source: 35B-A3B Q4_K
-# decodes 239.5 tokens/s (4.18 ms; the rest of the model predicts 0.89 ms, the experts' bytes 0.42 ms
-# at the K-quant figure: 0.128 of it) and prefills 1,432 tokens/s (698 us a token; experts 36 us of
-# ops at the K-quant figure: 0.055 of it).
-EXPERT_DECODE_EFFICIENCY = DECODE_EFFICIENCY_OTHER * 0.128
-EXPERT_PREFILL_EFFICIENCY = PREFILL_EFFICIENCY_OTHER * 0.055
+# Routed experts in prefill run below the dense matmuls: 35B-A3B Q4_K prefills 4,096 tokens at 7,438.6
+# tokens/s (v10, moe_gemm_dp4a: one grouped GEMM per projection over all experts), which the rest of
+# the model's prediction matches with the experts' operations at 0.46 of the K-quant figure.
+EXPERT_PREFILL_EFFICIENCY = PREFILL_EFFICIENCY_OTHER * 0.46
 FLOAT_TYPES = ("F16", "BF16", "F32")
 PREFILL_PROMPT = 4096  # the prompt length prefill is predicted for (the context, when shorter)
 # The speed of a device nobody described: a GTX 1070 class card (256 GB/s, 6.5 TFLOP/s fp32, DP4A at
@@ -1266,6 +1253,74 @@ UNKNOWN_GPU = DeviceSpeed("unknown GPU (priced as a GTX 1070)", 256e9, 26.0e12, 
 # channels are faster; nothing here measures them yet.
 CPU_SPEED = DeviceSpeed("CPU (NumPy backend)", 12e9, 0.0, 47e9, "measured: docs/demo-check.md, one core")
 SAME_SPEED = 0.03  # plans within 3% of the fastest count as equally fast (then the longest context wins)
+
+# ---- decode: one token -----------------------------------------------------------------------------
+# A decode step is a chain of kernels that run one after another (one CUDA graph per stage), so its time
+# is the sum of each kernel's time plus the host's time around the graphs. Per kernel: its bytes at the
+# card's bandwidth times an efficiency, plus a fixed latency (launch, ramp-up, tail, a single block's
+# serial work) that does not shrink with bandwidth. Calibrated on the lent H200 (spec 4.8 TB/s, copy
+# 3.89 TB/s measured), 9B shape, 2026-12-01:
+# - Nsight Compute profile of one 9B Q4_K step (.lead/profile_v11.txt, docs/BENCHMARKS.md): 275 kernels,
+#   2.80 ms under ncu; the same step replayed as a graph takes 2.39 ms of GPU time, so each ncu time
+#   below is scaled by 2.39 / 2.80 = 0.854 (ncu's per-kernel cache flushes and serialization);
+# - `minecart bench` v10 at an empty context: 9B Q8_0 279.2 tokens/s (3.582 ms), Q4_K 376.2 (2.658 ms);
+#   at 16K context (f16 cache): 271.3 and 339.9; 35B-A3B Q4_K 323.1 (3.095 ms);
+# - tools/plan_vs_measured.py v10 (9B Q4_K cut to 8 layers, ~1K context): 1.35x the old bytes-only
+#   prediction (1 device; 2 and 3 logical devices 1.35 / 1.33: the extra stages cost almost nothing).
+NCU_TO_GRAPH = 2.39 / 2.80
+# Host time per decoded token outside the GPU: Python around the graph launch, the logits' copy and the
+# sampler. The profile's replay loop: 2.65 ms wall for 2.39 ms GPU (0.26 ms); the 8-layer run implies
+# ~0.17 ms (its 0.866 ms a token less its kernels). 0.20 ms sits between the two: each within 4%.
+HOST_SECONDS_PER_TOKEN = 0.20e-3
+# Each further stage of a split decode: one more graph launch and event, issued while the previous
+# stage runs (engine/execution.py), so only what the crossing itself costs (its link's latency and
+# bytes, priced with the links) adds to the token: the 8-layer rows lost 0-1.5% with 2-3 stages.
+HOST_SECONDS_PER_STAGE = 0.0
+# GEMVs: t = latency + bytes / (bandwidth x efficiency), one term per launch (a weight group of fused
+# projections is one launch). Q8_0-style formats (gemv_dp4a; Q4_0 and the other 32-value block formats
+# share its layout): 4096x4096 Q8_0 (17.8 MB) 4.88 us and 12288x4096 (53.5 MB) 14.33 us in isolation give
+# a ~0.15 us latency; in the whole step the 129 GEMVs take 3.582 - 0.20 (host) - 0.81 (small kernels,
+# below) = 2.57 ms for 8.43 GB: 3.30 TB/s = 0.69 of spec. K-quants (gemv_kq over the repacked layout):
+# the profile's 129 gemv_kq take 1850 x 0.854 = 1.58 ms for 4.46 GB; their 4096-row shapes are
+# latency-bound (9.4 MB in ~5.2 us: 47% of copy) while the wide ones reach 81-109% of copy, which
+# a 3 us latency per launch and 0.78 of spec reproduce (129 x 3 us + 4.46 GB / 3.74 TB/s = 1.58 ms).
+GEMV_EFFICIENCY = {"Q8_0": 0.69, "Q4_0": 0.69, "Q4_1": 0.69, "Q5_0": 0.69, "Q5_1": 0.69, "IQ4_NL": 0.69,
+                   "F16": 0.69, "BF16": 0.69, "F32": 0.69}
+GEMV_EFFICIENCY_OTHER = 0.78  # K-quants, IQ4_XS: the repacked layout's kernels
+GEMV_LATENCY = {k: 0.15e-6 for k in GEMV_EFFICIENCY}
+GEMV_LATENCY_OTHER = 3.0e-6
+# The small kernels of a layer, latency in seconds at the profile's figures (ncu mean x 0.854), the
+# bytes they move priced apart (SMALL_KERNEL_EFFICIENCY): rms_norm_q8 (the norm and the activations'
+# q8_1 quantization) 6.85 us -> 5.85 us, two per layer and one before the head; swiglu_q8 3.10 -> 2.65
+# us per dense FFN; gdn_decode 10.52 -> 8.98 us, of which its 2.2 MB recurrent state read and written
+# back is 1.83 us at 0.5 of 4.8 TB/s: 7.15 us of latency; flash_decode 7.83 -> 6.69 us at an empty
+# context (its KV read priced by KV_DECODE_EFFICIENCY), attn_merge_gate 5.51 -> 4.71, attn_prep 5.30 ->
+# 4.53; embed_rows 4.70 -> 4.01. A GDN layer: 23.3 us; an attention layer: 30.3 us.
+NORM_SECONDS = 6.85e-6 * NCU_TO_GRAPH
+SWIGLU_SECONDS = 3.10e-6 * NCU_TO_GRAPH
+MIXER_SECONDS = {"gdn": 7.15e-6,
+                 "attention": (7.83e-6 + 5.51e-6 + 5.30e-6) * NCU_TO_GRAPH,
+                 "sliding": (7.83e-6 + 5.51e-6 + 5.30e-6) * NCU_TO_GRAPH}
+EMBED_SECONDS = 4.70e-6 * NCU_TO_GRAPH
+SMALL_KERNEL_EFFICIENCY = 0.50  # recurrent state traffic (gdn_decode), of spec bandwidth
+# A layer's routed experts in decode (moe.cu: route, gate/up + SwiGLU, down + weighted sum, combine):
+# 4 launches at ~4 us each, and the used experts' bytes. 35B-A3B Q4_K decodes 323.1 tokens/s (3.095
+# ms); the rest of the model predicts 2.01 ms (logits kept on the card) and the 40 MoE layers'
+# launches 0.64 ms, which leaves 0.42 ms for the 8 of 256 experts' 566 MB of Q4_K a token: 0.28 of
+# spec bandwidth.
+MOE_DECODE_SECONDS = 4 * 4.0e-6
+EXPERT_DECODE_EFFICIENCY = 0.28
+# Attention's read of the KV cache in decode, of spec bandwidth, by cache type: flash_decode at 16K
+# context (n_kv 4, D 256, docs/BENCHMARKS.md v10) f32 65 us for 134 MB and f16 41.8 us for 67 MB beyond
+# its 6.7 us at an empty context (2.3 and 1.9 TB/s: 0.48, 0.40); q8_0 105 us for 35.7 MB (0.076, its
+# 2-byte scale loads); q3 not measured since its rewrite (the earlier fused figure, 0.17).
+KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.40, "q8_0": 0.076, "q3": 0.17}
+# The CPU (NumPy backend) reads its float32 weights with BLAS: bytes only, at CPU_DECODE_EFFICIENCY;
+# routed experts held in host RAM are decoded from their GGML blocks for each token (engine/experts.py),
+# priced at the figure the GPU's expert GEMVs had before moe.cu (0.28 x 0.128 of bandwidth: not
+# measured on a CPU yet).
+CPU_DECODE_EFFICIENCY = 0.50
+CPU_EXPERT_DECODE_EFFICIENCY = 0.28 * 0.128
 
 
 @dataclass(frozen=True)
@@ -1285,6 +1340,10 @@ class SpeedPrediction:
     links: float
 
 
+def _is_cpu(name: str) -> bool:
+    return name.startswith("cpu:")
+
+
 def _speed_of(spec: DeviceSpec | None, name: str) -> DeviceSpeed:
     if spec is not None and spec.speed is not None:
         return spec.speed
@@ -1295,25 +1354,57 @@ def _link_of(spec: DeviceSpec | None) -> Link:
     return spec.link if spec is not None and spec.link is not None else DEFAULT_LINK
 
 
-def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int, kv_per_value: float,
-                    experts_here: bool | None) -> float:
-    """Seconds one decoded token spends reading memory on a device holding `parts`. experts_here:
-    None = the parts' own experts are here; True = only experts (the experts' device); False = the
-    parts without their experts."""
+def _gemv_launches(p: PartCost, skip: Collection[str]) -> list[tuple[str, int]]:
+    """(GGML type, bytes) of each GEMV launch a decode token makes in `p`, the tensors in `skip` left
+    out: a weight group (PartCost.fused) is one launch over all its members' bytes."""
+    held = {name: (kind, b) for name, kind, b, _ in p.matmuls if name not in skip}
+    out = []
+    for g in p.fused:
+        members = [n for n in g if n in held]
+        if members:
+            out.append((held[members[0]][0], sum(held[n][1] for n in members)))
+            for n in members:
+                del held[n]
+    out += list(held.values())
+    return out
+
+
+def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int, kv_type: str,
+                    experts_here: bool | None, cpu: bool = False) -> float:
+    """Seconds one decoded token spends on a device holding `parts` (the kernel chain of the comments
+    above; `cpu`: the NumPy backend, bytes only). experts_here: None = the parts' own experts are here;
+    True = only experts (the experts' device); False = the parts without their experts."""
     t = 0.0
     bw = speed.bandwidth
+    kv_per_value = _kv_bytes_per_value(kv_type)
     for p in parts:
         experts = set(p.experts)
-        for name, kind, held, _ in p.matmuls:
-            is_expert = name in experts
-            if experts_here is True and not is_expert or experts_here is False and is_expert:
-                continue
-            eff = EXPERT_DECODE_EFFICIENCY if is_expert else DECODE_EFFICIENCY.get(kind, DECODE_EFFICIENCY_OTHER)
-            t += held * (p.expert_fraction if is_expert else 1.0) / (bw * eff)
-        if experts_here is not True:
-            # the KV rows attention reads and the recurrent state read and written back
-            t += p.kv_values_per_token * context * kv_per_value / (bw * KV_DECODE_EFFICIENCY)
-            t += 2 * p.state_bytes / (bw * DECODE_EFFICIENCY["F32"])
+        if experts_here is not False and experts:
+            used = sum(held for name, _, held, _ in p.matmuls if name in experts) * p.expert_fraction
+            t += used / (bw * (CPU_EXPERT_DECODE_EFFICIENCY if cpu else EXPERT_DECODE_EFFICIENCY))
+            t += 0.0 if cpu else MOE_DECODE_SECONDS
+        if experts_here is True:
+            continue
+        for kind, b in _gemv_launches(p, experts):
+            if cpu:
+                t += b / (bw * CPU_DECODE_EFFICIENCY)
+            else:
+                t += GEMV_LATENCY.get(kind, GEMV_LATENCY_OTHER) + b / (bw * GEMV_EFFICIENCY.get(kind, GEMV_EFFICIENCY_OTHER))
+        # the KV rows attention reads and the recurrent state read and written back
+        kv = p.kv_values_per_token * context * kv_per_value
+        state = 2 * p.state_bytes
+        if cpu:
+            t += (kv + state) / (bw * CPU_DECODE_EFFICIENCY)
+            continue
+        t += kv / (bw * KV_DECODE_EFFICIENCY.get(_saved_kv_type(kv_type), KV_DECODE_EFFICIENCY["q3"]))
+        t += state / (bw * SMALL_KERNEL_EFFICIENCY)
+        if p.kind == "embedding":
+            t += EMBED_SECONDS
+        elif p.kind == "head":
+            t += NORM_SECONDS
+        else:
+            ffns = sum(1 for name, *_ in p.matmuls if "ffn_down" in name and name not in experts)
+            t += 2 * NORM_SECONDS + ffns * SWIGLU_SECONDS + MIXER_SECONDS.get(p.kind, MIXER_SECONDS["attention"])
     return t
 
 
@@ -1383,16 +1474,17 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
     """Predicted decode and prefill tokens/s of `plan` on `devices` (their speed and link; a device
     without them is priced as UNKNOWN_GPU / CPU_SPEED behind DEFAULT_LINK).
 
-    Model: a decoded token reads every matrix it multiplies by once (routed experts: the used fraction)
-    plus its KV rows and recurrent state, at the card's bandwidth times DECODE_EFFICIENCY; devices run
-    one after another; each crossing copies the hidden state (fp32) device -> host -> device over both
+    Model: a decoded token is a chain of kernels on each device (the comments above the constants):
+    each GEMV launch its bytes at the card's bandwidth times GEMV_EFFICIENCY plus a fixed latency, each
+    layer's small kernels their latency plus the KV rows and recurrent state they move, the routed
+    experts' used fraction; plus the host's time per token; devices run one after another; each crossing copies the hidden state (fp32) device -> host -> device over both
     cards' links, and the head's device sends the logits row to the host. Prefill runs chunks of
     plan.chunk tokens through the devices as a pipeline (the slowest stage sets the pace once full).
     logits_over_link=False leaves the logits row's copy out (engine/rig.py's emulated links do not
     charge it in graph decode; a real riser does).
     """
     by_name = {d.name: d for d in devices}
-    per_value = _kv_bytes_per_value(plan.kv_type)
+    kv_type = plan.kv_type
     hidden_bytes = 4 * plan.costs.hidden
     prompt = min(plan.context, PREFILL_PROMPT) if prompt is None else max(1, prompt)
     chunk = min(plan.chunk, prompt)
@@ -1424,8 +1516,9 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         groups = [(g, mode) for g, mode in (([p for p in parts if p not in apart_parts], None),
                                             ([p for p in parts if p in apart_parts], False)) if g]
         decode0[seg.device] = decode0.get(seg.device, 0.0) + sum(
-            _decode_seconds(g, speed, 0, per_value, mode) for g, mode in groups)
-        decode_ctx += sum(_decode_seconds(g, speed, plan.context, per_value, mode) for g, mode in groups)
+            _decode_seconds(g, speed, 0, kv_type, mode, _is_cpu(seg.device)) for g, mode in groups)
+        decode_ctx += sum(_decode_seconds(g, speed, plan.context, kv_type, mode, _is_cpu(seg.device))
+                          for g, mode in groups)
         stage = sum(_prefill_seconds(g, speed, chunk, mode) for g, mode in groups)
         if seg.device in stream_gpu:  # once per GPU: its streamed experts, the copies overlapping
             stage = max(stage + stream_gpu.pop(seg.device), stream_copy[seg.device])
@@ -1439,7 +1532,7 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         spec = by_name.get(dev)
         speed = _speed_of(spec, dev)
         experts = [p for p in apart_parts if plan.experts[p.name] == dev]
-        t = _decode_seconds(experts, speed, 0, per_value, True)
+        t = _decode_seconds(experts, speed, 0, kv_type, True, _is_cpu(dev))
         decode0[dev] = decode0.get(dev, 0.0) + t
         decode_ctx += t
         # each layer's FFN input goes to the experts' device and its output comes back, over the
@@ -1460,8 +1553,10 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         links += _link_of(by_name.get(a.device)).seconds(hidden_bytes) + _link_of(by_name.get(b.device)).seconds(hidden_bytes)
     if logits_over_link:
         links += _link_of(by_name.get(segs[-1].device)).seconds(4 * plan.costs.vocab)  # logits to the sampler
-    t0 = sum(decode0.values()) + links
-    t_ctx = decode_ctx + links
+    # the host's time around the graphs: once a token, and a launch for each further stage
+    host = HOST_SECONDS_PER_TOKEN + HOST_SECONDS_PER_STAGE * (len(segs) - 1)
+    t0 = sum(decode0.values()) + links + host
+    t_ctx = decode_ctx + links + host
     n_chunks = -(-prompt // chunk)
     t_prefill = sum(stages) + (n_chunks - 1) * max(stages)
     t_one_gpu = max(t_prefill, n_chunks * sum(compute))

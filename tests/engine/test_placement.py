@@ -465,22 +465,67 @@ def test_max_context_is_the_longest_that_fits():
 
 
 def test_predictions_match_the_h200_measurements():
-    """docs/performance.md (2026-12-01, fp32 KV cache): 9B Q8_0 decode 281.8 tokens/s at an empty
-    context, 270.8 at 4K, 213.3 at 16K, prefill 4,967 at 4096; 9B Q4_K decode 296.1, prefill 4,025.
-    The efficiencies were fitted to the empty-context, prefill and 4K->16K figures; each prediction
-    must land within the issue's 15%."""
+    """docs/BENCHMARKS.md v10 (2026-12-01, H200, f16 KV cache, `minecart bench`): 9B Q8_0 decode 279.2
+    tokens/s at an empty context and 271.3 at 16K, prefill 4,955.6 at 4096; 9B Q4_K 376.2 / 339.9 /
+    4,201.6; 35B-A3B Q4_K decode 323.1, prefill 7,438.6. The decode constants were fitted to the
+    empty-context figures and the kernel profile, the KV efficiency to flash_decode's own timings, so
+    the 16K figures are the independent check; each prediction must land within the issue's 15% (the
+    bench keeps the logits on the card: logits_over_link=False)."""
     from minecart.engine.placement import predict_speed
 
     devices = _rig_specs("cuda:0=H200")
-    for quant, ctx, decode0, decode_ctx, prefill in (("Q8_0", 4096, 281.8, 270.8, 4967),
-                                                      ("Q8_0", 16384, 281.8, 213.3, 4967),
-                                                      ("Q4_K", 4096, 296.1, None, 4025)):
-        plan = Placement.single(costs_for_shape("qwen3.5-9b", quant), "cuda:0", context=ctx, kv_type="f32")
-        s = predict_speed(plan, devices, prompt=4096)
-        assert abs(s.decode_tokens_per_s / decode0 - 1) < 0.15
-        assert abs(s.prefill_tokens_per_s / prefill - 1) < 0.15
+    for shape, quant, decode0, decode_ctx, prefill in (("qwen3.5-9b", "Q8_0", 279.2, 271.3, 4955.6),
+                                                       ("qwen3.5-9b", "Q4_K", 376.2, 339.9, 4201.6),
+                                                       ("qwen3.6-35b-a3b", "Q4_K", 323.1, None, 7438.6)):
+        plan = Placement.single(costs_for_shape(shape, quant), "cuda:0", context=16384, kv_type="f16")
+        s = predict_speed(plan, devices, prompt=4096, logits_over_link=False)
+        assert abs(s.decode_tokens_per_s / decode0 - 1) < 0.05, (shape, quant, s.decode_tokens_per_s)
+        assert abs(s.prefill_tokens_per_s / prefill - 1) < 0.15, (shape, quant, s.prefill_tokens_per_s)
         if decode_ctx:
-            assert abs(s.decode_at_context_tokens_per_s / decode_ctx - 1) < 0.15
+            assert abs(s.decode_at_context_tokens_per_s / decode_ctx - 1) < 0.15, (shape, quant)
+
+
+def test_decode_prediction_is_the_sum_of_its_kernels():
+    """The decode model by hand for one 9B Q4_K GDN layer on the H200: 4 GEMV launches (the fused
+    in-projection, ssm_out, fused gate+up, down) at 3 us + bytes / (4.8 TB/s x 0.78), two norms, a
+    SwiGLU, gdn_decode's latency and its state read and written back at half the bandwidth."""
+    from minecart.engine import placement as P
+
+    costs = costs_for_shape("qwen3.5-9b", "Q4_K")
+    layer = costs.part("layer.0")
+    bw = 4.8e12
+    launches = P._gemv_launches(layer, ())
+    assert len(launches) == 4 and sum(b for _, b in launches) == sum(m[2] for m in layer.matmuls)
+    want = sum(3e-6 + b / (bw * 0.78) for _, b in launches)
+    want += 2 * P.NORM_SECONDS + P.SWIGLU_SECONDS + P.MIXER_SECONDS["gdn"] + 2 * layer.state_bytes / (bw * 0.5)
+    speed = P.DeviceSpeed("H200", bw, 1e14, 1e14, "test")
+    assert P._decode_seconds([layer], speed, 0, "f16", None) == pytest.approx(want, rel=1e-12)
+    # the KV cache adds its bytes at the f16 efficiency; a card at a tenth of the bandwidth pays the bytes
+    # ten times but the latencies once
+    attn = costs.part("layer.3")
+    extra = P._decode_seconds([attn], speed, 1000, "f16", None) - P._decode_seconds([attn], speed, 0, "f16", None)
+    assert extra == pytest.approx(attn.kv_values_per_token * 1000 * 2 / (bw * 0.40), rel=1e-9)
+    slow = P.DeviceSpeed("slow", bw / 10, 1e13, 1e13, "test")
+    fixed = 4 * 3e-6 + 2 * P.NORM_SECONDS + P.SWIGLU_SECONDS + P.MIXER_SECONDS["gdn"]
+    assert P._decode_seconds([layer], slow, 0, "f16", None) - fixed == pytest.approx(
+        10 * (P._decode_seconds([layer], speed, 0, "f16", None) - fixed), rel=1e-9)
+
+
+def test_decode_prediction_matches_the_cut_model_rows():
+    """tools/plan_vs_measured.py v10 (9B Q4_K cut to 8 layers, ~1K tokens in the cache, 1 / 2 / 3
+    logical devices on one H200, no simulated link): measured decode was 1.35 / 1.35 / 1.33 times the
+    old bytes-only prediction (853.97 tokens/s for one device: 1,152.9 / 1,152.9 / 1,135.8 measured).
+    The kernel model must land within 15% of each."""
+    from minecart.engine.placement import predict_speed
+
+    costs = costs_for_shape("qwen3.5-9b", "Q4_K", 8)
+    devices = _rig_specs("cuda:0=H200,cuda:1=H200,cuda:2=H200")
+    for n, measured in ((1, 1152.9), (2, 1152.9), (3, 1135.8)):
+        counts = [(f"cuda:{i}", 8 // n + (1 if i < 8 % n else 0)) for i in range(n)]
+        plan = Placement.from_layer_counts(costs, counts, context=1040, kv_type="f16")
+        s = predict_speed(plan, [d for d in devices if d.name in plan.devices_used()], prompt=1024,
+                          logits_over_link=False)
+        assert abs(measured / s.decode_at_context_tokens_per_s - 1) < 0.15, (n, s.decode_at_context_tokens_per_s)
 
 
 def test_riser_links_cost_what_they_carry():
