@@ -92,8 +92,20 @@ GDN_CHUNK_TOKENS = 64
 
 # GGML types the CUDA backend re-lays out at load (int8/int4 quants + fp16 scales, kernels/ops.py
 # upload_weight): the raw blocks are copied to the device first, so for a moment the tensor is there
-# twice (raw, then scales + quants); the freed raw copy stays in the pool as a hole.
+# twice (raw, then scales + quants); the backend then hands the freed raw copy back to the device
+# (CupyBackend._return_load_blocks).
 STAGED_TYPES = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL")  # = kernels/ops.py _SPLIT_SCALE
+# K-quants are repacked on the device at load (kernels/ops.py _upload_kquant, kernels/kquant_layout.py):
+# chunks of at most KQUANT_REPACK_CHUNK raw bytes are copied up and repacked by whole-array CuPy
+# operations into the final arrays. Beside the final arrays the pool then holds the raw chunk and the
+# repack's temporaries (its own outputs included) at their peak: KQUANT_REPACK_FACTOR x the chunk,
+# measured by running kquant_layout.repack over whole chunks with NumPy under tracemalloc (2048 rows of
+# 4096 values: Q4_K peak 4.56x the chunk, Q5_K 3.92x, Q6_K 4.34x, plus the chunk itself).
+# tests/gpu/test_load_memory.py checks the factor on the device. The backend frees them after each
+# weight, so they are a transient of the load (priced by _load_peak), not a hole.
+KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # = kernels/kquant_layout.py KQUANT_TYPES
+KQUANT_REPACK_CHUNK = 64 * 1024 * 1024  # = kernels/ops.py _KQ_CHUNK_BYTES
+KQUANT_REPACK_FACTOR = {"Q4_K": 5.6, "Q5_K": 4.95, "Q6_K": 5.35}
 
 # Bytes per stored KV value, exactly what the backends' caches allocate (engine/kvquant.py): f16; q8_0 =
 # llama.cpp's Q8_0 blocks (32 int8 + an fp16 scale); q3 = 3-bit codes in blocks of 32 (12 bytes) plus an
@@ -206,6 +218,8 @@ class PartCost:
              row length), GGUF names in load order.
     staged: tensors uploaded through a raw staging copy on the CUDA backend (STAGED_TYPES matrices),
              in load order like `tensors`.
+    repacked: (GGUF name, GGML type) of the K-quant tensors the CUDA backend repacks at upload
+             (KQUANT_TYPES), whose temporaries are part of the load's peak.
     matmuls: (GGUF name, GGML type as held, bytes as held, weight values) of every tensor the part
              multiplies activations by (what a token reads; the speed prediction's input). The
              embedding lookup reads one row and is left out.
@@ -225,6 +239,7 @@ class PartCost:
     fused_bytes: int = 0
     fused: tuple[tuple[str, ...], ...] = ()
     staged: tuple[str, ...] = ()
+    repacked: tuple[tuple[str, str], ...] = ()
     matmuls: tuple[tuple[str, str, int, int], ...] = ()
     experts: tuple[str, ...] = ()
     expert_fraction: float = 0.0
@@ -293,6 +308,7 @@ class ModelCosts:
         parts = tuple(
             PartCost(**dict(p, tensors=tuple((str(n), int(b)) for n, b in p["tensors"]),
                             staged=tuple(str(n) for n in p.get("staged", ())),
+                            repacked=tuple((str(n), str(t)) for n, t in p.get("repacked", ())),
                             fused=tuple(tuple(str(n) for n in g) for g in p.get("fused", ())),
                             matmuls=tuple((str(n), str(t), int(b), int(v)) for n, t, b, v in p.get("matmuls", ())),
                             experts=tuple(str(n) for n in p.get("experts", ()))))
@@ -399,6 +415,12 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
         return tuple(n for n, role in roles.get(part, {}).items()
                      if role != "vector" and getattr(tensors[n], "type_name", "") in STAGED_TYPES)
 
+    def repacked(part: str) -> tuple[tuple[str, str], ...]:
+        if layout != "stored":
+            return ()
+        return tuple((n, str(getattr(tensors[n], "type_name", ""))) for n, role in roles.get(part, {}).items()
+                     if role != "vector" and getattr(tensors[n], "type_name", "") in KQUANT_TYPES)
+
     def fused(part: str) -> tuple[tuple[str, ...], ...]:
         return _fused_groups(spec, roles.get(part, {}), tensors) if layout == "stored" else ()
 
@@ -421,7 +443,7 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
     fraction = config.n_experts_used / config.n_experts if config.n_experts else 0.0
 
     parts.append(PartCost(GLOBAL, "embedding", sized(GLOBAL), act_values_per_token=config.hidden,
-                          staged=staged(GLOBAL)))
+                          staged=staged(GLOBAL), repacked=repacked(GLOBAL)))
     for i, kind in enumerate(config.layer_types):
         c = spec.layer_costs(config, kind)
         sizes = sized(layer_part(i))
@@ -433,11 +455,12 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
                               mixer_values_per_token=c.mixer_values_per_token,
                               segment_values_per_token=c.segment_values_per_token,
                               fused_bytes=sum(held[n] for g in groups for n in g), fused=groups,
-                              staged=staged(layer_part(i)), matmuls=matmuls(layer_part(i), sizes),
+                              staged=staged(layer_part(i)), repacked=repacked(layer_part(i)), matmuls=matmuls(layer_part(i), sizes),
                               experts=experts(layer_part(i)), expert_fraction=fraction))
     head = sized(HEAD)
     parts.append(PartCost(HEAD, "head", head, act_values_per_token=2 * config.hidden,
                           act_values_fixed=logits_rows * config.vocab_size, staged=staged(HEAD),
+                          repacked=repacked(HEAD),
                           matmuls=matmuls(HEAD, head)))
     path = getattr(gguf_file, "path", "")
     return ModelCosts(name=config.name, architecture=config.architecture, n_layers=config.n_layers,
@@ -546,24 +569,27 @@ class DeviceBytes:
 def _load_peak(parts: Sequence[PartCost], elsewhere: Collection[str] = ()) -> int:
     """Most bytes the CUDA backend's pool holds while these parts' weights load, in load order (parts in
     order, tensors in role order, a group when its first member comes, a tensor already on the device
-    not loaded again). Derivations (kernels/ops.py upload_weight, CupyBackend.load_fused):
+    not loaded again). Derivations (kernels/ops.py upload_weight, CupyBackend.load_fused; the backend
+    hands the pool's unused blocks back to the device after each weight, so nothing a weight's upload
+    freed is still held when the next one starts):
     - a STAGED_TYPES matrix of b bytes is uploaded raw and re-laid out into quants + scales (b
-      together) before the raw copy is freed: right after it the pool holds every weight so far plus
-      that freed copy (a hole that later weights fill);
+      together) before the raw copy is freed: b beside the weights so far;
+    - a K-quant matrix (KQUANT_TYPES) is repacked chunk by chunk into its final arrays: beside them,
+      KQUANT_REPACK_FACTOR x one chunk (at most KQUANT_REPACK_CHUNK, at most the tensor);
     - a weight group of G bytes is allocated whole while its first tensor sits beside it in its own
       arrays; each next tensor's arrays reuse that space (the first is the largest in every group the
-      architectures declare), and the group's end hands them back to the device: the peak is the
-      weights so far, G and the largest member (twice for a staged type: raw copy and layout)."""
+      architectures declare): the peak is the weights so far, G and the largest member with its own
+      upload's transient."""
     seen: set[str] = set(elsewhere)  # tensors loaded onto another device (routed experts apart)
     loaded = peak = 0
     for p in parts:
         for names, total, beside in _load_steps(p):
             if not seen.isdisjoint(names):  # some already loaded (a shared or moved tensor): the rest
-                sizes, staged = dict(p.tensors), set(p.staged)
+                sizes = dict(p.tensors)
                 rest = [n for n in names if n not in seen]
                 total = sum(sizes[n] for n in rest)
-                beside = (max((sizes[n] * (2 if n in staged else 1) for n in rest), default=0) if len(rest) > 1
-                          else sum(sizes[n] for n in rest if n in staged))
+                beside = (max((sizes[n] + _upload_transient(p, n) for n in rest), default=0) if len(rest) > 1
+                          else sum(_upload_transient(p, n) for n in rest))
                 names = tuple(rest)
             seen.update(names)
             loaded += total
@@ -571,20 +597,31 @@ def _load_peak(parts: Sequence[PartCost], elsewhere: Collection[str] = ()) -> in
     return max(peak, loaded)
 
 
+def _upload_transient(p: PartCost, name: str) -> int:
+    """Bytes the upload of one of p's tensors holds beside its final arrays at its peak."""
+    b = dict(p.tensors)[name]
+    if name in p.staged:
+        return b
+    kind = dict(p.repacked).get(name)
+    if kind is not None:
+        return int(KQUANT_REPACK_FACTOR.get(kind, max(KQUANT_REPACK_FACTOR.values())) * min(b, KQUANT_REPACK_CHUNK))
+    return 0
+
+
 @functools.lru_cache(maxsize=8192)
 def _load_steps(p: PartCost) -> tuple[tuple[tuple[str, ...], int, int], ...]:
     """A part's loads in order, as _load_peak prices them: (tensor names, their bytes, bytes beside
     them at that moment), one step per tensor and one per weight group (at its first member)."""
-    sizes, staged = dict(p.tensors), set(p.staged)
+    sizes = dict(p.tensors)
     groups = {g[0]: g for g in p.fused}
     grouped = {n for g in p.fused for n in g}
     out = []
     for name, b in p.tensors:
         if name in groups:
             g = groups[name]
-            out.append((g, sum(sizes[n] for n in g), max(sizes[n] * (2 if n in staged else 1) for n in g)))
+            out.append((g, sum(sizes[n] for n in g), max(sizes[n] + _upload_transient(p, n) for n in g)))
         elif name not in grouped:
-            out.append(((name,), b, b if name in staged else 0))
+            out.append(((name,), b, _upload_transient(p, name)))
     return tuple(out)
 
 

@@ -355,6 +355,31 @@ def test_load_peak_of_a_weight_group():
     assert _load_peak([replace(part, tensors=part.tensors[:3])], elsewhere={"b"}) == 101
 
 
+def test_load_peak_of_kquant_repacks():
+    """A K-quant tensor is repacked chunk by chunk on the device: beside its final arrays the pool holds
+    KQUANT_REPACK_FACTOR x min(tensor, KQUANT_REPACK_CHUNK) at the upload's peak; nothing after it
+    (the backend frees it before the next weight)."""
+    from minecart.engine.placement import KQUANT_REPACK_CHUNK, KQUANT_REPACK_FACTOR, PartCost, _load_peak
+
+    big, small = 3 * KQUANT_REPACK_CHUNK, KQUANT_REPACK_CHUNK // 4
+    part = PartCost("layer.0", "gdn", (("a", big), ("b", small)), repacked=(("a", "Q4_K"), ("b", "Q6_K")))
+    assert _load_peak([part]) == big + int(KQUANT_REPACK_FACTOR["Q4_K"] * KQUANT_REPACK_CHUNK)
+    small_first = replace(part, tensors=(("b", small), ("a", big)))
+    assert _load_peak([small_first]) == max(small + int(KQUANT_REPACK_FACTOR["Q6_K"] * small),
+                                            small + big + int(KQUANT_REPACK_FACTOR["Q4_K"] * KQUANT_REPACK_CHUNK))
+    # in a group: the group, its largest member's own arrays and that member's repack
+    grouped = replace(part, fused=(("a", "b"),), fused_bytes=big + small)
+    assert _load_peak([grouped]) == big + small + big + int(KQUANT_REPACK_FACTOR["Q4_K"] * KQUANT_REPACK_CHUNK)
+    # the costs of a K-quant file name its repacked tensors with their type; the embedding and head too
+    costs = costs_for_shape("qwen3.5-9b", "Q4_K", n_layers=4)
+    assert ("token_embd.weight", "Q4_K") in costs.part("global").repacked
+    assert ("output.weight", "Q4_K") in costs.part("head").repacked
+    assert ("blk.0.attn_qkv.weight", "Q4_K") in costs.part("layer.0").repacked
+    assert all(n != "blk.0.attn_norm.weight" for n, _ in costs.part("layer.0").repacked)
+    assert costs_for_shape("qwen3.5-9b", "Q8_0", n_layers=4).part("layer.0").repacked == ()
+    assert type(costs).from_dict(costs.to_dict()) == costs  # saved with a placement, read back
+
+
 def test_gdn_chunk_scratch_counts_from_256_tokens():
     costs = costs_for_shape("qwen3.5-9b")
     gdn = costs.part("layer.0")
