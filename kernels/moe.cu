@@ -483,8 +483,10 @@ __device__ __forceinline__ float2 moe_dec_pair(const u8* g0, const u16* gd0, con
 }
 
 // Grid (nrb + (sgate ? Fs / 32 : 0), T), 512 threads (16 warps).
-// Blocks bx < nrb: warp w takes logit row r = 16 bx + w < E + (sgate != 0): router row r (r < E) or the
-// shared gate row sgate (r = E), dotted with x[t] (fp32, H values, H % 4 == 0) -> logits[t (E + 1) + r].
+// Blocks bx < nrb (nrb = ceil((E + (sgate != 0)) / 4)): logit rows r = 4 bx + w / 4, four warps each
+// (warp w the float4 columns 32 (w % 4) + lane + 128 j, its partial sums added in a fixed order): router
+// row r (r < E) or the shared gate row sgate (r = E), dotted with x[t] (fp32, H % 4 == 0) ->
+// logits[t (E + 1) + r].
 // Blocks bx >= nrb (shared expert, cb = bx - nrb): warp w computes h_s[t, 32 cb + 2 w + {0, 1}] =
 // silu(gate . x) * (up . x) from the shared gate / up matrices (Fs rows each, format QS, against the
 // q8_1 row t of x), and warp 0 writes the q8_1 block (t, cb) of h_s (and the fp32 values when hsf).
@@ -500,31 +502,38 @@ __global__ void __launch_bounds__(512) moe_dec_router(
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.y;
     if ((int)blockIdx.x < nrb) {  // the whole block takes this branch
-        int r = blockIdx.x * 16 + w;
+        int r = blockIdx.x * 4 + (w >> 2), part = w & 3;  // four warps per row, each a quarter of it
         int nr = E + (sgate != 0 ? 1 : 0);
-        if (r >= nr) return;
-        const float4* wr = (const float4*)(r < E ? router + (i64)r * H : sgate);
-        const float4* xr = (const float4*)(x + (i64)t * H);
-        int n4 = H >> 2;
         float acc = 0.0f;
-        for (int i0 = lane; i0 < n4; i0 += 32 * 4) {
-            float4 wv[4], xv[4];
+        if (r < nr) {
+            const float4* wr = (const float4*)(r < E ? router + (i64)r * H : sgate);
+            const float4* xr = (const float4*)(x + (i64)t * H);
+            int n4 = H >> 2;
+            for (int i0 = part * 32 + lane; i0 < n4; i0 += 128 * 4) {
+                float4 wv[4], xv[4];
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                int i = i0 + 32 * u;
-                if (i < n4) { wv[u] = wr[i]; xv[u] = xr[i]; }
-            }
+                for (int u = 0; u < 4; u++) {
+                    int i = i0 + 128 * u;
+                    if (i < n4) { wv[u] = wr[i]; xv[u] = xr[i]; }
+                }
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                if (i0 + 32 * u >= n4) break;
-                acc = fmaf(wv[u].x, xv[u].x, acc);
-                acc = fmaf(wv[u].y, xv[u].y, acc);
-                acc = fmaf(wv[u].z, xv[u].z, acc);
-                acc = fmaf(wv[u].w, xv[u].w, acc);
+                for (int u = 0; u < 4; u++) {
+                    if (i0 + 128 * u >= n4) break;
+                    acc = fmaf(wv[u].x, xv[u].x, acc);
+                    acc = fmaf(wv[u].y, xv[u].y, acc);
+                    acc = fmaf(wv[u].z, xv[u].z, acc);
+                    acc = fmaf(wv[u].w, xv[u].w, acc);
+                }
             }
         }
         acc = warp_sum(acc);
-        if (lane == 0) logits[(i64)t * (E + 1) + r] = acc;
+        if (lane == 0) sh[w] = acc;
+        __syncthreads();
+        if (w == 0 && lane < 4) {
+            int rr = blockIdx.x * 4 + lane;
+            if (rr < nr) logits[(i64)t * (E + 1) + rr] = (sh[4 * lane] + sh[4 * lane + 1]) +
+                                                          (sh[4 * lane + 2] + sh[4 * lane + 3]);
+        }
         return;
     }
     int cb = blockIdx.x - nrb;

@@ -347,7 +347,7 @@ def decode_block_parts(x: cp.ndarray, router: QWeight, gate: QWeight, up: QWeigh
         return w.wd if w.wd is not None else ops._dummy()
 
     # 1. router logits (+ the shared gate logit) and the shared expert's SwiGLU
-    nrb = math.ceil((E + (shared is not None)) / 16)
+    nrb = math.ceil((E + (shared is not None)) / 4)  # router blocks: 4 rows of 4 warps each
     Fs = shared.gate.rows if shared is not None else 32
     sq8 = (cp.empty((T, Fs), dtype=cp.int8), cp.empty((T, Fs // 32), dtype=f32),
            cp.empty((T, Fs // 32), dtype=f32))
@@ -478,6 +478,83 @@ def bench_moe(tokens=(1, 8, 512, 4096), H: int = 2048, E: int = 256, k: int = 8,
     return out
 
 
+def _row_range(w: QWeight, r0: int, r1: int) -> QWeight:
+    """Rows r0 .. r1 - 1 of a one-matrix QWeight, as views (a member of a loaded weight group)."""
+    return QWeight(w.type_name, r1 - r0, w.cols, 1, w.wq[r0:r1], None if w.wd is None else w.wd[r0:r1])
+
+
+def _old_block(x, res, router, gate, up, down, k, gate_up_s: QWeight, shared: SharedExpert):
+    """The decode MoE block as the backend composed it before decode_block (12 launches at T = 1):
+    router GEMV, moe_route, routed_experts, the shared gate+up group GEMV, swiglu_q8, the shared down
+    GEMV, the shared gate-logit GEMV, sigmoid, broadcast mul, add, residual add."""
+    from . import fused
+
+    T = x.shape[0]
+    logits = ops.matmul(x, router, "fma")
+    ids, wts = ops.moe_route(logits, k)
+    routed = routed_experts(x, ids, wts, gate, up, down, k)
+    gu = ops.matmul(x, gate_up_s, "dp4a")
+    Fs = shared.gate.rows
+    if T == 1:
+        g, u = gu.reshape(-1)[:Fs].reshape(1, Fs), gu.reshape(-1)[Fs:].reshape(1, Fs)
+    else:
+        g, u = cp.ascontiguousarray(gu[:, :Fs]), cp.ascontiguousarray(gu[:, Fs:])
+    h, hq8 = fused.swiglu_q8(g, u)
+    ops.register_quantized(h, hq8)
+    s = ops.matmul(h, shared.down, "dp4a")
+    sg = ops.ewise("sigmoid", ops.matmul(x, shared.gate_inp, "fma"))  # (T, 1)
+    y = ops.ewise("add", routed, s * sg)
+    return ops.ewise("add", res, y)
+
+
+def bench_decode_block(tokens=(1, 8), H: int = 2048, E: int = 256, k: int = 8, F: int = 512, Fs: int = 512,
+                       type_name: str = "Q4_K", down_type: str | None = None, shared_type: str | None = None,
+                       shared_down_type: str | None = None, repeats: int = 20, seed: int = 0) -> list[dict]:
+    """Time one whole decode MoE block (router, routing, routed experts, shared expert, residual), the
+    old composed launches vs decode_block, each as `repeats` calls replayed in one CUDA graph (as the
+    decode step runs), at each token count; prints one line per T (us per layer and per 40-layer
+    token, the ratio, the max relative difference of the MoE output) and returns the records.
+    Default shape: Qwen3.6-35B-A3B, all Q4_K, gate and up apart (as engine/synth.py writes it)."""
+    from .probe import time_gpu
+
+    rng = np.random.default_rng(seed)
+    gate = _random_weight(rng, type_name, E, F, H)
+    up = _random_weight(rng, type_name, E, F, H)
+    down = _random_weight(rng, down_type or type_name, E, H, F)
+    st, sdt = shared_type or type_name, shared_down_type or down_type or type_name
+    gate_up_s = _random_weight(rng, st, 1, 2 * Fs, H)  # the shared gate + up group, loaded as one array
+    f32 = lambda a: ops.upload_weight(a.astype(np.float32).view(np.uint8), "F32", a.shape)  # noqa: E731
+    router = f32(rng.standard_normal((E, H)) * (2.0 / math.sqrt(H)))
+    shared = SharedExpert(f32(rng.standard_normal((1, H)) / math.sqrt(H)), _row_range(gate_up_s, 0, Fs),
+                          _row_range(gate_up_s, Fs, 2 * Fs), _random_weight(rng, sdt, 1, H, Fs))
+    out = []
+    for T in tokens:
+        x = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
+        res = cp.asarray(rng.standard_normal((T, H)).astype(np.float32))
+        q8 = ops.quantize_q8_1(x)
+
+        def old(x=x, res=res, q8=q8):
+            ops.register_quantized(x, q8)  # the norm before the block publishes x's q8_1
+            return _old_block(x, res, router, gate, up, down, k, gate_up_s, shared)
+
+        def new(x=x, res=res, q8=q8):
+            ops.register_quantized(x, q8)
+            return decode_block(x, router, gate, up, down, k, shared, res)
+
+        a, b = (cp.asnumpy(fn() - res).astype(np.float64) for fn in (old, new))
+        rec: dict = {"T": T, "type": type_name, "down_type": down_type or type_name, "shared_type": st,
+                     "shared_down_type": sdt,
+                     "old_us": time_gpu(old, repeats) * 1e6, "new_us": time_gpu(new, repeats) * 1e6,
+                     "max_rel_diff": float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))}
+        rec["speedup"] = rec["old_us"] / rec["new_us"]
+        print(f"MoE decode block {type_name}/{rec['down_type']} shared {st}/{sdt} H={H} E={E} k={k} F={F} "
+              f"Fs={Fs} T={T}: old {rec['old_us']:7.1f} us/layer ({rec['old_us'] * 40 / 1e3:.3f} ms per "
+              f"40 layers) | new {rec['new_us']:7.1f} us/layer ({rec['new_us'] * 40 / 1e3:.3f} ms) | "
+              f"x{rec['speedup']:.2f}, max rel diff {rec['max_rel_diff']:.1e}")
+        out.append(rec)
+    return out
+
+
 def main() -> None:
     import argparse
 
@@ -485,14 +562,27 @@ def main() -> None:
                                              "(moe.cu), at the Qwen3.6-35B-A3B shape by default.")
     ap.add_argument("--type", default="Q4_K", choices=DP4A_TYPES, help="gate/up expert format")
     ap.add_argument("--down-type", default=None, choices=DP4A_TYPES, help="down expert format (default --type)")
-    ap.add_argument("--tokens", default="1,8,512,4096", help="comma-separated token counts")
+    ap.add_argument("--tokens", default="1,8,512,4096",
+                    help="comma-separated token counts of the routed-experts timing; empty to skip")
     ap.add_argument("--fused", action="store_true", help="one gate_up stack (default: gate and up apart, "
                                                          "as engine/synth.py writes the 35B-A3B file)")
     ap.add_argument("--nblk", type=int, default=1, choices=(1, 2), help="quant blocks per GEMM stage")
     ap.add_argument("--repeats", type=int, default=10, help="timed runs per measurement")
+    ap.add_argument("--block-tokens", default="1,8",
+                    help="comma-separated token counts of the whole decode MoE block timing (old composed "
+                         "launches vs decode_block, CUDA graphs); empty to skip")
+    ap.add_argument("--shared-type", default=None, choices=DP4A_TYPES,
+                    help="shared expert gate/up format for the block timing (default --type)")
+    ap.add_argument("--shared-down-type", default=None, choices=DP4A_TYPES,
+                    help="shared expert down format for the block timing (default the routed down format)")
     a = ap.parse_args()
-    bench_moe(tuple(int(t) for t in a.tokens.split(",")), type_name=a.type, down_type=a.down_type,
-              fused=a.fused, nblk=a.nblk, repeats=a.repeats)
+    if a.tokens:
+        bench_moe(tuple(int(t) for t in a.tokens.split(",")), type_name=a.type, down_type=a.down_type,
+                  fused=a.fused, nblk=a.nblk, repeats=a.repeats)
+    if a.block_tokens:
+        bench_decode_block(tuple(int(t) for t in a.block_tokens.split(",")), type_name=a.type,
+                           down_type=a.down_type, shared_type=a.shared_type,
+                           shared_down_type=a.shared_down_type)
 
 
 if __name__ == "__main__":

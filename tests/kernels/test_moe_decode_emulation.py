@@ -83,11 +83,28 @@ def reference_route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]
     return ids, w
 
 
-def router_rows(E: int, shared: bool) -> list[int]:
-    """moe_dec_router: the logit rows its router blocks write (block bx, warp w -> row 16 bx + w)."""
+def router_rows(E: int, shared: bool, H: int = 2048) -> list[int]:
+    """moe_dec_router: the logit rows its router blocks write (block bx: rows 4 bx + lane for lanes < 4
+    of warp 0), each checked to be summed from all H / 4 float4 columns exactly once by its 4 warps."""
     nr = E + int(shared)
-    nrb = -(-nr // 16)
-    return [bx * 16 + w for bx in range(nrb) for w in range(16) if bx * 16 + w < nr]
+    nrb = -(-nr // 4)
+    rows = []
+    for bx in range(nrb):
+        cols: dict[int, list[int]] = {}
+        for w in range(16):
+            r = bx * 4 + w // 4
+            if r >= nr:
+                continue
+            part = w % 4
+            for lane in range(32):
+                for i0 in range(part * 32 + lane, H // 4, 128 * 4):
+                    cols.setdefault(r, []).extend(i0 + 128 * u for u in range(4) if i0 + 128 * u < H // 4)
+        for lane in range(4):
+            r = bx * 4 + lane
+            if r < nr:
+                assert sorted(cols[r]) == list(range(H // 4))
+                rows.append(r)
+    return rows
 
 
 def gate_up_columns(F: int) -> list[int]:
@@ -163,9 +180,9 @@ def test_route_ties_go_to_the_lower_expert(how):
         assert np.all(wts[3:] == 0) and np.isclose(wts[:3].sum(), 1.0)
 
 
-@pytest.mark.parametrize("E,shared", [(256, True), (256, False), (8, True), (17, False)])
-def test_router_rows_written_once(E, shared):
-    rows = router_rows(E, shared)
+@pytest.mark.parametrize("E,shared,H", [(256, True, 2048), (256, False, 32), (8, True, 160), (17, False, 4096)])
+def test_router_rows_written_once(E, shared, H):
+    rows = router_rows(E, shared, H)
     assert sorted(rows) == list(range(E + int(shared)))
 
 
@@ -199,7 +216,7 @@ def test_decode_block_maps_match_the_composed_block():
     silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
     logits = np.concatenate([x.astype(np.float64) @ router.T.astype(np.float64),
                              x.astype(np.float64) @ sgi.T.astype(np.float64)], axis=1)
-    assert sorted(router_rows(E, True)) == list(range(E + 1))
+    assert sorted(router_rows(E, True, H)) == list(range(E + 1))
     out = np.zeros((T, H))
     for t in range(T):
         ids, wts = reference_route(logits[t, :E], k)
