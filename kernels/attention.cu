@@ -411,7 +411,7 @@ __device__ __forceinline__ int fd_split_len(int split_len, int kv_len, int n_spl
 #define FD_WARPS 4
 
 template <int D, int GM>
-__global__ void __launch_bounds__(128) flash_decode(
+__device__ __forceinline__ void flash_decode_body(
         const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
         int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
@@ -564,6 +564,31 @@ __global__ void __launch_bounds__(128) flash_decode(
         pm[base + tid] = M;
         pl[base + tid] = L;
     }
+}
+
+template <int D, int GM>
+__global__ void __launch_bounds__(128) flash_decode(
+        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
+        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
+        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
+        int window) {
+    flash_decode_body<D, GM>(q, kc, vc, po, pm, pl, nh, n_kv, kv_len, kv_len_ptr, split_len, scale, window);
+}
+
+// flash_decode for one query token of each of B sequences, grid (n_kv, n_splits, B): blockIdx.z is the
+// sequence s, with its query at row s of q (B, nh, D), its own cache kcs[s] / vcs[s] (device pointer
+// tables) and context length kv_lens[s] + 1 (the length before this token's append, on the device), over
+// which the n_splits slices are sized as in a captured graph (split_len 0); its partials are the slab s of
+// po (B, n_splits, nh, D), pm and pl (B, n_splits, nh).
+template <int D, int GM>
+__global__ void __launch_bounds__(128) flash_decode_batch(
+        const float* __restrict__ q, const KV_ELEM* const* __restrict__ kcs, const KV_ELEM* const* __restrict__ vcs,
+        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl, int nh, int n_kv,
+        const int* __restrict__ kv_lens, float scale, int window) {
+    i64 s = blockIdx.z;
+    i64 P = (i64)gridDim.y * nh;
+    flash_decode_body<D, GM>(q + s * nh * D, kcs[s], vcs[s], po + s * P * D, pm + s * P, pl + s * P, nh, n_kv, 0,
+                             kv_lens + s, 0, scale, window);
 }
 
 // The merge of a head's splits (one block per head h, blockDim a multiple of 32): the maximum and the

@@ -9,13 +9,12 @@
 // blockDim.x is a multiple of 32 and D, DV are multiples of 32, so every warp stores whole 32-value
 // runs (what the q8_0 store, a warp-wide block quantization, needs).
 
-extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* __restrict__ k,
-                                     const float* __restrict__ v, const float* __restrict__ q_norm,
-                                     const float* __restrict__ k_norm, float* __restrict__ q_out,
-                                     KV_ELEM* __restrict__ kc, KV_ELEM* __restrict__ vc,
-                                     const int* __restrict__ row_ptr, int row, const int* __restrict__ pos,
-                                     const int* __restrict__ comp, const float* __restrict__ inv_freq, int nh,
-                                     int n_kv, int D, int DV, int n_rot, float inv_scale, float eps) {
+__device__ __forceinline__ void attn_prep_body(
+        const float* __restrict__ qg, const float* __restrict__ k, const float* __restrict__ v,
+        const float* __restrict__ q_norm, const float* __restrict__ k_norm, float* __restrict__ q_out,
+        KV_ELEM* __restrict__ kc, KV_ELEM* __restrict__ vc, const int* __restrict__ row_ptr, int row,
+        const int* __restrict__ pos, const int* __restrict__ comp, const float* __restrict__ inv_freq, int nh,
+        int n_kv, int D, int DV, int n_rot, float inv_scale, float eps) {
     __shared__ float hs[256];
     __shared__ float scratch[32];
     int b = blockIdx.x, tid = threadIdx.x, lane = tid & 31;
@@ -54,4 +53,32 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
     if (!is_q)
         for (int i = tid; i < DV; i += blockDim.x)
             kv_store1(vc, ((i64)row * n_kv + h) * DV + i, v[(i64)h * DV + i], lane);
+}
+
+extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* __restrict__ k,
+                                     const float* __restrict__ v, const float* __restrict__ q_norm,
+                                     const float* __restrict__ k_norm, float* __restrict__ q_out,
+                                     KV_ELEM* __restrict__ kc, KV_ELEM* __restrict__ vc,
+                                     const int* __restrict__ row_ptr, int row, const int* __restrict__ pos,
+                                     const int* __restrict__ comp, const float* __restrict__ inv_freq, int nh,
+                                     int n_kv, int D, int DV, int n_rot, float inv_scale, float eps) {
+    attn_prep_body(qg, k, v, q_norm, k_norm, q_out, kc, vc, row_ptr, row, pos, comp, inv_freq, nh, n_kv, D, DV,
+                   n_rot, inv_scale, eps);
+}
+
+// attn_prep for one token of each of B sequences, grid (nh + n_kv, B): blockIdx.y is the sequence s, whose
+// qg, k, v and q_out rows are row s of (B, nh, 2 D), (B, n_kv, D), (B, n_kv, DV) and (B, nh, D), whose
+// cache is kcs[s] / vcs[s] (device pointer tables, in the module's KV_ELEM type), whose new row is
+// rows[s] (its length before the append) and whose (t, h, w) position is pos[3 s .. 3 s + 2].
+extern "C" __global__ void attn_prep_batch(const float* __restrict__ qg, const float* __restrict__ k,
+                                           const float* __restrict__ v, const float* __restrict__ q_norm,
+                                           const float* __restrict__ k_norm, float* __restrict__ q_out,
+                                           KV_ELEM* const* __restrict__ kcs, KV_ELEM* const* __restrict__ vcs,
+                                           const int* __restrict__ rows, const int* __restrict__ pos,
+                                           const int* __restrict__ comp, const float* __restrict__ inv_freq,
+                                           int nh, int n_kv, int D, int DV, int n_rot, float inv_scale, float eps) {
+    i64 s = blockIdx.y;
+    attn_prep_body(qg + s * 2 * nh * D, k + s * n_kv * D, v + s * n_kv * DV, q_norm, k_norm, q_out + s * nh * D,
+                   kcs[s], vcs[s], rows + s, 0, pos + 3 * s, comp, inv_freq, nh, n_kv, D, DV, n_rot, inv_scale,
+                   eps);
 }

@@ -11,6 +11,8 @@
 //                  state in place, gated RMSNorm, and the q8_1 quantization of the output.
 // (attn_prep, the step before the scores, lives in attn_prep.cu: it writes the cache in its own type.)
 // attn_merge_gate  flash_decode's split merge (attention.cu flash_merge) times sigmoid(gate), with q8_1.
+// *_batch          the same for one token of each of B sequences in one launch (a grid dimension more;
+//                  each sequence's states or cache found through a device table of pointers).
 //
 // q8_1 blocks are written with q8_1_block (common.cuh), so they equal quantize_q8_1 of the fp32 output.
 
@@ -119,7 +121,7 @@ extern "C" __global__ void swiglu_q8(const float* __restrict__ gate, const float
 #define GDN_MAX_KW 8
 
 template <int DK>
-__global__ void __launch_bounds__(128) gdn_decode(
+__device__ __forceinline__ void gdn_decode_body(
         const float* __restrict__ mixed, const float* __restrict__ z, const float* __restrict__ bet,
         const float* __restrict__ alpha, float* __restrict__ conv_state, const float* __restrict__ conv_w,
         const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
@@ -287,17 +289,50 @@ __global__ void __launch_bounds__(128) gdn_decode(
     }
 }
 
+template <int DK>
+__global__ void __launch_bounds__(128) gdn_decode(
+        const float* __restrict__ mixed, const float* __restrict__ z, const float* __restrict__ bet,
+        const float* __restrict__ alpha, float* __restrict__ conv_state, const float* __restrict__ conv_w,
+        const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
+        float* __restrict__ state, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
+        float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
+        float eps) {
+    gdn_decode_body<DK>(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, norm_w, state, y, xq, xd, xs,
+                        counters, n_k, n_v, DV, KW, q_scale, eps);
+}
+
+// gdn_decode for one token of each of B sequences in one launch, grid (n_v, ceil(DV / 32), B): blockIdx.z
+// is the sequence s, whose rows of mixed (B, C), z and y (B, n_v DV), bet and alpha (B, n_v) sit at row s,
+// whose conv and delta-rule states are conv_states[s] and states[s] (device pointer tables: each
+// sequence's states stay where its session allocated them), and whose counters are the n_k + n_v at
+// counters + s (n_k + n_v). The q8_1 blocks of row s follow those of row s - 1 (quantize_q8_1 of (B, n_v DV)).
+template <int DK>
+__global__ void __launch_bounds__(128) gdn_decode_batch(
+        const float* __restrict__ mixed, const float* __restrict__ z, const float* __restrict__ bet,
+        const float* __restrict__ alpha, float* const* __restrict__ conv_states, const float* __restrict__ conv_w,
+        const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
+        float* const* __restrict__ states, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
+        float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
+        float eps) {
+    i64 s = blockIdx.z;
+    i64 C = 2 * (i64)n_k * DK + (i64)n_v * DV, HV = (i64)n_v * DV;
+    gdn_decode_body<DK>(mixed + s * C, z + s * HV, bet + s * n_v, alpha + s * n_v, conv_states[s], conv_w, ssm_a,
+                        dt_bias, norm_w, states[s], y + s * HV, xq != 0 ? xq + s * HV : xq,
+                        xd != 0 ? xd + s * (HV >> 5) : xd, xs != 0 ? xs + s * (HV >> 5) : xs,
+                        counters + s * (n_k + n_v), n_k, n_v, DV, KW, q_scale, eps);
+}
+
 // One block of D threads (D % 32 == 0) per head h: o = merge of the splits (as flash_merge), times
 // sigmoid(gate) with gate = qg[h, D:2D]; xq given: the q8_1 quantization of the (nh * D) output row.
 // Only the splits below the context length are read (kv_len, or *kv_len_ptr + 1 in a captured graph;
 // split_len == 0: the slice length flash_decode derived from it, attention.cu fd_split_len). The max and
 // the sum over the splits are block reductions; the weights e^(m_s - m) go through shared memory in
 // chunks of D splits.
-extern "C" __global__ void attn_merge_gate(const float* __restrict__ po, const float* __restrict__ pm,
-                                           const float* __restrict__ pl, const float* __restrict__ qg,
-                                           float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
-                                           float* __restrict__ xs, int n_splits, int nh, int D, int kv_len,
-                                           const int* __restrict__ kv_len_ptr, int split_len) {
+__device__ __forceinline__ void attn_merge_gate_body(
+        const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
+        const float* __restrict__ qg, float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
+        float* __restrict__ xs, int n_splits, int nh, int D, int kv_len, const int* __restrict__ kv_len_ptr,
+        int split_len) {
     __shared__ float red[32];
     __shared__ float wsh[256];
     int h = blockIdx.x, c = threadIdx.x, nt = blockDim.x, lane = c & 31;
@@ -333,4 +368,28 @@ extern "C" __global__ void attn_merge_gate(const float* __restrict__ po, const f
         i64 b = i >> 5;
         q8_1_block(r, xq + b * 32, xd + b, xs + b, lane);
     }
+}
+
+extern "C" __global__ void attn_merge_gate(const float* __restrict__ po, const float* __restrict__ pm,
+                                           const float* __restrict__ pl, const float* __restrict__ qg,
+                                           float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
+                                           float* __restrict__ xs, int n_splits, int nh, int D, int kv_len,
+                                           const int* __restrict__ kv_len_ptr, int split_len) {
+    attn_merge_gate_body(po, pm, pl, qg, out, xq, xd, xs, n_splits, nh, D, kv_len, kv_len_ptr, split_len);
+}
+
+// attn_merge_gate for one token of each of B sequences, grid (nh, B): blockIdx.y is the sequence s, whose
+// partials are the (n_splits, nh) slab s of flash_decode_batch's po / pm / pl, whose qg, out and q8_1
+// blocks sit at row s, and whose context length is kv_lens[s] + 1 (the length before this token's append,
+// as in a captured graph: the splits were sized on the device, split_len 0).
+extern "C" __global__ void attn_merge_gate_batch(const float* __restrict__ po, const float* __restrict__ pm,
+                                                 const float* __restrict__ pl, const float* __restrict__ qg,
+                                                 float* __restrict__ out, i8* __restrict__ xq,
+                                                 float* __restrict__ xd, float* __restrict__ xs, int n_splits,
+                                                 int nh, int D, const int* __restrict__ kv_lens) {
+    i64 s = blockIdx.y;
+    i64 P = (i64)n_splits * nh, HD = (i64)nh * D;
+    attn_merge_gate_body(po + s * P * D, pm + s * P, pl + s * P, qg + s * 2 * HD, out + s * HD,
+                         xq != 0 ? xq + s * HD : xq, xd != 0 ? xd + s * (HD >> 5) : xd,
+                         xs != 0 ? xs + s * (HD >> 5) : xs, n_splits, nh, D, 0, kv_lens + s, 0);
 }

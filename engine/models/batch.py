@@ -5,7 +5,9 @@ A batch stacks the rows of B sequences into one hidden state (N, H), sequence b 
 row-wise step of a layer (norms, projections, the FFN) runs once on all N rows, so a matmul sees a
 (N, H) matrix where one sequence alone would give a (1, H) vector. Only the mixer (attention over the
 sequence's own KV cache, the Gated DeltaNet conv and recurrent state) runs per sequence, on its own
-`LayerState` and positions: `per_sequence` does that split and stacks the results again.
+`LayerState` and positions: `per_sequence` does that split and stacks the results again. A decode step
+(`SequenceRows.decoding`: one row per sequence) instead hands all rows and all states to one batched
+mixer op of the backend, which runs every sequence's mixer in one launch per kernel.
 
 What this is not: a scheduler (engine/scheduler.py decides which sequences run together) or a second
 forward pass (engine/execution.py's Executor builds a `SequenceRows` per layer and runs its one loop).
@@ -38,6 +40,12 @@ class SequenceRows:
     @property
     def size(self) -> int:
         return len(self.states)
+
+    @property
+    def decoding(self) -> bool:
+        """Every sequence has exactly one row (a decode step): row b is sequence b's token, so a
+        batched mixer op (Backend.gdn_decode_batch, gated_attention_batch) takes the rows as they are."""
+        return self.bounds == tuple(range(len(self.states) + 1))
 
 
 def per_sequence(be: Backend, state: LayerState | SequenceRows, positions: Any, inputs: Sequence[Array],
