@@ -9,8 +9,15 @@ kernels over the same layout ("split", ops.GEMV_KQ_VARIANT). The bytes counted a
 (`QWeight.nbytes`: the file's, Q6_K plus the padding of a tail group). The last lines weight each
 shape by its launches per 9B decode step.
 
-Not here: correctness (tests/gpu/test_kquant_gemv.py, tests/gpu/test_fused.py) and the choice of the
-default variant (ops._gemv_kq, ops._gemv_split).
+`--multi` times the multi-token K-quant matmuls of a batched decode step instead (T = 1, 2, 4, 8, 16, 32
+tokens, one per sequence, at the same shapes): "auto" (ops._gemv_kq_mt: passes of gemv_kq_mt), each
+compiled gemv_kq_mt shape and "old" (the kernels before gemv_kq_mt: gemv_dp4a launches of 8/4/2/1
+tokens up to 8, the tiled GEMM above); per line the GPU time per call, per token, the GB/s of weight bytes
+against the copy bandwidth, and the time over the single-token call; then the GEMV time of a 9B batched
+decode step per T and variant. About a minute on an H200.
+
+Not here: correctness (tests/gpu/test_kquant_gemv.py, tests/gpu/test_gemv_multi.py, tests/gpu/test_fused.py)
+and the choice of the default variant (ops._gemv_kq, ops._gemv_split, ops._gemv_kq_mt).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import cupy as cp
 import numpy as np
 
 from . import kquant_layout, ops
-from .build import GEMV_KQ
+from .build import GEMV_KQ, GEMV_KQ_MT
 from .probe import measure_copy, random_q8_0, time_gpu
 
 # (rows, row length, residual epilogue) of the 9B single-token GEMVs: attention output / FFN down with
@@ -127,16 +134,109 @@ def run(shapes=SHAPES_9B, types=TYPES, cycle_bytes: int = 256 << 20, reps: int =
     return rows
 
 
+TOKENS_MULTI = (1, 2, 4, 8, 16, 32)  # sequences of a batched decode step (--multi)
+
+
+@dataclass(frozen=True)
+class MultiRow:
+    type_name: str
+    R: int
+    K: int
+    T: int
+    residual: bool
+    variant: str  # ops.GEMV_KQ_MT_VARIANT ("old" above 8 tokens: the tiled GEMM)
+    seconds: float  # GPU time per call (all T tokens)
+    gbs: float  # weight bytes / time, 1e9 B/s
+    copy_share: float  # gbs / copy bandwidth
+    over_one: float  # seconds / the single-token call's seconds (auto), same shape
+
+
+def run_multi(shapes=SHAPES_9B, types=kquant_layout.KQUANT_TYPES, tokens=TOKENS_MULTI,
+              cycle_bytes: int = 256 << 20, reps: int = 5, copy: float | None = None, out=None) -> list[MultiRow]:
+    """Time the K-quant DP4A matmul of T tokens in every variant (module docstring) at every shape and T;
+    print a line each to `out` (None: silent) and the GEMV time of a 9B batched decode step per T."""
+    copy = copy if copy is not None else measure_copy()
+    if out is not None:
+        print(f"copy bandwidth {copy:.0f} GB/s", file=out)
+    rows: list[MultiRow] = []
+    saved = (ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT)
+    rng = np.random.default_rng(0)
+    try:
+        ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT = "auto", "auto"
+        for type_name in types:
+            for R, K, with_res in shapes:
+                first = random_weight(type_name, R, K, 0)
+                per = first.nbytes
+                ws = [first] + [random_weight(type_name, R, K, i) for i in range(1, max(1, math.ceil(cycle_bytes / per)))]
+                one = 0.0
+                for T in tokens:
+                    x = cp.asarray(rng.standard_normal((T, K)).astype(np.float32))
+                    res = cp.asarray(rng.standard_normal((T, R)).astype(np.float32)) if with_res else None
+                    ops.register_quantized(x, ops.quantize_q8_1(x))
+
+                    def call(ws=ws, x=x, res=res):
+                        for w in ws:
+                            ops.matmul(x, w, "dp4a", residual=res)
+
+                    variants = ["auto", "old"] + [f"{a}x{b}" for a, b in GEMV_KQ_MT] if T > 1 else ["auto"]
+                    for v in variants:
+                        ops.GEMV_KQ_MT_VARIANT = v
+                        t = time_gpu(call, reps) / len(ws)
+                        if T == 1 and v == "auto":
+                            one = t
+                        gbs = per / t / 1e9
+                        row = MultiRow(type_name, R, K, T, with_res, v, t, gbs, gbs / copy, t / one if one else 0.0)
+                        rows.append(row)
+                        if out is not None:
+                            print(f"{type_name} {R}x{K}{' +res' if with_res else ''} T={T:<2d} {v:5s} "
+                                  f"{t * 1e6:8.1f} us {t * 1e6 / T:7.2f} us/token {gbs:6.0f} GB/s "
+                                  f"{100 * row.copy_share:4.0f}% of copy {row.over_one:5.2f}x T=1", file=out)
+                    del x, res
+                del ws, first
+                cp.get_default_memory_pool().free_all_blocks()
+    finally:
+        ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT = saved
+    if out is not None:
+        for type_name in types:
+            for T in tokens:
+                for v in ("auto", "old") + tuple(f"{a}x{b}" for a, b in GEMV_KQ_MT):
+                    sel = [r for r in rows if r.type_name == type_name and r.T == T and r.variant == v
+                           and (r.R, r.K) in CALLS_9B]
+                    if len(sel) == len({(R, K) for R, K, _ in shapes} & set(CALLS_9B)) and sel:
+                        step = sum(r.seconds * CALLS_9B[(r.R, r.K)] for r in sel)
+                        print(f"{type_name}: GEMV time of a 9B decode step of {T:2d} sequences ({v}) "
+                              f"{step * 1e3:.3f} ms, {step * 1e3 / T:.3f} ms per sequence", file=out)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minecart.kernels.bench_gemv", description=__doc__.split("\n\n")[0])
     p.add_argument("--types", default=",".join(TYPES), help=f"comma-separated formats (default {','.join(TYPES)})")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    p.add_argument("--multi", action="store_true",
+                   help="time the multi-token K-quant matmuls of a batched decode step (T = 1..32 tokens) "
+                        "instead of the single-token GEMVs; --types defaults to the K-quants")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS_MULTI)),
+                   help=f"with --multi: comma-separated token counts (default {','.join(map(str, TOKENS_MULTI))})")
     args = p.parse_args(argv)
     types = tuple(t for t in args.types.split(",") if t)
-    bad = [t for t in types if t not in TYPES]
+    allowed = kquant_layout.KQUANT_TYPES if args.multi else TYPES
+    if args.multi and args.types == ",".join(TYPES):
+        types = allowed
+    bad = [t for t in types if t not in allowed]
     if bad:
-        p.error(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(TYPES)}")
-    rows = run(types=types, out=sys.stdout)
+        p.error(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(allowed)}")
+    rows: list[Row] | list[MultiRow]
+    if args.multi:
+        try:
+            tokens = tuple(int(t) for t in args.tokens.split(",") if t)
+        except ValueError:
+            p.error(f"--tokens {args.tokens!r}: comma-separated whole numbers")
+        if not tokens or min(tokens) < 1:
+            p.error("--tokens: at least one count, each 1 or more")
+        rows = run_multi(types=types, tokens=tokens, out=sys.stdout)
+    else:
+        rows = run(types=types, out=sys.stdout)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

@@ -347,3 +347,144 @@ gemv_kq(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restr
         }
     }
 }
+
+// gemv_kq_mt: the multi-token DP4A GEMV of the K-quants (Q4_K, Q5_K, Q6_K, repacked layout) for a
+// batched decode step: NT = 2..8 tokens (one per sequence) share every weight load; y and `res` (NT, R),
+// activations as gemv_dp4a (token t's q8_1 blocks at t * nb). Eight lanes per row: a warp takes 4 rows,
+// and each group of 8 lanes reads one super-block of its row per step (lane s its block 8 j + s; Q4_K:
+// 128 contiguous bytes), so the 4 groups of a warp ask for the same activation blocks at the same time
+// and each activation load is one L1 request serving 4 rows. (With a lane per block of one row, as in
+// gemv_dp4a, 8 tokens read about 17x the weight bytes from L1 per weight byte: the L1, not the DRAM,
+// set the pace.) WPR (2 or 4) warps split a row group's super-blocks (j = sub, sub + WPR, ...), their
+// sums added in warp order through shared memory (deterministic, fp32); with one warp per row group
+// ptxas spilled from NT = 4 on. Each lane holds NU blocks in flight raw, as
+// gemv_kq does, expands each to int8 once and dots it with the NT tokens: Q4_K / Q5_K one DP4A chain of
+// 32 values (one scale per block), Q6_K two (a scale per 16 values). Q4_K / Q5_K take d and dmin by
+// gemv_kq's three xor-shuffles inside the 8 lanes of a super-block. The loop is uniform over the warp;
+// rows past R load nothing (all their terms are 0) and write nothing. Registers: 64 (8 blocks per SM)
+// for NT <= 4, 96 (5 blocks) above. ptxas -v (NVRTC 12, sm_61..sm_90; the compiler fills either budget
+// by hoisting activation loads): NU = 2 spills nothing except Q4_K / Q5_K at NT = 7 (16-52 bytes on
+// sm_70..sm_90); NU = 4 spills 8-128 bytes at some NT on some architectures (Q4_K NT = 3, 4, 7, 8; Q5_K 7;
+// Q6_K 8), which is why ops._gemv_kq_mt picks NU = 2 by default.
+template <int QT, int NT, int WPR, int NU>
+__global__ void __launch_bounds__(128, NT > 4 ? 5 : 8)
+gemv_kq_mt(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+           const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
+           const float* __restrict__ res) {
+    static_assert(WPR == 2 || WPR == 4, "gemv_kq_mt: 2 or 4 warps per row group");
+    constexpr int RPB = 16 / WPR;  // rows per block (blockDim.x must be 128)
+    __shared__ float part[4][4][NT];  // (warp, row group, token) sums
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int grp = lane >> 3, s = lane & 7;
+    const int sub = warp % WPR;
+    const int row = blockIdx.x * RPB + (warp / WPR) * 4 + grp;
+    const bool live = row < R;
+    const int nb = K >> 5, nsb = K >> 8;
+    const u8* wrow = wq + (i64)(live ? row : 0) * row_bytes<QT>(K);
+    const u16* wdrow = wd + (i64)(live ? row : 0) * nb;
+    const int ddsh = kq_dd_shift(s);
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+#pragma unroll 1  // unrolled, the loads of the next round would compete with the NT accumulators
+    for (int j0 = sub; j0 < nsb; j0 += WPR * NU) {
+        uint4 v[NU];
+        u32 h0[NU], h1[NU], e[NU];
+#pragma unroll
+        for (int u = 0; u < NU; u++) {
+            const int b = 8 * (j0 + WPR * u) + s;
+            v[u] = make_uint4(0u, 0u, 0u, 0u);
+            h0[u] = h1[u] = e[u] = 0u;
+            if (live && j0 + WPR * u < nsb) {
+                v[u] = *(const uint4*)kq_quants<QT>(wrow, b);
+                e[u] = wdrow[b];
+                if (QT == QT_Q5_K) h0[u] = *(const u32*)kq_high<QT>(wrow, b);
+                if (QT == QT_Q6_K) {
+                    uint2 h = *(const uint2*)kq_high<QT>(wrow, b);
+                    h0[u] = h.x;
+                    h1[u] = h.y;
+                    e[u] |= (u32)kq6_d(wrow, b) << 16;  // the two scales below d
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < NU; u++) {
+            const int j = j0 + WPR * u;
+            if (j >= nsb) break;  // uniform over the warp (the shuffles below need every lane)
+            const int b = 8 * j + s;
+            float dlo, dhi, m;
+            if (QT == QT_Q6_K) {
+                float d = h2f((u16)(e[u] >> 16));
+                dlo = __fmul_rn(d, s8_to_f(e[u]));
+                dhi = __fmul_rn(d, s8_to_f(e[u] >> 8));
+                m = 0.0f;
+            } else {
+                u32 dd = ((e[u] >> 12) & 15u) << ddsh;
+                dd |= __shfl_xor_sync(0xffffffffu, dd, 1);
+                dd |= __shfl_xor_sync(0xffffffffu, dd, 2);
+                dd |= __shfl_xor_sync(0xffffffffu, dd, 4);
+                kq_affine(e[u], dd, dlo, m);
+                dhi = dlo;
+            }
+            int q[8];
+            const u32 vv[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], h0[u], h1[u], k, q[k], q[4 + k]);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                const i64 xb = (i64)t * nb + b;
+                const int4* xp = (const int4*)(xq + xb * 32);
+                const int4 a = xp[0], c = xp[1];
+                if (QT == QT_Q6_K) {
+                    int lo = dp4a(q[0], a.x, 0);
+                    lo = dp4a(q[1], a.y, lo);
+                    lo = dp4a(q[2], a.z, lo);
+                    lo = dp4a(q[3], a.w, lo);
+                    int hi = dp4a(q[4], c.x, 0);
+                    hi = dp4a(q[5], c.y, hi);
+                    hi = dp4a(q[6], c.z, hi);
+                    hi = dp4a(q[7], c.w, hi);
+                    acc[t] = fmaf(xd[xb], dlo * (float)lo + dhi * (float)hi, acc[t]);
+                } else {  // one scale for the block's 32 values: one chain
+                    int sum = dp4a(q[0], a.x, 0);
+                    sum = dp4a(q[1], a.y, sum);
+                    sum = dp4a(q[2], a.z, sum);
+                    sum = dp4a(q[3], a.w, sum);
+                    sum = dp4a(q[4], c.x, sum);
+                    sum = dp4a(q[5], c.y, sum);
+                    sum = dp4a(q[6], c.z, sum);
+                    sum = dp4a(q[7], c.w, sum);
+                    acc[t] = fmaf(xd[xb] * dlo, (float)sum, acc[t]);
+                    acc[t] = fmaf(m, xs[xb], acc[t]);
+                }
+            }
+        }
+    }
+    // the row group's sum over its 8 lanes (every lane ends with all NT sums)
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], 1);
+        acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], 2);
+        acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], 4);
+    }
+    if (s == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) part[warp][grp][t] = acc[t];
+    }
+    __syncthreads();
+    // thread i < RPB * NT: row r = i / NT of the block (warps (r / 4) * WPR.., group r % 4), token i % NT
+    const int i = threadIdx.x;
+    if (i < RPB * NT) {
+        const int r = i / NT, t = i % NT;
+        const int w0 = (r >> 2) * WPR, g = r & 3;
+        const int orow = blockIdx.x * RPB + r;
+        if (orow < R) {
+            float v = part[w0][g][t];
+#pragma unroll
+            for (int k = 1; k < WPR; k++) v += part[w0 + k][g][t];
+            i64 yi = (i64)t * R + orow;
+            y[yi] = res != 0 ? v + res[yi] : v;
+        }
+    }
+}

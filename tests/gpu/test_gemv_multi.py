@@ -1,0 +1,176 @@
+"""The multi-token K-quant GEMV of batched decode (gemv_kq_mt, kernels/gemv.cu) on the GPU.
+
+Every K-quant type (Q4_K, Q5_K, Q6_K), T = 1..8 tokens through ops.matmul (T = 1: gemv_kq, 2..8: one
+gemv_kq_mt launch) in every compiled gemv_kq_mt shape and "auto", and T = 9..32 (several passes), and the
+boundary to the tiled GEMM; odd row counts (R not a multiple of 4 or 16), rows of 256 x 1, 9, 17 and 49
+values (tail super-blocks, Q6_K tail groups), with and without the residual epilogue, outputs poisoned
+with NaN. Each result against the exact NumPy emulation of the DP4A arithmetic (the dequantized weights
+@ the q8_1-rounded activations, fp64; normalized error < 2e-5) and against gemv_dp4a on the same layout
+("old"), on fresh random inputs each run. The launches are recorded, so a test fails if the kernel it
+means to check did not run. CPU twin of the kernel's indexing: tests/kernels/test_kq_mt_emulation.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from minecart.kernels import kquant_layout as L
+
+from tests.gpu.test_kquant_gemv import dense, nerr, q8_1_emulation, sane_blocks
+
+cp = pytest.importorskip("cupy")
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = ((259, 2304), (37, 256), (1001, 4352), (67, 12544), (4096, 4096))  # K = 256 x 9, 1, 17, 49, 16
+TOL = 2e-5
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernel names ops.matmul asks for, in order."""
+    from minecart.kernels import ops
+
+    names: list[str] = []
+    real = ops._mm_kernel
+
+    def record(w, name):
+        names.append(name)
+        return real(w, name)
+
+    monkeypatch.setattr(ops, "_mm_kernel", record)
+    return names
+
+
+def _case(type_name: str, R: int, K: int, T: int, rng):
+    raw = sane_blocks(type_name, R, K, rng)
+    wd = dense(type_name, raw, (R, K))
+    from minecart.kernels import ops
+
+    w = ops.upload_weight(raw, type_name, (R, K))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    r = rng.standard_normal((T, R)).astype(np.float32)
+    return w, x, r, q8_1_emulation(x, wd)
+
+
+@pytest.mark.parametrize("type_name", L.KQUANT_TYPES)
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_every_shape_and_token_count(monkeypatch, poison, launches, type_name, T):
+    from minecart.kernels import ops
+    from minecart.kernels.build import GEMV_KQ_MT
+
+    rng = np.random.default_rng()  # fresh inputs each run
+    variants = ["auto", "old"] + [f"{a}x{b}" for a, b in GEMV_KQ_MT]
+    for R, K in SHAPES:
+        w, x, r, emu = _case(type_name, R, K, T, rng)
+        gx, gr = cp.asarray(x), cp.asarray(r)
+        got = {}
+        for v in variants:
+            monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", v)
+            for res in (None, gr):
+                poison()
+                launches.clear()
+                y = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
+                want = emu + (r if res is not None else 0)
+                assert y.shape == (T, R)
+                err = nerr(y, want)
+                assert err < TOL, f"{v} {R}x{K} T={T}{' +res' if res is not None else ''}: error {err:.2e}"
+                if T == 1:
+                    assert all(n.startswith("gemv_kq<") for n in launches), launches
+                elif v == "old":
+                    assert all(n.startswith("gemv_dp4a<") for n in launches), launches
+                else:
+                    wpr, nu = ops._gemv_kq_mt(type_name, T, R, K)
+                    assert launches == [f"gemv_kq_mt<{ops.QT[type_name]}, {T}, {wpr}, {nu}>"], launches
+                    if v != "auto":
+                        assert f"{wpr}x{nu}" == v
+                got[(v, res is None)] = y
+        for key, y in got.items():  # the new kernel and gemv_dp4a agree up to fp32 summation order
+            old = got[("old", key[1])]
+            assert nerr(y, old) < TOL, f"{key} vs old {R}x{K} T={T}: {nerr(y, old):.2e}"
+    print(f"\n{type_name} T={T}: {', '.join(variants)} agree with the emulation and with gemv_dp4a")
+
+
+@pytest.mark.parametrize("type_name", L.KQUANT_TYPES)
+@pytest.mark.parametrize("T", [9, 13, 16, 17, 24, 32, 33])
+def test_batches_above_eight_tokens(monkeypatch, poison, launches, type_name, T):
+    """T = 9..32: ceil(T / 8) passes of gemv_kq_mt (near-equal sizes), each with its slice of the
+    residual; T = 33 and KQ_PASSES_MAX_T = 8: the tiled GEMM, the same numbers."""
+    from minecart.kernels import ops
+    from minecart.kernels.build import kq_passes
+
+    rng = np.random.default_rng()
+    for R, K in ((259, 2304), (37, 4352)):
+        w, x, r, emu = _case(type_name, R, K, T, rng)
+        gx, gr = cp.asarray(x), cp.asarray(r)
+        for limit in (ops.KQ_PASSES_MAX_T, ops.GEMV_MAX_T):
+            monkeypatch.setattr(ops, "KQ_PASSES_MAX_T", limit)
+            passes = T <= limit
+            for res in (None, gr):
+                poison()
+                launches.clear()
+                out = cp.full((T, R), cp.nan, dtype=cp.float32)
+                y = cp.asnumpy(ops.matmul(gx, w, "dp4a", out=out, residual=res))
+                want = emu + (r if res is not None else 0)
+                err = nerr(y, want)
+                assert err < TOL, f"{R}x{K} T={T} limit {limit}{' +res' if res is not None else ''}: {err:.2e}"
+                if passes:
+                    wpr, nu = ops._gemv_kq_mt(type_name, T, R, K)
+                    q = ops.QT[type_name]
+                    assert launches == [f"gemv_kq_mt<{q}, {n}, {wpr}, {nu}>" for _, n in kq_passes(T)], launches
+                else:
+                    assert all(n.startswith("gemm_dp4a<") for n in launches), launches
+
+
+@pytest.mark.parametrize("type_name", L.KQUANT_TYPES)
+def test_deterministic_and_fma_path_unchanged(monkeypatch, type_name):
+    """Two runs give the same bits (no atomics: warp sums added in a fixed order); the FMA path does not
+    take the DP4A kernel."""
+    from minecart.kernels import ops
+
+    rng = np.random.default_rng()
+    w, x, r, emu = _case(type_name, 1001, 4352, 8, rng)
+    gx = cp.asarray(x)
+    a = cp.asnumpy(ops.matmul(gx, w, "dp4a"))
+    b = cp.asnumpy(ops.matmul(gx, w, "dp4a"))
+    np.testing.assert_array_equal(a, b)
+    names: list[str] = []
+    real = ops._mm_kernel
+    monkeypatch.setattr(ops, "_mm_kernel", lambda w_, n: names.append(n) or real(w_, n))
+    ops.matmul(gx, w, "fma")
+    assert names and all(n.startswith("gemv_fma<") for n in names), names
+
+
+def test_bad_variant_is_a_clear_error(monkeypatch):
+    from minecart.kernels import ops
+
+    rng = np.random.default_rng()
+    w, x, _, _ = _case("Q4_K", 16, 256, 2, rng)
+    for bad in ("3x3", "fast"):
+        monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", bad)
+        with pytest.raises(ValueError, match="MINECART_GEMV_KQ_MT"):
+            ops.matmul(cp.asarray(x), w, "dp4a")
+
+
+def test_bench_multi_runs():
+    """bench_gemv --multi on one small shape: every variant timed, sane numbers."""
+    from minecart.kernels import bench_gemv
+    from minecart.kernels.build import GEMV_KQ_MT
+
+    rows = bench_gemv.run_multi(shapes=((1024, 2304, True),), types=("Q4_K", "Q6_K"), tokens=(1, 8, 16),
+                                cycle_bytes=8 << 20, reps=2)
+    assert {(r.type_name, r.T) for r in rows} == {(t, n) for t in ("Q4_K", "Q6_K") for n in (1, 8, 16)}
+    assert len([r for r in rows if r.T == 8]) == 2 * (2 + len(GEMV_KQ_MT))
+    assert all(r.seconds > 0 and r.gbs > 0 and r.copy_share > 0 and r.over_one > 0 for r in rows)
+
+
+def test_gemv_max_t(monkeypatch):
+    """The GEMV/GEMM boundary a caller asks for: KQ_PASSES_MAX_T for K-quants, GEMV_MAX_T otherwise."""
+    from minecart.kernels import ops
+    from minecart.kernels.probe import random_q8_0
+
+    rng = np.random.default_rng()
+    w, _, _, _ = _case("Q6_K", 16, 256, 2, rng)
+    assert ops.gemv_max_t(w) == max(ops.GEMV_MAX_T, ops.KQ_PASSES_MAX_T) == 32
+    assert ops.gemv_max_t(random_q8_0(16, 256)) == ops.GEMV_MAX_T
+    monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", "old")
+    assert ops.gemv_max_t(w) == ops.GEMV_MAX_T
