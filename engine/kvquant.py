@@ -47,22 +47,30 @@ from .errors import RequestError
 # KV_BYTES_PER_VALUE is what each cache allocates per stored value (engine/placement.py prices with it).
 KV_TYPES = ("f32", "f16", "q8_0", "q3")
 DEFAULT_KV_TYPE = "f16"
-BLOCK = 32  # coordinates per scale
-BITS = 3
-N_LEVELS = 1 << BITS
-# q8_0 and q3: the codes plus one fp16 scale per BLOCK values
-KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8_0": 1 + 2 / BLOCK, "q3": BITS / 8 + 2 / BLOCK}
+Q8_BLOCK = 32  # values per fp16 scale of a q8_0 block
+BLOCK = 64  # q3: rotated values per fp16 scale
+K_BITS = 3  # q3: bits per key code (8 Lloyd-Max levels)
+V_BITS = 2  # q3: bits per value code (4 Lloyd-Max levels)
+# q8_0: the int8 values plus one fp16 scale per Q8_BLOCK; q3: the K/V average of codes + one fp16 scale
+# per BLOCK (K 3.25 and V 2.25 bits: 11/32 bytes per value, exact whenever K and V rows have the same
+# length, which every supported model has and the CUDA backend requires)
+KV_BYTES_PER_VALUE = {"f32": 4.0, "f16": 2.0, "q8_0": 1 + 2 / Q8_BLOCK,
+                      "q3": (K_BITS + V_BITS) / 16 + 2 / BLOCK}
 
-# The 8-level Lloyd-Max quantizer of N(0, 1): levels (ascending) and the decision thresholds between
-# them (midpoints of neighbouring levels). Computed once by `derive_lloyd_max()` (float64 Lloyd
-# iteration to a fixed point, repr digits kept); tests/engine/test_kvquant.py re-derives
-# them. Mean squared error per unit-variance sample: 0.034547.
+# The Lloyd-Max quantizers of N(0, 1) with 8 and 4 levels: levels (ascending) and the decision thresholds
+# between them (midpoints of neighbouring levels). Computed once by `derive_lloyd_max(n)` (float64
+# Lloyd iteration to a fixed point, repr digits kept); tests/engine/test_kvquant.py re-derives them.
+# Mean squared error per unit-variance sample: 0.034548 (8 levels), 0.117482 (4 levels).
 LEVELS = np.array([
     -2.151945704536989, -1.3439092785050035, -0.7560052812058804, -0.2450941789442228,
     0.2450941789442228, 0.7560052812058804, 1.3439092785050035, 2.151945704536989,
 ], dtype=np.float64)
+LEVELS2 = np.array([-1.5104176084990963, -0.4527800346364924, 0.4527800346364924, 1.5104176084990963],
+                   dtype=np.float64)
+CODEBOOKS = {3: LEVELS, 2: LEVELS2}  # bits -> levels
 THRESHOLDS = (LEVELS[1:] + LEVELS[:-1]) / 2.0
 LEVELS_F32 = LEVELS.astype(np.float32)
+N_LEVELS = len(LEVELS)
 FP16_MAX = 65504.0
 
 
@@ -108,11 +116,11 @@ def derive_lloyd_max(n_levels: int = N_LEVELS, *, max_iter: int = 10_000, tol: f
 # the rotation
 
 
-def _check_dim(d: int) -> None:
-    if d < BLOCK or d & (d - 1):
+def _check_dim(d: int, block: int = BLOCK) -> None:
+    if d < block or d & (d - 1):
         raise RequestError(
-            f"the q3 KV cache needs a head dimension that is a power of two and at least {BLOCK} "
-            f"(Walsh-Hadamard rotation, {BLOCK}-value scale blocks); this model has {d}: use kv_type 'f32'")
+            f"the q3 KV cache needs a head dimension that is a power of two and at least {block} "
+            f"(Walsh-Hadamard rotation, {block}-value scale blocks); this model has {d}: use kv_type 'f32'")
 
 
 def rotation_signs(d: int) -> np.ndarray:
@@ -181,44 +189,75 @@ def unpack3(packed: np.ndarray) -> np.ndarray:
     return codes.reshape(p.shape[:-1] + (8 * m,))
 
 
-def quantize_rotated(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Already-rotated rows y (..., d) -> (packed codes uint8 (..., 3d/8), scales float16 (..., d/32))."""
+def pack2(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes 0..3 (..., n), n a multiple of 4 -> uint8 (..., n/4): code i of a byte at bits 2i..2i+1."""
+    c = np.asarray(codes)
+    n = c.shape[-1]
+    if n % 4:
+        raise ValueError(f"pack2 needs a multiple of 4 codes per row, got {n}")
+    g = c.reshape(c.shape[:-1] + (n // 4, 4)).astype(np.uint8) & 3
+    return (g[..., 0] | (g[..., 1] << 2) | (g[..., 2] << 4) | (g[..., 3] << 6)).astype(np.uint8)
+
+
+def unpack2(packed: np.ndarray) -> np.ndarray:
+    """The inverse of `pack2`: uint8 (..., m) -> uint8 codes (..., 4m)."""
+    p = np.asarray(packed, np.uint8)
+    codes = np.stack([(p >> (2 * i)) & 3 for i in range(4)], axis=-1).astype(np.uint8)
+    return codes.reshape(p.shape[:-1] + (4 * p.shape[-1],))
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    return pack3(codes) if bits == 3 else pack2(codes)
+
+
+def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    return unpack3(packed) if bits == 3 else unpack2(packed)
+
+
+def quantize_rotated(y: np.ndarray, bits: int = K_BITS, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Already-rotated rows y (..., d) -> (packed `bits`-bit codes uint8 (..., bits*d/8), scales float16
+    (..., d/block)). Per block: first scale = the block RMS, codes = the nearest level of y / scale (ties
+    go to the lower level), then the least-squares scale for those codes, rounded to fp16."""
+    levels = CODEBOOKS[bits]
+    thresholds = (levels[1:] + levels[:-1]) / 2.0
     y = np.asarray(y, np.float64)
     d = y.shape[-1]
-    blocks = y.reshape(y.shape[:-1] + (d // BLOCK, BLOCK))
+    blocks = y.reshape(y.shape[:-1] + (d // block, block))
     rms = np.sqrt(np.mean(blocks * blocks, axis=-1, keepdims=True))
     safe = np.where(rms > 0, rms, 1.0)
-    codes = np.searchsorted(THRESHOLDS, blocks / safe).astype(np.uint8)  # nearest level (ties go down)
-    c = LEVELS[codes]
+    codes = np.searchsorted(thresholds, blocks / safe).astype(np.uint8)  # nearest level (ties go down)
+    c = levels[codes]
     cc = np.sum(c * c, axis=-1)  # > 0: every level is nonzero
     scale = np.sum(blocks * c, axis=-1) / cc  # least-squares scale for these codes, >= 0
     scale = np.minimum(scale, FP16_MAX).astype(np.float16)
-    return pack3(codes.reshape(y.shape)), scale
+    return pack(codes.reshape(y.shape), bits), scale
 
 
-def dequantize_rotated(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """Rotated-space rows (..., d) float32 = LEVELS[code] * scale (no inverse rotation)."""
-    codes = unpack3(packed)
+def dequantize_rotated(packed: np.ndarray, scales: np.ndarray, bits: int = K_BITS) -> np.ndarray:
+    """Rotated-space rows (..., d) float32 = level[code] * scale (no inverse rotation); the block length
+    is d / (number of scales)."""
+    codes = unpack(packed, bits)
     d = codes.shape[-1]
-    vals = LEVELS_F32[codes].reshape(codes.shape[:-1] + (d // BLOCK, BLOCK))
+    nb = np.asarray(scales).shape[-1]
+    vals = CODEBOOKS[bits].astype(np.float32)[codes].reshape(codes.shape[:-1] + (nb, d // nb))
     vals = vals * np.asarray(scales, np.float32)[..., None]
     return vals.reshape(codes.shape)
 
 
-def quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize(x: np.ndarray, bits: int = K_BITS, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """Rows x (..., d) in the model's space -> (packed codes, float16 scales); see the module doc."""
-    _check_dim(x.shape[-1])
-    return quantize_rotated(rotate(x))
+    _check_dim(x.shape[-1], block)
+    return quantize_rotated(rotate(x), bits, block)
 
 
-def dequantize(packed: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def dequantize(packed: np.ndarray, scales: np.ndarray, bits: int = K_BITS) -> np.ndarray:
     """(packed codes, scales) -> rows (..., d) float32 in the model's space (inverse rotation applied)."""
-    return unrotate(dequantize_rotated(packed, scales)).astype(np.float32)
+    return unrotate(dequantize_rotated(packed, scales, bits)).astype(np.float32)
 
 
-def bytes_per_row(d: int) -> int:
-    """Stored bytes of one q3 row of d values: 3d/8 code bytes + 2 bytes per 32-value scale."""
-    return 3 * d // 8 + 2 * (d // BLOCK)
+def bytes_per_row(d: int, bits: int = K_BITS, block: int = BLOCK) -> int:
+    """Stored bytes of one q3 row of d values: bits*d/8 code bytes + 2 bytes per `block`-value scale."""
+    return bits * d // 8 + 2 * (d // block)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,7 +270,7 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     stored as fp16 (the quantization used the fp32 d)."""
     x = np.asarray(x, np.float32)
     n = x.shape[-1]
-    blocks = x.reshape(x.shape[:-1] + (n // BLOCK, BLOCK))
+    blocks = x.reshape(x.shape[:-1] + (n // Q8_BLOCK, Q8_BLOCK))
     d = np.max(np.abs(blocks), axis=-1, keepdims=True) / np.float32(127.0)
     inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d != 0)
     y = blocks * inv
@@ -245,15 +284,15 @@ def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def dequantize_q8_0(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """(int8 (..., d), float16 (..., d/32)) -> float32 (..., d): value x scale."""
     n = q.shape[-1]
-    blocks = q.astype(np.float32).reshape(q.shape[:-1] + (n // BLOCK, BLOCK))
+    blocks = q.astype(np.float32).reshape(q.shape[:-1] + (n // Q8_BLOCK, Q8_BLOCK))
     return (blocks * np.asarray(scales, np.float32)[..., None]).reshape(q.shape)
 
 
 def check_q8_dims(*dims: int) -> None:
     for d in dims:
-        if d % BLOCK:
-            raise RequestError(f"the q8_0 KV cache stores blocks of {BLOCK} values; this model's head "
-                               f"dimension {d} is not a multiple of {BLOCK}: use kv_type 'f16'")
+        if d % Q8_BLOCK:
+            raise RequestError(f"the q8_0 KV cache stores blocks of {Q8_BLOCK} values; this model's head "
+                               f"dimension {d} is not a multiple of {Q8_BLOCK}: use kv_type 'f16'")
 
 
 def check_kv_type(kv_type: str) -> str:
@@ -268,12 +307,13 @@ def check_kv_type(kv_type: str) -> str:
 
 def attention_rotated(q: np.ndarray, k_packed, k_scales, v_packed, v_scales, *, scale: float,
                       q_positions: np.ndarray, window: int = 0) -> np.ndarray:
-    """Causal GQA attention of q (T, nh, d) over a q3 cache of L rows (packed (L, n_kv, 3d/8), scales
-    (L, n_kv, d/32)) without leaving the rotated space for K or V: scores = (R q) . k_rot, output =
-    R^T (p @ v_rot). q_positions: absolute index of each query (T,). Returns (T, nh, dv) float32."""
+    """Causal GQA attention of q (T, nh, d) over a q3 cache of L rows (K: 3-bit codes (L, n_kv, 3d/8),
+    V: 2-bit codes (L, n_kv, dv/4), scales (L, n_kv, d/BLOCK) each) without leaving the rotated space
+    for K or V: scores = (R q) . k_rot, output = R^T (p @ v_rot). q_positions: absolute index of each
+    query (T,). Returns (T, nh, dv) float32."""
     T, nh, _ = q.shape
-    k_rot = dequantize_rotated(k_packed, k_scales).astype(np.float64)  # (L, n_kv, d)
-    v_rot = dequantize_rotated(v_packed, v_scales).astype(np.float64)  # (L, n_kv, dv)
+    k_rot = dequantize_rotated(k_packed, k_scales, K_BITS).astype(np.float64)  # (L, n_kv, d)
+    v_rot = dequantize_rotated(v_packed, v_scales, V_BITS).astype(np.float64)  # (L, n_kv, dv)
     L, n_kv, dv = v_rot.shape
     group = nh // n_kv
     q_rot = rotate(q)  # (T, nh, d)
@@ -297,30 +337,35 @@ def attention_rotated(q: np.ndarray, k_packed, k_scales, v_packed, v_scales, *, 
 
 
 class Q3KVCache:
-    """K and V of one attention layer for one sequence in the q3 format: packed codes
-    (capacity, n_kv, 3d/8) uint8 and scales (capacity, n_kv, d/32) float16, first `length` valid.
+    """K and V of one attention layer for one sequence in the q3 format: K codes (capacity, n_kv,
+    k_bits*d/8) and V codes (capacity, n_kv, v_bits*dv/8) uint8, scales (capacity, n_kv, d/block)
+    float16, first `length` valid.
 
     Same contract as NumpyKVCache (append / truncate / clone, growing by doubling past `capacity`);
     `read(L)` returns the dequantized first L rows of K and V as float32 for the reference attention.
-    Rows are quantized once, on append, so re-reading never adds error.
+    Rows are quantized once, on append, so re-reading never adds error. k_bits / v_bits / block: the
+    format (the engine uses the module's K_BITS, V_BITS, BLOCK; other values are for measuring
+    candidate formats, docs/kv-cache.md).
     """
 
     kv_type = "q3"
 
-    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int):
-        _check_dim(head_dim)
-        _check_dim(value_dim)
+    def __init__(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int, *,
+                 k_bits: int = K_BITS, v_bits: int = V_BITS, block: int = BLOCK):
+        _check_dim(head_dim, block)
+        _check_dim(value_dim, block)
         self.n_kv_heads = n_kv_heads
         self.head_dim = head_dim
         self.value_dim = value_dim
+        self.k_bits, self.v_bits, self.block = k_bits, v_bits, block
         self.capacity = max(1, int(capacity))
         self.length = 0
-        self.k_codes, self.k_scales = self._alloc(self.capacity, head_dim)
-        self.v_codes, self.v_scales = self._alloc(self.capacity, value_dim)
+        self.k_codes, self.k_scales = self._alloc(self.capacity, head_dim, k_bits)
+        self.v_codes, self.v_scales = self._alloc(self.capacity, value_dim, v_bits)
 
-    def _alloc(self, rows: int, d: int):
-        return (np.zeros((rows, self.n_kv_heads, 3 * d // 8), np.uint8),
-                np.zeros((rows, self.n_kv_heads, d // BLOCK), np.float16))
+    def _alloc(self, rows: int, d: int, bits: int):
+        return (np.zeros((rows, self.n_kv_heads, bits * d // 8), np.uint8),
+                np.zeros((rows, self.n_kv_heads, d // self.block), np.float16))
 
     def append(self, k: np.ndarray, v: np.ndarray) -> None:
         need = self.length + k.shape[0]
@@ -332,14 +377,14 @@ class Q3KVCache:
                 grown[: self.length] = old[: self.length]
                 setattr(self, name, grown)
             self.capacity = new_cap
-        self.k_codes[self.length : need], self.k_scales[self.length : need] = quantize(k)
-        self.v_codes[self.length : need], self.v_scales[self.length : need] = quantize(v)
+        self.k_codes[self.length : need], self.k_scales[self.length : need] = quantize(k, self.k_bits, self.block)
+        self.v_codes[self.length : need], self.v_scales[self.length : need] = quantize(v, self.v_bits, self.block)
         self.length = need
 
     def read(self, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Dequantized K (L, n_kv, d) and V (L, n_kv, dv), float32."""
-        return (dequantize(self.k_codes[:length], self.k_scales[:length]),
-                dequantize(self.v_codes[:length], self.v_scales[:length]))
+        return (dequantize(self.k_codes[:length], self.k_scales[:length], self.k_bits),
+                dequantize(self.v_codes[:length], self.v_scales[:length], self.v_bits))
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -347,7 +392,8 @@ class Q3KVCache:
         self.length = int(length)
 
     def clone(self) -> Q3KVCache:
-        twin = Q3KVCache(self.n_kv_heads, self.head_dim, self.value_dim, self.capacity)
+        twin = Q3KVCache(self.n_kv_heads, self.head_dim, self.value_dim, self.capacity,
+                         k_bits=self.k_bits, v_bits=self.v_bits, block=self.block)
         for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
             getattr(twin, name)[: self.length] = getattr(self, name)[: self.length]
         twin.length = self.length
@@ -356,7 +402,8 @@ class Q3KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Stored bytes per token of this layer (K and V, every KV head)."""
-        return self.n_kv_heads * (bytes_per_row(self.head_dim) + bytes_per_row(self.value_dim))
+        return self.n_kv_heads * (bytes_per_row(self.head_dim, self.k_bits, self.block)
+                                  + bytes_per_row(self.value_dim, self.v_bits, self.block))
 
     @property
     def nbytes(self) -> int:
@@ -410,7 +457,7 @@ def greedy_tokens(model, prompt, n: int, kv_type: str) -> list[int]:
 
 def kv_bytes_per_token(config, kv_type: str) -> int:
     """Stored KV bytes per token per attention layer (K and V, every KV head; head dims are whole
-    blocks of BLOCK values, so the product is exact)."""
+    blocks, so the product is exact; for q3 when K and V rows have the same length)."""
     values = config.n_kv_heads * (config.head_dim + config.value_head_dim)
     return round(values * KV_BYTES_PER_VALUE[check_kv_type(kv_type)])
 

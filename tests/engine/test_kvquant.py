@@ -1,5 +1,6 @@
-"""The q3 KV cache (engine/kvquant.py): codebook, packing, rotation, error bounds, the NumPy cache and
-the model end to end on the shared tiny fixture (q3 against the f32 cache).
+"""The q3 KV cache (engine/kvquant.py: K 3-bit and V 2-bit codes, an fp16 scale per 64 rotated values):
+codebooks, packing, rotation, error bounds, the NumPy cache and the model end to end on the shared tiny
+fixture (q3 against the f32 cache).
 
 The end-to-end bounds are about 2x the numbers measured in docs/kv-cache.md, so a real regression
 (a wrong rotation, swapped codes, a lost scale) fails them, while the exact q3-vs-f32 difference is
@@ -29,6 +30,13 @@ def test_stored_codebook_is_the_lloyd_max_fixed_point():
     # Max (1960), table for N = 8: outputs 0.2451, 0.7560, 1.344, 2.152; MSE 0.03454
     np.testing.assert_allclose(kq.LEVELS[4:], [0.2451, 0.7560, 1.344, 2.152], atol=6e-4)
     assert abs(mse - 0.03454) < 2e-5
+    # the 4-level codebook of the 2-bit V codes; Max (1960), N = 4: outputs 0.4528, 1.510; MSE 0.1175
+    levels2, _, mse2 = kq.derive_lloyd_max(4)
+    np.testing.assert_allclose(kq.LEVELS2, levels2, rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(kq.LEVELS2, -kq.LEVELS2[::-1])
+    np.testing.assert_allclose(kq.LEVELS2[2:], [0.4528, 1.510], atol=6e-4)
+    assert abs(mse2 - 0.1175) < 2e-4
+    assert kq.CODEBOOKS == {3: kq.LEVELS, 2: kq.LEVELS2}
 
 
 def test_codebook_is_optimal_on_gaussian_samples():
@@ -67,6 +75,20 @@ def test_pack_unpack_round_trip_is_bit_exact(shape):
 def test_pack3_refuses_a_partial_group():
     with pytest.raises(ValueError, match="multiple of 8"):
         kq.pack3(np.zeros(12, np.uint8))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        kq.pack2(np.zeros(6, np.uint8))
+
+
+def test_pack2_layout_and_round_trip():
+    # code i of a byte at bits 2i: codes 0, 1, 2, 3 -> 0b11100100 = 0xE4
+    np.testing.assert_array_equal(kq.pack2(np.array([0, 1, 2, 3, 3, 3, 3, 3], np.uint8)), [0xE4, 0xFF])
+    rng = np.random.default_rng(2)
+    codes = rng.integers(0, 4, (5, 2, 64)).astype(np.uint8)
+    packed = kq.pack(codes, 2)
+    assert packed.shape == (5, 2, 16)
+    np.testing.assert_array_equal(kq.unpack(packed, 2), codes)
+    raw = rng.integers(0, 256, (3, 16)).astype(np.uint8)
+    np.testing.assert_array_equal(kq.pack2(kq.unpack2(raw)), raw)  # every byte is a valid packing
 
 
 # ---- rotation -------------------------------------------------------------------------------------
@@ -109,14 +131,16 @@ def test_bad_head_dims_are_refused_with_a_fix():
 # ---- error on Gaussian and outlier data --------------------------------------------------------
 @pytest.mark.parametrize("d", DIMS)
 @pytest.mark.parametrize("sigma", [1e-3, 1.0, 300.0])
-def test_relative_error_on_gaussian_rows(d, sigma):
+@pytest.mark.parametrize("bits,lo,hi", [(3, 0.02, 0.036), (2, 0.09, 0.1175)])
+def test_relative_error_on_gaussian_rows(d, sigma, bits, lo, hi):
     x = sigma * np.random.default_rng(d).standard_normal((2000, d))
-    packed, scales = kq.quantize(x)
-    assert packed.shape == (2000, 3 * d // 8) and scales.shape == (2000, d // 32)
+    packed, scales = kq.quantize(x, bits)
+    assert packed.shape == (2000, bits * d // 8) and scales.shape == (2000, d // 64)
     assert scales.dtype == np.float16
-    rel_mse = np.sum((kq.dequantize(packed, scales) - x) ** 2) / np.sum(x**2)
-    # Lloyd-Max bound 0.0345 for a known variance; the per-block least-squares scale does a bit better
-    assert 0.02 < rel_mse < 0.036, rel_mse
+    rel_mse = np.sum((kq.dequantize(packed, scales, bits) - x) ** 2) / np.sum(x**2)
+    # Lloyd-Max bounds for a known variance: 0.0345 (8 levels), 0.1175 (4 levels); the per-block
+    # least-squares scale does a bit better (measured 0.0325 and 0.113)
+    assert lo < rel_mse < hi, rel_mse
 
 
 def test_rotation_tames_outlier_channels():
@@ -125,27 +149,31 @@ def test_rotation_tames_outlier_channels():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1000, 128))
     x[:, [3, 77]] *= 40.0
-    rel = np.sum((kq.dequantize(*kq.quantize(x)) - x) ** 2) / np.sum(x**2)
-    codes, scales = kq.quantize_rotated(x)  # the same codebook without the rotation
-    rel_no_rotation = np.sum((kq.dequantize_rotated(codes, scales) - x) ** 2) / np.sum(x**2)
-    assert rel < 0.04
-    assert rel_no_rotation > 2 * rel
+    for bits, bound in ((3, 0.04), (2, 0.1)):  # measured 0.023 and 0.063
+        rel = np.sum((kq.dequantize(*kq.quantize(x, bits), bits) - x) ** 2) / np.sum(x**2)
+        codes, scales = kq.quantize_rotated(x, bits)  # the same codebook without the rotation
+        rel_no_rotation = np.sum((kq.dequantize_rotated(codes, scales, bits) - x) ** 2) / np.sum(x**2)
+        assert rel < bound
+        assert rel_no_rotation > 5 * rel
 
 
 def test_least_squares_scale_beats_the_rms_scale():
-    y = kq.rotate(np.random.default_rng(7).standard_normal((500, 64)))
-    packed, scales = kq.quantize_rotated(y)
-    blocks = y.reshape(500, 2, 32)
-    rms = np.sqrt(np.mean(blocks**2, axis=-1, keepdims=True))
-    rms_err = np.sum((kq.LEVELS[np.searchsorted(kq.THRESHOLDS, blocks / rms)] * rms - blocks) ** 2)
-    assert np.sum((kq.dequantize_rotated(packed, scales) - y) ** 2) < rms_err
+    y = kq.rotate(np.random.default_rng(7).standard_normal((500, 128)))
+    for bits in (3, 2):
+        lv = kq.CODEBOOKS[bits]
+        packed, scales = kq.quantize_rotated(y, bits)
+        blocks = y.reshape(500, 2, 64)
+        rms = np.sqrt(np.mean(blocks**2, axis=-1, keepdims=True))
+        rms_err = np.sum((lv[np.searchsorted((lv[1:] + lv[:-1]) / 2, blocks / rms)] * rms - blocks) ** 2)
+        assert np.sum((kq.dequantize_rotated(packed, scales, bits) - y) ** 2) < rms_err
 
 
 def test_zero_rows_stay_zero():
     x = np.zeros((3, 64))
     x[1] = np.random.default_rng(0).standard_normal(64)
-    out = kq.dequantize(*kq.quantize(x))
-    assert np.all(out[0] == 0) and np.all(out[2] == 0) and np.all(np.isfinite(out))
+    for bits in (3, 2):
+        out = kq.dequantize(*kq.quantize(x, bits), bits)
+        assert np.all(out[0] == 0) and np.all(out[2] == 0) and np.all(np.isfinite(out))
 
 
 # ---- the NumPy cache ----------------------------------------------------------------------------
@@ -153,27 +181,36 @@ def test_q3_cache_append_grow_truncate_clone():
     rng = np.random.default_rng(3)
     cache = NumpyBackend().new_kv_cache(2, 64, 128, 3, kv_type="q3")
     assert isinstance(cache, kq.Q3KVCache)
+    assert (cache.k_bits, cache.v_bits, cache.block) == (3, 2, 64)
     k = rng.standard_normal((10, 2, 64)).astype(np.float32)
     v = rng.standard_normal((10, 2, 128)).astype(np.float32)
     cache.append(k[:4], v[:4])
     cache.append(k[4:], v[4:])  # grows past the capacity of 3
     assert cache.length == 10 and cache.capacity >= 10
     got_k, got_v = cache.read(10)
-    np.testing.assert_array_equal(got_k, kq.dequantize(*kq.quantize(k)))
-    np.testing.assert_array_equal(got_v, kq.dequantize(*kq.quantize(v)))
+    np.testing.assert_array_equal(got_k, kq.dequantize(*kq.quantize(k, 3), 3))
+    np.testing.assert_array_equal(got_v, kq.dequantize(*kq.quantize(v, 2), 2))
     assert 0.01 < np.sum((got_k - k) ** 2) / np.sum(k**2) < 0.05
+    assert 0.07 < np.sum((got_v - v) ** 2) / np.sum(v**2) < 0.14
     twin = cache.clone()
     cache.truncate(5)
     cache.append(-k[5:], -v[5:])
     np.testing.assert_array_equal(twin.read(10)[0], got_k)  # the clone is independent
-    np.testing.assert_array_equal(cache.read(10)[0][5:], kq.dequantize(*kq.quantize(-k[5:])))
+    np.testing.assert_array_equal(cache.read(10)[0][5:], kq.dequantize(*kq.quantize(-k[5:], 3), 3))
+    np.testing.assert_array_equal(cache.read(10)[1][5:], kq.dequantize(*kq.quantize(-v[5:], 2), 2))
     with pytest.raises(ValueError):
         cache.truncate(11)
-    # 3 bits per value + a 2-byte scale per 32 values = 14 bytes per 32 values (placement.py's price)
-    assert cache.bytes_per_token == 2 * (64 + 128) * 14 // 32
+    # K: 3 bits per value + a 2-byte scale per 64 = 26 bytes per 64 values; V: 2 bits + the scale = 18
+    assert cache.bytes_per_token == 2 * (26 + 2 * 18) == 124
     assert cache.nbytes == cache.capacity * cache.bytes_per_token
-    f32 = NumpyKVCache(2, 64, 128, cache.capacity)
-    assert (f32.k.nbytes + f32.v.nbytes) * 14 == cache.nbytes * 4 * 32  # 9.14x smaller than f32
+    assert cache.k_codes.shape[1:] == (2, 24) and cache.v_codes.shape[1:] == (2, 32)
+    assert cache.k_scales.shape[1:] == (2, 1) and cache.v_scales.shape[1:] == (2, 2)
+    # equal K and V dims: exactly the placement price, 11/32 bytes per value (2.75 bits)
+    eq = NumpyBackend().new_kv_cache(4, 256, 256, 8, kv_type="q3")
+    assert kq.KV_BYTES_PER_VALUE["q3"] == 11 / 32
+    assert eq.bytes_per_token == 4 * 2 * 256 * 11 // 32 == 4 * (104 + 72)
+    f32 = NumpyKVCache(4, 256, 256, 8)
+    assert (f32.k.nbytes + f32.v.nbytes) * 11 == eq.nbytes * 4 * 32  # 11.6x smaller than f32
 
 
 def test_unknown_kv_type_is_refused():
@@ -215,11 +252,11 @@ def test_fixture_logits_with_q3_stay_close_to_f32(tiny):
     ref = kq.sequence_logits(model, ids, "f32")
     got = kq.sequence_logits(model, ids, "q3")
     row = kq.compare_logits(ref, got)
-    # measured (docs/kv-cache.md): rel mean 0.019, max 0.087, top-1 0.992, KL mean 0.0017, max 0.015
-    assert 0.003 < row["rel_err_mean"] < 0.04
-    assert row["rel_err_max"] < 0.2
+    # measured (docs/kv-cache.md): rel mean 0.033, max 0.105, top-1 0.984, KL mean 0.0053, max 0.052
+    assert 0.006 < row["rel_err_mean"] < 0.07
+    assert row["rel_err_max"] < 0.25
     assert row["top1_agree"] >= 0.95
-    assert row["kl_mean"] < 0.005 and row["kl_max"] < 0.05
+    assert row["kl_mean"] < 0.012 and row["kl_max"] < 0.12
     # Model.logits uses the model's kv_type (q3 here): the same numbers, up to float32 rounding of a
     # different prompt length (1e-5 absolute was seen on one of 5M logits)
     np.testing.assert_allclose(model.logits(ids[:20]), got[:20], rtol=1e-4, atol=1e-4)
@@ -268,8 +305,8 @@ def test_cli_has_the_kv_type_flag():
 
 
 def test_cuda_source_carries_the_same_codebook_and_signs():
-    """kernels/kvq3.cu (never run on a GPU yet) hard-codes the levels, thresholds and the sign hash;
-    they must be the NumPy ones (checked on the text, no GPU needed)."""
+    """kernels/kvq3.cu hard-codes the levels, thresholds, the block and the sign hash, kernels/kvq3.py the
+    bits and the block; they must be the NumPy ones (checked on the text, no GPU needed)."""
     import re
     from pathlib import Path
 
@@ -281,10 +318,15 @@ def test_cuda_source_carries_the_same_codebook_and_signs():
         body = re.search(name + r"\[\d\] = \{([^}]*)\}", src).group(1)
         return np.array([float(v.strip().rstrip("f")) for v in body.split(",")])
 
-    np.testing.assert_allclose(table("KVQ3_LEVELS"), kq.LEVELS, rtol=2e-9, atol=1e-12)
-    np.testing.assert_allclose(table("KVQ3_THRESHOLDS"), kq.THRESHOLDS, rtol=2e-9, atol=1e-12)
-    for const in ("0x9E3779B1", "0x85EBCA6B", ">> 16", ">> 13", ">> 31"):
+    np.testing.assert_allclose(table("KVQ3_LEVELS3"), kq.LEVELS, rtol=2e-9, atol=1e-12)
+    np.testing.assert_allclose(table("KVQ3_THRESHOLDS3"), kq.THRESHOLDS, rtol=2e-9, atol=1e-12)
+    np.testing.assert_allclose(table("KVQ3_LEVELS2"), kq.LEVELS2, rtol=2e-9, atol=1e-12)
+    np.testing.assert_allclose(table("KVQ3_THRESHOLDS2"), (kq.LEVELS2[1:] + kq.LEVELS2[:-1]) / 2,
+                               rtol=2e-9, atol=1e-12)
+    for const in ("0x9E3779B1", "0x85EBCA6B", ">> 16", ">> 13", ">> 31", f"#define KVQ3_BLOCK {kq.BLOCK}"):
         assert const in src
+    py = (Path(kernels_pkg.__file__).parent / "kvq3.py").read_text()
+    assert f"K_BITS, V_BITS, BLOCK = {kq.K_BITS}, {kq.V_BITS}, {kq.BLOCK}" in py
 
 
 def test_runtime_load_passes_the_kv_type(fixtures_dir):
