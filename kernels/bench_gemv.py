@@ -9,10 +9,10 @@ kernels over the same layout ("split", ops.GEMV_KQ_VARIANT). The bytes counted a
 (`QWeight.nbytes`: the file's, Q6_K plus the padding of a tail group). The last lines weight each
 shape by its launches per 9B decode step.
 
-`--multi` times the multi-token K-quant matmuls of a batched decode step instead (T = 1, 2, 4, 8, 16, 32
-tokens, one per sequence, at the same shapes): "auto" (ops._gemv_kq_mt: passes of gemv_kq_mt), each
-compiled gemv_kq_mt shape and "old" (the kernels before gemv_kq_mt: gemv_dp4a launches of 8/4/2/1
-tokens up to 8, the tiled GEMM above); per line the GPU time per call, per token, the GB/s of weight bytes
+`--multi` times the multi-token matmuls of a batched decode step instead (T = 1, 2, 4, 8, 16, 32 tokens,
+one per sequence, at the same shapes): "auto" (K-quants: ops._gemv_kq_mt, passes of gemv_kq_mt up to 32
+tokens; Q8_0: ops._gemv_mt, gemv_mt up to 8), each compiled shape of those kernels and "old" (the kernels
+before them: gemv_dp4a launches of 8/4/2/1 tokens up to 8, the tiled GEMM above); per line the GPU time per call, per token, the GB/s of weight bytes
 against the copy bandwidth, and the time over the single-token call; then the GEMV time of a 9B batched
 decode step per T and variant. About a minute on an H200.
 
@@ -32,7 +32,7 @@ import cupy as cp
 import numpy as np
 
 from . import kquant_layout, ops
-from .build import GEMV_KQ, GEMV_KQ_MT
+from .build import GEMV_KQ, GEMV_KQ_MT, GEMV_MT
 from .probe import measure_copy, random_q8_0, time_gpu
 
 # (rows, row length, residual epilogue) of the 9B single-token GEMVs: attention output / FFN down with
@@ -151,15 +151,15 @@ class MultiRow:
     over_one: float  # seconds / the single-token call's seconds (auto), same shape
 
 
-def run_multi(shapes=SHAPES_9B, types=kquant_layout.KQUANT_TYPES, tokens=TOKENS_MULTI,
+def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
               cycle_bytes: int = 256 << 20, reps: int = 5, copy: float | None = None, out=None) -> list[MultiRow]:
-    """Time the K-quant DP4A matmul of T tokens in every variant (module docstring) at every shape and T;
+    """Time the DP4A matmul of T tokens in every variant (module docstring) at every shape and T;
     print a line each to `out` (None: silent) and the GEMV time of a 9B batched decode step per T."""
     copy = copy if copy is not None else measure_copy()
     if out is not None:
         print(f"copy bandwidth {copy:.0f} GB/s", file=out)
     rows: list[MultiRow] = []
-    saved = (ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT)
+    saved = (ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT, ops.GEMV_MT_VARIANT)
     rng = np.random.default_rng(0)
     try:
         ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT = "auto", "auto"
@@ -178,9 +178,16 @@ def run_multi(shapes=SHAPES_9B, types=kquant_layout.KQUANT_TYPES, tokens=TOKENS_
                         for w in ws:
                             ops.matmul(x, w, "dp4a", residual=res)
 
-                    variants = ["auto", "old"] + [f"{a}x{b}" for a, b in GEMV_KQ_MT] if T > 1 else ["auto"]
+                    shapes_mt = GEMV_MT if type_name == "Q8_0" else GEMV_KQ_MT
+                    top = ops.GEMV_MAX_T if type_name == "Q8_0" else max(ops.GEMV_MAX_T, ops.KQ_PASSES_MAX_T)
+                    variants = ["auto"] if T == 1 else ["auto", "old"]
+                    if 1 < T <= top:
+                        variants += [f"{a}x{b}" for a, b in shapes_mt]
                     for v in variants:
-                        ops.GEMV_KQ_MT_VARIANT = v
+                        if type_name == "Q8_0":  # gemv_mt up to GEMV_MAX_T tokens, the GEMM above
+                            ops.GEMV_MT_VARIANT = v
+                        else:
+                            ops.GEMV_KQ_MT_VARIANT = v
                         t = time_gpu(call, reps) / len(ws)
                         if T == 1 and v == "auto":
                             one = t
@@ -195,11 +202,11 @@ def run_multi(shapes=SHAPES_9B, types=kquant_layout.KQUANT_TYPES, tokens=TOKENS_
                 del ws, first
                 cp.get_default_memory_pool().free_all_blocks()
     finally:
-        ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT = saved
+        ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT, ops.GEMV_MT_VARIANT = saved
     if out is not None:
         for type_name in types:
             for T in tokens:
-                for v in ("auto", "old") + tuple(f"{a}x{b}" for a, b in GEMV_KQ_MT):
+                for v in ("auto", "old") + tuple(f"{a}x{b}" for a, b in sorted(set(GEMV_KQ_MT) | set(GEMV_MT))):
                     sel = [r for r in rows if r.type_name == type_name and r.T == T and r.variant == v
                            and (r.R, r.K) in CALLS_9B]
                     if len(sel) == len({(R, K) for R, K, _ in shapes} & set(CALLS_9B)) and sel:
@@ -214,18 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--types", default=",".join(TYPES), help=f"comma-separated formats (default {','.join(TYPES)})")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     p.add_argument("--multi", action="store_true",
-                   help="time the multi-token K-quant matmuls of a batched decode step (T = 1..32 tokens) "
-                        "instead of the single-token GEMVs; --types defaults to the K-quants")
+                   help="time the multi-token matmuls of a batched decode step (T = 1..32 tokens) instead "
+                        "of the single-token GEMVs")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS_MULTI)),
                    help=f"with --multi: comma-separated token counts (default {','.join(map(str, TOKENS_MULTI))})")
     args = p.parse_args(argv)
     types = tuple(t for t in args.types.split(",") if t)
-    allowed = kquant_layout.KQUANT_TYPES if args.multi else TYPES
-    if args.multi and args.types == ",".join(TYPES):
-        types = allowed
-    bad = [t for t in types if t not in allowed]
+    bad = [t for t in types if t not in TYPES]
     if bad:
-        p.error(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(allowed)}")
+        p.error(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(TYPES)}")
     rows: list[Row] | list[MultiRow]
     if args.multi:
         try:

@@ -488,3 +488,74 @@ gemv_kq_mt(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __re
         }
     }
 }
+
+// gemv_mt: gemv_kq_mt's geometry for the other DP4A formats (build.GEMV_MT_TYPES; Q8_0 first): NT = 2..8
+// tokens, 8 lanes per row (lane s reads blocks 8 j + s, so a row group reads 8 consecutive blocks, Q8_0
+// 256 contiguous bytes, and the 4 row groups of a warp share every activation load), WPR (2 or 4) warps
+// per row group added through shared memory, NU rounds of 8 blocks per lane in flight as expanded
+// WBlocks (load_wblock, the loads of gemv_dp4a). Rows need not be whole rounds: lanes past the row end
+// load and add nothing (no shuffles in the loop, so lanes may diverge there). y / res (NT, R) as
+// gemv_kq_mt. Registers as gemv_kq_mt (64 for NT <= 4, 96 above); ptxas -v: NU = 1 spills nothing on
+// sm_61..sm_90, NU = 2 16-20 bytes at NT = 7 on sm_86 only.
+template <int QT, int NT, int WPR, int NU>
+__global__ void __launch_bounds__(128, NT > 4 ? 5 : 8)
+gemv_mt(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+        const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
+        const float* __restrict__ res) {
+    static_assert(WPR == 2 || WPR == 4, "gemv_mt: 2 or 4 warps per row group");
+    constexpr int RPB = 16 / WPR;  // rows per block (blockDim.x must be 128)
+    __shared__ float part[4][4][NT];  // (warp, row group, token) sums
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
+    const int grp = lane >> 3, s = lane & 7;
+    const int sub = warp % WPR;
+    const int row = blockIdx.x * RPB + (warp / WPR) * 4 + grp;
+    const bool live = row < R;
+    const int nb = K >> 5, n8 = (nb + 7) >> 3;  // rounds of 8 blocks (the last may be partial)
+    const u8* wrow = wq + (i64)(live ? row : 0) * row_bytes<QT>(K);
+    const u16* wdrow = wd + (i64)(live ? row : 0) * nb;
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.0f;
+#pragma unroll 1
+    for (int j0 = sub; j0 < n8; j0 += WPR * NU) {
+        WBlock w[NU];
+#pragma unroll
+        for (int u = 0; u < NU; u++) {
+            const int b = 8 * (j0 + WPR * u) + s;
+            if (live && b < nb) load_wblock<QT>(wrow, wdrow, b, w[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < NU; u++) {
+            const int b = 8 * (j0 + WPR * u) + s;
+            if (live && b < nb) {
+#pragma unroll
+                for (int t = 0; t < NT; t++) wblock_dot_acc(acc[t], w[u], xq, xd, xs, (i64)t * nb + b);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], 1);
+        acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], 2);
+        acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], 4);
+    }
+    if (s == 0) {
+#pragma unroll
+        for (int t = 0; t < NT; t++) part[warp][grp][t] = acc[t];
+    }
+    __syncthreads();
+    const int i = threadIdx.x;  // thread i < RPB * NT: row i / NT of the block, token i % NT
+    if (i < RPB * NT) {
+        const int r = i / NT, t = i % NT;
+        const int w0 = (r >> 2) * WPR, g = r & 3;
+        const int orow = blockIdx.x * RPB + r;
+        if (orow < R) {
+            float v = part[w0][g][t];
+#pragma unroll
+            for (int k = 1; k < WPR; k++) v += part[w0 + k][g][t];
+            i64 yi = (i64)t * R + orow;
+            y[yi] = res != 0 ? v + res[yi] : v;
+        }
+    }
+}

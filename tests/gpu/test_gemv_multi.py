@@ -1,4 +1,4 @@
-"""The multi-token K-quant GEMV of batched decode (gemv_kq_mt, kernels/gemv.cu) on the GPU.
+"""The multi-token GEMVs of batched decode (gemv_kq_mt and, for Q8_0, gemv_mt; kernels/gemv.cu) on the GPU.
 
 Every K-quant type (Q4_K, Q5_K, Q6_K), T = 1..8 tokens through ops.matmul (T = 1: gemv_kq, 2..8: one
 gemv_kq_mt launch) in every compiled gemv_kq_mt shape and "auto", and T = 9..32 (several passes), and the
@@ -6,7 +6,8 @@ boundary to the tiled GEMM; odd row counts (R not a multiple of 4 or 16), rows o
 values (tail super-blocks, Q6_K tail groups), with and without the residual epilogue, outputs poisoned
 with NaN. Each result against the exact NumPy emulation of the DP4A arithmetic (the dequantized weights
 @ the q8_1-rounded activations, fp64; normalized error < 2e-5) and against gemv_dp4a on the same layout
-("old"), on fresh random inputs each run. The launches are recorded, so a test fails if the kernel it
+("old"), on fresh random inputs each run. Q8_0 (gemv_mt): T = 2..8, every compiled shape, rows of 32 x odd
+blocks (a partial last round of 8 blocks). The launches are recorded, so a test fails if the kernel it
 means to check did not run. CPU twin of the kernel's indexing: tests/kernels/test_kq_mt_emulation.py."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from minecart.kernels import kquant_layout as L
 
+from tests.gpu.test_kernels import make_tensor
 from tests.gpu.test_kquant_gemv import dense, nerr, q8_1_emulation, sane_blocks
 
 cp = pytest.importorskip("cupy")
@@ -154,12 +156,13 @@ def test_bad_variant_is_a_clear_error(monkeypatch):
 def test_bench_multi_runs():
     """bench_gemv --multi on one small shape: every variant timed, sane numbers."""
     from minecart.kernels import bench_gemv
-    from minecart.kernels.build import GEMV_KQ_MT
+    from minecart.kernels.build import GEMV_KQ_MT, GEMV_MT
 
-    rows = bench_gemv.run_multi(shapes=((1024, 2304, True),), types=("Q4_K", "Q6_K"), tokens=(1, 8, 16),
+    rows = bench_gemv.run_multi(shapes=((1024, 2304, True),), types=("Q8_0", "Q4_K", "Q6_K"), tokens=(1, 8, 16),
                                 cycle_bytes=8 << 20, reps=2)
-    assert {(r.type_name, r.T) for r in rows} == {(t, n) for t in ("Q4_K", "Q6_K") for n in (1, 8, 16)}
-    assert len([r for r in rows if r.T == 8]) == 2 * (2 + len(GEMV_KQ_MT))
+    assert {(r.type_name, r.T) for r in rows} == {(t, n) for t in ("Q8_0", "Q4_K", "Q6_K") for n in (1, 8, 16)}
+    assert len([r for r in rows if r.T == 8 and r.type_name != "Q8_0"]) == 2 * (2 + len(GEMV_KQ_MT))
+    assert len([r for r in rows if r.T == 8 and r.type_name == "Q8_0"]) == 2 + len(GEMV_MT)
     assert all(r.seconds > 0 and r.gbs > 0 and r.copy_share > 0 and r.over_one > 0 for r in rows)
 
 
@@ -174,3 +177,45 @@ def test_gemv_max_t(monkeypatch):
     assert ops.gemv_max_t(random_q8_0(16, 256)) == ops.GEMV_MAX_T
     monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", "old")
     assert ops.gemv_max_t(w) == ops.GEMV_MAX_T
+
+
+@pytest.mark.parametrize("T", [2, 3, 4, 5, 6, 7, 8])
+def test_q8_0_gemv_mt(monkeypatch, poison, launches, T):
+    """gemv_mt on Q8_0 in every compiled shape and "auto", with and without the residual, against the
+    emulation and gemv_dp4a ("old"); rows of 7, 129 and 128 blocks (partial and whole rounds of 8)."""
+    from minecart.engine import quants as Q
+    from minecart.kernels import ops
+    from minecart.kernels.build import GEMV_MT
+
+    rng = np.random.default_rng()
+    variants = ["auto", "old"] + [f"{a}x{b}" for a, b in GEMV_MT]
+    for R, K in ((259, 224), (37, 4128), (1001, 4096)):
+        info = make_tensor(rng, "Q8_0", (R, K), 0.05)
+        wdense = Q.dequantize(info).reshape(R, K)
+        w = ops.upload_weight(info.raw, "Q8_0", (R, K))
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        r = rng.standard_normal((T, R)).astype(np.float32)
+        emu = q8_1_emulation(x, wdense)
+        gx, gr = cp.asarray(x), cp.asarray(r)
+        got = {}
+        for v in variants:
+            monkeypatch.setattr(ops, "GEMV_MT_VARIANT", v)
+            for res in (None, gr):
+                poison()
+                launches.clear()
+                y = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
+                want = emu + (r if res is not None else 0)
+                err = nerr(y, want)
+                assert err < TOL, f"Q8_0 {v} {R}x{K} T={T}{' +res' if res is not None else ''}: {err:.2e}"
+                if v == "old":
+                    assert all(n.startswith("gemv_dp4a<") for n in launches), launches
+                else:
+                    wpr, nu = ops._gemv_mt("Q8_0", T, R)
+                    assert launches == [f"gemv_mt<{ops.QT['Q8_0']}, {T}, {wpr}, {nu}>"], launches
+                got[(v, res is None)] = y
+        for key, y in got.items():
+            old = got[("old", key[1])]
+            assert nerr(y, old) < TOL, f"{key} vs old {R}x{K} T={T}: {nerr(y, old):.2e}"
+    monkeypatch.setattr(ops, "GEMV_MT_VARIANT", "9x9")
+    with pytest.raises(ValueError, match="MINECART_GEMV_MT"):
+        ops.matmul(gx, w, "dp4a")

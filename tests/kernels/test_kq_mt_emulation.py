@@ -2,15 +2,15 @@
 by lane: its grid, warp and lane indexing, the loop over super-blocks (uniform over a warp, the 8 lanes
 of a row group on one super-block), the shuffle gather of d / dmin, the integer dot products, the
 8-lane reduction and the shared-memory epilogue, run on repacked random K-quant rows (kquant_layout.py)
-and q8_1 activations, against dequantize-then-matmul in fp64. Also build.kq_passes, the split of T tokens
-into launches. The GPU itself runs the kernel in tests/gpu/test_gemv_multi.py."""
+and q8_1 activations, against dequantize-then-matmul in fp64. Also gemv_mt's loop (Q8_0: rows of any
+number of 32-value blocks) and build.kq_passes, the split of T tokens into launches. The GPU itself runs the kernel in tests/gpu/test_gemv_multi.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from minecart.kernels import kquant_layout as L
-from minecart.kernels.build import GEMV_KQ_MT, GEMV_KQ_MT_TOKENS, kq_passes
+from minecart.kernels.build import GEMV_KQ_MT, GEMV_KQ_MT_TOKENS, GEMV_MT, kq_passes
 
 from tests.kernels.test_kquant_layout import emulate_block_ints, kq_dd_shift, random_blocks
 
@@ -143,3 +143,21 @@ def test_passes_cover_the_tokens_in_compiled_sizes():
         assert max(n for _, n in p) - min(n for _, n in p) <= 1
     with pytest.raises(ValueError):
         kq_passes(1)
+
+
+@pytest.mark.parametrize("wpr,nu", GEMV_MT)
+def test_gemv_mt_visits_every_block_once(wpr, nu):
+    """gemv_mt's loop (gemv.cu): over the WPR warps of a row group, each of a row's nb blocks is read
+    once, by lane s = b & 7 of the group, also when nb is not a multiple of 8 (the last round partial)."""
+    for nb in (1, 7, 8, 9, 128, 129, 385):
+        n8 = (nb + 7) >> 3
+        seen = np.zeros(nb, np.int64)
+        for sub in range(wpr):
+            for j0 in range(sub, n8, wpr * nu):
+                for u in range(nu):
+                    for s in range(8):
+                        b = 8 * (j0 + wpr * u) + s
+                        if b < nb:  # the kernel's guard: lanes past the row end load and add nothing
+                            assert b & 7 == s
+                            seen[b] += 1
+        assert (seen == 1).all(), f"nb={nb}: blocks visited {np.unique(seen)} times"
