@@ -303,6 +303,45 @@ class RigBackend:
         link's time for it."""
         self._wait_link(int(n_bytes), time.perf_counter() if started is None else started)
 
+    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
+                   after=None, wait: bool = True):
+        """The real backend's captured decode step (engine/execution.py) with this device's link charged
+        for the hidden state the step receives (`host_in`) and sends (`host_out`), where a riser's copy
+        would take it: a CUDA device's graph stream is held for the link's time before the step's graph
+        (after `after`) and after it, and the event at the end of the hold is what the next stage
+        follows; the host thread never waits for a link (see `_hold`). A step that cannot use a graph
+        (None) is run eagerly by the executor, whose copies (asarray / to_numpy_into) pay the link."""
+        link = self.rig_device.link
+        if link is None or (host_in is None and host_out is None):
+            return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch, host_in=host_in,
+                                          host_out=host_out, after=after, wait=wait)
+        if host_in is not None:
+            after = self._hold(link.seconds(int(host_in.nbytes)), after)
+        done = self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch, host_in=host_in,
+                                      host_out=host_out, after=after, wait=wait)
+        if done is None:
+            return None
+        moved = sum(int(b.nbytes) for b in (host_in, host_out) if b is not None)
+        with self._lock:
+            self.transferred_bytes += moved
+            self.transfer_seconds += sum(link.seconds(int(b.nbytes)) for b in (host_in, host_out) if b is not None)
+        if host_out is None:
+            return done  # the last stage: host logits (the link to the sampler is not charged in graphs)
+        held = self._hold(link.seconds(int(host_out.nbytes)), None if done is True else done)
+        return True if held is None else held
+
+    def _hold(self, seconds: float, after):
+        """The link's `seconds`, after `after` (an event, or None: now). On a CUDA device: the real
+        backend's graph stream is held that long on the GPU (CupyBackend.hold, kernels/link.cu) ->
+        the event at its end, and the host goes on. On a host device (no streams): wait for `after`,
+        then for the time itself -> None (done)."""
+        if self.rig_device.physical.startswith("cuda:"):
+            return self._inner.hold(seconds, after)
+        if after is not None:
+            after.synchronize()
+        _wait_until(time.perf_counter() + seconds)
+        return None
+
     def asarray(self, host_array):
         started = time.perf_counter()
         out = self._inner.asarray(host_array)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from importlib import resources
 
 import pytest
@@ -77,3 +78,51 @@ def test_rates_and_sizes():
     assert parse_bytes("3500MiB") == 3500 * MiB
     assert parse_link("250MB/s+30us").seconds(250_000) == pytest.approx(1e-3 + 30e-6)
     assert LINKS["gen1x1"].seconds(0) == pytest.approx(20e-6)
+
+
+# ---- a simulated link in a split decode step: charged on the streams, not on the host ----------------
+
+
+class _StreamFake:
+    """Stands in for a CUDA backend: graph_step launches (returns an event, never waits when told not
+    to), `hold` queues a wait on its stream and returns the event at its end. Records the calls."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
+                   after=None, wait=True):
+        self.calls.append(("graph", after))
+        return ("graph done", key) if host_out is not None and not wait else "logits"
+
+    def hold(self, seconds, after=None):
+        self.calls.append(("hold", round(seconds, 9), after))
+        return ("held", len(self.calls))
+
+
+def test_graph_step_charges_the_link_on_the_stream_without_a_host_wait():
+    import numpy as np
+
+    rig = Rig.logical("cuda:0", [None, None], link="1MB/s+100us", backend_factory=lambda phys: _StreamFake())
+    a, b = rig.backend("cuda:0"), rig.backend("cuda:1")
+    buf = np.zeros((1, 1024), np.float32)  # 4 KiB: 4.196 ms at 1 MB/s + 100 us
+    link_s = 100e-6 + 4096 / 1e6
+    t0 = time.perf_counter()
+    ev = a.graph_step("s0", None, [1], [0], owner=[], host_out=buf, wait=False)
+    out = b.graph_step("s1", None, [1], [0], owner=[], host_in=buf, after=ev)
+    assert time.perf_counter() - t0 < link_s  # two link times charged, none waited for on the host
+    # the sender: its graph, then its link held after the graph's event; the event handed on is the hold's
+    assert a.inner.calls == [("graph", None), ("hold", round(link_s, 9), ("graph done", "s0"))]
+    assert ev == ("held", 2)
+    # the receiver: its link held after the sender's, then its graph after that hold
+    assert b.inner.calls == [("hold", round(link_s, 9), ("held", 2)), ("graph", ("held", 1))]
+    assert out == "logits"
+    assert a.transferred_bytes == b.transferred_bytes == 4096
+    assert a.transfer_seconds == pytest.approx(link_s) and b.transfer_seconds == pytest.approx(link_s)
+
+
+def test_graph_step_without_a_link_or_hidden_state_is_the_real_backends():
+    rig = Rig.logical("cuda:0", [None], backend_factory=lambda phys: _StreamFake())
+    be = rig.backend("cuda:0")
+    assert be.graph_step("s", None, [1], [0], owner=[], after="e") == "logits"
+    assert be.inner.calls == [("graph", "e")] and be.transferred_bytes == 0

@@ -180,12 +180,12 @@ def test_graphed_split_decode_equals_one_device(path, costs, single_script, n_de
     plan = Placement.from_layer_counts(costs, counts)
     with load_model(path, placement=plan, devices=_rig([None] * n_dev, link=link)) as model:
         pipe = model.executor
-        assert pipe.chain_graphs == (link is None)
+        assert pipe.chain_graphs  # a link's time passes on the streams (engine/rig.py RigBackend.graph_step)
         got = _script(model, PROMPT)
         label = f"{n_dev} logical devices{' @' + link if link else ''}, graphed decode"
         _check_same(single_script, got, label)
         print(f"stage runs: {pipe.graphed_stage_steps} graphed, {pipe.eager_stage_steps} eager "
-              f"({'chained by events' if pipe.chain_graphs else 'host wait per stage'})")
+              f"(chained by events{', link held on the streams' if link else ''})")
         assert pipe.graphed_stage_steps >= n_dev * 20  # most steps replay every stage's graph
         assert pipe.eager_stage_steps >= 1  # the cache growth ran eagerly (then re-captured)
         pipe.use_graphs = False
@@ -290,3 +290,53 @@ def test_split_decode_speed_and_memory(shape_4b):
     assert split.graphed_stage_steps >= 2 * n and split.decode_tokens_per_s > split.decode_eager_tokens_per_s
     off = {k: v for k, v in ratios.items() if abs(v - 1) >= 0.05}
     assert not off, f"memory estimate off by 5% or more (measured/estimate): {off}"
+
+
+# ---- a simulated link's time passes on the GPU streams, not on the host (engine/rig.py, kernels/link.cu) ----
+
+
+def test_hold_keeps_the_stream_waiting_not_the_host():
+    from minecart.engine.backends.cupy_backend import CupyBackend
+
+    be = CupyBackend("cuda:0", probe=False)
+    be.hold(0.0).synchronize()  # compiles and loads the module
+    t0 = time.perf_counter()
+    ev = be.hold(0.020)
+    queued = time.perf_counter() - t0
+    ev.synchronize()
+    total = time.perf_counter() - t0
+    print(f"\nhold 20 ms: queued in {queued * 1e6:.0f} us, done after {total * 1e3:.2f} ms")
+    assert queued < 0.005 and 0.020 <= total < 0.040
+    # after another hold's event (as a split's next stage follows the previous one): one after the other
+    other = CupyBackend("cuda:0", probe=False)
+    t0 = time.perf_counter()
+    first = be.hold(0.010)
+    second = other.hold(0.010, first)
+    second.synchronize()
+    assert time.perf_counter() - t0 >= 0.020
+
+
+def test_slow_link_is_charged_in_graphed_split_decode(path, costs):
+    """2 logical devices behind a 100 kB/s link: every decoded token waits for its hidden state to go
+    down one riser and up the other (2 x (20 us + 4 x hidden B / 100 kB/s)), held on the GPU streams
+    (the tokens against one device: test_graphed_split_decode_equals_one_device's gen1x1 case)."""
+    from minecart.engine.model import load_model
+    from minecart.engine.placement import Placement
+
+    plan = Placement.from_layer_counts(costs, [("cuda:0", 4), ("cuda:1", 4)])
+    with load_model(path, placement=plan, devices=_rig([None, None], link="100kB/s")) as model:
+        hop = model.config.hidden * 4 / 100e3 + 20e-6
+        s = model.new_session(len(PROMPT) + 40)
+        logits = s.prefill(PROMPT, chunk=16)
+        for _ in range(3):  # capture the stages' graphs
+            logits = s.step(int(np.argmax(logits)))
+        before = model.executor.graphed_stage_steps
+        t0 = time.perf_counter()
+        n = 10
+        for _ in range(n):
+            logits = s.step(int(np.argmax(logits)))
+        per_token = (time.perf_counter() - t0) / n
+        s.close()
+        print(f"\n100 kB/s link: {per_token * 1e3:.2f} ms a token (links {2 * hop * 1e3:.2f} ms)")
+        assert model.executor.graphed_stage_steps - before == 2 * n
+        assert 2 * hop <= per_token < 2 * hop + 0.02
