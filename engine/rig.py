@@ -10,7 +10,18 @@ about 250 MB/s). `Rig.backend(name)` returns a `RigBackend`: the real backend be
   the allocation, so a plan that would not fit a 4 GiB card fails the same way on a 140 GiB one;
 - charges every host<->device copy (`asarray`, `to_numpy`) to the device's link: a copy of N bytes
   waits latency + N / bandwidth, measured from when the copy starts, so compute that overlaps it
-  elsewhere is not slowed.
+  elsewhere is not slowed;
+- in a split decode step (engine/execution.py: one captured graph per stage, chained by events, the
+  host waiting only for the last stage's logits) charges the hidden state's crossings where a real
+  riser's copy would sit: `graph_step` holds the receiving device's graph stream for its link's time
+  before the stage's graph and the sending device's stream after it (CupyBackend.hold: a
+  single-thread kernel waiting on the GPU's global timer, kernels/link.cu), and the next stage follows
+  the hold's event. The host thread never sleeps for a link there, as it would not on a rig whose
+  copies run on the cards' copy engines. Simulated: the time (latency + bytes / rate, per riser, in
+  order with the stages); real: the copies themselves (the H200's PCIe, a few microseconds). A step
+  that cannot use its graph runs eagerly through asarray / to_numpy_into (host waits, as above). The
+  logits row's copy to the host is not charged in graph decode (placement.predict_speed's
+  logits_over_link=False prices that).
 
 What this is not: a memory allocator (the real backend allocates; the cap is bookkeeping over what the
 proxy sees, which is everything resident; transient activations are not capped) or a timing model of
