@@ -857,6 +857,16 @@ class Placement:
             )
         return out
 
+    def load_peak(self, device: str) -> int:
+        """Bytes CUDA's memory pool holds at the peak of loading `device`'s weights (the weights loaded
+        so far and the upload in progress: _load_peak), what bytes_per_device's `staging` compares
+        with the run; 0 where weights are float32 arrays (layout "numpy") or nothing is held."""
+        if self.costs.layout != "stored":
+            return 0
+        moved = {n for p in self.expert_parts() for n in p.experts}
+        on_dev = [p for p, d in zip(self.costs.parts, self.assignment, strict=True) if d == device]
+        return _load_peak(on_dev, moved)
+
     def describe(self, indices: Iterable[int]) -> str:
         """People's words for a set of part indices: "the embedding, layers 0-11 and the LM head"."""
         idx = sorted(set(indices))

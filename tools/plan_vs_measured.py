@@ -2,7 +2,7 @@
 and prefill / decode tokens/s, predicted vs measured.
 
     python tools/plan_vs_measured.py run [--shapes qwen3.5-9b,qwen3.5-27b] [--quant q4_k] [--layers 16]
-        [--context 32768] [--prompt 2048] [--decode 64] [--dir DIR] [--json OUT.json]
+        [--context 32768] [--prompt 2048] [--decode 64] [--link gen1x1] [--full] [--dir DIR] [--json OUT.json]
     python tools/plan_vs_measured.py report split.json --shape qwen3.5-9b --quant q4_k --card H200
 
 `run` synthesizes each shape once (engine/synth.py, kept in --dir and reused by later runs), then for
@@ -11,10 +11,16 @@ plan_auto, loads the file with that plan, allocates a session for the whole --co
 plan priced), prefills a --prompt token prompt in chunks of --chunk and decodes --decode tokens (CUDA
 graphs, as the engine runs), and prints a table and, with --json, the rows as JSON:
 
-- memory, per GPU: measured = the highest device memory in use (total - free) sampled during the load
-  (after each weight), after the prefill and after the decode: the CUDA context, CuPy's pool with its
-  holes, kernel modules, graph executables. Predicted = the plan's DeviceBytes total with the context
-  measured on the device. Logical devices sharing one GPU are compared on that GPU (their resident
+- memory, per GPU, two peaks:
+  - the run's: the highest device memory in use (total - free) sampled during the load (after each
+    weight), after the prefill and after the decode: the CUDA context, CuPy's pool with its holes,
+    kernel modules, graph executables. Predicted = the plan's DeviceBytes total less `staging` (the
+    load's excess over the run), with the context measured on the device;
+  - the load's: the CUDA context + the pool's high-water mark while the weights uploaded
+    (CupyBackend.load_memory_peak: the backend hands each upload's temporaries, a K-quant repack's or
+    a staged copy's, back to the device before the next weight, and notes the pool's total first).
+    Predicted = context + Placement.load_peak (logical devices sharing a GPU load in order, each
+    beside the weights of those before it). Logical devices sharing one GPU are compared on that GPU (their resident
   bytes added up, the widest scratch once, one context) and each on its resident arrays (weights, KV
   cache, state: rig.allocated_bytes) against the plan's resident bytes. Target: within 5%.
 - speed: measured prefill and decode tokens/s against predict_speed with the card's profile (--card,
@@ -24,6 +30,11 @@ graphs, as the engine runs), and prints a table and, with --json, the rows as JS
 - calibration (the single-device rows): device memory outside the pool beyond the context after an
   eager decode step (kernel modules: placement.KERNEL_MODULES_BYTES) and what capturing the decode
   graphs adds, per layer (placement.GRAPH_BYTES_PER_LAYER).
+
+--link puts every device of the split rows behind that simulated riser (engine/rig.py; its time is
+charged on the GPU streams between the stages' graphs). --full is the issue's table at full depth:
+--layers 0 --context 8192 --prompt 1024 --decode 32 and the split rows behind --link (default gen1x1);
+run one shape per device call (the synthesized 27B Q4_K file is ~16 GB and is written first).
 
 --layers keeps the first N layers of each shape (0 = all): the prediction is made for exactly the file
 that runs, so the comparison holds at any depth, and per-layer costs (what a split moves) are what is
@@ -114,16 +125,20 @@ class RowSpec:
     rig: str
 
 
-def row_specs(single_bytes: int, kind: str = "cuda") -> list[RowSpec]:
+def row_specs(single_bytes: int, kind: str = "cuda", link: str = "") -> list[RowSpec]:
     """1 device; 2 devices with equal caps; 3 devices capped 8:8:6 (the 27B target rig's shape). The
     caps are sized from the single-device estimate (`single_bytes`, context excluded) so that each
-    split needs every device: 60% of it per device for two, 44/44/33% for three."""
+    split needs every device: 60% of it per device for two, 44/44/33% for three. link (an engine/rig.py
+    LINKS name or rate): every device of the split rows sits behind that simulated riser."""
+    at = f"@{link}" if link else ""
+
     def cap(fraction: float) -> str:
-        return f"{max(1, int(single_bytes * fraction / (1 << 20)))}MiB"
+        return f"{max(1, int(single_bytes * fraction / (1 << 20)))}MiB{at}"
 
     return [RowSpec("1 device", f"{kind}:0"),
-            RowSpec("2 devices", f"{kind}:0={cap(0.6)},{kind}:1={cap(0.6)}"),
-            RowSpec("3 devices 8:8:6", f"{kind}:0={cap(0.44)},{kind}:1={cap(0.44)},{kind}:2={cap(0.33)}")]
+            RowSpec(f"2 devices{' ' + at if at else ''}", f"{kind}:0={cap(0.6)},{kind}:1={cap(0.6)}"),
+            RowSpec(f"3 devices 8:8:6{' ' + at if at else ''}",
+                    f"{kind}:0={cap(0.44)},{kind}:1={cap(0.44)},{kind}:2={cap(0.33)}")]
 
 
 @dataclass
@@ -227,6 +242,9 @@ def measure_row(path: Path, costs, spec: RowSpec, *, context: int, prompt: int, 
         model._free_states(states)
         layers_on = {ph: sum(1 for p, d in model.device_plan.items() if d in g.logical and p.startswith("layer."))
                      for ph, g in gpus.items()}
+        # the pool's high-water mark while the weights uploaded (CupyBackend.load_memory_peak: noted
+        # before each upload's temporaries went back to the device; one pool per GPU)
+        load_pool = {ph: max(int(be.load_memory_peak()) for be in g.backends) for ph, g in gpus.items()}
         ctx = {ph: int(g.backend.context_bytes) for ph, g in gpus.items()}
     finally:
         model.close()
@@ -237,7 +255,8 @@ def measure_row(path: Path, costs, spec: RowSpec, *, context: int, prompt: int, 
             "load_s": load_s, "prefill_s": prefill_s, "decode_s": decode_s, "prompt": prompt, "decode": decode,
             "gpus": {ph: {"logical": g.logical, "peak_used": g.peak_used, "samples": g.samples,
                           "context": ctx[ph], "outside_eager": outside_eager[ph],
-                          "outside_graphs": outside_graphs[ph], "layers": layers_on[ph]}
+                          "outside_graphs": outside_graphs[ph], "layers": layers_on[ph],
+                          "load_pool_peak": load_pool[ph]}
                      for ph, g in gpus.items()},
             "resident": resident}
 
@@ -260,11 +279,24 @@ def predict_row(m: dict[str, Any], card: str) -> dict[str, Any]:
             predicted = (sum(b.total - b.overhead - b.activations for b in mine) + max(b.activations for b in mine)
                          + g["context"] + mine[0].modules + sum(b.graphs for b in mine))
         graphs = g["outside_graphs"] - g["outside_eager"]
+        # the load: the pool at its peak beside the context, the logical devices loaded in order (each
+        # after the ones before it, whose weights stay); the run: the estimate without the load's excess
+        before = load_predicted = 0
+        for d, b in zip(g["logical"], mine, strict=True):
+            load_predicted = max(load_predicted, before + plan.load_peak(d))
+            before += b.weights
+        run_predicted = predicted - sum(b.staging for b in mine)
+        load_measured = g["load_pool_peak"]
         out["gpus"][ph] = {"logical": g["logical"], "predicted_peak": int(predicted), "measured_peak": g["peak_used"],
                            "ratio": g["peak_used"] / predicted if predicted else 0.0, "context": g["context"],
                            "modules_measured": g["outside_eager"], "modules_predicted": mine[0].modules,
                            "graphs_measured": graphs, "graphs_predicted": sum(b.graphs for b in mine),
                            "graph_bytes_per_layer_measured": graphs / g["layers"] if g["layers"] else 0.0,
+                           "load_measured": g["context"] + load_measured,
+                           "load_predicted": g["context"] + load_predicted,
+                           "load_ratio": (load_measured / load_predicted) if load_predicted else 0.0,
+                           "run_predicted": int(run_predicted),
+                           "run_ratio": g["peak_used"] / run_predicted if run_predicted else 0.0,
                            "samples": g["samples"]}
     speed = gpu_profiles.card(card).speed if card else None
     specs = {d.name: d for d in rig.device_specs()}
@@ -282,28 +314,34 @@ def predict_row(m: dict[str, Any], card: str) -> dict[str, Any]:
 
 
 def run_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| shape | config | device | predicted peak | measured peak | ratio | prefill tok/s (pred) | "
-             "decode tok/s (pred) |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    """The issue's table: per GPU the run's peak (device memory in use after the load, the prefill and
+    the decode) and the load's peak (CUDA context + the pool's high-water mark while the weights
+    uploaded), each measured / predicted; resident bytes per logical device; prefill and decode tokens/s
+    measured (predicted, measured / predicted)."""
+    lines = ["| shape | config | device | run peak: measured / predicted | ratio | load peak: measured / "
+             "predicted | ratio | prefill tok/s (pred, ratio) | decode tok/s (pred, ratio) |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         speed = (f"{r['prefill']:.0f} ({r['prefill_predicted']:.0f}, {r['prefill_ratio']:.2f}) | "
                  f"{r['decode']:.1f} ({r['decode_predicted']:.1f}, {r['decode_ratio']:.2f})")
         for ph, g in r["gpus"].items():
             lines.append(f"| {r['shape']} | {r['config']} | {ph} ({', '.join(g['logical'])}) | "
-                         f"{g['predicted_peak'] / GiB:.3f} GiB | {g['measured_peak'] / GiB:.3f} GiB | "
-                         f"{g['ratio']:.3f} | {speed} |")
+                         f"{g['measured_peak'] / GiB:.3f} / {g['run_predicted'] / GiB:.3f} GiB | "
+                         f"{g['run_ratio']:.3f} | {g['load_measured'] / GiB:.3f} / {g['load_predicted'] / GiB:.3f} "
+                         f"GiB | {g['load_ratio']:.3f} | {speed} |")
             speed = "| "
         for dev, d in r["devices"].items():
             if r["shared_gpu"] or not r["gpus"]:
                 lines.append(f"| {r['shape']} | {r['config']} | {dev} resident | "
-                             f"{d['predicted_resident'] / GiB:.3f} GiB | {d['measured_resident'] / GiB:.3f} GiB | "
-                             f"{d['resident_ratio']:.3f} | {speed} |")
+                             f"{d['measured_resident'] / GiB:.3f} / {d['predicted_resident'] / GiB:.3f} GiB | "
+                             f"{d['resident_ratio']:.3f} | | | {speed} |")
                 speed = "| "
     return "\n".join(lines)
 
 
 def worst_misses(rows: list[dict[str, Any]]) -> tuple[float, float]:
     """(largest memory miss, largest speed miss) as fractions."""
-    mem = [abs(g["ratio"] - 1) for r in rows for g in r["gpus"].values()]
+    mem = [abs(g[k] - 1) for r in rows for g in r["gpus"].values() for k in ("run_ratio", "load_ratio")]
     mem += [abs(d["resident_ratio"] - 1) for r in rows for d in r["devices"].values()]
     spd = [max(abs(r["prefill_ratio"] - 1), abs(r["decode_ratio"] - 1)) for r in rows]
     return max(mem, default=0.0), max(spd, default=0.0)
@@ -321,7 +359,14 @@ def synthesize(shape: str, quant: str, layers: int, directory: Path) -> Path:
     return path
 
 
+FULL = {"layers": 0, "context": 8192, "prompt": 1024, "decode": 32}  # --full: whole models, short runs
+
+
 def run(args) -> int:
+    if args.full:
+        for k, v in FULL.items():
+            setattr(args, k, v)
+        args.link = args.link or "gen1x1"
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     kind = "cpu" if args.cpu else "cuda"
@@ -342,7 +387,7 @@ def run(args) -> int:
             gf.close()
         single = Placement.single(costs, f"{kind}:0", context=args.context, chunk=args.chunk,
                                   kv_type=args.kv_type).bytes_per_device()[f"{kind}:0"]
-        for spec in row_specs(single.total - single.overhead, kind):
+        for spec in row_specs(single.total - single.overhead, kind, args.link):
             t0 = time.perf_counter()
             m = measure_row(path, costs, spec, context=args.context, prompt=args.prompt, decode=args.decode,
                             chunk=args.chunk, kv_type=args.kv_type, physical_gpus=physical)
@@ -384,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--card", default="H200", help="card profile for the speed prediction (default H200)")
     r.add_argument("--dir", default="/tmp/minecart-plan-vs-measured", help="where the synthesized files are kept")
     r.add_argument("--json", default="", help="also write the rows as JSON to this file")
+    r.add_argument("--link", default="", help="simulated riser of every device in the split rows, e.g. gen1x1 "
+                   "(engine/rig.py LINKS or a rate; default none)")
+    r.add_argument("--full", action="store_true", help="whole models (--layers 0) with a short run: --context "
+                   "8192 --prompt 1024 --decode 32, split rows behind --link (default gen1x1); one shape per "
+                   "device call (estimated on an H200, synthesis included: 9B ~2.5 min, 27B ~4 min)")
     r.add_argument("--cpu", action="store_true", help="run on CPU devices (a smoke test; resident bytes only)")
     r.set_defaults(func=run)
     b = sub.add_parser("report", help="a `minecart bench --devices ... --json` report against the speed model")
