@@ -359,7 +359,12 @@ def test_load_peak_of_kquant_repacks():
     """A K-quant tensor is repacked chunk by chunk on the device: beside its final arrays the pool holds
     KQUANT_REPACK_FACTOR x min(tensor, KQUANT_REPACK_CHUNK) at the upload's peak; nothing after it
     (the backend frees it before the next weight)."""
-    from minecart.engine.placement import KQUANT_REPACK_CHUNK, KQUANT_REPACK_FACTOR, PartCost, _load_peak
+    from minecart.engine.placement import (
+        KQUANT_REPACK_CHUNK,
+        KQUANT_REPACK_FACTOR,
+        PartCost,
+        _load_peak,
+    )
 
     big, small = 3 * KQUANT_REPACK_CHUNK, KQUANT_REPACK_CHUNK // 4
     part = PartCost("layer.0", "gdn", (("a", big), ("b", small)), repacked=(("a", "Q4_K"), ("b", "Q6_K")))
@@ -486,7 +491,9 @@ def test_max_context_is_the_longest_that_fits():
         m = max_context(plan, devices)
         assert m > 4096
         assert fits(plan.with_settings(context=m), devices)
-        assert not fits(plan.with_settings(context=m + 8), devices)
+        # q3 (2.75 bits per value) fits the model's whole trained context here: the cap, not memory, stops it
+        assert m == plan.costs.context_length or not fits(plan.with_settings(context=m + 8), devices)
+        assert m < plan.costs.context_length or kv == "q3"
 
 
 def test_predictions_match_the_h200_measurements():
