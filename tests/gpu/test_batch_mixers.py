@@ -124,7 +124,7 @@ ATTN_SHAPES = [  # nh, n_kv, d, rope dims, M-RoPE sections
     (16, 4, 256, 64, ()),  # Qwen3.5 9B
     (8, 2, 128, 64, (11, 11, 10)),
 ]
-LENGTHS = (0, 37, 700, 5)  # a first token, short, across many flash_decode slices, short again
+LENGTHS = (0, 37, 300, 5)  # a first token, short, across ~10 flash_decode slices, short again
 
 
 def _prefill(be, cache, rng, n, nh, n_kv, d, kw):
