@@ -1,36 +1,40 @@
-"""3-bit KV cache ("q3"): Walsh-Hadamard rotation + 8-level Lloyd-Max scalar codebook.
+"""The "q3" KV cache: Walsh-Hadamard rotation + Lloyd-Max scalar codebooks, 2.75 bits per value.
 
 What this is: the host (NumPy) specification of the q3 KV format and the NumPy backend's q3 cache
 (`Q3KVCache`). Every K and V row that attention appends (per token, per KV head, AFTER RoPE, so a
 partial-RoPE head is rotated as one whole vector: the rotated-by-RoPE dims and the pass-through dims
 are mixed together, which is what spreads the energy evenly) is stored as:
 
+0. keys only: centred, x = k - k_ref, k_ref the cache's fixed reference row (the mean of its first
+   append's keys; softmax ignores the shift, see Q3KVCache). Values are stored as they come.
 1. rotated: y = H_d (s * x), H_d the normalized Sylvester Walsh-Hadamard matrix (entries +-1/sqrt(d),
    d = 64/128/256, a power of two) and s a fixed +-1 sign per dimension (`rotation_signs`). The sign
    flips cost nothing and stop a constant or Hadamard-row shaped vector (all dims equal) from landing
    in a single coordinate. R = H_d diag(s) is orthonormal, so R^-1 = R^T = diag(s) H_d.
    After the rotation every coordinate is a mix of all d inputs, close to Gaussian whatever the
    outlier channels of the input were: that is what makes a Gaussian codebook fit.
-2. split into blocks of BLOCK = 32 coordinates; each block gets one scale, stored as float16.
-   fp16 because its relative rounding (2^-11 = 5e-4) is ~400x below the 3-bit quantization error
-   (relative RMS error ~0.19) and it halves the scale overhead against fp32; 2 bytes per 32 values
-   matches the q3 price placement.py already uses (14 bytes per 32 values: 12 code bytes + 2 scale
-   bytes). A scale is clipped to the fp16 maximum (65504): a block of K/V values with an RMS above
-   that would not fit an f16 cache either. Per-32-block (not per-row) scales: measured in
-   docs/kv-cache.md, they track the per-block spread of a rotated row and cost 0.5 bit per value.
-3. the scale starts as the block RMS; each coordinate takes the nearest Lloyd-Max level of
-   y / scale (codes 0..7, levels ascending); the scale is then refit by least squares given the codes
-   (scale = <y, c> / <c, c>), which lowers the block's squared error for the same codes.
-4. 8 codes are packed little-endian into 3 bytes (code i at bits 3i..3i+2 of a 24-bit word).
+2. split into blocks of BLOCK = 64 coordinates; each block gets one scale, stored as float16 (its
+   relative rounding, 2^-11, is far below the quantization error). A scale is clipped to the fp16
+   maximum (65504): a block of K/V values with an RMS above that would not fit an f16 cache either.
+3. codes: K_BITS = 3 for keys (the 8-level Lloyd-Max quantizer of N(0, 1)), V_BITS = 2 for values (the
+   4-level one). The scale starts as the block RMS; each coordinate takes the nearest level of
+   y / scale (codes ascending with the levels); the scale is then refit by least squares given the
+   codes (scale = <y, c> / <c, c>), which lowers the block's squared error for the same codes.
+4. packing: a group of 8 codes takes `bits` bytes, code i at bits bits*i.. of the little-endian word
+   (3-bit: 8 codes per 3 bytes; 2-bit: 4 codes per byte).
+So a K row costs 3.25 and a V row 2.25 bits per value (2.75 on average: Qwen3.5-27B at 262,144 tokens
+holds 2.95 GB of KV). Why this split (keys get the bits, values fewer), the block size and the measured
+quality: docs/kv-cache.md.
 
-Dequantize = LEVELS[code] * scale, then the inverse rotation. The NumPy backend dequantizes what it
+Dequantize = level[code] * scale, then the inverse rotation. The NumPy backend dequantizes what it
 reads and runs the ordinary fp64 attention on it (the reference path: the cache "holds" the
 dequantized K and V). Because R is orthonormal, q . k = (R q) . (R k) and sum_j p_j v_j =
 R^T sum_j p_j (R v_j), so a GPU kernel can instead rotate q once, score against the rotated codes
 and inverse-rotate only the output row (`attention_rotated` below is that form; a test checks both
 agree to rounding).
 
-What this is not: the CUDA implementation (kernels/kvq3.cu, used by the CuPy backend) or a fast CPU path.
+What this is not: the CUDA implementation (kernels/kvq3.cu, used by the CuPy backend: it attends in
+the rotated space straight from the codes) or a fast CPU path.
 """
 
 from __future__ import annotations
@@ -309,7 +313,8 @@ def attention_rotated(q: np.ndarray, k_packed, k_scales, v_packed, v_scales, *, 
                       q_positions: np.ndarray, window: int = 0) -> np.ndarray:
     """Causal GQA attention of q (T, nh, d) over a q3 cache of L rows (K: 3-bit codes (L, n_kv, 3d/8),
     V: 2-bit codes (L, n_kv, dv/4), scales (L, n_kv, d/BLOCK) each) without leaving the rotated space
-    for K or V: scores = (R q) . k_rot, output = R^T (p @ v_rot). q_positions: absolute index of each
+    for K or V: scores = (R q) . k_rot, output = R^T (p @ v_rot). The keys' reference row (Q3KVCache
+    k_ref) is not needed: it shifts every score of a query alike. q_positions: absolute index of each
     query (T,). Returns (T, nh, dv) float32."""
     T, nh, _ = q.shape
     k_rot = dequantize_rotated(k_packed, k_scales, K_BITS).astype(np.float64)  # (L, n_kv, d)
@@ -343,7 +348,16 @@ class Q3KVCache:
 
     Same contract as NumpyKVCache (append / truncate / clone, growing by doubling past `capacity`);
     `read(L)` returns the dequantized first L rows of K and V as float32 for the reference attention.
-    Rows are quantized once, on append, so re-reading never adds error. k_bits / v_bits / block: the
+    Rows are quantized once, on append, so re-reading never adds error.
+
+    Keys are stored centred: `k_ref` (n_kv, d) float32 is the mean of the FIRST append's K rows per
+    KV head (float64 mean rounded to float32), fixed for the cache's life (truncate and clone keep it),
+    and every K row is quantized as k - k_ref (float32 subtraction). Attention needs no correction:
+    q . (k - k_ref) differs from q . k by q . k_ref, the same for every key of a query, and softmax is
+    blind to that shift. `read` adds k_ref back. Real models' keys share a large common component
+    (50-80% of the energy on the demo model, docs/kv-cache.md); centring stops the 3-bit error from
+    scaling with it. k_ref is one fp32 row per KV head per layer, not per token (not in `nbytes`).
+    k_bits / v_bits / block: the
     format (the engine uses the module's K_BITS, V_BITS, BLOCK; other values are for measuring
     candidate formats, docs/kv-cache.md).
     """
@@ -362,6 +376,7 @@ class Q3KVCache:
         self.length = 0
         self.k_codes, self.k_scales = self._alloc(self.capacity, head_dim, k_bits)
         self.v_codes, self.v_scales = self._alloc(self.capacity, value_dim, v_bits)
+        self.k_ref: np.ndarray | None = None  # set by the first append
 
     def _alloc(self, rows: int, d: int, bits: int):
         return (np.zeros((rows, self.n_kv_heads, bits * d // 8), np.uint8),
@@ -377,14 +392,20 @@ class Q3KVCache:
                 grown[: self.length] = old[: self.length]
                 setattr(self, name, grown)
             self.capacity = new_cap
-        self.k_codes[self.length : need], self.k_scales[self.length : need] = quantize(k, self.k_bits, self.block)
+        k = np.asarray(k, np.float32)
+        if self.k_ref is None:
+            self.k_ref = np.mean(k, axis=0, dtype=np.float64).astype(np.float32)
+        self.k_codes[self.length : need], self.k_scales[self.length : need] = quantize(
+            k - self.k_ref, self.k_bits, self.block)
         self.v_codes[self.length : need], self.v_scales[self.length : need] = quantize(v, self.v_bits, self.block)
         self.length = need
 
     def read(self, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """Dequantized K (L, n_kv, d) and V (L, n_kv, dv), float32."""
-        return (dequantize(self.k_codes[:length], self.k_scales[:length], self.k_bits),
-                dequantize(self.v_codes[:length], self.v_scales[:length], self.v_bits))
+        """Dequantized K (L, n_kv, d) (k_ref added back) and V (L, n_kv, dv), float32."""
+        k = dequantize(self.k_codes[:length], self.k_scales[:length], self.k_bits)
+        if self.k_ref is not None:
+            k = k + self.k_ref
+        return k, dequantize(self.v_codes[:length], self.v_scales[:length], self.v_bits)
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:
@@ -397,6 +418,7 @@ class Q3KVCache:
         for name in ("k_codes", "k_scales", "v_codes", "v_scales"):
             getattr(twin, name)[: self.length] = getattr(self, name)[: self.length]
         twin.length = self.length
+        twin.k_ref = None if self.k_ref is None else self.k_ref.copy()
         return twin
 
     @property
@@ -462,15 +484,17 @@ def kv_bytes_per_token(config, kv_type: str) -> int:
     return round(values * KV_BYTES_PER_VALUE[check_kv_type(kv_type)])
 
 
-def measure(model, sequences: dict, *, greedy: int = 32) -> dict:
-    """q3 against f32 on `model` (loaded on the NumPy backend): compare_logits per named sequence of
-    token ids, greedy agreement over `greedy` tokens after each, and bytes per token per layer."""
-    report: dict[str, Any] = {"bytes_per_token_layer": {t: kv_bytes_per_token(model.config, t) for t in KV_TYPES},
-              "sequences": {}}
+def measure(model, sequences: dict, *, greedy: int = 32, kv_type: str = "q3") -> dict:
+    """`kv_type` (q3 by default) against f32 on `model` (loaded on the NumPy backend): compare_logits per
+    named sequence of token ids, greedy agreement over `greedy` tokens after each, and bytes per token
+    per layer of every type."""
+    check_kv_type(kv_type)
+    report: dict[str, Any] = {"kv_type": kv_type, "sequences": {},
+                              "bytes_per_token_layer": {t: kv_bytes_per_token(model.config, t) for t in KV_TYPES}}
     for name, ids in sequences.items():
-        row = compare_logits(sequence_logits(model, ids, "f32"), sequence_logits(model, ids, "q3"))
+        row = compare_logits(sequence_logits(model, ids, "f32"), sequence_logits(model, ids, kv_type))
         if greedy:
-            a, b = greedy_tokens(model, ids, greedy, "f32"), greedy_tokens(model, ids, greedy, "q3")
+            a, b = greedy_tokens(model, ids, greedy, "f32"), greedy_tokens(model, ids, greedy, kv_type)
             same = [x == y for x, y in zip(a, b, strict=True)]
             row["greedy_same"] = int(sum(same))
             row["greedy_first_diff"] = same.index(False) if False in same else None

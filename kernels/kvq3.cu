@@ -8,7 +8,9 @@
 // Cache layout: codes (capacity, n_kv, BITS*D/8) u8, scales (capacity, n_kv, D/64) fp16 bits (u16).
 //
 // kvq3_quantize<D, BITS>: one block of D threads per (token, KV head) row; writes rows start..start+T-1.
-//   start_ptr (CUDA-graph decode): a device int32 that replaces `start`.
+//   start_ptr (CUDA-graph decode): a device int32 that replaces `start`. ref (keys; nullptr for values):
+//   the cache's reference row per KV head (n_kv, D), subtracted in fp32 before the rotation (keys are
+//   stored centred; attention needs no correction, softmax ignores the per-query shift q . ref).
 // kvq3_rotate<D> / kvq3_unrotate<D>: y = H diag(s) x / x = diag(s) H y, one block of D threads per row.
 // Attention works in the rotated space: q.k = (Rq).(Rk) and sum p v = R^T sum p (R v), so the caller
 // rotates q once (kvq3_rotate), the kernels score against dequantized-but-rotated keys and accumulate
@@ -93,14 +95,16 @@ __device__ __forceinline__ u32 kvq3_group(const u8* __restrict__ row, int g) {
 template <int D, int BITS>
 __global__ void __launch_bounds__(D) kvq3_quantize(
         const float* __restrict__ x, u8* __restrict__ codes, u16* __restrict__ scales,
-        int T, int n_kv, int start, const int* __restrict__ start_ptr) {
+        int T, int n_kv, int start, const int* __restrict__ start_ptr, const float* __restrict__ ref) {
     __shared__ float y[D];
     __shared__ u8 cs[D];
     __shared__ float red[D / 32], red2[D / 32];
     int row = blockIdx.x;  // t * n_kv + head, within the T new tokens
     int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     if (start_ptr != nullptr) start = *start_ptr;  // CUDA-graph decode: the cache length lives on the device
-    y[tid] = x[(i64)row * D + tid] * kvq3_sign((u32)tid);
+    float xv = x[(i64)row * D + tid];
+    if (ref != nullptr) xv -= ref[(row % n_kv) * D + tid];
+    y[tid] = xv * kvq3_sign((u32)tid);
     kvq3_fwht<D>(y);
     float v = y[tid];
     float ss = warp_sum(v * v);

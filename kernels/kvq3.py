@@ -41,12 +41,13 @@ def _bits(codes: cp.ndarray, d: int) -> int:
 
 
 def quantize_append(x, codes: cp.ndarray, scales: cp.ndarray, start: int,
-                    start_ptr: cp.ndarray | None = None) -> None:
+                    start_ptr: cp.ndarray | None = None, ref: cp.ndarray | None = None) -> None:
     """Quantize x (T, n_kv, D) float32 into cache rows start..start+T-1 of (codes, scales); the code
     width (3 bits for K, 2 for V) follows from the codes array's row length.
 
     start_ptr (CUDA-graph decode): a device int32 holding the first row, read by the kernel instead of
-    `start` (the caller has checked that it is below the capacity)."""
+    `start` (the caller has checked that it is below the capacity). ref: the keys' reference row
+    (n_kv, D) float32 (engine/kvquant.py Q3KVCache.k_ref), subtracted before quantizing."""
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, n_kv, D = x.shape
     _check(D)
@@ -55,10 +56,13 @@ def quantize_append(x, codes: cp.ndarray, scales: cp.ndarray, start: int,
         raise ValueError(f"q3 cache arrays {codes.shape}/{scales.shape} do not match rows of {n_kv} x {D}")
     if start_ptr is None and start + T > codes.shape[0]:
         raise ValueError(f"q3 cache of {codes.shape[0]} rows cannot take rows {start}..{start + T - 1}")
+    if ref is not None and (ref.shape != (n_kv, D) or ref.dtype != cp.float32 or not ref.flags.c_contiguous):
+        raise ValueError(f"the q3 reference row must be a contiguous float32 ({n_kv}, {D}) array")
     if T:
         get_kernel("kvq3", f"kvq3_quantize<{D}, {bits}>")(
             (T * n_kv,), (D,), (x, codes, scales, np.int32(T), np.int32(n_kv), np.int32(start),
-                                start_ptr if start_ptr is not None else np.uint64(0)))
+                                start_ptr if start_ptr is not None else np.uint64(0),
+                                ref if ref is not None else np.uint64(0)))
 
 
 def rotate(x) -> cp.ndarray:

@@ -1,4 +1,5 @@
-"""The q3 KV cache end to end on the GPU (CupyQ3KVCache) against the NumPy q3 cache (engine/kvquant.py).
+"""The q3 KV cache end to end on the GPU (CupyQ3KVCache: K 3-bit / V 2-bit codes read directly by the
+kvq3 attention kernels) against the NumPy q3 cache (engine/kvquant.py), and its greedy agreement with f32.
 
 Both quantize the same K/V rows with the same format, so they should agree about as closely as the f32
 caches do (the GPU quantizes in fp32: a value within ~1e-6 of a decision threshold may take the
@@ -26,14 +27,13 @@ def _seqs(fixtures_dir) -> dict:
     return {s["name"]: s["ids"] for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
 
 
-def _models(fixtures_dir, gpu_path="fma", *, graphs=True, mode="dequant"):
+def _models(fixtures_dir, gpu_path="fma", *, graphs=True):
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.engine.backends.numpy_backend import NumpyBackend
     from minecart.engine.model import load_model
 
     be = CupyBackend("cuda:0", path=gpu_path)
     be.use_graphs = graphs
-    be.q3_decode = mode  # single-token decode: dequantize + flash_decode, or kvq3_flash_decode ("rotated")
     path = fixtures_dir / FIXTURE
     return load_model(path, backend=NumpyBackend(), kv_type="q3"), load_model(path, backend=be, kv_type="q3"), be
 
@@ -75,38 +75,51 @@ def test_q3_fixture_logits_match_numpy_q3(fixtures_dir):
     print(f"worst max rel err GPU q3 vs NumPy q3: {worst:.2e}")
 
 
-@pytest.mark.parametrize("mode", ["dequant", "rotated"])
-def test_q3_greedy_32_matches_numpy_q3(fixtures_dir, mode):
-    m_np, m_gp, be = _models(fixtures_dir, mode=mode)
+def test_q3_greedy_32_matches_numpy_q3(fixtures_dir):
+    m_np, m_gp, be = _models(fixtures_dir)
     same = {}
     for name, ids in _seqs(fixtures_dir).items():
         a, b = greedy(m_np, ids, 32), greedy(m_gp, ids, 32)
         same[name] = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 32)
-    print(f"\ngreedy 32 identical prefix per sequence (GPU q3 {mode} vs NumPy q3): {same}; graph used: {bool(be._graphs)}")
+        if len(ids) > 48:  # chunked prefill: later chunks attend from a nonzero start over the codes
+            assert greedy(m_gp, ids, 8, chunk=48) == a[:8], name
+    print(f"\ngreedy 32 identical prefix per sequence (GPU q3 vs NumPy q3): {same}; graph used: {bool(be._graphs)}")
     assert all(v == 32 for v in same.values()), same
 
 
-@pytest.mark.parametrize("mode", ["dequant", "rotated"])
-def test_q3_graph_decode_matches_eager(fixtures_dir, mode):
+def test_q3_greedy_32_matches_f32_on_gpu(fixtures_dir):
+    """The issue's bar: greedy agreement with the exact cache on the fixtures (NumPy backend, measured
+    in docs/kv-cache.md: 32 of 32 tokens on every sequence); here GPU q3 vs GPU f32."""
+    from minecart.engine.kvquant import greedy_tokens
+
+    _, m_gp, _ = _models(fixtures_dir)
+    same = {}
+    for name, ids in _seqs(fixtures_dir).items():
+        a, b = greedy_tokens(m_gp, ids, 32, "f32"), greedy_tokens(m_gp, ids, 32, "q3")
+        same[name] = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 32)
+    print(f"\ngreedy 32 identical prefix per sequence (GPU q3 vs GPU f32): {same}")
+    assert all(v == 32 for v in same.values()), same
+
+
+def test_q3_graph_decode_matches_eager(fixtures_dir):
     """Replayed CUDA-graph decode over a q3 cache == the eager step, across cache growth (the cache
-    and the attention scratch move: the graph is re-captured) and a truncate."""
-    _, mg, graph_be = _models(fixtures_dir, graphs=True, mode=mode)
-    _, me, _ = _models(fixtures_dir, graphs=False, mode=mode)
+    moves: the graph is re-captured) and a truncate."""
+    _, mg, graph_be = _models(fixtures_dir, graphs=True)
+    _, me, _ = _models(fixtures_dir, graphs=False)
     prompt = _seqs(fixtures_dir)["len70"]
     sg, se = mg.new_session(len(prompt) + 4), me.new_session(len(prompt) + 4)  # caches must grow
     worst = graph_vs_eager(sg, se, prompt, 40, truncate_at=20)
-    print(f"\nq3 {mode} graph vs eager decode: max rel err {worst:.2e}")
+    print(f"\nq3 graph vs eager decode: max rel err {worst:.2e}")
     assert graph_be._graphs, "decode never used a CUDA graph"
 
 
-@pytest.mark.parametrize("mode", ["dequant", "rotated"])
-def test_q3_fork_and_long_growth(fixtures_dir, mode):
+def test_q3_fork_and_long_growth(fixtures_dir):
     """Session.fork clones a q3 cache on the device; a small initial capacity grows several times."""
-    m_np, m_gp, _ = _models(fixtures_dir, mode=mode)
+    m_np, m_gp, _ = _models(fixtures_dir)
     ids = _seqs(fixtures_dir)["len300"]
     a = greedy(m_np, ids, 8, capacity=8)
     b = greedy(m_gp, ids, 8, capacity=8)
-    print(f"\nlen300 from capacity 8 ({mode}): NumPy {a} GPU {b}")
+    print(f"\nlen300 from capacity 8: NumPy {a} GPU {b}")
     assert a == b
     s = m_gp.new_session(len(ids) + 16)
     s.prefill([int(t) for t in ids[:100]])
@@ -117,13 +130,12 @@ def test_q3_fork_and_long_growth(fixtures_dir, mode):
     twin.close()
 
 
-@pytest.mark.parametrize("mode", ["dequant", "rotated"])
-def test_q3_decode_logits_match_numpy_q3(fixtures_dir, mode):
+def test_q3_decode_logits_match_numpy_q3(fixtures_dir):
     """Decode-step logits (not only the argmax: this fixture's greedy tokens repeat and hide attention
     errors) of GPU q3 vs NumPy q3 after a multi-token prefill, eager and through the decode graph."""
     from minecart.engine.kvquant import compare_logits
 
-    m_np, m_gp, be = _models(fixtures_dir, mode=mode)
+    m_np, m_gp, be = _models(fixtures_dir)
     prompt = [int(t) for t in _seqs(fixtures_dir)["len70"]]
     sn, sg = m_np.new_session(len(prompt) + 16), m_gp.new_session(len(prompt) + 16)
     ln, lg = sn.prefill(prompt), sg.prefill(prompt)
@@ -136,25 +148,9 @@ def test_q3_decode_logits_match_numpy_q3(fixtures_dir, mode):
     sn.close()
     sg.close()
     r = compare_logits(np.stack(rows_n), np.stack(rows_g))
-    print(f"\nq3 {mode} prefill + 12 decode steps GPU vs NumPy q3: rel err max {r['rel_err_max']:.2e} mean "
+    print(f"\nq3 prefill + 12 decode steps GPU vs NumPy q3: rel err max {r['rel_err_max']:.2e} mean "
           f"{r['rel_err_mean']:.2e}, top-1 {r['top1_agree']:.3f}; graph used: {bool(be._graphs)}")
     assert r["rel_err_mean"] < 2e-3 and r["rel_err_max"] < 2e-2
-
-
-def test_q3_decode_modes_agree(fixtures_dir):
-    """The rotated-space decode kernel and dequantize + flash_decode give the same decode logits."""
-    _, ma, _ = _models(fixtures_dir, mode="dequant")
-    _, mb, _ = _models(fixtures_dir, mode="rotated")
-    prompt = _seqs(fixtures_dir)["len128"]
-    sa, sb = ma.new_session(len(prompt) + 20), mb.new_session(len(prompt) + 20)
-    la, lb = sa.prefill(prompt), sb.prefill(prompt)
-    worst = 0.0
-    for _ in range(16):
-        tok = int(np.argmax(la))
-        la, lb = sa.step(tok), sb.step(tok)
-        worst = max(worst, float(np.max(np.abs(la - lb)) / np.max(np.abs(la))))
-    print(f"\nq3 decode rotated vs dequant: max rel err {worst:.2e}")
-    assert worst < 1e-4
 
 
 def test_q3_unknown_type_refused_on_gpu():

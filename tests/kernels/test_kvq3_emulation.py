@@ -64,11 +64,13 @@ def warp_sum(v: np.ndarray) -> np.ndarray:
     return v
 
 
-def emu_quantize(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+def emu_quantize(x: np.ndarray, bits: int, ref: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """kvq3_quantize<D, bits> over rows x (..., D): (packed codes uint8 (..., bits*D/8), fp16 scales
-    (..., D/64)). Scale block b = warps 2b and 2b+1: each warp's butterfly sum, then the two added in
-    shared memory (red[2b] + red[2b+1])."""
+    (..., D/64)). ref (keys): a row subtracted in fp32 first. Scale block b = warps 2b and 2b+1: each
+    warp's butterfly sum, then the two added in shared memory (red[2b] + red[2b+1])."""
     x = np.asarray(x, F32)
+    if ref is not None:
+        x = x - np.asarray(ref, F32)
     D = x.shape[-1]
     y = fwht(x * sign_u32(D))
     warps = y.reshape(y.shape[:-1] + (D // 32, 32))
@@ -270,6 +272,15 @@ def test_emulated_quantize_equals_spec(d, sigma, bits):
     assert np.all(got_s[3, 1] == 0) and np.all(gc[3, 1] == (1 << bits) // 2 - 1)
 
 
+def test_emulated_quantize_subtracts_the_reference_row():
+    """Keys: kvq3_quantize with ref == the spec's quantize of (x - ref) in float32 (Q3KVCache's keys)."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((30, 2, 128)) + 5.0 * rng.standard_normal((1, 2, 128))).astype(F32)
+    ref = np.mean(x, axis=0, dtype=np.float64).astype(F32)
+    got_c, got_s = emu_quantize(x, 3, ref)
+    _codes_match(got_c, got_s, x - ref, 3)
+
+
 def test_packing_layout_by_hand():
     # 3-bit: codes 0..7 in one group pack to 88 C6 FA; 2-bit: codes 0,1,2,3 to 0xE4 (docs/kv-cache.md)
     np.testing.assert_array_equal(kq.pack3(np.arange(8, dtype=np.uint8)), [0x88, 0xC6, 0xFA])
@@ -338,16 +349,18 @@ def test_emulated_prefill_equals_spec(T, start, nh, n_kv, window):
 # multi-row appends at a nonzero start (the prefill path of CupyQ3KVCache / CupyBackend.attention)
 
 
-def emu_quantize_append(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, start: int, bits: int) -> None:
+def emu_quantize_append(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, start: int, bits: int,
+                        ref: np.ndarray | None = None) -> None:
     """kvq3_quantize's grid over x (T, n_kv, D): block `row` = t * n_kv + head quantizes x's row `row`
-    and writes cache row dst = start * n_kv + row of the flat (capacity * n_kv, ...) arrays."""
+    (minus ref[row % n_kv] when given) and writes cache row dst = start * n_kv + row of the flat
+    (capacity * n_kv, ...) arrays."""
     T, n_kv, D = x.shape
     flat_x = np.asarray(x, F32).reshape(T * n_kv, D)
     flat_c = codes.reshape(-1, bits * D // 8)
     flat_s = scales.reshape(-1, D // BLOCK)
     for row in range(T * n_kv):
         dst = start * n_kv + row
-        flat_c[dst], flat_s[dst] = emu_quantize(flat_x[row], bits)
+        flat_c[dst], flat_s[dst] = emu_quantize(flat_x[row], bits, None if ref is None else ref[row % n_kv])
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -355,8 +368,9 @@ def emu_quantize_append(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, st
 def test_emulated_multi_row_appends_equal_numpy_cache(d, window):
     """Appends of 5, 7, 1 and 4 rows (starts 0, 5, 12, 13) into poisoned cache arrays, each followed by
     the attention flow of CupyBackend._attention_q3 (kvq3.attention: prefill for several rows, the
-    split decode for one). Checked against the NumPy q3 cache and backend (the reference the GPU model
-    test compares with) fed the same rows."""
+    split decode for one), keys centred on the first append's mean as CupyQ3KVCache does. Checked
+    against the NumPy q3 cache and backend (the reference the GPU model test compares with) fed the
+    same rows; the attention reads the centred codes without adding the reference back."""
     from minecart.engine.backends.numpy_backend import NumpyBackend
 
     rng = np.random.default_rng(d + window)
@@ -369,12 +383,16 @@ def test_emulated_multi_row_appends_equal_numpy_cache(d, window):
     nb = NumpyBackend()
     ref_cache = nb.new_kv_cache(n_kv, d, d, cap, kv_type="q3")
     length = 0
+    offset = (4.0 * rng.standard_normal((1, n_kv, d))).astype(F32)  # keys share a common component
+    k_ref = None
     for T in (5, 7, 1, 4):
         start = length
         q = rng.standard_normal((T, nh, d)).astype(F32)
-        k = (2.0 * rng.standard_normal((T, n_kv, d))).astype(F32)
+        k = (2.0 * rng.standard_normal((T, n_kv, d)) + offset).astype(F32)
         v = rng.standard_normal((T, n_kv, d)).astype(F32)
-        emu_quantize_append(k, kc, ks, start, 3)
+        if k_ref is None:
+            k_ref = np.mean(k, axis=0, dtype=np.float64).astype(F32)
+        emu_quantize_append(k, kc, ks, start, 3, k_ref)
         emu_quantize_append(v, vc, vs, start, 2)
         length = start + T
         assert np.all(kc[length:] == 0xAB) and np.all(ks[length:] == 7.0)  # rows past the append untouched
@@ -385,7 +403,8 @@ def test_emulated_multi_row_appends_equal_numpy_cache(d, window):
             got = unrot(emu_prefill(rot(q), kc, ks, vc, vs, start, length, scale, window))
         ref = nb.attention(q, k, v, ref_cache, scale=scale, window=window)
         # the new rows' codes: the spec's, except a value within 1e-5 of a decision threshold
-        for arr, ref_arr, x, bits in ((kc, ref_cache.k_codes, k, 3), (vc, ref_cache.v_codes, v, 2)):
+        np.testing.assert_array_equal(ref_cache.k_ref, k_ref)
+        for arr, ref_arr, x, bits in ((kc, ref_cache.k_codes, k - k_ref, 3), (vc, ref_cache.v_codes, v, 2)):
             differ = kq.unpack(arr[start:length], bits) != kq.unpack(ref_arr[start:length], bits)
             assert not np.any(differ & ~_near_tie(x, bits))
         np.testing.assert_allclose(got, ref, atol=3e-5 * np.abs(ref).max(), rtol=0)
