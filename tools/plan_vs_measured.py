@@ -275,9 +275,12 @@ def predict_row(m: dict[str, Any], card: str) -> dict[str, Any]:
         mine = [priced[d] for d in g["logical"]]
         if len(mine) == 1:
             predicted = mine[0].total
+            run_predicted = predicted - mine[0].staging
         else:  # one GPU, several logical devices: resident bytes add up, one scratch, one context
-            predicted = (sum(b.total - b.overhead - b.activations for b in mine) + max(b.activations for b in mine)
-                         + g["context"] + mine[0].modules + sum(b.graphs for b in mine))
+            rest = sum(b.total - b.overhead - b.activations for b in mine) + g["context"] + mine[0].modules + sum(
+                b.graphs for b in mine)
+            predicted = rest + max(b.activations for b in mine)
+            run_predicted = rest + max(b.activations - b.staging for b in mine)
         graphs = g["outside_graphs"] - g["outside_eager"]
         # the load: the pool at its peak beside the context, the logical devices loaded in order (each
         # after the ones before it, whose weights stay); the run: the estimate without the load's excess
@@ -285,7 +288,6 @@ def predict_row(m: dict[str, Any], card: str) -> dict[str, Any]:
         for d, b in zip(g["logical"], mine, strict=True):
             load_predicted = max(load_predicted, before + plan.load_peak(d))
             before += b.weights
-        run_predicted = predicted - sum(b.staging for b in mine)
         load_measured = g["load_pool_peak"]
         out["gpus"][ph] = {"logical": g["logical"], "predicted_peak": int(predicted), "measured_peak": g["peak_used"],
                            "ratio": g["peak_used"] / predicted if predicted else 0.0, "context": g["context"],

@@ -52,7 +52,8 @@ def test_gpu_peak_prediction_per_device_and_per_shared_gpu():
     one = Placement.single(costs, "cuda:0", context=32768, kv_type="f16")
     b = one.with_settings(cuda_context_bytes=ctx).bytes_per_device()["cuda:0"]
     gpus = {"cuda:0": {"logical": ["cuda:0"], "peak_used": int(b.total * 1.02), "samples": {}, "context": ctx,
-                       "outside_eager": 20 * MiB, "outside_graphs": 40 * MiB, "layers": 8}}
+                       "outside_eager": 20 * MiB, "outside_graphs": 40 * MiB, "layers": 8,
+                       "load_pool_peak": one.load_peak("cuda:0")}}
     r = pvm.predict_row(_measured(one, Rig.parse("cuda:0"), gpus, {"cuda:0": b.resident}, False), "H200")
     g = r["gpus"]["cuda:0"]
     assert g["predicted_peak"] == b.total and abs(g["ratio"] - 1.02) < 1e-6
@@ -65,9 +66,13 @@ def test_gpu_peak_prediction_per_device_and_per_shared_gpu():
     per = two.with_settings(cuda_context_bytes=ctx).bytes_per_device()
     want = (sum(x.total - x.overhead - x.activations for x in per.values()) + max(x.activations for x in per.values())
             + ctx + KERNEL_MODULES_BYTES + per["cuda:0"].graphs + per["cuda:1"].graphs)
-    gpus = {"cuda:0": dict(gpus["cuda:0"], logical=["cuda:0", "cuda:1"], peak_used=want)}
+    # the run's peak: the same without the load's excess (`staging`, part of activations)
+    run = want - max(x.activations for x in per.values()) + max(x.activations - x.staging for x in per.values())
+    load = max(two.load_peak("cuda:0"), per["cuda:0"].weights + two.load_peak("cuda:1"))
+    gpus = {"cuda:0": dict(gpus["cuda:0"], logical=["cuda:0", "cuda:1"], peak_used=run, load_pool_peak=load)}
     r = pvm.predict_row(_measured(two, Rig.parse("cuda:0=6GiB,cuda:1=6GiB"), gpus,
                                   {d: x.resident for d, x in per.items()}, True), "H200")
-    assert r["gpus"]["cuda:0"]["predicted_peak"] == want and r["gpus"]["cuda:0"]["ratio"] == 1.0
+    assert r["gpus"]["cuda:0"]["predicted_peak"] == want and r["gpus"]["cuda:0"]["run_predicted"] == run
+    assert r["gpus"]["cuda:0"]["run_ratio"] == 1.0 and r["gpus"]["cuda:0"]["load_ratio"] == 1.0
     assert pvm.worst_misses([r])[0] == pytest.approx(0.0)
     assert "cuda:1 resident" in pvm.run_table([dict(r, shape="9b")])
