@@ -27,6 +27,17 @@ SHAPES = ((259, 2304), (37, 256), (1001, 4352), (67, 12544), (4096, 4096))  # K 
 TOL = 2e-5
 
 
+@pytest.fixture(autouse=True)
+def default_variants(monkeypatch):
+    """The kernels' defaults, whatever MINECART_GEMV_KQ_MT / MINECART_GEMV_MT / MINECART_KQ_PASSES_MAX_T say."""
+    from minecart.kernels import ops
+
+    monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", "auto")
+    monkeypatch.setattr(ops, "GEMV_MT_VARIANT", "auto")
+    monkeypatch.setattr(ops, "GEMV_KQ_VARIANT", "auto")
+    monkeypatch.setattr(ops, "KQ_PASSES_MAX_T", 32)
+
+
 @pytest.fixture
 def launches(monkeypatch):
     """The kernel names ops.matmul asks for, in order."""
@@ -104,7 +115,7 @@ def test_batches_above_eight_tokens(monkeypatch, poison, launches, type_name, T)
     for R, K in ((259, 2304), (37, 4352)):
         w, x, r, emu = _case(type_name, R, K, T, rng)
         gx, gr = cp.asarray(x), cp.asarray(r)
-        for limit in (ops.KQ_PASSES_MAX_T, ops.GEMV_MAX_T):
+        for limit in (32, ops.GEMV_MAX_T):
             monkeypatch.setattr(ops, "KQ_PASSES_MAX_T", limit)
             passes = T <= limit
             for res in (None, gr):
@@ -173,7 +184,8 @@ def test_gemv_max_t(monkeypatch):
 
     rng = np.random.default_rng()
     w, _, _, _ = _case("Q6_K", 16, 256, 2, rng)
-    assert ops.gemv_max_t(w) == max(ops.GEMV_MAX_T, ops.KQ_PASSES_MAX_T) == 32
+    monkeypatch.setattr(ops, "KQ_PASSES_MAX_T", 32)
+    assert ops.gemv_max_t(w) == 32
     assert ops.gemv_max_t(random_q8_0(16, 256)) == ops.GEMV_MAX_T
     monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", "old")
     assert ops.gemv_max_t(w) == ops.GEMV_MAX_T
