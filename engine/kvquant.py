@@ -394,7 +394,7 @@ class Q3KVCache:
             self.capacity = new_cap
         k = np.asarray(k, np.float32)
         if self.k_ref is None:
-            self.k_ref = np.mean(k, axis=0, dtype=np.float64).astype(np.float32)
+            self.k_ref = np.asarray(np.mean(k, axis=0, dtype=np.float64), np.float32)
         self.k_codes[self.length : need], self.k_scales[self.length : need] = quantize(
             k - self.k_ref, self.k_bits, self.block)
         self.v_codes[self.length : need], self.v_scales[self.length : need] = quantize(v, self.v_bits, self.block)

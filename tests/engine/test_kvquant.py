@@ -284,9 +284,13 @@ def test_fixture_logits_with_q3_stay_close_to_f32(tiny):
     assert row["rel_err_max"] < 0.25
     assert row["top1_agree"] >= 0.95
     assert row["kl_mean"] < 0.012 and row["kl_max"] < 0.12
-    # Model.logits uses the model's kv_type (q3 here): the same numbers, up to float32 rounding of a
-    # different prompt length (1e-5 absolute was seen on one of 5M logits)
-    np.testing.assert_allclose(model.logits(ids[:20]), got[:20], rtol=1e-4, atol=1e-4)
+    # Model.logits uses the model's kv_type (q3 here): the same numbers (one append of the same rows, so
+    # the same key reference row), up to float32 rounding
+    np.testing.assert_allclose(model.logits(ids[:20]), kq.sequence_logits(model, ids[:20], "q3"),
+                               rtol=1e-4, atol=1e-4)
+    # the keys' reference row is the first append's mean: a prefix run alone differs a little from the
+    # same rows inside the longer run (a lossy cache's numbers depend on the first chunk), boundedly
+    assert kq.compare_logits(got[:20], model.logits(ids[:20]))["rel_err_max"] < 0.2
 
 
 def test_fixture_sessions_take_the_kv_type(tiny):

@@ -82,7 +82,8 @@ def test_q3_greedy_32_matches_numpy_q3(fixtures_dir):
         a, b = greedy(m_np, ids, 32), greedy(m_gp, ids, 32)
         same[name] = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), 32)
         if len(ids) > 48:  # chunked prefill: later chunks attend from a nonzero start over the codes
-            assert greedy(m_gp, ids, 8, chunk=48) == a[:8], name
+            # (both chunked alike: the keys' reference row is the first chunk's mean)
+            assert greedy(m_gp, ids, 8, chunk=48) == greedy(m_np, ids, 8, chunk=48), name
     print(f"\ngreedy 32 identical prefix per sequence (GPU q3 vs NumPy q3): {same}; graph used: {bool(be._graphs)}")
     assert all(v == 32 for v in same.values()), same
 
