@@ -15,8 +15,10 @@ model). In detail:
 - a decode step (one token, last-row logits) runs each stage through its backend's `graph_step`
   (replayed CUDA graph on the CuPy backend; a host backend runs it eagerly). Each bridge has one fixed
   (1, hidden) pinned `step_buffer`: the D2H target of stage k and the H2D source of stage k+1.
-  Consecutive graphed stages follow each other through events (no host wait between them) unless a
-  simulated link (engine/rig.py) has to pass its time between them;
+  Consecutive graphed stages follow each other through events: the host launches every stage's
+  graph at once and waits only for the last stage's logits. A simulated link (engine/rig.py) charges
+  its time on the GPU streams between the graphs (the sender's after its graph, the receiver's before
+  its own: RigBackend.graph_step), not on the host;
 - several chunks on one stage run one after another; on several stages they are pipelined: one
   worker thread per device runs that device's stages in order (CUDA contexts are per thread), one
   link thread per bridge moves hidden states, so device A computes chunk k+1 while device B computes
@@ -396,9 +398,9 @@ class Executor:
         self.pipelined = len(self.stages) > 1
         self.inline_single_chunk = True  # False: a single chunk goes through the worker threads too
         self.use_graphs = True  # decode steps through the stages' graph_step
-        # consecutive graphed stages follow each other through events (no host wait between them),
-        # unless a simulated link has to pass its time between them
-        self.chain_graphs = not any(st.backend.has_link() for st in self.stages)
+        # consecutive graphed stages follow each other through events (no host wait between them); a
+        # simulated link passes its time on the streams between them (engine/rig.py RigBackend.graph_step)
+        self.chain_graphs = True
         self.graphed_stage_steps = 0  # decode stage runs replayed (or captured) as graphs
         self.eager_stage_steps = 0  # decode stage runs done eagerly (no graph, or not valid this step)
         self.batch_graph_steps = 0  # batched decode steps replayed (or captured) as one graph
@@ -607,9 +609,6 @@ class Executor:
                                  host_out=host_out, after=pending, wait=not self.chain_graphs)
             if done is not None:
                 self.graphed_stage_steps += 1
-                for buf in (host_in, host_out):  # the rig's simulated link (engine/rig.py)
-                    if buf is not None:
-                        be.charge_link(buf.nbytes)
                 if host_out is None:
                     return done, None
                 return None, (None if done is True else done)

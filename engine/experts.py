@@ -29,7 +29,7 @@ import os
 import re
 from typing import Any
 
-from .backends.base import Backend, DeviceHooks
+from .backends.base import Backend, DeviceHooks, MoeShared, compose_moe_block
 from .placement import CPU_SPEED, DEFAULT_LINK, PREFILL_EFFICIENCY, Link, stream_min_tokens_for
 from .rig import RigBackend
 
@@ -147,6 +147,15 @@ class ExpertsApart:
         xe = self.experts.asarray(self._inner.to_numpy(x))
         y = self.experts.moe(xe, router, gate_exps, up_exps, down_exps, k)
         return self._inner.asarray(self.experts.to_numpy(y))
+
+    # [MoE decode block] the whole block: composed here when the routed experts live apart (the
+    # inner backend's fused decode kernels cannot read them), so `moe` above takes the routed part
+    def moe_block(self, x, router, gate_exps, up_exps, down_exps, k: int, shared: MoeShared | None = None,
+                  residual=None):
+        if id(gate_exps) not in self._held or self._layer_of.get(id(gate_exps)) is None:
+            return self._inner.moe_block(x, router, gate_exps, up_exps, down_exps, k, shared, residual)
+        return compose_moe_block(self, x, router, gate_exps, up_exps, down_exps, k, shared, residual)
+    # [end MoE decode block]
 
     def _streamed_moe(self, layer: int, x, gate_exps, up_exps, down_exps, k: int):
         st = self._stream

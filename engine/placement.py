@@ -108,9 +108,10 @@ KQUANT_REPACK_CHUNK = 64 * 1024 * 1024  # = kernels/ops.py _KQ_CHUNK_BYTES
 KQUANT_REPACK_FACTOR = {"Q4_K": 5.6, "Q5_K": 4.95, "Q6_K": 5.35}
 
 # Bytes per stored KV value, exactly what the backends' caches allocate (engine/kvquant.py): f16; q8_0 =
-# llama.cpp's Q8_0 blocks (32 int8 + an fp16 scale); q3 = 3-bit codes in blocks of 32 (12 bytes) plus an
-# fp16 scale (2 bytes), the Walsh-Hadamard + Lloyd-Max cache (docs/kv-cache.md). Head dims are
-# multiples of 32, so a row is whole blocks and the per-value price is exact.
+# llama.cpp's Q8_0 blocks (32 int8 + an fp16 scale); q3 = the Walsh-Hadamard + Lloyd-Max cache
+# (docs/kv-cache.md): K 3-bit and V 2-bit codes with an fp16 scale per 64 values, priced at the K/V
+# average (11/32 bytes per value). Head dims are whole blocks and K and V rows equally long, so the
+# per-value price is exact.
 KV_BYTES_PER_VALUE = kvquant.KV_BYTES_PER_VALUE  # per stored value of each KV cache type
 # the engine's KV cache default (engine/kvquant.py): f16, llama.cpp's default too
 DEFAULT_KV_TYPE = kvquant.DEFAULT_KV_TYPE
@@ -814,10 +815,9 @@ class Placement:
             tensors = {n: b for n, b in _union_bytes(on_dev).items() if n not in moved}
             tensors.update((n, b) for p in apart if self.experts[p.name] == dev
                            for n, b in p.tensors if n in moved)
-            kv = state = act = kv_widest = 0
+            kv = state = act = 0
             for p in on_dev:
                 kv += p.kv_values_per_token
-                kv_widest = max(kv_widest, p.kv_values_per_token)
                 state += p.state_bytes
                 act = max(act, p.activation_bytes(self.chunk))
             # Two buffers of the incoming hidden state (the bridge's landing buffer and the one in use)
@@ -827,10 +827,6 @@ class Placement:
             act += expert_staging
             kv_bytes = int(round(kv * self.context * per_value)) * self.n_sequences
             cuda = dev.startswith("cuda:")
-            if cuda and self.kv_type == "q3" and kv_widest:
-                # scratch: the CUDA backend dequantizes q3 rows into one fp32 buffer per KV shape, sized
-                # to the largest cache (CupyBackend._q3_scratch), shared by the layers and sequences
-                act += kv_widest * self.context * 4
             weights = sum(tensors.values())
             if cuda:
                 # a captured decode graph keeps the recurrent state of the sequence it was captured for
@@ -1624,8 +1620,8 @@ def fits(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 *
 
 def max_context(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 * MiB) -> int:
     """The longest context this assignment fits at its KV type (0 = not even one token), capped at the
-    model's trained context when known. The estimate grows with the context: linearly (KV cache,
-    q3 scratch) except where the load-time staging peak covers the growth, so a straight-line guess
+    model's trained context when known. The estimate grows with the context: linearly (the KV
+    cache) except where the load-time staging peak covers the growth, so a straight-line guess
     from two contexts is checked (two estimates when it holds) and otherwise bisected."""
     cap = plan.costs.context_length or 1 << 24
     by_name = {d.name: d for d in devices}

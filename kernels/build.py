@@ -36,6 +36,28 @@ DP4A_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", 
 # (warps per row, blocks per lane in flight) of gemv_kq, the single-token GEMV of the K-quants
 # (KQUANT_TYPES, repacked at upload by kquant_layout.py); ops._gemv_kq / MINECART_GEMV_KQ pick one
 GEMV_KQ = ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8))
+# -- multi-token K-quant GEMV (gemv_kq_mt, batched decode) --
+# (warps per row, super-blocks per lane in flight) of gemv_kq_mt<QT, NT, WPR, NU>, compiled for every NT in
+# GEMV_KQ_MT_TOKENS; ops._gemv_kq_mt / MINECART_GEMV_KQ_MT pick one
+GEMV_KQ_MT = ((2, 2), (4, 2), (2, 4), (4, 4))
+GEMV_KQ_MT_TOKENS = (2, 3, 4, 5, 6, 7, 8)  # also the token counts of gemv_mt
+# gemv_mt<QT, NT, WPR, NU>: gemv_kq_mt's geometry for these other DP4A formats, (WPR, NU) compiled below;
+# ops._gemv_mt / MINECART_GEMV_MT pick one
+GEMV_MT_TYPES = ("Q8_0",)
+GEMV_MT = ((2, 1), (4, 1), (2, 2), (4, 2))
+
+
+def kq_passes(T: int) -> list[tuple[int, int]]:
+    """(first token, tokens) of the gemv_kq_mt / gemv_mt launches of T >= 2 tokens (ops.matmul): ceil(T / 8)
+    passes of near-equal size (T = 9: 5 + 4; never one token, which they are not compiled for)."""
+    if T < 2:
+        raise ValueError(f"gemv_kq_mt runs 2 or more tokens, got {T}")
+    n = -(-T // max(GEMV_KQ_MT_TOKENS))
+    sizes = [T // n + (1 if i < T % n else 0) for i in range(n)]
+    return [(sum(sizes[:i]), sizes[i]) for i in range(n)]
+
+
+# -- end multi-token K-quant GEMV --
 HFMA2_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")  # formats with an fp16 HFMA2 kernel (hfma2.cu)
 GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split into these
 # (warps per row, L2 prefetch) of the gemv_dp4a_split instantiations (single-token launches)
@@ -46,7 +68,9 @@ DECODE_GROUPS = (2, 4, 8)  # flash_decode<D, GM>: query heads per KV head up to 
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
 GDN_CHUNK_KEY_DIMS = (32, 64, 128)  # key dims of the chunked GDN prefill kernels (multiples of 32)
 KV_CACHE_TYPES = ("f16", "q8_0")  # KV caches attention.cu reads directly (modules attention_<type>)
-KVQ3_KERNELS = ("quantize", "dequant", "rotate", "unrotate", "decode", "flash_decode")  # kvq3.cu templates, one per head dim
+# kvq3.cu templates, each for every head dim {d}: quantize for K (3-bit) and V (2-bit) codes
+KVQ3_KERNELS = ("quantize<{d}, 3>", "quantize<{d}, 2>", "rotate<{d}>", "unrotate<{d}>", "flash_decode<{d}>",
+                "prefill<{d}>")
 
 COMPILE_OPTIONS = ("-std=c++17",)
 
@@ -68,6 +92,9 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
         names += [f"gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
     if type_name in KQUANT_TYPES:
         names += [f"gemv_kq<{q}, {wpr}, {nu}>" for wpr, nu in GEMV_KQ]
+        names += [f"gemv_kq_mt<{q}, {nt}, {wpr}, {nu}>" for nt in GEMV_KQ_MT_TOKENS for wpr, nu in GEMV_KQ_MT]
+    if type_name in GEMV_MT_TYPES:
+        names += [f"gemv_mt<{q}, {nt}, {wpr}, {nu}>" for nt in GEMV_KQ_MT_TOKENS for wpr, nu in GEMV_MT]
     names += [f"embed_rows<{q}>"]
     return ModuleSpec(f"matmul_{type_name}", ("gemv.cu", "gemm.cu", "embed.cu"), tuple(names))
 
@@ -80,37 +107,40 @@ def module_specs() -> list[ModuleSpec]:
     ew = [f"ewise<{op}>" for op in range(8)]
     specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew), ("gdn_gates", "rope_neox")))
     att = [f"flash_prefill{v}<{d}>" for v in ("", "_g") for d in HEAD_DIMS]
-    att += [f"flash_decode<{d}, {g}>" for d in HEAD_DIMS for g in DECODE_GROUPS]
+    att += [f"flash_decode{v}<{d}, {g}>" for v in ("", "_batch") for d in HEAD_DIMS for g in DECODE_GROUPS]
     specs.append(ModuleSpec("attention", ("attention.cu", "attn_prep.cu"), tuple(att),
-                            ("flash_merge", "flash_merge_len", "kv_append", "attn_prep")))
+                            ("flash_merge", "flash_merge_len", "kv_append", "attn_prep", "attn_prep_batch")))
     # the same prefill/decode kernels over f16 and q8_0 caches (kv_f16.cu / kv_q8_0.cu define the loads)
-    typed = tuple(f"flash_prefill_g<{d}>" for d in HEAD_DIMS) + tuple(f"flash_decode<{d}, {g}>" for d in HEAD_DIMS for g in DECODE_GROUPS)
+    typed = tuple(f"flash_prefill_g<{d}>" for d in HEAD_DIMS) + tuple(f"flash_decode{v}<{d}, {g}>" for v in ("", "_batch") for d in HEAD_DIMS for g in DECODE_GROUPS)
     for kv in KV_CACHE_TYPES:
         specs.append(ModuleSpec(f"attention_{kv}", (f"kv_{kv}.cu", "attention.cu", "attn_prep.cu"), typed,
-                                (f"kv_append_{kv}", "attn_prep")))
+                                (f"kv_append_{kv}", "attn_prep", "attn_prep_batch")))
     gdn = [f"gdn_scan<{d}>" for d in GDN_KEY_DIMS]
     gdn += [f"gdn_chunk_{p}<{d}>" for p in ("prep", "state") for d in GDN_CHUNK_KEY_DIMS]
     specs.append(ModuleSpec("gdn", ("gdn.cu",), tuple(gdn),
                             ("conv1d_silu", "conv_state_update")))
     # fused single-token decode kernels (fused.py)
     specs.append(ModuleSpec("fused", ("fused.cu",),
-                            ("rms_norm_q8<0>", "rms_norm_q8<1>") + tuple(f"gdn_decode<{d}>" for d in GDN_KEY_DIMS),
-                            ("swiglu_q8", "attn_merge_gate")))
+                            ("rms_norm_q8<0>", "rms_norm_q8<1>")
+                            + tuple(f"gdn_decode{v}<{d}>" for v in ("", "_batch") for d in GDN_KEY_DIMS),
+                            ("swiglu_q8", "attn_merge_gate", "attn_merge_gate_batch")))
     specs.append(ModuleSpec("sampling", ("sampling.cu",), (),
                             ("topk_stage1", "topk_stage2", "moe_route", "moe_combine")))
     specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))
+    specs.append(ModuleSpec("link", ("link.cu",), (), ("link_hold",)))  # simulated links (link.py)
     # -- MoE (moe.py): one module per expert format (gate and up of one format) --
     for t in DP4A_TYPES:
         q = QT[t]
         moe = [f"moe_gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
         moe += [f"moe_gate_up_q8<{q}, {q}>", f"moe_down_sum<{q}>"]
+        moe += [f"moe_dec_router<{q}>", f"moe_dec_gate_up<{q}, {q}>", f"moe_dec_down<{q}>"]  # decode block
         specs.append(ModuleSpec(f"moe_{t}", ("gemv.cu", "moe.cu"), tuple(moe), ("moe_sort", "moe_swiglu_q8")))
     # -- end MoE --
     for t in HFMA2_TYPES:  # fp16 HFMA2 matmuls (hfma2.py), one module per weight format
         hf = [f"gemv_hfma2<{QT[t]}, {nt}>" for nt in GEMV_TOKENS] + [f"gemm_hfma2<{QT[t]}>"]
         specs.append(ModuleSpec(f"hfma2_{t}", ("gemv.cu", "hfma2.cu"), tuple(hf), ("quantize_h16",)))
     # q3 KV cache (kvq3.py; CupyQ3KVCache in engine/backends/cupy_backend.py)
-    specs.append(ModuleSpec("kvq3", ("kvq3.cu",), tuple(f"kvq3_{k}<{d}>" for k in KVQ3_KERNELS for d in HEAD_DIMS)))
+    specs.append(ModuleSpec("kvq3", ("kvq3.cu",), tuple("kvq3_" + k.format(d=d) for k in KVQ3_KERNELS for d in HEAD_DIMS)))
     return specs
 
 

@@ -25,10 +25,14 @@ from .build import (
     DP4A_TYPES,
     GDN_KEY_DIMS,
     GEMV_KQ,
+    GEMV_KQ_MT,
+    GEMV_MT,
+    GEMV_MT_TYPES,
     GEMV_TOKENS,
     HEAD_DIMS,
     QT,
     get_kernel,
+    kq_passes,
 )
 
 _BLOCK_BYTES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210),
@@ -217,6 +221,76 @@ def _gemv_kq(type_name: str, R: int, K: int) -> tuple[int, int] | None:
     return (4 if K >= 32768 else 1), 4
 
 
+# -- multi-token K-quant GEMV (gemv_kq_mt, batched decode) --
+# Multi-token DP4A GEMV of the K-quants (env MINECART_GEMV_KQ_MT, read at import; tests and bench_gemv set
+# GEMV_KQ_MT_VARIANT): "auto" = gemv_kq_mt with (warps per row, super-blocks per lane in flight) by shape
+# (_gemv_kq_mt), "WxN" = gemv_kq_mt<W, N> (build.GEMV_KQ_MT), "old" = the kernels before it (gemv_dp4a in
+# launches of 8/4/2/1 tokens up to GEMV_MAX_T, the tiled GEMM above).
+GEMV_KQ_MT_VARIANT = os.environ.get("MINECART_GEMV_KQ_MT", "auto")
+# K-quant DP4A matmuls of 2..KQ_PASSES_MAX_T tokens run as ceil(T / 8) passes of gemv_kq_mt (each pass
+# reads the weights once), larger ones the tiled GEMM (env MINECART_KQ_PASSES_MAX_T). 32 = batches of up
+# to 32 sequences: the GEMM's 128-token tiles are mostly empty there and its 128-row tiles give a 4096-row
+# matrix 32 blocks. To be confirmed on the device: bench_gemv --multi times both at T = 16 and 32.
+KQ_PASSES_MAX_T = int(os.environ.get("MINECART_KQ_PASSES_MAX_T", "32"))
+
+
+def _gemv_kq_mt(type_name: str, T: int, R: int, K: int) -> tuple[int, int] | None:
+    """(warps per row, super-blocks per lane in flight) of gemv_kq_mt for a K-quant DP4A matmul of T
+    tokens, None for the other kernels (one token, "old", T above max(GEMV_MAX_T, KQ_PASSES_MAX_T), not a
+    K-quant). "auto": 4 warps per row group up to 8192 rows (a 4096-row matrix then fills 1024 blocks),
+    2 above; 2 super-blocks per lane in flight (the fewest spills, kernel comment). A first guess, to be
+    confirmed on the device (bench_gemv --multi prints every compiled shape)."""
+    v = GEMV_KQ_MT_VARIANT
+    if v == "old" or type_name not in kquant_layout.KQUANT_TYPES or T < 2 or T > max(GEMV_MAX_T, KQ_PASSES_MAX_T):
+        return None
+    if v != "auto":
+        return _mt_shape("MINECART_GEMV_KQ_MT", v, "gemv_kq_mt", GEMV_KQ_MT)
+    return (4 if R <= 8192 else 2), 2
+
+
+def _mt_shape(env: str, v: str, kernel: str, compiled: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """The (warps per row, blocks in flight) that a "WxN" setting of `env` names, or a ValueError."""
+    shapes = ", ".join(f"{a}x{b}" for a, b in compiled)
+    try:
+        wpr, nu = (int(a) for a in v.split("x"))
+    except ValueError:
+        raise ValueError(f"{env}={v!r}: use auto, old or WxN, one of {shapes}") from None
+    if (wpr, nu) not in compiled:
+        raise ValueError(f"{env}={v!r}: {kernel} is compiled for {shapes}")
+    return wpr, nu
+
+
+# The same for Q8_0 (build.GEMV_MT_TYPES) with gemv_mt (env MINECART_GEMV_MT: "auto", "old" = gemv_dp4a in
+# launches of 8/4/2/1 tokens, or "WxN" of build.GEMV_MT). Only up to GEMV_MAX_T tokens: above, the GEMM
+# (Q8_0 is not where batches of 9-32 sequences were measured; bench_gemv --multi covers the K-quants).
+GEMV_MT_VARIANT = os.environ.get("MINECART_GEMV_MT", "auto")
+
+
+def _gemv_mt(type_name: str, T: int, R: int) -> tuple[int, int] | None:
+    """(warps per row, rounds of 8 blocks per lane in flight) of gemv_mt for a DP4A matmul of 2..GEMV_MAX_T
+    tokens of a GEMV_MT_TYPES weight, None otherwise. "auto": warps as _gemv_kq_mt, one round in flight
+    (8 Q8_0 blocks = 272 bytes per row group; no spills at any NT), to be confirmed on the device."""
+    v = GEMV_MT_VARIANT
+    if v == "old" or type_name not in GEMV_MT_TYPES or T < 2 or T > GEMV_MAX_T:
+        return None
+    if v != "auto":
+        return _mt_shape("MINECART_GEMV_MT", v, "gemv_mt", GEMV_MT)
+    return (4 if R <= 8192 else 2), 1
+
+
+def gemv_max_t(w: QWeight) -> int:
+    """The most tokens matmul(x, w, "dp4a") serves with GEMV launches (each reading the weights once)
+    rather than the tiled GEMM: KQ_PASSES_MAX_T for a K-quant under gemv_kq_mt, else GEMV_MAX_T. A caller
+    that picks the decode path below this and the prefill path above keeps batches of up to this many
+    sequences on the GEMV."""
+    if w.type_name in kquant_layout.KQUANT_TYPES and GEMV_KQ_MT_VARIANT != "old":
+        return max(GEMV_MAX_T, KQ_PASSES_MAX_T)
+    return GEMV_MAX_T
+
+
+# -- end multi-token K-quant GEMV --
+
+
 def _gemv_split(R: int, K: int) -> tuple[int, int] | None:
     """(warps per row, prefetch) of the single-token DP4A GEMV for R rows of K values, None for gemv_dp4a.
 
@@ -266,6 +340,18 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     if use_dp4a:
         xq, xd, xs = quantize_cached(x)
     nb = K // 32
+    mt = _gemv_kq_mt(w.type_name, T, R, K) if use_dp4a else None
+    mt_kernel = "gemv_kq_mt"
+    if use_dp4a and mt is None:
+        mt, mt_kernel = _gemv_mt(w.type_name, T, R), "gemv_mt"
+    if mt is not None:  # multi-token GEMV (batched decode), grid: 16 / wpr rows per block
+        wpr, nu = mt
+        for t0, nt in kq_passes(T):
+            res = residual[t0:] if residual is not None else np.uint64(0)
+            k = _mm_kernel(w, f"{mt_kernel}<{q}, {nt}, {wpr}, {nu}>")
+            k((math.ceil(R * wpr / 16),), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
+                                                   np.int32(K), res))
+        return y
     if T <= GEMV_MAX_T:
         warps = 4
         grid = (math.ceil(R / warps),)

@@ -46,7 +46,9 @@ export MINECART_CACHE_DIR=/tmp/minecart-cache
 } >>"$OUT/env.txt" 2>&1
 
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider --timeout 240 -s tests/gpu "$@" \
+  # GPU_TESTS: the files to run (default the whole tests/gpu)
+  # shellcheck disable=SC2086
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider --timeout 240 -s ${GPU_TESTS:-tests/gpu} "$@" \
     >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests exit $?" | tee -a "$OUT/gpu_tests.log"
   tail -5 "$OUT/gpu_tests.log"
@@ -127,6 +129,19 @@ for which, ds in rows.items():
     for d in ds:
         print(which, "prefill", pick(d, "prefill"), "decode", pick(d, "decode"))
 PY
+fi
+
+if [ "$MODE" = batch ]; then
+  # issue #17's GPU numbers in one go: the multi-token GEMVs (kernels/bench_gemv.py --multi), the MoE
+  # decode block old vs new (kernels/moe.py), then tools/bench_batch_gpu.py on the 9B Q4_K shape
+  # (BATCH_BUDGET seconds). Logs: gemv_multi.log, moe_block.log, batch.log / batch.json.
+  timeout 90 python3 -m minecart.kernels.bench_gemv --multi >"$OUT/gemv_multi.log" 2>&1
+  echo "bench_gemv --multi exit $?"; tail -30 "$OUT/gemv_multi.log"
+  timeout 90 python3 -m minecart.kernels.moe --tokens "" --block-tokens 1,8 >"$OUT/moe_block.log" 2>&1
+  echo "moe block exit $?"; tail -8 "$OUT/moe_block.log"
+  timeout "${BATCH_TIMEOUT:-200}" python3 tools/bench_batch_gpu.py --shape qwen3.5-9b --quant q4_k \
+    --dir /tmp/bench --budget "${BATCH_BUDGET:-120}" --json "$OUT/batch.json" >"$OUT/batch.log" 2>&1
+  echo "batch bench exit $?"; tail -14 "$OUT/batch.log"
 fi
 
 if [ "$MODE" = profile ]; then

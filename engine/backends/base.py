@@ -27,6 +27,7 @@ Conventions
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -125,6 +126,31 @@ class LayerState:
     recurrent: dict[str, Any] = field(default_factory=dict)
 
 
+# ---- [MoE decode block] --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoeShared:
+    """The shared expert of a MoE block: gate_inp (1, H) gives its sigmoid gate; gate, up (Fs, H) and
+    down (H, Fs) its SwiGLU FFN."""
+
+    gate_inp: Weight
+    gate: Weight
+    up: Weight
+    down: Weight
+
+
+def compose_moe_block(be: Backend, x, router, gate_exps, up_exps, down_exps, k: int,
+                      shared: MoeShared | None, residual):
+    """FusedOpsMixin.moe_block from the protocol's ops (the specification; also what a proxy whose
+    experts live elsewhere runs, engine/experts.py)."""
+    y = be.moe(x, router, gate_exps, up_exps, down_exps, k)
+    if shared is not None:
+        gate, up = be.matmul_many(x, [shared.gate, shared.up])
+        s = be.matmul(be.swiglu(gate, up), shared.down)
+        y = be.add(y, be.mul(s, be.sigmoid(be.matmul(x, shared.gate_inp))))  # gate (T, 1)
+    return y if residual is None else be.add(residual, y)
+# ---- [end MoE decode block] ----------------------------------------------------------------------------
+
+
 class FusedOpsMixin:
     """Fused operations of the decode path, defined by composing the protocol's basic ops.
 
@@ -189,6 +215,51 @@ class FusedOpsMixin:
         o = self.attention(q, k, v, cache, scale=scale, window=window)  # (T, nh, dv)
         o = self.mul(o, self.sigmoid(gate))
         return o.reshape(T, nh * o.shape[-1])
+
+
+    # ---- [batched mixers] one decode token of each of B sequences (engine/models/batch.py) ---------
+    def gdn_decode_batch(self: Backend, mixed, z, b, alpha, conv_states, ssm_states, conv_w, ssm_a, dt_bias,
+                         norm_w, *, n_k: int, n_v: int, dk: int, dv: int, eps: float):
+        """gdn_decode for one token of each of B sequences: row s of mixed (B, 2 n_k dk + n_v dv), z
+        (B, n_v dv), b and alpha (B, n_v) belongs to the sequence whose states are conv_states[s] and
+        ssm_states[s] (updated in place). Returns (B, n_v dv). Defined as gdn_decode row by row."""
+        B = mixed.shape[0]
+        if len(conv_states) != B or len(ssm_states) != B:
+            raise ValueError(f"gdn_decode_batch: {B} rows need {B} conv and ssm states, got "
+                             f"{len(conv_states)} and {len(ssm_states)}")
+        out = self.zeros((B, n_v * dv))
+        for s in range(B):
+            out[s : s + 1] = self.gdn_decode(mixed[s : s + 1], z[s : s + 1], b[s : s + 1], alpha[s : s + 1],
+                                             conv_states[s], ssm_states[s], conv_w, ssm_a, dt_bias, norm_w,
+                                             n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=eps)
+        return out
+
+    def gated_attention_batch(self: Backend, qg, k, v, caches, q_norm, k_norm, positions, *, n_rot: int,
+                              base: float, sections: tuple[int, ...] = (), scale: float, eps: float,
+                              window: int = 0):
+        """gated_attention for one token of each of B sequences: row s of qg (B, nh, 2, d), k (B, n_kv, d)
+        and v (B, n_kv, dv) belongs to the sequence whose cache is caches[s] and whose position is
+        positions[s] ((1,) or (3, 1)). Returns (B, nh dv). Defined as gated_attention row by row."""
+        B, nh = qg.shape[0], qg.shape[1]
+        if len(caches) != B or len(positions) != B:
+            raise ValueError(f"gated_attention_batch: {B} rows need {B} caches and positions, got "
+                             f"{len(caches)} and {len(positions)}")
+        out = self.zeros((B, nh * v.shape[2]))
+        for s in range(B):
+            out[s : s + 1] = self.gated_attention(qg[s : s + 1], k[s : s + 1], v[s : s + 1], caches[s], q_norm,
+                                                  k_norm, positions[s], n_rot=n_rot, base=base,
+                                                  sections=sections, scale=scale, eps=eps, window=window)
+        return out
+    # ---- [end batched mixers] -------------------------------------------------------------------------
+
+    # ---- [MoE decode block] ----------------------------------------------------------------------------
+    def moe_block(self: Backend, x, router, gate_exps, up_exps, down_exps, k: int,
+                  shared: MoeShared | None = None, residual=None):
+        """A whole MoE feed-forward (qwen35 section 3.6): the routed experts (`moe`), plus, with
+        `shared`, sigmoid(x @ shared.gate_inp.T) * SwiGLU shared expert, plus `residual` when given.
+        x (T, H) -> (T, H). Defined by compose_moe_block; a device backend runs it in a few kernels."""
+        return compose_moe_block(self, x, router, gate_exps, up_exps, down_exps, k, shared, residual)
+    # ---- [end MoE decode block] ------------------------------------------------------------------------
 
 
 class DeviceHooks:
@@ -378,6 +449,20 @@ class Backend(Protocol):
     def gated_attention(self, qg: Array, k: Array, v: Array, cache: Any, q_norm: Array, k_norm: Array,
                         positions: Any, *, n_rot: int, base: float, sections: tuple[int, ...] = (),
                         scale: float, eps: float, window: int = 0) -> Array: ...
+
+    def gdn_decode_batch(self, mixed: Array, z: Array, b: Array, alpha: Array, conv_states: Sequence[Array],
+                         ssm_states: Sequence[Array], conv_w: Array, ssm_a: Array, dt_bias: Array,
+                         norm_w: Array, *, n_k: int, n_v: int, dk: int, dv: int,
+                         eps: float) -> Array: ...  # [batched mixers]
+
+    def gated_attention_batch(self, qg: Array, k: Array, v: Array, caches: Sequence[Any], q_norm: Array,
+                              k_norm: Array, positions: Sequence[Any], *, n_rot: int, base: float,
+                              sections: tuple[int, ...] = (), scale: float, eps: float,
+                              window: int = 0) -> Array: ...  # [batched mixers]
+
+    def moe_block(self, x: Array, router: Weight, gate_exps: Weight, up_exps: Weight | None, down_exps: Weight,
+                  k: int, shared: MoeShared | None = None,
+                  residual: Array | None = None) -> Array: ...  # [MoE decode block]
 
     # ---- execution hooks (DeviceHooks gives every backend these) ----------------------------------
     pins_host_memory: bool

@@ -131,13 +131,15 @@ class CupyQ8KVCache(CupyTypedKVCache):
 
 
 class CupyQ3KVCache(GrowingKVCache):
-    """K and V of one attention layer in the q3 format of engine/kvquant.py, on the device: codes
-    (capacity, n_kv, 3d/8) uint8 and fp16 scales (capacity, n_kv, d/32), first `length` valid.
+    """K and V of one attention layer in the q3 format of engine/kvquant.py, on the device: K codes
+    (capacity, n_kv, 3d/8) and V codes (capacity, n_kv, 2dv/8) uint8, fp16 scales (capacity, n_kv,
+    d/64) each, first `length` valid.
 
-    Rows are quantized on the device as they are appended (kernels/kvq3.py). Attention dequantizes
-    rows [0, length) into the backend's fp32 scratch (`CupyBackend._q3_scratch`, one per KV shape,
-    at least `capacity` rows) and runs the fp32 attention kernels on it. `k` / `v` are the code arrays
-    (None once freed), the names the decode-graph checks read."""
+    Rows are quantized on the device as they are appended (kernels/kvq3.py); attention reads the codes
+    directly (kvq3.attention: tiles dequantized in shared memory, fp32 accumulation; no fp32 copy of
+    the cache). Keys are stored centred on `k_ref` (n_kv, d) float32, the mean of the first append's
+    keys (engine/kvquant.py Q3KVCache: float64 mean, fixed for the cache's life). `k` / `v` are the
+    code arrays (None once freed), the names the decode-graph checks read."""
 
     kv_type = "q3"
 
@@ -148,16 +150,28 @@ class CupyQ3KVCache(GrowingKVCache):
 
     def _layout(self):
         n, d, dv = self.n_kv_heads, self.head_dim, self.value_dim
-        return {"k_codes": ((n, 3 * d // 8), cp.uint8), "k_scales": ((n, d // 32), cp.float16),
-                "v_codes": ((n, 3 * dv // 8), cp.uint8), "v_scales": ((n, dv // 32), cp.float16)}
+        kb, vb, blk = kvq3.K_BITS, kvq3.V_BITS, kvq3.BLOCK
+        return {"k_codes": ((n, kb * d // 8), cp.uint8), "k_scales": ((n, d // blk), cp.float16),
+                "v_codes": ((n, vb * dv // 8), cp.uint8), "v_scales": ((n, dv // blk), cp.float16)}
 
     @staticmethod
     def _zeros(shape, dtype):
         return cp.zeros(shape, dtype)
 
+    k_ref: Any = None  # set by the first append
+
     def _write(self, k, v, start: int) -> None:
-        kvq3.quantize_append(k, self.k_codes, self.k_scales, start)
+        k = _f32(k)
+        if self.k_ref is None:
+            self.k_ref = cp.ascontiguousarray(cp.mean(k, axis=0, dtype=cp.float64).astype(cp.float32))
+        kvq3.quantize_append(k, self.k_codes, self.k_scales, start, ref=self.k_ref)
         kvq3.quantize_append(v, self.v_codes, self.v_scales, start)
+
+    def clone(self):
+        twin = super().clone()
+        assert isinstance(twin, CupyQ3KVCache)
+        twin.k_ref = None if self.k_ref is None else self.k_ref.copy()
+        return twin
 
     @property
     def k(self):
@@ -404,6 +418,28 @@ class _BatchCapture(_Capture):
     def write_inputs(self, token: int, pos: np.ndarray) -> None:
         raise RuntimeError("a batch step's inputs are written by write_batch")
 
+    # ---- [batched mixers] what CupyBackend.gdn_decode_batch / gated_attention_batch ask of a capture ----
+    def sequence_positions(self, positions) -> Any:
+        """(n, 3) device int32: each sequence's own (t, h, w) (slots [4n, 7n)), for `positions` that are
+        the batch's own position arrays, in order (a batched mixer's)."""
+        n = self.n
+        if len(positions) != n or any(self._seq_of.get(id(p)) != b for b, p in enumerate(positions)):
+            raise RuntimeError("a batched mixer's positions are not the captured batch's, in order")
+        return self.dev[4 * n : 7 * n].reshape(n, 3)
+
+    def cache_rows(self, caches) -> Any:
+        """cache_row of each cache, in order: their slots are consecutive, so the (len(caches),) device
+        int32 array of the lengths before this step's appends."""
+        first = self.cache_base + len(self.caches)
+        for c in caches:
+            self.cache_row(c)
+        return self.dev[first : first + len(caches)]
+
+    def hold(self, table) -> None:
+        """Keep a device array the graph reads (a pointer table) alive as long as the graph."""
+        self._out_dev.append(table)
+    # ---- [end batched mixers] ----------------------------------------------------------------------
+
 
 class _BatchGraph(_DecodeGraph):
     """A captured decode step of a fixed list of sequences (owner: their state lists, in order)."""
@@ -545,6 +581,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             type_name = info.type_name
             if ops.kept_type(type_name, logical[-1]) == type_name:
                 q = ops.upload_weight(np.asarray(info.raw), type_name, logical)
+                self._return_load_blocks()  # [load memory]
             else:
                 # No kernel for this format or row length: decode once to F32 on the host.
                 from .. import quants
@@ -555,6 +592,23 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 q = ops.upload_weight(dense.view(np.uint8), "F32", logical)
                 type_name = "F32"
             return CupyWeight(info.name, logical, type_name, q, role)
+
+    # ---- [load memory] ------------------------------------------------------------------------------
+    def _return_load_blocks(self) -> None:
+        """After a weight's upload: note the pool's total (with the upload's temporaries still in it,
+        nothing freed since they were made: the load's high-water mark, `load_memory_peak`), then hand
+        the pool's unused blocks back to the device. A K-quant repack leaves ~5.6x its 64 MiB chunk of
+        freed temporaries and a staged upload its raw copy; kept in the pool they were ~0.6 GB of
+        device memory that no later array used (tools/plan_vs_measured.py, v10)."""
+        pool = cp.get_default_memory_pool()
+        self._load_pool_peak = max(self.__dict__.get("_load_pool_peak", 0), int(pool.total_bytes()))
+        pool.free_all_blocks()
+
+    def load_memory_peak(self) -> int:
+        """The highest total of the memory pool while this backend uploaded weights (0 before any):
+        what loading took from the device at its peak beside the CUDA context and kernel modules."""
+        return int(self.__dict__.get("_load_pool_peak", 0))
+    # ---- [end load memory] --------------------------------------------------------------------------
 
     def load_fused(self, infos: list) -> list[CupyWeight]:
         """The weights of one group (base.FusedOpsMixin.load_fused) in one device array per QWeight
@@ -627,7 +681,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         elif isinstance(obj, CupyKVCache):
             obj.k = obj.v = None
         elif isinstance(obj, CupyQ3KVCache):
-            obj.k_codes = obj.k_scales = obj.v_codes = obj.v_scales = None
+            obj.k_codes = obj.k_scales = obj.v_codes = obj.v_scales = obj.k_ref = None
 
     def synchronize(self) -> None:
         if self._capture is not None:
@@ -717,11 +771,19 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 return ops.embed(table.q, self._capture.ids_dev(ids))
             return ops.embed(table.q, cp.asarray(ids.astype(np.int32)))
 
+    def _matmul_path(self, T: int, q: ops.QWeight) -> str:
+        """The matmul path for T rows of activations against `q`: the decode (GEMV) path up to the rows
+        its launches serve while reading the weights once (ops.gemv_max_t: more for the K-quants'
+        multi-token GEMV, so a batch of up to 32 decoding sequences stays on it), the prefill (GEMM)
+        path above."""
+        limit = ops.gemv_max_t(q) if self.gemv_path.startswith("dp4a") else ops.GEMV_MAX_T
+        return self.gemv_path if T <= limit else self.gemm_path
+
     def matmul(self, x, w: CupyWeight):
         with self._dev:
             lead = x.shape[:-1]
             x2 = _f32(x).reshape(-1, x.shape[-1])
-            path = self.gemv_path if x2.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
+            path = self._matmul_path(x2.shape[0], w.q)
             y = ops.matmul(x2, w.q, path)
             return y.reshape(*lead, w.q.rows)
 
@@ -773,7 +835,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             with self._dev:
                 typed = CupyF16KVCache if kv_type == "f16" else CupyQ8KVCache
                 return typed(n_kv_heads, head_dim, value_dim, capacity)
-        if kv_type == "q3":  # 3-bit codes + fp16 scales (engine/kvquant.py, kernels/kvq3.py)
+        if kv_type == "q3":  # 3-bit K / 2-bit V codes + fp16 scales (engine/kvquant.py, kernels/kvq3.py)
             from minecart.kernels.build import HEAD_DIMS
 
             from ..errors import RequestError
@@ -782,71 +844,33 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 raise RequestError(f"the q3 KV cache on the CUDA backend needs equal K and V head dims in "
                                    f"{HEAD_DIMS}; this model has {head_dim}/{value_dim}: use kv_type 'f32'")
             with self._dev:
-                cache = CupyQ3KVCache(n_kv_heads, head_dim, value_dim, capacity)
-                self._q3_scratch(cache, grow=True)
-                return cache
+                return CupyQ3KVCache(n_kv_heads, head_dim, value_dim, capacity)
         with self._dev:
             return CupyKVCache(n_kv_heads, head_dim, value_dim, capacity)
 
-    def _q3_scratch(self, cache: CupyQ3KVCache, *, grow: bool):
-        """fp32 (capacity, n_kv, d) views of this backend's scratch for `cache`'s K and V, which
-        attention dequantizes the cache rows into. One pair per KV shape, shared by every layer of
-        that shape (the layers run one after another on one stream), never smaller than the largest
-        q3 cache made or grown here. Growing moves it, which invalidates any captured decode graph,
-        so it grows only outside a capture (grow=False raises _CacheFull: that step runs eagerly).
-        K and V get separate buffers even when head_dim == value_dim (the key names which one): one
-        shared buffer would leave V's rows in K's place, so the scores would be q . v."""
-        pool = self.__dict__.setdefault("_q3_scratch_arrays", {})
-        out = []
-        for which, d in (("k", cache.head_dim), ("v", cache.value_dim)):
-            key = (which, cache.n_kv_heads, d)
-            buf = pool.get(key)
-            if buf is None or buf.shape[0] < cache.capacity:
-                if not grow:
-                    raise _CacheFull("q3 attention scratch too small: this step grows it eagerly")
-                self._graphs = {}  # a live graph holds the old address
-                pool[key] = buf = cp.zeros((max(cache.capacity, 0 if buf is None else 2 * buf.shape[0]),
-                                            cache.n_kv_heads, d), cp.float32)
-            out.append(buf[: cache.capacity])
-        return out
-
     def _attention_q3(self, q, k, v, cache: CupyQ3KVCache, scale: float, window: int):
-        """Attention over a q3 cache: quantize this call's K/V rows into it, dequantize rows
-        [0, length) into the fp32 scratch and run the fp32 kernels there. Under a CUDA-graph capture
-        the row and the length come from the device (`_Capture.cache_row`), as for CupyKVCache."""
+        """Attention over a q3 cache: quantize this call's K/V rows into it, then attend straight from
+        the codes (kvq3.attention: split decode for one token, the tiled prefill kernel otherwise).
+        Under a CUDA-graph capture the row and the length come from the device
+        (`_Capture.cache_row`), as for CupyKVCache."""
         n, d, dv = cache.n_kv_heads, cache.head_dim, cache.value_dim
         k = _f32(k).reshape(-1, n, d)
         v = _f32(v).reshape(-1, n, dv)
-        # decode straight from the codes (kvq3_flash_decode, rotated space): opt-in until measured
-        # (MINECART_Q3_DECODE=rotated or backend.q3_decode = "rotated"); default: dequantize + flash_decode
-        mode = self.__dict__.get("q3_decode") or os.environ.get("MINECART_Q3_DECODE", "dequant")
-        if mode == "rotated" and k.shape[0] == 1 and kvq3.fits_flash_decode(q.shape[1], n, d, dv):
-            if self._capture is not None:
-                row_ptr = self._capture.cache_row(cache)
-                kvq3.quantize_append(k, cache.k_codes, cache.k_scales, 0, start_ptr=row_ptr)
-                kvq3.quantize_append(v, cache.v_codes, cache.v_scales, 0, start_ptr=row_ptr)
-                cache.length += 1
-            else:
-                row_ptr = None
-                cache.append(k, v)
-            return kvq3.flash_decode(q, cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
-                                     cache.length, float(scale), int(window), kv_len_ptr=row_ptr)
         if self._capture is not None:
-            ks, vs = self._q3_scratch(cache, grow=False)
+            if not kvq3.fits_flash_decode(q.shape[1], n):
+                raise RuntimeError("q3 decode with more than 8 query heads per KV head is not captured")
+            if cache.k_ref is None:
+                raise _CacheFull("an empty q3 cache takes its reference row in an eager step")
             row_ptr = self._capture.cache_row(cache)
-            kvq3.quantize_append(k, cache.k_codes, cache.k_scales, 0, start_ptr=row_ptr)
+            kvq3.quantize_append(k, cache.k_codes, cache.k_scales, 0, start_ptr=row_ptr, ref=cache.k_ref)
             kvq3.quantize_append(v, cache.v_codes, cache.v_scales, 0, start_ptr=row_ptr)
             cache.length += 1
-            kvq3.dequantize_into(cache.k_codes, cache.k_scales, ks, cache.length, len_ptr=row_ptr)
-            kvq3.dequantize_into(cache.v_codes, cache.v_scales, vs, cache.length, len_ptr=row_ptr)
-            return ops.attention(q, ks, vs, cache.length - 1, cache.length, float(scale), int(window),
-                                 kv_len_ptr=row_ptr)
+            return kvq3.flash_decode(q, cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales,
+                                     cache.length, float(scale), int(window), kv_len_ptr=row_ptr)
         start = cache.length
         cache.append(k, v)
-        ks, vs = self._q3_scratch(cache, grow=True)
-        kvq3.dequantize_into(cache.k_codes, cache.k_scales, ks, cache.length)
-        kvq3.dequantize_into(cache.v_codes, cache.v_scales, vs, cache.length)
-        return ops.attention(q, ks, vs, start, cache.length, float(scale), int(window))
+        return kvq3.attention(q, cache.k_codes, cache.k_scales, cache.v_codes, cache.v_scales, start,
+                              cache.length, float(scale), int(window))
 
     def attention(self, q, k, v, cache: CupyKVCache, *, scale: float, window: int = 0):
         if isinstance(cache, CupyQ3KVCache):
@@ -959,7 +983,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         with self._dev:
             lead = x.shape[:-1]
             x2 = _f32(x).reshape(-1, x.shape[-1])
-            path = self.gemv_path if x2.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
+            path = self._matmul_path(x2.shape[0], big)
             y = ops.matmul(x2, big, path)  # (T, sum of rows)
             if x2.shape[0] == 1:
                 flat = y.reshape(-1)
@@ -969,7 +993,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
     def matmul_add(self, x, w: CupyWeight, residual):
         with self._dev:
             x2 = _f32(x).reshape(-1, x.shape[-1])
-            path = self.gemv_path if x2.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
+            path = self._matmul_path(x2.shape[0], w.q)
             if path not in ("dp4a", "dp4a2", "fma") or residual.size != x2.shape[0] * w.q.rows:
                 return super().matmul_add(x, w, residual)
             y = ops.matmul(x2, w.q, path, residual=residual)  # residual added in the GEMV epilogue
@@ -999,7 +1023,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                         sections=(), scale: float, eps: float, window: int = 0):
         T, nh, _, d = qg.shape
         n_kv, dv = k.shape[1], v.shape[2]
-        kv_type = ""  # q3 caches take the composed ops (they dequantize into a scratch)
+        kv_type = ""  # q3 caches take the composed ops (quantize on append, kvq3 attention)
         if type(cache) is CupyKVCache:
             kv_type = "f32"
         elif isinstance(cache, CupyTypedKVCache):  # f16 / q8_0: attn_prep stores the row in that type
@@ -1030,6 +1054,93 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 ops.register_quantized(o, q8)  # attn_output's int8 input
             return o
 
+    # ---- [batched mixers] one decode token of each of B sequences (base.FusedOpsMixin; fused.py) ------
+    def _pointer_table(self, arrays) -> Any:
+        """The device table of the arrays' addresses (fused.pointer_table). It is made by an eager step
+        (a host-to-device copy cannot be captured: a capture that misses it runs that step eagerly, the
+        next one captures) and held by the capture that uses it as long as its graph."""
+        ptrs = tuple(int(a.data.ptr) for a in arrays)
+        tab = fused.cached_pointer_table(ptrs)
+        if tab is None:
+            if self._capture is not None:
+                raise _CacheFull("pointer tables are made by an eager step; the next one captures")
+            tab = fused.pointer_table(ptrs)
+        if isinstance(self._capture, _BatchCapture):
+            self._capture.hold(tab)
+        return tab
+
+    def gdn_decode_batch(self, mixed, z, b, alpha, conv_states, ssm_states, conv_w, ssm_a, dt_bias, norm_w, *,
+                         n_k: int, n_v: int, dk: int, dv: int, eps: float):
+        B = mixed.shape[0]
+        kw = int(conv_w.shape[1])
+        if self._capture is not None and not isinstance(self._capture, _BatchCapture) or \
+                not fused.gdn_decode_supported(n_k, n_v, dk, dv, kw):
+            return super().gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states, conv_w, ssm_a, dt_bias,
+                                            norm_w, n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=eps)
+        if not fused.gdn_counters_ready(B * (n_k + n_v)):
+            if self._capture is not None:  # a memset in a capture is only recorded: make them eagerly
+                raise _CacheFull("gdn_decode counters are made by an eager step; the next one captures")
+            with self._dev:
+                fused.make_gdn_counters(B * (n_k + n_v))
+        with self._dev:
+            y, q8 = fused.gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states,
+                                           self._pointer_table(conv_states), self._pointer_table(ssm_states),
+                                           conv_w, ssm_a, dt_bias, norm_w, n_k=n_k, n_v=n_v, dk=dk, dv=dv,
+                                           eps=eps, want_q8=self.gemv_path.startswith("dp4a"))
+            if q8 is not None:
+                ops.register_quantized(y, q8)  # ssm_out's int8 input
+            return y
+
+    def gated_attention_batch(self, qg, k, v, caches, q_norm, k_norm, positions, *, n_rot: int, base: float,
+                              sections=(), scale: float, eps: float, window: int = 0):
+        """One launch per kernel for all B sequences when their caches are f32, f16 or q8_0 caches of one
+        type and shape (q3 caches and other shapes: the per-sequence loop)."""
+        B, nh, _, d = qg.shape
+        n_kv, dv = k.shape[1], v.shape[2]
+        kv_type = ""
+        if len(caches) == B and len(positions) == B and B:
+            first = caches[0]
+            if type(first) is CupyKVCache:
+                kv_type = "f32"
+            elif isinstance(first, CupyTypedKVCache):
+                kv_type = first.kv_type
+            if kv_type and (first.k is None or any(
+                    type(c) is not type(first) or c.k is None or c.k.shape[1:] != first.k.shape[1:]
+                    or c.v.shape[1:] != first.v.shape[1:] for c in caches)):
+                kv_type = ""
+        fast = (kv_type != ""
+                and fused.attention_supported(nh, n_kv, d, dv)
+                and (self._capture is None or isinstance(self._capture, _BatchCapture)))
+        if not fast:
+            return super().gated_attention_batch(qg, k, v, caches, q_norm, k_norm, positions, n_rot=n_rot,
+                                                 base=base, sections=sections, scale=scale, eps=eps, window=window)
+        with self._dev:
+            comp_d, inv_freq, _ = self._rope_table(n_rot, base, sections)
+            cap = self._capture
+            if isinstance(cap, _BatchCapture):
+                pos = cap.sequence_positions(positions)
+                rows = cap.cache_rows(caches)  # raises _CacheFull when a cache has no room (eager step)
+            else:
+                for c in caches:
+                    c.reserve(c.length + 1)  # grows before its addresses go into the table
+                pos = cp.asarray(np.stack([_pos3(p) for p in positions]).astype(np.int32))  # (B, 3)
+                rows = cp.asarray(np.array([c.length for c in caches], dtype=np.int32))
+            # slices sized for the capacities, eager or captured (lengths are only known on the device in
+            # a graph), so that a replayed step computes exactly what the eager step does
+            spans = [c.capacity for c in caches]
+            k_tab = self._pointer_table([c.k for c in caches])
+            v_tab = self._pointer_table([c.v for c in caches])
+            o, q8 = fused.attention_decode_batch(qg, k, v, q_norm, k_norm, k_tab, v_tab, rows, pos, comp_d,
+                                                 inv_freq, n_rot, eps, float(scale),
+                                                 fused.decode_batch_splits(spans, n_kv), int(window),
+                                                 want_q8=self.gemv_path.startswith("dp4a"), kv_type=kv_type)
+            for c in caches:
+                c.length += 1
+            if q8 is not None:
+                ops.register_quantized(o, q8)  # attn_output's int8 input
+            return o
+    # ---- [end batched mixers] ----------------------------------------------------------------------
+
     # ---- mixture of experts ----------------------------------------------------------------------
     def moe(self, x, router: CupyWeight, gate_exps: CupyWeight, up_exps, down_exps: CupyWeight, k: int):
         with self._dev:
@@ -1054,6 +1165,26 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 h = ops.ewise("swiglu", gate, up)
             y = ops.matmul_experts(h, down_exps.q, ids, 1, path)
             return ops.moe_combine(y, wts, T, int(k))
+
+    # ---- [MoE decode block] ------------------------------------------------------------------------
+    def moe_block(self, x, router, gate_exps, up_exps, down_exps, k: int, shared=None, residual=None):
+        """A few tokens on the DP4A path: the whole block in three or four launches (kernels/moe.py
+        decode_block); anything else (prefill, the FMA / HFMA2 paths, other formats) composed."""
+        T = int(x.shape[0]) if x.ndim == 2 else -1
+        ws = [router, gate_exps, down_exps] + ([] if up_exps is None else [up_exps])
+        if shared is not None:
+            ws += [shared.gate_inp, shared.gate, shared.up, shared.down]
+        if 0 < T <= moe_kernels.DECODE_MAX_T and self.gemv_path.startswith("dp4a") and \
+                all(isinstance(w, CupyWeight) for w in ws) and (residual is None or residual.shape == x.shape):
+            sh = None if shared is None else moe_kernels.SharedExpert(shared.gate_inp.q, shared.gate.q,
+                                                                     shared.up.q, shared.down.q)
+            ups = None if up_exps is None else up_exps.q
+            if moe_kernels.decode_block_problem(router.q, gate_exps.q, ups, down_exps.q, int(k), sh) is None:
+                with self._dev:
+                    return moe_kernels.decode_block(_f32(x), router.q, gate_exps.q, ups, down_exps.q, int(k),
+                                                    sh, None if residual is None else _f32(residual))
+        return super().moe_block(x, router, gate_exps, up_exps, down_exps, k, shared, residual)
+    # ---- [end MoE decode block] --------------------------------------------------------------------
 
     # ---- sampling helpers --------------------------------------------------------------------------
     def top_k(self, logits, k: int):
@@ -1168,6 +1299,27 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         cap.stream.synchronize()
         return rec.result()
 
+    # ---- [split link] ---------------------------------------------------------------------------------
+    def hold(self, seconds: float, after=None):
+        """Hold this backend's decode-graph stream for `seconds`, starting once `after` (a CUDA event of
+        any device; None: the work already queued there) has completed, and return an event recorded
+        at the end of the hold, without a host wait. engine/rig.py charges a simulated link's time with
+        it between the stages of a split decode step, where a real riser's copy would take it."""
+        from minecart.kernels import link
+
+        stream = self._graph_stream_for_capture()
+        with self._dev:
+            if after is not None:
+                stream.wait_event(after)
+            link.hold(stream, seconds)
+            done = self.__dict__.get("_hold_done")
+            if done is None:
+                # one event, recorded again each hold: the next stage queues its wait on it at once
+                done = self._hold_done = cp.cuda.Event(disable_timing=True)
+            done.record(stream)
+        return done
+    # ---- [end split link] -----------------------------------------------------------------------------
+
     def _graph_stream_for_capture(self):
         """The stream decode graphs are captured on and replayed from (made on first use)."""
         if self._graph_stream is None:
@@ -1231,7 +1383,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
 
         with self._dev:
             x2 = _f32(x).reshape(-1, x.shape[-1])
-            path = self.gemv_path if x2.shape[0] <= ops.GEMV_MAX_T else self.gemm_path
+            path = self._matmul_path(x2.shape[0], w.q)
             return probe.time_gpu(lambda: ops.matmul(x2, w.q, path), reps)
 
     # What the placement estimate is compared with (engine/multidevice.py `_memory_report`): the CUDA
@@ -1273,12 +1425,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
     def release_cached(self) -> None:
         """Drop captured decode graphs, this thread's cached q8_1 / fp16 activation copies and return the
         memory pool's unused blocks to the driver (between benchmark configurations, so each one's memory
-        is measured alone: a small array left alive keeps its whole pool chunk). The RoPE tables and the q3
-        dequantization scratch go too; they are made again when next needed."""
+        is measured alone: a small array left alive keeps its whole pool chunk). The RoPE tables go too;
+        they are made again when next needed."""
         self._graphs = {}
         self._batch_graphs = {}  # [batched decode]
         self._rope_tables = {}
-        self.__dict__.pop("_q3_scratch_arrays", None)
         from minecart.kernels import hfma2
 
         for local in (ops._LAST_Q, hfma2._LAST):

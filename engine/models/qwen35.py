@@ -23,7 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..backends.base import Array, Backend, LayerState, Weight
+from ..backends.base import Array, Backend, LayerState, MoeShared, Weight
 from ..errors import GGUFError, MissingKeyError
 from .batch import SequenceRows, per_sequence
 from .spec import (
@@ -351,8 +351,7 @@ def feed_forward(config: ModelConfig, backend: Backend, w: Weights, i: int, f: A
     residual + FFN (the dense down projection adds it itself)."""
     p = f"blk.{i}."
     if config.is_moe:
-        y = _moe(config, backend, w, p, f)
-        return y if residual is None else backend.add(residual, y)
+        return _moe(config, backend, w, p, f, residual)
     return _swiglu_ffn(backend, w, p + "ffn_", "", f, residual)
 
 
@@ -379,13 +378,18 @@ def _gated_deltanet(config: ModelConfig, be: Backend, w: Weights, p: str, a: Arr
                                             w[p + "ssm_beta.weight"], w[p + "ssm_alpha.weight"]])
     # mixed (T, conv_dim) = [q | k | v], z (T, n_v dv), b and alpha (T, n_v)
 
-    def mixer(st: LayerState, _positions: Any, mixed: Array, z: Array, b: Array, alpha: Array) -> Array:
-        return be.gdn_decode(mixed, z, b, alpha, st.recurrent["conv"], st.recurrent["ssm"],
-                             w[p + "ssm_conv1d.weight"], w[p + "ssm_a"], w[p + "ssm_dt.bias"],
-                             w[p + "ssm_norm.weight"], n_k=config.gdn_k_heads, n_v=config.gdn_v_heads,
-                             dk=config.gdn_key_dim, dv=config.gdn_value_dim, eps=config.rms_eps)
+    weights = (w[p + "ssm_conv1d.weight"], w[p + "ssm_a"], w[p + "ssm_dt.bias"], w[p + "ssm_norm.weight"])
+    dims: dict[str, Any] = dict(n_k=config.gdn_k_heads, n_v=config.gdn_v_heads, dk=config.gdn_key_dim,
+                                dv=config.gdn_value_dim, eps=config.rms_eps)
 
-    y = per_sequence(be, state, None, (mixed, z, b, alpha), mixer)  # (T, n_v dv)
+    def mixer(st: LayerState, _positions: Any, mixed: Array, z: Array, b: Array, alpha: Array) -> Array:
+        return be.gdn_decode(mixed, z, b, alpha, st.recurrent["conv"], st.recurrent["ssm"], *weights, **dims)
+
+    if isinstance(state, SequenceRows) and state.decoding:  # [batched mixers] one token per sequence
+        y = be.gdn_decode_batch(mixed, z, b, alpha, [st.recurrent["conv"] for st in state.states],
+                                [st.recurrent["ssm"] for st in state.states], *weights, **dims)
+    else:
+        y = per_sequence(be, state, None, (mixed, z, b, alpha), mixer)  # (T, n_v dv)
     return be.matmul(y, w[p + "ssm_out.weight"])
 
 
@@ -396,15 +400,21 @@ def _gated_attention(config: ModelConfig, be: Backend, w: Weights, p: str, a: Ar
     nh, n_kv, d, dv = config.n_heads, config.n_kv_heads, config.head_dim, config.value_head_dim
     qg, k, v = be.matmul_many(a, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
 
+    norms = (w[p + "attn_q_norm.weight"], w[p + "attn_k_norm.weight"])
+    rope: dict[str, Any] = dict(n_rot=config.rope_dims, base=config.rope_base,
+                                sections=config.rope_sections, scale=1.0 / math.sqrt(d), eps=config.rms_eps)
+
     def mixer(st: LayerState, pos: Any, qg: Array, k: Array, v: Array) -> Array:
         T = qg.shape[0]
         return be.gated_attention(qg.reshape(T, nh, 2, d), k.reshape(T, n_kv, d), v.reshape(T, n_kv, dv),
-                                  st.kv, w[p + "attn_q_norm.weight"], w[p + "attn_k_norm.weight"], pos,
-                                  n_rot=config.rope_dims, base=config.rope_base,
-                                  sections=config.rope_sections, scale=1.0 / math.sqrt(d),
-                                  eps=config.rms_eps)
+                                  st.kv, *norms, pos, **rope)
 
-    o = per_sequence(be, state, positions, (qg, k, v), mixer)  # (T, nh dv)
+    if isinstance(state, SequenceRows) and state.decoding:  # [batched mixers] one token per sequence
+        B = state.size
+        o = be.gated_attention_batch(qg.reshape(B, nh, 2, d), k.reshape(B, n_kv, d), v.reshape(B, n_kv, dv),
+                                     [st.kv for st in state.states], *norms, state.positions, **rope)
+    else:
+        o = per_sequence(be, state, positions, (qg, k, v), mixer)  # (T, nh dv)
     return be.matmul(o, w[p + "attn_output.weight"])
 
 
@@ -422,22 +432,25 @@ def _swiglu_ffn(be: Backend, w: Weights, prefix: str, suffix: str, f: Array,
     return be.matmul(h, down) if residual is None else be.matmul_add(h, down, residual)
 
 
-def _moe(config: ModelConfig, be: Backend, w: Weights, p: str, f: Array) -> Array:
-    """Section 3.6: softmax router, top-k renormalized experts, plus the sigmoid-gated shared expert."""
+def _moe(config: ModelConfig, be: Backend, w: Weights, p: str, f: Array,
+         residual: Array | None = None) -> Array:
+    """Section 3.6: softmax router, top-k renormalized experts, plus the sigmoid-gated shared expert
+    (and `residual`): one backend op, Backend.moe_block."""
     fused = w.get(p + "ffn_gate_up_exps.weight")
-    routed = be.moe(
+    shared = None
+    if p + "ffn_gate_shexp.weight" in w:
+        shared = MoeShared(w[p + "ffn_gate_inp_shexp.weight"], w[p + "ffn_gate_shexp.weight"],
+                           w[p + "ffn_up_shexp.weight"], w[p + "ffn_down_shexp.weight"])
+    return be.moe_block(
         f,
         w[p + "ffn_gate_inp.weight"],
         fused if fused is not None else w[p + "ffn_gate_exps.weight"],
         None if fused is not None else w[p + "ffn_up_exps.weight"],
         w[p + "ffn_down_exps.weight"],
         config.n_experts_used,
+        shared,
+        residual,
     )
-    if p + "ffn_gate_shexp.weight" not in w:
-        return routed
-    shared = _swiglu_ffn(be, w, p + "ffn_", "_shexp", f)
-    shared_gate = be.sigmoid(be.matmul(f, w[p + "ffn_gate_inp_shexp.weight"]))  # (T, 1)
-    return be.add(routed, be.mul(shared, shared_gate))
 
 
 # ------------------------------------------------------------------------------------------------

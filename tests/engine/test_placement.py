@@ -491,7 +491,9 @@ def test_max_context_is_the_longest_that_fits():
         m = max_context(plan, devices)
         assert m > 4096
         assert fits(plan.with_settings(context=m), devices)
-        assert not fits(plan.with_settings(context=m + 8), devices)
+        # q3 (2.75 bits per value) fits the model's whole trained context here: the cap, not memory, stops it
+        assert m == plan.costs.context_length or not fits(plan.with_settings(context=m + 8), devices)
+        assert m < plan.costs.context_length or kv == "q3"
 
 
 def test_predictions_match_the_h200_measurements():
