@@ -135,9 +135,9 @@ if [ "$MODE" = batch ]; then
   # issue #17's GPU numbers in one go: the multi-token GEMVs (kernels/bench_gemv.py --multi), the MoE
   # decode block old vs new (kernels/moe.py), then tools/bench_batch_gpu.py on the 9B Q4_K shape
   # (BATCH_BUDGET seconds). Logs: gemv_multi.log, moe_block.log, batch.log / batch.json.
-  timeout 90 python3 -m minecart.kernels.bench_gemv --multi >"$OUT/gemv_multi.log" 2>&1
+  timeout 75 python3 -m minecart.kernels.bench_gemv --multi ${GEMV_MULTI_ARGS:---types Q4_K,Q8_0} >"$OUT/gemv_multi.log" 2>&1
   echo "bench_gemv --multi exit $?"; tail -30 "$OUT/gemv_multi.log"
-  timeout 90 python3 -m minecart.kernels.moe --tokens "" --block-tokens 1,8 >"$OUT/moe_block.log" 2>&1
+  timeout 60 python3 -m minecart.kernels.moe --tokens "" --block-tokens 1,8 >"$OUT/moe_block.log" 2>&1
   echo "moe block exit $?"; tail -8 "$OUT/moe_block.log"
   timeout "${BATCH_TIMEOUT:-200}" python3 tools/bench_batch_gpu.py --shape qwen3.5-9b --quant q4_k \
     --dir /tmp/bench --budget "${BATCH_BUDGET:-120}" --json "$OUT/batch.json" >"$OUT/batch.log" 2>&1
