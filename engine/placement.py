@@ -1364,6 +1364,12 @@ KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.40, "q8_0": 0.076, "q3": 0.17}
 # measured on a CPU yet).
 CPU_DECODE_EFFICIENCY = 0.50
 CPU_EXPERT_DECODE_EFFICIENCY = 0.28 * 0.128
+# ... plus a fixed time per layer and token: the NumPy backend's ~25 array operations of a layer, each
+# with its Python and dispatch overhead whatever the model's size. Measured on the 2-core CI machine
+# (2026-12-01, `minecart bench --shape tiny-dense --quant q8_0 --device cpu:0`): 269.2 tokens/s =
+# 3.71 ms a token, of which the 8.7 MB head's read is ~0.35 ms: 0.42 ms for each of its 8 layers.
+# Without it a tiny model's layers looked faster on the CPU than on any GPU.
+CPU_LAYER_SECONDS = 0.40e-3
 
 
 @dataclass(frozen=True)
@@ -1438,6 +1444,7 @@ def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int,
         state = 2 * p.state_bytes
         if cpu:
             t += (kv + state) / (bw * CPU_DECODE_EFFICIENCY)
+            t += CPU_LAYER_SECONDS if p.kind not in ("embedding", "head") else 0.0
             continue
         t += kv / (bw * KV_DECODE_EFFICIENCY.get(_saved_kv_type(kv_type), KV_DECODE_EFFICIENCY["q3"]))
         t += state / (bw * SMALL_KERNEL_EFFICIENCY)
