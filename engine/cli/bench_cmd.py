@@ -616,10 +616,12 @@ def _release(backends: list[Backend]) -> None:
 
     gc.collect()
     for be in backends:
+        if isinstance(be, RigBackend):  # a logical device of a rig: its GPU's own backend
+            be = be.inner
         if not be.device.startswith("cpu"):  # the NumPy backend caches nothing on a device
             from ..backends.cupy_backend import CupyBackend  # local import: CuPy is optional
 
-            assert isinstance(be, CupyBackend)
+            assert isinstance(be, CupyBackend), f"{be!r} is not a GPU backend"
             be.release_cached()
 
 
