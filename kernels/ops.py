@@ -261,17 +261,18 @@ def _mt_shape(env: str, v: str, kernel: str, compiled: tuple[tuple[int, int], ..
 
 
 # The same for Q8_0 (build.GEMV_MT_TYPES) with gemv_mt (env MINECART_GEMV_MT: "auto", "old" = gemv_dp4a in
-# launches of 8/4/2/1 tokens, or "WxN" of build.GEMV_MT). Only up to GEMV_MAX_T tokens: above, the GEMM
-# (Q8_0 is not where batches of 9-32 sequences were measured; bench_gemv --multi covers the K-quants).
+# launches of 8/4/2/1 tokens up to GEMV_MAX_T and the tiled GEMM above, or "WxN" of build.GEMV_MT), also in
+# passes of up to 8 tokens up to KQ_PASSES_MAX_T: on the H200 (bench_gemv --multi, 2026-12-01) the tiled
+# GEMM took 62 ms for a 9B step's Q8_0 GEMVs at 16 and at 32 tokens, gemv_mt 6.5 ms at 8.
 GEMV_MT_VARIANT = os.environ.get("MINECART_GEMV_MT", "auto")
 
 
 def _gemv_mt(type_name: str, T: int, R: int) -> tuple[int, int] | None:
-    """(warps per row, rounds of 8 blocks per lane in flight) of gemv_mt for a DP4A matmul of 2..GEMV_MAX_T
-    tokens of a GEMV_MT_TYPES weight, None otherwise. "auto": warps as _gemv_kq_mt, one round in flight
+    """(warps per row, rounds of 8 blocks per lane in flight) of gemv_mt for a DP4A matmul of 2..KQ_PASSES_MAX_T
+    tokens of a GEMV_MT_TYPES weight (passes of up to 8), None otherwise. "auto": warps as _gemv_kq_mt, one round in flight
     (8 Q8_0 blocks = 272 bytes per row group; no spills at any NT), to be confirmed on the device."""
     v = GEMV_MT_VARIANT
-    if v == "old" or type_name not in GEMV_MT_TYPES or T < 2 or T > GEMV_MAX_T:
+    if v == "old" or type_name not in GEMV_MT_TYPES or T < 2 or T > max(GEMV_MAX_T, KQ_PASSES_MAX_T):
         return None
     if v != "auto":
         return _mt_shape("MINECART_GEMV_MT", v, "gemv_mt", GEMV_MT)
@@ -280,10 +281,12 @@ def _gemv_mt(type_name: str, T: int, R: int) -> tuple[int, int] | None:
 
 def gemv_max_t(w: QWeight) -> int:
     """The most tokens matmul(x, w, "dp4a") serves with GEMV launches (each reading the weights once)
-    rather than the tiled GEMM: KQ_PASSES_MAX_T for a K-quant under gemv_kq_mt, else GEMV_MAX_T. A caller
-    that picks the decode path below this and the prefill path above keeps batches of up to this many
-    sequences on the GEMV."""
+    rather than the tiled GEMM: KQ_PASSES_MAX_T for a K-quant under gemv_kq_mt and for Q8_0 under gemv_mt,
+    else GEMV_MAX_T. A caller that picks the decode path below this and the prefill path above keeps
+    batches of up to this many sequences on the GEMV."""
     if w.type_name in kquant_layout.KQUANT_TYPES and GEMV_KQ_MT_VARIANT != "old":
+        return max(GEMV_MAX_T, KQ_PASSES_MAX_T)
+    if w.type_name in GEMV_MT_TYPES and GEMV_MT_VARIANT != "old":
         return max(GEMV_MAX_T, KQ_PASSES_MAX_T)
     return GEMV_MAX_T
 

@@ -187,18 +187,20 @@ def test_gemv_max_t(monkeypatch):
     w, _, _, _ = _case("Q6_K", 16, 256, 2, rng)
     monkeypatch.setattr(ops, "KQ_PASSES_MAX_T", 32)
     assert ops.gemv_max_t(w) == 32
-    assert ops.gemv_max_t(random_q8_0(16, 256)) == ops.GEMV_MAX_T
+    assert ops.gemv_max_t(random_q8_0(16, 256)) == 32  # Q8_0 under gemv_mt, in passes too
     monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", "old")
     assert ops.gemv_max_t(w) == ops.GEMV_MAX_T
+    monkeypatch.setattr(ops, "GEMV_MT_VARIANT", "old")
+    assert ops.gemv_max_t(random_q8_0(16, 256)) == ops.GEMV_MAX_T
 
 
-@pytest.mark.parametrize("T", [2, 3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("T", [2, 3, 4, 5, 6, 7, 8, 9, 16, 32])
 def test_q8_0_gemv_mt(monkeypatch, poison, launches, T):
     """gemv_mt on Q8_0 in every compiled shape and "auto", with and without the residual, against the
     emulation and gemv_dp4a ("old"); rows of 7, 129 and 128 blocks (partial and whole rounds of 8)."""
     from minecart.engine import quants as Q
     from minecart.kernels import ops
-    from minecart.kernels.build import GEMV_MT
+    from minecart.kernels.build import GEMV_MT, kq_passes
 
     rng = np.random.default_rng()
     variants = ["auto", "old"] + [f"{a}x{b}" for a, b in GEMV_MT]
@@ -220,11 +222,13 @@ def test_q8_0_gemv_mt(monkeypatch, poison, launches, T):
                 want = emu + (r if res is not None else 0)
                 err = nerr(y, want)
                 assert err < TOL, f"Q8_0 {v} {R}x{K} T={T}{' +res' if res is not None else ''}: {err:.2e}"
-                if v == "old":
-                    assert all(n.startswith("gemv_dp4a<") for n in launches), launches
-                else:
+                if v == "old":  # 8/4/2/1-token chunks up to 8 (a 1-token chunk: the single-token kernel)
+                    if T <= ops.GEMV_MAX_T:
+                        assert all(n.startswith(("gemv_dp4a<", "gemv_dp4a_split<")) for n in launches), launches
+                else:  # passes of up to 8 tokens above 8 (build.kq_passes)
                     wpr, nu = ops._gemv_mt("Q8_0", T, R)
-                    assert launches == [f"gemv_mt<{ops.QT['Q8_0']}, {T}, {wpr}, {nu}>"], launches
+                    assert launches == [f"gemv_mt<{ops.QT['Q8_0']}, {nt}, {wpr}, {nu}>"
+                                        for _, nt in kq_passes(T)], launches
                 got[(v, res is None)] = y
         for key, y in got.items():
             old = got[("old", key[1])]
