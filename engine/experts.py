@@ -148,14 +148,13 @@ class ExpertsApart:
         y = self.experts.moe(xe, router, gate_exps, up_exps, down_exps, k)
         return self._inner.asarray(self.experts.to_numpy(y))
 
-    # [MoE decode block] the whole block: composed here when the routed experts live apart (the
+    # the whole block: composed here when the routed experts live apart (the
     # inner backend's fused decode kernels cannot read them), so `moe` above takes the routed part
     def moe_block(self, x, router, gate_exps, up_exps, down_exps, k: int, shared: MoeShared | None = None,
                   residual=None):
         if id(gate_exps) not in self._held or self._layer_of.get(id(gate_exps)) is None:
             return self._inner.moe_block(x, router, gate_exps, up_exps, down_exps, k, shared, residual)
         return compose_moe_block(self, x, router, gate_exps, up_exps, down_exps, k, shared, residual)
-    # [end MoE decode block]
 
     def _streamed_moe(self, layer: int, x, gate_exps, up_exps, down_exps, k: int):
         st = self._stream

@@ -296,9 +296,6 @@ class RigBackend:
         return n
 
     # ---- link -------------------------------------------------------------------------------------------
-    def has_link(self) -> bool:
-        return self.rig_device.link is not None
-
     def _wait_link(self, n_bytes: int, started: float) -> None:
         link = self.rig_device.link
         if link is None:
@@ -307,12 +304,6 @@ class RigBackend:
         with self._lock:
             self.transferred_bytes += n_bytes
             self.transfer_seconds += link.seconds(n_bytes)
-
-    def charge_link(self, n_bytes: int, started: float | None = None) -> None:
-        """Charge a copy of n_bytes that did not go through asarray/to_numpy (a replayed CUDA graph
-        copies a split model's hidden state itself): waits until `started` (default now) plus the
-        link's time for it."""
-        self._wait_link(int(n_bytes), time.perf_counter() if started is None else started)
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True):

@@ -57,7 +57,6 @@ def kq_passes(T: int) -> list[tuple[int, int]]:
     return [(sum(sizes[:i]), sizes[i]) for i in range(n)]
 
 
-# -- end multi-token K-quant GEMV --
 HFMA2_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")  # formats with an fp16 HFMA2 kernel (hfma2.cu)
 GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split into these
 # (warps per row, L2 prefetch) of the gemv_dp4a_split instantiations (single-token launches)

@@ -143,7 +143,7 @@ def gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias
     return y, q8
 
 
-# ---- [batched mixers] one decode token of each of B sequences in one launch per kernel -----------------
+# ---- one decode token of each of B sequences in one launch per kernel --------
 # Each sequence keeps its states (GDN conv / delta-rule state, KV cache) where its session allocated them;
 # a kernel finds sequence s's through a device table of their addresses (uint64, one per sequence).
 

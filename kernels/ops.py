@@ -291,7 +291,6 @@ def gemv_max_t(w: QWeight) -> int:
     return GEMV_MAX_T
 
 
-# -- end multi-token K-quant GEMV --
 
 
 def _gemv_split(R: int, K: int) -> tuple[int, int] | None:

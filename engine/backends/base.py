@@ -126,7 +126,6 @@ class LayerState:
     recurrent: dict[str, Any] = field(default_factory=dict)
 
 
-# ---- [MoE decode block] --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MoeShared:
     """The shared expert of a MoE block: gate_inp (1, H) gives its sigmoid gate; gate, up (Fs, H) and
@@ -148,7 +147,6 @@ def compose_moe_block(be: Backend, x, router, gate_exps, up_exps, down_exps, k: 
         s = be.matmul(be.swiglu(gate, up), shared.down)
         y = be.add(y, be.mul(s, be.sigmoid(be.matmul(x, shared.gate_inp))))  # gate (T, 1)
     return y if residual is None else be.add(residual, y)
-# ---- [end MoE decode block] ----------------------------------------------------------------------------
 
 
 class FusedOpsMixin:
@@ -217,7 +215,7 @@ class FusedOpsMixin:
         return o.reshape(T, nh * o.shape[-1])
 
 
-    # ---- [batched mixers] one decode token of each of B sequences (engine/models/batch.py) ---------
+    # ---- one decode token of each of B sequences (engine/models/batch.py) --------
     def gdn_decode_batch(self: Backend, mixed, z, b, alpha, conv_states, ssm_states, conv_w, ssm_a, dt_bias,
                          norm_w, *, n_k: int, n_v: int, dk: int, dv: int, eps: float):
         """gdn_decode for one token of each of B sequences: row s of mixed (B, 2 n_k dk + n_v dv), z
@@ -250,16 +248,13 @@ class FusedOpsMixin:
                                                   k_norm, positions[s], n_rot=n_rot, base=base,
                                                   sections=sections, scale=scale, eps=eps, window=window)
         return out
-    # ---- [end batched mixers] -------------------------------------------------------------------------
 
-    # ---- [MoE decode block] ----------------------------------------------------------------------------
     def moe_block(self: Backend, x, router, gate_exps, up_exps, down_exps, k: int,
                   shared: MoeShared | None = None, residual=None):
         """A whole MoE feed-forward (qwen35 section 3.6): the routed experts (`moe`), plus, with
         `shared`, sigmoid(x @ shared.gate_inp.T) * SwiGLU shared expert, plus `residual` when given.
         x (T, H) -> (T, H). Defined by compose_moe_block; a device backend runs it in a few kernels."""
         return compose_moe_block(self, x, router, gate_exps, up_exps, down_exps, k, shared, residual)
-    # ---- [end MoE decode block] ------------------------------------------------------------------------
 
 
 class DeviceHooks:
@@ -289,13 +284,6 @@ class DeviceHooks:
         """Run `run` for one decode token as a captured graph (see CupyBackend.graph_step); None =
         this backend has no graphs: the caller runs the step eagerly."""
         return None
-
-    def has_link(self) -> bool:
-        """True when copies to and from this device pay a simulated link's time (engine/rig.py)."""
-        return False
-
-    def charge_link(self, n_bytes: int, started: float | None = None) -> None:
-        """Charge a copy a replayed graph made itself to the simulated link (none here)."""
 
     def prepare_lm_head(self, weight: Weight) -> None:
         """Decode a lazily decoded LM-head table now (at load time) rather than in the first token."""
@@ -453,16 +441,16 @@ class Backend(Protocol):
     def gdn_decode_batch(self, mixed: Array, z: Array, b: Array, alpha: Array, conv_states: Sequence[Array],
                          ssm_states: Sequence[Array], conv_w: Array, ssm_a: Array, dt_bias: Array,
                          norm_w: Array, *, n_k: int, n_v: int, dk: int, dv: int,
-                         eps: float) -> Array: ...  # [batched mixers]
+                         eps: float) -> Array: ...
 
     def gated_attention_batch(self, qg: Array, k: Array, v: Array, caches: Sequence[Any], q_norm: Array,
                               k_norm: Array, positions: Sequence[Any], *, n_rot: int, base: float,
                               sections: tuple[int, ...] = (), scale: float, eps: float,
-                              window: int = 0) -> Array: ...  # [batched mixers]
+                              window: int = 0) -> Array: ...
 
     def moe_block(self, x: Array, router: Weight, gate_exps: Weight, up_exps: Weight | None, down_exps: Weight,
                   k: int, shared: MoeShared | None = None,
-                  residual: Array | None = None) -> Array: ...  # [MoE decode block]
+                  residual: Array | None = None) -> Array: ...
 
     # ---- execution hooks (DeviceHooks gives every backend these) ----------------------------------
     pins_host_memory: bool
@@ -475,9 +463,5 @@ class Backend(Protocol):
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True) -> Any: ...
-
-    def has_link(self) -> bool: ...
-
-    def charge_link(self, n_bytes: int, started: float | None = None) -> None: ...
 
     def prepare_lm_head(self, weight: Weight) -> None: ...

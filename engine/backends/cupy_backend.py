@@ -29,7 +29,7 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
-from minecart.kernels import fused, gdn_chunk, kvcache, kvq3, ops
+from minecart.kernels import fused, gdn_chunk, kvcache, kvq3, link, ops
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
@@ -180,6 +180,15 @@ class CupyQ3KVCache(GrowingKVCache):
     @property
     def v(self):
         return self.v_codes
+
+
+def _fused_kv_type(cache) -> str:
+    """The type in which the fused decode kernels read and write `cache` in place ("f32", "f16" or
+    "q8_0": attn_prep stores the row in that type), "" for a q3 cache (composed ops: quantize on
+    append, kvq3 attention)."""
+    if type(cache) is CupyKVCache:
+        return "f32"
+    return cache.kv_type if isinstance(cache, CupyTypedKVCache) else ""
 
 
 class _CacheFull(RuntimeError):
@@ -418,7 +427,7 @@ class _BatchCapture(_Capture):
     def write_inputs(self, token: int, pos: np.ndarray) -> None:
         raise RuntimeError("a batch step's inputs are written by write_batch")
 
-    # ---- [batched mixers] what CupyBackend.gdn_decode_batch / gated_attention_batch ask of a capture ----
+    # ---- what CupyBackend.gdn_decode_batch / gated_attention_batch ask of a capture --------
     def sequence_positions(self, positions) -> Any:
         """(n, 3) device int32: each sequence's own (t, h, w) (slots [4n, 7n)), for `positions` that are
         the batch's own position arrays, in order (a batched mixer's)."""
@@ -438,7 +447,6 @@ class _BatchCapture(_Capture):
     def hold(self, table) -> None:
         """Keep a device array the graph reads (a pointer table) alive as long as the graph."""
         self._out_dev.append(table)
-    # ---- [end batched mixers] ----------------------------------------------------------------------
 
 
 class _BatchGraph(_DecodeGraph):
@@ -496,8 +504,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._capture: _Capture | None = None  # set while a decode step is being captured
         self._graphs: dict[int, _DecodeGraph] = {}
         self._graph_stream = None
-        self._batch_graphs: dict[Any, _BatchGraph] = {}  # [batched decode] most recently used last
-        self._batch_eager: set[int] = set()  # [batched decode] batch sizes whose capture failed
+        self._batch_graphs: dict[Any, _BatchGraph] = {}  # batched decode steps, most recently used last
+        self._batch_eager: set[int] = set()  # batch sizes whose capture failed
+        self._pool_peak = 0  # the pool's highest total seen by sample_memory (memory_peak)
+        self._load_pool_peak = 0  # the pool's highest total while weights were uploaded (load_memory_peak)
+        self._hold_done: Any = None  # the event `hold` records again after each simulated link's hold
         self.use_graphs = not os.environ.get("MINECART_NO_CUDA_GRAPH")
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
@@ -581,7 +592,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             type_name = info.type_name
             if ops.kept_type(type_name, logical[-1]) == type_name:
                 q = ops.upload_weight(np.asarray(info.raw), type_name, logical)
-                self._return_load_blocks()  # [load memory]
+                self._return_load_blocks()
             else:
                 # No kernel for this format or row length: decode once to F32 on the host.
                 from .. import quants
@@ -593,7 +604,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 type_name = "F32"
             return CupyWeight(info.name, logical, type_name, q, role)
 
-    # ---- [load memory] ------------------------------------------------------------------------------
     def _return_load_blocks(self) -> None:
         """After a weight's upload: note the pool's total (with the upload's temporaries still in it,
         nothing freed since they were made: the load's high-water mark, `load_memory_peak`), then hand
@@ -601,14 +611,13 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         freed temporaries and a staged upload its raw copy; kept in the pool they were ~0.6 GB of
         device memory that no later array used (tools/plan_vs_measured.py, v10)."""
         pool = cp.get_default_memory_pool()
-        self._load_pool_peak = max(self.__dict__.get("_load_pool_peak", 0), int(pool.total_bytes()))
+        self._load_pool_peak = max(self._load_pool_peak, int(pool.total_bytes()))
         pool.free_all_blocks()
 
     def load_memory_peak(self) -> int:
         """The highest total of the memory pool while this backend uploaded weights (0 before any):
         what loading took from the device at its peak beside the CUDA context and kernel modules."""
-        return int(self.__dict__.get("_load_pool_peak", 0))
-    # ---- [end load memory] --------------------------------------------------------------------------
+        return self._load_pool_peak
 
     def load_fused(self, infos: list) -> list[CupyWeight]:
         """The weights of one group (base.FusedOpsMixin.load_fused) in one device array per QWeight
@@ -1023,11 +1032,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                         sections=(), scale: float, eps: float, window: int = 0):
         T, nh, _, d = qg.shape
         n_kv, dv = k.shape[1], v.shape[2]
-        kv_type = ""  # q3 caches take the composed ops (quantize on append, kvq3 attention)
-        if type(cache) is CupyKVCache:
-            kv_type = "f32"
-        elif isinstance(cache, CupyTypedKVCache):  # f16 / q8_0: attn_prep stores the row in that type
-            kv_type = cache.kv_type
+        kv_type = _fused_kv_type(cache)
         fast = (T == 1 and kv_type != "" and cache.k is not None
                 and fused.attention_supported(nh, n_kv, d, dv)
                 and (self._capture is not None or cache.length + 1 <= cache.capacity))
@@ -1054,7 +1059,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 ops.register_quantized(o, q8)  # attn_output's int8 input
             return o
 
-    # ---- [batched mixers] one decode token of each of B sequences (base.FusedOpsMixin; fused.py) ------
+    # ---- one decode token of each of B sequences (base.FusedOpsMixin; fused.py) --------
     def _pointer_table(self, arrays) -> Any:
         """The device table of the arrays' addresses (fused.pointer_table). It is made by an eager step
         (a host-to-device copy cannot be captured: a capture that misses it runs that step eagerly, the
@@ -1100,10 +1105,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         kv_type = ""
         if len(caches) == B and len(positions) == B and B:
             first = caches[0]
-            if type(first) is CupyKVCache:
-                kv_type = "f32"
-            elif isinstance(first, CupyTypedKVCache):
-                kv_type = first.kv_type
+            kv_type = _fused_kv_type(first)
             if kv_type and (first.k is None or any(
                     type(c) is not type(first) or c.k is None or c.k.shape[1:] != first.k.shape[1:]
                     or c.v.shape[1:] != first.v.shape[1:] for c in caches)):
@@ -1139,7 +1141,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             if q8 is not None:
                 ops.register_quantized(o, q8)  # attn_output's int8 input
             return o
-    # ---- [end batched mixers] ----------------------------------------------------------------------
 
     # ---- mixture of experts ----------------------------------------------------------------------
     def moe(self, x, router: CupyWeight, gate_exps: CupyWeight, up_exps, down_exps: CupyWeight, k: int):
@@ -1166,7 +1167,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             y = ops.matmul_experts(h, down_exps.q, ids, 1, path)
             return ops.moe_combine(y, wts, T, int(k))
 
-    # ---- [MoE decode block] ------------------------------------------------------------------------
     def moe_block(self, x, router, gate_exps, up_exps, down_exps, k: int, shared=None, residual=None):
         """A few tokens on the DP4A path: the whole block in three or four launches (kernels/moe.py
         decode_block); anything else (prefill, the FMA / HFMA2 paths, other formats) composed."""
@@ -1184,7 +1184,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                     return moe_kernels.decode_block(_f32(x), router.q, gate_exps.q, ups, down_exps.q, int(k),
                                                     sh, None if residual is None else _f32(residual))
         return super().moe_block(x, router, gate_exps, up_exps, down_exps, k, shared, residual)
-    # ---- [end MoE decode block] --------------------------------------------------------------------
 
     # ---- sampling helpers --------------------------------------------------------------------------
     def top_k(self, logits, k: int):
@@ -1299,26 +1298,21 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         cap.stream.synchronize()
         return rec.result()
 
-    # ---- [split link] ---------------------------------------------------------------------------------
     def hold(self, seconds: float, after=None):
         """Hold this backend's decode-graph stream for `seconds`, starting once `after` (a CUDA event of
         any device; None: the work already queued there) has completed, and return an event recorded
         at the end of the hold, without a host wait. engine/rig.py charges a simulated link's time with
         it between the stages of a split decode step, where a real riser's copy would take it."""
-        from minecart.kernels import link
-
         stream = self._graph_stream_for_capture()
         with self._dev:
             if after is not None:
                 stream.wait_event(after)
             link.hold(stream, seconds)
-            done = self.__dict__.get("_hold_done")
-            if done is None:
+            if self._hold_done is None:
                 # one event, recorded again each hold: the next stage queues its wait on it at once
-                done = self._hold_done = cp.cuda.Event(disable_timing=True)
-            done.record(stream)
-        return done
-    # ---- [end split link] -----------------------------------------------------------------------------
+                self._hold_done = cp.cuda.Event(disable_timing=True)
+            self._hold_done.record(stream)
+        return self._hold_done
 
     def _graph_stream_for_capture(self):
         """The stream decode graphs are captured on and replayed from (made on first use)."""
@@ -1407,7 +1401,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
     def sample_memory(self) -> int:
         """Note the pool's total now for `memory_peak` and return it."""
         now = self.memory_used()
-        self._pool_peak = max(self.__dict__.get("_pool_peak", 0), now)
+        self._pool_peak = max(self._pool_peak, now)
         return now
 
     def reset_memory_peak(self) -> None:
@@ -1416,7 +1410,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
 
     def memory_peak(self) -> int:
         """Highest pool total seen by sample_memory since reset_memory_peak (or creation), now included."""
-        return max(self.__dict__.get("_pool_peak", 0), self.memory_used())
+        return max(self._pool_peak, self.memory_used())
 
     def outside_pool_bytes(self) -> int:
         """Device memory in use now that the pool does not account for (the CUDA context included)."""

@@ -385,7 +385,7 @@ def _gated_deltanet(config: ModelConfig, be: Backend, w: Weights, p: str, a: Arr
     def mixer(st: LayerState, _positions: Any, mixed: Array, z: Array, b: Array, alpha: Array) -> Array:
         return be.gdn_decode(mixed, z, b, alpha, st.recurrent["conv"], st.recurrent["ssm"], *weights, **dims)
 
-    if isinstance(state, SequenceRows) and state.decoding:  # [batched mixers] one token per sequence
+    if isinstance(state, SequenceRows) and state.decoding:  # one token per sequence: one launch for all
         y = be.gdn_decode_batch(mixed, z, b, alpha, [st.recurrent["conv"] for st in state.states],
                                 [st.recurrent["ssm"] for st in state.states], *weights, **dims)
     else:
@@ -409,7 +409,7 @@ def _gated_attention(config: ModelConfig, be: Backend, w: Weights, p: str, a: Ar
         return be.gated_attention(qg.reshape(T, nh, 2, d), k.reshape(T, n_kv, d), v.reshape(T, n_kv, dv),
                                   st.kv, *norms, pos, **rope)
 
-    if isinstance(state, SequenceRows) and state.decoding:  # [batched mixers] one token per sequence
+    if isinstance(state, SequenceRows) and state.decoding:  # one token per sequence: one launch for all
         B = state.size
         o = be.gated_attention_batch(qg.reshape(B, nh, 2, d), k.reshape(B, n_kv, d), v.reshape(B, n_kv, dv),
                                      [st.kv for st in state.states], *norms, state.positions, **rope)
