@@ -136,9 +136,14 @@ class ExpertsApart:
         per_token = 2.0 * st.active_values(layer, k) / self.cpu_flops
         return stream_min_tokens_for(st.layer_bytes(layer), per_token, self.link)
 
+    def _apart_layer(self, gate_exps) -> int | None:
+        """The layer whose routed experts `gate_exps` is, when they live apart from this device; None
+        when they sit on it (the inner backend's own ops take them)."""
+        return self._layer_of.get(id(gate_exps)) if id(gate_exps) in self._held else None
+
     def moe(self, x, router, gate_exps, up_exps, down_exps, k: int):
-        layer = self._layer_of.get(id(gate_exps))
-        if id(gate_exps) not in self._held or layer is None:  # this layer's experts sit on this device
+        layer = self._apart_layer(gate_exps)
+        if layer is None:
             return self._inner.moe(x, router, gate_exps, up_exps, down_exps, k)
         st = self._stream
         if st is not None and self.streaming and int(x.shape[0]) >= self.stream_min_tokens(layer, k):
@@ -148,11 +153,11 @@ class ExpertsApart:
         y = self.experts.moe(xe, router, gate_exps, up_exps, down_exps, k)
         return self._inner.asarray(self.experts.to_numpy(y))
 
-    # the whole block: composed here when the routed experts live apart (the
-    # inner backend's fused decode kernels cannot read them), so `moe` above takes the routed part
     def moe_block(self, x, router, gate_exps, up_exps, down_exps, k: int, shared: MoeShared | None = None,
                   residual=None):
-        if id(gate_exps) not in self._held or self._layer_of.get(id(gate_exps)) is None:
+        """The whole block, composed when the routed experts live apart (the inner backend's fused
+        decode kernels cannot read them), so that `moe` above takes the routed part."""
+        if self._apart_layer(gate_exps) is None:
             return self._inner.moe_block(x, router, gate_exps, up_exps, down_exps, k, shared, residual)
         return compose_moe_block(self, x, router, gate_exps, up_exps, down_exps, k, shared, residual)
 

@@ -411,17 +411,18 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
     def sized(part: str) -> tuple[tuple[str, int], ...]:
         return tuple((n, _tensor_bytes(tensors[n], role, part, layout)) for n, role in roles.get(part, {}).items())
 
-    def staged(part: str) -> tuple[str, ...]:
+    def stored_matrices(part: str) -> list[tuple[str, str]]:
+        """(name, GGML type) of the part's matrices as the CUDA backend uploads them (layout "stored")."""
         if layout != "stored":
-            return ()
-        return tuple(n for n, role in roles.get(part, {}).items()
-                     if role != "vector" and getattr(tensors[n], "type_name", "") in STAGED_TYPES)
+            return []
+        return [(n, str(getattr(tensors[n], "type_name", ""))) for n, role in roles.get(part, {}).items()
+                if role != "vector"]
+
+    def staged(part: str) -> tuple[str, ...]:
+        return tuple(n for n, kind in stored_matrices(part) if kind in STAGED_TYPES)
 
     def repacked(part: str) -> tuple[tuple[str, str], ...]:
-        if layout != "stored":
-            return ()
-        return tuple((n, str(getattr(tensors[n], "type_name", ""))) for n, role in roles.get(part, {}).items()
-                     if role != "vector" and getattr(tensors[n], "type_name", "") in KQUANT_TYPES)
+        return tuple((n, kind) for n, kind in stored_matrices(part) if kind in KQUANT_TYPES)
 
     def fused(part: str) -> tuple[tuple[str, ...], ...]:
         return _fused_groups(spec, roles.get(part, {}), tensors) if layout == "stored" else ()
@@ -1397,7 +1398,7 @@ def _is_cpu(name: str) -> bool:
 def _speed_of(spec: DeviceSpec | None, name: str) -> DeviceSpeed:
     if spec is not None and spec.speed is not None:
         return spec.speed
-    return CPU_SPEED if name.startswith("cpu:") else UNKNOWN_GPU
+    return CPU_SPEED if _is_cpu(name) else UNKNOWN_GPU
 
 
 def _link_of(spec: DeviceSpec | None) -> Link:
@@ -1589,7 +1590,7 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         # each layer's FFN input goes to the experts' device and its output comes back, over the
         # layer's card's link and (for a GPU holding the experts) that card's link too
         def hop(p: PartCost, n_bytes: int, dev: str = dev, spec: DeviceSpec | None = spec) -> float:
-            there = 0.0 if dev.startswith("cpu:") else _link_of(spec).seconds(n_bytes)
+            there = 0.0 if _is_cpu(dev) else _link_of(spec).seconds(n_bytes)
             return 2 * (_link_of(by_name.get(plan.device_of(p.name))).seconds(n_bytes) + there)
 
         hops_s = sum(hop(p, hidden_bytes) for p in experts)

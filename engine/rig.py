@@ -323,10 +323,10 @@ class RigBackend:
                                       host_out=host_out, after=after, wait=wait)
         if done is None:
             return None
-        moved = sum(int(b.nbytes) for b in (host_in, host_out) if b is not None)
+        crossed = [int(b.nbytes) for b in (host_in, host_out) if b is not None]
         with self._lock:
-            self.transferred_bytes += moved
-            self.transfer_seconds += sum(link.seconds(int(b.nbytes)) for b in (host_in, host_out) if b is not None)
+            self.transferred_bytes += sum(crossed)
+            self.transfer_seconds += sum(link.seconds(n) for n in crossed)
         if host_out is None:
             return done  # the last stage: host logits (the link to the sampler is not charged in graphs)
         held = self._hold(link.seconds(int(host_out.nbytes)), None if done is True else done)
