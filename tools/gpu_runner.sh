@@ -196,6 +196,22 @@ if [ "$MODE" = moe-host ]; then
   echo "peer exit $?"; grep -E "^\||==" "$OUT/moe_peer.log" | tail -12
 fi
 
+if [ "$MODE" = host-diag ]; then
+  # where a host-expert decode token's time goes (tools/diag_host_decode.py) on the 35B-A3B Q4_K shape
+  # capped at MOE_CAP, for expert threads DIAG_THREADS, under BLAS threads 16 and then 1 (host_diag.log)
+  F=/tmp/bench/qwen3.6-35b-a3b-q4_k.gguf
+  mkdir -p /tmp/bench
+  [ -f "$F" ] || timeout 300 python3 -m minecart.engine.cli synth --shape qwen3.6-35b-a3b --quant q4_k "$F" \
+    >"$OUT/moe_synth.log" 2>&1
+  for blas in ${DIAG_BLAS:-16 1}; do
+    echo "== OPENBLAS/OMP threads $blas" >>"$OUT/host_diag.log"
+    OPENBLAS_NUM_THREADS=$blas OMP_NUM_THREADS=$blas timeout "${DIAG_TIMEOUT:-150}" python3 tools/diag_host_decode.py "$F" \
+      --cap "${MOE_CAP:-8GiB}" --expert-threads "${DIAG_THREADS:-8,16,4}" >>"$OUT/host_diag.log" 2>&1
+    echo "exit $?" >>"$OUT/host_diag.log"
+  done
+  cat "$OUT/host_diag.log" | tail -30
+fi
+
 if [ "$MODE" = ptx ]; then
   rm -rf .gpu/ptx61 .gpu/ptx70
   if ! tar -xJf .gpu/ptx.tar.xz -C .gpu 2>"$OUT/ptx.log"; then

@@ -1,0 +1,91 @@
+"""Where a decode token's time goes when a MoE model's routed experts sit in host RAM.
+
+    python3 tools/diag_host_decode.py MODEL.gguf --cap 8GiB --expert-threads 8,16,4 [--steps 8]
+
+Loads MODEL on cuda:0 capped at --cap with `experts="auto"` (as `minecart bench --experts-on auto
+--experts-cap` does), then for each expert thread count times --steps greedy decode steps and splits
+each host MoE call into: the hidden state's copy to the host, routing (router product, softmax,
+top-k), the routed experts on the CPU integer kernels, and the copy back. The BLAS thread count is
+the process's (set OPENBLAS_NUM_THREADS before running to compare). Prints one line per thread count.
+
+What this is not: a benchmark with ceilings (`minecart bench` is); a diagnostic of one setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from minecart.engine import cpu_experts, load_model
+from minecart.engine.backends.numpy_backend import NumpyBackend
+from minecart.engine.experts import ExpertsApart
+from minecart.engine.rig import Rig
+
+SPENT: dict[str, float] = defaultdict(float)
+CALLS: dict[str, int] = defaultdict(int)
+
+
+def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            SPENT[name] += time.perf_counter() - t
+            CALLS[name] += 1
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--cap", default="8GiB")
+    p.add_argument("--expert-threads", default="8")
+    p.add_argument("--steps", type=int, default=8)
+    args = p.parse_args()
+    t = time.perf_counter()
+    model = load_model(args.model, devices=Rig.parse(f"cuda:0={args.cap}"), experts="auto")
+    print(f"loaded in {time.perf_counter() - t:.1f} s; BLAS threads env "
+          f"{os.environ.get('OPENBLAS_NUM_THREADS')}; numba threads at most "
+          f"{cpu_experts._numba.config.NUMBA_NUM_THREADS}", flush=True)
+    proxies = [b for b in model.backends.values() if isinstance(b, ExpertsApart)]
+    proxy = proxies[0]
+    host = proxy.experts
+    assert isinstance(host, NumpyBackend)
+    inner: Any = proxy.inner
+    inner.to_numpy = timed("to_host", inner.to_numpy)
+    inner.asarray = timed("to_gpu", inner.asarray)
+    host.moe_route = timed("route", host.moe_route)
+    cpu_experts.routed_experts = timed("experts", cpu_experts.routed_experts)
+    host.moe = timed("host_moe", host.moe)
+    s = model.new_session(256)
+    logits = s.prefill([int(i) for i in np.arange(1, 17)])
+    logits = s.step(int(np.argmax(logits)))  # compiles the kernels
+    try:
+        print("numba threading layer:", cpu_experts._numba.threading_layer(), flush=True)
+    except ValueError as exc:
+        print("numba threading layer: ?", exc)
+    for threads in [int(x) for x in args.expert_threads.split(",")]:
+        host.expert_threads = threads
+        logits = s.step(int(np.argmax(logits)))
+        SPENT.clear()
+        CALLS.clear()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            logits = s.step(int(np.argmax(logits)))
+        dt = (time.perf_counter() - t) / args.steps
+        per = {k: 1e3 * v / args.steps for k, v in SPENT.items()}
+        calls = CALLS["host_moe"] / args.steps
+        print(f"expert threads {threads}: {1 / dt:.2f} tok/s, {1e3 * dt:.1f} ms/token; host MoE calls/token "
+              f"{calls:.0f}; ms/token: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items())), flush=True)
+    s.close()
+    model.close()
+
+
+if __name__ == "__main__":
+    main()
