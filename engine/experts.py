@@ -16,8 +16,11 @@ experts run where it pays:
 
 `ExpertsApart` is the device backend of such a device: a thin proxy that passes every op to the real
 backend except `moe` on expert weights held by the experts' backend. Every part on that device shares
-the one proxy (the executor runs a device's parts through one backend). A captured CUDA graph cannot
-contain a host round trip, so the proxy's `graph_step` declines: decode on that device runs eagerly.
+the one proxy (the executor runs a device's parts through one backend). With the experts in host
+RAM the round trip is queued as the GPU's own stream work (a copy to pinned memory, a host function
+that runs the experts on the CPU, a copy back: DeviceHooks.host_round_trip), so a decode step still
+replays as one CUDA graph; experts on another GPU go through the calling thread and that device's
+decode runs eagerly.
 
 What this is not: the placement of experts (engine/placement.py prices and plans them per layer;
 load_model's `experts` option puts them), or the GPU MoE kernels (the backend's `moe`).
@@ -66,6 +69,12 @@ class ExpertsApart:
         # given one, with its add_layer / prefetch / acquire / release / settle, serves the tests)
         self._stream: Any = stream
         self._simulated = rig_link is not None
+        # routed experts in host RAM as stream work (_host_moe): each layer's weights, the pinned row
+        # buffers by power-of-two row count, the first error a host function met
+        self._host_args: dict[int, tuple[Any, Any, Any, Any, int]] = {}
+        self._pinned: dict[int, tuple[Any, Any]] = {}
+        self._host_error: BaseException | None = None
+        self._host_fn = self._run_host  # one bound method: its identity names the host function
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._inner, attr)
@@ -148,10 +157,63 @@ class ExpertsApart:
         st = self._stream
         if st is not None and self.streaming and int(x.shape[0]) >= self.stream_min_tokens(layer, k):
             return self._streamed_moe(layer, x, gate_exps, up_exps, down_exps, k)
+        if self._host_nodes:
+            return self._host_moe(layer, x, router, gate_exps, up_exps, down_exps, k)
         self.host_moe_calls += 1
         xe = self.experts.asarray(self._inner.to_numpy(x))
         y = self.experts.moe(xe, router, gate_exps, up_exps, down_exps, k)
         return self._inner.asarray(self.experts.to_numpy(y))
+
+    # ---- routed experts on the host, as stream work ------------------------------------------------
+    @property
+    def _host_nodes(self) -> bool:
+        """The experts' backend is the host: the round trip runs as the device's stream work (copies
+        and a host function: DeviceHooks.host_round_trip), which a captured decode graph holds."""
+        return str(self.experts.device).startswith("cpu")
+
+    def _host_moe(self, layer: int, x, router, gate_exps, up_exps, down_exps, k: int):
+        T, H = int(x.shape[0]), int(x.shape[1])
+        if T >= 1 << 31 or layer >= 1 << 31:
+            raise ValueError(f"{T} tokens at layer {layer}: too many for one host round trip")
+        self._host_args[layer] = (router, gate_exps, up_exps, down_exps, int(k))
+        host_x, host_y = self._host_buffers(T, H)
+        y = self._inner.host_round_trip(x, host_x, host_y, self._host_fn, (layer << 32) | T)
+        self._raise_host_error()  # eagerly the host function has run by now (in a capture: it will)
+        return y
+
+    def _host_buffers(self, T: int, H: int) -> tuple[Any, Any]:
+        """(x, y) host rows for T tokens: views of page-locked (rows, H) float32 buffers kept per
+        power-of-two row count. Never freed or regrown while the proxy lives: a captured graph's
+        copies and host function read and write these addresses on every replay."""
+        rows = 1 << max(0, T - 1).bit_length()
+        pair = self._pinned.get(rows)
+        if pair is None or pair[0].shape[1] != H:
+            pair = (self._inner.pinned_empty((rows, H)), self._inner.pinned_empty((rows, H)))
+            self._pinned[rows] = pair
+        return pair[0][:T], pair[1][:T]
+
+    def _run_host(self, arg: int) -> None:
+        """The host function of one round trip (called by the driver's thread, or directly on a host
+        backend): layer `arg >> 32`'s routed experts for the first `arg & 0xFFFFFFFF` rows of the
+        pinned x, into the pinned y. Errors are kept for the caller (`_raise_host_error`) and leave
+        NaN rows, never an exception into the driver."""
+        layer, T = arg >> 32, arg & 0xFFFFFFFF
+        rows = 1 << max(0, T - 1).bit_length()
+        host_x, host_y = self._pinned[rows]
+        try:
+            router, gate_exps, up_exps, down_exps, k = self._host_args[layer]
+            y = self.experts.moe(self.experts.asarray(host_x[:T]), router, gate_exps, up_exps, down_exps, k)
+            host_y[:T] = self.experts.to_numpy(y).reshape(T, -1)
+            self.host_moe_calls += 1
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            host_y[:T] = float("nan")
+            if self._host_error is None:
+                self._host_error = exc
+
+    def _raise_host_error(self) -> None:
+        exc, self._host_error = self._host_error, None
+        if exc is not None:
+            raise RuntimeError(f"routed experts on the host failed: {exc}") from exc
 
     def moe_block(self, x, router, gate_exps, up_exps, down_exps, k: int, shared: MoeShared | None = None,
                   residual=None):
@@ -180,8 +242,13 @@ class ExpertsApart:
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True) -> Any:
-        """None: a step with a host round trip per MoE layer cannot be captured; it runs eagerly."""
-        if self._held:
+        """The inner backend's captured step: with experts in host RAM the graph holds each layer's round
+        trip (copies and a host function, `_host_moe`). None (run eagerly) when experts sit on another
+        device: that round trip goes through this thread and cannot be captured."""
+        if self._held and not self._host_nodes:
             return None
-        return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch,
-                                      host_in=host_in, host_out=host_out, after=after, wait=wait)
+        try:
+            return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch,
+                                          host_in=host_in, host_out=host_out, after=after, wait=wait)
+        finally:
+            self._raise_host_error()

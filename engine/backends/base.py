@@ -27,7 +27,7 @@ Conventions
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -279,6 +279,16 @@ class DeviceHooks:
     def bind_thread(self) -> None:
         """Make this backend's device current on the calling thread (a device worker's first act)."""
 
+    def host_round_trip(self, x: Array, host_x: Any, host_y: Any, fn: Callable[[int], None], arg: int) -> Array:
+        """x (float32 on this backend) -> the host array host_x; then fn(arg) on the host (it reads
+        host_x and fills host_y); then host_y -> a new array on this backend. Ordered with the work
+        queued before and after: on a CUDA device the copies and fn are queued on the current stream,
+        so a captured decode graph holds the round trip and replays it with the same `arg`
+        (engine/experts.py: routed experts in host RAM). Here (a host backend): copies and a call."""
+        host_x[...] = self.to_numpy(x).reshape(host_x.shape)  # type: ignore[attr-defined]
+        fn(arg)
+        return self.asarray(host_y)  # type: ignore[attr-defined]
+
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True) -> Any:
         """Run `run` for one decode token as a captured graph (see CupyBackend.graph_step); None =
@@ -460,6 +470,8 @@ class Backend(Protocol):
     def to_numpy_into(self, x: Array, out: Any) -> None: ...
 
     def bind_thread(self) -> None: ...
+
+    def host_round_trip(self, x: Array, host_x: Any, host_y: Any, fn: Callable[[int], None], arg: int) -> Array: ...
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True) -> Any: ...

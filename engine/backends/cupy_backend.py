@@ -29,7 +29,7 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
-from minecart.kernels import fused, gdn_chunk, kvcache, kvq3, link, ops
+from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, link, ops
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
@@ -506,6 +506,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._graph_stream = None
         self._batch_graphs: dict[Any, _BatchGraph] = {}  # batched decode steps, most recently used last
         self._batch_eager: set[int] = set()  # batch sizes whose capture failed
+        self.batch_capture_error = ""  # why the last of them failed (shown by tests and MINECART_DEBUG)
         self._pool_peak = 0  # the pool's highest total seen by sample_memory (memory_peak)
         self._load_pool_peak = 0  # the pool's highest total while weights were uploaded (load_memory_peak)
         self._hold_done: Any = None  # the event `hold` records again after each simulated link's hold
@@ -574,6 +575,28 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
 
     def bind_thread(self) -> None:
         self._dev.use()
+
+    def host_round_trip(self, x, host_x, host_y, fn, arg: int):
+        """The round trip as stream work (DeviceHooks.host_round_trip): a copy into the pinned host_x,
+        fn(arg) as a host function (kernels/host_func.py), a copy of the pinned host_y into a new array.
+        Under a capture these are nodes of the decode graph; eagerly the stream is waited for before
+        returning (fn needs the GIL, which this thread would otherwise hold while it queues more)."""
+        with self._dev:
+            stream = cp.cuda.get_current_stream()
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            if x.nbytes != host_x.nbytes or host_x.dtype != np.float32:
+                raise ValueError(f"{x.shape} does not fit the host buffer {host_x.shape} {host_x.dtype}")
+            out = cp.empty(host_y.shape, dtype=cp.float32)
+            if host_y.dtype != np.float32:
+                raise ValueError(f"the host result must be float32, got {host_y.dtype}")
+            rt = cp.cuda.runtime
+            rt.memcpyAsync(host_x.ctypes.data, x.data.ptr, x.nbytes, rt.memcpyDeviceToHost, stream.ptr)
+            host_func.launch(stream.ptr, fn, arg)
+            rt.memcpyAsync(out.data.ptr, host_y.ctypes.data, out.nbytes, rt.memcpyHostToDevice, stream.ptr)
+            if self._capture is None:
+                stream.synchronize()
+            # (under a capture, x and out came from the capture's allocator: the graph keeps them)
+            return out
 
     def zeros(self, shape, dtype: str = "float32"):
         with self._dev:
@@ -1351,9 +1374,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         except Exception as exc:
             if not _cache_full(exc):
                 self._batch_eager.add(len(ids))  # e.g. a host sync inside: this size runs eagerly
+                self.batch_capture_error = f"{type(exc).__name__}: {exc}"
             return None
         if not cap.outputs:
             self._batch_eager.add(len(ids))
+            self.batch_capture_error = "the captured step produced no host output"
             return None
         rec = _BatchGraph(graph, cap, kept, owners, watch)
         while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:
