@@ -21,6 +21,10 @@ The per-block float32 formulas (dx: activation block scale, isum/bsum: int32 sum
   Q4_K, Q5_K  acc += (d * dx) * (sc * isum) - (dmin * dx) * (m * bsum)    bsum = sum(xq)
   Q6_K        acc += (d * dx) * (sc_lo * isum_lo + sc_hi * isum_hi)      two 16-value halves, q - 32
 
+The token's routing comes with them: `route` (router logits in float64, softmax, top-k,
+renormalized, as the NumPy backend's moe_route) as a numba kernel that reads the float32 router
+directly, so a decode token's MoE on the CPU calls no BLAS at all, and its NumPy twin.
+
 What this is not: a prefill path (several tokens at once stay on dequantize-then-matmul in the NumPy
 backend), a GPU kernel, or a general matmul: the weights are always one of the expert stacks above.
 numba is imported with this module; `numba_available` tells whether it is installed.
@@ -28,7 +32,8 @@ numba is imported with this module; `numba_available` tells whether it is instal
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +174,101 @@ def quantize_rows(x: np.ndarray, *, fast: bool = True) -> QuantizedRows:
     s = np.empty((n, k // QBLOCK), np.int32)
     _quantize_rows_nb(x, q, d, s)
     return QuantizedRows(q, d, s)
+
+
+# ------------------------------------------------------------------------------------------------
+# routing of one decode token: router logits in float64, softmax, top-k by probability (ties to the
+# lower index), renormalized. The kernel reads the float32 router as it is and widens each weight in
+# the loop, with no matrix product: a BLAS call here converts the whole router to float64 on every
+# call and wakes BLAS's thread pool, whose spinning threads then take the cores from the expert
+# kernels' threads (docs/moe-cpu.md has the measurement: 7x slower decode with 16 BLAS threads).
+
+ROUTE_MIN_SUM = 6.1e-5  # the renormalization's floor on the chosen probabilities' sum (moe_route's)
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc", "contract"})
+def _router_logits_nb(router, x, logits):  # pragma: no cover - compiled
+    # reassociation lets LLVM vectorize the float64 sum; every row runs the same loop, so equal
+    # router rows give equal logits (exact ties stay ties)
+    n_exp, h = router.shape
+    for e in prange(n_exp):
+        acc = 0.0
+        for i in range(h):
+            acc += np.float64(router[e, i]) * np.float64(x[i])
+        logits[e] = acc
+
+
+@njit(cache=True)
+def _softmax_top_k_nb(logits, k, ids, weights):  # pragma: no cover - compiled
+    n = logits.shape[0]
+    m = logits[0]
+    for e in range(1, n):
+        if logits[e] > m or logits[e] != logits[e]:  # a NaN wins, as in np.max
+            m = logits[e]
+    p = np.empty(n, np.float64)
+    total = 0.0
+    for e in range(n):
+        p[e] = np.exp(logits[e] - m)
+        total += p[e]
+    for e in range(n):
+        p[e] /= total
+    chosen = np.zeros(n, np.bool_)
+    wsum = 0.0
+    for j in range(k):  # k passes of a max: k is small (8 of 256); strict > keeps the lower index
+        best = -1
+        for e in range(n):
+            if chosen[e]:
+                continue
+            if best < 0 or p[e] > p[best] or (p[best] != p[best] and p[e] == p[e]):  # NaN last
+                best = e
+        chosen[best] = True
+        ids[j] = best
+        weights[j] = p[best]
+        wsum += p[best]
+    den = wsum if wsum > ROUTE_MIN_SUM or wsum != wsum else ROUTE_MIN_SUM
+    for j in range(k):
+        weights[j] /= den
+
+
+def _route_twin(x: np.ndarray, router: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The NumPy backend's moe_route for one token (a float64 matrix product)."""
+    logits = x.astype(np.float64) @ router.astype(np.float64).T  # (E,)
+    logits -= logits.max()
+    p = np.exp(logits)
+    p /= p.sum()
+    ids = np.argsort(-p, kind="stable")[:k]
+    w = p[ids]
+    w /= np.maximum(w.sum(), ROUTE_MIN_SUM)
+    return ids.astype(np.int64), w
+
+
+def route(x: np.ndarray, router: np.ndarray, k: int, *, fast: bool = True,
+          threads: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids (k,) int64, weights (k,) float64) of one token x (H,) float32 for a router (E, H)
+    float32: logits in float64, softmax, the k most probable experts (ties to the lower index),
+    their probabilities renormalized to sum 1 (the sum floored at ROUTE_MIN_SUM), as the NumPy
+    backend's moe_route. fast=False: the NumPy twin, which is moe_route's matrix product.
+
+    threads: numba threads for the logits (None: numba's default); restored after.
+    """
+    xv = np.ascontiguousarray(x, dtype=F32).reshape(-1)
+    r = np.ascontiguousarray(router, dtype=F32)
+    if r.ndim != 2 or r.shape[1] != xv.size or r.shape[0] < 1:
+        raise ValueError(f"a router (E, {xv.size}) routes a token of {xv.size} values, got "
+                         f"router {r.shape}")
+    if not 1 <= k <= r.shape[0]:
+        raise ValueError(f"cannot choose {k} of {r.shape[0]} experts")
+    if not fast:
+        return _route_twin(xv, r, k)
+    if not HAVE_NUMBA:
+        raise RuntimeError("numba is not installed: `pip install numba`, or use fast=False")
+    logits = np.empty(r.shape[0], np.float64)
+    ids = np.empty(k, np.int64)
+    weights = np.empty(k, np.float64)
+    with _numba_threads(threads):
+        _router_logits_nb(r, xv, logits)
+    _softmax_top_k_nb(logits, k, ids, weights)
+    return ids, weights
 
 
 # ------------------------------------------------------------------------------------------------
@@ -490,10 +590,7 @@ def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedR
     # one compiled signature whatever the caller holds: contiguous and read-only, as a file's map is
     raw = np.ascontiguousarray(w.raw).view()
     raw.flags.writeable = False
-    before = _numba.get_num_threads()
-    if threads is not None:
-        _numba.set_num_threads(max(1, min(int(threads), _numba.config.NUMBA_NUM_THREADS)))
-    try:
+    with _numba_threads(threads):
         t = w.ggml_type
         if t == Q.Q4_K:
             _q4_k_nb(raw, idx, x.q, x.d, x.s, _F16_TABLE, out, QBLOCK)
@@ -505,9 +602,20 @@ def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedR
             _q8_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
         else:
             _q4_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
+    return out
+
+
+@contextmanager
+def _numba_threads(threads: int | None) -> Iterator[None]:
+    """numba's thread count set to `threads` (clipped to 1..NUMBA_NUM_THREADS) for the block, then
+    restored; None leaves it as it is."""
+    before = _numba.get_num_threads()
+    if threads is not None:
+        _numba.set_num_threads(max(1, min(int(threads), _numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield
     finally:
         _numba.set_num_threads(before)
-    return out
 
 
 def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Thread counts for the CPU engine: how many threads BLAS (NumPy's matmuls) may use on this machine.
+"""Thread counts for the CPU engine: how many threads BLAS (NumPy's matmuls) and the CPU expert
+kernels (numba, engine/cpu_experts.py) may use on this machine.
 
 The NumPy backend's matrix products run in OpenBLAS (or MKL, or Accelerate), whose default is one
 thread per core. On a small machine that is the wrong choice: a decode step is a row of small
@@ -16,6 +17,10 @@ imported: `configure_threads` must run before that (the CLI's main does it first
 own setting of any of these variables is kept; an explicit count (the CLI's `--threads`) wins over
 both.
 
+The CPU expert kernels (a decode token's routed experts in host RAM) run on numba's threads, not
+BLAS's: `expert_threads()` is `--threads N` when the user gave it (configure_threads keeps the
+flag's value for the process), else default_threads for this machine. The NumPy backend asks it.
+
 What this file is not: a thread pool. The engine's own threads (the runtime's worker, one per device in
 a split) are one per job and need no tuning.
 """
@@ -30,6 +35,8 @@ from dataclasses import dataclass
 THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
                    "VECLIB_MAXIMUM_THREADS")
 MAX_DEFAULT_THREADS = 8
+
+_flag_threads: int | None = None  # the process's --threads N, kept by configure_threads
 
 
 @dataclass(frozen=True)
@@ -66,12 +73,18 @@ def default_threads(cores: int) -> int:
 def configure_threads(requested: int | None = None, *, cores: int | None = None,
                       env: MutableMapping[str, str] | None = None) -> ThreadChoice:
     """Set the BLAS thread variables in `env` (default os.environ): `requested` (> 0) if given, else
-    the user's own variables if any is set, else default_threads for this machine."""
+    the user's own variables if any is set, else default_threads for this machine.
+
+    With env None (the process's own environment) this also keeps `requested` as the process's
+    thread flag, which expert_threads() returns; None there clears it."""
+    global _flag_threads
     target = os.environ if env is None else env
     applies = "numpy" not in sys.modules
+    if requested is not None and requested < 1:
+        raise ValueError(f"the thread count must be at least 1, got {requested}")
+    if env is None:
+        _flag_threads = requested
     if requested is not None:
-        if requested < 1:
-            raise ValueError(f"the thread count must be at least 1, got {requested}")
         for key in THREAD_ENV_VARS:
             target[key] = str(requested)
         return ThreadChoice(requested, "flag", applies)
@@ -81,6 +94,14 @@ def configure_threads(requested: int | None = None, *, cores: int | None = None,
     for key in THREAD_ENV_VARS:
         target[key] = str(n)
     return ThreadChoice(n, "default", applies)
+
+
+def expert_threads(cores: int | None = None) -> int:
+    """numba threads for the CPU expert kernels: the process's --threads N (see configure_threads)
+    if given, else default_threads for `cores` (default: this process's usable cores)."""
+    if _flag_threads is not None:
+        return _flag_threads
+    return default_threads(usable_cores() if cores is None else cores)
 
 
 def threads_from_argv(argv: Sequence[str]) -> int | None:

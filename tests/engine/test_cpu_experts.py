@@ -214,21 +214,25 @@ def tiny_k_quant_moe(tmp_path_factory):
 
 
 class _RoutingLog(NumpyBackend):
-    """The NumPy backend, noting for each one-token MoE call its experts and the probability gap
-    between the k-th and (k+1)-th expert (how close the choice was to a tie)."""
+    """The NumPy backend, noting for each one-token MoE call its experts (as the path it takes
+    routes: cpu_experts.route on the integer kernels, moe_route on the reference) and the
+    probability gap between the k-th and (k+1)-th expert (how close the choice was to a tie)."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.calls: list[tuple[frozenset, float]] = []
 
-    def moe_route(self, x, router, k):
-        ids, weights = super().moe_route(x, router, k)
+    def moe(self, x, router, gate_exps, up_exps, down_exps, k):
         if x.shape[0] == 1:
+            if self.int_experts:
+                ids = C.route(np.asarray(x[0], np.float32), router.dense(), k)[0]
+            else:
+                ids = self.moe_route(x, router, k)[0][0]
             logits = np.asarray(x, np.float64) @ router.dense().astype(np.float64).T
             p = np.sort(np.exp(logits - logits.max()))[0, ::-1]
             p /= p.sum()
-            self.calls.append((frozenset(ids[0].tolist()), float(p[k - 1] - p[k])))
-        return ids, weights
+            self.calls.append((frozenset(ids.tolist()), float(p[k - 1] - p[k])))
+        return super().moe(x, router, gate_exps, up_exps, down_exps, k)
 
 
 @pytest.mark.parametrize("which", ["fused-q8_0", "separate-q4_k"])
