@@ -3,9 +3,10 @@
     python3 tools/diag_host_decode.py MODEL.gguf --cap 8GiB --expert-threads 8,16,4 [--steps 8]
 
 Loads MODEL on cuda:0 capped at --cap with `experts="auto"` (as `minecart bench --experts-on auto
---experts-cap` does), then for each expert thread count times --steps greedy decode steps and splits
-each host MoE call into: the hidden state's copy to the host, routing (router product, softmax,
-top-k), the routed experts on the CPU integer kernels, and the copy back. The BLAS thread count is
+--experts-cap` does), then for each expert thread count times --steps greedy decode steps and reports
+per token: the host MoE calls (host_moe, which run as host functions inside the decode graph), of
+which routing (router product, softmax, top-k) and the routed experts on the CPU integer kernels; the
+rest of the token is the GPU's work and the copies. The BLAS thread count is
 the process's (set OPENBLAS_NUM_THREADS before running to compare). Prints one line per thread count.
 
 What this is not: a benchmark with ceilings (`minecart bench` is); a diagnostic of one setting.
@@ -14,6 +15,7 @@ What this is not: a benchmark with ceilings (`minecart bench` is); a diagnostic 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from collections import defaultdict
@@ -47,6 +49,9 @@ def main() -> None:
     p.add_argument("--cap", default="8GiB")
     p.add_argument("--expert-threads", default="8")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--copy", action="store_true",
+                   help="then again with the host experts copied out of the file's memory map into "
+                        "process memory (is the map's page cache what slows the CPU kernels?)")
     args = p.parse_args()
     t = time.perf_counter()
     model = load_model(args.model, devices=Rig.parse(f"cuda:0={args.cap}"), experts="auto")
@@ -57,10 +62,8 @@ def main() -> None:
     proxy = proxies[0]
     host = proxy.experts
     assert isinstance(host, NumpyBackend)
-    inner: Any = proxy.inner
-    inner.to_numpy = timed("to_host", inner.to_numpy)
-    inner.asarray = timed("to_gpu", inner.asarray)
     host.moe_route = timed("route", host.moe_route)
+    cpu_experts.route = timed("route", cpu_experts.route)
     cpu_experts.routed_experts = timed("experts", cpu_experts.routed_experts)
     host.moe = timed("host_moe", host.moe)
     s = model.new_session(256)
@@ -70,19 +73,32 @@ def main() -> None:
         print("numba threading layer:", cpu_experts._numba.threading_layer(), flush=True)
     except ValueError as exc:
         print("numba threading layer: ?", exc)
-    for threads in [int(x) for x in args.expert_threads.split(",")]:
-        host.expert_threads = threads
-        logits = s.step(int(np.argmax(logits)))
-        SPENT.clear()
-        CALLS.clear()
-        t = time.perf_counter()
-        for _ in range(args.steps):
+    for where in ["file map"] + (["process memory"] if args.copy else []):
+        if where == "process memory":
+            t = time.perf_counter()
+            n = 0
+            for part, ws in model.weights.items():
+                if part.endswith(".experts") and model.device_plan[part].startswith("cpu"):
+                    for w in ws.values():
+                        if w.role == "experts":
+                            w.info = dataclasses.replace(w.info, raw=np.array(w.info.raw))
+                            n += w.info.raw.nbytes
+            print(f"copied {n / 1e9:.1f} GB of host experts into process memory in "
+                  f"{time.perf_counter() - t:.1f} s", flush=True)
+        for threads in [int(x) for x in args.expert_threads.split(",")]:
+            host.expert_threads = threads
             logits = s.step(int(np.argmax(logits)))
-        dt = (time.perf_counter() - t) / args.steps
-        per = {k: 1e3 * v / args.steps for k, v in SPENT.items()}
-        calls = CALLS["host_moe"] / args.steps
-        print(f"expert threads {threads}: {1 / dt:.2f} tok/s, {1e3 * dt:.1f} ms/token; host MoE calls/token "
-              f"{calls:.0f}; ms/token: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items())), flush=True)
+            SPENT.clear()
+            CALLS.clear()
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                logits = s.step(int(np.argmax(logits)))
+            dt = (time.perf_counter() - t) / args.steps
+            per = {k: 1e3 * v / args.steps for k, v in SPENT.items()}
+            calls = CALLS["host_moe"] / args.steps
+            print(f"[{where}] expert threads {threads}: {1 / dt:.2f} tok/s, {1e3 * dt:.1f} ms/token; host MoE "
+                  f"calls/token {calls:.0f}; ms/token: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items())),
+                  flush=True)
     s.close()
     model.close()
 

@@ -177,9 +177,11 @@ if [ "$MODE" = moe-host ]; then
   [ -f "$F" ] || timeout 300 python3 -m minecart.engine.cli synth --shape qwen3.6-35b-a3b --quant q4_k "$F" \
     >"$OUT/moe_synth.log" 2>&1
   MB="--prefill 4096 --decode-ctx 0 --decode-tokens 32 --threads $T --json"
-  # shellcheck disable=SC2086
-  timeout 200 python3 -m minecart.engine.cli bench "$F" $MB >"$OUT/moe_ours_gpu.json" 2>"$OUT/moe_ours_gpu.err"
-  echo "ours all-GPU exit $?"; tail -4 "$OUT/moe_ours_gpu.err"
+  if [ -z "${MOE_HOST_ONLY:-}" ]; then  # MOE_HOST_ONLY=1: only the host-expert runs, ours and the peer's
+    # shellcheck disable=SC2086
+    timeout 200 python3 -m minecart.engine.cli bench "$F" $MB >"$OUT/moe_ours_gpu.json" 2>"$OUT/moe_ours_gpu.err"
+    echo "ours all-GPU exit $?"; tail -4 "$OUT/moe_ours_gpu.err"
+  fi
   # shellcheck disable=SC2086
   timeout 300 python3 -m minecart.engine.cli bench "$F" $MB --experts-on auto --experts-cap "${MOE_CAP:-8GiB}" \
     >"$OUT/moe_ours_host.json" 2>"$OUT/moe_ours_host.err"
@@ -189,7 +191,7 @@ if [ "$MODE" = moe-host ]; then
   wait $BUILD; cat "$OUT/peer_build.log"
   LB=/tmp/peer/build/bin/llama-bench
   {
-    echo "== peer all on GPU"; timeout 150 $LB -m "$F" -ngl 99 -fa 1 -r 2 -p 4096 -n 32 -t "$T"
+    [ -n "${MOE_HOST_ONLY:-}" ] || { echo "== peer all on GPU"; timeout 150 $LB -m "$F" -ngl 99 -fa 1 -r 2 -p 4096 -n 32 -t "$T"; }
     echo "== peer --n-cpu-moe $N (the layers minecart put in host RAM)"
     timeout 240 $LB -m "$F" -ngl 99 -fa 1 -r 2 -p 4096 -n 32 -t "$T" --n-cpu-moe "$N"
   } >"$OUT/moe_peer.log" 2>&1
@@ -206,7 +208,7 @@ if [ "$MODE" = host-diag ]; then
   for blas in ${DIAG_BLAS:-16 1}; do
     echo "== OPENBLAS/OMP threads $blas" >>"$OUT/host_diag.log"
     OPENBLAS_NUM_THREADS=$blas OMP_NUM_THREADS=$blas timeout "${DIAG_TIMEOUT:-150}" python3 tools/diag_host_decode.py "$F" \
-      --cap "${MOE_CAP:-8GiB}" --expert-threads "${DIAG_THREADS:-8,16,4}" >>"$OUT/host_diag.log" 2>&1
+      --cap "${MOE_CAP:-8GiB}" --expert-threads "${DIAG_THREADS:-8,16,4}" ${DIAG_ARGS:-} >>"$OUT/host_diag.log" 2>&1
     echo "exit $?" >>"$OUT/host_diag.log"
   done
   cat "$OUT/host_diag.log" | tail -30
