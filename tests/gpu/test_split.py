@@ -316,6 +316,28 @@ def test_hold_keeps_the_stream_waiting_not_the_host():
     assert time.perf_counter() - t0 >= 0.020
 
 
+def test_hold_lasts_a_risers_time_not_more():
+    """100 holds of one Gen1 x1 crossing of a 9B hidden state (20 us + 16 KiB at 250 MB/s = 85.5 us) back
+    to back on one stream, timed by CUDA events: the simulated link must not cost more than it says
+    (the timer's resolution and the kernel's launch are the only overheads)."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.rig import LINKS
+
+    be = CupyBackend("cuda:0", probe=False)
+    be.hold(0.0).synchronize()
+    seconds = LINKS["gen1x1"].seconds(4 * 4096)
+    stream = be._graph_stream_for_capture()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(100):
+        be.hold(seconds)
+    end.record(stream)
+    end.synchronize()
+    per = cp.cuda.get_elapsed_time(start, end) / 100 * 1e-3
+    print(f"\nhold of {seconds * 1e6:.1f} us: {per * 1e6:.1f} us on the stream ({per / seconds:.3f}x)")
+    assert seconds <= per < 1.15 * seconds
+
+
 def test_slow_link_is_charged_in_graphed_split_decode(path, costs):
     """2 logical devices behind a 100 kB/s link: every decoded token waits for its hidden state to go
     down one riser and up the other (2 x (20 us + 4 x hidden B / 100 kB/s)), held on the GPU streams
