@@ -1372,9 +1372,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         try:
             graph, kept = self._record(cap, lambda: run(ids))
         except Exception as exc:
+            self.batch_capture_error = f"{type(exc).__name__}: {exc}"
             if not _cache_full(exc):
                 self._batch_eager.add(len(ids))  # e.g. a host sync inside: this size runs eagerly
-                self.batch_capture_error = f"{type(exc).__name__}: {exc}"
             return None
         if not cap.outputs:
             self._batch_eager.add(len(ids))

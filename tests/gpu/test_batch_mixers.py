@@ -326,8 +326,11 @@ def test_fixture_model_batch_tokens_equal_each_alone(fixtures_dir, monkeypatch, 
     got = {name: _batched(m, prompts, tokens, 16, {}) for name, m in models.items()}
     assert launches.counts["gdn_decode_batch"] > 0 and launches.counts["flash_decode_batch"] > 0
     gbe = next(iter(models["graph"].backends.values()))
-    assert models["graph"].executor.batch_graph_steps > 0, (
-        f"no batch step ran from a graph; eager batch sizes {sorted(gbe._batch_eager)}: {gbe.batch_capture_error}")
+    ex = models["graph"].executor
+    assert ex.batch_graph_steps > 0, (
+        f"no batch step ran from a graph; eager batch sizes {sorted(gbe._batch_eager)}, last capture error "
+        f"'{gbe.batch_capture_error}', executor graphs {ex.use_graphs}, stages {len(ex.stages)}, backend "
+        f"graphs {gbe.use_graphs}, batch graphs kept {list(gbe._batch_graphs)}")
     for b in range(len(prompts)):
         for name in got:
             rows = got[name][b]
