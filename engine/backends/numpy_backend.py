@@ -198,8 +198,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
                  expert_threads: int | None = None, rows_kernel: bool = True):
         """int_experts: a decode token's routed experts on the integer kernels (engine/cpu_experts.py);
         None: wherever numba imports. expert_threads: their threads, and those of the rows kernel (None:
-        engine.threads.default_threads, as for BLAS). rows_kernel: matmuls of 2-16 rows (a batched
-        decode step) on engine/cpu_matmul.py's kernel where numba imports; False keeps BLAS."""
+        engine.threads.expert_threads: --threads N, else the BLAS rule). rows_kernel: matmuls of
+        2-16 rows (a batched decode step) on engine/cpu_matmul.py's kernel where numba imports; False
+        keeps BLAS."""
         if not str(device).startswith("cpu"):
             raise ValueError(f"NumpyBackend runs on the CPU; got device '{device}' (use 'cpu:0')")
         self.device = str(device)
@@ -538,15 +539,17 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
 
     def moe(self, x, router, gate_exps, up_exps, down_exps, k: int):
         x = np.asarray(x, F32)
-        ids, weights = self.moe_route(x, router, k)
         if x.shape[0] == 1:
             stacks = self._int_expert_stacks(gate_exps, up_exps, down_exps)
-            if stacks is not None:
+            if stacks is not None:  # one token on the CPU kernels, routing included: no BLAS call
                 from .. import cpu_experts
 
                 gate, up, down = stacks
-                return cpu_experts.routed_experts(x[0], ids[0], weights[0], gate, up, down,
-                                                  threads=self._expert_threads())[None, :]
+                threads = self._expert_threads()
+                tok_ids, tok_w = cpu_experts.route(x[0], router.dense(), k, threads=threads)
+                return cpu_experts.routed_experts(x[0], tok_ids, tok_w, gate, up, down,
+                                                  threads=threads)[None, :]
+        ids, weights = self.moe_route(x, router, k)
         out = np.zeros(x.shape, F64)
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)
@@ -585,10 +588,10 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         return stack(gate_exps), None if up_exps is None else stack(up_exps), stack(down_exps)
 
     def _expert_threads(self) -> int:
-        if self.expert_threads is None:  # the engine's rule for BLAS: 1 on a small machine
-            from ..threads import default_threads, usable_cores
+        if self.expert_threads is None:  # --threads N, else the engine's rule for BLAS
+            from ..threads import expert_threads
 
-            self.expert_threads = default_threads(usable_cores())
+            self.expert_threads = expert_threads()
         return self.expert_threads
 
     # ---- sampling helpers --------------------------------------------------------------------------

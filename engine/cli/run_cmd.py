@@ -52,9 +52,10 @@ def experts_on_arg(text: str) -> str:
 
 def add_threads_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None, metavar="N",
-                   help="CPU threads for matrix products (BLAS) (default: chosen for this machine: 1 "
+                   help="CPU threads for matrix products (BLAS) and for the routed experts run on "
+                        "the CPU when they sit in host RAM (default: chosen for this machine: 1 "
                         "up to 4 cores, else half of them, at most 8; OPENBLAS_NUM_THREADS / "
-                        "OMP_NUM_THREADS in the environment are kept)")
+                        "OMP_NUM_THREADS in the environment are kept for BLAS)")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
