@@ -525,7 +525,10 @@ class Executor:
     def _one_chunk(self, c: _Chunk, states: list, hook) -> np.ndarray | None:
         """One chunk on the calling thread: a decode step through the stages' graphs, or stage after
         stage through the bridges (nothing to overlap; thread hand-offs would only add latency)."""
-        if len(c.ids) == 1 and c.rows == "last" and hook is None and c.override is None:
+        # a sequence's very first token (a one-token prompt) runs eagerly: its states are fresh, and a
+        # capture there failed once and switched the backend's graphs off (tests/gpu/test_batch_mixers.py)
+        first = int(np.asarray(c.positions).reshape(-1)[0]) == 0
+        if len(c.ids) == 1 and c.rows == "last" and hook is None and c.override is None and not first:
             return self._decode_step(c.ids, states, c.positions)
         x: Any = c.ids
         for s, stage in enumerate(self.stages):

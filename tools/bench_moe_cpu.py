@@ -67,12 +67,14 @@ def bench_type(t: int, rng: np.random.Generator, router: NumpyWeight, tokens: li
     stacks = [C.ExpertStack(np.asarray(i.raw), t, i.shape[2]) for i in infos]
     active = sum(s.active_bytes(k) for s in stacks)
     ref_be = NumpyBackend(int_experts=False)
-    route_ms = best_ms(lambda x: ref_be.moe_route(x, router, k), tokens, args.repeat)
+    dense_router = router.dense()
+    route_ms = best_ms(lambda x: C.route(x[0], dense_router, k), tokens, args.repeat)
 
     def kernels(x: np.ndarray, threads: int, fast: bool = True) -> np.ndarray:
-        ids, w = ref_be.moe_route(x, router, k)
-        return C.routed_experts(x[0], ids[0], w[0], stacks[0], stacks[1], stacks[2], fast=fast,
-                                threads=threads)
+        # routed as the backend's one-token path does: no BLAS call (an idle BLAS pool's spinning threads
+        # would slow the kernels' own threads)
+        ids, w = C.route(x[0], dense_router, k, fast=fast, threads=threads)
+        return C.routed_experts(x[0], ids, w, stacks[0], stacks[1], stacks[2], fast=fast, threads=threads)
 
     rows = []
     for n in (int(s) for s in args.threads.split(",")):

@@ -170,8 +170,11 @@ if [ "$MODE" = moe-host ]; then
   # (d) with --n-cpu-moe N, N = the number of layers minecart's plan put in host RAM, same threads.
   # Logs: moe_ours_gpu.json, moe_ours_host.json, moe_peer.log (+ .err files).
   T=${MOE_THREADS:-16}
-  (bash .gpu/build-llama.sh >"$OUT/peer_build.log" 2>&1) &
-  BUILD=$!
+  # (a build started earlier in the same call, e.g. in the background during the GPU tests, is waited for)
+  if [ -f /tmp/peer_build.pid ]; then BUILD=$(cat /tmp/peer_build.pid); else
+    (bash .gpu/build-llama.sh >"$OUT/peer_build.log" 2>&1) &
+    BUILD=$!
+  fi
   F=/tmp/bench/qwen3.6-35b-a3b-q4_k.gguf
   mkdir -p /tmp/bench
   [ -f "$F" ] || timeout 300 python3 -m minecart.engine.cli synth --shape qwen3.6-35b-a3b --quant q4_k "$F" \
@@ -188,7 +191,7 @@ if [ "$MODE" = moe-host ]; then
   echo "ours host-experts exit $?"; tail -8 "$OUT/moe_ours_host.err"
   N=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['host_experts']['layers'])" \
       "$OUT/moe_ours_host.json" 2>/dev/null || echo 30)
-  wait $BUILD; cat "$OUT/peer_build.log"
+  while kill -0 "$BUILD" 2>/dev/null; do sleep 2; done; tail -3 "$OUT/peer_build.log"
   LB=/tmp/peer/build/bin/llama-bench
   {
     [ -n "${MOE_HOST_ONLY:-}" ] || { echo "== peer all on GPU"; timeout 150 $LB -m "$F" -ngl 99 -fa 1 -r 2 -p 4096 -n 32 -t "$T"; }

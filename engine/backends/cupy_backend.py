@@ -203,6 +203,17 @@ def _cache_full(exc: BaseException) -> bool:
 _SLOTS = 1024  # int32 inputs of a captured decode step: [token, pos t, pos h, pos w, cache lengths...]
 
 
+def _wait_stream(stream, sleep: bool) -> None:
+    """stream.synchronize(), or with sleep=True the same wait through an event made with blocking sync
+    (the thread sleeps until the GPU signals, at a few microseconds more latency)."""
+    if not sleep:
+        stream.synchronize()
+        return
+    ev = cp.cuda.Event(block=True, disable_timing=True)
+    ev.record(stream)
+    ev.synchronize()
+
+
 class _Capture:
     """Book-keeping while a decode step is captured: the pinned input buffer and its device copy,
     the caches the step appends to, and the host buffers the step's outputs are copied into."""
@@ -217,6 +228,14 @@ class _Capture:
         self.caches: list[tuple[Any, int]] = []  # CupyKVCache or CupyQ3KVCache (both have .k)
         self.outputs: list[np.ndarray] = []
         self._out_dev: list = []
+        self.host_funcs = False  # the step holds host functions (CupyBackend.host_round_trip)
+
+    def wait(self) -> None:
+        """Wait for the work queued on the capture's stream (a launch of its graph). A graph with host
+        functions is waited for by a blocking event: this thread sleeps instead of spinning on a core
+        the host functions' CPU threads need (16 expert threads on 16 cores: 0.07 s a token waiting
+        by spinning was ~15x slower than with 8 threads, docs/moe-cpu.md)."""
+        _wait_stream(self.stream, self.host_funcs)
 
     def write_inputs(self, token: int, pos: np.ndarray) -> None:
         self.host[0] = token
@@ -345,7 +364,7 @@ class _DecodeGraph:
         if not wait:
             self.done.record(cap.stream)
             return self.done
-        cap.stream.synchronize()
+        cap.wait()
         return self.result()
 
 
@@ -383,6 +402,7 @@ class _BatchCapture(_Capture):
         self.caches = []
         self.outputs = []
         self._out_dev = []
+        self.host_funcs = False
         self.cache_base = 7 * n
         self._seq_of: dict[int, int] = {}
 
@@ -470,7 +490,7 @@ class _BatchGraph(_DecodeGraph):
         self.graph.launch(cap.stream)
         for c, _ in cap.caches:
             c.length += 1
-        cap.stream.synchronize()
+        cap.wait()
         return np.array(cap.outputs[-1])
 
 
@@ -507,6 +527,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._batch_graphs: dict[Any, _BatchGraph] = {}  # batched decode steps, most recently used last
         self._batch_eager: set[int] = set()  # batch sizes whose capture failed
         self.batch_capture_error = ""  # why the last of them failed (shown by tests and MINECART_DEBUG)
+        self.graph_capture_error = ""  # why the last single-token capture failed
         self._pool_peak = 0  # the pool's highest total seen by sample_memory (memory_peak)
         self._load_pool_peak = 0  # the pool's highest total while weights were uploaded (load_memory_peak)
         self._hold_done: Any = None  # the event `hold` records again after each simulated link's hold
@@ -594,7 +615,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             host_func.launch(stream.ptr, fn, arg)
             rt.memcpyAsync(out.data.ptr, host_y.ctypes.data, out.nbytes, rt.memcpyHostToDevice, stream.ptr)
             if self._capture is None:
-                stream.synchronize()
+                _wait_stream(stream, sleep=True)  # sleeping: fn's CPU threads need every core
+            else:
+                self._capture.host_funcs = True
             # (under a capture, x and out came from the capture's allocator: the graph keeps them)
             return out
 
@@ -1308,6 +1331,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         try:
             graph, kept = self._record(cap, body)
         except Exception as exc:
+            self.graph_capture_error = f"{type(exc).__name__}: {exc}"
             if not _cache_full(exc):
                 self.use_graphs = False  # this model/backend pair cannot be captured: stay eager
             return None
@@ -1318,7 +1342,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._graphs = {k: g for k, g in self._graphs.items() if g.states is owner}
         self._graphs[key] = rec
         graph.launch(cap.stream)
-        cap.stream.synchronize()
+        cap.wait()
         return rec.result()
 
     def hold(self, seconds: float, after=None):
@@ -1385,7 +1409,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             self._batch_graphs.pop(next(iter(self._batch_graphs)))
         self._batch_graphs[key] = rec
         graph.launch(cap.stream)
-        cap.stream.synchronize()
+        cap.wait()
         return np.array(cap.outputs[-1])
 
     # ---- measurements (bench, probe) --------------------------------------------------------------

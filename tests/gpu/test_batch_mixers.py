@@ -330,7 +330,7 @@ def test_fixture_model_batch_tokens_equal_each_alone(fixtures_dir, monkeypatch, 
     assert ex.batch_graph_steps > 0, (
         f"no batch step ran from a graph; eager batch sizes {sorted(gbe._batch_eager)}, last capture error "
         f"'{gbe.batch_capture_error}', executor graphs {ex.use_graphs}, stages {len(ex.stages)}, backend "
-        f"graphs {gbe.use_graphs}, batch graphs kept {list(gbe._batch_graphs)}")
+        f"graphs {gbe.use_graphs} ('{gbe.graph_capture_error}'), batch graphs kept {list(gbe._batch_graphs)}")
     for b in range(len(prompts)):
         for name in got:
             rows = got[name][b]
