@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import sys
 import threading
 import types
@@ -70,8 +71,18 @@ def _callback(fn: Callable[[int], None]) -> object:
 
         def call(a: int | None) -> None:
             f = ref()
-            if f is not None:
+            if f is None:
+                return
+            # no cyclic garbage collection in here: it could free a CUDA graph, event or pinned buffer of
+            # something else, and CUDA calls are not permitted in a host function (seen on the H200:
+            # cudaGraphDestroy -> cudaErrorNotPermitted, the graph leaked)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
                 f(int(a or 0))  # type: ignore[operator]  # ctypes hands a null pointer over as None
+            finally:
+                if collecting:
+                    gc.enable()
 
         cb = _HOSTFN(call)
         _callbacks[id(fn)] = (ref, cb)
