@@ -73,7 +73,7 @@ def bench_type(t: int, rng: np.random.Generator, router: NumpyWeight, tokens: li
     def kernels(x: np.ndarray, threads: int, fast: bool = True) -> np.ndarray:
         # routed as the backend's one-token path does: no BLAS call (an idle BLAS pool's spinning threads
         # would slow the kernels' own threads)
-        ids, w = C.route(x[0], dense_router, k, fast=fast, threads=threads)
+        ids, w = C.route(x[0], dense_router, k, fast=fast)
         return C.routed_experts(x[0], ids, w, stacks[0], stacks[1], stacks[2], fast=fast, threads=threads)
 
     rows = []

@@ -546,7 +546,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
 
                 gate, up, down = stacks
                 threads = self._expert_threads()
-                tok_ids, tok_w = cpu_experts.route(x[0], router.dense(), k, threads=threads)
+                tok_ids, tok_w = cpu_experts.route(x[0], router.dense(), k)
                 return cpu_experts.routed_experts(x[0], tok_ids, tok_w, gate, up, down,
                                                   threads=threads)[None, :]
         ids, weights = self.moe_route(x, router, k)
