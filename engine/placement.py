@@ -1361,11 +1361,15 @@ EXPERT_DECODE_EFFICIENCY = 0.28
 # 2-byte scale loads); q3 not measured since its rewrite (the earlier fused figure, 0.17).
 KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.40, "q8_0": 0.076, "q3": 0.17}
 # The CPU (NumPy backend) reads its float32 weights with BLAS: bytes only, at CPU_DECODE_EFFICIENCY;
-# routed experts held in host RAM are decoded from their GGML blocks for each token (engine/experts.py),
-# priced at the figure the GPU's expert GEMVs had before moe.cu (0.28 x 0.128 of bandwidth: not
-# measured on a CPU yet).
+# routed experts held in host RAM run on the integer kernels of engine/cpu_experts.py for each token
+# (inside the GPU's decode graph as host functions, engine/experts.py), priced by their active bytes at
+# CPU_EXPERT_DECODE_EFFICIENCY of CPU_SPEED's bandwidth. Measured on the H200's 16-core host
+# (2026-12-02, 35B-A3B Q4_K, 29 of 40 layers' experts in host RAM, 16 expert threads,
+# docs/BENCHMARKS.md v12): 20.3 tokens/s = 49.3 ms a token for 410.5 MB of active experts; less the
+# GPU's ~2.8 ms and the 29 round trips' ~0.6 ms, 45.9 ms: 8.9 GB/s, 0.74 of CPU_SPEED's 12 GB/s. (It was
+# 0.036, a guess: the plan predicted 1.0 tokens/s there.) It scales with the threads a machine gives.
 CPU_DECODE_EFFICIENCY = 0.50
-CPU_EXPERT_DECODE_EFFICIENCY = 0.28 * 0.128
+CPU_EXPERT_DECODE_EFFICIENCY = 0.74
 # ... plus a fixed time per layer and token: the NumPy backend's ~25 array operations of a layer, each
 # with its Python and dispatch overhead whatever the model's size. Measured on the 2-core CI machine
 # (2026-12-01, `minecart bench --shape tiny-dense --quant q8_0 --device cpu:0`): 269.2 tokens/s =
