@@ -24,6 +24,7 @@ Not here: mixture-of-experts GEMVs have no HFMA2 kernel (the FMA kernel serves t
 
 from __future__ import annotations
 
+import gc
 import os
 from typing import Any
 
@@ -1296,6 +1297,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return mem
 
         self._capture = cap
+        # no cyclic garbage collection while capturing, on any thread: a collection that frees another
+        # object's pinned buffer or graph (cudaFreeHost, cudaGraphDestroy) puts work on the legacy
+        # stream, which invalidates the capture of this blocking stream (seen on the H200 as
+        # cudaErrorStreamCaptureImplicit in tools/bench_batch_gpu.py's run after other tests)
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with stream:
                 cp.cuda.set_allocator(keep_alloc)
@@ -1316,6 +1323,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             raise
         finally:
             self._capture = None
+            if collecting:
+                gc.enable()
         return graph, kept
 
     def _capture_graph(self, key, run, ids, pos, owner, watch, io):
