@@ -54,7 +54,15 @@ from .config import ModelConfig
 from .devices import DeviceInfo
 from .errors import DeviceError, GenerationCancelled
 from .models.batch import SequenceRows
-from .placement import DeviceSpec, GiB, Placement, model_costs, plan_auto
+from .placement import (
+    STREAMED_EXPERTS_CHUNK,
+    DeviceSpec,
+    GiB,
+    Placement,
+    model_costs,
+    plan_auto,
+    streams_experts,
+)
 from .rig import Rig, device_spec
 
 HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
@@ -398,6 +406,10 @@ class Executor:
         self.pipelined = len(self.stages) > 1
         self.inline_single_chunk = True  # False: a single chunk goes through the worker threads too
         self.use_graphs = True  # decode steps through the stages' graph_step
+        # the fewest tokens of a prefill run when a chunk size is asked for (0: as asked): a model whose
+        # routed experts are streamed from host RAM copies every host-held layer's experts once per run,
+        # so it runs longer ones (engine/model.py load_model, placement.STREAMED_EXPERTS_CHUNK)
+        self.min_chunk = STREAMED_EXPERTS_CHUNK if streams_experts(plan) else 0
         # consecutive graphed stages follow each other through events (no host wait between them); a
         # simulated link passes its time on the streams between them (engine/rig.py RigBackend.graph_step)
         self.chain_graphs = True
@@ -433,13 +445,13 @@ class Executor:
 
         rows: "last" -> host float32 logits (1, vocab) of the last token; "all" -> (T, vocab); None ->
         no head (returns None). positions: (T,) or (3, T) for M-RoPE. chunk: tokens per run (None =
-        one run); cancel: checked before each chunk. hidden_hook(index, host array) receives the
+        one run; at least `min_chunk`); cancel: checked before each chunk. hidden_hook(index, host array) receives the
         residual stream after the embedding (0) and after each layer (1..L); it needs one chunk.
         embed_override: rows of the token embeddings replaced by given values (image embeddings)."""
         ids = [int(t) for t in ids]
         positions = np.asarray(positions)
         T = len(ids)
-        step = T if not chunk else max(1, int(chunk))
+        step = T if not chunk else max(1, int(chunk), self.min_chunk)
         starts = list(range(0, T, step)) or [0]
         if hidden_hook is not None and len(starts) > 1:
             raise ValueError("hidden_hook needs the whole sequence in one chunk")

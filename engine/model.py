@@ -39,7 +39,15 @@ from .gguf_file import GGUFFile
 from .kvquant import DEFAULT_KV_TYPE, check_kv_type
 from .models import module_for, spec_for
 from .models.spec import ArchSpec
-from .placement import Placement, check_experts_on, experts_map, fill_experts, model_costs
+from .placement import (
+    STREAMED_EXPERTS_CHUNK,
+    Placement,
+    check_experts_on,
+    experts_map,
+    fill_experts,
+    model_costs,
+    streams_experts,
+)
 from .session import Session, initial_capacity
 from .tokenizer import Tokenizer
 from .vision import VisionTower, attach_vision
@@ -462,9 +470,20 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         if experts == "auto":
             if not isinstance(placement, Placement):  # backend= without a plan: the one-device plan
                 placement = Placement.single(model_costs(config, gf), str(backend.device))
-            apart = fill_experts(placement, device_specs(devices if devices is not None else list(by_device)))
+            specs = device_specs(devices if devices is not None else list(by_device))
+            # streamed experts prefill in longer runs (STREAMED_EXPERTS_CHUNK): the GPUs are filled after
+            # those runs' activations, unless every layer's experts fit on them anyway
+            longer = placement.with_settings(chunk=max(placement.chunk, STREAMED_EXPERTS_CHUNK))
+            apart = fill_experts(longer, specs)
+            if streams_experts({**plan, **{f"{p}{EXPERTS_SUFFIX}": d for p, d in apart.items()}}):
+                placement = longer
+            else:
+                apart = fill_experts(placement, specs)
         else:
             apart = experts_map(experts, moe_layers)
+            if isinstance(placement, Placement) and \
+                    streams_experts({**plan, **{f"{p}{EXPERTS_SUFFIX}": d for p, d in apart.items()}}):
+                placement = placement.with_settings(chunk=max(placement.chunk, STREAMED_EXPERTS_CHUNK))
         if isinstance(placement, Placement):
             placement = placement.with_settings(experts=apart)  # model.placement says where they are
     if apart is not None:

@@ -1079,6 +1079,21 @@ def check_experts_on(text: str) -> str:
                              f"cpu:0") from None
 
 
+# Prefill runs of a model whose routed experts are streamed from host RAM to a GPU are at least this many
+# tokens: every run copies all host-held layers' experts over the link once (35B-A3B, 29 layers in host
+# RAM: 12.2 GB, ~0.51 s at the H200's 23.9 GB/s), so 512-token runs prefill at ~1,000 tokens/s there and
+# 2,048-token runs at ~4,000 (docs/BENCHMARKS.md v12). The plan prices the longer run's activations
+# (35B-A3B: 1.6 -> 1.9 GiB of 'other' on the GPU) and, with experts "auto", fills the GPU after them.
+STREAMED_EXPERTS_CHUNK = 2048
+
+
+def streams_experts(device_plan: Mapping[str, str]) -> bool:
+    """Whether a part -> device plan keeps some layer's routed experts ("layer.N.experts") in host RAM
+    while the layer runs on a GPU: its prefill then streams them (engine/experts.py)."""
+    return any(part.endswith(".experts") and _is_cpu(dev) and not _is_cpu(device_plan.get(part[: -len(".experts")], "cpu"))
+               for part, dev in device_plan.items())
+
+
 def experts_map(experts_on: str, moe_layers: Sequence[str], host: str = "cpu:0") -> dict[str, str]:
     """The per-layer experts map ("layer.N" -> device) of an --experts-on value other than "auto":
     "host" = every MoE layer's experts on `host`; a device = every MoE layer's there; "N" = the first

@@ -207,7 +207,9 @@ class Scheduler:
         self.view = BatchedModel(self, model)
         self.parallel = int(parallel)
         self.max_queue = int(max_queue)
-        self.chunk = int(chunk)
+        # prompt tokens per step: at least the executor's shortest prefill run (streamed host-RAM experts
+        # copy every host-held layer once per run, engine/execution.py min_chunk)
+        self.chunk = max(int(chunk), model.executor.min_chunk)
         self.gather_s = float(gather_s)
         self.prefix_cache = prefix_cache
         self._cond = threading.Condition()

@@ -34,6 +34,7 @@ from ..placement import (
     GLOBAL,
     HEAD,
     KV_BYTES_PER_VALUE,
+    STREAMED_EXPERTS_CHUNK,
     DeviceSpec,
     MiB,
     ModelCosts,
@@ -72,7 +73,9 @@ def register(subparsers) -> None:
     p.add_argument("--context", type=int, default=4096, help="tokens of context to plan for; default 4096")
     p.add_argument("--kv-type", default=DEFAULT_KV_TYPE, choices=list(KV_BYTES_PER_VALUE),
                    help=f"KV cache type; default {DEFAULT_KV_TYPE}")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens; default 512")
+    p.add_argument("--chunk", type=int, default=512,
+                   help="prefill chunk in tokens; default 512 (at least 2048 with routed experts in host RAM "
+                        "on a GPU rig, as the engine streams them)")
     p.add_argument("--experts-on", default=None, type=_experts_on, metavar="host|auto|N",
                    help=EXPERTS_ON_HELP.replace("host RAM", "host RAM (the rig's first CPU device)", 1))
     p.add_argument("--host-experts", action="store_true",
@@ -102,7 +105,10 @@ def run(args) -> int:
         elif experts_on not in ("host", "auto"):
             raise DeviceError(f"--experts-on {experts_on}: plan puts routed experts in host RAM (host, "
                               f"auto or N); a device of their own is for `minecart run`")
-    choices = plan_candidates(costs, devices, context=args.context, chunk=args.chunk, kv_type=args.kv_type,
+    chunk = args.chunk
+    if experts_on is not None and any(d.name.startswith("cuda") for d in devices):
+        chunk = max(chunk, STREAMED_EXPERTS_CHUNK)  # as the engine runs streamed host-RAM experts
+    choices = plan_candidates(costs, devices, context=args.context, chunk=chunk, kv_type=args.kv_type,
                               reserve=RESERVE, experts_device="" if experts is not None else experts_device,
                               experts=experts)
     if experts_on == "auto":  # the best split with every expert in host RAM, then the GPUs filled back

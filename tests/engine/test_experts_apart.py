@@ -367,3 +367,44 @@ def test_auto_fills_the_gpu_with_whole_layers_experts_first(gib, kept):
         assert fits(filled, devices)
         one_more = plan.with_settings(experts={p: d for p, d in apart.items() if p != f"layer.{n_kept}"})
         assert not fits(one_more, devices)  # the next layer's experts would not fit
+
+
+def test_streams_experts_rule():
+    from minecart.engine.placement import streams_experts
+
+    gpu_layers = {"global": "cuda:0", "layer.0": "cuda:0", "layer.1": "cuda:1", "head": "cuda:1"}
+    assert not streams_experts(gpu_layers)
+    assert streams_experts({**gpu_layers, "layer.1.experts": "cpu:0"})
+    assert not streams_experts({**gpu_layers, "layer.1.experts": "cuda:0"})  # GPU to GPU: not streamed
+    cpu_layers = {"global": "cpu:0", "layer.0": "cpu:0", "head": "cpu:0"}
+    assert not streams_experts({**cpu_layers, "layer.0.experts": "cpu:1"})  # the layer is on the host too
+
+
+def test_prefill_runs_are_at_least_min_chunk(moe_path):
+    """Executor.min_chunk (set for streamed host-RAM experts) lengthens the prefill runs a caller asks
+    for, and the logits are those of one run of that length."""
+    with load_model(moe_path, devices=["cpu:0"], experts="cpu:1") as model:
+        ex = model.executor
+        assert ex.min_chunk == 0  # layers on the host: nothing is streamed
+        runs = []
+        real = ex._one_chunk
+
+        def counting(c, states, hook):
+            runs.append(len(c.ids))
+            return real(c, states, hook)
+
+        ex._one_chunk = counting
+        s = model.new_session(64)
+        want = s.prefill(PROMPT, chunk=16)
+        assert runs == [16, 16, 5]
+        s.close()
+        ex.min_chunk = 32
+        runs.clear()
+        s = model.new_session(64)
+        got = s.prefill(PROMPT, chunk=16)
+        assert runs == [32, 5]
+        s.close()
+        s = model.new_session(64)
+        np.testing.assert_allclose(got, s.prefill(PROMPT, chunk=32), rtol=0, atol=0)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+        s.close()
