@@ -21,7 +21,10 @@ about 250 MB/s). `Rig.backend(name)` returns a `RigBackend`: the real backend be
   order with the stages); real: the copies themselves (the H200's PCIe, a few microseconds). A step
   that cannot use its graph runs eagerly through asarray / to_numpy_into (host waits, as above). The
   logits row's copy to the host is not charged in graph decode (placement.predict_speed's
-  logits_over_link=False prices that).
+  logits_over_link=False prices that);
+- charges a MoE layer's round trip to routed experts in host RAM (`host_round_trip`, engine/experts.py:
+  the rows down and back) as one hold of the device's stream before it (inside the decode graph too;
+  on a host device, a wait).
 
 What this is not: a memory allocator (the real backend allocates; the cap is bookkeeping over what the
 proxy sees, which is everything resident; transient activations are not capped) or a timing model of
@@ -331,6 +334,22 @@ class RigBackend:
             return done  # the last stage: host logits (the link to the sampler is not charged in graphs)
         held = self._hold(link.seconds(int(host_out.nbytes)), None if done is True else done)
         return True if held is None else held
+
+    def host_round_trip(self, x, host_x, host_y, fn, arg: int):
+        """The real backend's round trip (DeviceHooks.host_round_trip: routed experts in host RAM) with
+        this device's link charged for the rows going down and coming back: on a CUDA device as a hold
+        of its stream queued before the round trip (inside a captured graph too), on a host device as
+        a wait."""
+        link = self.rig_device.link
+        if link is None:
+            return self._inner.host_round_trip(x, host_x, host_y, fn, arg)
+        n = int(host_x.nbytes) + int(host_y.nbytes)
+        seconds = link.seconds(int(host_x.nbytes)) + link.seconds(int(host_y.nbytes))
+        self._hold(seconds, None)
+        with self._lock:
+            self.transferred_bytes += n
+            self.transfer_seconds += seconds
+        return self._inner.host_round_trip(x, host_x, host_y, fn, arg)
 
     def _hold(self, seconds: float, after):
         """The link's `seconds`, after `after` (an event, or None: now). On a CUDA device: the real

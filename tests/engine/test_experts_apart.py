@@ -408,3 +408,25 @@ def test_prefill_runs_are_at_least_min_chunk(moe_path):
         np.testing.assert_allclose(got, s.prefill(PROMPT, chunk=32), rtol=0, atol=0)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
         s.close()
+
+
+def test_a_simulated_link_charges_the_host_experts_round_trips(moe_path):
+    """A rig device's link pays for each MoE layer's rows going to the host-RAM experts and back."""
+    from minecart.engine.rig import Rig, RigBackend
+
+    with load_model(moe_path, devices=Rig.cpus(1, link="100MB/s"), experts="cpu:1") as model:
+        proxy = model.backends["layer.0"]
+        assert isinstance(proxy, ExpertsApart) and isinstance(proxy.inner, RigBackend)
+        rig = proxy.inner
+        s = model.new_session(64)
+        logits = s.prefill(PROMPT)
+        before_bytes, before_s, calls = rig.transferred_bytes, rig.transfer_seconds, proxy.host_moe_calls
+        s.step(int(np.argmax(logits)))
+        s.close()
+        n = proxy.host_moe_calls - calls
+        row = 4 * model.config.hidden
+        assert n == model.config.n_layers  # one round trip per MoE layer for the token
+        logits_row = 4 * model.config.vocab_size  # the step's logits to the sampler cross it too
+        assert rig.transferred_bytes - before_bytes == 2 * row * n + logits_row
+        assert rig.transfer_seconds - before_s == pytest.approx(2 * n * (20e-6 + row / 100e6)
+                                                                + 20e-6 + logits_row / 100e6)
