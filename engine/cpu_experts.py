@@ -42,12 +42,23 @@ import numpy as np
 from . import quants as Q
 
 _numba: Any
+_ir: Any
+_llvm: Any
+_cgutils: Any
+_nb_config: Any
+_intrinsic: Any
 try:
+    import llvmlite.binding as _llvm_module
     import numba as _numba_module
+    from llvmlite import ir as _ir_module
+    from numba.core import cgutils as _cgutils_module
+    from numba.core import config as _config_module
+    from numba.extending import intrinsic as _intrinsic_fn
 
-    _numba = _numba_module
+    _numba, _ir, _llvm, _cgutils, _nb_config, _intrinsic = (
+        _numba_module, _ir_module, _llvm_module, _cgutils_module, _config_module, _intrinsic_fn)
 except ImportError:  # the twins still work; the backend then keeps the dequantize path
-    _numba = None
+    _numba = _ir = _llvm = _cgutils = _nb_config = _intrinsic = None
 
 HAVE_NUMBA = _numba is not None
 
@@ -270,201 +281,401 @@ def route(x: np.ndarray, router: np.ndarray, k: int, *, fast: bool = True) -> tu
 
 
 # ------------------------------------------------------------------------------------------------
-# numba kernels: out[s, r] = row r of expert ids[s] . activation row s. One (s, r) pair per prange
-# iteration (Q4_K, Q5_K: two rows); the inner loops are the integer dot products of one block.
-# The block length comes in as an argument (`qb`, always QBLOCK): with a literal 32 LLVM unrolls the
-# loop completely and, numba running no SLP vectorizer, leaves it scalar; with a run-time count it is
-# vectorized (VNNI where the CPU has it), about 3x faster. numba widens the integer sums to 64 bits;
-# they fit in 32 (the largest, Q6_K's with its group scales folded in, stays below 2^24).
+# block intrinsics: the work of one weight row on one super-block (K-quants) or on 8 or 1 blocks
+# (Q8_0, Q4_0), written as LLVM IR through numba's @intrinsic. Why not plain numba loops: numba does
+# integer arithmetic in 64 bits, so a loop's byte products went 8 to a vector (vpmuldq), and every
+# 32-value sum ended in its own horizontal reduction; the scalar float32 work per sub-block came on
+# top (about 230 instructions per Q4_K super-block and row). Here:
+# - the 32 byte products of a sub-block are summed in groups of 4 into 8 int32 lanes by one u8 x s8
+#   multiply-add: VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd, or plain IR where neither exists
+#   (`_DOT4`, from the features numba compiles for). The weights are the unsigned operand: nibbles
+#   and 6-bit K-quants as they are, their offsets (Q4_0's 8, Q6_K's 32) subtracted as offset * x in
+#   the same lanes; Q8_0's signed weights enter as |w| with the sign moved onto x. AVX2 saturates a
+#   pair of products at int16: the largest pair here is 128 * 127 * 2 = 32512 (|x| <= 127, which
+#   quantize_rows guarantees), so it never does;
+# - the 8 sub-block sums of a super-block are reduced together (a transposed tree, 7 horizontal adds
+#   for all 8, in order);
+# - the float32 terms of the 8 sub-blocks are one vector expression (elementwise, so each lane is
+#   the scalar formula's float, bit for bit; no fused multiply-add), and are then added into the
+#   row's accumulator one at a time, in sub-block order: the twins' float32 operations, in their
+#   order.
+# Integer sums are exact in any order, so the regrouping changes no bit of the result.
+
+_I8: Any = _ir.IntType(8) if HAVE_NUMBA else None
+_I16: Any = _ir.IntType(16) if HAVE_NUMBA else None
+_I32: Any = _ir.IntType(32) if HAVE_NUMBA else None
+_I64: Any = _ir.IntType(64) if HAVE_NUMBA else None
+_FLOAT: Any = _ir.FloatType() if HAVE_NUMBA else None
 
 
-@njit(inline="always")
-def _f16(row, o, table):  # pragma: no cover - compiled
-    return table[np.int32(row[o]) | (np.int32(row[o + 1]) << 8)]
+def _dot4_kind() -> str:
+    """'vnni', 'avx2' or 'ir': how the byte products are summed on the CPU numba compiles for (its
+    NUMBA_CPU_FEATURES when set, else the host's, as numba itself decides)."""
+    feats = _nb_config.CPU_FEATURES
+    if feats is None:
+        feats = _llvm.get_host_cpu_features().flatten()
+    have = set(str(feats).split(","))
+    if {"+avx512vnni", "+avx512vl"} <= have:
+        return "vnni"
+    return "avx2" if "+avx2" in have else "ir"
+
+
+# read when a kernel is compiled; numba's cache keys compiled code by CPU name and features, so a
+# cached kernel never meets a CPU it was not built for. Tests set it to compile the other forms.
+_DOT4 = _dot4_kind() if HAVE_NUMBA else "ir"
+
+
+class _Ir:
+    """IR building blocks for one intrinsic call: its builder and its array arguments."""
+
+    def __init__(self, context: Any, builder: Any, sig: Any, args: Sequence[Any], table: int) -> None:
+        self.b, self.table = builder, table  # table: the index of the _F16_TABLE argument
+        self._ctx, self._tys, self._args = context, sig.args, args
+
+    def elem(self, i: int, index: Any) -> Any:
+        """Pointer to element `index` (IR i64, or a Python int) of array argument i."""
+        ary = self._ctx.make_array(self._tys[i])(self._ctx, self.b, self._args[i])
+        return self.b.gep(ary.data, [_ir.Constant(_I64, index) if isinstance(index, int) else index])
+
+    def at(self, base: Any, off: Any) -> Any:
+        """base (a pointer) advanced by `off` elements (IR i64, or a Python int)."""
+        if isinstance(off, int):
+            return base if off == 0 else self.b.gep(base, [_ir.Constant(_I64, off)])
+        return self.b.gep(base, [off])
+
+    def load(self, ptr: Any, ty: Any) -> Any:
+        """A `ty` read at ptr, any alignment."""
+        return self.b.load(self.b.bitcast(ptr, ty.as_pointer()), align=1, typ=ty)
+
+    def bytes(self, p: Any, off: int, n: int = 32) -> Any:
+        """<n x i8> at byte pointer p + off."""
+        return self.load(self.at(p, off), _ir.VectorType(_I8, n))
+
+    def f16(self, p: Any, off: int) -> Any:
+        """float32 of the fp16 at byte pointer p + off, looked up in _F16_TABLE (as the twins'
+        astype converts it)."""
+        bits = self.load(self.at(p, off), _I16)
+        return self.b.load(self.elem(self.table, self.b.zext(bits, _I64)), typ=_FLOAT)
+
+    def splat(self, v: Any, n: int = 8) -> Any:
+        vt = _ir.VectorType(v.type, n)
+        one = self.b.insert_element(_ir.Constant(vt, _ir.Undefined), v, _ir.Constant(_I32, 0))
+        return self.b.shuffle_vector(one, _ir.Constant(vt, _ir.Undefined), _lanes([0] * n))
+
+    def dot4(self, u: Any, s: Any, acc: Any = None) -> Any:
+        """<8 x i32>: acc + the sums of 4 adjacent products u[l] * s[l] of two <32 x i8>, u read as
+        unsigned, s as signed (lane i: products 4i .. 4i+3)."""
+        b, v8 = self.b, _ir.VectorType(_I32, 8)
+        if _DOT4 == "vnni":
+            fn = _declare(b, "llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8])
+            return b.call(fn, [_ir.Constant(v8, None) if acc is None else acc, b.bitcast(u, v8),
+                               b.bitcast(s, v8)])
+        if _DOT4 == "avx2":
+            v16, v32 = _ir.VectorType(_I16, 16), _ir.VectorType(_I8, 32)
+            pairs = b.call(_declare(b, "llvm.x86.avx2.pmadd.ub.sw", v16, [v32, v32]), [u, s])
+            quads = b.call(_declare(b, "llvm.x86.avx2.pmadd.wd", v8, [v16, v16]),
+                           [pairs, _ir.Constant(v16, [1] * 16)])
+            return quads if acc is None else b.add(acc, quads)
+        wide = _ir.VectorType(_I32, 32)
+        p = b.mul(b.zext(u, wide), b.sext(s, wide))
+        for k in range(4):
+            part = b.shuffle_vector(p, p, _lanes([4 * i + k for i in range(8)]))
+            acc = part if acc is None else b.add(acc, part)
+        return acc
+
+    def lane_sums(self, vecs: list[Any]) -> Any:
+        """Up to 8 <8 x i32> -> one <8 x i32> whose lane j is the sum of vecs[j]'s lanes (0 past
+        the last): pairwise sums of even and odd lanes of two vectors, three rounds."""
+        zero = _ir.Constant(_ir.VectorType(_I32, 8), None)
+        vecs = vecs + [zero] * (8 - len(vecs))
+        even, odd = _lanes(list(range(0, 16, 2))), _lanes(list(range(1, 16, 2)))
+        while len(vecs) > 1:
+            vecs = [self.b.add(self.b.shuffle_vector(a, c, even), self.b.shuffle_vector(a, c, odd))
+                    for a, c in zip(vecs[0::2], vecs[1::2], strict=True)]
+        return vecs[0]
+
+    def add_in_order(self, acc: Any, terms: Any, n: int = 8) -> Any:
+        """acc + terms[0] + ... + terms[n-1], one float32 addition at a time."""
+        for j in range(n):
+            acc = self.b.fadd(acc, self.b.extract_element(terms, _ir.Constant(_I32, j)))
+        return acc
+
+    def const8(self, v: int, n: int = 32) -> Any:
+        return _ir.Constant(_ir.VectorType(_I8, n), [v] * n)
+
+
+def _lanes(idx: list[int]) -> Any:
+    return _ir.Constant(_ir.VectorType(_I32, len(idx)), idx)
+
+
+def _declare(builder: Any, name: str, ret: Any, args: list[Any]) -> Any:
+    return _cgutils.get_or_insert_function(builder.module, _ir.FunctionType(ret, args), name)
+
+
+def _k_scales_mins_ir(g: _Ir, p: Any) -> tuple[Any, Any]:
+    """<8 x i32> scales and mins of the 8 sub-blocks from the 12 bytes at byte pointer p (the
+    layout of quants.k_scales_mins; a 16-byte read, which stays inside the super-block)."""
+    b, c = g.b, lambda v: g.const8(v, 8)
+    raw = g.bytes(p, 0, 16)
+    lo = b.shuffle_vector(raw, raw, _lanes(list(range(8))))  # byte j
+    hi = b.shuffle_vector(raw, raw, _lanes(list(range(4, 12))))  # byte j + 4
+    back = b.shuffle_vector(raw, raw, _lanes([0, 0, 0, 0, 0, 1, 2, 3]))  # byte j - 4 (j >= 4)
+    first = _ir.Constant(_ir.VectorType(_ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
+    sc = b.select(first, b.and_(lo, c(63)), b.or_(b.and_(hi, c(15)), b.shl(b.lshr(back, c(6)), c(4))))
+    m = b.select(first, b.and_(hi, c(63)), b.or_(b.lshr(hi, c(4)), b.shl(b.lshr(lo, c(6)), c(4))))
+    v8 = _ir.VectorType(_I32, 8)
+    return b.zext(sc, v8), b.zext(m, v8)
+
+
+def _k_affine_ir(g: _Ir, row: Any, x: Any, dx: Any, xs: Any, acc: Any, q5: bool) -> Any:
+    """acc + the 8 sub-block terms of one Q4_K (Q5_K: q5) super-block at byte pointer row, against
+    the activations at x (int8), their scales at dx and block sums at xs:
+    (d * dx) * (sc * isum) - (dmin * dx) * (m * xs), sub-block 2g from the low nibbles of the g-th
+    32 quant bytes, 2g+1 from the high ones (Q5_K: bit j of qh[l] is value l's 5th bit)."""
+    b = g.b
+    quants = 48 if q5 else 16
+    qh = g.bytes(row, 16) if q5 else None
+    sums = []
+    for grp in range(4):
+        w = g.bytes(row, quants + 32 * grp)
+        lo, hi = b.and_(w, g.const8(15)), b.lshr(w, g.const8(4))
+        if q5:
+            lo = b.or_(lo, b.shl(b.and_(b.lshr(qh, g.const8(2 * grp)), g.const8(1)), g.const8(4)))
+            hi = b.or_(hi, b.shl(b.and_(b.lshr(qh, g.const8(2 * grp + 1)), g.const8(1)), g.const8(4)))
+        sums.append(g.dot4(lo, g.bytes(x, 64 * grp)))
+        sums.append(g.dot4(hi, g.bytes(x, 64 * grp + 32)))
+    isum = g.lane_sums(sums)
+    sc, m = _k_scales_mins_ir(g, g.at(row, 4))
+    v8f = _ir.VectorType(_FLOAT, 8)
+    d, dmin = g.splat(g.f16(row, 0)), g.splat(g.f16(row, 2))
+    dxv = g.load(dx, v8f)
+    xsv = g.load(xs, _ir.VectorType(_I32, 8))
+    terms = b.fsub(b.fmul(b.fmul(d, dxv), b.sitofp(b.mul(sc, isum), v8f)),
+                   b.fmul(b.fmul(dmin, dxv), b.sitofp(b.mul(m, xsv), v8f)))
+    return g.add_in_order(acc, terms)
+
+
+def _q6_k_ir(g: _Ir, row: Any, x: Any, dx: Any, acc: Any) -> Any:
+    """acc + the 8 sub-block terms (d * dx) * s of one Q6_K super-block at byte pointer row.
+    Sub-block 4h+i (h: 128-value half, i: 0..3) takes the low nibbles of ql bytes 64h (i = 0) or
+    64h+32 (i = 1), their high nibbles for i = 2, 3, bits 2i..2i+1 of qh byte 128+32h+l as its top
+    bits, minus 32; s is the sum of those values times x times the int8 scale of its 16-value group
+    (bytes 192 + 2(4h+i) and the next)."""
+    b = g.b
+    v8 = _ir.VectorType(_I32, 8)
+    scales = b.sext(g.bytes(row, 192, 16), _ir.VectorType(_I32, 16))
+    sums = []
+    for h in range(2):
+        ql_a, ql_b, qh = g.bytes(row, 64 * h), g.bytes(row, 64 * h + 32), g.bytes(row, 128 + 32 * h)
+        lows = [b.and_(ql_a, g.const8(15)), b.and_(ql_b, g.const8(15)), b.lshr(ql_a, g.const8(4)),
+                b.lshr(ql_b, g.const8(4))]
+        for i in range(4):
+            j = 4 * h + i
+            top = b.shl(b.and_(b.lshr(qh, g.const8(2 * i)), g.const8(3)), g.const8(4))
+            xv = g.bytes(x, 32 * j)
+            diff = g.dot4(b.or_(lows[i], top), xv, b.sub(_ir.Constant(v8, None), g.dot4(g.const8(32), xv)))
+            group = b.shuffle_vector(scales, scales, _lanes([2 * j] * 4 + [2 * j + 1] * 4))
+            sums.append(b.mul(diff, group))
+    s = g.lane_sums(sums)
+    v8f = _ir.VectorType(_FLOAT, 8)
+    d = g.splat(g.f16(row, 208))
+    terms = b.fmul(b.fmul(d, g.load(dx, v8f)), b.sitofp(s, v8f))
+    return g.add_in_order(acc, terms)
+
+
+def _small_blocks_ir(g: _Ir, row: Any, x: Any, dx: Any, acc: Any, n: int, q4: bool) -> Any:
+    """acc + the terms (d * dx) * isum of n (8 or 1) consecutive Q8_0 (Q4_0: q4) blocks at byte
+    pointer row. Q8_0: isum = sum |w| * (x with w's sign); Q4_0: value l < 16 is the low nibble of
+    quant byte l, value 16 + l its high nibble, minus 8."""
+    b = g.b
+    size = 18 if q4 else 34
+    v8f = _ir.VectorType(_FLOAT, 8)
+    sums = []
+    d = _ir.Constant(v8f, None)
+    for i in range(n):
+        xv = g.bytes(x, 32 * i)
+        if q4:
+            qs = g.bytes(row, size * i + 2, 16)
+            q = b.shuffle_vector(b.and_(qs, g.const8(15, 16)), b.lshr(qs, g.const8(4, 16)),
+                                 _lanes(list(range(32))))
+            neg8 = b.sub(_ir.Constant(_ir.VectorType(_I32, 8), None), g.dot4(g.const8(8), xv))
+            sums.append(g.dot4(q, xv, neg8))
+        else:
+            w = g.bytes(row, size * i + 2)
+            zero = g.const8(0)
+            neg = b.icmp_signed("<", w, zero)
+            signed_x = b.select(neg, b.sub(zero, xv), b.select(b.icmp_signed("==", w, zero), zero, xv))
+            sums.append(g.dot4(b.select(neg, b.sub(zero, w), w), signed_x))
+        d = b.insert_element(d, g.f16(row, size * i), _ir.Constant(_I32, i))
+    isum = g.lane_sums(sums)
+    if n == 8:
+        dxv = g.load(dx, v8f)
+    else:
+        dxv = b.insert_element(_ir.Constant(v8f, None), b.load(dx, typ=_FLOAT), _ir.Constant(_I32, 0))
+    terms = b.fmul(b.fmul(d, dxv), b.sitofp(isum, v8f))
+    return g.add_in_order(acc, terms, n)
+
+
+# The intrinsics. Arguments: row (a weight row, uint8), o (byte offset of the block in it), x (the
+# activation row, int8), xo (its offset), dx (the activation block scales), [xs (block sums),] bo
+# (index of the first activation block), table (_F16_TABLE), acc (the row's float32 accumulator);
+# result: acc with the blocks' terms added. Offsets are not checked: the kernels pass in-range ones.
+
+
+def _offsets_codegen(body: Callable[..., Any], with_sums: bool) -> Callable[..., Any]:
+    def codegen(context: Any, builder: Any, sig: Any, args: Sequence[Any]) -> Any:
+        g = _Ir(context, builder, sig, args, 7 if with_sums else 6)
+        row = builder.bitcast(g.elem(0, args[1]), _I8.as_pointer())
+        x = builder.bitcast(g.elem(2, args[3]), _I8.as_pointer())
+        bo = args[6] if with_sums else args[5]
+        dx = g.elem(4, bo)
+        if with_sums:
+            return body(g, row, x, dx, g.elem(5, bo), args[8])
+        return body(g, row, x, dx, args[7])
+
+    return codegen
+
+
+if HAVE_NUMBA:
+    from numba import types as _nbt
+
+    @_intrinsic
+    def _q4_k_block(typingctx, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover
+        sig = _nbt.float32(row, _nbt.intp, x, _nbt.intp, dx, xs, _nbt.intp, table, _nbt.float32)
+        return sig, _offsets_codegen(lambda g, r, xx, d, s, a: _k_affine_ir(g, r, xx, d, s, a, False), True)
+
+    @_intrinsic
+    def _q5_k_block(typingctx, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover
+        sig = _nbt.float32(row, _nbt.intp, x, _nbt.intp, dx, xs, _nbt.intp, table, _nbt.float32)
+        return sig, _offsets_codegen(lambda g, r, xx, d, s, a: _k_affine_ir(g, r, xx, d, s, a, True), True)
+
+    @_intrinsic
+    def _q6_k_block(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover
+        sig = _nbt.float32(row, _nbt.intp, x, _nbt.intp, dx, _nbt.intp, table, _nbt.float32)
+        return sig, _offsets_codegen(_q6_k_ir, False)
+
+    def _small_blocks_intrinsic(n: int, q4: bool) -> Any:
+        @_intrinsic
+        def blocks(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover
+            sig = _nbt.float32(row, _nbt.intp, x, _nbt.intp, dx, _nbt.intp, table, _nbt.float32)
+            return sig, _offsets_codegen(lambda g, r, xx, d, a: _small_blocks_ir(g, r, xx, d, a, n, q4),
+                                         False)
+
+        return blocks
+
+    _q8_0_blocks8, _q8_0_block1 = _small_blocks_intrinsic(8, False), _small_blocks_intrinsic(1, False)
+    _q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_intrinsic(1, True)
+
+
+# ------------------------------------------------------------------------------------------------
+# numba kernels: out[s, r] = row r of expert ids[s] . activation row s. Four rows of one expert per
+# prange iteration (their four accumulator chains overlap; with a row count not a multiple of 4 the
+# last rows repeat, computing and storing the same values again), Q6_K one; each row's blocks in
+# file order.
 
 
 @njit(parallel=True, cache=True)
-def _q8_0_nb(w, ids, xq, xd, table, out, qb):  # pragma: no cover - compiled
+def _q8_0_nb(w, ids, xq, xd, table, out):  # pragma: no cover - compiled
     k, n_out, nb = ids.shape[0], w.shape[1], w.shape[2] // 34
-    for job in prange(k * n_out):
-        s = job // n_out
-        r = job - s * n_out
-        row = w[ids[s], r]
-        acc = np.float32(0.0)
-        for b in range(nb):
-            o = b * 34
-            isum = np.int32(0)
-            for l in range(qb):
-                isum += np.int32(np.int8(row[o + 2 + l])) * np.int32(xq[s, b * 32 + l])
-            acc += (_f16(row, o, table) * xd[s, b]) * np.float32(isum)
-        out[s, r] = acc
+    quads, n8 = (n_out + 3) // 4, nb // 8
+    for job in prange(k * quads):
+        s = job // quads
+        r0 = 4 * (job - s * quads)
+        r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+        e, x, dx = ids[s], xq[s], xd[s]
+        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for c in range(n8):
+            o, xo, bo = 272 * c, 256 * c, 8 * c
+            a0 = _q8_0_blocks8(w0, o, x, xo, dx, bo, table, a0)
+            a1 = _q8_0_blocks8(w1, o, x, xo, dx, bo, table, a1)
+            a2 = _q8_0_blocks8(w2, o, x, xo, dx, bo, table, a2)
+            a3 = _q8_0_blocks8(w3, o, x, xo, dx, bo, table, a3)
+        for b in range(8 * n8, nb):
+            a0 = _q8_0_block1(w0, 34 * b, x, 32 * b, dx, b, table, a0)
+            a1 = _q8_0_block1(w1, 34 * b, x, 32 * b, dx, b, table, a1)
+            a2 = _q8_0_block1(w2, 34 * b, x, 32 * b, dx, b, table, a2)
+            a3 = _q8_0_block1(w3, 34 * b, x, 32 * b, dx, b, table, a3)
+        out[s, r0], out[s, r1], out[s, r2], out[s, r3] = a0, a1, a2, a3
 
 
 @njit(parallel=True, cache=True)
-def _q4_0_nb(w, ids, xq, xd, table, out, qb):  # pragma: no cover - compiled
+def _q4_0_nb(w, ids, xq, xd, table, out):  # pragma: no cover - compiled
     k, n_out, nb = ids.shape[0], w.shape[1], w.shape[2] // 18
-    for job in prange(k * n_out):
-        s = job // n_out
-        r = job - s * n_out
-        row = w[ids[s], r]
-        acc = np.float32(0.0)
-        for b in range(nb):
-            o = b * 18
-            isum = np.int32(0)
-            for l in range(qb // 2):
-                byte = np.int32(row[o + 2 + l])
-                isum += ((byte & 15) - 8) * np.int32(xq[s, b * 32 + l])
-                isum += ((byte >> 4) - 8) * np.int32(xq[s, b * 32 + 16 + l])
-            acc += (_f16(row, o, table) * xd[s, b]) * np.float32(isum)
-        out[s, r] = acc
-
-
-@njit(inline="always")
-def _k_scale_min(row, o, j):  # pragma: no cover - compiled
-    """6-bit scale and min of sub-block j from the 12 bytes at row[o:o+12] (quants.k_scales_mins)."""
-    if j < 4:
-        return np.int32(row[o + j]) & 63, np.int32(row[o + j + 4]) & 63
-    c = np.int32(row[o + j + 4])
-    sc = (c & 15) | ((np.int32(row[o + j - 4]) >> 6) << 4)
-    m = (c >> 4) | ((np.int32(row[o + j]) >> 6) << 4)
-    return sc, m
-
-
-@njit(inline="always")
-def _k_affine_term(row, o, j, isum, d, dmin, dx, xsum):  # pragma: no cover - compiled
-    """Sub-block j's float32 term of a Q4_K / Q5_K block at row[o:]: d*sc*isum - dmin*m*xsum."""
-    sc, m = _k_scale_min(row, o + 4, j)
-    return (d * dx) * np.float32(sc * isum) - (dmin * dx) * np.float32(m * xsum)
+    quads, n8 = (n_out + 3) // 4, nb // 8
+    for job in prange(k * quads):
+        s = job // quads
+        r0 = 4 * (job - s * quads)
+        r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+        e, x, dx = ids[s], xq[s], xd[s]
+        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for c in range(n8):
+            o, xo, bo = 144 * c, 256 * c, 8 * c
+            a0 = _q4_0_blocks8(w0, o, x, xo, dx, bo, table, a0)
+            a1 = _q4_0_blocks8(w1, o, x, xo, dx, bo, table, a1)
+            a2 = _q4_0_blocks8(w2, o, x, xo, dx, bo, table, a2)
+            a3 = _q4_0_blocks8(w3, o, x, xo, dx, bo, table, a3)
+        for b in range(8 * n8, nb):
+            a0 = _q4_0_block1(w0, 18 * b, x, 32 * b, dx, b, table, a0)
+            a1 = _q4_0_block1(w1, 18 * b, x, 32 * b, dx, b, table, a1)
+            a2 = _q4_0_block1(w2, 18 * b, x, 32 * b, dx, b, table, a2)
+            a3 = _q4_0_block1(w3, 18 * b, x, 32 * b, dx, b, table, a3)
+        out[s, r0], out[s, r1], out[s, r2], out[s, r3] = a0, a1, a2, a3
 
 
 @njit(parallel=True, cache=True)
-def _q4_k_nb(w, ids, xq, xd, xs, table, out, qb):  # pragma: no cover - compiled
-    # two rows per iteration share the activation loads (+20% measured); with an odd row count the
-    # last pair is the last row twice. Each row's sums and additions are those of the one-row form.
+def _q4_k_nb(w, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
     k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 144
-    pairs = (n_out + 1) // 2
-    for job in prange(k * pairs):
-        s = job // pairs
-        r = 2 * (job - s * pairs)
-        r1 = min(r + 1, n_out - 1)
-        ra = w[ids[s], r]
-        rb = w[ids[s], r1]
-        x = xq[s]
-        acc_a = np.float32(0.0)
-        acc_b = np.float32(0.0)
+    quads = (n_out + 3) // 4
+    for job in prange(k * quads):
+        s = job // quads
+        r0 = 4 * (job - s * quads)
+        r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+        e, x, dx, xsum = ids[s], xq[s], xd[s], xs[s]
+        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
         for b in range(nsb):
-            o = b * 144
-            d_a, dmin_a = _f16(ra, o, table), _f16(ra, o + 2, table)
-            d_b, dmin_b = _f16(rb, o, table), _f16(rb, o + 2, table)
-            for g in range(4):  # 32 bytes: sub-block 2g in the low nibbles, 2g+1 in the high ones
-                qo = o + 16 + 32 * g
-                xo = (b * 8 + 2 * g) * qb
-                lo_a = hi_a = lo_b = hi_b = 0
-                for l in range(qb):
-                    x_lo = x[xo + l]
-                    x_hi = x[xo + qb + l]
-                    va = ra[qo + l]
-                    vb = rb[qo + l]
-                    lo_a += (va & 15) * x_lo
-                    hi_a += (va >> 4) * x_hi
-                    lo_b += (vb & 15) * x_lo
-                    hi_b += (vb >> 4) * x_hi
-                xb = b * 8 + 2 * g
-                dx0, dx1, xs0, xs1 = xd[s, xb], xd[s, xb + 1], xs[s, xb], xs[s, xb + 1]
-                acc_a += _k_affine_term(ra, o, 2 * g, np.int32(lo_a), d_a, dmin_a, dx0, xs0)
-                acc_a += _k_affine_term(ra, o, 2 * g + 1, np.int32(hi_a), d_a, dmin_a, dx1, xs1)
-                acc_b += _k_affine_term(rb, o, 2 * g, np.int32(lo_b), d_b, dmin_b, dx0, xs0)
-                acc_b += _k_affine_term(rb, o, 2 * g + 1, np.int32(hi_b), d_b, dmin_b, dx1, xs1)
-        out[s, r] = acc_a
-        out[s, r1] = acc_b
+            o, xo, bo = 144 * b, 256 * b, 8 * b
+            a0 = _q4_k_block(w0, o, x, xo, dx, xsum, bo, table, a0)
+            a1 = _q4_k_block(w1, o, x, xo, dx, xsum, bo, table, a1)
+            a2 = _q4_k_block(w2, o, x, xo, dx, xsum, bo, table, a2)
+            a3 = _q4_k_block(w3, o, x, xo, dx, xsum, bo, table, a3)
+        out[s, r0], out[s, r1], out[s, r2], out[s, r3] = a0, a1, a2, a3
 
 
 @njit(parallel=True, cache=True)
-def _q5_k_nb(w, ids, xq, xd, xs, table, out, qb):  # pragma: no cover - compiled
-    # as Q4_K, two rows per iteration; the 5th bit of value l of sub-block j is bit j of qh[l]
+def _q5_k_nb(w, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
     k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 176
-    pairs = (n_out + 1) // 2
-    for job in prange(k * pairs):
-        s = job // pairs
-        r = 2 * (job - s * pairs)
-        r1 = min(r + 1, n_out - 1)
-        ra = w[ids[s], r]
-        rb = w[ids[s], r1]
-        x = xq[s]
-        acc_a = np.float32(0.0)
-        acc_b = np.float32(0.0)
+    quads = (n_out + 3) // 4
+    for job in prange(k * quads):
+        s = job // quads
+        r0 = 4 * (job - s * quads)
+        r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+        e, x, dx, xsum = ids[s], xq[s], xd[s], xs[s]
+        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
+        a0 = a1 = a2 = a3 = np.float32(0.0)
         for b in range(nsb):
-            o = b * 176
-            d_a, dmin_a = _f16(ra, o, table), _f16(ra, o + 2, table)
-            d_b, dmin_b = _f16(rb, o, table), _f16(rb, o + 2, table)
-            for g in range(4):
-                qo = o + 48 + 32 * g
-                xo = (b * 8 + 2 * g) * qb
-                qa, ha = ra[qo : qo + qb], ra[o + 16 : o + 16 + qb]  # slices: see _q6_k_nb
-                qb2, hb = rb[qo : qo + qb], rb[o + 16 : o + 16 + qb]
-                xl, xh = x[xo : xo + qb], x[xo + qb : xo + 2 * qb]
-                shift = 2 * g
-                lo_a = hi_a = lo_b = hi_b = 0
-                for l in range(qb):
-                    va, vb = qa[l], qb2[l]
-                    hha, hhb = ha[l] >> shift, hb[l] >> shift
-                    lo_a += ((va & 15) | ((hha & 1) << 4)) * xl[l]
-                    hi_a += ((va >> 4) | ((hha & 2) << 3)) * xh[l]
-                    lo_b += ((vb & 15) | ((hhb & 1) << 4)) * xl[l]
-                    hi_b += ((vb >> 4) | ((hhb & 2) << 3)) * xh[l]
-                xb = b * 8 + 2 * g
-                dx0, dx1, xs0, xs1 = xd[s, xb], xd[s, xb + 1], xs[s, xb], xs[s, xb + 1]
-                acc_a += _k_affine_term(ra, o, 2 * g, np.int32(lo_a), d_a, dmin_a, dx0, xs0)
-                acc_a += _k_affine_term(ra, o, 2 * g + 1, np.int32(hi_a), d_a, dmin_a, dx1, xs1)
-                acc_b += _k_affine_term(rb, o, 2 * g, np.int32(lo_b), d_b, dmin_b, dx0, xs0)
-                acc_b += _k_affine_term(rb, o, 2 * g + 1, np.int32(hi_b), d_b, dmin_b, dx1, xs1)
-        out[s, r] = acc_a
-        out[s, r1] = acc_b
+            o, xo, bo = 176 * b, 256 * b, 8 * b
+            a0 = _q5_k_block(w0, o, x, xo, dx, xsum, bo, table, a0)
+            a1 = _q5_k_block(w1, o, x, xo, dx, xsum, bo, table, a1)
+            a2 = _q5_k_block(w2, o, x, xo, dx, xsum, bo, table, a2)
+            a3 = _q5_k_block(w3, o, x, xo, dx, xsum, bo, table, a3)
+        out[s, r0], out[s, r1], out[s, r2], out[s, r3] = a0, a1, a2, a3
 
 
 @njit(parallel=True, cache=True)
-def _q6_k_nb(w, ids, xq, xd, table, out, qb):  # pragma: no cover - compiled
+def _q6_k_nb(w, ids, xq, xd, table, out):  # pragma: no cover - compiled
+    # one row per iteration: on the 2-core Zen 5 machine, 2 to 4 Q6_K rows of 1680 bytes read in
+    # step ran 3x slower from RAM (4.5 against 13 GB/s) than one row read straight through
     k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 210
-    half = qb // 2
     for job in prange(k * n_out):
         s = job // n_out
         r = job - s * n_out
-        row = w[ids[s], r]
-        x = xq[s]
+        row, x, dx = w[ids[s], r], xq[s], xd[s]
         acc = np.float32(0.0)
         for b in range(nsb):
-            o = b * 210
-            d = _f16(row, o + 208, table)
-            for h in range(2):  # a 128-value half: sub-blocks 4h .. 4h+3 of 32 values
-                la = o + 64 * h  # low nibbles: sub-block 4h (and 4h+2 in the high nibbles)
-                lb = la + 32  # sub-block 4h+1 (and 4h+3)
-                qh = o + 128 + 32 * h  # 2-bit tops of all four, at bits 0, 2, 4, 6
-                sb = o + 192 + 8 * h  # int8 scales of the eight 16-value groups
-                c0l, c0h = np.int32(np.int8(row[sb])), np.int32(np.int8(row[sb + 1]))
-                c1l, c1h = np.int32(np.int8(row[sb + 2])), np.int32(np.int8(row[sb + 3]))
-                c2l, c2h = np.int32(np.int8(row[sb + 4])), np.int32(np.int8(row[sb + 5]))
-                c3l, c3h = np.int32(np.int8(row[sb + 6])), np.int32(np.int8(row[sb + 7]))
-                xo = (b * 8 + 4 * h) * qb
-                # one 32-long loop (a 16-long one does not vectorize); each value's group scale is
-                # folded into the integer sum, which equals sc_lo * isum_lo + sc_hi * isum_hi
-                # slices, so that the loop's indices are known non-negative (no wraparound check
-                # per load, which kept the loads from being contiguous vectors: 2x slower)
-                qa, qb_, qt = row[la : la + qb], row[lb : lb + qb], row[qh : qh + qb]
-                x0, x1 = x[xo : xo + qb], x[xo + qb : xo + 2 * qb]
-                x2, x3 = x[xo + 2 * qb : xo + 3 * qb], x[xo + 3 * qb : xo + 4 * qb]
-                s0 = s1 = s2 = s3 = 0
-                for l in range(qb):
-                    first = l < half
-                    a, bb, c = qa[l], qb_[l], qt[l]
-                    s0 += (((a & 15) | ((c & 3) << 4)) - 32) * (c0l if first else c0h) * x0[l]
-                    s1 += (((bb & 15) | ((c & 12) << 2)) - 32) * (c1l if first else c1h) * x1[l]
-                    s2 += (((a >> 4) | (c & 48)) - 32) * (c2l if first else c2h) * x2[l]
-                    s3 += (((bb >> 4) | ((c & 192) >> 2)) - 32) * (c3l if first else c3h) * x3[l]
-                xb = b * 8 + 4 * h
-                acc += (d * xd[s, xb]) * np.float32(np.int32(s0))
-                acc += (d * xd[s, xb + 1]) * np.float32(np.int32(s1))
-                acc += (d * xd[s, xb + 2]) * np.float32(np.int32(s2))
-                acc += (d * xd[s, xb + 3]) * np.float32(np.int32(s3))
+            acc = _q6_k_block(row, 210 * b, x, 256 * b, dx, 8 * b, table, acc)
         out[s, r] = acc
 
 
@@ -591,15 +802,15 @@ def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedR
     with _numba_threads(threads):
         t = w.ggml_type
         if t == Q.Q4_K:
-            _q4_k_nb(raw, idx, x.q, x.d, x.s, _F16_TABLE, out, QBLOCK)
+            _q4_k_nb(raw, idx, x.q, x.d, x.s, _F16_TABLE, out)
         elif t == Q.Q5_K:
-            _q5_k_nb(raw, idx, x.q, x.d, x.s, _F16_TABLE, out, QBLOCK)
+            _q5_k_nb(raw, idx, x.q, x.d, x.s, _F16_TABLE, out)
         elif t == Q.Q6_K:
-            _q6_k_nb(raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
+            _q6_k_nb(raw, idx, x.q, x.d, _F16_TABLE, out)
         elif t == Q.Q8_0:
-            _q8_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
+            _q8_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out)
         else:
-            _q4_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out, QBLOCK)
+            _q4_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out)
     return out
 
 

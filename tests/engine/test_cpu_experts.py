@@ -42,8 +42,12 @@ def random_stack(rng, t, n_experts, n_out, n_in):
     return C.ExpertStack(raw.reshape(n_experts, n_out, -1), t, n_in)
 
 
-def _n_in(t):
-    return 512 if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96  # K types: 2 super-blocks; others 3 blocks
+def _n_in(t, seed=0):
+    """Row lengths: K types 2, 1 or 3 super-blocks; the others 3, 10 or 17 blocks (the kernels take
+    them 8 at a time, then one at a time: the tail alone, both, and two groups plus a tail)."""
+    if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return [512, 256, 768][seed]
+    return [96, 320, 544][seed]
 
 
 def _gguf_dense(w: C.ExpertStack) -> np.ndarray:
@@ -105,7 +109,7 @@ def test_activation_quantizer_kernel_equals_twin(seed):
 def test_kernel_equals_twin_bit_for_bit(t, seed):
     rng = np.random.default_rng(100 * t + seed)
     n_out = [7, 37, 13][seed]
-    w = random_stack(rng, t, 5, n_out, _n_in(t))
+    w = random_stack(rng, t, 5, n_out, _n_in(t, seed))
     ids = np.array([3, 0, 3, 4][: 2 + seed])  # a repeated expert, and several row counts
     x = (rng.standard_normal((ids.size, w.n_in)) * 2).astype(np.float32)
     xa = C.quantize_rows(x)
@@ -113,6 +117,41 @@ def test_kernel_equals_twin_bit_for_bit(t, seed):
     twin = C.expert_matvec(w, ids, xa, fast=False)
     assert fast.shape == (ids.size, n_out) and np.all(np.isfinite(fast))
     np.testing.assert_array_equal(fast.view(np.int32), twin.view(np.int32))
+
+
+# the kernel of each type and whether it takes the activations' block sums
+_KERNELS = {Q.Q4_K: ("_q4_k_nb", True), Q.Q5_K: ("_q5_k_nb", True), Q.Q6_K: ("_q6_k_nb", False),
+            Q.Q8_0: ("_q8_0_nb", False), Q.Q4_0: ("_q4_0_nb", False)}
+# an instruction only each form's code has (the plain-IR form: neither of the others')
+_FORM_MARK = {"vnni": "vpdpbusd", "avx2": "vpmaddubsw"}
+
+
+@pytest.mark.parametrize("form", ["vnni", "avx2", "ir"])
+def test_every_dot_product_form_equals_twin(form, monkeypatch):
+    """The byte products are summed by VNNI, AVX2 or plain IR, whichever the CPU has best; the
+    kernels compiled here with each form this CPU can run give the twins' bits, and the code has the
+    form's instructions (so the form really was the one compiled)."""
+    import numba
+
+    best = C._dot4_kind()
+    runs = {"vnni": ("vnni", "avx2", "ir"), "avx2": ("avx2", "ir"), "ir": ("ir",)}[best]
+    if form not in runs:
+        pytest.skip(f"this CPU has no {form} instructions")
+    monkeypatch.setattr(C, "_DOT4", form)
+    rng = np.random.default_rng(11)
+    for t, (name, with_sums) in _KERNELS.items():
+        kernel = numba.njit(parallel=True)(getattr(C, name).py_func)  # compiled now, not cached
+        w = random_stack(rng, t, 4, 9, _n_in(t, 2))
+        ids = np.array([2, 0, 2])
+        xa = C.quantize_rows((rng.standard_normal((3, w.n_in)) * 3).astype(np.float32))
+        out = np.full((3, w.n_out), np.nan, np.float32)
+        sums = (xa.s,) if with_sums else ()
+        kernel(np.ascontiguousarray(w.raw), ids, xa.q, xa.d, *sums, C._F16_TABLE, out)
+        twin = C.expert_matvec(w, ids, xa, fast=False)
+        np.testing.assert_array_equal(out.view(np.int32), twin.view(np.int32), err_msg=f"{form} {name}")
+        asm = kernel.inspect_asm(kernel.signatures[0])
+        for f, mark in _FORM_MARK.items():
+            assert (mark in asm) == (f == form), f"{form} {name}: {mark} {'missing' if f == form else 'present'}"
 
 
 @pytest.mark.parametrize("t", TYPES, ids=[Q.type_name(t) for t in TYPES])
