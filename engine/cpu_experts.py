@@ -568,35 +568,28 @@ if HAVE_NUMBA:
 
 
 # ------------------------------------------------------------------------------------------------
-# numba kernels: out[s, r] = row r of expert ids[s] . activation row s. Four rows of one expert per
-# prange iteration (their four accumulator chains overlap; with a row count not a multiple of 4 the
-# last rows repeat, computing and storing the same values again), Q6_K one; each row's blocks in
-# file order.
+# numba kernels: out[s, r] = row r of expert ids[s] . activation row s, each row's blocks in file
+# order. Q4_K, Q5_K and Q4_0 take four rows of one expert per prange iteration (their accumulator
+# chains overlap; with a row count not a multiple of 4 the last rows repeat, computing and storing
+# the same values again); Q8_0 and Q6_K one row, read straight through: on the 2-core Zen 5 machine
+# (one thread, experts from RAM) four rows in step were 10-30% faster for the first three and 1.5-3x
+# slower for these two (Q6_K gate rows: 4.5 against 13 GB/s).
 
 
 @njit(parallel=True, cache=True)
 def _q8_0_nb(w, ids, xq, xd, table, out):  # pragma: no cover - compiled
     k, n_out, nb = ids.shape[0], w.shape[1], w.shape[2] // 34
-    quads, n8 = (n_out + 3) // 4, nb // 8
-    for job in prange(k * quads):
-        s = job // quads
-        r0 = 4 * (job - s * quads)
-        r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
-        e, x, dx = ids[s], xq[s], xd[s]
-        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
+    n8 = nb // 8
+    for job in prange(k * n_out):
+        s = job // n_out
+        r = job - s * n_out
+        row, x, dx = w[ids[s], r], xq[s], xd[s]
+        acc = np.float32(0.0)
         for c in range(n8):
-            o, xo, bo = 272 * c, 256 * c, 8 * c
-            a0 = _q8_0_blocks8(w0, o, x, xo, dx, bo, table, a0)
-            a1 = _q8_0_blocks8(w1, o, x, xo, dx, bo, table, a1)
-            a2 = _q8_0_blocks8(w2, o, x, xo, dx, bo, table, a2)
-            a3 = _q8_0_blocks8(w3, o, x, xo, dx, bo, table, a3)
+            acc = _q8_0_blocks8(row, 272 * c, x, 256 * c, dx, 8 * c, table, acc)
         for b in range(8 * n8, nb):
-            a0 = _q8_0_block1(w0, 34 * b, x, 32 * b, dx, b, table, a0)
-            a1 = _q8_0_block1(w1, 34 * b, x, 32 * b, dx, b, table, a1)
-            a2 = _q8_0_block1(w2, 34 * b, x, 32 * b, dx, b, table, a2)
-            a3 = _q8_0_block1(w3, 34 * b, x, 32 * b, dx, b, table, a3)
-        out[s, r0], out[s, r1], out[s, r2], out[s, r3] = a0, a1, a2, a3
+            acc = _q8_0_block1(row, 34 * b, x, 32 * b, dx, b, table, acc)
+        out[s, r] = acc
 
 
 @njit(parallel=True, cache=True)
@@ -666,8 +659,6 @@ def _q5_k_nb(w, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True)
 def _q6_k_nb(w, ids, xq, xd, table, out):  # pragma: no cover - compiled
-    # one row per iteration: on the 2-core Zen 5 machine, 2 to 4 Q6_K rows of 1680 bytes read in
-    # step ran 3x slower from RAM (4.5 against 13 GB/s) than one row read straight through
     k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 210
     for job in prange(k * n_out):
         s = job // n_out
