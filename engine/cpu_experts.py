@@ -9,7 +9,9 @@ Weight types: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, as stored in the 3-D expert tensors
 `ffn_{gate,up,down}_exps` / `ffn_gate_up_exps` (E, n_out, n_in).
 
 Every kernel comes twice:
-- a numba kernel (`fast=True`), parallel over (expert, output row) pairs with `prange`;
+- a numba kernel (`fast=True`), parallel over (expert, output rows) with `prange`, whose per-block
+  work is an LLVM IR intrinsic (u8 x s8 multiply-adds: VNNI, AVX2 or plain IR, whichever the CPU
+  has; see "block intrinsics" below);
 - a NumPy twin (`fast=False`), vectorized integer unpacking written for reading.
 Both do the same float32 operations in the same order (per block: scale products, then one add into
 the row's accumulator, blocks in file order), so they agree bit for bit;
@@ -41,6 +43,11 @@ import numpy as np
 
 from . import quants as Q
 
+
+def _no_intrinsic(f: Callable) -> Callable:
+    return f  # without numba the intrinsics are plain functions that nothing calls
+
+
 _numba: Any
 _ir: Any
 _llvm: Any
@@ -58,7 +65,8 @@ try:
     _numba, _ir, _llvm, _cgutils, _nb_config, _intrinsic = (
         _numba_module, _ir_module, _llvm_module, _cgutils_module, _config_module, _intrinsic_fn)
 except ImportError:  # the twins still work; the backend then keeps the dequantize path
-    _numba = _ir = _llvm = _cgutils = _nb_config = _intrinsic = None
+    _numba = _ir = _llvm = _cgutils = _nb_config = None
+    _intrinsic = _no_intrinsic
 
 HAVE_NUMBA = _numba is not None
 
@@ -536,35 +544,49 @@ def _offsets_codegen(body: Callable[..., Any], with_sums: bool) -> Callable[...,
     return codegen
 
 
-if HAVE_NUMBA:
-    from numba import types as _nbt
+def _block_signature(row: Any, x: Any, dx: Any, xs: Any | None, table: Any) -> Any:
+    """The intrinsics' signature, after checking that every array is 1-D and C-contiguous (the IR
+    reads them through their data pointers, ignoring strides) of the dtype the IR assumes."""
+    from numba import types as nbt
 
+    want = [(row, nbt.uint8, "row"), (x, nbt.int8, "x"), (dx, nbt.float32, "dx"),
+            (table, nbt.float32, "table")] + ([(xs, nbt.int32, "xs")] if xs is not None else [])
+    for ty, dtype, name in want:
+        if not (isinstance(ty, nbt.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == dtype):
+            raise TypeError(f"block intrinsic: {name} must be a C-contiguous 1-D {dtype} array, got {ty}")
+    if xs is None:
+        return nbt.float32(row, nbt.intp, x, nbt.intp, dx, nbt.intp, table, nbt.float32)
+    return nbt.float32(row, nbt.intp, x, nbt.intp, dx, xs, nbt.intp, table, nbt.float32)
+
+
+@_intrinsic
+def _q4_k_block(typingctx, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover - compiled
+    return (_block_signature(row, x, dx, xs, table),
+            _offsets_codegen(lambda g, r, xx, d, s, a: _k_affine_ir(g, r, xx, d, s, a, False), True))
+
+
+@_intrinsic
+def _q5_k_block(typingctx, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover - compiled
+    return (_block_signature(row, x, dx, xs, table),
+            _offsets_codegen(lambda g, r, xx, d, s, a: _k_affine_ir(g, r, xx, d, s, a, True), True))
+
+
+@_intrinsic
+def _q6_k_block(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover - compiled
+    return _block_signature(row, x, dx, None, table), _offsets_codegen(_q6_k_ir, False)
+
+
+def _small_blocks_intrinsic(n: int, q4: bool) -> Any:
     @_intrinsic
-    def _q4_k_block(typingctx, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover
-        sig = _nbt.float32(row, _nbt.intp, x, _nbt.intp, dx, xs, _nbt.intp, table, _nbt.float32)
-        return sig, _offsets_codegen(lambda g, r, xx, d, s, a: _k_affine_ir(g, r, xx, d, s, a, False), True)
+    def blocks(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover - compiled
+        return (_block_signature(row, x, dx, None, table),
+                _offsets_codegen(lambda g, r, xx, d, a: _small_blocks_ir(g, r, xx, d, a, n, q4), False))
 
-    @_intrinsic
-    def _q5_k_block(typingctx, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover
-        sig = _nbt.float32(row, _nbt.intp, x, _nbt.intp, dx, xs, _nbt.intp, table, _nbt.float32)
-        return sig, _offsets_codegen(lambda g, r, xx, d, s, a: _k_affine_ir(g, r, xx, d, s, a, True), True)
+    return blocks
 
-    @_intrinsic
-    def _q6_k_block(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover
-        sig = _nbt.float32(row, _nbt.intp, x, _nbt.intp, dx, _nbt.intp, table, _nbt.float32)
-        return sig, _offsets_codegen(_q6_k_ir, False)
 
-    def _small_blocks_intrinsic(n: int, q4: bool) -> Any:
-        @_intrinsic
-        def blocks(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover
-            sig = _nbt.float32(row, _nbt.intp, x, _nbt.intp, dx, _nbt.intp, table, _nbt.float32)
-            return sig, _offsets_codegen(lambda g, r, xx, d, a: _small_blocks_ir(g, r, xx, d, a, n, q4),
-                                         False)
-
-        return blocks
-
-    _q8_0_blocks8, _q8_0_block1 = _small_blocks_intrinsic(8, False), _small_blocks_intrinsic(1, False)
-    _q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_intrinsic(1, True)
+_q8_0_blocks8, _q8_0_block1 = _small_blocks_intrinsic(8, False), _small_blocks_intrinsic(1, False)
+_q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_intrinsic(1, True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -778,6 +800,9 @@ def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedR
     k = idx.size
     if x.q.shape != (k, w.n_in):
         raise ValueError(f"{k} experts need {k} activation rows of {w.n_in}, got {x.q.shape}")
+    if x.d.shape != (k, w.n_in // QBLOCK) or x.s.shape != x.d.shape:
+        raise ValueError(f"activation scales and sums must be ({k}, {w.n_in // QBLOCK}), got {x.d.shape} "
+                         f"and {x.s.shape}")
     if k and (idx.min() < 0 or idx.max() >= w.n_experts):
         raise IndexError(f"expert ids {idx.tolist()} out of range for {w.n_experts} experts")
     if not fast:
@@ -790,18 +815,22 @@ def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedR
     # one compiled signature whatever the caller holds: contiguous and read-only, as a file's map is
     raw = np.ascontiguousarray(w.raw).view()
     raw.flags.writeable = False
+    # the block intrinsics read rows through their data pointers: C-contiguous, of these dtypes
+    xq = np.ascontiguousarray(x.q, dtype=np.int8)
+    xd = np.ascontiguousarray(x.d, dtype=F32)
+    xs = np.ascontiguousarray(x.s, dtype=np.int32)
     with _numba_threads(threads):
         t = w.ggml_type
         if t == Q.Q4_K:
-            _q4_k_nb(raw, idx, x.q, x.d, x.s, _F16_TABLE, out)
+            _q4_k_nb(raw, idx, xq, xd, xs, _F16_TABLE, out)
         elif t == Q.Q5_K:
-            _q5_k_nb(raw, idx, x.q, x.d, x.s, _F16_TABLE, out)
+            _q5_k_nb(raw, idx, xq, xd, xs, _F16_TABLE, out)
         elif t == Q.Q6_K:
-            _q6_k_nb(raw, idx, x.q, x.d, _F16_TABLE, out)
+            _q6_k_nb(raw, idx, xq, xd, _F16_TABLE, out)
         elif t == Q.Q8_0:
-            _q8_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out)
+            _q8_0_nb(raw, idx, xq, xd, _F16_TABLE, out)
         else:
-            _q4_0_nb(raw, idx, x.q, x.d, _F16_TABLE, out)
+            _q4_0_nb(raw, idx, xq, xd, _F16_TABLE, out)
     return out
 
 

@@ -202,6 +202,16 @@ def test_expert_stack_rejects_unsupported_types_and_bad_rows():
     w = random_stack(rng, Q.Q8_0, 2, 3, 32)
     with pytest.raises(IndexError):
         C.expert_matvec(w, [2], C.quantize_rows(np.ones((1, 32), np.float32)))
+    w = random_stack(rng, Q.Q8_0, 2, 3, 64)
+    xa = C.quantize_rows(rng.standard_normal((1, 64)).astype(np.float32))
+    with pytest.raises(ValueError, match="scales and sums"):
+        C.expert_matvec(w, [0], C.QuantizedRows(xa.q, xa.d[:, :1], xa.s[:, :1]))
+    # strided activations (the kernels read through data pointers): copied, same result
+    wide = np.zeros((1, 128), np.int8)
+    wide[:, ::2] = xa.q
+    strided = C.QuantizedRows(wide[:, ::2], xa.d, xa.s)
+    assert not strided.q.flags.c_contiguous
+    np.testing.assert_array_equal(C.expert_matvec(w, [1], strided), C.expert_matvec(w, [1], xa, fast=False))
 
 
 def _silu64(g):
