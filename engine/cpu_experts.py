@@ -292,15 +292,15 @@ def route(x: np.ndarray, router: np.ndarray, k: int, *, fast: bool = True) -> tu
 # block intrinsics: the work of one weight row on one super-block (K-quants) or on 8 or 1 blocks
 # (Q8_0, Q4_0), written as LLVM IR through numba's @intrinsic. Why not plain numba loops: numba does
 # integer arithmetic in 64 bits, so a loop's byte products went 8 to a vector (vpmuldq), and every
-# 32-value sum ended in its own horizontal reduction; the scalar float32 work per sub-block came on
-# top (about 230 instructions per Q4_K super-block and row). Here:
+# 32-value sum ended in its own horizontal reduction, with the scalar float32 work per sub-block on
+# top (6-11 G multiply-adds/s on one Zen 5 core; these reach 22-35, docs/moe-cpu.md). Here:
 # - the 32 byte products of a sub-block are summed in groups of 4 into 8 int32 lanes by one u8 x s8
 #   multiply-add: VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd, or plain IR where neither exists
 #   (`_DOT4`, from the features numba compiles for). The weights are the unsigned operand: nibbles
 #   and 6-bit K-quants as they are, their offsets (Q4_0's 8, Q6_K's 32) subtracted as offset * x in
 #   the same lanes; Q8_0's signed weights enter as |w| with the sign moved onto x. AVX2 saturates a
-#   pair of products at int16: the largest pair here is 128 * 127 * 2 = 32512 (|x| <= 127, which
-#   quantize_rows guarantees), so it never does;
+#   pair of products at int16: the largest pair here is 128 * 127 * 2 = 32512 (|x| <= 127, as
+#   quantize_rows makes it for blocks whose largest value is a normal float32), so it never does;
 # - the 8 sub-block sums of a super-block are reduced together (a transposed tree, 7 horizontal adds
 #   for all 8, in order);
 # - the float32 terms of the 8 sub-blocks are one vector expression (elementwise, so each lane is
