@@ -591,7 +591,8 @@ _q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_in
 
 # ------------------------------------------------------------------------------------------------
 # numba kernels: out[s, r] = row r of expert ids[s] . activation row s, each row's blocks in file
-# order. Q4_K, Q5_K and Q4_0 take four rows of one expert per prange iteration (their accumulator
+# order, for the first n_stacks (1 or 2) of the stacks w_a, w_b into out[0], out[1], in one parallel
+# region (a token's gate and up of one type: one start of the threads instead of two). Q4_K, Q5_K and Q4_0 take four rows of one expert per prange iteration (their accumulator
 # chains overlap; with a row count not a multiple of 4 the last rows repeat, computing and storing
 # the same values again); Q8_0 and Q6_K one row, read straight through: on the 2-core Zen 5 machine
 # (one thread, experts from RAM) four rows in step were 10-30% faster for the first three and 1.5-3x
@@ -599,30 +600,38 @@ _q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_in
 
 
 @njit(parallel=True, cache=True)
-def _q8_0_nb(w, ids, xq, xd, table, out):  # pragma: no cover - compiled
-    k, n_out, nb = ids.shape[0], w.shape[1], w.shape[2] // 34
+def _q8_0_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover - compiled
+    k, n_out, nb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 34
     n8 = nb // 8
-    for job in prange(k * n_out):
+    per = k * n_out
+    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
+        st = i // per
+        job = i - st * per
         s = job // n_out
         r = job - s * n_out
-        row, x, dx = w[ids[s], r], xq[s], xd[s]
+        row = w_a[ids[s], r] if st == 0 else w_b[ids[s], r]
+        x, dx = xq[s], xd[s]
         acc = np.float32(0.0)
         for c in range(n8):
             acc = _q8_0_blocks8(row, 272 * c, x, 256 * c, dx, 8 * c, table, acc)
         for b in range(8 * n8, nb):
             acc = _q8_0_block1(row, 34 * b, x, 32 * b, dx, b, table, acc)
-        out[s, r] = acc
+        out[st, s, r] = acc
 
 
 @njit(parallel=True, cache=True)
-def _q4_0_nb(w, ids, xq, xd, table, out):  # pragma: no cover - compiled
-    k, n_out, nb = ids.shape[0], w.shape[1], w.shape[2] // 18
+def _q4_0_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover - compiled
+    k, n_out, nb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 18
     quads, n8 = (n_out + 3) // 4, nb // 8
-    for job in prange(k * quads):
+    per = k * quads
+    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
+        st = i // per
+        job = i - st * per
         s = job // quads
         r0 = 4 * (job - s * quads)
         r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
         e, x, dx = ids[s], xq[s], xd[s]
+        w = w_a if st == 0 else w_b
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
         a0 = a1 = a2 = a3 = np.float32(0.0)
         for c in range(n8):
@@ -636,18 +645,22 @@ def _q4_0_nb(w, ids, xq, xd, table, out):  # pragma: no cover - compiled
             a1 = _q4_0_block1(w1, 18 * b, x, 32 * b, dx, b, table, a1)
             a2 = _q4_0_block1(w2, 18 * b, x, 32 * b, dx, b, table, a2)
             a3 = _q4_0_block1(w3, 18 * b, x, 32 * b, dx, b, table, a3)
-        out[s, r0], out[s, r1], out[s, r2], out[s, r3] = a0, a1, a2, a3
+        out[st, s, r0], out[st, s, r1], out[st, s, r2], out[st, s, r3] = a0, a1, a2, a3
 
 
 @njit(parallel=True, cache=True)
-def _q4_k_nb(w, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
-    k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 144
+def _q4_k_nb(w_a, w_b, n_stacks, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
+    k, n_out, nsb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 144
     quads = (n_out + 3) // 4
-    for job in prange(k * quads):
+    per = k * quads
+    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
+        st = i // per
+        job = i - st * per
         s = job // quads
         r0 = 4 * (job - s * quads)
         r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
         e, x, dx, xsum = ids[s], xq[s], xd[s], xs[s]
+        w = w_a if st == 0 else w_b
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
         a0 = a1 = a2 = a3 = np.float32(0.0)
         for b in range(nsb):
@@ -656,18 +669,22 @@ def _q4_k_nb(w, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
             a1 = _q4_k_block(w1, o, x, xo, dx, xsum, bo, table, a1)
             a2 = _q4_k_block(w2, o, x, xo, dx, xsum, bo, table, a2)
             a3 = _q4_k_block(w3, o, x, xo, dx, xsum, bo, table, a3)
-        out[s, r0], out[s, r1], out[s, r2], out[s, r3] = a0, a1, a2, a3
+        out[st, s, r0], out[st, s, r1], out[st, s, r2], out[st, s, r3] = a0, a1, a2, a3
 
 
 @njit(parallel=True, cache=True)
-def _q5_k_nb(w, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
-    k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 176
+def _q5_k_nb(w_a, w_b, n_stacks, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
+    k, n_out, nsb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 176
     quads = (n_out + 3) // 4
-    for job in prange(k * quads):
+    per = k * quads
+    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
+        st = i // per
+        job = i - st * per
         s = job // quads
         r0 = 4 * (job - s * quads)
         r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
         e, x, dx, xsum = ids[s], xq[s], xd[s], xs[s]
+        w = w_a if st == 0 else w_b
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
         a0 = a1 = a2 = a3 = np.float32(0.0)
         for b in range(nsb):
@@ -676,20 +693,24 @@ def _q5_k_nb(w, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
             a1 = _q5_k_block(w1, o, x, xo, dx, xsum, bo, table, a1)
             a2 = _q5_k_block(w2, o, x, xo, dx, xsum, bo, table, a2)
             a3 = _q5_k_block(w3, o, x, xo, dx, xsum, bo, table, a3)
-        out[s, r0], out[s, r1], out[s, r2], out[s, r3] = a0, a1, a2, a3
+        out[st, s, r0], out[st, s, r1], out[st, s, r2], out[st, s, r3] = a0, a1, a2, a3
 
 
 @njit(parallel=True, cache=True)
-def _q6_k_nb(w, ids, xq, xd, table, out):  # pragma: no cover - compiled
-    k, n_out, nsb = ids.shape[0], w.shape[1], w.shape[2] // 210
-    for job in prange(k * n_out):
+def _q6_k_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover - compiled
+    k, n_out, nsb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 210
+    per = k * n_out
+    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
+        st = i // per
+        job = i - st * per
         s = job // n_out
         r = job - s * n_out
-        row, x, dx = w[ids[s], r], xq[s], xd[s]
+        row = w_a[ids[s], r] if st == 0 else w_b[ids[s], r]
+        x, dx = xq[s], xd[s]
         acc = np.float32(0.0)
         for b in range(nsb):
             acc = _q6_k_block(row, 210 * b, x, 256 * b, dx, 8 * b, table, acc)
-        out[s, r] = acc
+        out[st, s, r] = acc
 
 
 # ------------------------------------------------------------------------------------------------
@@ -796,6 +817,16 @@ def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedR
 
     threads: numba threads for this call (None: numba's default, one per core); restored after.
     """
+    idx = _checked_call(w, ids, x)
+    if not fast:
+        rows = np.asarray(w.raw)[idx]  # only the chosen experts' blocks
+        with np.errstate(over="ignore", invalid="ignore"):
+            return _accumulate(_TWIN_TERMS[w.ggml_type](rows, x))
+    return _run_kernel([w], idx, x, threads)[0]
+
+
+def _checked_call(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedRows) -> np.ndarray:
+    """The expert ids as a flat int64 array, after checking them and x against w."""
     idx = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
     k = idx.size
     if x.q.shape != (k, w.n_in):
@@ -805,16 +836,28 @@ def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedR
                          f"and {x.s.shape}")
     if k and (idx.min() < 0 or idx.max() >= w.n_experts):
         raise IndexError(f"expert ids {idx.tolist()} out of range for {w.n_experts} experts")
-    if not fast:
-        rows = np.asarray(w.raw)[idx]  # only the chosen experts' blocks
-        with np.errstate(over="ignore", invalid="ignore"):
-            return _accumulate(_TWIN_TERMS[w.ggml_type](rows, x))
+    return idx
+
+
+def _run_kernel(stacks: list[ExpertStack], idx: np.ndarray, x: QuantizedRows,
+                threads: int | None) -> list[np.ndarray]:
+    """Each stack's (k, n_out) products with x, in one parallel region: one stack, or two of the
+    same type and shape (a token's gate and up: one thread start-up instead of two)."""
     if not HAVE_NUMBA:
         raise RuntimeError("numba is not installed: `pip install numba`, or use fast=False")
-    out = np.full((k, w.n_out), np.nan, F32)  # poisoned: a row the kernel skips shows up as NaN
-    # one compiled signature whatever the caller holds: contiguous and read-only, as a file's map is
-    raw = np.ascontiguousarray(w.raw).view()
-    raw.flags.writeable = False
+    w = stacks[0]
+    if len(stacks) not in (1, 2) or any(s.ggml_type != w.ggml_type or s.raw.shape != w.raw.shape
+                                        for s in stacks):
+        raise ValueError("one stack, or two of the same type and shape")
+    k = idx.size
+    out = np.full((len(stacks), k, w.n_out), np.nan, F32)  # poisoned: a skipped row shows as NaN
+    raws = []
+    for s in stacks:  # one compiled signature whatever the caller holds: contiguous and read-only,
+        raw = np.ascontiguousarray(s.raw).view()  # as a file's map is
+        raw.flags.writeable = False
+        raws.append(raw)
+    wa, wb = raws[0], raws[-1]
+    n = len(stacks)
     # the block intrinsics read rows through their data pointers: C-contiguous, of these dtypes
     xq = np.ascontiguousarray(x.q, dtype=np.int8)
     xd = np.ascontiguousarray(x.d, dtype=F32)
@@ -822,16 +865,16 @@ def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedR
     with _numba_threads(threads):
         t = w.ggml_type
         if t == Q.Q4_K:
-            _q4_k_nb(raw, idx, xq, xd, xs, _F16_TABLE, out)
+            _q4_k_nb(wa, wb, n, idx, xq, xd, xs, _F16_TABLE, out)
         elif t == Q.Q5_K:
-            _q5_k_nb(raw, idx, xq, xd, xs, _F16_TABLE, out)
+            _q5_k_nb(wa, wb, n, idx, xq, xd, xs, _F16_TABLE, out)
         elif t == Q.Q6_K:
-            _q6_k_nb(raw, idx, xq, xd, _F16_TABLE, out)
+            _q6_k_nb(wa, wb, n, idx, xq, xd, _F16_TABLE, out)
         elif t == Q.Q8_0:
-            _q8_0_nb(raw, idx, xq, xd, _F16_TABLE, out)
+            _q8_0_nb(wa, wb, n, idx, xq, xd, _F16_TABLE, out)
         else:
-            _q4_0_nb(raw, idx, xq, xd, _F16_TABLE, out)
-    return out
+            _q4_0_nb(wa, wb, n, idx, xq, xd, _F16_TABLE, out)
+    return list(out)
 
 
 @contextmanager
@@ -865,12 +908,17 @@ def routed_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: Ex
     idx = np.asarray(ids, dtype=np.int64).reshape(-1)
     k = idx.size
     xa = quantize_rows(np.broadcast_to(np.asarray(x, F32).reshape(1, -1), (k, gate.n_in)), fast=fast)
-    gu = expert_matvec(gate, idx, xa, fast=fast, threads=threads)
     if up is None:
+        gu = expert_matvec(gate, idx, xa, fast=fast, threads=threads)
         fe = gate.n_out // 2
         g, u = gu[:, :fe], gu[:, fe:]
+    elif fast and up.ggml_type == gate.ggml_type and up.raw.shape == gate.raw.shape:
+        _checked_call(gate, idx, xa)
+        _checked_call(up, idx, xa)
+        g, u = _run_kernel([gate, up], idx, xa, threads)  # one parallel region for both
     else:
-        g, u = gu, expert_matvec(up, idx, xa, fast=fast, threads=threads)
+        g = expert_matvec(gate, idx, xa, fast=fast, threads=threads)
+        u = expert_matvec(up, idx, xa, fast=fast, threads=threads)
     h = quantize_rows(_swiglu(g, u), fast=fast)
     y = expert_matvec(down, idx, h, fast=fast, threads=threads)  # (k, H)
     out = np.zeros(down.n_out, F32)

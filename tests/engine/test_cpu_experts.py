@@ -144,14 +144,32 @@ def test_every_dot_product_form_equals_twin(form, monkeypatch):
         w = random_stack(rng, t, 4, 9, _n_in(t, 2))
         ids = np.array([2, 0, 2])
         xa = C.quantize_rows((rng.standard_normal((3, w.n_in)) * 3).astype(np.float32))
-        out = np.full((3, w.n_out), np.nan, np.float32)
+        out = np.full((1, 3, w.n_out), np.nan, np.float32)
         sums = (xa.s,) if with_sums else ()
-        kernel(np.ascontiguousarray(w.raw), ids, xa.q, xa.d, *sums, C._F16_TABLE, out)
+        raw = np.ascontiguousarray(w.raw)
+        kernel(raw, raw, 1, ids, xa.q, xa.d, *sums, C._F16_TABLE, out)
+        out = out[0]
         twin = C.expert_matvec(w, ids, xa, fast=False)
         np.testing.assert_array_equal(out.view(np.int32), twin.view(np.int32), err_msg=f"{form} {name}")
         asm = kernel.inspect_asm(kernel.signatures[0])
         for f, mark in _FORM_MARK.items():
             assert (mark in asm) == (f == form), f"{form} {name}: {mark} {'missing' if f == form else 'present'}"
+
+
+@pytest.mark.parametrize("t", TYPES, ids=[Q.type_name(t) for t in TYPES])
+def test_two_stacks_in_one_region_equal_each_alone(t):
+    """Gate and up of one type run in one parallel region: each output is the one-stack kernel's
+    and the twin's, bit for bit (odd row count, repeated expert)."""
+    rng = np.random.default_rng(300 + t)
+    a, b = (random_stack(rng, t, 4, 13, _n_in(t, 1)) for _ in range(2))
+    ids = np.array([1, 3, 1])
+    xa = C.quantize_rows((rng.standard_normal((3, a.n_in)) * 2).astype(np.float32))
+    pa, pb = C._run_kernel([a, b], ids, xa, 2)
+    for pair, w in ((pa, a), (pb, b)):
+        np.testing.assert_array_equal(pair.view(np.int32), C.expert_matvec(w, ids, xa).view(np.int32))
+        np.testing.assert_array_equal(pair.view(np.int32), C.expert_matvec(w, ids, xa, fast=False).view(np.int32))
+    with pytest.raises(ValueError, match="same type and shape"):
+        C._run_kernel([a, random_stack(rng, t, 4, 12, _n_in(t, 1))], ids, xa, 1)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=[Q.type_name(t) for t in TYPES])
@@ -218,21 +236,30 @@ def _silu64(g):
     return g / (1.0 + np.exp(-g))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
-def test_routed_experts_block(fused):
-    """One token through k experts: numba == twin bit for bit; both near the float64 formula."""
+@pytest.mark.parametrize("layout", ["separate", "same-type", "fused"])
+def test_routed_experts_block(layout, monkeypatch):
+    """One token through k experts: numba == twin bit for bit; both near the float64 formula.
+    Separate gate and up of one type run in one parallel region (checked: two stacks, one call)."""
     rng = np.random.default_rng(7)
     E, H, Fe = 9, 256, 96
     t_gate, t_down = (Q.Q4_K, Q.Q8_0)
+    fused = layout == "fused"
     if fused:
         gate, up = random_stack(rng, t_gate, E, 2 * Fe, H), None
     else:
-        gate, up = random_stack(rng, t_gate, E, Fe, H), random_stack(rng, Q.Q6_K, E, Fe, H)
+        # same-type: both Q6_K (a Q6_K file's layout; the pair path of every type is checked bit for
+        # bit in test_two_stacks_in_one_region_equal_each_alone)
+        t_g = Q.Q6_K if layout == "same-type" else t_gate
+        gate, up = random_stack(rng, t_g, E, Fe, H), random_stack(rng, Q.Q6_K, E, Fe, H)
+    calls = []
+    run = C._run_kernel
+    monkeypatch.setattr(C, "_run_kernel", lambda stacks, *a: calls.append(len(stacks)) or run(stacks, *a))
     down = random_stack(rng, t_down, E, H, Fe)
     x = rng.standard_normal(H).astype(np.float32)
     ids = np.array([8, 2, 5])
     wts = np.array([0.5, 0.3, 0.2])
     fast = C.routed_experts(x, ids, wts, gate, up, down)
+    assert calls == {"separate": [1, 1, 1], "same-type": [2, 1], "fused": [1, 1]}[layout]
     twin = C.routed_experts(x, ids, wts, gate, up, down, fast=False)
     np.testing.assert_array_equal(fast.view(np.int32), twin.view(np.int32))
     g_all = _gguf_dense(gate)
