@@ -144,13 +144,18 @@ class QuantizedRows:
 # the products it enters come out NaN, as the float reference's would (not garbage from casting NaN).
 
 
+# the smallest normal float32: a block scale below it (|x| < 1.5e-36 throughout the block) has a reciprocal
+# beyond float32's range, so the block quantizes to zeros (its values are zeros at this precision anyway)
+_MIN_NORMAL = np.float32(np.finfo(np.float32).tiny)
+
+
 def _quantize_rows_twin(x: np.ndarray) -> QuantizedRows:
     n, k = x.shape
     blocks = x.reshape(n, k // QBLOCK, QBLOCK)
     amax = np.abs(blocks).max(axis=2)
     finite = np.isfinite(amax)
     d = np.where(finite, amax / F32(127.0), F32(np.nan)).astype(F32)
-    use = finite & (d > 0)
+    use = finite & (d >= _MIN_NORMAL)  # a smaller scale's reciprocal overflows: such a block is zeros
     inv = np.where(use, F32(1.0) / np.where(use, d, F32(1.0)), F32(0.0)).astype(F32)
     q = np.rint(np.where(finite[:, :, None], blocks, F32(0.0)) * inv[:, :, None]).astype(np.int8)
     return QuantizedRows(q.reshape(n, k), d, q.astype(np.int32).sum(axis=2, dtype=np.int32))
@@ -170,7 +175,7 @@ def _quantize_rows_nb(x, q, d, s):  # pragma: no cover - compiled
                 if not a < np.inf:  # inf or NaN
                     finite = False
             db = amax / np.float32(127.0) if finite else np.float32(np.nan)
-            inv = np.float32(1.0) / db if finite and db > 0 else np.float32(0.0)
+            inv = np.float32(1.0) / db if finite and db >= _MIN_NORMAL else np.float32(0.0)
             tot = 0
             for l in range(32):
                 v = np.int8(np.rint(x[r, b * 32 + l] * inv)) if finite else np.int8(0)

@@ -86,6 +86,24 @@ def _bounds(dense, offs, x, xa: C.QuantizedRows):
     return act, (n_in // 32 + 4) * U * mag, xhat
 
 
+def test_tiny_blocks_quantize_to_zeros():
+    """A block whose scale amax/127 is below float32's normal range (its reciprocal would overflow to
+    inf and the quants to garbage) quantizes to zeros; one just above it quantizes normally."""
+    tiny = np.finfo(np.float32).tiny
+    x = np.zeros((1, 128), np.float32)
+    x[0, 0:32] = np.linspace(-1e-40, 1e-40, 32, dtype=np.float32)  # subnormal values
+    x[0, 32:64] = np.linspace(-1e-37, 1e-37, 32, dtype=np.float32)  # normal, but amax / 127 < tiny
+    x[0, 64:96] = np.linspace(-127 * 2 * tiny, 127 * 2 * tiny, 32, dtype=np.float32)  # scale 2 * tiny
+    x[0, 96:128] = np.linspace(-3.0, 3.0, 32, dtype=np.float32)
+    a, b = C.quantize_rows(x), C.quantize_rows(x, fast=False)
+    for r in (a, b):
+        assert not r.q[0, :64].any() and (r.s[0, :2] == 0).all()
+        assert np.abs(r.q[0, 64:]).max() == 127
+    np.testing.assert_array_equal(a.q, b.q)
+    np.testing.assert_array_equal(a.d.view(np.int32), b.d.view(np.int32))
+    np.testing.assert_array_equal(a.s, b.s)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_activation_quantizer_kernel_equals_twin(seed):
     rng = np.random.default_rng(seed)
