@@ -33,8 +33,10 @@ import re
 from typing import Any
 
 from .backends.base import Backend, DeviceHooks, MoeShared, compose_moe_block
+from .backends.numpy_backend import NumpyBackend
 from .placement import CPU_SPEED, DEFAULT_LINK, PREFILL_EFFICIENCY, Link, stream_min_tokens_for
 from .rig import RigBackend
+from .threads import expert_threads
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
@@ -68,6 +70,9 @@ class ExpertsApart:
         # backends.expert_stream.ExpertStream, made for the first held layer when none is given (a
         # given one, with its add_layer / prefetch / acquire / release / settle, serves the tests)
         self._stream: Any = stream
+        if isinstance(experts, NumpyBackend) and experts.expert_threads is None and inner.pins_host_memory:
+            # host-RAM experts of a GPU's layers: every core (threads.expert_threads)
+            experts.expert_threads = expert_threads(beside_gpu=True)
         self._simulated = rig_link is not None
         # routed experts in host RAM as stream work (_host_moe): each layer's weights, the pinned row
         # buffers by power-of-two row count, the first error a host function met

@@ -96,12 +96,19 @@ def configure_threads(requested: int | None = None, *, cores: int | None = None,
     return ThreadChoice(n, "default", applies)
 
 
-def expert_threads(cores: int | None = None) -> int:
+def expert_threads(cores: int | None = None, *, beside_gpu: bool = False) -> int:
     """numba threads for the CPU expert kernels: the process's --threads N (see configure_threads)
-    if given, else default_threads for `cores` (default: this process's usable cores)."""
+    if given, else default_threads for `cores` (default: this process's usable cores).
+
+    beside_gpu: the experts serve a GPU's layers (routed experts in host RAM, engine/experts.py): then
+    every usable core. A token's experts are a memory-bound read that the GPU waits for, while the
+    engine's own thread sleeps (measured on the H200's 16-core host: 16 threads 20.3 tokens/s, 8
+    threads 14.9; docs/BENCHMARKS.md v12), where default_threads keeps cores free for a CPU-only model's
+    BLAS and Python."""
     if _flag_threads is not None:
         return _flag_threads
-    return default_threads(usable_cores() if cores is None else cores)
+    n = usable_cores() if cores is None else cores
+    return max(1, n) if beside_gpu else default_threads(n)
 
 
 def threads_from_argv(argv: Sequence[str]) -> int | None:

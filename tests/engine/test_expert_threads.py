@@ -66,3 +66,28 @@ def test_cli_threads_flag_reaches_the_backend(fixtures_dir):
         r = subprocess.run([sys.executable, "-c", script, "run", vocab, "-p", "x", *extra],
                            capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
         assert r.stdout.split() == [str(expected)], r.stderr
+
+
+def test_host_experts_of_a_gpu_take_every_core(monkeypatch):
+    """Routed experts in host RAM serving a GPU's layers run on every usable core (the GPU waits for
+    them and the engine's thread sleeps); a CPU-only model keeps the BLAS rule; --threads wins."""
+    from minecart.engine import threads
+    from minecart.engine.backends.numpy_backend import NumpyBackend
+    from minecart.engine.experts import ExpertsApart
+
+    monkeypatch.setattr(threads, "_flag_threads", None)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+
+    class PinnedInner(NumpyBackend):  # stands in for a GPU backend: it pins host memory
+        pins_host_memory = True
+
+    host = NumpyBackend()
+    ExpertsApart(PinnedInner(), host)
+    assert host._expert_threads() == 16
+    cpu_only = NumpyBackend()
+    ExpertsApart(NumpyBackend("cpu:1"), cpu_only)
+    assert cpu_only._expert_threads() == threads.default_threads(16) == 8
+    monkeypatch.setattr(threads, "_flag_threads", 6)
+    flagged = NumpyBackend()
+    ExpertsApart(PinnedInner(), flagged)
+    assert flagged._expert_threads() == 6
