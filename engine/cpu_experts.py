@@ -604,16 +604,33 @@ _q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_in
 # slower for these two (Q6_K gate rows: 4.5 against 13 GB/s).
 
 
+@njit(inline="always")
+def _row_job(i, per, n_out):  # pragma: no cover - compiled
+    """(stack, token slot, row) of prange iteration i over stacks x tokens x rows (per = tokens x rows)."""
+    st = i // per
+    job = i - st * per
+    s = job // n_out
+    return st, s, job - s * n_out
+
+
+@njit(inline="always")
+def _quad_job(i, per, quads, n_out):  # pragma: no cover - compiled
+    """(stack, token slot, its four rows) of prange iteration i over stacks x tokens x row quads (per =
+    tokens x quads); past the last row the last row repeats."""
+    st = i // per
+    job = i - st * per
+    s = job // quads
+    r0 = 4 * (job - s * quads)
+    return st, s, r0, min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+
+
 @njit(parallel=True, cache=True)
 def _q8_0_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover - compiled
     k, n_out, nb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 34
     n8 = nb // 8
     per = k * n_out
     for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st = i // per
-        job = i - st * per
-        s = job // n_out
-        r = job - s * n_out
+        st, s, r = _row_job(i, per, n_out)
         row = w_a[ids[s], r] if st == 0 else w_b[ids[s], r]
         x, dx = xq[s], xd[s]
         acc = np.float32(0.0)
@@ -630,11 +647,7 @@ def _q4_0_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover -
     quads, n8 = (n_out + 3) // 4, nb // 8
     per = k * quads
     for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st = i // per
-        job = i - st * per
-        s = job // quads
-        r0 = 4 * (job - s * quads)
-        r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+        st, s, r0, r1, r2, r3 = _quad_job(i, per, quads, n_out)
         e, x, dx = ids[s], xq[s], xd[s]
         w = w_a if st == 0 else w_b
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
@@ -659,11 +672,7 @@ def _q4_k_nb(w_a, w_b, n_stacks, ids, xq, xd, xs, table, out):  # pragma: no cov
     quads = (n_out + 3) // 4
     per = k * quads
     for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st = i // per
-        job = i - st * per
-        s = job // quads
-        r0 = 4 * (job - s * quads)
-        r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+        st, s, r0, r1, r2, r3 = _quad_job(i, per, quads, n_out)
         e, x, dx, xsum = ids[s], xq[s], xd[s], xs[s]
         w = w_a if st == 0 else w_b
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
@@ -683,11 +692,7 @@ def _q5_k_nb(w_a, w_b, n_stacks, ids, xq, xd, xs, table, out):  # pragma: no cov
     quads = (n_out + 3) // 4
     per = k * quads
     for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st = i // per
-        job = i - st * per
-        s = job // quads
-        r0 = 4 * (job - s * quads)
-        r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+        st, s, r0, r1, r2, r3 = _quad_job(i, per, quads, n_out)
         e, x, dx, xsum = ids[s], xq[s], xd[s], xs[s]
         w = w_a if st == 0 else w_b
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
@@ -706,10 +711,7 @@ def _q6_k_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover -
     k, n_out, nsb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 210
     per = k * n_out
     for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st = i // per
-        job = i - st * per
-        s = job // n_out
-        r = job - s * n_out
+        st, s, r = _row_job(i, per, n_out)
         row = w_a[ids[s], r] if st == 0 else w_b[ids[s], r]
         x, dx = xq[s], xd[s]
         acc = np.float32(0.0)
