@@ -41,6 +41,11 @@ from .threads import expert_threads
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
 
+def _bucket(T: int) -> int:
+    """Rows of the pinned buffers that hold T tokens' rows (ExpertsApart._host_buffers): the next power of two."""
+    return 1 << max(0, T - 1).bit_length()
+
+
 class ExpertsApart:
     """`inner` runs everything except the routed experts whose weights `experts` holds.
 
@@ -190,7 +195,7 @@ class ExpertsApart:
         """(x, y) host rows for T tokens: views of page-locked (rows, H) float32 buffers kept per
         power-of-two row count. Never freed or regrown while the proxy lives: a captured graph's
         copies and host function read and write these addresses on every replay."""
-        rows = 1 << max(0, T - 1).bit_length()
+        rows = _bucket(T)
         pair = self._pinned.get(rows)
         if pair is None or pair[0].shape[1] != H:
             pair = (self._inner.pinned_empty((rows, H)), self._inner.pinned_empty((rows, H)))
@@ -203,8 +208,7 @@ class ExpertsApart:
         pinned x, into the pinned y. Errors are kept for the caller (`_raise_host_error`) and leave
         NaN rows, never an exception into the driver."""
         layer, T = arg >> 32, arg & 0xFFFFFFFF
-        rows = 1 << max(0, T - 1).bit_length()
-        host_x, host_y = self._pinned[rows]
+        host_x, host_y = self._pinned[_bucket(T)]
         try:
             router, gate_exps, up_exps, down_exps, k = self._host_args[layer]
             y = self.experts.moe(self.experts.asarray(host_x[:T]), router, gate_exps, up_exps, down_exps, k)

@@ -467,23 +467,28 @@ def load_model(path, placement=None, devices=None, *, backend=None,
             context=placement.context if context is None else int(context), kv_type=kv_type)
     if experts is not None:  # --experts-on: host, auto, N (layers that keep theirs) or a device
         moe_layers = [p[: -len(EXPERTS_SUFFIX)] for p in roles if p.endswith(EXPERTS_SUFFIX)]
+
+        def streamed(where: dict[str, str]) -> bool:  # layer -> its experts' device
+            return streams_experts({**plan, **{f"{p}{EXPERTS_SUFFIX}": d for p, d in where.items()}})
+
+        if experts == "auto" and not isinstance(placement, Placement):  # backend= without a plan
+            placement = Placement.single(model_costs(config, gf), str(backend.device))
+        # streamed experts prefill in longer runs (STREAMED_EXPERTS_CHUNK): the plan prices their activations
+        longer = placement.with_settings(chunk=max(placement.chunk, STREAMED_EXPERTS_CHUNK)) \
+            if isinstance(placement, Placement) else None
         if experts == "auto":
-            if not isinstance(placement, Placement):  # backend= without a plan: the one-device plan
-                placement = Placement.single(model_costs(config, gf), str(backend.device))
+            assert longer is not None
             specs = device_specs(devices if devices is not None else list(by_device))
-            # streamed experts prefill in longer runs (STREAMED_EXPERTS_CHUNK): the GPUs are filled after
-            # those runs' activations, unless every layer's experts fit on them anyway
-            longer = placement.with_settings(chunk=max(placement.chunk, STREAMED_EXPERTS_CHUNK))
+            # the GPUs are filled after the longer runs' activations, unless every layer's experts fit anyway
             apart = fill_experts(longer, specs)
-            if streams_experts({**plan, **{f"{p}{EXPERTS_SUFFIX}": d for p, d in apart.items()}}):
+            if streamed(apart):
                 placement = longer
             else:
                 apart = fill_experts(placement, specs)
         else:
             apart = experts_map(experts, moe_layers)
-            if isinstance(placement, Placement) and \
-                    streams_experts({**plan, **{f"{p}{EXPERTS_SUFFIX}": d for p, d in apart.items()}}):
-                placement = placement.with_settings(chunk=max(placement.chunk, STREAMED_EXPERTS_CHUNK))
+            if longer is not None and streamed(apart):
+                placement = longer
         if isinstance(placement, Placement):
             placement = placement.with_settings(experts=apart)  # model.placement says where they are
     if apart is not None:

@@ -26,7 +26,8 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 _HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _lock = threading.Lock()
@@ -58,6 +59,20 @@ def _driver_launch() -> Callable[..., int]:
     return _launch
 
 
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection (on any thread) inside the block: where a collection could free a
+    CUDA object at a moment CUDA forbids it (a host function; a stream capture, which a free that
+    synchronizes invalidates)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _callback(fn: Callable[[int], None]) -> object:
     """The C callback for fn, made once per live fn. It holds fn weakly (a bound method: its object),
     so a model whose graphs are gone can be freed; a call after fn died does nothing."""
@@ -73,16 +88,11 @@ def _callback(fn: Callable[[int], None]) -> object:
             f = ref()
             if f is None:
                 return
-            # no cyclic garbage collection in here: it could free a CUDA graph, event or pinned buffer of
-            # something else, and CUDA calls are not permitted in a host function (seen on the H200:
-            # cudaGraphDestroy -> cudaErrorNotPermitted, the graph leaked)
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
+            # a collection here could free a CUDA graph, event or pinned buffer of something else, and
+            # CUDA calls are not permitted in a host function (seen on the H200: cudaGraphDestroy ->
+            # cudaErrorNotPermitted, the graph leaked)
+            with paused_gc():
                 f(int(a or 0))  # type: ignore[operator]  # ctypes hands a null pointer over as None
-            finally:
-                if collecting:
-                    gc.enable()
 
         cb = _HOSTFN(call)
         _callbacks[id(fn)] = (ref, cb)

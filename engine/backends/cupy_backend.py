@@ -24,7 +24,6 @@ Not here: mixture-of-experts GEMVs have no HFMA2 kernel (the FMA kernel serves t
 
 from __future__ import annotations
 
-import gc
 import os
 from typing import Any
 
@@ -204,15 +203,19 @@ def _cache_full(exc: BaseException) -> bool:
 _SLOTS = 1024  # int32 inputs of a captured decode step: [token, pos t, pos h, pos w, cache lengths...]
 
 
-def _wait_stream(stream, sleep: bool) -> None:
-    """stream.synchronize(), or with sleep=True the same wait through an event made with blocking sync
-    (the thread sleeps until the GPU signals, at a few microseconds more latency)."""
-    if not sleep:
+def _sleep_event():
+    """An event made with blocking sync: waiting for it, the thread sleeps until the GPU signals (a few
+    microseconds more latency than a spinning stream.synchronize())."""
+    return cp.cuda.Event(block=True, disable_timing=True)
+
+
+def _wait_stream(stream, sleeper=None) -> None:
+    """stream.synchronize(), or, given a _sleep_event, the same wait through it."""
+    if sleeper is None:
         stream.synchronize()
         return
-    ev = cp.cuda.Event(block=True, disable_timing=True)
-    ev.record(stream)
-    ev.synchronize()
+    sleeper.record(stream)
+    sleeper.synchronize()
 
 
 class _Capture:
@@ -229,14 +232,15 @@ class _Capture:
         self.caches: list[tuple[Any, int]] = []  # CupyKVCache or CupyQ3KVCache (both have .k)
         self.outputs: list[np.ndarray] = []
         self._out_dev: list = []
-        self.host_funcs = False  # the step holds host functions (CupyBackend.host_round_trip)
+        # a _sleep_event when the step holds host functions (CupyBackend.host_round_trip), else None
+        self.sleeper: Any = None
 
     def wait(self) -> None:
         """Wait for the work queued on the capture's stream (a launch of its graph). A graph with host
-        functions is waited for by a blocking event: this thread sleeps instead of spinning on a core
-        the host functions' CPU threads need (16 expert threads on 16 cores: 0.07 s a token waiting
-        by spinning was ~15x slower than with 8 threads, docs/moe-cpu.md)."""
-        _wait_stream(self.stream, self.host_funcs)
+        functions is waited for through its sleeper: this thread sleeps instead of spinning on a core
+        the host functions' CPU threads need (35B-A3B with 16 expert threads on 16 cores: 1.17 tok/s
+        with the spinning wait, 20.3 with this one; docs/moe-cpu.md)."""
+        _wait_stream(self.stream, self.sleeper)
 
     def write_inputs(self, token: int, pos: np.ndarray) -> None:
         self.host[0] = token
@@ -403,7 +407,7 @@ class _BatchCapture(_Capture):
         self.caches = []
         self.outputs = []
         self._out_dev = []
-        self.host_funcs = False
+        self.sleeper = None
         self.cache_base = 7 * n
         self._seq_of: dict[int, int] = {}
 
@@ -532,6 +536,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._pool_peak = 0  # the pool's highest total seen by sample_memory (memory_peak)
         self._load_pool_peak = 0  # the pool's highest total while weights were uploaded (load_memory_peak)
         self._hold_done: Any = None  # the event `hold` records again after each simulated link's hold
+        self._sleeper: Any = None  # the _sleep_event of waits for host functions (host_round_trip)
         self.use_graphs = not os.environ.get("MINECART_NO_CUDA_GRAPH")
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
@@ -603,22 +608,24 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         fn(arg) as a host function (kernels/host_func.py), a copy of the pinned host_y into a new array.
         Under a capture these are nodes of the decode graph; eagerly the stream is waited for before
         returning (fn needs the GIL, which this thread would otherwise hold while it queues more)."""
+        if host_x.dtype != np.float32 or host_y.dtype != np.float32:
+            raise ValueError(f"host buffers must be float32, got {host_x.dtype} and {host_y.dtype}")
         with self._dev:
             stream = cp.cuda.get_current_stream()
             x = cp.ascontiguousarray(x, dtype=cp.float32)
-            if x.nbytes != host_x.nbytes or host_x.dtype != np.float32:
-                raise ValueError(f"{x.shape} does not fit the host buffer {host_x.shape} {host_x.dtype}")
+            if x.nbytes != host_x.nbytes:
+                raise ValueError(f"{x.shape} does not fit the host buffer {host_x.shape}")
             out = cp.empty(host_y.shape, dtype=cp.float32)
-            if host_y.dtype != np.float32:
-                raise ValueError(f"the host result must be float32, got {host_y.dtype}")
             rt = cp.cuda.runtime
             rt.memcpyAsync(host_x.ctypes.data, x.data.ptr, x.nbytes, rt.memcpyDeviceToHost, stream.ptr)
             host_func.launch(stream.ptr, fn, arg)
             rt.memcpyAsync(out.data.ptr, host_y.ctypes.data, out.nbytes, rt.memcpyHostToDevice, stream.ptr)
+            if self._sleeper is None:
+                self._sleeper = _sleep_event()
             if self._capture is None:
-                _wait_stream(stream, sleep=True)  # sleeping: fn's CPU threads need every core
+                _wait_stream(stream, self._sleeper)  # sleeping: fn's CPU threads need every core
             else:
-                self._capture.host_funcs = True
+                self._capture.sleeper = self._sleeper  # the graph's replays are waited for the same way
             # (under a capture, x and out came from the capture's allocator: the graph keeps them)
             return out
 
@@ -1297,14 +1304,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return mem
 
         self._capture = cap
-        # no cyclic garbage collection while capturing, on any thread: a collection that frees another
-        # object's pinned buffer or graph (cudaFreeHost, cudaGraphDestroy) puts work on the legacy
-        # stream, which invalidates the capture of this blocking stream (seen on the H200 as
+        # no cyclic garbage collection while capturing: a collection that frees another object's pinned
+        # buffer or graph (cudaFreeHost, cudaGraphDestroy) puts work on the legacy stream, which
+        # invalidates the capture of this blocking stream (seen on the H200 as
         # cudaErrorStreamCaptureImplicit in tools/bench_batch_gpu.py's run after other tests)
-        collecting = gc.isenabled()
-        gc.disable()
         try:
-            with stream:
+            with host_func.paused_gc(), stream:
                 cp.cuda.set_allocator(keep_alloc)
                 try:
                     from minecart.kernels.probe import begin_capture
@@ -1323,8 +1328,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             raise
         finally:
             self._capture = None
-            if collecting:
-                gc.enable()
         return graph, kept
 
     def _capture_graph(self, key, run, ids, pos, owner, watch, io):

@@ -545,10 +545,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
                 from .. import cpu_experts
 
                 gate, up, down = stacks
-                threads = self._expert_threads()
                 tok_ids, tok_w = cpu_experts.route(x[0], router.dense(), k)
                 return cpu_experts.routed_experts(x[0], tok_ids, tok_w, gate, up, down,
-                                                  threads=threads)[None, :]
+                                                  threads=self._expert_threads())[None, :]
         ids, weights = self.moe_route(x, router, k)
         out = np.zeros(x.shape, F64)
         for e in np.unique(ids):
