@@ -6,8 +6,11 @@ attention / Gated DeltaNet, norms and shared expert run on the GPU, and each MoE
 experts run where it pays:
 
 - a decode token (and any short chunk) on the CPU backend next to the weights (the NumPy backend,
-  which uses the integer kernels of engine/cpu_experts.py for one token). Only the hidden state
-  crosses the link: one (T, hidden) row block there and back per MoE layer;
+  which uses the integer kernels of engine/cpu_experts.py for one token). The layer's router stays on
+  the GPU and routes there (`moe_route_rows`), so only the hidden state and its routing cross the
+  link: one (T, hidden + 2k) row block there and a (T, hidden) one back per MoE layer, and the host
+  does nothing but the experts (routing on the host read the float32 router, 2 MiB a layer, on one
+  core: 9 ms of a 35 ms 35B-A3B token on the H200 host);
 - a prefill chunk of at least `stream_min_tokens` tokens on the GPU: the layer's experts are copied
   over the link into a GPU staging buffer (engine/backends/expert_stream.py, double-buffered: the
   next host-held layer's copy starts when this layer's MoE starts) and the GPU's own `moe` runs
@@ -62,6 +65,7 @@ class ExpertsApart:
         self._inner = inner
         self.experts = experts
         self._held: set[int] = set()  # id() of the expert weights loaded on `experts`
+        self._routers: dict[int, Any] = {}  # layer -> its router on `inner` (experts in host RAM)
         self._layer_of: dict[int, int] = {}  # id() of a held layer's first expert tensor -> layer index
         self.device = inner.device
         self.name = inner.name
@@ -75,13 +79,16 @@ class ExpertsApart:
         # backends.expert_stream.ExpertStream, made for the first held layer when none is given (a
         # given one, with its add_layer / prefetch / acquire / release / settle, serves the tests)
         self._stream: Any = stream
-        if isinstance(experts, NumpyBackend) and experts.expert_threads is None and inner.pins_host_memory:
+        # the host backend under a rig's proxy: its moe_routed runs a layer's experts (_run_host)
+        host = experts.inner if isinstance(experts, RigBackend) else experts
+        self._host: NumpyBackend | None = host if isinstance(host, NumpyBackend) else None
+        if self._host is not None and self._host.expert_threads is None and inner.pins_host_memory:
             # host-RAM experts of a GPU's layers: every core (threads.expert_threads)
-            experts.expert_threads = expert_threads(beside_gpu=True)
+            self._host.expert_threads = expert_threads(beside_gpu=True)
         self._simulated = rig_link is not None
-        # routed experts in host RAM as stream work (_host_moe): each layer's weights, the pinned row
-        # buffers by power-of-two row count, the first error a host function met
-        self._host_args: dict[int, tuple[Any, Any, Any, Any, int]] = {}
+        # routed experts in host RAM as stream work (_host_moe): each layer's expert weights and k, the
+        # pinned row buffers by power-of-two row count, the first error a host function met
+        self._host_args: dict[int, tuple[Any, Any, Any, int]] = {}
         self._pinned: dict[int, tuple[Any, Any]] = {}
         self._host_error: BaseException | None = None
         self._host_fn = self._run_host  # one bound method: its identity names the host function
@@ -115,21 +122,29 @@ class ExpertsApart:
         key = int(m.group(1))
         for w in experts.values():
             self._layer_of[id(w)] = key
+        if not self._host_nodes:
+            return
+        (router,) = [w for w in weights.values() if w.role != "experts"]
+        self._routers[key] = self._inner.load_weight(router.info, role="matmul")
         stream = self._ensure_stream()
         if stream is not None:
-            (router,) = [w for w in weights.values() if w.role != "experts"]
-            stream.add_layer(key, experts, router)
+            stream.add_layer(key, experts, self._routers[key])
 
     def release(self, weights: dict) -> None:
         self._held.difference_update(id(w) for w in weights.values())
         for w in weights.values():
-            self._layer_of.pop(id(w), None)
+            key = self._layer_of.pop(id(w), None)
+            if key is not None and key in self._routers and key not in self._layer_of.values():
+                self._inner.free(self._routers.pop(key))
 
     def close(self) -> None:
         """Let go of the staging buffers and page-locked copies (waiting for any copy in flight)."""
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+        for router in self._routers.values():
+            self._inner.free(router)
+        self._routers.clear()
 
     def _ensure_stream(self) -> Any:
         if self._stream is not None:
@@ -168,7 +183,7 @@ class ExpertsApart:
         if st is not None and self.streaming and int(x.shape[0]) >= self.stream_min_tokens(layer, k):
             return self._streamed_moe(layer, x, gate_exps, up_exps, down_exps, k)
         if self._host_nodes:
-            return self._host_moe(layer, x, router, gate_exps, up_exps, down_exps, k)
+            return self._host_moe(layer, x, gate_exps, up_exps, down_exps, k)
         self.host_moe_calls += 1
         xe = self.experts.asarray(self._inner.to_numpy(x))
         y = self.experts.moe(xe, router, gate_exps, up_exps, down_exps, k)
@@ -181,38 +196,45 @@ class ExpertsApart:
         and a host function: DeviceHooks.host_round_trip), which a captured decode graph holds."""
         return str(self.experts.device).startswith("cpu")
 
-    def _host_moe(self, layer: int, x, router, gate_exps, up_exps, down_exps, k: int):
+    def _host_moe(self, layer: int, x, gate_exps, up_exps, down_exps, k: int):
         T, H = int(x.shape[0]), int(x.shape[1])
         if T >= 1 << 31 or layer >= 1 << 31:
             raise ValueError(f"{T} tokens at layer {layer}: too many for one host round trip")
-        self._host_args[layer] = (router, gate_exps, up_exps, down_exps, int(k))
-        host_x, host_y = self._host_buffers(T, H)
-        y = self._inner.host_round_trip(x, host_x, host_y, self._host_fn, (layer << 32) | T)
+        self._host_args[layer] = (gate_exps, up_exps, down_exps, int(k))
+        rows = self._inner.moe_route_rows(x, self._routers[layer], int(k))  # (T, H + 2k)
+        host_x, host_y = self._host_buffers(T, H, int(k))
+        y = self._inner.host_round_trip(rows, host_x, host_y, self._host_fn, (layer << 32) | T)
         self._raise_host_error()  # eagerly the host function has run by now (in a capture: it will)
         return y
 
-    def _host_buffers(self, T: int, H: int) -> tuple[Any, Any]:
-        """(x, y) host rows for T tokens: views of page-locked (rows, H) float32 buffers kept per
-        power-of-two row count. Never freed or regrown while the proxy lives: a captured graph's
-        copies and host function read and write these addresses on every replay."""
+    def _host_buffers(self, T: int, H: int, k: int) -> tuple[Any, Any]:
+        """(x, y) host rows for T tokens: views of page-locked float32 buffers, (rows, H + 2k) for the
+        routed rows going down, (rows, H) for the experts' output coming back, kept per power-of-two
+        row count. Never freed or regrown while the proxy lives: a captured graph's copies and host
+        function read and write these addresses on every replay."""
         rows = _bucket(T)
         pair = self._pinned.get(rows)
-        if pair is None or pair[0].shape[1] != H:
-            pair = (self._inner.pinned_empty((rows, H)), self._inner.pinned_empty((rows, H)))
+        if pair is None or pair[0].shape[1] != H + 2 * k:
+            pair = (self._inner.pinned_empty((rows, H + 2 * k)), self._inner.pinned_empty((rows, H)))
             self._pinned[rows] = pair
         return pair[0][:T], pair[1][:T]
 
     def _run_host(self, arg: int) -> None:
         """The host function of one round trip (called by the driver's thread, or directly on a host
         backend): layer `arg >> 32`'s routed experts for the first `arg & 0xFFFFFFFF` rows of the
-        pinned x, into the pinned y. Errors are kept for the caller (`_raise_host_error`) and leave
-        NaN rows, never an exception into the driver."""
+        pinned x (each token's values, then its k expert ids and weights), into the pinned y. Errors
+        are kept for the caller (`_raise_host_error`) and leave NaN rows, never an exception into the
+        driver."""
         layer, T = arg >> 32, arg & 0xFFFFFFFF
         host_x, host_y = self._pinned[_bucket(T)]
         try:
-            router, gate_exps, up_exps, down_exps, k = self._host_args[layer]
-            y = self.experts.moe(self.experts.asarray(host_x[:T]), router, gate_exps, up_exps, down_exps, k)
-            host_y[:T] = self.experts.to_numpy(y).reshape(T, -1)
+            gate_exps, up_exps, down_exps, k = self._host_args[layer]
+            if self._host is None:
+                raise RuntimeError(f"routed experts on {self.experts.device} need the host backend")
+            H = host_y.shape[1]
+            rows = host_x[:T]
+            host_y[:T] = self._host.moe_routed(rows[:, :H], rows[:, H : H + k], rows[:, H + k : H + 2 * k],
+                                               gate_exps, up_exps, down_exps)
             self.host_moe_calls += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             host_y[:T] = float("nan")

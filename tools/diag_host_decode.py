@@ -4,9 +4,10 @@
 
 Loads MODEL on cuda:0 capped at --cap with `experts="auto"` (as `minecart bench --experts-on auto
 --experts-cap` does), then for each expert thread count times --steps greedy decode steps and reports
-per token: the host MoE calls (host_moe, which run as host functions inside the decode graph), of
-which routing (router product, softmax, top-k) and the routed experts on the CPU integer kernels; the
-rest of the token is the GPU's work and the copies. The BLAS thread count is
+per token: the host MoE calls (host_moe, which run as host functions inside the decode graph; the GPU
+routes), of which the routed experts on the CPU integer kernels (experts), and the time between one
+host call's end and the next one's start (between: the GPU's work, the copies, the host function's
+start-up, and from a token's last layer to the next token's first, the rest of the step). The BLAS thread count is
 the process's (set OPENBLAS_NUM_THREADS before running to compare). Prints one line per thread count.
 
 What this is not: a benchmark with ceilings (`minecart bench` is); a diagnostic of one setting.
@@ -43,6 +44,22 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def between_calls(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn, also adding the time from the end of one call to the start of the next to SPENT["between"]
+    (the GPU's work between two host MoE layers, the copies and the host function's start)."""
+    last = [0.0]
+
+    def run(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        if last[0]:
+            SPENT["between"] += t - last[0]
+        try:
+            return fn(*a, **kw)
+        finally:
+            last[0] = time.perf_counter()
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -62,10 +79,8 @@ def main() -> None:
     proxy = proxies[0]
     host = proxy.experts
     assert isinstance(host, NumpyBackend)
-    host.moe_route = timed("route", host.moe_route)
-    cpu_experts.route = timed("route", cpu_experts.route)
     cpu_experts.routed_experts = timed("experts", cpu_experts.routed_experts)
-    host.moe = timed("host_moe", host.moe)
+    host.moe_routed = between_calls(timed("host_moe", host.moe_routed))
     s = model.new_session(256)
     logits = s.prefill([int(i) for i in np.arange(1, 17)])
     logits = s.step(int(np.argmax(logits)))  # compiles the kernels

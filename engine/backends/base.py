@@ -427,6 +427,12 @@ class Backend(Protocol):
         gate_exps is the fused gate_up tensor (E, 2*Fe, H): rows [0, Fe) gate, [Fe, 2*Fe) up.
         Ties in the top-k go to the lower expert index. The shared expert is not part of this op."""
 
+    def moe_route_rows(self, x: Array, router: Weight, k: int) -> Array:
+        """x (T, H) -> (T, H + 2k) float32: each row of x followed by its routing as `moe` chooses it:
+        the k expert ids (exact float32 values), then their renormalized weights. What a layer sends
+        to the host when its routed experts run there (engine/experts.py): one copy, no routing on
+        the host."""
+
     # ---- sampling helpers --------------------------------------------------------------------------
     def top_k(self, logits: Array, k: int):
         """Largest k logits of each row on the device -> host (values (T, k), ids (T, k)), descending."""

@@ -1221,6 +1221,18 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             y = ops.matmul_experts(h, down_exps.q, ids, 1, path)
             return ops.moe_combine(y, wts, T, int(k))
 
+    def moe_route_rows(self, x, router: CupyWeight, k: int):
+        """Backend.moe_route_rows, routed as `moe` routes (fp32 logits, ops.moe_route)."""
+        with self._dev:
+            x = _f32(x)
+            T, H = x.shape
+            ids, wts = ops.moe_route(ops.matmul(x, router.q, "fma"), int(k))
+            out = cp.empty((T, H + 2 * int(k)), dtype=cp.float32)
+            out[:, :H] = x
+            out[:, H : H + k] = ids.reshape(T, k)  # expert ids < 2**24: exact in float32
+            out[:, H + k :] = wts.reshape(T, k)
+            return out
+
     def moe_block(self, x, router, gate_exps, up_exps, down_exps, k: int, shared=None, residual=None):
         """A few tokens on the DP4A path: the whole block in three or four launches (kernels/moe.py
         decode_block); anything else (prefill, the FMA / HFMA2 paths, other formats) composed."""

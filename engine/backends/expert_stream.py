@@ -10,8 +10,8 @@ and an MoE reads a buffer only after its copy has landed.
 At load, each host-held layer's expert tensors are written once into one page-locked host buffer in
 the layout the GPU kernels read (kernels/layout.py `relayout`, the function ops.upload_weight's
 layout follows; types without a GPU kernel are decoded to F32 as CupyBackend.load_weight does), so a
-layer is one host-to-device copy and nothing is re-laid out on the GPU. The router is small and is
-kept resident on the GPU.
+layer is one host-to-device copy and nothing is re-laid out on the GPU. The router is small and stays
+resident on the GPU (engine/experts.py loads it there: decode routes on the GPU too).
 
 A simulated link (engine/rig.py) is honoured like the rig's own copies: a copy of N bytes is done no
 earlier than latency + N / bandwidth after it could start, copies queueing one behind the other.
@@ -92,14 +92,13 @@ class _Slot:
 class ExpertStream:
     """Stages host-held layers' experts on `gpu` (a CupyBackend). `alloc(nbytes)` makes a device
     uint8 buffer (through the device's backend, so a rig's memory cap counts the staging buffers);
-    `load(info)` loads a router onto the GPU; `link_seconds(n)` is the simulated link's time for n
-    bytes (None: a real link, nothing simulated)."""
+    `link_seconds(n)` is the simulated link's time for n bytes (None: a real link, nothing
+    simulated)."""
 
-    def __init__(self, gpu: CupyBackend, alloc: Callable[[int], Any], load: Callable[[Any], Any],
-                 free: Callable[[Any], None], link_seconds: Callable[[int], float] | None = None):
+    def __init__(self, gpu: CupyBackend, alloc: Callable[[int], Any], free: Callable[[Any], None],
+                 link_seconds: Callable[[int], float] | None = None):
         self.gpu = gpu
         self._alloc = alloc
-        self._load = load
         self._free = free
         self._link_seconds = link_seconds
         self._layers: dict[int, _HostLayer] = {}
@@ -115,8 +114,8 @@ class ExpertStream:
 
     # ---- load time ------------------------------------------------------------------------------------
     def add_layer(self, key: int, weights: Mapping[str, Any], router: Any) -> None:
-        """Copy a layer's expert tensors (host weights with the GGUF `.info`; `router` its router) into
-        page-locked memory in the GPU's layout, and the router onto the GPU."""
+        """Copy a layer's expert tensors (host weights with the GGUF `.info`) into page-locked memory
+        in the GPU's layout; `router` is its router, already on the GPU (its owner frees it)."""
         arrays: list[tuple[str, tuple[int, ...], str, int, int, int, np.ndarray, np.ndarray | None]] = []
         for name, w in weights.items():
             info = w.info
@@ -146,7 +145,7 @@ class ExpertStream:
             if wd is not None and pd is not None:
                 host[pd.offset:pd.offset + pd.nbytes] = wd.reshape(-1).view(np.uint8)
             tensors.append(_Tensor(name, shape, type_name, R, K, E, pq, pd))
-        self._layers[key] = _HostLayer(key, tensors, host, self._load(router.info))
+        self._layers[key] = _HostLayer(key, tensors, host, router)
 
     def _device_layout(self, raw: np.ndarray, type_name: str, E: int, R: int, K: int
                        ) -> tuple[np.ndarray, np.ndarray | None]:
@@ -289,19 +288,16 @@ class ExpertStream:
                 self._free(s.buf)
             s.buf = None
             s.key = None
-        for layer in self._layers.values():
-            self._free(layer.router)
         self._layers.clear()
 
 
 def make_stream(gpu: Any, device: Any, link_seconds: Callable[[int], float] | None) -> ExpertStream | None:
     """An ExpertStream for `gpu` when it is a CupyBackend (else None). `device`: the backend the
     device's parts run on (`gpu` itself, or a rig's proxy of it, which then counts the staging
-    buffers and routers against its memory cap)."""
+    buffers against its memory cap)."""
     if not isinstance(gpu, CupyBackend):
         return None
-    return ExpertStream(gpu, lambda n: device.zeros((n,), "uint8"),
-                        lambda info: device.load_weight(info, role="matmul"), device.free, link_seconds)
+    return ExpertStream(gpu, lambda n: device.zeros((n,), "uint8"), device.free, link_seconds)
 
 
 def _host_layouts(type_name: str, K: int) -> list[Callable[[np.ndarray, int], tuple[Any, Any]]]:

@@ -18,6 +18,8 @@ int8 dot products, no fused kernels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from .. import cpu_matmul
@@ -207,6 +209,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         self.int_experts = int_experts
         self.expert_threads = expert_threads
         self.rows_kernel = rows_kernel
+        # a MoE layer's expert tensors as cpu_experts stacks, made on first use: (weights, stacks) by
+        # the weights' ids (_int_expert_stacks)
+        self._stacks: dict[tuple[int, int, int], tuple[tuple[Any, ...], Any]] = {}
 
     def __repr__(self) -> str:
         return f"NumpyBackend({self.device!r})"
@@ -259,7 +264,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
             weight.dense()
 
     def free(self, obj) -> None:
-        return None
+        """Nothing to release on the host but the expert stacks made over obj's bytes."""
+        for key in [key for key, (ws, _) in self._stacks.items() if any(w is obj for w in ws)]:
+            del self._stacks[key]
 
     def synchronize(self) -> None:
         return None
@@ -539,16 +546,38 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
 
     def moe(self, x, router, gate_exps, up_exps, down_exps, k: int):
         x = np.asarray(x, F32)
+        if x.shape[0] == 1 and self._int_expert_stacks(gate_exps, up_exps, down_exps) is not None:
+            from .. import cpu_experts  # one token for the CPU kernels: routing without a BLAS call
+
+            tok_ids, tok_w = cpu_experts.route(x[0], router.dense(), k)
+            return self.moe_routed(x, tok_ids[None, :], tok_w[None, :], gate_exps, up_exps, down_exps)
+        ids, weights = self.moe_route(x, router, k)
+        return self.moe_routed(x, ids, weights, gate_exps, up_exps, down_exps)
+
+    def moe_route_rows(self, x, router: NumpyWeight, k: int) -> np.ndarray:
+        """Backend.moe_route_rows: x's rows, each followed by its k expert ids and their weights."""
+        x = np.asarray(x, F32)
+        ids, weights = self.moe_route(x, router, k)
+        return np.concatenate([x, ids.astype(F32), weights.astype(F32)], axis=1)
+
+    def moe_routed(self, x, ids, weights, gate_exps, up_exps, down_exps) -> np.ndarray:
+        """The routed experts of tokens x (T, H) whose routing is given: ids (T, k) (any integer or
+        integral float values) and weights (T, k). `moe` is moe_route then this; routed experts in
+        host RAM serving a GPU get the routing from the GPU (engine/experts.py). One token runs on the
+        integer kernels (engine/cpu_experts.py) where they apply, more on dequantize-then-matmul."""
+        x = np.asarray(x, F32)
+        ids = np.asarray(ids).astype(np.int64)
         if x.shape[0] == 1:
             stacks = self._int_expert_stacks(gate_exps, up_exps, down_exps)
-            if stacks is not None:  # one token on the CPU kernels, routing included: no BLAS call
+            if stacks is not None:
                 from .. import cpu_experts
 
                 gate, up, down = stacks
-                tok_ids, tok_w = cpu_experts.route(x[0], router.dense(), k)
-                return cpu_experts.routed_experts(x[0], tok_ids, tok_w, gate, up, down,
+                return cpu_experts.routed_experts(x[0], ids[0], np.asarray(weights)[0], gate, up, down,
                                                   threads=self._expert_threads())[None, :]
-        ids, weights = self.moe_route(x, router, k)
+        # float32 weights, as the kernels above and a GPU's routing give them (so a layer's experts give
+        # the same rows wherever its routing ran), products summed in float64
+        weights = np.asarray(weights, F32).astype(F64)
         out = np.zeros(x.shape, F64)
         for e in np.unique(ids):
             rows, slot = np.nonzero(ids == e)
@@ -574,6 +603,10 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
             self.int_experts = cpu_experts.numba_available()
             if not self.int_experts:
                 return None
+        key = (id(gate_exps), id(up_exps), id(down_exps))
+        kept = self._stacks.get(key)
+        if kept is not None:  # the weights are kept with their stacks, so their ids stay theirs
+            return kept[1]
         names = {Q.type_name(t) for t in cpu_experts.KERNEL_TYPES}
         weights = [gate_exps, down_exps] + ([] if up_exps is None else [up_exps])
         if any(not isinstance(w, NumpyWeight) or w.type_name not in names for w in weights):
@@ -584,7 +617,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
             raw = np.asarray(w.info.raw).reshape(int(w.shape[0]), int(w.shape[1]), -1)
             return cpu_experts.ExpertStack(raw, int(w.info.ggml_type), int(w.shape[-1]))
 
-        return stack(gate_exps), None if up_exps is None else stack(up_exps), stack(down_exps)
+        stacks = stack(gate_exps), None if up_exps is None else stack(up_exps), stack(down_exps)
+        self._stacks[key] = ((gate_exps, up_exps, down_exps), stacks)
+        return stacks
 
     def _expert_threads(self) -> int:
         if self.expert_threads is None:  # --threads N, else the engine's rule for BLAS

@@ -424,9 +424,10 @@ def test_a_simulated_link_charges_the_host_experts_round_trips(moe_path):
         s.step(int(np.argmax(logits)))
         s.close()
         n = proxy.host_moe_calls - calls
-        row = 4 * model.config.hidden
+        row = 4 * model.config.hidden  # the experts' output coming back
+        routed = row + 4 * 2 * model.config.n_experts_used  # going down: the row, its k ids and weights
         assert n == model.config.n_layers  # one round trip per MoE layer for the token
         logits_row = 4 * model.config.vocab_size  # the step's logits to the sampler cross it too
-        assert rig.transferred_bytes - before_bytes == 2 * row * n + logits_row
-        assert rig.transfer_seconds - before_s == pytest.approx(2 * n * (20e-6 + row / 100e6)
+        assert rig.transferred_bytes - before_bytes == (routed + row) * n + logits_row
+        assert rig.transfer_seconds - before_s == pytest.approx(n * (40e-6 + (routed + row) / 100e6)
                                                                 + 20e-6 + logits_row / 100e6)

@@ -170,15 +170,15 @@ def test_a_failing_host_expert_call_raises_from_the_graph_step(moe_file):
     for _ in range(3):  # captured, then replayed
         logits = s.step(int(np.argmax(logits)))
     assert gbe._graphs
-    real = proxy.experts.moe
+    real = proxy.experts.moe_routed
 
     def broken(*args, **kwargs):
         raise MemoryError("no room for the experts")
 
-    proxy.experts.moe = broken
+    proxy.experts.moe_routed = broken
     try:
         with pytest.raises(RuntimeError, match="routed experts on the host failed"):
             s.step(1)
     finally:
-        proxy.experts.moe = real
+        proxy.experts.moe_routed = real
     model.close()
