@@ -34,9 +34,9 @@ numba is imported with this module; `numba_available` tells whether it is instal
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -98,11 +98,17 @@ def numba_available() -> bool:
 
 @dataclass(frozen=True)
 class ExpertStack:
-    """One 3-D expert tensor as the file stores it: raw (E, n_out, row_bytes) uint8 blocks."""
+    """One 3-D expert tensor as the file stores it: raw (E, n_out, row_bytes) uint8 blocks.
+
+    Checked once, here; `raw` is then kept as a read-only C-contiguous view (a copy only if the
+    given array was not contiguous), the one array type the kernels are compiled for, so a call
+    neither checks nor converts it again. n_experts and n_out are plain ints, read per call."""
 
     raw: np.ndarray
     ggml_type: int
     n_in: int
+    n_experts: int = field(init=False)
+    n_out: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.ggml_type not in KERNEL_TYPES:
@@ -114,14 +120,11 @@ class ExpertStack:
         if self.raw.shape[2] != Q.bytes_per_row(self.ggml_type, self.n_in):
             raise ValueError(f"{self.raw.shape[2]} bytes per row do not hold {self.n_in} "
                              f"{Q.type_name(self.ggml_type)} values")
-
-    @property
-    def n_experts(self) -> int:
-        return int(self.raw.shape[0])
-
-    @property
-    def n_out(self) -> int:
-        return int(self.raw.shape[1])
+        raw = np.ascontiguousarray(self.raw).view()  # read-only, as a file's map is: one signature
+        raw.flags.writeable = False
+        object.__setattr__(self, "raw", raw)
+        object.__setattr__(self, "n_experts", int(raw.shape[0]))
+        object.__setattr__(self, "n_out", int(raw.shape[1]))
 
     def active_bytes(self, k: int) -> int:
         """Bytes read for k experts (one matrix-vector product each)."""
@@ -161,7 +164,7 @@ def _quantize_rows_twin(x: np.ndarray) -> QuantizedRows:
     return QuantizedRows(q.reshape(n, k), d, q.astype(np.int32).sum(axis=2, dtype=np.int32))
 
 
-@njit(cache=True)
+@njit(cache=True, error_model="numpy")  # its one division is by a normal float: no check needed
 def _quantize_rows_nb(x, q, d, s):  # pragma: no cover - compiled
     n, k = x.shape
     for r in range(n):
@@ -595,63 +598,55 @@ _q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_in
 
 
 # ------------------------------------------------------------------------------------------------
-# numba kernels: out[s, r] = row r of expert ids[s] . activation row s, each row's blocks in file
-# order, for the first n_stacks (1 or 2) of the stacks w_a, w_b into out[0], out[1], in one parallel
-# region (a token's gate and up of one type: one start of the threads instead of two). Q4_K, Q5_K and Q4_0 take four rows of one expert per prange iteration (their accumulator
-# chains overlap; with a row count not a multiple of 4 the last rows repeat, computing and storing
-# the same values again); Q8_0 and Q6_K one row, read straight through: on the 2-core Zen 5 machine
+# numba kernels. A job is four rows of one expert for Q4_K, Q5_K and Q4_0 (their accumulator chains
+# overlap; with a row count not a multiple of 4 the last rows repeat, computing and storing the same
+# values again) and one row, read straight through, for Q8_0 and Q6_K: on the 2-core Zen 5 machine
 # (one thread, experts from RAM) four rows in step were 10-30% faster for the first three and 1.5-3x
-# slower for these two (Q6_K gate rows: 4.5 against 13 GB/s).
+# slower for these two (Q6_K gate rows: 4.5 against 13 GB/s). Each row's blocks go in file order.
+# One kernel per region serves every type (the type code picks the block intrinsic; a job is
+# thousands of multiply-adds, the branch costs nothing next to it). A token takes two regions:
+# - _matvec_nb: out[st, s, r] = row r of expert ids[s] of stack st . activation row s * xstep
+#   (xstep 0: one row shared by every slot, a token's x quantized once), for the first n_stacks (1
+#   or 2) of w_a, w_b: a token's gate and up of one type share the region (one start of the threads);
+# - _down_sum_nb: out[r] = the sum over slots s, in slot order, of wts[s] * (row r of expert ids[s]
+#   . activation row s), in float32 (product rounded, then added: the twin's weighted sum), so the
+#   down products and the weighted sum are one region with no (k, H) temporary.
+
+_Q4_K, _Q5_K, _Q6_K, _Q8_0, _Q4_0 = Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0
 
 
 @njit(inline="always")
-def _row_job(i, per, n_out):  # pragma: no cover - compiled
-    """(stack, token slot, row) of prange iteration i over stacks x tokens x rows (per = tokens x rows)."""
-    st = i // per
-    job = i - st * per
-    s = job // n_out
-    return st, s, job - s * n_out
+def _rows_per_job(t):  # pragma: no cover - compiled
+    return 1 if t == _Q8_0 or t == _Q6_K else 4
 
 
 @njit(inline="always")
-def _quad_job(i, per, quads, n_out):  # pragma: no cover - compiled
-    """(stack, token slot, its four rows) of prange iteration i over stacks x tokens x row quads (per =
-    tokens x quads); past the last row the last row repeats."""
-    st = i // per
-    job = i - st * per
-    s = job // quads
-    r0 = 4 * (job - s * quads)
-    return st, s, r0, min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
-
-
-@njit(parallel=True, cache=True)
-def _q8_0_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover - compiled
-    k, n_out, nb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 34
-    n8 = nb // 8
-    per = k * n_out
-    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st, s, r = _row_job(i, per, n_out)
-        row = w_a[ids[s], r] if st == 0 else w_b[ids[s], r]
-        x, dx = xq[s], xd[s]
-        acc = np.float32(0.0)
-        for c in range(n8):
-            acc = _q8_0_blocks8(row, 272 * c, x, 256 * c, dx, 8 * c, table, acc)
-        for b in range(8 * n8, nb):
-            acc = _q8_0_block1(row, 34 * b, x, 32 * b, dx, b, table, acc)
-        out[st, s, r] = acc
-
-
-@njit(parallel=True, cache=True)
-def _q4_0_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover - compiled
-    k, n_out, nb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 18
-    quads, n8 = (n_out + 3) // 4, nb // 8
-    per = k * quads
-    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st, s, r0, r1, r2, r3 = _quad_job(i, per, quads, n_out)
-        e, x, dx = ids[s], xq[s], xd[s]
-        w = w_a if st == 0 else w_b
+def _dot_rows(t, w, e, r0, r1, r2, r3, x, dx, xs, table):  # pragma: no cover - compiled
+    """float32 dot products of rows r0..r3 of expert e of the raw blocks w (type t) with the int8
+    activation row x, its block scales dx and block sums xs: all four for the four-row types, only
+    r0's for Q8_0 and Q6_K (the others 0)."""
+    nbytes = w.shape[2]
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    if t == _Q4_K:
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
+        for b in range(nbytes // 144):
+            o, xo, bo = 144 * b, 256 * b, 8 * b
+            a0 = _q4_k_block(w0, o, x, xo, dx, xs, bo, table, a0)
+            a1 = _q4_k_block(w1, o, x, xo, dx, xs, bo, table, a1)
+            a2 = _q4_k_block(w2, o, x, xo, dx, xs, bo, table, a2)
+            a3 = _q4_k_block(w3, o, x, xo, dx, xs, bo, table, a3)
+    elif t == _Q5_K:
+        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
+        for b in range(nbytes // 176):
+            o, xo, bo = 176 * b, 256 * b, 8 * b
+            a0 = _q5_k_block(w0, o, x, xo, dx, xs, bo, table, a0)
+            a1 = _q5_k_block(w1, o, x, xo, dx, xs, bo, table, a1)
+            a2 = _q5_k_block(w2, o, x, xo, dx, xs, bo, table, a2)
+            a3 = _q5_k_block(w3, o, x, xo, dx, xs, bo, table, a3)
+    elif t == _Q4_0:
+        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
+        nb = nbytes // 18
+        n8 = nb // 8
         for c in range(n8):
             o, xo, bo = 144 * c, 256 * c, 8 * c
             a0 = _q4_0_blocks8(w0, o, x, xo, dx, bo, table, a0)
@@ -663,61 +658,203 @@ def _q4_0_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover -
             a1 = _q4_0_block1(w1, 18 * b, x, 32 * b, dx, b, table, a1)
             a2 = _q4_0_block1(w2, 18 * b, x, 32 * b, dx, b, table, a2)
             a3 = _q4_0_block1(w3, 18 * b, x, 32 * b, dx, b, table, a3)
-        out[st, s, r0], out[st, s, r1], out[st, s, r2], out[st, s, r3] = a0, a1, a2, a3
+    elif t == _Q6_K:
+        row = w[e, r0]
+        for b in range(nbytes // 210):
+            a0 = _q6_k_block(row, 210 * b, x, 256 * b, dx, 8 * b, table, a0)
+    else:  # Q8_0
+        row = w[e, r0]
+        nb = nbytes // 34
+        n8 = nb // 8
+        for c in range(n8):
+            a0 = _q8_0_blocks8(row, 272 * c, x, 256 * c, dx, 8 * c, table, a0)
+        for b in range(8 * n8, nb):
+            a0 = _q8_0_block1(row, 34 * b, x, 32 * b, dx, b, table, a0)
+    return a0, a1, a2, a3
+
+
+@njit(inline="always")
+def _matvec_job(t, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out):  # pragma: no cover - compiled
+    """Job i of _matvec_nb: (stack, slot, rows) from i over stacks x slots x row groups."""
+    n_out = w_a.shape[1]
+    g = _rows_per_job(t)
+    st = i // per
+    j = i - st * per
+    s = j // jobs
+    r0 = g * (j - s * jobs)
+    r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+    xr = s * xstep
+    a0, a1, a2, a3 = _dot_rows(t, w_a if st == 0 else w_b, ids[s], r0, r1, r2, r3, xq[xr], xd[xr],
+                               xs[xr], table)
+    out[st, s, r0] = a0
+    if g == 4:
+        out[st, s, r1] = a1
+        out[st, s, r2] = a2
+        out[st, s, r3] = a3
 
 
 @njit(parallel=True, cache=True)
-def _q4_k_nb(w_a, w_b, n_stacks, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
-    k, n_out, nsb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 144
-    quads = (n_out + 3) // 4
-    per = k * quads
-    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st, s, r0, r1, r2, r3 = _quad_job(i, per, quads, n_out)
-        e, x, dx, xsum = ids[s], xq[s], xd[s], xs[s]
-        w = w_a if st == 0 else w_b
-        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for b in range(nsb):
-            o, xo, bo = 144 * b, 256 * b, 8 * b
-            a0 = _q4_k_block(w0, o, x, xo, dx, xsum, bo, table, a0)
-            a1 = _q4_k_block(w1, o, x, xo, dx, xsum, bo, table, a1)
-            a2 = _q4_k_block(w2, o, x, xo, dx, xsum, bo, table, a2)
-            a3 = _q4_k_block(w3, o, x, xo, dx, xsum, bo, table, a3)
-        out[st, s, r0], out[st, s, r1], out[st, s, r2], out[st, s, r3] = a0, a1, a2, a3
+def _matvec_nb(t, w_a, w_b, n_stacks, ids, xq, xd, xs, xstep, table, out):  # pragma: no cover - compiled
+    # one prange loop per type, each with its type a constant: LLVM then compiles each loop for its
+    # type alone (one loop over a runtime type made Q4_K's 25-40% slower on the Zen 5 machine)
+    jobs = (w_a.shape[1] + _rows_per_job(t) - 1) // _rows_per_job(t)
+    per = ids.shape[0] * jobs
+    n = n_stacks * per  # stack a's jobs, then stack b's
+    if t == _Q4_K:
+        for i in prange(n):
+            _matvec_job(_Q4_K, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
+    elif t == _Q5_K:
+        for i in prange(n):
+            _matvec_job(_Q5_K, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
+    elif t == _Q6_K:
+        for i in prange(n):
+            _matvec_job(_Q6_K, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
+    elif t == _Q4_0:
+        for i in prange(n):
+            _matvec_job(_Q4_0, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
+    else:
+        for i in prange(n):
+            _matvec_job(_Q8_0, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
+
+
+@njit(inline="always")
+def _down_sum_job(t, j, rows, w, ids, wts, xq, xd, xs, table, out):  # pragma: no cover - compiled
+    """Job j of _down_sum_nb: output rows rows*j .. rows*(j+1)-1, every slot."""
+    g = _rows_per_job(t)
+    start = rows * j
+    end = min(start + rows, w.shape[1])
+    for r in range(start, end):
+        out[r] = np.float32(0.0)
+    for s in range(ids.shape[0]):  # slot after slot, each expert's rows of the job in one run
+        ws = wts[s]
+        for r0 in range(start, end, g):
+            r1, r2, r3 = min(r0 + 1, end - 1), min(r0 + 2, end - 1), min(r0 + 3, end - 1)
+            a0, a1, a2, a3 = _dot_rows(t, w, ids[s], r0, r1, r2, r3, xq[s], xd[s], xs[s], table)
+            out[r0] += ws * a0
+            if g == 4:  # a repeated last row is computed again but added once
+                if r0 + 1 < end:
+                    out[r0 + 1] += ws * a1
+                if r0 + 2 < end:
+                    out[r0 + 2] += ws * a2
+                if r0 + 3 < end:
+                    out[r0 + 3] += ws * a3
 
 
 @njit(parallel=True, cache=True)
-def _q5_k_nb(w_a, w_b, n_stacks, ids, xq, xd, xs, table, out):  # pragma: no cover - compiled
-    k, n_out, nsb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 176
-    quads = (n_out + 3) // 4
-    per = k * quads
-    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st, s, r0, r1, r2, r3 = _quad_job(i, per, quads, n_out)
-        e, x, dx, xsum = ids[s], xq[s], xd[s], xs[s]
-        w = w_a if st == 0 else w_b
-        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
-        a0 = a1 = a2 = a3 = np.float32(0.0)
-        for b in range(nsb):
-            o, xo, bo = 176 * b, 256 * b, 8 * b
-            a0 = _q5_k_block(w0, o, x, xo, dx, xsum, bo, table, a0)
-            a1 = _q5_k_block(w1, o, x, xo, dx, xsum, bo, table, a1)
-            a2 = _q5_k_block(w2, o, x, xo, dx, xsum, bo, table, a2)
-            a3 = _q5_k_block(w3, o, x, xo, dx, xsum, bo, table, a3)
-        out[st, s, r0], out[st, s, r1], out[st, s, r2], out[st, s, r3] = a0, a1, a2, a3
+def _down_sum_nb(t, w, ids, wts, xq, xd, xs, table, n_jobs, out):  # pragma: no cover - compiled
+    # n_jobs (the thread count) jobs, each a run of rows (a multiple of 4): an expert's rows of a
+    # job are read in one pass, and the longer that pass, the faster (Q4_K down, one thread here:
+    # runs of 32 rows took 2x the time of whole experts, 128 rows 1.15x, 512 rows 0.95x)
+    n_out = w.shape[1]
+    n_jobs = max(1, min(n_jobs, (n_out + 3) // 4))
+    rows = (n_out + 4 * n_jobs - 1) // (4 * n_jobs) * 4
+    n = (n_out + rows - 1) // rows
+    if t == _Q4_K:
+        for j in prange(n):
+            _down_sum_job(_Q4_K, j, rows, w, ids, wts, xq, xd, xs, table, out)
+    elif t == _Q5_K:
+        for j in prange(n):
+            _down_sum_job(_Q5_K, j, rows, w, ids, wts, xq, xd, xs, table, out)
+    elif t == _Q6_K:
+        for j in prange(n):
+            _down_sum_job(_Q6_K, j, rows, w, ids, wts, xq, xd, xs, table, out)
+    elif t == _Q4_0:
+        for j in prange(n):
+            _down_sum_job(_Q4_0, j, rows, w, ids, wts, xq, xd, xs, table, out)
+    else:
+        for j in prange(n):
+            _down_sum_job(_Q8_0, j, rows, w, ids, wts, xq, xd, xs, table, out)
 
 
-@njit(parallel=True, cache=True)
-def _q6_k_nb(w_a, w_b, n_stacks, ids, xq, xd, table, out):  # pragma: no cover - compiled
-    k, n_out, nsb = ids.shape[0], w_a.shape[1], w_a.shape[2] // 210
-    per = k * n_out
-    for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
-        st, s, r = _row_job(i, per, n_out)
-        row = w_a[ids[s], r] if st == 0 else w_b[ids[s], r]
-        x, dx = xq[s], xd[s]
-        acc = np.float32(0.0)
-        for b in range(nsb):
-            acc = _q6_k_block(row, 210 * b, x, 256 * b, dx, 8 * b, table, acc)
-        out[st, s, r] = acc
+# ------------------------------------------------------------------------------------------------
+# SwiGLU of the gate and up products, h = silu(g) * u = g / (1 + exp(-g)) * u, in float64 rounded to
+# float32, then h quantized (quantize_rows), in one compiled call. exp is computed here, from IEEE
+# operations only (+, -, *, /, rint, a product with an exact power of two), in the same order in the
+# kernel and its twin: libm's and NumPy's exp or tanh may differ in the last bit, and the two must
+# agree to the bit. exp(t) = 2^n * P(r), n = rint(t / ln 2), r = t - n ln 2 (ln 2 in two parts, n * hi
+# exact), |r| <= 0.35, P the degree-13 Taylor polynomial (error < 5e-18 relative): h is float64's
+# silu(g) * u to far better than float32's rounding, so it is the backend's tanh-form swiglu but for
+# a rare last-bit tie (tests check <= 1 float32 ulp). t = -g is clipped to +-708 (exp finite and
+# normal; beyond it silu is g, or a float32 zero for any u below 1e280). A non-finite g gives h = NaN
+# (its block then quantizes to NaN, as any non-finite value does). The kernel's loops have no calls or
+# branches, so they vectorize (48 us -> a few for 8 x 512 values on one Zen 5 core).
+
+_INV_LN2 = 1.0 / 0.6931471805599453
+_LN2_HI = 6.93147180369123816490e-01  # ln 2 = hi + lo; hi has 32 significant bits: n * hi is exact
+_LN2_LO = 1.90821492927058770002e-10
+_EXP_ARG_MAX = 708.0
+_C2, _C3, _C4, _C5, _C6, _C7 = (1.0 / math.factorial(i) for i in range(2, 8))
+_C8, _C9, _C10, _C11, _C12, _C13 = (1.0 / math.factorial(i) for i in range(8, 14))
+
+
+@njit(inline="always")
+def _exp_poly(r):  # pragma: no cover - compiled
+    return 1.0 + r * (1.0 + r * (_C2 + r * (_C3 + r * (_C4 + r * (_C5 + r * (_C6 + r * (_C7 + r * (
+        _C8 + r * (_C9 + r * (_C10 + r * (_C11 + r * (_C12 + r * _C13))))))))))))
+
+
+def _exp_poly_twin(r: np.ndarray) -> np.ndarray:
+    return 1.0 + r * (1.0 + r * (_C2 + r * (_C3 + r * (_C4 + r * (_C5 + r * (_C6 + r * (_C7 + r * (
+        _C8 + r * (_C9 + r * (_C10 + r * (_C11 + r * (_C12 + r * _C13))))))))))))
+
+
+def _swiglu_twin(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """float32 h = silu(g) * u of float32 arrays: the kernel's operations, elementwise."""
+    gv = g.astype(np.float64)
+    finite = np.isfinite(gv)
+    t = np.minimum(np.maximum(-np.where(finite, gv, 0.0), -_EXP_ARG_MAX), _EXP_ARG_MAX)
+    nf = np.rint(t * _INV_LN2)
+    r = (t - nf * _LN2_HI) - nf * _LN2_LO
+    e = _exp_poly_twin(r) * np.ldexp(1.0, nf.astype(np.int32))  # times 2^n: exact
+    with np.errstate(invalid="ignore", over="ignore"):  # inf * 0, and h beyond float32: as the kernel
+        h = (gv / (1.0 + e)) * u.astype(np.float64)
+        return np.where(finite, h, np.nan).astype(F32)
+
+
+@njit(cache=True, error_model="numpy")  # no zero-division check (1 + e >= 1): the loops vectorize
+def _swiglu_quantize_nb(gu, ust, uoff, f, q, d, s):  # pragma: no cover - compiled
+    """h[r, j] = silu(gu[0, r, j]) * gu[ust, r, uoff + j] for j < f (separate gate and up: ust 1,
+    uoff 0; the fused stack's rows: ust 0, uoff f), quantized into q, d, s."""
+    k = gu.shape[1]
+    h = np.empty((k, f), np.float32)
+    poly = np.empty(f, np.float64)
+    bits = np.empty(f, np.int64)
+    two_n = bits.view(np.float64)  # 2^n, made from its bits
+    for r in range(k):
+        g, u, hr = gu[0, r, :f], gu[ust, r, uoff : uoff + f], h[r]  # plain indices below: they vectorize
+        for j in range(f):
+            gv = np.float64(g[j])
+            t = min(max(-gv, -_EXP_ARG_MAX), _EXP_ARG_MAX) if abs(gv) < np.inf else 0.0
+            nf = np.rint(t * _INV_LN2)
+            poly[j] = _exp_poly((t - nf * _LN2_HI) - nf * _LN2_LO)
+            bits[j] = (np.int64(nf) + 1023) << 52
+        for j in range(f):
+            gv = np.float64(g[j])
+            hv = np.float32((gv / (1.0 + poly[j] * two_n[j])) * np.float64(u[j]))
+            hr[j] = hv if abs(gv) < np.inf else np.float32(np.nan)
+    _quantize_rows_nb(h, q, d, s)
+
+
+# ------------------------------------------------------------------------------------------------
+# a token's expert ids and weights: any integer or float array (ids that came over from a GPU as
+# float32 values), checked and converted once, with x quantized, in one compiled call.
+
+
+@njit(cache=True)
+def _token_nb(x, ids, wts, n_experts, idx, w32, xq, xd, xs):  # pragma: no cover - compiled
+    """idx = ids as int64, w32 = wts as float32, x (1, H) quantized; returns the first slot whose id
+    is not a whole number in 0..n_experts-1 (then nothing is quantized), else -1."""
+    for s in range(ids.shape[0]):
+        v = ids[s]
+        if not (v >= 0 and v < n_experts):  # a NaN fails here too
+            return s
+        e = np.int64(v)
+        if e != v:
+            return s
+        idx[s] = e
+        w32[s] = np.float32(wts[s])
+    _quantize_rows_nb(x, xq, xd, xs)
+    return -1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -742,7 +879,7 @@ def _terms_q8_0(rows, x: QuantizedRows):
     k, n_out, _ = rows.shape
     blocks = rows.reshape(k, n_out, -1, 34)
     q = blocks[..., 2:].view(np.int8).astype(np.int32)  # (k, n_out, nb, 32)
-    xq = x.q.reshape(k, 1, -1, 32).astype(np.int32)
+    xq = x.q.reshape(-1, 1, blocks.shape[2], 32).astype(np.int32)  # one row per slot, or one for all
     isum = (q * xq).sum(axis=3, dtype=np.int32)
     return (_f16_field(blocks, 0) * x.d[:, None, :]) * isum.astype(F32)
 
@@ -752,7 +889,7 @@ def _terms_q4_0(rows, x: QuantizedRows):
     blocks = rows.reshape(k, n_out, -1, 18)
     qs = blocks[..., 2:18].astype(np.int32)
     q = np.concatenate([qs & 15, qs >> 4], axis=3) - 8  # value l < 16: low nibble of byte l
-    xq = x.q.reshape(k, 1, -1, 32).astype(np.int32)
+    xq = x.q.reshape(-1, 1, blocks.shape[2], 32).astype(np.int32)
     isum = (q * xq).sum(axis=3, dtype=np.int32)
     return (_f16_field(blocks, 0) * x.d[:, None, :]) * isum.astype(F32)
 
@@ -763,7 +900,7 @@ def _terms_k_affine(blocks, q, x: QuantizedRows):
     sc, m = Q.k_scales_mins(blocks[..., 4:16].reshape(-1, 12))
     sc = sc.astype(np.int32).reshape(k, n_out, nsb * 8)
     m = m.astype(np.int32).reshape(k, n_out, nsb * 8)
-    xq = x.q.reshape(k, 1, nsb * 8, 32).astype(np.int32)
+    xq = x.q.reshape(-1, 1, nsb * 8, 32).astype(np.int32)
     isum = (q.reshape(k, n_out, nsb * 8, 32) * xq).sum(axis=3, dtype=np.int32)
     d = np.repeat(_f16_field(blocks, 0), 8, axis=2)  # (k, n_out, nsb * 8)
     dmin = np.repeat(_f16_field(blocks, 2), 8, axis=2)
@@ -804,7 +941,7 @@ def _terms_q6_k(rows, x: QuantizedRows):
     top = (qh >> (2 * np.arange(4)).reshape(4, 1)) & 3
     q = ((low | (top << 4)) - 32).reshape(k, n_out, nsb * 8, 2, 16)
     sc = blocks[..., 192:208].view(np.int8).astype(np.int32).reshape(k, n_out, nsb * 8, 2)
-    xq = x.q.reshape(k, 1, nsb * 8, 2, 16).astype(np.int32)
+    xq = x.q.reshape(-1, 1, nsb * 8, 2, 16).astype(np.int32)
     isum = ((q * xq).sum(axis=4, dtype=np.int32) * sc).sum(axis=3, dtype=np.int32)
     d = np.repeat(_f16_field(blocks, 208), 8, axis=2)
     return (d * x.d[:, None, :]) * isum.astype(F32)
@@ -820,87 +957,114 @@ _TWIN_TERMS = {Q.Q8_0: _terms_q8_0, Q.Q4_0: _terms_q4_0, Q.Q4_K: _terms_q4_k, Q.
 
 def expert_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedRows, *,
                   fast: bool = True, threads: int | None = None) -> np.ndarray:
-    """(k, n_out) float32: row s is expert ids[s]'s matrix times activation row s of x.
+    """(k, n_out) float32: row s is expert ids[s]'s matrix times activation row s of x (x: k rows,
+    or one row that every slot shares).
 
-    threads: numba threads for this call (None: numba's default, one per core); restored after.
-    """
-    idx = _checked_call(w, ids, x)
+    threads: numba's thread count for this thread (see `set_threads`; None leaves it)."""
+    idx = _checked_ids(w, ids)
+    _check_rows(w, x, idx.size)
     if not fast:
-        rows = np.asarray(w.raw)[idx]  # only the chosen experts' blocks
+        rows = w.raw[idx]  # only the chosen experts' blocks
         with np.errstate(over="ignore", invalid="ignore"):
             return _accumulate(_TWIN_TERMS[w.ggml_type](rows, x))
-    return _run_kernel([w], idx, x, threads)[0]
+    xq, xd, xs = _kernel_rows(x)
+    out = np.full((1, idx.size, w.n_out), np.nan, F32)  # poisoned: a skipped row shows as NaN
+    _matvec([w], idx, xq, xd, xs, threads, out)
+    return out[0]
 
 
-def _checked_call(w: ExpertStack, ids: Sequence[int] | np.ndarray, x: QuantizedRows) -> np.ndarray:
-    """The expert ids as a flat int64 array, after checking them and x against w."""
+def weighted_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, weights: np.ndarray,
+                    x: QuantizedRows, *, fast: bool = True, threads: int | None = None) -> np.ndarray:
+    """(n_out,) float32: the sum over slots s, in slot order, of weights[s] (as float32) times expert
+    ids[s]'s matrix times activation row s of x (k rows), each product rounded to float32, then
+    added: a token's down products and their weighted sum (one parallel region in the kernel)."""
+    idx = _checked_ids(w, ids)
+    _check_rows(w, x, idx.size, shared=False)
+    w32 = np.asarray(weights, F32).reshape(-1)
+    if w32.size != idx.size:
+        raise ValueError(f"{idx.size} experts need {idx.size} weights, got {w32.size}")
+    if not fast:
+        return _weighted_sum_twin(expert_matvec(w, idx, x, fast=False), w32)
+    xq, xd, xs = _kernel_rows(x)
+    out = np.full(w.n_out, np.nan, F32)
+    _down_sum(w, idx, np.ascontiguousarray(w32), xq, xd, xs, threads, out)
+    return out
+
+
+def _weighted_sum_twin(y: np.ndarray, w32: np.ndarray) -> np.ndarray:
+    out = np.zeros(y.shape[1], F32)
+    for s in range(y.shape[0]):
+        out += w32[s] * y[s]
+    return out
+
+
+def _checked_ids(w: ExpertStack, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The expert ids as a flat int64 array, after checking them against w."""
     idx = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-    k = idx.size
-    if x.q.shape != (k, w.n_in):
-        raise ValueError(f"{k} experts need {k} activation rows of {w.n_in}, got {x.q.shape}")
-    if x.d.shape != (k, w.n_in // QBLOCK) or x.s.shape != x.d.shape:
-        raise ValueError(f"activation scales and sums must be ({k}, {w.n_in // QBLOCK}), got {x.d.shape} "
-                         f"and {x.s.shape}")
-    if k and (idx.min() < 0 or idx.max() >= w.n_experts):
+    if idx.size and (idx.min() < 0 or idx.max() >= w.n_experts):
         raise IndexError(f"expert ids {idx.tolist()} out of range for {w.n_experts} experts")
     return idx
 
 
-def _run_kernel(stacks: list[ExpertStack], idx: np.ndarray, x: QuantizedRows,
-                threads: int | None) -> list[np.ndarray]:
-    """Each stack's (k, n_out) products with x, in one parallel region: one stack, or two of the
-    same type and shape (a token's gate and up: one thread start-up instead of two)."""
+def _check_rows(w: ExpertStack, x: QuantizedRows, k: int, shared: bool = True) -> None:
+    n = x.q.shape[0] if x.q.ndim == 2 else -1
+    if x.q.shape[1:] != (w.n_in,) or n not in ((k, 1) if shared else (k,)):
+        want = f"{k}{' (or 1)' if shared else ''}"
+        raise ValueError(f"{k} experts need {want} activation rows of {w.n_in}, got {x.q.shape}")
+    if x.d.shape != (n, w.n_in // QBLOCK) or x.s.shape != x.d.shape:
+        raise ValueError(f"activation scales and sums must be ({n}, {w.n_in // QBLOCK}), got {x.d.shape} "
+                         f"and {x.s.shape}")
+
+
+def _kernel_rows(x: QuantizedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x's arrays as the block intrinsics read them (through their data pointers): C-contiguous, of
+    these dtypes (copies only where they are not)."""
+    return (np.ascontiguousarray(x.q, dtype=np.int8), np.ascontiguousarray(x.d, dtype=F32),
+            np.ascontiguousarray(x.s, dtype=np.int32))
+
+
+def _need_numba() -> None:
     if not HAVE_NUMBA:
         raise RuntimeError("numba is not installed: `pip install numba`, or use fast=False")
+
+
+def _matvec(stacks: list[ExpertStack], idx: np.ndarray, xq: np.ndarray, xd: np.ndarray,
+            xs: np.ndarray, threads: int | None, out: np.ndarray) -> None:
+    """out[st] = stack st's (k, n_out) products with x's rows (k of them, or one shared), for one
+    stack, or two of the same type and shape in one parallel region (a token's gate and up: one
+    start of the threads instead of two). Shapes are the caller's to check."""
+    _need_numba()
     w = stacks[0]
     if len(stacks) not in (1, 2) or any(s.ggml_type != w.ggml_type or s.raw.shape != w.raw.shape
                                         for s in stacks):
         raise ValueError("one stack, or two of the same type and shape")
-    k = idx.size
-    out = np.full((len(stacks), k, w.n_out), np.nan, F32)  # poisoned: a skipped row shows as NaN
-    raws = []
-    for s in stacks:  # one compiled signature whatever the caller holds: contiguous and read-only,
-        raw = np.ascontiguousarray(s.raw).view()  # as a file's map is
-        raw.flags.writeable = False
-        raws.append(raw)
-    wa, wb = raws[0], raws[-1]
-    n = len(stacks)
-    # the block intrinsics read rows through their data pointers: C-contiguous, of these dtypes
-    xq = np.ascontiguousarray(x.q, dtype=np.int8)
-    xd = np.ascontiguousarray(x.d, dtype=F32)
-    xs = np.ascontiguousarray(x.s, dtype=np.int32)
-    with _numba_threads(threads):
-        t = w.ggml_type
-        if t == Q.Q4_K:
-            _q4_k_nb(wa, wb, n, idx, xq, xd, xs, _F16_TABLE, out)
-        elif t == Q.Q5_K:
-            _q5_k_nb(wa, wb, n, idx, xq, xd, xs, _F16_TABLE, out)
-        elif t == Q.Q6_K:
-            _q6_k_nb(wa, wb, n, idx, xq, xd, _F16_TABLE, out)
-        elif t == Q.Q8_0:
-            _q8_0_nb(wa, wb, n, idx, xq, xd, _F16_TABLE, out)
-        else:
-            _q4_0_nb(wa, wb, n, idx, xq, xd, _F16_TABLE, out)
-    return list(out)
+    set_threads(threads)
+    _matvec_nb(w.ggml_type, w.raw, stacks[-1].raw, len(stacks), idx, xq, xd, xs,
+               0 if xq.shape[0] == 1 else 1, _F16_TABLE, out)
 
 
-@contextmanager
-def _numba_threads(threads: int | None) -> Iterator[None]:
-    """numba's thread count set to `threads` (clipped to 1..NUMBA_NUM_THREADS) for the block, then
-    restored; None leaves it as it is."""
-    before = _numba.get_num_threads()
-    if threads is not None:
-        _numba.set_num_threads(max(1, min(int(threads), _numba.config.NUMBA_NUM_THREADS)))
-    try:
-        yield
-    finally:
-        _numba.set_num_threads(before)
+def _down_sum(w: ExpertStack, idx: np.ndarray, w32: np.ndarray, xq: np.ndarray, xd: np.ndarray,
+              xs: np.ndarray, threads: int | None, out: np.ndarray) -> None:
+    """out = the weighted sum of w's products with x's k rows (weighted_matvec's kernel)."""
+    _need_numba()
+    n = set_threads(threads)
+    _down_sum_nb(w.ggml_type, w.raw, idx, w32, xq, xd, xs, _F16_TABLE, n, out)
 
 
-def _swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(gate) * up, in float64 rounded to float32 (the NumPy backend's swiglu)."""
-    g = gate.astype(np.float64)
-    return (g * (0.5 * (1.0 + np.tanh(0.5 * g))) * up).astype(F32)
+def set_threads(threads: int | None) -> int:
+    """numba's thread count for the calling thread set to `threads` (clipped to 1..NUMBA_NUM_THREADS)
+    if it is not that already; None leaves it. Returns the count in effect. It is not restored after
+    a call: the next token's calls want the same count, and setting it (~1 us) is not free."""
+    now = int(_numba.get_num_threads())
+    if threads is None:
+        return now
+    n = max(1, min(int(threads), _NUMBA_MAX_THREADS))
+    if n != now:
+        _numba.set_num_threads(n)
+    return n
+
+
+_NUMBA_MAX_THREADS = int(_nb_config.NUMBA_NUM_THREADS) if HAVE_NUMBA else 1
 
 
 def routed_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: ExpertStack,
@@ -910,26 +1074,102 @@ def routed_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: Ex
     down[ids[s]] @ swiglu(gate[ids[s]] @ x, up[ids[s]] @ x), every product on int8 activations.
 
     up None: `gate` is the fused (E, 2 F_e, H) stack, gate rows first. The routing (ids, weights) is
-    the caller's (the backend's softmax top-k); weights are summed in float32, slot by slot.
+    the caller's: ids any integer array, or floats holding whole numbers (as a GPU's routing sends
+    them); weights of any float type, taken as float32 and summed in float32, slot by slot. x is
+    quantized once for every slot; the SwiGLU (see _swiglu_twin) and h's quantization are one call;
+    the down products and the weighted sum one parallel region. threads: as `set_threads`.
     """
-    idx = np.asarray(ids, dtype=np.int64).reshape(-1)
-    k = idx.size
-    xa = quantize_rows(np.broadcast_to(np.asarray(x, F32).reshape(1, -1), (k, gate.n_in)), fast=fast)
+    xv = np.ascontiguousarray(x, dtype=F32).reshape(1, -1)
+    idv, wv = _token_arrays(ids, weights)
+    fe = _check_block(gate, up, down, xv.shape[1])
+    if idv.size != wv.size:
+        raise ValueError(f"{idv.size} expert ids need {idv.size} weights, got {wv.size}")
+    if not fast:
+        return _routed_experts_twin(xv, idv, wv, gate, up, down, fe)
+    _need_numba()
+    k, n_in = idv.size, xv.shape[1]
+    idx, w32 = np.empty(k, np.int64), np.empty(k, F32)
+    xq, xd, xs = _row_buffers(1, n_in)
+    bad = _token_nb(xv, idv, wv, gate.n_experts, idx, w32, xq, xd, xs)
+    if bad >= 0:
+        raise IndexError(f"expert id {idv[bad].item()} (slot {bad}) is not one of {gate.n_experts} experts")
+    n_threads = set_threads(threads)
+    t = gate.ggml_type
+    gu = np.empty((1 if up is None else 2, k, gate.n_out), F32)
     if up is None:
-        gu = expert_matvec(gate, idx, xa, fast=fast, threads=threads)
-        fe = gate.n_out // 2
-        g, u = gu[:, :fe], gu[:, fe:]
-    elif fast and up.ggml_type == gate.ggml_type and up.raw.shape == gate.raw.shape:
-        _checked_call(gate, idx, xa)
-        _checked_call(up, idx, xa)
-        g, u = _run_kernel([gate, up], idx, xa, threads)  # one parallel region for both
+        _matvec_nb(t, gate.raw, gate.raw, 1, idx, xq, xd, xs, 0, _F16_TABLE, gu)
+    elif up.ggml_type == t:  # same shape, checked: one region for both
+        _matvec_nb(t, gate.raw, up.raw, 2, idx, xq, xd, xs, 0, _F16_TABLE, gu)
     else:
-        g = expert_matvec(gate, idx, xa, fast=fast, threads=threads)
-        u = expert_matvec(up, idx, xa, fast=fast, threads=threads)
-    h = quantize_rows(_swiglu(g, u), fast=fast)
-    y = expert_matvec(down, idx, h, fast=fast, threads=threads)  # (k, H)
-    out = np.zeros(down.n_out, F32)
-    wts = np.asarray(weights).reshape(-1).astype(F32)
-    for s in range(k):
-        out += wts[s] * y[s]
+        _matvec_nb(t, gate.raw, gate.raw, 1, idx, xq, xd, xs, 0, _F16_TABLE, gu[0:1])
+        _matvec_nb(up.ggml_type, up.raw, up.raw, 1, idx, xq, xd, xs, 0, _F16_TABLE, gu[1:2])
+    hq, hd, hs = _row_buffers(k, fe)
+    _swiglu_quantize_nb(gu, 0 if up is None else 1, fe if up is None else 0, fe, hq, hd, hs)
+    out = np.empty(down.n_out, F32)
+    _down_sum_nb(down.ggml_type, down.raw, idx, w32, hq, hd, hs, _F16_TABLE, n_threads, out)
     return out
+
+
+def _row_buffers(n: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Empty int8 rows (n, width), their block scales and block sums: quantize_rows's output."""
+    nb = width // QBLOCK
+    return np.empty((n, width), np.int8), np.empty((n, nb), F32), np.empty((n, nb), np.int32)
+
+
+def _routed_experts_twin(xv: np.ndarray, ids: np.ndarray, wv: np.ndarray, gate: ExpertStack,
+                         up: ExpertStack | None, down: ExpertStack, fe: int) -> np.ndarray:
+    """routed_experts on the NumPy twins: the kernels' operations in their order."""
+    idx = _twin_ids(ids, gate.n_experts)
+    xa = _quantize_rows_twin(xv)  # one row, shared by every slot
+    g = expert_matvec(gate, idx, xa, fast=False)
+    if up is None:
+        g, u = g[:, :fe], g[:, fe:]
+    else:
+        u = expert_matvec(up, idx, xa, fast=False)
+    h = _quantize_rows_twin(_swiglu_twin(g, u))
+    return _weighted_sum_twin(expert_matvec(down, idx, h, fast=False), wv.astype(F32))
+
+
+def _token_arrays(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ids and weights as flat contiguous arrays of a type _token_nb is compiled for (int64, int32,
+    float32 or float64 ids; float32 or float64 weights): converted only when they are not."""
+    idv = np.ascontiguousarray(ids).reshape(-1)
+    if idv.dtype.kind not in "iuf":
+        raise TypeError(f"expert ids must be integers or whole floats, got {idv.dtype}")
+    if idv.dtype not in _ID_TYPES:
+        idv = idv.astype(np.float64 if idv.dtype.kind == "f" else np.int64)
+    wv = np.ascontiguousarray(weights).reshape(-1)
+    if wv.dtype != F32 and wv.dtype != np.float64:
+        wv = wv.astype(np.float64)
+    return idv, wv
+
+
+_ID_TYPES = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def _twin_ids(ids: np.ndarray, n_experts: int) -> np.ndarray:
+    """_token_nb's check and conversion of the ids, in NumPy."""
+    with np.errstate(invalid="ignore"):
+        ok = (ids >= 0) & (ids < n_experts)
+    for s in range(ids.size):
+        if not ok[s] or int(ids[s]) != ids[s]:
+            raise IndexError(f"expert id {ids[s].item()} (slot {s}) is not one of {n_experts} experts")
+    return ids.astype(np.int64)
+
+
+def _check_block(gate: ExpertStack, up: ExpertStack | None, down: ExpertStack, n_in: int) -> int:
+    """The expert FFN width F_e, after checking that the stacks make one MoE block for tokens of
+    n_in values (integer comparisons only: each stack checked its own blocks when it was made)."""
+    fe = gate.n_out if up is not None else gate.n_out // 2
+    if gate.n_in != n_in:
+        raise ValueError(f"the gate experts take {gate.n_in} values, the token has {n_in}")
+    if up is None and gate.n_out % 2:
+        raise ValueError(f"a fused gate+up stack has an even number of rows, got {gate.n_out}")
+    if up is not None and (up.n_in != n_in or up.n_out != gate.n_out):
+        raise ValueError(f"up experts ({up.n_out} x {up.n_in}) differ from gate's "
+                         f"({gate.n_out} x {gate.n_in})")
+    if down.n_in != fe:
+        raise ValueError(f"down experts take {down.n_in} values, the gate gives {fe}")
+    if down.n_experts != gate.n_experts or (up is not None and up.n_experts != gate.n_experts):
+        raise ValueError("gate, up and down must hold the same number of experts")
+    return fe

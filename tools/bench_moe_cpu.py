@@ -95,6 +95,8 @@ def bench_type(t: int, rng: np.random.Generator, router: NumpyWeight, tokens: li
     _, gemv_best = best_ms(lambda x: C.expert_matvec(stacks[0], ids, xa, threads=1), tokens, args.repeat)
     print(f"gate GEMV alone, 1 thread ({k} x {F} x {H}): best {gemv_best:.3f} ms, "
           f"{k * F * H / gemv_best / 1e6:.1f} G multiply-adds/s, {stacks[0].active_bytes(k) / gemv_best / 1e6:.2f} GB/s")
+    if args.phases:
+        phases(stacks, dense_router, tokens, args)
     out = []
     for label, (med, best) in rows:
         gbs = active / (med / 1e3) / 1e9
@@ -102,6 +104,65 @@ def bench_type(t: int, rng: np.random.Generator, router: NumpyWeight, tokens: li
         out.append({"type": Q.type_name(t), "path": label, "median_ms": med, "best_ms": best,
                     "active_bytes": active, "gbs": gbs, "copy_gbs": copy_gbs, "routing_ms": route_ms[0]})
     return out
+
+
+def phases(stacks: list, router: np.ndarray, tokens: list[np.ndarray], args: argparse.Namespace) -> None:
+    """Median microseconds of each step of routed_experts, per thread count (--phases): where the
+    time of a token goes beside the two parallel regions (gate+up, down with the weighted sum)."""
+    k = args.used
+    gate, up, down = stacks
+    if up.ggml_type != gate.ggml_type:
+        raise SystemExit("--phases times gate and up of one type (one region)")
+    empty = _empty_region()
+    F, H = gate.n_out, gate.n_in
+    for n in (int(s) for s in args.threads.split(",")):
+        steps: dict[str, list[float]] = {}
+
+        def lap(name: str, t0: float, steps: dict[str, list[float]] = steps) -> float:
+            t1 = time.perf_counter()
+            steps.setdefault(name, []).append(1e6 * (t1 - t0))
+            return t1
+
+        C.set_threads(n)
+        for i in range(args.repeat):
+            x = tokens[i % len(tokens)][0]
+            t = time.perf_counter()
+            ids, w = C.route(x, router, k)
+            t = lap("route", t)
+            idx, w32 = np.empty(k, np.int64), np.empty(k, np.float32)
+            xq, xd, xs = C._row_buffers(1, H)
+            C._token_nb(x.reshape(1, -1), ids, w, gate.n_experts, idx, w32, xq, xd, xs)
+            t = lap("ids + quantize x", t)
+            gu = np.empty((2, k, F), np.float32)
+            C._matvec_nb(gate.ggml_type, gate.raw, up.raw, 2, idx, xq, xd, xs, 0, C._F16_TABLE, gu)
+            t = lap("gate+up region", t)
+            hq, hd, hs = C._row_buffers(k, F)
+            C._swiglu_quantize_nb(gu, 1, 0, F, hq, hd, hs)
+            t = lap("swiglu + quantize h", t)
+            o = np.empty(down.n_out, np.float32)
+            C._down_sum_nb(down.ggml_type, down.raw, idx, w32, hq, hd, hs, C._F16_TABLE, n, o)
+            t = lap("down + weighted sum region", t)
+            empty(np.zeros(4 * n))
+            t = lap("empty parallel region", t)
+            C.routed_experts(x, ids, w, gate, up, down, threads=n)
+            lap("routed_experts (whole)", t)
+        med = {name: float(np.median(v)) for name, v in steps.items()}
+        beside = med["routed_experts (whole)"] - med["gate+up region"] - med["down + weighted sum region"]
+        print(f"  phases at {n} thread(s), median us: " + ", ".join(f"{name} {v:.0f}" for name, v in med.items())
+              + f"; whole minus the two regions {beside:.0f}")
+
+
+def _empty_region():
+    """A numba parallel loop doing nothing: what starting a region on the threads costs."""
+    import numba
+
+    @numba.njit(parallel=True, cache=False)
+    def run(a):  # pragma: no cover - compiled
+        for i in numba.prange(a.size):
+            a[i] += 1.0
+
+    run(np.zeros(4))
+    return run
 
 
 def main() -> None:
@@ -114,6 +175,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=512, help="expert FFN width")
     ap.add_argument("--repeat", type=int, default=40, help="timed tokens per measurement")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--phases", action="store_true", help="also time each step of a token's experts")
     args = ap.parse_args()
     E, k, H, F = args.experts, args.used, args.hidden, args.ffn
     rng = np.random.default_rng(0)

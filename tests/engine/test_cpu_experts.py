@@ -7,6 +7,7 @@ counts and repeated expert ids. The bound used for twin vs gguf is derived in `_
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import gguf
@@ -137,18 +138,15 @@ def test_kernel_equals_twin_bit_for_bit(t, seed):
     np.testing.assert_array_equal(fast.view(np.int32), twin.view(np.int32))
 
 
-# the kernel of each type and whether it takes the activations' block sums
-_KERNELS = {Q.Q4_K: ("_q4_k_nb", True), Q.Q5_K: ("_q5_k_nb", True), Q.Q6_K: ("_q6_k_nb", False),
-            Q.Q8_0: ("_q8_0_nb", False), Q.Q4_0: ("_q4_0_nb", False)}
 # an instruction only each form's code has (the plain-IR form: neither of the others')
 _FORM_MARK = {"vnni": "vpdpbusd", "avx2": "vpmaddubsw"}
 
 
 @pytest.mark.parametrize("form", ["vnni", "avx2", "ir"])
 def test_every_dot_product_form_equals_twin(form, monkeypatch):
-    """The byte products are summed by VNNI, AVX2 or plain IR, whichever the CPU has best; the
-    kernels compiled here with each form this CPU can run give the twins' bits, and the code has the
-    form's instructions (so the form really was the one compiled)."""
+    """The byte products are summed by VNNI, AVX2 or plain IR, whichever the CPU has best; both
+    region kernels compiled here with each form this CPU can run give the twins' bits for every
+    type, and their code has the form's instructions (so the form really was the one compiled)."""
     import numba
 
     best = C._dot4_kind()
@@ -156,22 +154,26 @@ def test_every_dot_product_form_equals_twin(form, monkeypatch):
     if form not in runs:
         pytest.skip(f"this CPU has no {form} instructions")
     monkeypatch.setattr(C, "_DOT4", form)
+    matvec = numba.njit(parallel=True)(C._matvec_nb.py_func)  # compiled now, not cached
+    down_sum = numba.njit(parallel=True)(C._down_sum_nb.py_func)
     rng = np.random.default_rng(11)
-    for t, (name, with_sums) in _KERNELS.items():
-        kernel = numba.njit(parallel=True)(getattr(C, name).py_func)  # compiled now, not cached
+    for t in TYPES:
         w = random_stack(rng, t, 4, 9, _n_in(t, 2))
         ids = np.array([2, 0, 2])
         xa = C.quantize_rows((rng.standard_normal((3, w.n_in)) * 3).astype(np.float32))
         out = np.full((1, 3, w.n_out), np.nan, np.float32)
-        sums = (xa.s,) if with_sums else ()
-        raw = np.ascontiguousarray(w.raw)
-        kernel(raw, raw, 1, ids, xa.q, xa.d, *sums, C._F16_TABLE, out)
-        out = out[0]
+        matvec(t, w.raw, w.raw, 1, ids, xa.q, xa.d, xa.s, 1, C._F16_TABLE, out)
         twin = C.expert_matvec(w, ids, xa, fast=False)
-        np.testing.assert_array_equal(out.view(np.int32), twin.view(np.int32), err_msg=f"{form} {name}")
+        np.testing.assert_array_equal(out[0].view(np.int32), twin.view(np.int32), err_msg=f"{form} {t}")
+        wts = rng.random(3).astype(np.float32)
+        summed = np.full(w.n_out, np.nan, np.float32)
+        down_sum(t, w.raw, ids, wts, xa.q, xa.d, xa.s, C._F16_TABLE, 2, summed)
+        np.testing.assert_array_equal(summed.view(np.int32),
+                                      C.weighted_matvec(w, ids, wts, xa, fast=False).view(np.int32))
+    for kernel in (matvec, down_sum):
         asm = kernel.inspect_asm(kernel.signatures[0])
         for f, mark in _FORM_MARK.items():
-            assert (mark in asm) == (f == form), f"{form} {name}: {mark} {'missing' if f == form else 'present'}"
+            assert (mark in asm) == (f == form), f"{form}: {mark} {'missing' if f == form else 'present'}"
 
 
 @pytest.mark.parametrize("t", TYPES, ids=[Q.type_name(t) for t in TYPES])
@@ -182,12 +184,111 @@ def test_two_stacks_in_one_region_equal_each_alone(t):
     a, b = (random_stack(rng, t, 4, 13, _n_in(t, 1)) for _ in range(2))
     ids = np.array([1, 3, 1])
     xa = C.quantize_rows((rng.standard_normal((3, a.n_in)) * 2).astype(np.float32))
-    pa, pb = C._run_kernel([a, b], ids, xa, 2)
-    for pair, w in ((pa, a), (pb, b)):
+    out = np.full((2, 3, a.n_out), np.nan, np.float32)
+    C._matvec([a, b], ids, xa.q, xa.d, xa.s, 2, out)
+    for pair, w in zip(out, (a, b), strict=True):
         np.testing.assert_array_equal(pair.view(np.int32), C.expert_matvec(w, ids, xa).view(np.int32))
         np.testing.assert_array_equal(pair.view(np.int32), C.expert_matvec(w, ids, xa, fast=False).view(np.int32))
     with pytest.raises(ValueError, match="same type and shape"):
-        C._run_kernel([a, random_stack(rng, t, 4, 12, _n_in(t, 1))], ids, xa, 1)
+        C._matvec([a, random_stack(rng, t, 4, 12, _n_in(t, 1))], ids, xa.q, xa.d, xa.s, 1, out)
+
+
+@pytest.mark.parametrize("t", TYPES, ids=[Q.type_name(t) for t in TYPES])
+def test_one_activation_row_shared_by_every_slot(t):
+    """x with one row (a token's x, quantized once) gives, for every slot, what that row repeated k
+    times gives: kernel and twin, bit for bit."""
+    rng = np.random.default_rng(400 + t)
+    w = random_stack(rng, t, 5, 11, _n_in(t, 0))
+    ids = np.array([4, 1, 4, 0])
+    x = (rng.standard_normal((1, w.n_in)) * 2).astype(np.float32)
+    one, rep = C.quantize_rows(x), C.quantize_rows(np.repeat(x, 4, axis=0))
+    want = C.expert_matvec(w, ids, rep, fast=False)
+    for fast in (True, False):
+        np.testing.assert_array_equal(C.expert_matvec(w, ids, one, fast=fast).view(np.int32), want.view(np.int32))
+    with pytest.raises(ValueError, match="activation rows"):
+        C.expert_matvec(w, ids, C.quantize_rows(np.repeat(x, 2, axis=0)))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=[Q.type_name(t) for t in TYPES])
+@pytest.mark.parametrize("n_out", [7, 37, 64])
+def test_down_products_and_weighted_sum_in_one_region(t, n_out):
+    """The down region (each output row: the slots' products times their weights, added in slot
+    order) equals the twin (k products, then the float32 weighted sum) bit for bit, for every split
+    of the rows into jobs: 1 to more jobs than row groups, a last job shorter than the others, rows
+    repeated in a four-row group (7, 37) or not (64)."""
+    rng = np.random.default_rng(500 + 3 * t + n_out)
+    w = random_stack(rng, t, 6, n_out, _n_in(t, 1))
+    ids = np.array([5, 2, 5, 0, 3])
+    xa = C.quantize_rows((rng.standard_normal((5, w.n_in)) * 3).astype(np.float32))
+    wts = rng.dirichlet(np.ones(5)).astype(np.float32)
+    y = C.expert_matvec(w, ids, xa, fast=False)
+    want = np.zeros(n_out, np.float32)
+    for s in range(5):
+        want += wts[s] * y[s]
+    twin = C.weighted_matvec(w, ids, wts, xa, fast=False)
+    np.testing.assert_array_equal(twin.view(np.int32), want.view(np.int32))
+    for n_jobs in (1, 2, 3, 5, 16, 64):
+        out = np.full(n_out, np.nan, np.float32)
+        C._down_sum_nb(t, w.raw, ids, wts, xa.q, xa.d, xa.s, C._F16_TABLE, n_jobs, out)
+        np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32), err_msg=f"{n_jobs} jobs")
+    np.testing.assert_array_equal(C.weighted_matvec(w, ids, wts.astype(np.float64), xa, threads=2).view(np.int32),
+                                  want.view(np.int32))
+
+
+def _swiglu_inputs(rng, k, f):
+    g = (rng.standard_normal((k, f)) * 4).astype(np.float32)
+    u = rng.standard_normal((k, f)).astype(np.float32)
+    # the edges: zeros of both signs, the clip at |g| = 708 and beyond, float32's largest values,
+    # subnormals, non-finite g (h is NaN) and u
+    g[0, :11] = [0.0, -0.0, 707.5, -707.5, 708.5, -708.5, 3e38, -3e38, 1e-40, -1e-40, -190.0]
+    u[0, 7] = 1.0  # silu(-3e38) * 1: -0.0
+    u[0, 10] = 3e38  # silu(-190) * 3e38 = -1.7e-42: a float32 subnormal, not zero
+    g[1, :3] = [np.nan, np.inf, -np.inf]
+    u[2, :3] = [np.nan, np.inf, -np.inf]
+    return g, u
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_swiglu_and_quantize_kernel_equals_twin(fused):
+    """h = silu(g) * u and its int8 blocks in one compiled call equal the twins bit for bit, with
+    gate and up as two stacks' outputs or as the halves of the fused stack's rows."""
+    rng = np.random.default_rng(6)
+    k, f = 5, 96
+    g, u = _swiglu_inputs(rng, k, f)
+    gu = np.concatenate([g, u], axis=1)[None] if fused else np.stack([g, u])
+    q, d, s = C._row_buffers(k, f)
+    q[:], d[:], s[:] = 99, np.nan, 99
+    C._swiglu_quantize_nb(gu, 0 if fused else 1, f if fused else 0, f, q, d, s)
+    h = C._swiglu_twin(g, u)
+    want = C.quantize_rows(h, fast=False)
+    np.testing.assert_array_equal(q, want.q)
+    np.testing.assert_array_equal(d.view(np.int32), want.d.view(np.int32))
+    np.testing.assert_array_equal(s, want.s)
+    assert np.isnan(h[1, :3]).all() and np.isnan(d[1, 0]) and np.isnan(d[2, 0])
+    with np.errstate(over="ignore"):
+        assert h[0, 7] == 0 and np.signbit(h[0, 7]) and h[0, 6] == np.float32(3e38) * u[0, 6]
+    assert -2e-42 < h[0, 10] < -1.5e-42
+
+
+def test_swiglu_is_the_float64_formula_to_float32_rounding():
+    """The twin's silu(g) * u (its own exp from IEEE operations, so kernel and twin agree to the bit)
+    is the float64 formula rounded to float32 but for rare last-bit ties: within one float32 ulp of
+    the backend's tanh form, equal to it almost always, where that form is accurate (g > -12: below,
+    1 + tanh(g/2) cancels), and of g / (1 + exp(-g)) with NumPy's exp everywhere."""
+    rng = np.random.default_rng(8)
+    g = (rng.standard_normal((64, 4096)) * rng.uniform(0.1, 30, (64, 1))).astype(np.float32)
+    u = rng.standard_normal((64, 4096)).astype(np.float32)
+    h = C._swiglu_twin(g, u)
+    gv = g.astype(np.float64)
+    ref = (gv * (0.5 * (1.0 + np.tanh(0.5 * gv))) * u).astype(np.float32)
+    ok = g > -12
+    assert ok.mean() > 0.8 and (~ok).sum() > 1000
+    ulp = np.spacing(np.abs(ref)).astype(np.float64)
+    assert np.all((np.abs(h.astype(np.float64) - ref) <= ulp)[ok])
+    assert np.mean((h != ref)[ok]) < 1e-4
+    silu = gv / (1.0 + np.exp(-gv))  # with NumPy's exp
+    err = np.abs(C._swiglu_twin(g, np.ones_like(u)) - silu)
+    assert np.all(err <= np.spacing(np.abs(silu).astype(np.float32)))
 
 
 @pytest.mark.parametrize("t", TYPES, ids=[Q.type_name(t) for t in TYPES])
@@ -254,32 +355,46 @@ def _silu64(g):
     return g / (1.0 + np.exp(-g))
 
 
-@pytest.mark.parametrize("layout", ["separate", "same-type", "fused"])
-def test_routed_experts_block(layout, monkeypatch):
-    """One token through k experts: numba == twin bit for bit; both near the float64 formula.
-    Separate gate and up of one type run in one parallel region (checked: two stacks, one call)."""
-    rng = np.random.default_rng(7)
-    E, H, Fe = 9, 256, 96
-    t_gate, t_down = (Q.Q4_K, Q.Q8_0)
-    fused = layout == "fused"
-    if fused:
-        gate, up = random_stack(rng, t_gate, E, 2 * Fe, H), None
+def _block(rng, layout, E=9, H=256, Fe=96):
+    """gate, up, down stacks of one MoE block: separate gate/up of two types (two regions), of one
+    type (one region), or the fused gate+up stack."""
+    if layout == "fused":
+        gate, up = random_stack(rng, Q.Q4_K, E, 2 * Fe, H), None
     else:
         # same-type: both Q6_K (a Q6_K file's layout; the pair path of every type is checked bit for
         # bit in test_two_stacks_in_one_region_equal_each_alone)
-        t_g = Q.Q6_K if layout == "same-type" else t_gate
+        t_g = Q.Q6_K if layout == "same-type" else Q.Q4_K
         gate, up = random_stack(rng, t_g, E, Fe, H), random_stack(rng, Q.Q6_K, E, Fe, H)
+    return gate, up, random_stack(rng, Q.Q8_0, E, H, Fe)
+
+
+@pytest.mark.parametrize("layout", ["separate", "same-type", "fused"])
+def test_routed_experts_block(layout, monkeypatch):
+    """One token through k experts: numba == twin bit for bit; both near the float64 formula.
+    Separate gate and up of one type run in one parallel region (checked: two stacks, one call), the
+    down products and the weighted sum in one more."""
+    rng = np.random.default_rng(7)
+    Fe, H = 96, 256
+    gate, up, down = _block(rng, layout, H=H, Fe=Fe)
     calls = []
-    run = C._run_kernel
-    monkeypatch.setattr(C, "_run_kernel", lambda stacks, *a: calls.append(len(stacks)) or run(stacks, *a))
-    down = random_stack(rng, t_down, E, H, Fe)
+    matvec, down_sum = C._matvec_nb, C._down_sum_nb
+    monkeypatch.setattr(C, "_matvec_nb", lambda *a: calls.append(a[3]) or matvec(*a))
+    monkeypatch.setattr(C, "_down_sum_nb", lambda *a: calls.append("down") or down_sum(*a))
     x = rng.standard_normal(H).astype(np.float32)
     ids = np.array([8, 2, 5])
     wts = np.array([0.5, 0.3, 0.2])
     fast = C.routed_experts(x, ids, wts, gate, up, down)
-    assert calls == {"separate": [1, 1, 1], "same-type": [2, 1], "fused": [1, 1]}[layout]
+    assert calls == {"separate": [1, 1, "down"], "same-type": [2, "down"], "fused": [1, "down"]}[layout]
     twin = C.routed_experts(x, ids, wts, gate, up, down, fast=False)
     np.testing.assert_array_equal(fast.view(np.int32), twin.view(np.int32))
+    # the twin is the composition of the parts it names, each checked against its kernel above
+    fused = up is None
+    xa = C.quantize_rows(x[None], fast=False)
+    g = C.expert_matvec(gate, ids, xa, fast=False)
+    g, u = (g[:, :Fe], g[:, Fe:]) if fused else (g, C.expert_matvec(up, ids, xa, fast=False))
+    h = C.quantize_rows(C._swiglu_twin(g, u), fast=False)
+    parts = C.weighted_matvec(down, ids, wts, h, fast=False)
+    np.testing.assert_array_equal(twin.view(np.int32), parts.view(np.int32))
     g_all = _gguf_dense(gate)
     d_all = _gguf_dense(down)
     u_all = g_all[:, Fe:] if fused else _gguf_dense(up)
@@ -289,6 +404,78 @@ def test_routed_experts_block(layout, monkeypatch):
     # two int8 roundings (x, then the SwiGLU output), each <= 1/254 of a block's largest value
     rel = np.linalg.norm(fast - ref) / np.linalg.norm(ref)
     assert 0 < rel < 2e-2, rel
+
+
+def test_routed_experts_takes_ids_and_weights_of_any_number_type():
+    """ids as int64, int32, uint8, float32 or float64 (a GPU's routing sends whole numbers as
+    float32) and weights as float32 or float64 give the same bits, kernel and twin; ids that are not
+    whole numbers of an expert are refused, with the slot and the value."""
+    rng = np.random.default_rng(12)
+    gate, up, down = _block(rng, "same-type")
+    x = rng.standard_normal(gate.n_in).astype(np.float32)
+    ids = np.array([8, 0, 5, 8])
+    wts = rng.dirichlet(np.ones(4))
+    want = C.routed_experts(x, ids, wts, gate, up, down)
+    np.testing.assert_array_equal(want.view(np.int32),
+                                  C.routed_experts(x, ids, wts, gate, up, down, fast=False).view(np.int32))
+    for id_type in (np.int32, np.uint8, np.float32, np.float64):
+        for w_type in (np.float32, np.float64):
+            for fast in (True, False):
+                got = C.routed_experts(x, ids.astype(id_type), wts.astype(w_type), gate, up, down,
+                                       fast=fast, threads=2)
+                np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32),
+                                              err_msg=f"{id_type} {w_type} {fast}")
+    for bad, what in (([8, 0, 9, 1], "9"), ([8, -1, 5, 1], "-1"), ([8, 0, 2.5, 1], "2.5"),
+                      ([8, 0, np.nan, 1], "nan")):
+        for fast in (True, False):
+            with pytest.raises(IndexError, match=re.escape(f"expert id {what} (slot")):
+                C.routed_experts(x, np.array(bad), wts, gate, up, down, fast=fast)
+    with pytest.raises(ValueError, match="4 expert ids need 4 weights"):
+        C.routed_experts(x, ids, wts[:3], gate, up, down)
+    with pytest.raises(ValueError, match="token has 128"):
+        C.routed_experts(x[:128], ids, wts, gate, up, down)
+    with pytest.raises(ValueError, match="down experts take"):
+        C.routed_experts(x, ids, wts, gate, up, random_stack(rng, Q.Q8_0, 9, 256, 64))
+    with pytest.raises(TypeError, match="integers or whole floats"):
+        C.routed_experts(x, ids.astype(complex), wts, gate, up, down)
+
+
+def test_thread_count_is_set_only_when_it_changes(monkeypatch):
+    """numba's thread count is set once for a run of tokens at one count, not around every call."""
+    import numba
+
+    rng = np.random.default_rng(13)
+    gate, up, down = _block(rng, "fused")
+    x = rng.standard_normal(gate.n_in).astype(np.float32)
+    before = numba.get_num_threads()
+    real = numba.set_num_threads
+    real(1)
+    sets: list[int] = []
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: sets.append(n) or real(n))
+    try:
+        for _ in range(3):
+            C.routed_experts(x, [1, 2], [0.5, 0.5], gate, up, down, threads=2)
+        assert sets == [2] and numba.get_num_threads() == 2
+        C.routed_experts(x, [1, 2], [0.5, 0.5], gate, up, down)  # None: left as it is
+        assert sets == [2]
+        C.routed_experts(x, [1, 2], [0.5, 0.5], gate, up, down, threads=1000)  # clipped to the most
+        most = numba.config.NUMBA_NUM_THREADS
+        assert sets == ([2] if most == 2 else [2, most]) and numba.get_num_threads() == most
+    finally:
+        real(before)
+
+
+def test_expert_stack_is_checked_once_and_kept_read_only():
+    rng = np.random.default_rng(14)
+    w = random_stack(rng, Q.Q4_K, 3, 5, 256)
+    assert not w.raw.flags.writeable and w.raw.flags.c_contiguous
+    assert (w.n_experts, w.n_out) == (3, 5) and type(w.n_out) is int
+    wide = np.zeros((3, 10, 144), np.uint8)
+    wide[:, ::2] = w.raw
+    again = C.ExpertStack(wide[:, ::2], Q.Q4_K, 256)  # not contiguous: copied once, here
+    assert again.raw.flags.c_contiguous and not again.raw.flags.writeable
+    xa = C.quantize_rows(rng.standard_normal((1, 256)).astype(np.float32))
+    np.testing.assert_array_equal(C.expert_matvec(again, [2, 0], xa), C.expert_matvec(w, [2, 0], xa))
 
 
 # ------------------------------------------------------------------------------------------------
