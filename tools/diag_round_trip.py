@@ -8,6 +8,7 @@ CPU work left out or replaced by stand-ins, replays each --replays times (waited
 blocking-sync event, as the engine does), and prints microseconds per layer:
   kernels                 a small kernel per layer only (the floor of a graph node)
   + copies                the two 8 KiB copies (to pinned host memory and back)
+  + native host function  the C library's free(NULL) as the host function: the driver's own cost
   + host function (no-op) a Python host function that returns at once (kernels/host_func.py)
   + empty numba region    the host function starts an empty parallel loop on --threads threads
 So (+ host function) - (+ copies) is what queueing a host function costs the stream, and the last
@@ -18,6 +19,8 @@ What this is not: a benchmark of the experts (tools/bench_moe_cpu.py) or of a mo
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import time
 
 import cupy as cp
@@ -33,6 +36,8 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--width", type=int, default=2048, help="float32 values per copied row")
+    ap.add_argument("--no-main-region", action="store_true",
+                    help="never start the parallel loop on the main thread (one OpenMP pool, the driver thread's)")
     args = ap.parse_args()
 
     @numba.njit(parallel=True, cache=False)
@@ -42,7 +47,8 @@ def main() -> None:
 
     scratch = np.zeros(4 * args.threads)
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    region(scratch)
+    if not args.no_main_region:
+        region(scratch)
 
     def noop(arg: int) -> None:
         return None
@@ -50,13 +56,19 @@ def main() -> None:
     def empty_region(arg: int) -> None:
         region(scratch)
 
+    libc = ctypes.CDLL(None)
+    native = host_func._HOSTFN(ctypes.cast(libc.free, ctypes.c_void_p).value)  # free(NULL): a no-op
+
     n = args.width
     pin_x = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n), np.float32, n)
     pin_y = np.frombuffer(cp.cuda.alloc_pinned_memory(4 * n), np.float32, n)
     stream = cp.cuda.Stream(non_blocking=True)
     sleeper = cp.cuda.Event(block=True, disable_timing=True)
     rt = cp.cuda.runtime
+    print(f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"{args.threads} numba threads")
     for label, copies, fn in [("kernels", False, None), ("+ copies", True, None),
+                              ("+ native host function", True, native),
                               ("+ host function (no-op)", True, noop),
                               ("+ empty numba region", True, empty_region)]:
         with stream:
@@ -68,7 +80,10 @@ def main() -> None:
                 x += 1
                 if copies:
                     rt.memcpyAsync(pin_x.ctypes.data, x.data.ptr, 4 * n, rt.memcpyDeviceToHost, stream.ptr)
-                if fn is not None:
+                if fn is native:
+                    status = host_func._driver_launch()(ctypes.c_void_p(stream.ptr), native, None)
+                    assert status == 0, status
+                elif fn is not None:
                     host_func.launch(stream.ptr, fn, 0)
                 if copies:
                     rt.memcpyAsync(x.data.ptr, pin_y.ctypes.data, 4 * n, rt.memcpyHostToDevice, stream.ptr)
