@@ -169,6 +169,8 @@ if [ "$MODE" = moe-host ]; then
   # kernels for decode, MOE_THREADS threads); then llama-bench on the same file (c) all on the GPU and
   # (d) with --n-cpu-moe N, N = the number of layers minecart's plan put in host RAM, same threads.
   # Logs: moe_ours_gpu.json, moe_ours_host.json, moe_peer.log (+ .err files).
+  # MOE_TESTS: GPU test files to run while the peer builds (moe_tests.log); the 35B file is synthesized
+  # meanwhile too, and the timed runs start only when the build is done (it takes every core)
   T=${MOE_THREADS:-16}
   # (a build started earlier in the same call, e.g. in the background during the GPU tests, is waited for)
   if [ -f /tmp/peer_build.pid ]; then BUILD=$(cat /tmp/peer_build.pid); else
@@ -178,7 +180,16 @@ if [ "$MODE" = moe-host ]; then
   F=/tmp/bench/qwen3.6-35b-a3b-q4_k.gguf
   mkdir -p /tmp/bench
   [ -f "$F" ] || timeout 300 python3 -m minecart.engine.cli synth --shape qwen3.6-35b-a3b --quant q4_k "$F" \
-    >"$OUT/moe_synth.log" 2>&1
+    >"$OUT/moe_synth.log" 2>&1 &
+  SYNTH=$!
+  if [ -n "${MOE_TESTS:-}" ]; then
+    # shellcheck disable=SC2086
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider --timeout 240 -s $MOE_TESTS \
+      >"$OUT/moe_tests.log" 2>&1
+    echo "moe tests exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe_tests.log" | tail -8
+  fi
+  wait "$SYNTH"
+  while kill -0 "$BUILD" 2>/dev/null; do sleep 2; done
   MB="--prefill 4096 --decode-ctx 0 --decode-tokens 32 --threads $T --json"
   if [ -z "${MOE_HOST_ONLY:-}" ]; then  # MOE_HOST_ONLY=1: only the host-expert runs, ours and the peer's
     # shellcheck disable=SC2086
