@@ -143,10 +143,15 @@ def compose_moe_block(be: Backend, x, router, gate_exps, up_exps, down_exps, k: 
     experts live elsewhere runs, engine/experts.py)."""
     y = be.moe(x, router, gate_exps, up_exps, down_exps, k)
     if shared is not None:
-        gate, up = be.matmul_many(x, [shared.gate, shared.up])
-        s = be.matmul(be.swiglu(gate, up), shared.down)
-        y = be.add(y, be.mul(s, be.sigmoid(be.matmul(x, shared.gate_inp))))  # gate (T, 1)
+        y = be.add(y, shared_expert(be, x, shared))
     return y if residual is None else be.add(residual, y)
+
+
+def shared_expert(be: Backend, x, shared: MoeShared):
+    """A MoE block's shared expert: sigmoid(x @ gate_inp.T) * SwiGLU FFN of x; x (T, H) -> (T, H)."""
+    gate, up = be.matmul_many(x, [shared.gate, shared.up])
+    s = be.matmul(be.swiglu(gate, up), shared.down)
+    return be.mul(s, be.sigmoid(be.matmul(x, shared.gate_inp)))  # gate (T, 1)
 
 
 class FusedOpsMixin:
@@ -288,6 +293,15 @@ class DeviceHooks:
         host_x[...] = self.to_numpy(x).reshape(host_x.shape)  # type: ignore[attr-defined]
         fn(arg)
         return self.asarray(host_y)  # type: ignore[attr-defined]
+
+    def alongside(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """Queue fn() (ops of this backend on arrays ready now) to run beside the work queued after
+        this call, and return `join`: join() orders the work queued after it behind fn's and returns
+        fn's result. A CUDA device runs fn on a second stream (in a captured graph: a branch of it),
+        so e.g. a MoE block's shared expert runs while its routed experts make a round trip to the
+        host (engine/experts.py). Here (a host backend): fn runs now."""
+        out = fn()
+        return lambda: out
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True) -> Any:
@@ -478,6 +492,8 @@ class Backend(Protocol):
     def bind_thread(self) -> None: ...
 
     def host_round_trip(self, x: Array, host_x: Any, host_y: Any, fn: Callable[[int], None], arg: int) -> Array: ...
+
+    def alongside(self, fn: Callable[[], Any]) -> Callable[[], Any]: ...
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True) -> Any: ...

@@ -537,6 +537,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._load_pool_peak = 0  # the pool's highest total while weights were uploaded (load_memory_peak)
         self._hold_done: Any = None  # the event `hold` records again after each simulated link's hold
         self._sleeper: Any = None  # the _sleep_event of waits for host functions (host_round_trip)
+        self._side: Any = None  # (stream, fork event, join event) of `alongside`, made on first use
         self.use_graphs = not os.environ.get("MINECART_NO_CUDA_GRAPH")
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
@@ -628,6 +629,31 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 self._capture.sleeper = self._sleeper  # the graph's replays are waited for the same way
             # (under a capture, x and out came from the capture's allocator: the graph keeps them)
             return out
+
+    def alongside(self, fn):
+        """DeviceHooks.alongside on a second stream of this device: it waits for the current stream's
+        work so far (an event), runs fn's ops, and join() makes the current stream wait for them (a
+        second event). Under a capture this forks and joins the graph; eagerly it overlaps the same
+        way. The side stream's arrays go back to its own pool arena, and its next work waits for the
+        next fork, which comes after every use of them on the current stream."""
+        with self._dev:
+            main = cp.cuda.get_current_stream()
+            if self._side is None:
+                self._side = (cp.cuda.Stream(non_blocking=True), cp.cuda.Event(disable_timing=True),
+                              cp.cuda.Event(disable_timing=True))
+            side, forked, done = self._side
+            forked.record(main)
+            side.wait_event(forked)
+            with side:
+                out = fn()
+            done.record(side)
+
+        def join():
+            with self._dev:
+                cp.cuda.get_current_stream().wait_event(done)
+            return out
+
+        return join
 
     def zeros(self, shape, dtype: str = "float32"):
         with self._dev:
