@@ -190,7 +190,9 @@ if [ "$MODE" = moe-host ]; then
   fi
   wait "$SYNTH"
   while kill -0 "$BUILD" 2>/dev/null; do sleep 2; done
-  MB="--prefill 4096 --decode-ctx 0 --decode-tokens 32 --threads $T --json"
+  # MOE_CHUNK: minecart's prefill chunk (0: the 4,096-token prompt in one pass; 2048: the runtime's
+  # shortest run with streamed host-RAM experts, placement.STREAMED_EXPERTS_CHUNK)
+  MB="--prefill 4096 --chunk ${MOE_CHUNK:-0} --decode-ctx 0 --decode-tokens 32 --threads $T --json"
   if [ -z "${MOE_HOST_ONLY:-}" ]; then  # MOE_HOST_ONLY=1: only the host-expert runs, ours and the peer's
     # shellcheck disable=SC2086
     timeout 200 python3 -m minecart.engine.cli bench "$F" $MB >"$OUT/moe_ours_gpu.json" 2>"$OUT/moe_ours_gpu.err"
