@@ -167,23 +167,29 @@ def _quantize_rows_twin(x: np.ndarray) -> QuantizedRows:
 @njit(cache=True, error_model="numpy")  # its one division is by a normal float: no check needed
 def _quantize_rows_nb(x, q, d, s):  # pragma: no cover - compiled
     n, k = x.shape
+    one = np.empty(1, np.int32)  # a block's largest |x|, from its bits
+    as_float = one.view(np.float32)
     for r in range(n):
+        xr, qr, bits = x[r], q[r], x[r].view(np.int32)
         for b in range(k // 32):
-            amax = np.float32(0.0)
-            finite = True
-            for l in range(32):
-                a = abs(x[r, b * 32 + l])
-                if a > amax:
-                    amax = a
-                if not a < np.inf:  # inf or NaN
-                    finite = False
+            o = 32 * b
+            top = 0
+            for l in range(32):  # |x| by its bits: for values >= 0 the integer order is the float
+                top = max(top, bits[o + l] & 0x7FFFFFFF)  # order, inf and NaN above all (vectorizes)
+            finite = top < 0x7F800000
+            one[0] = top
+            amax = as_float[0]
             db = amax / np.float32(127.0) if finite else np.float32(np.nan)
-            inv = np.float32(1.0) / db if finite and db >= _MIN_NORMAL else np.float32(0.0)
             tot = 0
-            for l in range(32):
-                v = np.int8(np.rint(x[r, b * 32 + l] * inv)) if finite else np.int8(0)
-                q[r, b * 32 + l] = v
-                tot += v
+            if finite:
+                inv = np.float32(1.0) / db if db >= _MIN_NORMAL else np.float32(0.0)
+                for l in range(32):
+                    v = np.int8(np.rint(xr[o + l] * inv))
+                    qr[o + l] = v
+                    tot += v
+            else:
+                for l in range(32):
+                    qr[o + l] = 0
             d[r, b] = db
             s[r, b] = tot
 
@@ -1087,27 +1093,57 @@ def routed_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: Ex
     if not fast:
         return _routed_experts_twin(xv, idv, wv, gate, up, down, fe)
     _need_numba()
-    k, n_in = idv.size, xv.shape[1]
-    idx, w32 = np.empty(k, np.int64), np.empty(k, F32)
-    xq, xd, xs = _row_buffers(1, n_in)
-    bad = _token_nb(xv, idv, wv, gate.n_experts, idx, w32, xq, xd, xs)
+    n_threads = set_threads(threads)
+    mode = _gate_up_mode(gate, up)
+    u = gate if up is None else up
+    out = np.empty(down.n_out, F32)
+    bad = _routed_experts_nb(xv, idv, wv, gate.ggml_type, gate.raw, u.ggml_type, u.raw, mode, fe,
+                             down.ggml_type, down.raw, _F16_TABLE, n_threads, out)
     if bad >= 0:
         raise IndexError(f"expert id {idv[bad].item()} (slot {bad}) is not one of {gate.n_experts} experts")
-    n_threads = set_threads(threads)
-    t = gate.ggml_type
-    gu = np.empty((1 if up is None else 2, k, gate.n_out), F32)
-    if up is None:
-        _matvec_nb(t, gate.raw, gate.raw, 1, idx, xq, xd, xs, 0, _F16_TABLE, gu)
-    elif up.ggml_type == t:  # same shape, checked: one region for both
-        _matvec_nb(t, gate.raw, up.raw, 2, idx, xq, xd, xs, 0, _F16_TABLE, gu)
-    else:
-        _matvec_nb(t, gate.raw, gate.raw, 1, idx, xq, xd, xs, 0, _F16_TABLE, gu[0:1])
-        _matvec_nb(up.ggml_type, up.raw, up.raw, 1, idx, xq, xd, xs, 0, _F16_TABLE, gu[1:2])
-    hq, hd, hs = _row_buffers(k, fe)
-    _swiglu_quantize_nb(gu, 0 if up is None else 1, fe if up is None else 0, fe, hq, hd, hs)
-    out = np.empty(down.n_out, F32)
-    _down_sum_nb(down.ggml_type, down.raw, idx, w32, hq, hd, hs, _F16_TABLE, n_threads, out)
     return out
+
+
+# how _routed_experts_nb runs gate and up: the fused stack (one region), two stacks of one type and
+# shape (one region for both), two of different types (a region each)
+_FUSED, _ONE_REGION, _TWO_REGIONS = 0, 1, 2
+
+
+def _gate_up_mode(gate: ExpertStack, up: ExpertStack | None) -> int:
+    if up is None:
+        return _FUSED
+    return _ONE_REGION if up.ggml_type == gate.ggml_type else _TWO_REGIONS  # shapes: _check_block
+
+
+@njit(cache=True)
+def _routed_experts_nb(x, ids, wts, t_g, g_raw, t_u, u_raw, mode, fe, t_d, d_raw, table, n_threads,
+                       out):  # pragma: no cover - compiled
+    """routed_experts after its checks, in one compiled call (each call from Python into numba costs
+    microseconds, more with the caches cold after a token's experts went through them): returns the
+    first slot whose id is not an expert's (nothing computed), else -1 with out written."""
+    k, n_in = ids.shape[0], x.shape[1]
+    idx, w32 = np.empty(k, np.int64), np.empty(k, np.float32)
+    xq = np.empty((1, n_in), np.int8)
+    xd, xs = np.empty((1, n_in // 32), np.float32), np.empty((1, n_in // 32), np.int32)
+    bad = _token_nb(x, ids, wts, g_raw.shape[0], idx, w32, xq, xd, xs)
+    if bad >= 0:
+        return bad
+    gu = np.empty((1 if mode == _FUSED else 2, k, g_raw.shape[1]), np.float32)
+    if mode == _TWO_REGIONS:
+        g1, u1 = np.empty((1, k, fe), np.float32), np.empty((1, k, fe), np.float32)
+        _matvec_nb(t_g, g_raw, g_raw, 1, idx, xq, xd, xs, 0, table, g1)
+        _matvec_nb(t_u, u_raw, u_raw, 1, idx, xq, xd, xs, 0, table, u1)
+        gu[0], gu[1] = g1[0], u1[0]
+    else:
+        _matvec_nb(t_g, g_raw, u_raw, 1 if mode == _FUSED else 2, idx, xq, xd, xs, 0, table, gu)
+    hq = np.empty((k, fe), np.int8)
+    hd, hs = np.empty((k, fe // 32), np.float32), np.empty((k, fe // 32), np.int32)
+    if mode == _FUSED:  # gate rows, then up rows
+        _swiglu_quantize_nb(gu, 0, fe, fe, hq, hd, hs)
+    else:
+        _swiglu_quantize_nb(gu, 1, 0, fe, hq, hd, hs)
+    _down_sum_nb(t_d, d_raw, idx, w32, hq, hd, hs, table, n_threads, out)
+    return -1
 
 
 def _row_buffers(n: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -108,13 +108,18 @@ def bench_type(t: int, rng: np.random.Generator, router: NumpyWeight, tokens: li
 
 def phases(stacks: list, router: np.ndarray, tokens: list[np.ndarray], args: argparse.Namespace) -> None:
     """Median microseconds of each step of routed_experts, per thread count (--phases): where the
-    time of a token goes beside the two parallel regions (gate+up, down with the weighted sum)."""
+    time of a token goes beside the two parallel regions (gate+up; down with the weighted sum).
+    routed_experts is one compiled call, so its regions are timed alone, called as it calls them,
+    with the same experts of a copy of the stacks (so from RAM alike: each was last read 16 tokens
+    ago); "beside the regions" is the median whole less their medians.
+    The small steps are then timed alone (on data in cache) to say what the rest is."""
     k = args.used
     gate, up, down = stacks
     if up.ggml_type != gate.ggml_type:
         raise SystemExit("--phases times gate and up of one type (one region)")
     empty = _empty_region()
     F, H = gate.n_out, gate.n_in
+    g2, u2, d2 = (C.ExpertStack(np.array(s.raw), s.ggml_type, s.n_in) for s in stacks)
     for n in (int(s) for s in args.threads.split(",")):
         steps: dict[str, list[float]] = {}
 
@@ -129,27 +134,29 @@ def phases(stacks: list, router: np.ndarray, tokens: list[np.ndarray], args: arg
             t = time.perf_counter()
             ids, w = C.route(x, router, k)
             t = lap("route", t)
+            C.routed_experts(x, ids, w, gate, up, down, threads=n)
+            t = lap("routed_experts (whole)", t)
             idx, w32 = np.empty(k, np.int64), np.empty(k, np.float32)
             xq, xd, xs = C._row_buffers(1, H)
+            t = time.perf_counter()
             C._token_nb(x.reshape(1, -1), ids, w, gate.n_experts, idx, w32, xq, xd, xs)
             t = lap("ids + quantize x", t)
             gu = np.empty((2, k, F), np.float32)
-            C._matvec_nb(gate.ggml_type, gate.raw, up.raw, 2, idx, xq, xd, xs, 0, C._F16_TABLE, gu)
+            t = time.perf_counter()
+            C._matvec_nb(gate.ggml_type, g2.raw, u2.raw, 2, idx, xq, xd, xs, 0, C._F16_TABLE, gu)
             t = lap("gate+up region", t)
             hq, hd, hs = C._row_buffers(k, F)
             C._swiglu_quantize_nb(gu, 1, 0, F, hq, hd, hs)
             t = lap("swiglu + quantize h", t)
-            o = np.empty(down.n_out, np.float32)
-            C._down_sum_nb(down.ggml_type, down.raw, idx, w32, hq, hd, hs, C._F16_TABLE, n, o)
+            o = np.empty(H, np.float32)
+            C._down_sum_nb(down.ggml_type, d2.raw, idx, w32, hq, hd, hs, C._F16_TABLE, n, o)
             t = lap("down + weighted sum region", t)
             empty(np.zeros(4 * n))
-            t = lap("empty parallel region", t)
-            C.routed_experts(x, ids, w, gate, up, down, threads=n)
-            lap("routed_experts (whole)", t)
+            lap("empty parallel region", t)
         med = {name: float(np.median(v)) for name, v in steps.items()}
         beside = med["routed_experts (whole)"] - med["gate+up region"] - med["down + weighted sum region"]
         print(f"  phases at {n} thread(s), median us: " + ", ".join(f"{name} {v:.0f}" for name, v in med.items())
-              + f"; whole minus the two regions {beside:.0f}")
+              + f"; beside the regions {beside:.0f}")
 
 
 def _empty_region():
