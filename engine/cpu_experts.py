@@ -23,6 +23,13 @@ The per-block float32 formulas (dx: activation block scale, isum/bsum: int32 sum
   Q4_K, Q5_K  acc += (d * dx) * (sc * isum) - (dmin * dx) * (m * bsum)    bsum = sum(xq)
   Q6_K        acc += (d * dx) * (sc_lo * isum_lo + sc_hi * isum_hi)      two 16-value halves, q - 32
 
+A token's whole expert block, `routed_experts` (ids and weights given: by `route`, or by a GPU's
+routing), is one compiled call after a few integer checks: x quantized once (one activation row
+shared by the k slots), gate and up in one parallel region, SwiGLU and the quantization of h in one
+vectorized loop (its exp from IEEE operations, so that the twin matches it to the bit), then the
+down products and their weighted sum in a second region (each output row: its slots' products times
+their weights, added in slot order). docs/moe-cpu.md has what each step costs.
+
 The token's routing comes with them: `route` (router logits in float64, softmax, top-k,
 renormalized, as the NumPy backend's moe_route) as a numba kernel that reads the float32 router
 directly, so a decode token's MoE on the CPU calls no BLAS at all, and its NumPy twin.
