@@ -616,14 +616,19 @@ _q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_in
 # values again) and one row, read straight through, for Q8_0 and Q6_K: on the 2-core Zen 5 machine
 # (one thread, experts from RAM) four rows in step were 10-30% faster for the first three and 1.5-3x
 # slower for these two (Q6_K gate rows: 4.5 against 13 GB/s). Each row's blocks go in file order.
-# One kernel per region serves every type (the type code picks the block intrinsic; a job is
-# thousands of multiply-adds, the branch costs nothing next to it). A token takes two regions:
-# - _matvec_nb: out[st, s, r] = row r of expert ids[s] of stack st . activation row s * xstep
-#   (xstep 0: one row shared by every slot, a token's x quantized once), for the first n_stacks (1
-#   or 2) of w_a, w_b: a token's gate and up of one type share the region (one start of the threads);
-# - _down_sum_nb: out[r] = the sum over slots s, in slot order, of wts[s] * (row r of expert ids[s]
-#   . activation row s), in float32 (product rounded, then added: the twin's weighted sum), so the
+# A token takes two regions (prange loops):
+# - matvec: out[st, s, r] = row r of expert ids[s] of stack st . activation row s * xstep (xstep 0:
+#   one row shared by every slot, a token's x quantized once), for the first n_stacks (1 or 2) of
+#   w_a, w_b: a token's gate and up of one type share the region (one start of the threads);
+# - down sum: out[r] = the sum over slots s, in slot order, of wts[s] * (row r of expert ids[s] .
+#   activation row s), in float32 (product rounded, then added: the twin's weighted sum), so the
 #   down products and the weighted sum are one region with no (k, H) temporary.
+# The job bodies (_matvec_job, _down_sum_job) take the type t; the compiled functions are made per
+# type (or per combination of types: _token_kernel) by small factories whose closures hold t as a
+# constant, so LLVM compiles each for its type alone and a model compiles only the types it has
+# (one loop over a runtime type made Q4_K's gate+up 25-40% slower here, and compiling every type's
+# code for a first token took 28 s on this machine, ~1 s a type now). numba's cache keeps each
+# closure's code apart (its key hashes the closure's constants).
 
 _Q4_K, _Q5_K, _Q6_K, _Q8_0, _Q4_0 = Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0
 
@@ -688,7 +693,7 @@ def _dot_rows(t, w, e, r0, r1, r2, r3, x, dx, xs, table):  # pragma: no cover - 
 
 @njit(inline="always")
 def _matvec_job(t, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out):  # pragma: no cover - compiled
-    """Job i of _matvec_nb: (stack, slot, rows) from i over stacks x slots x row groups."""
+    """Job i of a matvec region: (stack, slot, rows) from i over stacks x slots x row groups."""
     n_out = w_a.shape[1]
     g = _rows_per_job(t)
     st = i // per
@@ -706,33 +711,29 @@ def _matvec_job(t, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out): 
         out[st, s, r3] = a3
 
 
-@njit(parallel=True, cache=True)
-def _matvec_nb(t, w_a, w_b, n_stacks, ids, xq, xd, xs, xstep, table, out):  # pragma: no cover - compiled
-    # one prange loop per type, each with its type a constant: LLVM then compiles each loop for its
-    # type alone (one loop over a runtime type made Q4_K's 25-40% slower on the Zen 5 machine)
-    jobs = (w_a.shape[1] + _rows_per_job(t) - 1) // _rows_per_job(t)
-    per = ids.shape[0] * jobs
-    n = n_stacks * per  # stack a's jobs, then stack b's
-    if t == _Q4_K:
-        for i in prange(n):
-            _matvec_job(_Q4_K, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
-    elif t == _Q5_K:
-        for i in prange(n):
-            _matvec_job(_Q5_K, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
-    elif t == _Q6_K:
-        for i in prange(n):
-            _matvec_job(_Q6_K, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
-    elif t == _Q4_0:
-        for i in prange(n):
-            _matvec_job(_Q4_0, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
-    else:
-        for i in prange(n):
-            _matvec_job(_Q8_0, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
+@njit(inline="always")
+def _matvec_jobs(t, n_out, k):  # pragma: no cover - compiled
+    """(jobs per slot, jobs per stack) of a matvec region."""
+    jobs = (n_out + _rows_per_job(t) - 1) // _rows_per_job(t)
+    return jobs, k * jobs
+
+
+def _matvec_kernel(t: int) -> Any:
+    """The matvec region for weights of type t: (w_a, w_b, n_stacks, ids, xq, xd, xs, xstep, table,
+    out)."""
+
+    @njit(parallel=True, cache=True)
+    def matvec(w_a, w_b, n_stacks, ids, xq, xd, xs, xstep, table, out):  # pragma: no cover - compiled
+        jobs, per = _matvec_jobs(t, w_a.shape[1], ids.shape[0])
+        for i in prange(n_stacks * per):  # stack a's jobs, then stack b's
+            _matvec_job(t, i, w_a, w_b, per, jobs, ids, xq, xd, xs, xstep, table, out)
+
+    return matvec
 
 
 @njit(inline="always")
 def _down_sum_job(t, j, rows, w, ids, wts, xq, xd, xs, table, out):  # pragma: no cover - compiled
-    """Job j of _down_sum_nb: output rows rows*j .. rows*(j+1)-1, every slot."""
+    """Job j of a down-sum region: output rows rows*j .. rows*(j+1)-1, every slot."""
     g = _rows_per_job(t)
     start = rows * j
     end = min(start + rows, w.shape[1])
@@ -753,30 +754,31 @@ def _down_sum_job(t, j, rows, w, ids, wts, xq, xd, xs, table, out):  # pragma: n
                     out[r0 + 3] += ws * a3
 
 
-@njit(parallel=True, cache=True)
-def _down_sum_nb(t, w, ids, wts, xq, xd, xs, table, n_jobs, out):  # pragma: no cover - compiled
-    # n_jobs (the thread count) jobs, each a run of rows (a multiple of 4): an expert's rows of a
-    # job are read in one pass, and the longer that pass, the faster (Q4_K down, one thread here:
-    # runs of 32 rows took 2x the time of whole experts, 128 rows 1.15x, 512 rows 0.95x)
-    n_out = w.shape[1]
-    n_jobs = max(1, min(n_jobs, (n_out + 3) // 4))
+@njit(inline="always")
+def _down_jobs(n_out, n_threads):  # pragma: no cover - compiled
+    """(rows per job, jobs) of a down-sum region: one job per thread, each a run of rows (a multiple
+    of 4). An expert's rows of a job are read in one pass, and the longer that pass, the faster
+    (Q4_K down, one thread here: runs of 32 rows took 2x the time of whole experts, 128 rows 1.15x,
+    512 rows 0.95x)."""
+    n_jobs = max(1, min(n_threads, (n_out + 3) // 4))
     rows = (n_out + 4 * n_jobs - 1) // (4 * n_jobs) * 4
-    n = (n_out + rows - 1) // rows
-    if t == _Q4_K:
+    return rows, (n_out + rows - 1) // rows
+
+
+def _down_sum_kernel(t: int) -> Any:
+    """The down-sum region for weights of type t: (w, ids, wts, xq, xd, xs, table, n_threads, out)."""
+
+    @njit(parallel=True, cache=True)
+    def down_sum(w, ids, wts, xq, xd, xs, table, n_threads, out):  # pragma: no cover - compiled
+        rows, n = _down_jobs(w.shape[1], n_threads)
         for j in prange(n):
-            _down_sum_job(_Q4_K, j, rows, w, ids, wts, xq, xd, xs, table, out)
-    elif t == _Q5_K:
-        for j in prange(n):
-            _down_sum_job(_Q5_K, j, rows, w, ids, wts, xq, xd, xs, table, out)
-    elif t == _Q6_K:
-        for j in prange(n):
-            _down_sum_job(_Q6_K, j, rows, w, ids, wts, xq, xd, xs, table, out)
-    elif t == _Q4_0:
-        for j in prange(n):
-            _down_sum_job(_Q4_0, j, rows, w, ids, wts, xq, xd, xs, table, out)
-    else:
-        for j in prange(n):
-            _down_sum_job(_Q8_0, j, rows, w, ids, wts, xq, xd, xs, table, out)
+            _down_sum_job(t, j, rows, w, ids, wts, xq, xd, xs, table, out)
+
+    return down_sum
+
+
+_MATVEC = {t: _matvec_kernel(t) for t in sorted(KERNEL_TYPES)}
+_DOWN_SUM = {t: _down_sum_kernel(t) for t in sorted(KERNEL_TYPES)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1052,8 +1054,8 @@ def _matvec(stacks: list[ExpertStack], idx: np.ndarray, xq: np.ndarray, xd: np.n
                                         for s in stacks):
         raise ValueError("one stack, or two of the same type and shape")
     set_threads(threads)
-    _matvec_nb(w.ggml_type, w.raw, stacks[-1].raw, len(stacks), idx, xq, xd, xs,
-               0 if xq.shape[0] == 1 else 1, _F16_TABLE, out)
+    _MATVEC[w.ggml_type](w.raw, stacks[-1].raw, len(stacks), idx, xq, xd, xs,
+                         0 if xq.shape[0] == 1 else 1, _F16_TABLE, out)
 
 
 def _down_sum(w: ExpertStack, idx: np.ndarray, w32: np.ndarray, xq: np.ndarray, xd: np.ndarray,
@@ -1061,7 +1063,7 @@ def _down_sum(w: ExpertStack, idx: np.ndarray, w32: np.ndarray, xq: np.ndarray, 
     """out = the weighted sum of w's products with x's k rows (weighted_matvec's kernel)."""
     _need_numba()
     n = set_threads(threads)
-    _down_sum_nb(w.ggml_type, w.raw, idx, w32, xq, xd, xs, _F16_TABLE, n, out)
+    _DOWN_SUM[w.ggml_type](w.raw, idx, w32, xq, xd, xs, _F16_TABLE, n, out)
 
 
 def set_threads(threads: int | None) -> int:
@@ -1101,17 +1103,17 @@ def routed_experts(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate: Ex
         return _routed_experts_twin(xv, idv, wv, gate, up, down, fe)
     _need_numba()
     n_threads = set_threads(threads)
-    mode = _gate_up_mode(gate, up)
     u = gate if up is None else up
+    key = (gate.ggml_type, u.ggml_type, down.ggml_type, _gate_up_mode(gate, up))
+    kernel = _TOKEN_KERNELS.get(key) or _TOKEN_KERNELS.setdefault(key, _token_kernel(*key))
     out = np.empty(down.n_out, F32)
-    bad = _routed_experts_nb(xv, idv, wv, gate.ggml_type, gate.raw, u.ggml_type, u.raw, mode, fe,
-                             down.ggml_type, down.raw, _F16_TABLE, n_threads, out)
+    bad = kernel(xv, idv, wv, gate.raw, u.raw, down.raw, fe, _F16_TABLE, n_threads, out)
     if bad >= 0:
         raise IndexError(f"expert id {idv[bad].item()} (slot {bad}) is not one of {gate.n_experts} experts")
     return out
 
 
-# how _routed_experts_nb runs gate and up: the fused stack (one region), two stacks of one type and
+# how a token's kernel runs gate and up: the fused stack (one region), two stacks of one type and
 # shape (one region for both), two of different types (a region each)
 _FUSED, _ONE_REGION, _TWO_REGIONS = 0, 1, 2
 
@@ -1122,35 +1124,47 @@ def _gate_up_mode(gate: ExpertStack, up: ExpertStack | None) -> int:
     return _ONE_REGION if up.ggml_type == gate.ggml_type else _TWO_REGIONS  # shapes: _check_block
 
 
-@njit(cache=True)
-def _routed_experts_nb(x, ids, wts, t_g, g_raw, t_u, u_raw, mode, fe, t_d, d_raw, table, n_threads,
-                       out):  # pragma: no cover - compiled
-    """routed_experts after its checks, in one compiled call (each call from Python into numba costs
-    microseconds, more with the caches cold after a token's experts went through them): returns the
-    first slot whose id is not an expert's (nothing computed), else -1 with out written."""
-    k, n_in = ids.shape[0], x.shape[1]
-    idx, w32 = np.empty(k, np.int64), np.empty(k, np.float32)
-    xq = np.empty((1, n_in), np.int8)
-    xd, xs = np.empty((1, n_in // 32), np.float32), np.empty((1, n_in // 32), np.int32)
-    bad = _token_nb(x, ids, wts, g_raw.shape[0], idx, w32, xq, xd, xs)
-    if bad >= 0:
-        return bad
-    gu = np.empty((1 if mode == _FUSED else 2, k, g_raw.shape[1]), np.float32)
-    if mode == _TWO_REGIONS:
-        g1, u1 = np.empty((1, k, fe), np.float32), np.empty((1, k, fe), np.float32)
-        _matvec_nb(t_g, g_raw, g_raw, 1, idx, xq, xd, xs, 0, table, g1)
-        _matvec_nb(t_u, u_raw, u_raw, 1, idx, xq, xd, xs, 0, table, u1)
-        gu[0], gu[1] = g1[0], u1[0]
-    else:
-        _matvec_nb(t_g, g_raw, u_raw, 1 if mode == _FUSED else 2, idx, xq, xd, xs, 0, table, gu)
-    hq = np.empty((k, fe), np.int8)
-    hd, hs = np.empty((k, fe // 32), np.float32), np.empty((k, fe // 32), np.int32)
-    if mode == _FUSED:  # gate rows, then up rows
-        _swiglu_quantize_nb(gu, 0, fe, fe, hq, hd, hs)
-    else:
-        _swiglu_quantize_nb(gu, 1, 0, fe, hq, hd, hs)
-    _down_sum_nb(t_d, d_raw, idx, w32, hq, hd, hs, table, n_threads, out)
-    return -1
+_TOKEN_KERNELS: dict[tuple[int, int, int, int], Any] = {}  # (gate, up, down types, mode) -> kernel
+
+
+def _token_kernel(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
+    """routed_experts after its checks, as one compiled call for these types and gate/up layout (a
+    call from Python into numba costs microseconds, more with the caches cold after a token's
+    experts went through them): (x, ids, wts, g_raw, u_raw, d_raw, fe, table, n_threads, out) ->
+    the first slot whose id is not an expert's (nothing computed), else -1 with out written."""
+
+    @njit(parallel=True, cache=True)
+    def token(x, ids, wts, g_raw, u_raw, d_raw, fe, table, n_threads, out):  # pragma: no cover - compiled
+        k, n_in = ids.shape[0], x.shape[1]
+        idx, w32 = np.empty(k, np.int64), np.empty(k, np.float32)
+        xq = np.empty((1, n_in), np.int8)
+        xd, xs = np.empty((1, n_in // 32), np.float32), np.empty((1, n_in // 32), np.int32)
+        bad = _token_nb(x, ids, wts, g_raw.shape[0], idx, w32, xq, xd, xs)
+        if bad >= 0:
+            return bad
+        gu = np.empty((1 if mode == _FUSED else 2, k, g_raw.shape[1]), np.float32)
+        jobs, per = _matvec_jobs(t_g, g_raw.shape[1], k)
+        if mode == _TWO_REGIONS:  # gu[0] from gate's jobs, gu[1] from up's (job numbers per_u on)
+            for i in prange(per):
+                _matvec_job(t_g, i, g_raw, u_raw, per, jobs, idx, xq, xd, xs, 0, table, gu)
+            jobs_u, per_u = _matvec_jobs(t_u, u_raw.shape[1], k)
+            for i in prange(per_u):
+                _matvec_job(t_u, per_u + i, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, 0, table, gu)
+        else:  # the fused stack's rows, or gate's then up's jobs in one region
+            for i in prange(per if mode == _FUSED else 2 * per):
+                _matvec_job(t_g, i, g_raw, u_raw, per, jobs, idx, xq, xd, xs, 0, table, gu)
+        hq = np.empty((k, fe), np.int8)
+        hd, hs = np.empty((k, fe // 32), np.float32), np.empty((k, fe // 32), np.int32)
+        if mode == _FUSED:  # gate rows, then up rows
+            _swiglu_quantize_nb(gu, 0, fe, fe, hq, hd, hs)
+        else:
+            _swiglu_quantize_nb(gu, 1, 0, fe, hq, hd, hs)
+        rows, n = _down_jobs(d_raw.shape[1], n_threads)
+        for j in prange(n):
+            _down_sum_job(t_d, j, rows, d_raw, idx, w32, hq, hd, hs, table, out)
+        return -1
+
+    return token
 
 
 def _row_buffers(n: int, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

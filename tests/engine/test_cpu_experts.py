@@ -145,8 +145,8 @@ _FORM_MARK = {"vnni": "vpdpbusd", "avx2": "vpmaddubsw"}
 @pytest.mark.parametrize("form", ["vnni", "avx2", "ir"])
 def test_every_dot_product_form_equals_twin(form, monkeypatch):
     """The byte products are summed by VNNI, AVX2 or plain IR, whichever the CPU has best; both
-    region kernels compiled here with each form this CPU can run give the twins' bits for every
-    type, and their code has the form's instructions (so the form really was the one compiled)."""
+    region kernels of every type compiled here with each form this CPU can run give the twins' bits,
+    and their code has the form's instructions (so the form really was the one compiled)."""
     import numba
 
     best = C._dot4_kind()
@@ -154,26 +154,27 @@ def test_every_dot_product_form_equals_twin(form, monkeypatch):
     if form not in runs:
         pytest.skip(f"this CPU has no {form} instructions")
     monkeypatch.setattr(C, "_DOT4", form)
-    matvec = numba.njit(parallel=True)(C._matvec_nb.py_func)  # compiled now, not cached
-    down_sum = numba.njit(parallel=True)(C._down_sum_nb.py_func)
     rng = np.random.default_rng(11)
     for t in TYPES:
+        # compiled now, not cached; serial (prange as range): the same block code, compiled faster
+        matvec = numba.njit(C._MATVEC[t].py_func)
+        down_sum = numba.njit(C._DOWN_SUM[t].py_func)
         w = random_stack(rng, t, 4, 9, _n_in(t, 2))
         ids = np.array([2, 0, 2])
         xa = C.quantize_rows((rng.standard_normal((3, w.n_in)) * 3).astype(np.float32))
         out = np.full((1, 3, w.n_out), np.nan, np.float32)
-        matvec(t, w.raw, w.raw, 1, ids, xa.q, xa.d, xa.s, 1, C._F16_TABLE, out)
+        matvec(w.raw, w.raw, 1, ids, xa.q, xa.d, xa.s, 1, C._F16_TABLE, out)
         twin = C.expert_matvec(w, ids, xa, fast=False)
         np.testing.assert_array_equal(out[0].view(np.int32), twin.view(np.int32), err_msg=f"{form} {t}")
         wts = rng.random(3).astype(np.float32)
         summed = np.full(w.n_out, np.nan, np.float32)
-        down_sum(t, w.raw, ids, wts, xa.q, xa.d, xa.s, C._F16_TABLE, 2, summed)
+        down_sum(w.raw, ids, wts, xa.q, xa.d, xa.s, C._F16_TABLE, 2, summed)
         np.testing.assert_array_equal(summed.view(np.int32),
                                       C.weighted_matvec(w, ids, wts, xa, fast=False).view(np.int32))
-    for kernel in (matvec, down_sum):
-        asm = kernel.inspect_asm(kernel.signatures[0])
-        for f, mark in _FORM_MARK.items():
-            assert (mark in asm) == (f == form), f"{form}: {mark} {'missing' if f == form else 'present'}"
+        for kernel in (matvec, down_sum):
+            asm = kernel.inspect_asm(kernel.signatures[0])
+            for f, mark in _FORM_MARK.items():
+                assert (mark in asm) == (f == form), f"{form} {t}: {mark} {'missing' if f == form else 'present'}"
 
 
 @pytest.mark.parametrize("t", TYPES, ids=[Q.type_name(t) for t in TYPES])
@@ -229,7 +230,7 @@ def test_down_products_and_weighted_sum_in_one_region(t, n_out):
     np.testing.assert_array_equal(twin.view(np.int32), want.view(np.int32))
     for n_jobs in (1, 2, 3, 5, 16, 64):
         out = np.full(n_out, np.nan, np.float32)
-        C._down_sum_nb(t, w.raw, ids, wts, xa.q, xa.d, xa.s, C._F16_TABLE, n_jobs, out)
+        C._DOWN_SUM[t](w.raw, ids, wts, xa.q, xa.d, xa.s, C._F16_TABLE, n_jobs, out)
         np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32), err_msg=f"{n_jobs} jobs")
     np.testing.assert_array_equal(C.weighted_matvec(w, ids, wts.astype(np.float64), xa, threads=2).view(np.int32),
                                   want.view(np.int32))
