@@ -1143,16 +1143,16 @@ def _token_kernel(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
         if bad >= 0:
             return bad
         gu = np.empty((1 if mode == _FUSED else 2, k, g_raw.shape[1]), np.float32)
+        # each region's bound is computed before its loop: a prange whose bound is an expression
+        # with a branch in it stays a serial loop (numba makes no parallel loop of it)
         jobs, per = _matvec_jobs(t_g, g_raw.shape[1], k)
-        if mode == _TWO_REGIONS:  # gu[0] from gate's jobs, gu[1] from up's (job numbers per_u on)
-            for i in prange(per):
-                _matvec_job(t_g, i, g_raw, u_raw, per, jobs, idx, xq, xd, xs, 0, table, gu)
+        n_gu = 2 * per if mode == _ONE_REGION else per  # gate's then up's jobs, or one stack's
+        for i in prange(n_gu):
+            _matvec_job(t_g, i, g_raw, u_raw, per, jobs, idx, xq, xd, xs, 0, table, gu)
+        if mode == _TWO_REGIONS:  # up's own region (gu[1]: job numbers per_u on); a constant: pruned
             jobs_u, per_u = _matvec_jobs(t_u, u_raw.shape[1], k)
             for i in prange(per_u):
                 _matvec_job(t_u, per_u + i, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, 0, table, gu)
-        else:  # the fused stack's rows, or gate's then up's jobs in one region
-            for i in prange(per if mode == _FUSED else 2 * per):
-                _matvec_job(t_g, i, g_raw, u_raw, per, jobs, idx, xq, xd, xs, 0, table, gu)
         hq = np.empty((k, fe), np.int8)
         hd, hs = np.empty((k, fe // 32), np.float32), np.empty((k, fe // 32), np.int32)
         if mode == _FUSED:  # gate rows, then up rows
@@ -1188,8 +1188,9 @@ def _routed_experts_twin(xv: np.ndarray, ids: np.ndarray, wv: np.ndarray, gate: 
 
 
 def _token_arrays(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """ids and weights as flat contiguous arrays of a type _token_nb is compiled for (int64, int32,
-    float32 or float64 ids; float32 or float64 weights): converted only when they are not."""
+    """ids and weights as flat contiguous arrays of a type the token kernel is compiled for (int64,
+    float32 or float64 ids; float32 or float64 weights: each pair is a compilation of its own),
+    converted only when they are not."""
     idv = np.ascontiguousarray(ids).reshape(-1)
     if idv.dtype.kind not in "iuf":
         raise TypeError(f"expert ids must be integers or whole floats, got {idv.dtype}")
@@ -1201,7 +1202,7 @@ def _token_arrays(ids: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.
     return idv, wv
 
 
-_ID_TYPES = (np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.float64))
+_ID_TYPES = (np.dtype(np.int64), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _twin_ids(ids: np.ndarray, n_experts: int) -> np.ndarray:

@@ -404,6 +404,27 @@ def test_routed_experts_block(layout):
     assert 0 < rel < 2e-2, rel
 
 
+@pytest.mark.parametrize("layout", ["separate", "same-type", "fused"])
+def test_token_kernel_runs_its_regions_as_parallel_loops(layout):
+    """The token kernel's prange loops are numba parallel loops (a prange whose bound holds a branch
+    silently stays serial): gate with up (or each alone: separate types) and down, and no more."""
+    import numba
+
+    rng = np.random.default_rng(15)
+    gate, up, down = _block(rng, layout)
+    u = gate if up is None else up
+    key = (gate.ggml_type, u.ggml_type, down.ggml_type, C._gate_up_mode(gate, up))
+    kernel = numba.njit(parallel=True)(C._token_kernel(*key).py_func)  # compiled now: diagnostics
+    x = rng.standard_normal((1, gate.n_in)).astype(np.float32)
+    ids, wts = np.array([8, 2, 5]), np.array([0.5, 0.3, 0.2])
+    out = np.full(down.n_out, np.nan, np.float32)
+    fe = down.n_in
+    assert kernel(x, ids, wts, gate.raw, u.raw, down.raw, fe, C._F16_TABLE, 2, out) == -1
+    np.testing.assert_array_equal(out.view(np.int32), C.routed_experts(x[0], ids, wts, gate, up, down).view(np.int32))
+    diagnostics = kernel.overloads[kernel.signatures[0]].metadata["parfor_diagnostics"]
+    assert diagnostics.count_parfors() == (3 if layout == "separate" else 2)
+
+
 def test_routed_experts_takes_ids_and_weights_of_any_number_type():
     """ids as int64, int32, uint8, float32 or float64 (a GPU's routing sends whole numbers as
     float32) and weights as float32 or float64 give the same bits, kernel and twin; ids that are not
@@ -416,13 +437,15 @@ def test_routed_experts_takes_ids_and_weights_of_any_number_type():
     want = C.routed_experts(x, ids, wts, gate, up, down)
     np.testing.assert_array_equal(want.view(np.int32),
                                   C.routed_experts(x, ids, wts, gate, up, down, fast=False).view(np.int32))
-    for id_type in (np.int32, np.uint8, np.float32, np.float64):
-        for w_type in (np.float32, np.float64):
-            for fast in (True, False):
-                got = C.routed_experts(x, ids.astype(id_type), wts.astype(w_type), gate, up, down,
-                                       fast=fast, threads=2)
-                np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32),
-                                              err_msg=f"{id_type} {w_type} {fast}")
+    # every id type with float64 weights (route's), float32 ids with float32 weights (a GPU's); each
+    # (ids, weights) pair of types is a compilation of the token kernel of its own
+    pairs = [(t, np.float64) for t in (np.int32, np.uint8, np.float32, np.float64)] + [(np.float32, np.float32)]
+    for id_type, w_type in pairs:
+        for fast in (True, False):
+            got = C.routed_experts(x, ids.astype(id_type), wts.astype(w_type), gate, up, down,
+                                   fast=fast, threads=2)
+            np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32),
+                                          err_msg=f"{id_type} {w_type} {fast}")
     for bad, what in (([8, 0, 9, 1], "9"), ([8, -1, 5, 1], "-1"), ([8, 0, 2.5, 1], "2.5"),
                       ([8, 0, np.nan, 1], "nan")):
         for fast in (True, False):
