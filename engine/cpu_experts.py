@@ -790,9 +790,10 @@ _DOWN_SUM = {t: _down_sum_kernel(t) for t in sorted(KERNEL_TYPES)}
 # exact), |r| <= 0.35, P the degree-13 Taylor polynomial (error < 5e-18 relative): h is float64's
 # silu(g) * u to far better than float32's rounding, so it is the backend's tanh-form swiglu but for
 # a rare last-bit tie (tests check <= 1 float32 ulp). t = -g is clipped to +-708 (exp finite and
-# normal; beyond it silu is g, or a float32 zero for any u below 1e280). A non-finite g gives h = NaN
+# normal; beyond it h is g * u, or a float32 zero for any float32 u). A non-finite g gives h = NaN
 # (its block then quantizes to NaN, as any non-finite value does). The kernel's loops have no calls or
-# branches, so they vectorize (48 us -> a few for 8 x 512 values on one Zen 5 core).
+# branches, so they vectorize: 5.8 us with h's quantization for 8 x 512 values on one Zen 5 core,
+# where NumPy's float64 tanh-form swiglu alone took 15.8.
 
 _INV_LN2 = 1.0 / 0.6931471805599453
 _LN2_HI = 6.93147180369123816490e-01  # ln 2 = hi + lo; hi has 32 significant bits: n * hi is exact
