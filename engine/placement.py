@@ -1378,13 +1378,19 @@ KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.40, "q8_0": 0.076, "q3": 0.17}
 # The CPU (NumPy backend) reads its float32 weights with BLAS: bytes only, at CPU_DECODE_EFFICIENCY;
 # routed experts held in host RAM run on the integer kernels of engine/cpu_experts.py for each token
 # (inside the GPU's decode graph as host functions, engine/experts.py), priced by their active bytes at
-# CPU_EXPERT_DECODE_EFFICIENCY of CPU_SPEED's bandwidth. Measured on the H200's 16-core host
-# (2026-12-02, 35B-A3B Q4_K, 29 of 40 layers' experts in host RAM, 16 expert threads,
-# docs/BENCHMARKS.md v12): 20.3 tokens/s = 49.3 ms a token for 410.5 MB of active experts; less the
-# GPU's ~2.8 ms and the 29 round trips' ~0.6 ms, 45.9 ms: 8.9 GB/s, 0.74 of CPU_SPEED's 12 GB/s. (It was
-# 0.036, a guess: the plan predicted 1.0 tokens/s there.) It scales with the threads a machine gives.
+# CPU_EXPERT_DECODE_EFFICIENCY of CPU_SPEED's bandwidth, plus HOST_EXPERT_LAYER_SECONDS for each such
+# layer's round trip (the host function and its copies, the GPU's composed MoE ops around it, the
+# expert threads' two parallel-region starts). Measured on the H200's 16-core host (2026-12-02 04:10,
+# 35B-A3B Q4_K, 30 of 40 layers' experts in host RAM, 16 expert threads, routing on the GPU,
+# docs/BENCHMARKS.md v13): `minecart bench` 46.8 tokens/s = 21.4 ms a token for 424.7 MB of active
+# experts; tools/diag_host_decode.py split its tokens into the experts' calls (12.9-18.1 ms) and the time
+# between them (8.4-9.2 ms, of which the planner's GPU part ~2.9 ms): ~0.2 ms a layer beside the
+# experts, and the experts at ~33.7 GB/s (12.6 ms), 2.81 x CPU_SPEED's one-core 12 GB/s. (v12, before
+# the GPU routed and the kernels' fixed cost was cut: 0.74; before that a guess, 0.036.) It scales with
+# the threads a machine gives.
 CPU_DECODE_EFFICIENCY = 0.50
-CPU_EXPERT_DECODE_EFFICIENCY = 0.74
+CPU_EXPERT_DECODE_EFFICIENCY = 2.81
+HOST_EXPERT_LAYER_SECONDS = 0.20e-3
 # ... plus a fixed time per layer and token: the NumPy backend's ~25 array operations of a layer, each
 # with its Python and dispatch overhead whatever the model's size. Measured on the 2-core CI machine
 # (2026-12-01, `minecart bench --shape tiny-dense --quant q8_0 --device cpu:0`): 269.2 tokens/s =
@@ -1452,7 +1458,10 @@ def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int,
         if experts_here is not False and experts:
             used = sum(held for name, _, held, _ in p.matmuls if name in experts) * p.expert_fraction
             t += used / (bw * (CPU_EXPERT_DECODE_EFFICIENCY if cpu else EXPERT_DECODE_EFFICIENCY))
-            t += 0.0 if cpu else MOE_DECODE_SECONDS
+            if not cpu:
+                t += MOE_DECODE_SECONDS
+            elif experts_here is True:  # a GPU layer's experts in host RAM: its round trip
+                t += HOST_EXPERT_LAYER_SECONDS
         if experts_here is True:
             continue
         for kind, b in _gemv_launches(p, experts):
