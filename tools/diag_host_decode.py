@@ -96,6 +96,7 @@ def main() -> None:
                 if part.endswith(".experts") and model.device_plan[part].startswith("cpu"):
                     for w in ws.values():
                         if w.role == "experts":
+                            host.free(w)  # the backend's expert stacks over the old bytes go too
                             w.info = dataclasses.replace(w.info, raw=np.array(w.info.raw))
                             n += w.info.raw.nbytes
             print(f"copied {n / 1e9:.1f} GB of host experts into process memory in "
