@@ -233,8 +233,11 @@ class ExpertsApart:
                 raise RuntimeError(f"routed experts on {self.experts.device} need the host backend")
             H = host_y.shape[1]
             rows = host_x[:T]
+            # serving a GPU, a short chunk's tokens go one by one through the integer kernels (its long
+            # chunks stream to the GPU; dequantizing the experts they pick would take seconds here)
             host_y[:T] = self._host.moe_routed(rows[:, :H], rows[:, H : H + k], rows[:, H + k : H + 2 * k],
-                                               gate_exps, up_exps, down_exps)
+                                               gate_exps, up_exps, down_exps,
+                                               one_by_one=self._inner.pins_host_memory)
             self.host_moe_calls += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             host_y[:T] = float("nan")

@@ -560,21 +560,27 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         ids, weights = self.moe_route(x, router, k)
         return np.concatenate([x, ids.astype(F32), weights.astype(F32)], axis=1)
 
-    def moe_routed(self, x, ids, weights, gate_exps, up_exps, down_exps) -> np.ndarray:
+    def moe_routed(self, x, ids, weights, gate_exps, up_exps, down_exps, *, one_by_one: bool = False
+                   ) -> np.ndarray:
         """The routed experts of tokens x (T, H) whose routing is given: ids (T, k) (any integer or
         integral float values) and weights (T, k). `moe` is moe_route then this; routed experts in
         host RAM serving a GPU get the routing from the GPU (engine/experts.py). One token runs on the
-        integer kernels (engine/cpu_experts.py) where they apply, more on dequantize-then-matmul."""
+        integer kernels (engine/cpu_experts.py) where they apply, more on dequantize-then-matmul;
+        one_by_one: every token on the integer kernels, one after another (a GPU's short chunks:
+        dequantizing the ~8 T experts that T tokens pick takes ~9 ms an expert on a 16-core host, so a
+        10-token chunk of a 30-layer model took ~20 s, where the kernels take ~0.5 ms a token)."""
         x = np.asarray(x, F32)
         ids = np.asarray(ids).astype(np.int64)
-        if x.shape[0] == 1:
+        if x.shape[0] == 1 or one_by_one:
             stacks = self._int_expert_stacks(gate_exps, up_exps, down_exps)
             if stacks is not None:
                 from .. import cpu_experts
 
                 gate, up, down = stacks
-                return cpu_experts.routed_experts(x[0], ids[0], np.asarray(weights)[0], gate, up, down,
-                                                  threads=self._expert_threads())[None, :]
+                w = np.asarray(weights)
+                each = [cpu_experts.routed_experts(x[t], ids[t], w[t], gate, up, down, threads=self._expert_threads())
+                        for t in range(x.shape[0])]
+                return np.stack(each) if each else np.zeros(x.shape, F32)
         # float32 weights, as the kernels above and a GPU's routing give them (so a layer's experts give
         # the same rows wherever its routing ran), products summed in float64
         weights = np.asarray(weights, F32).astype(F64)

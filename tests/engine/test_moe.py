@@ -123,3 +123,34 @@ def test_moe_model_prefill_modes_agree(moe_file):
         err = np.linalg.norm(last - full[-1]) / np.linalg.norm(full[-1])
         assert err < 1e-4, f"chunk {chunk}: {err:.3g}"
     model.close()
+
+
+def test_one_by_one_runs_each_token_on_the_integer_kernels(moe_file):
+    """moe_routed(one_by_one=True) (a GPU's short chunks with experts in host RAM) gives each row exactly
+    what the one-token path gives it alone; without integer kernels for the experts' type it is the
+    dequantize-then-matmul path; the routing may come as float32 values (as a GPU sends it)."""
+    path, fused = moe_file
+    model = load_model(path, devices=["cpu:0"])
+    cfg = model.config
+    w = model.weights["layer.1"]
+    p = "blk.1."
+    gate = w[p + ("ffn_gate_up_exps.weight" if fused else "ffn_gate_exps.weight")]
+    up = None if fused else w[p + "ffn_up_exps.weight"]
+    down = w[p + "ffn_down_exps.weight"]
+    f = np.random.default_rng(4).standard_normal((5, cfg.hidden)).astype(np.float32)
+    ids, wts = be.moe_route(f, w[p + "ffn_gate_inp.weight"], cfg.n_experts_used)
+    got = be.moe_routed(f, ids, wts, gate, up, down, one_by_one=True)
+    sent = be.moe_routed(f, ids.astype(np.float32), wts.astype(np.float32), gate, up, down, one_by_one=True)
+    np.testing.assert_array_equal(sent, got)
+    dense = be.moe_routed(f, ids, wts, gate, up, down)
+    if be._int_expert_stacks(gate, up, down) is None:
+        assert not fused  # F16 experts: no integer kernels, the same path for every T
+        np.testing.assert_array_equal(got, dense)
+    else:
+        assert fused  # Q8_0 experts
+        each = np.concatenate([be.moe_routed(f[t : t + 1], ids[t : t + 1], wts[t : t + 1], gate, up, down)
+                               for t in range(len(f))])
+        np.testing.assert_array_equal(got, each)
+        err = np.linalg.norm(got - dense, axis=1) / np.linalg.norm(dense, axis=1)
+        assert 0 < err.max() < 5e-2  # int8 activations against float32 ones
+    model.close()

@@ -117,11 +117,13 @@ def test_moe_with_experts_in_host_ram(moe_file, gpu_path):
           f"{r['rel_err_max']:.2e}, top-1 {r['top1_agree']:.3f}, greedy identical prefix {agree}/32, "
           f"host MoE calls {proxy.host_moe_calls}")
     assert proxy.host_moe_calls > 0
-    if gpu_path == "fma":
-        # the logits agree to ~1e-6; 32 greedy steps may still meet a near-tie (Q8_0 file: one did
-        # at step 15 on the H200), so the greedy check asks what the DP4A path's does of the rest
+    # the 96-token prefill runs on the host (the tiny layers never stream): Q8_0 experts (the fused
+    # file) token by token on the CPU's int8 kernels, F16 ones (separate) dequantized, in float32
+    if gpu_path == "fma" and layout == "separate":
+        # the logits agree to ~1e-6; 32 greedy steps may still meet a near-tie, so the greedy check
+        # asks what the DP4A path's does of the rest
         assert r["rel_err_max"] < 1e-3 and r["top1_agree"] == 1.0 and agree >= 8
-    else:
+    else:  # int8 activations somewhere, as on the DP4A path
         assert r["top1_agree"] >= 0.9 and agree >= 4
 
 
