@@ -596,7 +596,8 @@ class MemoryBar(QWidget):
             self.segments = []
         else:
             self.segments = [("weights", bytes_.weights), ("kv", bytes_.kv_cache), ("state", bytes_.recurrent),
-                             ("scratch", bytes_.activations), ("overhead", bytes_.overhead)]
+                             ("scratch", bytes_.activations), ("overhead", bytes_.overhead),
+                             ("pinned", bytes_.pinned)]
         self.update()
 
     @property
@@ -767,6 +768,8 @@ class DeviceLane(QFrame):
             parts.append(scratch)
             if b.overhead:
                 parts.append(f"CUDA ctx {format_bytes(b.overhead)}")
+            if b.pinned:  # the experts once more, page-locked, for the GPUs' prefill to stream from
+                parts.append(f"pinned copy of the experts {format_bytes(b.pinned)}")
             self.numbers.setText(f"<span style='color:#e4e7ee'><b>{format_bytes(need)}</b></span> of "
                                  f"{format_bytes(cap)} free  ·  " + "  ·  ".join(parts))
             # a narrow window clips the line: the tooltip keeps every number
@@ -880,7 +883,7 @@ class LayerMapPanel(QWidget):
         legend = QHBoxLayout()
         legend.setSpacing(14)
         for key, text in (("weights", "weights"), ("kv", "KV cache"), ("state", "state"), ("scratch", "scratch"),
-                          ("overhead", "CUDA context")):
+                          ("overhead", "CUDA context"), ("pinned", "pinned copy (host experts)")):
             legend.addWidget(self._swatch(theme.MEM_COLORS[key], text, bar=True))
         legend.addStretch(1)
         outer.addLayout(legend)

@@ -36,7 +36,8 @@ KIND_COLORS = {
     "sliding": "#9b7cff",
 }
 # Memory-bar segments.
-MEM_COLORS = {"weights": "#5b8def", "kv": "#f0a43a", "state": "#2bb3a3", "scratch": "#8d96a8", "overhead": "#4a5163"}
+MEM_COLORS = {"weights": "#5b8def", "kv": "#f0a43a", "state": "#2bb3a3", "scratch": "#8d96a8", "overhead": "#4a5163",
+              "pinned": "#34559e"}
 # One colour per device in the graphs (VRAM lines), cycling.
 SERIES_COLORS = ["#f0a43a", "#5b8def", "#2bb3a3", "#e0607e", "#9b7cff", "#7bc96f", "#e2c044", "#56c2e6"]
 

@@ -558,10 +558,14 @@ class DeviceBytes:
     # part of activations too: the two GPU buffers that host-held routed experts are streamed into
     # for prefill (engine/experts.py), each as large as the largest such layer's experts
     expert_staging: int = 0
+    # host RAM: the page-locked copy, in the GPU's layout, of the routed experts this host holds for
+    # GPU layers (prefill streams from it, engine/backends/expert_stream.py), beside the mapped file
+    # pages the CPU's decode reads (`weights`): the experts are in host RAM twice
+    pinned: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.recurrent + self.activations + self.overhead
+        return self.weights + self.kv_cache + self.recurrent + self.activations + self.overhead + self.pinned
 
     @property
     def resident(self) -> int:
@@ -736,6 +740,14 @@ class Placement:
         """The staging buffers' bytes on `device`: two, each the largest streamed layer's experts."""
         return 2 * max((p.expert_bytes for p in self.streamed_parts(device)), default=0)
 
+    def pinned_expert_bytes(self, device: str) -> int:
+        """Host `device`'s page-locked copy of the routed experts it holds for layers on a GPU (what
+        their prefill streams from): every such layer's experts once more."""
+        if not _is_cpu(device):
+            return 0
+        return sum(p.expert_bytes for p in self.expert_parts()
+                   if self.experts[p.name] == device and self.device_of(p.name).startswith("cuda:"))
+
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
     def single(cls, costs: ModelCosts, device: str = "cpu:0", **settings) -> Placement:
@@ -852,6 +864,7 @@ class Placement:
                 modules=modules,
                 graphs=graphs,
                 expert_staging=expert_staging,
+                pinned=self.pinned_expert_bytes(dev),
             )
         return out
 

@@ -111,10 +111,15 @@ def run(args) -> int:
     choices = plan_candidates(costs, devices, context=args.context, chunk=chunk, kv_type=args.kv_type,
                               reserve=RESERVE, experts_device="" if experts is not None else experts_device,
                               experts=experts)
-    if experts_on == "auto":  # the best split with every expert in host RAM, then the GPUs filled back
-        filled = choices[0].plan.with_settings(experts=fill_experts(choices[0].plan, devices,
-                                                                    host=experts_device, reserve=RESERVE))
-        choices = [plan_choice(filled, devices, reserve=RESERVE)] + choices
+    if experts_on == "auto":
+        # each split with every expert in host RAM, then its GPUs filled back: the fastest that fits.
+        # (Every split, not only the best with all the experts on the host: the host holds its experts
+        # twice, so on a small host only a split that keeps some on the GPUs fits at all.)
+        filled = [plan_choice(c.plan.with_settings(experts=fill_experts(c.plan, devices, host=experts_device,
+                                                                        reserve=RESERVE)), devices, reserve=RESERVE)
+                  for c in choices]
+        filled.sort(key=lambda c: (not c.fits, -c.speed.decode_tokens_per_s, -c.max_context))
+        choices = filled[:1] + choices
     best = choices[0]
     advice = [] if best.fits else _advice(costs, devices, args, choices, experts_device)
     report = _report(costs, devices, best, args.context, args.kv_type, advice)
@@ -283,6 +288,8 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
             "other_bytes": (b.total - b.weights - b.kv_cache) if b else 0,
             # of other_bytes: the two buffers host-held experts are streamed into for prefill
             "expert_staging_bytes": b.expert_staging if b else 0,
+            # of other_bytes on a host: the page-locked copy of the experts it holds for GPU layers
+            "pinned_bytes": b.pinned if b else 0,
             "decode_seconds_per_token": choice.speed.per_device.get(d.name, 0.0),
         })
     return {
@@ -347,6 +354,9 @@ def _table(r: dict[str, Any]) -> str:
         if d["expert_staging_bytes"]:
             lines.append(f"{d['name']}: {format_bytes(d['expert_staging_bytes'])} of 'other' are the two "
                          f"buffers that host-RAM experts are streamed into for prefill")
+        if d["pinned_bytes"]:
+            lines.append(f"{d['name']}: {format_bytes(d['pinned_bytes'])} of 'other' are the page-locked copy of "
+                         f"its experts that prefill streams from (the CPU's decode reads the file's pages)")
     p = r["predicted"]
     lines += ["", f"predicted: decode {p['decode_tokens_per_s']:.1f} tokens/s (empty context), "
               f"{p['decode_tokens_per_s_at_context']:.1f} at {r['context']} tokens; prefill "

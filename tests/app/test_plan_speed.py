@@ -116,6 +116,8 @@ def test_experts_in_host_ram_shrinks_the_cards_and_changes_the_prediction(qtbot,
     # the CPU lane holds no block but the experts' memory, and says so
     cpu_lane = panel.lanes[2]
     assert "routed experts" in cpu_lane.numbers.text() and cpu_lane.bar.used == per["cpu:0"].total
+    # ... twice: the file's pages the CPU decodes from, and the pinned copy the card's prefill streams
+    assert per["cpu:0"].pinned == expert_bytes and "pinned copy of the experts" in cpu_lane.numbers.text()
     layer = model.index(1, 0, model.index(0, 0))  # layer 0's block, still on the card
     assert "routed experts" in layer.data(Qt.ItemDataRole.ToolTipRole)
     assert "in host RAM (cpu:0)" in layer.data(Qt.ItemDataRole.ToolTipRole)

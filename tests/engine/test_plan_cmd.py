@@ -74,13 +74,20 @@ def test_host_experts(capsys):
     args = ["--shape", "qwen3.6-35b-a3b", "--quant", "q4_k", "--context", "8192"]
     rc, r = plan(capsys, *args, "--rig", "cuda:0=P104-100")
     assert rc == 1 and any("--host-experts" in s for s in r["suggestions"])  # no host in the rig: add it
-    rc, r = plan(capsys, *args, "--rig", "cuda:0=P104-100,cpu:0=32GiB", "--host-experts")
+    rc, r = plan(capsys, *args, "--rig", "cuda:0=P104-100,cpu:0=48GiB", "--host-experts")
     assert rc == 0
     gpu, cpu = r["devices"]
     assert gpu["parts"] == ["embed"] + [f"blk.{i}" for i in range(40)] + ["head"]
     assert cpu["parts"] == [f"blk.{i}.experts" for i in range(40)]
     assert cpu["weights_bytes"] > 10 * GiB > gpu["weights_bytes"]
     assert cpu["kv_cache_bytes"] == 0 and gpu["kv_cache_bytes"] > 0  # attention stays with its layer
+    # the experts sit in host RAM twice: the file's pages the CPU decodes from, the pinned copy prefill
+    # streams from
+    assert cpu["pinned_bytes"] == cpu["weights_bytes"] and gpu["pinned_bytes"] == 0
+    assert cpu["planned_bytes"] >= 2 * cpu["weights_bytes"]
+    # so a 32 GiB host holds them only as the file's pages: no plan puts every layer's experts there
+    rc, r = plan(capsys, *args, "--rig", "cuda:0=P104-100,cpu:0=32GiB", "--host-experts")
+    assert not (rc == 0 and r["devices"][1]["parts"] == [f"blk.{i}.experts" for i in range(40)])
 
 
 @pytest.mark.parametrize("kv", list(KV_BYTES_PER_VALUE))
@@ -182,13 +189,16 @@ def test_experts_on_host_shows_the_staging_buffers(capsys):
     from minecart.engine.placement import costs_for_shape
 
     layer = costs_for_shape("qwen3.6-35b-a3b", "Q4_K").part("layer.0").expert_bytes
-    rc, r = plan(capsys, *MOE35, "--rig", "cuda:0=P104-100,cpu:0=32GiB", "--experts-on", "host")
+    rc, r = plan(capsys, *MOE35, "--rig", "cuda:0=P104-100,cpu:0=48GiB", "--experts-on", "host")
     assert rc == 0 and r["experts"] == {f"blk.{i}": "cpu:0" for i in range(40)}
     gpu, cpu = r["devices"]
     assert gpu["expert_staging_bytes"] == 2 * layer and cpu["expert_staging_bytes"] == 0
     assert gpu["other_bytes"] >= 2 * layer
-    main(["plan", *MOE35, "--rig", "cuda:0=P104-100,cpu:0=32GiB", "--experts-on", "host"])
-    assert "the two buffers that host-RAM experts are streamed into" in capsys.readouterr().out
+    assert cpu["pinned_bytes"] == 40 * layer and cpu["other_bytes"] >= 40 * layer
+    main(["plan", *MOE35, "--rig", "cuda:0=P104-100,cpu:0=48GiB", "--experts-on", "host"])
+    out = capsys.readouterr().out
+    assert "the two buffers that host-RAM experts are streamed into" in out
+    assert "the page-locked copy of its experts that prefill streams from" in out
 
 
 def test_experts_on_auto_fills_the_card_first(capsys):
