@@ -35,7 +35,7 @@ import os
 import re
 from typing import Any
 
-from .backends.base import Backend, DeviceHooks, MoeShared, compose_moe_block, shared_expert
+from .backends.base import Backend, DeviceHooks, MoeShared, compose_moe_block
 from .backends.numpy_backend import NumpyBackend
 from .placement import CPU_SPEED, DEFAULT_LINK, PREFILL_EFFICIENCY, Link, stream_min_tokens_for
 from .rig import RigBackend
@@ -255,14 +255,10 @@ class ExpertsApart:
         decode kernels cannot read them), so that `moe` above takes the routed part."""
         if self._apart_layer(gate_exps) is None:
             return self._inner.moe_block(x, router, gate_exps, up_exps, down_exps, k, shared, residual)
-        if shared is None or not self._host_nodes:
-            return compose_moe_block(self, x, router, gate_exps, up_exps, down_exps, k, shared, residual)
-        # compose_moe_block's ops in its order, the shared expert on the GPU while the routed experts make
-        # their round trip to the host (it would wait behind the host function otherwise)
-        inner = self._inner
-        join = inner.alongside(lambda: shared_expert(inner, x, shared))
-        y = inner.add(self.moe(x, router, gate_exps, up_exps, down_exps, k), join())
-        return y if residual is None else inner.add(residual, y)
+        # with the experts in host RAM the shared expert runs on the GPU while the routed ones make their
+        # round trip (it would wait behind the host function otherwise)
+        return compose_moe_block(self, x, router, gate_exps, up_exps, down_exps, k, shared, residual,
+                                 shared_beside=self._host_nodes)
 
     def _streamed_moe(self, layer: int, x, gate_exps, up_exps, down_exps, k: int):
         st = self._stream

@@ -138,12 +138,15 @@ class MoeShared:
 
 
 def compose_moe_block(be: Backend, x, router, gate_exps, up_exps, down_exps, k: int,
-                      shared: MoeShared | None, residual):
+                      shared: MoeShared | None, residual, *, shared_beside: bool = False):
     """FusedOpsMixin.moe_block from the protocol's ops (the specification; also what a proxy whose
-    experts live elsewhere runs, engine/experts.py)."""
+    experts live elsewhere runs, engine/experts.py). shared_beside: the shared expert is queued first,
+    to run beside the routed experts (`alongside`: while they make a round trip to the host); the
+    same ops, the same result."""
+    join = be.alongside(lambda: shared_expert(be, x, shared)) if shared is not None and shared_beside else None
     y = be.moe(x, router, gate_exps, up_exps, down_exps, k)
     if shared is not None:
-        y = be.add(y, shared_expert(be, x, shared))
+        y = be.add(y, join() if join is not None else shared_expert(be, x, shared))
     return y if residual is None else be.add(residual, y)
 
 

@@ -1227,8 +1227,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         with self._dev:
             x = _f32(x)
             T = x.shape[0]
-            logits = ops.matmul(x, router.q, "fma")  # router stays fp32 (doc 3.6)
-            ids, wts = ops.moe_route(logits, int(k))
+            ids, wts = self._route(x, router, k)
             ups = None if up_exps is None else up_exps.q
             path = self.gemv_path if T <= moe_kernels.DECODE_MAX_T else self.gemm_path
             if path.startswith("dp4a") and moe_kernels.supported(gate_exps.q, ups, down_exps.q):
@@ -1247,12 +1246,18 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             y = ops.matmul_experts(h, down_exps.q, ids, 1, path)
             return ops.moe_combine(y, wts, T, int(k))
 
+    @staticmethod
+    def _route(x, router: CupyWeight, k: int):
+        """A MoE block's routing of x (float32): (ids (T*k,) int32, weights (T*k,)), fp32 logits (the
+        router stays fp32, doc 3.6) through ops.moe_route."""
+        return ops.moe_route(ops.matmul(x, router.q, "fma"), int(k))
+
     def moe_route_rows(self, x, router: CupyWeight, k: int):
-        """Backend.moe_route_rows, routed as `moe` routes (fp32 logits, ops.moe_route)."""
+        """Backend.moe_route_rows, routed as `moe` routes (_route)."""
         with self._dev:
             x = _f32(x)
             T, H = x.shape
-            ids, wts = ops.moe_route(ops.matmul(x, router.q, "fma"), int(k))
+            ids, wts = self._route(x, router, k)
             out = cp.empty((T, H + 2 * int(k)), dtype=cp.float32)
             out[:, :H] = x
             out[:, H : H + k] = ids.reshape(T, k)  # expert ids < 2**24: exact in float32

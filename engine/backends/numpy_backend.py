@@ -577,8 +577,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
                 from .. import cpu_experts
 
                 gate, up, down = stacks
-                w = np.asarray(weights)
-                each = [cpu_experts.routed_experts(x[t], ids[t], w[t], gate, up, down, threads=self._expert_threads())
+                w, threads = np.asarray(weights), self._expert_threads()
+                each = [cpu_experts.routed_experts(x[t], ids[t], w[t], gate, up, down, threads=threads)
                         for t in range(x.shape[0])]
                 return np.stack(each) if each else np.zeros(x.shape, F32)
         # float32 weights, as the kernels above and a GPU's routing give them (so a layer's experts give
