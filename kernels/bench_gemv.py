@@ -10,9 +10,11 @@ kernels over the same layout ("split", ops.GEMV_KQ_VARIANT). The bytes counted a
 shape by its launches per 9B decode step.
 
 `--multi` times the multi-token matmuls of a batched decode step instead (T = 1, 2, 4, 8, 16, 32 tokens,
-one per sequence, at the same shapes): "auto" (K-quants: ops._gemv_kq_mt, passes of gemv_kq_mt up to 32
-tokens; Q8_0: ops._gemv_mt, gemv_mt up to 8), each compiled shape of those kernels and "old" (the kernels
-before them: gemv_dp4a launches of 8/4/2/1 tokens up to 8, the tiled GEMM above); per line the GPU time per call, per token, the GB/s of weight bytes
+one per sequence, at the same shapes): "auto" (what ops.matmul picks: gemm_batch from GEMM_BATCH_MIN_T
+tokens), "batch" (gemm_batch at every T), "gemv" (the multi-token GEMVs, K-quants: ops._gemv_kq_mt,
+passes of gemv_kq_mt up to 32 tokens; Q8_0: ops._gemv_mt, gemv_mt up to 8), each compiled shape of those
+kernels and "old" (the kernels before them: gemv_dp4a launches of 8/4/2/1 tokens up to 8, the tiled GEMM
+above); per line the GPU time per call, per token, the GB/s of weight bytes
 against the copy bandwidth, and the time over the single-token call; then the GEMV time of a 9B batched
 decode step per T and variant. About a minute on an H200.
 
@@ -159,7 +161,8 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
     if out is not None:
         print(f"copy bandwidth {copy:.0f} GB/s", file=out)
     rows: list[MultiRow] = []
-    saved = (ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT, ops.GEMV_MT_VARIANT)
+    saved = (ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT, ops.GEMV_MT_VARIANT,
+             ops.GEMM_BATCH_VARIANT)
     rng = np.random.default_rng(0)
     try:
         ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT = "auto", "auto"
@@ -180,14 +183,17 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
 
                     shapes_mt = GEMV_MT if type_name == "Q8_0" else GEMV_KQ_MT
                     top = ops.GEMV_MAX_T if type_name == "Q8_0" else max(ops.GEMV_MAX_T, ops.KQ_PASSES_MAX_T)
-                    variants = ["auto"] if T == 1 else ["auto", "old"]
+                    variants = ["auto"] if T == 1 else ["auto", "batch", "gemv", "old"]
                     if 1 < T <= top:
                         variants += [f"{a}x{b}" for a, b in shapes_mt]
                     for v in variants:
+                        # "batch": gemm_batch at any T; "gemv" and the rest: the kernels before it
+                        ops.GEMM_BATCH_VARIANT = {"auto": "auto", "batch": "on"}.get(v, "off")
+                        mt = "auto" if v in ("batch", "gemv") else v
                         if type_name == "Q8_0":  # gemv_mt up to GEMV_MAX_T tokens, the GEMM above
-                            ops.GEMV_MT_VARIANT = v
+                            ops.GEMV_MT_VARIANT = mt
                         else:
-                            ops.GEMV_KQ_MT_VARIANT = v
+                            ops.GEMV_KQ_MT_VARIANT = mt
                         t = time_gpu(call, reps) / len(ws)
                         if T == 1 and v == "auto":
                             one = t
@@ -202,11 +208,12 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
                 del ws, first
                 cp.get_default_memory_pool().free_all_blocks()
     finally:
-        ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT, ops.GEMV_MT_VARIANT = saved
+        (ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT, ops.GEMV_MT_VARIANT,
+         ops.GEMM_BATCH_VARIANT) = saved
     if out is not None:
         for type_name in types:
             for T in tokens:
-                for v in ("auto", "old") + tuple(f"{a}x{b}" for a, b in sorted(set(GEMV_KQ_MT) | set(GEMV_MT))):
+                for v in ("auto", "batch", "gemv", "old") + tuple(f"{a}x{b}" for a, b in sorted(set(GEMV_KQ_MT) | set(GEMV_MT))):
                     sel = [r for r in rows if r.type_name == type_name and r.T == T and r.variant == v
                            and (r.R, r.K) in CALLS_9B]
                     if len(sel) == len({(R, K) for R, K, _ in shapes} & set(CALLS_9B)) and sel:

@@ -216,3 +216,257 @@ __global__ void __launch_bounds__(256) gemm_fma(
         }
     }
 }
+
+// gemm_batch<QT, TT>: Y (T, R) = X (T, K) @ W (R, K)^T for a batched decode step, T <= TT tokens (TT = 8,
+// 16 or 32: one sequence's token each), DP4A on every format load_wblock reads (K-quants in their
+// repacked layout). The weights are streamed once for all T tokens, and each expanded int8 weight is
+// used from shared memory by TT / 8 tokens per thread and each activation int by 4 rows, so a 32-token
+// batch costs about 2 shared loads per 16 DP4A (the multi-token GEMVs, gemv_kq_mt, read every activation
+// block once per row group from L1: per token they cost as much as one token alone, see
+// docs/kernels.md).
+//
+// Geometry: a block of 128 threads computes GB_ROWS = 64 weight rows x TT tokens; thread (tx = tid % 16,
+// ty = tid / 16) owns rows 4 tx .. 4 tx + 3 and tokens TM ty .. TM ty + TM - 1 (TM = TT / 8). The K loop
+// walks stages of 8 quant blocks (256 values: one K-quant super-block): the stage's weights and
+// activations are loaded into registers while the previous stage is computed from shared memory
+// (software pipelining: one barrier pair per stage). Weight loads: the 8 lanes of a group read the 8
+// blocks of one row's stage (a K-quant super-block's 128+ contiguous bytes; Q4_K / Q5_K d and dmin
+// gathered by gemv_kq_mt's three xor-shuffles), expanded to int8 once when stored. Activation loads: 16
+// threads read one token's 256 stage bytes. Shared layouts padded so that stores and loads are free of
+// bank conflicts (int4 loads of 4 consecutive rows; per token 48-byte rows).
+//
+// Inside a block the products are exact int32 started at 0x4B400000 (gemm_dp4a's int -> float by one
+// subtraction; a 32-value block sums at most 516,128 < 2^22); per block they are scaled into fp32
+// accumulators: acc += xd * (dlo * lo + dhi * hi) + m * xs (Q6_K: lo and hi chains of 16 values; the
+// other formats one chain, dlo = dhi).
+//
+// Split K: gridDim.y blocks share a row tile, each `stages` stages of K; with gridDim.y > 1 each writes its
+// partial sums to `y + blockIdx.y * T * R` (a (splits, T, R) scratch) and splitk_sum adds them in split
+// order (deterministic) with the residual; with one split the block writes y (+ res) itself. Rows past R
+// load row R - 1 and write nothing; tokens past T and blocks past K/32 load zeros.
+#define GB_ROWS 64
+
+template <int QT, int TT>
+__global__ void __launch_bounds__(128, 3) gemm_batch(
+        const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+        const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
+        int T, int R, int K, int stages, const float* __restrict__ res) {
+    static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
+    constexpr int TM = TT / 8;         // tokens per thread
+    constexpr bool KQ = kq_format(QT);
+    constexpr bool SPLIT = (QT == QT_Q6_K);  // two scales per block
+    constexpr bool HAS_M = qt_has_offset(QT);
+    __shared__ __align__(16) int sw[8][8 * GB_ROWS + 4];      // [block][int k * GB_ROWS + row]
+    __shared__ __align__(16) float swc[3][8][GB_ROWS + 4];    // dlo, dhi, m: [block][row]
+    __shared__ __align__(16) int sx[8][TT][12];               // [block][token][int k] (+4 pad)
+    __shared__ __align__(16) float sxc[2][8][TT];             // xd, xs: [block][token]
+
+    const int tid = threadIdx.x;
+    const int tx = tid & 15, ty = tid >> 4;
+    const int r0 = blockIdx.x * GB_ROWS;
+    const int nb = K >> 5;
+    const int nst = (nb + 7) >> 3;
+    const int st0 = blockIdx.y * stages;
+    const int st1 = min(nst, st0 + stages);
+    const i64 wstride = row_bytes<QT>(K);
+
+    // weight loads: pass p of 4 -> row p * 16 + tid / 8 of the tile, block s = tid % 8 of the stage
+    const int s = tid & 7;
+    const int ddsh = kq_dd_shift(s);
+    const u8* wrow[4];
+    const u16* wdrow[4];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        int r = min(r0 + p * 16 + (tid >> 3), R - 1);
+        wrow[p] = wq + (i64)r * wstride;
+        wdrow[p] = wd + (i64)r * nb;
+    }
+    uint4 kv[4];
+    u32 ke[4], kh0[4], kh1[4];
+    WBlock wb[4];
+    int4 xv[TM];
+    float fxd[2], fxs[2];
+
+    auto gload = [&](int st) {
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const int b = st * 8 + s;
+            if (KQ) {  // K % 256 == 0: every block of the stage exists
+                kv[p] = *(const uint4*)kq_quants<QT>(wrow[p], b);
+                ke[p] = wdrow[p][b];
+                kh0[p] = kh1[p] = 0u;
+                if (QT == QT_Q5_K) kh0[p] = *(const u32*)kq_high<QT>(wrow[p], b);
+                if (QT == QT_Q6_K) {
+                    uint2 h = *(const uint2*)kq_high<QT>(wrow[p], b);
+                    kh0[p] = h.x;
+                    kh1[p] = h.y;
+                    ke[p] |= (u32)kq6_d(wrow[p], b) << 16;
+                }
+            } else if (b < nb) {
+                load_wblock<QT>(wrow[p], wdrow[p], b, wb[p]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) wb[p].q[k] = 0;
+                wb[p].dlo = wb[p].dhi = wb[p].m = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < TM; j++) {  // int4 j: token idx / 16, block (idx % 16) / 2, half idx % 2
+            const int idx = tid + 128 * j;
+            const int t = idx >> 4, b = st * 8 + ((idx & 15) >> 1);
+            xv[j] = make_int4(0, 0, 0, 0);
+            if (t < T && b < nb) xv[j] = ((const int4*)(xq + ((i64)t * nb + b) * 32))[idx & 1];
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) {  // scales: token idx / 8, block idx % 8
+            const int idx = tid + 128 * j;
+            const int t = idx >> 3, b = st * 8 + (idx & 7);
+            fxd[j] = fxs[j] = 0.0f;
+            if (idx < TT * 8 && t < T && b < nb) {
+                fxd[j] = xd[(i64)t * nb + b];
+                fxs[j] = xs[(i64)t * nb + b];
+            }
+        }
+    };
+    auto sstore = [&]() {
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const int r = p * 16 + (tid >> 3);
+            int q[8];
+            float dlo, dhi, m;
+            if (KQ) {
+                if (QT == QT_Q6_K) {
+                    float d = h2f((u16)(ke[p] >> 16));
+                    dlo = __fmul_rn(d, s8_to_f(ke[p]));
+                    dhi = __fmul_rn(d, s8_to_f(ke[p] >> 8));
+                    m = 0.0f;
+                } else {
+                    u32 dd = ((ke[p] >> 12) & 15u) << ddsh;
+                    dd |= __shfl_xor_sync(0xffffffffu, dd, 1);
+                    dd |= __shfl_xor_sync(0xffffffffu, dd, 2);
+                    dd |= __shfl_xor_sync(0xffffffffu, dd, 4);
+                    kq_affine(ke[p], dd, dlo, m);
+                    dhi = dlo;
+                }
+                const u32 vv[4] = {kv[p].x, kv[p].y, kv[p].z, kv[p].w};
+#pragma unroll
+                for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], kh0[p], kh1[p], k, q[k], q[4 + k]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) q[k] = wb[p].q[k];
+                dlo = wb[p].dlo;
+                dhi = wb[p].dhi;
+                m = wb[p].m;
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) sw[s][k * GB_ROWS + r] = q[k];
+            swc[0][s][r] = dlo;
+            swc[1][s][r] = dhi;
+            swc[2][s][r] = m;
+        }
+#pragma unroll
+        for (int j = 0; j < TM; j++) {
+            const int idx = tid + 128 * j;
+            *(int4*)&sx[(idx & 15) >> 1][idx >> 4][4 * (idx & 1)] = xv[j];
+        }
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            const int idx = tid + 128 * j;
+            if (idx < TT * 8) {
+                sxc[0][idx & 7][idx >> 3] = fxd[j];
+                sxc[1][idx & 7][idx >> 3] = fxs[j];
+            }
+        }
+    };
+
+    float acc[4][TM];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < TM; j++) acc[i][j] = 0.0f;
+
+    if (st0 < st1) gload(st0);
+    for (int st = st0; st < st1; st++) {
+        __syncthreads();  // the previous stage's compute is done with shared memory
+        sstore();
+        __syncthreads();
+        if (st + 1 < st1) gload(st + 1);  // in flight while this stage computes
+#pragma unroll 2
+        for (int u = 0; u < 8; u++) {
+            int ai[4][TM];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < TM; j++) ai[i][j] = MAGIC_I;
+            const float4 dlo4 = *(const float4*)&swc[0][u][4 * tx];
+            const float4 dhi4 = *(const float4*)&swc[1][u][4 * tx];
+            const float4 m4 = *(const float4*)&swc[2][u][4 * tx];
+            const float dlo[4] = {dlo4.x, dlo4.y, dlo4.z, dlo4.w};
+            const float dhi[4] = {dhi4.x, dhi4.y, dhi4.z, dhi4.w};
+            const float mw[4] = {m4.x, m4.y, m4.z, m4.w};
+            float dx[TM], sxv[TM];
+#pragma unroll
+            for (int j = 0; j < TM; j++) {
+                dx[j] = sxc[0][u][TM * ty + j];
+                sxv[j] = sxc[1][u][TM * ty + j];
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int4 xa[TM];
+#pragma unroll
+                for (int j = 0; j < TM; j++) xa[j] = *(const int4*)&sx[u][TM * ty + j][4 * h];
+#pragma unroll
+                for (int kk = 0; kk < 4; kk++) {
+                    const int4 w4 = *(const int4*)&sw[u][(4 * h + kk) * GB_ROWS + 4 * tx];
+                    const int wv[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+                    for (int j = 0; j < TM; j++) {
+                        const int a = kk == 0 ? xa[j].x : kk == 1 ? xa[j].y : kk == 2 ? xa[j].z : xa[j].w;
+#pragma unroll
+                        for (int i = 0; i < 4; i++) ai[i][j] = dp4a(wv[i], a, ai[i][j]);
+                    }
+                }
+                if (SPLIT || h == 1) {  // scale this (half-)block's exact sums into the accumulators
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        const float dw = (SPLIT && h == 0) ? dlo[i] : dhi[i];
+#pragma unroll
+                        for (int j = 0; j < TM; j++) {
+                            const float v = __int_as_float(ai[i][j]) - MAGIC_F;
+                            acc[i][j] = fmaf(v, dx[j] * dw, acc[i][j]);
+                            if (HAS_M && h == 1) acc[i][j] = fmaf(mw[i], sxv[j], acc[i][j]);
+                            if (SPLIT) ai[i][j] = MAGIC_I;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // write out: rows 4 tx .. 4 tx + 3, tokens TM ty ..
+    float* out = y + (gridDim.y > 1 ? (i64)blockIdx.y * T * R : 0);
+    const float* add = gridDim.y > 1 ? nullptr : res;
+#pragma unroll
+    for (int j = 0; j < TM; j++) {
+        const int t = TM * ty + j;
+        if (t >= T) continue;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + 4 * tx + i;
+            if (r < R) {
+                const i64 yi = (i64)t * R + r;
+                out[yi] = add != nullptr ? acc[i][j] + add[yi] : acc[i][j];
+            }
+        }
+    }
+}
+
+// splitk_sum: y[i] = sum over s < splits of part[s * n + i] (+ res[i]), in split order: gemm_batch's
+// split-K partial sums, added deterministically.
+extern "C" __global__ void splitk_sum(const float* __restrict__ part, int splits, long long n,
+                                      float* __restrict__ y, const float* __restrict__ res) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = part[i];
+    for (int s = 1; s < splits; s++) v += part[(long long)s * n + i];
+    y[i] = res != nullptr ? v + res[i] : v;
+}

@@ -24,6 +24,7 @@ from .build import (
     DECODE_GROUPS,
     DP4A_TYPES,
     GDN_KEY_DIMS,
+    GEMM_BATCH_TOKENS,
     GEMV_KQ,
     GEMV_KQ_MT,
     GEMV_MT,
@@ -281,10 +282,12 @@ def _gemv_mt(type_name: str, T: int, R: int) -> tuple[int, int] | None:
 
 
 def gemv_max_t(w: QWeight) -> int:
-    """The most tokens matmul(x, w, "dp4a") serves with GEMV launches (each reading the weights once)
-    rather than the tiled GEMM: KQ_PASSES_MAX_T for a K-quant under gemv_kq_mt and for Q8_0 under gemv_mt,
-    else GEMV_MAX_T. A caller that picks the decode path below this and the prefill path above keeps
-    batches of up to this many sequences on the GEMV."""
+    """The most tokens matmul(x, w, "dp4a") serves with launches that read the weights once rather than
+    the tiled prefill GEMM: 32 for every DP4A format under gemm_batch, KQ_PASSES_MAX_T for a K-quant
+    under gemv_kq_mt and for Q8_0 under gemv_mt, else GEMV_MAX_T. A caller that picks the decode path
+    below this and the prefill path above keeps batches of up to this many sequences on the GEMV."""
+    if w.type_name in DP4A_TYPES and GEMM_BATCH_VARIANT != "off":  # gemm_batch above the GEMVs
+        return max(GEMV_MAX_T, KQ_PASSES_MAX_T, max(GEMM_BATCH_TOKENS))
     if w.type_name in kquant_layout.KQUANT_TYPES and GEMV_KQ_MT_VARIANT != "old":
         return max(GEMV_MAX_T, KQ_PASSES_MAX_T)
     if w.type_name in GEMV_MT_TYPES and GEMV_MT_VARIANT != "old":
@@ -292,6 +295,45 @@ def gemv_max_t(w: QWeight) -> int:
     return GEMV_MAX_T
 
 
+
+
+# -- batched decode GEMM (gemm_batch, kernels/gemm.cu) --
+# DP4A matmuls of GEMM_BATCH_MIN_T..32 tokens (a batched decode step of that many sequences) run as one
+# gemm_batch launch (64-row x 8/16/32-token tiles, weights read once, split over K to fill the card)
+# instead of passes of the multi-token GEMVs (K-quants, Q8_0) or the 128x128-tile prefill GEMM (the other
+# formats above 8 tokens). Env MINECART_GEMM_BATCH: "auto" (from GEMM_BATCH_MIN_T tokens), "on" (from 2
+# tokens), "off" (the kernels before it); MINECART_GEMM_BATCH_MIN_T.
+GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
+GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "6"))
+GEMM_BATCH_ROWS = 64  # weight rows per block (gemm.cu GB_ROWS)
+# split K until the launch has about this many blocks per multiprocessor (3 fit at once)
+GEMM_BATCH_BLOCKS_PER_SM = 2
+
+
+def _gemm_batch(type_name: str, T: int) -> int | None:
+    """The token tile (GEMM_BATCH_TOKENS) of gemm_batch for a DP4A matmul of T tokens, None for the other
+    kernels."""
+    v = GEMM_BATCH_VARIANT
+    if v not in ("auto", "on", "off"):
+        raise ValueError(f"MINECART_GEMM_BATCH={v!r}: use auto, on or off")
+    if v == "off" or type_name not in DP4A_TYPES or T < 2 or T > max(GEMM_BATCH_TOKENS):
+        return None
+    if v == "auto" and T < GEMM_BATCH_MIN_T:
+        return None
+    return next(tt for tt in GEMM_BATCH_TOKENS if T <= tt)
+
+
+def gemm_batch_splits(R: int, K: int, sms: int) -> tuple[int, int]:
+    """(splits over K, stages of 256 values per split) of a gemm_batch launch on a card with `sms`
+    multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM blocks per
+    multiprocessor is split along K (a 4096 x 4096 matrix has 64 tiles: 5 splits of 3-4 stages on 132
+    multiprocessors), each split at least one stage."""
+    tiles = -(-R // GEMM_BATCH_ROWS)
+    stages = -(-(K // 32) // 8)
+    want = -(-(GEMM_BATCH_BLOCKS_PER_SM * sms) // tiles)
+    splits = max(1, min(stages, want))
+    per = -(-stages // splits)
+    return -(-stages // per), per
 
 
 def _gemv_split(R: int, K: int) -> tuple[int, int] | None:
@@ -343,6 +385,20 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     if use_dp4a:
         xq, xd, xs = quantize_cached(x)
     nb = K // 32
+    tt = _gemm_batch(w.type_name, T) if use_dp4a else None
+    if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
+        splits, per = gemm_batch_splits(R, K, sm_count())
+        part = y if splits == 1 else cp.empty((splits, T, R), dtype=cp.float32)
+        res = residual if residual is not None and splits == 1 else np.uint64(0)
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
+                                                (w.wq, wd, xq, xd, xs, part, np.int32(T), np.int32(R), np.int32(K),
+                                                 np.int32(per), res))
+        if splits > 1:
+            n = T * R
+            _mm_kernel(w, "splitk_sum")((math.ceil(n / 256),), (256,),
+                                        (part, np.int32(splits), np.int64(n), y,
+                                         residual if residual is not None else np.uint64(0)))
+        return y
     mt = _gemv_kq_mt(w.type_name, T, R, K) if use_dp4a else None
     mt_kernel = "gemv_kq_mt"
     if use_dp4a and mt is None:

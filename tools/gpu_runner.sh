@@ -147,7 +147,8 @@ fi
 if [ "$MODE" = profile ]; then
   # where a decode step goes: Nsight Compute kernel times of one eager single-token step and of one
   # eager batched step per PROFILE_BATCHES entry (tools/profile_decode.py), then the graphed step's wall
-  # vs GPU time. PROFILE_ARGS (default: --shape qwen3.5-9b --quant q4_k). Logs: profile_*.txt.
+  # vs GPU time, the same for each batched step. PROFILE_ARGS (default: --shape qwen3.5-9b --quant q4_k).
+  # Logs: profile_*.txt.
   PA=${PROFILE_ARGS:---shape qwen3.5-9b --quant q4_k}
   for b in 1 ${PROFILE_BATCHES:-8}; do
     # shellcheck disable=SC2086
@@ -159,6 +160,10 @@ if [ "$MODE" = profile ]; then
   done
   # shellcheck disable=SC2086
   timeout 120 python3 tools/profile_decode.py $PA 2>&1 | tail -12 | tee "$OUT/profile_graph.txt"
+  for b in ${PROFILE_BATCHES:-8}; do  # the graphed batched step: wall vs GPU, and the logits' host copy
+    # shellcheck disable=SC2086
+    timeout 120 python3 tools/profile_decode.py $PA --batch "$b" 2>&1 | tail -40 | tee "$OUT/profile_graph_b$b.txt"
+  done
 fi
 
 if [ "$MODE" = moe-host ]; then

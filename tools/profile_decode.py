@@ -28,7 +28,8 @@ def main() -> None:
     ap.add_argument("--path", default=None)
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--batch", type=int, default=1,
-                    help="with --ncu: profile one eager batched step of this many sequences instead")
+                    help="a batched step of this many sequences instead: with --ncu one eager step's "
+                         "kernels, without it the graphed step's wall time against its GPU time")
     ap.add_argument("--json", default=None)
     ap.add_argument("--summarize", default=None, help="an ncu --csv file: print time per kernel name")
     args = ap.parse_args()
@@ -49,8 +50,11 @@ def main() -> None:
     logits = s.prefill(list(range(100, 164)))
     for _ in range(3):
         logits = s.step(int(np.argmax(logits)))
-    if args.ncu and args.batch > 1:
-        _profile_batch(model, args.batch)
+    if args.batch > 1:
+        if args.ncu:
+            _profile_batch(model, args.batch)
+        else:
+            _time_batch(model, args.batch, args.json)
         return
     if args.ncu:
         be.use_graphs = False
@@ -114,6 +118,69 @@ def _profile_batch(model, batch: int) -> None:
     ex.forward_batch([[7]] * batch, states, [np.array([p]) for p in pos])
     cp.cuda.runtime.deviceSynchronize()
     cp.cuda.profiler.stop()
+
+
+def _time_batch(model, batch: int, json_path: str | None) -> None:
+    """The graphed batched decode step (Executor.forward_batch as the scheduler calls it): wall ms a step,
+    the GPU ms of its graph replayed alone, and the host copy of the (B, vocab) logits it returns."""
+    import cupy as cp
+
+    sessions = [model.new_session(1024) for _ in range(batch)]
+    pos = []
+    for b, s in enumerate(sessions):
+        s.prefill(list(range(100 + b, 164 + b)))
+        pos.append(64)
+    ex = model.executor
+    be = model.backends["global"]
+    states = [s.states for s in sessions]
+
+    def step():
+        nonlocal pos
+        out = ex.forward_batch([[7]] * batch, states, [np.array([p]) for p in pos])
+        pos = [p + 1 for p in pos]
+        return out
+
+    for _ in range(3):  # eager, capture, replay
+        out = step()
+    n = 24
+    cp.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = step()
+    wall = (time.perf_counter() - t0) / n
+    res: dict = {"batch": batch, "wall_ms_per_step": wall * 1e3, "graph_steps": ex.batch_graph_steps,
+                 "logits_mb": out.nbytes / 1e6}
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()  # the host's share of a step, by function (the GPU's wait included)
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+    print("\n".join(ln for ln in text.getvalue().splitlines() if ln.strip())[-3000:])
+    rec = next(iter(be._batch_graphs.values()), None)
+    if rec is not None:
+        stream = rec.cap.stream
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        start.record(stream)
+        for _ in range(n):
+            rec.graph.launch(stream)  # the same tokens again: fine for timing
+        stop.record(stream)
+        stop.synchronize()
+        res["graph_gpu_ms_per_step"] = cp.cuda.get_elapsed_time(start, stop) / n
+        host = rec.cap.outputs[-1]
+        t0 = time.perf_counter()
+        for _ in range(n):
+            np.array(host)
+        res["host_logits_copy_ms"] = (time.perf_counter() - t0) / n * 1e3
+    print(json.dumps(res, indent=1))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)
 
 
 def summarize(csv_path: str) -> None:

@@ -29,13 +29,15 @@ TOL = 2e-5
 
 @pytest.fixture(autouse=True)
 def default_variants(monkeypatch):
-    """The kernels' defaults, whatever MINECART_GEMV_KQ_MT / MINECART_GEMV_MT / MINECART_KQ_PASSES_MAX_T say."""
+    """The kernels' defaults, whatever MINECART_GEMV_KQ_MT / MINECART_GEMV_MT / MINECART_KQ_PASSES_MAX_T say,
+    without gemm_batch (which takes 9..32 tokens by default)."""
     from minecart.kernels import ops
 
     monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", "auto")
     monkeypatch.setattr(ops, "GEMV_MT_VARIANT", "auto")
     monkeypatch.setattr(ops, "GEMV_KQ_VARIANT", "auto")
     monkeypatch.setattr(ops, "KQ_PASSES_MAX_T", 32)
+    monkeypatch.setattr(ops, "GEMM_BATCH_VARIANT", "off")  # gemm_batch: tests/gpu/test_gemm_batch.py
 
 
 @pytest.fixture
@@ -173,8 +175,8 @@ def test_bench_multi_runs():
     rows = bench_gemv.run_multi(shapes=((1024, 2304, True),), types=("Q8_0", "Q4_K", "Q6_K"), tokens=(1, 8, 16),
                                 cycle_bytes=8 << 20, reps=2)
     assert {(r.type_name, r.T) for r in rows} == {(t, n) for t in ("Q8_0", "Q4_K", "Q6_K") for n in (1, 8, 16)}
-    assert len([r for r in rows if r.T == 8 and r.type_name != "Q8_0"]) == 2 * (2 + len(GEMV_KQ_MT))
-    assert len([r for r in rows if r.T == 8 and r.type_name == "Q8_0"]) == 2 + len(GEMV_MT)
+    assert len([r for r in rows if r.T == 8 and r.type_name != "Q8_0"]) == 2 * (4 + len(GEMV_KQ_MT))
+    assert len([r for r in rows if r.T == 8 and r.type_name == "Q8_0"]) == 4 + len(GEMV_MT)
     assert all(r.seconds > 0 and r.gbs > 0 and r.copy_share > 0 and r.over_one > 0 for r in rows)
 
 
