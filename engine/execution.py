@@ -501,19 +501,23 @@ class Executor:
         if any(p.ndim == 2 for p in pos):  # M-RoPE in any sequence: every one as (3, T)
             pos = [p if p.ndim == 2 else np.broadcast_to(p, (3, p.shape[0])) for p in pos]
         stacked = np.concatenate(pos, axis=-1)
-        layer_rows = [SequenceRows(tuple(st[i] for st in states), tuple(bounds), tuple(pos))
-                      for i in range(self.config.n_layers)]
+
+        def layer_rows() -> list:  # built only when the step runs eagerly or is captured, not replayed
+            return [SequenceRows(tuple(st[i] for st in states), tuple(bounds), tuple(pos))
+                    for i in range(self.config.n_layers)]
+
         chunk = _Chunk(0, flat, stacked, None, tuple(b - 1 for b in bounds[1:]))
         with self._call_lock:
             out = None
             if len(flat) == B:  # every sequence decodes one token
                 out = self._batch_graph_step(chunk, tuple(states), tuple(pos), layer_rows)
             if out is None:
-                out = self._one_chunk(chunk, layer_rows, None)
+                out = self._one_chunk(chunk, layer_rows(), None)
         assert out is not None  # row indices always reach the head
         return out
 
-    def _batch_graph_step(self, c: _Chunk, owners: tuple, pos: tuple, layer_rows: list) -> np.ndarray | None:
+    def _batch_graph_step(self, c: _Chunk, owners: tuple, pos: tuple,
+                          layer_rows: Callable[[], list]) -> np.ndarray | None:
         """A batched decode step (one token per sequence) through the backend's graph_step: captured
         the second time in a row the same sequences decode together (a batch that changes every step
         never pays a capture), replayed while they keep doing so. None: run it eagerly (graphs off,
@@ -526,7 +530,7 @@ class Executor:
         watch = [st for seq in owners for st in seq]
 
         def run(x):
-            return self.run_stage(stage, x, c.positions, layer_rows, c.rows)
+            return self.run_stage(stage, x, c.positions, layer_rows(), c.rows)
 
         out = stage.backend.graph_step(("batch", len(owners)), run, c.ids, pos, owner=owners, watch=watch)
         if out is None:

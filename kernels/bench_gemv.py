@@ -34,7 +34,7 @@ import cupy as cp
 import numpy as np
 
 from . import kquant_layout, ops
-from .build import GEMV_KQ, GEMV_KQ_MT, GEMV_MT
+from .build import GEMM_BATCH, GEMM_BATCH_TOKENS, GEMV_KQ, GEMV_KQ_MT, GEMV_MT
 from .probe import measure_copy, random_q8_0, time_gpu
 
 # (rows, row length, residual epilogue) of the 9B single-token GEMVs: attention output / FFN down with
@@ -183,18 +183,25 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
 
                     shapes_mt = GEMV_MT if type_name == "Q8_0" else GEMV_KQ_MT
                     top = ops.GEMV_MAX_T if type_name == "Q8_0" else max(ops.GEMV_MAX_T, ops.KQ_PASSES_MAX_T)
-                    variants = ["auto"] if T == 1 else ["auto", "batch", "gemv", "old"]
+                    tile = next((tt for tt in GEMM_BATCH_TOKENS if T <= tt), 0)
+                    budgets = [f"batch{mb}" for tt, mb in GEMM_BATCH if tt == tile]
+                    variants = ["auto"] if T == 1 else ["auto", "batch", "gemv", "old"] + budgets
                     if 1 < T <= top:
                         variants += [f"{a}x{b}" for a, b in shapes_mt]
                     for v in variants:
                         # "batch": gemm_batch at any T; "gemv" and the rest: the kernels before it
-                        ops.GEMM_BATCH_VARIANT = {"auto": "auto", "batch": "on"}.get(v, "off")
-                        mt = "auto" if v in ("batch", "gemv") else v
+                        batch = v.startswith("batch")
+                        ops.GEMM_BATCH_VARIANT = "auto" if v == "auto" else "on" if batch else "off"
+                        budget = dict(ops.GEMM_BATCH_MB)
+                        if batch and v != "batch":  # batchN: a register budget of N blocks per multiprocessor
+                            ops.GEMM_BATCH_MB[tile] = int(v[5:])
+                        mt = "auto" if batch or v == "gemv" else v
                         if type_name == "Q8_0":  # gemv_mt up to GEMV_MAX_T tokens, the GEMM above
                             ops.GEMV_MT_VARIANT = mt
                         else:
                             ops.GEMV_KQ_MT_VARIANT = mt
                         t = time_gpu(call, reps) / len(ws)
+                        ops.GEMM_BATCH_MB.update(budget)
                         if T == 1 and v == "auto":
                             one = t
                         gbs = per / t / 1e9
@@ -213,7 +220,7 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
     if out is not None:
         for type_name in types:
             for T in tokens:
-                for v in ("auto", "batch", "gemv", "old") + tuple(f"{a}x{b}" for a, b in sorted(set(GEMV_KQ_MT) | set(GEMV_MT))):
+                for v in ("auto", "batch", "gemv", "old") + tuple(f"batch{mb}" for mb in sorted({m for _, m in GEMM_BATCH})) + tuple(f"{a}x{b}" for a, b in sorted(set(GEMV_KQ_MT) | set(GEMV_MT))):
                     sel = [r for r in rows if r.type_name == type_name and r.T == T and r.variant == v
                            and (r.R, r.K) in CALLS_9B]
                     if len(sel) == len({(R, K) for R, K, _ in shapes} & set(CALLS_9B)) and sel:

@@ -240,14 +240,17 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // accumulators: acc += xd * (dlo * lo + dhi * hi) + m * xs (Q6_K: lo and hi chains of 16 values; the
 // other formats one chain, dlo = dhi).
 //
+// MB: blocks per multiprocessor the registers are budgeted for (__launch_bounds__; 3: up to 168
+// registers, no spills; more blocks hide more latency where ptxas fits the tile without spilling).
+//
 // Split K: gridDim.y blocks share a row tile, each `stages` stages of K; with gridDim.y > 1 each writes its
 // partial sums to `y + blockIdx.y * T * R` (a (splits, T, R) scratch) and splitk_sum adds them in split
 // order (deterministic) with the residual; with one split the block writes y (+ res) itself. Rows past R
 // load row R - 1 and write nothing; tokens past T and blocks past K/32 load zeros.
 #define GB_ROWS 64
 
-template <int QT, int TT>
-__global__ void __launch_bounds__(128, 3) gemm_batch(
+template <int QT, int TT, int MB>
+__global__ void __launch_bounds__(128, MB) gemm_batch(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         int T, int R, int K, int stages, const float* __restrict__ res) {

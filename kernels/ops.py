@@ -24,6 +24,7 @@ from .build import (
     DECODE_GROUPS,
     DP4A_TYPES,
     GDN_KEY_DIMS,
+    GEMM_BATCH,
     GEMM_BATCH_TOKENS,
     GEMV_KQ,
     GEMV_KQ_MT,
@@ -306,8 +307,22 @@ def gemv_max_t(w: QWeight) -> int:
 GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
 GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "6"))
 GEMM_BATCH_ROWS = 64  # weight rows per block (gemm.cu GB_ROWS)
-# split K until the launch has about this many blocks per multiprocessor (3 fit at once)
-GEMM_BATCH_BLOCKS_PER_SM = 2
+# blocks per multiprocessor of the register budget, per token tile (build.GEMM_BATCH; env
+# MINECART_GEMM_BATCH_MB="8:5,16:4,32:3" overrides): a first guess, bench_gemv --multi times them all
+GEMM_BATCH_MB = {8: 3, 16: 3, 32: 3}
+for _item in filter(None, os.environ.get("MINECART_GEMM_BATCH_MB", "").split(",")):
+    _tt, _mb = (int(v) for v in _item.split(":"))
+    if (_tt, _mb) not in GEMM_BATCH:
+        raise ValueError(f"MINECART_GEMM_BATCH_MB: gemm_batch is compiled for {GEMM_BATCH} (tile, blocks)")
+    GEMM_BATCH_MB[_tt] = _mb
+# split K until the launch has about this many blocks per multiprocessor, per token tile (env
+# MINECART_GEMM_BATCH_SPLIT="8:6,16:4,32:2"): more blocks put more weight bytes in flight (the 8-token
+# tile is bound by that), more splits add partial sums to write and add (the 32-token tile is bound by
+# the DP4A rate)
+GEMM_BATCH_BLOCKS_PER_SM = {8: 2, 16: 2, 32: 2}
+for _item in filter(None, os.environ.get("MINECART_GEMM_BATCH_SPLIT", "").split(",")):
+    _tt, _n = (int(v) for v in _item.split(":"))
+    GEMM_BATCH_BLOCKS_PER_SM[_tt] = _n
 
 
 def _gemm_batch(type_name: str, T: int) -> int | None:
@@ -323,14 +338,14 @@ def _gemm_batch(type_name: str, T: int) -> int | None:
     return next(tt for tt in GEMM_BATCH_TOKENS if T <= tt)
 
 
-def gemm_batch_splits(R: int, K: int, sms: int) -> tuple[int, int]:
-    """(splits over K, stages of 256 values per split) of a gemm_batch launch on a card with `sms`
-    multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM blocks per
-    multiprocessor is split along K (a 4096 x 4096 matrix has 64 tiles: 5 splits of 3-4 stages on 132
-    multiprocessors), each split at least one stage."""
+def gemm_batch_splits(R: int, K: int, sms: int, tile: int = 8) -> tuple[int, int]:
+    """(splits over K, stages of 256 values per split) of a gemm_batch launch of token tile `tile` on a
+    card with `sms` multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM[tile]
+    blocks per multiprocessor is split along K (a 4096 x 4096 matrix has 64 tiles: at 2 blocks per
+    multiprocessor, 4 splits of 4 stages on 132 multiprocessors), each split at least one stage."""
     tiles = -(-R // GEMM_BATCH_ROWS)
     stages = -(-(K // 32) // 8)
-    want = -(-(GEMM_BATCH_BLOCKS_PER_SM * sms) // tiles)
+    want = -(-(GEMM_BATCH_BLOCKS_PER_SM[tile] * sms) // tiles)
     splits = max(1, min(stages, want))
     per = -(-stages // splits)
     return -(-stages // per), per
@@ -387,10 +402,10 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
     if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
-        splits, per = gemm_batch_splits(R, K, sm_count())
+        splits, per = gemm_batch_splits(R, K, sm_count(), tt)
         part = y if splits == 1 else cp.empty((splits, T, R), dtype=cp.float32)
         res = residual if residual is not None and splits == 1 else np.uint64(0)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}, {GEMM_BATCH_MB[tt]}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, part, np.int32(T), np.int32(R), np.int32(K),
                                                  np.int32(per), res))
         if splits > 1:

@@ -33,7 +33,7 @@ from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, link, o
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
-from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
+from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache, LayerState
 
 
 def device_count() -> int:
@@ -298,10 +298,36 @@ class _Capture:
         return host
 
 
+_KV_TYPES = (CupyKVCache, CupyTypedKVCache, CupyF16KVCache, CupyQ8KVCache)
+
+
 def _device_pointers(obj, out: list, depth: int = 0) -> list:
     """Addresses of every device array reachable from a model's per-layer states (caches, GDN conv
-    and recurrent state): a graph bakes these in, so any reallocation invalidates it."""
+    and recurrent state): a graph bakes these in, so any reallocation invalidates it.
+
+    A replayed graph checks these every step (a batch of 32 sequences: ~1,000 layer states), so the
+    usual objects are matched by exact type first: a LayerState's cache and recurrent arrays, the fp32 /
+    f16 / q8_0 caches' k and v (CupyKVCache subclasses a runtime-checkable Protocol, whose isinstance is
+    slow); anything else takes the generic walk, with the same result."""
     if depth > 4:
+        return out
+    t = type(obj)
+    if t is LayerState and depth + 2 <= 4:
+        kv = obj.kv
+        if kv is not None:
+            _device_pointers(kv, out, depth + 1)
+        for item in obj.recurrent.values():
+            if type(item) is cp.ndarray:
+                out.append(item.data.ptr)
+            else:
+                _device_pointers(item, out, depth + 2)
+        return out
+    if t in _KV_TYPES:
+        out.extend((0 if obj.k is None else obj.k.data.ptr, 0 if obj.v is None else obj.v.data.ptr))
+        return out
+    if t is list or t is tuple:
+        for item in obj:
+            _device_pointers(item, out, depth + 1)
         return out
     if isinstance(obj, cp.ndarray):
         out.append(obj.data.ptr)
@@ -529,6 +555,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._capture: _Capture | None = None  # set while a decode step is being captured
         self._graphs: dict[int, _DecodeGraph] = {}
         self._graph_stream = None
+        self._cap_stream = None
         self._batch_graphs: dict[Any, _BatchGraph] = {}  # batched decode steps, most recently used last
         self._batch_eager: set[int] = set()  # batch sizes whose capture failed
         self.batch_capture_error = ""  # why the last of them failed (shown by tests and MINECART_DEBUG)
@@ -1332,12 +1359,19 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return rec.replay(int(ids[0]), pos, after, wait or host_out is None)
 
     def _record(self, cap, body) -> tuple[Any, list]:
-        """Capture body() into a CUDA graph on this backend's graph stream, with `cap` (a _Capture or
+        """Capture body() into a CUDA graph (launched on this backend's graph stream), with `cap` (a _Capture or
         _BatchCapture) as the step's book-keeping: its inputs copied by the graph's first node, every
         allocation kept for the replays. -> (graph, the kept allocations). When the capture fails the
         caches' host lengths are put back and the error is raised again (the caller decides whether
         that step, or that kind of step, stays eager)."""
-        stream = self._graph_stream_for_capture()
+        # captured on a stream of its own, non-blocking: device work that other threads queue on the
+        # legacy stream meanwhile (a request's new session zeroing its states, a snapshot) is then not
+        # tied to the capture, which a blocking stream would make it (cudaErrorStreamCaptureImplicit,
+        # seen in tools/bench_batch_gpu.py when a request arrived while the scheduler captured a batch).
+        # Nothing runs on it: cap.stream is the graph stream again for the launches.
+        replay_stream = cap.stream
+        stream = self._capture_stream()
+        cap.stream = stream
         pool = cp.get_default_memory_pool()
         kept: list = []
 
@@ -1349,7 +1383,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._capture = cap
         # no cyclic garbage collection while capturing: a collection that frees another object's pinned
         # buffer or graph (cudaFreeHost, cudaGraphDestroy) puts work on the legacy stream, which
-        # invalidates the capture of this blocking stream (seen on the H200 as
+        # invalidated the capture when it ran on the blocking graph stream (seen on the H200 as
         # cudaErrorStreamCaptureImplicit in tools/bench_batch_gpu.py's run after other tests)
         try:
             with host_func.paused_gc(), stream:
@@ -1371,6 +1405,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             raise
         finally:
             self._capture = None
+            cap.stream = replay_stream
         return graph, kept
 
     def _capture_graph(self, key, run, ids, pos, owner, watch, io):
@@ -1415,6 +1450,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 self._hold_done = cp.cuda.Event(disable_timing=True)
             self._hold_done.record(stream)
         return self._hold_done
+
+    def _capture_stream(self):
+        """The non-blocking stream decode graphs are captured on (made on first use; see _record)."""
+        if self._cap_stream is None:
+            self._cap_stream = cp.cuda.Stream(non_blocking=True)
+        return self._cap_stream
 
     def _graph_stream_for_capture(self):
         """The stream decode graphs are captured on and replayed from (made on first use)."""

@@ -138,3 +138,46 @@ def test_bench_tool_runs_on_the_gpu(tmp_path):
     assert [r["batch"] for r in res["decode"]] == [1, 4, 9]
     assert all(r["tok_s"] > 0 for r in res["decode"]) and res["ttft"]["alone_s"] > 0
     assert res["decode"][2]["graphed_steps"] > 0
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0", "q3"])
+def test_graph_pointer_check_sees_every_state_array(files, kv_type):
+    """The pointers a replayed graph checks (cupy_backend._device_pointers, with its exact-type fast path)
+    are every device array of the sequences' layer states, in order, whatever the cache type, and a
+    restored recurrent array or a grown cache changes them."""
+    from minecart.engine.backends.cupy_backend import CupyBackend, _device_pointers
+    from minecart.engine.model import load_model
+
+    model = load_model(files["qwen"], backend=CupyBackend("cuda:0", path="dp4a"), kv_type=kv_type)
+    sessions = [model.new_session(capacity=16) for _ in range(3)]
+    for s in sessions:
+        s.prefill([3, 4, 5])
+
+    def arrays(obj, out):  # every cupy array reachable, the plain way
+        if isinstance(obj, cp.ndarray):
+            out.append(obj.data.ptr)
+        elif isinstance(obj, (list, tuple)):
+            for o in obj:
+                arrays(o, out)
+        elif isinstance(obj, dict):
+            for o in obj.values():
+                arrays(o, out)
+        elif hasattr(obj, "__dict__"):
+            for o in vars(obj).values():
+                arrays(o, out)
+        return out
+
+    watch = [st for s in sessions for st in s.states]
+    got = _device_pointers(watch, [])
+    assert got and set(got) <= set(arrays(watch, []) + [0])
+    kv = [st.kv for st in watch if st.kv is not None]
+    assert kv and all(p in got for c in kv for p in (c.k.data.ptr, c.v.data.ptr))
+    rec = [a for st in watch for a in st.recurrent.values()]
+    assert rec and all(a.data.ptr in got for a in rec)
+    st = next(st for st in watch if st.recurrent)
+    name = next(iter(st.recurrent))
+    st.recurrent[name] = st.recurrent[name].copy()  # what a snapshot restore does
+    assert _device_pointers(watch, []) != got
+    before = _device_pointers(watch, [])
+    sessions[0].prefill(list(range(6, 30)))  # past the capacity of 16: the caches grow
+    assert _device_pointers(watch, []) != before

@@ -69,6 +69,7 @@ def _formats():
 @pytest.mark.parametrize("T", [2, 8, 9, 16, 17, 32])
 def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T):
     from minecart.kernels import ops
+    from minecart.kernels.build import GEMM_BATCH
 
     rng = np.random.default_rng()  # fresh inputs each run
     q = ops.QT[type_name]
@@ -85,9 +86,12 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
         monkeypatch.setattr(ops, "GEMM_BATCH_VARIANT", "on")
         stages = -(-(K // 32) // 8)
         seen = set()
-        for per_sm in (0, 2, 10_000):  # one split; the default; one stage per split
-            monkeypatch.setattr(ops, "GEMM_BATCH_BLOCKS_PER_SM", per_sm)
-            splits, per = ops.gemm_batch_splits(R, K, ops.sm_count())
+        budgets = [mb for t, mb in GEMM_BATCH if t == tt]  # every compiled register budget of the tile
+        for per_sm, mb in [(0, budgets[0]), (2, budgets[-1]), (10_000, budgets[0]), (6, budgets[0])]:
+            # one split; the default; one stage per split
+            monkeypatch.setitem(ops.GEMM_BATCH_BLOCKS_PER_SM, tt, per_sm)
+            monkeypatch.setitem(ops.GEMM_BATCH_MB, tt, mb)
+            splits, per = ops.gemm_batch_splits(R, K, ops.sm_count(), tt)
             assert splits * per >= stages > (splits - 1) * per
             seen.add(splits)
             for res in (None, gr):
@@ -98,11 +102,12 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
                 assert y.shape == (T, R)
                 err = nerr(y, want)
                 assert err < TOL, f"{type_name} {R}x{K} T={T} splits={splits}{' +res' if res is not None else ''}: {err:.2e}"
-                assert launches == [f"gemm_batch<{q}, {tt}>"] + (["splitk_sum"] if splits > 1 else []), launches
+                name = f"gemm_batch<{q}, {tt}, {ops.GEMM_BATCH_MB[tt]}>"
+                assert launches == [name] + (["splitk_sum"] if splits > 1 else []), launches
                 if res is None:
                     assert nerr(y, old) < TOL
         assert 1 in seen and (stages == 1 or max(seen) == stages), (seen, stages)
-    print(f"\n{type_name} T={T}: gemm_batch<{q}, {tt}> agrees with the emulation and the kernels before it")
+    print(f"\n{type_name} T={T}: gemm_batch<{q}, {tt}, *> agrees with the emulation and the kernels before it")
 
 
 def test_auto_picks_it_from_the_threshold_and_is_deterministic(monkeypatch, launches):
