@@ -105,3 +105,23 @@ extern "C" __global__ void rope_neox(const float* __restrict__ x, float* __restr
     float x0 = xh[i], x1 = xh[i + half];
     out[idx] = (j < half) ? (x0 * cs - x1 * sn) : (x0 * sn + x1 * cs);
 }
+
+// split_cols: the column ranges [a_j, a_{j+1}) of y (T, R) as consecutive row-major blocks of `out`
+// (range j: a (T, a_{j+1} - a_j) block at offset T * a_j), in one launch: the outputs of a fused group's
+// matmul for a batch of rows (one copy a range before). a_0 = 0 < a_1 < ... < a_n = R, n <= 8 (a_k
+// past n unused).
+extern "C" __global__ void split_cols(const float* __restrict__ y, float* __restrict__ out, long long T,
+                                      int R, int n, int a1, int a2, int a3, int a4, int a5, int a6, int a7,
+                                      int a8) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= T * R) return;
+    const int a[9] = {0, a1, a2, a3, a4, a5, a6, a7, a8};
+    int j = 0;
+#pragma unroll
+    for (int k = 1; k < 8; k++)
+        if (k < n && i >= T * a[k]) j = k;
+    const int lo = a[j], w = a[j + 1] - lo;
+    const long long local = i - T * lo;
+    const long long t = local / w;
+    out[i] = y[t * R + lo + (local - t * w)];
+}

@@ -307,14 +307,14 @@ def gemv_max_t(w: QWeight) -> int:
 GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
 GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "6"))
 GEMM_BATCH_ROWS = 64  # weight rows per block (gemm.cu GB_ROWS)
-# blocks per multiprocessor of the register budget, per token tile (build.GEMM_BATCH; env
-# MINECART_GEMM_BATCH_MB="8:5,16:4,32:3" overrides): a first guess, bench_gemv --multi times them all
-GEMM_BATCH_MB = {8: 3, 16: 3, 32: 3}
-for _item in filter(None, os.environ.get("MINECART_GEMM_BATCH_MB", "").split(",")):
-    _tt, _mb = (int(v) for v in _item.split(":"))
-    if (_tt, _mb) not in GEMM_BATCH:
-        raise ValueError(f"MINECART_GEMM_BATCH_MB: gemm_batch is compiled for {GEMM_BATCH} (tile, blocks)")
-    GEMM_BATCH_MB[_tt] = _mb
+# the thread map of gemm_batch per token tile (build.GEMM_BATCH, gemm.cu; env MINECART_GEMM_BATCH_MAP=
+# "8:1,16:1,32:1" overrides); bench_gemv --multi times every compiled one
+GEMM_BATCH_MAP = {8: 1, 16: 1, 32: 1}
+for _item in filter(None, os.environ.get("MINECART_GEMM_BATCH_MAP", "").split(",")):
+    _tt, _m = (int(v) for v in _item.split(":"))
+    if (_tt, _m) not in GEMM_BATCH:
+        raise ValueError(f"MINECART_GEMM_BATCH_MAP: gemm_batch is compiled for {GEMM_BATCH} (tile, map)")
+    GEMM_BATCH_MAP[_tt] = _m
 # split K until the launch has about this many blocks per multiprocessor, per token tile (env
 # MINECART_GEMM_BATCH_SPLIT="8:6,16:4,32:2"): more blocks put more weight bytes in flight (the 8-token
 # tile is bound by that), more splits add partial sums to write and add (the 32-token tile is bound by
@@ -405,7 +405,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         splits, per = gemm_batch_splits(R, K, sm_count(), tt)
         part = y if splits == 1 else cp.empty((splits, T, R), dtype=cp.float32)
         res = residual if residual is not None and splits == 1 else np.uint64(0)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}, {GEMM_BATCH_MB[tt]}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}, {GEMM_BATCH_MAP[tt]}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, part, np.int32(T), np.int32(R), np.int32(K),
                                                  np.int32(per), res))
         if splits > 1:
@@ -538,6 +538,29 @@ def gated_rms_norm(x, z, w, eps: float):
 
 
 _EW = {"add": 0, "mul": 1, "scale": 2, "sigmoid": 3, "silu": 4, "swiglu": 5, "geglu": 6, "gate": 7}
+
+
+SPLIT_COLS_MAX = 8  # column ranges split_cols takes in one launch
+
+
+def split_columns(y: cp.ndarray, ranges) -> list[cp.ndarray]:
+    """The column ranges [(a, b), ...] of y (T, R), consecutive and covering 0..R, as contiguous (T, b - a)
+    arrays: views of one buffer filled by one split_cols launch (a copy per range above SPLIT_COLS_MAX)."""
+    y = cp.ascontiguousarray(y, dtype=cp.float32)
+    T, R = y.shape
+    ranges = [(int(a), int(b)) for a, b in ranges]
+    if [a for a, _ in ranges[1:]] != [b for _, b in ranges[:-1]] or not ranges or ranges[0][0] != 0 \
+            or ranges[-1][1] != R or any(b <= a for a, b in ranges):
+        raise ValueError(f"split_columns: ranges {ranges} do not cover 0..{R} in order")
+    if len(ranges) > SPLIT_COLS_MAX:
+        return [cp.ascontiguousarray(y[:, a:b]) for a, b in ranges]
+    buf = cp.empty(T * R, dtype=cp.float32)
+    if T:
+        starts = [b for _, b in ranges] + [R] * (SPLIT_COLS_MAX - len(ranges))
+        get_kernel("elementwise", "split_cols")((math.ceil(T * R / 256),), (256,),
+                                                (y, buf, np.int64(T), np.int32(R), np.int32(len(ranges)),
+                                                 *(np.int32(v) for v in starts)))
+    return [buf[T * a : T * b].reshape(T, b - a) for a, b in ranges]
 
 
 def ewise(op: str, a, b=None, s: float = 0.0):

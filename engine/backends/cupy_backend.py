@@ -1104,7 +1104,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             if x2.shape[0] == 1:
                 flat = y.reshape(-1)
                 return [flat[a:b].reshape(*lead, b - a) for a, b in ranges]  # contiguous views
-            return [cp.ascontiguousarray(y[:, a:b]).reshape(*lead, b - a) for a, b in ranges]
+            return [o.reshape(*lead, b - a) for o, (a, b) in zip(ops.split_columns(y, ranges), ranges, strict=True)]
 
     def matmul_add(self, x, w: CupyWeight, residual):
         with self._dev:

@@ -95,6 +95,29 @@ def test_swiglu_q8(nb, gb, poison, T, F):
 
 # ---- projections -----------------------------------------------------------------------------------------
 
+def test_split_columns(poison):
+    """ops.split_columns (one split_cols launch for a fused group's outputs of a batch of rows) equals
+    slicing the columns, for 1..8 ranges of any width and the per-range copies above 8; bad ranges are
+    refused."""
+    from minecart.kernels import ops
+
+    rng = np.random.default_rng()
+    for T, widths in ((3, [259, 64, 3, 1]), (1, [5]), (20, [1, 2, 3, 4, 5, 6, 7, 8]), (7, [2] * 11),
+                      (0, [4, 4])):
+        R = sum(widths)
+        y = rng.standard_normal((T, R)).astype(np.float32)
+        bounds = np.cumsum([0] + widths)
+        ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
+        poison()
+        outs = ops.split_columns(cp.asarray(y), ranges)
+        for o, (a, b) in zip(outs, ranges, strict=True):
+            assert o.flags.c_contiguous and o.shape == (T, b - a)
+            np.testing.assert_array_equal(cp.asnumpy(o), y[:, a:b])
+    for bad in ([(0, 3), (4, 8)], [(0, 4), (4, 7)], [(1, 8)], [(0, 4), (4, 4), (4, 8)]):
+        with pytest.raises(ValueError, match="split_columns"):
+            ops.split_columns(cp.zeros((2, 8), cp.float32), bad)
+
+
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K", "F16", "F32"])
 @pytest.mark.parametrize("T", [1, 3, 20])
 def test_matmul_many_and_add(nb, gb, poison, type_name, T):

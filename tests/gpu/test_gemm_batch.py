@@ -1,6 +1,6 @@
 """gemm_batch (kernels/gemm.cu), the batched decode GEMM of 2..32 tokens, on the GPU.
 
-Every DP4A weight format, T = 2..32 tokens (each token tile 8 / 16 / 32, partly filled), rows that are
+Every DP4A weight format, T = 2..32 tokens (each token tile 8 / 16 / 32, partly filled; both thread maps), rows that are
 not a multiple of the 64-row tile, rows of 256 x 1, 9, 17 values and (formats of 32-value blocks) of 25
 and 129 blocks (a partial last stage of 8 blocks), one split and split K up to one stage per split (the
 partial sums added by splitk_sum), with and without the residual, outputs poisoned with NaN. Each result
@@ -86,11 +86,11 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
         monkeypatch.setattr(ops, "GEMM_BATCH_VARIANT", "on")
         stages = -(-(K // 32) // 8)
         seen = set()
-        budgets = [mb for t, mb in GEMM_BATCH if t == tt]  # every compiled register budget of the tile
-        for per_sm, mb in [(0, budgets[0]), (2, budgets[-1]), (10_000, budgets[0]), (6, budgets[0])]:
-            # one split; the default; one stage per split
+        maps = [m for t, m in GEMM_BATCH if t == tt]  # every compiled thread map of the tile
+        for per_sm, m in [(0, maps[0]), (2, maps[-1]), (10_000, maps[-1]), (6, maps[0])]:
+            # one split; the default; one stage per split; more splits
             monkeypatch.setitem(ops.GEMM_BATCH_BLOCKS_PER_SM, tt, per_sm)
-            monkeypatch.setitem(ops.GEMM_BATCH_MB, tt, mb)
+            monkeypatch.setitem(ops.GEMM_BATCH_MAP, tt, m)
             splits, per = ops.gemm_batch_splits(R, K, ops.sm_count(), tt)
             assert splits * per >= stages > (splits - 1) * per
             seen.add(splits)
@@ -102,7 +102,7 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
                 assert y.shape == (T, R)
                 err = nerr(y, want)
                 assert err < TOL, f"{type_name} {R}x{K} T={T} splits={splits}{' +res' if res is not None else ''}: {err:.2e}"
-                name = f"gemm_batch<{q}, {tt}, {ops.GEMM_BATCH_MB[tt]}>"
+                name = f"gemm_batch<{q}, {tt}, {m}>"
                 assert launches == [name] + (["splitk_sum"] if splits > 1 else []), launches
                 if res is None:
                     assert nerr(y, old) < TOL
