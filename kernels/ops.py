@@ -308,17 +308,17 @@ GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
 GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "6"))
 GEMM_BATCH_ROWS = 64  # weight rows per block (gemm.cu GB_ROWS)
 # the thread map of gemm_batch per token tile (build.GEMM_BATCH, gemm.cu; env MINECART_GEMM_BATCH_MAP=
-# "8:1,16:1,32:1" overrides); bench_gemv --multi times every compiled one
-GEMM_BATCH_MAP = {8: 1, 16: 1, 32: 1}
+# "8:1,16:1,32:1" overrides); bench_gemv --multi times every compiled one. H200, 9B Q4_K step's
+# matmuls, map 0 / map 1: 8 sequences 4.549 / 4.558 ms, 16 5.151 / 5.274, 32 7.695 / 7.869
+GEMM_BATCH_MAP = {8: 0, 16: 0, 32: 0}
 for _item in filter(None, os.environ.get("MINECART_GEMM_BATCH_MAP", "").split(",")):
     _tt, _m = (int(v) for v in _item.split(":"))
     if (_tt, _m) not in GEMM_BATCH:
         raise ValueError(f"MINECART_GEMM_BATCH_MAP: gemm_batch is compiled for {GEMM_BATCH} (tile, map)")
     GEMM_BATCH_MAP[_tt] = _m
 # split K until the launch has about this many blocks per multiprocessor, per token tile (env
-# MINECART_GEMM_BATCH_SPLIT="8:6,16:4,32:2"): more blocks put more weight bytes in flight (the 8-token
-# tile is bound by that), more splits add partial sums to write and add (the 32-token tile is bound by
-# the DP4A rate)
+# MINECART_GEMM_BATCH_SPLIT="8:6,16:4,32:2"). H200, 9B Q4_K step's matmuls at 2 / 6 / 12 blocks per
+# multiprocessor (8-token tile): 4.556 / 4.557 / 4.624 ms; 32-token tile at 2 / 4: 7.711 / 7.643 ms
 GEMM_BATCH_BLOCKS_PER_SM = {8: 2, 16: 2, 32: 2}
 for _item in filter(None, os.environ.get("MINECART_GEMM_BATCH_SPLIT", "").split(",")):
     _tt, _n = (int(v) for v in _item.split(":"))
