@@ -199,6 +199,53 @@ __device__ __forceinline__ void kq_expand(u32 v, u32 h0, u32 h1, int k, int& lo,
     hi = (int)h;
 }
 
+// Block b of a K-quant row as the warp-cooperative kernels hold it between load and use (gemv_kq,
+// gemv_kq_mt, gemm_batch): its 16 nibble bytes, its wd entry (Q6_K: | the super-block's fp16 d << 16)
+// and its high-bit words (Q5_K h0, Q6_K h0 and h1; 0 otherwise). kq_load_raw leaves zeros (all of
+// whose terms are 0) where the caller passes ok = false.
+struct KqRaw {
+    uint4 v;
+    u32 e, h0, h1;
+};
+
+template <int QT>
+__device__ __forceinline__ void kq_load_raw(const u8* wrow, const u16* wdrow, int b, bool ok, KqRaw& r) {
+    r.v = make_uint4(0u, 0u, 0u, 0u);
+    r.e = r.h0 = r.h1 = 0u;
+    if (ok) {
+        r.v = *(const uint4*)kq_quants<QT>(wrow, b);
+        r.e = wdrow[b];
+        if (QT == QT_Q5_K) r.h0 = *(const u32*)kq_high<QT>(wrow, b);
+        if (QT == QT_Q6_K) {
+            uint2 h = *(const uint2*)kq_high<QT>(wrow, b);
+            r.h0 = h.x;
+            r.h1 = h.y;
+            r.e |= (u32)kq6_d(wrow, b) << 16;  // the two scales below d
+        }
+    }
+}
+
+// Its scales (value = dlo * q + m for values 0..15, dhi * q + m for 16..31). Q4_K / Q5_K: d and dmin
+// are gathered from the top nibbles of the super-block's 8 wd entries, held by 8 lanes with
+// lane & 7 == b & 7 (ddsh = kq_dd_shift(lane & 7)), by three xor-shuffles: every lane of the warp calls
+// it, uniformly.
+template <int QT>
+__device__ __forceinline__ void kq_raw_scales(const KqRaw& r, int ddsh, float& dlo, float& dhi, float& m) {
+    if (QT == QT_Q6_K) {
+        float d = h2f((u16)(r.e >> 16));
+        dlo = __fmul_rn(d, s8_to_f(r.e));
+        dhi = __fmul_rn(d, s8_to_f(r.e >> 8));
+        m = 0.0f;
+    } else {
+        u32 dd = ((r.e >> 12) & 15u) << ddsh;
+        dd |= __shfl_xor_sync(0xffffffffu, dd, 1);
+        dd |= __shfl_xor_sync(0xffffffffu, dd, 2);
+        dd |= __shfl_xor_sync(0xffffffffu, dd, 4);
+        kq_affine(r.e, dd, dlo, m);
+        dhi = dlo;
+    }
+}
+
 // Block b of a K-quant row, self-contained (one thread): q[i] holds values 4i..4i+3 as bytes (value
 // = dlo * q + m for 0..15, dhi * q + m for 16..31). Loads: 16 nibble bytes, the high bits (Q5_K 4,
 // Q6_K 8 bytes), the wd entry and, Q4_K/Q5_K, the super-block's 16 wd bytes for dd (a broadcast among

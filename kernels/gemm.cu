@@ -290,8 +290,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
         wrow[p] = wq + (i64)r * wstride;
         wdrow[p] = wd + (i64)r * nb;
     }
-    uint4 kv[4];
-    u32 ke[4], kh0[4], kh1[4];
+    KqRaw kr[4];
     WBlock wb[4];
     int4 xv[TM];
     float fxd[2], fxs[2];
@@ -301,16 +300,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
         for (int p = 0; p < 4; p++) {
             const int b = st * 8 + s;
             if (KQ) {  // K % 256 == 0: every block of the stage exists
-                kv[p] = *(const uint4*)kq_quants<QT>(wrow[p], b);
-                ke[p] = wdrow[p][b];
-                kh0[p] = kh1[p] = 0u;
-                if (QT == QT_Q5_K) kh0[p] = *(const u32*)kq_high<QT>(wrow[p], b);
-                if (QT == QT_Q6_K) {
-                    uint2 h = *(const uint2*)kq_high<QT>(wrow[p], b);
-                    kh0[p] = h.x;
-                    kh1[p] = h.y;
-                    ke[p] |= (u32)kq6_d(wrow[p], b) << 16;
-                }
+                kq_load_raw<QT>(wrow[p], wdrow[p], b, true, kr[p]);
             } else if (b < nb) {
                 load_wblock<QT>(wrow[p], wdrow[p], b, wb[p]);
             } else {
@@ -344,22 +334,10 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
             int q[8];
             float dlo, dhi, m;
             if (KQ) {
-                if (QT == QT_Q6_K) {
-                    float d = h2f((u16)(ke[p] >> 16));
-                    dlo = __fmul_rn(d, s8_to_f(ke[p]));
-                    dhi = __fmul_rn(d, s8_to_f(ke[p] >> 8));
-                    m = 0.0f;
-                } else {
-                    u32 dd = ((ke[p] >> 12) & 15u) << ddsh;
-                    dd |= __shfl_xor_sync(0xffffffffu, dd, 1);
-                    dd |= __shfl_xor_sync(0xffffffffu, dd, 2);
-                    dd |= __shfl_xor_sync(0xffffffffu, dd, 4);
-                    kq_affine(ke[p], dd, dlo, m);
-                    dhi = dlo;
-                }
-                const u32 vv[4] = {kv[p].x, kv[p].y, kv[p].z, kv[p].w};
+                kq_raw_scales<QT>(kr[p], ddsh, dlo, dhi, m);
+                const u32 vv[4] = {kr[p].v.x, kr[p].v.y, kr[p].v.z, kr[p].v.w};
 #pragma unroll
-                for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], kh0[p], kh1[p], k, q[k], q[4 + k]);
+                for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], kr[p].h0, kr[p].h1, k, q[k], q[4 + k]);
             } else {
 #pragma unroll
                 for (int k = 0; k < 8; k++) q[k] = wb[p].q[k];

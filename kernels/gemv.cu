@@ -274,52 +274,27 @@ gemv_kq(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restr
         const u16* wdrow = wd + (i64)row * nb;
         const int ddsh = kq_dd_shift(lane & 7);
         for (int base = sub * 32; base < nb; base += 32 * WPR * NU) {
-            uint4 v[NU];
-            u32 h0[NU], h1[NU], e[NU];
+            KqRaw w[NU];
 #pragma unroll
             for (int u = 0; u < NU; u++) {
                 int b = base + 32 * WPR * u + lane;
-                v[u] = make_uint4(0u, 0u, 0u, 0u);
-                h0[u] = h1[u] = e[u] = 0u;
-                if (b < nb) {
-                    v[u] = *(const uint4*)kq_quants<QT>(wrow, b);
-                    e[u] = wdrow[b];
-                    if (QT == QT_Q5_K) h0[u] = *(const u32*)kq_high<QT>(wrow, b);
-                    if (QT == QT_Q6_K) {
-                        uint2 h = *(const uint2*)kq_high<QT>(wrow, b);
-                        h0[u] = h.x;
-                        h1[u] = h.y;
-                        e[u] |= (u32)kq6_d(wrow, b) << 16;  // the two scales below d
-                    }
-                }
+                kq_load_raw<QT>(wrow, wdrow, b, b < nb, w[u]);
             }
 #pragma unroll
             for (int u = 0; u < NU; u++) {
                 int b = base + 32 * WPR * u + lane;
                 float dlo, dhi, m;
-                if (QT == QT_Q6_K) {
-                    float d = h2f((u16)(e[u] >> 16));
-                    dlo = __fmul_rn(d, s8_to_f(e[u]));
-                    dhi = __fmul_rn(d, s8_to_f(e[u] >> 8));
-                    m = 0.0f;
-                } else {
-                    u32 dd = ((e[u] >> 12) & 15u) << ddsh;
-                    dd |= __shfl_xor_sync(0xffffffffu, dd, 1);
-                    dd |= __shfl_xor_sync(0xffffffffu, dd, 2);
-                    dd |= __shfl_xor_sync(0xffffffffu, dd, 4);
-                    kq_affine(e[u], dd, dlo, m);
-                    dhi = dlo;
-                }
+                kq_raw_scales<QT>(w[u], ddsh, dlo, dhi, m);
                 if (b < nb) {
                     const int4* xp = (const int4*)(xq + (i64)b * 32);
                     int4 a = xp[0], c = xp[1];
                     int xa[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-                    u32 vv[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+                    u32 vv[4] = {w[u].v.x, w[u].v.y, w[u].v.z, w[u].v.w};
                     int lo = 0, hi = 0;
 #pragma unroll
                     for (int k = 0; k < 4; k++) {
                         int ql, qh;
-                        kq_expand<QT>(vv[k], h0[u], h1[u], k, ql, qh);
+                        kq_expand<QT>(vv[k], w[u].h0, w[u].h1, k, ql, qh);
                         lo = dp4a(ql, xa[k], lo);
                         hi = dp4a(qh, xa[4 + k], hi);
                     }
@@ -389,48 +364,21 @@ gemv_kq_mt(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __re
     for (int t = 0; t < NT; t++) acc[t] = 0.0f;
 #pragma unroll 1  // unrolled, the loads of the next round would compete with the NT accumulators
     for (int j0 = sub; j0 < nsb; j0 += WPR * NU) {
-        uint4 v[NU];
-        u32 h0[NU], h1[NU], e[NU];
+        KqRaw w[NU];
 #pragma unroll
-        for (int u = 0; u < NU; u++) {
-            const int b = 8 * (j0 + WPR * u) + s;
-            v[u] = make_uint4(0u, 0u, 0u, 0u);
-            h0[u] = h1[u] = e[u] = 0u;
-            if (live && j0 + WPR * u < nsb) {
-                v[u] = *(const uint4*)kq_quants<QT>(wrow, b);
-                e[u] = wdrow[b];
-                if (QT == QT_Q5_K) h0[u] = *(const u32*)kq_high<QT>(wrow, b);
-                if (QT == QT_Q6_K) {
-                    uint2 h = *(const uint2*)kq_high<QT>(wrow, b);
-                    h0[u] = h.x;
-                    h1[u] = h.y;
-                    e[u] |= (u32)kq6_d(wrow, b) << 16;  // the two scales below d
-                }
-            }
-        }
+        for (int u = 0; u < NU; u++)
+            kq_load_raw<QT>(wrow, wdrow, 8 * (j0 + WPR * u) + s, live && j0 + WPR * u < nsb, w[u]);
 #pragma unroll
         for (int u = 0; u < NU; u++) {
             const int j = j0 + WPR * u;
             if (j >= nsb) break;  // uniform over the warp (the shuffles below need every lane)
             const int b = 8 * j + s;
             float dlo, dhi, m;
-            if (QT == QT_Q6_K) {
-                float d = h2f((u16)(e[u] >> 16));
-                dlo = __fmul_rn(d, s8_to_f(e[u]));
-                dhi = __fmul_rn(d, s8_to_f(e[u] >> 8));
-                m = 0.0f;
-            } else {
-                u32 dd = ((e[u] >> 12) & 15u) << ddsh;
-                dd |= __shfl_xor_sync(0xffffffffu, dd, 1);
-                dd |= __shfl_xor_sync(0xffffffffu, dd, 2);
-                dd |= __shfl_xor_sync(0xffffffffu, dd, 4);
-                kq_affine(e[u], dd, dlo, m);
-                dhi = dlo;
-            }
+            kq_raw_scales<QT>(w[u], ddsh, dlo, dhi, m);
             int q[8];
-            const u32 vv[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+            const u32 vv[4] = {w[u].v.x, w[u].v.y, w[u].v.z, w[u].v.w};
 #pragma unroll
-            for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], h0[u], h1[u], k, q[k], q[4 + k]);
+            for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], w[u].h0, w[u].h1, k, q[k], q[4 + k]);
 #pragma unroll
             for (int t = 0; t < NT; t++) {
                 const i64 xb = (i64)t * nb + b;

@@ -74,14 +74,7 @@ def main() -> None:
     res = {"wall_ms_per_step": wall * 1e3, "graphs": len(be._graphs)}
     rec = next(iter(be._graphs.values()), None)
     if rec is not None:
-        stream = rec.cap.stream
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(n):
-            rec.graph.launch(stream)  # replays the same token: fine for timing
-        stop.record(stream)
-        stop.synchronize()
-        res["graph_gpu_ms_per_step"] = cp.cuda.get_elapsed_time(start, stop) / n
+        res["graph_gpu_ms_per_step"] = _graph_gpu_ms(rec, n)
         try:
             res["graph_nodes"] = len(rec.graph.get_nodes()) if hasattr(rec.graph, "get_nodes") else None
         except Exception:  # noqa: BLE001
@@ -97,19 +90,36 @@ def main() -> None:
             json.dump(res, f, indent=1)
 
 
+def _graph_gpu_ms(rec, n: int) -> float:
+    """GPU ms per replay of a captured step (its inputs as last written: fine for timing)."""
+    import cupy as cp
+
+    stream = rec.cap.stream
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    start.record(stream)
+    for _ in range(n):
+        rec.graph.launch(stream)
+    stop.record(stream)
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop) / n
+
+
+def _batch_states(model, batch: int) -> tuple[list, list[int]]:
+    """(the state lists, next positions) of `batch` sessions, each prefilled with its own 64 tokens."""
+    sessions = [model.new_session(1024) for _ in range(batch)]
+    for b, s in enumerate(sessions):
+        s.prefill(list(range(100 + b, 164 + b)))
+    return [s.states for s in sessions], [64] * batch
+
+
 def _profile_batch(model, batch: int) -> None:
     """One eager batched decode step of `batch` sequences (Executor.forward_batch, the scheduler's call)
     between cudaProfilerStart/Stop."""
     import cupy as cp
 
-    sessions = [model.new_session(1024) for _ in range(batch)]
-    pos = []
-    for b, s in enumerate(sessions):
-        s.prefill(list(range(100 + b, 164 + b)))
-        pos.append(64)
+    states, pos = _batch_states(model, batch)
     ex = model.executor
     ex.use_graphs = False
-    states = [s.states for s in sessions]
     for _ in range(2):  # compiles anything new
         ex.forward_batch([[7]] * batch, states, [np.array([p]) for p in pos])
         pos = [p + 1 for p in pos]
@@ -125,14 +135,9 @@ def _time_batch(model, batch: int, json_path: str | None) -> None:
     the GPU ms of its graph replayed alone, and the host copy of the (B, vocab) logits it returns."""
     import cupy as cp
 
-    sessions = [model.new_session(1024) for _ in range(batch)]
-    pos = []
-    for b, s in enumerate(sessions):
-        s.prefill(list(range(100 + b, 164 + b)))
-        pos.append(64)
+    states, pos = _batch_states(model, batch)
     ex = model.executor
     be = model.backends["global"]
-    states = [s.states for s in sessions]
 
     def step():
         nonlocal pos
@@ -164,14 +169,7 @@ def _time_batch(model, batch: int, json_path: str | None) -> None:
     print("\n".join(ln for ln in text.getvalue().splitlines() if ln.strip())[-3000:])
     rec = next(iter(be._batch_graphs.values()), None)
     if rec is not None:
-        stream = rec.cap.stream
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record(stream)
-        for _ in range(n):
-            rec.graph.launch(stream)  # the same tokens again: fine for timing
-        stop.record(stream)
-        stop.synchronize()
-        res["graph_gpu_ms_per_step"] = cp.cuda.get_elapsed_time(start, stop) / n
+        res["graph_gpu_ms_per_step"] = _graph_gpu_ms(rec, n)
         host = rec.cap.outputs[-1]
         t0 = time.perf_counter()
         for _ in range(n):

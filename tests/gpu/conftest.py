@@ -37,3 +37,19 @@ def poison():
 
     _poison()
     return _poison
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernel names ops.matmul asks for, in order."""
+    from minecart.kernels import ops
+
+    names: list[str] = []
+    real = ops._mm_kernel
+
+    def record(w, name):
+        names.append(name)
+        return real(w, name)
+
+    monkeypatch.setattr(ops, "_mm_kernel", record)
+    return names

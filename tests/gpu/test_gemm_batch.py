@@ -25,21 +25,6 @@ pytestmark = pytest.mark.gpu
 TOL = 2e-5
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The kernel names ops.matmul asks for, in order."""
-    from minecart.kernels import ops
-
-    names: list[str] = []
-    real = ops._mm_kernel
-
-    def record(w, name):
-        names.append(name)
-        return real(w, name)
-
-    monkeypatch.setattr(ops, "_mm_kernel", record)
-    return names
-
 
 def _weight(type_name: str, R: int, K: int, rng):
     """(device weight, its dense float values) of random blocks of `type_name`."""

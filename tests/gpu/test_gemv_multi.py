@@ -40,21 +40,6 @@ def default_variants(monkeypatch):
     monkeypatch.setattr(ops, "GEMM_BATCH_VARIANT", "off")  # gemm_batch: tests/gpu/test_gemm_batch.py
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The kernel names ops.matmul asks for, in order."""
-    from minecart.kernels import ops
-
-    names: list[str] = []
-    real = ops._mm_kernel
-
-    def record(w, name):
-        names.append(name)
-        return real(w, name)
-
-    monkeypatch.setattr(ops, "_mm_kernel", record)
-    return names
-
 
 def _case(type_name: str, R: int, K: int, T: int, rng):
     raw = sane_blocks(type_name, R, K, rng)
