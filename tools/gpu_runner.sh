@@ -18,6 +18,8 @@
 # commit before a refactor) and by this tree, alternating old, new, old, new, so a change that must
 # not slow the engine is judged in one run (COMPARE_ARGS, default: --prefill 4096 --decode-ctx 0
 # --decode-tokens 64; COMPARE_KV: this tree's KV cache types, default f32; compare.log, compare_*.json).
+# `kernel-profile` (not part of `all`): Nsight Compute's sections for a few launches of one kernel
+# (KP_KERNEL, default gemm_batch) inside bench_gemv --multi (KP_ARGS); kernel_profile.txt.
 # `ptx` (not part of `all`): the GPU tests with every kernel loaded from compute_61 PTX, then from
 # compute_70 PTX (MINECART_KERNEL_PTX=.gpu/ptx61, .gpu/ptx70; the driver JIT-compiles them, so the
 # Pascal/Volta code paths run on this card). Make the PTX BEFORE the device call, on the machine with
@@ -233,6 +235,21 @@ if [ "$MODE" = host-diag ]; then
     echo "exit $?" >>"$OUT/host_diag.log"
   done
   cat "$OUT/host_diag.log" | tail -30
+fi
+
+if [ "$MODE" = kernel-profile ]; then
+  # where one kernel's time goes: Nsight Compute's sections (throughput against the card's peaks, memory
+  # workload, warp stall reasons, occupancy, scheduler) for a few launches of the kernels matching
+  # KP_KERNEL (default gemm_batch) inside `bench_gemv --multi` (KP_ARGS, default --types Q4_K --tokens 8).
+  # Log: kernel_profile.txt.
+  # shellcheck disable=SC2086
+  timeout "${KP_TIMEOUT:-300}" ncu --kernel-name "regex:${KP_KERNEL:-gemm_batch}" --launch-skip "${KP_SKIP:-20}" \
+    --launch-count "${KP_COUNT:-3}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+    python3 -m minecart.kernels.bench_gemv --multi ${KP_ARGS:---types Q4_K --tokens 8} \
+    >"$OUT/kernel_profile.txt" 2>&1
+  echo "kernel profile exit $?"; grep -E "^  [A-Za-z]|Duration|Throughput|Stall|Occupancy|Registers" \
+    "$OUT/kernel_profile.txt" | head -80
 fi
 
 if [ "$MODE" = ptx ]; then
