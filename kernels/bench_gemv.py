@@ -11,7 +11,7 @@ shape by its launches per 9B decode step.
 
 `--multi` times the multi-token matmuls of a batched decode step instead (T = 1, 2, 4, 8, 16, 32 tokens,
 one per sequence, at the same shapes): "auto" (what ops.matmul picks: gemm_batch from GEMM_BATCH_MIN_T
-tokens), "batch" (gemm_batch at every T), "batchN" (gemm_batch with thread map N), "gemv" (the multi-token GEMVs, K-quants: ops._gemv_kq_mt,
+tokens), "batch" (gemm_batch at every T), "gemv" (the multi-token GEMVs, K-quants: ops._gemv_kq_mt,
 passes of gemv_kq_mt up to 32 tokens; Q8_0: ops._gemv_mt, gemv_mt up to 8), each compiled shape of those
 kernels and "old" (the kernels before them: gemv_dp4a launches of 8/4/2/1 tokens up to 8, the tiled GEMM
 above); per line the GPU time per call, per token, the GB/s of weight bytes
@@ -34,7 +34,7 @@ import cupy as cp
 import numpy as np
 
 from . import kquant_layout, ops
-from .build import GEMM_BATCH, GEMM_BATCH_TOKENS, GEMV_KQ, GEMV_KQ_MT, GEMV_MT
+from .build import GEMV_KQ, GEMV_KQ_MT, GEMV_MT
 from .probe import measure_copy, random_q8_0, time_gpu
 
 # (rows, row length, residual epilogue) of the 9B single-token GEMVs: attention output / FFN down with
@@ -183,25 +183,18 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
 
                     shapes_mt = GEMV_MT if type_name == "Q8_0" else GEMV_KQ_MT
                     top = ops.GEMV_MAX_T if type_name == "Q8_0" else max(ops.GEMV_MAX_T, ops.KQ_PASSES_MAX_T)
-                    tile = next((tt for tt in GEMM_BATCH_TOKENS if T <= tt), 0)
-                    maps = [f"batch{m}" for tt, m in GEMM_BATCH if tt == tile]
-                    variants = ["auto"] if T == 1 else ["auto", "batch", "gemv", "old"] + maps
+                    variants = ["auto"] if T == 1 else ["auto", "batch", "gemv", "old"]
                     if 1 < T <= top:
                         variants += [f"{a}x{b}" for a, b in shapes_mt]
                     for v in variants:
                         # "batch": gemm_batch at any T; "gemv" and the rest: the kernels before it
-                        batch = v.startswith("batch")
-                        ops.GEMM_BATCH_VARIANT = "auto" if v == "auto" else "on" if batch else "off"
-                        chosen = dict(ops.GEMM_BATCH_MAP)
-                        if batch and v != "batch":  # batchN: gemm_batch with thread map N
-                            ops.GEMM_BATCH_MAP[tile] = int(v[5:])
-                        mt = "auto" if batch or v == "gemv" else v
+                        ops.GEMM_BATCH_VARIANT = {"auto": "auto", "batch": "on"}.get(v, "off")
+                        mt = "auto" if v in ("batch", "gemv") else v
                         if type_name == "Q8_0":  # gemv_mt up to GEMV_MAX_T tokens, the GEMM above
                             ops.GEMV_MT_VARIANT = mt
                         else:
                             ops.GEMV_KQ_MT_VARIANT = mt
                         t = time_gpu(call, reps) / len(ws)
-                        ops.GEMM_BATCH_MAP.update(chosen)
                         if T == 1 and v == "auto":
                             one = t
                         gbs = per / t / 1e9
@@ -220,7 +213,7 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
     if out is not None:
         for type_name in types:
             for T in tokens:
-                for v in ("auto", "batch", "gemv", "old") + tuple(f"batch{m}" for m in sorted({m for _, m in GEMM_BATCH})) + tuple(f"{a}x{b}" for a, b in sorted(set(GEMV_KQ_MT) | set(GEMV_MT))):
+                for v in ("auto", "batch", "gemv", "old") + tuple(f"{a}x{b}" for a, b in sorted(set(GEMV_KQ_MT) | set(GEMV_MT))):
                     sel = [r for r in rows if r.type_name == type_name and r.T == T and r.variant == v
                            and (r.R, r.K) in CALLS_9B]
                     if len(sel) == len({(R, K) for R, K, _ in shapes} & set(CALLS_9B)) and sel:

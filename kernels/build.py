@@ -63,9 +63,6 @@ GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split int
 GEMV_SPLIT = ((1, 0), (2, 0), (4, 0), (1, 1), (2, 1))
 GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a (the probe picks)
 GEMM_BATCH_TOKENS = (8, 16, 32)  # token tiles of gemm_batch (batched decode: T <= 32 sequences)
-# (token tile, thread map) of the gemm_batch<QT, TT, MAP> compiled (gemm.cu: which threads share a row
-# quad); ops.GEMM_BATCH_MAP picks one per tile (env MINECART_GEMM_BATCH_MAP)
-GEMM_BATCH = ((8, 0), (8, 1), (16, 0), (16, 1), (32, 0), (32, 1))
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
 DECODE_GROUPS = (2, 4, 8)  # flash_decode<D, GM>: query heads per KV head up to GM (ops.decode_group)
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
@@ -93,7 +90,7 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
         names += [f"gemv_dp4a<{q}, {nt}>" for nt in GEMV_TOKENS]
         names += [f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>" for wpr, pf in GEMV_SPLIT]
         names += [f"gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
-        names += [f"gemm_batch<{q}, {tt}, {m}>" for tt, m in GEMM_BATCH]
+        names += [f"gemm_batch<{q}, {tt}>" for tt in GEMM_BATCH_TOKENS]
     if type_name in KQUANT_TYPES:
         names += [f"gemv_kq<{q}, {wpr}, {nu}>" for wpr, nu in GEMV_KQ]
         names += [f"gemv_kq_mt<{q}, {nt}, {wpr}, {nu}>" for nt in GEMV_KQ_MT_TOKENS for wpr, nu in GEMV_KQ_MT]

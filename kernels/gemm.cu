@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // docs/kernels.md).
 //
 // Geometry: a block of 128 threads computes GB_ROWS = 64 weight rows x TT tokens; each thread owns 4
-// consecutive rows (4 tx ..) and TM = TT / 8 tokens of its token group ty (MAP below). The K loop
+// consecutive rows (4 tx ..) and TM = TT / 8 tokens of its token group ty (thread map below). The K loop
 // walks stages of 8 quant blocks (256 values: one K-quant super-block): the stage's weights and
 // activations are loaded into registers while the previous stage is computed from shared memory
 // (software pipelining: one barrier pair per stage). Weight loads: the 8 lanes of a group read the 8
@@ -240,12 +240,10 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // accumulators: acc += xd * (dlo * lo + dhi * hi) + m * xs (Q6_K: lo and hi chains of 16 values; the
 // other formats one chain, dlo = dhi).
 //
-// MAP, which threads share a row quad (measured against each other by bench_gemv --multi):
-//   0: thread (tx = tid % 16, ty = tid / 16), tokens TM ty .. TM ty + TM - 1: a warp covers all 64 rows
-//      and 2 token groups, so each weight int in shared memory is read by all 4 warps;
-//   1: warp w takes rows 16 w .. 16 w + 15 (tx = 4 w + lane % 4) and all 8 token groups (ty = lane / 4,
-//      tokens ty, ty + 8, ..): each weight int is read by one warp, 4 distinct 16-byte loads a warp
-//      (one shared-memory wavefront instead of two), the activations' 8 token rows conflict-free.
+// Thread map: a warp spans all 64 rows and 2 token groups (each weight int in shared memory is read by
+// the 4 warps). The other map measured on the H200, a warp owning 16 rows and all 8 token groups (one
+// read per weight int, half the shared-memory wavefronts), was no faster at 8 tokens and 2% slower at 32
+// (docs/kernels.md).
 //
 // Split K: gridDim.y blocks share a row tile, each `stages` stages of K; with gridDim.y > 1 each writes its
 // partial sums to `y + blockIdx.y * T * R` (a (splits, T, R) scratch) and splitk_sum adds them in split
@@ -253,7 +251,7 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // load row R - 1 and write nothing; tokens past T and blocks past K/32 load zeros.
 #define GB_ROWS 64
 
-template <int QT, int TT, int MAP>
+template <int QT, int TT>
 __global__ void __launch_bounds__(128, 3) gemm_batch(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
@@ -269,9 +267,8 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
     __shared__ __align__(16) float sxc[2][8][TT];             // xd, xs: [block][token]
 
     const int tid = threadIdx.x;
-    const int tx = MAP ? (tid >> 5) * 4 + (tid & 3) : (tid & 15);  // rows 4 tx .. 4 tx + 3
-    const int ty = MAP ? (tid & 31) >> 2 : (tid >> 4);                // token group
-    auto tok = [&](int j) { return MAP ? ty + 8 * j : TM * ty + j; };  // the thread's j-th token
+    const int tx = tid & 15, ty = tid >> 4;  // rows 4 tx .. 4 tx + 3, token group ty
+    auto tok = [&](int j) { return TM * ty + j; };  // the thread's j-th token
     const int r0 = blockIdx.x * GB_ROWS;
     const int nb = K >> 5;
     const int nst = (nb + 7) >> 3;

@@ -24,7 +24,6 @@ from .build import (
     DECODE_GROUPS,
     DP4A_TYPES,
     GDN_KEY_DIMS,
-    GEMM_BATCH,
     GEMM_BATCH_TOKENS,
     GEMV_KQ,
     GEMV_KQ_MT,
@@ -307,22 +306,10 @@ def gemv_max_t(w: QWeight) -> int:
 GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
 GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "6"))
 GEMM_BATCH_ROWS = 64  # weight rows per block (gemm.cu GB_ROWS)
-# the thread map of gemm_batch per token tile (build.GEMM_BATCH, gemm.cu; env MINECART_GEMM_BATCH_MAP=
-# "8:1,16:1,32:1" overrides); bench_gemv --multi times every compiled one. H200, 9B Q4_K step's
-# matmuls, map 0 / map 1: 8 sequences 4.549 / 4.558 ms, 16 5.151 / 5.274, 32 7.695 / 7.869
-GEMM_BATCH_MAP = {8: 0, 16: 0, 32: 0}
-for _item in filter(None, os.environ.get("MINECART_GEMM_BATCH_MAP", "").split(",")):
-    _tt, _m = (int(v) for v in _item.split(":"))
-    if (_tt, _m) not in GEMM_BATCH:
-        raise ValueError(f"MINECART_GEMM_BATCH_MAP: gemm_batch is compiled for {GEMM_BATCH} (tile, map)")
-    GEMM_BATCH_MAP[_tt] = _m
-# split K until the launch has about this many blocks per multiprocessor, per token tile (env
-# MINECART_GEMM_BATCH_SPLIT="8:6,16:4,32:2"). H200, 9B Q4_K step's matmuls at 2 / 6 / 12 blocks per
-# multiprocessor (8-token tile): 4.556 / 4.557 / 4.624 ms; 32-token tile at 2 / 4: 7.711 / 7.643 ms
-GEMM_BATCH_BLOCKS_PER_SM = {8: 2, 16: 2, 32: 2}
-for _item in filter(None, os.environ.get("MINECART_GEMM_BATCH_SPLIT", "").split(",")):
-    _tt, _n = (int(v) for v in _item.split(":"))
-    GEMM_BATCH_BLOCKS_PER_SM[_tt] = _n
+# split K until the launch has about this many blocks per multiprocessor. H200, 9B Q4_K step's matmuls,
+# 8-token tile at 2 / 6 / 12 blocks per multiprocessor: 4.556 / 4.557 / 4.624 ms; 32-token tile at 2 / 4:
+# 7.711 / 7.643 ms
+GEMM_BATCH_BLOCKS_PER_SM = 2
 
 
 def _gemm_batch(type_name: str, T: int) -> int | None:
@@ -338,14 +325,14 @@ def _gemm_batch(type_name: str, T: int) -> int | None:
     return next(tt for tt in GEMM_BATCH_TOKENS if T <= tt)
 
 
-def gemm_batch_splits(R: int, K: int, sms: int, tile: int = 8) -> tuple[int, int]:
-    """(splits over K, stages of 256 values per split) of a gemm_batch launch of token tile `tile` on a
-    card with `sms` multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM[tile]
-    blocks per multiprocessor is split along K (a 4096 x 4096 matrix has 64 tiles: at 2 blocks per
-    multiprocessor, 4 splits of 4 stages on 132 multiprocessors), each split at least one stage."""
+def gemm_batch_splits(R: int, K: int, sms: int) -> tuple[int, int]:
+    """(splits over K, stages of 256 values per split) of a gemm_batch launch on a card with `sms`
+    multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM blocks per
+    multiprocessor is split along K (a 4096 x 4096 matrix has 64 tiles: 4 splits of 4 stages on 132
+    multiprocessors), each split at least one stage."""
     tiles = -(-R // GEMM_BATCH_ROWS)
     stages = -(-(K // 32) // 8)
-    want = -(-(GEMM_BATCH_BLOCKS_PER_SM[tile] * sms) // tiles)
+    want = -(-(GEMM_BATCH_BLOCKS_PER_SM * sms) // tiles)
     splits = max(1, min(stages, want))
     per = -(-stages // splits)
     return -(-stages // per), per
@@ -402,10 +389,10 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
     if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
-        splits, per = gemm_batch_splits(R, K, sm_count(), tt)
+        splits, per = gemm_batch_splits(R, K, sm_count())
         part = y if splits == 1 else cp.empty((splits, T, R), dtype=cp.float32)
         res = residual if residual is not None and splits == 1 else np.uint64(0)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}, {GEMM_BATCH_MAP[tt]}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, part, np.int32(T), np.int32(R), np.int32(K),
                                                  np.int32(per), res))
         if splits > 1:

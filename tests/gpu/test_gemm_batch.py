@@ -1,6 +1,6 @@
 """gemm_batch (kernels/gemm.cu), the batched decode GEMM of 2..32 tokens, on the GPU.
 
-Every DP4A weight format, T = 2..32 tokens (each token tile 8 / 16 / 32, partly filled; both thread maps), rows that are
+Every DP4A weight format, T = 2..32 tokens (each token tile 8 / 16 / 32, partly filled), rows that are
 not a multiple of the 64-row tile, rows of 256 x 1, 9, 17 values and (formats of 32-value blocks) of 25
 and 129 blocks (a partial last stage of 8 blocks), one split and split K up to one stage per split (the
 partial sums added by splitk_sum), with and without the residual, outputs poisoned with NaN. Each result
@@ -54,7 +54,6 @@ def _formats():
 @pytest.mark.parametrize("T", [2, 8, 9, 16, 17, 32])
 def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T):
     from minecart.kernels import ops
-    from minecart.kernels.build import GEMM_BATCH
 
     rng = np.random.default_rng()  # fresh inputs each run
     q = ops.QT[type_name]
@@ -71,12 +70,9 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
         monkeypatch.setattr(ops, "GEMM_BATCH_VARIANT", "on")
         stages = -(-(K // 32) // 8)
         seen = set()
-        maps = [m for t, m in GEMM_BATCH if t == tt]  # every compiled thread map of the tile
-        for per_sm, m in [(0, maps[0]), (2, maps[-1]), (10_000, maps[-1]), (6, maps[0])]:
-            # one split; the default; one stage per split; more splits
-            monkeypatch.setitem(ops.GEMM_BATCH_BLOCKS_PER_SM, tt, per_sm)
-            monkeypatch.setitem(ops.GEMM_BATCH_MAP, tt, m)
-            splits, per = ops.gemm_batch_splits(R, K, ops.sm_count(), tt)
+        for per_sm in (0, 2, 6, 10_000):  # one split; the default; more splits; one stage per split
+            monkeypatch.setattr(ops, "GEMM_BATCH_BLOCKS_PER_SM", per_sm)
+            splits, per = ops.gemm_batch_splits(R, K, ops.sm_count())
             assert splits * per >= stages > (splits - 1) * per
             seen.add(splits)
             for res in (None, gr):
@@ -87,12 +83,12 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
                 assert y.shape == (T, R)
                 err = nerr(y, want)
                 assert err < TOL, f"{type_name} {R}x{K} T={T} splits={splits}{' +res' if res is not None else ''}: {err:.2e}"
-                name = f"gemm_batch<{q}, {tt}, {m}>"
+                name = f"gemm_batch<{q}, {tt}>"
                 assert launches == [name] + (["splitk_sum"] if splits > 1 else []), launches
                 if res is None:
                     assert nerr(y, old) < TOL
         assert 1 in seen and (stages == 1 or max(seen) == stages), (seen, stages)
-    print(f"\n{type_name} T={T}: gemm_batch<{q}, {tt}, *> agrees with the emulation and the kernels before it")
+    print(f"\n{type_name} T={T}: gemm_batch<{q}, {tt}> agrees with the emulation and the kernels before it")
 
 
 def test_auto_picks_it_from_the_threshold_and_is_deterministic(monkeypatch, launches):
