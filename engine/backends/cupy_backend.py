@@ -1458,7 +1458,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         return self._cap_stream
 
     def _graph_stream_for_capture(self):
-        """The stream decode graphs are captured on and replayed from (made on first use)."""
+        """The stream decode graphs are launched on (made on first use; captured on _capture_stream)."""
         if self._graph_stream is None:
             # a blocking stream: ordered with the eager work that CuPy issues on the legacy stream
             self._graph_stream = cp.cuda.Stream(non_blocking=False)
