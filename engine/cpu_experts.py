@@ -639,28 +639,30 @@ def _rows_per_job(t):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def _k_affine_block(t, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover - compiled
+    """A Q4_K or Q5_K super-block's term (t a constant of the kernel compiled for it: the other branch
+    is folded away)."""
+    if t == _Q4_K:
+        return _q4_k_block(row, o, x, xo, dx, xs, bo, table, acc)
+    return _q5_k_block(row, o, x, xo, dx, xs, bo, table, acc)
+
+
+@njit(inline="always")
 def _dot_rows(t, w, e, r0, r1, r2, r3, x, dx, xs, table):  # pragma: no cover - compiled
     """float32 dot products of rows r0..r3 of expert e of the raw blocks w (type t) with the int8
     activation row x, its block scales dx and block sums xs: all four for the four-row types, only
     r0's for Q8_0 and Q6_K (the others 0)."""
     nbytes = w.shape[2]
     a0 = a1 = a2 = a3 = np.float32(0.0)
-    if t == _Q4_K:
+    if t == _Q4_K or t == _Q5_K:
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
-        for b in range(nbytes // 144):
-            o, xo, bo = 144 * b, 256 * b, 8 * b
-            a0 = _q4_k_block(w0, o, x, xo, dx, xs, bo, table, a0)
-            a1 = _q4_k_block(w1, o, x, xo, dx, xs, bo, table, a1)
-            a2 = _q4_k_block(w2, o, x, xo, dx, xs, bo, table, a2)
-            a3 = _q4_k_block(w3, o, x, xo, dx, xs, bo, table, a3)
-    elif t == _Q5_K:
-        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
-        for b in range(nbytes // 176):
-            o, xo, bo = 176 * b, 256 * b, 8 * b
-            a0 = _q5_k_block(w0, o, x, xo, dx, xs, bo, table, a0)
-            a1 = _q5_k_block(w1, o, x, xo, dx, xs, bo, table, a1)
-            a2 = _q5_k_block(w2, o, x, xo, dx, xs, bo, table, a2)
-            a3 = _q5_k_block(w3, o, x, xo, dx, xs, bo, table, a3)
+        sb = 144 if t == _Q4_K else 176  # super-block bytes
+        for b in range(nbytes // sb):
+            o, xo, bo = sb * b, 256 * b, 8 * b
+            a0 = _k_affine_block(t, w0, o, x, xo, dx, xs, bo, table, a0)
+            a1 = _k_affine_block(t, w1, o, x, xo, dx, xs, bo, table, a1)
+            a2 = _k_affine_block(t, w2, o, x, xo, dx, xs, bo, table, a2)
+            a3 = _k_affine_block(t, w3, o, x, xo, dx, xs, bo, table, a3)
     elif t == _Q4_0:
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
         nb = nbytes // 18
