@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from minecart.kernels import kquant_layout as L
 
-from tests.gpu.test_kquant_gemv import dense, nerr, q8_1_emulation, sane_blocks
+from tests.gpu.test_kquant_gemv import checked_matmul, dense, nerr, q8_1_emulation, sane_blocks
 from tests.gpu.test_more_quants import make_tensor
 
 cp = pytest.importorskip("cupy")
@@ -76,13 +76,8 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
             assert splits * per >= stages > (splits - 1) * per
             seen.add(splits)
             for res in (None, gr):
-                poison()
-                launches.clear()
-                y = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
-                want = emu + (r if res is not None else 0)
-                assert y.shape == (T, R)
-                err = nerr(y, want)
-                assert err < TOL, f"{type_name} {R}x{K} T={T} splits={splits}{' +res' if res is not None else ''}: {err:.2e}"
+                y = checked_matmul(w, gx, res, r, emu, poison, launches,
+                                   f"{type_name} {R}x{K} T={T} splits={splits}", TOL)
                 name = f"gemm_batch<{q}, {tt}>"
                 assert launches == [name] + (["splitk_sum"] if splits > 1 else []), launches
                 if res is None:

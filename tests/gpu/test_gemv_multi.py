@@ -17,7 +17,7 @@ import pytest
 from minecart.kernels import kquant_layout as L
 
 from tests.gpu.test_kernels import make_tensor
-from tests.gpu.test_kquant_gemv import dense, nerr, q8_1_emulation, sane_blocks
+from tests.gpu.test_kquant_gemv import checked_matmul, dense, nerr, q8_1_emulation, sane_blocks
 
 cp = pytest.importorskip("cupy")
 
@@ -67,13 +67,7 @@ def test_every_shape_and_token_count(monkeypatch, poison, launches, type_name, T
         for v in variants:
             monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", v)
             for res in (None, gr):
-                poison()
-                launches.clear()
-                y = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
-                want = emu + (r if res is not None else 0)
-                assert y.shape == (T, R)
-                err = nerr(y, want)
-                assert err < TOL, f"{v} {R}x{K} T={T}{' +res' if res is not None else ''}: error {err:.2e}"
+                y = checked_matmul(w, gx, res, r, emu, poison, launches, f"{v} {R}x{K} T={T}", TOL)
                 if T == 1:
                     assert all(n.startswith("gemv_kq<") for n in launches), launches
                 elif v == "old":  # gemv_dp4a in chunks of 8/4/2/1 tokens; a 1-token chunk takes gemv_kq
@@ -203,12 +197,7 @@ def test_q8_0_gemv_mt(monkeypatch, poison, launches, T):
         for v in variants:
             monkeypatch.setattr(ops, "GEMV_MT_VARIANT", v)
             for res in (None, gr):
-                poison()
-                launches.clear()
-                y = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
-                want = emu + (r if res is not None else 0)
-                err = nerr(y, want)
-                assert err < TOL, f"Q8_0 {v} {R}x{K} T={T}{' +res' if res is not None else ''}: {err:.2e}"
+                y = checked_matmul(w, gx, res, r, emu, poison, launches, f"Q8_0 {v} {R}x{K} T={T}", TOL)
                 if v == "old":  # 8/4/2/1-token chunks up to 8 (a 1-token chunk: the single-token kernel)
                     if T <= ops.GEMV_MAX_T:
                         assert all(n.startswith(("gemv_dp4a<", "gemv_dp4a_split<")) for n in launches), launches

@@ -34,6 +34,23 @@ def nerr(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def checked_matmul(w, gx, res, r: np.ndarray, emu: np.ndarray, poison, launches: list, label: str,
+                   tol: float) -> np.ndarray:
+    """ops.matmul(gx, w, "dp4a", residual=res) on a pool poisoned with NaN and with the launch record
+    (the `launches` fixture) cleared first, checked against the emulation emu (+ r with the residual)
+    to a normalized error below tol -> the result on the host."""
+    from minecart.kernels import ops
+
+    poison()
+    launches.clear()
+    y = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
+    want = emu + (r if res is not None else 0)
+    assert y.shape == want.shape
+    err = nerr(y, want)
+    assert err < tol, f"{label}{' +res' if res is not None else ''}: error {err:.2e}"
+    return y
+
+
 def sane_blocks(type_name: str, rows: int, K: int, rng) -> np.ndarray:
     """Random quants, scales and mins (every bit pattern) with fp16 d / dmin of one magnitude, so
     that no block dominates the normalized error."""
