@@ -33,7 +33,7 @@ from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, link, o
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
-from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache, LayerState
+from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
 
 def device_count() -> int:
@@ -298,50 +298,55 @@ class _Capture:
         return host
 
 
-_KV_TYPES = (CupyKVCache, CupyTypedKVCache, CupyF16KVCache, CupyQ8KVCache)
+# How _device_pointers reads an object, decided once per type: a replayed graph checks the pointers
+# every step (a batch of 32 sequences: ~1,000 layer states), and isinstance against CupyKVCache, a
+# subclass of a runtime-checkable Protocol, is slow.
+_ARRAY, _KV, _ITEMS, _VALUES, _FIELDS, _LEAF = range(6)
+_POINTER_KINDS: dict[type, int] = {}
+
+
+def _new_pointer_kind(obj) -> int:
+    """The kind of obj's type, noted in _POINTER_KINDS (the first object of a type met)."""
+    if isinstance(obj, cp.ndarray):
+        kind = _ARRAY
+    elif isinstance(obj, CupyKVCache):
+        kind = _KV
+    elif isinstance(obj, (list, tuple)):
+        kind = _ITEMS
+    elif isinstance(obj, dict):
+        kind = _VALUES
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (np.ndarray, type)):
+        kind = _FIELDS
+    else:
+        kind = _LEAF
+    _POINTER_KINDS[type(obj)] = kind
+    return kind
 
 
 def _device_pointers(obj, out: list, depth: int = 0) -> list:
     """Addresses of every device array reachable from a model's per-layer states (caches, GDN conv
-    and recurrent state): a graph bakes these in, so any reallocation invalidates it.
-
-    A replayed graph checks these every step (a batch of 32 sequences: ~1,000 layer states), so the
-    usual objects are matched by exact type first: a LayerState's cache and recurrent arrays, the fp32 /
-    f16 / q8_0 caches' k and v (CupyKVCache subclasses a runtime-checkable Protocol, whose isinstance is
-    slow); anything else takes the generic walk, with the same result."""
+    and recurrent state), down to 4 levels below `obj`: a graph bakes these in, so any reallocation
+    invalidates it."""
     if depth > 4:
         return out
-    t = type(obj)
-    if t is LayerState and depth + 2 <= 4:
-        kv = obj.kv
-        if kv is not None:
-            _device_pointers(kv, out, depth + 1)
-        for item in obj.recurrent.values():
-            if type(item) is cp.ndarray:
-                out.append(item.data.ptr)
-            else:
-                _device_pointers(item, out, depth + 2)
-        return out
-    if t in _KV_TYPES:
-        out.extend((0 if obj.k is None else obj.k.data.ptr, 0 if obj.v is None else obj.v.data.ptr))
-        return out
-    if t is list or t is tuple:
-        for item in obj:
-            _device_pointers(item, out, depth + 1)
-        return out
-    if isinstance(obj, cp.ndarray):
+    kinds = _POINTER_KINDS
+    kind = kinds.get(type(obj))
+    if kind is None:
+        kind = _new_pointer_kind(obj)
+    if kind == _ARRAY:
         out.append(obj.data.ptr)
-    elif isinstance(obj, CupyKVCache):
+    elif kind == _KV:
         out.extend((0 if obj.k is None else obj.k.data.ptr, 0 if obj.v is None else obj.v.data.ptr))
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            _device_pointers(item, out, depth + 1)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _device_pointers(item, out, depth + 1)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (np.ndarray, type)):
-        for item in vars(obj).values():
-            _device_pointers(item, out, depth + 1)
+    elif kind != _LEAF and depth < 4:
+        items = obj if kind == _ITEMS else obj.values() if kind == _VALUES else vars(obj).values()
+        for item in items:  # arrays and leaves read here, without a call each
+            k = kinds.get(type(item))
+            if k is None:
+                k = _new_pointer_kind(item)
+            if k == _ARRAY:
+                out.append(item.data.ptr)
+            elif k != _LEAF:
+                _device_pointers(item, out, depth + 1)
     return out
 
 
