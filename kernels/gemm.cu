@@ -267,8 +267,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
     __shared__ __align__(16) float sxc[2][8][TT];             // xd, xs: [block][token]
 
     const int tid = threadIdx.x;
-    const int tx = tid & 15, ty = tid >> 4;  // rows 4 tx .. 4 tx + 3, token group ty
-    auto tok = [&](int j) { return TM * ty + j; };  // the thread's j-th token
+    const int tx = tid & 15, ty = tid >> 4;  // rows 4 tx .. 4 tx + 3, tokens TM ty .. TM ty + TM - 1
     const int r0 = blockIdx.x * GB_ROWS;
     const int nb = K >> 5;
     const int nst = (nb + 7) >> 3;
@@ -391,14 +390,14 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
             float dx[TM], sxv[TM];
 #pragma unroll
             for (int j = 0; j < TM; j++) {
-                dx[j] = sxc[0][u][tok(j)];
-                sxv[j] = sxc[1][u][tok(j)];
+                dx[j] = sxc[0][u][TM * ty + j];
+                sxv[j] = sxc[1][u][TM * ty + j];
             }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 int4 xa[TM];
 #pragma unroll
-                for (int j = 0; j < TM; j++) xa[j] = *(const int4*)&sx[u][tok(j)][4 * h];
+                for (int j = 0; j < TM; j++) xa[j] = *(const int4*)&sx[u][TM * ty + j][4 * h];
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++) {
                     const int4 w4 = *(const int4*)&sw[u][(4 * h + kk) * GB_ROWS + 4 * tx];
@@ -431,7 +430,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
     const float* add = gridDim.y > 1 ? nullptr : res;
 #pragma unroll
     for (int j = 0; j < TM; j++) {
-        const int t = tok(j);
+        const int t = TM * ty + j;
         if (t >= T) continue;
 #pragma unroll
         for (int i = 0; i < 4; i++) {
