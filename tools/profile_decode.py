@@ -13,8 +13,11 @@ kernels are measured; without it, it prints the timings and writes them as JSON.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import time
 
 import numpy as np
@@ -84,9 +87,14 @@ def main() -> None:
     for _ in range(n):
         np.argmax(logits)
     res["host_argmax_ms"] = (time.perf_counter() - t0) / n * 1e3
+    _emit(res, args.json)
+
+
+def _emit(res: dict, json_path: str | None) -> None:
+    """Print the timings, and write them as JSON to json_path when given."""
     print(json.dumps(res, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
+    if json_path:
+        with open(json_path, "w") as f:
             json.dump(res, f, indent=1)
 
 
@@ -155,10 +163,6 @@ def _time_batch(model, batch: int, json_path: str | None) -> None:
     wall = (time.perf_counter() - t0) / n
     res: dict = {"batch": batch, "wall_ms_per_step": wall * 1e3, "graph_steps": ex.batch_graph_steps,
                  "logits_mb": out.nbytes / 1e6}
-    import cProfile
-    import io
-    import pstats
-
     prof = cProfile.Profile()  # the host's share of a step, by function (the GPU's wait included)
     prof.enable()
     for _ in range(n):
@@ -175,10 +179,7 @@ def _time_batch(model, batch: int, json_path: str | None) -> None:
         for _ in range(n):
             np.array(host)
         res["host_logits_copy_ms"] = (time.perf_counter() - t0) / n * 1e3
-    print(json.dumps(res, indent=1))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1)
+    _emit(res, json_path)
 
 
 def summarize(csv_path: str) -> None:
