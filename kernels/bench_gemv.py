@@ -232,7 +232,15 @@ def main(argv: list[str] | None = None) -> int:
                         "of the single-token GEMVs")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS_MULTI)),
                    help=f"with --multi: comma-separated token counts (default {','.join(map(str, TOKENS_MULTI))})")
+    p.add_argument("--shapes", default="",
+                   help="comma-separated ROWSxCOLS of the 9B shapes to run (default all: "
+                        + ",".join(f"{R}x{K}" for R, K, _ in SHAPES_9B) + "); a profiler's view of one")
     args = p.parse_args(argv)
+    known = {f"{R}x{K}": (R, K, res) for R, K, res in SHAPES_9B}
+    picked = [s for s in args.shapes.split(",") if s]
+    if [s for s in picked if s not in known]:
+        p.error(f"--shapes {args.shapes!r}: choose from {', '.join(known)}")
+    shapes = tuple(known[s] for s in picked) or SHAPES_9B
     types = tuple(t for t in args.types.split(",") if t)
     bad = [t for t in types if t not in TYPES]
     if bad:
@@ -245,9 +253,9 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--tokens {args.tokens!r}: comma-separated whole numbers")
         if not tokens or min(tokens) < 1:
             p.error("--tokens: at least one count, each 1 or more")
-        rows = run_multi(types=types, tokens=tokens, out=sys.stdout)
+        rows = run_multi(shapes=shapes, types=types, tokens=tokens, out=sys.stdout)
     else:
-        rows = run(types=types, out=sys.stdout)
+        rows = run(shapes=shapes, types=types, out=sys.stdout)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

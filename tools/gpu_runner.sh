@@ -19,7 +19,7 @@
 # not slow the engine is judged in one run (COMPARE_ARGS, default: --prefill 4096 --decode-ctx 0
 # --decode-tokens 64; COMPARE_KV: this tree's KV cache types, default f32; compare.log, compare_*.json).
 # `kernel-profile` (not part of `all`): Nsight Compute's sections for a few launches of one kernel
-# (KP_KERNEL, default gemm_batch) inside bench_gemv --multi (KP_ARGS); kernel_profile.txt.
+# (KP_KERNEL, default gemm_batch) inside bench_gemv --multi (KP_ARGS); KP_LOG (default kernel_profile.txt).
 # `ptx` (not part of `all`): the GPU tests with every kernel loaded from compute_61 PTX, then from
 # compute_70 PTX (MINECART_KERNEL_PTX=.gpu/ptx61, .gpu/ptx70; the driver JIT-compiles them, so the
 # Pascal/Volta code paths run on this card). Make the PTX BEFORE the device call, on the machine with
@@ -240,16 +240,18 @@ fi
 if [ "$MODE" = kernel-profile ]; then
   # where one kernel's time goes: Nsight Compute's sections (throughput against the card's peaks, memory
   # workload, warp stall reasons, occupancy, scheduler) for a few launches of the kernels matching
-  # KP_KERNEL (default gemm_batch) inside `bench_gemv --multi` (KP_ARGS, default --types Q4_K --tokens 8).
-  # Log: kernel_profile.txt.
+  # KP_KERNEL (default gemm_batch) inside `bench_gemv --multi` (KP_ARGS, default --types Q4_K --tokens 8
+  # --shapes 24576x4096: the gate+up matrix).
+  # Log: KP_LOG (default kernel_profile.txt).
+  KPL="$OUT/${KP_LOG:-kernel_profile.txt}"
   # shellcheck disable=SC2086
   timeout "${KP_TIMEOUT:-300}" ncu --kernel-name "regex:${KP_KERNEL:-gemm_batch}" --launch-skip "${KP_SKIP:-20}" \
     --launch-count "${KP_COUNT:-3}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
-    python3 -m minecart.kernels.bench_gemv --multi ${KP_ARGS:---types Q4_K --tokens 8} \
-    >"$OUT/kernel_profile.txt" 2>&1
-  echo "kernel profile exit $?"; grep -E "^  [A-Za-z]|Duration|Throughput|Stall|Occupancy|Registers" \
-    "$OUT/kernel_profile.txt" | head -80
+    --section ComputeWorkloadAnalysis --section InstructionStats \
+    python3 -m minecart.kernels.bench_gemv --multi ${KP_ARGS:---types Q4_K --tokens 8 --shapes 24576x4096} \
+    >"$KPL" 2>&1
+  echo "kernel profile exit $?"; grep -E "^  [A-Za-z]|Duration|Throughput|Stall|Occupancy|Registers" "$KPL" | head -60
 fi
 
 if [ "$MODE" = ptx ]; then
