@@ -30,7 +30,11 @@ model). In detail:
   more new tokens) is one more input shape of the same loop: their rows are stacked into one chunk, so
   every projection and FFN matmul sees (N, H) rows at once, while each layer's mixer runs per sequence
   on its own LayerState (engine/models/batch.py's SequenceRows). The head returns each sequence's
-  last row.
+  last row;
+- `top` > 0 (a decode step whose sampler needs only the largest logits, engine/sampling.py): the
+  head's rows stay on the device, which picks their `top` largest (backend.top_k), and the step
+  returns those (TopLogits): a token then copies k values to the host, not the vocabulary, and a
+  captured step's graph holds the pick.
 
 Also here: what turns a placement into stages (`part_names`, `plan_devices`, `make_backend`,
 `resolve_devices`). What this is not: a scheduler of several sequences (runtime.py), or tensor
@@ -64,6 +68,7 @@ from .placement import (
     streams_experts,
 )
 from .rig import Rig, device_spec
+from .sampling import TopLogits
 
 HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
 
@@ -352,6 +357,7 @@ class _Chunk:
     positions: Any
     override: Override | None
     rows: Rows  # what this chunk returns: "all", "last", None, or these row indices
+    top: int = 0  # > 0: the rows' `top` largest logits (TopLogits) instead of the rows
 
 
 def shift_override(override: Override | None, start: int, stop: int) -> Override | None:
@@ -440,14 +446,19 @@ class Executor:
     def forward(self, ids: Sequence[int], states: list, positions, *, rows: str | None = "last",
                 hidden_hook: Callable[[int, np.ndarray], None] | None = None,
                 chunk: int | None = None, cancel: threading.Event | None = None,
-                embed_override: Override | None = None) -> np.ndarray | None:
+                embed_override: Override | None = None, top: int = 0) -> np.ndarray | TopLogits | None:
         """Run `ids` through every part, updating `states` (one per layer) in place.
 
         rows: "last" -> host float32 logits (1, vocab) of the last token; "all" -> (T, vocab); None ->
         no head (returns None). positions: (T,) or (3, T) for M-RoPE. chunk: tokens per run (None =
         one run; at least `min_chunk`); cancel: checked before each chunk. hidden_hook(index, host array) receives the
         residual stream after the embedding (0) and after each layer (1..L); it needs one chunk.
-        embed_override: rows of the token embeddings replaced by given values (image embeddings)."""
+        embed_override: rows of the token embeddings replaced by given values (image embeddings).
+        top > 0 (rows "last"): the last token's `top` largest logits (TopLogits (1, top)) instead
+        (`top` at or above the vocabulary size: the row itself)."""
+        top = self._top(top)
+        if top and rows != "last":
+            raise ValueError(f"top {top} needs rows='last', got rows={rows!r}")
         ids = [int(t) for t in ids]
         positions = np.asarray(positions)
         T = len(ids)
@@ -457,7 +468,8 @@ class Executor:
             raise ValueError("hidden_hook needs the whole sequence in one chunk")
         chunks = [_Chunk(c, ids[s : s + step], positions[..., s : s + step],
                          shift_override(embed_override, s, s + step),
-                         rows if rows != "last" else ("last" if c == len(starts) - 1 else None))
+                         rows if rows != "last" else ("last" if c == len(starts) - 1 else None),
+                         top if c == len(starts) - 1 else 0)
                   for c, s in enumerate(starts)]
         with self._call_lock:  # one sequence at a time: states are updated in place
             if self.pipelined and (len(chunks) > 1 or not self.inline_single_chunk):
@@ -473,11 +485,20 @@ class Executor:
         got = [o for o in out if o is not None]
         return got[-1] if rows == "last" else (got[0] if len(got) == 1 else np.concatenate(got, axis=0))
 
+    def _top(self, top: int) -> int:
+        """A requested number of top logits as the head gives them: 0 (whole rows) from the
+        vocabulary size up."""
+        top = int(top)
+        if top < 0:
+            raise ValueError(f"top must be >= 0, got {top}")
+        return 0 if top >= self.config.vocab_size else top
+
     def forward_batch(self, ids: Sequence[Sequence[int]], states: Sequence[list],
-                      positions: Sequence[Any]) -> np.ndarray:
+                      positions: Sequence[Any], top: int = 0) -> np.ndarray | TopLogits:
         """Run B sequences' new tokens in one pass -> host float32 logits (B, vocab) of each sequence's
-        last token. ids[b]: sequence b's new tokens (one while it decodes, a prompt chunk while it
-        prefills); states[b]: its per-layer states (updated in place); positions[b]: (T_b,) or (3, T_b).
+        last token, or with top > 0 their `top` largest (TopLogits (B, top)). ids[b]: sequence b's new
+        tokens (one while it decodes, a prompt chunk while it prefills); states[b]: its per-layer
+        states (updated in place); positions[b]: (T_b,) or (3, T_b).
 
         The rows of all sequences go through `forward`'s loop as one chunk (see the module docstring);
         each sequence's logits equal running it alone up to fp32 rounding. A batch of one is `forward`
@@ -488,8 +509,9 @@ class Executor:
                              f"({B} sequences, {len(states)} state lists, {len(positions)} positions)")
         if any(len(t) == 0 for t in ids):
             raise ValueError("every sequence of a batch needs at least one new token")
+        top = self._top(top)
         if B == 1:
-            out = self.forward(ids[0], states[0], positions[0], rows="last")
+            out = self.forward(ids[0], states[0], positions[0], rows="last", top=top)
             assert out is not None  # rows="last" always returns logits
             return out
         flat = [int(t) for seq in ids for t in seq]
@@ -506,7 +528,7 @@ class Executor:
             return [SequenceRows(tuple(st[i] for st in states), tuple(bounds), tuple(pos))
                     for i in range(self.config.n_layers)]
 
-        chunk = _Chunk(0, flat, stacked, None, tuple(b - 1 for b in bounds[1:]))
+        chunk = _Chunk(0, flat, stacked, None, tuple(b - 1 for b in bounds[1:]), top)
         with self._call_lock:
             out = None
             if len(flat) == B:  # every sequence decodes one token
@@ -517,7 +539,7 @@ class Executor:
         return out
 
     def _batch_graph_step(self, c: _Chunk, owners: tuple, pos: tuple,
-                          layer_rows: Callable[[], list]) -> np.ndarray | None:
+                          layer_rows: Callable[[], list]) -> np.ndarray | TopLogits | None:
         """A batched decode step (one token per sequence) through the backend's graph_step: captured
         the second time in a row the same sequences decode together (a batch that changes every step
         never pays a capture), replayed while they keep doing so. None: run it eagerly (graphs off,
@@ -530,34 +552,35 @@ class Executor:
         watch = [st for seq in owners for st in seq]
 
         def run(x):
-            return self.run_stage(stage, x, c.positions, layer_rows(), c.rows)
+            return self.run_stage(stage, x, c.positions, layer_rows(), c.rows, top=c.top)
 
-        out = stage.backend.graph_step(("batch", len(owners)), run, c.ids, pos, owner=owners, watch=watch)
+        out = stage.backend.graph_step(("batch", len(owners), c.top), run, c.ids, pos, owner=owners,
+                                       watch=watch)
         if out is None:
             return None
         self.batch_graph_steps += 1
-        return np.asarray(out)
+        return out
 
-    def _one_chunk(self, c: _Chunk, states: list, hook) -> np.ndarray | None:
+    def _one_chunk(self, c: _Chunk, states: list, hook) -> np.ndarray | TopLogits | None:
         """One chunk on the calling thread: a decode step through the stages' graphs, or stage after
         stage through the bridges (nothing to overlap; thread hand-offs would only add latency)."""
         # a sequence's very first token (a one-token prompt) runs eagerly: its states are fresh, and a
         # capture there failed once and switched the backend's graphs off (tests/gpu/test_batch_mixers.py)
         first = int(np.asarray(c.positions).reshape(-1)[0]) == 0
         if len(c.ids) == 1 and c.rows == "last" and hook is None and c.override is None and not first:
-            return self._decode_step(c.ids, states, c.positions)
+            return self._decode_step(c.ids, states, c.positions, c.top)
         x: Any = c.ids
         for s, stage in enumerate(self.stages):
             if s:
                 x = self.bridges[s - 1].move(x)
-            x = self.run_stage(stage, x, c.positions, states, c.rows, hook, c.override)
+            x = self.run_stage(stage, x, c.positions, states, c.rows, hook, c.override, c.top)
         return x
 
     def run_stage(self, stage: Stage, x, positions, states: list, rows: Rows, hook=None,
-                  override: Override | None = None):
+                  override: Override | None = None, top: int = 0):
         """The parts of one stage on its backend: x (token ids for the embedding, else the hidden state
         on this backend) -> the hidden state, or host logits when the stage ends with the head (None
-        when rows is None)."""
+        when rows is None; with top > 0 the rows' `top` largest logits, TopLogits)."""
         cfg, mod, weights = self.config, self.module, self.weights
         be = stage.backend
         for part in stage.parts:
@@ -576,6 +599,8 @@ class Executor:
                     x = x[x.shape[0] - 1 :]
                 elif isinstance(rows, tuple) and len(rows) < x.shape[0]:
                     x = x[list(rows)]  # a batch: each sequence's last row
+                if top:  # a few rows: the head's logits stay on the device, which picks the largest
+                    return be.top_k(self.module.head(self.config, be, self.weights["head"], x), top)
                 return self.run_head(x, be)
             else:
                 i = int(part.split(".")[1])
@@ -602,28 +627,31 @@ class Executor:
         return out
 
     # ---- decode: one token, each stage through its backend's graph_step ---------------------------------
-    def _decode_step(self, ids: list[int], states: list, positions) -> np.ndarray:
+    def _decode_step(self, ids: list[int], states: list, positions, top: int) -> np.ndarray | TopLogits:
         last = len(self.stages) - 1
         out = pending = None
         for s, stage in enumerate(self.stages):
             host_in = self.bridges[s - 1].step_buffer if s else None
             host_out = self.bridges[s].step_buffer if s < last else None
-            out, pending = self._decode_stage(s, stage, ids, states, positions, host_in, host_out, pending)
+            out, pending = self._decode_stage(s, stage, ids, states, positions, host_in, host_out, pending,
+                                              top if s == last else 0)
             if host_out is not None:
                 self.bridges[s].bytes_moved += host_out.nbytes
         assert out is not None
         return out
 
-    def _decode_stage(self, s: int, stage: Stage, ids, states, positions, host_in, host_out, pending):
-        """One stage of a decode step -> (host logits of the last stage or None, the event of a graph
-        launched without a host wait or None). pending: such an event of the previous stage."""
+    def _decode_stage(self, s: int, stage: Stage, ids, states, positions, host_in, host_out, pending,
+                      top: int):
+        """One stage of a decode step -> (host logits of the last stage (TopLogits with top > 0) or None,
+        the event of a graph launched without a host wait or None). pending: such an event of the
+        previous stage."""
         be = stage.backend
 
         def run(x):
-            return self.run_stage(stage, x, positions, states, "last")
+            return self.run_stage(stage, x, positions, states, "last", top=top)
 
         if self.use_graphs:
-            done = be.graph_step(("stage", s), run, ids, positions, owner=states,
+            done = be.graph_step(("stage", s, top), run, ids, positions, owner=states,
                                  watch=[states[i] for i in stage.layers], host_in=host_in,
                                  host_out=host_out, after=pending, wait=not self.chain_graphs)
             if done is not None:
@@ -684,7 +712,7 @@ class Executor:
     def _run_pipelined_stage(self, job: _Job, s: int, c: _Chunk, x, states) -> None:
         stage = self.stages[s]
         be = stage.backend
-        out = self.run_stage(stage, x, c.positions, states, c.rows, None, c.override if s == 0 else None)
+        out = self.run_stage(stage, x, c.positions, states, c.rows, None, c.override if s == 0 else None, c.top)
         if s == len(self.stages) - 1:
             job.results[c.index] = out
             be.synchronize()

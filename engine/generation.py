@@ -317,6 +317,6 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
             if cancel is not None and cancel.is_set():
                 yield clock.event(None, held_text(), "cancelled")
                 return
-            logits = session.step(token)
+            logits = session.step(token, top=sampler.candidates)
     finally:
         session.checkpoint()

@@ -161,7 +161,7 @@ class Model:
         return self.backends[part]
 
     def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None,
-                chunk: int | None = None, cancel=None, embed_override=None):
+                chunk: int | None = None, cancel=None, embed_override=None, top: int = 0):
         """Run `ids` through every part, updating `states` (one per layer) in place: the executor's
         forward (engine/execution.py), the one route every caller takes.
 
@@ -170,9 +170,10 @@ class Model:
         host_array) receives the residual stream after the embedding (0) and after each layer (1..L).
         embed_override (rows (n,), values (n, H)): host arrays replacing those rows of the token
         embeddings (image embeddings at `<|image_pad|>` tokens); use (3, T) M-RoPE positions with it.
-        Returns host float32 logits or None."""
+        top > 0 (rows "last"): the last token's `top` largest logits (sampling.TopLogits) instead.
+        Returns host float32 logits, TopLogits or None."""
         return self.executor.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
-                                     chunk=chunk, cancel=cancel, embed_override=embed_override)
+                                     chunk=chunk, cancel=cancel, embed_override=embed_override, top=top)
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         # default: the whole context limit of a planned model (its memory estimate assumed it; see

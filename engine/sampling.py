@@ -12,6 +12,12 @@ Penalties:
 - presence_penalty and frequency_penalty (OpenAI style) over the generated tokens only:
   logit -= presence * [count > 0] + frequency * count.
 
+A decode step may return only the largest logits of its row (TopLogits: the device picks them, so a
+token costs a copy of k values instead of the vocabulary): `Sampler.candidates` says how many decide
+the next pick exactly (greedy: 1, top-k: k, without penalties), and a pick from them equals the pick
+from the whole row, token for token under the same seed: both take the k largest with equal values in
+ascending id order (`top_logits`), and the draw walks them in that order.
+
 What this file is not: the generate loop (generation.py) or stop handling.
 """
 
@@ -30,6 +36,44 @@ import numpy as np
 # has no natural end and, past a few paragraphs, mostly repeats itself.
 DEFAULT_MAX_TOKENS_CHAT = 2048
 DEFAULT_MAX_TOKENS_TEXT = 256
+# The most candidates a sampler takes from a step instead of the whole row (top_k above it: whole rows).
+TOP_CANDIDATES_MAX = 64
+
+
+@dataclass(frozen=True)
+class TopLogits:
+    """The largest logits of T rows as a decode step returns them instead of the rows: values (T, k)
+    float32, each row descending, equal values in ascending id order; ids (T, k) their token ids.
+    Computed on the device by the top-k kernels (kernels/sampling.cu) or on the host by
+    `top_logits`, with the same order."""
+
+    values: np.ndarray
+    ids: np.ndarray
+
+    def row(self, i: int) -> TopLogits:
+        """Row i alone, (1, k), copied (a view would keep the whole step's arrays alive)."""
+        return TopLogits(self.values[i : i + 1].copy(), self.ids[i : i + 1].copy())
+
+
+def top_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest of each row of logits ((T, V) or (V,)) -> (values (T, k) float32, ids (T, k)
+    int64), each row descending, equal values in ascending id order, and of the values equal to the
+    k-th largest the lowest ids: the order of the device's top-k (TopLogits)."""
+    x = np.asarray(logits, np.float32)
+    x = x.reshape(1, -1) if x.ndim == 1 else x
+    T, V = x.shape
+    k = max(1, min(int(k), V))
+    kth = -np.partition(-x, k - 1, axis=1)[:, k - 1]  # the k-th largest value of each row
+    vals = np.empty((T, k), np.float32)
+    ids = np.empty((T, k), np.int64)
+    for r in range(T):
+        above = np.flatnonzero(x[r] > kth[r])
+        tied = np.flatnonzero(x[r] == kth[r])[: k - above.size]
+        sel = np.concatenate([above, tied])
+        v = x[r, sel]
+        order = np.lexsort((sel, -v))  # descending value, ascending id
+        vals[r], ids[r] = v[order], sel[order]
+    return vals, ids
 
 
 @dataclass
@@ -126,26 +170,35 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray,
     x = np.asarray(logits, np.float32).reshape(-1)
     t = float(params.temperature)
     n = x.size
-    top = float(x.max())
     if params.top_k and params.top_k < n:
-        ids = np.argpartition(x, n - params.top_k)[n - params.top_k :]
+        vals, ids = top_logits(x, params.top_k)
+        return _kept_of_top(vals[0], ids[0], params)
+    top = float(x.max())
+    e = np.exp((x - np.float32(top)) / np.float32(t))  # float32 pass over the vocabulary
+    total = e.sum(dtype=np.float64)
+    if params.top_p < 1.0:
+        m = min(n, 1024)
+        while True:
+            ids = np.argpartition(x, n - m)[n - m :] if m < n else np.arange(n)
+            if m == n or e[ids].sum(dtype=np.float64) >= params.top_p * total:
+                break
+            m = min(n, m * 8)
         w = np.exp((x[ids].astype(np.float64) - top) / t)
-        total = w.sum()  # top-k first: the filters below see the renormalized top-k distribution
     else:
-        e = np.exp((x - np.float32(top)) / np.float32(t))  # float32 pass over the vocabulary
-        total = e.sum(dtype=np.float64)
-        if params.top_p < 1.0:
-            m = min(n, 1024)
-            while True:
-                ids = np.argpartition(x, n - m)[n - m :] if m < n else np.arange(n)
-                if m == n or e[ids].sum(dtype=np.float64) >= params.top_p * total:
-                    break
-                m = min(n, m * 8)
-            w = np.exp((x[ids].astype(np.float64) - top) / t)
-        else:
-            ids = np.arange(n)
-            w = e.astype(np.float64)
-    p = w / total
+        ids = np.arange(n)
+        w = e.astype(np.float64)
+    return _filtered(ids, w / total, params)
+
+
+def _kept_of_top(values: np.ndarray, ids: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """kept_tokens when top-k decides first: the k largest logits (descending, ties by id) and their
+    ids. The filters after it see the renormalized top-k distribution."""
+    w = np.exp((values.astype(np.float64) - float(values[0])) / float(params.temperature))
+    return _filtered(np.asarray(ids, np.int64), w / w.sum(), params)
+
+
+def _filtered(ids: np.ndarray, p: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The top-p and min-p filters over candidate ids with probabilities p, renormalized."""
     if params.top_p < 1.0:
         order = np.lexsort((ids, -p))  # descending probability, lower id first on ties
         ids, p = ids[order], p[order]
@@ -192,13 +245,28 @@ class Sampler:
         self.generated: list[int] = []
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray) -> int:
-        """Pick the next token from a (vocab,) row and remember it."""
+    def __call__(self, logits: np.ndarray | TopLogits) -> int:
+        """Pick the next token from a (vocab,) row, or from its largest logits (at least `candidates`
+        of them), and remember it."""
         token = self.pick(logits)
         self.generated.append(token)
         return token
 
-    def pick(self, logits: np.ndarray) -> int:
+    @property
+    def candidates(self) -> int:
+        """How many of a row's largest logits decide this sampler's next pick exactly (a step may
+        return just those, as TopLogits), or 0 when it needs the whole row: penalties (they move
+        logits the candidates do not cover), or top-k off or above TOP_CANDIDATES_MAX."""
+        prm = self.params
+        if prm.repetition_penalty != 1.0 or prm.presence_penalty or prm.frequency_penalty:
+            return 0
+        if prm.greedy:
+            return 1
+        return prm.top_k if 0 < prm.top_k <= TOP_CANDIDATES_MAX else 0
+
+    def pick(self, logits: np.ndarray | TopLogits) -> int:
+        if isinstance(logits, TopLogits):
+            return self._pick_top(logits)
         logits = np.asarray(logits).reshape(-1)
         x = apply_penalties(logits, self.params, self.prompt_ids, self.generated)
         if self.params.greedy:
@@ -210,4 +278,17 @@ class Sampler:
             return _inverse_cdf(np.exp((x - x.max()) / np.float32(prm.temperature)), u)
         ids, p = kept_tokens(x, prm)
         idx = int(np.searchsorted(np.cumsum(p), u, side="right"))  # inverse CDF over the kept tokens
+        return int(ids[min(idx, len(ids) - 1)])
+
+    def _pick_top(self, top: TopLogits) -> int:
+        """pick from a row's largest logits: the same token as from the whole row (module docstring)."""
+        k = self.candidates
+        if k == 0 or top.values.ndim != 2 or top.values.shape[0] != 1 or top.values.shape[1] < k:
+            raise ValueError(f"a pick with these sampling settings needs {k or 'the whole row of'} logits, "
+                             f"got the largest {top.values.shape}")
+        if self.params.greedy:
+            return int(top.ids[0, 0])
+        u = self.rng.random()
+        ids, p = _kept_of_top(top.values[0, :k], top.ids[0, :k], self.params)
+        idx = int(np.searchsorted(np.cumsum(p), u, side="right"))
         return int(ids[min(idx, len(ids) - 1)])

@@ -42,7 +42,7 @@ from .execution import Override, shift_override
 from .generation import GenerationEvent, check_fits_context, generate
 from .prefix_cache import CacheStart, PrefixCache
 from .prompt import PromptInput
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TopLogits
 from .session import Session
 
 if TYPE_CHECKING:
@@ -94,8 +94,9 @@ class _Pass:
     chunk: int
     cancel: threading.Event | None
     override: Override | None
+    top: int = 0  # > 0: the pass needs only the last row's `top` largest logits (Session.step)
     done: int = 0  # tokens already run (a prefill runs a chunk per step)
-    logits: np.ndarray | None = None
+    logits: np.ndarray | TopLogits | None = None
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
 
@@ -158,14 +159,14 @@ class BatchedModel:
         return self.model.placement
 
     def forward(self, ids, states, positions, *, rows: str | None = "last", hidden_hook=None,
-                chunk: int | None = None, cancel=None, embed_override=None):
+                chunk: int | None = None, cancel=None, embed_override=None, top: int = 0):
         """As Model.forward. Passes that want more than the last row, or a hidden-state hook, run
         directly (serialized with the steps by the executor's lock)."""
         if rows != "last" or hidden_hook is not None:
             return self.model.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
-                                      chunk=chunk, cancel=cancel, embed_override=embed_override)
+                                      chunk=chunk, cancel=cancel, embed_override=embed_override, top=top)
         return self.scheduler.run_pass(ids, states, positions, chunk=chunk, cancel=cancel,
-                                       embed_override=embed_override)
+                                       embed_override=embed_override, top=top)
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         return self.model.new_state(capacity, kv_type=kv_type)
@@ -307,11 +308,13 @@ class Scheduler:
                 self._cond.wait(0.1)
 
     def run_pass(self, ids: Sequence[int], states: list, positions, *, chunk: int | None,
-                 cancel: threading.Event | None, embed_override: Override | None) -> np.ndarray:
-        """One session's forward pass (last-row logits) as rows of the coming steps; blocks until
-        its last chunk ran. Called by BatchedModel.forward on the caller's thread."""
+                 cancel: threading.Event | None, embed_override: Override | None,
+                 top: int = 0) -> np.ndarray | TopLogits:
+        """One session's forward pass (last-row logits, or their `top` largest) as rows of the coming
+        steps; blocks until its last chunk ran. Called by BatchedModel.forward on the caller's thread."""
         step = self.chunk if not chunk else min(int(chunk), self.chunk)
-        work = _Pass([int(t) for t in ids], states, np.asarray(positions), step, cancel, embed_override)
+        work = _Pass([int(t) for t in ids], states, np.asarray(positions), step, cancel, embed_override,
+                     int(top))
         if threading.current_thread() is self._thread:
             raise RuntimeError("the scheduler thread cannot wait for its own steps")
         with self._cond:
@@ -345,7 +348,7 @@ class Scheduler:
         for work in pending:
             self._finish(work, error=GenerationCancelled("the scheduler is shut down"))
 
-    def _finish(self, work: _Pass, logits: np.ndarray | None = None,
+    def _finish(self, work: _Pass, logits: np.ndarray | TopLogits | None = None,
                 error: BaseException | None = None) -> None:
         work.logits, work.error = logits, error
         with self._cond:
@@ -385,8 +388,13 @@ class Scheduler:
             prefilled += stop - w.done
         if not rows:
             return
+        # the largest logits when the sampler of every row that ends its pass here takes them (as many
+        # as the most any asks), else whole rows for all (a prompt's last chunk, penalties): a sampler
+        # takes either
+        tops = [w.top for b, w in enumerate(rows) if w.done + len(ids[b]) == len(w.ids)]
+        top = 0 if not tops or min(tops) == 0 else max(tops)
         try:
-            out = self.model.executor.forward_batch(ids, states, positions)
+            out = self.model.executor.forward_batch(ids, states, positions, top=top)
         except BaseException as exc:  # every caller in the step gets the failure
             for w in rows:
                 self._finish(w, error=exc)
@@ -395,7 +403,7 @@ class Scheduler:
             w.done += len(ids[b])
             if w.done == len(w.ids):
                 # a copy: a view would keep the whole (B, vocab) array alive while the session holds it
-                self._finish(w, logits=out[b : b + 1].copy())
+                self._finish(w, logits=out.row(b) if isinstance(out, TopLogits) else out[b : b + 1].copy())
         self._count(len(decodes), prefilled, len(rows))
 
     def _run_override_chunk(self, w: _Pass) -> None:

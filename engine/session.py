@@ -40,6 +40,7 @@ from .backends.base import LayerState
 from .errors import ContextFullError, GenerationCancelled
 from .execution import shift_override
 from .placement import Placement
+from .sampling import TopLogits
 
 # Turn boundaries kept per session: enough for "regenerate" (after the prompt) and "edit the last
 # message" (end of the previous turn). Each holds the recurrent state on the host: ~50 MiB for 9B,
@@ -187,7 +188,7 @@ class Session:
 
     # ---- running tokens ----------------------------------------------------------------------------
     def _advance(self, ids: list[int], positions=None, rows: str | None = "last", embed_override=None,
-                 chunk: int | None = None, cancel=None):
+                 chunk: int | None = None, cancel=None, top: int = 0):
         T = len(ids)
         if len(self.tokens) + T > self.limit:
             raise context_full(len(self.tokens) + T, self.limit, int(self.model.config.context_length or 0))
@@ -204,7 +205,7 @@ class Session:
         pos3 = [tuple(int(c) for c in col) for col in pos3.T]
         try:
             logits = self.model.forward(ids, self.states, positions, rows=rows, chunk=chunk,
-                                        cancel=cancel, embed_override=embed_override)
+                                        cancel=cancel, embed_override=embed_override, top=top)
         except GenerationCancelled as exc:  # between chunks: the chunks that went through stay
             done = exc.tokens_done
             self.tokens.extend(keys[:done])
@@ -217,10 +218,8 @@ class Session:
         self._next_positions.extend(next_pos)
         self._positions.extend(pos3)
         self.computed_tokens += T
-        if logits is not None:
-            self.last_logits = logits[-1]
-        else:
-            self.last_logits = None
+        # only a whole row is kept: a turn boundary's snapshot and `sync` hand it out again
+        self.last_logits = logits[-1] if isinstance(logits, np.ndarray) else None
         return logits
 
     def prefill(self, ids, chunk: int | None = PREFILL_CHUNK, positions=None, cancel=None,
@@ -243,10 +242,13 @@ class Session:
                       cancel=cancel)
         return self.last_logits
 
-    def step(self, token: int) -> np.ndarray:
-        """Append one token; return its logits (vocab,)."""
+    def step(self, token: int, top: int = 0) -> np.ndarray | TopLogits:
+        """Append one token; return its logits (vocab,), or with top > 0 its `top` largest logits
+        (TopLogits (1, top); what a sampler needs, engine/sampling.py Sampler.candidates)."""
         self.computed_tokens = 0
-        self._advance([int(token)])
+        out = self._advance([int(token)], top=top)
+        if isinstance(out, TopLogits):
+            return out
         assert self.last_logits is not None  # one token with rows="last" always has logits
         return self.last_logits
 

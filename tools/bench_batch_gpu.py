@@ -3,7 +3,7 @@ first token of a new request while 8 others decode, on the 9B Q4_K shape (issue 
 8 vs 1 >= 5x, 32 vs 1 >= 12x, time to first token while 8 decode <= 2x alone).
 
     python tools/bench_batch_gpu.py [--model FILE | --shape qwen3.5-9b --quant q4_k] [--device cuda:0]
-        [--batches 1,8,32] [--steps 32] [--context 128] [--ttft-prompt 512] [--others 8]
+        [--batches 1,8,32] [--tops 0,20] [--steps 32] [--context 128] [--ttft-prompt 512] [--others 8]
         [--dir DIR] [--json OUT.json]
 
 Without --model it synthesizes --shape/--quant (engine/synth.py) into --dir, kept and reused by later
@@ -12,9 +12,12 @@ runs. Then, on the engine's own paths:
 - decode: for each B in --batches, B sessions each prefill their own random --context-token prompt
   (lengths differ by a few tokens), two untimed steps (kernel compilation, graph capture), then --steps
   timed steps of all B together through Executor.forward_batch, the call the scheduler makes once per
-  step (host logits (B, vocab) included). The tokens fed are drawn up front, not sampled: sampling runs
-  on the requests' threads, beside the step. Rate = B * steps / seconds; each B is measured --repeat
-  times, the sizes taking turns, and the best counts. A batch of one is Executor.forward (its decode
+  step, for each --tops entry: 0 = host logits (B, vocab), what a step returns when a request's sampler
+  needs whole rows (penalties); k = the k largest logits of each row picked on the device (TopLogits),
+  what the scheduler asks for when every sampler can take them (greedy 1, a default chat request's
+  top-k 20). The tokens fed are drawn up front, not sampled: sampling runs on the requests' threads,
+  beside the step. Rate = B * steps / seconds, against B = 1 at the same top; each (B, top) is measured
+  --repeat times, taking turns, and the best counts. A batch of one is Executor.forward (its decode
   graph); the table says how many of a batch's steps ran as a replayed graph.
 - time to first token: a --ttft-prompt-token prompt through the engine's Scheduler (prompt chunks of
   --chunk tokens interleaved with the running decodes, as `minecart serve` runs them), alone and while
@@ -40,7 +43,7 @@ from typing import Any
 import numpy as np
 from minecart.engine import load_model
 from minecart.engine.execution import make_backend
-from minecart.engine.sampling import greedy_params
+from minecart.engine.sampling import TOP_CANDIDATES_MAX, TopLogits, greedy_params
 from minecart.engine.scheduler import Scheduler
 from minecart.engine.synth import write_synthetic
 
@@ -90,10 +93,10 @@ class DecodeRun:
         self.tokens = rng.integers(1, vocab, (steps + WARMUP_STEPS, batch))
         self.done = 0
 
-    def step(self) -> np.ndarray:
+    def step(self, top: int) -> np.ndarray | TopLogits:
         ids = [[int(t)] for t in self.tokens[self.done]]
         states = [s.states for s in self.sessions]
-        out = self.model.executor.forward_batch(ids, states, [np.array([p]) for p in self.positions])
+        out = self.model.executor.forward_batch(ids, states, [np.array([p]) for p in self.positions], top=top)
         self.positions = [p + 1 for p in self.positions]
         self.done += 1
         return out
@@ -103,25 +106,27 @@ class DecodeRun:
             s.close()
 
 
-def decode_rate(model, batch: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+def decode_rate(model, batch: int, top: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     ex = model.executor
     run = DecodeRun(model, batch, args.context, args.steps, seed)
     try:
         for _ in range(WARMUP_STEPS):  # untimed: kernel compilation, then the batch's graph capture
-            out = run.step()
-        if out.shape != (batch, model.config.vocab_size) or not np.isfinite(out).all():
-            raise RuntimeError(f"batch {batch}: logits {out.shape} with non-finite values")
+            out = run.step(top)
+        vals = out.values if isinstance(out, TopLogits) else out
+        if vals.shape != (batch, top or model.config.vocab_size) or not np.isfinite(vals).all():
+            raise RuntimeError(f"batch {batch}, top {top}: logits {vals.shape} with non-finite values")
         graphed0, eager0 = ex.graphed_stage_steps, ex.eager_stage_steps
         batch_graphed0 = ex.batch_graph_steps
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            run.step()
+            run.step(top)
         seconds = time.perf_counter() - t0
     finally:
         run.close()
     graphed = (ex.batch_graph_steps - batch_graphed0) if batch > 1 else \
         (ex.graphed_stage_steps - graphed0) // max(1, len(ex.stages))
-    return {"batch": batch, "steps": args.steps, "seconds": seconds, "tok_s": batch * args.steps / seconds,
+    return {"batch": batch, "top": top, "steps": args.steps, "seconds": seconds,
+            "tok_s": batch * args.steps / seconds,
             "step_ms": 1e3 * seconds / args.steps, "graphed_steps": int(graphed),
             "eager_stage_steps": int(ex.eager_stage_steps - eager0) if batch == 1 else None}
 
@@ -174,11 +179,12 @@ def ttft(model, args: argparse.Namespace, deadline: float) -> dict[str, Any]:
 
 def report(res: dict[str, Any]) -> str:
     lines = [f"{res['model']} on {res['device']}: load {res['load_s']:.1f} s", "",
-             "| concurrent | tok/s | step ms | vs 1 | target | graphed steps |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| concurrent | step returns | tok/s | step ms | vs 1 | target | graphed steps |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for r in res["decode"]:
         target = TARGETS.get(str(r["batch"]))
-        lines.append(f"| {r['batch']} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['ratio']:.2f}x | "
+        returns = f"top {r['top']} logits" if r["top"] else "whole rows"
+        lines.append(f"| {r['batch']} | {returns} | {r['tok_s']:.1f} | {r['step_ms']:.2f} | {r['ratio']:.2f}x | "
                      f"{'' if target is None else f'>= {target:g}x'} | {r['graphed_steps']}/{r['steps']} |")
     t = res.get("ttft")
     if t:
@@ -198,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default="/tmp/minecart-bench-batch", help="where synthesized files are kept")
     p.add_argument("--device", default="cuda:0", help="device to run on (default cuda:0)")
     p.add_argument("--batches", default="1,8,32", help="concurrent sequences, comma separated")
+    p.add_argument("--tops", default="0,20", help="what each step returns, comma separated: 0 = whole logit "
+                   "rows, k = each row's k largest logits (default 0,20)")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per batch size (default 32)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens of each decoding sequence")
     p.add_argument("--repeat", type=int, default=2, help="rounds per measurement; the best counts")
@@ -210,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default="", help="also write the results as JSON to this file")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    tops = [int(k) for k in args.tops.split(",") if k.strip()]
     if not batches or min(batches) < 1 or args.steps < 1 or args.repeat < 1 or args.context < 1:
         p.error("--batches, --steps, --repeat and --context must be positive")
+    if not tops or min(tops) < 0 or max(tops) > TOP_CANDIDATES_MAX:
+        p.error(f"--tops: whole numbers from 0 to {TOP_CANDIDATES_MAX}")
     t_start = time.time()
     deadline = t_start + args.budget
     make_backend(args.device)  # a missing GPU fails now, before gigabytes are written
@@ -223,29 +234,32 @@ def main(argv: list[str] | None = None) -> int:
                            "targets": {"ratio": TARGETS, "ttft_ratio": TTFT_TARGET},
                            "args": {k: v for k, v in vars(args).items()}}
     try:
-        best: dict[int, dict[str, Any]] = {}
+        best: dict[tuple[int, int], dict[str, Any]] = {}
         for rnd in range(args.repeat):
+            for top in tops:
+                for b in batches:
+                    if time.time() > deadline:
+                        res["skipped"].append(f"decode B={b} top {top} round {rnd + 1}")
+                        continue
+                    r = decode_rate(model, b, top, args, seed=b)
+                    _log(f"B={b} top {top}: {r['tok_s']:.1f} tok/s ({r['step_ms']:.2f} ms/step, "
+                         f"graphed {r['graphed_steps']})")
+                    if (b, top) not in best or r["tok_s"] > best[(b, top)]["tok_s"]:
+                        best[(b, top)] = r
+        for top in tops:
+            base = best.get((min(batches), top))
             for b in batches:
-                if time.time() > deadline:
-                    res["skipped"].append(f"decode B={b} round {rnd + 1}")
-                    continue
-                r = decode_rate(model, b, args, seed=b)
-                _log(f"B={b}: {r['tok_s']:.1f} tok/s ({r['step_ms']:.2f} ms/step, graphed {r['graphed_steps']})")
-                if b not in best or r["tok_s"] > best[b]["tok_s"]:
-                    best[b] = r
-        base = best.get(min(batches))
-        for b in batches:
-            if b in best:
-                r = dict(best[b])
-                r["ratio"] = r["tok_s"] / base["tok_s"] if base else float("nan")
-                res["decode"].append(r)
+                if (b, top) in best:
+                    r = dict(best[(b, top)])
+                    r["ratio"] = r["tok_s"] / base["tok_s"] if base else float("nan")
+                    res["decode"].append(r)
         if args.ttft_prompt > 0:
             if time.time() > deadline:
                 res["skipped"].append("time to first token")
             else:
                 res["ttft"] = ttft(model, args, deadline)
         res["met"] = {
-            **{f"{r['batch']}/1": r["ratio"] >= TARGETS[str(r["batch"])] for r in res["decode"]
+            **{f"{r['batch']}/1 top {r['top']}": r["ratio"] >= TARGETS[str(r["batch"])] for r in res["decode"]
                if str(r["batch"]) in TARGETS},
             **({"ttft": res["ttft"]["ratio"] <= TTFT_TARGET} if res["ttft"] else {}),
         }

@@ -241,14 +241,15 @@ if [ "$MODE" = kernel-profile ]; then
   # where one kernel's time goes: Nsight Compute's sections (throughput against the card's peaks, memory
   # workload, warp stall reasons, occupancy, scheduler) for a few launches of the kernels matching
   # KP_KERNEL (default gemm_batch) inside `bench_gemv --multi` (KP_ARGS, default --types Q4_K --tokens 8
-  # --shapes 24576x4096: the gate+up matrix).
+  # --shapes 24576x4096: the gate+up matrix). KP_METRICS: more metrics, comma separated (ncu --metrics:
+  # e.g. regex:smsp__average_warps_issue_stalled_.*_per_issue_active for the stall reasons).
   # Log: KP_LOG (default kernel_profile.txt).
   KPL="$OUT/${KP_LOG:-kernel_profile.txt}"
   # shellcheck disable=SC2086
   timeout "${KP_TIMEOUT:-300}" ncu --kernel-name "regex:${KP_KERNEL:-gemm_batch}" --launch-skip "${KP_SKIP:-20}" \
     --launch-count "${KP_COUNT:-3}" --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
-    --section ComputeWorkloadAnalysis --section InstructionStats \
+    --section ComputeWorkloadAnalysis --section InstructionStats ${KP_METRICS:+--metrics "$KP_METRICS"} \
     python3 -m minecart.kernels.bench_gemv --multi ${KP_ARGS:---types Q4_K --tokens 8 --shapes 24576x4096} \
     >"$KPL" 2>&1
   echo "kernel profile exit $?"; grep -E "^  [A-Za-z]|Duration|Throughput|Stall|Occupancy|Registers" "$KPL" | head -60

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ..sampling import TopLogits
+
 Array = Any
 Weight = Any
 
@@ -451,8 +453,10 @@ class Backend(Protocol):
         the host."""
 
     # ---- sampling helpers --------------------------------------------------------------------------
-    def top_k(self, logits: Array, k: int):
-        """Largest k logits of each row on the device -> host (values (T, k), ids (T, k)), descending."""
+    def top_k(self, logits: Array, k: int) -> TopLogits:
+        """The k largest logits of each row (T, vocab), picked on the device -> host TopLogits (T, k):
+        descending, equal values in ascending id order (engine/sampling.py top_logits). Inside a
+        captured decode step the host arrays are the graph's outputs."""
 
     def synchronize(self) -> None: ...
 

@@ -33,6 +33,7 @@ from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, link, o
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
+from ..sampling import TopLogits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
 
@@ -231,6 +232,7 @@ class _Capture:
         self.dev = cp.zeros(_SLOTS, dtype=cp.int32)
         self.caches: list[tuple[Any, int]] = []  # CupyKVCache or CupyQ3KVCache (both have .k)
         self.outputs: list[np.ndarray] = []
+        self.result: np.ndarray | TopLogits | None = None  # what the captured step returned: its host outputs
         self._out_dev: list = []
         # a _sleep_event when the step holds host functions (CupyBackend.host_round_trip), else None
         self.sleeper: Any = None
@@ -381,8 +383,9 @@ class _DecodeGraph:
         return _device_pointers(watch, []) == self.pointers
 
     def result(self):
-        """After a launch: True when the output went to the host buffer, else a copy of the logits."""
-        return True if self.sends else np.array(self.cap.outputs[-1])
+        """After a launch: True when the output went to the host buffer, else a copy of what the step
+        returns (logits, or the top logits)."""
+        return True if self.sends else _host_copy(self.cap.result)
 
     def replay(self, token: int, pos: np.ndarray, after=None, wait: bool = True):
         """Launch for the next token. after: an event the graph must follow (the previous stage of a
@@ -437,6 +440,7 @@ class _BatchCapture(_Capture):
         self.dev = cp.zeros(_BATCH_SLOTS, dtype=cp.int32)
         self.caches = []
         self.outputs = []
+        self.result = None
         self._out_dev = []
         self.sleeper = None
         self.cache_base = 7 * n
@@ -517,7 +521,7 @@ class _BatchGraph(_DecodeGraph):
         """False once a sequence's cache was freed (its session closed) or has no room for a token."""
         return all(c.k is not None and c.length + 1 <= c.capacity for c, _ in self.cap.caches)
 
-    def replay_batch(self, ids, positions) -> np.ndarray:
+    def replay_batch(self, ids, positions) -> np.ndarray | TopLogits:
         cap = self.cap
         assert isinstance(cap, _BatchCapture)
         cap.write_batch(ids, positions)
@@ -527,7 +531,16 @@ class _BatchGraph(_DecodeGraph):
         for c, _ in cap.caches:
             c.length += 1
         cap.wait()
-        return np.array(cap.outputs[-1])
+        return _host_copy(cap.result)
+
+
+def _host_copy(out):
+    """A copy of a captured step's host outputs (the graph rewrites them on its next replay)."""
+    if isinstance(out, TopLogits):
+        return TopLogits(np.array(out.values), np.array(out.ids))
+    if not isinstance(out, np.ndarray):
+        raise RuntimeError(f"a captured step returned {type(out).__name__}, not host logits")
+    return np.array(out)
 
 
 def _f32(x):
@@ -1315,10 +1328,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         return super().moe_block(x, router, gate_exps, up_exps, down_exps, k, shared, residual)
 
     # ---- sampling helpers --------------------------------------------------------------------------
-    def top_k(self, logits, k: int):
+    def top_k(self, logits, k: int) -> TopLogits:
+        if k > ops.TOPK_MAX:  # ops.top_k would sort the rows with CuPy's argsort: not inside a graph
+            raise ValueError(f"top_k on the device takes at most {ops.TOPK_MAX} logits, got {k}")
         with self._dev:
             vals, ids = ops.top_k(logits, int(k))
-            return cp.asnumpy(vals), cp.asnumpy(ids).astype(np.int64)
+            return TopLogits(self.to_numpy(vals), self.to_numpy(ids))
 
     # ---- CUDA-graph decode ---------------------------------------------------------------------------
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
@@ -1422,6 +1437,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             y = run(ids if host_in is None else cap.receive(host_in))
             if host_out is not None:
                 cap.send(y, host_out)
+            else:
+                cap.result = y
 
         try:
             graph, kept = self._record(cap, body)
@@ -1474,7 +1491,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         """graph_step for a decode step of B = len(ids) sequences, one token each (engine/execution.py
         forward_batch): positions holds each sequence's own position array ((1,) or (3, 1)), owners
         each sequence's state list, watch every state the step touches. Kept per key (the executor's
-        ("batch", B)) while the same sequences decode; host logits (B, vocab), or None: run eagerly
+        ("batch", B, top)) while the same sequences decode; what `run` returns (host logits (B, vocab)
+        or their top logits), or None: run eagerly
         (a cache must grow, or this batch size cannot be captured: it then stays eager)."""
         n = len(ids)
         if n in self._batch_eager or len(positions) != n or len(owners) != n:
@@ -1495,7 +1513,10 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         cap.write_batch(ids, positions)
         cap.bind(positions)
         try:
-            graph, kept = self._record(cap, lambda: run(ids))
+            def body() -> None:
+                cap.result = run(ids)
+
+            graph, kept = self._record(cap, body)
         except Exception as exc:
             self.batch_capture_error = f"{type(exc).__name__}: {exc}"
             if not _cache_full(exc):
@@ -1511,7 +1532,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._batch_graphs[key] = rec
         graph.launch(cap.stream)
         cap.wait()
-        return np.array(cap.outputs[-1])
+        return rec.result()
 
     # ---- measurements (bench, probe) --------------------------------------------------------------
     def measure_ceilings(self, seconds: float = 0.3) -> dict:

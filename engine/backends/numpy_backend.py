@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .. import cpu_matmul
+from ..sampling import TopLogits, top_logits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
 F32 = np.float32
@@ -635,12 +636,5 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         return self.expert_threads
 
     # ---- sampling helpers --------------------------------------------------------------------------
-    def top_k(self, logits, k: int):
-        logits = np.asarray(logits, F32)
-        if logits.ndim == 1:
-            logits = logits[None, :]
-        k = min(int(k), logits.shape[1])
-        part = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-        vals = np.take_along_axis(logits, part, axis=1)
-        order = np.argsort(-vals, axis=1, kind="stable")
-        return np.take_along_axis(vals, order, axis=1), np.take_along_axis(part, order, axis=1)
+    def top_k(self, logits, k: int) -> TopLogits:
+        return TopLogits(*top_logits(logits, k))

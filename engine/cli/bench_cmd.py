@@ -42,6 +42,7 @@ from ..experts import ExpertsApart
 from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from ..placement import EXPERTS_ON_HELP
 from ..rig import RigBackend
+from ..sampling import TopLogits
 from .run_cmd import add_threads_arg, experts_on_arg
 
 if TYPE_CHECKING:
@@ -236,15 +237,18 @@ def _prefill_seconds(model: Model, backend: Backend, ids: list[int], chunk: int)
 
 
 def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, chunk: int) -> float:
-    """Seconds of `steps` greedy decode steps after a prefill of `ids` and one untimed step."""
+    """Seconds of `steps` greedy decode steps after a prefill of `ids` and one untimed step. Each step
+    returns its largest logit only (top=1), as a greedy generation's does (engine/sampling.py)."""
     s = model.new_session(len(ids) + steps + 8)
     logits = s.prefill(ids, chunk=chunk or len(ids))
-    logits = s.step(int(np.argmax(logits)))  # first step outside the timing
+    assert logits is not None
+    top = s.step(int(np.argmax(logits)), top=1)  # first step outside the timing
 
     def decode() -> None:
-        nonlocal logits
+        nonlocal top
         for _ in range(steps):
-            logits = s.step(int(np.argmax(logits)))
+            assert isinstance(top, TopLogits)
+            top = s.step(int(top.ids[0, 0]), top=1)
 
     dt = _timed(decode, backend)
     s.close()

@@ -258,7 +258,7 @@ class _RecordingGraphs:
         def graph_step(key, run, ids, positions, *, owner, watch=None, **_kw):
             if len(ids) == 1 or not isinstance(owner, tuple):
                 return None
-            assert key == ("batch", len(ids)) and len(positions) == len(owner) == len(ids)
+            assert key == ("batch", len(ids), 0) and len(positions) == len(owner) == len(ids)
             assert len(watch) == sum(len(o) for o in owner)
             self.calls.append((tuple(ids), tuple(id(o) for o in owner)))
             self._own = {id(p): b for b, p in enumerate(positions)}

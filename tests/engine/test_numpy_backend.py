@@ -271,10 +271,16 @@ def test_weights_embedding_rows_and_matmul(fixtures_dir, gguf_name):
 def test_top_k():
     rng = np.random.default_rng(10)
     logits = rng.standard_normal((3, 50)).astype(np.float32)
-    vals, ids = be.top_k(logits, 5)
+    top = be.top_k(logits, 5)
     order = np.argsort(-logits, axis=1)[:, :5]
-    np.testing.assert_array_equal(ids, order)
-    np.testing.assert_array_equal(vals, np.take_along_axis(logits, order, 1))
+    np.testing.assert_array_equal(top.ids, order)
+    np.testing.assert_array_equal(top.values, np.take_along_axis(logits, order, 1))
+    # ties: equal values in ascending id order, and the lowest ids of the values tied at the k-th place
+    tied = np.round(rng.standard_normal((4, 300))).astype(np.float32)
+    top = be.top_k(tied, 40)
+    order = np.lexsort((np.broadcast_to(np.arange(300), tied.shape), -tied), axis=1)[:, :40]
+    np.testing.assert_array_equal(top.ids, order)
+    np.testing.assert_array_equal(top.values, np.take_along_axis(tied, order, 1))
 
 
 def test_real_head_sizes_prefill_modes_agree(tmp_path):

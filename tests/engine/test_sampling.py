@@ -113,3 +113,60 @@ def test_top_p_on_a_wide_flat_distribution(top_k):
     assert n_keep > 1024
     np.testing.assert_array_equal(np.sort(ids), np.sort(pool[order[:n_keep]]))
     np.testing.assert_allclose(p.sum(), 1.0)
+
+
+def test_candidates_needed():
+    """How many top logits decide a pick: greedy 1, top-k k (up to TOP_CANDIDATES_MAX), whole rows
+    for penalties and for top-k off or above the limit."""
+    from minecart.engine.sampling import TOP_CANDIDATES_MAX
+
+    assert Sampler(greedy_params()).candidates == 1
+    assert Sampler(SamplingParams(top_k=20)).candidates == 20
+    assert Sampler(SamplingParams(top_k=TOP_CANDIDATES_MAX)).candidates == TOP_CANDIDATES_MAX
+    assert Sampler(SamplingParams(top_k=TOP_CANDIDATES_MAX + 1)).candidates == 0
+    assert Sampler(SamplingParams(top_k=0)).candidates == 0
+    for penalty in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=-0.2)):
+        assert Sampler(SamplingParams(top_k=20, **penalty)).candidates == 0
+        assert Sampler(greedy_params(**penalty)).candidates == 0
+
+
+@pytest.mark.parametrize("params", [
+    greedy_params(),
+    SamplingParams(),  # the defaults: temperature 0.7, top-k 20, top-p 0.8
+    SamplingParams(temperature=1.0, top_k=1, top_p=1.0),
+    SamplingParams(temperature=1.3, top_k=64, top_p=1.0),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.05),
+    SamplingParams(temperature=2.0, top_k=5, top_p=0.5),
+])
+def test_a_pick_from_the_top_logits_equals_the_pick_from_the_row(params):
+    """The same seed picks the same tokens from the whole rows and from their `candidates` largest
+    logits (what a device step returns): rows with many tied values (rounded) and without."""
+    from minecart.engine.sampling import TopLogits, top_logits
+
+    rng = np.random.default_rng(11)
+    seeded = SamplingParams(**{**params.__dict__, "seed": 5})
+    whole, top = Sampler(seeded), Sampler(seeded)
+    k = top.candidates
+    assert k > 0
+    for step in range(60):
+        row = (rng.standard_normal(3000) * 3).astype(np.float32)
+        if step % 2:
+            row = np.round(row)  # ties, at the k-th place too
+        vals, ids = top_logits(row, k)
+        assert whole(row) == top(TopLogits(vals, ids))
+    assert whole.generated == top.generated
+
+
+def test_top_logits_order_and_a_short_candidate_list():
+    from minecart.engine.sampling import TopLogits, top_logits
+
+    row = np.array([1.0, 3.0, 3.0, 2.0, 3.0, -1.0], np.float32)
+    vals, ids = top_logits(row, 2)
+    np.testing.assert_array_equal(ids, [[1, 2]])  # three tied at 3.0: the lowest ids
+    np.testing.assert_array_equal(vals, [[3.0, 3.0]])
+    vals, ids = top_logits(row[None, :], 5)
+    np.testing.assert_array_equal(ids, [[1, 2, 4, 3, 0]])
+    with pytest.raises(ValueError, match="needs 3"):
+        Sampler(SamplingParams(top_k=3)).pick(TopLogits(vals[:, :2], ids[:, :2]))
+    with pytest.raises(ValueError, match="whole row"):
+        Sampler(SamplingParams(top_k=0)).pick(TopLogits(vals, ids))

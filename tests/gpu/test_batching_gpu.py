@@ -135,9 +135,9 @@ def test_bench_tool_runs_on_the_gpu(tmp_path):
                                  "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     print(json.dumps(res["decode"], indent=1), res["ttft"])
-    assert [r["batch"] for r in res["decode"]] == [1, 4, 9]
+    assert [(r["batch"], r["top"]) for r in res["decode"]] == [(1, 0), (4, 0), (9, 0), (1, 20), (4, 20), (9, 20)]
     assert all(r["tok_s"] > 0 for r in res["decode"]) and res["ttft"]["alone_s"] > 0
-    assert res["decode"][2]["graphed_steps"] > 0
+    assert res["decode"][2]["graphed_steps"] > 0 and res["decode"][5]["graphed_steps"] > 0
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0", "q3"])
@@ -181,3 +181,64 @@ def test_graph_pointer_check_sees_every_state_array(files, kv_type):
     before = _device_pointers(watch, [])
     sessions[0].prefill(list(range(6, 30)))  # past the capacity of 16: the caches grow
     assert _device_pointers(watch, []) != before
+
+
+def _check_top(top, rows: np.ndarray, k: int) -> None:
+    """TopLogits (n, k) from a step against the whole logit rows (n, vocab) of the same step run by the
+    whole-row graph: each value is its id's logit, descending, and no logit outside is larger (all
+    within 1e-5 of the row's range: the two graphs are separate runs of the same kernels)."""
+    assert top.values.shape == top.ids.shape == (rows.shape[0], k)
+    for r in range(rows.shape[0]):
+        row = rows[r]
+        tol = 1e-5 * float(np.max(np.abs(row)))
+        vals, ids = top.values[r], np.asarray(top.ids[r], np.int64)
+        assert len(set(ids.tolist())) == k and ids.min() >= 0 and ids.max() < row.size
+        np.testing.assert_allclose(vals, row[ids], rtol=0, atol=tol)
+        assert (np.diff(vals) <= 0).all()
+        outside = np.delete(row, ids)
+        assert outside.max() <= vals[-1] + tol
+
+
+@pytest.mark.parametrize("k", [1, 20, 64])
+def test_top_logits_steps_single_and_batched(files, k):
+    """Decode steps that return their top-k logits (engine/sampling.py TopLogits; the scheduler's and
+    generate's path) as CUDA graphs: one sequence (graph_step's single-token graph) and a batch of 9,
+    each against the whole-row graphs of the same steps on twin sessions."""
+    from minecart.engine.sampling import TopLogits
+
+    model, be = _load(files["qwen"], "dp4a", graphs=True)
+    prompts, tokens = _work(model, 9, 6, seed=k)
+    ex = model.executor
+    # one sequence: the top-k run first, then its twin with whole rows (a backend keeps the graphs of
+    # one sequence at a time)
+    runs = []
+    for want in (k, 0):
+        s = model.new_session(capacity=64)
+        s.prefill(prompts[3])
+        graphed0 = ex.graphed_stage_steps
+        runs.append([s.step(int(tokens[step][0]), top=want) for step in range(len(tokens))])
+        assert ex.graphed_stage_steps - graphed0 >= len(tokens) - 1, "single-token steps did not run as graphs"
+        s.close()
+    for top, row in zip(*runs, strict=True):
+        assert isinstance(top, TopLogits)
+        _check_top(top, row[None, :], k)
+    # a batch of 9, the same way (a batch is captured the second time in a row it decodes together)
+    runs = []
+    for want in (k, 0):
+        sessions = [model.new_session(capacity=64) for _ in prompts]
+        for s, p in zip(sessions, prompts, strict=True):
+            s.prefill(p)
+        pos = [int(s.position) for s in sessions]
+        batch0 = ex.batch_graph_steps
+        out = []
+        for step in range(len(tokens)):
+            out.append(ex.forward_batch([[int(t)] for t in tokens[step]], [s.states for s in sessions],
+                                        [np.array([q + step]) for q in pos], top=want))
+        assert ex.batch_graph_steps - batch0 >= len(tokens) - 1, "batched steps did not run as graphs"
+        runs.append(out)
+        for s in sessions:
+            s.close()
+    for top, rows in zip(*runs, strict=True):
+        assert isinstance(top, TopLogits) and isinstance(rows, np.ndarray)
+        _check_top(top, rows, k)
+    model.close()

@@ -271,14 +271,19 @@ def test_moe(nb, gb, gb_fma, poison, fused, T):
 
 
 @pytest.mark.parametrize("V", [1000, 100003, 248320])
-@pytest.mark.parametrize("k", [1, 5, 40])
-def test_top_k(nb, gb, V, k):
+@pytest.mark.parametrize("k", [1, 5, 40, 64])
+@pytest.mark.parametrize("ties", [False, True])
+def test_top_k(nb, gb, V, k, ties):
+    """The device's top-k equals the host's (engine/sampling.py top_logits) value for value and id for
+    id, ties included (rounded logits: thousands of equal values across the 4096-wide slices)."""
     rng = np.random.default_rng(V + k)
     logits = (rng.standard_normal((3, V)) * 4).astype(np.float32)
-    rv, ri = nb.top_k(logits, k)
-    gv, gi = gb.top_k(gb.asarray(logits), k)
-    np.testing.assert_array_equal(gi, ri)
-    np.testing.assert_array_equal(gv, rv)
+    if ties:
+        logits = np.round(logits)
+    ref = nb.top_k(logits, k)
+    got = gb.top_k(gb.asarray(logits), k)
+    np.testing.assert_array_equal(got.ids, ref.ids)
+    np.testing.assert_array_equal(got.values, ref.values)
 
 
 def test_probe_and_cache(tmp_path, monkeypatch):
