@@ -56,7 +56,7 @@ class ScriptedSession:
         self.computed_tokens = len(ids)
         return self._logits()
 
-    def step(self, token):
+    def step(self, token, top=0):  # whole rows whatever `top` asks: a sampler takes either
         time.sleep(self.delay)
         self.tokens.append(token)
         return self._logits()
@@ -224,7 +224,12 @@ def test_multi_turn_prefix_reuse_regenerate_and_edit(model):
     turn2 = fed + [out1[-1]] + user2
     out2, last = _greedy(model, turn2, session)
     assert last.cached_tokens == len(fed)
-    assert _close(session.last_logits, _fresh_last_logits(model, session.tokens))
+    # the session's state is the history's: its next step's row equals a fresh run of history + token
+    # (its last_logits are None: the answer's steps returned only their largest logit, greedy)
+    assert session.last_logits is None
+    twin = session.fork()
+    assert _close(twin.step(out2[-1]), _fresh_last_logits(model, session.tokens + [out2[-1]]))
+    twin.close()
     fresh_session = model.new_session()
     assert _greedy(model, turn2, fresh_session)[0] == out2
 
