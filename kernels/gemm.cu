@@ -219,19 +219,25 @@ __global__ void __launch_bounds__(256) gemm_fma(
 
 // gemm_batch<QT, TT>: Y (T, R) = X (T, K) @ W (R, K)^T for a batched decode step, T <= TT tokens (TT = 8,
 // 16 or 32: one sequence's token each), DP4A on every format load_wblock reads (K-quants in their
-// repacked layout). The weights are streamed once for all T tokens, and each expanded int8 weight is
-// used from shared memory by TT / 8 tokens per thread and each activation int by 4 rows, so a 32-token
-// batch costs about 2 shared loads per 16 DP4A (the multi-token GEMVs, gemv_kq_mt, read every activation
-// block once per row group from L1: per token they cost as much as one token alone, see
-// docs/kernels.md).
+// repacked layout). The weights are streamed once for all T tokens: each is expanded to int8 once, into
+// shared memory, and used from there by every token.
 //
-// Geometry: a block of 128 threads computes GB_ROWS = 64 weight rows x TT tokens; each thread owns 4
-// consecutive rows (4 tx ..) and TM = TT / 8 tokens of its token group ty (thread map below). The K loop
-// walks stages of 8 quant blocks (256 values: one K-quant super-block): the stage's weights and
-// activations are loaded into registers while the previous stage is computed from shared memory
-// (software pipelining: one barrier pair per stage). Weight loads: the 8 lanes of a group read the 8
-// blocks of one row's stage (a K-quant super-block's 128+ contiguous bytes; Q4_K / Q5_K d and dmin
-// gathered by gemv_kq_mt's three xor-shuffles), expanded to int8 once when stored. Activation loads: 16
+// What limits it is the number of shared-memory loads per DP4A (H200, Nsight Compute on the 8-token
+// tile before GbTile: the L1 data pipe's wavefronts at 88% of peak, stalls short_scoreboard and
+// mio_throttle, DRAM at 18%): a 128-bit shared load costs 4 wavefronts (one per quarter-warp) whatever
+// it reads, so what counts is how many DP4A each thread does per load. A thread holds 4 consecutive rows
+// x TM tokens: per int of K, 4 rows' weights in one int4 load (4 wavefronts) and TM activation loads for
+// 4 * TM DP4A. GbTile picks TM = 2 for the 8-token tile (128 rows a block; TM = 1 with 64 rows was
+// 1.7x the wavefronts per DP4A) and TT / 8 above.
+//
+// Geometry: a block of 128 threads computes ROWS weight rows x TT tokens; thread (tx, ty) owns rows
+// 4 tx .. 4 tx + 3 and tokens TM ty .. TM ty + TM - 1 (tx = tid % RQ: a warp spans 32 or 16 row quads,
+// so each weight int4 it loads is distinct in every quarter-warp). The K loop walks stages of 8 quant
+// blocks (256 values: one K-quant super-block): the stage's weights and activations are loaded into
+// registers while the previous stage is computed from shared memory (software pipelining: one barrier
+// pair per stage). Weight loads: the 8 lanes of a group read the 8 blocks of one row's stage (a K-quant
+// super-block's 128+ contiguous bytes; Q4_K / Q5_K d and dmin gathered by gemv_kq_mt's three
+// xor-shuffles), ROWS / 16 passes of 16 rows, expanded to int8 once when stored. Activation loads: 16
 // threads read one token's 256 stage bytes. Shared layouts padded so that stores and loads are free of
 // bank conflicts (int4 loads of 4 consecutive rows; per token 48-byte rows).
 //
@@ -240,65 +246,64 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // accumulators: acc += xd * (dlo * lo + dhi * hi) + m * xs (Q6_K: lo and hi chains of 16 values; the
 // other formats one chain, dlo = dhi).
 //
-// Thread map: a warp spans all 64 rows and 2 token groups (each weight int in shared memory is read by
-// the 4 warps). The other map measured on the H200, a warp owning 16 rows and all 8 token groups (one
-// read per weight int, half the shared-memory wavefronts), was no faster at 8 tokens and 2% slower at 32
-// (docs/kernels.md).
-//
 // Split K: gridDim.y blocks share a row tile, each `stages` stages of K; with gridDim.y > 1 each writes its
 // partial sums to `y + blockIdx.y * T * R` (a (splits, T, R) scratch) and splitk_sum adds them in split
 // order (deterministic) with the residual; with one split the block writes y (+ res) itself. Rows past R
 // load row R - 1 and write nothing; tokens past T and blocks past K/32 load zeros.
-#define GB_ROWS 64
+template <int TT>
+struct GbTile {
+    static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
+    static constexpr int TM = TT == 8 ? 2 : TT / 8;  // tokens per thread
+    static constexpr int RQ = 128 / (TT / TM);         // row quads: threads per token group
+    static constexpr int ROWS = 4 * RQ;                // weight rows per block (ops.GEMM_BATCH_ROWS)
+    static constexpr int PASSES = ROWS / 16;           // weight load passes per stage
+    static constexpr int XJ = TT / 8;                  // activation int4 loads per thread per stage
+};
 
 template <int QT, int TT>
 __global__ void __launch_bounds__(128, 3) gemm_batch(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         int T, int R, int K, int stages, const float* __restrict__ res) {
-    static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
-    constexpr int TM = TT / 8;         // tokens per thread
+    using G = GbTile<TT>;
+    constexpr int TM = G::TM, RQ = G::RQ, ROWS = G::ROWS, PASSES = G::PASSES, XJ = G::XJ;
     constexpr bool KQ = kq_format(QT);
     constexpr bool SPLIT = (QT == QT_Q6_K);  // two scales per block
     constexpr bool HAS_M = qt_has_offset(QT);
-    __shared__ __align__(16) int sw[8][8 * GB_ROWS + 4];      // [block][int k * GB_ROWS + row]
-    __shared__ __align__(16) float swc[3][8][GB_ROWS + 4];    // dlo, dhi, m: [block][row]
-    __shared__ __align__(16) int sx[8][TT][12];               // [block][token][int k] (+4 pad)
-    __shared__ __align__(16) float sxc[2][8][TT];             // xd, xs: [block][token]
+    static_assert(!(SPLIT && HAS_M), "gemm_batch: a block has a second scale or an offset, not both");
+    __shared__ __align__(16) int sw[8][8 * ROWS + 4];      // [block][int k * ROWS + row]
+    __shared__ __align__(16) float swc[2][8][ROWS + 4];    // dlo; dhi (Q6_K) or m: [block][row]
+    __shared__ __align__(16) int sx[8][TT][12];            // [block][token][int k] (+4 pad)
+    __shared__ __align__(16) float sxc[2][8][TT];          // xd, xs: [block][token]
 
     const int tid = threadIdx.x;
-    const int tx = tid & 15, ty = tid >> 4;  // rows 4 tx .. 4 tx + 3, tokens TM ty .. TM ty + TM - 1
-    const int r0 = blockIdx.x * GB_ROWS;
+    const int tx = tid % RQ, ty = tid / RQ;  // rows 4 tx .. 4 tx + 3, tokens TM ty .. TM ty + TM - 1
+    const int r0 = blockIdx.x * ROWS;
     const int nb = K >> 5;
     const int nst = (nb + 7) >> 3;
     const int st0 = blockIdx.y * stages;
     const int st1 = min(nst, st0 + stages);
     const i64 wstride = row_bytes<QT>(K);
 
-    // weight loads: pass p of 4 -> row p * 16 + tid / 8 of the tile, block s = tid % 8 of the stage
+    // weight loads: pass p -> row p * 16 + tid / 8 of the tile, block s = tid % 8 of the stage
     const int s = tid & 7;
     const int ddsh = kq_dd_shift(s);
-    const u8* wrow[4];
-    const u16* wdrow[4];
-#pragma unroll
-    for (int p = 0; p < 4; p++) {
-        int r = min(r0 + p * 16 + (tid >> 3), R - 1);
-        wrow[p] = wq + (i64)r * wstride;
-        wdrow[p] = wd + (i64)r * nb;
-    }
-    KqRaw kr[4];
-    WBlock wb[4];
-    int4 xv[TM];
+    KqRaw kr[PASSES];
+    WBlock wb[PASSES];
+    int4 xv[XJ];
     float fxd[2], fxs[2];
 
     auto gload = [&](int st) {
 #pragma unroll
-        for (int p = 0; p < 4; p++) {
+        for (int p = 0; p < PASSES; p++) {
             const int b = st * 8 + s;
+            const int r = min(r0 + p * 16 + (tid >> 3), R - 1);
+            const u8* wrow = wq + (i64)r * wstride;
+            const u16* wdrow = wd + (i64)r * nb;
             if (KQ) {  // K % 256 == 0: every block of the stage exists
-                kq_load_raw<QT>(wrow[p], wdrow[p], b, true, kr[p]);
+                kq_load_raw<QT>(wrow, wdrow, b, true, kr[p]);
             } else if (b < nb) {
-                load_wblock<QT>(wrow[p], wdrow[p], b, wb[p]);
+                load_wblock<QT>(wrow, wdrow, b, wb[p]);
             } else {
 #pragma unroll
                 for (int k = 0; k < 8; k++) wb[p].q[k] = 0;
@@ -306,7 +311,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
             }
         }
 #pragma unroll
-        for (int j = 0; j < TM; j++) {  // int4 j: token idx / 16, block (idx % 16) / 2, half idx % 2
+        for (int j = 0; j < XJ; j++) {  // int4 j: token idx / 16, block (idx % 16) / 2, half idx % 2
             const int idx = tid + 128 * j;
             const int t = idx >> 4, b = st * 8 + ((idx & 15) >> 1);
             xv[j] = make_int4(0, 0, 0, 0);
@@ -325,7 +330,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
     };
     auto sstore = [&]() {
 #pragma unroll
-        for (int p = 0; p < 4; p++) {
+        for (int p = 0; p < PASSES; p++) {
             const int r = p * 16 + (tid >> 3);
             int q[8];
             float dlo, dhi, m;
@@ -342,13 +347,13 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
                 m = wb[p].m;
             }
 #pragma unroll
-            for (int k = 0; k < 8; k++) sw[s][k * GB_ROWS + r] = q[k];
+            for (int k = 0; k < 8; k++) sw[s][k * ROWS + r] = q[k];
             swc[0][s][r] = dlo;
-            swc[1][s][r] = dhi;
-            swc[2][s][r] = m;
+            if (SPLIT) swc[1][s][r] = dhi;
+            if (HAS_M) swc[1][s][r] = m;
         }
 #pragma unroll
-        for (int j = 0; j < TM; j++) {
+        for (int j = 0; j < XJ; j++) {
             const int idx = tid + 128 * j;
             *(int4*)&sx[(idx & 15) >> 1][idx >> 4][4 * (idx & 1)] = xv[j];
         }
@@ -381,12 +386,11 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
             for (int i = 0; i < 4; i++)
 #pragma unroll
                 for (int j = 0; j < TM; j++) ai[i][j] = MAGIC_I;
-            const float4 dlo4 = *(const float4*)&swc[0][u][4 * tx];
-            const float4 dhi4 = *(const float4*)&swc[1][u][4 * tx];
-            const float4 m4 = *(const float4*)&swc[2][u][4 * tx];
-            const float dlo[4] = {dlo4.x, dlo4.y, dlo4.z, dlo4.w};
-            const float dhi[4] = {dhi4.x, dhi4.y, dhi4.z, dhi4.w};
-            const float mw[4] = {m4.x, m4.y, m4.z, m4.w};
+            const float4 d4 = *(const float4*)&swc[0][u][4 * tx];
+            float4 e4 = d4;
+            if (SPLIT || HAS_M) e4 = *(const float4*)&swc[1][u][4 * tx];
+            const float dlo[4] = {d4.x, d4.y, d4.z, d4.w};
+            const float e[4] = {e4.x, e4.y, e4.z, e4.w};  // dhi (Q6_K) or m
             float dx[TM], sxv[TM];
 #pragma unroll
             for (int j = 0; j < TM; j++) {
@@ -400,7 +404,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
                 for (int j = 0; j < TM; j++) xa[j] = *(const int4*)&sx[u][TM * ty + j][4 * h];
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++) {
-                    const int4 w4 = *(const int4*)&sw[u][(4 * h + kk) * GB_ROWS + 4 * tx];
+                    const int4 w4 = *(const int4*)&sw[u][(4 * h + kk) * ROWS + 4 * tx];
                     const int wv[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
                     for (int j = 0; j < TM; j++) {
@@ -412,12 +416,12 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
                 if (SPLIT || h == 1) {  // scale this (half-)block's exact sums into the accumulators
 #pragma unroll
                     for (int i = 0; i < 4; i++) {
-                        const float dw = (SPLIT && h == 0) ? dlo[i] : dhi[i];
+                        const float dw = (SPLIT && h == 1) ? e[i] : dlo[i];
 #pragma unroll
                         for (int j = 0; j < TM; j++) {
                             const float v = __int_as_float(ai[i][j]) - MAGIC_F;
                             acc[i][j] = fmaf(v, dx[j] * dw, acc[i][j]);
-                            if (HAS_M && h == 1) acc[i][j] = fmaf(mw[i], sxv[j], acc[i][j]);
+                            if (HAS_M && h == 1) acc[i][j] = fmaf(e[i], sxv[j], acc[i][j]);
                             if (SPLIT) ai[i][j] = MAGIC_I;
                         }
                     }

@@ -305,7 +305,9 @@ def gemv_max_t(w: QWeight) -> int:
 # tokens), "off" (the kernels before it); MINECART_GEMM_BATCH_MIN_T.
 GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
 GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "6"))
-GEMM_BATCH_ROWS = 64  # weight rows per block (gemm.cu GB_ROWS)
+# weight rows per block of each token tile (gemm.cu GbTile::ROWS: the 8-token tile gives each thread 2
+# tokens of 4 rows, the others TT / 8)
+GEMM_BATCH_ROWS = {8: 128, 16: 64, 32: 64}
 # split K until the launch has about this many blocks per multiprocessor. H200, 9B Q4_K step's matmuls,
 # 8-token tile at 2 / 6 / 12 blocks per multiprocessor: 4.556 / 4.557 / 4.624 ms; 32-token tile at 2 / 4:
 # 7.711 / 7.643 ms
@@ -325,12 +327,12 @@ def _gemm_batch(type_name: str, T: int) -> int | None:
     return next(tt for tt in GEMM_BATCH_TOKENS if T <= tt)
 
 
-def gemm_batch_splits(R: int, K: int, sms: int) -> tuple[int, int]:
-    """(splits over K, stages of 256 values per split) of a gemm_batch launch on a card with `sms`
-    multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM blocks per
-    multiprocessor is split along K (a 4096 x 4096 matrix has 64 tiles: 4 splits of 4 stages on 132
-    multiprocessors), each split at least one stage."""
-    tiles = -(-R // GEMM_BATCH_ROWS)
+def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int]:
+    """(splits over K, stages of 256 values per split) of a gemm_batch launch of token tile `tt` on a
+    card with `sms` multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM blocks
+    per multiprocessor is split along K (a 4096 x 4096 matrix in 64-row tiles: 4 splits of 4 stages on
+    132 multiprocessors), each split at least one stage."""
+    tiles = -(-R // GEMM_BATCH_ROWS[tt])
     stages = -(-(K // 32) // 8)
     want = -(-(GEMM_BATCH_BLOCKS_PER_SM * sms) // tiles)
     splits = max(1, min(stages, want))
@@ -389,10 +391,10 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
     if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
-        splits, per = gemm_batch_splits(R, K, sm_count())
+        splits, per = gemm_batch_splits(R, K, sm_count(), tt)
         part = y if splits == 1 else cp.empty((splits, T, R), dtype=cp.float32)
         res = residual if residual is not None and splits == 1 else np.uint64(0)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS[tt]), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, part, np.int32(T), np.int32(R), np.int32(K),
                                                  np.int32(per), res))
         if splits > 1:

@@ -1,7 +1,7 @@
 """gemm_batch (kernels/gemm.cu), the batched decode GEMM of 2..32 tokens, on the GPU.
 
 Every DP4A weight format, T = 2..32 tokens (each token tile 8 / 16 / 32, partly filled), rows that are
-not a multiple of the 64-row tile, rows of 256 x 1, 9, 17 values and (formats of 32-value blocks) of 25
+not a multiple of the 64- or 128-row tile, rows of 256 x 1, 9, 17 values and (formats of 32-value blocks) of 25
 and 129 blocks (a partial last stage of 8 blocks), one split and split K up to one stage per split (the
 partial sums added by splitk_sum), with and without the residual, outputs poisoned with NaN. Each result
 against the exact NumPy emulation of the DP4A arithmetic (the dequantized weights @ the q8_1-rounded
@@ -72,7 +72,7 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
         seen = set()
         for per_sm in (0, 2, 6, 10_000):  # one split; the default; more splits; one stage per split
             monkeypatch.setattr(ops, "GEMM_BATCH_BLOCKS_PER_SM", per_sm)
-            splits, per = ops.gemm_batch_splits(R, K, ops.sm_count())
+            splits, per = ops.gemm_batch_splits(R, K, ops.sm_count(), tt)
             assert splits * per >= stages > (splits - 1) * per
             seen.add(splits)
             for res in (None, gr):

@@ -19,6 +19,7 @@ from .test_kernels import make_tensor, nerr  # noqa: E402  (after the skip: it i
 
 pytestmark = pytest.mark.gpu
 
+SMALL_BUFFERS = 4 << 20  # see test_first_steps_allocate_no_weight_memory_and_match_weights_apart
 PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, 640, size=40)]
 
 
@@ -103,9 +104,10 @@ def test_first_steps_allocate_no_weight_memory_and_match_weights_apart(path):
         model._free_states(states)
         be.release_cached()
         cp.cuda.Device(0).synchronize()
-        # nothing group-sized appeared after the load (a group rebuilt or copied would be >= 2 * bound);
-        # what may stay is the step's own small buffers (3.2 MB with the q8_0 fixture on the H200)
-        assert pool.used_bytes() - loaded < 2 * bound
+        # nothing group-sized appeared after the load: what may stay is the steps' own small buffers,
+        # about the same for every format (H200: 3.2 MB with the q8_0 fixture, 3.36 MB with q4_k), under
+        # SMALL_BUFFERS; a group rebuilt or copied would add at least 2 * bound on top
+        assert pool.used_bytes() - loaded < SMALL_BUFFERS + bound
         grouped = model.logits(PROMPT)
     with load_model(path, backend=_apart_backend()) as apart:
         assert all(g == id(None) for _, _, g in _pointers(apart).values())
