@@ -63,6 +63,9 @@ def top_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     x = x.reshape(1, -1) if x.ndim == 1 else x
     T, V = x.shape
     k = max(1, min(int(k), V))
+    if k == 1:  # greedy: argmax takes the first (lowest-id) maximum
+        ids1 = np.argmax(x, axis=1)[:, None]
+        return np.take_along_axis(x, ids1, axis=1), ids1.astype(np.int64)
     kth = -np.partition(-x, k - 1, axis=1)[:, k - 1]  # the k-th largest value of each row
     vals = np.empty((T, k), np.float32)
     ids = np.empty((T, k), np.int64)

@@ -304,7 +304,7 @@ def gemv_max_t(w: QWeight) -> int:
 # formats above 8 tokens). Env MINECART_GEMM_BATCH: "auto" (from GEMM_BATCH_MIN_T tokens), "on" (from 2
 # tokens), "off" (the kernels before it); MINECART_GEMM_BATCH_MIN_T.
 GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
-GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "6"))
+GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "4"))
 # weight rows per block of each token tile (gemm.cu GbTile::ROWS: the 8-token tile gives each thread 2
 # tokens of 4 rows, the others TT / 8)
 GEMM_BATCH_ROWS = {8: 128, 16: 64, 32: 64}
