@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from . import kvquant
+from .sampling import SamplingParams
 from .devices import format_bytes
 from .errors import PlacementError
 from .models import qwen35
@@ -1345,6 +1346,11 @@ NCU_TO_GRAPH = 2.39 / 2.80
 # sampler. The profile's replay loop: 2.65 ms wall for 2.39 ms GPU (0.26 ms); the 8-layer run implies
 # ~0.17 ms (its 0.866 ms a token less its kernels). 0.20 ms sits between the two: each within 4%.
 HOST_SECONDS_PER_TOKEN = 0.20e-3
+# What the head's device sends the sampler each token: the default settings' top-k logits, values and
+# ids (engine/sampling.py TopLogits: 8 bytes each, a few microseconds even behind a Gen1 x1 riser),
+# not the vocabulary's row (1 MB for Qwen3.5: 4 ms over Gen1 x1), which only penalties or top-k off
+# still need.
+SAMPLED_LOGITS = SamplingParams().top_k
 # Each further stage of a split decode: one more graph launch and event, issued while the previous
 # stage runs (engine/execution.py), so only what the crossing itself costs (its link's latency and
 # bytes, priced with the links) adds to the token: the 8-layer rows lost 0-1.5% with 2-3 stages.
@@ -1563,7 +1569,7 @@ def _expert_seconds_per_token(part: PartCost, speed: DeviceSpeed) -> float:
 
 
 def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt: int | None = None,
-                  logits_over_link: bool = True) -> SpeedPrediction:
+                  logits_over_link: bool = True, sampled_logits: int = SAMPLED_LOGITS) -> SpeedPrediction:
     """Predicted decode and prefill tokens/s of `plan` on `devices` (their speed and link; a device
     without them is priced as UNKNOWN_GPU / CPU_SPEED behind DEFAULT_LINK).
 
@@ -1571,10 +1577,10 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
     each GEMV launch its bytes at the card's bandwidth times GEMV_EFFICIENCY plus a fixed latency, each
     layer's small kernels their latency plus the KV rows and recurrent state they move, the routed
     experts' used fraction; plus the host's time per token; devices run one after another; each crossing copies the hidden state (fp32) device -> host -> device over both
-    cards' links, and the head's device sends the logits row to the host. Prefill runs chunks of
-    plan.chunk tokens through the devices as a pipeline (the slowest stage sets the pace once full).
-    logits_over_link=False leaves the logits row's copy out (engine/rig.py's emulated links do not
-    charge it in graph decode; a real riser does).
+    cards' links, and the head's device sends the sampler its `sampled_logits` largest logits (values
+    and ids; 0: the whole row) over its link. Prefill runs chunks of plan.chunk tokens through the
+    devices as a pipeline (the slowest stage sets the pace once full). logits_over_link=False leaves
+    that copy out (engine/rig.py's emulated links do not charge it in graph decode; a real riser does).
     """
     by_name = {d.name: d for d in devices}
     kv_type = plan.kv_type
@@ -1644,8 +1650,9 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
     links = 0.0
     for a, b in zip(segs, segs[1:], strict=False):
         links += _link_of(by_name.get(a.device)).seconds(hidden_bytes) + _link_of(by_name.get(b.device)).seconds(hidden_bytes)
-    if logits_over_link:
-        links += _link_of(by_name.get(segs[-1].device)).seconds(4 * plan.costs.vocab)  # logits to the sampler
+    if logits_over_link:  # to the sampler: its top logits, or the whole row
+        n_bytes = 8 * sampled_logits if sampled_logits else 4 * plan.costs.vocab
+        links += _link_of(by_name.get(segs[-1].device)).seconds(n_bytes)
     # the host's time around the graphs: once a token, and a launch for each further stage
     host = HOST_SECONDS_PER_TOKEN + HOST_SECONDS_PER_STAGE * (len(segs) - 1)
     t0 = sum(decode0.values()) + links + host

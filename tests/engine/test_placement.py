@@ -565,12 +565,15 @@ def test_riser_links_cost_what_they_carry():
 
     costs = costs_for_shape("qwen3.5-9b", "Q4_K")
     plan = Placement.from_layer_counts(costs, [("cuda:0", 16), ("cuda:1", 16)])
-    fast = predict_speed(plan, _rig_specs("cuda:0=RTX-3090@gen4x16,cuda:1=RTX-3090@gen4x16"))
-    slow = predict_speed(plan, _rig_specs("cuda:0=RTX-3090@gen1x1,cuda:1=RTX-3090@gen1x1"))
-    # one crossing (16 KiB hidden state, down and up) + the 248K-entry logits row to the host, at 250 MB/s
-    extra = (2 * 4 * 4096 + 4 * 248320) * (1 / 250e6 - 1 / 31.5e9) + 3 * (20e-6 - 10e-6)
-    assert 1 / slow.decode_tokens_per_s - 1 / fast.decode_tokens_per_s == pytest.approx(extra, rel=1e-6)
-    assert slow.prefill_tokens_per_s < fast.prefill_tokens_per_s
+    rigs = ("cuda:0=RTX-3090@gen4x16,cuda:1=RTX-3090@gen4x16", "cuda:0=RTX-3090@gen1x1,cuda:1=RTX-3090@gen1x1")
+    # the default sampler takes the 20 top logits (values and ids) from the head's card; penalties the row
+    for sampled, logit_bytes in ((20, 8 * 20), (0, 4 * 248320)):
+        fast, slow = (predict_speed(plan, _rig_specs(r), sampled_logits=sampled) for r in rigs)
+        # one crossing (16 KiB hidden state, down and up) + what the sampler takes, at 250 MB/s
+        extra = (2 * 4 * 4096 + logit_bytes) * (1 / 250e6 - 1 / 31.5e9) + 3 * (20e-6 - 10e-6)
+        assert 1 / slow.decode_tokens_per_s - 1 / fast.decode_tokens_per_s == pytest.approx(extra, rel=1e-6)
+        assert slow.prefill_tokens_per_s < fast.prefill_tokens_per_s
+    assert predict_speed(plan, _rig_specs(rigs[1])) == predict_speed(plan, _rig_specs(rigs[1]), sampled_logits=20)
 
 
 def test_routed_experts_apart_are_counted_once():
