@@ -13,10 +13,14 @@ Penalties:
   logit -= presence * [count > 0] + frequency * count.
 
 A decode step may return only the largest logits of its row (TopLogits: the device picks them, so a
-token costs a copy of k values instead of the vocabulary): `Sampler.candidates` says how many decide
-the next pick exactly (greedy: 1, top-k: k, without penalties), and a pick from them equals the pick
-from the whole row, token for token under the same seed: both take the k largest with equal values in
-ascending id order (`top_logits`), and the draw walks them in that order.
+token costs a copy of k values instead of the vocabulary): `Sampler.candidates` says how many it asks
+for (greedy: 1, top-k: k; with penalties that only lower logits, TOP_CANDIDATES_MAX), and a pick from
+them equals the pick from the whole row, token for token under the same seed: both take the k largest
+with equal values in ascending id order (`top_logits`), and the draw walks them in that order. With
+penalties the candidates decide only when the k-th largest penalized one stays above every logit
+outside them (the smallest candidate bounds those, and a penalty never raises one); otherwise the pick
+reads the whole row from where the step left it (`TopLogits.whole_row`: still on the device until the
+sequence's next step).
 
 What this file is not: the generate loop (generation.py) or stop handling.
 """
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,14 +49,24 @@ class TopLogits:
     """The largest logits of T rows as a decode step returns them instead of the rows: values (T, k)
     float32, each row descending, equal values in ascending id order; ids (T, k) their token ids.
     Computed on the device by the top-k kernels (kernels/sampling.cu) or on the host by
-    `top_logits`, with the same order."""
+    `top_logits`, with the same order. fetch(r): row `first + r`... of the step's whole logits, read
+    from where the step left them (None: not kept); `whole_row` is the way to call it."""
 
     values: np.ndarray
     ids: np.ndarray
+    fetch: Callable[[int], np.ndarray] | None = field(default=None, repr=False, compare=False)
+    first: int = 0  # row 0 here is row `first` of what fetch reads
 
     def row(self, i: int) -> TopLogits:
         """Row i alone, (1, k), copied (a view would keep the whole step's arrays alive)."""
-        return TopLogits(self.values[i : i + 1].copy(), self.ids[i : i + 1].copy())
+        return TopLogits(self.values[i : i + 1].copy(), self.ids[i : i + 1].copy(), self.fetch, self.first + i)
+
+    def whole_row(self, i: int = 0) -> np.ndarray:
+        """Row i's whole logits (vocab,) float32 (a copy from the device, for a pick the top logits do
+        not decide). Valid until the sequence's next step; raises RuntimeError when not kept or stale."""
+        if self.fetch is None:
+            raise RuntimeError("these top logits were returned without their whole rows")
+        return np.asarray(self.fetch(self.first + i), np.float32).reshape(-1)
 
 
 def top_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -161,6 +175,24 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequ
     return out
 
 
+def _penalized_at(values: np.ndarray, ids: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
+                  generated_ids: Sequence[int]) -> np.ndarray:
+    """apply_penalties for the logits `values` of the token ids `ids` only: the same float64
+    arithmetic per entry, so a candidate's penalized value equals its value in the penalized row."""
+    out = np.array(values, dtype=np.float32).reshape(-1)
+    if params.repetition_penalty != 1.0:
+        seen = np.isin(ids, np.fromiter((*prompt_ids, *generated_ids), dtype=np.int64))
+        if seen.any():
+            vals = out[seen].astype(np.float64)
+            out[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and len(generated_ids):
+        counts = Counter(int(t) for t in generated_ids)
+        n = np.array([counts.get(int(i), 0) for i in ids], np.float64)
+        hit = n > 0
+        out[hit] = out[hit].astype(np.float64) - (params.presence_penalty + params.frequency_penalty * n[hit])
+    return out
+
+
 def kept_tokens(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """(ids, probabilities) a draw chooses from: softmax(logits / T) restricted by top-k, top-p and
     min-p, renormalized to sum to 1 (float64).
@@ -256,16 +288,24 @@ class Sampler:
         return token
 
     @property
-    def candidates(self) -> int:
-        """How many of a row's largest logits decide this sampler's next pick exactly (a step may
-        return just those, as TopLogits), or 0 when it needs the whole row: penalties (they move
-        logits the candidates do not cover), or top-k off or above TOP_CANDIDATES_MAX."""
+    def penalized(self) -> bool:
         prm = self.params
-        if prm.repetition_penalty != 1.0 or prm.presence_penalty or prm.frequency_penalty:
+        return prm.repetition_penalty != 1.0 or bool(prm.presence_penalty) or bool(prm.frequency_penalty)
+
+    @property
+    def candidates(self) -> int:
+        """How many of a row's largest logits this sampler asks a step for (TopLogits), or 0 when it
+        needs the whole row: greedy 1, top-k k (up to TOP_CANDIDATES_MAX); with penalties that only
+        lower logits (repetition >= 1, presence and frequency >= 0) TOP_CANDIDATES_MAX, of which the
+        pick checks that they decide it (module docstring); other penalties and top-k off: 0."""
+        prm = self.params
+        k = 1 if prm.greedy else prm.top_k
+        if not 0 < k <= TOP_CANDIDATES_MAX:
             return 0
-        if prm.greedy:
-            return 1
-        return prm.top_k if 0 < prm.top_k <= TOP_CANDIDATES_MAX else 0
+        if not self.penalized:
+            return k
+        lowering = prm.repetition_penalty >= 1.0 and prm.presence_penalty >= 0 and prm.frequency_penalty >= 0
+        return TOP_CANDIDATES_MAX if lowering else 0
 
     def pick(self, logits: np.ndarray | TopLogits) -> int:
         if isinstance(logits, TopLogits):
@@ -285,13 +325,22 @@ class Sampler:
 
     def _pick_top(self, top: TopLogits) -> int:
         """pick from a row's largest logits: the same token as from the whole row (module docstring)."""
-        k = self.candidates
-        if k == 0 or top.values.ndim != 2 or top.values.shape[0] != 1 or top.values.shape[1] < k:
-            raise ValueError(f"a pick with these sampling settings needs {k or 'the whole row of'} logits, "
+        want = self.candidates
+        if want == 0 or top.values.ndim != 2 or top.values.shape[0] != 1 or top.values.shape[1] < want:
+            raise ValueError(f"a pick with these sampling settings needs {want or 'the whole row of'} logits, "
                              f"got the largest {top.values.shape}")
-        if self.params.greedy:
-            return int(top.ids[0, 0])
+        prm = self.params
+        k = 1 if prm.greedy else prm.top_k
+        vals, ids = top.values[0, :want], np.asarray(top.ids[0, :want], np.int64)
+        if self.penalized:
+            pv = _penalized_at(vals, ids, prm, self.prompt_ids, self.generated)
+            order = np.lexsort((ids, -pv))[:k]  # the k largest penalized, descending, ties by id
+            if not pv[order[-1]] > vals[-1]:  # a logit outside the candidates could be among them
+                return self.pick(top.whole_row())
+            vals, ids = pv[order], ids[order]
+        if prm.greedy:
+            return int(ids[0])
         u = self.rng.random()
-        ids, p = _kept_of_top(top.values[0, :k], top.ids[0, :k], self.params)
+        kept, p = _kept_of_top(vals[:k], ids[:k], prm)
         idx = int(np.searchsorted(np.cumsum(p), u, side="right"))
-        return int(ids[min(idx, len(ids) - 1)])
+        return int(kept[min(idx, len(kept) - 1)])

@@ -455,8 +455,9 @@ class Backend(Protocol):
     # ---- sampling helpers --------------------------------------------------------------------------
     def top_k(self, logits: Array, k: int) -> TopLogits:
         """The k largest logits of each row (T, vocab), picked on the device -> host TopLogits (T, k):
-        descending, equal values in ascending id order (engine/sampling.py top_logits). Inside a
-        captured decode step the host arrays are the graph's outputs."""
+        descending, equal values in ascending id order (engine/sampling.py top_logits), with a `fetch`
+        of the whole rows from where they are. Inside a captured decode step the host arrays are the
+        graph's outputs."""
 
     def synchronize(self) -> None: ...
 

@@ -373,6 +373,7 @@ class _DecodeGraph:
         self.io = tuple(_host_ptr(a) for a in io)
         self.sends = io[1] is not None
         self.pointers = _device_pointers(watch, [])
+        self.launches = 0  # replays, and the launch after the capture: what guarded() checks
 
     def valid(self, owner, watch, io=(None, None)) -> bool:
         if owner is not self.states or tuple(_host_ptr(a) for a in io) != self.io:
@@ -385,7 +386,18 @@ class _DecodeGraph:
     def result(self):
         """After a launch: True when the output went to the host buffer, else a copy of what the step
         returns (logits, or the top logits)."""
-        return True if self.sends else _host_copy(self.cap.result)
+        return True if self.sends else _host_copy(self.cap.result, self)
+
+    def guarded(self, fetch):
+        """fetch (TopLogits.fetch of this graph's rows), refusing once the graph has run again."""
+        stamp = self.launches
+
+        def read(r: int):
+            if self.launches != stamp:
+                raise RuntimeError("a later step overwrote these rows")
+            return fetch(r)
+
+        return read
 
     def replay(self, token: int, pos: np.ndarray, after=None, wait: bool = True):
         """Launch for the next token. after: an event the graph must follow (the previous stage of a
@@ -397,6 +409,7 @@ class _DecodeGraph:
             cap.host[4 + i] = c.length
         if after is not None:
             cap.stream.wait_event(after)
+        self.launches += 1
         self.graph.launch(cap.stream)
         for c, _ in cap.caches:
             c.length += 1
@@ -527,17 +540,20 @@ class _BatchGraph(_DecodeGraph):
         cap.write_batch(ids, positions)
         for i, (c, _) in enumerate(cap.caches):
             cap.host[cap.cache_base + i] = c.length
+        self.launches += 1
         self.graph.launch(cap.stream)
         for c, _ in cap.caches:
             c.length += 1
         cap.wait()
-        return _host_copy(cap.result)
+        return _host_copy(cap.result, self)
 
 
-def _host_copy(out):
-    """A copy of a captured step's host outputs (the graph rewrites them on its next replay)."""
+def _host_copy(out, rec: _DecodeGraph):
+    """A copy of a captured step's host outputs (the graph rewrites them on its next replay); top
+    logits keep a fetch of the whole rows, valid until then."""
     if isinstance(out, TopLogits):
-        return TopLogits(np.array(out.values), np.array(out.ids))
+        fetch = None if out.fetch is None else rec.guarded(out.fetch)
+        return TopLogits(np.array(out.values), np.array(out.ids), fetch, out.first)
     if not isinstance(out, np.ndarray):
         raise RuntimeError(f"a captured step returned {type(out).__name__}, not host logits")
     return np.array(out)
@@ -1331,9 +1347,16 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
     def top_k(self, logits, k: int) -> TopLogits:
         if k > ops.TOPK_MAX:  # ops.top_k would sort the rows with CuPy's argsort: not inside a graph
             raise ValueError(f"top_k on the device takes at most {ops.TOPK_MAX} logits, got {k}")
-        with self._dev:
+        dev = self._dev
+        with dev:
+            logits = cp.ascontiguousarray(logits, dtype=cp.float32).reshape(-1, logits.shape[-1])
             vals, ids = ops.top_k(logits, int(k))
-            return TopLogits(self.to_numpy(vals), self.to_numpy(ids))
+
+            def fetch(r: int):  # the whole row, for a pick the top logits do not decide
+                with dev:
+                    return cp.asnumpy(logits[r])
+
+            return TopLogits(self.to_numpy(vals), self.to_numpy(ids), fetch=fetch)
 
     # ---- CUDA-graph decode ---------------------------------------------------------------------------
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,

@@ -637,4 +637,5 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
 
     # ---- sampling helpers --------------------------------------------------------------------------
     def top_k(self, logits, k: int) -> TopLogits:
-        return TopLogits(*top_logits(logits, k))
+        rows = np.asarray(logits, F32).reshape(-1, np.shape(logits)[-1])
+        return TopLogits(*top_logits(rows, k), fetch=rows.__getitem__)

@@ -125,7 +125,13 @@ def test_candidates_needed():
     assert Sampler(SamplingParams(top_k=TOP_CANDIDATES_MAX)).candidates == TOP_CANDIDATES_MAX
     assert Sampler(SamplingParams(top_k=TOP_CANDIDATES_MAX + 1)).candidates == 0
     assert Sampler(SamplingParams(top_k=0)).candidates == 0
-    for penalty in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=-0.2)):
+    # penalties that only lower logits: the most candidates (the pick checks they decide it)
+    for penalty in (dict(repetition_penalty=1.1), dict(presence_penalty=0.5), dict(frequency_penalty=0.2)):
+        assert Sampler(SamplingParams(top_k=20, **penalty)).candidates == TOP_CANDIDATES_MAX
+        assert Sampler(greedy_params(**penalty)).candidates == TOP_CANDIDATES_MAX
+        assert Sampler(SamplingParams(top_k=0, **penalty)).candidates == 0
+    # penalties that can raise a logit: whole rows
+    for penalty in (dict(repetition_penalty=0.9), dict(presence_penalty=-0.5), dict(frequency_penalty=-0.2)):
         assert Sampler(SamplingParams(top_k=20, **penalty)).candidates == 0
         assert Sampler(greedy_params(**penalty)).candidates == 0
 
@@ -170,3 +176,58 @@ def test_top_logits_order_and_a_short_candidate_list():
         Sampler(SamplingParams(top_k=3)).pick(TopLogits(vals[:, :2], ids[:, :2]))
     with pytest.raises(ValueError, match="whole row"):
         Sampler(SamplingParams(top_k=0)).pick(TopLogits(vals, ids))
+
+
+@pytest.mark.parametrize("params", [
+    greedy_params(repetition_penalty=1.3),
+    SamplingParams(top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.05),  # the app's defaults
+    SamplingParams(temperature=1.0, top_k=20, top_p=1.0, presence_penalty=1.5, frequency_penalty=0.5),
+    SamplingParams(temperature=0.8, top_k=64, top_p=0.95, repetition_penalty=2.0, presence_penalty=0.3),
+])
+def test_penalized_picks_from_top_logits_equal_whole_rows(params):
+    """With penalties that only lower logits a sampler asks for the most candidates and picks from them
+    when they decide its pick, else from the whole row it fetches: the same tokens as a sampler given
+    the whole rows, seed for seed (rows with the recent tokens near the top, and ties)."""
+    from minecart.engine.sampling import TopLogits, top_logits
+
+    rng = np.random.default_rng(21)
+    V = 3000
+    seeded = SamplingParams(**{**params.__dict__, "seed": 9})
+    prompt = [int(t) for t in rng.integers(0, V, 40)]
+    whole, top = Sampler(seeded, prompt), Sampler(seeded, prompt)
+    for step in range(80):
+        row = (rng.standard_normal(V) * 2).astype(np.float32)
+        recent = np.array((prompt + whole.generated)[-8:], np.int64)
+        row[recent] += rng.uniform(1, 5, recent.size).astype(np.float32)  # seen tokens near the top
+        if step % 3 == 0:
+            row = np.round(row * 2) / 2  # ties
+        vals, ids = top_logits(row, top.candidates)
+        assert whole(row) == top(TopLogits(vals, ids, fetch=lambda r, row=row: row))
+    assert whole.generated == top.generated
+
+
+def test_penalized_top_logits_decide_or_fetch_the_row():
+    """Greedy with a repetition penalty over tokens 0..63: when all 64 candidates are seen tokens just
+    above an unseen one, the penalty drops them below it, which only the whole row shows (fetched);
+    when the unseen token is among the candidates, they decide (not fetched)."""
+    from minecart.engine.sampling import TopLogits, top_logits
+
+    reads = []
+    for unseen, want_fetch in ((9.9, True), (11.0, False)):
+        row = np.zeros(500, np.float32)
+        row[:64] = np.linspace(10.0, 10.2, 64)
+        row[100] = unseen
+        s = Sampler(greedy_params(repetition_penalty=1.5), prompt_ids=list(range(64)))
+        vals, ids = top_logits(row, s.candidates)
+        reads.clear()
+        assert s.pick(TopLogits(vals, ids, fetch=lambda r, row=row: reads.append(r) or row)) == 100
+        assert (reads == [0]) == want_fetch
+
+
+def test_a_penalized_pick_without_the_rows_says_so():
+    from minecart.engine.sampling import TopLogits
+
+    s = Sampler(greedy_params(repetition_penalty=10.0), prompt_ids=list(range(64)))
+    vals = np.linspace(10, 9, 64, dtype=np.float32)[None, :]
+    with pytest.raises(RuntimeError, match="without their whole rows"):
+        s.pick(TopLogits(vals, np.arange(64)[None, :]))  # every candidate seen: they cannot decide

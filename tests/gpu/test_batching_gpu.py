@@ -203,7 +203,9 @@ def _check_top(top, rows: np.ndarray, k: int) -> None:
 def test_top_logits_steps_single_and_batched(files, k):
     """Decode steps that return their top-k logits (engine/sampling.py TopLogits; the scheduler's and
     generate's path) as CUDA graphs: one sequence (graph_step's single-token graph) and a batch of 9,
-    each against the whole-row graphs of the same steps on twin sessions."""
+    each against the whole-row graphs of the same steps on twin sessions; the whole rows they fetch
+    from the device (a penalized pick the top logits do not decide) equal those rows, and a fetch
+    after the next replay is refused."""
     from minecart.engine.sampling import TopLogits
 
     model, be = _load(files["qwen"], "dp4a", graphs=True)
@@ -211,17 +213,26 @@ def test_top_logits_steps_single_and_batched(files, k):
     ex = model.executor
     # one sequence: the top-k run first, then its twin with whole rows (a backend keeps the graphs of
     # one sequence at a time)
-    runs = []
+    runs, fetched = [], []
     for want in (k, 0):
         s = model.new_session(capacity=64)
         s.prefill(prompts[3])
         graphed0 = ex.graphed_stage_steps
-        runs.append([s.step(int(tokens[step][0]), top=want) for step in range(len(tokens))])
+        out = []
+        for step in range(len(tokens)):
+            out.append(s.step(int(tokens[step][0]), top=want))
+            if want:  # the whole row stays readable on the device until the next step
+                fetched.append(out[-1].whole_row())
+                if step:
+                    with pytest.raises(RuntimeError, match="overwrote"):
+                        out[-2].whole_row()
+        runs.append(out)
         assert ex.graphed_stage_steps - graphed0 >= len(tokens) - 1, "single-token steps did not run as graphs"
         s.close()
-    for top, row in zip(*runs, strict=True):
+    for top, row, got in zip(*runs, fetched, strict=True):
         assert isinstance(top, TopLogits)
         _check_top(top, row[None, :], k)
+        np.testing.assert_allclose(got, row, rtol=0, atol=1e-5 * float(np.max(np.abs(row))))
     # a batch of 9, the same way (a batch is captured the second time in a row it decodes together)
     runs = []
     for want in (k, 0):
@@ -234,11 +245,14 @@ def test_top_logits_steps_single_and_batched(files, k):
         for step in range(len(tokens)):
             out.append(ex.forward_batch([[int(t)] for t in tokens[step]], [s.states for s in sessions],
                                         [np.array([q + step]) for q in pos], top=want))
+            if want:  # each sequence's row, as the scheduler hands it out
+                fetched.append(np.stack([out[-1].row(b).whole_row() for b in range(len(prompts))]))
         assert ex.batch_graph_steps - batch0 >= len(tokens) - 1, "batched steps did not run as graphs"
         runs.append(out)
         for s in sessions:
             s.close()
-    for top, rows in zip(*runs, strict=True):
+    for top, rows, got in zip(*runs, fetched[len(tokens):], strict=True):
         assert isinstance(top, TopLogits) and isinstance(rows, np.ndarray)
         _check_top(top, rows, k)
+        np.testing.assert_allclose(got, rows, rtol=0, atol=1e-5 * float(np.max(np.abs(rows))))
     model.close()
