@@ -56,11 +56,11 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from . import kvquant
-from .sampling import SamplingParams
 from .devices import format_bytes
 from .errors import PlacementError
 from .models import qwen35
 from .models.spec import ArchSpec, ModelConfig, spec_for
+from .sampling import SamplingParams
 
 KiB = 1024
 MiB = 1024 * KiB
