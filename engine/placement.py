@@ -1348,8 +1348,8 @@ NCU_TO_GRAPH = 2.39 / 2.80
 HOST_SECONDS_PER_TOKEN = 0.20e-3
 # What the head's device sends the sampler each token: the default settings' top-k logits, values and
 # ids (engine/sampling.py TopLogits: 8 bytes each, a few microseconds even behind a Gen1 x1 riser),
-# not the vocabulary's row (1 MB for Qwen3.5: 4 ms over Gen1 x1), which only penalties or top-k off
-# still need.
+# not the vocabulary's row (1 MB for Qwen3.5: 4 ms over Gen1 x1), which only top-k off or penalties
+# that can raise a logit still need.
 SAMPLED_LOGITS = SamplingParams().top_k
 # Each further stage of a split decode: one more graph launch and event, issued while the previous
 # stage runs (engine/execution.py), so only what the crossing itself costs (its link's latency and

@@ -389,7 +389,7 @@ class Scheduler:
         if not rows:
             return
         # the largest logits when the sampler of every row that ends its pass here takes them (as many
-        # as the most any asks), else whole rows for all (a prompt's last chunk, penalties): a sampler
+        # as the most any asks), else whole rows for all (a prompt's last chunk, top-k off): a sampler
         # takes either
         tops = [w.top for b, w in enumerate(rows) if w.done + len(ids[b]) == len(w.ids)]
         top = 0 if not tops or min(tops) == 0 else max(tops)
