@@ -160,36 +160,31 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequ
                     generated_ids: Sequence[int] = ()) -> np.ndarray:
     """A float32 copy of `logits` with the penalties applied (computed in float64 on the few
     penalized entries)."""
-    out = np.array(logits, dtype=np.float32).reshape(-1)
-    if params.repetition_penalty != 1.0:
-        seen = np.unique(np.fromiter((*prompt_ids, *generated_ids), dtype=np.int64))
-        if seen.size:
-            vals = out[seen].astype(np.float64)
-            out[seen] = np.where(vals > 0, vals / params.repetition_penalty,
-                                 vals * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and len(generated_ids):
-        counts = Counter(int(t) for t in generated_ids)
-        ids = np.fromiter(counts.keys(), dtype=np.int64)
-        n = np.fromiter(counts.values(), dtype=np.float64)
-        out[ids] = out[ids].astype(np.float64) - (params.presence_penalty + params.frequency_penalty * n)
-    return out
+    return _penalized(logits, None, params, prompt_ids, generated_ids)
 
 
-def _penalized_at(values: np.ndarray, ids: np.ndarray, params: SamplingParams, prompt_ids: Sequence[int],
-                  generated_ids: Sequence[int]) -> np.ndarray:
-    """apply_penalties for the logits `values` of the token ids `ids` only: the same float64
-    arithmetic per entry, so a candidate's penalized value equals its value in the penalized row."""
+def _penalized(values: np.ndarray, ids: np.ndarray | None, params: SamplingParams, prompt_ids: Sequence[int],
+               generated_ids: Sequence[int]) -> np.ndarray:
+    """A float32 copy of `values`, the logits of token ids `ids` (None: a whole row, ids 0..V-1), with
+    the penalties applied: float64 arithmetic on each penalized entry, the same whichever way it is
+    given, so a candidate's penalized value equals its value in the penalized row."""
     out = np.array(values, dtype=np.float32).reshape(-1)
     if params.repetition_penalty != 1.0:
-        seen = np.isin(ids, np.fromiter((*prompt_ids, *generated_ids), dtype=np.int64))
-        if seen.any():
-            vals = out[seen].astype(np.float64)
-            out[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        seen = np.unique(np.fromiter((*prompt_ids, *generated_ids), dtype=np.int64))
+        at = seen if ids is None else np.flatnonzero(np.isin(ids, seen))
+        if at.size:
+            vals = out[at].astype(np.float64)
+            out[at] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and len(generated_ids):
         counts = Counter(int(t) for t in generated_ids)
-        n = np.array([counts.get(int(i), 0) for i in ids], np.float64)
-        hit = n > 0
-        out[hit] = out[hit].astype(np.float64) - (params.presence_penalty + params.frequency_penalty * n[hit])
+        if ids is None:
+            at = np.fromiter(counts.keys(), dtype=np.int64)
+            n = np.fromiter(counts.values(), dtype=np.float64)
+        else:
+            n = np.array([counts.get(int(i), 0) for i in ids], np.float64)
+            at = np.flatnonzero(n)
+            n = n[at]
+        out[at] = out[at].astype(np.float64) - (params.presence_penalty + params.frequency_penalty * n)
     return out
 
 
@@ -333,7 +328,7 @@ class Sampler:
         k = 1 if prm.greedy else prm.top_k
         vals, ids = top.values[0, :want], np.asarray(top.ids[0, :want], np.int64)
         if self.penalized:
-            pv = _penalized_at(vals, ids, prm, self.prompt_ids, self.generated)
+            pv = _penalized(vals, ids, prm, self.prompt_ids, self.generated)
             order = np.lexsort((ids, -pv))[:k]  # the k largest penalized, descending, ties by id
             if not pv[order[-1]] > vals[-1]:  # a logit outside the candidates could be among them
                 return self.pick(top.whole_row())
