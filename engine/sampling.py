@@ -291,8 +291,9 @@ class Sampler:
     def candidates(self) -> int:
         """How many of a row's largest logits this sampler asks a step for (TopLogits), or 0 when it
         needs the whole row: greedy 1, top-k k (up to TOP_CANDIDATES_MAX); with penalties that only
-        lower logits (repetition >= 1, presence and frequency >= 0) TOP_CANDIDATES_MAX, of which the
-        pick checks that they decide it (module docstring); other penalties and top-k off: 0."""
+        lower logits (repetition >= 1, presence and frequency >= 0) and k below TOP_CANDIDATES_MAX,
+        TOP_CANDIDATES_MAX, of which the pick checks that they decide it (module docstring); other
+        penalties and top-k off: 0."""
         prm = self.params
         k = 1 if prm.greedy else prm.top_k
         if not 0 < k <= TOP_CANDIDATES_MAX:
@@ -300,7 +301,8 @@ class Sampler:
         if not self.penalized:
             return k
         lowering = prm.repetition_penalty >= 1.0 and prm.presence_penalty >= 0 and prm.frequency_penalty >= 0
-        return TOP_CANDIDATES_MAX if lowering else 0
+        # (k = TOP_CANDIDATES_MAX would leave no candidate below the k-th to bound the rest: whole rows)
+        return TOP_CANDIDATES_MAX if lowering and k < TOP_CANDIDATES_MAX else 0
 
     def pick(self, logits: np.ndarray | TopLogits) -> int:
         if isinstance(logits, TopLogits):

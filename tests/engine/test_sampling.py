@@ -130,6 +130,8 @@ def test_candidates_needed():
         assert Sampler(SamplingParams(top_k=20, **penalty)).candidates == TOP_CANDIDATES_MAX
         assert Sampler(greedy_params(**penalty)).candidates == TOP_CANDIDATES_MAX
         assert Sampler(SamplingParams(top_k=0, **penalty)).candidates == 0
+        # top-k at the limit leaves no candidate below the k-th to bound the rest
+        assert Sampler(SamplingParams(top_k=TOP_CANDIDATES_MAX, **penalty)).candidates == 0
     # penalties that can raise a logit: whole rows
     for penalty in (dict(repetition_penalty=0.9), dict(presence_penalty=-0.5), dict(frequency_penalty=-0.2)):
         assert Sampler(SamplingParams(top_k=20, **penalty)).candidates == 0
@@ -182,7 +184,7 @@ def test_top_logits_order_and_a_short_candidate_list():
     greedy_params(repetition_penalty=1.3),
     SamplingParams(top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.05),  # the app's defaults
     SamplingParams(temperature=1.0, top_k=20, top_p=1.0, presence_penalty=1.5, frequency_penalty=0.5),
-    SamplingParams(temperature=0.8, top_k=64, top_p=0.95, repetition_penalty=2.0, presence_penalty=0.3),
+    SamplingParams(temperature=0.8, top_k=63, top_p=0.95, repetition_penalty=2.0, presence_penalty=0.3),
 ])
 def test_penalized_picks_from_top_logits_equal_whole_rows(params):
     """With penalties that only lower logits a sampler asks for the most candidates and picks from them
