@@ -307,7 +307,7 @@ def test_the_stream_threshold_falls_as_the_link_gets_faster():
 
 
 def test_streamed_prefill_is_predicted_link_bound():
-    from minecart.engine.placement import DeviceSpec, Placement, predict_speed
+    from minecart.engine.placement import SAMPLED_LOGITS, DeviceSpec, Placement, predict_speed
     from minecart.engine.rig import LINKS
 
     costs = _costs35()
@@ -320,12 +320,14 @@ def test_streamed_prefill_is_predicted_link_bound():
     assert speeds["gen1x1"].prefill_tokens_per_s < speeds["gen1x4"].prefill_tokens_per_s \
         < speeds["gen4x16"].prefill_tokens_per_s
     # decode runs the experts on the CPU whatever the link: only each MoE layer's hidden row crosses it,
-    # there and back, and the logits row to the sampler; that is all a slower link adds to a token
+    # there and back, and the sampler's top logits (values and ids); that is all a slower link adds to a
+    # token
     hidden = 4 * costs.hidden
     moe_layers = sum(1 for p in costs.parts if p.experts)
     slow, fast = LINKS["gen1x1"], LINKS["gen4x16"]
+    sampled = 8 * SAMPLED_LOGITS
     extra = moe_layers * 2 * (slow.seconds(hidden) - fast.seconds(hidden)) + \
-        slow.seconds(4 * costs.vocab) - fast.seconds(4 * costs.vocab)
+        slow.seconds(sampled) - fast.seconds(sampled)
     slower = 1 / speeds["gen1x1"].decode_tokens_per_s - 1 / speeds["gen4x16"].decode_tokens_per_s
     assert slower == pytest.approx(extra, rel=0.01)
     # 40 layers x their expert bytes over Gen1 x1 bound the one 4096-token chunk
