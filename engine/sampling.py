@@ -40,7 +40,8 @@ import numpy as np
 # has no natural end and, past a few paragraphs, mostly repeats itself.
 DEFAULT_MAX_TOKENS_CHAT = 2048
 DEFAULT_MAX_TOKENS_TEXT = 256
-# The most candidates a sampler takes from a step instead of the whole row (top_k above it: whole rows).
+# The most candidates a sampler takes from a step instead of the whole row (top_k above it, or with
+# penalties from it: whole rows).
 TOP_CANDIDATES_MAX = 64
 
 
@@ -49,8 +50,8 @@ class TopLogits:
     """The largest logits of T rows as a decode step returns them instead of the rows: values (T, k)
     float32, each row descending, equal values in ascending id order; ids (T, k) their token ids.
     Computed on the device by the top-k kernels (kernels/sampling.cu) or on the host by
-    `top_logits`, with the same order. fetch(r): row `first + r`... of the step's whole logits, read
-    from where the step left them (None: not kept); `whole_row` is the way to call it."""
+    `top_logits`, with the same order. fetch(r) reads row r of the step's whole logits from where the
+    step left them (None: not kept); row i here is its row `first + i`; `whole_row` calls it."""
 
     values: np.ndarray
     ids: np.ndarray
