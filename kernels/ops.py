@@ -304,6 +304,8 @@ def gemv_max_t(w: QWeight) -> int:
 # formats above 8 tokens). Env MINECART_GEMM_BATCH: "auto" (from GEMM_BATCH_MIN_T tokens), "on" (from 2
 # tokens), "off" (the kernels before it); MINECART_GEMM_BATCH_MIN_T.
 GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
+# From 4 tokens: the 9B Q4_K step's matmuls at 4 sequences took 3.26 ms with the 8-token tile against
+# 3.52 with the multi-token GEMVs (H200, bench_gemv --multi, docs/BENCHMARKS.md v15).
 GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "4"))
 # weight rows per block of each token tile (gemm.cu GbTile::ROWS: the 8-token tile gives each thread 2
 # tokens of 4 rows, the others TT / 8)
