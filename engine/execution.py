@@ -599,9 +599,7 @@ class Executor:
                     x = x[x.shape[0] - 1 :]
                 elif isinstance(rows, tuple) and len(rows) < x.shape[0]:
                     x = x[list(rows)]  # a batch: each sequence's last row
-                if top:  # a few rows: the head's logits stay on the device, which picks the largest
-                    return be.top_k(self.module.head(self.config, be, self.weights["head"], x), top)
-                return self.run_head(x, be)
+                return self.run_head(x, be, top)
             else:
                 i = int(part.split(".")[1])
                 x = mod.layer(cfg, be, weights[part], i, x, states[i], positions)
@@ -609,10 +607,13 @@ class Executor:
                     hook(i + 1, be.to_numpy(x))
         return x
 
-    def run_head(self, x, be: Backend) -> np.ndarray:
+    def run_head(self, x, be: Backend, top: int = 0) -> np.ndarray | TopLogits:
         """Host float32 logits (T, vocab) of final hidden states x on `be` (the head's backend). The LM
         head runs in blocks of HEAD_ROWS rows, so full rows of a long prompt never sit on the device
-        at once."""
+        at once. top > 0 (a decode step's rows, one per sequence): their `top` largest logits, picked
+        on the device from the rows' logits (TopLogits)."""
+        if top:
+            return be.top_k(self.module.head(self.config, be, self.weights["head"], x), top)
         T = x.shape[0]
         out = None
         for start in range(0, T, HEAD_ROWS):
