@@ -278,7 +278,7 @@ class ExpertsApart:
         return y
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True) -> Any:
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)) -> Any:
         """The inner backend's captured step: with experts in host RAM the graph holds each layer's round
         trip (copies and a host function, `_host_moe`). None (run eagerly) when experts sit on another
         device: that round trip goes through this thread and cannot be captured."""
@@ -286,6 +286,7 @@ class ExpertsApart:
             return None
         try:
             return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch,
-                                          host_in=host_in, host_out=host_out, after=after, wait=wait)
+                                          host_in=host_in, host_out=host_out, after=after, wait=wait,
+                                          link_seconds=link_seconds)
         finally:
             self._raise_host_error()

@@ -1591,8 +1591,8 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
     segs = plan.segments()
     decode0: dict[str, float] = {}
     decode_ctx = 0.0
-    stages: list[float] = []  # seconds per prefill chunk of each stage, links included
-    compute: list[float] = []  # ... without the links
+    stages: list[float] = []  # seconds per prefill chunk of each pipeline stage: the cards, and the crossings between them
+    compute: list[float] = []  # ... of the cards alone
     # A GPU layer's host-held experts are streamed to the GPU for a prefill chunk long enough
     # (stream_min_tokens): the GPU computes them while the link copies the next layer's.
     streamed: list[PartCost] = []
@@ -1622,11 +1622,13 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         if seg.device in stream_gpu:  # once per GPU: its streamed experts, the copies overlapping
             stage = max(stage + stream_gpu.pop(seg.device), stream_copy[seg.device])
         compute.append(stage)
-        if k:  # the chunk's hidden state arrives over this card's link
-            stage += _link_of(spec).seconds(chunk * hidden_bytes)
-        if k < len(segs) - 1:
-            stage += _link_of(spec).seconds(chunk * hidden_bytes)
         stages.append(stage)
+        if k < len(segs) - 1:
+            # the chunk's hidden state crosses to the next card (down this card's link, up the next
+            # one's) on the bridge's own thread while both cards compute other chunks: a pipeline
+            # stage of its own (engine/execution.py HostBridge)
+            nxt = by_name.get(segs[k + 1].device)
+            stages.append(_link_of(spec).seconds(chunk * hidden_bytes) + _link_of(nxt).seconds(chunk * hidden_bytes))
     for dev in dict.fromkeys(plan.experts[p.name] for p in apart_parts):
         spec = by_name.get(dev)
         speed = _speed_of(spec, dev)

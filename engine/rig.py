@@ -13,10 +13,10 @@ about 250 MB/s). `Rig.backend(name)` returns a `RigBackend`: the real backend be
   elsewhere is not slowed;
 - in a split decode step (engine/execution.py: one captured graph per stage, chained by events, the
   host waiting only for the last stage's logits) charges the hidden state's crossings where a real
-  riser's copy would sit: `graph_step` holds the receiving device's graph stream for its link's time
-  before the stage's graph and the sending device's stream after it (CupyBackend.hold: a
+  riser's copy would sit: `graph_step` has each stage's graph hold its stream for the link's time
+  before its copy of the arriving hidden state and after its copy of the leaving one (a captured
   single-thread kernel waiting on the GPU's global timer, kernels/link.cu), and the next stage follows
-  the hold's event. The host thread never sleeps for a link there, as it would not on a rig whose
+  the graph's event as it does without a link. The host thread never sleeps for a link there, as it would not on a rig whose
   copies run on the cards' copy engines. Simulated: the time (latency + bytes / rate, per riser, in
   order with the stages); real: the copies themselves (the H200's PCIe, a few microseconds). A step
   that cannot use its graph runs eagerly through asarray / to_numpy_into (host waits, as above). The
@@ -309,31 +309,28 @@ class RigBackend:
             self.transfer_seconds += link.seconds(n_bytes)
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True):
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)):
         """The real backend's captured decode step (engine/execution.py) with this device's link charged
         for the hidden state the step receives (`host_in`) and sends (`host_out`), where a riser's copy
-        would take it: a CUDA device's graph stream is held for the link's time before the step's graph
-        (after `after`) and after it, and the event at the end of the hold is what the next stage
-        follows; the host thread never waits for a link (see `_hold`). A step that cannot use a graph
-        (None) is run eagerly by the executor, whose copies (asarray / to_numpy_into) pay the link."""
+        would take it: inside a CUDA device's graph, the stream is held for the link's time before the
+        graph's copy from `host_in` and after its copy to `host_out` (CupyBackend.graph_step
+        `link_seconds`), so the stages follow each other through the same events as without a link,
+        and the host thread never waits for a link. A step that cannot use a graph (None) is run
+        eagerly by the executor, whose copies (asarray / to_numpy_into) pay the link."""
         link = self.rig_device.link
         if link is None or (host_in is None and host_out is None):
             return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch, host_in=host_in,
-                                          host_out=host_out, after=after, wait=wait)
-        if host_in is not None:
-            after = self._hold(link.seconds(int(host_in.nbytes)), after)
+                                          host_out=host_out, after=after, wait=wait, link_seconds=link_seconds)
+        crossed = [0 if b is None else int(b.nbytes) for b in (host_in, host_out)]
+        held = (0.0 if host_in is None else link.seconds(crossed[0]),
+                0.0 if host_out is None else link.seconds(crossed[1]))
         done = self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch, host_in=host_in,
-                                      host_out=host_out, after=after, wait=wait)
-        if done is None:
-            return None
-        crossed = [int(b.nbytes) for b in (host_in, host_out) if b is not None]
-        with self._lock:
-            self.transferred_bytes += sum(crossed)
-            self.transfer_seconds += sum(link.seconds(n) for n in crossed)
-        if host_out is None:
-            return done  # the last stage: host logits (the link to the sampler is not charged in graphs)
-        held = self._hold(link.seconds(int(host_out.nbytes)), None if done is True else done)
-        return True if held is None else held
+                                      host_out=host_out, after=after, wait=wait, link_seconds=held)
+        if done is not None:
+            with self._lock:
+                self.transferred_bytes += sum(crossed)
+                self.transfer_seconds += sum(held)
+        return done
 
     def host_round_trip(self, x, host_x, host_y, fn, arg: int):
         """The real backend's round trip (DeviceHooks.host_round_trip: routed experts in host RAM) with

@@ -309,7 +309,7 @@ class DeviceHooks:
         return lambda: out
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True) -> Any:
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)) -> Any:
         """Run `run` for one decode token as a captured graph (see CupyBackend.graph_step); None =
         this backend has no graphs: the caller runs the step eagerly."""
         return None
@@ -504,6 +504,6 @@ class Backend(Protocol):
     def alongside(self, fn: Callable[[], Any]) -> Callable[[], Any]: ...
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True) -> Any: ...
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)) -> Any: ...
 
     def prepare_lm_head(self, weight: Weight) -> None: ...

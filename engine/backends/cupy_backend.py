@@ -270,23 +270,29 @@ class _Capture:
         self.host[4 + i] = cache.length
         return self.dev[4 + i : 5 + i]
 
-    def receive(self, host_in: np.ndarray):
+    def receive(self, host_in: np.ndarray, link_seconds: float = 0.0):
         """A device array the graph refills from the pinned float32 host array `host_in` on every
-        replay (a split model's hidden state, left there by the stage on the previous device)."""
+        replay (a split model's hidden state, left there by the stage on the previous device), after
+        holding the stream for `link_seconds` (a simulated riser's time for that copy: engine/rig.py)."""
+        if link_seconds > 0:
+            link.hold(self.stream, link_seconds)
         x = cp.empty(host_in.shape, dtype=cp.float32)
         cp.cuda.runtime.memcpyAsync(x.data.ptr, host_in.ctypes.data, x.nbytes,
                                     cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         return x
 
-    def send(self, x, host_out: np.ndarray) -> None:
+    def send(self, x, host_out: np.ndarray, link_seconds: float = 0.0) -> None:
         """Copy the device array x into the pinned float32 host array `host_out` on every replay
-        (where the stage on the next device picks the hidden state up)."""
+        (where the stage on the next device picks the hidden state up), then hold the stream for
+        `link_seconds` (a simulated riser's time for that copy: engine/rig.py)."""
         x = cp.ascontiguousarray(x, dtype=cp.float32)
         if x.nbytes != host_out.nbytes or host_out.dtype != np.float32:
             raise ValueError(f"stage output {x.shape} does not fit the host buffer {host_out.shape}")
         cp.cuda.runtime.memcpyAsync(host_out.ctypes.data, x.data.ptr, x.nbytes,
                                     cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         self._out_dev.append(x)
+        if link_seconds > 0:
+            link.hold(self.stream, link_seconds)
 
     def output(self, x):
         import cupyx
@@ -364,7 +370,8 @@ class _DecodeGraph:
     addresses are baked in); io: the pinned host buffers it reads its input from / writes its output
     to (None: token ids in, host logits out)."""
 
-    def __init__(self, graph, cap: _Capture, kept: list, owner, watch, io=(None, None)):
+    def __init__(self, graph, cap: _Capture, kept: list, owner, watch, io=(None, None),
+                 link_seconds: tuple[float, float] = (0.0, 0.0)):
         self.graph = graph
         self.cap = cap
         self.kept = kept
@@ -372,11 +379,14 @@ class _DecodeGraph:
         self.states = owner
         self.io = tuple(_host_ptr(a) for a in io)
         self.sends = io[1] is not None
+        self.link_seconds = link_seconds  # the simulated link holds captured around its copies
         self.pointers = _device_pointers(watch, [])
         self.launches = 0  # replays, and the launch after the capture: what guarded() checks
 
-    def valid(self, owner, watch, io=(None, None)) -> bool:
+    def valid(self, owner, watch, io=(None, None), link_seconds: tuple[float, float] = (0.0, 0.0)) -> bool:
         if owner is not self.states or tuple(_host_ptr(a) for a in io) != self.io:
+            return False
+        if link_seconds != self.link_seconds:
             return False
         for c, _ in self.cap.caches:
             if c.k is None or c.length + 1 > c.capacity:
@@ -525,7 +535,7 @@ class _BatchCapture(_Capture):
 class _BatchGraph(_DecodeGraph):
     """A captured decode step of a fixed list of sequences (owner: their state lists, in order)."""
 
-    def valid(self, owner, watch, io=(None, None)) -> bool:
+    def valid(self, owner, watch, io=(None, None), link_seconds: tuple[float, float] = (0.0, 0.0)) -> bool:
         if len(owner) != len(self.states) or any(a is not b for a, b in zip(owner, self.states, strict=True)):
             return False
         return self.alive() and _device_pointers(watch, []) == self.pointers
@@ -1360,7 +1370,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
 
     # ---- CUDA-graph decode ---------------------------------------------------------------------------
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True):
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)):
         """Run `run` for one decode token as a CUDA graph kept under `key` (captured on the first call,
         replayed after that while it stays valid): each stage of a model's decode step
         (engine/execution.py; a single device is one stage). One launch per token instead of ~1,000
@@ -1374,6 +1384,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         that must grow: that step runs eagerly and the next one re-captures).
         after: a CUDA event (of the previous stage, on any device) this step must follow; wait=False
         (with host_out): launch and return an event the next stage can follow instead of waiting.
+        link_seconds: (before the copy from host_in, after the copy to host_out) a simulated riser's
+        time (engine/rig.py), held on the graph's stream by nodes of the graph itself, where a real
+        riser's copies would take it.
         Returns host logits (1, vocab), True when the output is in `host_out`, an event when it will
         be once that event completes, or None when this step cannot use a graph (nothing ran and
         `after` was not waited for: the caller waits for it and runs the step eagerly).
@@ -1391,14 +1404,14 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         watch = owner if watch is None else watch
         io = (host_in, host_out)
         rec = self._graphs.get(key)
-        if rec is not None and not rec.valid(owner, watch, io):
+        if rec is not None and not rec.valid(owner, watch, io, link_seconds):
             self._graphs.pop(key, None)
             rec = None
         with self._dev:
             if rec is None:
                 if after is not None:
                     after.synchronize()  # capturing runs the step once, with a host wait
-                return self._capture_graph(key, run, ids, pos, owner, watch, io)
+                return self._capture_graph(key, run, ids, pos, owner, watch, io, link_seconds)
             return rec.replay(int(ids[0]), pos, after, wait or host_out is None)
 
     def _record(self, cap, body) -> tuple[Any, list]:
@@ -1451,15 +1464,15 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             cap.stream = replay_stream
         return graph, kept
 
-    def _capture_graph(self, key, run, ids, pos, owner, watch, io):
+    def _capture_graph(self, key, run, ids, pos, owner, watch, io, link_seconds):
         host_in, host_out = io
         cap = _Capture(self._graph_stream_for_capture())
         cap.write_inputs(int(ids[0]), pos)
 
         def body() -> None:
-            y = run(ids if host_in is None else cap.receive(host_in))
+            y = run(ids if host_in is None else cap.receive(host_in, link_seconds[0]))
             if host_out is not None:
-                cap.send(y, host_out)
+                cap.send(y, host_out, link_seconds[1])
             else:
                 cap.result = y
 
@@ -1472,7 +1485,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return None
         if host_out is None and not cap.outputs:
             return None
-        rec = _DecodeGraph(graph, cap, kept, owner, watch, io)
+        rec = _DecodeGraph(graph, cap, kept, owner, watch, io, link_seconds)
         # the live graphs of one sequence (one per stage this backend runs); others are dropped
         self._graphs = {k: g for k, g in self._graphs.items() if g.states is owner}
         self._graphs[key] = rec

@@ -85,22 +85,18 @@ def test_rates_and_sizes():
 
 class _StreamFake:
     """Stands in for a CUDA backend: graph_step launches (returns an event, never waits when told not
-    to), `hold` queues a wait on its stream and returns the event at its end. Records the calls."""
+    to) with the link holds its graph would hold around its copies. Records the calls."""
 
     def __init__(self):
         self.calls: list = []
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait=True):
-        self.calls.append(("graph", after))
+                   after=None, wait=True, link_seconds=(0.0, 0.0)):
+        self.calls.append(("graph", after, tuple(round(x, 9) for x in link_seconds)))
         return ("graph done", key) if host_out is not None and not wait else "logits"
 
-    def hold(self, seconds, after=None):
-        self.calls.append(("hold", round(seconds, 9), after))
-        return ("held", len(self.calls))
 
-
-def test_graph_step_charges_the_link_on_the_stream_without_a_host_wait():
+def test_graph_step_charges_the_link_inside_the_graphs_without_a_host_wait():
     import numpy as np
 
     rig = Rig.logical("cuda:0", [None, None], link="1MB/s+100us", backend_factory=lambda phys: _StreamFake())
@@ -111,11 +107,11 @@ def test_graph_step_charges_the_link_on_the_stream_without_a_host_wait():
     ev = a.graph_step("s0", None, [1], [0], owner=[], host_out=buf, wait=False)
     out = b.graph_step("s1", None, [1], [0], owner=[], host_in=buf, after=ev)
     assert time.perf_counter() - t0 < link_s  # two link times charged, none waited for on the host
-    # the sender: its graph, then its link held after the graph's event; the event handed on is the hold's
-    assert a.inner.calls == [("graph", None), ("hold", round(link_s, 9), ("graph done", "s0"))]
-    assert ev == ("held", 2)
-    # the receiver: its link held after the sender's, then its graph after that hold
-    assert b.inner.calls == [("hold", round(link_s, 9), ("held", 2)), ("graph", ("held", 1))]
+    # the sender's graph holds its link after its copy out; its event is what the receiver follows
+    assert a.inner.calls == [("graph", None, (0.0, round(link_s, 9)))]
+    assert ev == ("graph done", "s0")
+    # the receiver's graph holds its link before its copy in
+    assert b.inner.calls == [("graph", ("graph done", "s0"), (round(link_s, 9), 0.0))]
     assert out == "logits"
     assert a.transferred_bytes == b.transferred_bytes == 4096
     assert a.transfer_seconds == pytest.approx(link_s) and b.transfer_seconds == pytest.approx(link_s)
@@ -125,4 +121,4 @@ def test_graph_step_without_a_link_or_hidden_state_is_the_real_backends():
     rig = Rig.logical("cuda:0", [None], backend_factory=lambda phys: _StreamFake())
     be = rig.backend("cuda:0")
     assert be.graph_step("s", None, [1], [0], owner=[], after="e") == "logits"
-    assert be.inner.calls == [("graph", "e")] and be.transferred_bytes == 0
+    assert be.inner.calls == [("graph", "e", (0.0, 0.0))] and be.transferred_bytes == 0
