@@ -53,6 +53,31 @@ def _dummy():
     return _DUMMY[dev]
 
 
+_COUNTERS: dict[tuple[int, int], cp.ndarray] = {}
+COUNTERS = 4096  # row tiles a split-K gemm_batch launch may have (at most 2 blocks per SM are wanted)
+
+
+def _split_counters() -> cp.ndarray:
+    """The zeroed int32 counters gemm_batch's split-K blocks count themselves done in (one per row tile),
+    one array per device and stream: a launch leaves them at 0 again, and launches on one stream never
+    overlap (a graph captured on a stream keeps that stream's array, and its nodes run in order)."""
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = cp.zeros(COUNTERS, dtype=cp.int32)
+    return _COUNTERS[key]
+
+
+_SEGMENTS: dict[tuple[int, tuple[int, ...]], cp.ndarray] = {}
+
+
+def _segment_bounds(bounds: tuple[int, ...]) -> cp.ndarray:
+    """A device copy of a fused group's row bounds (0, a_1, ..., R), made once per device and group shape."""
+    key = (cp.cuda.Device().id, bounds)
+    if key not in _SEGMENTS:
+        _SEGMENTS[key] = cp.asarray(np.asarray(bounds, dtype=np.int32))
+    return _SEGMENTS[key]
+
+
 def kept_type(type_name: str, cols: int) -> str:
     """The type a matrix of `type_name` with rows of `cols` values is kept in on the device: its own
     when a kernel reads it (the row a whole number of its blocks, and of 32 values), else "F32" (the
@@ -372,11 +397,33 @@ def matmul_io(x: cp.ndarray, w: QWeight, out: cp.ndarray | None, residual: cp.nd
     return x, y, residual
 
 
+def matmul_split(x: cp.ndarray, w: QWeight, ranges, path: str = "dp4a") -> list[cp.ndarray]:
+    """matmul of a fused group's rows, split into its members' outputs: the row ranges [(a, b), ...]
+    (consecutive, covering 0..R) as contiguous (T, b - a) arrays, views of one buffer. gemm_batch
+    (a batched decode step) writes them in place; the other kernels write (T, R), which split_columns
+    splits (one token: the rows are already consecutive)."""
+    ranges = [(int(a), int(b)) for a, b in ranges]
+    bounds = (0, *(b for _, b in ranges))
+    T = x.shape[0]
+    if 1 < len(ranges) <= SPLIT_COLS_MAX and T > 1 and path.startswith("dp4a") and w.dp4a_ok \
+            and _gemm_batch(w.type_name, T) is not None and bounds == tuple(sorted(set(bounds))) \
+            and bounds[-1] == w.rows:
+        flat = matmul(x, w, path, segments=bounds).reshape(-1)
+        return [flat[T * a : T * b].reshape(T, b - a) for a, b in ranges]
+    y = matmul(x, w, path)
+    if T == 1:
+        flat = y.reshape(-1)
+        return [flat[a:b].reshape(1, b - a) for a, b in ranges]
+    return split_columns(y, ranges)
+
+
 def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None = None,
-           residual: cp.ndarray | None = None) -> cp.ndarray:
+           residual: cp.ndarray | None = None, segments: tuple[int, ...] | None = None) -> cp.ndarray:
     """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations; "dp4a2" = the GEMM
     variant staging two quant blocks per barrier) or "fma" (fp32). residual (T, R): added to the
-    result (in the GEMV epilogue for a few tokens, by a separate add otherwise)."""
+    result (in the GEMV epilogue for a few tokens, by a separate add otherwise). segments (only where
+    gemm_batch runs: matmul_split): row bounds (0, a_1, ..., R); the result's rows [a_j, a_j+1) then
+    lie as consecutive (T, a_j+1 - a_j) blocks of the returned buffer."""
     if path == "hfma2":  # fp16 products, fp32 accumulation (hfma2.py)
         from . import hfma2
 
@@ -392,19 +439,22 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         xq, xd, xs = quantize_cached(x)
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
-    if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
+    if tt is not None:  # batched decode: one launch for all T tokens, the split-K sum included
         splits, per = gemm_batch_splits(R, K, sm_count(), tt)
-        part = y if splits == 1 else cp.empty((splits, T, R), dtype=cp.float32)
-        res = residual if residual is not None and splits == 1 else np.uint64(0)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS[tt]), splits), (128,),
-                                                (w.wq, wd, xq, xd, xs, part, np.int32(T), np.int32(R), np.int32(K),
-                                                 np.int32(per), res))
-        if splits > 1:
-            n = T * R
-            _mm_kernel(w, "splitk_sum")((math.ceil(n / 256),), (256,),
-                                        (part, np.int32(splits), np.int64(n), y,
-                                         residual if residual is not None else np.uint64(0)))
+        tiles = math.ceil(R / GEMM_BATCH_ROWS[tt])
+        if splits > 1 and tiles > COUNTERS:
+            raise ValueError(f"gemm_batch: {tiles} row tiles split along K, more than {COUNTERS} counters")
+        part = cp.empty((splits, T, R), dtype=cp.float32) if splits > 1 else np.uint64(0)
+        counters = _split_counters() if splits > 1 else np.uint64(0)
+        res = residual if residual is not None else np.uint64(0)
+        seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
+        nseg = np.int32(len(segments) - 1 if segments is not None else 1)
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((tiles, splits), (128,),
+                                                (w.wq, wd, xq, xd, xs, y, part, counters, np.int32(T), np.int32(R),
+                                                 np.int32(K), np.int32(per), res, seg, nseg))
         return y
+    if segments is not None:
+        raise ValueError("matmul: segments are laid out by gemm_batch only (use matmul_split)")
     mt = _gemv_kq_mt(w.type_name, T, R, K) if use_dp4a else None
     mt_kernel = "gemv_kq_mt"
     if use_dp4a and mt is None:

@@ -1144,11 +1144,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             lead = x.shape[:-1]
             x2 = _f32(x).reshape(-1, x.shape[-1])
             path = self._matmul_path(x2.shape[0], big)
-            y = ops.matmul(x2, big, path)  # (T, sum of rows)
-            if x2.shape[0] == 1:
-                flat = y.reshape(-1)
-                return [flat[a:b].reshape(*lead, b - a) for a, b in ranges]  # contiguous views
-            return [o.reshape(*lead, b - a) for o, (a, b) in zip(ops.split_columns(y, ranges), ranges, strict=True)]
+            outs = ops.matmul_split(x2, big, ranges, path)  # contiguous (T, rows) each
+            return [o.reshape(*lead, b - a) for o, (a, b) in zip(outs, ranges, strict=True)]
 
     def matmul_add(self, x, w: CupyWeight, residual):
         with self._dev:
