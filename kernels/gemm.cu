@@ -247,15 +247,25 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // other formats one chain, dlo = dhi).
 //
 // Split K: gridDim.y blocks share a row tile, each `stages` stages of K; with gridDim.y > 1 each writes its
-// partial sums to `part + blockIdx.y * T * R` (a (splits, T, R) scratch) and counts itself done in
-// `counters[blockIdx.x]`; the tile's last block to finish adds the partial sums in split order
-// (deterministic) with the residual, writes y and sets the counter back to 0 for the next launch on the
-// stream (one launch per matmul: no separate sum kernel). With one split the block writes y (+ res)
-// itself. Rows past R load row R - 1 and write nothing; tokens past T and blocks past K/32 load zeros.
-// Output layout: with `seg` (nseg + 1 increasing row bounds, seg[0] = 0, seg[nseg] = R, nseg <= 8) row r
-// of segment j (seg[j] <= r < seg[j+1]) and token t go to y[T * seg[j] + t * (seg[j+1] - seg[j]) + r -
-// seg[j]]: each segment a contiguous (T, rows) block (a fused group's outputs, split); without it
-// y[t * R + r]. The residual is read at t * R + r.
+// partial sums to `part + blockIdx.y * T * R` (a (splits, T, R) scratch) and splitk_sum adds them in split
+// order (deterministic) with the residual into y; with one split the block writes y (+ res) itself. Rows
+// past R load row R - 1 and write nothing; tokens past T and blocks past K/32 load zeros.
+// Output layout (here and in splitk_sum): with `seg` (nseg + 1 increasing row bounds, seg[0] = 0,
+// seg[nseg] = R, nseg <= 8) row r of segment j (seg[j] <= r < seg[j+1]) and token t go to
+// y[T * seg[j] + t * (seg[j+1] - seg[j]) + r - seg[j]]: each segment a contiguous (T, rows) block (a fused
+// group's outputs, split); without it y[t * R + r]. The residual is read at t * R + r.
+__device__ __forceinline__ i64 seg_index(const int* bounds, int T, int t, int r, int R) {
+    int lo = 0, hi = R;
+    for (int k = 1; k < 9; k++) {
+        if (r < bounds[k]) {
+            hi = bounds[k];
+            break;
+        }
+        lo = bounds[k];
+    }
+    return (i64)T * lo + (i64)t * (hi - lo) + (r - lo);
+}
+
 template <int TT>
 struct GbTile {
     static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
@@ -270,8 +280,8 @@ template <int QT, int TT>
 __global__ void __launch_bounds__(128, 3) gemm_batch(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
-        float* __restrict__ part, int* __restrict__ counters, int T, int R, int K, int stages,
-        const float* __restrict__ res, const int* __restrict__ seg, int nseg) {
+        float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
+        const int* __restrict__ seg, int nseg) {
     using G = GbTile<TT>;
     constexpr int TM = G::TM, RQ = G::RQ, ROWS = G::ROWS, PASSES = G::PASSES, XJ = G::XJ;
     constexpr bool KQ = kq_format(QT);
@@ -436,55 +446,12 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
             }
         }
     }
-    // where row r, token t goes in y (see the layout above)
+    // write out: rows 4 tx .. 4 tx + 3, the thread's tokens
     __shared__ int bounds[9];
     if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
     __syncthreads();
-    auto out_index = [&](int t, int r) -> i64 {
-        if (seg == nullptr) return (i64)t * R + r;
-        int lo = 0, hi = R;
-        for (int k = 1; k < 9; k++) {
-            if (r < bounds[k]) {
-                hi = bounds[k];
-                break;
-            }
-            lo = bounds[k];
-        }
-        return (i64)T * lo + (i64)t * (hi - lo) + (r - lo);
-    };
-    // write out: rows 4 tx .. 4 tx + 3, the thread's tokens
-    if (gridDim.y == 1) {
-#pragma unroll
-        for (int j = 0; j < TM; j++) {
-            const int t = TM * ty + j;
-            if (t >= T) continue;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int r = r0 + 4 * tx + i;
-                if (r < R) y[out_index(t, r)] = res != nullptr ? acc[i][j] + res[(i64)t * R + r] : acc[i][j];
-            }
-        }
-        return;
-    }
-    float* mine = part + (i64)blockIdx.y * T * R;
-#pragma unroll
-    for (int j = 0; j < TM; j++) {
-        const int t = TM * ty + j;
-        if (t >= T) continue;
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int r = r0 + 4 * tx + i;
-            if (r < R) mine[(i64)t * R + r] = acc[i][j];
-        }
-    }
-    __threadfence();  // this block's partial sums are visible to the block that adds them
-    __syncthreads();
-    __shared__ int is_last;
-    if (tid == 0) is_last = atomicAdd(&counters[blockIdx.x], 1) == (int)gridDim.y - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    if (tid == 0) counters[blockIdx.x] = 0;  // ready for the next launch on this stream
+    const bool split = gridDim.y > 1;
+    float* out = split ? part + (i64)blockIdx.y * T * R : y;
 #pragma unroll
     for (int j = 0; j < TM; j++) {
         const int t = TM * ty + j;
@@ -494,10 +461,28 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
             const int r = r0 + 4 * tx + i;
             if (r >= R) continue;
             const i64 at = (i64)t * R + r;
-            float v = __ldcg(part + at);
-            for (int sp = 1; sp < (int)gridDim.y; sp++) v += __ldcg(part + (i64)sp * T * R + at);
-            y[out_index(t, r)] = res != nullptr ? v + res[at] : v;
+            if (split) out[at] = acc[i][j];
+            else out[seg != nullptr ? seg_index(bounds, T, t, r, R) : at] = res != nullptr ? acc[i][j] + res[at] : acc[i][j];
         }
     }
+}
+
+// splitk_sum: y = the sum over s < splits of part[s] (T, R) (+ res), in split order: gemm_batch's split-K
+// partial sums, added deterministically, written in gemm_batch's output layout (seg: see above).
+extern "C" __global__ void splitk_sum(const float* __restrict__ part, int splits, int T, int R,
+                                      float* __restrict__ y, const float* __restrict__ res,
+                                      const int* __restrict__ seg, int nseg) {
+    __shared__ int bounds[9];
+    if (threadIdx.x < 9)
+        bounds[threadIdx.x] = threadIdx.x == 0 ? 0 : (seg != nullptr && (int)threadIdx.x <= nseg) ? seg[threadIdx.x] : R;
+    __syncthreads();
+    const i64 n = (i64)T * R;
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = part[i];
+    for (int s = 1; s < splits; s++) v += part[(i64)s * n + i];
+    if (res != nullptr) v += res[i];
+    const int t = (int)(i / R), r = (int)(i - (i64)t * R);
+    y[seg != nullptr ? seg_index(bounds, T, t, r, R) : i] = v;
 }
 

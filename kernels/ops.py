@@ -53,20 +53,6 @@ def _dummy():
     return _DUMMY[dev]
 
 
-_COUNTERS: dict[tuple[int, int], cp.ndarray] = {}
-COUNTERS = 4096  # row tiles a split-K gemm_batch launch may have (at most 2 blocks per SM are wanted)
-
-
-def _split_counters() -> cp.ndarray:
-    """The zeroed int32 counters gemm_batch's split-K blocks count themselves done in (one per row tile),
-    one array per device and stream: a launch leaves them at 0 again, and launches on one stream never
-    overlap (a graph captured on a stream keeps that stream's array, and its nodes run in order)."""
-    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = cp.zeros(COUNTERS, dtype=cp.int32)
-    return _COUNTERS[key]
-
-
 _SEGMENTS: dict[tuple[int, tuple[int, ...]], cp.ndarray] = {}
 
 
@@ -439,19 +425,18 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         xq, xd, xs = quantize_cached(x)
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
-    if tt is not None:  # batched decode: one launch for all T tokens, the split-K sum included
+    if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
         splits, per = gemm_batch_splits(R, K, sm_count(), tt)
-        tiles = math.ceil(R / GEMM_BATCH_ROWS[tt])
-        if splits > 1 and tiles > COUNTERS:
-            raise ValueError(f"gemm_batch: {tiles} row tiles split along K, more than {COUNTERS} counters")
         part = cp.empty((splits, T, R), dtype=cp.float32) if splits > 1 else np.uint64(0)
-        counters = _split_counters() if splits > 1 else np.uint64(0)
         res = residual if residual is not None else np.uint64(0)
         seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
         nseg = np.int32(len(segments) - 1 if segments is not None else 1)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((tiles, splits), (128,),
-                                                (w.wq, wd, xq, xd, xs, y, part, counters, np.int32(T), np.int32(R),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS[tt]), splits), (128,),
+                                                (w.wq, wd, xq, xd, xs, y, part, np.int32(T), np.int32(R),
                                                  np.int32(K), np.int32(per), res, seg, nseg))
+        if splits > 1:
+            _mm_kernel(w, "splitk_sum")((math.ceil(T * R / 256),), (256,),
+                                        (part, np.int32(splits), np.int32(T), np.int32(R), y, res, seg, nseg))
         return y
     if segments is not None:
         raise ValueError("matmul: segments are laid out by gemm_batch only (use matmul_split)")

@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--quant", default="q8_0")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens before the decode (default 256)")
+    ap.add_argument("--top", type=int, default=1, help="top logits a step returns (0: the whole row)")
     ap.add_argument("--links", default="none,1000GB/s+0us,gen1x1")
     ap.add_argument("--dir", default="/tmp/bench")
     ap.add_argument("--physical", default="cuda:0", help="the device both logical ones share (cpu:0: a smoke test)")
@@ -36,32 +38,35 @@ def main() -> None:
     from minecart.engine.model import load_model
     from minecart.engine.placement import Placement, model_costs
     from minecart.engine.rig import Rig
+    from minecart.engine.sampling import TopLogits
     from minecart.engine.synth import write_synthetic
 
-    path = f"{args.dir}/{args.shape}-{args.quant}-L{args.layers}.gguf"
+    path = f"{args.dir}/{args.shape}-{args.quant}-L{args.layers or 'all'}.gguf"
     if not os.path.exists(path):
         os.makedirs(args.dir, exist_ok=True)
-        write_synthetic(path, args.shape, args.quant, n_layers=args.layers)
+        write_synthetic(path, args.shape, args.quant, n_layers=args.layers or None)
     with GGUFFile(path) as gf:
         costs = model_costs(ModelConfig.from_gguf(gf), gf)
     kind = args.physical.split(":")[0]
-    half = args.layers // 2
-    plan = Placement.from_layer_counts(costs, [(f"{kind}:0", half), (f"{kind}:1", args.layers - half)])
+    n = costs.n_layers
+    plan = Placement.from_layer_counts(costs, [(f"{kind}:0", n // 2), (f"{kind}:1", n - n // 2)])
     for name in args.links.split(","):
         link = None if name == "none" else name
         rig = Rig.logical(args.physical, [None, None], link=link)
         with load_model(path, placement=plan, devices=rig) as model:
             ex = model.executor
-            states = model.new_state(512)
-            logits = model.forward(list(range(100, 356)), states, np.arange(256), rows="last")
-            token, pos = int(np.argmax(logits[-1])), 256
+            states = model.new_state(args.prompt + 8 * args.tokens + 16)
+            prompt = [100 + i % 1000 for i in range(args.prompt)]
+            logits = model.forward(prompt, states, np.arange(args.prompt), rows="last", chunk=2048)
+            token, pos = int(np.argmax(logits[-1])), args.prompt
 
             def run(n: int) -> float:
                 nonlocal token, pos
                 t0 = time.perf_counter()
                 for _ in range(n):
-                    out = model.forward([token], states, np.array([pos]), rows="last", top=1)
-                    token, pos = int(out.ids[0, 0]), pos + 1
+                    out = model.forward([token], states, np.array([pos]), rows="last", top=args.top)
+                    token = int(out.ids[0, 0]) if isinstance(out, TopLogits) else int(np.argmax(out[-1]))
+                    pos += 1
                 return (time.perf_counter() - t0) / n
 
             run(4)  # captures

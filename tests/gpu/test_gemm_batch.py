@@ -3,7 +3,7 @@
 Every DP4A weight format, T = 2..32 tokens (each token tile 8 / 16 / 32, partly filled), rows that are
 not a multiple of the 64- or 128-row tile, rows of 256 x 1, 9, 17 values and (formats of 32-value blocks) of 25
 and 129 blocks (a partial last stage of 8 blocks), one split and split K up to one stage per split (the
-partial sums added by the tile's last block, in the same launch), with and without the residual, the
+partial sums added by splitk_sum), with and without the residual, the
 outputs of a fused group written split into its members (matmul_split), outputs poisoned with NaN. Each result
 against the exact NumPy emulation of the DP4A arithmetic (the dequantized weights @ the q8_1-rounded
 activations, fp64; normalized error < 2e-5) and against the kernels before it (MINECART_GEMM_BATCH=off),
@@ -80,7 +80,7 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
                 y = checked_matmul(w, gx, res, r, emu, poison, launches,
                                    f"{type_name} {R}x{K} T={T} splits={splits}", TOL)
                 name = f"gemm_batch<{q}, {tt}>"
-                assert launches == [name], launches  # one launch, the split-K sum included
+                assert launches == [name] + (["splitk_sum"] if splits > 1 else []), launches
                 if res is None:
                     assert nerr(y, old) < TOL
             # split into a fused group's members as it writes them (random bounds, 1..8 members)
@@ -90,12 +90,10 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
             poison()
             launches.clear()
             outs = ops.matmul_split(gx, w, ranges)
-            assert launches == [name], launches
+            assert launches == [name] + (["splitk_sum"] if splits > 1 else []), launches
             for (a, b), o in zip(ranges, outs, strict=True):
                 assert o.shape == (T, b - a) and o.flags.c_contiguous
                 assert nerr(cp.asnumpy(o), emu[:, a:b]) < TOL, (type_name, R, K, T, splits, a, b)
-            cp.cuda.runtime.deviceSynchronize()
-            assert not cp.asnumpy(ops._split_counters()).any()  # every tile's counter back at 0
         assert 1 in seen and (stages == 1 or max(seen) == stages), (seen, stages)
     print(f"\n{type_name} T={T}: gemm_batch<{q}, {tt}> agrees with the emulation and the kernels before it")
 
@@ -115,9 +113,7 @@ def test_auto_picks_it_from_the_threshold_and_is_deterministic(monkeypatch, laun
         uses = any(n.startswith("gemm_batch<") for n in launches)
         assert uses == (ops.GEMM_BATCH_MIN_T <= T <= 32), (T, launches)
         if uses:
-            # split along K (32 row tiles on any card with more than 16 multiprocessors), in one launch
-            tt = next(n for n in (8, 16, 32) if T <= n)
-            assert ops.gemm_batch_splits(4096, 4096, ops.sm_count(), tt)[0] > 1 and len(launches) == 1
+            assert "splitk_sum" in launches  # 64 row tiles on any card with more than 32 multiprocessors
             np.testing.assert_array_equal(a, cp.asnumpy(ops.matmul(x, w, "dp4a")))
     assert ops.gemv_max_t(w) == 32
     monkeypatch.setattr(ops, "GEMM_BATCH_VARIANT", "fast")
