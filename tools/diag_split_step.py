@@ -60,7 +60,7 @@ def main() -> None:
             logits = model.forward(prompt, states, np.arange(args.prompt), rows="last", chunk=2048)
             token, pos = int(np.argmax(logits[-1])), args.prompt
 
-            def run(n: int) -> float:
+            def run(n: int, states: list = states) -> float:
                 nonlocal token, pos
                 t0 = time.perf_counter()
                 for _ in range(n):
