@@ -17,8 +17,8 @@ model). In detail:
   (1, hidden) pinned `step_buffer`: the D2H target of stage k and the H2D source of stage k+1.
   Consecutive graphed stages follow each other through events: the host launches every stage's
   graph at once and waits only for the last stage's logits. A simulated link (engine/rig.py) charges
-  its time on the GPU streams between the graphs (the sender's after its graph, the receiver's before
-  its own: RigBackend.graph_step), not on the host;
+  its time inside the graphs (the sender's after its copy out, the receiver's before its copy in:
+  RigBackend.graph_step), not on the host;
 - several chunks on one stage run one after another; on several stages they are pipelined: one
   worker thread per device runs that device's stages in order (CUDA contexts are per thread), one
   link thread per bridge moves hidden states, so device A computes chunk k+1 while device B computes
@@ -417,7 +417,7 @@ class Executor:
         # so it runs longer ones (engine/model.py load_model, placement.STREAMED_EXPERTS_CHUNK)
         self.min_chunk = STREAMED_EXPERTS_CHUNK if streams_experts(plan) else 0
         # consecutive graphed stages follow each other through events (no host wait between them); a
-        # simulated link passes its time on the streams between them (engine/rig.py RigBackend.graph_step)
+        # simulated link passes its time inside their graphs (engine/rig.py RigBackend.graph_step)
         self.chain_graphs = True
         self.graphed_stage_steps = 0  # decode stage runs replayed (or captured) as graphs
         self.eager_stage_steps = 0  # decode stage runs done eagerly (no graph, or not valid this step)
