@@ -1,5 +1,8 @@
 """The server switch: start and stop the OpenAI-compatible HTTP API (engine/server.py) from the window, over
-the app's own Runtime, so other programs can use the model the window has loaded.
+the app's own Runtime, so other programs can use the model the window has loaded. "Requests at once" is
+the runtime's parallelism while it serves (Runtime.set_parallel: that many generations batched together,
+this window's chat among them, instead of one after another); it stays when the server stops, so a reply
+being written is never cut off by the switch.
 
 `ApiServer` is the plain part: it builds `create_app(runtime)`, wraps it in a counter of API requests and
 runs it on a `ServerThread`. `ServerPanel` is the widget: port, this computer or the network, an optional
@@ -17,6 +20,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from minecart.engine.runtime import Runtime
 from minecart.engine.server import ServerThread, create_app
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (
@@ -32,6 +36,8 @@ from PySide6.QtWidgets import (
 )
 
 DEFAULT_PORT = 8080
+DEFAULT_PARALLEL = 1  # generations batched at once while serving (engine/scheduler.py): each holds its own KV cache
+MAX_PARALLEL = 32  # the largest batch the GPU's batched decode graphs are measured at
 
 
 class RequestCounter:
@@ -59,13 +65,16 @@ def port_error_text(host: str, port: int, exc: OSError) -> str:
 
 
 class ApiServer:
-    """One HTTP API over `runtime`; `start()` raises OSError with a readable message on a busy port."""
+    """One HTTP API over `runtime`; `start()` raises OSError with a readable message on a busy port.
+    parallel: the generations the runtime runs at once while serving (set when the server starts)."""
 
-    def __init__(self, runtime, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str = ""):
+    def __init__(self, runtime: Runtime, host: str = "127.0.0.1", port: int = DEFAULT_PORT, api_key: str = "",
+                 parallel: int = 1):
         self.runtime = runtime
         self.host = host
         self.port = int(port)
         self.api_key = api_key
+        self.parallel = max(1, int(parallel))
         self.counter: RequestCounter | None = None
         self._thread: ServerThread | None = None
 
@@ -84,6 +93,9 @@ class ApiServer:
     def start(self) -> str:
         if self._thread is not None:
             return self.url
+        # queued in order with the runtime's requests (after a reply being written, before the API's
+        # first), not waited for here
+        self.runtime.set_parallel(self.parallel)
         self.counter = RequestCounter(create_app(self.runtime, listen_host=self.host,
                                                  api_key=self.api_key or None))
         try:
@@ -106,7 +118,7 @@ class ServerPanel(QWidget):
     state_changed = Signal(bool, str)  # running, url or error text
     _done = Signal(bool, str)  # from the start/stop thread to the GUI thread
 
-    def __init__(self, runtime: Callable[[], object], parent=None):
+    def __init__(self, runtime: Callable[[], Runtime | None], parent=None):
         super().__init__(parent)
         self._runtime = runtime
         self.server: ApiServer | None = None
@@ -149,6 +161,22 @@ class ServerPanel(QWidget):
         self.toggle.clicked.connect(self.toggle_server)
         row.addWidget(self.toggle)
         cl.addLayout(row)
+        row = QHBoxLayout()
+        row.addWidget(QLabel("Requests at once"))
+        self.parallel = QSpinBox()
+        self.parallel.setRange(1, MAX_PARALLEL)
+        self.parallel.setValue(DEFAULT_PARALLEL)
+        self.parallel.setToolTip("Generations run together while the server is on (this window's chat "
+                                 "included): they share each decode step instead of waiting for one "
+                                 "another; more requests wait in a queue. Each one holds a KV cache for "
+                                 "the whole context, and the layer map's plan is made for one: raise this "
+                                 "where the cards have memory left, or lower the context.")
+        row.addWidget(self.parallel)
+        note = QLabel("more than one: requests share each decode step; each holds its own KV cache")
+        note.setObjectName("Subtle")
+        row.addWidget(note)
+        row.addStretch(1)
+        cl.addLayout(row)
         self.url = QLabel("Stopped")
         self.url.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         cl.addWidget(self.url)
@@ -188,7 +216,8 @@ class ServerPanel(QWidget):
             self._show_error("The engine did not start, so there is nothing to serve.")
             return
         host = "0.0.0.0" if self.network.isChecked() else "127.0.0.1"
-        self.server = ApiServer(runtime, host, self.port.value(), self.api_key.text().strip())
+        self.server = ApiServer(runtime, host, self.port.value(), self.api_key.text().strip(),
+                                parallel=self.parallel.value())
         self._run_off_thread(self.server.start, "Starting…")
 
     def stop_server(self) -> None:
@@ -201,7 +230,7 @@ class ServerPanel(QWidget):
     def _run_off_thread(self, job: Callable, label: str) -> None:
         self._busy = True
         self.toggle.setEnabled(False)
-        for w in (self.port, self.network, self.api_key):
+        for w in (self.port, self.network, self.api_key, self.parallel):
             w.setEnabled(False)
         self.error.setText("")
         self.url.setText(label)
@@ -221,7 +250,7 @@ class ServerPanel(QWidget):
         self._busy = False
         self.toggle.setEnabled(True)
         running = self.running
-        for w in (self.port, self.network, self.api_key):
+        for w in (self.port, self.network, self.api_key, self.parallel):
             w.setEnabled(not running)
         self.toggle.setText("Stop server" if running else "Start server")
         self.toggle.setObjectName("Danger" if running else "Primary")

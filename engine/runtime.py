@@ -522,6 +522,18 @@ class Runtime:
         """Apply a new placement to the loaded model (sessions are dropped)."""
         return self._submit("replace", placement=placement)
 
+    def set_parallel(self, parallel: int, max_queue: int | None = None) -> RequestHandle:
+        """Change how many generations run at once (and, given, how many may wait). Runs in order with
+        load and unload, after the generations already running, which finish as they would have (the
+        ones submitted after it wait); conversations then start new sessions (a batching runtime's
+        sessions come from its scheduler). The loaded model stays loaded. Cancelling the returned
+        handle while it waits leaves everything as it was."""
+        n = int(parallel)
+        q = self.max_queue if max_queue is None else int(max_queue)
+        if n < 1 or q < 0:
+            raise ValueError(f"parallel must be at least 1 and max_queue at least 0 (got {n}, {q})")
+        return self._submit("parallel", parallel=n, max_queue=q)
+
     def forget(self, conversation_id: Any) -> RequestHandle:
         """Drop a conversation's session (its cached prefix and device memory)."""
         return self._submit("forget", conversation_id=conversation_id)
@@ -615,6 +627,7 @@ class Runtime:
         handlers: dict[str, Callable[[_Request], None]] = {
             "load": self._do_load, "unload": self._do_unload, "chat": self._do_chat,
             "completion": self._do_completion, "replace": self._do_replace, "forget": self._do_forget,
+            "parallel": self._do_parallel,
         }
         return handlers[kind]
 
@@ -739,8 +752,7 @@ class Runtime:
         if sched.prefix_cache is not None:
             sched.prefix_cache.clear()
 
-    def _install(self, model: RuntimeModel, load_args: dict[str, Any]) -> None:
-        self._stop_scheduler()
+    def _start_scheduler(self, model: RuntimeModel) -> None:
         if self.parallel > 1:
             # local import: the runtime imports without the whole engine (tests, the app)
             from .model import Model
@@ -748,12 +760,35 @@ class Runtime:
             if isinstance(model, Model):
                 self._scheduler = Scheduler(model, parallel=self.parallel, max_queue=self.max_queue,
                                             prefix_cache=PrefixCache())
+
+    def _install(self, model: RuntimeModel, load_args: dict[str, Any]) -> None:
+        self._stop_scheduler()
+        self._start_scheduler(model)
         self._model = model
         self._load_args = dict(load_args)
         self._clear_sessions()
         self._model_info = _describe(model, load_args)
         self.metrics.set_devices(self._model_info.devices)
         self.state_version += 1
+
+    def _do_parallel(self, req: _Request) -> None:
+        n, q = req.args["parallel"], req.args["max_queue"]
+        if (n, q) != (self.parallel, self.max_queue):
+            while True:  # the batched generations running now finish first (new ones queue behind this)
+                with self._lock:
+                    running = [t for t in self._generation_threads if t.is_alive()]
+                if not running:
+                    break
+                if req.cancel_event.is_set():
+                    raise GenerationCancelled("the change of parallelism was cancelled")
+                running[0].join(0.05)
+            self._stop_scheduler()
+            with self._lock:
+                self.parallel, self.max_queue = n, q
+            if self._model is not None:
+                self._clear_sessions()  # sessions of the old scheduler, or of the model alone
+                self._start_scheduler(self._model)
+        req.emit("done", data={"parallel": self.parallel, "max_queue": self.max_queue})
 
     def _do_unload(self, req: _Request) -> None:
         self._drop_model()

@@ -1,9 +1,11 @@
 """The server switch: on, an official openai client talks to the app's Runtime on loopback and the
-request count rises, off, the port is closed; a busy port gives a sentence a person can act on."""
+request count rises, off, the port is closed; a busy port gives a sentence a person can act on; with
+"Requests at once" above one, concurrent requests to a real model share its decode steps."""
 
 from __future__ import annotations
 
 import socket
+import threading
 
 import openai
 import pytest
@@ -111,3 +113,50 @@ def test_an_api_key_is_required_once_set_and_the_open_network_is_warned_of(qtbot
     panel.toggle.click()
     qtbot.waitUntil(lambda: not panel.running and panel.toggle.isEnabled(), timeout=10000)
     assert panel.api_key.isEnabled() and not _port_open(port)
+
+
+def test_requests_at_once_batch_the_apps_runtime(qtbot, fixtures_dir):
+    """The real Qwen3.5 fixture model on the CPU, "Requests at once" 3: four concurrent completions from
+    the official client all answer, the runtime batched them (its scheduler saw passes of 2 or more),
+    and the GUI thread never stalled while the server started."""
+    rt = Runtime(sample_memory_s=0)
+    try:
+        rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"]).result(60)
+        assert rt.batching_metrics() is None  # the app's runtime starts one at a time
+        panel = ServerPanel(lambda: rt)
+        qtbot.addWidget(panel)
+        panel.show()
+        port = _free_port()
+        panel.port.setValue(port)
+        panel.parallel.setValue(3)
+        with Heartbeat() as hb:
+            panel.toggle.click()
+            qtbot.waitUntil(lambda: panel.running and panel.toggle.isEnabled(), timeout=10000)
+        assert hb.max_gap_ms <= 50, f"GUI thread stalled {hb.max_gap_ms:.0f} ms while starting"
+        assert not panel.parallel.isEnabled()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=60, max_retries=0)
+        replies: list = []
+        errors: list = []
+
+        def ask(i: int) -> None:
+            try:
+                replies.append(client.completions.create(model="qwen35-tiny-dense-f16", prompt=f"Count {i}:", max_tokens=48,
+                                                         temperature=0))
+            except Exception as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            qtbot.waitUntil(lambda t=t: not t.is_alive(), timeout=60000)
+        assert not errors, errors
+        assert len(replies) == 4 and all(r.usage.completion_tokens > 0 for r in replies)
+        assert rt.status()["parallel"] == 3
+        m = rt.batching_metrics()
+        assert m is not None and m["batch_size_max"] >= 2, m
+        panel.toggle.click()
+        qtbot.waitUntil(lambda: not panel.running and panel.toggle.isEnabled(), timeout=10000)
+        assert panel.parallel.isEnabled() and rt.status()["parallel"] == 3  # kept: no reply is cut off
+    finally:
+        rt.close()

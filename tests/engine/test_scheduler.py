@@ -236,6 +236,50 @@ def test_runtime_conversation_reuses_its_session_and_one_offs_share_the_cache(fi
     assert conv[1].usage.cached_tokens >= 100  # the conversation's own session kept its history
 
 
+def test_runtime_changes_its_parallelism_with_the_model_loaded(fixture, fixtures_dir):
+    """What the app's server switch does: a runtime loaded one-at-a-time starts batching when asked
+    (the same tokens, passes really shared), a conversation keeps working across the change, and going
+    back to one at a time lets the batched generation then running finish first, the model still
+    loaded."""
+    from minecart.engine.runtime import Runtime
+
+    _, prompts, expected = fixture
+    with Runtime(sample_memory_s=0) as rt:
+        rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"]).result(60)
+        assert rt.batching_metrics() is None and rt.status()["parallel"] == 1
+        before = rt.complete(prompts["chat"], greedy_params(max_tokens=2), conversation_id="c").wait(30)
+        assert before.kind == "done"
+        with pytest.raises(ValueError, match="at least 1"):
+            rt.set_parallel(0)
+        changed = rt.set_parallel(3, max_queue=4).wait(30)
+        assert changed.kind == "done" and changed.data == {"parallel": 3, "max_queue": 4}
+        assert rt.status()["parallel"] == 3
+        names = ["short", "len70", "chat", "random100"]
+        handles = [rt.complete(prompts[n], greedy_params(max_tokens=MAX_TOKENS)) for n in names]
+        for name, h in zip(names, handles, strict=True):
+            tokens = [ev.generation.token for ev in h.events(30) if ev.kind == "token" and ev.generation]
+            assert h.final is not None and h.final.kind == "done", h.final
+            assert tokens == expected[name][0], name
+        m = rt.batching_metrics()
+        assert m is not None and m["batch_size_max"] >= 2
+        # the conversation goes on, now in a session of the scheduler's
+        again = rt.complete(prompts["chat"] + [5, 6], greedy_params(max_tokens=2), conversation_id="c").wait(30)
+        assert again.kind == "done"
+        # back to one at a time while a batched generation runs: it finishes first, the model stays
+        long = rt.complete(prompts["short"], greedy_params(max_tokens=200))
+        deadline = time.time() + 10
+        while not any(ev.kind == "token" for ev in [long.poll()] if ev) and time.time() < deadline:
+            time.sleep(0.01)
+        back = rt.set_parallel(1)
+        assert back.wait(30).kind == "done"
+        assert long.wait(0).kind == "done"  # already over when the change was: it finished first
+        assert long.final is not None and long.final.usage.completion_tokens > 1
+        assert rt.batching_metrics() is None and rt.loaded
+        tokens = [ev.generation.token for ev in rt.complete(prompts["len70"], greedy_params(max_tokens=MAX_TOKENS))
+                  .events(30) if ev.kind == "token" and ev.generation]
+        assert tokens == expected["len70"][0]
+
+
 def test_a_stream_closed_unread_gives_its_place_up(fixture):
     model, prompts, _ = fixture
     sched = Scheduler(model, parallel=1, max_queue=2)
