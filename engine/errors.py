@@ -62,6 +62,12 @@ class DeviceError(MinecartError):
     """A compute device is missing, unusable, or ran out of memory."""
 
 
+class OutOfDeviceMemory(DeviceError):
+    """A device had no room left for an allocation (a simulated card's cap: engine/rig.py). The CUDA
+    backend's own out-of-memory error is CuPy's, a MemoryError: callers that can wait for memory catch
+    both (engine/scheduler.py)."""
+
+
 class ImageError(MinecartError):
     """An image could not be read or is unsafe to decode (truncated, unsupported, too large)."""
 

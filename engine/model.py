@@ -180,9 +180,15 @@ class Model:
         # engine/session.py initial_capacity), so a session's caches never grow past the plan
         cap = capacity or initial_capacity(self)
         kv_type = kv_type or self.kv_type
-        return [self.module.new_layer_state(self.config, _with_kv_type(self.backends[f"layer.{i}"], kv_type),
-                                            i, cap)
-                for i in range(self.config.n_layers)]
+        states: list[LayerState] = []
+        try:
+            for i in range(self.config.n_layers):
+                states.append(self.module.new_layer_state(
+                    self.config, _with_kv_type(self.backends[f"layer.{i}"], kv_type), i, cap))
+        except BaseException:
+            self._free_states(states)  # no half-made session keeps device memory (or a rig's charge)
+            raise
+        return states
 
     def logits(self, token_ids, positions=None, embed_override=None) -> np.ndarray:
         """Full logit rows (T, vocab) float32 for a fresh sequence (no session state is touched).

@@ -113,6 +113,14 @@ class PrefixCache:
         forked from it keeps no more than it covers (the request's own session grows as it goes)."""
         ids = [int(t) for t in ids]
         node, session = self._resume(new_session, ids)
+        try:
+            return self._extend(node, session, ids, cancel)
+        except BaseException:
+            session.close()  # out of memory, or an error: the session goes, its memory with it
+            raise
+
+    def _extend(self, node: _Node, session: Session, ids: list[int],
+                cancel: threading.Event | None) -> CacheStart:
         cached = node.n_tokens
         t0 = time.perf_counter()
         prefilled = 0

@@ -34,6 +34,8 @@ _BATCHING: dict[str, tuple[str, str, str]] = {
     "rejected": ("minecart_requests_rejected_total", "counter",
                  "Requests refused because the queue was full (HTTP 429)."),
     "finished": ("minecart_requests_finished_total", "counter", "Generations that ended."),
+    "memory_waits": ("minecart_memory_waits_total", "counter",
+                     "Generations that waited for another to end before their KV cache fitted."),
     "cache_hit_rate": ("minecart_prefix_cache_hit_rate", "gauge",
                        "Prompt tokens restored from the prefix cache / prompt tokens looked up."),
     "cache_hits": ("minecart_prefix_cache_hits_total", "counter", "Requests that resumed from the cache."),

@@ -46,7 +46,7 @@ from typing import Any
 from . import gpu_profiles
 from .backends.numpy_backend import NumpyBackend
 from .devices import DeviceInfo
-from .errors import DeviceError
+from .errors import DeviceError, OutOfDeviceMemory
 from .placement import DeviceSpec, DeviceSpeed, GiB, KiB, Link, MiB, check_device_name, format_bytes
 
 # ------------------------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ class RigBackend:
         if over:
             assert cap is not None
             self._inner.free(obj)
-            raise DeviceError(
+            raise OutOfDeviceMemory(
                 f"{self.device} is out of memory: {what} needs {format_bytes(n)}, "
                 f"{format_bytes(self.used_bytes)} of its {format_bytes(cap)} cap are in use; "
                 f"move layers to another device or lower the context")

@@ -31,19 +31,21 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from .errors import GenerationCancelled, RequestError
+from .errors import GenerationCancelled, OutOfDeviceMemory, RequestError
 from .execution import Override, shift_override
 from .generation import GenerationEvent, check_fits_context, generate
 from .prefix_cache import CacheStart, PrefixCache
 from .prompt import PromptInput
 from .sampling import SamplingParams, TopLogits
 from .session import Session
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from .model import Model
@@ -188,6 +190,7 @@ class _Counters:
     max_batch: int = 0
     rejected: int = 0  # QueueFull raised
     finished: int = 0
+    memory_waits: int = 0  # admitted generations that waited for another to end before their memory
     recent: deque = field(default_factory=deque)  # (time, decode tokens) of recent steps
 
 
@@ -276,10 +279,16 @@ class Scheduler:
                 # a one-off session is not kept, so no later turn comes back to a turn boundary
                 extras = {}
                 check_fits_context(self.model, len(prompt))  # before the cache prefills its blocks
-                start = self.prefix_cache.start(self.new_session, prompt, cancel)
-                session = start.session
+                cache = self.prefix_cache
+                start = self._with_memory(lambda: cache.start(self.new_session, prompt, cancel), cancel)
+                session = None if start is None else start.session
             elif session is None:
-                session = self.new_session()
+                session = self._with_memory(self.new_session, cancel)
+            if session is None:  # cancelled (or shut down) while it waited for memory
+                yield GenerationEvent(token=None, text="", finish_reason="cancelled", prompt_tokens=0,
+                                      generated_tokens=0, prompt_tps=None, generation_tps=None,
+                                      elapsed=time.perf_counter() - t0)
+                return
             for ev in generate(self.model, prompt, params, session=session, cancel=cancel,
                                enable_thinking=enable_thinking, **extras):
                 yield ev if start is None else _cache_accounted(ev, start)
@@ -290,6 +299,36 @@ class Scheduler:
                 self._running -= 1
                 self._counters.finished += 1
                 self._cond.notify_all()
+
+    def _with_memory(self, make: Callable[[], _T], cancel: threading.Event | None) -> _T | None:
+        """make() (a request's new session, or its start from the prefix cache), waiting for memory
+        when the devices have none left for it: the prefix cache's entries go first, then the request
+        waits until another running generation ends and tries again. Alone (nothing else running
+        could free memory) the error is raised, saying what each request holds. None: cancelled or
+        shut down while waiting."""
+        tried_cache = False
+        while True:
+            try:
+                return make()
+            except (OutOfDeviceMemory, MemoryError) as exc:
+                if not tried_cache and self.prefix_cache is not None and self.prefix_cache.nbytes:
+                    tried_cache = True
+                    self.prefix_cache.clear()  # its holders' KV caches and snapshots
+                    continue
+                with self._cond:
+                    if self._running <= 1:  # nothing else running could free memory
+                        if self.parallel == 1:
+                            raise
+                        raise OutOfDeviceMemory(
+                            f"{exc} (each of the {self.parallel} generations allowed at once holds its own "
+                            "KV cache: lower --parallel / \"Requests at once\" or the context)") from exc
+                    self._counters.memory_waits += 1
+                    ended = self._counters.finished
+                    while self._counters.finished == ended:
+                        if self._closed or (cancel is not None and cancel.is_set()):
+                            return None
+                        self._cond.wait(0.1)
+                tried_cache = False
 
     def _wait_for_slot(self, ticket: int, cancel: threading.Event | None) -> bool:
         """Block until `ticket` is first in line and a slot is free (True), or cancel / shutdown
@@ -454,6 +493,7 @@ class Scheduler:
                 "decode_tokens_per_s": rate,
                 "rejected": c.rejected,
                 "finished": c.finished,
+                "memory_waits": c.memory_waits,
             }
         return out
 

@@ -280,6 +280,54 @@ def test_runtime_changes_its_parallelism_with_the_model_loaded(fixture, fixtures
         assert tokens == expected["len70"][0]
 
 
+def _capped_runtime(fixtures_dir, cap: str, parallel: int):
+    from minecart.engine.rig import Rig
+    from minecart.engine.runtime import Runtime
+
+    rig = Rig.parse(f"cpu:0={cap}")
+    rt = Runtime(sample_memory_s=0, parallel=parallel)
+    loaded = rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=rig, context=4096).wait(60)
+    assert loaded.kind == "done", loaded.text
+    return rt, rig
+
+
+def test_a_request_waits_for_memory_instead_of_failing(fixture, fixtures_dir):
+    """A card with room for two sessions' KV caches (a simulated 12 MiB cap, 4,096-token context) and
+    3 requests at once: the third, started while the first two run, waits for one of them to end
+    and then answers with the tokens it gives alone (it used to fail with out of memory)."""
+    _, prompts, expected = fixture
+    rt, rig = _capped_runtime(fixtures_dir, "12MiB", 3)
+    with rt:
+        running = [rt.complete(prompts[n], greedy_params(max_tokens=150)) for n in ("short", "single")]
+        for h in running:  # both hold their sessions
+            first = h.get(30)
+            while first.kind != "token":
+                first = h.get(30)
+        third = rt.complete(prompts["len70"], greedy_params(max_tokens=MAX_TOKENS))
+        tokens = [ev.generation.token for ev in third.events(60) if ev.kind == "token" and ev.generation]
+        assert third.final is not None and third.final.kind == "done", third.final
+        assert tokens == expected["len70"][0]
+        assert all(h.wait(60).kind == "done" for h in running)
+        m = rt.batching_metrics()
+        assert m is not None and m["memory_waits"] >= 1, m
+        assert rig.backend("cpu:0").peak_bytes <= 12 * 2**20
+
+
+def test_a_request_that_cannot_fit_even_alone_says_what_to_lower(fixture, fixtures_dir):
+    _, prompts, _ = fixture
+    rt, rig = _capped_runtime(fixtures_dir, "12MiB", 2)
+    with rt:
+        loaded = rig.backend("cpu:0").used_bytes  # what the model itself holds
+    rt, rig = _capped_runtime(fixtures_dir, f"{loaded + 2**20}B", 2)  # the model fits, a session does not
+    with rt:
+        used = rig.backend("cpu:0").used_bytes
+        final = rt.complete(prompts["short"], greedy_params(max_tokens=4)).wait(30)
+        assert final.kind == "error"
+        assert "out of memory" in final.text and "Requests at once" in final.text, final.text
+        assert rig.backend("cpu:0").used_bytes == used  # nothing of the failed session stayed charged
+        assert rt.loaded  # the model and the runtime carry on
+
+
 def test_a_stream_closed_unread_gives_its_place_up(fixture):
     model, prompts, _ = fixture
     sched = Scheduler(model, parallel=1, max_queue=2)
