@@ -81,6 +81,9 @@ def register(subparsers) -> None:
     p.add_argument("--host-experts", action="store_true",
                    help="MoE: keep the routed experts on the rig's first CPU device (host RAM); the same "
                         "as --experts-on host")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="sequences held at once (minecart serve --parallel N, the app's \"Requests at once\"): "
+                        "each keeps its own KV cache for the whole context and its own state; default 1")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -90,6 +93,8 @@ def run(args) -> int:
 
     if args.context < 1:
         raise DeviceError(f"--context {args.context} is not a number of tokens; give 1 or more")
+    if args.parallel < 1:
+        raise DeviceError(f"--parallel {args.parallel}: give 1 or more sequences")
     devices = _devices(Rig.parse(args.rig), args.exclude) if args.rig else _present_devices(args)
     costs = _costs(args, devices)
     if costs.context_length and args.context > costs.context_length:
@@ -109,8 +114,8 @@ def run(args) -> int:
     if experts_on is not None and any(d.name.startswith("cuda") for d in devices):
         chunk = max(chunk, STREAMED_EXPERTS_CHUNK)  # as the engine runs streamed host-RAM experts
     choices = plan_candidates(costs, devices, context=args.context, chunk=chunk, kv_type=args.kv_type,
-                              reserve=RESERVE, experts_device="" if experts is not None else experts_device,
-                              experts=experts)
+                              reserve=RESERVE, n_sequences=args.parallel,
+                              experts_device="" if experts is not None else experts_device, experts=experts)
     if experts_on == "auto":
         # each split with every expert in host RAM, then its GPUs filled back: the fastest that fits.
         # (Every split, not only the best with all the experts on the host: the host holds its experts
@@ -122,7 +127,7 @@ def run(args) -> int:
         choices = filled[:1] + choices
     best = choices[0]
     advice = [] if best.fits else _advice(costs, devices, args, choices, experts_device)
-    report = _report(costs, devices, best, args.context, args.kv_type, advice)
+    report = _report(costs, devices, best, args.context, args.kv_type, advice, args.parallel)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -221,13 +226,23 @@ def _host_device(devices: list[DeviceSpec], costs: ModelCosts) -> str:
 def _advice(costs: ModelCosts, devices: list[DeviceSpec], args, choices: list[PlanChoice],
             experts_device: str) -> list[str]:
     out: list[str] = []
+    n = args.parallel
     longest = max(c.max_context for c in choices)
     if longest >= 1:
-        out.append(f"less context: up to {longest} tokens fit with a {args.kv_type} KV cache (--context {longest})")
+        each = f" for each of {n} sequences" if n > 1 else ""
+        out.append(f"less context: up to {longest} tokens fit{each} with a {args.kv_type} KV cache "
+                   f"(--context {longest})")
+    for fewer in range(n - 1, 0, -1):  # the most sequences at once that fit this context
+        c = plan_candidates(costs, devices, context=args.context, chunk=args.chunk, kv_type=args.kv_type,
+                            reserve=RESERVE, n_sequences=fewer, experts_device=experts_device)
+        if c[0].fits:
+            out.append(f"fewer sequences at once: --parallel {fewer} fits {args.context} tokens"
+                       f"{' each' if fewer > 1 else ''}")
+            break
     smaller = KV_ORDER[KV_ORDER.index(args.kv_type) + 1:] if args.kv_type in KV_ORDER else ()
     for kv in smaller:
         c = plan_candidates(costs, devices, context=args.context, chunk=args.chunk, kv_type=kv, reserve=RESERVE,
-                            experts_device=experts_device)
+                            n_sequences=n, experts_device=experts_device)
         if c[0].fits:
             out.append(f"a smaller KV cache: --kv-type {kv} fits {args.context} tokens "
                        f"(up to {c[0].max_context})")
@@ -237,7 +252,7 @@ def _advice(costs: ModelCosts, devices: list[DeviceSpec], args, choices: list[Pl
         expert_bytes = sum(p.expert_bytes for p in costs.parts)
         if cpus:
             c = plan_candidates(costs, devices, context=args.context, chunk=args.chunk, kv_type=args.kv_type,
-                                reserve=RESERVE, experts_device=cpus[0].name)
+                                reserve=RESERVE, n_sequences=n, experts_device=cpus[0].name)
             if c[0].fits:
                 out.append(f"routed experts in host RAM: --host-experts fits ({format_bytes(expert_bytes)} of "
                            f"experts on {cpus[0].name}, decode about {c[0].speed.decode_tokens_per_s:.1f} tokens/s)")
@@ -271,7 +286,7 @@ def kv_bytes_per_token(costs: ModelCosts, kv_type: str) -> int:
 
 
 def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, context: int, kv_type: str,
-            advice: list[str]) -> dict[str, Any]:
+            advice: list[str], parallel: int = 1) -> dict[str, Any]:
     plan = choice.plan
     per = plan.bytes_per_device()
     by_name = {d.name: d for d in devices}
@@ -296,6 +311,7 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
         "fits": bool(choice.fits),
         "context": int(context),
         "kv_type": kv_type,
+        "parallel": int(parallel),  # sequences held at once, each with the whole context
         "devices": rows,
         "predicted": {"decode_tokens_per_s": round(choice.speed.decode_tokens_per_s, 2),
                       "prefill_tokens_per_s": round(choice.speed.prefill_tokens_per_s, 1),
@@ -338,7 +354,8 @@ def _runs(labels: list[str]) -> str:
 
 
 def _table(r: dict[str, Any]) -> str:
-    head = (f"{r['model']} at {r['context']} tokens of context, {r['kv_type']} KV cache "
+    each = f" for each of {r['parallel']} sequences at once" if r["parallel"] > 1 else ""
+    head = (f"{r['model']} at {r['context']} tokens of context{each}, {r['kv_type']} KV cache "
             f"({format_bytes(r['kv_bytes_per_token'])} per token): {'fits' if r['fits'] else 'DOES NOT FIT'}")
     lines = [head, ""]
     cols = ("device", "card", "capacity", "planned", "weights", "KV cache", "other", "parts")

@@ -65,6 +65,36 @@ def test_no_fit_says_what_would_and_each_suggestion_fits(capsys):
     assert "DOES NOT FIT" in out.out and "What would" in out.err
 
 
+def test_parallel_sequences_each_hold_the_whole_context(capsys):
+    """--parallel N (serve --parallel, the app's "Requests at once"): N KV caches of the whole context.
+    9B Q4_K on one 8 GiB card: 4 sequences of 16K fit (4 x 16,384 x 32 KiB = 2 GiB of KV); 4 of 48K do
+    not, and each suggestion fits: a shorter context for each, fewer at once, a smaller KV type."""
+    import re
+
+    args = ["--shape", "qwen3.5-9b", "--quant", "q4_k", "--rig", "cuda:0=8GiB"]
+    rc, one = plan(capsys, *args, "--context", "16384")
+    rc4, four = plan(capsys, *args, "--context", "16384", "--parallel", "4")
+    assert rc == rc4 == 0 and one["parallel"] == 1 and four["parallel"] == 4
+    assert four["kv_bytes_per_token"] == one["kv_bytes_per_token"]  # per token of one sequence
+    kv1, kv4 = one["devices"][0]["kv_cache_bytes"], four["devices"][0]["kv_cache_bytes"]
+    assert kv1 == 16384 * one["kv_bytes_per_token"] and kv4 == 4 * kv1
+    assert four["devices"][0]["planned_bytes"] - one["devices"][0]["planned_bytes"] >= 3 * kv1
+    assert four["max_context"] < one["max_context"]
+    rc, r = plan(capsys, *args, "--context", "49152", "--parallel", "4")
+    assert rc == 1 and not r["fits"]
+    text = " ".join(r["suggestions"])
+    longest = r["max_context"]
+    assert f"--context {longest}" in text and "for each of 4 sequences" in text
+    assert plan(capsys, *args, "--context", str(longest), "--parallel", "4")[0] == 0
+    fewer = int(re.search(r"--parallel (\d+)", text).group(1))
+    assert fewer < 4 and plan(capsys, *args, "--context", "49152", "--parallel", str(fewer))[0] == 0
+    assert plan(capsys, *args, "--context", "49152", "--parallel", str(fewer + 1))[0] == 1
+    kv = re.search(r"--kv-type (\w+)", text).group(1)
+    assert plan(capsys, *args, "--context", "49152", "--parallel", "4", "--kv-type", kv)[0] == 0
+    assert main(["plan", *args, "--context", "16384", "--parallel", "4"]) == 0
+    assert "for each of 4 sequences at once" in capsys.readouterr().out
+
+
 def test_weights_too_big_asks_for_memory(capsys):
     rc, r = plan(capsys, "--shape", "qwen3.5-27b", "--quant", "q4_k", "--rig", "cuda:0=6GiB")
     assert rc == 1 and "more memory" in r["suggestions"][0]
@@ -148,6 +178,7 @@ def test_a_fixture_file(capsys, fixtures_dir):
     (["--shape", "qwen3.5-9b", "--quant", "zz", "--rig", "cuda:0=8GiB"], "'ZZ' is not a GGML type"),
     (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--context", "300000"], "trained for (262144 tokens)"),
     (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--context", "0"], "give 1 or more"),
+    (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--parallel", "0"], "give 1 or more sequences"),
 ])
 def test_bad_input_is_explained(capsys, args, words):
     assert main(["plan", *args]) == 1
