@@ -194,6 +194,12 @@ class _Counters:
     recent: deque = field(default_factory=deque)  # (time, decode tokens) of recent steps
 
 
+def _cancelled_before_start(t0: float) -> GenerationEvent:
+    """The one event of a generation cancelled before its first pass (t0: when it was asked for)."""
+    return GenerationEvent(token=None, text="", finish_reason="cancelled", prompt_tokens=0, generated_tokens=0,
+                           prompt_tps=None, generation_tps=None, elapsed=time.perf_counter() - t0)
+
+
 class Scheduler:
     """Runs the generations of many callers on one model (see the module docstring).
 
@@ -267,9 +273,7 @@ class Scheduler:
         t0 = time.perf_counter()
         admitted = self._wait_for_slot(ticket, cancel)
         if not admitted:
-            yield GenerationEvent(token=None, text="", finish_reason="cancelled", prompt_tokens=0,
-                                  generated_tokens=0, prompt_tps=None, generation_tps=None,
-                                  elapsed=time.perf_counter() - t0)
+            yield _cancelled_before_start(t0)
             return
         own = session is None
         start: CacheStart | None = None
@@ -285,9 +289,7 @@ class Scheduler:
             elif session is None:
                 session = self._with_memory(self.new_session, cancel)
             if session is None:  # cancelled (or shut down) while it waited for memory
-                yield GenerationEvent(token=None, text="", finish_reason="cancelled", prompt_tokens=0,
-                                      generated_tokens=0, prompt_tps=None, generation_tps=None,
-                                      elapsed=time.perf_counter() - t0)
+                yield _cancelled_before_start(t0)
                 return
             for ev in generate(self.model, prompt, params, session=session, cancel=cancel,
                                enable_thinking=enable_thinking, **extras):
