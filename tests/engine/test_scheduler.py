@@ -188,17 +188,24 @@ def batching_runtime(fixtures_dir):
     rt.close()
 
 
-def test_runtime_runs_completions_concurrently_with_the_same_tokens(fixture, batching_runtime):
-    _, prompts, expected = fixture
-    rt = batching_runtime
-    names = ["short", "len70", "chat", "random100", "len128"]  # 5 = 3 running + 2 queued
+def _complete_concurrently(rt, prompts: dict, expected: dict, names: list[str]) -> dict:
+    """Submit one greedy completion per name at once; each must give its one-at-a-time tokens, and the
+    runtime's steps must have held 2 or more sequences -> its batching metrics."""
     handles = [rt.complete(prompts[n], greedy_params(max_tokens=MAX_TOKENS)) for n in names]
     for name, h in zip(names, handles, strict=True):
         tokens = [ev.generation.token for ev in h.events(30) if ev.kind == "token" and ev.generation]
         assert h.final is not None and h.final.kind == "done", h.final
         assert tokens == expected[name][0], name
     m = rt.batching_metrics()
-    assert m is not None and m["batch_size_max"] >= 2 and m["running"] == 0
+    assert m is not None and m["batch_size_max"] >= 2, m
+    return m
+
+
+def test_runtime_runs_completions_concurrently_with_the_same_tokens(fixture, batching_runtime):
+    _, prompts, expected = fixture
+    rt = batching_runtime
+    m = _complete_concurrently(rt, prompts, expected, ["short", "len70", "chat", "random100", "len128"])
+    assert m["running"] == 0  # 5 = 3 running + 2 queued, all over
     assert rt.status()["parallel"] == 3
 
 
@@ -254,14 +261,7 @@ def test_runtime_changes_its_parallelism_with_the_model_loaded(fixture, fixtures
         changed = rt.set_parallel(3, max_queue=4).wait(30)
         assert changed.kind == "done" and changed.data == {"parallel": 3, "max_queue": 4}
         assert rt.status()["parallel"] == 3
-        names = ["short", "len70", "chat", "random100"]
-        handles = [rt.complete(prompts[n], greedy_params(max_tokens=MAX_TOKENS)) for n in names]
-        for name, h in zip(names, handles, strict=True):
-            tokens = [ev.generation.token for ev in h.events(30) if ev.kind == "token" and ev.generation]
-            assert h.final is not None and h.final.kind == "done", h.final
-            assert tokens == expected[name][0], name
-        m = rt.batching_metrics()
-        assert m is not None and m["batch_size_max"] >= 2
+        _complete_concurrently(rt, prompts, expected, ["short", "len70", "chat", "random100"])
         # the conversation goes on, now in a session of the scheduler's
         again = rt.complete(prompts["chat"] + [5, 6], greedy_params(max_tokens=2), conversation_id="c").wait(30)
         assert again.kind == "done"
