@@ -225,6 +225,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._passes: list[_Pass] = []
         self._running = 0  # admitted generations
+        self._holding = 0  # of those, the ones holding a session (memory another may wait for)
         self._queue: deque[int] = deque()  # tickets of callers waiting for a slot, in order
         self._tickets = itertools.count()
         self._closed = False
@@ -277,6 +278,7 @@ class Scheduler:
             return
         own = session is None
         start: CacheStart | None = None
+        holds = False
         try:
             if session is None and self.prefix_cache is not None and set(extras) <= {"turn_boundary"} \
                     and isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
@@ -291,6 +293,9 @@ class Scheduler:
             if session is None:  # cancelled (or shut down) while it waited for memory
                 yield _cancelled_before_start(t0)
                 return
+            with self._cond:
+                self._holding += 1
+                holds = True
             for ev in generate(self.model, prompt, params, session=session, cancel=cancel,
                                enable_thinking=enable_thinking, **extras):
                 yield ev if start is None else _cache_accounted(ev, start)
@@ -299,15 +304,17 @@ class Scheduler:
                 session.close()
             with self._cond:
                 self._running -= 1
+                if holds:
+                    self._holding -= 1
                 self._counters.finished += 1
                 self._cond.notify_all()
 
     def _with_memory(self, make: Callable[[], _T], cancel: threading.Event | None) -> _T | None:
         """make() (a request's new session, or its start from the prefix cache), waiting for memory
         when the devices have none left for it: the prefix cache's entries go first, then the request
-        waits until another running generation ends and tries again. Alone (nothing else running
-        could free memory) the error is raised, saying what each request holds. None: cancelled or
-        shut down while waiting."""
+        waits until another generation holding a session ends and tries again. When none holds one
+        (nothing could free memory; two requests that both found none do not wait for each other) the
+        error is raised, saying what each request holds. None: cancelled or shut down while waiting."""
         tried_cache = False
         while True:
             try:
@@ -318,7 +325,7 @@ class Scheduler:
                     self.prefix_cache.clear()  # its holders' KV caches and snapshots
                     continue
                 with self._cond:
-                    if self._running <= 1:  # nothing else running could free memory
+                    if not self._holding:  # nothing running holds memory that its end would free
                         if self.parallel == 1:
                             raise
                         raise OutOfDeviceMemory(

@@ -324,6 +324,9 @@ def test_a_request_that_cannot_fit_even_alone_says_what_to_lower(fixture, fixtur
         final = rt.complete(prompts["short"], greedy_params(max_tokens=4)).wait(30)
         assert final.kind == "error"
         assert "out of memory" in final.text and "Requests at once" in final.text, final.text
+        # two at once that both find no room do not wait for each other: both are told, at once
+        both = [rt.complete(prompts[n], greedy_params(max_tokens=4)) for n in ("short", "single")]
+        assert [h.wait(30).kind for h in both] == ["error", "error"]
         assert rig.backend("cpu:0").used_bytes == used  # nothing of the failed session stayed charged
         assert rt.loaded  # the model and the runtime carry on
 
