@@ -74,7 +74,7 @@ class ApiServer:
         self.host = host
         self.port = int(port)
         self.api_key = api_key
-        self.parallel = max(1, int(parallel))
+        self.parallel = int(parallel)  # Runtime.set_parallel refuses less than 1
         self.counter: RequestCounter | None = None
         self._thread: ServerThread | None = None
 

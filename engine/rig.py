@@ -6,7 +6,7 @@ NumPy backends), an optional memory cap, and an optional simulated link (a PCIe 
 about 250 MB/s). `Rig.backend(name)` returns a `RigBackend`: the real backend behind a thin proxy that
 
 - counts the bytes of what it allocates (weights, KV caches, recurrent state, `zeros`), and raises
-  DeviceError when a logical device would go over its cap — the error names the device, the cap and
+  OutOfDeviceMemory (a DeviceError) when a logical device would go over its cap — the error names the device, the cap and
   the allocation, so a plan that would not fit a 4 GiB card fails the same way on a 140 GiB one;
 - charges every host<->device copy (`asarray`, `to_numpy`) to the device's link: a copy of N bytes
   waits latency + N / bandwidth, measured from when the copy starts, so compute that overlaps it
@@ -16,8 +16,8 @@ about 250 MB/s). `Rig.backend(name)` returns a `RigBackend`: the real backend be
   riser's copy would sit: `graph_step` has each stage's graph hold its stream for the link's time
   before its copy of the arriving hidden state and after its copy of the leaving one (a captured
   single-thread kernel waiting on the GPU's global timer, kernels/link.cu), and the next stage follows
-  the graph's event as it does without a link. The host thread never sleeps for a link there, as it would not on a rig whose
-  copies run on the cards' copy engines. Simulated: the time (latency + bytes / rate, per riser, in
+  the graph's event as it does without a link. The host thread never sleeps for a link there, as it
+  would not on a rig whose copies run on the cards' copy engines. Simulated: the time (latency + bytes / rate, per riser, in
   order with the stages); real: the copies themselves (the H200's PCIe, a few microseconds). A step
   that cannot use its graph runs eagerly through asarray / to_numpy_into (host waits, as above). The
   logits row's copy to the host is not charged in graph decode (placement.predict_speed's
@@ -342,23 +342,20 @@ class RigBackend:
             return self._inner.host_round_trip(x, host_x, host_y, fn, arg)
         n = int(host_x.nbytes) + int(host_y.nbytes)
         seconds = link.seconds(int(host_x.nbytes)) + link.seconds(int(host_y.nbytes))
-        self._hold(seconds, None)
+        self._hold(seconds)
         with self._lock:
             self.transferred_bytes += n
             self.transfer_seconds += seconds
         return self._inner.host_round_trip(x, host_x, host_y, fn, arg)
 
-    def _hold(self, seconds: float, after):
-        """The link's `seconds`, after `after` (an event, or None: now). On a CUDA device: the real
-        backend's graph stream is held that long on the GPU (CupyBackend.hold, kernels/link.cu) ->
-        the event at its end, and the host goes on. On a host device (no streams): wait for `after`,
-        then for the time itself -> None (done)."""
+    def _hold(self, seconds: float) -> None:
+        """The link's `seconds`, from now: on a CUDA device the real backend's graph stream is held
+        that long on the GPU (CupyBackend.hold, kernels/link.cu) and the host goes on; on a host device
+        (no streams) the host waits."""
         if self.rig_device.physical.startswith("cuda:"):
-            return self._inner.hold(seconds, after)
-        if after is not None:
-            after.synchronize()
+            self._inner.hold(seconds)
+            return
         _wait_until(time.perf_counter() + seconds)
-        return None
 
     def asarray(self, host_array):
         started = time.perf_counter()
