@@ -3,9 +3,10 @@ kernel variant, as GPU time, GB/s of weight bytes and % of the copy bandwidth me
 
 `python -m minecart.kernels.bench_gemv` (about 30 s on an H200, compiles included). Weights are random
 blocks made on the device (sane fp16 scales); several copies of each matrix are cycled (>= 256 MB per
-shape) so that they come from HBM, not L2, as in a decode step. Q8_0 runs gemv_dp4a ("old") and
-gemv_dp4a_split (ops.GEMV_VARIANT); the K-quants run gemv_kq in each compiled shape and the generic
-kernels over the same layout ("split", ops.GEMV_KQ_VARIANT). The bytes counted are the device bytes
+shape) so that they come from HBM, not L2, as in a decode step. Q8_0 runs gemv_dp4a ("old"),
+gemv_dp4a_split and gemv_dp4a_stream (ops.GEMV_VARIANT); the K-quants run gemv_kq in each compiled
+shape, gemv_kq_stream ("sN") and the generic kernels over the same layout ("split",
+ops.GEMV_KQ_VARIANT). The bytes counted are the device bytes
 (`QWeight.nbytes`: the file's, Q6_K plus the padding of a tail group). The last lines weight each
 shape by its launches per 9B decode step.
 
@@ -34,7 +35,7 @@ import cupy as cp
 import numpy as np
 
 from . import kquant_layout, ops
-from .build import GEMV_KQ, GEMV_KQ_MT, GEMV_MT
+from .build import GEMV_KQ_MT, GEMV_MT
 from .probe import measure_copy, random_q8_0, time_gpu
 
 # (rows, row length, residual epilogue) of the 9B single-token GEMVs: attention output / FFN down with
@@ -44,7 +45,7 @@ SHAPES_9B = ((4096, 4096, True), (12352, 4096, False), (24576, 4096, False), (10
 CALLS_9B = {(4096, 4096): 32, (12352, 4096): 24, (24576, 4096): 32, (10240, 4096): 8, (4096, 12288): 32,
             (248320, 4096): 1}  # launches per 9B decode step
 TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
-Q8_VARIANTS = ("old", "split1", "split2", "split4", "auto")
+Q8_VARIANTS = ("old", "split1", "split2", "split4", "stream1", "stream2", "auto")
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,9 @@ def random_weight(type_name: str, R: int, K: int, seed: int) -> ops.QWeight:
     return ops.QWeight(type_name, R, K, 1, wq, wd)
 
 
-def _kernel_name(type_name: str, R: int, K: int) -> str:
-    if type_name in kquant_layout.KQUANT_TYPES:
-        kq = ops._gemv_kq(type_name, R, K)
-        if kq is not None:
-            return f"gemv_kq<{kq[0]}x{kq[1]}>"
-    split = ops._gemv_split(R, K)
-    return "gemv_dp4a" if split is None else f"gemv_dp4a_split<{split[0]}, pf {split[1]}>"
+def _kernel_name(w: ops.QWeight) -> str:
+    one = ops._single_gemv(w, w.rows, w.cols)
+    return "gemv_dp4a" if one is None else f"{one[0]} x{one[1]}"
 
 
 def run(shapes=SHAPES_9B, types=TYPES, cycle_bytes: int = 256 << 20, reps: int = 5,
@@ -96,7 +93,7 @@ def run(shapes=SHAPES_9B, types=TYPES, cycle_bytes: int = 256 << 20, reps: int =
     rng = np.random.default_rng(0)
     try:
         for type_name in types:
-            variants = Q8_VARIANTS if type_name == "Q8_0" else ("auto", "split") + tuple(f"{a}x{b}" for a, b in GEMV_KQ)
+            variants = Q8_VARIANTS if type_name == "Q8_0" else ("auto", "split", *ops._kq_variants())
             for R, K, with_res in shapes:
                 first = random_weight(type_name, R, K, 0)
                 per = first.nbytes
@@ -116,7 +113,7 @@ def run(shapes=SHAPES_9B, types=TYPES, cycle_bytes: int = 256 << 20, reps: int =
                         ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT = "auto", v
                     t = time_gpu(call, reps) / len(ws)
                     gbs = per / t / 1e9
-                    row = Row(type_name, R, K, with_res, v, _kernel_name(type_name, R, K), t, gbs, gbs / copy)
+                    row = Row(type_name, R, K, with_res, v, _kernel_name(first), t, gbs, gbs / copy)
                     rows.append(row)
                     if out is not None:
                         print(f"{type_name} {R}x{K}{' +res' if with_res else ''} {v:7s} {row.kernel:28s} "

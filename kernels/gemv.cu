@@ -244,6 +244,33 @@ gemv_dp4a_split(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8*
     }
 }
 
+// acc += block b of a K-quant row (held raw in w, as kq_load_raw left it) dotted with activation block
+// b (q8_1: xq, xd, xs). Every lane of the warp calls it (kq_raw_scales shuffles); lanes with b >= nb
+// add nothing.
+template <int QT>
+__device__ __forceinline__ void kq_block_dot(const KqRaw& w, int ddsh, int b, int nb, const i8* __restrict__ xq,
+                                             const float* __restrict__ xd, const float* __restrict__ xs,
+                                             float& acc) {
+    float dlo, dhi, m;
+    kq_raw_scales<QT>(w, ddsh, dlo, dhi, m);
+    if (b < nb) {
+        const int4* xp = (const int4*)(xq + (i64)b * 32);
+        int4 a = xp[0], c = xp[1];
+        int xa[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
+        u32 vv[4] = {w.v.x, w.v.y, w.v.z, w.v.w};
+        int lo = 0, hi = 0;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int ql, qh;
+            kq_expand<QT>(vv[k], w.h0, w.h1, k, ql, qh);
+            lo = dp4a(ql, xa[k], lo);
+            hi = dp4a(qh, xa[4 + k], hi);
+        }
+        acc += xd[b] * (dlo * (float)lo + dhi * (float)hi);
+        if (QT != QT_Q6_K) acc += m * xs[b];
+    }
+}
+
 // gemv_kq: the single-token DP4A GEMV of the K-quants (Q4_K, Q5_K, Q6_K) in their repacked layout
 // (common.cuh), gemv_dp4a_split's geometry: blocks of 4 warps, WPR warps per row (warp sums added in
 // warp order through shared memory), 8 blocks per SM (64 registers) for NU = 4, 5 (96 registers, no
@@ -281,27 +308,7 @@ gemv_kq(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restr
                 kq_load_raw<QT>(wrow, wdrow, b, b < nb, w[u]);
             }
 #pragma unroll
-            for (int u = 0; u < NU; u++) {
-                int b = base + 32 * WPR * u + lane;
-                float dlo, dhi, m;
-                kq_raw_scales<QT>(w[u], ddsh, dlo, dhi, m);
-                if (b < nb) {
-                    const int4* xp = (const int4*)(xq + (i64)b * 32);
-                    int4 a = xp[0], c = xp[1];
-                    int xa[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
-                    u32 vv[4] = {w[u].v.x, w[u].v.y, w[u].v.z, w[u].v.w};
-                    int lo = 0, hi = 0;
-#pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        int ql, qh;
-                        kq_expand<QT>(vv[k], w[u].h0, w[u].h1, k, ql, qh);
-                        lo = dp4a(ql, xa[k], lo);
-                        hi = dp4a(qh, xa[4 + k], hi);
-                    }
-                    acc += xd[b] * (dlo * (float)lo + dhi * (float)hi);
-                    if (QT != QT_Q6_K) acc += m * xs[b];
-                }
-            }
+            for (int u = 0; u < NU; u++) kq_block_dot<QT>(w[u], ddsh, base + 32 * WPR * u + lane, nb, xq, xd, xs, acc);
         }
     }
     float s = warp_sum(acc);
@@ -321,6 +328,104 @@ gemv_kq(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restr
             }
         }
     }
+}
+
+// Streaming single-token GEMVs (gemv_kq_stream for the repacked K-quants, gemv_dp4a_stream for the other
+// DP4A formats): the arithmetic of a warp per row (gemv_kq<QT, 1, NU>, gemv_dp4a_split<QT, 1, 1, PF>:
+// lane l adds blocks l, l + 32, l + 64, ... in that order, then the warp sum), so the outputs equal
+// theirs bit for bit, but each warp streams a list of tasks, one round of NU blocks a lane of one row
+// each (rows gw, gw + nw, ... for warp gw of nw, each in ceil(nb / (32 NU)) rounds), with the next
+// task's loads issued before the current one is computed: a warp keeps its loads in flight through its
+// compute, its warp sum and its change of row. Launched with at most as many blocks as the card holds
+// at once (ops._resident_blocks), so no block waits for its slowest warp before the next can start, and
+// a row of several rounds (the 12288-wide down projection) no longer waits a memory latency per round.
+// Optional residual `res` (1, R) as gemv_kq. S: how a block is held and dotted (KqStream, WbStream).
+template <int QT>
+struct KqStream {  // the K-quants' raw blocks (kq_load_raw), d/dmin by kq_block_dot's shuffles
+    typedef KqRaw Raw;
+    static __device__ __forceinline__ int ctx(int lane) { return kq_dd_shift(lane & 7); }
+    static __device__ __forceinline__ void load(const u8* wrow, const u16* wdrow, int b, int nb, Raw& r) {
+        kq_load_raw<QT>(wrow, wdrow, b, b < nb, r);
+    }
+    static __device__ __forceinline__ void dot(const Raw& r, int ctx, int b, int nb, const i8* __restrict__ xq,
+                                               const float* __restrict__ xd, const float* __restrict__ xs,
+                                               float& acc) {
+        kq_block_dot<QT>(r, ctx, b, nb, xq, xd, xs, acc);
+    }
+};
+
+template <int QT>
+struct WbStream {  // every other DP4A format: expanded blocks (load_wblock), as gemv_dp4a_split
+    typedef WBlock Raw;
+    static __device__ __forceinline__ int ctx(int) { return 0; }
+    static __device__ __forceinline__ void load(const u8* wrow, const u16* wdrow, int b, int nb, Raw& r) {
+        if (b < nb) load_wblock<QT>(wrow, wdrow, b, r);
+    }
+    static __device__ __forceinline__ void dot(const Raw& r, int, int b, int nb, const i8* __restrict__ xq,
+                                               const float* __restrict__ xd, const float* __restrict__ xs,
+                                               float& acc) {
+        if (b < nb) wblock_dot_acc(acc, r, xq, xd, xs, b);
+    }
+};
+
+template <int QT, int NU, class S>
+__device__ __forceinline__ void gemv_stream_body(const u8* __restrict__ wq, const u16* __restrict__ wd,
+                                                 const i8* __restrict__ xq, const float* __restrict__ xd,
+                                                 const float* __restrict__ xs, float* __restrict__ y, int R,
+                                                 int K, const float* __restrict__ res) {
+    const int lane = threadIdx.x & 31;
+    const int nw = gridDim.x * (blockDim.x >> 5);
+    const int nb = K >> 5;
+    const int rounds = (nb + 32 * NU - 1) / (32 * NU);
+    const int ctx = S::ctx(lane);
+    const i64 rb = row_bytes<QT>(K);
+    int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // uniform over the warp
+    int rd = 0;
+    typename S::Raw cur[NU], nxt[NU];
+    if (row < R) {
+#pragma unroll
+        for (int u = 0; u < NU; u++) S::load(wq + row * rb, wd + (i64)row * nb, 32 * u + lane, nb, cur[u]);
+    }
+    float acc = 0.0f;
+    while (row < R) {
+        int nrow = row, nrd = rd + 1;
+        if (nrd == rounds) {
+            nrd = 0;
+            nrow = row + nw;
+        }
+        if (nrow < R) {
+#pragma unroll
+            for (int u = 0; u < NU; u++)
+                S::load(wq + nrow * rb, wd + (i64)nrow * nb, 32 * (nrd * NU + u) + lane, nb, nxt[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < NU; u++) S::dot(cur[u], ctx, 32 * (rd * NU + u) + lane, nb, xq, xd, xs, acc);
+        if (nrd == 0) {
+            float s = warp_sum(acc);
+            if (lane == 0) y[row] = res != 0 ? s + res[row] : s;
+            acc = 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < NU; u++) cur[u] = nxt[u];
+        row = nrow;
+        rd = nrd;
+    }
+}
+
+template <int QT, int NU>
+__global__ void __launch_bounds__(128, 6)
+gemv_kq_stream(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+               const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
+               const float* __restrict__ res) {
+    gemv_stream_body<QT, NU, KqStream<QT>>(wq, wd, xq, xd, xs, y, R, K, res);
+}
+
+template <int QT, int NU>
+__global__ void __launch_bounds__(128, 6)
+gemv_dp4a_stream(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+                 const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
+                 const float* __restrict__ res) {
+    gemv_stream_body<QT, NU, WbStream<QT>>(wq, wd, xq, xd, xs, y, R, K, res);
 }
 
 // gemv_kq_mt: the multi-token DP4A GEMV of the K-quants (Q4_K, Q5_K, Q6_K, repacked layout) for a

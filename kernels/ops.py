@@ -27,8 +27,10 @@ from .build import (
     GEMM_BATCH_TOKENS,
     GEMV_KQ,
     GEMV_KQ_MT,
+    GEMV_KQ_STREAM,
     GEMV_MT,
     GEMV_MT_TYPES,
+    GEMV_STREAM,
     GEMV_TOKENS,
     HEAD_DIMS,
     QT,
@@ -201,36 +203,79 @@ def _chunks(T: int):
 GEMV_MAX_T = 8  # above this, the tiled GEMM reads each weight fewer times
 # Single-token DP4A GEMV (env MINECART_GEMV; read per call, so tests can switch it): "old" = gemv_dp4a,
 # one warp per row; "splitW" / "splitWpf" = gemv_dp4a_split with W (1, 2, 4) warps per row, "pf" with the
-# L2 prefetch of the next round (W = 1, 2); "auto" / "autopf" = W by matrix shape (see _gemv_split).
+# L2 prefetch of the next round (W = 1, 2); "auto" / "autopf" = W by matrix shape (see _gemv_split);
+# "streamN" = gemv_dp4a_stream with N blocks per lane a round (warps streaming rows, _single_gemv).
 GEMV_VARIANT = os.environ.get("MINECART_GEMV", "auto")
 _GEMV_SPLIT = {"split1": (1, 0), "split2": (2, 0), "split4": (4, 0), "split1pf": (1, 1), "split2pf": (2, 1)}
+_GEMV_STREAM = {f"stream{nu}": nu for nu in GEMV_STREAM}  # gemv_dp4a_stream<QT, nu>
 
 
-# Single-token DP4A GEMV of the K-quants (env MINECART_GEMV_KQ, read per call): "auto" = gemv_kq with
-# (warps per row, blocks per lane in flight) by shape (_gemv_kq), "WxN" = gemv_kq<W, N> (build.GEMV_KQ),
+# Single-token DP4A GEMV of the K-quants (env MINECART_GEMV_KQ, read per call): "auto" = by shape
+# (_gemv_kq), "WxN" = gemv_kq<W, N> (build.GEMV_KQ), "sN" = gemv_kq_stream<N> (build.GEMV_KQ_STREAM),
 # "split" = the generic kernels of GEMV_VARIANT (gemv_dp4a_split / gemv_dp4a over the same layout).
 GEMV_KQ_VARIANT = os.environ.get("MINECART_GEMV_KQ", "auto")
 
 
-def _gemv_kq(type_name: str, R: int, K: int) -> tuple[int, int] | None:
-    """(warps per row, blocks per lane in flight) of gemv_kq for a single-token K-quant GEMV, None for
-    the generic kernels. "auto": a warp per row with 4 blocks per lane in flight, up to 32K values per
-    row (the fastest or within 2% of it at every 9B decode shape on the H200, bench_gemv 2026-12-01:
-    4096x12288 Q4_K 12.0 us vs 13.3 for 2x8); 4 warps per row above that."""
+@dataclass(frozen=True)
+class KqGemv:
+    """One single-token K-quant GEMV kernel: gemv_kq<QT, wpr, nu> (a block of 4 warps per 4 / wpr rows),
+    or gemv_kq_stream<QT, nu> (stream: warps streaming rows, as many blocks as fit on the card)."""
+
+    wpr: int
+    nu: int
+    stream: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"s{self.nu}" if self.stream else f"{self.wpr}x{self.nu}"
+
+    def kernel(self, type_name: str) -> str:
+        q = QT[type_name]
+        return f"gemv_kq_stream<{q}, {self.nu}>" if self.stream else f"gemv_kq<{q}, {self.wpr}, {self.nu}>"
+
+
+def _kq_variants() -> dict[str, KqGemv]:
+    out = {f"{a}x{b}": KqGemv(a, b) for a, b in GEMV_KQ}
+    out.update({f"s{n}": KqGemv(1, n, True) for n in GEMV_KQ_STREAM})
+    return out
+
+
+def _gemv_kq(type_name: str, R: int, K: int) -> KqGemv | None:
+    """The gemv_kq kernel of a single-token K-quant GEMV, None for the generic kernels. "auto", by the
+    H200's bench_gemv (2026-12-02, every 9B decode shape, us): Q4_K (and Q5_K, its layout plus a word of
+    high bits) gemv_kq_stream with 2 blocks per lane, the fastest at every shape (4096x12288 +res 9.6
+    against 12.0 for a warp per row and 4 blocks, 12352x4096 9.6 against 10.9); Q6_K a warp per row and
+    2 blocks (its streaming form lost on the 12288-wide down projection, 18.9 against 15.4); rows of 32K
+    values or more, 4 warps per row and 4 blocks."""
     v = GEMV_KQ_VARIANT
     if v == "split" or type_name not in kquant_layout.KQUANT_TYPES:
         return None
     if v != "auto":
-        try:
-            wpr, nu = (int(a) for a in v.split("x"))
-        except ValueError:
-            raise ValueError(f"MINECART_GEMV_KQ={v!r}: use auto, split or WxN, one of "
-                             f"{', '.join(f'{a}x{b}' for a, b in GEMV_KQ)}") from None
-        if (wpr, nu) not in GEMV_KQ:
-            raise ValueError(f"MINECART_GEMV_KQ={v!r}: gemv_kq is compiled for "
-                             f"{', '.join(f'{a}x{b}' for a, b in GEMV_KQ)}")
-        return wpr, nu
-    return (4 if K >= 32768 else 1), 4
+        known = _kq_variants()
+        if v not in known:
+            raise ValueError(f"MINECART_GEMV_KQ={v!r}: use auto, split or one of {', '.join(known)}")
+        return known[v]
+    if K >= 32768:
+        return KqGemv(4, 4)
+    return KqGemv(1, 2) if type_name == "Q6_K" else KqGemv(1, 2, True)
+
+
+def _resident_blocks(kernel, name: str, threads: int) -> int:
+    """Blocks of `threads` threads of `kernel` that fit on the current card at once, by its registers a
+    thread and the card's registers and threads per multiprocessor (no shared memory: the streaming
+    GEMV uses none)."""
+    key = (cp.cuda.Device().id, name, threads)
+    if key not in _RESIDENT:
+        attrs = cp.cuda.Device().attributes
+        regs_per_warp = -(-max(1, int(kernel.num_regs)) * 32 // 256) * 256  # allocated per warp, 256 at a time
+        warps = -(-threads // 32)
+        by_regs = int(attrs["MaxRegistersPerMultiprocessor"]) // (regs_per_warp * warps)
+        by_threads = int(attrs["MaxThreadsPerMultiProcessor"]) // threads
+        _RESIDENT[key] = max(1, min(by_regs, by_threads, 16)) * sm_count()
+    return _RESIDENT[key]
+
+
+_RESIDENT: dict[tuple[int, str, int], int] = {}
 
 
 # -- multi-token K-quant GEMV (gemv_kq_mt, batched decode) --
@@ -353,6 +398,25 @@ def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int]:
     return -(-stages // per), per
 
 
+def _single_gemv(w: QWeight, R: int, K: int) -> tuple[str, int] | None:
+    """(kernel, blocks of 128 threads) of a single-token DP4A GEMV of w, None for gemv_dp4a: gemv_kq /
+    gemv_kq_stream for the K-quants (_gemv_kq), else gemv_dp4a_stream ("streamN") or gemv_dp4a_split
+    (_gemv_split) by GEMV_VARIANT. A streaming kernel gets at most the blocks the card holds at once."""
+    kq = _gemv_kq(w.type_name, R, K)
+    if kq is not None:
+        name, blocks, stream = kq.kernel(w.type_name), math.ceil(R * kq.wpr / 4), kq.stream
+    elif GEMV_VARIANT in _GEMV_STREAM:
+        name, blocks, stream = f"gemv_dp4a_stream<{QT[w.type_name]}, {_GEMV_STREAM[GEMV_VARIANT]}>", math.ceil(R / 4), True
+    else:
+        split = _gemv_split(R, K)
+        if split is None:
+            return None
+        name, blocks, stream = f"gemv_dp4a_split<{QT[w.type_name]}, 1, {split[0]}, {split[1]}>", math.ceil(R * split[0] / 4), False
+    if stream:
+        blocks = min(blocks, _resident_blocks(_mm_kernel(w, name), name, 128))
+    return name, blocks
+
+
 def _gemv_split(R: int, K: int) -> tuple[int, int] | None:
     """(warps per row, prefetch) of the single-token DP4A GEMV for R rows of K values, None for gemv_dp4a.
 
@@ -457,18 +521,11 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         grid = (math.ceil(R / warps),)
         for t0, nt in _chunks(T):
             res = residual[t0:] if residual is not None else np.uint64(0)
-            kq = _gemv_kq(w.type_name, R, K) if use_dp4a and nt == 1 else None
-            split = _gemv_split(R, K) if use_dp4a and nt == 1 and kq is None else None
-            if kq is not None:
-                wpr, nu = kq
-                k = _mm_kernel(w, f"gemv_kq<{q}, {wpr}, {nu}>")
-                k((math.ceil(R * wpr / 4),), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
-                                                      np.int32(K), res))
-            elif split is not None:
-                wpr, pf = split
-                k = _mm_kernel(w, f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>")
-                k((math.ceil(R * wpr / 4),), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
-                                                      np.int32(K), res))
+            one = _single_gemv(w, R, K) if use_dp4a and nt == 1 else None
+            if one is not None:
+                name, blocks = one
+                _mm_kernel(w, name)((blocks,), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
+                                                         np.int32(K), res))
             elif use_dp4a:
                 k = _mm_kernel(w, f"gemv_dp4a<{q}, {nt}>")
                 k(grid, (32 * warps,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),

@@ -522,7 +522,36 @@ def test_attention_decode_device_length(window):
                   f"(kv_len_ptr) {t_dev * 1e6:.1f} us, eager split {t_eag * 1e6:.1f} us")
 
 
-GEMV_VARIANTS = ("old", "split1", "split2", "split4", "split1pf", "split2pf", "auto", "autopf")
+GEMV_VARIANTS = ("old", "split1", "split2", "split4", "split1pf", "split2pf", "stream1", "stream2", "auto", "autopf")
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0"])
+def test_streaming_gemv_is_split1_bit_for_bit(monkeypatch, type_name):
+    """gemv_dp4a_stream adds the same terms in the same order as gemv_dp4a_split with one warp per row:
+    equal outputs, bit for bit, where each warp streams several rows (more rows than the card holds
+    warps at once) and rows take several rounds (the next round's loads in flight across a row change),
+    with and without the residual."""
+    from minecart.kernels import ops
+    from minecart.kernels.build import GEMV_STREAM
+
+    rng = np.random.default_rng(17)
+    streamed = False
+    for R, K in ((9001, 2304), (4099, 12544), (70001, 256)):
+        info = make_tensor(rng, type_name, (R, K), 0.05)
+        w = ops.upload_weight(info.raw, type_name, (R, K))
+        gx = cp.asarray(rng.standard_normal((1, K)).astype(np.float32))
+        gr = cp.asarray(rng.standard_normal((1, R)).astype(np.float32))
+        for nu in GEMV_STREAM:
+            for res in (None, gr):
+                monkeypatch.setattr(ops, "GEMV_VARIANT", "split1")
+                want = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
+                monkeypatch.setattr(ops, "GEMV_VARIANT", f"stream{nu}")
+                name, blocks = ops._single_gemv(w, R, K)
+                assert name.startswith("gemv_dp4a_stream<"), name
+                streamed = streamed or 4 * blocks < R
+                got = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
+                np.testing.assert_array_equal(got, want, err_msg=f"stream{nu} {R}x{K} residual={res is not None}")
+    assert streamed, "no shape had more rows than the card holds warps: the streaming loop went untested"
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])

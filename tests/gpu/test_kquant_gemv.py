@@ -114,13 +114,12 @@ def test_embed_is_bit_exact(poison, type_name):
 
 @pytest.mark.parametrize("type_name", L.KQUANT_TYPES)
 def test_single_token_gemv_variants(monkeypatch, poison, type_name):
-    """gemv_kq in every compiled (warps per row, blocks per lane) shape, "auto", and the generic
-    kernels ("split" = gemv_dp4a_split / gemv_dp4a), with and without the residual."""
+    """gemv_kq in every compiled (warps per row, blocks per lane) shape, gemv_kq_stream ("sN"), "auto",
+    and the generic kernels ("split" = gemv_dp4a_split / gemv_dp4a), with and without the residual."""
     from minecart.kernels import ops
-    from minecart.kernels.build import GEMV_KQ
 
     rng = np.random.default_rng(3)
-    variants = ["auto", "split"] + [f"{a}x{b}" for a, b in GEMV_KQ]
+    variants = ["auto", "split", *ops._kq_variants()]
     for R, K in SHAPES:
         raw = sane_blocks(type_name, R, K, rng)
         wd = dense(type_name, raw, (R, K))
@@ -140,6 +139,40 @@ def test_single_token_gemv_variants(monkeypatch, poison, type_name):
                 yr = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=gr))
                 assert nerr(yr, emu + r) < 2e-5, f"{v}/{gv} {R}x{K} +residual: error {nerr(yr, emu + r):.2e}"
     print(f"\n{type_name}: gemv variants {', '.join(variants)} agree with the emulation")
+
+
+@pytest.mark.parametrize("type_name", L.KQUANT_TYPES)
+def test_streaming_gemv_is_gemv_kq_bit_for_bit(monkeypatch, poison, type_name):
+    """gemv_kq_stream adds the same terms in the same order as gemv_kq with one warp per row: equal
+    outputs, bit for bit, on matrices with more rows than the card holds warps at once (each warp
+    streams several rows) and rows of several rounds (the next round's loads in flight across the row
+    change), with and without the residual; and within the emulation's tolerance."""
+    from minecart.kernels import ops
+    from minecart.kernels.build import GEMV_KQ_STREAM
+
+    rng = np.random.default_rng(11)
+    for R, K in ((9001, 2304), (4099, 12544), (70001, 256)):
+        raw = sane_blocks(type_name, R, K, rng)
+        wd = dense(type_name, raw, (R, K))
+        w = ops.upload_weight(raw, type_name, (R, K))
+        x = rng.standard_normal((1, K)).astype(np.float32)
+        r = rng.standard_normal((1, R)).astype(np.float32)
+        emu = q8_1_emulation(x, wd)
+        gx, gr = cp.asarray(x), cp.asarray(r)
+        for nu in GEMV_KQ_STREAM:
+            name = ops.KqGemv(1, nu, True).kernel(type_name)
+            held = 4 * ops._resident_blocks(ops._mm_kernel(w, name), name, 128)
+            for res in (None, gr):
+                monkeypatch.setattr(ops, "GEMV_KQ_VARIANT", f"1x{nu}")
+                poison()
+                want = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
+                monkeypatch.setattr(ops, "GEMV_KQ_VARIANT", f"s{nu}")
+                poison()
+                got = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
+                np.testing.assert_array_equal(got, want, err_msg=f"s{nu} {R}x{K} residual={res is not None}")
+                ref = emu if res is None else emu + r
+                assert nerr(got, ref) < 2e-5, f"s{nu} {R}x{K}: error {nerr(got, ref):.2e}"
+            print(f"\n{type_name} {R}x{K} s{nu}: {held} warps held for {R} rows, equal to gemv_kq<1, {nu}>")
 
 
 @pytest.mark.parametrize("type_name", L.KQUANT_TYPES)

@@ -103,7 +103,7 @@ def test_matmul_every_path(nb, backends, poison, type_name, K_index, T):
 
 
 @pytest.mark.parametrize("type_name", FORMATS)
-@pytest.mark.parametrize("variant", ["old", "split1", "split2", "split4", "split1pf", "split2pf"])
+@pytest.mark.parametrize("variant", ["old", "split1", "split2", "split4", "split1pf", "split2pf", "stream1", "stream2"])
 def test_single_token_gemv_variants(nb, backends, poison, monkeypatch, type_name, variant):
     from minecart.kernels import ops
 
