@@ -112,6 +112,18 @@ def test_embed_is_bit_exact(poison, type_name):
     np.testing.assert_array_equal(got, ref[ids])
 
 
+def _gemv_case(type_name: str, R: int, K: int, rng):
+    """A random (R, K) weight on the device, the q8_1 emulation of one random token through it, a random
+    residual row, and the token and residual on the device."""
+    from minecart.kernels import ops
+
+    raw = sane_blocks(type_name, R, K, rng)
+    w = ops.upload_weight(raw, type_name, (R, K))
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    r = rng.standard_normal((1, R)).astype(np.float32)
+    return w, q8_1_emulation(x, dense(type_name, raw, (R, K))), r, cp.asarray(x), cp.asarray(r)
+
+
 @pytest.mark.parametrize("type_name", L.KQUANT_TYPES)
 def test_single_token_gemv_variants(monkeypatch, poison, type_name):
     """gemv_kq in every compiled (warps per row, blocks per lane) shape, gemv_kq_stream ("sN"), "auto",
@@ -121,13 +133,7 @@ def test_single_token_gemv_variants(monkeypatch, poison, type_name):
     rng = np.random.default_rng(3)
     variants = ["auto", "split", *ops._kq_variants()]
     for R, K in SHAPES:
-        raw = sane_blocks(type_name, R, K, rng)
-        wd = dense(type_name, raw, (R, K))
-        w = ops.upload_weight(raw, type_name, (R, K))
-        x = rng.standard_normal((1, K)).astype(np.float32)
-        r = rng.standard_normal((1, R)).astype(np.float32)
-        emu = q8_1_emulation(x, wd)
-        gx, gr = cp.asarray(x), cp.asarray(r)
+        w, emu, r, gx, gr = _gemv_case(type_name, R, K, rng)
         for v in variants:
             monkeypatch.setattr(ops, "GEMV_KQ_VARIANT", v)
             for gv in (("auto", "old") if v == "split" else ("auto",)):
@@ -152,13 +158,7 @@ def test_streaming_gemv_is_gemv_kq_bit_for_bit(monkeypatch, poison, type_name):
 
     rng = np.random.default_rng(11)
     for R, K in ((9001, 2304), (4099, 12544), (70001, 256)):
-        raw = sane_blocks(type_name, R, K, rng)
-        wd = dense(type_name, raw, (R, K))
-        w = ops.upload_weight(raw, type_name, (R, K))
-        x = rng.standard_normal((1, K)).astype(np.float32)
-        r = rng.standard_normal((1, R)).astype(np.float32)
-        emu = q8_1_emulation(x, wd)
-        gx, gr = cp.asarray(x), cp.asarray(r)
+        w, emu, r, gx, gr = _gemv_case(type_name, R, K, rng)
         for nu in GEMV_KQ_STREAM:
             name = ops.KqGemv(1, nu, True).kernel(type_name)
             held = 4 * ops._resident_blocks(ops._mm_kernel(w, name), name, 128)
