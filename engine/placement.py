@@ -1363,10 +1363,13 @@ HOST_SECONDS_PER_STAGE = 0.0
 # the profile's 129 gemv_kq take 1850 x 0.854 = 1.58 ms for 4.46 GB; their 4096-row shapes are
 # latency-bound (9.4 MB in ~5.2 us: 47% of copy) while the wide ones reach 81-109% of copy, which
 # a 3 us latency per launch and 0.78 of spec reproduce (129 x 3 us + 4.46 GB / 3.74 TB/s = 1.58 ms).
+# Q4_K since its streaming GEMV (gemv_kq_stream, 2026-12-02; bench_gemv: 4096x4096 4.6 us, 24576x4096
+# 17.2 us, the step's 129 GEMVs 1.451 ms): the same 0.78 of spec with a 2.1 us latency (129 x 2.1 us +
+# 1.193 ms = 1.464 ms).
 GEMV_EFFICIENCY = {"Q8_0": 0.69, "Q4_0": 0.69, "Q4_1": 0.69, "Q5_0": 0.69, "Q5_1": 0.69, "IQ4_NL": 0.69,
                    "F16": 0.69, "BF16": 0.69, "F32": 0.69}
 GEMV_EFFICIENCY_OTHER = 0.78  # K-quants, IQ4_XS: the repacked layout's kernels
-GEMV_LATENCY = {k: 0.15e-6 for k in GEMV_EFFICIENCY}
+GEMV_LATENCY = {k: 0.15e-6 for k in GEMV_EFFICIENCY} | {"Q4_K": 2.1e-6}
 GEMV_LATENCY_OTHER = 3.0e-6
 # The small kernels of a layer, latency in seconds at the profile's figures (ncu mean x 0.854), the
 # bytes they move priced apart (SMALL_KERNEL_EFFICIENCY): rms_norm_q8 (the norm and the activations'

@@ -242,10 +242,12 @@ def _kq_variants() -> dict[str, KqGemv]:
 
 def _gemv_kq(type_name: str, R: int, K: int) -> KqGemv | None:
     """The gemv_kq kernel of a single-token K-quant GEMV, None for the generic kernels. "auto", by the
-    H200's bench_gemv (2026-12-02, every 9B decode shape, us): Q4_K (and Q5_K, its layout plus a word of
-    high bits) gemv_kq_stream with 2 blocks per lane, the fastest at every shape (4096x12288 +res 9.6
-    against 12.0 for a warp per row and 4 blocks, 12352x4096 9.6 against 10.9); Q6_K a warp per row and
-    2 blocks (its streaming form lost on the 12288-wide down projection, 18.9 against 15.4); rows of 32K
+    H200's bench_gemv (2026-12-02, every 9B decode shape, us; docs/kernels.md): Q4_K gemv_kq_stream with
+    2 blocks per lane, the fastest at every shape (4096x12288 +res 9.6 against 12.0 for a warp per row
+    and 4 blocks, 12352x4096 9.6 against 10.9); Q5_K the same for rows of up to 4096 values in 8K-16K
+    rows (12352x4096 12.0 against 12.9, 10240x4096 10.3 against 11.2), a warp per row and 4 blocks
+    elsewhere (its streaming form lost on 24576x4096, the head and the down projection); Q6_K a warp per
+    row and 2 blocks (its streaming form lost on the down projection, 18.9 against 15.4); rows of 32K
     values or more, 4 warps per row and 4 blocks."""
     v = GEMV_KQ_VARIANT
     if v == "split" or type_name not in kquant_layout.KQUANT_TYPES:
@@ -257,7 +259,11 @@ def _gemv_kq(type_name: str, R: int, K: int) -> KqGemv | None:
         return known[v]
     if K >= 32768:
         return KqGemv(4, 4)
-    return KqGemv(1, 2) if type_name == "Q6_K" else KqGemv(1, 2, True)
+    if type_name == "Q6_K":
+        return KqGemv(1, 2)
+    if type_name == "Q5_K" and not (K <= 4096 and 8192 <= R <= 16384):
+        return KqGemv(1, 4)
+    return KqGemv(1, 2, True)
 
 
 def _resident_blocks(kernel, name: str, threads: int) -> int:
@@ -398,23 +404,28 @@ def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int]:
     return -(-stages // per), per
 
 
-def _single_gemv(w: QWeight, R: int, K: int) -> tuple[str, int] | None:
-    """(kernel, blocks of 128 threads) of a single-token DP4A GEMV of w, None for gemv_dp4a: gemv_kq /
-    gemv_kq_stream for the K-quants (_gemv_kq), else gemv_dp4a_stream ("streamN") or gemv_dp4a_split
+def _single_gemv(w: QWeight, R: int, K: int) -> tuple[str, object, int] | None:
+    """(kernel name, kernel, blocks of 128 threads) of a single-token DP4A GEMV of w, None for gemv_dp4a: gemv_kq /
+    gemv_kq_stream for the K-quants (_gemv_kq), else gemv_dp4a_stream ("streamN"; "auto" for matrices
+    of up to 4096 x 4096 with one block a lane: H200 bench_gemv 2026-12-02, Q8_0 4096x4096 +res 6.3 us
+    against 7.1 for gemv_dp4a_split with one warp per row, while the larger shapes kept
+    gemv_dp4a_split's 2-4 warps per row, 10240x4096 13.2 against 14.0) or gemv_dp4a_split
     (_gemv_split) by GEMV_VARIANT. A streaming kernel gets at most the blocks the card holds at once."""
     kq = _gemv_kq(w.type_name, R, K)
     if kq is not None:
         name, blocks, stream = kq.kernel(w.type_name), math.ceil(R * kq.wpr / 4), kq.stream
-    elif GEMV_VARIANT in _GEMV_STREAM:
-        name, blocks, stream = f"gemv_dp4a_stream<{QT[w.type_name]}, {_GEMV_STREAM[GEMV_VARIANT]}>", math.ceil(R / 4), True
+    elif GEMV_VARIANT in _GEMV_STREAM or (GEMV_VARIANT == "auto" and K < 8192 and R * K <= 4096 * 4096):
+        nu = _GEMV_STREAM.get(GEMV_VARIANT, 1)
+        name, blocks, stream = f"gemv_dp4a_stream<{QT[w.type_name]}, {nu}>", math.ceil(R / 4), True
     else:
         split = _gemv_split(R, K)
         if split is None:
             return None
         name, blocks, stream = f"gemv_dp4a_split<{QT[w.type_name]}, 1, {split[0]}, {split[1]}>", math.ceil(R * split[0] / 4), False
+    kernel = _mm_kernel(w, name)
     if stream:
-        blocks = min(blocks, _resident_blocks(_mm_kernel(w, name), name, 128))
-    return name, blocks
+        blocks = min(blocks, _resident_blocks(kernel, name, 128))
+    return name, kernel, blocks
 
 
 def _gemv_split(R: int, K: int) -> tuple[int, int] | None:
@@ -523,9 +534,8 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
             res = residual[t0:] if residual is not None else np.uint64(0)
             one = _single_gemv(w, R, K) if use_dp4a and nt == 1 else None
             if one is not None:
-                name, blocks = one
-                _mm_kernel(w, name)((blocks,), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
-                                                         np.int32(K), res))
+                _, k, blocks = one
+                k((blocks,), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R), np.int32(K), res))
             elif use_dp4a:
                 k = _mm_kernel(w, f"gemv_dp4a<{q}, {nt}>")
                 k(grid, (32 * warps,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),

@@ -546,7 +546,7 @@ def test_streaming_gemv_is_split1_bit_for_bit(monkeypatch, type_name):
                 monkeypatch.setattr(ops, "GEMV_VARIANT", "split1")
                 want = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
                 monkeypatch.setattr(ops, "GEMV_VARIANT", f"stream{nu}")
-                name, blocks = ops._single_gemv(w, R, K)
+                name, _, blocks = ops._single_gemv(w, R, K)
                 assert name.startswith("gemv_dp4a_stream<"), name
                 streamed = streamed or 4 * blocks < R
                 got = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))

@@ -64,14 +64,15 @@ def test_every_shape_and_token_count(monkeypatch, poison, launches, type_name, T
         w, x, r, emu = _case(type_name, R, K, T, rng)
         gx, gr = cp.asarray(x), cp.asarray(r)
         got = {}
+        single = ops._single_gemv(w, R, K)[0] if T == 1 else None  # (recorded before the launches are)
         for v in variants:
             monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", v)
             for res in (None, gr):
                 y = checked_matmul(w, gx, res, r, emu, poison, launches, f"{v} {R}x{K} T={T}", TOL)
                 if T == 1:
-                    assert all(n.startswith("gemv_kq<") for n in launches), launches
+                    assert launches == [single], launches
                 elif v == "old":  # gemv_dp4a in chunks of 8/4/2/1 tokens; a 1-token chunk takes gemv_kq
-                    assert all(n.startswith(("gemv_dp4a<", "gemv_kq<")) for n in launches), launches
+                    assert all(n.startswith(("gemv_dp4a<", "gemv_kq<", "gemv_kq_stream<")) for n in launches), launches
                     assert any(n.startswith("gemv_dp4a<") for n in launches), launches
                 else:
                     wpr, nu = ops._gemv_kq_mt(type_name, T, R, K)
@@ -200,7 +201,8 @@ def test_q8_0_gemv_mt(monkeypatch, poison, launches, T):
                 y = checked_matmul(w, gx, res, r, emu, poison, launches, f"Q8_0 {v} {R}x{K} T={T}", TOL)
                 if v == "old":  # 8/4/2/1-token chunks up to 8 (a 1-token chunk: the single-token kernel)
                     if T <= ops.GEMV_MAX_T:
-                        assert all(n.startswith(("gemv_dp4a<", "gemv_dp4a_split<")) for n in launches), launches
+                        assert all(n.startswith(("gemv_dp4a<", "gemv_dp4a_split<", "gemv_dp4a_stream<"))
+                                   for n in launches), launches
                 else:  # passes of up to 8 tokens above 8 (build.kq_passes)
                     wpr, nu = ops._gemv_mt("Q8_0", T, R)
                     assert launches == [f"gemv_mt<{ops.QT['Q8_0']}, {nt}, {wpr}, {nu}>"
