@@ -82,8 +82,20 @@ CUDA_CONTEXT_BYTES = 400 * MiB
 # (9B Q4_K, 8 layers, more kernel modules than before) measured 28.7 MB of modules and 0.24 MB of
 # graph per layer: the module term follows it, the per-layer term keeps the older, larger figure
 # until a full-depth run measures it (a plan that overestimates stays safe).
+# The full-depth runs of 2026-12-02 (tools/plan_vs_measured.py --full, 9B and 27B Q4_K) measured what
+# capturing adds at 0 (9B, 32 layers) and 48-81 KB a layer (27B, 64 layers): the per-layer term is now
+# that, rounded up.
 KERNEL_MODULES_BYTES = 28 * MiB
-GRAPH_BYTES_PER_LAYER = 2 * MiB + 256 * KiB
+GRAPH_BYTES_PER_LAYER = 128 * KiB
+# The CUDA driver rounds each allocation up: above 1 MiB to whole 2 MiB pages, from 512 KiB to a whole
+# 1 MiB, smaller ones share pages (measured on the H200, 2026-12-02: 300 allocations each of 0.25 / 0.68
+# / 1.5 / 3.0 / 5.0 / 28 MiB took 0.003 / 0.32 / 0.50 / 1.0 / 1.0 / 0 MiB more of the device than CuPy's
+# pool counted). CuPy's pool asks the driver for each array apart, so a model whose matrices are not
+# whole pages loses up to 2 MiB per weight array: the 27B shape's 868 resident arrays 541 MiB (outside
+# the pool after an eager step: 600 MiB beyond the modules), the 9B's, whose dimensions are powers of
+# two, 115 MiB (measured 116). DeviceBytes.rounding is that sum for the weights a device holds.
+DRIVER_PAGE_BYTES = 2 * MiB
+DRIVER_SMALL_BYTES = 512 * KiB  # allocations up to this share the driver's pages
 
 # The Gated DeltaNet prefill's chunked kernels (kernels/gdn_chunk.py): runs of at least this many tokens
 # take them, in segments of at most GDN_SEGMENT_TOKENS tokens, chunks of GDN_CHUNK_TOKENS.
@@ -545,7 +557,8 @@ class DeviceBytes:
     activations is the device's whole scratch: the peak live activations plus `staging`, which is given
     separately for the record (part of activations, not added on top): the part of the load-time peak
     that the run's own arrays do not cover. overhead likewise includes `modules` (the loaded kernel
-    modules) and `graphs` (the captured decode graphs) beside the CUDA context."""
+    modules), `graphs` (the captured decode graphs) and `rounding` (the driver's rounding of each
+    weight array: driver_rounding) beside the CUDA context."""
 
     device: str
     weights: int = 0
@@ -556,6 +569,7 @@ class DeviceBytes:
     staging: int = 0
     modules: int = 0
     graphs: int = 0
+    rounding: int = 0
     # part of activations too: the two GPU buffers that host-held routed experts are streamed into
     # for prefill (engine/experts.py), each as large as the largest such layer's experts
     expert_staging: int = 0
@@ -617,6 +631,35 @@ def _upload_transient(p: PartCost, name: str) -> int:
 
 
 @functools.lru_cache(maxsize=8192)
+def driver_rounding(n: int) -> int:
+    """Bytes the CUDA driver adds to one device allocation of n bytes (DRIVER_PAGE_BYTES above)."""
+    if n <= DRIVER_SMALL_BYTES:
+        return 0
+    if n <= MiB:
+        return MiB - n
+    return -(-n // DRIVER_PAGE_BYTES) * DRIVER_PAGE_BYTES - n
+
+
+# weight formats the CUDA backend holds as one array (the rest: quants plus a u16 scale per 32 values)
+_ONE_ARRAY_TYPES = frozenset({"F32", "F16", "BF16"})
+
+
+def _rounding(p: PartCost, keep: Collection[str]) -> int:
+    """driver_rounding summed over the device arrays the CUDA backend makes for the tensors of `p` named
+    in `keep`: per load step (a tensor, or a weight group as one array per field), the quants (or the
+    whole tensor) and, for quantized matrices, the scales (2 bytes per 32 values)."""
+    sizes = dict(p.tensors)
+    values = {name: (kind, v) for name, kind, _, v in p.matmuls}
+    total = 0
+    for names, _, _ in _load_steps(p):
+        held = [n for n in names if n in keep]
+        if not held:
+            continue
+        scales = sum(2 * (values[n][1] // 32) for n in held if n in values and values[n][0] not in _ONE_ARRAY_TYPES)
+        total += driver_rounding(sum(sizes[n] for n in held) - scales) + (driver_rounding(scales) if scales else 0)
+    return total
+
+
 def _load_steps(p: PartCost) -> tuple[tuple[tuple[str, ...], int, int], ...]:
     """A part's loads in order, as _load_peak prices them: (tensor names, their bytes, bytes beside
     them at that moment), one step per tensor and one per weight group (at its first member)."""
@@ -847,10 +890,15 @@ class Placement:
                 # a captured decode graph keeps the recurrent state of the sequence it was captured for
                 # until a graph for the next sequence replaces it (CupyBackend._DecodeGraph.states)
                 act += state
-            staging = modules = graphs = 0
+            staging = modules = graphs = rounding = 0
             if cuda and self.costs.layout == "stored":
                 run_peak = weights + kv_bytes + state * self.n_sequences + act
                 staging = max(0, _load_peak(on_dev, moved) - run_peak)
+                counted: set[str] = set()
+                for p in on_dev + [q for q in apart if self.experts[q.name] == dev]:
+                    keep = {n for n, _ in p.tensors if n in tensors and n not in counted}
+                    rounding += _rounding(p, keep)
+                    counted |= keep
             if cuda:
                 modules = KERNEL_MODULES_BYTES
                 graphs = GRAPH_BYTES_PER_LAYER * sum(1 for p in on_dev if p.name.startswith("layer."))
@@ -860,10 +908,11 @@ class Placement:
                 kv_cache=kv_bytes,
                 recurrent=state * self.n_sequences,
                 activations=act + staging,
-                overhead=device_overhead(dev, self.cuda_context_bytes) + graphs,
+                overhead=device_overhead(dev, self.cuda_context_bytes) + graphs + rounding,
                 staging=staging,
                 modules=modules,
                 graphs=graphs,
+                rounding=rounding,
                 expert_staging=expert_staging,
                 pinned=self.pinned_expert_bytes(dev),
             )
@@ -1385,13 +1434,14 @@ MIXER_SECONDS = {"gdn": 7.15e-6,
                  "sliding": (7.83e-6 + 5.51e-6 + 5.30e-6) * NCU_TO_GRAPH}
 EMBED_SECONDS = 4.70e-6 * NCU_TO_GRAPH
 SMALL_KERNEL_EFFICIENCY = 0.50  # recurrent state traffic (gdn_decode), of spec bandwidth
-# A layer's routed experts in decode (moe.cu: route, gate/up + SwiGLU, down + weighted sum, combine):
-# 4 launches at ~4 us each, and the used experts' bytes. 35B-A3B Q4_K decodes 323.1 tokens/s (3.095
-# ms); the rest of the model predicts 2.01 ms (logits kept on the card) and the 40 MoE layers'
-# launches 0.64 ms, which leaves 0.42 ms for the 8 of 256 experts' 566 MB of Q4_K a token: 0.28 of
-# spec bandwidth.
-MOE_DECODE_SECONDS = 4 * 4.0e-6
-EXPERT_DECODE_EFFICIENCY = 0.28
+# A layer's routed experts in decode (moe.cu's decode block: moe_gate_up_q8 with the SwiGLU, then
+# moe_down_sum with the weighted sum): 2 launches at ~2.5 us each, and the used experts' bytes.
+# 35B-A3B Q4_K decodes 432.9 tokens/s (2.310 ms; `minecart bench`, 2026-12-02, logits kept on the
+# card); the rest of the model predicts 1.876 ms and the 40 MoE layers' launches 0.20 ms, which leaves
+# 0.234 ms for the 8 of 256 experts' 566 MB of Q4_K a token: 0.50 of spec bandwidth. (v10, before the
+# decode block: 323.1 tokens/s with 4 launches at ~4 us and 0.28.)
+MOE_DECODE_SECONDS = 2 * 2.5e-6
+EXPERT_DECODE_EFFICIENCY = 0.50
 # Attention's read of the KV cache in decode, of spec bandwidth, by cache type: flash_decode at 16K
 # context (n_kv 4, D 256, docs/BENCHMARKS.md v10) f32 65 us for 134 MB and f16 41.8 us for 67 MB beyond
 # its 6.7 us at an empty context (2.3 and 1.9 TB/s: 0.48, 0.40); q8_0 105 us for 35.7 MB (0.076, its
