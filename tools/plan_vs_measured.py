@@ -28,8 +28,9 @@ graphs, as the engine runs), and prints a table and, with --json, the rows as JS
   (prompt + half the decode), logical devices on one GPU get the no-overlap prefill prediction.
   Target: within 15%.
 - calibration (the single-device rows): device memory outside the pool beyond the context after an
-  eager decode step (kernel modules: placement.KERNEL_MODULES_BYTES) and what capturing the decode
-  graphs adds, per layer (placement.GRAPH_BYTES_PER_LAYER).
+  eager decode step (kernel modules: placement.KERNEL_MODULES_BYTES, plus the driver's rounding of
+  each weight array: DeviceBytes.rounding, `rounding_predicted`) and what capturing the decode graphs
+  adds, per layer (placement.GRAPH_BYTES_PER_LAYER).
 
 --link puts every device of the split rows behind that simulated riser (engine/rig.py; its time is
 charged on the GPU streams between the stages' graphs). --full is the issue's table at full depth:
@@ -278,7 +279,7 @@ def predict_row(m: dict[str, Any], card: str) -> dict[str, Any]:
             run_predicted = predicted - mine[0].staging
         else:  # one GPU, several logical devices: resident bytes add up, one scratch, one context
             rest = sum(b.total - b.overhead - b.activations for b in mine) + g["context"] + mine[0].modules + sum(
-                b.graphs for b in mine)
+                b.graphs + b.rounding for b in mine)
             predicted = rest + max(b.activations for b in mine)
             run_predicted = rest + max(b.activations - b.staging for b in mine)
         graphs = g["outside_graphs"] - g["outside_eager"]
@@ -292,6 +293,7 @@ def predict_row(m: dict[str, Any], card: str) -> dict[str, Any]:
         out["gpus"][ph] = {"logical": g["logical"], "predicted_peak": int(predicted), "measured_peak": g["peak_used"],
                            "ratio": g["peak_used"] / predicted if predicted else 0.0, "context": g["context"],
                            "modules_measured": g["outside_eager"], "modules_predicted": mine[0].modules,
+                           "rounding_predicted": sum(b.rounding for b in mine),
                            "graphs_measured": graphs, "graphs_predicted": sum(b.graphs for b in mine),
                            "graph_bytes_per_layer_measured": graphs / g["layers"] if g["layers"] else 0.0,
                            "load_measured": g["context"] + load_measured,
