@@ -69,7 +69,7 @@ class SplitBenchResult:
                            f"device used at the end {m['device_used'] / GiB:.3f} GiB, of it outside the pool "
                            f"{m['outside_pool'] / GiB:.3f} GiB")
                 out.append("    estimate: " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in t.items()) + " GiB "
-                           "(staging is part of activations; modules and graphs of overhead)")
+                           "(staging is part of activations; modules, graphs and rounding of overhead)")
         return out
 
 
@@ -132,14 +132,16 @@ def _memory_report(model, states, context: int, chunk: int) -> dict:
             e = dataclasses.replace(plan, cuda_context_bytes=ctx).bytes_per_device()[dev]
             pool = int(real.memory_peak())
             outside = int(real.outside_pool_bytes())
-            # beyond the context, outside the pool: kernel modules, graph executables (in the estimate)
+            # beyond the context, outside the pool: kernel modules, graph executables and the driver's
+            # rounding of each allocation (all in the estimate)
             measured = ctx + pool + max(0, outside - ctx)
-            estimate, how = e.total, "CUDA context + pool peak + modules and graphs"
+            estimate, how = e.total, "CUDA context + pool peak + modules, graphs and the driver's rounding"
             extra = {"context": ctx, "pool_peak": pool, "device_used": int(real.peak_memory()),
                      "outside_pool": outside,
                      "estimate_terms": {"weights": e.weights, "kv_cache": e.kv_cache, "recurrent": e.recurrent,
                                         "activations": e.activations, "staging": e.staging,
-                                        "overhead": e.overhead, "modules": e.modules, "graphs": e.graphs}}
+                                        "overhead": e.overhead, "modules": e.modules, "graphs": e.graphs,
+                                        "rounding": e.rounding}}
         else:
             parts = [p for p, d in model.device_plan.items() if d == dev]
             held = [model.weights[p] for p in parts]
