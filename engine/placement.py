@@ -630,7 +630,6 @@ def _upload_transient(p: PartCost, name: str) -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=8192)
 def driver_rounding(n: int) -> int:
     """Bytes the CUDA driver adds to one device allocation of n bytes (DRIVER_PAGE_BYTES above)."""
     if n <= DRIVER_SMALL_BYTES:
@@ -644,7 +643,8 @@ def driver_rounding(n: int) -> int:
 _ONE_ARRAY_TYPES = frozenset({"F32", "F16", "BF16"})
 
 
-def _rounding(p: PartCost, keep: Collection[str]) -> int:
+@functools.lru_cache(maxsize=8192)
+def _rounding(p: PartCost, keep: frozenset[str]) -> int:
     """driver_rounding summed over the device arrays the CUDA backend makes for the tensors of `p` named
     in `keep`: per load step (a tensor, or a weight group as one array per field), the quants (or the
     whole tensor) and, for quantized matrices, the scales (2 bytes per 32 values)."""
@@ -660,6 +660,7 @@ def _rounding(p: PartCost, keep: Collection[str]) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=8192)
 def _load_steps(p: PartCost) -> tuple[tuple[tuple[str, ...], int, int], ...]:
     """A part's loads in order, as _load_peak prices them: (tensor names, their bytes, bytes beside
     them at that moment), one step per tensor and one per weight group (at its first member)."""
@@ -896,7 +897,7 @@ class Placement:
                 staging = max(0, _load_peak(on_dev, moved) - run_peak)
                 counted: set[str] = set()
                 for p in on_dev + [q for q in apart if self.experts[q.name] == dev]:
-                    keep = {n for n, _ in p.tensors if n in tensors and n not in counted}
+                    keep = frozenset(n for n, _ in p.tensors if n in tensors and n not in counted)
                     rounding += _rounding(p, keep)
                     counted |= keep
             if cuda:
