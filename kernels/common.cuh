@@ -501,3 +501,106 @@ __device__ __forceinline__ void decode_store_partials(const float (&o)[GM][NU], 
         }
     }
 }
+
+// ---- RMSNorm with its q8_1 blocks, one row (rms_norm_q8 in fused.cu, the norm epilogue of the residual
+// streaming GEMVs in gemv.cu) ------------------------------------------------------------------------
+// out = row * rsqrt(mean(row^2) + eps) * w (w null: no weight) for a row of N values (N % 32 == 0, at most
+// 32 * RMS_Q8_MAX_BLOCKS), with the q8_1 quantization of out. Thread t of the block's nth threads handles
+// the 32-value blocks t, t + nth, ... alone (8 float4 loads, no shuffles). The sum of squares is the
+// blocks' own sums (each in value order) added in one fixed order whatever nth is (lane l of warp 0 adds
+// blocks l, l + 32, ..., then the warp sum), so every launch geometry gives the same bits. The q8_1 blocks
+// equal q8_1_block's (d = max|o| / 127, q = round(o / d), s = d * sum(q): the sum of integers is exact in
+// any order). ADD: the row is x + delta, also written to s_out. x is read through L2 (ld.global.cg): the
+// GEMV epilogue reads a row that other blocks of its own launch wrote. Every pointer 16-byte aligned.
+#define RMS_Q8_MAX_BLOCKS 512
+
+__device__ __forceinline__ void rms_q8_load(const float* __restrict__ x, const float* __restrict__ delta,
+                                            float* __restrict__ s_out, int j, bool add, float (&v)[32]) {
+    const float4* p = (const float4*)(x + (i64)j * 32);
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        float4 a = __ldcg(p + k);
+        v[4 * k] = a.x, v[4 * k + 1] = a.y, v[4 * k + 2] = a.z, v[4 * k + 3] = a.w;
+    }
+    if (add) {
+        const float4* d = (const float4*)(delta + (i64)j * 32);
+        float4* s = (float4*)(s_out + (i64)j * 32);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            float4 a = d[k];
+            v[4 * k] += a.x, v[4 * k + 1] += a.y, v[4 * k + 2] += a.z, v[4 * k + 3] += a.w;
+            s[k] = make_float4(v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
+        }
+    }
+}
+
+__device__ __forceinline__ float rms_q8_squares(const float (&v)[32]) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) ss += v[i] * v[i];
+    return ss;
+}
+
+__device__ __forceinline__ void rms_q8_store(float (&o)[32], int j, float inv, const float* __restrict__ w,
+                                             float* __restrict__ out, i8* __restrict__ xq,
+                                             float* __restrict__ xd, float* __restrict__ xs) {
+    // o: the row's values on entry, the output after (in place: the GEMV epilogue is short of registers)
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        o[i] *= inv;
+        if (w != 0) o[i] *= w[(i64)j * 32 + i];
+        amax = fmaxf(amax, fabsf(o[i]));
+    }
+    float4* op = (float4*)(out + (i64)j * 32);
+#pragma unroll
+    for (int k = 0; k < 8; k++) op[k] = make_float4(o[4 * k], o[4 * k + 1], o[4 * k + 2], o[4 * k + 3]);
+    const float d = amax / 127.0f;
+    int packed[8];
+    int qs = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        u32 word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            int q = (amax > 0.0f) ? __float2int_rn(o[4 * k + b] / d) : 0;
+            qs += q;
+            word |= ((u32)(q & 0xff)) << (8 * b);
+        }
+        packed[k] = (int)word;
+    }
+    int4* qp = (int4*)(xq + (i64)j * 32);
+    qp[0] = make_int4(packed[0], packed[1], packed[2], packed[3]);
+    qp[1] = make_int4(packed[4], packed[5], packed[6], packed[7]);
+    xd[j] = d;
+    xs[j] = d * (float)qs;
+}
+
+// part: RMS_Q8_MAX_BLOCKS + 1 floats of shared memory. Called by every thread of the block.
+template <bool ADD>
+__device__ __forceinline__ void rms_q8_row(const float* __restrict__ x, const float* __restrict__ delta,
+                                           const float* __restrict__ w, float* __restrict__ out,
+                                           float* __restrict__ s_out, i8* __restrict__ xq,
+                                           float* __restrict__ xd, float* __restrict__ xs, int N, float eps,
+                                           float* part) {
+    const int nb = N >> 5, tid = threadIdx.x, nth = blockDim.x;
+    const bool one = nb <= nth;  // at most one block a thread: its values stay in registers
+    float v[32];
+    for (int j = tid; j < nb; j += nth) {
+        rms_q8_load(x, delta, s_out, j, ADD, v);
+        part[j] = rms_q8_squares(v);
+    }
+    __syncthreads();
+    if (tid < 32) {
+        float a = 0.0f;
+        for (int j = tid; j < nb; j += 32) a += part[j];
+        a = warp_sum(a);
+        if (tid == 0) part[RMS_Q8_MAX_BLOCKS] = a;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(part[RMS_Q8_MAX_BLOCKS] / (float)N + eps);
+    for (int j = tid; j < nb; j += nth) {
+        if (!one) rms_q8_load(ADD ? s_out : x, 0, 0, j, false, v);
+        rms_q8_store(v, j, inv, w, out, xq, xd, xs);
+    }
+}
