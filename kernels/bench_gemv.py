@@ -79,7 +79,7 @@ def random_weight(type_name: str, R: int, K: int, seed: int) -> ops.QWeight:
 
 def _kernel_name(w: ops.QWeight) -> str:
     one = ops._single_gemv(w, w.rows, w.cols)
-    return "gemv_dp4a" if one is None else f"{one.name} x{one.blocks}"
+    return "gemv_dp4a" if one is None else f"{one[0]} x{one[2]}"
 
 
 def run(shapes=SHAPES_9B, types=TYPES, cycle_bytes: int = 256 << 20, reps: int = 5,

@@ -36,9 +36,8 @@ DP4A_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", 
 # (warps per row, blocks per lane in flight) of gemv_kq, the single-token GEMV of the K-quants
 # (KQUANT_TYPES, repacked at upload by kquant_layout.py); ops._gemv_kq / MINECART_GEMV_KQ pick one
 GEMV_KQ = ((1, 2), (1, 4), (2, 4), (4, 4), (1, 8), (2, 8))
-# blocks per lane a round of gemv_kq_stream<QT, NU, NORM> (the same GEMV, each warp streaming rows with the
-# next round's loads in flight; NORM 1: with the RMSNorm epilogue); ops._gemv_kq / MINECART_GEMV_KQ = "sN"
-# pick one
+# blocks per lane a round of gemv_kq_stream<QT, NU> (the same GEMV, each warp streaming rows with the next
+# round's loads in flight); ops._gemv_kq / MINECART_GEMV_KQ = "sN" pick one
 GEMV_KQ_STREAM = (2, 4)
 # -- multi-token K-quant GEMV (gemv_kq_mt, batched decode) --
 # (warps per row, super-blocks per lane in flight) of gemv_kq_mt<QT, NT, WPR, NU>, compiled for every NT in
@@ -65,7 +64,7 @@ HFMA2_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "I
 GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split into these
 # (warps per row, L2 prefetch) of the gemv_dp4a_split instantiations (single-token launches)
 GEMV_SPLIT = ((1, 0), (2, 0), (4, 0), (1, 1), (2, 1))
-GEMV_STREAM = (1, 2)  # blocks per lane a round of gemv_dp4a_stream<QT, NU, NORM> (ops.GEMV_VARIANT "streamN")
+GEMV_STREAM = (1, 2)  # blocks per lane a round of gemv_dp4a_stream<QT, NU> (ops.GEMV_VARIANT "streamN")
 GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a (the probe picks)
 GEMM_BATCH_TOKENS = (8, 16, 32)  # token tiles of gemm_batch (batched decode: T <= 32 sequences)
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
@@ -94,12 +93,12 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
     if type_name in DP4A_TYPES:
         names += [f"gemv_dp4a<{q}, {nt}>" for nt in GEMV_TOKENS]
         names += [f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>" for wpr, pf in GEMV_SPLIT]
-        names += [f"gemv_dp4a_stream<{q}, {nu}, {norm}>" for nu in GEMV_STREAM for norm in (0, 1)]
+        names += [f"gemv_dp4a_stream<{q}, {nu}>" for nu in GEMV_STREAM]
         names += [f"gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
         names += [f"gemm_batch<{q}, {tt}>" for tt in GEMM_BATCH_TOKENS]
     if type_name in KQUANT_TYPES:
         names += [f"gemv_kq<{q}, {wpr}, {nu}>" for wpr, nu in GEMV_KQ]
-        names += [f"gemv_kq_stream<{q}, {nu}, {norm}>" for nu in GEMV_KQ_STREAM for norm in (0, 1)]
+        names += [f"gemv_kq_stream<{q}, {nu}>" for nu in GEMV_KQ_STREAM]
         names += [f"gemv_kq_mt<{q}, {nt}, {wpr}, {nu}>" for nt in GEMV_KQ_MT_TOKENS for wpr, nu in GEMV_KQ_MT]
     if type_name in GEMV_MT_TYPES:
         names += [f"gemv_mt<{q}, {nt}, {wpr}, {nu}>" for nt in GEMV_KQ_MT_TOKENS for wpr, nu in GEMV_MT]

@@ -14,19 +14,79 @@
 // *_batch          the same for one token of each of B sequences in one launch (a grid dimension more;
 //                  each sequence's states or cache found through a device table of pointers).
 //
-// q8_1 blocks are written with q8_1_block or rms_q8_row (common.cuh), so they equal quantize_q8_1 of the
-// fp32 output.
+// q8_1 blocks are written with q8_1_block (common.cuh), so they equal quantize_q8_1 of the fp32 output.
+
+#define RMS_MAXV 16  // values per thread kept in registers: rows up to 1024 * 16 = 16384 values
 
 template <int MODE>
 __global__ void __launch_bounds__(1024) rms_norm_q8(const float* __restrict__ x, const float* __restrict__ delta,
                             const float* __restrict__ w, float* __restrict__ out, float* __restrict__ s_out,
                             i8* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs, int N,
                             float eps) {
-    // One block per row (rms_q8_row: a thread per 32-value block, the same bits as the GEMV epilogue).
-    __shared__ float part[RMS_Q8_MAX_BLOCKS + 1];
+    // One block per row; blockDim and N are multiples of 32, so value i = k * blockDim + tid puts whole
+    // 32-value q8 blocks in each warp. Rows of up to RMS_MAXV * blockDim values stay in registers between
+    // the sum of squares and the output (every load is issued before the first reduction); longer rows
+    // re-read global memory in a second pass.
+    __shared__ float scratch[32];
+    int tid = threadIdx.x, nth = blockDim.x, lane = tid & 31;
     i64 base = (i64)blockIdx.x * N;
-    rms_q8_row<MODE == 1>(x + base, delta + base, w, out + base, s_out + base, xq + base, xd + base / 32,
-                          xs + base / 32, N, eps, part);
+    bool in_regs = N <= RMS_MAXV * nth;
+    float v[RMS_MAXV], wv[RMS_MAXV];
+    float ss = 0.0f;
+    if (in_regs) {
+#pragma unroll
+        for (int k = 0; k < RMS_MAXV; k++) {
+            int i = k * nth + tid;
+            v[k] = 0.0f;
+            wv[k] = 1.0f;
+            if (i < N) {
+                v[k] = x[base + i];
+                if (MODE == 1) v[k] += delta[base + i];
+                if (w != 0) wv[k] = w[i];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < RMS_MAXV; k++) {
+            int i = k * nth + tid;
+            if (i < N) {
+                if (MODE == 1) s_out[base + i] = v[k];
+                ss += v[k] * v[k];
+            }
+        }
+    } else {
+        for (int i = tid; i < N; i += nth) {
+            float t = x[base + i];
+            if (MODE == 1) {
+                t += delta[base + i];
+                s_out[base + i] = t;
+            }
+            ss += t * t;
+        }
+    }
+    ss = block_sum(ss, scratch);
+    float inv = rsqrtf(ss / (float)N + eps);
+    if (in_regs) {
+#pragma unroll
+        for (int k = 0; k < RMS_MAXV; k++) {
+            int i = k * nth + tid;
+            if (i < N) {  // the same for all 32 lanes of a warp
+                float o = v[k] * inv;
+                if (w != 0) o *= wv[k];
+                out[base + i] = o;
+                i64 b = (base + i) >> 5;
+                q8_1_block(o, xq + b * 32, xd + b, xs + b, lane);
+            }
+        }
+    } else {
+        for (int i = tid; i < N; i += nth) {
+            float t = (MODE == 1) ? s_out[base + i] : x[base + i];
+            float o = t * inv;
+            if (w != 0) o *= w[i];
+            out[base + i] = o;
+            i64 b = (base + i) >> 5;
+            q8_1_block(o, xq + b * 32, xd + b, xs + b, lane);
+        }
+    }
 }
 
 extern "C" __global__ void swiglu_q8(const float* __restrict__ gate, const float* __restrict__ up,

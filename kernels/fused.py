@@ -12,19 +12,13 @@ Not here: deciding whether a q8 side output is worth writing (the backend knows 
 from __future__ import annotations
 
 import math
+import os
 
 import cupy as cp
 import numpy as np
 
 from .build import GDN_KEY_DIMS, HEAD_DIMS, KV_CACHE_TYPES, get_kernel
-from .ops import (
-    DECODE_BLOCKS_PER_SM,
-    RMS_Q8_MAX_N,
-    aligned16,
-    decode_kernel,
-    decode_partials,
-    sm_count,
-)
+from .ops import DECODE_BLOCKS_PER_SM, decode_kernel, decode_partials, sm_count
 
 GDN_MAX_KW = 8  # fused.cu: longest conv kernel of gdn_decode
 GDN_MAX_DV = 128  # the head's gated RMSNorm: one thread per value column, 128 threads per block
@@ -39,24 +33,29 @@ def _c32(x):
     return cp.ascontiguousarray(x, dtype=cp.float32)
 
 
+# values per thread of rms_norm_q8 (env MINECART_RMS_VPT, 1..16; read per call, so tests can switch it)
+RMS_VPT = int(os.environ.get("MINECART_RMS_VPT", "4"))
+
+
 def rms_threads(N: int) -> int:
-    """rms_norm_q8's block size for rows of N values: a thread per 32-value block (common.cuh
-    rms_q8_row), a multiple of 32, at most 1024."""
-    return min(1024, max(32, (N // 32 + 31) // 32 * 32))
+    """rms_norm_q8's block size for rows of N values: about RMS_VPT (4) values per thread (a multiple
+    of 32, at most 1024), so a single decode row is spread over many loads in flight."""
+    vpt = min(16, max(1, RMS_VPT))
+    return min(1024, max(32, (N // vpt + 31) // 32 * 32))
 
 
 def rms_norm_q8(x, w, eps: float, delta=None):
     """rms_norm(x, w) (delta None) or add_rms_norm(x, delta, w) of (T, N) rows with N % 32 == 0.
     Returns (out, q8) or (s, out, q8) with s = x + delta."""
-    x = aligned16(_c32(x))
+    x = _c32(x)
     T, N = x.shape
-    if N % 32 or N > RMS_Q8_MAX_N:
-        raise ValueError(f"rms_norm_q8: row length {N} is not a multiple of 32 up to {RMS_Q8_MAX_N}")
+    if N % 32:
+        raise ValueError(f"rms_norm_q8: row length {N} is not a multiple of 32")
     out = cp.empty_like(x)
     s_out = cp.empty_like(x) if delta is not None else None
     q8 = _q8_arrays(T, N)
     if T:
-        delta = aligned16(_c32(delta).reshape(T, N)) if delta is not None else None
+        delta = _c32(delta).reshape(T, N) if delta is not None else None
         mode = 1 if delta is not None else 0
         get_kernel("fused", f"rms_norm_q8<{mode}>")(
             (T,), (rms_threads(N),),

@@ -412,47 +412,20 @@ __device__ __forceinline__ void gemv_stream_body(const u8* __restrict__ wq, cons
     }
 }
 
-// NORM: the residual GEMV of a layer fused with the RMSNorm that follows it (ops.matmul_add_norm): after its
-// rows each block counts itself in *counter, and the last block to finish normalizes the whole output row
-// y (R values) into `nout` with its q8_1 blocks (rms_q8_row: the same bits as rms_norm_q8) and sets the
-// counter back to 0 for the next launch. No block waits for another.
-__device__ __forceinline__ void norm_epilogue(const float* y, int R, const float* __restrict__ nw,
-                                              float* __restrict__ nout, i8* __restrict__ nq,
-                                              float* __restrict__ nd, float* __restrict__ ns, float eps,
-                                              u32* __restrict__ counter) {
-    __shared__ float part[RMS_Q8_MAX_BLOCKS + 1];
-    __shared__ bool last;
-    __threadfence();  // this block's rows of y are visible to every block before it is counted
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    rms_q8_row<false>(y, 0, nw, nout, 0, nq, nd, ns, R, eps, part);
-    if (threadIdx.x == 0) *counter = 0u;
-}
-
-// The norm's arguments of a streaming GEMV (unused without NORM): weight (null: none), output, its q8_1
-// blocks, eps, the launch's counter.
-#define NORM_PARAMS const float* __restrict__ nw, float* __restrict__ nout, i8* __restrict__ nq, \
-    float* __restrict__ nd, float* __restrict__ ns, float eps, u32* __restrict__ counter
-
-template <int QT, int NU, int NORM>
-__global__ void __launch_bounds__(128, NORM ? 8 : 6)
+template <int QT, int NU>
+__global__ void __launch_bounds__(128, 6)
 gemv_kq_stream(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
-               const float* __restrict__ res, NORM_PARAMS) {
+               const float* __restrict__ res) {
     gemv_stream_body<QT, NU, KqStream<QT>>(wq, wd, xq, xd, xs, y, R, K, res);
-    if (NORM) norm_epilogue(y, R, nw, nout, nq, nd, ns, eps, counter);
 }
 
-template <int QT, int NU, int NORM>
-__global__ void __launch_bounds__(128, NORM ? 8 : 6)
+template <int QT, int NU>
+__global__ void __launch_bounds__(128, 6)
 gemv_dp4a_stream(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                  const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
-                 const float* __restrict__ res, NORM_PARAMS) {
+                 const float* __restrict__ res) {
     gemv_stream_body<QT, NU, WbStream<QT>>(wq, wd, xq, xd, xs, y, R, K, res);
-    if (NORM) norm_epilogue(y, R, nw, nout, nq, nd, ns, eps, counter);
 }
 
 // gemv_kq_mt: the multi-token DP4A GEMV of the K-quants (Q4_K, Q5_K, Q6_K, repacked layout) for a

@@ -15,7 +15,6 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import cupy as cp
 import numpy as np
@@ -54,34 +53,6 @@ def _dummy():
     if dev not in _DUMMY:
         _DUMMY[dev] = cp.zeros(8, dtype=cp.uint16)
     return _DUMMY[dev]
-
-
-RMS_Q8_MAX_N = 32 * 512  # common.cuh RMS_Q8_MAX_BLOCKS: the longest row rms_q8_row normalizes
-
-
-def aligned16(x):
-    """x, or a copy of it when its address is not 16-byte aligned (kernels reading float4)."""
-    return x if x.data.ptr % 16 == 0 else x.copy()
-
-
-# the norm arguments of a streaming GEMV launched without its RMSNorm epilogue (gemv.cu NORM_PARAMS)
-_NO_NORM = (np.uint64(0),) * 5 + (np.float32(0), np.uint64(0))
-_NORM_COUNTERS: dict[int, cp.ndarray] = {}
-
-
-def norm_counter_ready() -> bool:
-    """Whether this device has the counter of the GEMVs' RMSNorm epilogue (matmul_add_norm)."""
-    return cp.cuda.Device().id in _NORM_COUNTERS
-
-
-def make_norm_counter() -> None:
-    """The zeroed uint32 counter of the GEMVs' RMSNorm epilogue on this device, made outside any graph
-    capture (where a memset is only recorded, not run); every launch leaves it at zero again."""
-    dev = cp.cuda.Device().id
-    if dev not in _NORM_COUNTERS:
-        c = cp.zeros(1, dtype=cp.uint32)
-        cp.cuda.get_current_stream().synchronize()
-        _NORM_COUNTERS[dev] = c
 
 
 _SEGMENTS: dict[tuple[int, tuple[int, ...]], cp.ndarray] = {}
@@ -248,8 +219,7 @@ GEMV_KQ_VARIANT = os.environ.get("MINECART_GEMV_KQ", "auto")
 @dataclass(frozen=True)
 class KqGemv:
     """One single-token K-quant GEMV kernel: gemv_kq<QT, wpr, nu> (a block of 4 warps per 4 / wpr rows),
-    or gemv_kq_stream<QT, nu, norm> (stream: warps streaming rows, as many blocks as fit on the card;
-    norm: with the RMSNorm epilogue, matmul_add_norm)."""
+    or gemv_kq_stream<QT, nu> (stream: warps streaming rows, as many blocks as fit on the card)."""
 
     wpr: int
     nu: int
@@ -259,13 +229,9 @@ class KqGemv:
     def label(self) -> str:
         return f"s{self.nu}" if self.stream else f"{self.wpr}x{self.nu}"
 
-    def kernel(self, type_name: str, norm: bool = False) -> str:
+    def kernel(self, type_name: str) -> str:
         q = QT[type_name]
-        if self.stream:
-            return f"gemv_kq_stream<{q}, {self.nu}, {int(norm)}>"
-        if norm:
-            raise ValueError("only the streaming K-quant GEMV has the RMSNorm epilogue")
-        return f"gemv_kq<{q}, {self.wpr}, {self.nu}>"
+        return f"gemv_kq_stream<{q}, {self.nu}>" if self.stream else f"gemv_kq<{q}, {self.wpr}, {self.nu}>"
 
 
 def _kq_variants() -> dict[str, KqGemv]:
@@ -438,43 +404,28 @@ def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int]:
     return -(-stages // per), per
 
 
-@dataclass(frozen=True)
-class SingleGemv:
-    """A single-token DP4A GEMV launch: the kernel's name, the kernel, its blocks of 128 threads, and
-    whether it is a streaming kernel (gemv_kq_stream / gemv_dp4a_stream: it takes the norm arguments)."""
-
-    name: str
-    kernel: Any
-    blocks: int
-    stream: bool
-
-
-def _single_gemv(w: QWeight, R: int, K: int, norm: bool = False) -> SingleGemv | None:
-    """The single-token DP4A GEMV launch of w (SingleGemv), None for gemv_dp4a: gemv_kq /
+def _single_gemv(w: QWeight, R: int, K: int) -> tuple[str, object, int] | None:
+    """(kernel name, kernel, blocks of 128 threads) of a single-token DP4A GEMV of w, None for gemv_dp4a: gemv_kq /
     gemv_kq_stream for the K-quants (_gemv_kq), else gemv_dp4a_stream ("streamN"; "auto" for matrices
     of up to 4096 x 4096 with one block a lane: H200 bench_gemv 2026-12-02, Q8_0 4096x4096 +res 6.3 us
     against 7.1 for gemv_dp4a_split with one warp per row, while the larger shapes kept
     gemv_dp4a_split's 2-4 warps per row, 10240x4096 13.2 against 14.0) or gemv_dp4a_split
-    (_gemv_split) by GEMV_VARIANT. A streaming kernel gets at most the blocks the card holds at once.
-    norm: the streaming kernel's form with the RMSNorm epilogue (matmul_add_norm), None where the GEMV
-    that this shape runs is not a streaming one."""
+    (_gemv_split) by GEMV_VARIANT. A streaming kernel gets at most the blocks the card holds at once."""
     kq = _gemv_kq(w.type_name, R, K)
     if kq is not None:
-        if norm and not kq.stream:
-            return None
-        name, blocks, stream = kq.kernel(w.type_name, norm), math.ceil(R * kq.wpr / 4), kq.stream
+        name, blocks, stream = kq.kernel(w.type_name), math.ceil(R * kq.wpr / 4), kq.stream
     elif GEMV_VARIANT in _GEMV_STREAM or (GEMV_VARIANT == "auto" and K < 8192 and R * K <= 4096 * 4096):
         nu = _GEMV_STREAM.get(GEMV_VARIANT, 1)
-        name, blocks, stream = f"gemv_dp4a_stream<{QT[w.type_name]}, {nu}, {int(norm)}>", math.ceil(R / 4), True
+        name, blocks, stream = f"gemv_dp4a_stream<{QT[w.type_name]}, {nu}>", math.ceil(R / 4), True
     else:
-        split = None if norm else _gemv_split(R, K)
+        split = _gemv_split(R, K)
         if split is None:
             return None
         name, blocks, stream = f"gemv_dp4a_split<{QT[w.type_name]}, 1, {split[0]}, {split[1]}>", math.ceil(R * split[0] / 4), False
     kernel = _mm_kernel(w, name)
     if stream:
         blocks = min(blocks, _resident_blocks(kernel, name, 128))
-    return SingleGemv(name, kernel, blocks, stream)
+    return name, kernel, blocks
 
 
 def _gemv_split(R: int, K: int) -> tuple[int, int] | None:
@@ -583,8 +534,8 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
             res = residual[t0:] if residual is not None else np.uint64(0)
             one = _single_gemv(w, R, K) if use_dp4a and nt == 1 else None
             if one is not None:
-                args = (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R), np.int32(K), res)
-                one.kernel((one.blocks,), (128,), args + (_NO_NORM if one.stream else ()))
+                _, k, blocks = one
+                k((blocks,), (128,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R), np.int32(K), res))
             elif use_dp4a:
                 k = _mm_kernel(w, f"gemv_dp4a<{q}, {nt}>")
                 k(grid, (32 * warps,), (w.wq, wd, xq[t0:], xd[t0:], xs[t0:], y[t0:], np.int32(R),
@@ -605,33 +556,6 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     if residual is not None:
         y += residual  # prefill: one extra elementwise launch per layer is negligible
     return y
-
-
-def matmul_add_norm(x: cp.ndarray, w: QWeight, residual: cp.ndarray, norm_w: cp.ndarray | None, eps: float):
-    """One token: s = residual + x @ W^T and the RMSNorm of s (times norm_w) with its q8_1 blocks, in one
-    launch of the streaming GEMV with the norm epilogue (its last block to finish normalizes the row:
-    the bits of matmul then fused.rms_norm_q8). Returns (s, out, (xq, xd, xs)) as (1, R) arrays, or None
-    where this shape's single-token GEMV is not a streaming kernel or the row does not fit the epilogue
-    (the caller composes matmul and the norm). Needs make_norm_counter() on this device first."""
-    R, K = w.rows, w.cols
-    if x.shape[0] != 1 or not w.dp4a_ok or R % 32 or R > RMS_Q8_MAX_N:
-        return None
-    one = _single_gemv(w, R, K, norm=True)
-    if one is None:
-        return None
-    counter = _NORM_COUNTERS.get(cp.cuda.Device().id)
-    if counter is None:
-        raise RuntimeError("matmul_add_norm: make_norm_counter() first (outside any graph capture)")
-    x, y, residual = matmul_io(x, w, None, residual)
-    nw = aligned16(cp.ascontiguousarray(norm_w, dtype=cp.float32)) if norm_w is not None else np.uint64(0)
-    out = cp.empty((1, R), dtype=cp.float32)
-    q8 = (cp.empty((1, R), dtype=cp.int8), cp.empty((1, R // 32), dtype=cp.float32),
-          cp.empty((1, R // 32), dtype=cp.float32))
-    xq, xd, xs = quantize_cached(x)
-    wd = w.wd if w.wd is not None else _dummy()
-    one.kernel((one.blocks,), (128,), (w.wq, wd, xq, xd, xs, y, np.int32(R), np.int32(K), residual,
-                                       nw, out, q8[0], q8[1], q8[2], np.float32(eps), counter))
-    return y, out, q8
 
 
 def matmul_experts(x: cp.ndarray, w: QWeight, ids: cp.ndarray, x_div: int, path: str = "dp4a") -> cp.ndarray:

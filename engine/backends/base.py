@@ -183,12 +183,6 @@ class FusedOpsMixin:
         """residual + x @ W.T (the residual add of a layer, folded into its last matmul)."""
         return self.add(residual, self.matmul(x, w))
 
-    def matmul_add_rms_norm(self: Backend, x, w, residual, norm_w, eps: float):
-        """s = residual + x @ W.T and the RMSNorm that follows it: returns (s, rms_norm(s, norm_w, eps))
-        (a layer's output projection, its residual add and the next block's input norm)."""
-        s = self.matmul_add(x, w, residual)
-        return s, self.rms_norm(s, norm_w, eps)
-
     def gdn_decode(self: Backend, mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias,
                    norm_w, *, n_k: int, n_v: int, dk: int, dv: int, eps: float):
         """A Gated DeltaNet mixer between its input projections and ssm_out, for T tokens.
@@ -473,9 +467,6 @@ class Backend(Protocol):
     def load_fused(self, infos: list) -> list: ...
 
     def matmul_add(self, x: Array, w: Weight, residual: Array) -> Array: ...
-
-    def matmul_add_rms_norm(self, x: Array, w: Weight, residual: Array, norm_w: Array | None,
-                            eps: float) -> tuple[Array, Array]: ...
 
     def gdn_decode(self, mixed: Array, z: Array, b: Array, alpha: Array, conv_state: Array,
                    ssm_state: Array, conv_w: Array, ssm_a: Array, dt_bias: Array, norm_w: Array, *,

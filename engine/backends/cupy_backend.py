@@ -898,7 +898,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
 
     def rms_norm(self, x, w, eps: float):
         with self._dev:
-            if self._q8_rows(x) and x.shape[1] <= ops.RMS_Q8_MAX_N:  # (T, H): the next matmuls' input
+            if self._q8_rows(x):  # (T, H): the input of the next matmuls
                 out, q8 = fused.rms_norm_q8(x, w, eps)
                 ops.register_quantized(out, q8)
                 return out
@@ -906,7 +906,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
 
     def add_rms_norm(self, x, delta, w, eps: float):
         with self._dev:
-            if self._q8_rows(x) and delta.shape == x.shape and x.shape[1] <= ops.RMS_Q8_MAX_N:
+            if self._q8_rows(x) and delta.shape == x.shape:
                 s, out, q8 = fused.rms_norm_q8(x, w, eps, delta=delta)
                 ops.register_quantized(out, q8)
                 return s, out
@@ -1155,21 +1155,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 return super().matmul_add(x, w, residual)
             y = ops.matmul(x2, w.q, path, residual=residual)  # residual added in the GEMV epilogue
             return y.reshape(*x.shape[:-1], w.q.rows)
-
-    def matmul_add_rms_norm(self, x, w: CupyWeight, residual, norm_w, eps: float):
-        x2 = _f32(x).reshape(-1, x.shape[-1])
-        if x2.shape[0] == 1 and self._matmul_path(1, w.q).startswith("dp4a") and residual.size == w.q.rows:
-            with self._dev:
-                if not ops.norm_counter_ready():
-                    if self._capture is not None:  # a memset in a capture is only recorded: make it eagerly
-                        raise _CacheFull("the GEMV norm counter is made by an eager step; the next one captures")
-                    ops.make_norm_counter()
-                done = ops.matmul_add_norm(x2, w.q, residual, norm_w, eps)  # one launch: GEMV, add, norm
-                if done is not None:
-                    s, out, q8 = done
-                    ops.register_quantized(out, q8)
-                    return s.reshape(residual.shape), out.reshape(residual.shape)
-        return super().matmul_add_rms_norm(x, w, residual, norm_w, eps)
 
     def gdn_decode(self, mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias, norm_w, *,
                    n_k: int, n_v: int, dk: int, dv: int, eps: float):

@@ -336,13 +336,12 @@ def layer(config: ModelConfig, backend: Backend, w: Weights, i: int, x: Array,
     eps = config.rms_eps
     a = backend.rms_norm(x, w[p + "attn_norm.weight"], eps)
     if config.layer_types[i] == GDN:
-        y, out = _gated_deltanet(config, backend, w, p, a, state), w[p + "ssm_out.weight"]
+        mixed = _gated_deltanet(config, backend, w, p, a, state)
     elif config.layer_types[i] == ATTN:
-        y, out = _gated_attention(config, backend, w, p, a, state, positions), w[p + "attn_output.weight"]
+        mixed = _gated_attention(config, backend, w, p, a, state, positions)
     else:
         raise ValueError(f"layer {i}: kind '{config.layer_types[i]}' is not a qwen35 layer")
-    # the mixer's output projection, the residual add and the FFN's input norm (one launch for a token)
-    x, f = backend.matmul_add_rms_norm(y, out, x, w[p + "post_attention_norm.weight"], eps)
+    x, f = backend.add_rms_norm(x, mixed, w[p + "post_attention_norm.weight"], eps)
     return feed_forward(config, backend, w, i, f, residual=x)
 
 
@@ -374,7 +373,7 @@ def head(config: ModelConfig, backend: Backend, w: Weights, x: Array) -> Array:
 
 def _gated_deltanet(config: ModelConfig, be: Backend, w: Weights, p: str, a: Array,
                     state: LayerState | SequenceRows) -> Array:
-    """Section 3.4 (and 3.4.1 for T > 1), up to the input of ssm_out."""
+    """Section 3.4 (and 3.4.1 for T > 1)."""
     mixed, z, b, alpha = be.matmul_many(a, [w[p + "attn_qkv.weight"], w[p + "attn_gate.weight"],
                                             w[p + "ssm_beta.weight"], w[p + "ssm_alpha.weight"]])
     # mixed (T, conv_dim) = [q | k | v], z (T, n_v dv), b and alpha (T, n_v)
@@ -391,13 +390,13 @@ def _gated_deltanet(config: ModelConfig, be: Backend, w: Weights, p: str, a: Arr
                                 [st.recurrent["ssm"] for st in state.states], *weights, **dims)
     else:
         y = per_sequence(be, state, None, (mixed, z, b, alpha), mixer)  # (T, n_v dv)
-    return y  # the input of ssm_out (layer applies it)
+    return be.matmul(y, w[p + "ssm_out.weight"])
 
 
 def _gated_attention(config: ModelConfig, be: Backend, w: Weights, p: str, a: Array,
                      state: LayerState | SequenceRows, positions: Array) -> Array:
     """Section 3.3: q/gate interleaved per head in attn_q, q/k RMSNorm, partial NEOX (M-)RoPE,
-    contiguous GQA, sigmoid output gate; up to the input of attn_output."""
+    contiguous GQA, sigmoid output gate."""
     nh, n_kv, d, dv = config.n_heads, config.n_kv_heads, config.head_dim, config.value_head_dim
     qg, k, v = be.matmul_many(a, [w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
 
@@ -416,7 +415,7 @@ def _gated_attention(config: ModelConfig, be: Backend, w: Weights, p: str, a: Ar
                                      [st.kv for st in state.states], *norms, state.positions, **rope)
     else:
         o = per_sequence(be, state, positions, (qg, k, v), mixer)  # (T, nh dv)
-    return o  # the input of attn_output (layer applies it)
+    return be.matmul(o, w[p + "attn_output.weight"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -440,12 +440,15 @@ def test_real_heads_greedy_matches_reference(tmp_path, path):
 
 # ---- decode timings and the graph-style (device-side length) attention ----------------------------------
 
+@pytest.mark.parametrize("vpt", [4, 8, 16])
 @pytest.mark.parametrize("N", [4096, 12288])
-def test_rms_norm_q8_timing(N):
-    """One decode row: rms_norm_q8 and add_rms_norm_q8 GPU time (printed), outputs checked."""
+def test_rms_norm_q8_timing(monkeypatch, N, vpt):
+    """One decode row: rms_norm_q8 and add_rms_norm_q8 GPU time (printed), outputs checked, at about
+    4, 8 and 16 values per thread (fused.RMS_VPT)."""
     from minecart.kernels import fused
     from minecart.kernels.probe import time_gpu
 
+    monkeypatch.setattr(fused, "RMS_VPT", vpt)
     rng = np.random.default_rng(N)
     x = rng.standard_normal((1, N)).astype(np.float32)
     d = rng.standard_normal((1, N)).astype(np.float32)
@@ -462,7 +465,7 @@ def test_rms_norm_q8_timing(N):
     _check_q8(out, q8)
     t0 = time_gpu(lambda: fused.rms_norm_q8(gx, gw, 1e-6), 100)
     t1 = time_gpu(lambda: fused.rms_norm_q8(gx, gw, 1e-6, delta=gd), 100)
-    print(f"\nrms_norm_q8 N={N} ({fused.rms_threads(N)} threads): rms {t0 * 1e6:.1f} us, add+rms {t1 * 1e6:.1f} us")
+    print(f"\nrms_norm_q8 N={N} ({fused.rms_threads(N)} threads, {vpt} per thread): rms {t0 * 1e6:.1f} us, add+rms {t1 * 1e6:.1f} us")
 
 
 def _ref_decode(q, kc, vc, L, scale, window):
@@ -543,93 +546,12 @@ def test_streaming_gemv_is_split1_bit_for_bit(monkeypatch, type_name):
                 monkeypatch.setattr(ops, "GEMV_VARIANT", "split1")
                 want = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
                 monkeypatch.setattr(ops, "GEMV_VARIANT", f"stream{nu}")
-                one = ops._single_gemv(w, R, K)
-                assert one is not None and one.name.startswith("gemv_dp4a_stream<"), one
-                streamed = streamed or 4 * one.blocks < R
+                name, _, blocks = ops._single_gemv(w, R, K)
+                assert name.startswith("gemv_dp4a_stream<"), name
+                streamed = streamed or 4 * blocks < R
                 got = cp.asnumpy(ops.matmul(gx, w, "dp4a", residual=res))
                 np.testing.assert_array_equal(got, want, err_msg=f"stream{nu} {R}x{K} residual={res is not None}")
     assert streamed, "no shape had more rows than the card holds warps: the streaming loop went untested"
-
-
-@pytest.mark.parametrize("type_name,variant", [("Q8_0", "auto"), ("Q4_0", "auto"), ("Q4_K", "auto"),
-                                               ("Q4_K", "s4"), ("Q6_K", "s2")])
-def test_gemv_norm_epilogue_is_gemv_then_rms_norm_q8(monkeypatch, poison, type_name, variant):
-    """ops.matmul_add_norm (the streaming GEMV whose last block normalizes the row) equals the residual
-    GEMV followed by fused.rms_norm_q8, bit for bit: s, the normed row and its q8_1 blocks. Rows of 4096
-    values (a thread a 32-value block in the last block's 128 threads), 5120 and 16384 (several blocks a
-    thread: rms_norm_q8 runs them with more threads, so this also holds the norm to one summation order
-    whatever the geometry), a tiny row, with and without the norm weight, launches of different grids
-    back to back (the counter must come back to zero), and the NumPy norm of the GEMV's s."""
-    from minecart.kernels import fused, ops
-
-    monkeypatch.setattr(ops, "GEMV_KQ_VARIANT", "auto" if variant == "auto" else variant)
-    ops.make_norm_counter()
-    rng = np.random.default_rng()  # fresh inputs each run
-    shapes = ((4096, 4096), (5120, 2304), (96, 256), (16384, 512), (4096, 12288))
-    for R, K in shapes:
-        info = make_tensor(rng, type_name, (R, K), 0.05)
-        w = ops.upload_weight(info.raw, type_name, (R, K))
-        gx = cp.asarray(rng.standard_normal((1, K)).astype(np.float32))
-        gr = cp.asarray(rng.standard_normal((1, R)).astype(np.float32))
-        nw = cp.asarray((1 + 0.2 * rng.standard_normal(R)).astype(np.float32))
-        for weight in (nw, None):
-            poison()
-            got = ops.matmul_add_norm(gx, w, gr, weight, 1e-6)
-            assert got is not None, f"{type_name} {R}x{K}: no streaming GEMV ({ops._single_gemv(w, R, K)})"
-            s, out, q8 = got
-            want_s = ops.matmul(gx, w, "dp4a", residual=gr)
-            want_out, want_q8 = fused.rms_norm_q8(want_s, weight, 1e-6)
-            label = f"{type_name} {variant} {R}x{K} weight={weight is not None}"
-            np.testing.assert_array_equal(cp.asnumpy(s), cp.asnumpy(want_s), err_msg=label)
-            np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(want_out), err_msg=label)
-            for a, b in zip(q8, want_q8, strict=True):
-                np.testing.assert_array_equal(cp.asnumpy(a), cp.asnumpy(b), err_msg=label)
-            _check_q8(out, q8)
-            sh = cp.asnumpy(s).astype(np.float64)
-            ref = sh / np.sqrt(np.mean(sh ** 2) + 1e-6) * (1.0 if weight is None else cp.asnumpy(weight))
-            assert nerr(cp.asnumpy(out), ref) < 1e-6, label
-    # a row that is not whole q8 blocks, or longer than the epilogue takes: the caller composes
-    for R in (100, 16416):
-        info = make_tensor(rng, type_name, (R, 256), 0.05)
-        w = ops.upload_weight(info.raw, type_name, (R, 256))
-        x, r = cp.ones((1, 256), cp.float32), cp.ones((1, R), cp.float32)
-        assert ops.matmul_add_norm(x, w, r, None, 1e-6) is None
-
-
-def test_gemv_norm_epilogue_only_where_the_gemv_streams(monkeypatch):
-    """Shapes whose single-token GEMV is not a streaming kernel get no epilogue form (None), so the backend
-    composes the GEMV and rms_norm_q8: Q6_K under "auto" (a warp per row, 2 blocks), Q8_0's down
-    projection (4 warps per row)."""
-    from minecart.kernels import ops
-
-    monkeypatch.setattr(ops, "GEMV_KQ_VARIANT", "auto")
-    monkeypatch.setattr(ops, "GEMV_VARIANT", "auto")
-    rng = np.random.default_rng(5)
-    for type_name, R, K in (("Q6_K", 4096, 4096), ("Q8_0", 4096, 12288)):
-        info = make_tensor(rng, type_name, (R, K), 0.05)
-        w = ops.upload_weight(info.raw, type_name, (R, K))
-        assert ops._single_gemv(w, R, K, norm=True) is None
-        assert ops._single_gemv(w, R, K) is not None
-
-
-def test_matmul_add_rms_norm_backend(nb, gb, poison):
-    """CupyBackend.matmul_add_rms_norm (one launch for a token on the DP4A path, the composition
-    otherwise and for several rows) against NumpyBackend's composition, and its q8_1 side output
-    published for the next matmul."""
-    rng = np.random.default_rng()
-    for T, R, K in ((1, 4096, 1024), (1, 96, 256), (3, 4096, 1024)):
-        info = make_tensor(rng, "Q8_0", (R, K), 0.05)
-        x = rng.standard_normal((T, K)).astype(np.float32)
-        r = rng.standard_normal((T, R)).astype(np.float32)
-        nw = (1 + 0.2 * rng.standard_normal(R)).astype(np.float32)
-        gw, wn = gb.load_weight(info), nb.load_weight(info)
-        poison()
-        s, o = gb.matmul_add_rms_norm(gb.asarray(x), gw, gb.asarray(r), gb.asarray(nw), 1e-6)
-        rs, ro = nb.matmul_add_rms_norm(x, wn, r, nw, 1e-6)
-        tol = 2e-2 if gb.gemv_path == "dp4a" else 1e-5  # int8 activations against the fp32 reference
-        assert nerr(gb.to_numpy(s), rs) < tol and nerr(gb.to_numpy(o), ro) < tol, (T, R, K, gb.gemv_path)
-        if gb.gemv_path == "dp4a":
-            _check_q8(o, _published(o))
 
 
 @pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])

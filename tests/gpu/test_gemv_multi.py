@@ -64,7 +64,7 @@ def test_every_shape_and_token_count(monkeypatch, poison, launches, type_name, T
         w, x, r, emu = _case(type_name, R, K, T, rng)
         gx, gr = cp.asarray(x), cp.asarray(r)
         got = {}
-        single = ops._single_gemv(w, R, K).name if T == 1 else None  # (recorded before the launches are)
+        single = ops._single_gemv(w, R, K)[0] if T == 1 else None  # (recorded before the launches are)
         for v in variants:
             monkeypatch.setattr(ops, "GEMV_KQ_MT_VARIANT", v)
             for res in (None, gr):
