@@ -35,6 +35,7 @@ from minecart.kernels.build import kernel_build_tag
 
 from ..sampling import TopLogits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
+from .graph_watch import StateReader
 
 
 def device_count() -> int:
@@ -306,56 +307,10 @@ class _Capture:
         return host
 
 
-# How _device_pointers reads an object, decided once per type: a replayed graph checks the pointers
-# every step (a batch of 32 sequences: ~1,000 layer states), and isinstance against CupyKVCache, a
-# subclass of a runtime-checkable Protocol, is slow.
-_ARRAY, _KV, _ITEMS, _VALUES, _FIELDS, _LEAF = range(6)
-_POINTER_KINDS: dict[type, int] = {}
-
-
-def _new_pointer_kind(obj) -> int:
-    """The kind of obj's type, noted in _POINTER_KINDS (the first object of a type met)."""
-    if isinstance(obj, cp.ndarray):
-        kind = _ARRAY
-    elif isinstance(obj, CupyKVCache):
-        kind = _KV
-    elif isinstance(obj, (list, tuple)):
-        kind = _ITEMS
-    elif isinstance(obj, dict):
-        kind = _VALUES
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (np.ndarray, type)):
-        kind = _FIELDS
-    else:
-        kind = _LEAF
-    _POINTER_KINDS[type(obj)] = kind
-    return kind
-
-
-def _device_pointers(obj, out: list, depth: int = 0) -> list:
-    """Addresses of every device array reachable from a model's per-layer states (caches, GDN conv
-    and recurrent state), down to 4 levels below `obj`: a graph bakes these in, so any reallocation
-    invalidates it."""
-    if depth > 4:
-        return out
-    kinds = _POINTER_KINDS
-    kind = kinds.get(type(obj))
-    if kind is None:
-        kind = _new_pointer_kind(obj)
-    if kind == _ARRAY:
-        out.append(obj.data.ptr)
-    elif kind == _KV:
-        out.extend((0 if obj.k is None else obj.k.data.ptr, 0 if obj.v is None else obj.v.data.ptr))
-    elif kind != _LEAF and depth < 4:
-        items = obj if kind == _ITEMS else obj.values() if kind == _VALUES else vars(obj).values()
-        for item in items:  # arrays and leaves read here, without a call each
-            k = kinds.get(type(item))
-            if k is None:
-                k = _new_pointer_kind(item)
-            if k == _ARRAY:
-                out.append(item.data.ptr)
-            elif k != _LEAF:
-                _device_pointers(item, out, depth + 1)
-    return out
+# What a replayed decode graph checks before each launch (graph_watch.py): the cupy arrays reachable from
+# the states it baked in. An fp32/f16/q8_0 cache is read as its k and v (its other fields are sizes); a
+# q3 cache, like any other object, field by field.
+_GRAPH_STATES = StateReader(cp.ndarray, {CupyKVCache: ("k", "v")})
 
 
 def _host_ptr(a) -> int:
@@ -380,7 +335,7 @@ class _DecodeGraph:
         self.io = tuple(_host_ptr(a) for a in io)
         self.sends = io[1] is not None
         self.link_seconds = link_seconds  # the simulated link holds captured around its copies
-        self.pointers = _device_pointers(watch, [])
+        self.watched = _GRAPH_STATES.watch(watch)  # every device address of the states, compiled
         self.launches = 0  # replays, and the launch after the capture: what guarded() checks
 
     def valid(self, owner, watch, io=(None, None), link_seconds: tuple[float, float] = (0.0, 0.0)) -> bool:
@@ -391,7 +346,7 @@ class _DecodeGraph:
         for c, _ in self.cap.caches:
             if c.k is None or c.length + 1 > c.capacity:
                 return False
-        return _device_pointers(watch, []) == self.pointers
+        return self.watched.unchanged(watch)
 
     def result(self):
         """After a launch: True when the output went to the host buffer, else a copy of what the step
@@ -538,7 +493,7 @@ class _BatchGraph(_DecodeGraph):
     def valid(self, owner, watch, io=(None, None), link_seconds: tuple[float, float] = (0.0, 0.0)) -> bool:
         if len(owner) != len(self.states) or any(a is not b for a, b in zip(owner, self.states, strict=True)):
             return False
-        return self.alive() and _device_pointers(watch, []) == self.pointers
+        return self.alive() and self.watched.unchanged(watch)
 
     def alive(self) -> bool:
         """False once a sequence's cache was freed (its session closed) or has no room for a token."""

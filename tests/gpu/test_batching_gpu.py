@@ -142,10 +142,11 @@ def test_bench_tool_runs_on_the_gpu(tmp_path):
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16", "q8_0", "q3"])
 def test_graph_pointer_check_sees_every_state_array(files, kv_type):
-    """The pointers a replayed graph checks (cupy_backend._device_pointers, with its exact-type fast path)
-    are every device array of the sequences' layer states, in order, whatever the cache type, and a
-    restored recurrent array or a grown cache changes them."""
-    from minecart.engine.backends.cupy_backend import CupyBackend, _device_pointers
+    """The pointers a replayed graph checks (cupy_backend._GRAPH_STATES, a graph_watch.StateReader over
+    cupy.ndarray with the caches' k/v fast path) are every device array of the sequences' layer states,
+    whatever the cache type; the check holds while nothing changed, and a restored recurrent array or a
+    grown cache breaks it."""
+    from minecart.engine.backends.cupy_backend import _GRAPH_STATES, CupyBackend
     from minecart.engine.model import load_model
 
     model = load_model(files["qwen"], backend=CupyBackend("cuda:0", path="dp4a"), kv_type=kv_type)
@@ -168,19 +169,22 @@ def test_graph_pointer_check_sees_every_state_array(files, kv_type):
         return out
 
     watch = [st for s in sessions for st in s.states]
-    got = _device_pointers(watch, [])
-    assert got and set(got) <= set(arrays(watch, []) + [0])
+    watched = _GRAPH_STATES.watch(watch)
+    got = watched.pointers
+    assert got and sorted(got) == sorted(arrays(watch, []))
     kv = [st.kv for st in watch if st.kv is not None]
     assert kv and all(p in got for c in kv for p in (c.k.data.ptr, c.v.data.ptr))
     rec = [a for st in watch for a in st.recurrent.values()]
     assert rec and all(a.data.ptr in got for a in rec)
+    assert watched.unchanged(watch) and watched.unchanged([st for s in sessions for st in s.states])
     st = next(st for st in watch if st.recurrent)
     name = next(iter(st.recurrent))
     st.recurrent[name] = st.recurrent[name].copy()  # what a snapshot restore does
-    assert _device_pointers(watch, []) != got
-    before = _device_pointers(watch, [])
+    assert not watched.unchanged(watch)
+    watched = _GRAPH_STATES.watch(watch)
+    assert watched.unchanged(watch)
     sessions[0].prefill(list(range(6, 30)))  # past the capacity of 16: the caches grow
-    assert _device_pointers(watch, []) != before
+    assert not watched.unchanged(watch)
 
 
 def _check_top(top, rows: np.ndarray, k: int) -> None:
