@@ -441,6 +441,9 @@ class Executor:
             w.close()
         self.bridges = []
         self.workers = {}
+        # a part's weights share one device allocation (CupyBackend.part_arena): a vector still held
+        # here would keep its whole part on the device after Model.close or a re-plan
+        self.weights = {}
 
     # ---- the forward pass ----------------------------------------------------------------------------
     def forward(self, ids: Sequence[int], states: list, positions, *, rows: str | None = "last",

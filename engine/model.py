@@ -343,7 +343,9 @@ def _load_parts(gf: GGUFFile, roles: dict, backends: dict, spec: ArchSpec, *, pr
     """{part: {name: Weight}}. A tensor needed by two parts on the same backend with the same role is
     loaded once (the tied embedding / LM head). The weights of each of the spec's fused groups that a
     part holds (the projections one matmul_many call reads) are loaded together, through
-    Backend.load_fused, which lays them out as one array. On cancel, everything loaded here is freed."""
+    Backend.load_fused, which lays them out as one array. Each part's loads run inside its backend's
+    part_arena, given the tensors it will load (the CUDA backend puts them in one device allocation).
+    On cancel, everything loaded here is freed."""
     total = sum(len(r) for r in roles.values()) or 1
     loaded: dict = {}  # (id(backend), name, role) -> weight
     if shared_from and shared_roles:  # weights already loaded (reload_placement): reuse, not reload
@@ -360,27 +362,29 @@ def _load_parts(gf: GGUFFile, roles: dict, backends: dict, spec: ArchSpec, *, pr
             out[part] = {}
             grouped = {members[0]: members for members in spec.fused_members(part_roles)}
             in_group = {n for members in grouped.values() for n in members}
-            for name, role in part_roles.items():
-                if name in in_group and name not in grouped:
-                    continue  # loaded with the first member of its group
-                if cancel is not None and cancel.is_set():
-                    raise GenerationCancelled(f"{gf.path}: loading cancelled")
-                names = grouped.get(name, (name,))
-                keys = [(id(be), n, part_roles[n]) for n in names]
-                wts = [loaded.get(k) for k in keys]
-                if any(wt is None for wt in wts):  # a group is loaded whole, never in pieces
-                    if len(names) > 1:
-                        wts = be.load_fused([gf.tensor(n) for n in names])
-                    else:
-                        wts = [be.load_weight(gf.tensor(name), role=role)]
-                    for k, wt in zip(keys, wts, strict=True):
-                        loaded[k] = wt
-                        fresh.append((be, wt))
-                for n, wt in zip(names, wts, strict=True):
-                    out[part][n] = wt
-                    done += 1
-                    if progress is not None:
-                        progress(done / total, f"{part}: {n}")
+            # the part's loads: a tensor, or a group at its first member (loaded with it)
+            steps = [grouped.get(name, (name,)) for name in part_roles
+                     if name not in in_group or name in grouped]
+            keys = {n: (id(be), n, part_roles[n]) for n in part_roles}
+            todo = [n for names in steps if any(keys[m] not in loaded for m in names) for n in names]
+            with be.part_arena([(gf.tensor(n), part_roles[n]) for n in todo]):
+                for names in steps:
+                    if cancel is not None and cancel.is_set():
+                        raise GenerationCancelled(f"{gf.path}: loading cancelled")
+                    wts = [loaded.get(keys[n]) for n in names]
+                    if names[0] in todo:  # a group is loaded whole, never in pieces
+                        if len(names) > 1:
+                            wts = be.load_fused([gf.tensor(n) for n in names])
+                        else:
+                            wts = [be.load_weight(gf.tensor(names[0]), role=part_roles[names[0]])]
+                        for n, wt in zip(names, wts, strict=True):
+                            loaded[keys[n]] = wt
+                            fresh.append((be, wt))
+                    for n, wt in zip(names, wts, strict=True):
+                        out[part][n] = wt
+                        done += 1
+                        if progress is not None:
+                            progress(done / total, f"{part}: {n}")
     except BaseException:
         for be, wt in fresh:
             be.free(wt)

@@ -132,8 +132,9 @@ def _memory_report(model, states, context: int, chunk: int) -> dict:
             e = dataclasses.replace(plan, cuda_context_bytes=ctx).bytes_per_device()[dev]
             pool = int(real.memory_peak())
             outside = int(real.outside_pool_bytes())
-            # beyond the context, outside the pool: kernel modules, graph executables and the driver's
-            # rounding of each allocation (all in the estimate)
+            # beyond the context, outside the pool: kernel modules, graph executables (in the estimate)
+            # and the driver's rounding of the arrays allocated one by one (KV caches, states, scratch;
+            # not priced). The weights are in whole-page arenas in the pool, their padding `rounding`.
             measured = ctx + pool + max(0, outside - ctx)
             estimate, how = e.total, "CUDA context + pool peak + modules, graphs and the driver's rounding"
             extra = {"context": ctx, "pool_peak": pool, "device_used": int(real.peak_memory()),

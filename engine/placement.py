@@ -90,12 +90,17 @@ GRAPH_BYTES_PER_LAYER = 128 * KiB
 # The CUDA driver rounds each allocation up: above 1 MiB to whole 2 MiB pages, from 512 KiB to a whole
 # 1 MiB, smaller ones share pages (measured on the H200, 2026-12-02: 300 allocations each of 0.25 / 0.68
 # / 1.5 / 3.0 / 5.0 / 28 MiB took 0.003 / 0.32 / 0.50 / 1.0 / 1.0 / 0 MiB more of the device than CuPy's
-# pool counted). CuPy's pool asks the driver for each array apart, so a model whose matrices are not
-# whole pages loses up to 2 MiB per weight array: the 27B shape's 868 resident arrays 541 MiB (outside
-# the pool after an eager step: 600 MiB beyond the modules), the 9B's, whose dimensions are powers of
-# two, 115 MiB (measured 116). DeviceBytes.rounding is that sum for the weights a device holds.
+# pool counted). CuPy's pool asks the driver for each array apart, so weights allocated array by array
+# lost up to 2 MiB per array: the 27B shape's 868 resident arrays 541 MiB (outside the pool after an
+# eager step: 600 MiB beyond the modules), the 9B's, whose dimensions are powers of two, 115 MiB
+# (measured 116). The CUDA backend therefore lays each part's weights out in one allocation of whole
+# pages (its weight arena, CupyBackend.part_arena), every array at an ARENA_ALIGN_BYTES offset:
+# DeviceBytes.rounding is what those arenas hold beyond the weights (`_arena_padding`, less than one
+# page per part), inside CuPy's pool. KV caches, states and scratch are allocated array by array as
+# before; their rounding is not priced (a few arrays per layer, sized by the context: mostly whole pages).
 DRIVER_PAGE_BYTES = 2 * MiB
 DRIVER_SMALL_BYTES = 512 * KiB  # allocations up to this share the driver's pages
+ARENA_ALIGN_BYTES = 256  # = engine/backends/cupy_backend.py ARENA_ALIGN
 
 # The Gated DeltaNet prefill's chunked kernels (kernels/gdn_chunk.py): runs of at least this many tokens
 # take them, in segments of at most GDN_SEGMENT_TOKENS tokens, chunks of GDN_CHUNK_TOKENS.
@@ -557,8 +562,9 @@ class DeviceBytes:
     activations is the device's whole scratch: the peak live activations plus `staging`, which is given
     separately for the record (part of activations, not added on top): the part of the load-time peak
     that the run's own arrays do not cover. overhead likewise includes `modules` (the loaded kernel
-    modules), `graphs` (the captured decode graphs) and `rounding` (the driver's rounding of each
-    weight array: driver_rounding) beside the CUDA context."""
+    modules), `graphs` (the captured decode graphs) and `rounding` (the weight arenas' bytes beyond
+    the weights: each part's arrays are one allocation of whole driver pages, `_arena_padding`)
+    beside the CUDA context."""
 
     device: str
     weights: int = 0
@@ -591,20 +597,23 @@ class DeviceBytes:
 def _load_peak(parts: Sequence[PartCost], elsewhere: Collection[str] = ()) -> int:
     """Most bytes the CUDA backend's pool holds while these parts' weights load, in load order (parts in
     order, tensors in role order, a group when its first member comes, a tensor already on the device
-    not loaded again). Derivations (kernels/ops.py upload_weight, CupyBackend.load_fused; the backend
-    hands the pool's unused blocks back to the device after each weight, so nothing a weight's upload
-    freed is still held when the next one starts):
+    not loaded again). Each part's weight arena (its tensors' bytes and `_arena_padding`) is allocated
+    before its first upload, and every upload writes its final arrays into it, so from a part's first
+    step on the pool holds the whole part. Derivations (kernels/ops.py upload_weight,
+    CupyBackend.load_fused; the backend hands the pool's unused blocks back to the device after each
+    weight, so nothing a weight's upload freed is still held when the next one starts):
     - a STAGED_TYPES matrix of b bytes is uploaded raw and re-laid out into quants + scales (b
       together) before the raw copy is freed: b beside the weights so far;
     - a K-quant matrix (KQUANT_TYPES) is repacked chunk by chunk into its final arrays: beside them,
       KQUANT_REPACK_FACTOR x one chunk (at most KQUANT_REPACK_CHUNK, at most the tensor);
-    - a weight group of G bytes is allocated whole while its first tensor sits beside it in its own
-      arrays; each next tensor's arrays reuse that space (the first is the largest in every group the
-      architectures declare): the peak is the weights so far, G and the largest member with its own
-      upload's transient."""
+    - a weight group (its arrays in the arena) is laid out tensor by tensor, each member uploaded into
+      arrays of its own, copied into the group's and freed: beside the arena, the largest member with
+      its own upload's transient."""
     seen: set[str] = set(elsewhere)  # tensors loaded onto another device (routed experts apart)
     loaded = peak = 0
     for p in parts:
+        besides = []
+        held: set[str] = set()
         for names, total, beside in _load_steps(p):
             if not seen.isdisjoint(names):  # some already loaded (a shared or moved tensor): the rest
                 sizes = dict(p.tensors)
@@ -614,8 +623,11 @@ def _load_peak(parts: Sequence[PartCost], elsewhere: Collection[str] = ()) -> in
                           else sum(_upload_transient(p, n) for n in rest))
                 names = tuple(rest)
             seen.update(names)
+            held.update(names)
             loaded += total
-            peak = max(peak, loaded + beside)
+            besides.append(beside)
+        loaded += _arena_padding(p, frozenset(held))
+        peak = max([peak, loaded] + [loaded + b for b in besides])
     return max(peak, loaded)
 
 
@@ -639,25 +651,33 @@ def driver_rounding(n: int) -> int:
     return -(-n // DRIVER_PAGE_BYTES) * DRIVER_PAGE_BYTES - n
 
 
-# weight formats the CUDA backend holds as one array (the rest: quants plus a u16 scale per 32 values)
-_ONE_ARRAY_TYPES = frozenset({"F32", "F16", "BF16"})
+# weight formats whose u16 scale per 32 values the CUDA backend keeps in an array of its own beside the
+# quants (kernels/layout.py array_bytes); the rest are one array
+_SCALED_TYPES = frozenset(STAGED_TYPES + KQUANT_TYPES)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
 
 
 @functools.lru_cache(maxsize=8192)
-def _rounding(p: PartCost, keep: frozenset[str]) -> int:
-    """driver_rounding summed over the device arrays the CUDA backend makes for the tensors of `p` named
-    in `keep`: per load step (a tensor, or a weight group as one array per field), the quants (or the
-    whole tensor) and, for quantized matrices, the scales (2 bytes per 32 values)."""
-    sizes = dict(p.tensors)
+def _arena_padding(p: PartCost, keep: frozenset[str]) -> int:
+    """Bytes of the weight arena the CUDA backend allocates for the tensors of `p` named in `keep`
+    (CupyBackend.part_arena: one allocation of whole DRIVER_PAGE_BYTES pages, which the driver does not
+    round further) beyond their stored bytes: each device array's alignment to ARENA_ALIGN_BYTES and
+    the last page's unused rest. The arrays: per tensor the quants and, for _SCALED_TYPES matrices,
+    the scales (2 bytes per 32 values); a weight group's arrays are its members' together, which
+    the arena is sized for member by member. 0 when nothing is loaded (no arena)."""
+    held = [(n, b) for n, b in p.tensors if n in keep]
+    if not held:
+        return 0
     values = {name: (kind, v) for name, kind, _, v in p.matmuls}
-    total = 0
-    for names, _, _ in _load_steps(p):
-        held = [n for n in names if n in keep]
-        if not held:
-            continue
-        scales = sum(2 * (values[n][1] // 32) for n in held if n in values and values[n][0] not in _ONE_ARRAY_TYPES)
-        total += driver_rounding(sum(sizes[n] for n in held) - scales) + (driver_rounding(scales) if scales else 0)
-    return total
+    arrays = 0
+    for n, b in held:
+        kind, v = values.get(n, ("", 0))
+        scales = 2 * (v // 32) if kind in _SCALED_TYPES else 0
+        arrays += _aligned(b - scales) + _aligned(scales)
+    return -(-arrays // DRIVER_PAGE_BYTES) * DRIVER_PAGE_BYTES - sum(b for _, b in held)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -893,13 +913,15 @@ class Placement:
                 act += state
             staging = modules = graphs = rounding = 0
             if cuda and self.costs.layout == "stored":
-                run_peak = weights + kv_bytes + state * self.n_sequences + act
-                staging = max(0, _load_peak(on_dev, moved) - run_peak)
                 counted: set[str] = set()
                 for p in on_dev + [q for q in apart if self.experts[q.name] == dev]:
                     keep = frozenset(n for n, _ in p.tensors if n in tensors and n not in counted)
-                    rounding += _rounding(p, keep)
+                    rounding += _arena_padding(p, keep)
                     counted |= keep
+                # the arenas' padding is in the pool while loading and after: in the load peak and in
+                # `rounding`, so the run's peak beside the load's has it too
+                run_peak = weights + kv_bytes + state * self.n_sequences + act + rounding
+                staging = max(0, _load_peak(on_dev, moved) - run_peak)
             if cuda:
                 modules = KERNEL_MODULES_BYTES
                 graphs = GRAPH_BYTES_PER_LAYER * sum(1 for p in on_dev if p.name.startswith("layer."))

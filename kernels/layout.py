@@ -6,7 +6,8 @@ are repacked by kernels/kquant_layout.py; every other stored type keeps its GGUF
 only). `relayout` does that re-layout with whichever array module it is given, so
 `kernels/ops.upload_weight` (CuPy, after copying the raw blocks to the device) and the host-RAM expert
 stream (NumPy, once at load into page-locked memory, engine/backends/expert_stream.py) make the same
-bytes. Imports numpy only (no CuPy), so the CPU tests check it.
+bytes. `array_bytes` gives the sizes of those arrays without making them (what a part's weight arena
+holds: engine/backends/cupy_backend.py). Imports numpy only (no CuPy), so the CPU tests check it.
 
 What this is not: the choice of a type's kernel or of F32 decoding for types without one
 (kernels/ops.py kept_type), nor the block formats themselves (engine/quants.py).
@@ -15,6 +16,8 @@ What this is not: the choice of a type's kernel or of F32 decoding for types wit
 from __future__ import annotations
 
 from typing import Any
+
+from .kquant_layout import KQUANT_TYPES, wq_row_bytes
 
 # 32-value block types whose fp16 scale (the block's first 2 bytes) the kernels read apart: bytes a block
 SPLIT_SCALES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "IQ4_NL": 18}
@@ -35,3 +38,14 @@ def relayout(xp: Any, raw: Any, type_name: str, rows: int, cols: int) -> tuple[A
     wd = xp.ascontiguousarray(blk[:, :, :2]).view(xp.uint16).reshape(rows, cols // 32)
     wq = xp.ascontiguousarray(blk[:, :, 2:]).reshape(rows, -1)
     return wq, wd
+
+
+def array_bytes(type_name: str, rows: int, cols: int, row_bytes: int) -> tuple[int, int]:
+    """(bytes of wq, bytes of wd; 0 = no wd) of a (rows, cols) matrix of `type_name` laid out for the
+    kernels (`relayout`, kquant_layout.repack); row_bytes: the bytes of one stored row (what a type
+    kept as its blocks holds per row). Exact: the device arrays' nbytes."""
+    if type_name in KQUANT_TYPES:
+        return rows * wq_row_bytes(type_name, cols), rows * (cols // 32) * 2
+    if type_name in SPLIT_SCALES:
+        return rows * (cols // 32) * (SPLIT_SCALES[type_name] - 2), rows * (cols // 32) * 2
+    return rows * row_bytes, 0

@@ -100,10 +100,12 @@ class QWeight:
         return self.type_name in DP4A_TYPES
 
 
-def upload_weight(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> QWeight:
+def upload_weight(raw: np.ndarray, type_name: str, shape: tuple[int, ...], empty=cp.empty) -> QWeight:
     """Copy a GGUF tensor's raw bytes to the device and lay them out for the kernels (no precision change).
 
-    shape: logical (R, K) or (E, R, K). raw: the tensor's bytes (any shape; C order)."""
+    shape: logical (R, K) or (E, R, K). raw: the tensor's bytes (any shape; C order). empty(shape,
+    dtype): makes the result's arrays (kernels/layout.py array_bytes gives their sizes; CupyBackend
+    passes views of a part's weight arena); the upload's temporaries come from CuPy's pool."""
     if type_name not in _BLOCK_BYTES:
         raise ValueError(f"weight type {type_name} has no GPU kernel (supported: {', '.join(QT)})")
     if len(shape) == 1:
@@ -115,32 +117,33 @@ def upload_weight(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> QW
         raise ValueError(f"row length {K} is not a multiple of the {type_name} block ({max(per, 32)} values)")
     rows = experts * R
     nb_row = K // per * nbytes
+    host = np.ascontiguousarray(raw).reshape(-1).view(np.uint8).reshape(rows, nb_row)
     if type_name in kquant_layout.KQUANT_TYPES:  # repacked on the device (kquant_layout.py)
-        wq, wd = _upload_kquant(np.ascontiguousarray(raw).reshape(-1).view(np.uint8).reshape(rows, nb_row),
-                                type_name, K)
+        wq, wd = _upload_kquant(host, type_name, K, empty)
         return QWeight(type_name, R, K, experts, wq, wd)
-    dev = cp.asarray(np.ascontiguousarray(raw).reshape(-1).view(np.uint8)).reshape(rows, nb_row)
-    wd = None
-    if type_name in _SPLIT_SCALE:
-        blk = dev.reshape(rows, K // 32, nbytes)
-        wd = cp.ascontiguousarray(blk[:, :, :2]).view(cp.uint16).reshape(rows, K // 32)
-        wq = cp.ascontiguousarray(blk[:, :, 2:]).reshape(rows, -1)
-        del blk, dev
-    else:
-        wq = dev
-    return QWeight(type_name, R, K, experts, wq, wd)
+    if type_name in _SPLIT_SCALE:  # the raw blocks staged on the device, then split
+        blk = cp.asarray(host).reshape(rows, K // 32, nbytes)
+        wd = empty((rows, K // 32), cp.uint16)
+        wd.view(cp.uint8).reshape(rows, K // 32, 2)[...] = blk[:, :, :2]
+        wq = empty((rows, K // 32 * (nbytes - 2)), cp.uint8)
+        wq.reshape(rows, K // 32, nbytes - 2)[...] = blk[:, :, 2:]
+        del blk
+        return QWeight(type_name, R, K, experts, wq, wd)
+    wq = empty((rows, nb_row), cp.uint8)
+    wq.set(host)
+    return QWeight(type_name, R, K, experts, wq, None)
 
 
 _KQ_CHUNK_BYTES = 64 << 20  # raw bytes repacked per step (the repack's temporaries are ~3x this)
 
 
-def _upload_kquant(host: np.ndarray, type_name: str, K: int) -> tuple[cp.ndarray, cp.ndarray]:
+def _upload_kquant(host: np.ndarray, type_name: str, K: int, empty=cp.empty) -> tuple[cp.ndarray, cp.ndarray]:
     """K-quant rows (host (rows, file bytes per row) uint8) -> (wq, wd) in the device layout of
     kquant_layout.py: each chunk of rows is copied to the device and repacked there by
     `kquant_layout.repack` run with CuPy, so device memory holds the result plus one chunk's work."""
     rows = host.shape[0]
-    wq = cp.empty((rows, kquant_layout.wq_row_bytes(type_name, K)), dtype=cp.uint8)
-    wd = cp.empty((rows, K // 32), dtype=cp.uint16)
+    wq = empty((rows, kquant_layout.wq_row_bytes(type_name, K)), cp.uint8)
+    wd = empty((rows, K // 32), cp.uint16)
     step = max(1, _KQ_CHUNK_BYTES // max(1, host.shape[1]))
     for r0 in range(0, rows, step):
         q, d = kquant_layout.repack(cp.asarray(host[r0:r0 + step]), type_name, K, xp=cp)

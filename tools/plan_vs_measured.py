@@ -28,8 +28,9 @@ graphs, as the engine runs), and prints a table and, with --json, the rows as JS
   (prompt + half the decode), logical devices on one GPU get the no-overlap prefill prediction.
   Target: within 15%.
 - calibration (the single-device rows): device memory outside the pool beyond the context after an
-  eager decode step (kernel modules: placement.KERNEL_MODULES_BYTES, plus the driver's rounding of
-  each weight array: DeviceBytes.rounding, `rounding_predicted`) and what capturing the decode graphs
+  eager decode step (kernel modules: placement.KERNEL_MODULES_BYTES, plus what the driver rounds the
+  KV caches, states and scratch up by, not priced; the weights' arenas are whole pages in the pool, their
+  padding DeviceBytes.rounding, `rounding_predicted`) and what capturing the decode graphs
   adds, per layer (placement.GRAPH_BYTES_PER_LAYER).
 
 --link puts every device of the split rows behind that simulated riser (engine/rig.py; its time is

@@ -24,12 +24,14 @@ Not here: mixture-of-experts GEMVs have no HFMA2 kernel (the FMA kernel serves t
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import cupy as cp
 import numpy as np
-from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, link, ops
+from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, layout, link, ops
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
@@ -65,6 +67,60 @@ class WeightGroup:
     def __init__(self, q: ops.QWeight, ranges: list[tuple[int, int]]):
         self.q: ops.QWeight | None = q
         self.ranges = ranges
+
+
+ARENA_ALIGN = 256  # bytes: every array of a weight arena starts at a multiple of this (cudaMalloc's own)
+ARENA_PAGE = 2 << 20  # the driver's page above 1 MiB (engine/placement.py DRIVER_PAGE_BYTES): an arena is
+# whole pages, so the driver adds nothing to it
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ARENA_ALIGN) * ARENA_ALIGN
+
+
+def held_array_bytes(info, role: str) -> tuple[int, ...]:
+    """Bytes of each device array CupyBackend.load_weight makes for a tensor (a vector: float32 of its
+    shape; a matrix: kernels/layout.py array_bytes of the type it is kept in, ops.kept_type), known
+    before the upload: what a part's weight arena is sized from."""
+    shape = tuple(int(s) for s in info.shape)
+    if role == "vector":
+        return (4 * int(np.prod(shape, dtype=np.int64)),)
+    logical = (1, shape[0]) if len(shape) == 1 else shape
+    K = logical[-1]
+    rows = int(np.prod(logical[:-1], dtype=np.int64))
+    kept = ops.kept_type(info.type_name, K)
+    row_bytes = int(info.n_bytes) // rows if kept == info.type_name else 4 * K
+    wq, wd = layout.array_bytes(kept, rows, K, row_bytes)
+    return (wq, wd) if wd else (wq,)
+
+
+class WeightArena:
+    """One device allocation holding the arrays of one part's weights (CupyBackend.part_arena): whole
+    2 MiB pages (ARENA_PAGE) from CuPy's pool, each array a view at an ARENA_ALIGN-aligned offset made
+    with ndarray(memptr=...) (its `.data.mem` is the arena's `base.mem`, its `.base` None, so each array
+    counts only its own bytes). The CUDA driver rounds every allocation above 1 MiB up to whole 2 MiB
+    pages; arrays allocated apart lose up to 2 MiB each (27B: ~541 MiB over its devices), an arena
+    less than one page per part (placement.py `_arena_padding`).
+
+    Only the views keep the allocation: the backend drops the arena once the part is loaded, so the
+    memory goes back to the pool when the part's last weight is freed (CupyBackend.free, or its
+    vectors dropped). `empty` past the size planned up front (a layout held_array_bytes did not
+    foresee) makes an allocation of its own, so a wrong size costs rounding, never correctness."""
+
+    def __init__(self, nbytes: int):
+        self.size = -(-nbytes // ARENA_PAGE) * ARENA_PAGE
+        self.base = cp.cuda.alloc(self.size) if self.size else None  # a MemoryPointer (pool memory)
+        self.used = 0
+
+    def empty(self, shape, dtype):
+        """An uninitialized array of `shape` and `dtype` at the arena's next aligned offset."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if self.base is None or self.used + n > self.size:
+            return cp.empty(shape, dtype)
+        out = cp.ndarray(shape, dtype, memptr=self.base + self.used)
+        self.used += _aligned(n)
+        return out
 
 
 class CupyWeight:
@@ -561,6 +617,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self.graph_capture_error = ""  # why the last single-token capture failed
         self._pool_peak = 0  # the pool's highest total seen by sample_memory (memory_peak)
         self._load_pool_peak = 0  # the pool's highest total while weights were uploaded (load_memory_peak)
+        self._arena: WeightArena | None = None  # the part being loaded (part_arena)
         self._hold_done: Any = None  # the event `hold` records again after each simulated link's hold
         self._sleeper: Any = None  # the _sleep_event of waits for host functions (host_round_trip)
         self._side: Any = None  # (stream, fork event, join event) of `alongside`, made on first use
@@ -685,19 +742,48 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         with self._dev:
             return cp.zeros(shape, dtype=dtype)
 
+    @contextlib.contextmanager
+    def part_arena(self, tensors: Sequence[tuple[Any, str]]) -> Iterator[None]:
+        """The weights loaded inside this block (load_weight, load_fused) are laid out in one
+        WeightArena, sized up front for `tensors` ((TensorInfo, role) of the part's tensors still to
+        load, in any order: held_array_bytes each), so the driver rounds one allocation per part
+        instead of one per array. A weight group's arrays are in it, its members' own uploads (copied
+        into them) not: those are temporaries. engine/model.py opens one per part it loads."""
+        nbytes = sum(_aligned(n) for info, role in tensors for n in held_array_bytes(info, role))
+        with self._dev:
+            arena = WeightArena(nbytes)
+        self._load_pool_peak = max(self._load_pool_peak, self.memory_used())
+        self._arena = arena
+        try:
+            yield
+        finally:
+            self._arena = None  # from here on only the weights' views hold the allocation
+
+    def _empty(self):
+        """The allocator of a loaded weight's arrays: the open part's arena, else CuPy's pool."""
+        return cp.empty if self._arena is None else self._arena.empty
+
     def load_weight(self, info, *, role: str = "matmul"):
+        return self._load_weight(info, role, self._empty())
+
+    def _load_weight(self, info, role: str, empty) -> Any:
+        """load_weight with the allocator of the result's arrays (load_fused: the pool, for a member
+        that is copied into its group's arrays)."""
         with self._dev:
             if role == "vector":
                 from .. import quants
 
-                return cp.asarray(np.ascontiguousarray(quants.dequantize(info), dtype=np.float32))
+                host = np.ascontiguousarray(quants.dequantize(info), dtype=np.float32)
+                out = empty(host.shape, np.float32)
+                out.set(host)
+                return out
             if role not in ("matmul", "embedding", "experts"):
                 raise ValueError(f"unknown weight role '{role}' for tensor '{info.name}'")
             shape = tuple(int(s) for s in info.shape)
             logical = (1, shape[0]) if role == "matmul" and len(shape) == 1 else shape
             type_name = info.type_name
             if ops.kept_type(type_name, logical[-1]) == type_name:
-                q = ops.upload_weight(np.asarray(info.raw), type_name, logical)
+                q = ops.upload_weight(np.asarray(info.raw), type_name, logical, empty)
                 self._return_load_blocks()
             else:
                 # No kernel for this format or row length: decode once to F32 on the host.
@@ -706,7 +792,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 dense = np.ascontiguousarray(quants.dequantize(info), dtype=np.float32).reshape(logical)
                 if logical[-1] % 32:
                     raise ValueError(f"tensor '{info.name}': row length {logical[-1]} is not a multiple of 32")
-                q = ops.upload_weight(dense.view(np.uint8), "F32", logical)
+                q = ops.upload_weight(dense.view(np.uint8), "F32", logical, empty)
                 type_name = "F32"
             return CupyWeight(info.name, logical, type_name, q, role)
 
@@ -744,11 +830,13 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         ranges: list[tuple[int, int]] = []
         group: ops.QWeight | None = None
         w: CupyWeight | None = None
+        empty = self._empty()  # the group's arrays: the part's arena when one is open
         with self._dev:
             try:
                 for info, (rows, _) in zip(infos, logical, strict=True):
                     w = None
-                    w = self.load_weight(info, role="matmul")  # this tensor alone, in the kernels' layout
+                    # this tensor alone, in the kernels' layout, in the pool (copied into the group)
+                    w = self._load_weight(info, "matmul", cp.empty)
                     q = w.q
                     if group is None:
                         if not _rows_first(q):  # each tensor apart
@@ -758,9 +846,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                                 w = self.load_weight(other, role="matmul")
                                 out.append(w)
                             return out
-                        wd = None if q.wd is None else cp.empty((total,) + q.wd.shape[1:], q.wd.dtype)
-                        group = ops.QWeight(q.type_name, total, q.cols, 1,
-                                            cp.empty((total,) + q.wq.shape[1:], q.wq.dtype), wd)
+                        wq = empty((total,) + q.wq.shape[1:], q.wq.dtype)
+                        wd = None if q.wd is None else empty((total,) + q.wd.shape[1:], q.wd.dtype)
+                        group = ops.QWeight(q.type_name, total, q.cols, 1, wq, wd)
                     r0 = ranges[-1][1] if ranges else 0
                     if not _rows_first(q) or q.type_name != group.type_name or \
                             q.wq.shape[1:] != group.wq.shape[1:] or q.wq.dtype != group.wq.dtype or \
@@ -1616,4 +1704,4 @@ def _note_context_bytes(index: int) -> None:
 
 
 __all__ = ["CupyBackend", "CupyF16KVCache", "CupyKVCache", "CupyQ3KVCache", "CupyQ8KVCache", "CupyWeight",
-           "device_count", "gpu_uuid"]
+           "WeightArena", "device_count", "gpu_uuid", "held_array_bytes"]

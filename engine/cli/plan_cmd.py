@@ -305,7 +305,8 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
             "expert_staging_bytes": b.expert_staging if b else 0,
             # of other_bytes on a host: the page-locked copy of the experts it holds for GPU layers
             "pinned_bytes": b.pinned if b else 0,
-            # of other_bytes on a GPU: the driver's rounding of each weight array (placement.driver_rounding)
+            # of other_bytes on a GPU: the weight arenas' bytes beyond the weights (each part's arrays in
+            # one allocation of whole 2 MiB pages: placement._arena_padding)
             "rounding_bytes": b.rounding if b else 0,
             "decode_seconds_per_token": choice.speed.per_device.get(d.name, 0.0),
         })
@@ -373,9 +374,6 @@ def _table(r: dict[str, Any]) -> str:
         if d["expert_staging_bytes"]:
             lines.append(f"{d['name']}: {format_bytes(d['expert_staging_bytes'])} of 'other' are the two "
                          f"buffers that host-RAM experts are streamed into for prefill")
-        if d["rounding_bytes"] >= 64 * 2**20:
-            lines.append(f"{d['name']}: {format_bytes(d['rounding_bytes'])} of 'other' is the driver rounding each "
-                         f"weight array up to whole 2 MiB pages")
         if d["pinned_bytes"]:
             lines.append(f"{d['name']}: {format_bytes(d['pinned_bytes'])} of 'other' are the page-locked copy of "
                          f"its experts that prefill streams from (the CPU's decode reads the file's pages)")

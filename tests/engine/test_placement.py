@@ -145,16 +145,32 @@ def test_driver_rounding_follows_the_h200_measurements():
         assert driver_rounding(size) / MiB == pytest.approx(extra, abs=0.001), size
 
 
-def test_rounding_explains_the_memory_outside_the_pool():
-    """tools/plan_vs_measured.py --full (H200, 2026-12-02, Q4_K, one device): device memory outside the
-    pool beyond the CUDA context after an eager step was 144 MiB for the 9B shape and 628 MiB for the
-    27B; less the kernel modules' 28 MiB, the weight arrays' rounding (each weight's quants and scales,
-    a group's as one array each) must account for it within 10%: 116 and 600 MiB."""
-    for shape, measured in (("qwen3.5-9b", 144), ("qwen3.5-27b", 628)):
-        plan = Placement.single(costs_for_shape(shape, "Q4_K"), "cuda:0", context=8192, kv_type="f16")
+def test_weight_arenas_leave_less_than_a_page_per_part():
+    """tools/plan_vs_measured.py --full (H200, 2026-12-02, Q4_K, one device), with every weight array
+    allocated on its own: device memory outside the pool beyond the CUDA context after an eager step was
+    144 MiB for the 9B shape and 628 MiB for the 27B, less the kernel modules' 28 MiB the driver's
+    per-array rounding (116 and 600 MiB; driver_rounding summed over the arrays: 115 and 541). The CUDA
+    backend now puts each part's arrays in one allocation of whole 2 MiB pages (its weight arena), which
+    the driver does not round: per part, the weights plus their padding are whole pages, the padding is
+    less than a page plus one 256-byte alignment per array, and the device's `rounding` is the sum of
+    its parts' padding (a few MiB per card, not hundreds)."""
+    from minecart.engine.placement import ARENA_ALIGN_BYTES, DRIVER_PAGE_BYTES, _arena_padding
+
+    for shape, per_array in (("qwen3.5-9b", 116), ("qwen3.5-27b", 600)):
+        costs = costs_for_shape(shape, "Q4_K")
+        plan = Placement.single(costs, "cuda:0", context=8192, kv_type="f16")
         b = plan.bytes_per_device()["cuda:0"]
-        assert b.rounding / MiB == pytest.approx(measured - KERNEL_MODULES_BYTES / MiB, rel=0.10), shape
+        pads = [_arena_padding(p, frozenset(n for n, _ in p.tensors)) for p in costs.parts]
+        for p, pad in zip(costs.parts, pads, strict=True):
+            assert (p.weight_bytes + pad) % DRIVER_PAGE_BYTES == 0, p.name
+            assert 0 <= pad < DRIVER_PAGE_BYTES + 2 * ARENA_ALIGN_BYTES * len(p.tensors), p.name
+        assert b.rounding == sum(pads)
+        assert 0 < b.rounding < len(costs.parts) * DRIVER_PAGE_BYTES
+        assert b.rounding < per_array * MiB / 3, shape  # 29 and 19 MiB where 116 and 600 were lost
         assert b.overhead >= b.rounding + b.modules + b.graphs
+    # a part the device already holds all of (the tied embedding as the LM head) has no arena
+    part = costs_for_shape("qwen3.5-9b", "Q4_K", n_layers=4).part("layer.0")
+    assert _arena_padding(part, frozenset()) == 0
 
 
 # ---- automatic split --------------------------------------------------------------------------------
@@ -366,22 +382,31 @@ def test_staging_of_the_lm_head_loaded_last():
 
 
 def test_load_peak_of_a_weight_group():
-    """A group is allocated whole while its first (largest) tensor sits beside it in its own arrays
-    (twice for a staged type: raw copy and layout); a lone staged tensor adds its raw copy."""
-    from minecart.engine.placement import PartCost, _load_peak
+    """Each part's weight arena (its tensors plus `_arena_padding`: whole driver pages) is allocated
+    before its first upload, and every upload writes its final arrays into it; beside it, a group's
+    first (largest) tensor sits in its own arrays while it is copied into the group's (twice for a
+    staged type: raw copy and layout), and a lone staged tensor adds its raw copy."""
+    from minecart.engine.placement import DRIVER_PAGE_BYTES, PartCost, _arena_padding, _load_peak
 
     part = PartCost("layer.0", "gdn", (("a", 100), ("n", 1), ("b", 40), ("c", 30), ("d", 20)),
                     fused=(("a", "b"),), fused_bytes=140)
-    assert _load_peak([part]) == 140 + 100  # the group's moment beats the end (191)
-    assert _load_peak([replace(part, tensors=part.tensors + (("e", 300),))]) == 491  # now the end does
+    page = DRIVER_PAGE_BYTES  # 191 bytes of tensors: one page
+    assert _arena_padding(part, frozenset("anbcd")) == page - 191
+    assert _load_peak([part]) == page + 100  # the arena and, beside it, the group's first member
+    # a later tensor adds nothing beside the arena, which holds it from the start
+    assert _load_peak([replace(part, tensors=part.tensors + (("e", 300),))]) == page + 100
     staged = replace(part, staged=("a", "b", "d"), tensors=(("a", 100), ("b", 40), ("d", 90)))
-    assert _load_peak([staged]) == max(140 + 2 * 100, 140 + 90 + 90)
+    assert _load_peak([staged]) == page + max(2 * 100, 90)
     # a member loaded on another device (experts apart) is not loaded here; the rest loads alone
-    assert _load_peak([replace(part, tensors=part.tensors[:3])], elsewhere={"b"}) == 101
+    assert _load_peak([replace(part, tensors=part.tensors[:3])], elsewhere={"b"}) == page
+    # the next part's arena comes on top of the first part's
+    second = PartCost("layer.1", "gdn", (("x", page + 1),), staged=("x",))
+    assert _load_peak([part, second]) == page + 2 * page + page + 1
 
 
 def test_load_peak_of_kquant_repacks():
-    """A K-quant tensor is repacked chunk by chunk on the device: beside its final arrays the pool holds
+    """A K-quant tensor is repacked chunk by chunk on the device into its final arrays (in the part's
+    arena, allocated whole before the part's first upload): beside the arena the pool holds
     KQUANT_REPACK_FACTOR x min(tensor, KQUANT_REPACK_CHUNK) at the upload's peak; nothing after it
     (the backend frees it before the next weight)."""
     from minecart.engine.placement import (
@@ -391,13 +416,13 @@ def test_load_peak_of_kquant_repacks():
         _load_peak,
     )
 
-    big, small = 3 * KQUANT_REPACK_CHUNK, KQUANT_REPACK_CHUNK // 4
+    big, small = 3 * KQUANT_REPACK_CHUNK, KQUANT_REPACK_CHUNK // 4  # whole pages: no padding
     part = PartCost("layer.0", "gdn", (("a", big), ("b", small)), repacked=(("a", "Q4_K"), ("b", "Q6_K")))
-    assert _load_peak([part]) == big + int(KQUANT_REPACK_FACTOR["Q4_K"] * KQUANT_REPACK_CHUNK)
+    repacks = max(int(KQUANT_REPACK_FACTOR["Q4_K"] * KQUANT_REPACK_CHUNK), int(KQUANT_REPACK_FACTOR["Q6_K"] * small))
+    assert _load_peak([part]) == big + small + repacks
     small_first = replace(part, tensors=(("b", small), ("a", big)))
-    assert _load_peak([small_first]) == max(small + int(KQUANT_REPACK_FACTOR["Q6_K"] * small),
-                                            small + big + int(KQUANT_REPACK_FACTOR["Q4_K"] * KQUANT_REPACK_CHUNK))
-    # in a group: the group, its largest member's own arrays and that member's repack
+    assert _load_peak([small_first]) == big + small + repacks  # the order within a part no longer matters
+    # in a group: the group (in the arena), its largest member's own arrays and that member's repack
     grouped = replace(part, fused=(("a", "b"),), fused_bytes=big + small)
     assert _load_peak([grouped]) == big + small + big + int(KQUANT_REPACK_FACTOR["Q4_K"] * KQUANT_REPACK_CHUNK)
     # the costs of a K-quant file name its repacked tensors with their type; the embedding and head too

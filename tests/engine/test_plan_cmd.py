@@ -7,7 +7,7 @@ import json
 
 import pytest
 from minecart.engine.cli import main
-from minecart.engine.placement import KV_BYTES_PER_VALUE, GiB, Placement, costs_for_shape
+from minecart.engine.placement import KV_BYTES_PER_VALUE, GiB, MiB, Placement, costs_for_shape
 
 
 def plan(capsys, *args) -> tuple[int, dict]:
@@ -41,14 +41,13 @@ def test_27b_q4k_at_32k_fits_8_8_6(capsys):
         first = expected.index(d["parts"][0])
         assert d["parts"] == expected[first : first + len(d["parts"])]
         assert d["planned_bytes"] + r["reserve_bytes"] <= d["capacity_bytes"]
-    # the driver's rounding of the weight arrays (part of 'other'): each layer's arrays on one card, so
-    # the cards' shares add up to the one-device figure
+    # the weight arenas' padding (part of 'other'): one arena per part, each part on one card, so the
+    # cards' shares add up to the one-device figure; under a 2 MiB page per part a card holds (it was
+    # 136-210 MiB a card when the driver rounded every weight array on its own)
     one = Placement.single(costs_for_shape("qwen3.5-27b", "Q4_K"), "cuda:0", context=32768, kv_type="f16")
     assert sum(d["rounding_bytes"] for d in r["devices"]) == one.bytes_per_device()["cuda:0"].rounding > 0
-    assert all(0 < d["rounding_bytes"] <= d["other_bytes"] for d in r["devices"])
-    main(["plan", "--shape", "qwen3.5-27b", "--quant", "q4_k", "--rig", "cuda:0=8GiB,cuda:1=8GiB,cuda:2=6GiB",
-          "--context", "32768"])
-    assert "of 'other' is the driver rounding each weight array up to whole 2 MiB pages" in capsys.readouterr().out
+    assert all(0 < d["rounding_bytes"] < 2 * MiB * len(d["parts"]) for d in r["devices"])
+    assert all(d["rounding_bytes"] <= d["other_bytes"] for d in r["devices"])
 
 
 def test_no_fit_says_what_would_and_each_suggestion_fits(capsys):

@@ -61,13 +61,13 @@ def test_gpu_peak_prediction_per_device_and_per_shared_gpu():
     assert g["graph_bytes_per_layer_measured"] == 20 * MiB / 8
     assert r["devices"]["cuda:0"]["resident_ratio"] == 1.0
     assert r["decode_ratio"] == 64 / r["decode_predicted"]
-    # two logical devices on one GPU: resident bytes, graphs and the driver's rounding add up, the widest
+    # two logical devices on one GPU: resident bytes, graphs and the arenas' padding add up, the widest
     # scratch and one context count once
     two = Placement.from_layer_counts(costs, [("cuda:0", 4), ("cuda:1", 4)], context=32768, kv_type="f16")
     per = two.with_settings(cuda_context_bytes=ctx).bytes_per_device()
     want = (sum(x.total - x.overhead - x.activations for x in per.values()) + max(x.activations for x in per.values())
             + ctx + KERNEL_MODULES_BYTES + sum(x.graphs + x.rounding for x in per.values()))
-    assert all(x.rounding > 0 for x in per.values())  # the 9B shape's odd arrays (its fused in-projection)
+    assert all(x.rounding > 0 for x in per.values())  # the padding of the weight arenas (one per part)
     # the run's peak: the same without the load's excess (`staging`, part of activations)
     run = want - max(x.activations for x in per.values()) + max(x.activations - x.staging for x in per.values())
     load = max(two.load_peak("cuda:0"), per["cuda:0"].weights + two.load_peak("cuda:1"))

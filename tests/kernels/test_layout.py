@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from minecart.engine import quants as Q
 from minecart.engine.gguf_file import TensorInfo
-from minecart.kernels.layout import SPLIT_SCALES, relayout
+from minecart.kernels import kquant_layout
+from minecart.kernels.layout import SPLIT_SCALES, array_bytes, relayout
 
 
 def _blocks(type_name: str, rows: int, K: int, rng) -> np.ndarray:
@@ -68,3 +69,23 @@ def test_other_types_keep_their_rows(type_name, width):
 def test_bytes_that_are_not_whole_blocks_are_refused():
     with pytest.raises(ValueError, match="not whole 34-byte blocks"):
         relayout(np, np.zeros(33, np.uint8), "Q8_0", 1, 32)
+
+
+@pytest.mark.parametrize("type_name", [*SPLIT_SCALES, *kquant_layout.KQUANT_TYPES, "F16", "Q4_1"])
+@pytest.mark.parametrize("rows,K", [(1, 256), (3, 5120), (2, 17408)])
+def test_array_bytes_are_the_layouts_arrays(type_name, rows, K):
+    """array_bytes (what CupyBackend sizes a part's weight arena from, before any upload) is the nbytes
+    of the arrays the layout makes: relayout's for the scale split and the rows kept as stored,
+    kquant_layout.repack's for the K-quants (Q6_K's group headers included: K = 5120 and 17408 are 20
+    and 68 super-blocks, not whole groups of 8, so its arrays are not the file's bytes)."""
+    rng = np.random.default_rng(rows * K)
+    if type_name in kquant_layout.KQUANT_TYPES:
+        from tests.kernels.test_kquant_layout import random_blocks
+
+        raw = random_blocks(type_name, rows, K, rng).reshape(rows, -1)
+        wq, wd = kquant_layout.repack(raw, type_name, K)
+    else:
+        row_bytes = {"F16": 2 * K, "Q4_1": K // 32 * 20}.get(type_name) or K // 32 * SPLIT_SCALES[type_name]
+        raw = rng.integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+        wq, wd = relayout(np, raw, type_name, rows, K)
+    assert array_bytes(type_name, rows, K, raw.shape[1]) == (wq.nbytes, 0 if wd is None else wd.nbytes)
