@@ -8,6 +8,14 @@ step. Run on the GPU machine from the repo root with minecart importable:
 
 With --ncu the script runs one eager decode step between cudaProfilerStart/Stop, so only that step's
 kernels are measured; without it, it prints the timings and writes them as JSON.
+
+    python3 tools/profile_decode.py --ablate [--quant q4_k] [--json OUT]
+
+measures what each group of kernels costs inside the replayed graph, where Nsight Compute's per-kernel
+times (one eager step, each kernel alone) do not say: the step is captured again with one group's
+backend ops replaced by stubs that launch nothing (they return zeros of the right shape, with their
+q8_1 blocks published so that no quantize launch takes their place) and its graph's GPU time is taken
+against the whole step's. The outputs are garbage; only the timings mean anything.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ def main() -> None:
                          "kernels, without it the graphed step's wall time against its GPU time")
     ap.add_argument("--json", default=None)
     ap.add_argument("--summarize", default=None, help="an ncu --csv file: print time per kernel name")
+    ap.add_argument("--ablate", action="store_true",
+                    help="the graphed step's GPU time with each group of kernels stubbed out, against the whole")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
@@ -53,6 +63,9 @@ def main() -> None:
     logits = s.prefill(list(range(100, 164)))
     for _ in range(3):
         logits = s.step(int(np.argmax(logits)))
+    if args.ablate:
+        _ablate(model, args.json)
+        return
     if args.batch > 1:
         if args.ncu:
             _profile_batch(model, args.batch)
@@ -179,6 +192,96 @@ def _time_batch(model, batch: int, json_path: str | None) -> None:
         for _ in range(n):
             np.array(host)
         res["host_logits_copy_ms"] = (time.perf_counter() - t0) / n * 1e3
+    _emit(res, json_path)
+
+
+# ---- --ablate: the replayed step with one group of kernels stubbed out ----------------------------------
+
+def _stubs() -> dict[str, dict]:
+    """{group: {CupyBackend method name: stub}}. Each stub launches nothing: it returns zeros of the
+    op's output shape, made once per shape (a graph bakes the address in), with their q8_1 blocks
+    published (ops.register_quantized) as the real fused kernels do."""
+    import cupy as cp
+    from minecart.kernels import ops
+
+    made: dict = {}
+
+    def zeros(shape, q8: bool = True):
+        shape = tuple(int(n) for n in shape)
+        if shape not in made:
+            z = cp.zeros(shape, cp.float32)
+            rows, n = (int(np.prod(shape[:-1])), shape[-1]) if len(shape) > 1 else (1, shape[0])
+            qz = (cp.zeros((rows, n), cp.int8), cp.zeros((rows, max(1, n // 32)), cp.float32),
+                  cp.zeros((rows, max(1, n // 32)), cp.float32))
+            made[shape] = (z, qz)
+        z, qz = made[shape]
+        if q8 and shape[-1] % 32 == 0:
+            ops.register_quantized(z.reshape(-1, shape[-1]), qz)
+        return z
+
+    def rows(w) -> int:
+        return int(w.q.rows)
+
+    return {
+        "norms (rms_norm, add_rms_norm)": {
+            "rms_norm": lambda self, x, w, eps: zeros(x.shape),
+            "add_rms_norm": lambda self, x, delta, w, eps: (x, zeros(x.shape)),
+        },
+        "Gated DeltaNet decode": {
+            "gdn_decode": lambda self, mixed, z, b, alpha, *a, **k: zeros(z.shape),
+        },
+        "attention (prep, decode, merge)": {
+            "gated_attention": lambda self, qg, k, v, *a, **kw: zeros((qg.shape[0], qg.shape[1] * v.shape[2])),
+        },
+        "swiglu": {"swiglu": lambda self, gate, up: zeros(gate.shape)},
+        "matmuls (every GEMV)": {
+            "matmul": lambda self, x, w: zeros((x.shape[0], rows(w)), q8=False),
+            "matmul_many": lambda self, x, ws: [zeros((x.shape[0], rows(w)), q8=False) for w in ws],
+            "matmul_add": lambda self, x, w, residual: zeros((x.shape[0], rows(w)), q8=False),
+        },
+    }
+
+
+def _step_gpu_ms(model, n: int = 64) -> tuple[float, float]:
+    """(GPU ms per replay of the decode graph, wall ms per Session.step) of a fresh session."""
+    import cupy as cp
+
+    be = model.backends["global"]
+    s = model.new_session(1024)
+    logits = s.prefill(list(range(100, 164)))
+    tok = int(np.argmax(logits))
+    for _ in range(3):  # eager, capture, replay
+        s.step(tok)
+    cp.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        s.step(tok)
+    wall = (time.perf_counter() - t0) / n
+    rec = next(r for r in be._graphs.values() if r.states is s.states)
+    gpu = _graph_gpu_ms(rec, n)
+    s.close()
+    return gpu, wall * 1e3
+
+
+def _ablate(model, json_path: str | None) -> None:
+    from minecart.engine.backends.cupy_backend import CupyBackend
+
+    base_gpu, base_wall = _step_gpu_ms(model)
+    res: dict = {"whole step": {"gpu_ms": base_gpu, "wall_ms": base_wall}}
+    print(f"whole step: graph {base_gpu:.3f} ms GPU, {base_wall:.3f} ms wall")
+    for group, stubs in _stubs().items():
+        saved = {name: CupyBackend.__dict__[name] for name in stubs}
+        try:
+            for name, fn in stubs.items():
+                setattr(CupyBackend, name, fn)
+            gpu, wall = _step_gpu_ms(model)
+        finally:
+            for name, fn in saved.items():
+                setattr(CupyBackend, name, fn)
+        res[group] = {"gpu_ms": gpu, "wall_ms": wall, "cost_ms": base_gpu - gpu,
+                      "share": (base_gpu - gpu) / base_gpu}
+        print(f"without {group}: graph {gpu:.3f} ms GPU ({wall:.3f} wall): the group costs "
+              f"{base_gpu - gpu:.3f} ms, {100 * (base_gpu - gpu) / base_gpu:.1f}% of the step")
     _emit(res, json_path)
 
 

@@ -26,6 +26,7 @@ Conventions
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -289,6 +290,12 @@ class DeviceHooks:
     def bind_thread(self) -> None:
         """Make this backend's device current on the calling thread (a device worker's first act)."""
 
+    def part_arena(self, tensors: Sequence[tuple[Any, str]]) -> contextlib.AbstractContextManager[None]:
+        """A context inside which one part's weights (`tensors`: (tensor info, role) of every one it will
+        load) are loaded. A device backend lays them out in one allocation of whole driver pages
+        (CupyBackend.part_arena); here nothing: host arrays are not rounded to device pages."""
+        return contextlib.nullcontext()
+
     def host_round_trip(self, x: Array, host_x: Any, host_y: Any, fn: Callable[[int], None], arg: int) -> Array:
         """x (float32 on this backend) -> the host array host_x; then fn(arg) on the host (it reads
         host_x and fills host_y); then host_y -> a new array on this backend. Ordered with the work
@@ -498,6 +505,8 @@ class Backend(Protocol):
     def to_numpy_into(self, x: Array, out: Any) -> None: ...
 
     def bind_thread(self) -> None: ...
+
+    def part_arena(self, tensors: Sequence[tuple[Any, str]]) -> contextlib.AbstractContextManager[None]: ...
 
     def host_round_trip(self, x: Array, host_x: Any, host_y: Any, fn: Callable[[int], None], arg: int) -> Array: ...
 

@@ -18,7 +18,6 @@ int8 dot products, no fused kernels.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import numpy as np
@@ -241,11 +240,6 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         if role == "experts":  # kept as stored; moe decodes the experts a call uses
             return NumpyWeight(info, role, None)
         raise ValueError(f"unknown weight role '{role}' for tensor '{info.name}'")
-
-    def part_arena(self, tensors) -> contextlib.AbstractContextManager[None]:
-        """Nothing to do on the host (CupyBackend.part_arena lays a part's weights out in one device
-        allocation): host arrays are not rounded to device pages."""
-        return contextlib.nullcontext()
 
     def load_fused(self, infos: list) -> list[NumpyWeight]:
         """The weights of one group (base.FusedOpsMixin.load_fused) decoded into one float32 array,
