@@ -16,71 +16,48 @@
 //
 // q8_1 blocks are written with q8_1_block (common.cuh), so they equal quantize_q8_1 of the fp32 output.
 
-#define RMS_MAXV 16  // values per thread kept in registers: rows up to 1024 * 16 = 16384 values
-
 template <int MODE>
-__global__ void __launch_bounds__(1024) rms_norm_q8(const float* __restrict__ x, const float* __restrict__ delta,
+__global__ void __launch_bounds__(256) rms_norm_q8(const float* __restrict__ x, const float* __restrict__ delta,
                             const float* __restrict__ w, float* __restrict__ out, float* __restrict__ s_out,
                             i8* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs, int N,
                             float eps) {
-    // One block per row; blockDim and N are multiples of 32, so value i = k * blockDim + tid puts whole
-    // 32-value q8 blocks in each warp. Rows of up to RMS_MAXV * blockDim values stay in registers between
-    // the sum of squares and the output (every load is issued before the first reduction); longer rows
-    // re-read global memory in a second pass.
+    // Row blockIdx.x. Every block sums the squares of the whole row itself (in the same order in every
+    // block: each thread's float4 chunks in turn, then block_sum, so all get the same bits), then
+    // normalizes the 256-value slices blockIdx.y, blockIdx.y + gridDim.y, ... of it, a warp per q8_1
+    // block. A decode row is spread over N / 256 blocks that wait for no one (one block of a row was a
+    // serial chain: 4.5 us a norm inside the 9B decode graph, tools/profile_decode.py --ablate); prefill
+    // rows take one block each (gridDim.y = 1), so the row is read from L2 once per row, not per slice.
+    // N % 32 == 0; x, delta and their rows 16-byte aligned (float4 loads).
     __shared__ float scratch[32];
-    int tid = threadIdx.x, nth = blockDim.x, lane = tid & 31;
-    i64 base = (i64)blockIdx.x * N;
-    bool in_regs = N <= RMS_MAXV * nth;
-    float v[RMS_MAXV], wv[RMS_MAXV];
+    const int tid = threadIdx.x, lane = tid & 31;
+    const i64 base = (i64)blockIdx.x * N;
+    const float4* x4 = (const float4*)(x + base);
+    const float4* d4 = (const float4*)(delta + base);
+    const int n4 = N >> 2;
     float ss = 0.0f;
-    if (in_regs) {
-#pragma unroll
-        for (int k = 0; k < RMS_MAXV; k++) {
-            int i = k * nth + tid;
-            v[k] = 0.0f;
-            wv[k] = 1.0f;
-            if (i < N) {
-                v[k] = x[base + i];
-                if (MODE == 1) v[k] += delta[base + i];
-                if (w != 0) wv[k] = w[i];
-            }
+#pragma unroll 4
+    for (int i = tid; i < n4; i += 256) {
+        float4 a = x4[i];
+        if (MODE == 1) {
+            float4 b = d4[i];
+            a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
         }
-#pragma unroll
-        for (int k = 0; k < RMS_MAXV; k++) {
-            int i = k * nth + tid;
-            if (i < N) {
-                if (MODE == 1) s_out[base + i] = v[k];
-                ss += v[k] * v[k];
-            }
-        }
-    } else {
-        for (int i = tid; i < N; i += nth) {
-            float t = x[base + i];
-            if (MODE == 1) {
-                t += delta[base + i];
-                s_out[base + i] = t;
-            }
-            ss += t * t;
-        }
+        ss += a.x * a.x;
+        ss += a.y * a.y;
+        ss += a.z * a.z;
+        ss += a.w * a.w;
     }
     ss = block_sum(ss, scratch);
-    float inv = rsqrtf(ss / (float)N + eps);
-    if (in_regs) {
-#pragma unroll
-        for (int k = 0; k < RMS_MAXV; k++) {
-            int i = k * nth + tid;
-            if (i < N) {  // the same for all 32 lanes of a warp
-                float o = v[k] * inv;
-                if (w != 0) o *= wv[k];
-                out[base + i] = o;
-                i64 b = (base + i) >> 5;
-                q8_1_block(o, xq + b * 32, xd + b, xs + b, lane);
+    const float inv = rsqrtf(ss / (float)N + eps);
+    for (int s0 = blockIdx.y * 256; s0 < N; s0 += gridDim.y * 256) {
+        int i = s0 + tid;
+        if (i < N) {  // whole warps: N % 32 == 0
+            float v = x[base + i];
+            if (MODE == 1) {
+                v += delta[base + i];
+                s_out[base + i] = v;
             }
-        }
-    } else {
-        for (int i = tid; i < N; i += nth) {
-            float t = (MODE == 1) ? s_out[base + i] : x[base + i];
-            float o = t * inv;
+            float o = v * inv;
             if (w != 0) o *= w[i];
             out[base + i] = o;
             i64 b = (base + i) >> 5;

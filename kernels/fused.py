@@ -12,7 +12,6 @@ Not here: deciding whether a q8 side output is worth writing (the backend knows 
 from __future__ import annotations
 
 import math
-import os
 
 import cupy as cp
 import numpy as np
@@ -33,21 +32,25 @@ def _c32(x):
     return cp.ascontiguousarray(x, dtype=cp.float32)
 
 
-# values per thread of rms_norm_q8 (env MINECART_RMS_VPT, 1..16; read per call, so tests can switch it)
-RMS_VPT = int(os.environ.get("MINECART_RMS_VPT", "4"))
+# rms_norm_q8 spreads a row over ceil(N / 256) blocks (each sums the whole row's squares itself) for up to
+# this many rows (decode steps, batched ones included); longer inputs (prefill) take one block a row
+RMS_SPREAD_MAX_T = 32
 
 
-def rms_threads(N: int) -> int:
-    """rms_norm_q8's block size for rows of N values: about RMS_VPT (4) values per thread (a multiple
-    of 32, at most 1024), so a single decode row is spread over many loads in flight."""
-    vpt = min(16, max(1, RMS_VPT))
-    return min(1024, max(32, (N // vpt + 31) // 32 * 32))
+def rms_blocks(T: int, N: int) -> int:
+    """Blocks per row of an rms_norm_q8 launch of T rows of N values (fused.cu)."""
+    return math.ceil(N / 256) if T <= RMS_SPREAD_MAX_T else 1
+
+
+def _aligned16(x):
+    """x, or a copy of it when its address is not 16-byte aligned (rms_norm_q8 reads float4)."""
+    return x if x.data.ptr % 16 == 0 else x.copy()
 
 
 def rms_norm_q8(x, w, eps: float, delta=None):
     """rms_norm(x, w) (delta None) or add_rms_norm(x, delta, w) of (T, N) rows with N % 32 == 0.
     Returns (out, q8) or (s, out, q8) with s = x + delta."""
-    x = _c32(x)
+    x = _aligned16(_c32(x))
     T, N = x.shape
     if N % 32:
         raise ValueError(f"rms_norm_q8: row length {N} is not a multiple of 32")
@@ -55,10 +58,10 @@ def rms_norm_q8(x, w, eps: float, delta=None):
     s_out = cp.empty_like(x) if delta is not None else None
     q8 = _q8_arrays(T, N)
     if T:
-        delta = _c32(delta).reshape(T, N) if delta is not None else None
+        delta = _aligned16(_c32(delta).reshape(T, N)) if delta is not None else None
         mode = 1 if delta is not None else 0
         get_kernel("fused", f"rms_norm_q8<{mode}>")(
-            (T,), (rms_threads(N),),
+            (T, rms_blocks(T, N)), (256,),
             (x, delta if delta is not None else x, w if w is not None else np.uint64(0), out,
              s_out if s_out is not None else out, q8[0], q8[1], q8[2], np.int32(N), np.float32(eps)))
     return (out, q8) if delta is None else (s_out, out, q8)

@@ -57,7 +57,7 @@ def _published(x):
 
 # ---- norms and swiglu with q8 ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("T,N", [(1, 32), (1, 4096), (3, 96), (8, 2080), (13, 1024)])
+@pytest.mark.parametrize("T,N", [(1, 32), (1, 4096), (3, 96), (8, 2080), (13, 1024), (40, 5120)])
 def test_rms_norm_q8(nb, gb, poison, T, N):
     rng = np.random.default_rng(N + T)
     x = (rng.standard_normal((T, N)) * 3).astype(np.float32)
@@ -440,15 +440,12 @@ def test_real_heads_greedy_matches_reference(tmp_path, path):
 
 # ---- decode timings and the graph-style (device-side length) attention ----------------------------------
 
-@pytest.mark.parametrize("vpt", [4, 8, 16])
-@pytest.mark.parametrize("N", [4096, 12288])
-def test_rms_norm_q8_timing(monkeypatch, N, vpt):
-    """One decode row: rms_norm_q8 and add_rms_norm_q8 GPU time (printed), outputs checked, at about
-    4, 8 and 16 values per thread (fused.RMS_VPT)."""
+@pytest.mark.parametrize("N", [4096, 5120, 12288])
+def test_rms_norm_q8_timing(N):
+    """One decode row: rms_norm_q8 and add_rms_norm_q8 GPU time (printed), outputs checked."""
     from minecart.kernels import fused
     from minecart.kernels.probe import time_gpu
 
-    monkeypatch.setattr(fused, "RMS_VPT", vpt)
     rng = np.random.default_rng(N)
     x = rng.standard_normal((1, N)).astype(np.float32)
     d = rng.standard_normal((1, N)).astype(np.float32)
@@ -465,7 +462,33 @@ def test_rms_norm_q8_timing(monkeypatch, N, vpt):
     _check_q8(out, q8)
     t0 = time_gpu(lambda: fused.rms_norm_q8(gx, gw, 1e-6), 100)
     t1 = time_gpu(lambda: fused.rms_norm_q8(gx, gw, 1e-6, delta=gd), 100)
-    print(f"\nrms_norm_q8 N={N} ({fused.rms_threads(N)} threads, {vpt} per thread): rms {t0 * 1e6:.1f} us, add+rms {t1 * 1e6:.1f} us")
+    print(f"\nrms_norm_q8 N={N} ({fused.rms_blocks(1, N)} blocks): rms {t0 * 1e6:.1f} us, add+rms {t1 * 1e6:.1f} us")
+
+
+@pytest.mark.parametrize("T,N", [(1, 4096), (5, 5120), (2, 2080)])
+def test_rms_norm_q8_spread_rows_are_one_block_rows_bit_for_bit(monkeypatch, poison, T, N):
+    """A row spread over ceil(N / 256) blocks (decode) gives the bits of the row in one block (prefill):
+    every block sums the row's squares in the same order. Unaligned inputs (a view 4 bytes in) too."""
+    from minecart.kernels import fused
+
+    rng = np.random.default_rng()
+    buf = cp.asarray(rng.standard_normal(T * N + 1).astype(np.float32))
+    x = buf[1:].reshape(T, N)  # 4 bytes past an aligned address: copied before the float4 loads
+    d = cp.asarray(rng.standard_normal((T, N)).astype(np.float32))
+    w = cp.asarray((1 + 0.2 * rng.standard_normal(N)).astype(np.float32))
+    got = {}
+    for spread in (fused.RMS_SPREAD_MAX_T, 0):
+        monkeypatch.setattr(fused, "RMS_SPREAD_MAX_T", spread)
+        assert fused.rms_blocks(T, N) == (math.ceil(N / 256) if spread else 1)
+        poison()
+        got[spread] = [cp.asnumpy(a) for a in (*fused.rms_norm_q8(x, w, 1e-6)[:1],
+                                                  *fused.rms_norm_q8(x, w, 1e-6)[1],
+                                                  *fused.rms_norm_q8(x, w, 1e-6, delta=d)[:2])]
+    for a, b in zip(got[fused.RMS_SPREAD_MAX_T], got[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    xh = cp.asnumpy(x).astype(np.float64)
+    ref = xh / np.sqrt(np.mean(xh ** 2, axis=1, keepdims=True) + 1e-6) * cp.asnumpy(w)
+    assert nerr(got[0][0], ref) < 1e-6
 
 
 def _ref_decode(q, kc, vc, L, scale, window):
