@@ -105,14 +105,17 @@ def test_experts_in_host_ram_shrinks_the_cards_and_changes_the_prediction(qtbot,
     assert any(p.experts for p in costs.parts)
     model, panel = _panel(qtbot, devices, pl.Placement.single(costs, "cuda:0"))
     assert panel.experts_host.isVisibleTo(panel) and not panel.experts_host.isChecked()
-    gpu_before = model.bytes_per_device()["cuda:0"].total
+    before = model.bytes_per_device()["cuda:0"]
+    gpu_before = before.total
     speed_before = panel.speed.text()
     panel.experts_host.click()
     assert model.plan.experts_device == "cpu:0"
     per = model.bytes_per_device()
     expert_bytes = sum(b for p in costs.parts for n, b in p.tensors if n in p.experts)
     assert per["cuda:0"].weights <= gpu_before - expert_bytes
-    assert per["cuda:0"].total < gpu_before
+    # less to hold on the card, beside the arenas' padding to whole 2 MiB pages (a tiny model's parts
+    # round to the same pages with or without their experts)
+    assert per["cuda:0"].total - per["cuda:0"].rounding < gpu_before - before.rounding
     # the CPU lane holds no block but the experts' memory, and says so
     cpu_lane = panel.lanes[2]
     assert "routed experts" in cpu_lane.numbers.text() and cpu_lane.bar.used == per["cpu:0"].total
