@@ -23,10 +23,11 @@ from .kquant_layout import KQUANT_TYPES, wq_row_bytes
 SPLIT_SCALES = {"Q8_0": 34, "Q4_0": 18, "Q5_0": 22, "IQ4_NL": 18}
 
 
-def relayout(xp: Any, raw: Any, type_name: str, rows: int, cols: int) -> tuple[Any, Any | None]:
+def relayout(xp: Any, raw: Any, type_name: str, rows: int, cols: int, empty: Any = None) -> tuple[Any, Any | None]:
     """(wq, wd) of a (rows, cols) matrix whose stored bytes are `raw` (any shape, C order, on xp's side):
     wq (rows, bytes per row) uint8 and wd (rows, cols // 32) uint16 for SPLIT_SCALES types; wq = the
-    rows as stored and wd None otherwise. xp: numpy or cupy."""
+    rows as stored and wd None otherwise. xp: numpy or cupy. empty(shape, dtype): makes the split
+    types' wq and wd (default xp.empty; ops.upload_weight passes views of a part's weight arena)."""
     flat = raw.reshape(-1).view(xp.uint8)
     nb = SPLIT_SCALES.get(type_name)
     if nb is None:
@@ -34,9 +35,12 @@ def relayout(xp: Any, raw: Any, type_name: str, rows: int, cols: int) -> tuple[A
     if cols % 32 or flat.size != rows * (cols // 32) * nb:
         raise ValueError(f"{type_name} matrix ({rows}, {cols}): {flat.size} bytes are not whole "
                          f"{nb}-byte blocks of 32 values per row")
+    empty = xp.empty if empty is None else empty
     blk = flat.reshape(rows, cols // 32, nb)
-    wd = xp.ascontiguousarray(blk[:, :, :2]).view(xp.uint16).reshape(rows, cols // 32)
-    wq = xp.ascontiguousarray(blk[:, :, 2:]).reshape(rows, -1)
+    wd = empty((rows, cols // 32), xp.uint16)
+    wd.view(xp.uint8).reshape(rows, cols // 32, 2)[...] = blk[:, :, :2]
+    wq = empty((rows, cols // 32 * (nb - 2)), xp.uint8)
+    wq.reshape(rows, cols // 32, nb - 2)[...] = blk[:, :, 2:]
     return wq, wd
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import cupy as cp
 import numpy as np
 
-from . import kquant_layout
+from . import kquant_layout, layout
 from .build import (
     DECODE_GROUPS,
     DP4A_TYPES,
@@ -42,9 +42,8 @@ _BLOCK_BYTES = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": 
                 "F32": (1, 4), "F16": (1, 2), "BF16": (1, 2),
                 "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136),
                 "Q5_K": (256, 176)}
-# formats whose fp16 block scale moves to `wd` at upload, the rest of each block staying in `wq`
-# (engine/placement.py STAGED_TYPES prices the raw staging copy of these)
-_SPLIT_SCALE = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL")
+# (layout.SPLIT_SCALES: the formats whose fp16 block scale moves to `wd` at upload, the rest of each block
+# staying in `wq`; engine/placement.py STAGED_TYPES prices the raw staging copy of these)
 _DUMMY: dict[int, cp.ndarray] = {}
 
 
@@ -121,13 +120,8 @@ def upload_weight(raw: np.ndarray, type_name: str, shape: tuple[int, ...], empty
     if type_name in kquant_layout.KQUANT_TYPES:  # repacked on the device (kquant_layout.py)
         wq, wd = _upload_kquant(host, type_name, K, empty)
         return QWeight(type_name, R, K, experts, wq, wd)
-    if type_name in _SPLIT_SCALE:  # the raw blocks staged on the device, then split
-        blk = cp.asarray(host).reshape(rows, K // 32, nbytes)
-        wd = empty((rows, K // 32), cp.uint16)
-        wd.view(cp.uint8).reshape(rows, K // 32, 2)[...] = blk[:, :, :2]
-        wq = empty((rows, K // 32 * (nbytes - 2)), cp.uint8)
-        wq.reshape(rows, K // 32, nbytes - 2)[...] = blk[:, :, 2:]
-        del blk
+    if type_name in layout.SPLIT_SCALES:  # the raw blocks staged on the device, then split
+        wq, wd = layout.relayout(cp, cp.asarray(host), type_name, rows, K, empty)
         return QWeight(type_name, R, K, experts, wq, wd)
     wq = empty((rows, nb_row), cp.uint8)
     wq.set(host)
