@@ -467,6 +467,146 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
     }
 }
 
+// gemm_batch_rt<QT, RT, TT>: the same product as gemm_batch (Y (T, R) = X (T, K) @ W (R, K)^T, T <= TT
+// tokens of a batched decode step, every format gemm_batch reads, the same output layouts: seg, res),
+// with no shared-memory staging and no split over blocks. gemm_batch expands each weight into shared
+// memory and pays a shared load per few DP4A; here each lane keeps the weights it expanded in
+// registers and dots them with every token, and the activations come from L1.
+//
+// Geometry: a block of 4 warps owns 4 RT rows; the warps split K by super-blocks of 8 quant blocks
+// (warp w takes stages w, w + 4, ...). Lane (g, s) = (lane / 8, lane % 8) holds rows 4 RT block + RT g ..
+// + RT - 1 and reads block 8 j + s of each of them per stage j: a group of 8 lanes reads a row's 128+
+// contiguous bytes (K-quants: one super-block, d and dmin gathered by kq_raw_scales' shuffles), and the
+// 4 groups of a warp ask for the same activation blocks, so one L1 request serves 4 RT rows. Per token
+// and block: two 16-byte activation loads, its scale and sum, then 8 RT DP4A (exact int32 chains
+// started at MAGIC_I, as gemm_batch) and the fp32 scaling into acc[RT][TT].
+//
+// Sums: the 8 lanes of a group by xor-shuffles (1, 2, 4), then the 4 warps through shared memory in warp
+// order: deterministic. Rows past R read row R - 1 and write nothing; tokens past T are skipped
+// (T is uniform); blocks past K/32 add nothing.
+template <int QT, int RT, int TT>
+__global__ void __launch_bounds__(128, 3) gemm_batch_rt(
+        const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+        const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int T, int R, int K,
+        const float* __restrict__ res, const int* __restrict__ seg, int nseg) {
+    constexpr int WARPS = 4, ROWS = 4 * RT;
+    constexpr bool KQ = kq_format(QT);
+    constexpr bool SPLIT = (QT == QT_Q6_K);  // two scales per block
+    constexpr bool HAS_M = qt_has_offset(QT);
+    static_assert(!(SPLIT && HAS_M), "gemm_batch_rt: a block has a second scale or an offset, not both");
+    __shared__ float part[WARPS][ROWS][TT + 1];
+    __shared__ int bounds[9];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 3, s = lane & 7;
+    const int r0 = blockIdx.x * ROWS;
+    const int nb = K >> 5;
+    const int nst = (nb + 7) >> 3;
+    const i64 wstride = row_bytes<QT>(K);
+    const int ddsh = kq_dd_shift(s);
+    const u8* wrow[RT];
+    const u16* wdrow[RT];
+#pragma unroll
+    for (int i = 0; i < RT; i++) {
+        const int r = min(r0 + RT * g + i, R - 1);
+        wrow[i] = wq + (i64)r * wstride;
+        wdrow[i] = wd + (i64)r * nb;
+    }
+    float acc[RT][TT];
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int t = 0; t < TT; t++) acc[i][t] = 0.0f;
+
+#pragma unroll 1
+    for (int st = warp; st < nst; st += WARPS) {
+        const int b = st * 8 + s;
+        const bool ok = b < nb;
+        int q[RT][8];
+        float dlo[RT], dhi[RT], m[RT];
+#pragma unroll
+        for (int i = 0; i < RT; i++) {
+            if (KQ) {  // K % 256 == 0: every block of the stage exists; the shuffles need every lane
+                KqRaw kr;
+                kq_load_raw<QT>(wrow[i], wdrow[i], b, true, kr);
+                kq_raw_scales<QT>(kr, ddsh, dlo[i], dhi[i], m[i]);
+                const u32 vv[4] = {kr.v.x, kr.v.y, kr.v.z, kr.v.w};
+#pragma unroll
+                for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], kr.h0, kr.h1, k, q[i][k], q[i][4 + k]);
+            } else {
+                WBlock wb;
+                if (ok) {
+                    load_wblock<QT>(wrow[i], wdrow[i], b, wb);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 8; k++) wb.q[k] = 0;
+                    wb.dlo = wb.dhi = wb.m = 0.0f;
+                }
+#pragma unroll
+                for (int k = 0; k < 8; k++) q[i][k] = wb.q[k];
+                dlo[i] = wb.dlo;
+                dhi[i] = wb.dhi;
+                m[i] = wb.m;
+            }
+        }
+        if (!ok) continue;  // after the loads: K-quant lanes took part in the shuffles (ok for them anyway)
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            if (t >= T) break;  // uniform
+            const i64 xb = (i64)t * nb + b;
+            const int4* xp = (const int4*)(xq + xb * 32);
+            const int4 a = __ldg(xp), c = __ldg(xp + 1);
+            const float dx = __ldg(xd + xb);
+            const float sx = HAS_M ? __ldg(xs + xb) : 0.0f;
+#pragma unroll
+            for (int i = 0; i < RT; i++) {
+                int lo = dp4a(q[i][0], a.x, MAGIC_I);
+                lo = dp4a(q[i][1], a.y, lo);
+                lo = dp4a(q[i][2], a.z, lo);
+                lo = dp4a(q[i][3], a.w, lo);
+                if (SPLIT) {
+                    int hi = dp4a(q[i][4], c.x, MAGIC_I);
+                    hi = dp4a(q[i][5], c.y, hi);
+                    hi = dp4a(q[i][6], c.z, hi);
+                    hi = dp4a(q[i][7], c.w, hi);
+                    acc[i][t] = fmaf(__int_as_float(lo) - MAGIC_F, dx * dlo[i], acc[i][t]);
+                    acc[i][t] = fmaf(__int_as_float(hi) - MAGIC_F, dx * dhi[i], acc[i][t]);
+                } else {
+                    lo = dp4a(q[i][4], c.x, lo);
+                    lo = dp4a(q[i][5], c.y, lo);
+                    lo = dp4a(q[i][6], c.z, lo);
+                    lo = dp4a(q[i][7], c.w, lo);
+                    acc[i][t] = fmaf(__int_as_float(lo) - MAGIC_F, dx * dlo[i], acc[i][t]);
+                    if (HAS_M) acc[i][t] = fmaf(m[i], sx, acc[i][t]);
+                }
+            }
+        }
+    }
+    // the group's 8 lanes, then the warps in order
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int t = 0; t < TT; t++) {
+            float v = acc[i][t];
+            v += __shfl_xor_sync(0xffffffffu, v, 1);
+            v += __shfl_xor_sync(0xffffffffu, v, 2);
+            v += __shfl_xor_sync(0xffffffffu, v, 4);
+            if ((t & 7) == s) part[warp][RT * g + i][t] = v;
+        }
+    if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
+    __syncthreads();
+    for (int o = tid; o < ROWS * TT; o += 128) {
+        const int lr = o / TT, t = o - lr * TT;
+        const int r = r0 + lr;
+        if (t >= T || r >= R) continue;
+        float v = part[0][lr][t];
+#pragma unroll
+        for (int w = 1; w < WARPS; w++) v += part[w][lr][t];
+        const i64 at = (i64)t * R + r;
+        if (res != nullptr) v += res[at];
+        y[seg != nullptr ? seg_index(bounds, T, t, r, R) : at] = v;
+    }
+}
+
 // splitk_sum: y = the sum over s < splits of part[s] (T, R) (+ res), in split order: gemm_batch's split-K
 // partial sums, added deterministically, written in gemm_batch's output layout (seg: see above).
 extern "C" __global__ void splitk_sum(const float* __restrict__ part, int splits, int T, int R,
