@@ -517,17 +517,32 @@ __global__ void __launch_bounds__(128, 3) gemm_batch_rt(
 #pragma unroll
         for (int t = 0; t < TT; t++) acc[i][t] = 0.0f;
 
+    // K-quants: the next stage's raw blocks are loaded while this one is computed (K % 256 == 0: every
+    // block of a stage exists)
+    KqRaw nxt[KQ ? RT : 1];
+    if (KQ && warp < nst) {
+#pragma unroll
+        for (int i = 0; i < RT; i++) kq_load_raw<QT>(wrow[i], wdrow[i], warp * 8 + s, true, nxt[i]);
+    }
 #pragma unroll 1
     for (int st = warp; st < nst; st += WARPS) {
         const int b = st * 8 + s;
         const bool ok = b < nb;
         int q[RT][8];
         float dlo[RT], dhi[RT], m[RT];
+        KqRaw cur[KQ ? RT : 1];
+        if (KQ) {
+#pragma unroll
+            for (int i = 0; i < RT; i++) cur[i] = nxt[i];
+            if (st + WARPS < nst) {
+#pragma unroll
+                for (int i = 0; i < RT; i++) kq_load_raw<QT>(wrow[i], wdrow[i], b + 8 * WARPS, true, nxt[i]);
+            }
+        }
 #pragma unroll
         for (int i = 0; i < RT; i++) {
-            if (KQ) {  // K % 256 == 0: every block of the stage exists; the shuffles need every lane
-                KqRaw kr;
-                kq_load_raw<QT>(wrow[i], wdrow[i], b, true, kr);
+            if (KQ) {  // the shuffles of kq_raw_scales need every lane (uniform: every block exists)
+                const KqRaw& kr = cur[i];
                 kq_raw_scales<QT>(kr, ddsh, dlo[i], dhi[i], m[i]);
                 const u32 vv[4] = {kr.v.x, kr.v.y, kr.v.z, kr.v.w};
 #pragma unroll
