@@ -564,14 +564,23 @@ __global__ void __launch_bounds__(128, 3) gemm_batch_rt(
             }
         }
         if (!ok) continue;  // after the loads: K-quant lanes took part in the shuffles (ok for them anyway)
+        // token t + 1's activation block is loaded while token t is computed
+        const i8* xrow = xq + (i64)b * 32;
+        const i64 xstep = (i64)nb * 32;
+        int4 na = __ldg((const int4*)xrow), nc = __ldg((const int4*)xrow + 1);
+        float ndx = __ldg(xd + b), nsx = HAS_M ? __ldg(xs + b) : 0.0f;
 #pragma unroll
         for (int t = 0; t < TT; t++) {
             if (t >= T) break;  // uniform
-            const i64 xb = (i64)t * nb + b;
-            const int4* xp = (const int4*)(xq + xb * 32);
-            const int4 a = __ldg(xp), c = __ldg(xp + 1);
-            const float dx = __ldg(xd + xb);
-            const float sx = HAS_M ? __ldg(xs + xb) : 0.0f;
+            const int4 a = na, c = nc;
+            const float dx = ndx, sx = nsx;
+            if (t + 1 < T) {
+                const int4* xp = (const int4*)(xrow + (t + 1) * xstep);
+                na = __ldg(xp);
+                nc = __ldg(xp + 1);
+                ndx = __ldg(xd + (i64)(t + 1) * nb + b);
+                if (HAS_M) nsx = __ldg(xs + (i64)(t + 1) * nb + b);
+            }
 #pragma unroll
             for (int i = 0; i < RT; i++) {
                 int lo = dp4a(q[i][0], a.x, MAGIC_I);
