@@ -12,8 +12,7 @@ shape by its launches per 9B decode step.
 
 `--multi` times the multi-token matmuls of a batched decode step instead (T = 1, 2, 4, 8, 16, 32 tokens,
 one per sequence, at the same shapes): "auto" (what ops.matmul picks: gemm_batch from GEMM_BATCH_MIN_T
-tokens), "batch" (gemm_batch at every T, the kernel ops.GEMM_BATCH_KERNEL picks), "tile" (gemm_batch's
-shared-memory kernel at every T), "rtAxB" (gemm_batch_rt with A rows a lane and a B-token tile), "gemv" (the multi-token GEMVs, K-quants: ops._gemv_kq_mt,
+tokens), "batch" (gemm_batch at every T), "gemv" (the multi-token GEMVs, K-quants: ops._gemv_kq_mt,
 passes of gemv_kq_mt up to 32 tokens; Q8_0: ops._gemv_mt, gemv_mt up to 8), each compiled shape of those
 kernels and "old" (the kernels before them: gemv_dp4a launches of 8/4/2/1 tokens up to 8, the tiled GEMM
 above); per line the GPU time per call, per token, the GB/s of weight bytes
@@ -36,7 +35,7 @@ import cupy as cp
 import numpy as np
 
 from . import kquant_layout, ops
-from .build import GEMM_BATCH_RT, GEMV_KQ_MT, GEMV_MT
+from .build import GEMV_KQ_MT, GEMV_MT
 from .probe import measure_copy, random_q8_0, time_gpu
 
 # (rows, row length, residual epilogue) of the 9B single-token GEMVs: attention output / FFN down with
@@ -160,7 +159,7 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
         print(f"copy bandwidth {copy:.0f} GB/s", file=out)
     rows: list[MultiRow] = []
     saved = (ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT, ops.GEMV_MT_VARIANT,
-             ops.GEMM_BATCH_VARIANT, ops.GEMM_BATCH_KERNEL, dict(ops.GEMM_BATCH_RT_TILES))
+             ops.GEMM_BATCH_VARIANT)
     rng = np.random.default_rng(0)
     try:
         ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT = "auto", "auto"
@@ -181,23 +180,13 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
 
                     shapes_mt = GEMV_MT if type_name == "Q8_0" else GEMV_KQ_MT
                     top = ops.GEMV_MAX_T if type_name == "Q8_0" else max(ops.GEMV_MAX_T, ops.KQ_PASSES_MAX_T)
-                    variants = ["auto"] if T == 1 else ["auto", "batch", "tile", "gemv", "old"]
-                    tile = next((n for n in ops.GEMM_BATCH_TOKENS if T <= n), None)
-                    if 1 < T and tile is not None:
-                        variants += [f"rt{a}x{b}" for a, b in GEMM_BATCH_RT if b >= tile]
+                    variants = ["auto"] if T == 1 else ["auto", "batch", "gemv", "old"]
                     if 1 < T <= top:
                         variants += [f"{a}x{b}" for a, b in shapes_mt]
                     for v in variants:
-                        # "batch", "tile", "rt..": gemm_batch at any T; "gemv" and the rest: the kernels before it
-                        ops.GEMM_BATCH_VARIANT = "auto" if v == "auto" else (
-                            "on" if v in ("batch", "tile") or v.startswith("rt") else "off")
-                        ops.GEMM_BATCH_KERNEL = "tile" if v == "tile" else ("rt" if v.startswith("rt") else saved[5])
-                        ops.GEMM_BATCH_RT_TILES.clear()
-                        ops.GEMM_BATCH_RT_TILES.update(saved[6])
-                        if v.startswith("rt") and tile is not None:
-                            a, b = v[2:].split("x")
-                            ops.GEMM_BATCH_RT_TILES[tile] = (int(a), int(b))
-                        mt = "auto" if v in ("batch", "tile", "gemv") or v.startswith("rt") else v
+                        # "batch": gemm_batch at any T; "gemv" and the rest: the kernels before it
+                        ops.GEMM_BATCH_VARIANT = {"auto": "auto", "batch": "on"}.get(v, "off")
+                        mt = "auto" if v in ("batch", "gemv") else v
                         if type_name == "Q8_0":  # gemv_mt up to GEMV_MAX_T tokens, the GEMM above
                             ops.GEMV_MT_VARIANT = mt
                         else:
@@ -217,14 +206,11 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
                 cp.get_default_memory_pool().free_all_blocks()
     finally:
         (ops.GEMV_VARIANT, ops.GEMV_KQ_VARIANT, ops.GEMV_KQ_MT_VARIANT, ops.GEMV_MT_VARIANT,
-         ops.GEMM_BATCH_VARIANT, ops.GEMM_BATCH_KERNEL) = saved[:6]
-        ops.GEMM_BATCH_RT_TILES.clear()
-        ops.GEMM_BATCH_RT_TILES.update(saved[6])
+         ops.GEMM_BATCH_VARIANT) = saved
     if out is not None:
         for type_name in types:
             for T in tokens:
-                for v in ("auto", "batch", "tile", "gemv", "old") + tuple(f"rt{a}x{b}" for a, b in GEMM_BATCH_RT) \
-                        + tuple(f"{a}x{b}" for a, b in sorted(set(GEMV_KQ_MT) | set(GEMV_MT))):
+                for v in ("auto", "batch", "gemv", "old") + tuple(f"{a}x{b}" for a, b in sorted(set(GEMV_KQ_MT) | set(GEMV_MT))):
                     sel = [r for r in rows if r.type_name == type_name and r.T == T and r.variant == v
                            and (r.R, r.K) in CALLS_9B]
                     if len(sel) == len({(R, K) for R, K, _ in shapes} & set(CALLS_9B)) and sel:

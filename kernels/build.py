@@ -67,8 +67,6 @@ GEMV_SPLIT = ((1, 0), (2, 0), (4, 0), (1, 1), (2, 1))
 GEMV_STREAM = (1, 2)  # blocks per lane a round of gemv_dp4a_stream<QT, NU> (ops.GEMV_VARIANT "streamN")
 GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a (the probe picks)
 GEMM_BATCH_TOKENS = (8, 16, 32)  # token tiles of gemm_batch (batched decode: T <= 32 sequences)
-# (rows a lane, token tile) of gemm_batch_rt, the register-tiled batched decode GEMM (ops.GEMM_BATCH_RT)
-GEMM_BATCH_RT = ((4, 8), (2, 8), (2, 16), (4, 16), (2, 32), (1, 32))
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
 DECODE_GROUPS = (2, 4, 8)  # flash_decode<D, GM>: query heads per KV head up to GM (ops.decode_group)
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
@@ -98,7 +96,6 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
         names += [f"gemv_dp4a_stream<{q}, {nu}>" for nu in GEMV_STREAM]
         names += [f"gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
         names += [f"gemm_batch<{q}, {tt}>" for tt in GEMM_BATCH_TOKENS]
-        names += [f"gemm_batch_rt<{q}, {rt}, {tt}>" for rt, tt in GEMM_BATCH_RT]
     if type_name in KQUANT_TYPES:
         names += [f"gemv_kq<{q}, {wpr}, {nu}>" for wpr, nu in GEMV_KQ]
         names += [f"gemv_kq_stream<{q}, {nu}>" for nu in GEMV_KQ_STREAM]

@@ -24,7 +24,6 @@ from .build import (
     DECODE_GROUPS,
     DP4A_TYPES,
     GDN_KEY_DIMS,
-    GEMM_BATCH_RT,
     GEMM_BATCH_TOKENS,
     GEMV_KQ,
     GEMV_KQ_MT,
@@ -376,31 +375,6 @@ GEMM_BATCH_ROWS = {8: 128, 16: 64, 32: 64}
 GEMM_BATCH_BLOCKS_PER_SM = 2
 
 
-# Which kernel a gemm_batch launch is (MINECART_GEMM_BATCH_KERNEL): "rt" (gemm_batch_rt: weights expanded
-# into registers, activations from L1, no split over blocks) or "tile" (gemm_batch: weights staged in
-# shared memory, split over K with splitk_sum). GEMM_BATCH_RT: the (rows a lane, token tile) of
-# gemm_batch_rt for each token tile (MINECART_GEMM_BATCH_RT, e.g. "8:4x8,16:2x16,32:2x32"); every pair
-# must be compiled (build.GEMM_BATCH_RT).
-GEMM_BATCH_KERNEL = os.environ.get("MINECART_GEMM_BATCH_KERNEL", "rt")
-
-
-def _parse_rt(spec: str) -> dict[int, tuple[int, int]]:
-    out: dict[int, tuple[int, int]] = {}
-    for item in spec.split(","):
-        tile, _, pair = item.partition(":")
-        rt, _, tt = pair.partition("x")
-        out[int(tile)] = (int(rt), int(tt))
-    if sorted(out) != sorted(GEMM_BATCH_TOKENS) or any(p not in GEMM_BATCH_RT for p in out.values()) \
-            or any(tt < tile for tile, (_, tt) in out.items()):
-        raise ValueError(f"MINECART_GEMM_BATCH_RT={spec!r}: give each token tile {GEMM_BATCH_TOKENS} a "
-                         f"compiled (rows, tokens) pair of {GEMM_BATCH_RT} holding that many tokens")
-    return out
-
-
-GEMM_BATCH_RT_TILES = _parse_rt(os.environ.get("MINECART_GEMM_BATCH_RT", "8:4x8,16:2x16,32:2x32"))
-GEMM_BATCH_RT_WARPS = 4  # gemm.cu gemm_batch_rt: warps a block (they split K); rows a block = 4 x rows a lane
-
-
 def _gemm_batch(type_name: str, T: int) -> int | None:
     """The token tile (GEMM_BATCH_TOKENS) of gemm_batch for a DP4A matmul of T tokens, None for the other
     kernels."""
@@ -523,18 +497,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         xq, xd, xs = quantize_cached(x)
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
-    if tt is not None and GEMM_BATCH_KERNEL == "rt":  # batched decode: one launch for all T tokens
-        rt, tn = GEMM_BATCH_RT_TILES[tt]
-        res = residual if residual is not None else np.uint64(0)
-        seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
-        nseg = np.int32(len(segments) - 1 if segments is not None else 1)
-        _mm_kernel(w, f"gemm_batch_rt<{q}, {rt}, {tn}>")((math.ceil(R / (4 * rt)),), (32 * GEMM_BATCH_RT_WARPS,),
-                                                         (w.wq, wd, xq, xd, xs, y, np.int32(T), np.int32(R),
-                                                          np.int32(K), res, seg, nseg))
-        return y
     if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
-        if GEMM_BATCH_KERNEL != "tile":
-            raise ValueError(f"MINECART_GEMM_BATCH_KERNEL={GEMM_BATCH_KERNEL!r}: use rt or tile")
         splits, per = gemm_batch_splits(R, K, sm_count(), tt)
         part = cp.empty((splits, T, R), dtype=cp.float32) if splits > 1 else np.uint64(0)
         res = residual if residual is not None else np.uint64(0)

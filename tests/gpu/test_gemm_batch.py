@@ -1,4 +1,4 @@
-"""gemm_batch and gemm_batch_rt (kernels/gemm.cu), the batched decode GEMMs of 2..32 tokens, on the GPU.
+"""gemm_batch (kernels/gemm.cu), the batched decode GEMM of 2..32 tokens, on the GPU.
 
 Every DP4A weight format, T = 2..32 tokens (each token tile 8 / 16 / 32, partly filled), rows that are
 not a multiple of the 64- or 128-row tile, rows of 256 x 1, 9, 17 values and (formats of 32-value blocks) of 25
@@ -8,8 +8,7 @@ outputs of a fused group written split into its members (matmul_split), outputs 
 against the exact NumPy emulation of the DP4A arithmetic (the dequantized weights @ the q8_1-rounded
 activations, fp64; normalized error < 2e-5) and against the kernels before it (MINECART_GEMM_BATCH=off),
 on fresh random inputs each run; the launches are recorded, so a test fails if the kernel it means to
-check did not run. gemm_batch_rt: the same formats, shapes, residuals and split outputs for every
-compiled (rows a lane, token tile) pair that holds the T tokens."""
+check did not run."""
 
 from __future__ import annotations
 
@@ -60,7 +59,6 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
     rng = np.random.default_rng()  # fresh inputs each run
     q = ops.QT[type_name]
     tt = next(n for n in (8, 16, 32) if T <= n)
-    monkeypatch.setattr(ops, "GEMM_BATCH_KERNEL", "tile")
     for R, K in _shapes(type_name):
         w, wdense = _weight(type_name, R, K, rng)
         x = rng.standard_normal((T, K)).astype(np.float32)
@@ -100,60 +98,6 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
     print(f"\n{type_name} T={T}: gemm_batch<{q}, {tt}> agrees with the emulation and the kernels before it")
 
 
-@pytest.mark.parametrize("type_name", _formats())
-@pytest.mark.parametrize("T", [2, 5, 8, 9, 16, 17, 32])
-def test_rt_every_format_tile_and_layout(monkeypatch, poison, launches, type_name, T):
-    from minecart.kernels import ops
-    from minecart.kernels.build import GEMM_BATCH_RT
-
-    rng = np.random.default_rng()  # fresh inputs each run
-    q = ops.QT[type_name]
-    tile = next(n for n in (8, 16, 32) if T <= n)
-    monkeypatch.setattr(ops, "GEMM_BATCH_VARIANT", "on")
-    monkeypatch.setattr(ops, "GEMM_BATCH_KERNEL", "rt")
-    pairs = [(rt, tn) for rt, tn in GEMM_BATCH_RT if tn >= tile]
-    assert pairs
-    for R, K in _shapes(type_name):
-        w, wdense = _weight(type_name, R, K, rng)
-        x = rng.standard_normal((T, K)).astype(np.float32)
-        r = rng.standard_normal((T, R)).astype(np.float32)
-        emu = q8_1_emulation(x, wdense)
-        gx = cp.asarray(x)
-        for rt, tn in pairs:
-            monkeypatch.setitem(ops.GEMM_BATCH_RT_TILES, tile, (rt, tn))
-            name = f"gemm_batch_rt<{q}, {rt}, {tn}>"
-            for res in (None, cp.asarray(r)):
-                y = checked_matmul(w, gx, res, r, emu, poison, launches, f"{type_name} {R}x{K} T={T} {name}", TOL)
-                assert launches == [name], launches
-                if res is None:  # deterministic: the same bits again
-                    np.testing.assert_array_equal(y, cp.asnumpy(ops.matmul(gx, w, "dp4a")))
-            cuts = np.sort(rng.choice(np.arange(1, R), size=int(rng.integers(0, min(7, R - 1) + 1)), replace=False))
-            bounds = [0, *(int(c) for c in cuts), R]
-            ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
-            poison()
-            launches.clear()
-            outs = ops.matmul_split(gx, w, ranges)
-            assert launches == [name], launches
-            for (a, b), o in zip(ranges, outs, strict=True):
-                assert o.shape == (T, b - a) and o.flags.c_contiguous
-                assert nerr(cp.asnumpy(o), emu[:, a:b]) < TOL, (type_name, R, K, T, name, a, b)
-    print(f"\n{type_name} T={T}: gemm_batch_rt {pairs} agree with the emulation")
-
-
-def test_rt_tiles_spec(monkeypatch):
-    from minecart.kernels import ops
-
-    assert ops._parse_rt("8:4x8,16:2x16,32:2x32") == {8: (4, 8), 16: (2, 16), 32: (2, 32)}
-    for bad in ("8:4x8,16:2x16", "8:3x8,16:2x16,32:2x32", "8:2x8,16:2x8,32:2x32"):
-        with pytest.raises(ValueError, match="MINECART_GEMM_BATCH_RT"):
-            ops._parse_rt(bad)
-    monkeypatch.setattr(ops, "GEMM_BATCH_KERNEL", "wide")
-    monkeypatch.setattr(ops, "GEMM_BATCH_VARIANT", "on")
-    w, _ = _weight("Q8_0", 64, 256, np.random.default_rng())
-    with pytest.raises(ValueError, match="MINECART_GEMM_BATCH_KERNEL"):
-        ops.matmul(cp.ones((8, 256), cp.float32), w, "dp4a")
-
-
 def test_auto_picks_it_from_the_threshold_and_is_deterministic(monkeypatch, launches):
     """"auto": the GEMVs below GEMM_BATCH_MIN_T tokens, gemm_batch from there to 32, the prefill GEMM above;
     the split-K sum adds in a fixed order (two runs, the same bits)."""
@@ -161,7 +105,6 @@ def test_auto_picks_it_from_the_threshold_and_is_deterministic(monkeypatch, laun
 
     rng = np.random.default_rng()
     monkeypatch.setattr(ops, "GEMM_BATCH_VARIANT", "auto")
-    monkeypatch.setattr(ops, "GEMM_BATCH_KERNEL", "tile")
     w, _ = _weight("Q4_K", 4096, 4096, rng)
     for T in (ops.GEMM_BATCH_MIN_T - 1, ops.GEMM_BATCH_MIN_T, 32, 33):
         x = cp.asarray(rng.standard_normal((T, 4096)).astype(np.float32))
