@@ -130,11 +130,8 @@ def module_specs() -> list[ModuleSpec]:
     # fused single-token decode kernels (fused.py)
     specs.append(ModuleSpec("fused", ("fused.cu",),
                             ("rms_norm_q8<0>", "rms_norm_q8<1>")
-                            + tuple(f"gdn_decode{v}<{d}>" for v in ("", "_batch") for d in GDN_KEY_DIMS)
-                            + tuple(f"gdn_prep{v}<{d}>" for v in ("", "_batch") for d in GDN_KEY_DIMS)
-                            + tuple(f"gdn_state{v}<{d}, {t}>" for v in ("", "_batch") for d in GDN_KEY_DIMS
-                                    for t in ("false", "true")),
-                            ("swiglu_q8", "attn_merge_gate", "attn_merge_gate_batch", "gdn_norm")))
+                            + tuple(f"gdn_decode{v}<{d}>" for v in ("", "_batch") for d in GDN_KEY_DIMS),
+                            ("swiglu_q8", "attn_merge_gate", "attn_merge_gate_batch")))
     specs.append(ModuleSpec("sampling", ("sampling.cu",), (),
                             ("topk_stage1", "topk_stage2", "moe_route", "moe_combine")))
     specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))

@@ -8,13 +8,7 @@
 // swiglu_q8        silu(gate) * up, with its q8_1 quantization.
 // gdn_decode       one token of a Gated DeltaNet mixer, blocks of 32 value columns: conv1d + SiLU with the
 //                  conv state update, L2 norms of q and k, q scale, gates, the delta-rule step on the
-//                  state in place, gated RMSNorm, and the q8_1 quantization of the output (one launch,
-//                  cross-block counters; fused.GDN_DECODE_VARIANT "fused").
-// gdn_prep, gdn_state, gdn_norm
-//                  the same token in launches whose blocks never wait for one another (the default,
-//                  "split"): conv + SiLU, norms and gates per key head / 128 value channels into a scratch;
-//                  the delta-rule step per (value head, 32 columns); the gated RMSNorm + q8_1 per head
-//                  (or as gdn_state's counter tail, GDN_DECODE_NORM "tail"). Not yet timed on a device.
+//                  state in place, gated RMSNorm, and the q8_1 quantization of the output.
 // (attn_prep, the step before the scores, lives in attn_prep.cu: it writes the cache in its own type.)
 // attn_merge_gate  flash_decode's split merge (attention.cu flash_merge) times sigmoid(gate), with q8_1.
 // *_batch          the same for one token of each of B sequences in one launch (a grid dimension more;
@@ -102,31 +96,6 @@ extern "C" __global__ void swiglu_q8(const float* __restrict__ gate, const float
 // column block per head (DV <= 32) the block finishes alone.
 
 #define GDN_MAX_KW 8
-
-// The gated RMSNorm of one head's DV outputs yh, in place: rms_norm(o) * norm_w * silu(z), and (xq given)
-// the q8_1 blocks qb0, qb0 + 1, .. of it (DV % 32 == 0 then: the warps below DV are whole blocks). Thread
-// tid < DV holds value tid; every thread of the block calls it (block_sum). yh is read through L2: other
-// blocks of this launch may have written it.
-__device__ __forceinline__ void gdn_head_norm(float* __restrict__ yh, const float* __restrict__ zh,
-                                              const float* __restrict__ norm_w, i8* __restrict__ xq,
-                                              float* __restrict__ xd, float* __restrict__ xs, i64 qb0, int DV,
-                                              float eps, float* scratch) {
-    const int tid = threadIdx.x, lane = tid & 31;
-    float ov = tid < DV ? __ldcg(yh + tid) : 0.0f;
-    float ss = block_sum(ov * ov, scratch);
-    float inv = rsqrtf(ss / (float)DV + eps);
-    float out = 0.0f;
-    if (tid < DV) {
-        out = ov * inv;
-        out *= norm_w[tid];
-        out *= silu_f(zh[tid]);
-        yh[tid] = out;
-    }
-    if (xq != 0 && (tid >> 5) * 32 < DV) {
-        i64 b = qb0 + (tid >> 5);
-        q8_1_block(out, xq + b * 32, xd + b, xs + b, lane);
-    }
-}
 
 template <int DK>
 __device__ __forceinline__ void gdn_decode_body(
@@ -280,7 +249,21 @@ __device__ __forceinline__ void gdn_decode_body(
     }
 
     // 6. gated RMSNorm over the head: rms_norm(o) * w * silu(z), then the q8_1 blocks
-    gdn_head_norm(yh, z + (i64)j * DV, norm_w, xq, xd, xs, (i64)j * DV >> 5, DV, eps, scratch);
+    //    (DV % 32 == 0 when xq is given: warps below DV are whole blocks)
+    float ov = tid < DV ? __ldcg(yh + tid) : 0.0f;
+    float ss = block_sum(ov * ov, scratch);
+    float inv = rsqrtf(ss / (float)DV + eps);
+    float out = 0.0f;
+    if (tid < DV) {
+        out = ov * inv;
+        out *= norm_w[tid];
+        out *= silu_f(z[(i64)j * DV + tid]);
+        yh[tid] = out;
+    }
+    if (xq != 0 && (tid >> 5) * 32 < DV) {
+        i64 b = ((i64)j * DV >> 5) + (tid >> 5);
+        q8_1_block(out, xq + b * 32, xd + b, xs + b, lane);
+    }
 }
 
 template <int DK>
@@ -314,220 +297,6 @@ __global__ void __launch_bounds__(128) gdn_decode_batch(
                         dt_bias, norm_w, states[s], y + s * HV, xq != 0 ? xq + s * HV : xq,
                         xd != 0 ? xd + s * (HV >> 5) : xd, xs != 0 ? xs + s * (HV >> 5) : xs,
                         counters + s * (n_k + n_v), n_k, n_v, DV, KW, q_scale, eps);
-}
-
-// ---- Gated DeltaNet, one token, split into launches that wait for no one (fused.GDN_DECODE_VARIANT) ----
-// gdn_decode above is one serial chain per block (state loads, conv, two block sums, the delta step, then
-// counters so that the last reader shifts the shared q/k conv state and the last column block normalizes
-// the head), over only n_v x DV/32 blocks. The split form does the same arithmetic in three launches whose
-// blocks never wait for or count one another:
-//   gdn_prep   grid (n_k + ceil(n_v DV / 128) [, B]), 128 threads. Blocks below n_k: key head kh, thread
-//              i < DK its q channel i and k channel i: conv + SiLU (conv state shifted by that thread: it
-//              alone owns the channel), one block reduction of q.q, k.k and q.k, then q / |q| / sqrt(DK),
-//              k / |k| and k.q to the scratch. Later blocks: 128 v channels each, conv + SiLU (shifted
-//              likewise), and thread i < n_v of them the gates of value head i: exp(g), g = A softplus(alpha
-//              + dt_bias), and beta = sigmoid(b).
-//   gdn_state  grid (n_v, ceil(DV / 32) [, B]), 256 threads: block (j, cb) owns value columns 32 cb.. of head
-//              j; lane = column, each of the 8 warps DK/8 state rows in registers. The state loads and the
-//              scratch loads (its rows of q and k, its v, the gates, k.q) are all issued at the start, then
-//              e = S^T k, r = S^T q (8 warp partials added in shared memory), d = beta (v - a e),
-//              S <- a S + k d^T, o = a r + (k.q) d to y. TAIL: the last column block of the head (a counter
-//              per value head at counters[n_k + j], as gdn_decode's) does the gated RMSNorm and q8_1.
-//   gdn_norm   (without TAIL) grid (B n_v), a block per head: the gated RMSNorm and q8_1 of y in place.
-// Scratch (fp32, gdn_scratch_len floats per sequence): [0, C) the conv outputs in mixed's channel order
-// (q normalized and scaled, k normalized, v), then a = exp(g) [n_v], beta [n_v], k.q [n_k].
-
-__host__ __device__ __forceinline__ i64 gdn_scratch_len(int n_k, int n_v, int DK, int DV) {
-    return 2 * (i64)n_k * DK + (i64)n_v * DV + 2 * (i64)n_v + n_k;
-}
-
-// causal depthwise conv + SiLU of channel ch over [conv state; x], and the channel's state shift (row r <-
-// row r + 1, the last row <- x); the same arithmetic as gdn_decode's step 1
-__device__ __forceinline__ float gdn_conv_channel(const float* __restrict__ mixed, float* __restrict__ conv_state,
-                                                  const float* __restrict__ conv_w, int ch, int C, int KW) {
-    float hist[GDN_MAX_KW];
-    float acc = 0.0f;
-#pragma unroll
-    for (int r = 0; r < GDN_MAX_KW - 1; r++) {
-        if (r < KW - 1) {
-            hist[r] = conv_state[(i64)r * C + ch];
-            acc = fmaf(hist[r], conv_w[(i64)ch * KW + r], acc);
-        }
-    }
-    float xin = mixed[ch];
-    acc = fmaf(xin, conv_w[(i64)ch * KW + KW - 1], acc);
-#pragma unroll
-    for (int r = 0; r < GDN_MAX_KW - 1; r++) {
-        if (r < KW - 1) conv_state[(i64)r * C + ch] = (r + 1 < KW - 1) ? hist[r + 1] : xin;
-    }
-    return silu_f(acc);
-}
-
-template <int DK>
-__device__ __forceinline__ void gdn_prep_body(
-        const float* __restrict__ mixed, const float* __restrict__ bet, const float* __restrict__ alpha,
-        float* __restrict__ conv_state, const float* __restrict__ conv_w, const float* __restrict__ ssm_a,
-        const float* __restrict__ dt_bias, float* __restrict__ scr, int n_k, int n_v, int DV, int KW,
-        float q_scale, float eps) {
-    __shared__ float red[3][32];
-    const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5;
-    const int key_dim = n_k * DK, C = 2 * key_dim + n_v * DV;
-    if ((int)blockIdx.x < n_k) {  // a key head: its q and k channels (DK <= blockDim.x)
-        const int kh = blockIdx.x;
-        float uq = 0.0f, uk = 0.0f;
-        if (tid < DK) {
-            uq = gdn_conv_channel(mixed, conv_state, conv_w, kh * DK + tid, C, KW);
-            uk = gdn_conv_channel(mixed, conv_state, conv_w, key_dim + kh * DK + tid, C, KW);
-        }
-        float sq = warp_sum(uq * uq), sk = warp_sum(uk * uk), sqk = warp_sum(uq * uk);
-        if (lane == 0) red[0][wid] = sq, red[1][wid] = sk, red[2][wid] = sqk;
-        __syncthreads();
-        sq = red[0][0], sk = red[1][0], sqk = red[2][0];
-        for (int w = 1; w < (int)(blockDim.x >> 5); w++) sq += red[0][w], sk += red[1][w], sqk += red[2][w];
-        const float rq = rsqrtf(sq + eps), rk = rsqrtf(sk + eps);
-        if (tid < DK) {
-            scr[kh * DK + tid] = (uq * rq) * q_scale;
-            scr[key_dim + kh * DK + tid] = uk * rk;
-        }
-        if (tid == 0) scr[C + 2 * n_v + kh] = ((sqk * rq) * q_scale) * rk;  // k.q of the normed vectors
-    } else {  // 128 value channels, and the gates of value heads with the same index
-        const int i = (blockIdx.x - n_k) * blockDim.x + tid;
-        if (i < n_v * DV) scr[2 * key_dim + i] = gdn_conv_channel(mixed, conv_state, conv_w, 2 * key_dim + i, C, KW);
-        if (i < n_v) {
-            float g = ssm_a[i] * softplus_f(alpha[i] + dt_bias[i]);
-            scr[C + i] = __expf(g);
-            scr[C + n_v + i] = sigmoid_f(bet[i]);
-        }
-    }
-}
-
-template <int DK>
-__global__ void __launch_bounds__(128) gdn_prep(
-        const float* __restrict__ mixed, const float* __restrict__ bet, const float* __restrict__ alpha,
-        float* __restrict__ conv_state, const float* __restrict__ conv_w, const float* __restrict__ ssm_a,
-        const float* __restrict__ dt_bias, float* __restrict__ scr, int n_k, int n_v, int DV, int KW,
-        float q_scale, float eps) {
-    gdn_prep_body<DK>(mixed, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, scr, n_k, n_v, DV, KW, q_scale, eps);
-}
-
-// gdn_prep for B sequences, grid (.., B): sequence s = blockIdx.y reads row s of mixed (B, C), bet and alpha
-// (B, n_v), shifts conv_states[s] (a device pointer table) and writes scratch row s
-template <int DK>
-__global__ void __launch_bounds__(128) gdn_prep_batch(
-        const float* __restrict__ mixed, const float* __restrict__ bet, const float* __restrict__ alpha,
-        float* const* __restrict__ conv_states, const float* __restrict__ conv_w, const float* __restrict__ ssm_a,
-        const float* __restrict__ dt_bias, float* __restrict__ scr, int n_k, int n_v, int DV, int KW,
-        float q_scale, float eps) {
-    i64 s = blockIdx.y;
-    i64 C = 2 * (i64)n_k * DK + (i64)n_v * DV;
-    gdn_prep_body<DK>(mixed + s * C, bet + s * n_v, alpha + s * n_v, conv_states[s], conv_w, ssm_a, dt_bias,
-                      scr + s * gdn_scratch_len(n_k, n_v, DK, DV), n_k, n_v, DV, KW, q_scale, eps);
-}
-
-#define GDN_STATE_WARPS 8
-
-template <int DK, bool TAIL>
-__device__ __forceinline__ void gdn_state_body(
-        const float* __restrict__ scr, const float* __restrict__ z, const float* __restrict__ norm_w,
-        float* __restrict__ state, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
-        float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, float eps) {
-    constexpr int NW = GDN_STATE_WARPS;
-    constexpr int RW = DK / NW;  // state rows per warp (DK % 8 == 0)
-    __shared__ float pe[NW][32], pr[NW][32];
-    __shared__ float scratch[32];
-    __shared__ int s_fin;
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    const int j = blockIdx.x, kh = j % n_k, n_cb = gridDim.y;
-    const int c0 = blockIdx.y * 32, nc = min(32, DV - c0), c = c0 + lane;
-    const bool col = lane < nc;
-    const int key_dim = n_k * DK, C = 2 * key_dim + n_v * DV;
-
-    // every load first: this thread's state rows of column c, its rows of q and k (the same address across
-    // the warp: one broadcast each), v of column c, the gates and k.q of the head
-    float* sp = state + (i64)j * DK * DV + (i64)(w * RW) * DV + c;
-    float S[RW], qr[RW], kr[RW];
-#pragma unroll
-    for (int i = 0; i < RW; i++) S[i] = col ? sp[(i64)i * DV] : 0.0f;
-    const float* qn = scr + kh * DK + w * RW;
-    const float* kn = scr + key_dim + kh * DK + w * RW;
-#pragma unroll
-    for (int i = 0; i < RW; i++) qr[i] = qn[i], kr[i] = kn[i];
-    const float v = col ? scr[2 * key_dim + j * DV + c] : 0.0f;
-    const float a = scr[C + j], beta = scr[C + n_v + j], kq = scr[C + 2 * n_v + kh];
-
-    float e2[2] = {0.f, 0.f}, r2[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < RW; i++) {
-        e2[i & 1] = fmaf(S[i], kr[i], e2[i & 1]);
-        r2[i & 1] = fmaf(S[i], qr[i], r2[i & 1]);
-    }
-    pe[w][lane] = e2[0] + e2[1];
-    pr[w][lane] = r2[0] + r2[1];
-    __syncthreads();
-    float e = ((pe[0][lane] + pe[1][lane]) + (pe[2][lane] + pe[3][lane]))
-              + ((pe[4][lane] + pe[5][lane]) + (pe[6][lane] + pe[7][lane]));
-    float r = ((pr[0][lane] + pr[1][lane]) + (pr[2][lane] + pr[3][lane]))
-              + ((pr[4][lane] + pr[5][lane]) + (pr[6][lane] + pr[7][lane]));
-    float d = col ? beta * (v - a * e) : 0.0f;
-    if (col) {
-#pragma unroll
-        for (int i = 0; i < RW; i++) sp[(i64)i * DV] = fmaf(a, S[i], kr[i] * d);
-    }
-    float o = fmaf(a, r, kq * d);
-    float* yh = y + (i64)j * DV;
-    if (w == 0 && col) yh[c] = o;
-    if (!TAIL) return;
-
-    // TAIL: the last column block of head j normalizes it (counters[n_k + j], reset by that block)
-    if (n_cb > 1) {
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) {
-            int prev = atomicAdd(&counters[n_k + j], 1);
-            s_fin = (prev == n_cb - 1);
-            if (s_fin) atomicExch(&counters[n_k + j], 0);
-        }
-        __syncthreads();
-        if (!s_fin) return;  // the whole block leaves together
-        __threadfence();
-    } else {
-        __syncthreads();
-    }
-    gdn_head_norm(yh, z + (i64)j * DV, norm_w, xq, xd, xs, (i64)j * DV >> 5, DV, eps, scratch);
-}
-
-template <int DK, bool TAIL>
-__global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_state(
-        const float* __restrict__ scr, const float* __restrict__ z, const float* __restrict__ norm_w,
-        float* __restrict__ state, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
-        float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, float eps) {
-    gdn_state_body<DK, TAIL>(scr, z, norm_w, state, y, xq, xd, xs, counters, n_k, n_v, DV, eps);
-}
-
-// gdn_state for B sequences, grid (n_v, ceil(DV / 32), B): sequence s = blockIdx.z reads scratch row s, its
-// state states[s] (a device pointer table), its rows of z and y and q8_1 blocks, its counters at s (n_k + n_v)
-template <int DK, bool TAIL>
-__global__ void __launch_bounds__(32 * GDN_STATE_WARPS) gdn_state_batch(
-        const float* __restrict__ scr, const float* __restrict__ z, const float* __restrict__ norm_w,
-        float* const* __restrict__ states, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
-        float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, float eps) {
-    i64 s = blockIdx.z, HV = (i64)n_v * DV;
-    gdn_state_body<DK, TAIL>(scr + s * gdn_scratch_len(n_k, n_v, DK, DV), z + s * HV, norm_w, states[s],
-                             y + s * HV, xq != 0 ? xq + s * HV : xq, xd != 0 ? xd + s * (HV >> 5) : xd,
-                             xs != 0 ? xs + s * (HV >> 5) : xs, counters != 0 ? counters + s * (n_k + n_v) : counters,
-                             n_k, n_v, DV, eps);
-}
-
-// The gated RMSNorm + q8_1 of gdn_state's (non-TAIL) output: block h of 128 threads (DV <= 128) takes head h
-// of y viewed as (B n_v, DV) rows (z alike; the q8_1 blocks of (B, n_v DV) are head-major too), so the one
-// kernel serves the single and the batched step.
-extern "C" __global__ __launch_bounds__(128) void gdn_norm(float* __restrict__ y, const float* __restrict__ z,
-                                                           const float* __restrict__ norm_w, i8* __restrict__ xq,
-                                                           float* __restrict__ xd, float* __restrict__ xs, int DV,
-                                                           float eps) {
-    __shared__ float scratch[32];
-    i64 h = blockIdx.x;
-    gdn_head_norm(y + h * DV, z + h * DV, norm_w, xq, xd, xs, h * DV >> 5, DV, eps, scratch);
 }
 
 // One block of D threads (D % 32 == 0) per head h: o = merge of the splits (as flash_merge), times

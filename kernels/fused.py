@@ -12,7 +12,6 @@ Not here: deciding whether a q8 side output is worth writing (the backend knows 
 from __future__ import annotations
 
 import math
-import os
 
 import cupy as cp
 import numpy as np
@@ -117,67 +116,6 @@ def _counters(n: int) -> cp.ndarray:
     return _COUNTERS[cp.cuda.Device().id]
 
 
-# How a decode token of a Gated DeltaNet mixer runs (fused.cu). Env MINECART_GDN_DECODE: "split" (gdn_prep,
-# gdn_state, then the head norm: launches whose blocks never wait for one another) or "fused" (the single
-# gdn_decode kernel with its counters, kept for A/B). MINECART_GDN_DECODE_NORM, split only: "kernel" (the
-# gated RMSNorm + q8_1 as gdn_norm, a block per head) or "tail" (by the last column block of each head in
-# gdn_state, through a counter). Not yet timed against each other on a device.
-GDN_DECODE_VARIANT = os.environ.get("MINECART_GDN_DECODE", "split")
-GDN_DECODE_NORM = os.environ.get("MINECART_GDN_DECODE_NORM", "kernel")
-GDN_PREP_CHANNELS = 128  # fused.cu gdn_prep: value channels per block (its block size)
-
-
-def _gdn_variant() -> tuple[str, str]:
-    v, n = GDN_DECODE_VARIANT, GDN_DECODE_NORM
-    if v not in ("split", "fused"):
-        raise ValueError(f"MINECART_GDN_DECODE={v!r}: use split or fused")
-    if n not in ("kernel", "tail"):
-        raise ValueError(f"MINECART_GDN_DECODE_NORM={n!r}: use kernel or tail")
-    return v, n
-
-
-def gdn_uses_counters() -> bool:
-    """Whether the chosen GDN decode variant needs make_gdn_counters (the fused kernel and the split one
-    with the norm as gdn_state's tail); the counters' layout is the same for both."""
-    v, n = _gdn_variant()
-    return v == "fused" or n == "tail"
-
-
-def gdn_decode_launches() -> int:
-    """Kernel launches of one gdn_decode / gdn_decode_batch call with the chosen variant."""
-    v, n = _gdn_variant()
-    return 1 if v == "fused" else (2 if n == "tail" else 3)
-
-
-def gdn_scratch_len(n_k: int, n_v: int, dk: int, dv: int) -> int:
-    """fp32 values of gdn_prep's scratch per sequence (fused.cu gdn_scratch_len): the C conv outputs,
-    exp(g) and beta per value head, k.q per key head."""
-    return 2 * n_k * dk + n_v * dv + 2 * n_v + n_k
-
-
-def _gdn_split(mixed, z, b, alpha, conv, ssm, conv_w, ssm_a, dt_bias, norm_w, y, q8, *, B: int, batch: bool,
-               n_k: int, n_v: int, dk: int, dv: int, kw: int, eps: float):
-    """The split launches of one token of B sequences (batch: conv / ssm are pointer tables)."""
-    _, norm = _gdn_variant()
-    tail = norm == "tail"
-    nul = np.uint64(0)
-    scr = cp.empty((B, gdn_scratch_len(n_k, n_v, dk, dv)), dtype=cp.float32)
-    sfx, gz = ("_batch", (B,)) if batch else ("", ())
-    xq, xd, xs = q8 if q8 else (nul, nul, nul)
-    get_kernel("fused", f"gdn_prep{sfx}<{dk}>")(
-        (n_k + math.ceil(n_v * dv / GDN_PREP_CHANNELS), *gz), (GDN_PREP_CHANNELS,),
-        (mixed, b, alpha, conv, conv_w, _c32(ssm_a), _c32(dt_bias), scr, np.int32(n_k), np.int32(n_v),
-         np.int32(dv), np.int32(kw), np.float32(1.0 / math.sqrt(dk)), np.float32(eps)))
-    norm_w = _c32(norm_w)
-    get_kernel("fused", f"gdn_state{sfx}<{dk}, {'true' if tail else 'false'}>")(
-        (n_v, (dv + 31) // 32, *gz), (256,),
-        (scr, z, norm_w, ssm, y, xq, xd, xs, _counters(B * (n_k + n_v)) if tail else nul, np.int32(n_k),
-         np.int32(n_v), np.int32(dv), np.float32(eps)))
-    if not tail:
-        get_kernel("fused", "gdn_norm")((B * n_v,), (GDN_MAX_DV,), (y, z, norm_w, xq, xd, xs, np.int32(dv),
-                                                                     np.float32(eps)))
-
-
 def gdn_decode_supported(n_k: int, n_v: int, dk: int, dv: int, kw: int) -> bool:
     return (dk in GDN_KEY_DIMS and 1 <= dv <= GDN_MAX_DV and 2 <= kw <= GDN_MAX_KW and 1 <= n_k <= n_v)
 
@@ -185,8 +123,7 @@ def gdn_decode_supported(n_k: int, n_v: int, dk: int, dv: int, kw: int) -> bool:
 def gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias, norm_w, *, n_k: int,
                n_v: int, dk: int, dv: int, eps: float, want_q8: bool):
     """One token (T == 1) of a Gated DeltaNet mixer; conv_state (K-1, C) and ssm_state (n_v, dk, dv)
-    updated in place. Returns (y (1, n_v dv), q8 or None); q8 only when want_q8 and dv % 32 == 0.
-    GDN_DECODE_VARIANT picks the kernels; with gdn_uses_counters(), make_gdn_counters(n_k + n_v) first."""
+    updated in place. Returns (y (1, n_v dv), q8 or None); q8 only when want_q8 and dv % 32 == 0."""
     mixed, z, b, alpha = _c32(mixed), _c32(z), _c32(b), _c32(alpha)
     conv_w = _c32(conv_w)
     kw = int(conv_w.shape[1])
@@ -199,10 +136,6 @@ def gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias
             raise ValueError(f"gdn_decode: the {name} must be a contiguous float32 array made by the backend")
     y = cp.empty((1, n_v * dv), dtype=cp.float32)
     q8 = _q8_arrays(1, n_v * dv) if want_q8 and dv % 32 == 0 else None
-    if _gdn_variant()[0] == "split":
-        _gdn_split(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias, norm_w, y, q8, B=1,
-                   batch=False, n_k=n_k, n_v=n_v, dk=dk, dv=dv, kw=kw, eps=eps)
-        return y, q8
     nul = np.uint64(0)
     # blocks of 32 value columns; counters: [0, n_k) the q/k conv state, [n_k, n_k + n_v) the head norms
     get_kernel("fused", f"gdn_decode<{dk}>")(
@@ -254,8 +187,8 @@ def gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states, conv_table, ss
                      norm_w, *, n_k: int, n_v: int, dk: int, dv: int, eps: float, want_q8: bool):
     """gdn_decode for one token of each of B sequences: row s of mixed (B, C), z (B, n_v dv), b and alpha
     (B, n_v) with the states conv_states[s] (K-1, C) and ssm_states[s] (n_v, dk, dv), updated in place;
-    conv_table / ssm_table: pointer_table of those states' addresses. With gdn_uses_counters(), needs
-    make_gdn_counters(B (n_k + n_v)). Returns (y (B, n_v dv), q8 or None)."""
+    conv_table / ssm_table: pointer_table of those states' addresses. Needs make_gdn_counters(B (n_k +
+    n_v)). Returns (y (B, n_v dv), q8 or None)."""
     B = mixed.shape[0]
     mixed, z, b, alpha = _c32(mixed), _c32(z), _c32(b), _c32(alpha)
     conv_w = _c32(conv_w)
@@ -279,10 +212,6 @@ def gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states, conv_table, ss
     _check_table("gdn_decode_batch", ssm_table, B)
     y = cp.empty((B, n_v * dv), dtype=cp.float32)
     q8 = _q8_arrays(B, n_v * dv) if want_q8 and dv % 32 == 0 else None
-    if _gdn_variant()[0] == "split":
-        _gdn_split(mixed, z, b, alpha, conv_table, ssm_table, conv_w, ssm_a, dt_bias, norm_w, y, q8, B=B,
-                   batch=True, n_k=n_k, n_v=n_v, dk=dk, dv=dv, kw=kw, eps=eps)
-        return y, q8
     nul = np.uint64(0)
     get_kernel("fused", f"gdn_decode_batch<{dk}>")(
         (n_v, (dv + 31) // 32, B), (128,),

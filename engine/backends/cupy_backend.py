@@ -1203,7 +1203,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                    n_k: int, n_v: int, dk: int, dv: int, eps: float):
         kw = int(conv_w.shape[1])
         supported = fused.gdn_decode_supported(n_k, n_v, dk, dv, kw)
-        if supported and fused.gdn_uses_counters() and not fused.gdn_counters_ready(n_k + n_v):
+        if supported and not fused.gdn_counters_ready(n_k + n_v):
             if self._capture is not None:  # a memset in a capture is only recorded: make them eagerly
                 raise _CacheFull("gdn_decode counters are made by an eager step; the next one captures")
             with self._dev:
@@ -1273,7 +1273,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 not fused.gdn_decode_supported(n_k, n_v, dk, dv, kw):
             return super().gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states, conv_w, ssm_a, dt_bias,
                                             norm_w, n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=eps)
-        if fused.gdn_uses_counters() and not fused.gdn_counters_ready(B * (n_k + n_v)):
+        if not fused.gdn_counters_ready(B * (n_k + n_v)):
             if self._capture is not None:  # a memset in a capture is only recorded: make them eagerly
                 raise _CacheFull("gdn_decode counters are made by an eager step; the next one captures")
             with self._dev:

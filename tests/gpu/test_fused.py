@@ -158,29 +158,6 @@ GDN_SHAPES = [  # n_k, n_v, dk, dv, conv kernel
     (2, 4, 16, 80, 2),  # a partial last column block
 ]
 
-# fused.GDN_DECODE_VARIANT / GDN_DECODE_NORM: the split launches with the norm as its own kernel (the
-# default) or as gdn_state's tail, and the single fused kernel
-GDN_VARIANTS = {"split": ("split", "kernel"), "split-tail": ("split", "tail"), "fused": ("fused", "kernel")}
-# kernels launched per gdn_decode_batch call (kernels/fused.py)
-GDN_BATCH_LAUNCHES = {"split": {"gdn_prep_batch": 1, "gdn_state_batch": 1, "gdn_norm": 1},
-                      "split-tail": {"gdn_prep_batch": 1, "gdn_state_batch": 1},
-                      "fused": {"gdn_decode_batch": 1}}
-
-
-def _set_gdn_variant(monkeypatch, name: str) -> None:
-    from minecart.kernels import fused
-
-    v, n = GDN_VARIANTS[name]
-    monkeypatch.setattr(fused, "GDN_DECODE_VARIANT", v)
-    monkeypatch.setattr(fused, "GDN_DECODE_NORM", n)
-
-
-@pytest.fixture(params=list(GDN_VARIANTS))
-def gdn_variant(request, monkeypatch):
-    """Runs the test once per GDN decode variant; returns its name (a GDN_VARIANTS key)."""
-    _set_gdn_variant(monkeypatch, request.param)
-    return request.param
-
 
 def _gdn_inputs(rng, n_k, n_v, dk, dv, kw, T):
     C = 2 * n_k * dk + n_v * dv
@@ -198,7 +175,7 @@ def _gdn_inputs(rng, n_k, n_v, dk, dv, kw, T):
 
 
 @pytest.mark.parametrize("shape", GDN_SHAPES, ids=lambda s: "nk{}-nv{}-dk{}-dv{}-kw{}".format(*s))
-def test_gdn_decode(nb, gb, poison, gdn_variant, shape):
+def test_gdn_decode(nb, gb, poison, shape):
     n_k, n_v, dk, dv, kw = shape
     rng = np.random.default_rng(sum(shape))
     C = 2 * n_k * dk + n_v * dv
@@ -224,52 +201,26 @@ def test_gdn_decode(nb, gb, poison, gdn_variant, shape):
         if gb.gemv_path == "dp4a" and dv % 32 == 0:
             assert q8 is not None
             _check_q8(y, q8)
-    print(f"\ngdn_decode {shape} {gdn_variant} ({gb.gemv_path}): max output nerr over 3 steps {worst:.2e}")
+    print(f"\ngdn_decode {shape} ({gb.gemv_path}): max output nerr over 3 steps {worst:.2e}")
 
 
-def test_gdn_decode_timing(gb, monkeypatch):
-    """9B shape, one token and B = 8 sequences: each GDN decode variant (GDN_VARIANTS) and the composed
-    kernels, per call inside a captured graph (printed). "warm": calls back to back, the 2 MiB state per
-    sequence left in L2 by the call before; "cold": each call after a 192 MiB fill that evicts L2, the
-    fill's own time subtracted (as in the decode graph, where the layer's GEMVs evict the state)."""
-    from minecart.engine.backends.base import FusedOpsMixin
+def test_gdn_decode_timing(gb):
+    """9B shape: one fused launch vs the composed kernels (printed)."""
     from minecart.kernels.probe import time_gpu
 
     n_k, n_v, dk, dv, kw = 16, 32, 128, 128, 4
-    B = 8
     rng = np.random.default_rng(0)
-    acts, wts = _gdn_inputs(rng, n_k, n_v, dk, dv, kw, B)
+    acts, wts = _gdn_inputs(rng, n_k, n_v, dk, dv, kw, 1)
     C = 2 * n_k * dk + n_v * dv
-    convs = [gb.asarray((rng.standard_normal((kw - 1, C))).astype(np.float32)) for _ in range(B)]
-    ssms = [gb.asarray((rng.standard_normal((n_v, dk, dv)) * 0.01).astype(np.float32)) for _ in range(B)]
+    conv, ssm = gb.zeros((kw - 1, C)), gb.zeros((n_v, dk, dv))
     a = [gb.asarray(v) for v in acts.values()]
-    a1 = [x[:1] for x in a]
     w = [gb.asarray(v) for v in wts.values()]
     dims = dict(n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=1e-6)
-    flush = cp.empty(48 << 20, dtype=cp.float32)
-    reps = 50
-    t_flush = time_gpu(lambda: flush.fill(0), reps)
+    from minecart.engine.backends.base import FusedOpsMixin
 
-    def timed(fn):
-        warm = time_gpu(fn, reps)
-
-        def cold_fn():
-            flush.fill(0)
-            fn()
-
-        return warm, time_gpu(cold_fn, reps) - t_flush
-
-    rows = {}
-    for name in GDN_VARIANTS:
-        _set_gdn_variant(monkeypatch, name)
-        rows[name] = (timed(lambda: gb.gdn_decode(*a1, convs[0], ssms[0], *w, **dims)),
-                      timed(lambda: gb.gdn_decode_batch(*a, convs, ssms, *w, **dims)))
-    t_comp = time_gpu(lambda: FusedOpsMixin.gdn_decode(gb, *a1, convs[0], ssms[0], *w, **dims), reps)
-    print(f"\ngdn_decode 9B shape ({gb.gemv_path}), us per call in a graph, warm / cold L2 "
-          f"(fill alone {t_flush * 1e6:.1f} us):")
-    for name, ((s_w, s_c), (b_w, b_c)) in rows.items():
-        print(f"  {name:<10} one token {s_w * 1e6:6.1f} / {s_c * 1e6:6.1f}    B={B} {b_w * 1e6:6.1f} / {b_c * 1e6:6.1f}")
-    print(f"  composed   one token {t_comp * 1e6:6.1f} (warm)")
+    t_fused = time_gpu(lambda: gb.gdn_decode(*a, conv, ssm, *w, **dims), 50)
+    t_comp = time_gpu(lambda: FusedOpsMixin.gdn_decode(gb, *a, conv, ssm, *w, **dims), 50)
+    print(f"\ngdn_decode 9B shape: fused {t_fused * 1e6:.1f} us, composed {t_comp * 1e6:.1f} us")
 
 
 # ---- gated attention ---------------------------------------------------------------------------------------
@@ -425,16 +376,13 @@ def _count_launches(m, be, monkeypatch, label: str) -> tuple[int, int]:
 def test_launches_per_decode_step_fixture(fixtures_dir, monkeypatch, path):
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.engine.model import load_model
-    from minecart.kernels import fused
 
     be = CupyBackend("cuda:0", path=path)
     # the default (f16) cache: attn_prep stores the row as f16, so the step has the f32 cache's launches
     m = load_model(fixtures_dir / "dense/qwen35-tiny-dense-q8_0.gguf", backend=be)
     gdn, attn = _count_launches(m, be, monkeypatch, f"fixture q8_0 {path}")
-    # dp4a: the fixture's dv = 16 is not a whole q8 block, so ssm_out quantizes its input itself; the GDN
-    # mixer takes fused.gdn_decode_launches() (1 fused, 3 split)
-    extra = fused.gdn_decode_launches() - 1
-    assert gdn <= (9 if path == "dp4a" else 8) + extra and attn <= 10
+    # dp4a: the fixture's dv = 16 is not a whole q8 block, so ssm_out quantizes its input itself
+    assert gdn <= (9 if path == "dp4a" else 8) and attn <= 10
 
 
 def _synth(tmp_path):
@@ -449,12 +397,11 @@ def _synth(tmp_path):
 def test_launches_per_decode_step_real_heads(tmp_path, monkeypatch, path):
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.engine.model import load_model
-    from minecart.kernels import fused
 
     be = CupyBackend("cuda:0", path=path)
     m = load_model(_synth(tmp_path), backend=be)  # the default f16 cache (attn_prep stores it)
     gdn, attn = _count_launches(m, be, monkeypatch, f"small-dense q8_0 {path}")
-    assert gdn <= 8 + fused.gdn_decode_launches() - 1 and attn <= 10
+    assert gdn <= 8 and attn <= 10
 
 
 @pytest.mark.parametrize("path", ["fma", "dp4a"])
