@@ -21,6 +21,7 @@ import html
 import time
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtGui import QGuiApplication, QImage, QKeySequence, QPixmap, QShortcut
@@ -49,6 +50,9 @@ from . import theme
 from .conversations import Conversation, ConversationStore
 from .markdown_view import MarkdownView
 from .settings import data_dir
+
+if TYPE_CHECKING:
+    from .engine_bridge import EngineBridge, TurnEnd
 
 CURSOR = "<span style='color:#f0a43a'> ▍</span>"  # after the text while a reply streams
 ELLIPSIS = "<span style='color:#8d96a8'>…</span>"  # a reply with no text yet
@@ -432,7 +436,8 @@ class ChatPanel(QWidget):
     # the model with a longer context and calls retry_turn once it is back)
     raise_context_requested = Signal(int)
 
-    def __init__(self, bridge, settings, store: ConversationStore | None = None, parent=None):
+    def __init__(self, bridge: EngineBridge, settings, store: ConversationStore | None = None,
+                 parent=None):
         super().__init__(parent)
         self.bridge = bridge
         self.settings = settings
@@ -444,6 +449,8 @@ class ChatPanel(QWidget):
         self.model_loaded = False
         self.model_has_vision = False
         self.model_path = ""
+        self.model_name = ""
+        self.loading_name = ""  # the model a load is bringing in ('' when no load is running)
         self._dirty: set[MessageWidget] = set()
         self._context_used: dict[str, int] = {}  # conversation id -> tokens its last turn held
         self.context_notice: MessageWidget | None = None  # the newest context-full note, if on screen
@@ -677,12 +684,12 @@ class ChatPanel(QWidget):
 
     def set_model(self, loaded: bool, name: str = "", has_vision: bool = False, path: str = "",
                   base_model: bool = False) -> None:
-        info = getattr(self.bridge, "model_info", None)
+        info = self.bridge.model_info
         if loaded and not name and not path and info is not None:
             # "still loaded" without details (a failed or cancelled load left the model in place):
             # it is the bridge's current model, name, vision and all
-            name, has_vision = getattr(info, "name", ""), bool(getattr(info, "has_vision", False))
-            path, base_model = str(getattr(info, "path", "")), bool(getattr(info, "base_model", False))
+            name, has_vision = info.name, info.has_vision
+            path, base_model = str(info.path), info.base_model
         self.model_loaded = loaded
         self.base_notice.setText(BASE_MODEL_TEXT.format(name=name or "This model"))
         self.base_notice.setVisible(loaded and base_model)
@@ -704,9 +711,9 @@ class ChatPanel(QWidget):
             return
         self.empty.show()
         if self.model_loaded:
-            self.empty.setText(f"<div style='font-size:15pt; color:#e4e7ee; font-weight:600'>{getattr(self, 'model_name', '')}</div>"
+            self.empty.setText(f"<div style='font-size:15pt; color:#e4e7ee; font-weight:600'>{self.model_name}</div>"
                                "<div style='margin-top:6px'>Ask anything. Drop an image here, or press Enter to send.</div>")
-        elif getattr(self, "loading_name", ""):
+        elif self.loading_name:
             self.empty.setText(f"<div style='font-size:15pt; color:#e4e7ee; font-weight:600'>Loading {self.loading_name}…</div>"
                                "<div style='margin-top:6px'>Progress is in the bar above; you can type while it loads.</div>")
         else:
@@ -951,7 +958,7 @@ class ChatPanel(QWidget):
         if self.bridge.generating or (not text and not self.pending_images):
             return
         if not self.model_loaded:
-            if getattr(self, "loading_name", ""):  # the message stays in the composer meanwhile
+            if self.loading_name:  # the message stays in the composer meanwhile
                 text = f"{self.loading_name} is still loading; press Enter again once it is ready."
             else:
                 text = "No model is loaded yet. Load one on the Models page."
@@ -1033,7 +1040,7 @@ class ChatPanel(QWidget):
         if stick:
             self._scroll_to_end()
 
-    def _finish(self, info: dict, note: str = "") -> None:
+    def _finish(self, info: TurnEnd, note: str = "") -> None:
         w = self.current
         self.current = None
         if w is not None:
@@ -1041,14 +1048,15 @@ class ChatPanel(QWidget):
             usage = info.get("usage")
             timing = info.get("timing")
             bits = []
-            if usage is not None and getattr(usage, "completion_tokens", 0):
+            if usage is not None and usage.completion_tokens:
                 bits.append(f"{usage.completion_tokens} tokens")
-            if usage is not None and getattr(usage, "image_tokens", 0):
+            if usage is not None and usage.image_tokens:
                 bits.append(f"{usage.image_tokens} image tokens in the prompt")
-            rate = getattr(timing, "decode_tokens_per_s", None) or getattr(usage, "decode_tokens_per_s", None)
+            rate = ((timing.decode_tokens_per_s if timing is not None else None)
+                    or (usage.decode_tokens_per_s if usage is not None else None))
             if rate:
                 bits.append(f"{rate:.1f} tok/s")
-            ttft = getattr(timing, "time_to_first_token_s", None)
+            ttft = timing.time_to_first_token_s if timing is not None else None
             if ttft:
                 bits.append(f"first token {ttft * 1000:.0f} ms")
             if info.get("finish_reason") == "length":
@@ -1062,10 +1070,10 @@ class ChatPanel(QWidget):
         self._update_buttons()
         self.save()
 
-    def _on_done(self, info: dict) -> None:
+    def _on_done(self, info: TurnEnd) -> None:
         self._finish(info)
 
-    def _on_cancelled(self, info: dict) -> None:
+    def _on_cancelled(self, info: TurnEnd) -> None:
         self._finish(info, "stopped")
 
     def _on_context_full(self, needed: int, limit: int) -> None:

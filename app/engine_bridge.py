@@ -18,10 +18,12 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TypedDict
 
 from minecart.engine.errors import ContextFullError
+from minecart.engine.metrics import RequestTiming
 from minecart.engine.placement import DEFAULT_KV_TYPE
-from minecart.engine.runtime import Runtime
+from minecart.engine.runtime import ModelInfo, Runtime, Usage
 from minecart.engine.sampling import SamplingParams
 from PySide6.QtCore import QObject, QThread, Signal
 
@@ -92,6 +94,15 @@ class _Tokens:
     kind: str = "token"
 
 
+class TurnEnd(TypedDict, total=False):
+    """What `chat_done` and `chat_cancelled` carry: how the turn ended, its token counts and where
+    its time went (None when the engine did not report them, e.g. a request that never ran)."""
+
+    finish_reason: str | None
+    usage: Usage | None
+    timing: RequestTiming | None
+
+
 # The chat settings' names (resources/default_settings.json, ChatPanel's SettingsPanel) and the
 # SamplingParams field each one sets (engine/sampling.py).
 SETTING_TO_FIELD = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -125,9 +136,9 @@ class EngineBridge(QObject):
     load_failed = Signal(str)
     load_cancelled = Signal()
     token = Signal(str, str)  # answer delta, thinking delta
-    chat_done = Signal(dict)  # {"finish_reason", "usage", "timing"}
+    chat_done = Signal(dict)  # a TurnEnd
     chat_error = Signal(str)
-    chat_cancelled = Signal(dict)
+    chat_cancelled = Signal(dict)  # a TurnEnd
     context_full = Signal(int, int)  # tokens the turn needed, the loaded model's context limit
     context_used = Signal(int)  # tokens the running chat holds (prompt + answer so far)
     busy_changed = Signal(bool)
@@ -144,7 +155,7 @@ class EngineBridge(QObject):
         self._load = None
         self._chat = None
         self._watchers: set[_Watcher] = set()
-        self.model_info = None
+        self.model_info: ModelInfo | None = None
         self.kv_type: str | None = None  # KV cache type of the loaded model (engine KV_TYPES); None: none loaded
         self._loading_kv_type = DEFAULT_KV_TYPE
 
@@ -290,8 +301,8 @@ class EngineBridge(QObject):
             return
         self._chat = None
         self.busy_changed.emit(False)
-        info = {"finish_reason": ev.finish_reason, "usage": ev.usage,
-                "timing": (ev.data or {}).get("timing")}
+        info: TurnEnd = {"finish_reason": ev.finish_reason, "usage": ev.usage,
+                         "timing": (ev.data or {}).get("timing")}
         if ev.usage is not None and ev.usage.total_tokens:
             self.context_used.emit(ev.usage.total_tokens)
         if kind == "done":
