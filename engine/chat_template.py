@@ -29,11 +29,14 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
 from .errors import TemplateError
+
+if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -277,11 +280,11 @@ class ChatTemplate:
         return cls(builtin_template_source(name), bos_token, eos_token, origin=f"built-in '{name}'")
 
     @classmethod
-    def from_gguf(cls, gguf_file: Any, name: str | None = None) -> ChatTemplate:
+    def from_gguf(cls, gguf_file: GGUFFile, name: str | None = None) -> ChatTemplate:
         """The file's `tokenizer.chat_template` (or `tokenizer.chat_template.<name>`), else the
         built-in template for its architecture."""
         meta = gguf_file.metadata
-        path = str(getattr(gguf_file, "path", "<gguf>"))
+        path = str(gguf_file.path)
         tokens = meta.get("tokenizer.ggml.tokens")
         tokens = tokens if isinstance(tokens, list) else []
 

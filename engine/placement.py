@@ -53,7 +53,7 @@ import math
 import re
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kvquant
 from .devices import format_bytes
@@ -61,6 +61,11 @@ from .errors import PlacementError
 from .models import qwen35
 from .models.spec import ArchSpec, ModelConfig, spec_for
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .gguf_file import TensorInfo
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -365,6 +370,17 @@ def _kv_bytes_per_value(kv_type: str) -> float:
 _BLK_RE = re.compile(r"^blk\.(\d+)\.")
 
 
+class TensorTable(Protocol):
+    """What model_costs reads of a model: an opened GGUFFile (engine/gguf_file.py), or a released
+    shape without its file (_PaperModel, whose tensors are TensorSpecs)."""
+
+    @property
+    def tensors(self) -> Mapping[str, TensorInfo | TensorSpec]: ...
+
+    @property
+    def path(self) -> str | Path: ...
+
+
 def _roles(config: ModelConfig, tensors: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     """part -> {tensor: role}: what the loader reads (the architecture's spec; MTP blocks and other
     towers' tensors are not part of it)."""
@@ -397,22 +413,23 @@ def _tensor_bytes(info, role: str, part: str, layout: str) -> int:
     return 4 * n
 
 
-def _fused_groups(spec: ArchSpec, roles: Mapping[str, str], tensors: Mapping[str, Any]
-                  ) -> tuple[tuple[str, ...], ...]:
+def _fused_groups(spec: ArchSpec, roles: Mapping[str, str],
+                  tensors: Mapping[str, TensorInfo | TensorSpec]) -> tuple[tuple[str, ...], ...]:
     """The weight groups of one part that the CUDA backend lays out as one array each
     (CupyBackend.load_fused): the spec's groups (ArchSpec.fused_members, what the loader asks for)
     whose members share one GGML type and row length; the others load as separate weights."""
     out = []
     for members in spec.fused_members(roles):
-        kinds = {(getattr(tensors[n], "type_name", ""), _shape_of(tensors[n])[-1:]) for n in members}
+        kinds = {(tensors[n].type_name, _shape_of(tensors[n])[-1:]) for n in members}
         if len(kinds) == 1:
             out.append(members)
     return tuple(out)
 
 
-def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout: str = "stored") -> ModelCosts:
-    """Per-part costs from the tensor infos of an opened GGUF (or anything with `.tensors`: a mapping of
-    name -> object with `shape` and `n_bytes`, and optionally `.path`).
+def model_costs(config: ModelConfig, gguf_file: TensorTable, *, logits_rows: int = 1,
+                layout: str = "stored") -> ModelCosts:
+    """Per-part costs from the tensor infos of an opened GGUF (or of a TensorTable: `.tensors`, a
+    mapping of name -> TensorInfo or TensorSpec, and `.path`).
 
     logits_rows: rows of fp32 logits the LM head holds at once (1 when generating: prefill asks for the
     last row only; when a caller asks for every position's logits, as Model.logits does, the head runs
@@ -433,7 +450,7 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
         """(name, GGML type) of the part's matrices as the CUDA backend uploads them (layout "stored")."""
         if layout != "stored":
             return []
-        return [(n, str(getattr(tensors[n], "type_name", ""))) for n, role in roles.get(part, {}).items()
+        return [(n, tensors[n].type_name) for n, role in roles.get(part, {}).items()
                 if role != "vector"]
 
     def staged(part: str) -> tuple[str, ...]:
@@ -454,7 +471,7 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
             values = 1
             for dim in _shape_of(tensors[n]):
                 values *= dim
-            kind = getattr(tensors[n], "type_name", "F32") if layout == "stored" else "F32"
+            kind = tensors[n].type_name if layout == "stored" else "F32"
             out.append((n, kind, held[n], values))
         return tuple(out)
 
@@ -483,10 +500,9 @@ def model_costs(config: ModelConfig, gguf_file, *, logits_rows: int = 1, layout:
                           act_values_fixed=logits_rows * config.vocab_size, staged=staged(HEAD),
                           repacked=repacked(HEAD),
                           matmuls=matmuls(HEAD, head)))
-    path = getattr(gguf_file, "path", "")
     return ModelCosts(name=config.name, architecture=config.architecture, n_layers=config.n_layers,
                       hidden=config.hidden, vocab=config.vocab_size, layer_kinds=tuple(config.layer_types),
-                      parts=tuple(parts), source=str(path), layout=layout,
+                      parts=tuple(parts), source=str(gguf_file.path), layout=layout,
                       context_length=int(config.context_length or 0))
 
 
@@ -526,7 +542,7 @@ def config_and_tensors_for_shape(name: str, quant: str = "Q8_0", n_layers: int |
     name: one of engine/models/qwen35.py SHAPES ("qwen3.5-9b", "qwen3.5-27b", ...); quant: GGML type of
     the matrices (the tensors the spec stores as F32 stay F32, as the converter writes them); n_layers:
     keep only the first n layers (the pattern stays "every 4th is attention"). The MTP block is left out
-    (it is not loaded). Pass the result to model_costs(config, SimpleNamespace(tensors=...)) or plan_auto.
+    (it is not loaded). costs_for_shape turns the result into ModelCosts (for plan_auto or Placement).
     """
     if name not in qwen35.SHAPES:
         raise PlacementError(f"unknown model shape '{name}'; known: {', '.join(qwen35.SHAPES)}")
@@ -541,7 +557,7 @@ def config_and_tensors_for_shape(name: str, quant: str = "Q8_0", n_layers: int |
 
 @dataclass(frozen=True)
 class _PaperModel:
-    tensors: dict
+    tensors: dict[str, TensorSpec]
     path: str
 
 

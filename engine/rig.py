@@ -44,9 +44,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import gpu_profiles
+from .backends.base import Backend
 from .backends.numpy_backend import NumpyBackend
 from .devices import DeviceInfo
 from .errors import DeviceError, OutOfDeviceMemory
+from .gguf_file import TensorInfo
 from .placement import DeviceSpec, DeviceSpeed, GiB, KiB, Link, MiB, check_device_name, format_bytes
 
 # ------------------------------------------------------------------------------------------------
@@ -153,7 +155,7 @@ def allocated_bytes(obj, _seen: set | None = None, _depth: int = 0) -> int:
         return sum(allocated_bytes(v, seen, _depth + 1) for v in obj.values())
     if isinstance(obj, (list, tuple, set, frozenset)):
         return sum(allocated_bytes(v, seen, _depth + 1) for v in obj)
-    if hasattr(obj, "raw") and hasattr(obj, "ggml_type"):  # engine.gguf_file.TensorInfo: file data
+    if isinstance(obj, TensorInfo):  # file data
         return 0
     if isinstance(obj, (type, types.FunctionType, types.MethodType, types.ModuleType)):
         return 0
@@ -206,11 +208,11 @@ class RigBackend:
     Every attribute not defined here is the real backend's (so all ops run unchanged).
     """
 
-    def __init__(self, inner, device: RigDevice):
+    def __init__(self, inner: Backend, device: RigDevice):
         self._inner = inner
         self.rig_device = device
         self.device = device.name
-        self.name = getattr(inner, "name", "backend")
+        self.name = inner.name
         self._lock = threading.Lock()
         self._held: dict[int, int] = {}  # id(object) -> bytes counted for it
         self.used_bytes = 0
@@ -353,14 +355,15 @@ class RigBackend:
         that long on the GPU (CupyBackend.hold, kernels/link.cu) and the host goes on; on a host device
         (no streams) the host waits."""
         if self.rig_device.physical.startswith("cuda:"):
-            self._inner.hold(seconds)
+            # CupyBackend.hold: a host backend has no stream to hold, so it is not a Backend member
+            self._inner.hold(seconds)  # type: ignore[attr-defined]
             return
         _wait_until(time.perf_counter() + seconds)
 
     def asarray(self, host_array):
         started = time.perf_counter()
         out = self._inner.asarray(host_array)
-        self._wait_link(int(getattr(out, "nbytes", 0)), started)
+        self._wait_link(int(out.nbytes), started)
         return out
 
     def to_numpy(self, x):

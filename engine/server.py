@@ -181,7 +181,11 @@ class ImagePart(_Strict):
 
 
 def _part_tag(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    # pydantic asks for the tag of raw JSON (a dict) and of a part already validated (its model)
+    if isinstance(value, dict):
+        kind = value.get("type")
+    else:
+        kind = value.type if isinstance(value, (TextPart, ImagePart)) else None
     return {"text": "text part", "image_url": "image_url part"}.get(str(kind))
 
 

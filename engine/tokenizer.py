@@ -30,9 +30,12 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import TokenizerError
+
+if TYPE_CHECKING:
+    from .gguf_file import GGUFFile
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +170,9 @@ class Tokenizer:
     # ---------------------------------------------------------------- construction
 
     @classmethod
-    def from_gguf(cls, gguf_file: Any) -> Tokenizer:
+    def from_gguf(cls, gguf_file: GGUFFile) -> Tokenizer:
         """Build from an opened `GGUFFile` (only its metadata is read)."""
-        return cls.from_metadata(gguf_file.metadata, source=str(getattr(gguf_file, "path", "<gguf>")))
+        return cls.from_metadata(gguf_file.metadata, source=str(gguf_file.path))
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], *, source: str = "<metadata>") -> Tokenizer:

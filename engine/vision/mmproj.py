@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.base import Backend
 from ..errors import GGUFError, MissingKeyError, ShapeMismatchError
 from ..gguf_file import GGUFFile
 from ..models.spec import MAX_LAYERS, meta_float, meta_int, meta_list
@@ -202,7 +203,7 @@ class VisionTower:
     Encoded images are cached by content (a chat re-sends its pictures every turn).
     """
 
-    def __init__(self, path, gguf: GGUFFile, config: VisionConfig, backend, weights: dict,
+    def __init__(self, path, gguf: GGUFFile, config: VisionConfig, backend: Backend, weights: dict,
                  max_image_tokens: int | None = None):
         from .preprocess import DEFAULT_MAX_IMAGE_TOKENS
 
@@ -256,7 +257,7 @@ class VisionTower:
     def __repr__(self) -> str:
         c = self.config
         return (f"VisionTower({self.path.name!r}, {c.n_layers} blocks, d={c.hidden}, "
-                f"heads={c.n_heads}, out={c.projection_dim}, on {getattr(self.backend, 'device', '?')})")
+                f"heads={c.n_heads}, out={c.projection_dim}, on {self.backend.device})")
 
 
 def _zero_padded(gf: GGUFFile, info, rows: int = 0, cols: int = 0):
@@ -274,7 +275,8 @@ def _zero_padded(gf: GGUFFile, info, rows: int = 0, cols: int = 0):
                                n_bytes=int(data.nbytes))
 
 
-def load_vision(path, text_config=None, backend=None, *, max_image_tokens: int | None = None) -> VisionTower:
+def load_vision(path, text_config=None, backend: Backend | None = None, *,
+                max_image_tokens: int | None = None) -> VisionTower:
     """Open an mmproj GGUF, check it (and that it fits `text_config` when given), load its tensors on
     `backend` (default: the NumPy backend on the CPU)."""
     gf = GGUFFile(path)
@@ -294,7 +296,7 @@ def load_vision(path, text_config=None, backend=None, *, max_image_tokens: int |
             backend = NumpyBackend("cpu:0")
         # GPU matmuls take rows of whole 32-value blocks; the 27B tower's MLP is 4304 wide. Zero rows
         # in ffn_up (+ bias) and zero columns in ffn_down give the same result: gelu(0) = 0.
-        pad = 0 if getattr(backend, "name", "") == "numpy" else -cfg.ffn % 32
+        pad = 0 if backend.name == "numpy" else -cfg.ffn % 32
         weights = {}
         for name in shapes:
             info = gf.tensor(name)

@@ -87,6 +87,8 @@ class _StreamFake:
     """Stands in for a CUDA backend: graph_step launches (returns an event, never waits when told not
     to) with the link holds its graph would hold around its copies. Records the calls."""
 
+    name = "fake"  # Backend.name
+
     def __init__(self):
         self.calls: list = []
 
