@@ -1395,9 +1395,11 @@ def check(plan: Placement, devices: Sequence[DeviceSpec], **kwargs) -> None:
 # How much of a card's int8 dot-product rate a prefill of 4096 tokens reaches, end to end (attention and
 # the Gated DeltaNet scan included). Same source: 9B Q8_0 4,967 tokens/s x 13.84 G int8 ops per token =
 # 68.7 TOPS of the 133.7 measured (0.51); 9B Q4_K 4,025 tokens/s (0.42). Float matrices run on fp32 FMA
-# at the same fraction.
+# at the same fraction. The K-quants' figure refitted on two shapes (v19, tools/plan_vs_measured.py
+# --full, 1,024-token prompts, one device): 9B 4,100 and 27B 1,057 tokens/s against 4,007 and 1,145
+# at 0.42; the geometric mean of the two ratios (0.972) gives 0.41.
 PREFILL_EFFICIENCY = {"Q8_0": 0.51, "Q4_0": 0.51, "F16": 0.51, "BF16": 0.51, "F32": 0.51}
-PREFILL_EFFICIENCY_OTHER = 0.42
+PREFILL_EFFICIENCY_OTHER = 0.41
 # Routed experts in prefill run below the dense matmuls: 35B-A3B Q4_K prefills 4,096 tokens at 7,438.6
 # tokens/s (v10, moe_gemm_dp4a: one grouped GEMM per projection over all experts), which the rest of
 # the model's prediction matches with the experts' operations at 0.46 of the K-quant figure.
@@ -1453,9 +1455,10 @@ HOST_SECONDS_PER_STAGE = 0.0
 # a 3 us latency per launch and 0.78 of spec reproduce (129 x 3 us + 4.46 GB / 3.74 TB/s = 1.58 ms).
 # Q4_K since its streaming GEMV (gemv_kq_stream, 2026-12-02; bench_gemv: 4096x4096 4.6 us, 24576x4096
 # 17.2 us, the step's 129 GEMVs 1.451 ms): the same 0.78 of spec with a 2.1 us latency (129 x 2.1 us +
-# 1.193 ms = 1.464 ms).
-GEMV_EFFICIENCY = {"Q8_0": 0.69, "Q4_0": 0.69, "Q4_1": 0.69, "Q5_0": 0.69, "Q5_1": 0.69, "IQ4_NL": 0.69,
-                   "F16": 0.69, "BF16": 0.69, "F32": 0.69}
+# 1.193 ms = 1.464 ms). Q8_0-style formats since their streaming GEMV (v19, bench_gemv --multi, the
+# step's 129 GEMVs 2.286-2.310 ms for 8.43 GB: 0.77 of spec with the 0.15 us latency).
+GEMV_EFFICIENCY = {"Q8_0": 0.77, "Q4_0": 0.77, "Q4_1": 0.77, "Q5_0": 0.77, "Q5_1": 0.77, "IQ4_NL": 0.77,
+                   "F16": 0.77, "BF16": 0.77, "F32": 0.77}
 GEMV_EFFICIENCY_OTHER = 0.78  # K-quants, IQ4_XS: the repacked layout's kernels
 GEMV_LATENCY = {k: 0.15e-6 for k in GEMV_EFFICIENCY} | {"Q4_K": 2.1e-6}
 GEMV_LATENCY_OTHER = 3.0e-6
@@ -1465,8 +1468,10 @@ GEMV_LATENCY_OTHER = 3.0e-6
 # us per dense FFN; gdn_decode 10.52 -> 8.98 us, of which its 2.2 MB recurrent state read and written
 # back is 1.83 us at 0.5 of 4.8 TB/s: 7.15 us of latency; flash_decode 7.83 -> 6.69 us at an empty
 # context (its KV read priced by KV_DECODE_EFFICIENCY), attn_merge_gate 5.51 -> 4.71, attn_prep 5.30 ->
-# 4.53; embed_rows 4.70 -> 4.01. A GDN layer: 23.3 us; an attention layer: 30.3 us.
-NORM_SECONDS = 6.85e-6 * NCU_TO_GRAPH
+# 4.53; embed_rows 4.70 -> 4.01. A GDN layer: 23.3 us; an attention layer: 30.3 us. The norm since it is
+# spread over the card (v18): 1.46 us a launch inside the 9B decode graph (tools/profile_decode.py
+# --ablate: 0.095 ms for 65 launches).
+NORM_SECONDS = 1.46e-6
 SWIGLU_SECONDS = 3.10e-6 * NCU_TO_GRAPH
 MIXER_SECONDS = {"gdn": 7.15e-6,
                  "attention": (7.83e-6 + 5.51e-6 + 5.30e-6) * NCU_TO_GRAPH,
@@ -1478,9 +1483,11 @@ SMALL_KERNEL_EFFICIENCY = 0.50  # recurrent state traffic (gdn_decode), of spec 
 # 35B-A3B Q4_K decodes 432.9 tokens/s (2.310 ms; `minecart bench`, 2026-12-02, logits kept on the
 # card); the rest of the model predicts 1.876 ms and the 40 MoE layers' launches 0.20 ms, which leaves
 # 0.234 ms for the 8 of 256 experts' 566 MB of Q4_K a token: 0.50 of spec bandwidth. (v10, before the
-# decode block: 323.1 tokens/s with 4 launches at ~4 us and 0.28.)
+# decode block: 323.1 tokens/s with 4 launches at ~4 us and 0.28.) Refitted with the spread norm (v19):
+# 472.1 tokens/s (2.118 ms), the rest of the model 1.720 ms, 0.398 ms for the 566 MB: 0.30 of spec (the
+# 0.50 had absorbed the old norm price, fitted on the 9B's 4096-wide rows, where the 35B's are 2048).
 MOE_DECODE_SECONDS = 2 * 2.5e-6
-EXPERT_DECODE_EFFICIENCY = 0.50
+EXPERT_DECODE_EFFICIENCY = 0.30
 # Attention's read of the KV cache in decode, of spec bandwidth, by cache type: flash_decode at 16K
 # context (n_kv 4, D 256, docs/BENCHMARKS.md v10) f32 65 us for 134 MB and f16 41.8 us for 67 MB beyond
 # its 6.7 us at an empty context (2.3 and 1.9 TB/s: 0.48, 0.40); q8_0 105 us for 35.7 MB (0.076, its
