@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kvquant
+from .backends.base import ARENA_ALIGN, DRIVER_PAGE, arena_aligned, whole_pages
 from .devices import format_bytes
 from .errors import PlacementError
 from .models import qwen35
@@ -103,9 +104,9 @@ GRAPH_BYTES_PER_LAYER = 128 * KiB
 # DeviceBytes.rounding is what those arenas hold beyond the weights (`_arena_padding`, less than one
 # page per part), inside CuPy's pool. KV caches, states and scratch are allocated array by array as
 # before; their rounding is not priced (a few arrays per layer, sized by the context: mostly whole pages).
-DRIVER_PAGE_BYTES = 2 * MiB
+DRIVER_PAGE_BYTES = DRIVER_PAGE  # 2 MiB
 DRIVER_SMALL_BYTES = 512 * KiB  # allocations up to this share the driver's pages
-ARENA_ALIGN_BYTES = 256  # = engine/backends/cupy_backend.py ARENA_ALIGN
+ARENA_ALIGN_BYTES = ARENA_ALIGN
 
 # The Gated DeltaNet prefill's chunked kernels (kernels/gdn_chunk.py): runs of at least this many tokens
 # take them, in segments of at most GDN_SEGMENT_TOKENS tokens, chunks of GDN_CHUNK_TOKENS.
@@ -117,7 +118,7 @@ GDN_CHUNK_TOKENS = 64
 # upload_weight): the raw blocks are copied to the device first, so for a moment the tensor is there
 # twice (raw, then scales + quants); the backend then hands the freed raw copy back to the device
 # (CupyBackend._return_load_blocks).
-STAGED_TYPES = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL")  # = kernels/ops.py _SPLIT_SCALE
+STAGED_TYPES = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL")  # = kernels/layout.py SPLIT_SCALES
 # K-quants are repacked on the device at load (kernels/ops.py _upload_kquant, kernels/kquant_layout.py):
 # chunks of at most KQUANT_REPACK_CHUNK raw bytes are copied up and repacked by whole-array CuPy
 # operations into the final arrays. Beside the final arrays the pool then holds the raw chunk and the
@@ -664,16 +665,12 @@ def driver_rounding(n: int) -> int:
         return 0
     if n <= MiB:
         return MiB - n
-    return -(-n // DRIVER_PAGE_BYTES) * DRIVER_PAGE_BYTES - n
+    return whole_pages(n) - n
 
 
 # weight formats whose u16 scale per 32 values the CUDA backend keeps in an array of its own beside the
 # quants (kernels/layout.py array_bytes); the rest are one array
 _SCALED_TYPES = frozenset(STAGED_TYPES + KQUANT_TYPES)
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
 
 
 @functools.lru_cache(maxsize=8192)
@@ -692,8 +689,8 @@ def _arena_padding(p: PartCost, keep: frozenset[str]) -> int:
     for n, b in held:
         kind, v = values.get(n, ("", 0))
         scales = 2 * (v // 32) if kind in _SCALED_TYPES else 0
-        arrays += _aligned(b - scales) + _aligned(scales)
-    return -(-arrays // DRIVER_PAGE_BYTES) * DRIVER_PAGE_BYTES - sum(b for _, b in held)
+        arrays += arena_aligned(b - scales) + arena_aligned(scales)
+    return whole_pages(arrays) - sum(b for _, b in held)
 
 
 @functools.lru_cache(maxsize=8192)

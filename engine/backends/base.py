@@ -115,6 +115,24 @@ class GrowingKVCache(KVCache):
         return int(sum(getattr(self, name).nbytes for name in self._layout()))
 
 
+# A part's weight arrays on a device share one allocation (its weight arena: DeviceHooks.part_arena,
+# CupyBackend's WeightArena; priced by engine/placement.py _arena_padding): each array starts at a
+# multiple of ARENA_ALIGN bytes (cudaMalloc's own alignment) and the arena is whole DRIVER_PAGE pages, the
+# CUDA driver's allocation page above 1 MiB (measured: engine/placement.py), so the driver adds nothing.
+ARENA_ALIGN = 256
+DRIVER_PAGE = 2 << 20
+
+
+def arena_aligned(n: int) -> int:
+    """n rounded up to a multiple of ARENA_ALIGN."""
+    return -(-n // ARENA_ALIGN) * ARENA_ALIGN
+
+
+def whole_pages(n: int) -> int:
+    """n rounded up to whole DRIVER_PAGE pages."""
+    return -(-n // DRIVER_PAGE) * DRIVER_PAGE
+
+
 @dataclass
 class LayerState:
     """Per-sequence state of one layer, as returned by a model module's `new_layer_state`.

@@ -36,7 +36,7 @@ from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
 from ..sampling import TopLogits
-from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
+from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache, arena_aligned, whole_pages
 from .graph_watch import StateReader
 
 
@@ -69,23 +69,19 @@ class WeightGroup:
         self.ranges = ranges
 
 
-ARENA_ALIGN = 256  # bytes: every array of a weight arena starts at a multiple of this (cudaMalloc's own)
-ARENA_PAGE = 2 << 20  # the driver's page above 1 MiB (engine/placement.py DRIVER_PAGE_BYTES): an arena is
-# whole pages, so the driver adds nothing to it
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ARENA_ALIGN) * ARENA_ALIGN
+def _logical_shape(info, role: str) -> tuple[int, ...]:
+    """The shape CupyBackend.load_weight keeps a tensor in: a 1-D matmul weight as one row."""
+    shape = tuple(int(s) for s in info.shape)
+    return (1, shape[0]) if role == "matmul" and len(shape) == 1 else shape
 
 
 def held_array_bytes(info, role: str) -> tuple[int, ...]:
     """Bytes of each device array CupyBackend.load_weight makes for a tensor (a vector: float32 of its
     shape; a matrix: kernels/layout.py array_bytes of the type it is kept in, ops.kept_type), known
     before the upload: what a part's weight arena is sized from."""
-    shape = tuple(int(s) for s in info.shape)
+    logical = _logical_shape(info, role)
     if role == "vector":
-        return (4 * int(np.prod(shape, dtype=np.int64)),)
-    logical = (1, shape[0]) if len(shape) == 1 else shape
+        return (4 * int(np.prod(logical, dtype=np.int64)),)
     K = logical[-1]
     rows = int(np.prod(logical[:-1], dtype=np.int64))
     kept = ops.kept_type(info.type_name, K)
@@ -96,7 +92,7 @@ def held_array_bytes(info, role: str) -> tuple[int, ...]:
 
 class WeightArena:
     """One device allocation holding the arrays of one part's weights (CupyBackend.part_arena): whole
-    2 MiB pages (ARENA_PAGE) from CuPy's pool, each array a view at an ARENA_ALIGN-aligned offset made
+    2 MiB pages (base.py DRIVER_PAGE) from CuPy's pool, each array a view at a base.py ARENA_ALIGN offset made
     with ndarray(memptr=...) (its `.data.mem` is the arena's `base.mem`, its `.base` None, so each array
     counts only its own bytes). The CUDA driver rounds every allocation above 1 MiB up to whole 2 MiB
     pages; arrays allocated apart lose up to 2 MiB each (27B: ~541 MiB over its devices), an arena
@@ -108,7 +104,7 @@ class WeightArena:
     foresee) makes an allocation of its own, so a wrong size costs rounding, never correctness."""
 
     def __init__(self, nbytes: int):
-        self.size = -(-nbytes // ARENA_PAGE) * ARENA_PAGE
+        self.size = whole_pages(nbytes)
         self.base = cp.cuda.alloc(self.size) if self.size else None  # a MemoryPointer (pool memory)
         self.used = 0
 
@@ -119,7 +115,7 @@ class WeightArena:
         if self.base is None or self.used + n > self.size:
             return cp.empty(shape, dtype)
         out = cp.ndarray(shape, dtype, memptr=self.base + self.used)
-        self.used += _aligned(n)
+        self.used += arena_aligned(n)
         return out
 
 
@@ -749,7 +745,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         load, in any order: held_array_bytes each), so the driver rounds one allocation per part
         instead of one per array. A weight group's arrays are in it, its members' own uploads (copied
         into them) not: those are temporaries. engine/model.py opens one per part it loads."""
-        nbytes = sum(_aligned(n) for info, role in tensors for n in held_array_bytes(info, role))
+        nbytes = sum(arena_aligned(n) for info, role in tensors for n in held_array_bytes(info, role))
         with self._dev:
             arena = WeightArena(nbytes)
         self._load_pool_peak = max(self._load_pool_peak, self.memory_used())
@@ -779,8 +775,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 return out
             if role not in ("matmul", "embedding", "experts"):
                 raise ValueError(f"unknown weight role '{role}' for tensor '{info.name}'")
-            shape = tuple(int(s) for s in info.shape)
-            logical = (1, shape[0]) if role == "matmul" and len(shape) == 1 else shape
+            logical = _logical_shape(info, role)
             type_name = info.type_name
             if ops.kept_type(type_name, logical[-1]) == type_name:
                 q = ops.upload_weight(np.asarray(info.raw), type_name, logical, empty)
