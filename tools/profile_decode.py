@@ -45,6 +45,9 @@ def main() -> None:
     ap.add_argument("--summarize", default=None, help="an ncu --csv file: print time per kernel name")
     ap.add_argument("--ablate", action="store_true",
                     help="the graphed step's GPU time with each group of kernels stubbed out, against the whole")
+    ap.add_argument("--context", type=int, default=64,
+                    help="tokens prefilled before the measured steps (single-sequence modes; e.g. 16384 for "
+                         "the long-context step)")
     args = ap.parse_args()
     if args.summarize:
         summarize(args.summarize)
@@ -58,13 +61,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_synthetic(path, args.shape, args.quant, n_layers=args.layers)
     model = load_model(path, devices=["cuda:0"])
-    be = model.backends["global"]
-    s = model.new_session(4096)
-    logits = s.prefill(list(range(100, 164)))
-    for _ in range(3):
-        logits = s.step(int(np.argmax(logits)))
     if args.ablate:
-        _ablate(model, args.json)
+        _ablate(model, args.context, args.json)
         return
     if args.batch > 1:
         if args.ncu:
@@ -72,35 +70,41 @@ def main() -> None:
         else:
             _time_batch(model, args.batch, args.json)
         return
+    be = model.backends["global"]
+    s, tok = _prefilled(model, args.context)
     if args.ncu:
         be.use_graphs = False
-        s.step(int(np.argmax(logits)))  # eager once more (compiles anything new)
+        s.step(tok)  # eager once more (compiles anything new)
         cp.cuda.runtime.deviceSynchronize()
         cp.cuda.profiler.start()
-        s.step(int(np.argmax(logits)))
+        s.step(tok)
         cp.cuda.runtime.deviceSynchronize()
         cp.cuda.profiler.stop()
         return
     n = 48
-    cp.cuda.runtime.deviceSynchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        logits = s.step(int(np.argmax(logits)))
-    wall = (time.perf_counter() - t0) / n
-    res = {"wall_ms_per_step": wall * 1e3, "graphs": len(be._graphs)}
+    gpu, wall = _step_gpu_ms(model, s, tok, n)
+    res = {"context": args.context, "wall_ms_per_step": wall, "graph_gpu_ms_per_step": gpu,
+           "graphs": len(be._graphs)}
     rec = next(iter(be._graphs.values()), None)
     if rec is not None:
-        res["graph_gpu_ms_per_step"] = _graph_gpu_ms(rec, n)
         try:
             res["graph_nodes"] = len(rec.graph.get_nodes()) if hasattr(rec.graph, "get_nodes") else None
         except Exception:  # noqa: BLE001
             res["graph_nodes"] = None
-    # host-side pieces of a step
+    logits = np.zeros(model.config.vocab_size, np.float32)
     t0 = time.perf_counter()
     for _ in range(n):
         np.argmax(logits)
-    res["host_argmax_ms"] = (time.perf_counter() - t0) / n * 1e3
+    res["host_argmax_ms"] = (time.perf_counter() - t0) / n * 1e3  # the host-side piece of a step
     _emit(res, args.json)
+
+
+def _prefilled(model, context: int):
+    """(a session with `context` tokens prefilled and room for the measured steps after them, the token
+    it steps with)."""
+    s = model.new_session(max(1024, context + 1024))
+    logits = s.prefill([100 + i % 1000 for i in range(context)])
+    return s, int(np.argmax(logits))
 
 
 def _emit(res: dict, json_path: str | None) -> None:
@@ -242,14 +246,13 @@ def _stubs() -> dict[str, dict]:
     }
 
 
-def _step_gpu_ms(model, n: int = 64) -> tuple[float, float]:
-    """(GPU ms per replay of the decode graph, wall ms per Session.step) of a fresh session."""
+def _step_gpu_ms(model, s, tok: int, n: int = 64) -> tuple[float, float]:
+    """(GPU ms per replay of the decode graph, wall ms per Session.step) of session s stepping with tok:
+    the backend's graphs are dropped first, so the step is captured again with the ops as they are now."""
     import cupy as cp
 
     be = model.backends["global"]
-    s = model.new_session(1024)
-    logits = s.prefill(list(range(100, 164)))
-    tok = int(np.argmax(logits))
+    be.release_cached()
     for _ in range(3):  # eager, capture, replay
         s.step(tok)
     cp.cuda.runtime.deviceSynchronize()
@@ -258,23 +261,22 @@ def _step_gpu_ms(model, n: int = 64) -> tuple[float, float]:
         s.step(tok)
     wall = (time.perf_counter() - t0) / n
     rec = next(r for r in be._graphs.values() if r.states is s.states)
-    gpu = _graph_gpu_ms(rec, n)
-    s.close()
-    return gpu, wall * 1e3
+    return _graph_gpu_ms(rec, n), wall * 1e3
 
 
-def _ablate(model, json_path: str | None) -> None:
+def _ablate(model, context: int, json_path: str | None) -> None:
     from minecart.engine.backends.cupy_backend import CupyBackend
 
-    base_gpu, base_wall = _step_gpu_ms(model)
-    res: dict = {"whole step": {"gpu_ms": base_gpu, "wall_ms": base_wall}}
+    s, tok = _prefilled(model, context)  # one session for every group: at 16K the prefill is seconds
+    base_gpu, base_wall = _step_gpu_ms(model, s, tok)
+    res: dict = {"context": context, "whole step": {"gpu_ms": base_gpu, "wall_ms": base_wall}}
     print(f"whole step: graph {base_gpu:.3f} ms GPU, {base_wall:.3f} ms wall")
     for group, stubs in _stubs().items():
         saved = {name: CupyBackend.__dict__[name] for name in stubs}
         try:
             for name, fn in stubs.items():
                 setattr(CupyBackend, name, fn)
-            gpu, wall = _step_gpu_ms(model)
+            gpu, wall = _step_gpu_ms(model, s, tok)
         finally:
             for name, fn in saved.items():
                 setattr(CupyBackend, name, fn)
