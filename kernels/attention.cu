@@ -17,7 +17,11 @@
 // so flash_prefill_g and flash_decode read those caches as stored (dequantized in registers).
 #ifndef KV_ELEM
 #define KV_ELEM float
-__device__ __forceinline__ float4 kv_load4(const float* __restrict__ p, i64 i) { return *(const float4*)(p + i); }
+typedef float4 kv_raw4_t;
+__device__ __forceinline__ kv_raw4_t kv_raw4(const float* __restrict__ p, i64 i) { return *(const float4*)(p + i); }
+__device__ __forceinline__ kv_raw4_t kv_raw4_zero() { return make_float4(0.f, 0.f, 0.f, 0.f); }
+__device__ __forceinline__ float4 kv_widen4(kv_raw4_t r) { return r; }
+__device__ __forceinline__ float4 kv_load4(const float* __restrict__ p, i64 i) { return kv_raw4(p, i); }
 __device__ __forceinline__ float kv_load1(const float* __restrict__ p, i64 i) { return p[i]; }
 // Store value i of the cache (attn_prep.cu; `lane` is for the q8_0 store, a warp-wide operation).
 __device__ __forceinline__ void kv_store1(float* __restrict__ p, i64 i, float x, int lane) { p[i] = x; }
@@ -410,6 +414,68 @@ __device__ __forceinline__ int fd_split_len(int split_len, int kv_len, int n_spl
 // speed.
 #define FD_WARPS 4
 
+// The end of a flash_decode block: its FD_WARPS warps' (m, l, o) merged in warp order through shared
+// memory (M = the maxima's maximum, each warp's o and l scaled by e^(m_w - M)) into the slice's partials.
+template <int D, int GM>
+__device__ __forceinline__ void fd_merge_warps(float4 (&o)[GM][(D / 4 + 31) / 32], float (&m_run)[GM],
+                                               float (&l_run)[GM], float (&s_m)[FD_WARPS][GM],
+                                               float (&s_l)[FD_WARPS][GM], float (&s_o)[GM][D],
+                                               float* __restrict__ po, float* __restrict__ pm,
+                                               float* __restrict__ pl, int split, int nh, int h0, int G, int tid,
+                                               int lane, int w) {
+    constexpr int NCH = (D / 4 + 31) / 32;
+    // merge the 4 warps: M = max of their maxima, each warp's o and l scaled by e^(m_w - M), summed in
+    // warp order
+    if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            s_m[w][g] = m_run[g];
+            s_l[w][g] = l_run[g];
+        }
+    }
+    __syncthreads();
+    float f[GM];
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        float M = s_m[0][g];
+#pragma unroll
+        for (int j = 1; j < FD_WARPS; j++) M = fmaxf(M, s_m[j][g]);
+        f[g] = __expf(m_run[g] - M);
+    }
+#pragma unroll
+    for (int j = 0; j < FD_WARPS; j++) {
+        if (w == j) {
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+#pragma unroll
+                for (int c = 0; c < NCH; c++) {
+                    int c4 = lane + 32 * c;
+                    if (g < G && c4 < D / 4) {
+                        float4 v = o[g][c];
+                        float* d = &s_o[g][4 * c4];
+                        if (j == 0) {
+                            d[0] = v.x * f[g]; d[1] = v.y * f[g]; d[2] = v.z * f[g]; d[3] = v.w * f[g];
+                        } else {
+                            d[0] += v.x * f[g]; d[1] += v.y * f[g]; d[2] += v.z * f[g]; d[3] += v.w * f[g];
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+    i64 base = (i64)split * nh + h0;
+    for (int i = tid; i < G * D; i += 128) po[base * D + i] = s_o[i / D][i % D];
+    if (tid < G) {
+        float M = s_m[0][tid];
+        for (int j = 1; j < FD_WARPS; j++) M = fmaxf(M, s_m[j][tid]);
+        float L = 0.0f;
+        for (int j = 0; j < FD_WARPS; j++) L += s_l[j][tid] * __expf(s_m[j][tid] - M);
+        pm[base + tid] = M;
+        pl[base + tid] = L;
+    }
+}
+
 template <int D, int GM>
 __device__ __forceinline__ void flash_decode_body(
         const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
@@ -514,56 +580,203 @@ __device__ __forceinline__ void flash_decode_body(
             }
         }
     }
-    // merge the 4 warps: M = max of their maxima, each warp's o and l scaled by e^(m_w - M), summed in
-    // warp order
-    if (lane == 0) {
+    fd_merge_warps<D, GM>(o, m_run, l_run, s_m, s_l, s_o, po, pm, pl, split, nh, h0, G, tid, lane, w);
+}
+
+// ---- flash_decode_v: the decode body with the next keys in flight and one transposed warp reduction ----
+// (experiment: U keys a warp step, PF = the next step's K/V loaded, as stored, while this step computes;
+// the GM x U partial dot products summed by one reduce-scatter over the warp instead of GM x U warp sums)
+
+// Sum each of a[0..N) over the warp, scattered: on return a[0] of lane l is the full sum of value
+// (l >> (5 - log2 N)) & (N - 1) (N a power of two <= 32; 2 lanes or more hold each value).
+template <int N, int OFF>
+__device__ __forceinline__ void scatter_sum(float* a, int lane) {
+    if constexpr (OFF > 0) {
+        if constexpr (N > 1) {
+            const bool up = (lane & OFF) != 0;
 #pragma unroll
-        for (int g = 0; g < GM; g++) {
-            s_m[w][g] = m_run[g];
-            s_l[w][g] = l_run[g];
+            for (int i = 0; i < N / 2; i++) {
+                float send = up ? a[i] : a[i + N / 2];
+                float keep = up ? a[i + N / 2] : a[i];
+                a[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+            }
+            scatter_sum<N / 2, OFF / 2>(a, lane);
+        } else {
+            a[0] += __shfl_xor_sync(0xffffffffu, a[0], OFF);
+            scatter_sum<1, OFF / 2>(a, lane);
         }
     }
-    __syncthreads();
-    float f[GM];
+}
+
+template <int N>
+__device__ constexpr int ilog2() {
+    if constexpr (N <= 1)
+        return 0;
+    else
+        return 1 + ilog2<N / 2>();
+}
+
+template <int U, int NCH, int D>
+__device__ __forceinline__ void fd_load(const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc, int t0,
+                                        int hi, i64 row_stride, int kvh, int lane, kv_raw4_t (&kr)[U][NCH],
+                                        kv_raw4_t (&vr)[U][NCH]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+#pragma unroll
+        for (int c = 0; c < NCH; c++) {
+            int c4 = lane + 32 * c;
+            bool ok = t0 + u < hi && c4 < D / 4;
+            i64 e = (i64)(t0 + u) * row_stride + (i64)kvh * D + 4 * c4;
+            kr[u][c] = ok ? kv_raw4(kc, e) : kv_raw4_zero();
+            vr[u][c] = ok ? kv_raw4(vc, e) : kv_raw4_zero();
+        }
+    }
+}
+
+template <int D, int GM, int U, int PF>
+__device__ __forceinline__ void flash_decode_body_v(
+        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
+        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
+        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
+        int window) {
+    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
+    split_len = fd_split_len(split_len, kv_len, gridDim.y);
+    if (blockIdx.y * split_len >= kv_len) return;
+    constexpr int NCH = (D / 4 + 31) / 32;
+    constexpr int N = GM * U;  // partial dot products a warp step: value g * U + u
+    constexpr int L = ilog2<N>();
+    static_assert((N & (N - 1)) == 0 && N <= 32, "GM * U must be a power of two <= 32");
+    constexpr int SH = 5 - L;  // lane l holds value l >> SH after scatter_sum
+    __shared__ float4 qs[GM][D / 4];
+    __shared__ float s_m[FD_WARPS][GM], s_l[FD_WARPS][GM];
+    __shared__ float s_o[GM][D];
+    int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    int kvh = blockIdx.x, split = blockIdx.y;
+    int G = nh / n_kv;
+    int h0 = kvh * G;
+    for (int i = tid; i < GM * (D / 4); i += 128) {
+        int g = i / (D / 4), c4 = i % (D / 4);
+        qs[g][c4] = g < G ? *(const float4*)(q + (i64)(h0 + g) * D + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    int p = kv_len - 1;
+    int lo = split * split_len, hi = min(kv_len, lo + split_len);
+    if (window > 0) lo = max(lo, p - window + 1);
+    float4 o[GM][NCH];
+    float m_run[GM], l_run[GM];
 #pragma unroll
     for (int g = 0; g < GM; g++) {
-        float M = s_m[0][g];
+        m_run[g] = NEG_BIG;
+        l_run[g] = 0.0f;
 #pragma unroll
-        for (int j = 1; j < FD_WARPS; j++) M = fmaxf(M, s_m[j][g]);
-        f[g] = __expf(m_run[g] - M);
+        for (int c = 0; c < NCH; c++) o[g][c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    __syncthreads();
+    const i64 row_stride = (i64)n_kv * D;
+    const int my_v = lane >> SH, my_g = my_v / U, my_u = my_v % U;
+    kv_raw4_t kn[U][NCH], vn[U][NCH];
+    int t0 = lo + w * U;
+    if (PF) fd_load<U, NCH, D>(kc, vc, t0, hi, row_stride, kvh, lane, kn, vn);
+    for (; t0 < hi; t0 += FD_WARPS * U) {
+        kv_raw4_t kr[U][NCH], vr[U][NCH];
+        if (PF) {
 #pragma unroll
-    for (int j = 0; j < FD_WARPS; j++) {
-        if (w == j) {
-#pragma unroll
-            for (int g = 0; g < GM; g++) {
+            for (int u = 0; u < U; u++)
 #pragma unroll
                 for (int c = 0; c < NCH; c++) {
-                    int c4 = lane + 32 * c;
-                    if (g < G && c4 < D / 4) {
-                        float4 v = o[g][c];
-                        float* d = &s_o[g][4 * c4];
-                        if (j == 0) {
-                            d[0] = v.x * f[g]; d[1] = v.y * f[g]; d[2] = v.z * f[g]; d[3] = v.w * f[g];
-                        } else {
-                            d[0] += v.x * f[g]; d[1] += v.y * f[g]; d[2] += v.z * f[g]; d[3] += v.w * f[g];
+                    kr[u][c] = kn[u][c];
+                    vr[u][c] = vn[u][c];
+                }
+            fd_load<U, NCH, D>(kc, vc, t0 + FD_WARPS * U, hi, row_stride, kvh, lane, kn, vn);
+        } else {
+            fd_load<U, NCH, D>(kc, vc, t0, hi, row_stride, kvh, lane, kr, vr);
+        }
+        float a[N];
+#pragma unroll
+        for (int i = 0; i < N; i++) a[i] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                int c4 = lane + 32 * c;
+                if (c4 < D / 4) {
+                    float4 kk = kv_widen4(kr[u][c]);
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) {
+                            float4 qq = qs[g][c4];
+                            float x = a[g * U + u];
+                            x = fmaf(qq.x, kk.x, x);
+                            x = fmaf(qq.y, kk.y, x);
+                            x = fmaf(qq.z, kk.z, x);
+                            x = fmaf(qq.w, kk.w, x);
+                            a[g * U + u] = x;
                         }
                     }
                 }
             }
         }
-        __syncthreads();
+        scatter_sum<N, 16>(a, lane);
+        float s = t0 + my_u < hi ? a[0] * scale : NEG_BIG;
+        float mx = s;
+#pragma unroll
+        for (int j = 0; j < ilog2<U>(); j++) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, (1 << SH) << j));
+        float alpha[GM], m_mine = NEG_BIG;
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            float m_new = fmaxf(m_run[g], __shfl_sync(0xffffffffu, mx, (g * U) << SH));
+            alpha[g] = __expf(m_run[g] - m_new);
+            m_run[g] = m_new;
+            if (g == my_g) m_mine = m_new;
+        }
+        float pme = t0 + my_u < hi ? __expf(s - m_mine) : 0.0f;
+        float pv[N];
+#pragma unroll
+        for (int i = 0; i < N; i++) pv[i] = __shfl_sync(0xffffffffu, pme, i << SH);
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            float ls = 0.0f;
+#pragma unroll
+            for (int u = 0; u < U; u++) ls += pv[g * U + u];
+            l_run[g] = l_run[g] * alpha[g] + ls;
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                o[g][c].x *= alpha[g];
+                o[g][c].y *= alpha[g];
+                o[g][c].z *= alpha[g];
+                o[g][c].w *= alpha[g];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                if (lane + 32 * c < D / 4) {
+                    float4 vv = kv_widen4(vr[u][c]);
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) {
+                            float pu = pv[g * U + u];
+                            o[g][c].x = fmaf(pu, vv.x, o[g][c].x);
+                            o[g][c].y = fmaf(pu, vv.y, o[g][c].y);
+                            o[g][c].z = fmaf(pu, vv.z, o[g][c].z);
+                            o[g][c].w = fmaf(pu, vv.w, o[g][c].w);
+                        }
+                    }
+                }
+            }
+        }
     }
-    i64 base = (i64)split * nh + h0;
-    for (int i = tid; i < G * D; i += 128) po[base * D + i] = s_o[i / D][i % D];
-    if (tid < G) {
-        float M = s_m[0][tid];
-        for (int j = 1; j < FD_WARPS; j++) M = fmaxf(M, s_m[j][tid]);
-        float L = 0.0f;
-        for (int j = 0; j < FD_WARPS; j++) L += s_l[j][tid] * __expf(s_m[j][tid] - M);
-        pm[base + tid] = M;
-        pl[base + tid] = L;
-    }
+    fd_merge_warps<D, GM>(o, m_run, l_run, s_m, s_l, s_o, po, pm, pl, split, nh, h0, G, tid, lane, w);
+}
+
+template <int D, int GM, int U, int PF, int MINB>
+__global__ void __launch_bounds__(128, MINB) flash_decode_v(
+        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
+        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
+        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
+        int window) {
+    flash_decode_body_v<D, GM, U, PF>(q, kc, vc, po, pm, pl, nh, n_kv, kv_len, kv_len_ptr, split_len, scale,
+                                      window);
 }
 
 template <int D, int GM>

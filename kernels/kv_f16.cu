@@ -8,12 +8,16 @@
 
 #define KV_ELEM u16
 
-// Values i..i+3 of the cache (i a multiple of 4, so the 8-byte load is aligned: rows are D >= 64 values).
-__device__ __forceinline__ float4 kv_load4(const u16* __restrict__ p, i64 i) {
-    uint2 w = *(const uint2*)(p + i);
+// Values i..i+3 of the cache (i a multiple of 4, so the 8-byte load is aligned: rows are D >= 64 values),
+// as stored (kv_raw4: what flash_decode keeps in flight) and widened to fp32 (kv_widen4).
+typedef uint2 kv_raw4_t;
+__device__ __forceinline__ kv_raw4_t kv_raw4(const u16* __restrict__ p, i64 i) { return *(const uint2*)(p + i); }
+__device__ __forceinline__ kv_raw4_t kv_raw4_zero() { return make_uint2(0u, 0u); }
+__device__ __forceinline__ float4 kv_widen4(kv_raw4_t w) {
     return make_float4(h2f((u16)(w.x & 0xffffu)), h2f((u16)(w.x >> 16)), h2f((u16)(w.y & 0xffffu)),
                        h2f((u16)(w.y >> 16)));
 }
+__device__ __forceinline__ float4 kv_load4(const u16* __restrict__ p, i64 i) { return kv_widen4(kv_raw4(p, i)); }
 
 __device__ __forceinline__ float kv_load1(const u16* __restrict__ p, i64 i) { return h2f(p[i]); }
 

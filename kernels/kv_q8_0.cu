@@ -13,14 +13,32 @@
 #define KV_ELEM u8
 #define KVQ8_BLOCK 34
 
-// Values i..i+3 (i a multiple of 4: one block). 34 * b + 2 + 4j is even, so two 16-bit loads.
-__device__ __forceinline__ float4 kv_load4(const u8* __restrict__ p, i64 i) {
+// Values i..i+3 (i a multiple of 4: one block). 34 * b + 2 + 4j is even, so two 16-bit loads. kv_raw4
+// is what flash_decode keeps in flight (the block's scale and the four bytes), kv_widen4 the values.
+struct kv_raw4_t {
+    u16 d;
+    int w;
+};
+__device__ __forceinline__ kv_raw4_t kv_raw4(const u8* __restrict__ p, i64 i) {
     const u8* b = p + (i >> 5) * KVQ8_BLOCK;
-    float d = h2f(*(const u16*)b);
-    int w = ld_u16x2(b + 2 + (i & 31));
+    kv_raw4_t r;
+    r.d = *(const u16*)b;
+    r.w = ld_u16x2(b + 2 + (i & 31));
+    return r;
+}
+__device__ __forceinline__ kv_raw4_t kv_raw4_zero() {
+    kv_raw4_t r;
+    r.d = 0;
+    r.w = 0;
+    return r;
+}
+__device__ __forceinline__ float4 kv_widen4(kv_raw4_t r) {
+    float d = h2f(r.d);
+    int w = r.w;
     return make_float4(d * (float)(i8)(w & 0xff), d * (float)(i8)((w >> 8) & 0xff),
                        d * (float)(i8)((w >> 16) & 0xff), d * (float)(i8)((w >> 24) & 0xff));
 }
+__device__ __forceinline__ float4 kv_load4(const u8* __restrict__ p, i64 i) { return kv_widen4(kv_raw4(p, i)); }
 
 __device__ __forceinline__ float kv_load1(const u8* __restrict__ p, i64 i) {
     const u8* b = p + (i >> 5) * KVQ8_BLOCK;

@@ -715,6 +715,10 @@ def sm_count() -> int:
 DECODE_BLOCKS_PER_SM = int(os.environ.get("MINECART_FD_BLOCKS", "3"))
 
 
+# flash_decode_v under trial: (U, PF, MINB) for the instantiations of build.DECODE_TRIALS, or None
+DECODE_VARIANT: tuple[int, int, int] | None = None
+
+
 def decode_kernel(D: int, nh: int, n_kv: int) -> str:
     """The flash_decode instantiation for head dim D and nh / n_kv query heads per KV head (<= 8): the
     smallest compiled group size GM that holds them (registers scale with GM)."""
@@ -723,6 +727,9 @@ def decode_kernel(D: int, nh: int, n_kv: int) -> str:
     if gm is None or nh % n_kv:
         raise ValueError(f"decode attention serves up to {DECODE_GROUPS[-1]} query heads per KV head; "
                          f"got {nh} query heads over {n_kv} KV heads")
+    if DECODE_VARIANT is not None:
+        u, pf, mb = DECODE_VARIANT
+        return f"flash_decode_v<{D}, {gm}, {u}, {pf}, {mb}>"
     return f"flash_decode<{D}, {gm}>"
 
 

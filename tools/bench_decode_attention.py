@@ -23,11 +23,16 @@ def main() -> None:
     ap.add_argument("--heads", default="16/4,24/4")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--variants", default="base",
+                    help="comma-separated: base (flash_decode) or U:PF:MINB (flash_decode_v, build.DECODE_TRIALS)")
+    ap.add_argument("--bps", default="", help="context slices: blocks per multiprocessor to try (default: ops')")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     import cupy as cp
-    from minecart.kernels import fused, kvcache, probe
+    from minecart.kernels import fused, kvcache, ops, probe
+
+    keep_bps = ops.DECODE_BLOCKS_PER_SM
 
     copy = probe.measure_copy()
     print(f"copy bandwidth {copy:.0f} GB/s")
@@ -50,13 +55,28 @@ def main() -> None:
                     return fused.attention_decode_gated(q, qg, kc, vc, cap, 1 / 16, kv_len_ptr=length,
                                                         want_q8=True, kv_type=kv)
 
-                t = probe.time_gpu(call, args.reps)
-                read = (kc.nbytes + vc.nbytes) * ctx / cap
-                row = {"heads": heads, "kv": kv, "ctx": ctx, "us": round(t * 1e6, 2),
-                       "cache_gbs": round(read / t / 1e9, 1), "of_copy": round(read / t / 1e9 / copy, 3)}
-                rows.append(row)
-                print(f"{heads:>6} {kv:>5} ctx {ctx:>6}: {row['us']:8.2f} us  {row['cache_gbs']:7.1f} GB/s  "
-                      f"{row['of_copy']:.2f} of copy", flush=True)
+                ref = None
+                for variant in args.variants.split(","):
+                    ops.DECODE_VARIANT = None if variant == "base" else tuple(int(x) for x in variant.split(":"))
+                    for bps in [int(b) for b in args.bps.split(",") if b] or [keep_bps]:
+                        ops.DECODE_BLOCKS_PER_SM = bps
+                        try:
+                            out = call()[0]
+                        except Exception as e:  # noqa: BLE001 (a variant not compiled for this group size)
+                            print(f"{heads:>6} {kv:>5} ctx {ctx:>6} {variant:>8} bps {bps}: {type(e).__name__}")
+                            continue
+                        ref = out if ref is None else ref
+                        err = float(cp.abs(out - ref).max() / (cp.abs(ref).max() + 1e-30))
+                        t = probe.time_gpu(call, args.reps)
+                        read = (kc.nbytes + vc.nbytes) * ctx / cap
+                        row = {"heads": heads, "kv": kv, "ctx": ctx, "variant": variant, "bps": bps,
+                               "us": round(t * 1e6, 2), "cache_gbs": round(read / t / 1e9, 1),
+                               "of_copy": round(read / t / 1e9 / copy, 3), "rel_err_vs_first": err}
+                        rows.append(row)
+                        print(f"{heads:>6} {kv:>5} ctx {ctx:>6} {variant:>8} bps {bps}: {row['us']:8.2f} us  "
+                              f"{row['cache_gbs']:7.1f} GB/s  {row['of_copy']:.2f} of copy  err {err:.1e}",
+                              flush=True)
+                ops.DECODE_VARIANT, ops.DECODE_BLOCKS_PER_SM = None, keep_bps
                 del kc, vc
                 cp.get_default_memory_pool().free_all_blocks()
     if args.json:
