@@ -779,6 +779,175 @@ __global__ void __launch_bounds__(128, MINB) flash_decode_v(
                                       window);
 }
 
+// ---- flash_decode_t: key tiles shared by 4 lanes for the scores, columns by lane for the output ----
+// (under trial) A warp takes FT_KEYS = 8 keys at a time. Scores: lanes 4j..4j+3 hold key j, lane r of
+// them loading the row's values 16i + 4r..+3 (four lanes read 16 consecutive values, so a load is 8 keys'
+// contiguous runs) and summing q . k over them for every head; two shuffles finish a score. The tile's
+// maxima are 3 shuffles a head, each lane exps its own key's scores, and the probabilities go through
+// shared memory to the product with V, where the lane owns columns 4(lane + 32c)..+3 of every head (the
+// V rows are read as whole contiguous runs). The next tile's K is loaded while this tile's softmax and
+// P V run, its V while the next scores run: one tile of the cache is always in flight.
+#define FT_KEYS 8
+
+template <int D, int GM>
+__device__ __forceinline__ void flash_decode_tbody(
+        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
+        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
+        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
+        int window) {
+    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
+    split_len = fd_split_len(split_len, kv_len, gridDim.y);
+    if (blockIdx.y * split_len >= kv_len) return;
+    constexpr int NU = D / 16;              // K units (4 values) a lane loads of its key's row
+    constexpr int NCH = (D / 4 + 31) / 32;  // V units a lane owns: 4 (lane + 32 c)..+3 (D = 64: lanes < 16)
+    __shared__ float4 qs[GM][D / 4];
+    __shared__ float s_m[FD_WARPS][GM], s_l[FD_WARPS][GM];
+    __shared__ float s_o[GM][D];
+    __shared__ float sp[FD_WARPS][FT_KEYS][GM];
+    int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+    int kvh = blockIdx.x, split = blockIdx.y;
+    int G = nh / n_kv;
+    int h0 = kvh * G;
+    for (int i = tid; i < GM * (D / 4); i += 128) {
+        int g = i / (D / 4), c4 = i % (D / 4);
+        qs[g][c4] = g < G ? *(const float4*)(q + (i64)(h0 + g) * D + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    int p = kv_len - 1;
+    int lo = split * split_len, hi = min(kv_len, lo + split_len);
+    if (window > 0) lo = max(lo, p - window + 1);
+    float4 o[GM][NCH];
+    float m_run[GM], l_run[GM];  // l_run: this lane's key slot's share until the end
+#pragma unroll
+    for (int g = 0; g < GM; g++) {
+        m_run[g] = NEG_BIG;
+        l_run[g] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NCH; c++) o[g][c] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    __syncthreads();
+    const i64 row_stride = (i64)n_kv * D;
+    const KV_ELEM* kb = kc + (i64)kvh * D;
+    const KV_ELEM* vb = vc + (i64)kvh * D;
+    const int kj = lane >> 2, kq = lane & 3;
+    kv_raw4_t kraw[NU], vraw[FT_KEYS][NCH];
+    int t0 = lo + w * FT_KEYS;
+    {
+        bool ok = t0 + kj < hi;
+#pragma unroll
+        for (int i = 0; i < NU; i++)
+            kraw[i] = ok ? kv_raw4(kb, (i64)(t0 + kj) * row_stride + 4 * (4 * i + kq)) : kv_raw4_zero();
+#pragma unroll
+        for (int j = 0; j < FT_KEYS; j++)
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                int c4 = lane + 32 * c;
+                vraw[j][c] = t0 + j < hi && c4 < D / 4 ? kv_raw4(vb, (i64)(t0 + j) * row_stride + 4 * c4)
+                                                       : kv_raw4_zero();
+            }
+    }
+    for (; t0 < hi; t0 += FD_WARPS * FT_KEYS) {
+        float s[GM];
+#pragma unroll
+        for (int g = 0; g < GM; g++) s[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NU; i++) {
+            float4 kk = kv_widen4(kraw[i]);
+#pragma unroll
+            for (int g = 0; g < GM; g++) {
+                if (g < G) {
+                    float4 qq = qs[g][4 * i + kq];
+                    float x = s[g];
+                    x = fmaf(qq.x, kk.x, x);
+                    x = fmaf(qq.y, kk.y, x);
+                    x = fmaf(qq.z, kk.z, x);
+                    x = fmaf(qq.w, kk.w, x);
+                    s[g] = x;
+                }
+            }
+        }
+        const int tn = t0 + FD_WARPS * FT_KEYS;  // the next tile: its K in flight from here
+        {
+            bool ok = tn + kj < hi;
+#pragma unroll
+            for (int i = 0; i < NU; i++)
+                kraw[i] = ok ? kv_raw4(kb, (i64)(tn + kj) * row_stride + 4 * (4 * i + kq)) : kv_raw4_zero();
+        }
+        const bool valid = t0 + kj < hi;
+        float pj[GM];
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            float x = s[g];
+            x += __shfl_xor_sync(0xffffffffu, x, 1);
+            x += __shfl_xor_sync(0xffffffffu, x, 2);
+            x = valid ? x * scale : NEG_BIG;
+            float mx = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+            float m_new = fmaxf(m_run[g], mx);
+            float alpha = __expf(m_run[g] - m_new);
+            m_run[g] = m_new;
+            pj[g] = valid ? __expf(x - m_new) : 0.0f;
+            l_run[g] = l_run[g] * alpha + pj[g];
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                o[g][c].x *= alpha;
+                o[g][c].y *= alpha;
+                o[g][c].z *= alpha;
+                o[g][c].w *= alpha;
+            }
+        }
+        if (kq == 0) {
+#pragma unroll
+            for (int g = 0; g < GM; g++) sp[w][kj][g] = pj[g];
+        }
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < FT_KEYS; j++) {
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                if (lane + 32 * c < D / 4) {
+                    float4 vv = kv_widen4(vraw[j][c]);
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) {
+                            float pg = sp[w][j][g];
+                            o[g][c].x = fmaf(pg, vv.x, o[g][c].x);
+                            o[g][c].y = fmaf(pg, vv.y, o[g][c].y);
+                            o[g][c].z = fmaf(pg, vv.z, o[g][c].z);
+                            o[g][c].w = fmaf(pg, vv.w, o[g][c].w);
+                        }
+                    }
+                }
+            }
+        }
+        __syncwarp();  // sp is written again by the next tile
+#pragma unroll
+        for (int j = 0; j < FT_KEYS; j++)
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                int c4 = lane + 32 * c;
+                vraw[j][c] = tn + j < hi && c4 < D / 4 ? kv_raw4(vb, (i64)(tn + j) * row_stride + 4 * c4)
+                                                       : kv_raw4_zero();
+            }
+    }
+#pragma unroll
+    for (int g = 0; g < GM; g++) {  // the 8 key slots' sums (the 4 lanes of a slot hold the same)
+        l_run[g] += __shfl_xor_sync(0xffffffffu, l_run[g], 4);
+        l_run[g] += __shfl_xor_sync(0xffffffffu, l_run[g], 8);
+        l_run[g] += __shfl_xor_sync(0xffffffffu, l_run[g], 16);
+    }
+    fd_merge_warps<D, GM>(o, m_run, l_run, s_m, s_l, s_o, po, pm, pl, split, nh, h0, G, tid, lane, w);
+}
+
+template <int D, int GM>
+__global__ void __launch_bounds__(128) flash_decode_t(
+        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
+        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
+        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
+        int window) {
+    flash_decode_tbody<D, GM>(q, kc, vc, po, pm, pl, nh, n_kv, kv_len, kv_len_ptr, split_len, scale, window);
+}
+
 template <int D, int GM>
 __global__ void __launch_bounds__(128) flash_decode(
         const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,

@@ -118,12 +118,13 @@ def module_specs() -> list[ModuleSpec]:
     specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew),
                             ("gdn_gates", "rope_neox", "split_cols")))
     att = [f"flash_prefill{v}<{d}>" for v in ("", "_g") for d in HEAD_DIMS]
-    att += [f"flash_decode{v}<{d}, {g}>" for v in ("", "_batch") for d in HEAD_DIMS for g in DECODE_GROUPS]
+    att += [f"flash_decode{v}<{d}, {g}>" for v in ("", "_batch", "_t") for d in HEAD_DIMS for g in DECODE_GROUPS]
     specs.append(ModuleSpec("attention", ("attention.cu", "attn_prep.cu"), tuple(att),
                             ("flash_merge", "flash_merge_len", "kv_append", "attn_prep", "attn_prep_batch")))
     # the same prefill/decode kernels over f16 and q8_0 caches (kv_f16.cu / kv_q8_0.cu define the loads)
     typed = tuple(f"flash_prefill_g<{d}>" for d in HEAD_DIMS) + tuple(f"flash_decode{v}<{d}, {g}>" for v in ("", "_batch") for d in HEAD_DIMS for g in DECODE_GROUPS)
     typed += tuple(f"flash_decode_v<256, {g}, {u}, {pf}, {mb}>" for g, u, pf, mb in DECODE_TRIALS)
+    typed += tuple(f"flash_decode_t<{d}, {g}>" for d in HEAD_DIMS for g in DECODE_GROUPS)
     for kv in KV_CACHE_TYPES:
         specs.append(ModuleSpec(f"attention_{kv}", (f"kv_{kv}.cu", "attention.cu", "attn_prep.cu"), typed,
                                 (f"kv_append_{kv}", "attn_prep", "attn_prep_batch")))

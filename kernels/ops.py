@@ -715,8 +715,9 @@ def sm_count() -> int:
 DECODE_BLOCKS_PER_SM = int(os.environ.get("MINECART_FD_BLOCKS", "3"))
 
 
-# flash_decode_v under trial: (U, PF, MINB) for the instantiations of build.DECODE_TRIALS, or None
-DECODE_VARIANT: tuple[int, int, int] | None = None
+# decode kernels under trial: "t" (flash_decode_t), (U, PF, MINB) for flash_decode_v's instantiations
+# (build.DECODE_TRIALS), or None (flash_decode)
+DECODE_VARIANT: str | tuple[int, int, int] | None = os.environ.get("MINECART_FD_VARIANT") or None
 
 
 def decode_kernel(D: int, nh: int, n_kv: int) -> str:
@@ -727,7 +728,9 @@ def decode_kernel(D: int, nh: int, n_kv: int) -> str:
     if gm is None or nh % n_kv:
         raise ValueError(f"decode attention serves up to {DECODE_GROUPS[-1]} query heads per KV head; "
                          f"got {nh} query heads over {n_kv} KV heads")
-    if DECODE_VARIANT is not None:
+    if DECODE_VARIANT == "t":
+        return f"flash_decode_t<{D}, {gm}>"
+    if isinstance(DECODE_VARIANT, tuple):
         u, pf, mb = DECODE_VARIANT
         return f"flash_decode_v<{D}, {gm}, {u}, {pf}, {mb}>"
     return f"flash_decode<{D}, {gm}>"

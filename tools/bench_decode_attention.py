@@ -57,7 +57,8 @@ def main() -> None:
 
                 ref = None
                 for variant in args.variants.split(","):
-                    ops.DECODE_VARIANT = None if variant == "base" else tuple(int(x) for x in variant.split(":"))
+                    ops.DECODE_VARIANT = (None if variant == "base" else variant if variant == "t"
+                                          else tuple(int(x) for x in variant.split(":")))
                     for bps in [int(b) for b in args.bps.split(",") if b] or [keep_bps]:
                         ops.DECODE_BLOCKS_PER_SM = bps
                         try:

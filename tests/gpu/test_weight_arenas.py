@@ -133,7 +133,8 @@ def test_device_memory_after_the_load_is_the_plans(path):
     pool = cp.get_default_memory_pool()
     warm = _backend()
     load_model(path, backend=warm).close()  # kernel modules loaded, outside the pool, before the baseline
-    del warm  # with whatever it kept (its graphs, cached activations): gone before the baseline
+    warm.release_cached()  # the kernels' per-thread activation caches too: earlier tests' arrays, which the
+    del warm  # measured load could free and reuse; with its graphs, gone before the baseline
     be = _backend()  # a fresh backend: nothing of the warm-up's can be freed during the measured load
     used0, total0, _ = _settle(pool)
     with load_model(path, backend=be) as model:
