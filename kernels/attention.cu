@@ -780,14 +780,18 @@ __global__ void __launch_bounds__(128, MINB) flash_decode_v(
 }
 
 // ---- flash_decode_t: key tiles shared by 4 lanes for the scores, columns by lane for the output ----
-// (under trial) A warp takes FT_KEYS = 8 keys at a time. Scores: lanes 4j..4j+3 hold key j, lane r of
-// them loading the row's values 16i + 4r..+3 (four lanes read 16 consecutive values, so a load is 8 keys'
-// contiguous runs) and summing q . k over them for every head; two shuffles finish a score. The tile's
+// (under trial) A warp takes FT_KEYS keys at a time (8, or 4 with 8 heads). Scores: lanes 4j..4j+3 hold
+// key j (8 lanes with 4 keys), lane r of them loading the row's values 16i + 4r..+3 (four lanes read 16
+// consecutive values, so a load is 8 keys' contiguous runs) and summing q . k over them for every head;
+// two shuffles finish a score. The tile's
 // maxima are 3 shuffles a head, each lane exps its own key's scores, and the probabilities go through
 // shared memory to the product with V, where the lane owns columns 4(lane + 32c)..+3 of every head (the
 // V rows are read as whole contiguous runs). The next tile's K is loaded while this tile's softmax and
 // P V run, its V while the next scores run: one tile of the cache is always in flight.
-#define FT_KEYS 8
+// FT_KEYS: 8 keys a tile (4 lanes a key) for up to 4 heads a KV head, 4 keys (8 lanes a key) for 8 heads,
+// whose 64 output accumulators a lane leave fewer registers for the tile.
+template <int GM>
+__device__ constexpr int ft_keys() { return GM >= 8 ? 4 : 8; }
 
 template <int D, int GM>
 __device__ __forceinline__ void flash_decode_tbody(
@@ -798,12 +802,14 @@ __device__ __forceinline__ void flash_decode_tbody(
     if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
     split_len = fd_split_len(split_len, kv_len, gridDim.y);
     if (blockIdx.y * split_len >= kv_len) return;
-    constexpr int NU = D / 16;              // K units (4 values) a lane loads of its key's row
+    constexpr int FT_KEYS = ft_keys<GM>();
+    constexpr int LPK = 32 / FT_KEYS;       // lanes a key for the scores
+    constexpr int NU = D / (4 * LPK);       // K units (4 values) a lane loads of its key's row
     constexpr int NCH = (D / 4 + 31) / 32;  // V units a lane owns: 4 (lane + 32 c)..+3 (D = 64: lanes < 16)
     __shared__ float4 qs[GM][D / 4];
     __shared__ float s_m[FD_WARPS][GM], s_l[FD_WARPS][GM];
     __shared__ float s_o[GM][D];
-    __shared__ float sp[FD_WARPS][FT_KEYS][GM];
+    __shared__ float sp[FD_WARPS][8][GM];
     int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     int kvh = blockIdx.x, split = blockIdx.y;
     int G = nh / n_kv;
@@ -828,14 +834,14 @@ __device__ __forceinline__ void flash_decode_tbody(
     const i64 row_stride = (i64)n_kv * D;
     const KV_ELEM* kb = kc + (i64)kvh * D;
     const KV_ELEM* vb = vc + (i64)kvh * D;
-    const int kj = lane >> 2, kq = lane & 3;
+    const int kj = lane / LPK, kq = lane % LPK;
     kv_raw4_t kraw[NU], vraw[FT_KEYS][NCH];
     int t0 = lo + w * FT_KEYS;
     {
         bool ok = t0 + kj < hi;
 #pragma unroll
         for (int i = 0; i < NU; i++)
-            kraw[i] = ok ? kv_raw4(kb, (i64)(t0 + kj) * row_stride + 4 * (4 * i + kq)) : kv_raw4_zero();
+            kraw[i] = ok ? kv_raw4(kb, (i64)(t0 + kj) * row_stride + 4 * (LPK * i + kq)) : kv_raw4_zero();
 #pragma unroll
         for (int j = 0; j < FT_KEYS; j++)
 #pragma unroll
@@ -855,7 +861,7 @@ __device__ __forceinline__ void flash_decode_tbody(
 #pragma unroll
             for (int g = 0; g < GM; g++) {
                 if (g < G) {
-                    float4 qq = qs[g][4 * i + kq];
+                    float4 qq = qs[g][LPK * i + kq];
                     float x = s[g];
                     x = fmaf(qq.x, kk.x, x);
                     x = fmaf(qq.y, kk.y, x);
@@ -870,24 +876,24 @@ __device__ __forceinline__ void flash_decode_tbody(
             bool ok = tn + kj < hi;
 #pragma unroll
             for (int i = 0; i < NU; i++)
-                kraw[i] = ok ? kv_raw4(kb, (i64)(tn + kj) * row_stride + 4 * (4 * i + kq)) : kv_raw4_zero();
+                kraw[i] = ok ? kv_raw4(kb, (i64)(tn + kj) * row_stride + 4 * (LPK * i + kq)) : kv_raw4_zero();
         }
         const bool valid = t0 + kj < hi;
-        float pj[GM];
 #pragma unroll
         for (int g = 0; g < GM; g++) {
             float x = s[g];
-            x += __shfl_xor_sync(0xffffffffu, x, 1);
-            x += __shfl_xor_sync(0xffffffffu, x, 2);
+#pragma unroll
+            for (int off = 1; off < LPK; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
             x = valid ? x * scale : NEG_BIG;
-            float mx = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 8));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
+            float mx = x;
+#pragma unroll
+            for (int off = LPK; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
             float m_new = fmaxf(m_run[g], mx);
             float alpha = __expf(m_run[g] - m_new);
             m_run[g] = m_new;
-            pj[g] = valid ? __expf(x - m_new) : 0.0f;
-            l_run[g] = l_run[g] * alpha + pj[g];
+            float pr = valid ? __expf(x - m_new) : 0.0f;
+            l_run[g] = l_run[g] * alpha + pr;
+            if (kq == 0) sp[w][kj][g] = pr;
 #pragma unroll
             for (int c = 0; c < NCH; c++) {
                 o[g][c].x *= alpha;
@@ -895,10 +901,6 @@ __device__ __forceinline__ void flash_decode_tbody(
                 o[g][c].z *= alpha;
                 o[g][c].w *= alpha;
             }
-        }
-        if (kq == 0) {
-#pragma unroll
-            for (int g = 0; g < GM; g++) sp[w][kj][g] = pj[g];
         }
         __syncwarp();
 #pragma unroll
@@ -931,11 +933,9 @@ __device__ __forceinline__ void flash_decode_tbody(
             }
     }
 #pragma unroll
-    for (int g = 0; g < GM; g++) {  // the 8 key slots' sums (the 4 lanes of a slot hold the same)
-        l_run[g] += __shfl_xor_sync(0xffffffffu, l_run[g], 4);
-        l_run[g] += __shfl_xor_sync(0xffffffffu, l_run[g], 8);
-        l_run[g] += __shfl_xor_sync(0xffffffffu, l_run[g], 16);
-    }
+    for (int g = 0; g < GM; g++)  // the key slots' sums (the lanes of a slot hold the same)
+#pragma unroll
+        for (int off = LPK; off < 32; off <<= 1) l_run[g] += __shfl_xor_sync(0xffffffffu, l_run[g], off);
     fd_merge_warps<D, GM>(o, m_run, l_run, s_m, s_l, s_o, po, pm, pl, split, nh, h0, G, tid, lane, w);
 }
 
