@@ -8,7 +8,7 @@
 //   one head per block, key tiles of 32; scores from D-chunks of 32 staged in shared memory, then P @ V
 //   with each thread owning one query row and D/4 output columns.
 // flash_decode:  one query token; a block per (KV head, slice of the context) serves all G query heads
-//   of that KV head (K and V read once), writing fp32 partials (o unnormalized, running max m, sum l);
+//   of that KV head (K and V read once; key tiles split over lanes for the scores, columns for P V), writing fp32 partials (o unnormalized, running max m, sum l);
 //   flash_merge combines the slices: m = max m_s, l = sum e^(m_s - m) l_s, o = sum e^(m_s - m) o_s / l.
 //   fp32 partials are deliberate (fp16 partials drift and flip argmax within ~30 tokens).
 
@@ -400,18 +400,6 @@ __device__ __forceinline__ int fd_split_len(int split_len, int kv_len, int n_spl
     return split_len > 0 ? split_len : max(32, (kv_len + 32 * n_splits - 1) / (32 * n_splits) * 32);
 }
 
-// flash_decode<D, GM>: one block of 4 warps per (KV head, context slice), serving the G <= GM query
-// heads of that KV head, so each K/V row is read once for the whole GQA group. Each warp takes FD_U
-// consecutive keys at a time (groups of keys interleaved over the warps) and issues all of their K and V
-// loads before using any, in the cache's own type (kv_load4: 16-byte fp32, 8-byte f16 or a q8_0 block's
-// 4 values, widened to fp32 in registers); lane l holds the values 4l..4l+3 (+128 per chunk) of a row,
-// so a warp's load is one contiguous run of the row. A score is the warp sum of the lanes' partial dot
-// products (fp32), times `scale`; each warp keeps its own running max m, sum l and unnormalized output o
-// (G x D/32 values per lane) over its keys, and at the end the 4 warps' (m, l, o) are merged in warp
-// order through shared memory (deterministic) into the slice's partials po, pm, pl for the merge kernels.
-// No shared memory on the key loop, no barrier inside it: the loads of the next keys are in flight while
-// the current ones are used, which is what lets a decode step at long context stream the cache at memory
-// speed.
 #define FD_WARPS 4
 
 // The end of a flash_decode block: its FD_WARPS warps' (m, l, o) merged in warp order through shared
@@ -476,6 +464,28 @@ __device__ __forceinline__ void fd_merge_warps(float4 (&o)[GM][(D / 4 + 31) / 32
     }
 }
 
+// flash_decode<D, GM>: one block of 4 warps per (KV head, context slice), serving the G <= GM query
+// heads of that KV head, so each K/V row is read once for the whole GQA group, in the cache's own type
+// (kv_raw4: 16-byte fp32, 8-byte f16 or a q8_0 block's scale and 4 bytes; widened to fp32 in registers
+// by kv_widen4 where used). A warp takes FT_KEYS keys at a time (a tile; its warps' tiles interleave).
+// Scores: the LPK = 32 / FT_KEYS lanes of key j (4 lanes, 8 with 8 heads) split its row, lane r loading
+// values 4 (LPK i + r)..+3, so one load instruction reads every key of the tile as a contiguous run, and
+// each lane sums q . k over its values for every head in fp32 (q from shared memory); log2(LPK) shuffles
+// finish a score. The tile's maximum per head is log2(FT_KEYS) shuffles; each lane exps its own key's
+// scores once, keeps a running max m (the warp's), a running sum l (its key slot's share, summed over the
+// slots at the end) and the unnormalized output o, and puts the probabilities in shared memory, from
+// which the product with V reads them: there the lane owns output columns 4 (lane + 32 c)..+3 of every
+// head (V rows read as whole contiguous runs). The next tile's K is loaded while this tile's softmax and
+// P V run, its V while the next scores run, so one tile of the cache is always in flight, with no
+// barrier in the key loop. The kernel before it (one warp sum per key and head, every lane repeating the
+// softmax) issued about 3x the instructions a key and was bound by them (BENCHMARKS.md v20). At the end
+// the 4 warps' (m, l, o) are merged in warp order through shared memory (deterministic) into the slice's
+// partials po, pm, pl for the merge kernels.
+// FT_KEYS: 8 keys a tile (4 lanes a key) for up to 4 heads a KV head, 4 keys (8 lanes a key) for 8 heads,
+// whose 64 output accumulators a lane leave fewer registers for the tile.
+template <int GM>
+__device__ constexpr int ft_keys() { return GM >= 8 ? 4 : 8; }
+
 template <int D, int GM>
 __device__ __forceinline__ void flash_decode_body(
         const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
@@ -486,319 +496,6 @@ __device__ __forceinline__ void flash_decode_body(
     // token's append, + 1), so one graph serves every step; split_len == 0 then sizes the slices for that
     // length over the grid's splits (fd_split_len), and splits past the length leave at once (the merge
     // reads only the splits below the length).
-    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
-    split_len = fd_split_len(split_len, kv_len, gridDim.y);
-    if (blockIdx.y * split_len >= kv_len) return;
-    constexpr int NCH = (D / 4 + 31) / 32;  // 4-value chunks per lane (D = 64: lanes 16..31 hold none)
-    constexpr int FD_U = GM <= 4 ? 4 : 2;  // keys per warp step (fewer with 8 heads: registers)
-    __shared__ float4 qs[GM][D / 4];
-    __shared__ float s_m[FD_WARPS][GM], s_l[FD_WARPS][GM];
-    __shared__ float s_o[GM][D];
-    int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    int kvh = blockIdx.x, split = blockIdx.y;
-    int G = nh / n_kv;
-    int h0 = kvh * G;
-    for (int i = tid; i < GM * (D / 4); i += 128) {
-        int g = i / (D / 4), c4 = i % (D / 4);
-        qs[g][c4] = g < G ? *(const float4*)(q + (i64)(h0 + g) * D + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    int p = kv_len - 1;
-    int lo = split * split_len, hi = min(kv_len, lo + split_len);
-    if (window > 0) lo = max(lo, p - window + 1);
-    float4 o[GM][NCH];
-    float m_run[GM], l_run[GM];
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        m_run[g] = NEG_BIG;
-        l_run[g] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < NCH; c++) o[g][c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    __syncthreads();
-    const i64 row_stride = (i64)n_kv * D;  // elements from one key's row of this head to the next
-    for (int t0 = lo + w * FD_U; t0 < hi; t0 += FD_WARPS * FD_U) {
-        float4 kr[FD_U][NCH], vr[FD_U][NCH];
-#pragma unroll
-        for (int u = 0; u < FD_U; u++) {
-            int t = t0 + u;
-#pragma unroll
-            for (int c = 0; c < NCH; c++) {
-                int c4 = lane + 32 * c;
-                bool ok = t < hi && c4 < D / 4;
-                i64 e = (i64)t * row_stride + (i64)kvh * D + 4 * c4;
-                kr[u][c] = ok ? kv_load4(kc, e) : make_float4(0.f, 0.f, 0.f, 0.f);
-                vr[u][c] = ok ? kv_load4(vc, e) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            if (g < G) {
-                float s[FD_U];
-                float mx = NEG_BIG;
-#pragma unroll
-                for (int u = 0; u < FD_U; u++) {
-                    float a = 0.0f;
-#pragma unroll
-                    for (int c = 0; c < NCH; c++) {
-                        int c4 = lane + 32 * c;
-                        if (c4 < D / 4) {
-                            float4 qq = qs[g][c4], kk = kr[u][c];
-                            a = fmaf(qq.x, kk.x, a);
-                            a = fmaf(qq.y, kk.y, a);
-                            a = fmaf(qq.z, kk.z, a);
-                            a = fmaf(qq.w, kk.w, a);
-                        }
-                    }
-                    a = warp_sum(a) * scale;
-                    s[u] = t0 + u < hi ? a : NEG_BIG;
-                    mx = fmaxf(mx, s[u]);
-                }
-                float m_new = fmaxf(m_run[g], mx);
-                float alpha = __expf(m_run[g] - m_new);
-                float lsum = 0.0f;
-#pragma unroll
-                for (int c = 0; c < NCH; c++) {
-                    o[g][c].x *= alpha;
-                    o[g][c].y *= alpha;
-                    o[g][c].z *= alpha;
-                    o[g][c].w *= alpha;
-                }
-#pragma unroll
-                for (int u = 0; u < FD_U; u++) {
-                    float pu = t0 + u < hi ? __expf(s[u] - m_new) : 0.0f;
-                    lsum += pu;
-#pragma unroll
-                    for (int c = 0; c < NCH; c++) {
-                        o[g][c].x = fmaf(pu, vr[u][c].x, o[g][c].x);
-                        o[g][c].y = fmaf(pu, vr[u][c].y, o[g][c].y);
-                        o[g][c].z = fmaf(pu, vr[u][c].z, o[g][c].z);
-                        o[g][c].w = fmaf(pu, vr[u][c].w, o[g][c].w);
-                    }
-                }
-                l_run[g] = l_run[g] * alpha + lsum;
-                m_run[g] = m_new;
-            }
-        }
-    }
-    fd_merge_warps<D, GM>(o, m_run, l_run, s_m, s_l, s_o, po, pm, pl, split, nh, h0, G, tid, lane, w);
-}
-
-// ---- flash_decode_v: the decode body with the next keys in flight and one transposed warp reduction ----
-// (experiment: U keys a warp step, PF = the next step's K/V loaded, as stored, while this step computes;
-// the GM x U partial dot products summed by one reduce-scatter over the warp instead of GM x U warp sums)
-
-// Sum each of a[0..N) over the warp, scattered: on return a[0] of lane l is the full sum of value
-// (l >> (5 - log2 N)) & (N - 1) (N a power of two <= 32; 2 lanes or more hold each value).
-template <int N, int OFF>
-__device__ __forceinline__ void scatter_sum(float* a, int lane) {
-    if constexpr (OFF > 0) {
-        if constexpr (N > 1) {
-            const bool up = (lane & OFF) != 0;
-#pragma unroll
-            for (int i = 0; i < N / 2; i++) {
-                float send = up ? a[i] : a[i + N / 2];
-                float keep = up ? a[i + N / 2] : a[i];
-                a[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
-            }
-            scatter_sum<N / 2, OFF / 2>(a, lane);
-        } else {
-            a[0] += __shfl_xor_sync(0xffffffffu, a[0], OFF);
-            scatter_sum<1, OFF / 2>(a, lane);
-        }
-    }
-}
-
-template <int N>
-__device__ constexpr int ilog2() {
-    if constexpr (N <= 1)
-        return 0;
-    else
-        return 1 + ilog2<N / 2>();
-}
-
-template <int U, int NCH, int D>
-__device__ __forceinline__ void fd_load(const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc, int t0,
-                                        int hi, i64 row_stride, int kvh, int lane, kv_raw4_t (&kr)[U][NCH],
-                                        kv_raw4_t (&vr)[U][NCH]) {
-#pragma unroll
-    for (int u = 0; u < U; u++) {
-#pragma unroll
-        for (int c = 0; c < NCH; c++) {
-            int c4 = lane + 32 * c;
-            bool ok = t0 + u < hi && c4 < D / 4;
-            i64 e = (i64)(t0 + u) * row_stride + (i64)kvh * D + 4 * c4;
-            kr[u][c] = ok ? kv_raw4(kc, e) : kv_raw4_zero();
-            vr[u][c] = ok ? kv_raw4(vc, e) : kv_raw4_zero();
-        }
-    }
-}
-
-template <int D, int GM, int U, int PF>
-__device__ __forceinline__ void flash_decode_body_v(
-        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
-        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
-        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
-        int window) {
-    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
-    split_len = fd_split_len(split_len, kv_len, gridDim.y);
-    if (blockIdx.y * split_len >= kv_len) return;
-    constexpr int NCH = (D / 4 + 31) / 32;
-    constexpr int N = GM * U;  // partial dot products a warp step: value g * U + u
-    constexpr int L = ilog2<N>();
-    static_assert((N & (N - 1)) == 0 && N <= 32, "GM * U must be a power of two <= 32");
-    constexpr int SH = 5 - L;  // lane l holds value l >> SH after scatter_sum
-    __shared__ float4 qs[GM][D / 4];
-    __shared__ float s_m[FD_WARPS][GM], s_l[FD_WARPS][GM];
-    __shared__ float s_o[GM][D];
-    int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
-    int kvh = blockIdx.x, split = blockIdx.y;
-    int G = nh / n_kv;
-    int h0 = kvh * G;
-    for (int i = tid; i < GM * (D / 4); i += 128) {
-        int g = i / (D / 4), c4 = i % (D / 4);
-        qs[g][c4] = g < G ? *(const float4*)(q + (i64)(h0 + g) * D + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    int p = kv_len - 1;
-    int lo = split * split_len, hi = min(kv_len, lo + split_len);
-    if (window > 0) lo = max(lo, p - window + 1);
-    float4 o[GM][NCH];
-    float m_run[GM], l_run[GM];
-#pragma unroll
-    for (int g = 0; g < GM; g++) {
-        m_run[g] = NEG_BIG;
-        l_run[g] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < NCH; c++) o[g][c] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    __syncthreads();
-    const i64 row_stride = (i64)n_kv * D;
-    const int my_v = lane >> SH, my_g = my_v / U, my_u = my_v % U;
-    kv_raw4_t kn[U][NCH], vn[U][NCH];
-    int t0 = lo + w * U;
-    if (PF) fd_load<U, NCH, D>(kc, vc, t0, hi, row_stride, kvh, lane, kn, vn);
-    for (; t0 < hi; t0 += FD_WARPS * U) {
-        kv_raw4_t kr[U][NCH], vr[U][NCH];
-        if (PF) {
-#pragma unroll
-            for (int u = 0; u < U; u++)
-#pragma unroll
-                for (int c = 0; c < NCH; c++) {
-                    kr[u][c] = kn[u][c];
-                    vr[u][c] = vn[u][c];
-                }
-            fd_load<U, NCH, D>(kc, vc, t0 + FD_WARPS * U, hi, row_stride, kvh, lane, kn, vn);
-        } else {
-            fd_load<U, NCH, D>(kc, vc, t0, hi, row_stride, kvh, lane, kr, vr);
-        }
-        float a[N];
-#pragma unroll
-        for (int i = 0; i < N; i++) a[i] = 0.0f;
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-#pragma unroll
-            for (int c = 0; c < NCH; c++) {
-                int c4 = lane + 32 * c;
-                if (c4 < D / 4) {
-                    float4 kk = kv_widen4(kr[u][c]);
-#pragma unroll
-                    for (int g = 0; g < GM; g++) {
-                        if (g < G) {
-                            float4 qq = qs[g][c4];
-                            float x = a[g * U + u];
-                            x = fmaf(qq.x, kk.x, x);
-                            x = fmaf(qq.y, kk.y, x);
-                            x = fmaf(qq.z, kk.z, x);
-                            x = fmaf(qq.w, kk.w, x);
-                            a[g * U + u] = x;
-                        }
-                    }
-                }
-            }
-        }
-        scatter_sum<N, 16>(a, lane);
-        float s = t0 + my_u < hi ? a[0] * scale : NEG_BIG;
-        float mx = s;
-#pragma unroll
-        for (int j = 0; j < ilog2<U>(); j++) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, (1 << SH) << j));
-        float alpha[GM], m_mine = NEG_BIG;
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            float m_new = fmaxf(m_run[g], __shfl_sync(0xffffffffu, mx, (g * U) << SH));
-            alpha[g] = __expf(m_run[g] - m_new);
-            m_run[g] = m_new;
-            if (g == my_g) m_mine = m_new;
-        }
-        float pme = t0 + my_u < hi ? __expf(s - m_mine) : 0.0f;
-        float pv[N];
-#pragma unroll
-        for (int i = 0; i < N; i++) pv[i] = __shfl_sync(0xffffffffu, pme, i << SH);
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            float ls = 0.0f;
-#pragma unroll
-            for (int u = 0; u < U; u++) ls += pv[g * U + u];
-            l_run[g] = l_run[g] * alpha[g] + ls;
-#pragma unroll
-            for (int c = 0; c < NCH; c++) {
-                o[g][c].x *= alpha[g];
-                o[g][c].y *= alpha[g];
-                o[g][c].z *= alpha[g];
-                o[g][c].w *= alpha[g];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-#pragma unroll
-            for (int c = 0; c < NCH; c++) {
-                if (lane + 32 * c < D / 4) {
-                    float4 vv = kv_widen4(vr[u][c]);
-#pragma unroll
-                    for (int g = 0; g < GM; g++) {
-                        if (g < G) {
-                            float pu = pv[g * U + u];
-                            o[g][c].x = fmaf(pu, vv.x, o[g][c].x);
-                            o[g][c].y = fmaf(pu, vv.y, o[g][c].y);
-                            o[g][c].z = fmaf(pu, vv.z, o[g][c].z);
-                            o[g][c].w = fmaf(pu, vv.w, o[g][c].w);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    fd_merge_warps<D, GM>(o, m_run, l_run, s_m, s_l, s_o, po, pm, pl, split, nh, h0, G, tid, lane, w);
-}
-
-template <int D, int GM, int U, int PF, int MINB>
-__global__ void __launch_bounds__(128, MINB) flash_decode_v(
-        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
-        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
-        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
-        int window) {
-    flash_decode_body_v<D, GM, U, PF>(q, kc, vc, po, pm, pl, nh, n_kv, kv_len, kv_len_ptr, split_len, scale,
-                                      window);
-}
-
-// ---- flash_decode_t: key tiles shared by 4 lanes for the scores, columns by lane for the output ----
-// (under trial) A warp takes FT_KEYS keys at a time (8, or 4 with 8 heads). Scores: lanes 4j..4j+3 hold
-// key j (8 lanes with 4 keys), lane r of them loading the row's values 16i + 4r..+3 (four lanes read 16
-// consecutive values, so a load is 8 keys' contiguous runs) and summing q . k over them for every head;
-// two shuffles finish a score. The tile's
-// maxima are 3 shuffles a head, each lane exps its own key's scores, and the probabilities go through
-// shared memory to the product with V, where the lane owns columns 4(lane + 32c)..+3 of every head (the
-// V rows are read as whole contiguous runs). The next tile's K is loaded while this tile's softmax and
-// P V run, its V while the next scores run: one tile of the cache is always in flight.
-// FT_KEYS: 8 keys a tile (4 lanes a key) for up to 4 heads a KV head, 4 keys (8 lanes a key) for 8 heads,
-// whose 64 output accumulators a lane leave fewer registers for the tile.
-template <int GM>
-__device__ constexpr int ft_keys() { return GM >= 8 ? 4 : 8; }
-
-template <int D, int GM>
-__device__ __forceinline__ void flash_decode_tbody(
-        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
-        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
-        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
-        int window) {
     if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
     split_len = fd_split_len(split_len, kv_len, gridDim.y);
     if (blockIdx.y * split_len >= kv_len) return;
@@ -937,15 +634,6 @@ __device__ __forceinline__ void flash_decode_tbody(
 #pragma unroll
         for (int off = LPK; off < 32; off <<= 1) l_run[g] += __shfl_xor_sync(0xffffffffu, l_run[g], off);
     fd_merge_warps<D, GM>(o, m_run, l_run, s_m, s_l, s_o, po, pm, pl, split, nh, h0, G, tid, lane, w);
-}
-
-template <int D, int GM>
-__global__ void __launch_bounds__(128) flash_decode_t(
-        const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
-        float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
-        int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
-        int window) {
-    flash_decode_tbody<D, GM>(q, kc, vc, po, pm, pl, nh, n_kv, kv_len, kv_len_ptr, split_len, scale, window);
 }
 
 template <int D, int GM>

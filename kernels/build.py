@@ -69,9 +69,6 @@ GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a 
 GEMM_BATCH_TOKENS = (8, 16, 32)  # token tiles of gemm_batch (batched decode: T <= 32 sequences)
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
 DECODE_GROUPS = (2, 4, 8)  # flash_decode<D, GM>: query heads per KV head up to GM (ops.decode_group)
-# flash_decode_v<D, GM, U, PF, MINB> instantiations under trial (ops.DECODE_VARIANT): (GM, U, PF, MINB)
-DECODE_TRIALS = ((4, 4, 0, 3), (4, 4, 1, 3), (4, 4, 1, 2), (4, 2, 1, 4), (4, 4, 0, 4), (4, 8, 0, 3), (4, 8, 1, 2),
-                 (4, 2, 0, 4), (8, 2, 0, 3), (8, 2, 1, 3), (8, 2, 1, 2), (8, 4, 0, 2), (8, 4, 1, 2))
 GDN_KEY_DIMS = (16, 32, 64, 128)  # Gated DeltaNet key dims compiled
 GDN_CHUNK_KEY_DIMS = (32, 64, 128)  # key dims of the chunked GDN prefill kernels (multiples of 32)
 KV_CACHE_TYPES = ("f16", "q8_0")  # KV caches attention.cu reads directly (modules attention_<type>)
@@ -118,13 +115,11 @@ def module_specs() -> list[ModuleSpec]:
     specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew),
                             ("gdn_gates", "rope_neox", "split_cols")))
     att = [f"flash_prefill{v}<{d}>" for v in ("", "_g") for d in HEAD_DIMS]
-    att += [f"flash_decode{v}<{d}, {g}>" for v in ("", "_batch", "_t") for d in HEAD_DIMS for g in DECODE_GROUPS]
+    att += [f"flash_decode{v}<{d}, {g}>" for v in ("", "_batch") for d in HEAD_DIMS for g in DECODE_GROUPS]
     specs.append(ModuleSpec("attention", ("attention.cu", "attn_prep.cu"), tuple(att),
                             ("flash_merge", "flash_merge_len", "kv_append", "attn_prep", "attn_prep_batch")))
     # the same prefill/decode kernels over f16 and q8_0 caches (kv_f16.cu / kv_q8_0.cu define the loads)
     typed = tuple(f"flash_prefill_g<{d}>" for d in HEAD_DIMS) + tuple(f"flash_decode{v}<{d}, {g}>" for v in ("", "_batch") for d in HEAD_DIMS for g in DECODE_GROUPS)
-    typed += tuple(f"flash_decode_v<256, {g}, {u}, {pf}, {mb}>" for g, u, pf, mb in DECODE_TRIALS)
-    typed += tuple(f"flash_decode_t<{d}, {g}>" for d in HEAD_DIMS for g in DECODE_GROUPS)
     for kv in KV_CACHE_TYPES:
         specs.append(ModuleSpec(f"attention_{kv}", (f"kv_{kv}.cu", "attention.cu", "attn_prep.cu"), typed,
                                 (f"kv_append_{kv}", "attn_prep", "attn_prep_batch")))

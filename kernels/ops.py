@@ -715,11 +715,6 @@ def sm_count() -> int:
 DECODE_BLOCKS_PER_SM = int(os.environ.get("MINECART_FD_BLOCKS", "3"))
 
 
-# decode kernels under trial: "t" (flash_decode_t), (U, PF, MINB) for flash_decode_v's instantiations
-# (build.DECODE_TRIALS), or None (flash_decode)
-DECODE_VARIANT: str | tuple[int, int, int] | None = os.environ.get("MINECART_FD_VARIANT") or None
-
-
 def decode_kernel(D: int, nh: int, n_kv: int) -> str:
     """The flash_decode instantiation for head dim D and nh / n_kv query heads per KV head (<= 8): the
     smallest compiled group size GM that holds them (registers scale with GM)."""
@@ -728,11 +723,6 @@ def decode_kernel(D: int, nh: int, n_kv: int) -> str:
     if gm is None or nh % n_kv:
         raise ValueError(f"decode attention serves up to {DECODE_GROUPS[-1]} query heads per KV head; "
                          f"got {nh} query heads over {n_kv} KV heads")
-    if DECODE_VARIANT == "t":
-        return f"flash_decode_t<{D}, {gm}>"
-    if isinstance(DECODE_VARIANT, tuple):
-        u, pf, mb = DECODE_VARIANT
-        return f"flash_decode_v<{D}, {gm}, {u}, {pf}, {mb}>"
     return f"flash_decode<{D}, {gm}>"
 
 

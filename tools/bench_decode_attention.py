@@ -4,9 +4,11 @@ microseconds a call and the cache bytes it reads a second, against the copy band
 same run. Run on the GPU machine from the repo root with minecart importable:
 
     python3 tools/bench_decode_attention.py [--ctx 1024,4096,16384] [--kv f16,q8_0] [--heads 16/4,24/4]
+        [--bps 2,3,4]
 
 --heads takes query heads / KV heads pairs (16/4: the 9B, 24/4: the 27B, 16/2: the 35B-A3B); the head
-dim is 256 (--dim). The figures are what issue 16's long-context decode target turns on: the step at 16K
+dim is 256 (--dim); --bps tries context splits of that many blocks per multiprocessor
+(ops.DECODE_BLOCKS_PER_SM), each checked against the first. The figures are what issue 16's long-context decode target turns on: the step at 16K
 pays this kernel in every full-attention layer.
 """
 
@@ -23,8 +25,6 @@ def main() -> None:
     ap.add_argument("--heads", default="16/4,24/4")
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--variants", default="base",
-                    help="comma-separated: base (flash_decode) or U:PF:MINB (flash_decode_v, build.DECODE_TRIALS)")
     ap.add_argument("--bps", default="", help="context slices: blocks per multiprocessor to try (default: ops')")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -56,28 +56,20 @@ def main() -> None:
                                                         want_q8=True, kv_type=kv)
 
                 ref = None
-                for variant in args.variants.split(","):
-                    ops.DECODE_VARIANT = (None if variant == "base" else variant if variant == "t"
-                                          else tuple(int(x) for x in variant.split(":")))
-                    for bps in [int(b) for b in args.bps.split(",") if b] or [keep_bps]:
-                        ops.DECODE_BLOCKS_PER_SM = bps
-                        try:
-                            out = call()[0]
-                        except Exception as e:  # noqa: BLE001 (a variant not compiled for this group size)
-                            print(f"{heads:>6} {kv:>5} ctx {ctx:>6} {variant:>8} bps {bps}: {type(e).__name__}")
-                            continue
-                        ref = out if ref is None else ref
-                        err = float(cp.abs(out - ref).max() / (cp.abs(ref).max() + 1e-30))
-                        t = probe.time_gpu(call, args.reps)
-                        read = (kc.nbytes + vc.nbytes) * ctx / cap
-                        row = {"heads": heads, "kv": kv, "ctx": ctx, "variant": variant, "bps": bps,
-                               "us": round(t * 1e6, 2), "cache_gbs": round(read / t / 1e9, 1),
-                               "of_copy": round(read / t / 1e9 / copy, 3), "rel_err_vs_first": err}
-                        rows.append(row)
-                        print(f"{heads:>6} {kv:>5} ctx {ctx:>6} {variant:>8} bps {bps}: {row['us']:8.2f} us  "
-                              f"{row['cache_gbs']:7.1f} GB/s  {row['of_copy']:.2f} of copy  err {err:.1e}",
-                              flush=True)
-                ops.DECODE_VARIANT, ops.DECODE_BLOCKS_PER_SM = None, keep_bps
+                for bps in [int(b) for b in args.bps.split(",") if b] or [keep_bps]:
+                    ops.DECODE_BLOCKS_PER_SM = bps
+                    out = call()[0]
+                    ref = out if ref is None else ref  # the other splits of the context against the first
+                    err = float(cp.abs(out - ref).max() / (cp.abs(ref).max() + 1e-30))
+                    t = probe.time_gpu(call, args.reps)
+                    read = (kc.nbytes + vc.nbytes) * ctx / cap
+                    row = {"heads": heads, "kv": kv, "ctx": ctx, "bps": bps, "us": round(t * 1e6, 2),
+                           "cache_gbs": round(read / t / 1e9, 1), "of_copy": round(read / t / 1e9 / copy, 3),
+                           "rel_err_vs_first": err}
+                    rows.append(row)
+                    print(f"{heads:>6} {kv:>5} ctx {ctx:>6} bps {bps}: {row['us']:8.2f} us  "
+                          f"{row['cache_gbs']:7.1f} GB/s  {row['of_copy']:.2f} of copy  err {err:.1e}", flush=True)
+                ops.DECODE_BLOCKS_PER_SM = keep_bps
                 del kc, vc
                 cp.get_default_memory_pool().free_all_blocks()
     if args.json:
