@@ -529,8 +529,8 @@ __device__ __forceinline__ void flash_decode_body(
     }
     __syncthreads();
     const i64 row_stride = (i64)n_kv * D;
-    const KV_ELEM* kb = kc + (i64)kvh * D;
-    const KV_ELEM* vb = vc + (i64)kvh * D;
+    const i64 head = (i64)kvh * D;  // this KV head's first value in a row (an element index: a q8_0 row's
+                                    // bytes are not its values, kv_raw4 maps the one to the other)
     const int kj = lane / LPK, kq = lane % LPK;
     kv_raw4_t kraw[NU], vraw[FT_KEYS][NCH];
     int t0 = lo + w * FT_KEYS;
@@ -538,13 +538,13 @@ __device__ __forceinline__ void flash_decode_body(
         bool ok = t0 + kj < hi;
 #pragma unroll
         for (int i = 0; i < NU; i++)
-            kraw[i] = ok ? kv_raw4(kb, (i64)(t0 + kj) * row_stride + 4 * (LPK * i + kq)) : kv_raw4_zero();
+            kraw[i] = ok ? kv_raw4(kc, (i64)(t0 + kj) * row_stride + head + 4 * (LPK * i + kq)) : kv_raw4_zero();
 #pragma unroll
         for (int j = 0; j < FT_KEYS; j++)
 #pragma unroll
             for (int c = 0; c < NCH; c++) {
                 int c4 = lane + 32 * c;
-                vraw[j][c] = t0 + j < hi && c4 < D / 4 ? kv_raw4(vb, (i64)(t0 + j) * row_stride + 4 * c4)
+                vraw[j][c] = t0 + j < hi && c4 < D / 4 ? kv_raw4(vc, (i64)(t0 + j) * row_stride + head + 4 * c4)
                                                        : kv_raw4_zero();
             }
     }
@@ -573,7 +573,7 @@ __device__ __forceinline__ void flash_decode_body(
             bool ok = tn + kj < hi;
 #pragma unroll
             for (int i = 0; i < NU; i++)
-                kraw[i] = ok ? kv_raw4(kb, (i64)(tn + kj) * row_stride + 4 * (LPK * i + kq)) : kv_raw4_zero();
+                kraw[i] = ok ? kv_raw4(kc, (i64)(tn + kj) * row_stride + head + 4 * (LPK * i + kq)) : kv_raw4_zero();
         }
         const bool valid = t0 + kj < hi;
 #pragma unroll
@@ -625,7 +625,7 @@ __device__ __forceinline__ void flash_decode_body(
 #pragma unroll
             for (int c = 0; c < NCH; c++) {
                 int c4 = lane + 32 * c;
-                vraw[j][c] = tn + j < hi && c4 < D / 4 ? kv_raw4(vb, (i64)(tn + j) * row_stride + 4 * c4)
+                vraw[j][c] = tn + j < hi && c4 < D / 4 ? kv_raw4(vc, (i64)(tn + j) * row_stride + head + 4 * c4)
                                                        : kv_raw4_zero();
             }
     }

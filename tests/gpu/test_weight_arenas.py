@@ -133,8 +133,8 @@ def test_device_memory_after_the_load_is_the_plans(path):
     pool = cp.get_default_memory_pool()
     warm = _backend()
     load_model(path, backend=warm).close()  # kernel modules loaded, outside the pool, before the baseline
-    warm.release_cached()  # the kernels' per-thread activation caches too: earlier tests' arrays, which the
-    del warm  # measured load could free and reuse; with its graphs, gone before the baseline
+    warm.release_cached()  # its graphs and the kernels' per-thread activation caches
+    del warm  # gone before the baseline
     be = _backend()  # a fresh backend: nothing of the warm-up's can be freed during the measured load
     used0, total0, _ = _settle(pool)
     with load_model(path, backend=be) as model:
@@ -144,7 +144,11 @@ def test_device_memory_after_the_load_is_the_plans(path):
         grown = total1 - total0
         print(f"{path.name}: pool grew {grown / MiB:.2f} MiB, {len(arenas)} arenas "
               f"{sum(m.size for m in arenas.values()) / MiB:.2f} MiB, pool used {(_settle(pool)[2]) / MiB:.2f} MiB")
-        assert 0 <= grown - sum(m.size for m in arenas.values()) < MiB  # the arenas, nothing else kept
+        # the arenas, nothing else kept; the pool may fill a free page of a chunk that an earlier test's
+        # small array keeps (free_all_blocks returns only whole free chunks): after the 27B-wide tests the
+        # tiny fixture's load grew the pool by 28 MiB for its 28 MiB of arenas in one run (v19), by 26 in
+        # two others (v20)
+        assert -PAGE <= grown - sum(m.size for m in arenas.values()) < MiB
         b = _plan(model).bytes_per_device()["cuda:0"]
         planned = b.weights + b.rounding
         print(f"{path.name}: pool grew {grown / MiB:.2f} MiB, planned {planned / MiB:.2f} MiB (rounding "
