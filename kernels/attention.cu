@@ -8,7 +8,7 @@
 //   one head per block, key tiles of 32; scores from D-chunks of 32 staged in shared memory, then P @ V
 //   with each thread owning one query row and D/4 output columns.
 // flash_decode:  one query token; a block per (KV head, slice of the context) serves all G query heads
-//   of that KV head (K and V read once; key tiles split over lanes for the scores, columns for P V), writing fp32 partials (o unnormalized, running max m, sum l);
+//   of that KV head (K and V read once, the next keys in flight while these compute), writing fp32 partials (o unnormalized, running max m, sum l);
 //   flash_merge combines the slices: m = max m_s, l = sum e^(m_s - m) l_s, o = sum e^(m_s - m) o_s / l.
 //   fp32 partials are deliberate (fp16 partials drift and flip argmax within ~30 tokens).
 
@@ -464,27 +464,70 @@ __device__ __forceinline__ void fd_merge_warps(float4 (&o)[GM][(D / 4 + 31) / 32
     }
 }
 
+// Sum each of a[0..N) over the warp, scattered: on return a[0] of lane l is the full sum of value
+// (l >> (5 - log2 N)) & (N - 1) (N a power of two <= 32; 2 lanes or more hold each value).
+template <int N, int OFF>
+__device__ __forceinline__ void scatter_sum(float* a, int lane) {
+    if constexpr (OFF > 0) {
+        if constexpr (N > 1) {
+            const bool up = (lane & OFF) != 0;
+#pragma unroll
+            for (int i = 0; i < N / 2; i++) {
+                float send = up ? a[i] : a[i + N / 2];
+                float keep = up ? a[i + N / 2] : a[i];
+                a[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+            }
+            scatter_sum<N / 2, OFF / 2>(a, lane);
+        } else {
+            a[0] += __shfl_xor_sync(0xffffffffu, a[0], OFF);
+            scatter_sum<1, OFF / 2>(a, lane);
+        }
+    }
+}
+
+template <int N>
+__device__ constexpr int ilog2() {
+    if constexpr (N <= 1)
+        return 0;
+    else
+        return 1 + ilog2<N / 2>();
+}
+
+template <int U, int NCH, int D>
+__device__ __forceinline__ void fd_load(const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc, int t0,
+                                        int hi, i64 row_stride, int kvh, int lane, kv_raw4_t (&kr)[U][NCH],
+                                        kv_raw4_t (&vr)[U][NCH]) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+#pragma unroll
+        for (int c = 0; c < NCH; c++) {
+            int c4 = lane + 32 * c;
+            bool ok = t0 + u < hi && c4 < D / 4;
+            i64 e = (i64)(t0 + u) * row_stride + (i64)kvh * D + 4 * c4;
+            kr[u][c] = ok ? kv_raw4(kc, e) : kv_raw4_zero();
+            vr[u][c] = ok ? kv_raw4(vc, e) : kv_raw4_zero();
+        }
+    }
+}
+
 // flash_decode<D, GM>: one block of 4 warps per (KV head, context slice), serving the G <= GM query
-// heads of that KV head, so each K/V row is read once for the whole GQA group, in the cache's own type
-// (kv_raw4: 16-byte fp32, 8-byte f16 or a q8_0 block's scale and 4 bytes; widened to fp32 in registers
-// by kv_widen4 where used). A warp takes FT_KEYS keys at a time (a tile; its warps' tiles interleave).
-// Scores: the LPK = 32 / FT_KEYS lanes of key j (4 lanes, 8 with 8 heads) split its row, lane r loading
-// values 4 (LPK i + r)..+3, so one load instruction reads every key of the tile as a contiguous run, and
-// each lane sums q . k over its values for every head in fp32 (q from shared memory); log2(LPK) shuffles
-// finish a score. The tile's maximum per head is log2(FT_KEYS) shuffles; each lane exps its own key's
-// scores once, keeps a running max m (the warp's), a running sum l (its key slot's share, summed over the
-// slots at the end) and the unnormalized output o, and puts the probabilities in shared memory, from
-// which the product with V reads them: there the lane owns output columns 4 (lane + 32 c)..+3 of every
-// head (V rows read as whole contiguous runs). The next tile's K is loaded while this tile's softmax and
-// P V run, its V while the next scores run, so one tile of the cache is always in flight, with no
-// barrier in the key loop. The kernel before it (one warp sum per key and head, every lane repeating the
-// softmax) issued about 3x the instructions a key and was bound by them (BENCHMARKS.md v20). At the end
-// the 4 warps' (m, l, o) are merged in warp order through shared memory (deterministic) into the slice's
-// partials po, pm, pl for the merge kernels.
-// FT_KEYS: 8 keys a tile (4 lanes a key) for up to 4 heads a KV head, 4 keys (8 lanes a key) for 8 heads,
-// whose 64 output accumulators a lane leave fewer registers for the tile.
+// heads of that KV head, so each K/V row is read once for the whole GQA group. Each warp takes U keys at a
+// time (fd_keys: 4, 2 with 8 heads), groups of keys interleaved over the warps; lane l holds the values
+// 4l..4l+3 (+128 per chunk) of a row, so a warp's load is one contiguous run of the row, loaded in the
+// cache's own type (kv_raw4: 16-byte fp32, 8-byte f16 or a q8_0 block's scale and 4 bytes) and widened to
+// fp32 in registers where used (kv_widen4). The next step's keys are loaded, as stored, while this step
+// computes, so the cache streams with no barrier in the key loop. The G x U partial dot products of a step
+// are summed over the warp by one reduce-scatter (scatter_sum: log2(G U) halving exchanges, then plain
+// sums) that leaves each (head, key) score with a pair of lanes; a head's max over its keys is log2(U)
+// shuffles, each lane exps its own score once, and G + G U shuffles hand every lane the heads' maxima and
+// the probabilities for P V (fp32 throughout). The kernel before (v19) summed each (key, head) with its
+// own warp sum and repeated the softmax in every lane, with no load in flight during the compute: 46.2
+// us at 16K for the 9B's heads against 37.5 now (BENCHMARKS.md v20). Each warp keeps its own running max
+// m, sum l and unnormalized output o (G x D/32 values per lane); at the end the 4 warps' (m, l, o) are
+// merged in warp order through shared memory (deterministic) into the slice's partials po, pm, pl.
+// Keys a warp takes at a time: 4, or 2 with 8 heads a KV head (registers: 168 either way, 3 blocks an SM).
 template <int GM>
-__device__ constexpr int ft_keys() { return GM >= 8 ? 4 : 8; }
+__device__ constexpr int fd_keys() { return GM >= 8 ? 2 : 4; }
 
 template <int D, int GM>
 __device__ __forceinline__ void flash_decode_body(
@@ -499,14 +542,15 @@ __device__ __forceinline__ void flash_decode_body(
     if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
     split_len = fd_split_len(split_len, kv_len, gridDim.y);
     if (blockIdx.y * split_len >= kv_len) return;
-    constexpr int FT_KEYS = ft_keys<GM>();
-    constexpr int LPK = 32 / FT_KEYS;       // lanes a key for the scores
-    constexpr int NU = D / (4 * LPK);       // K units (4 values) a lane loads of its key's row
-    constexpr int NCH = (D / 4 + 31) / 32;  // V units a lane owns: 4 (lane + 32 c)..+3 (D = 64: lanes < 16)
+    constexpr int U = fd_keys<GM>();
+    constexpr int NCH = (D / 4 + 31) / 32;  // 4-value chunks per lane (D = 64: lanes 16..31 hold none)
+    constexpr int N = GM * U;  // partial dot products a warp step: value g * U + u
+    constexpr int L = ilog2<N>();
+    static_assert((N & (N - 1)) == 0 && N <= 32, "GM * U must be a power of two <= 32");
+    constexpr int SH = 5 - L;  // lane l holds value l >> SH after scatter_sum
     __shared__ float4 qs[GM][D / 4];
     __shared__ float s_m[FD_WARPS][GM], s_l[FD_WARPS][GM];
     __shared__ float s_o[GM][D];
-    __shared__ float sp[FD_WARPS][8][GM];
     int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
     int kvh = blockIdx.x, split = blockIdx.y;
     int G = nh / n_kv;
@@ -519,7 +563,7 @@ __device__ __forceinline__ void flash_decode_body(
     int lo = split * split_len, hi = min(kv_len, lo + split_len);
     if (window > 0) lo = max(lo, p - window + 1);
     float4 o[GM][NCH];
-    float m_run[GM], l_run[GM];  // l_run: this lane's key slot's share until the end
+    float m_run[GM], l_run[GM];
 #pragma unroll
     for (int g = 0; g < GM; g++) {
         m_run[g] = NEG_BIG;
@@ -529,115 +573,101 @@ __device__ __forceinline__ void flash_decode_body(
     }
     __syncthreads();
     const i64 row_stride = (i64)n_kv * D;
-    const i64 head = (i64)kvh * D;  // this KV head's first value in a row (an element index: a q8_0 row's
-                                    // bytes are not its values, kv_raw4 maps the one to the other)
-    const int kj = lane / LPK, kq = lane % LPK;
-    kv_raw4_t kraw[NU], vraw[FT_KEYS][NCH];
-    int t0 = lo + w * FT_KEYS;
-    {
-        bool ok = t0 + kj < hi;
+    const int my_v = lane >> SH, my_g = my_v / U, my_u = my_v % U;
+    kv_raw4_t kn[U][NCH], vn[U][NCH];  // the next step's keys, in flight while this step computes
+    int t0 = lo + w * U;
+    fd_load<U, NCH, D>(kc, vc, t0, hi, row_stride, kvh, lane, kn, vn);
+    for (; t0 < hi; t0 += FD_WARPS * U) {
+        kv_raw4_t kr[U][NCH], vr[U][NCH];
 #pragma unroll
-        for (int i = 0; i < NU; i++)
-            kraw[i] = ok ? kv_raw4(kc, (i64)(t0 + kj) * row_stride + head + 4 * (LPK * i + kq)) : kv_raw4_zero();
+        for (int u = 0; u < U; u++)
 #pragma unroll
-        for (int j = 0; j < FT_KEYS; j++)
+            for (int c = 0; c < NCH; c++) {
+                kr[u][c] = kn[u][c];
+                vr[u][c] = vn[u][c];
+            }
+        fd_load<U, NCH, D>(kc, vc, t0 + FD_WARPS * U, hi, row_stride, kvh, lane, kn, vn);
+        float a[N];
+#pragma unroll
+        for (int i = 0; i < N; i++) a[i] = 0.0f;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
 #pragma unroll
             for (int c = 0; c < NCH; c++) {
                 int c4 = lane + 32 * c;
-                vraw[j][c] = t0 + j < hi && c4 < D / 4 ? kv_raw4(vc, (i64)(t0 + j) * row_stride + head + 4 * c4)
-                                                       : kv_raw4_zero();
-            }
-    }
-    for (; t0 < hi; t0 += FD_WARPS * FT_KEYS) {
-        float s[GM];
-#pragma unroll
-        for (int g = 0; g < GM; g++) s[g] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NU; i++) {
-            float4 kk = kv_widen4(kraw[i]);
-#pragma unroll
-            for (int g = 0; g < GM; g++) {
-                if (g < G) {
-                    float4 qq = qs[g][LPK * i + kq];
-                    float x = s[g];
-                    x = fmaf(qq.x, kk.x, x);
-                    x = fmaf(qq.y, kk.y, x);
-                    x = fmaf(qq.z, kk.z, x);
-                    x = fmaf(qq.w, kk.w, x);
-                    s[g] = x;
-                }
-            }
-        }
-        const int tn = t0 + FD_WARPS * FT_KEYS;  // the next tile: its K in flight from here
-        {
-            bool ok = tn + kj < hi;
-#pragma unroll
-            for (int i = 0; i < NU; i++)
-                kraw[i] = ok ? kv_raw4(kc, (i64)(tn + kj) * row_stride + head + 4 * (LPK * i + kq)) : kv_raw4_zero();
-        }
-        const bool valid = t0 + kj < hi;
-#pragma unroll
-        for (int g = 0; g < GM; g++) {
-            float x = s[g];
-#pragma unroll
-            for (int off = 1; off < LPK; off <<= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-            x = valid ? x * scale : NEG_BIG;
-            float mx = x;
-#pragma unroll
-            for (int off = LPK; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            float m_new = fmaxf(m_run[g], mx);
-            float alpha = __expf(m_run[g] - m_new);
-            m_run[g] = m_new;
-            float pr = valid ? __expf(x - m_new) : 0.0f;
-            l_run[g] = l_run[g] * alpha + pr;
-            if (kq == 0) sp[w][kj][g] = pr;
-#pragma unroll
-            for (int c = 0; c < NCH; c++) {
-                o[g][c].x *= alpha;
-                o[g][c].y *= alpha;
-                o[g][c].z *= alpha;
-                o[g][c].w *= alpha;
-            }
-        }
-        __syncwarp();
-#pragma unroll
-        for (int j = 0; j < FT_KEYS; j++) {
-#pragma unroll
-            for (int c = 0; c < NCH; c++) {
-                if (lane + 32 * c < D / 4) {
-                    float4 vv = kv_widen4(vraw[j][c]);
+                if (c4 < D / 4) {
+                    float4 kk = kv_widen4(kr[u][c]);
 #pragma unroll
                     for (int g = 0; g < GM; g++) {
                         if (g < G) {
-                            float pg = sp[w][j][g];
-                            o[g][c].x = fmaf(pg, vv.x, o[g][c].x);
-                            o[g][c].y = fmaf(pg, vv.y, o[g][c].y);
-                            o[g][c].z = fmaf(pg, vv.z, o[g][c].z);
-                            o[g][c].w = fmaf(pg, vv.w, o[g][c].w);
+                            float4 qq = qs[g][c4];
+                            float x = a[g * U + u];
+                            x = fmaf(qq.x, kk.x, x);
+                            x = fmaf(qq.y, kk.y, x);
+                            x = fmaf(qq.z, kk.z, x);
+                            x = fmaf(qq.w, kk.w, x);
+                            a[g * U + u] = x;
                         }
                     }
                 }
             }
         }
-        __syncwarp();  // sp is written again by the next tile
+        scatter_sum<N, 16>(a, lane);
+        float s = t0 + my_u < hi ? a[0] * scale : NEG_BIG;
+        float mx = s;
 #pragma unroll
-        for (int j = 0; j < FT_KEYS; j++)
+        for (int j = 0; j < ilog2<U>(); j++) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, (1 << SH) << j));
+        float alpha[GM], m_mine = NEG_BIG;
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            float m_new = fmaxf(m_run[g], __shfl_sync(0xffffffffu, mx, (g * U) << SH));
+            alpha[g] = __expf(m_run[g] - m_new);
+            m_run[g] = m_new;
+            if (g == my_g) m_mine = m_new;
+        }
+        float pme = t0 + my_u < hi ? __expf(s - m_mine) : 0.0f;
+        float pv[N];
+#pragma unroll
+        for (int i = 0; i < N; i++) pv[i] = __shfl_sync(0xffffffffu, pme, i << SH);
+#pragma unroll
+        for (int g = 0; g < GM; g++) {
+            float ls = 0.0f;
+#pragma unroll
+            for (int u = 0; u < U; u++) ls += pv[g * U + u];
+            l_run[g] = l_run[g] * alpha[g] + ls;
 #pragma unroll
             for (int c = 0; c < NCH; c++) {
-                int c4 = lane + 32 * c;
-                vraw[j][c] = tn + j < hi && c4 < D / 4 ? kv_raw4(vc, (i64)(tn + j) * row_stride + head + 4 * c4)
-                                                       : kv_raw4_zero();
+                o[g][c].x *= alpha[g];
+                o[g][c].y *= alpha[g];
+                o[g][c].z *= alpha[g];
+                o[g][c].w *= alpha[g];
             }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                if (lane + 32 * c < D / 4) {
+                    float4 vv = kv_widen4(vr[u][c]);
+#pragma unroll
+                    for (int g = 0; g < GM; g++) {
+                        if (g < G) {
+                            float pu = pv[g * U + u];
+                            o[g][c].x = fmaf(pu, vv.x, o[g][c].x);
+                            o[g][c].y = fmaf(pu, vv.y, o[g][c].y);
+                            o[g][c].z = fmaf(pu, vv.z, o[g][c].z);
+                            o[g][c].w = fmaf(pu, vv.w, o[g][c].w);
+                        }
+                    }
+                }
+            }
+        }
     }
-#pragma unroll
-    for (int g = 0; g < GM; g++)  // the key slots' sums (the lanes of a slot hold the same)
-#pragma unroll
-        for (int off = LPK; off < 32; off <<= 1) l_run[g] += __shfl_xor_sync(0xffffffffu, l_run[g], off);
     fd_merge_warps<D, GM>(o, m_run, l_run, s_m, s_l, s_o, po, pm, pl, split, nh, h0, G, tid, lane, w);
 }
 
 template <int D, int GM>
-__global__ void __launch_bounds__(128) flash_decode(
+__global__ void __launch_bounds__(128, 3) flash_decode(
         const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
         int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
@@ -651,7 +681,7 @@ __global__ void __launch_bounds__(128) flash_decode(
 // which the n_splits slices are sized as in a captured graph (split_len 0); its partials are the slab s of
 // po (B, n_splits, nh, D), pm and pl (B, n_splits, nh).
 template <int D, int GM>
-__global__ void __launch_bounds__(128) flash_decode_batch(
+__global__ void __launch_bounds__(128, 3) flash_decode_batch(
         const float* __restrict__ q, const KV_ELEM* const* __restrict__ kcs, const KV_ELEM* const* __restrict__ vcs,
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl, int nh, int n_kv,
         const int* __restrict__ kv_lens, float scale, int window) {

@@ -710,9 +710,10 @@ def sm_count() -> int:
 
 
 # context slices of a single-token flash_decode: about this many blocks per multiprocessor over the
-# KV heads, one wave at 141 registers a thread (kernels/probe.py op_breakdown times 2-8 at 16K; on the
-# H200, f16 cache: 2: 43.2 us, 3: 41.8, 4: 50.7, 6: 49.5, 8: 63.2; env MINECART_FD_BLOCKS overrides)
-DECODE_BLOCKS_PER_SM = int(os.environ.get("MINECART_FD_BLOCKS", "3"))
+# KV heads (the kernel fits 3 at its 168 registers a thread; tools/bench_decode_attention.py --bps 2,3,4 on
+# the H200, f16 cache, 16K: 9B heads 37.5 / 39.6 / 45.8 us, 27B 53.3 / 55.1 / 64.9, 35B-A3B 45.4 / 48.2 /
+# 48.2, BENCHMARKS.md v20; env MINECART_FD_BLOCKS overrides)
+DECODE_BLOCKS_PER_SM = int(os.environ.get("MINECART_FD_BLOCKS", "2"))
 
 
 def decode_kernel(D: int, nh: int, n_kv: int) -> str:
@@ -727,8 +728,8 @@ def decode_kernel(D: int, nh: int, n_kv: int) -> str:
 
 
 def decode_partials(kc, kv_len: int, nh: int, D: int, kv_len_ptr=None):
-    """The context split of a single-token flash_decode and its partial buffers: about six blocks per
-    multiprocessor over the n_kv heads; with kv_len_ptr (graph replay) as many splits as the whole
+    """The context split of a single-token flash_decode and its partial buffers: DECODE_BLOCKS_PER_SM
+    blocks per multiprocessor over the n_kv heads; with kv_len_ptr (graph replay) as many splits as the whole
     capacity needs and split_len 0, so the kernel sizes the slices for the device-side length (splits
     past it exit at once). Returns (n_splits, split_len, po, pm, pl)."""
     n_kv = kc.shape[1]
@@ -768,8 +769,7 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
     out = cp.empty((T, nh, D), dtype=cp.float32)
     G = nh // n_kv
     if T == 1 and G <= 8:
-        # Split the context so that there are about six blocks per multiprocessor: each block streams
-        # its slice through shared memory with no overlap of load and compute, so occupancy hides latency.
+        # Split the context into DECODE_BLOCKS_PER_SM blocks per multiprocessor over the KV heads.
         n_splits, split_len, po, pm, pl = decode_partials(kc, kv_len, nh, D, kv_len_ptr)
         get_kernel(module, decode_kernel(D, nh, n_kv))(
             (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
