@@ -1486,10 +1486,11 @@ SMALL_KERNEL_EFFICIENCY = 0.50  # recurrent state traffic (gdn_decode), of spec 
 MOE_DECODE_SECONDS = 2 * 2.5e-6
 EXPERT_DECODE_EFFICIENCY = 0.30
 # Attention's read of the KV cache in decode, of spec bandwidth, by cache type: flash_decode at 16K
-# context (n_kv 4, D 256, docs/BENCHMARKS.md v10) f32 65 us for 134 MB and f16 41.8 us for 67 MB beyond
-# its 6.7 us at an empty context (2.3 and 1.9 TB/s: 0.48, 0.40); q8_0 105 us for 35.7 MB (0.076, its
-# 2-byte scale loads); q3 not measured since its rewrite (the earlier fused figure, 0.17).
-KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.40, "q8_0": 0.076, "q3": 0.17}
+# context beyond 1,000 keys (n_kv 4, D 256; tools/bench_decode_attention.py, docs/BENCHMARKS.md v20): f16
+# 37.79 - 12.28 us for 63.0 MB (2.47 TB/s: 0.51), q8_0 44.97 - 13.14 us for 33.5 MB (1.05 TB/s: 0.22);
+# f32 65 us for 134 MB beyond 6.7 us (v10, the kernel before: 0.48); q3 not measured since its rewrite
+# (the earlier fused figure, 0.17).
+KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.51, "q8_0": 0.22, "q3": 0.17}
 # The CPU (NumPy backend) reads its float32 weights with BLAS: bytes only, at CPU_DECODE_EFFICIENCY;
 # routed experts held in host RAM run on the integer kernels of engine/cpu_experts.py for each token
 # (inside the GPU's decode graph as host functions, engine/experts.py), priced by their active bytes at
