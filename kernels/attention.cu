@@ -8,7 +8,8 @@
 //   one head per block, key tiles of 32; scores from D-chunks of 32 staged in shared memory, then P @ V
 //   with each thread owning one query row and D/4 output columns.
 // flash_decode:  one query token; a block per (KV head, slice of the context) serves all G query heads
-//   of that KV head (K and V read once, the next keys in flight while these compute), writing fp32 partials (o unnormalized, running max m, sum l);
+//   of that KV head (K and V read once, the next keys in flight while these compute), writing fp32
+//   partials (o unnormalized, running max m, sum l);
 //   flash_merge combines the slices: m = max m_s, l = sum e^(m_s - m) l_s, o = sum e^(m_s - m) o_s / l.
 //   fp32 partials are deliberate (fp16 partials drift and flip argmax within ~30 tokens).
 
@@ -525,7 +526,9 @@ __device__ __forceinline__ void fd_load(const KV_ELEM* __restrict__ kc, const KV
 // us at 16K for the 9B's heads against 37.5 now (BENCHMARKS.md v20). Each warp keeps its own running max
 // m, sum l and unnormalized output o (G x D/32 values per lane); at the end the 4 warps' (m, l, o) are
 // merged in warp order through shared memory (deterministic) into the slice's partials po, pm, pl.
-// Keys a warp takes at a time: 4, or 2 with 8 heads a KV head (registers: 168 either way, 3 blocks an SM).
+//
+// fd_keys: keys a warp takes at a time, 4, or 2 with 8 heads a KV head (168 registers either way, so 3
+// blocks an SM).
 template <int GM>
 __device__ constexpr int fd_keys() { return GM >= 8 ? 2 : 4; }
 

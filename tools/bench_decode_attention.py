@@ -8,8 +8,8 @@ same run. Run on the GPU machine from the repo root with minecart importable:
 
 --heads takes query heads / KV heads pairs (16/4: the 9B, 24/4: the 27B, 16/2: the 35B-A3B); the head
 dim is 256 (--dim); --bps tries context splits of that many blocks per multiprocessor
-(ops.DECODE_BLOCKS_PER_SM), each checked against the first. The figures are what issue 16's long-context decode target turns on: the step at 16K
-pays this kernel in every full-attention layer.
+(ops.DECODE_BLOCKS_PER_SM), each checked against the first. The figures are what issue 16's long-context
+decode target turns on: the step at 16K pays this kernel in every full-attention layer.
 """
 
 from __future__ import annotations
