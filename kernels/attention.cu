@@ -403,16 +403,22 @@ __device__ __forceinline__ int fd_split_len(int split_len, int kv_len, int n_spl
 
 #define FD_WARPS 4
 
+// The 4-value chunks of a D-wide head each lane holds in flash_decode (D = 64: lanes 16..31 hold none).
+template <int D>
+__device__ constexpr int fd_chunks() {
+    return (D / 4 + 31) / 32;
+}
+
 // The end of a flash_decode block: its FD_WARPS warps' (m, l, o) merged in warp order through shared
 // memory (M = the maxima's maximum, each warp's o and l scaled by e^(m_w - M)) into the slice's partials.
 template <int D, int GM>
-__device__ __forceinline__ void fd_merge_warps(float4 (&o)[GM][(D / 4 + 31) / 32], float (&m_run)[GM],
+__device__ __forceinline__ void fd_merge_warps(float4 (&o)[GM][fd_chunks<D>()], float (&m_run)[GM],
                                                float (&l_run)[GM], float (&s_m)[FD_WARPS][GM],
                                                float (&s_l)[FD_WARPS][GM], float (&s_o)[GM][D],
                                                float* __restrict__ po, float* __restrict__ pm,
                                                float* __restrict__ pl, int split, int nh, int h0, int G, int tid,
                                                int lane, int w) {
-    constexpr int NCH = (D / 4 + 31) / 32;
+    constexpr int NCH = fd_chunks<D>();
     // merge the 4 warps: M = max of their maxima, each warp's o and l scaled by e^(m_w - M), summed in
     // warp order
     if (lane == 0) {
@@ -494,10 +500,11 @@ __device__ constexpr int ilog2() {
         return 1 + ilog2<N / 2>();
 }
 
-template <int U, int NCH, int D>
+template <int U, int D>
 __device__ __forceinline__ void fd_load(const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc, int t0,
-                                        int hi, i64 row_stride, int kvh, int lane, kv_raw4_t (&kr)[U][NCH],
-                                        kv_raw4_t (&vr)[U][NCH]) {
+                                        int hi, i64 row_stride, int kvh, int lane,
+                                        kv_raw4_t (&kr)[U][fd_chunks<D>()], kv_raw4_t (&vr)[U][fd_chunks<D>()]) {
+    constexpr int NCH = fd_chunks<D>();
 #pragma unroll
     for (int u = 0; u < U; u++) {
 #pragma unroll
@@ -546,7 +553,7 @@ __device__ __forceinline__ void flash_decode_body(
     split_len = fd_split_len(split_len, kv_len, gridDim.y);
     if (blockIdx.y * split_len >= kv_len) return;
     constexpr int U = fd_keys<GM>();
-    constexpr int NCH = (D / 4 + 31) / 32;  // 4-value chunks per lane (D = 64: lanes 16..31 hold none)
+    constexpr int NCH = fd_chunks<D>();
     constexpr int N = GM * U;  // partial dot products a warp step: value g * U + u
     constexpr int L = ilog2<N>();
     static_assert((N & (N - 1)) == 0 && N <= 32, "GM * U must be a power of two <= 32");
@@ -579,7 +586,7 @@ __device__ __forceinline__ void flash_decode_body(
     const int my_v = lane >> SH, my_g = my_v / U, my_u = my_v % U;
     kv_raw4_t kn[U][NCH], vn[U][NCH];  // the next step's keys, in flight while this step computes
     int t0 = lo + w * U;
-    fd_load<U, NCH, D>(kc, vc, t0, hi, row_stride, kvh, lane, kn, vn);
+    fd_load<U, D>(kc, vc, t0, hi, row_stride, kvh, lane, kn, vn);
     for (; t0 < hi; t0 += FD_WARPS * U) {
         kv_raw4_t kr[U][NCH], vr[U][NCH];
 #pragma unroll
@@ -589,7 +596,7 @@ __device__ __forceinline__ void flash_decode_body(
                 kr[u][c] = kn[u][c];
                 vr[u][c] = vn[u][c];
             }
-        fd_load<U, NCH, D>(kc, vc, t0 + FD_WARPS * U, hi, row_stride, kvh, lane, kn, vn);
+        fd_load<U, D>(kc, vc, t0 + FD_WARPS * U, hi, row_stride, kvh, lane, kn, vn);
         float a[N];
 #pragma unroll
         for (int i = 0; i < N; i++) a[i] = 0.0f;
