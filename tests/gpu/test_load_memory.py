@@ -19,7 +19,7 @@ from minecart.engine.placement import KQUANT_REPACK_CHUNK, KQUANT_REPACK_FACTOR
 
 cp = pytest.importorskip("cupy")
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.fresh_process]  # pool measurements (conftest.py)
 
 SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_0": 34 * 8}  # bytes per 256 values
 TYPE_IDS = {"Q4_K": Q.Q4_K, "Q5_K": Q.Q5_K, "Q6_K": Q.Q6_K, "Q8_0": Q.Q8_0}
