@@ -238,6 +238,9 @@ def _stubs() -> dict[str, dict]:
             "gated_attention": lambda self, qg, k, v, *a, **kw: zeros((qg.shape[0], qg.shape[1] * v.shape[2])),
         },
         "swiglu": {"swiglu": lambda self, gate, up: zeros(gate.shape)},
+        "MoE blocks (routing, routed and shared experts)": {
+            "moe_block": lambda self, x, *a, **k: zeros(x.shape),
+        },
         "matmuls (every GEMV)": {
             "matmul": lambda self, x, w: zeros((x.shape[0], rows(w)), q8=False),
             "matmul_many": lambda self, x, ws: [zeros((x.shape[0], rows(w)), q8=False) for w in ws],
