@@ -14,6 +14,8 @@ guessed), recomputed on every edit. For an MoE model, "Experts in host RAM" puts
 experts on the CPU, and a block's context menu moves the experts of the selected layers alone
 (Placement.experts, "layer.N" -> device; a layer marked "+X" keeps its experts on the host, and
 their GPU streams them through two staging buffers for prefill); the lanes and the prediction follow.
+A GPU's "Use" box leaves the card out of automatic plans (`LayerMapModel.excluded`: Auto-split, and the
+first plan of a model the window selects); unticking a card that holds layers re-plans on the others.
 
 Not here: loading, or planning beyond the engine's own placement functions.
 """
@@ -148,6 +150,7 @@ class LayerMapModel(QAbstractItemModel):
     plan_changed = Signal()
     auto_split_running = Signal(bool)  # an auto-split is being planned on a worker thread
     auto_split_failed = Signal(str)
+    exclusion_changed = Signal()  # a card was left out of automatic plans, or taken back in
 
     def __init__(self, devices: list[DeviceInfo], parent=None):
         super().__init__(parent)
@@ -158,6 +161,7 @@ class LayerMapModel(QAbstractItemModel):
         self.undo_stack = QUndoStack(self)  # every edit of the plan, for Ctrl+Z / Ctrl+Shift+Z
         self._auto_seq = 0  # the newest auto-split asked for; an older one's result is dropped
         self._auto_base: pl.Placement | None = None  # the plan that newest auto-split started from
+        self.excluded: set[str] = set()  # GPUs the user left out: automatic plans do not use them
 
     # ---- data in and out ----------------------------------------------------------------------------
     def set_devices(self, devices: list[DeviceInfo]) -> None:
@@ -198,6 +202,27 @@ class LayerMapModel(QAbstractItemModel):
 
     def device_specs(self) -> list[pl.DeviceSpec]:
         return [device_spec(d) for d in self.devices if d.kind != "missing"]
+
+    def auto_specs(self) -> list[pl.DeviceSpec]:
+        """The devices an automatic plan may use: those present, less the GPUs the user left out."""
+        return [device_spec(d) for d in self.devices if d.kind != "missing" and d.id not in self.excluded]
+
+    def set_excluded(self, device_id: str, excluded: bool) -> bool:
+        """Leave a GPU out of automatic plans (Auto-split, a new model's first plan) or take it back in.
+        Leaving out a card that holds part of the plan re-plans on the others at once (an Auto-split,
+        one undo step). Only GPUs can be left out: the CPU is where everything else goes. False when
+        nothing changed."""
+        dev = next((d for d in self.devices if d.id == device_id), None)
+        if dev is None or dev.kind != "cuda" or (device_id in self.excluded) == excluded:
+            return False
+        if excluded:
+            self.excluded.add(device_id)
+        else:
+            self.excluded.discard(device_id)
+        self.exclusion_changed.emit()
+        if excluded and self.plan is not None and device_id in self.plan.devices_holding():
+            self.auto_split_later()
+        return True
 
     def bytes_per_device(self) -> dict[str, pl.DeviceBytes]:
         return self.plan.bytes_per_device() if self.plan is not None else {}
@@ -293,6 +318,7 @@ class LayerMapModel(QAbstractItemModel):
         sel = sorted(set(int(i) for i in part_indices))
         if all(self.plan.assignment[i] == device for i in sel):
             return False
+        self.set_excluded(device, False)  # layers put on a card by hand: it is in use again
         targets = [i for i, d in enumerate(self.plan.assignment) if d == device]
         indices = sel
         if self.keep_contiguous and targets:
@@ -315,7 +341,7 @@ class LayerMapModel(QAbstractItemModel):
         if self.plan is None:
             return
         # on the calling thread: tests and scripts; the window uses auto_split_later
-        auto = fewest_devices_plan(self.plan.costs, self.device_specs(), context=context or self.plan.context,
+        auto = fewest_devices_plan(self.plan.costs, self.auto_specs(), context=context or self.plan.context,
                                    chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
                                    n_sequences=self.plan.n_sequences, experts=dict(self.plan.experts))
         self._edit("auto-split the layers", lambda plan: _become(plan, auto))
@@ -331,7 +357,7 @@ class LayerMapModel(QAbstractItemModel):
         if self.plan is None:
             return
         base = self.plan.copy()
-        specs = self.device_specs()
+        specs = self.auto_specs()
         settings = dict(context=context or base.context, chunk=base.chunk, kv_type=kv_type or base.kv_type,
                         n_sequences=base.n_sequences, experts=dict(base.experts))
         self._auto_seq += 1
@@ -721,6 +747,16 @@ class DeviceLane(QFrame):
         sub = QLabel(" · ".join(sub_bits))
         sub.setObjectName("Subtle")
         head.addWidget(sub)
+        self.use: QCheckBox | None = None  # GPUs only: whether automatic plans may use this card
+        if dev.kind == "cuda":
+            self.use = QCheckBox("Use")
+            self.use.setChecked(dev.id not in model.excluded)
+            self.use.setToolTip("Untick to leave this card out: its layers move to the other devices, and "
+                                "Auto-split and new models' plans do not use it (dragging layers here "
+                                "takes it back in)")
+            self.use.toggled.connect(lambda on, d=dev.id: model.set_excluded(d, not on))
+            model.exclusion_changed.connect(self._sync_use)
+            head.addWidget(self.use)
         self.numbers = QLabel()
         self.numbers.setObjectName("Subtle")
         self.numbers.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
@@ -740,6 +776,15 @@ class DeviceLane(QFrame):
         self.view.setRootIndex(model.index(row, 0))
         lay.addWidget(self.view)
         model.modelReset.connect(self._reroot)
+
+    def _sync_use(self) -> None:
+        if self.use is None or self.row >= len(self.model.devices):
+            return
+        used = self.model.devices[self.row].id not in self.model.excluded
+        if self.use.isChecked() != used:
+            self.use.blockSignals(True)
+            self.use.setChecked(used)
+            self.use.blockSignals(False)
 
     def _reroot(self) -> None:
         if self.row < self.model.rowCount():
@@ -774,6 +819,9 @@ class DeviceLane(QFrame):
                                  f"{format_bytes(cap)} free  ·  " + "  ·  ".join(parts))
             # a narrow window clips the line: the tooltip keeps every number
             self.numbers.setToolTip(f"{format_bytes(need)} of {format_bytes(cap)} free: " + ", ".join(parts))
+        elif dev.id in self.model.excluded:
+            self.numbers.setText(f"left out  ·  {format_bytes(cap)} free — tick Use to plan with this card")
+            self.numbers.setToolTip("Auto-split and new models' plans do not use this card")
         elif dev.source == "simulated":
             self.numbers.setText(f"empty  ·  {format_bytes(cap)} free — a simulated card: for planning only")
             self.numbers.setToolTip("MINECART_SIMULATE_DEVICES cards exist only on paper; a plan that uses "
@@ -929,6 +977,7 @@ class LayerMapPanel(QWidget):
         model.auto_split_failed.connect(lambda msg: self.hint.setText(f"Auto-split failed: {msg}"))
         self.apply_btn.clicked.connect(self._apply)
         model.plan_changed.connect(self.refresh)
+        model.exclusion_changed.connect(self.refresh)
         model.modelReset.connect(self._maybe_rebuild_lanes)
         self._rebuild_lanes()
         self.refresh()

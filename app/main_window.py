@@ -304,8 +304,12 @@ class MainWindow(QMainWindow):
         self.library = LibraryPanel(self.settings.get("model_folders", []), include_defaults, include_demo)
         self.layer_model = LayerMapModel(self.devices, self)
         self.layer_model.keep_contiguous = bool(self.settings.get("keep_layers_contiguous", True))
+        self.layer_model.excluded = {str(d) for d in self.settings.get("excluded_devices", [])}
         self.layers = LayerMapPanel(self.layer_model)
         self.layers.contiguous.setChecked(self.layer_model.keep_contiguous)
+        self.layers.contiguous.toggled.connect(lambda on: self._save_setting("keep_layers_contiguous", bool(on)))
+        self.layer_model.exclusion_changed.connect(
+            lambda: self._save_setting("excluded_devices", sorted(self.layer_model.excluded)))
         self.devices_panel = DevicesPanel(lambda: self.devices if self._simulated else available_devices())
         # pyqtgraph takes seconds to import: the Performance page is built the first time it is shown
         self.graphs = None
@@ -468,7 +472,8 @@ class MainWindow(QMainWindow):
         self._plan_path = None
         self._plan_error = None
         self._update_top()
-        th = CostsThread(s.path, self.devices, self.settings.plan_for(s.path),
+        used = [d for d in self.devices if d.id not in self.layer_model.excluded]  # the cards left out stay out
+        th = CostsThread(s.path, used, self.settings.plan_for(s.path),
                          int(self.settings.get("context_length", 4096)), self)
         th.done.connect(self._costs_ready)
         th.finished.connect(lambda: self._costs_threads.discard(th))
@@ -742,7 +747,12 @@ class MainWindow(QMainWindow):
         self.statusBar().showMessage(note, 12000)
 
     def _folders_changed(self, folders: list) -> None:
-        self.settings["model_folders"] = list(folders)
+        self._save_setting("model_folders", list(folders))
+
+    def _save_setting(self, key: str, value) -> None:
+        """Set one setting and write the file (a settings folder that cannot be written keeps it for
+        this run only)."""
+        self.settings[key] = value
         try:
             self.settings.save()
         except OSError:

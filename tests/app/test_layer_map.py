@@ -234,3 +234,49 @@ def test_layer_moves_undo_and_redo(qtbot, two_gpus, tiny_model):
     assert model.undo_stack.index() == 1
     model.set_plan(model.plan)  # another plan shown (a load): earlier edits are not undone into it
     assert not model.undo_stack.canUndo()
+
+
+def test_leaving_a_card_out(qtbot, two_gpus, tiny_model):
+    """A GPU's "Use" box: unticked, the card's layers move to the other devices at once (an Auto-split,
+    one undo step) and later Auto-splits leave it out; the lane says so. The CPU has no such box.
+    Dragging layers onto the card takes it back in."""
+    model, panel = _panel(qtbot, two_gpus, tiny_model)
+    model.set_plan(pl.Placement.single(model.plan.costs, "cuda:0"))
+    lane = panel.lanes[0]
+    assert lane.use is not None and lane.use.isChecked()
+    assert panel.lanes[2].use is None  # the CPU
+    lane.use.setChecked(False)
+    assert model.excluded == {"cuda:0"}
+    qtbot.waitUntil(lambda: panel.auto_btn.isEnabled() and "cuda:0" not in model.plan.devices_used(), timeout=5000)
+    assert model.plan.devices_used() == ["cuda:1"]  # it fits the other card: the CPU stays out
+    assert "left out" in panel.lanes[0].numbers.text()
+    model.undo_stack.undo()  # the re-plan was one edit
+    assert model.plan.devices_used() == ["cuda:0"] and model.excluded == {"cuda:0"}
+    panel.auto_btn.click()
+    qtbot.waitUntil(lambda: panel.auto_btn.isEnabled(), timeout=5000)
+    assert "cuda:0" not in model.plan.devices_used()
+    # by hand: the head dragged onto the card takes the card back in, and its box follows
+    model.keep_contiguous = False
+    assert model.move_parts([len(model.plan.assignment) - 1], "cuda:0")
+    assert model.excluded == set() and panel.lanes[0].use.isChecked()
+    assert not model.set_excluded("cpu:0", True) and "cpu:0" not in model.excluded
+
+
+def test_cards_left_out_are_remembered_and_stay_out_of_a_new_plan(qtbot, two_gpus, tiny_model, make_bridge):
+    from minecart.app.main_window import MainWindow
+    from minecart.app.settings import Settings
+
+    win = MainWindow(settings=Settings(), bridge=make_bridge(), devices=two_gpus, scan_defaults=False,
+                     include_demo=False)
+    qtbot.addWidget(win)
+    win.layer_model.set_excluded("cuda:0", True)
+    win.layers.contiguous.setChecked(False)
+    # a new window (settings read from disk): the card is still out, the first plan avoids it
+    win2 = MainWindow(settings=Settings(), bridge=make_bridge(), devices=two_gpus, scan_defaults=False,
+                      include_demo=False)
+    qtbot.addWidget(win2)
+    assert win2.layer_model.excluded == {"cuda:0"} and not win2.layer_model.keep_contiguous
+    win2.select_model(tiny_model)
+    qtbot.waitUntil(lambda: win2.layer_model.plan is not None, timeout=10000)
+    assert "cuda:0" not in win2.layer_model.plan.devices_used()
+    assert not win2.layers.lanes[0].use.isChecked()
