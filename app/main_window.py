@@ -472,8 +472,7 @@ class MainWindow(QMainWindow):
         self._plan_path = None
         self._plan_error = None
         self._update_top()
-        used = [d for d in self.devices if d.id not in self.layer_model.excluded]  # the cards left out stay out
-        th = CostsThread(s.path, used, self.settings.plan_for(s.path),
+        th = CostsThread(s.path, self.planning_devices(), self.settings.plan_for(s.path),
                          int(self.settings.get("context_length", 4096)), self)
         th.done.connect(self._costs_ready)
         th.finished.connect(lambda: self._costs_threads.discard(th))
@@ -745,6 +744,11 @@ class MainWindow(QMainWindow):
         self.layers.context.setFocus(Qt.FocusReason.OtherFocusReason)
         self.layers.context.selectAll()
         self.statusBar().showMessage(note, 12000)
+
+    def planning_devices(self) -> list[DeviceInfo]:
+        """This machine's devices less the GPUs left out in the layer map: what a new plan (a selected
+        model's first plan, the download page's fit) may use."""
+        return [d for d in self.devices if d.id not in self.layer_model.excluded]
 
     def _folders_changed(self, folders: list) -> None:
         self._save_setting("model_folders", list(folders))

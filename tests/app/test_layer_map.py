@@ -276,6 +276,8 @@ def test_cards_left_out_are_remembered_and_stay_out_of_a_new_plan(qtbot, two_gpu
                       include_demo=False)
     qtbot.addWidget(win2)
     assert win2.layer_model.excluded == {"cuda:0"} and not win2.layer_model.keep_contiguous
+    # the download page's fit is judged on the devices a plan may use
+    assert [d.id for d in win2.cockpit.download._devices()] == ["cuda:1", "cpu:0"]
     win2.select_model(tiny_model)
     qtbot.waitUntil(lambda: win2.layer_model.plan is not None, timeout=10000)
     assert "cuda:0" not in win2.layer_model.plan.devices_used()
