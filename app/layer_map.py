@@ -341,9 +341,9 @@ class LayerMapModel(QAbstractItemModel):
         if self.plan is None:
             return
         # on the calling thread: tests and scripts; the window uses auto_split_later
-        auto = fewest_devices_plan(self.plan.costs, self.auto_specs(), context=context or self.plan.context,
-                                   chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
-                                   n_sequences=self.plan.n_sequences, experts=dict(self.plan.experts))
+        auto = auto_split_plan(self.plan.costs, self.auto_specs(), context=context or self.plan.context,
+                               chunk=self.plan.chunk, kv_type=kv_type or self.plan.kv_type,
+                               n_sequences=self.plan.n_sequences, experts=dict(self.plan.experts))
         self._edit("auto-split the layers", lambda plan: _become(plan, auto))
 
     @property
@@ -363,7 +363,7 @@ class LayerMapModel(QAbstractItemModel):
         self._auto_seq += 1
         seq = self._auto_seq
         self._auto_base = base
-        job = Job(lambda _progress, _cancel: (seq, fewest_devices_plan(base.costs, specs, **settings)),
+        job = Job(lambda _progress, _cancel: (seq, auto_split_plan(base.costs, specs, **settings)),
                   error_types=(pl.PlacementError,))
         job.finished_ok.connect(self._auto_split_ready)
         job.failed.connect(self._auto_split_error)
@@ -1173,22 +1173,30 @@ def initial_plan(costs: pl.ModelCosts, devices: list[DeviceInfo], saved: dict | 
             return plan, "restored your saved plan"
         except Exception as exc:
             note = f"saved plan ignored: {exc}"
-    return fewest_devices_plan(costs, [device_spec(d) for d in devices], context=context,
-                               kv_type=DEFAULT_KV_TYPE), note
+    return auto_split_plan(costs, [device_spec(d) for d in devices], context=context,
+                           kv_type=DEFAULT_KV_TYPE), note
 
 
-def fewest_devices_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec],
-                        experts: dict[str, str] | None = None, **settings) -> pl.Placement:
-    """Split over as few devices as hold the model: the first GPU, then the first two, ..., then all GPUs
-    and the CPU last. A layer split does not make one stream faster, and every extra device adds a hop
-    over the PCIe link (x1 risers on mining rigs), so fewer is better. If nothing fits, everything is
-    used and the plan's warnings say by how much it overflows. experts: where MoE layers' routed experts
-    stay when apart ("layer.N" -> "cpu:0" = host RAM; absent = with their layers); the layers are split
-    around them."""
+def auto_split_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec],
+                    experts: dict[str, str] | None = None, **settings) -> pl.Placement:
+    """The plan Auto-split makes, and a model's first plan. When every GPU's speed is known (a card
+    profile or the probe), the fastest plan that fits, then the one with the longest context (engine
+    plan_candidates: every device order and leading subset, each riser's crossings priced; a split
+    does not make one stream faster, so a plan over fewer devices wins unless more are faster): a 9B
+    goes on the 16 GiB HBM2 card, not the 8 GiB one listed first. Otherwise, or when no candidate fits,
+    as few devices as hold the model: the first GPU, then the first two, ..., then all GPUs and the CPU
+    last. If nothing fits, everything is used and the plan's warnings say by how much it overflows.
+    experts: where MoE layers' routed experts stay when apart ("layer.N" -> "cpu:0" = host RAM; absent =
+    with their layers); the layers are split around them."""
     gpus = [s for s in specs if s.is_cuda]
     order = gpus + [s for s in specs if not s.is_cuda]
     if not order:
         raise pl.PlacementError("no devices to place the model on")
+    if gpus and all(s.speed is not None for s in gpus):
+        fastest = next((c.plan for c in pl.plan_candidates(costs, order, experts=experts, **settings)
+                        if not _errors(c.plan, order)), None)
+        if fastest is not None:
+            return fastest
     plan = None
     for k in range(1, len(order) + 1):
         if experts:
@@ -1206,5 +1214,5 @@ def _errors(plan: pl.Placement, specs: list[pl.DeviceSpec]) -> bool:
     return any(i.severity == "error" for i in pl.validate(plan, specs))
 
 
-__all__ = ["DEFAULT_KV_TYPE", "LayerMapModel", "LayerMapPanel", "costs_for_file", "fewest_devices_plan",
+__all__ = ["DEFAULT_KV_TYPE", "LayerMapModel", "LayerMapPanel", "costs_for_file", "auto_split_plan",
            "initial_plan", "runnable_kv_type", "runnable_plan", "MIME_PARTS"]

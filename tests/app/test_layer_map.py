@@ -191,23 +191,24 @@ def test_item_model_passes_qt_model_tester(qtmodeltester, two_gpus, tiny_model):
 
 
 def test_auto_split_uses_the_fewest_devices_that_fit(two_gpus, tiny_model):
+    """Cards of unknown speed (no profile): as few devices as hold the model, in the order given."""
     from dataclasses import replace
 
-    from minecart.app.layer_map import device_spec, fewest_devices_plan
+    from minecart.app.layer_map import auto_split_plan, device_spec
 
     costs = _costs(tiny_model)
     specs = [device_spec(d) for d in two_gpus]
-    assert fewest_devices_plan(costs, specs).devices_used() == ["cuda:0"]  # fits on the first card
+    assert auto_split_plan(costs, specs).devices_used() == ["cuda:0"]  # fits on the first card
     # the first card too small for all of it: the second one joins, the CPU stays out
     one = pl.Placement.single(costs, "cuda:0").bytes_per_device()["cuda:0"].total
     # the first card cannot hold it all: the second card is brought in, the CPU stays out
     tight = [replace(specs[0], free_bytes=one - costs.weight_bytes // 2)] + specs[1:]
-    plan = fewest_devices_plan(costs, tight)
+    plan = auto_split_plan(costs, tight)
     assert "cuda:1" in plan.devices_used() and "cpu:0" not in plan.devices_used()
     assert plan.is_contiguous() and not [i for i in pl.validate(plan, tight) if i.severity == "error"]
     # no card big enough: the CPU takes the rest
     tiny = [replace(s, free_bytes=int(one * 0.55)) if s.is_cuda else s for s in specs]
-    assert "cpu:0" in fewest_devices_plan(costs, tiny).devices_used()
+    assert "cpu:0" in auto_split_plan(costs, tiny).devices_used()
 
 
 def test_layer_moves_undo_and_redo(qtbot, two_gpus, tiny_model):
@@ -282,3 +283,35 @@ def test_cards_left_out_are_remembered_and_stay_out_of_a_new_plan(qtbot, two_gpu
     qtbot.waitUntil(lambda: win2.layer_model.plan is not None, timeout=10000)
     assert "cuda:0" not in win2.layer_model.plan.devices_used()
     assert not win2.layers.lanes[0].use.isChecked()
+
+
+def test_auto_split_takes_the_fastest_cards_that_fit():
+    """Cards with profiles (a P104-100 listed first, a CMP 100-210 second): the 9B shape fits either
+    alone, and Auto-split takes the plan the speed model says is fastest, the HBM2 card, where the
+    first-card-first rule put it on the P104-100 at less than half the predicted decode speed. Left
+    out, the CMP 100-210 is not used; the 27B shape, too big for either card, is split over both."""
+    from minecart.app.layer_map import auto_split_plan
+    from minecart.engine.devices import DeviceInfo
+    from minecart.engine.placement import costs_for_shape
+
+    gib = 1 << 30
+    devs = [DeviceInfo(id="cuda:0", kind="cuda", name="NVIDIA P104-100", total_bytes=8 * gib, used_bytes=gib // 4,
+                       free_bytes=8 * gib - gib // 4, compute_capability=(6, 1), source="nvml"),
+            DeviceInfo(id="cuda:1", kind="cuda", name="NVIDIA CMP 100-210", total_bytes=16 * gib,
+                       used_bytes=gib // 4, free_bytes=16 * gib - gib // 4, compute_capability=(7, 0), source="nvml"),
+            DeviceInfo(id="cpu:0", kind="cpu", name="Test CPU", total_bytes=32 * gib, used_bytes=4 * gib,
+                       free_bytes=28 * gib, extra={"threads": 8}, source="os")]
+    model = LayerMapModel(devs)
+    specs = model.auto_specs()
+    assert all(s.speed is not None for s in specs if s.is_cuda)
+    costs = costs_for_shape("qwen3.5-9b", "Q4_K")
+    plan = auto_split_plan(costs, specs, context=8192, kv_type="f16")
+    assert plan.devices_used() == ["cuda:1"]
+    first = pl.Placement.single(costs, "cuda:0", context=8192, kv_type="f16")
+    assert not [i for i in pl.validate(first, specs) if i.severity == "error"]  # it would have fitted
+    assert pl.predict_speed(plan, specs).decode_tokens_per_s > 2 * pl.predict_speed(first, specs).decode_tokens_per_s
+    model.excluded.add("cuda:1")
+    assert auto_split_plan(costs, model.auto_specs(), context=8192, kv_type="f16").devices_used() == ["cuda:0"]
+    big = auto_split_plan(costs_for_shape("qwen3.5-27b", "Q4_K"), specs, context=8192, kv_type="f16")
+    assert {"cuda:0", "cuda:1"} <= set(big.devices_used())
+    assert not [i for i in pl.validate(big, specs) if i.severity == "error"]

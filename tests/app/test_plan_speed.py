@@ -145,7 +145,9 @@ def test_auto_split_keeps_the_experts_in_host_ram(qtbot, moe_path):
     panel.auto_btn.click()
     qtbot.waitUntil(lambda: model.plan.devices_used() != ["cpu:0"], timeout=5000)
     assert model.plan.experts_device == "cpu:0" and panel.experts_host.isChecked()
-    assert set(model.plan.devices_used()) == {"cuda:0"}  # one card holds the layers without the experts
+    # the cards hold the layers without the experts (the speed-aware search: one card would fit only
+    # just, the two at the same predicted speed leave a longer context, the issue's second objective)
+    assert set(model.plan.devices_used()) <= {"cuda:0", "cuda:1"}
     assert not [i for i in model.issues() if i.severity == "error"]
 
 
@@ -161,8 +163,8 @@ def test_auto_split_is_planned_off_the_gui_thread(qtbot, monkeypatch):
     devices = _rig()
     costs = pl.costs_for_shape("qwen3.5-27b", "Q4_K")
     model, panel = _panel(qtbot, devices, pl.Placement.single(costs, "cpu:0"))
-    real = layer_map.fewest_devices_plan
-    monkeypatch.setattr(layer_map, "fewest_devices_plan", lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1])
+    real = layer_map.auto_split_plan
+    monkeypatch.setattr(layer_map, "auto_split_plan", lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1])
     with Heartbeat() as hb:
         panel.auto_btn.click()
         qtbot.waitUntil(lambda: panel.auto_btn.isEnabled(), timeout=10000)
