@@ -11,7 +11,9 @@ loaded model with it (MainWindow), and after a load the map shows the engine's p
 Under the title the panel shows the plan's predicted decode and prefill tokens/s (engine predict_speed,
 each card priced from its resources/gpu_profiles.json profile; a card without one is named instead of
 guessed), recomputed on every edit. For an MoE model, "Experts in host RAM" puts every layer's routed
-experts on the CPU, and a block's context menu moves the experts of the selected layers alone
+experts on the CPU, and each MoE layer's routed experts are a block of their own ("X12", beside their
+layer, or in the CPU's lane when in host RAM) that drags to the CPU and back, as a block's context menu
+moves the experts of the selected layers alone
 (Placement.experts, "layer.N" -> device; a layer marked "+X" keeps its experts on the host, and
 their GPU streams them through two staging buffers for prefill); the lanes and the prediction follow.
 A GPU's "Use" box leaves the card out of automatic plans (`LayerMapModel.excluded`: Auto-split, and the
@@ -192,13 +194,34 @@ class LayerMapModel(QAbstractItemModel):
         self.plan_changed.emit()
 
     def _rebuild(self) -> None:
+        """Each device row's children: the parts placed on it, in order, each MoE layer followed by its
+        routed experts' block where they sit with it; the experts kept apart from their layer (host
+        RAM) as blocks under the device holding them. A child is a code: a part index, or n_parts + i
+        for the routed experts of part i (expert_part)."""
         self._children = [[] for _ in self.devices]
         if self.plan is None:
             return
+        n = len(self.plan.assignment)
         row_of = {d.id: r for r, d in enumerate(self.devices)}
+        apart = []
         for i, dev in enumerate(self.plan.assignment):
             if dev in row_of:
                 self._children[row_of[dev]].append(i)
+            if self.plan.costs.parts[i].experts:
+                if self.plan.experts_of(i) == dev:
+                    if dev in row_of:
+                        self._children[row_of[dev]].append(n + i)
+                else:
+                    apart.append(i)
+        for i in apart:
+            dev = self.plan.experts_of(i)
+            if dev in row_of:
+                self._children[row_of[dev]].append(n + i)
+
+    def expert_part(self, code: int) -> int | None:
+        """The part whose routed experts child `code` is (its experts' block), or None for a part."""
+        n = len(self.plan.assignment) if self.plan is not None else 0
+        return code - n if code >= n else None
 
     def device_specs(self) -> list[pl.DeviceSpec]:
         return [device_spec(d) for d in self.devices if d.kind != "missing"]
@@ -309,6 +332,33 @@ class LayerMapModel(QAbstractItemModel):
             return False
         self.undo_stack.push(_PlanEdit(self, before, after, text))
         return True
+
+    def move_items(self, codes: list[int], device: str) -> bool:
+        """Move dragged or keyed children to `device`: the parts (move_parts) and the routed experts'
+        blocks (move_experts)."""
+        experts = [e for e in (self.expert_part(c) for c in codes) if e is not None]
+        parts = [c for c in codes if self.expert_part(c) is None]
+        moved = self.move_experts(experts, device) if experts else False
+        return (self.move_parts(parts, device) if parts else False) or moved
+
+    def experts_can_go(self, part_indices: list[int], device: str) -> bool:
+        """Whether these layers' routed experts may sit on `device`: host RAM (the CPU) or their own
+        layer's device (the engine runs experts apart from their layer only from host RAM)."""
+        if self.plan is None or not part_indices:
+            return False
+        cpu = any(d.id == device and d.kind == "cpu" for d in self.devices)
+        return cpu or all(self.plan.assignment[i] == device for i in part_indices)
+
+    def move_experts(self, part_indices: list[int], device: str) -> bool:
+        """The routed experts of these MoE layers to host RAM (device: the CPU) or back with their
+        layers (device: the layers' own), as one edit; False when nothing changed or the device can
+        hold neither (experts_can_go)."""
+        if self.plan is None:
+            return False
+        moe = sorted({i for i in part_indices if self.plan.costs.parts[i].experts})
+        if not moe or not self.experts_can_go(moe, device):
+            return False
+        return self.set_experts_apart(moe, any(d.id == device and d.kind == "cpu" for d in self.devices))
 
     def move_parts(self, part_indices: list[int], device: str) -> bool:
         """Move parts to `device`. With keep_contiguous, the parts between them and the device's nearest
@@ -455,6 +505,9 @@ class LayerMapModel(QAbstractItemModel):
                 b = self.bytes_per_device().get(dev.id)
                 return b.total if b else 0
             return None
+        layer = self.expert_part(part)
+        if layer is not None:
+            return self._experts_data(layer, part, role)
         cost = self.plan.costs.parts[part]
         if role == Qt.ItemDataRole.DisplayRole:
             return self.part_label(part)
@@ -471,7 +524,7 @@ class LayerMapModel(QAbstractItemModel):
                 where = "with the layer" if dev == self.plan.assignment[part] else f"on {dev}"
                 if dev.startswith("cpu:"):
                     where = f"in host RAM ({dev}), streamed to the GPU for prefill"
-                lines.append(f"routed experts {format_bytes(cost.expert_bytes)}, {where} · right-click to move them")
+                lines.append(f"routed experts {format_bytes(cost.expert_bytes)}, {where} · drag its X block or right-click to move them")
             lines.append(f"on {self.plan.assignment[part]} · drag to another device, or Alt+↑/↓")
             return "<br>".join(lines)
         if role == Qt.ItemDataRole.AccessibleTextRole:
@@ -484,6 +537,29 @@ class LayerMapModel(QAbstractItemModel):
             return self.plan.assignment[part]
         if role == BYTES_ROLE:
             return cost.weight_bytes
+        return None
+
+    def _experts_data(self, layer: int, code: int, role):
+        """data() of the routed experts' block of part `layer` (child code `code`)."""
+        cost = self.plan.costs.parts[layer]
+        dev = self.plan.experts_of(layer)
+        if role == Qt.ItemDataRole.DisplayRole:
+            return "X" + cost.name.split(".", 1)[1]
+        if role == Qt.ItemDataRole.ToolTipRole:
+            where = (f"in host RAM ({dev}), streamed to the GPU for prefill" if dev.startswith("cpu:")
+                     else f"with their layer on {dev}")
+            return (f"<b>{cost.name}</b> — its routed experts, {format_bytes(cost.expert_bytes)}, {where}"
+                    f"<br>drag to the CPU for host RAM, or back to the layer's device")
+        if role == Qt.ItemDataRole.AccessibleTextRole:
+            return f"routed experts of {cost.name} on {dev}"
+        if role == KIND_ROLE:
+            return "experts"
+        if role == PART_INDEX_ROLE:
+            return code
+        if role == DEVICE_ID_ROLE:
+            return dev
+        if role == BYTES_ROLE:
+            return cost.expert_bytes
         return None
 
     def flags(self, index):
@@ -518,14 +594,20 @@ class LayerMapModel(QAbstractItemModel):
             return []
 
     def canDropMimeData(self, data, action, row, column, parent):
-        return bool(self.parts_from_mime(data)) and self.device_row_of(parent) is not None
+        codes = self.parts_from_mime(data)
+        drow = self.device_row_of(parent)
+        if not codes or drow is None:
+            return False
+        experts = [e for e in (self.expert_part(c) for c in codes) if e is not None]
+        # experts' blocks alone go only where experts can sit: host RAM or their own layer's device
+        return len(experts) < len(codes) or self.experts_can_go(experts, self.devices[drow].id)
 
     def dropMimeData(self, data, action, row, column, parent):
-        parts = self.parts_from_mime(data)
+        codes = self.parts_from_mime(data)
         drow = self.device_row_of(parent)
-        if not parts or drow is None or action == Qt.DropAction.IgnoreAction:
+        if not codes or drow is None or action == Qt.DropAction.IgnoreAction:
             return False
-        self.move_parts(parts, self.devices[drow].id)
+        self.move_items(codes, self.devices[drow].id)
         # False: the move already happened here; the view must not also remove the source rows.
         return False
 
@@ -923,7 +1005,8 @@ class LayerMapPanel(QWidget):
         kinds.setSpacing(14)
         self.kind_swatches = {}
         for kind, text in (("embedding", "Embedding / LM head"), ("gdn", "Gated DeltaNet"),
-                           ("attention", "Full attention"), ("sliding", "Sliding window")):
+                           ("attention", "Full attention"), ("sliding", "Sliding window"),
+                           ("experts", "Routed experts (X: drag to the CPU for host RAM)")):
             self.kind_swatches[kind] = self._swatch(theme.KIND_COLORS[kind], text)
             kinds.addWidget(self.kind_swatches[kind])
         kinds.addStretch(1)
@@ -1036,7 +1119,7 @@ class LayerMapPanel(QWidget):
     def _move_dir(self, parts: list[int], row: int, direction: int) -> None:
         target = row + direction
         if 0 <= target < self.model.rowCount():
-            self.model.move_parts(parts, self.model.devices[target].id)
+            self.model.move_items(parts, self.model.devices[target].id)
             lane = self.lanes[target]
             lane.view.setFocus()
 
@@ -1046,9 +1129,10 @@ class LayerMapPanel(QWidget):
         menu = QMenu(self)
         for dev in self.model.devices:
             act = QAction(f"Move to {dev.name} ({dev.id})", menu)
-            act.triggered.connect(lambda _=False, d=dev.id: self.model.move_parts(parts, d))
+            act.triggered.connect(lambda _=False, d=dev.id: self.model.move_items(parts, d))
             menu.addAction(act)
-        moe = [i for i in parts if self.model.plan is not None and self.model.plan.costs.parts[i].experts]
+        layers = sorted({i if e is None else e for i, e in ((c, self.model.expert_part(c)) for c in parts)})
+        moe = [i for i in layers if self.model.plan is not None and self.model.plan.costs.parts[i].experts]
         if moe:
             menu.addSeparator()
             plan = self.model.plan
@@ -1092,6 +1176,8 @@ class LayerMapPanel(QWidget):
             lane.refresh(per, issues)
         has_plan = plan is not None
         present = {"embedding"} | (set(plan.costs.layer_kinds) if has_plan else set(KIND_NAMES))
+        if self.model.has_experts:
+            present.add("experts")
         for kind, swatch in self.kind_swatches.items():
             swatch.setVisible(kind in present)
         self.apply_btn.setEnabled(has_plan and not any(i.severity == "error" for i in issues))

@@ -34,6 +34,7 @@ KIND_COLORS = {
     "gdn": "#2bb3a3",
     "attention": "#f0a43a",
     "sliding": "#9b7cff",
+    "experts": "#c9708a",  # an MoE layer's routed experts (their own block in the layer map)
 }
 # Memory-bar segments.
 MEM_COLORS = {"weights": "#5b8def", "kv": "#f0a43a", "state": "#2bb3a3", "scratch": "#8d96a8", "overhead": "#4a5163",

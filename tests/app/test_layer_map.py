@@ -53,6 +53,7 @@ def test_model_tree_matches_plan(qtbot, two_gpus, tiny_model):
             kinds.add(idx.data(Qt.ItemDataRole.UserRole + 1))
             assert model.flags(idx) & Qt.ItemFlag.ItemIsDragEnabled
     assert {"embedding", "gdn", "attention", "head"} <= kinds
+    assert not panel.kind_swatches["experts"].isVisibleTo(panel)  # a dense model has no expert blocks
     assert model.flags(model.index(0, 0)) & Qt.ItemFlag.ItemIsDropEnabled
     assert len(panel.lanes) == 3
 

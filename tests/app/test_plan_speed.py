@@ -294,3 +294,46 @@ def test_one_layers_experts_to_host_ram_and_back(qtbot, moe_path):
     model.undo_stack.undo()  # the auto-split
     model.undo_stack.undo()  # the per-layer move
     assert model.plan.experts == {} and not model.part_label(first).endswith("+X")
+
+
+def test_expert_blocks_drag_to_host_ram_and_back(qtbot, qtmodeltester, moe_path):
+    """Each MoE layer's routed experts are a block of their own ("X<n>", kind "experts"), right after
+    their layer while they sit with it. Dragged onto the CPU's lane they go to host RAM (that layer
+    alone, one undo step; the layer says "+X", the block moves to the CPU lane); onto another GPU they
+    are refused (the engine runs experts apart only from host RAM); dragged back onto the layer's
+    card they rejoin it. The legend lists the experts' colour for an MoE model."""
+    from minecart.app.layer_map import KIND_ROLE
+
+    devices = _rig()
+    costs = costs_for_file(moe_path)
+    model, panel = _panel(qtbot, devices, pl.Placement.single(costs, "cuda:0"))
+    qtmodeltester.check(model, force_py=True)
+    n = len(costs.parts)
+    moe = [i for i, p in enumerate(costs.parts) if p.experts]
+    gpu = model.index(0, 0)
+    codes = [model.part_of(model.index(r, 0, gpu)) for r in range(model.rowCount(gpu))]
+    want = []
+    for i in range(n):
+        want += [i] + ([n + i] if i in moe else [])
+    assert codes == want
+    first = moe[0]
+    block = model.index(codes.index(n + first), 0, gpu)
+    assert block.data(Qt.ItemDataRole.DisplayRole) == "X" + costs.parts[first].name.split(".", 1)[1]
+    assert block.data(KIND_ROLE) == "experts" and "drag to the CPU" in block.data(Qt.ItemDataRole.ToolTipRole)
+    assert panel.kind_swatches["experts"].isVisibleTo(panel)
+
+    _drop(panel.lanes[2].view, [n + first], model)  # onto the CPU's lane
+    assert model.plan.experts == {costs.parts[first].name: "cpu:0"}
+    assert model.plan.assignment == ["cuda:0"] * n  # the layers stay
+    assert model.part_label(first).endswith("+X")
+    cpu = model.index(2, 0)
+    assert [model.part_of(model.index(r, 0, cpu)) for r in range(model.rowCount(cpu))] == [n + first]
+    assert model.undo_stack.count() == 1
+    # onto the other card: refused, nothing changes
+    mime = model.mimeData([model.index(0, 0, cpu)])
+    assert not model.canDropMimeData(mime, Qt.DropAction.MoveAction, -1, -1, model.index(1, 0))
+    assert not model.move_items([n + first], "cuda:1") and model.undo_stack.count() == 1
+    # back onto its layer's card
+    _drop(panel.lanes[0].view, [n + first], model)
+    assert model.plan.experts == {} and not model.part_label(first).endswith("+X")
+    qtmodeltester.check(model, force_py=True)
