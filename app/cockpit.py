@@ -40,7 +40,7 @@ class Cockpit(QWidget):
         lay.addWidget(self.tabs, 1)
         self.telemetry = TelemetryPanel(lambda: window.bridge.metrics, nvml=nvml)
         self.server = ServerPanel(lambda: window.bridge.runtime)
-        self.download = DownloadPanel(window.planning_devices, self.download_folder,
+        self.download = DownloadPanel(window.layer_model.planning_devices, self.download_folder,
                                       lambda: int(window.settings.get("context_length", 4096)))
         self.conversations = ConversationsPanel(window.chat.store)
         for widget, name in ((self.telemetry, "GPUs"), (self.server, "API server"),

@@ -226,9 +226,16 @@ class LayerMapModel(QAbstractItemModel):
     def device_specs(self) -> list[pl.DeviceSpec]:
         return [device_spec(d) for d in self.devices if d.kind != "missing"]
 
+    def planning_devices(self) -> list[DeviceInfo]:
+        """The devices a new plan may use (Auto-split, a selected model's first plan, the download page's
+        fit): those present, less the GPUs the user left out."""
+        return [d for d in self.devices if d.kind != "missing" and d.id not in self.excluded]
+
     def auto_specs(self) -> list[pl.DeviceSpec]:
-        """The devices an automatic plan may use: those present, less the GPUs the user left out."""
-        return [device_spec(d) for d in self.devices if d.kind != "missing" and d.id not in self.excluded]
+        return [device_spec(d) for d in self.planning_devices()]
+
+    def _is_cpu(self, device: str) -> bool:
+        return any(d.id == device and d.kind == "cpu" for d in self.devices)
 
     def set_excluded(self, device_id: str, excluded: bool) -> bool:
         """Leave a GPU out of automatic plans (Auto-split, a new model's first plan) or take it back in.
@@ -336,8 +343,13 @@ class LayerMapModel(QAbstractItemModel):
     def move_items(self, codes: list[int], device: str) -> bool:
         """Move dragged or keyed children to `device`: the parts (move_parts) and the routed experts'
         blocks (move_experts)."""
-        experts = [e for e in (self.expert_part(c) for c in codes) if e is not None]
-        parts = [c for c in codes if self.expert_part(c) is None]
+        experts, parts = [], []
+        for c in codes:
+            e = self.expert_part(c)
+            if e is None:
+                parts.append(c)
+            else:
+                experts.append(e)
         moved = self.move_experts(experts, device) if experts else False
         return (self.move_parts(parts, device) if parts else False) or moved
 
@@ -346,8 +358,7 @@ class LayerMapModel(QAbstractItemModel):
         layer's device (the engine runs experts apart from their layer only from host RAM)."""
         if self.plan is None or not part_indices:
             return False
-        cpu = any(d.id == device and d.kind == "cpu" for d in self.devices)
-        return cpu or all(self.plan.assignment[i] == device for i in part_indices)
+        return self._is_cpu(device) or all(self.plan.assignment[i] == device for i in part_indices)
 
     def move_experts(self, part_indices: list[int], device: str) -> bool:
         """The routed experts of these MoE layers to host RAM (device: the CPU) or back with their
@@ -358,7 +369,7 @@ class LayerMapModel(QAbstractItemModel):
         moe = sorted({i for i in part_indices if self.plan.costs.parts[i].experts})
         if not moe or not self.experts_can_go(moe, device):
             return False
-        return self.set_experts_apart(moe, any(d.id == device and d.kind == "cpu" for d in self.devices))
+        return self.set_experts_apart(moe, self._is_cpu(device))
 
     def move_parts(self, part_indices: list[int], device: str) -> bool:
         """Move parts to `device`. With keep_contiguous, the parts between them and the device's nearest

@@ -472,7 +472,7 @@ class MainWindow(QMainWindow):
         self._plan_path = None
         self._plan_error = None
         self._update_top()
-        th = CostsThread(s.path, self.planning_devices(), self.settings.plan_for(s.path),
+        th = CostsThread(s.path, self.layer_model.planning_devices(), self.settings.plan_for(s.path),
                          int(self.settings.get("context_length", 4096)), self)
         th.done.connect(self._costs_ready)
         th.finished.connect(lambda: self._costs_threads.discard(th))
@@ -599,10 +599,7 @@ class MainWindow(QMainWindow):
         self._loaded_experts_device = self._sent_plan.experts_device if self._sent_plan is not None else ""
         if self._sent_plan is not None and not self._fallback_note:
             self.settings.remember_plan(path, self._sent_plan.to_dict())  # it ran: keep it
-        try:
-            self.settings.save()
-        except OSError:
-            pass
+        self._write_settings()
         self.chat.set_model(True, info.name, info.has_vision, str(path), base_model=info.base_model)
         if self.graphs is not None:
             self.graphs.set_metrics(self.bridge.metrics)
@@ -745,18 +742,16 @@ class MainWindow(QMainWindow):
         self.layers.context.selectAll()
         self.statusBar().showMessage(note, 12000)
 
-    def planning_devices(self) -> list[DeviceInfo]:
-        """This machine's devices less the GPUs left out in the layer map: what a new plan (a selected
-        model's first plan, the download page's fit) may use."""
-        return [d for d in self.devices if d.id not in self.layer_model.excluded]
-
     def _folders_changed(self, folders: list) -> None:
         self._save_setting("model_folders", list(folders))
 
     def _save_setting(self, key: str, value) -> None:
-        """Set one setting and write the file (a settings folder that cannot be written keeps it for
-        this run only)."""
+        """Set one setting and write the file."""
         self.settings[key] = value
+        self._write_settings()
+
+    def _write_settings(self) -> None:
+        """Write the settings file (a settings folder that cannot be written keeps them for this run only)."""
         try:
             self.settings.save()
         except OSError:
@@ -819,10 +814,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, e):
         self.settings["window"] = {"width": self.width(), "height": self.height(),
                                    "page": PAGES[self.stack.currentIndex()]}
-        try:
-            self.settings.save()
-        except OSError:
-            pass
+        self._write_settings()
         for th in list(self._costs_threads) + list(self.library.summary_threads):
             th.wait(2000)
         wait_for_planning()
