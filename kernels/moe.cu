@@ -552,36 +552,31 @@ __global__ void __launch_bounds__(512) moe_dec_router(
     }
 }
 
-// The (value, index) pair that ranks first: larger value, ties to the lower index.
-__device__ __forceinline__ void moe_dec_argmax(float& v, int& i) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+// The rank of value v (index i) in the routing order among n (value, index) pairs: how many pairs rank
+// before it (a larger value, or an equal one at a lower index, as a stable sort puts them). NaN entries
+// rank before nothing (every comparison with them is false).
+__device__ __forceinline__ int moe_dec_rank(float v, int i, const float* cv, const int* ci, int n) {
+    int r = 0;
+    for (int j = 0; j < n; j++) {
+        float c = cv[j];
+        r += (c > v) | ((c == v) & (ci[j] < i));
     }
+    return r;
 }
 
-// The best (value, index) among sp[lane], sp[lane + 32], ...: the largest, the first of equal values
-// (indices ascend), -inf included; NaN entries (taken experts) never; (-inf, 0x7fffffff) when none is left.
-__device__ __forceinline__ void moe_dec_lane_best(const float* sp, int E, int lane, float& v, int& i) {
-    v = -INFINITY;
-    i = 0x7fffffff;
-    for (int e = lane; e < E; e += 32) {
-        float c = sp[e];
-        if (c > v || (i == 0x7fffffff && c == v)) { v = c; i = e; }
-    }
-}
-
-// Grid (F / 32, T k), 512 threads (16 warps), dynamic shared memory 4 E bytes.
-// Routing (warp 0 of every block, so no launch of its own): token t = p / k of pair p = blockIdx.y,
-// softmax over logits[t (E + 1) + e] (e < E), the k largest logits (ties to the lower expert index,
-// as a stable sort), weights p_e / max(sum of the k selected p, 6.1e-5). Every block computes the same
-// routing from the same logits; block (0, t k) writes ids[t k + j] and wts[t k + j] for j < k (what
-// moe_dec_down reads). Then the block computes h[p, 32 cb + l] = silu(gate . x) * (up . x) with expert
-// e = the (p % k)-th selected, x the q8_1 row t (gate row j of e: row e RG + j of the gate stack; up row
-// j: row e RU + up0 + j of the up stack, as moe_gate_up_q8), warp w columns 2 w and 2 w + 1, and warp 0
-// writes its q8_1 block (p, cb).
+// Grid (F / 32, T k), 512 threads (16 warps), dynamic shared memory 4 E bytes (E <= 512: one logit a thread).
+// Routing (in every block, so no launch of its own): token t = p / k of pair p = blockIdx.y, softmax over
+// logits[t (E + 1) + e] (e < E), the k largest logits (ties to the lower expert index, as a stable sort),
+// weights p_e / max(sum of the k selected p, 6.1e-5). In three parallel steps: each thread loads one logit
+// and finds its rank within its warp (32 shuffles); each warp's first k become candidates (a top-k entry
+// is always among its warp's top k); the candidates' ranks among themselves are their global ranks below
+// k. Warp 0 meanwhile takes the softmax's max and sum (lane-strided, then over the warp). NaN logits are
+// never selected; ranks no logit fills (fewer than k that are not NaN) take expert E - 1 with weight 0.
+// Every block computes the same routing from the same logits; block (0, t k) writes ids[t k + j] and
+// wts[t k + j] for j < k (what moe_dec_down reads). Then the block computes h[p, 32 cb + l] =
+// silu(gate . x) * (up . x) with expert e = the (p % k)-th selected, x the q8_1 row t (gate row j of e:
+// row e RG + j of the gate stack; up row j: row e RU + up0 + j of the up stack, as moe_gate_up_q8), warp w
+// columns 2 w and 2 w + 1, and warp 0 writes its q8_1 block (p, cb).
 template <int QG, int QU>
 __global__ void __launch_bounds__(512) moe_dec_gate_up(
         const float* __restrict__ logits, int E, int k, const u8* __restrict__ gq, const u16* __restrict__ gd,
@@ -591,43 +586,59 @@ __global__ void __launch_bounds__(512) moe_dec_gate_up(
         float* __restrict__ hs) {
     extern __shared__ float sp_route[];
     __shared__ int ssel[MOE_DEC_MAXK];
+    __shared__ float sselv[MOE_DEC_MAXK];
+    __shared__ float cand_v[16 * MOE_DEC_MAXK];
+    __shared__ int cand_i[16 * MOE_DEC_MAXK];
     __shared__ float sh[32];
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = blockIdx.y;
     int t = p / k, slot = p - t * k;
     int cb = blockIdx.x;
-    if (w == 0) {
-        const float* l = logits + (i64)t * (E + 1);
-        float mx = -INFINITY;
-        for (int e = lane; e < E; e += 32) {
-            float v = l[e];
-            sp_route[e] = v;
-            mx = fmaxf(mx, v);
+    int e0 = threadIdx.x;
+    float lv = e0 < E ? logits[(i64)t * (E + 1) + e0] : __int_as_float(0x7fffffff);
+    if (e0 < E) sp_route[e0] = lv;
+    if (e0 < k) {
+        ssel[e0] = E - 1;
+        sselv[e0] = -INFINITY;
+    }
+    int nw = (E + 31) >> 5;
+    if (w < nw) {
+        int r = 0;
+#pragma unroll
+        for (int j = 0; j < 32; j++) {
+            float c = __shfl_sync(0xffffffffu, lv, j);
+            r += (c > lv) | ((c == lv) & (j < lane));
         }
+        if (lane < k) cand_v[w * k + lane] = __int_as_float(0x7fffffff);  // slots no entry fills stay NaN
+        __syncwarp();
+        if (r < k && lv == lv) {
+            cand_v[w * k + r] = lv;
+            cand_i[w * k + r] = e0;
+        }
+    }
+    __syncthreads();
+    float mx = -INFINITY, s = 0.0f;
+    if (w == 0) {
+        for (int e = lane; e < E; e += 32) mx = fmaxf(mx, sp_route[e]);
         mx = warp_max(mx);
-        float s = 0.0f;
         for (int e = lane; e < E; e += 32) s += __expf(sp_route[e] - mx);
         s = warp_sum(s);
-        __syncwarp();
-        float lv;
-        int li;
-        moe_dec_lane_best(sp_route, E, lane, lv, li);
-        float sel_sum = 0.0f, my_p = 0.0f;
-        for (int r = 0; r < k; r++) {
-            float bv = lv;
-            int bi = li;
-            moe_dec_argmax(bv, bi);
-            bi = min(bi, E - 1);  // only NaN / empty rows get here; keep the expert id in range
-            float pr = __expf(bv - mx) / s;
-            sel_sum += pr;
-            if (lane == r) my_p = pr;
-            if (lane == 0) ssel[r] = bi;
-            if ((bi & 31) == lane) {  // the owner lane drops the winner (NaN: never ranks) and rescans
-                sp_route[bi] = __int_as_float(0x7fffffff);
-                moe_dec_lane_best(sp_route, E, lane, lv, li);
+    } else {
+        for (int c = threadIdx.x - 32; c < nw * k; c += blockDim.x - 32) {
+            float cv = cand_v[c];
+            if (!(cv == cv)) continue;
+            int r = moe_dec_rank(cv, cand_i[c], cand_v, cand_i, nw * k);
+            if (r < k) {
+                ssel[r] = cand_i[c];
+                sselv[r] = cv;
             }
-            __syncwarp();
         }
+    }
+    __syncthreads();
+    if (w == 0) {
+        float my_p = lane < k ? __expf(sselv[lane] - mx) / s : 0.0f;
+        float sel_sum = 0.0f;
+        for (int r = 0; r < k; r++) sel_sum += __shfl_sync(0xffffffffu, my_p, r);  // in rank order
         if (cb == 0 && slot == 0 && lane < k) {
             ids[t * k + lane] = ssel[lane];
             wts[t * k + lane] = my_p * (1.0f / fmaxf(sel_sum, 6.1e-5f));
@@ -655,8 +666,11 @@ __global__ void __launch_bounds__(512) moe_dec_gate_up(
 //                            + sigmoid(logits[t (E + 1) + E]) * shared[t, c])      (p = t k + s)
 // where shared[t, c] = (row c of sdown (H x Fs, format QD)) . h_s[t] when sdown is given, else ys[t, c]
 // when ys is given, and the shared term is left out when neither is; res may be null. The lanes walk
-// the k F / 32 routed (slot, block) items and then the Fs / 32 shared blocks in order, 4 in flight;
-// routed items are weighted into one fp32 sum, shared ones into another, each then summed over the warp.
+// the k F / 32 routed (slot, block) items and then the Fs / 32 shared blocks in order, MOE_DEC_DOWN_U in
+// flight (5: the 35B-A3B's 8 x 16 routed and 16 shared blocks in one round; a lane sums its items in the
+// same order whatever the round); routed items are weighted into one fp32 sum, shared ones into another,
+// each then summed over the warp.
+#define MOE_DEC_DOWN_U 5
 template <int QD>
 __global__ void __launch_bounds__(128) moe_dec_down(
         const u8* __restrict__ wq, const u16* __restrict__ wd, int H, int F, const i8* __restrict__ hq,
@@ -675,11 +689,11 @@ __global__ void __launch_bounds__(128) moe_dec_down(
     int n = nr + nbs;
     i64 stride = row_bytes<QD>(F), sstride = row_bytes<QD>(Fs);
     float acc = 0.0f, acc_s = 0.0f;
-    for (int i0 = lane; i0 < n; i0 += 128) {
-        WBlock wb[4];
-        int pp[4], bb[4];
+    for (int i0 = lane; i0 < n; i0 += 32 * MOE_DEC_DOWN_U) {
+        WBlock wb[MOE_DEC_DOWN_U];
+        int pp[MOE_DEC_DOWN_U], bb[MOE_DEC_DOWN_U];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < MOE_DEC_DOWN_U; u++) {
             int i = i0 + 32 * u;
             pp[u] = -1;
             bb[u] = 0;
@@ -694,7 +708,7 @@ __global__ void __launch_bounds__(128) moe_dec_down(
             }
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < MOE_DEC_DOWN_U; u++) {
             int i = i0 + 32 * u;
             if (i >= n) break;
             float part = 0.0f;

@@ -22,7 +22,7 @@ top-8, expert FFN 512, shared FFN 512; f and its q8_1 come from the fused add + 
     after (decode_block): 3 launches
       moe_dec_router   router logits + the shared gate logit (E + 1 fp32 rows) and the shared expert's
                        gate/up + SwiGLU, written as q8_1 blocks, side by side in one grid
-      moe_dec_gate_up  routing (softmax top-k of the logits, warp 0 of every block: the 256-value top-8
+      moe_dec_gate_up  routing (softmax top-k of the logits, in every block: the 256-value top-8
                        costs less than a launch) and the k routed experts' gate/up + SwiGLU -> q8_1 h
       moe_dec_down     the k routed down rows weighted by the routing, the shared down row times
                        sigmoid(gate logit), plus the residual, per output column
@@ -255,7 +255,7 @@ def routed_experts(x: cp.ndarray, ids: cp.ndarray, wts: cp.ndarray, gate: QWeigh
 # ---- decode block ----------------------------------------------------------------------------------
 
 DEC_MAX_K = 32  # moe.cu MOE_DEC_MAXK: experts per token the decode block selects at most
-_DEC_SMEM = 48 * 1024  # moe_dec_gate_up's dynamic shared memory (4 E bytes) stays under the default cap
+DEC_MAX_E = 512  # experts the decode block routes at most: one logit a thread of moe_dec_gate_up's block
 
 
 @dataclass(frozen=True)
@@ -279,8 +279,8 @@ def decode_block_problem(router: QWeight, gate: QWeight, up: QWeight | None, dow
         return f"the router is {router.type_name} ({router.rows}, {router.cols}), not F32 ({E}, {H})"
     if not 1 <= k <= min(DEC_MAX_K, E):
         return f"top-{k} of {E} experts (the decode block selects 1..{DEC_MAX_K})"
-    if 4 * E > _DEC_SMEM:
-        return f"{E} experts (the decode block routes at most {_DEC_SMEM // 4})"
+    if E > DEC_MAX_E:
+        return f"{E} experts (the decode block routes at most {DEC_MAX_E})"
     try:
         F = _ffn(gate, up, down)
     except ValueError as e:

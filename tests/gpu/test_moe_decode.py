@@ -198,6 +198,32 @@ def test_ties_go_to_the_lower_expert(poison):
     assert np.all(w[0, :5] == w[0, 0]) and np.isclose(w.sum(axis=1), 1.0, rtol=1e-5).all()
 
 
+def test_a_whole_top_k_in_one_warp(poison):
+    """Experts 64..71 (all in the third warp of moe_dec_gate_up's routing) with the largest logits of
+    token 0, two of them tied: the warp's own top k are the candidates, so all eight are taken, in the
+    stable order; token 1 routes as usual."""
+    from minecart.kernels import moe, ops
+
+    rng = np.random.default_rng(5)
+    fmt = ("Q8_0", "Q8_0", "Q8_0", None, None, 64, 32, 32, 256, 8)
+    (router, gate, up, down, shared, k), dense = make_block(rng, fmt)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    R = dense[0].astype(np.float32)
+    top = (x[0] / np.linalg.norm(x[0]) * 3.0).astype(np.float32)
+    for e, scale in zip(range(64, 72), [1.5, 2.0, 1.75, 1.75, 1.25, 1.875, 2.5, 1.125], strict=True):
+        R[e] = top * np.float32(scale)
+    router = ops.upload_weight(np.ascontiguousarray(R).view(np.uint8), "F32", R.shape)
+    poison()
+    r = moe.decode_block_parts(cp.asarray(x), router, gate, up, down, k, None, None)
+    logits = cp.asnumpy(r.logits)
+    ids = cp.asnumpy(r.ids).reshape(2, k)
+    assert sorted(ids[0]) == list(range(64, 72))
+    for t in range(2):
+        assert np.array_equal(ids[t], np.argsort(-logits[t, :256].astype(np.float64), kind="stable")[:k])
+    np.testing.assert_allclose(cp.asnumpy(r.wts), np.concatenate(
+        [reference_route(logits[t, :256], k)[1] for t in range(2)]), rtol=1e-4, atol=1e-7)
+
+
 def _count_launches(monkeypatch):
     from minecart.kernels import moe, ops
 

@@ -1,10 +1,10 @@
 """NumPy twins of the MoE decode-block kernels of kernels/moe.cu (moe_dec_*), run on the CPU.
 
-- `emulate_route`: the top-k routing warp 0 of every moe_dec_gate_up block runs, lane by lane (each lane
-  owns experts lane, lane + 32, ...; a warp argmax with ties to the lower index; the winning lane marks
-  its expert taken (NaN) and rescans its own experts), checked against a stable argsort of the logits
-  and the NumPy backend's weights, on random rows, ties inside a lane and across lanes, -inf logits,
-  E below and above the warp width, k = 1 .. 32.
+- `emulate_route`: the top-k routing every moe_dec_gate_up block runs (each warp's logits ranked among
+  themselves, its first k the candidates, the candidates ranked among themselves; ties to the lower
+  index), checked against a stable argsort of the logits and the NumPy backend's weights, on random
+  rows, ties inside a warp and across warps, a whole top-k in one warp, -inf logits, E below and above
+  the warp width, k = 1 .. 32.
 - `router_rows` / `gate_up_columns` / `down_items`: the index maps of moe_dec_router, moe_dec_gate_up and
   moe_dec_down, each output written once, each item read once.
 - The decode block as a whole (routing, routed experts, shared expert, residual) in float64 from these
@@ -22,55 +22,46 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DEC_MAX_K = 32  # moe.cu MOE_DEC_MAXK, moe.py DEC_MAX_K (checked below)
+DEC_MAX_E = 512  # moe.py DEC_MAX_E: one logit a thread of moe_dec_gate_up's 512 (checked below)
+DOWN_U = 5  # moe.cu MOE_DEC_DOWN_U: moe_dec_down's items a lane in flight (checked below)
 WARPS_GATE_UP = 16  # warps of a moe_dec_gate_up / moe_dec_router block (512 threads)
 NAN = np.float32(np.nan)
 
 
-def _lane_best(sp: np.ndarray, lane: int) -> tuple[float, int]:
-    """moe_dec_lane_best: the largest of sp[lane::32] (-inf included, NaN never), first of equals."""
-    v, i = -np.inf, 0x7FFFFFFF
-    for e in range(lane, sp.size, 32):
-        c = sp[e]
-        if c > v or (i == 0x7FFFFFFF and c == v):
-            v, i = float(c), e
-    return v, i
-
-
-def _warp_argmax(vals: list[float], idx: list[int]) -> tuple[float, int]:
-    """moe_dec_argmax: the butterfly over 32 lanes (every lane ends with the same pair)."""
-    v, i = list(vals), list(idx)
-    o = 16
-    while o:
-        nv, ni = list(v), list(i)
-        for lane in range(32):
-            ov, oi = v[lane ^ o], i[lane ^ o]
-            if ov > v[lane] or (ov == v[lane] and oi < i[lane]):
-                nv[lane], ni[lane] = ov, oi
-        v, i = nv, ni
-        o //= 2
-    assert len(set(i)) == 1
-    return v[0], i[0]
+def _ranks(vals: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """moe_dec_rank for every pair: how many pairs rank before it (a larger value, or an equal one at a
+    lower index); NaN ranks before nothing."""
+    c, v = vals[None, :], vals[:, None]
+    return ((c > v) | ((c == v) & (idx[None, :] < idx[:, None]))).sum(axis=1)
 
 
 def emulate_route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids (k,), wts (k,)) of one token as moe_dec_gate_up's warp 0 selects them."""
+    """(ids (k,), wts (k,)) of one token as moe_dec_gate_up selects them: each warp's 32 logits ranked
+    among themselves (their first k are the candidates), the candidates ranked among themselves, ranks
+    below k taken; warp 0's softmax max and sum; ranks no logit fills get expert E - 1 at -inf."""
     E = logits.size
-    sp = logits.astype(np.float32).copy()
+    assert E <= DEC_MAX_E
+    nw = -(-E // 32)
+    v = np.full(32 * nw, NAN)
+    v[:E] = logits.astype(np.float32)
+    cand_v = np.full(nw * k, NAN)
+    cand_i = np.zeros(nw * k, np.int64)
+    for w in range(nw):
+        wv, wi = v[32 * w:32 * w + 32], np.arange(32 * w, 32 * w + 32)
+        for lane, r in enumerate(_ranks(wv, wi)):
+            if r < k and not np.isnan(wv[lane]):
+                cand_v[w * k + r], cand_i[w * k + r] = wv[lane], wi[lane]
+    sel_v, sel_i = np.full(k, -np.inf, np.float32), np.full(k, E - 1)
+    for c, r in enumerate(_ranks(cand_v, cand_i)):
+        if r < k and not np.isnan(cand_v[c]):
+            sel_v[r], sel_i[r] = cand_v[c], cand_i[c]
+    sp = logits.astype(np.float32)
     mx = np.float32(np.max(sp))
     s = np.float32(np.exp((sp - mx).astype(np.float64)).sum())
-    best = [_lane_best(sp, lane) for lane in range(32)]
-    ids, ps = [], []
-    for _ in range(k):
-        bv, bi = _warp_argmax([b[0] for b in best], [b[1] for b in best])
-        bi = min(bi, E - 1)
-        ids.append(bi)
-        ps.append(np.float32(np.exp(np.float64(bv) - np.float64(mx))) / s)
-        owner = bi & 31
-        sp[bi] = NAN
-        best[owner] = _lane_best(sp, owner)
+    ps = [np.float32(np.exp(np.float64(bv) - np.float64(mx))) / s for bv in sel_v]
     sel = np.float32(sum(ps))
     wts = np.array(ps, np.float32) * np.float32(1.0 / max(sel, np.float32(6.1e-5)))
-    return np.array(ids), wts
+    return sel_i, wts
 
 
 def reference_route(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -117,8 +108,8 @@ def down_items(k: int, nb: int, nbs: int) -> tuple[list[tuple[int, int]], list[i
     nr, n = k * nb, k * nb + nbs
     routed, shared = [], []
     for lane in range(32):
-        for i0 in range(lane, n, 128):
-            for u in range(4):
+        for i0 in range(lane, n, 32 * DOWN_U):
+            for u in range(DOWN_U):
                 i = i0 + 32 * u
                 if i >= n:
                     break
@@ -136,6 +127,8 @@ def test_constants_match_the_kernel_source():
     py = (ROOT / "kernels" / "moe.py").read_text()
     assert re.search(r"#define MOE_DEC_MAXK (\d+)", cu).group(1) == str(DEC_MAX_K)
     assert f"DEC_MAX_K = {DEC_MAX_K}" in py
+    assert f"DEC_MAX_E = {DEC_MAX_E}" in py and DEC_MAX_E == 32 * 16
+    assert re.search(r"#define MOE_DEC_DOWN_U (\d+)", cu).group(1) == str(DOWN_U)
     # 16 warps, two columns each: one q8_1 block of h per block
     assert "__launch_bounds__(512) moe_dec_gate_up" in cu and "__launch_bounds__(512) moe_dec_router" in cu
     assert "(F // 32, P), (512,)" in py
@@ -154,15 +147,17 @@ def test_route_equals_a_stable_top_k(E, k, seed):
     np.testing.assert_allclose(wts, rw, rtol=1e-5)
 
 
-@pytest.mark.parametrize("how", ["same_lane", "across_lanes", "all_equal", "neg_inf", "many_ties"])
+@pytest.mark.parametrize("how", ["same_warp", "across_warps", "one_warp", "all_equal", "neg_inf", "many_ties"])
 def test_route_ties_go_to_the_lower_expert(how):
     rng = np.random.default_rng(7)
     E, k = 256, 8
     logits = rng.standard_normal(E).astype(np.float32)
-    if how == "same_lane":  # experts 5, 37, 69 share lane 5 and the top value
-        logits[[5, 37, 69]] = 9.0
-    elif how == "across_lanes":  # 200, 3 and 40 on three lanes
+    if how == "same_warp":  # experts 5, 9 and 30 share warp 0 and the top value
+        logits[[30, 5, 9]] = 9.0
+    elif how == "across_warps":  # 200, 3 and 40 in three warps
         logits[[200, 3, 40]] = 9.0
+    elif how == "one_warp":  # the whole top-8 in warp 2, two of them tied
+        logits[64:72] = [5.0, 9.0, 7.0, 7.0, 6.0, 8.0, 10.0, 4.5]
     elif how == "all_equal":
         logits[:] = 0.5
     elif how == "neg_inf":  # only 3 finite logits: the rest ties at -inf, taken in index order
