@@ -222,24 +222,31 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // repacked layout). The weights are streamed once for all T tokens: each is expanded to int8 once, into
 // shared memory, and used from there by every token.
 //
-// What limits it is the number of shared-memory loads per DP4A (H200, Nsight Compute on the 8-token
-// tile before GbTile: the L1 data pipe's wavefronts at 88% of peak, stalls short_scoreboard and
-// mio_throttle, DRAM at 18%): a 128-bit shared load costs 4 wavefronts (one per quarter-warp) whatever
-// it reads, so what counts is how many DP4A each thread does per load. A thread holds 4 consecutive rows
-// x TM tokens: per int of K, 4 rows' weights in one int4 load (4 wavefronts) and TM activation loads for
-// 4 * TM DP4A. GbTile picks TM = 2 for the 8-token tile (128 rows a block; TM = 1 with 64 rows was
-// 1.7x the wavefronts per DP4A) and TT / 8 above.
+// Thread maps (GbTile): a block of 128 threads computes 64 weight rows x TT tokens.
+// - 8 tokens, the K-parts map: lane l of warp w holds rows 2 l and 2 l + 1 and all 8 tokens, for blocks
+//   2 w and 2 w + 1 of every stage of 8; the four warps' sums are added at the end through shared memory
+//   in warp order (deterministic). Each weight int read from shared memory (one 64-bit load: the lane's
+//   two rows) feeds 8 DP4A, one per token, and a warp's activation loads all read one address (a
+//   broadcast: one wavefront).
+// - 16 and 32 tokens, the row-quad map: thread (tx, ty) holds rows 4 tx .. 4 tx + 3 and tokens TM ty ..
+//   TM ty + TM - 1 (TM = TT / 8, tx = tid % 16): one 128-bit weight load (4 wavefronts) per 4 TM DP4A.
+// What limits them (Nsight Compute, Q4_K 24576 x 4096, H200): the row-quad map at 8 tokens (TM = 2,
+// 128-row blocks) and at TM = 1 before it was bound by shared-memory wavefronts (the L1 data pipe at 88%
+// of peak for TM = 1). The K-parts map at 8 tokens issues 2.3 instructions a cycle with the FMA-heavy
+// pipe (DP4A, integer multiply-adds) at 55% of peak: DP4A are 31% of its instructions, the rest the
+// weights' expansion when stored, the per-block scaling (4 fp32 operations per row, token and block) and
+// the loads. The 9B Q4_K step's matmuls at 8 tokens: 3.15 ms against the row-quad map's 3.35 (Q8_0 3.41
+// against 4.68); at 16 and 32 tokens the K-parts map (2 rows x 8 tokens a lane, a warp per token group)
+// was 5% slower than the row quads (Q4_K 32 tokens 8.28 against 7.87 ms), so they keep them. 4 rows a
+// lane (128-row blocks, 2 blocks a multiprocessor by registers) measured no faster.
 //
-// Geometry: a block of 128 threads computes ROWS weight rows x TT tokens; thread (tx, ty) owns rows
-// 4 tx .. 4 tx + 3 and tokens TM ty .. TM ty + TM - 1 (tx = tid % RQ: a warp spans 32 or 16 row quads,
-// so each weight int4 it loads is distinct in every quarter-warp). The K loop walks stages of 8 quant
-// blocks (256 values: one K-quant super-block): the stage's weights and activations are loaded into
+// K loop: stages of 8 quant blocks (256 values: one K-quant super-block): the stage's weights and activations are loaded into
 // registers while the previous stage is computed from shared memory (software pipelining: one barrier
 // pair per stage). Weight loads: the 8 lanes of a group read the 8 blocks of one row's stage (a K-quant
 // super-block's 128+ contiguous bytes; Q4_K / Q5_K d and dmin gathered by gemv_kq_mt's three
 // xor-shuffles), ROWS / 16 passes of 16 rows, expanded to int8 once when stored. Activation loads: 16
 // threads read one token's 256 stage bytes. Shared layouts padded so that stores and loads are free of
-// bank conflicts (int4 loads of 4 consecutive rows; per token 48-byte rows).
+// bank conflicts.
 //
 // Inside a block the products are exact int32 started at 0x4B400000 (gemm_dp4a's int -> float by one
 // subtraction; a 32-value block sums at most 516,128 < 2^22); per block they are scaled into fp32
@@ -269,11 +276,15 @@ __device__ __forceinline__ i64 seg_index(const int* bounds, int T, int t, int r,
 template <int TT>
 struct GbTile {
     static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
-    static constexpr int TM = TT == 8 ? 2 : TT / 8;  // tokens per thread
-    static constexpr int RQ = 128 / (TT / TM);         // row quads: threads per token group
-    static constexpr int ROWS = 4 * RQ;                // weight rows per block (ops.GEMM_BATCH_ROWS)
-    static constexpr int PASSES = ROWS / 16;           // weight load passes per stage
-    static constexpr int XJ = TT / 8;                  // activation int4 loads per thread per stage
+    static constexpr bool KP = TT == 8;       // the K-parts map (8 tokens) or the row-quad map (16, 32)
+    static constexpr int ROWS = 64;           // weight rows per block (ops.GEMM_BATCH_ROWS)
+    static constexpr int PASSES = ROWS / 16;  // weight load passes per stage
+    static constexpr int XJ = TT / 8;         // activation int4 loads per thread per stage
+    static constexpr int NP = 4;              // K-parts map: a warp each, 2 of a stage's 8 blocks
+    static constexpr int TM = TT / 8;         // row-quad map: tokens per thread
+    static constexpr int RQ = 128 / (TT / TM);  // row-quad map: threads over the rows (16)
+    static constexpr int AR = KP ? 2 : 4;     // a thread's rows
+    static constexpr int AT = KP ? 8 : TM;    // a thread's tokens
 };
 
 template <int QT, int TT>
@@ -283,7 +294,8 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
         float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
         const int* __restrict__ seg, int nseg) {
     using G = GbTile<TT>;
-    constexpr int TM = G::TM, RQ = G::RQ, ROWS = G::ROWS, PASSES = G::PASSES, XJ = G::XJ;
+    constexpr int ROWS = G::ROWS, PASSES = G::PASSES, XJ = G::XJ, NP = G::NP, TM = G::TM, RQ = G::RQ;
+    constexpr int AR = G::AR, AT = G::AT;
     constexpr bool KQ = kq_format(QT);
     constexpr bool SPLIT = (QT == QT_Q6_K);  // two scales per block
     constexpr bool HAS_M = qt_has_offset(QT);
@@ -291,10 +303,12 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
     __shared__ __align__(16) int sw[8][8 * ROWS + 4];      // [block][int k * ROWS + row]
     __shared__ __align__(16) float swc[2][8][ROWS + 4];    // dlo; dhi (Q6_K) or m: [block][row]
     __shared__ __align__(16) int sx[8][TT][12];            // [block][token][int k] (+4 pad)
-    __shared__ __align__(16) float sxc[2][8][TT];          // xd, xs: [block][token]
+    __shared__ __align__(16) float2 sxc[8][TT];            // (xd, xs): [block][token]
+    static_assert(sizeof(sw) >= sizeof(float) * 128 * 2 * 8, "gemm_batch: the parts' sums fit in sw");
 
     const int tid = threadIdx.x;
-    const int tx = tid % RQ, ty = tid / RQ;  // rows 4 tx .. 4 tx + 3, tokens TM ty .. TM ty + TM - 1
+    const int lane = tid & 31, pp = tid >> 5;  // K-parts map: the warp's part of each stage
+    const int tx = tid % RQ, ty = tid / RQ;    // row-quad map: rows 4 tx .., tokens TM ty ..
     const int r0 = blockIdx.x * ROWS;
     const int nb = K >> 5;
     const int nst = (nb + 7) >> 3;
@@ -377,18 +391,15 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
 #pragma unroll
         for (int j = 0; j < 2; j++) {
             const int idx = tid + 128 * j;
-            if (idx < TT * 8) {
-                sxc[0][idx & 7][idx >> 3] = fxd[j];
-                sxc[1][idx & 7][idx >> 3] = fxs[j];
-            }
+            if (idx < TT * 8) sxc[idx & 7][idx >> 3] = make_float2(fxd[j], fxs[j]);
         }
     };
 
-    float acc[4][TM];
+    float acc[AR][AT];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < AR; i++)
 #pragma unroll
-        for (int j = 0; j < TM; j++) acc[i][j] = 0.0f;
+        for (int j = 0; j < AT; j++) acc[i][j] = 0.0f;
 
     if (st0 < st1) gload(st0);
     for (int st = st0; st < st1; st++) {
@@ -396,69 +407,126 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
         sstore();
         __syncthreads();
         if (st + 1 < st1) gload(st + 1);  // in flight while this stage computes
-#pragma unroll 2
-        for (int u = 0; u < 8; u++) {
-            int ai[4][TM];
+        if constexpr (G::KP) {
+#pragma unroll 1
+            for (int uu = 0; uu < 8 / NP; uu++) {
+                const int u = pp * (8 / NP) + uu;
+                int2 w[8];  // the block's 8 ints of the lane's two rows
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+                for (int k = 0; k < 8; k++) w[k] = *(const int2*)&sw[u][k * ROWS + 2 * lane];
+                const float2 d2 = *(const float2*)&swc[0][u][2 * lane];
+                float2 e2 = d2;  // dhi (Q6_K) or m
+                if (SPLIT || HAS_M) e2 = *(const float2*)&swc[1][u][2 * lane];
+                const float dlo[2] = {d2.x, d2.y}, e[2] = {e2.x, e2.y};
 #pragma unroll
-                for (int j = 0; j < TM; j++) ai[i][j] = MAGIC_I;
-            const float4 d4 = *(const float4*)&swc[0][u][4 * tx];
-            float4 e4 = d4;
-            if (SPLIT || HAS_M) e4 = *(const float4*)&swc[1][u][4 * tx];
-            const float dlo[4] = {d4.x, d4.y, d4.z, d4.w};
-            const float e[4] = {e4.x, e4.y, e4.z, e4.w};  // dhi (Q6_K) or m
-            float dx[TM], sxv[TM];
+                for (int j = 0; j < 8; j++) {
+                    const int4 x0 = *(const int4*)&sx[u][j][0];
+                    const int4 x1 = *(const int4*)&sx[u][j][4];
+                    const float2 xc = sxc[u][j];  // (xd, xs)
 #pragma unroll
-            for (int j = 0; j < TM; j++) {
-                dx[j] = sxc[0][u][TM * ty + j];
-                sxv[j] = sxc[1][u][TM * ty + j];
-            }
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                int4 xa[TM];
-#pragma unroll
-                for (int j = 0; j < TM; j++) xa[j] = *(const int4*)&sx[u][TM * ty + j][4 * h];
-#pragma unroll
-                for (int kk = 0; kk < 4; kk++) {
-                    const int4 w4 = *(const int4*)&sw[u][(4 * h + kk) * ROWS + 4 * tx];
-                    const int wv[4] = {w4.x, w4.y, w4.z, w4.w};
-#pragma unroll
-                    for (int j = 0; j < TM; j++) {
-                        const int a = kk == 0 ? xa[j].x : kk == 1 ? xa[j].y : kk == 2 ? xa[j].z : xa[j].w;
-#pragma unroll
-                        for (int i = 0; i < 4; i++) ai[i][j] = dp4a(wv[i], a, ai[i][j]);
+                    for (int i = 0; i < 2; i++) {
+                        auto wk = [&](int k) { return i == 0 ? w[k].x : w[k].y; };
+                        int a = MAGIC_I;
+                        a = dp4a(wk(0), x0.x, a);
+                        a = dp4a(wk(1), x0.y, a);
+                        a = dp4a(wk(2), x0.z, a);
+                        a = dp4a(wk(3), x0.w, a);
+                        if (SPLIT) {  // the first half-block's exact sum, with its own scale
+                            acc[i][j] = fmaf(__int_as_float(a) - MAGIC_F, xc.x * dlo[i], acc[i][j]);
+                            a = MAGIC_I;
+                        }
+                        a = dp4a(wk(4), x1.x, a);
+                        a = dp4a(wk(5), x1.y, a);
+                        a = dp4a(wk(6), x1.z, a);
+                        a = dp4a(wk(7), x1.w, a);
+                        const float v = __int_as_float(a) - MAGIC_F;
+                        acc[i][j] = fmaf(v, xc.x * (SPLIT ? e[i] : dlo[i]), acc[i][j]);
+                        if (HAS_M) acc[i][j] = fmaf(e[i], xc.y, acc[i][j]);
                     }
                 }
-                if (SPLIT || h == 1) {  // scale this (half-)block's exact sums into the accumulators
+            }
+        } else {
+#pragma unroll 2
+            for (int u = 0; u < 8; u++) {
+                int ai[4][TM];
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        const float dw = (SPLIT && h == 1) ? e[i] : dlo[i];
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < TM; j++) ai[i][j] = MAGIC_I;
+                const float4 d4 = *(const float4*)&swc[0][u][4 * tx];
+                float4 e4 = d4;
+                if (SPLIT || HAS_M) e4 = *(const float4*)&swc[1][u][4 * tx];
+                const float dlo[4] = {d4.x, d4.y, d4.z, d4.w};
+                const float e[4] = {e4.x, e4.y, e4.z, e4.w};  // dhi (Q6_K) or m
+                float2 xc[TM];  // (xd, xs)
+#pragma unroll
+                for (int j = 0; j < TM; j++) xc[j] = sxc[u][TM * ty + j];
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int4 xa[TM];
+#pragma unroll
+                    for (int j = 0; j < TM; j++) xa[j] = *(const int4*)&sx[u][TM * ty + j][4 * h];
+#pragma unroll
+                    for (int kk = 0; kk < 4; kk++) {
+                        const int4 w4 = *(const int4*)&sw[u][(4 * h + kk) * ROWS + 4 * tx];
+                        const int wv[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
                         for (int j = 0; j < TM; j++) {
-                            const float v = __int_as_float(ai[i][j]) - MAGIC_F;
-                            acc[i][j] = fmaf(v, dx[j] * dw, acc[i][j]);
-                            if (HAS_M && h == 1) acc[i][j] = fmaf(e[i], sxv[j], acc[i][j]);
-                            if (SPLIT) ai[i][j] = MAGIC_I;
+                            const int a = kk == 0 ? xa[j].x : kk == 1 ? xa[j].y : kk == 2 ? xa[j].z : xa[j].w;
+#pragma unroll
+                            for (int i = 0; i < 4; i++) ai[i][j] = dp4a(wv[i], a, ai[i][j]);
+                        }
+                    }
+                    if (SPLIT || h == 1) {  // scale this (half-)block's exact sums into the accumulators
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            const float dw = (SPLIT && h == 1) ? e[i] : dlo[i];
+#pragma unroll
+                            for (int j = 0; j < TM; j++) {
+                                const float v = __int_as_float(ai[i][j]) - MAGIC_F;
+                                acc[i][j] = fmaf(v, xc[j].x * dw, acc[i][j]);
+                                if (HAS_M && h == 1) acc[i][j] = fmaf(e[i], xc[j].y, acc[i][j]);
+                                if (SPLIT) ai[i][j] = MAGIC_I;
+                            }
                         }
                     }
                 }
             }
         }
     }
-    // write out: rows 4 tx .. 4 tx + 3, the thread's tokens
     __shared__ int bounds[9];
     if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
-    __syncthreads();
+    if constexpr (G::KP) {  // the parts of K added in part order (deterministic) by the warp of part 0
+        float* red = (float*)&sw[0][0];  // [part][row i * 8 + token j][lane]
+        __syncthreads();  // every warp is done with sw
+        if (pp > 0) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) red[(pp * 16 + i * 8 + j) * 32 + lane] = acc[i][j];
+        }
+        __syncthreads();
+        if (pp > 0) return;
+#pragma unroll
+        for (int q = 1; q < NP; q++)
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) acc[i][j] += red[(q * 16 + i * 8 + j) * 32 + lane];
+    } else {
+        __syncthreads();
+    }
+    // write out: the thread's rows (K-parts: 2 lane, 2 lane + 1; row quads: 4 tx ..) and tokens (K-parts:
+    // all 8; row quads: TM ty ..)
     const bool split = gridDim.y > 1;
     float* out = split ? part + (i64)blockIdx.y * T * R : y;
 #pragma unroll
-    for (int j = 0; j < TM; j++) {
-        const int t = TM * ty + j;
+    for (int j = 0; j < AT; j++) {
+        const int t = G::KP ? j : TM * ty + j;
         if (t >= T) continue;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int r = r0 + 4 * tx + i;
+        for (int i = 0; i < AR; i++) {
+            const int r = r0 + (G::KP ? 2 * lane : 4 * tx) + i;
             if (r >= R) continue;
             const i64 at = (i64)t * R + r;
             if (split) out[at] = acc[i][j];

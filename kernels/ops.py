@@ -366,9 +366,8 @@ GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
 # From 4 tokens: the 9B Q4_K step's matmuls at 4 sequences took 3.26 ms with the 8-token tile against
 # 3.52 with the multi-token GEMVs (H200, bench_gemv --multi, docs/BENCHMARKS.md v15).
 GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "4"))
-# weight rows per block of each token tile (gemm.cu GbTile::ROWS: the 8-token tile gives each thread 2
-# tokens of 4 rows, the others TT / 8)
-GEMM_BATCH_ROWS = {8: 128, 16: 64, 32: 64}
+# weight rows per block (gemm.cu GbTile::ROWS: a lane holds 2 rows x 8 tokens, every token tile)
+GEMM_BATCH_ROWS = 64
 # split K until the launch has about this many blocks per multiprocessor. H200, 9B Q4_K step's matmuls,
 # 8-token tile at 2 / 6 / 12 blocks per multiprocessor: 4.556 / 4.557 / 4.624 ms; 32-token tile at 2 / 4:
 # 7.711 / 7.643 ms
@@ -393,7 +392,7 @@ def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int]:
     card with `sms` multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM blocks
     per multiprocessor is split along K (a 4096 x 4096 matrix in 64-row tiles: 4 splits of 4 stages on
     132 multiprocessors), each split at least one stage."""
-    tiles = -(-R // GEMM_BATCH_ROWS[tt])
+    tiles = -(-R // GEMM_BATCH_ROWS)
     stages = -(-(K // 32) // 8)
     want = -(-(GEMM_BATCH_BLOCKS_PER_SM * sms) // tiles)
     splits = max(1, min(stages, want))
@@ -503,7 +502,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         res = residual if residual is not None else np.uint64(0)
         seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
         nseg = np.int32(len(segments) - 1 if segments is not None else 1)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS[tt]), splits), (128,),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, y, part, np.int32(T), np.int32(R),
                                                  np.int32(K), np.int32(per), res, seg, nseg))
         if splits > 1:
