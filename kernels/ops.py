@@ -388,9 +388,9 @@ def _gemm_batch(type_name: str, T: int) -> int | None:
     return next(tt for tt in GEMM_BATCH_TOKENS if T <= tt)
 
 
-def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int]:
-    """(splits over K, stages of 256 values per split) of a gemm_batch launch of token tile `tt` on a
-    card with `sms` multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM blocks
+def gemm_batch_splits(R: int, K: int, sms: int) -> tuple[int, int]:
+    """(splits over K, stages of 256 values per split) of a gemm_batch launch (any token tile: each has
+    GEMM_BATCH_ROWS-row blocks) on a card with `sms` multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM blocks
     per multiprocessor is split along K (a 4096 x 4096 matrix in 64-row tiles: 4 splits of 4 stages on
     132 multiprocessors), each split at least one stage."""
     tiles = -(-R // GEMM_BATCH_ROWS)
@@ -498,7 +498,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
     if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
-        splits, per = gemm_batch_splits(R, K, sm_count(), tt)
+        splits, per = gemm_batch_splits(R, K, sm_count())
         part = cp.empty((splits, T, R), dtype=cp.float32) if splits > 1 else np.uint64(0)
         res = residual if residual is not None else np.uint64(0)
         seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
