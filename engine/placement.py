@@ -1483,8 +1483,11 @@ SMALL_KERNEL_EFFICIENCY = 0.50  # recurrent state traffic (gdn_decode), of spec 
 # decode block: 323.1 tokens/s with 4 launches at ~4 us and 0.28.) Refitted with the spread norm (v19):
 # 472.1 tokens/s (2.118 ms), the rest of the model 1.720 ms, 0.398 ms for the 566 MB: 0.30 of spec (the
 # 0.50 had absorbed the old norm price, fitted on the 9B's 4096-wide rows, where the 35B's are 2048).
+# Refitted with the parallel routing in moe_dec_gate_up (v22): 518.0 tokens/s (mean of 512.4 and 523.5;
+# 1.931 ms), 0.211 ms for the 566 MB: 0.55 of spec. What the routing removed was latency (warp 0's
+# serial loads and argmaxes), so this constant is a fit of the H200's step, not a bandwidth share.
 MOE_DECODE_SECONDS = 2 * 2.5e-6
-EXPERT_DECODE_EFFICIENCY = 0.30
+EXPERT_DECODE_EFFICIENCY = 0.55
 # Attention's read of the KV cache in decode, of spec bandwidth, by cache type: flash_decode at 16K
 # context beyond 1,000 keys (n_kv 4, D 256; tools/bench_decode_attention.py, docs/BENCHMARKS.md v20): f16
 # 37.79 - 12.28 us for 63.0 MB (2.47 TB/s: 0.51), q8_0 44.97 - 13.14 us for 33.5 MB (1.05 TB/s: 0.22);
