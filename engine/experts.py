@@ -37,7 +37,14 @@ from typing import Any
 
 from .backends.base import Backend, DeviceHooks, MoeShared, compose_moe_block
 from .backends.numpy_backend import NumpyBackend
-from .placement import CPU_SPEED, DEFAULT_LINK, PREFILL_EFFICIENCY, Link, stream_min_tokens_for
+from .placement import (
+    CPU_SPEED,
+    DEFAULT_LINK,
+    DeviceSpeed,
+    Link,
+    host_expert_seconds,
+    stream_min_tokens_for,
+)
 from .rig import RigBackend
 from .threads import expert_threads
 
@@ -55,13 +62,14 @@ class ExpertsApart:
     Streaming host-held experts to the GPU for long prefill chunks is on when `inner` is a CUDA
     backend and `experts` a host one (set `streaming = False`, or the environment variable
     MINECART_NO_EXPERT_STREAM, to compute every chunk on the host). `min_stream_tokens` overrides
-    the computed threshold (tests); `link` / `cpu_flops` are its inputs: the GPU's link (a rig's
-    simulated link when there is one, else DEFAULT_LINK) and the host's float32 rate for experts.
+    the computed threshold (tests); `link` / `cpu` are its inputs: the GPU's link (a rig's simulated
+    link when there is one, else DEFAULT_LINK) and the host's speed, whose integer expert kernels run a
+    chunk that is not streamed one token after another (placement.host_expert_seconds).
     Counters: host_moe_calls (MoE blocks run on the host), streamed_moe_calls (run on the GPU with
     streamed experts)."""
 
     def __init__(self, inner: Backend, experts: Backend, *, link: Link | None = None,
-                 cpu_flops: float | None = None, stream: Any = None):
+                 cpu: DeviceSpeed | None = None, stream: Any = None):
         self._inner = inner
         self.experts = experts
         self._held: set[int] = set()  # id() of the expert weights loaded on `experts`
@@ -73,7 +81,7 @@ class ExpertsApart:
         self.streamed_moe_calls = 0
         rig_link = inner.rig_device.link if isinstance(inner, RigBackend) else None
         self.link = link or rig_link or DEFAULT_LINK
-        self.cpu_flops = cpu_flops or CPU_SPEED.fp32_flops * PREFILL_EFFICIENCY["F32"]
+        self.cpu = cpu or CPU_SPEED
         self.min_stream_tokens: int | None = None
         self.streaming = not os.environ.get("MINECART_NO_EXPERT_STREAM")
         # backends.expert_stream.ExpertStream, made for the first held layer when none is given (a
@@ -167,7 +175,7 @@ class ExpertsApart:
         if self.min_stream_tokens is not None:
             return self.min_stream_tokens
         st = self._stream
-        per_token = 2.0 * st.active_values(layer, k) / self.cpu_flops
+        per_token = host_expert_seconds(st.active_bytes(layer, k), self.cpu)
         return stream_min_tokens_for(st.layer_bytes(layer), per_token, self.link)
 
     def _apart_layer(self, gate_exps) -> int | None:

@@ -1575,8 +1575,8 @@ def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int,
     for p in parts:
         experts = set(p.experts)
         if experts_here is not False and experts:
-            used = sum(held for name, _, held, _ in p.matmuls if name in experts) * p.expert_fraction
-            t += used / (bw * (CPU_EXPERT_DECODE_EFFICIENCY if cpu else EXPERT_DECODE_EFFICIENCY))
+            used = _expert_bytes_per_token(p)
+            t += host_expert_seconds(used, speed) if cpu else used / (bw * EXPERT_DECODE_EFFICIENCY)
             if not cpu:
                 t += MOE_DECODE_SECONDS
             elif experts_here is True:  # a GPU layer's experts in host RAM: its round trip
@@ -1638,10 +1638,26 @@ def _prefill_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, tokens: int,
     return max(ops_t, read_t) + layers * PREFILL_LAYER_SECONDS
 
 
+def _expert_bytes_per_token(part: PartCost) -> float:
+    """Bytes of `part`'s routed experts one token reads (its used fraction of the stacks)."""
+    experts = set(part.experts)
+    return sum(held for name, _, held, _ in part.matmuls if name in experts) * part.expert_fraction
+
+
+def host_expert_seconds(used_bytes: float, cpu: DeviceSpeed = CPU_SPEED) -> float:
+    """Seconds the CPU's integer expert kernels (engine/cpu_experts.py) spend on one token's routed
+    experts of `used_bytes` in host RAM: a decode token's, and each token of a GPU's prefill chunk that
+    is not streamed (those run one after another on the same kernels, engine/experts.py), at
+    CPU_EXPERT_DECODE_EFFICIENCY of the CPU's bandwidth."""
+    return used_bytes / (cpu.bandwidth * CPU_EXPERT_DECODE_EFFICIENCY)
+
+
 def stream_min_tokens(part: PartCost, link: Link, cpu: DeviceSpeed = CPU_SPEED) -> int:
     """The fewest tokens of a prefill chunk for which copying `part`'s routed experts over `link`
-    to its GPU is quicker than computing the chunk's tokens with them on the CPU (`cpu`'s rate)."""
-    return stream_min_tokens_for(part.expert_bytes, _expert_seconds_per_token(part, cpu), link)
+    to its GPU is quicker than running the chunk's tokens through them on the CPU's integer kernels,
+    one after another (host_expert_seconds a token)."""
+    return stream_min_tokens_for(part.expert_bytes, host_expert_seconds(_expert_bytes_per_token(part), cpu),
+                                 link)
 
 
 def stream_min_tokens_for(expert_bytes: int, cpu_seconds_per_token: float, link: Link) -> int:
@@ -1650,22 +1666,6 @@ def stream_min_tokens_for(expert_bytes: int, cpu_seconds_per_token: float, link:
     if cpu_seconds_per_token <= 0:
         return 1 << 30  # nothing to gain: never stream
     return max(1, math.ceil(link.seconds(expert_bytes) / cpu_seconds_per_token))
-
-
-def _expert_seconds_per_token(part: PartCost, speed: DeviceSpeed) -> float:
-    """Seconds one prompt token spends in `part`'s routed experts at `speed` (its used fraction). A
-    device without an int8 rate (the CPU: the NumPy backend decodes the chosen experts to float32 and
-    multiplies with BLAS) runs them at its fp32 rate and the dense prefill efficiency."""
-    t = 0.0
-    experts = set(part.experts)
-    for name, kind, _, values in part.matmuls:
-        if name in experts:
-            if speed.int8_ops <= 0:
-                rate = speed.fp32_flops * PREFILL_EFFICIENCY["F32"]
-            else:
-                rate = (speed.fp32_flops if kind in FLOAT_TYPES else speed.int8_ops) * EXPERT_PREFILL_EFFICIENCY
-            t += 2.0 * values * part.expert_fraction / rate
-    return t
 
 
 def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt: int | None = None,
@@ -1747,7 +1747,13 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         decode_ctx += hops_s
         on_dev = [p for p in experts if p not in streamed]  # the rest prefill where they are
         if on_dev:
-            compute.append(_prefill_seconds(on_dev, speed, chunk, True))
+            # a GPU layer's experts in host RAM run a chunk's tokens one after another on the integer
+            # kernels, in one round trip; elsewhere (another GPU, or beside CPU layers) as a prefill
+            one_by_one = [p for p in on_dev if _is_cpu(dev) and plan.device_of(p.name).startswith("cuda:")]
+            rest = [p for p in on_dev if p not in one_by_one]
+            compute.append(sum(chunk * host_expert_seconds(_expert_bytes_per_token(p), speed)
+                               + HOST_EXPERT_LAYER_SECONDS for p in one_by_one)
+                           + (_prefill_seconds(rest, speed, chunk, True) if rest else 0.0))
             stages.append(compute[-1] + sum(hop(p, chunk * hidden_bytes) for p in on_dev))
     links = 0.0
     for a, b in zip(segs, segs[1:], strict=False):

@@ -181,11 +181,11 @@ class ExpertStream:
     def layer_bytes(self, key: int) -> int:
         return self._layers[key].nbytes
 
-    def active_values(self, key: int, k: int) -> float:
-        """Expert weight values one token multiplies by in layer `key` when it uses k experts."""
+    def active_bytes(self, key: int, k: int) -> float:
+        """Expert weight bytes one token reads in layer `key` when it uses k experts."""
         layer = self._layers[key]
         e = layer.tensors[0].experts
-        return sum(t.experts * t.rows * t.cols for t in layer.tensors) * min(max(k, 1), e) / e
+        return layer.nbytes * min(max(k, 1), e) / e
 
     @property
     def staging_bytes(self) -> int:

@@ -117,7 +117,7 @@ class _LoggedStream:
     def layer_bytes(self, key):
         return sum(w.info.n_bytes for n, w in self.layers[key].items() if n != "router")
 
-    def active_values(self, key, k):
+    def active_bytes(self, key, k):
         return 1.0
 
     def prefetch(self, key):
@@ -185,15 +185,21 @@ def test_a_long_chunk_streams_each_layer_and_prefetches_the_next(moe_path):
 
 
 def test_the_stream_threshold_is_copy_time_over_cpu_time_per_token(moe_path):
-    from minecart.engine.placement import Link, stream_min_tokens_for
+    from minecart.engine.placement import (
+        CPU_EXPERT_DECODE_EFFICIENCY,
+        DeviceSpeed,
+        Link,
+        stream_min_tokens_for,
+    )
 
     with load_model(moe_path, devices=["cpu:0"], experts="cpu:1") as model:
         host = model.backends["layer.0"]
         st = _LoggedStream()
-        proxy = ExpertsApart(host.inner, host.experts, stream=st, link=Link(1e6, 0.0), cpu_flops=1e6)
+        # the integer kernels read 5e5 bytes/s here: 1 active byte per token (the stand-in) is 2 us
+        cpu = DeviceSpeed("test CPU", 5e5 / CPU_EXPERT_DECODE_EFFICIENCY, 0.0, 1e9)
+        proxy = ExpertsApart(host.inner, host.experts, stream=st, link=Link(1e6, 0.0), cpu=cpu)
         proxy.hold(model.weights["layer.0.experts"])
-        # 1 active value per token (the stand-in): 2 flops at 1e6 flop/s = 2 us a token on the CPU
-        want = stream_min_tokens_for(st.layer_bytes(0), 2.0 / 1e6, Link(1e6, 0.0))
+        want = stream_min_tokens_for(st.layer_bytes(0), 2e-6, Link(1e6, 0.0))
         assert proxy.stream_min_tokens(0, 2) == want == -(-st.layer_bytes(0) // 2)
 
 
@@ -287,9 +293,10 @@ def test_a_per_layer_map_survives_json_and_old_files_still_load():
 
 def test_the_stream_threshold_falls_as_the_link_gets_faster():
     from minecart.engine.placement import (
+        CPU_EXPERT_DECODE_EFFICIENCY,
         CPU_SPEED,
         Link,
-        _expert_seconds_per_token,
+        host_expert_seconds,
         stream_min_tokens,
     )
     from minecart.engine.placement import stream_min_tokens_for as from_numbers
@@ -298,7 +305,13 @@ def test_the_stream_threshold_falls_as_the_link_gets_faster():
     p = _costs35().part("layer.0")
     t = [stream_min_tokens(p, LINKS[name]) for name in ("gen1x1", "gen3x4", "gen4x16")]
     assert t[0] > t[1] > t[2] >= 1
-    per_token = _expert_seconds_per_token(p, CPU_SPEED)
+    # the CPU's side is the integer kernels' time for a token's used experts (8 of 256: their bytes)
+    used = p.expert_bytes * 8 / 256
+    per_token = host_expert_seconds(used, CPU_SPEED)
+    assert per_token == pytest.approx(used / (CPU_SPEED.bandwidth * CPU_EXPERT_DECODE_EFFICIENCY), rel=0.02)
+    # behind Gen1 x1 a layer's copy takes longer than a runtime chunk's 2,048 tokens on the CPU, so the
+    # runtime computes them there; Gen3 x4 streams them
+    assert t[0] > 2048 > t[1]
     copy = LINKS["gen3x4"].seconds(p.expert_bytes)
     assert (t[1] - 1) * per_token < copy <= t[1] * per_token  # the fewest tokens for which the copy wins
     assert from_numbers(10 ** 6, 1e-3, Link(1e9, 0.0)) == 1
@@ -330,9 +343,22 @@ def test_streamed_prefill_is_predicted_link_bound():
         slow.seconds(sampled) - fast.seconds(sampled)
     slower = 1 / speeds["gen1x1"].decode_tokens_per_s - 1 / speeds["gen4x16"].decode_tokens_per_s
     assert slower == pytest.approx(extra, rel=0.01)
-    # 40 layers x their expert bytes over Gen1 x1 bound the one 4096-token chunk
-    link_s = sum(LINKS["gen1x1"].seconds(p.expert_bytes) for p in costs.parts if p.experts)
-    assert 4096 / link_s * 0.95 <= speeds["gen1x1"].prefill_tokens_per_s <= 4096 / link_s
+    # Gen1 x1 bounds nothing here: copying a layer's experts over it takes longer than the CPU's integer
+    # kernels take for the 4096 tokens, so the chunk stays on the CPU (one token after another); Gen1 x4
+    # streams, bound by its link (40 layers x their expert bytes)
+    from minecart.engine.placement import (
+        HOST_EXPERT_LAYER_SECONDS,
+        host_expert_seconds,
+        stream_min_tokens,
+    )
+
+    moe = [p for p in costs.parts if p.experts]
+    assert all(stream_min_tokens(p, LINKS["gen1x1"]) > 4096 > stream_min_tokens(p, LINKS["gen1x4"]) for p in moe)
+    cpu_s = sum(4096 * host_expert_seconds(p.expert_bytes * 8 / 256) + HOST_EXPERT_LAYER_SECONDS for p in moe)
+    # (one chunk: the GPU's own layers and the hidden rows' trips add to the CPU's time, ~15% here)
+    assert 4096 / cpu_s * 0.8 <= speeds["gen1x1"].prefill_tokens_per_s <= 4096 / cpu_s
+    link_s = sum(LINKS["gen1x4"].seconds(p.expert_bytes) for p in moe)
+    assert 4096 / link_s * 0.95 <= speeds["gen1x4"].prefill_tokens_per_s <= 4096 / link_s
 
 
 def test_experts_on_values():
