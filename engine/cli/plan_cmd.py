@@ -30,6 +30,7 @@ from ..devices import format_bytes
 from ..errors import DeviceError, PlacementError
 from ..placement import (
     DEFAULT_KV_TYPE,
+    DEFAULT_LINK,
     EXPERTS_ON_HELP,
     GLOBAL,
     HEAD,
@@ -46,6 +47,7 @@ from ..placement import (
     model_costs,
     plan_candidates,
     plan_choice,
+    stream_min_tokens,
 )
 
 RESERVE = 256 * MiB  # kept free on every device beyond the estimate (plan_auto's default)
@@ -308,6 +310,11 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
             # of other_bytes on a GPU: the weight arenas' bytes beyond the weights (each part's arrays in
             # one allocation of whole 2 MiB pages: placement._arena_padding)
             "rounding_bytes": b.rounding if b else 0,
+            # a GPU with host-RAM experts: the fewest tokens of a prefill run for which its link copies a
+            # layer's experts sooner than the CPU's kernels run the run's tokens (the runtime's rule)
+            "expert_stream_min_tokens": max((stream_min_tokens(p, d.link or DEFAULT_LINK)
+                                             for p in plan.streamed_parts(d.name)), default=None),
+            "link_name": (d.link or DEFAULT_LINK).name,
             "decode_seconds_per_token": choice.speed.per_device.get(d.name, 0.0),
         })
     return {
@@ -315,6 +322,7 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
         "context": int(context),
         "kv_type": kv_type,
         "parallel": int(parallel),  # sequences held at once, each with the whole context
+        "chunk": int(plan.chunk),  # prefill run, tokens
         "devices": rows,
         "predicted": {"decode_tokens_per_s": round(choice.speed.decode_tokens_per_s, 2),
                       "prefill_tokens_per_s": round(choice.speed.prefill_tokens_per_s, 1),
@@ -377,6 +385,12 @@ def _table(r: dict[str, Any]) -> str:
         if d["pinned_bytes"]:
             lines.append(f"{d['name']}: {format_bytes(d['pinned_bytes'])} of 'other' are the page-locked copy of "
                          f"its experts that prefill streams from (the CPU's decode reads the file's pages)")
+        n = d["expert_stream_min_tokens"]
+        if n is not None:
+            how = ("are streamed to it" if r["chunk"] >= n else
+                   "stay on the CPU, one token after another on its integer kernels")
+            lines.append(f"{d['name']}: in prefill runs of {r['chunk']:,} tokens its host-RAM experts {how} "
+                         f"(over {d['link_name']} streaming wins from {n:,} tokens)")
     p = r["predicted"]
     lines += ["", f"predicted: decode {p['decode_tokens_per_s']:.1f} tokens/s (empty context), "
               f"{p['decode_tokens_per_s_at_context']:.1f} at {r['context']} tokens; prefill "

@@ -239,6 +239,29 @@ def test_experts_on_host_shows_the_staging_buffers(capsys):
     assert "the page-locked copy of its experts that prefill streams from" in out
 
 
+def test_experts_on_host_says_whether_prefill_streams_them(capsys):
+    """The runtime's rule (placement.stream_min_tokens): a prefill run streams a layer's host-RAM
+    experts when copying them over the card's link is quicker than the CPU's integer kernels running the
+    run's tokens; behind a Gen1 x1 riser the 2,048-token runs stay on the CPU, behind Gen3 x4 they
+    stream. The JSON carries the threshold, the text says which."""
+    from minecart.engine.placement import stream_min_tokens
+    from minecart.engine.rig import LINKS
+
+    layer = costs_for_shape("qwen3.6-35b-a3b", "Q4_K").part("layer.0")
+    for link, streams in (("gen1x1", False), ("gen3x4", True)):
+        rig = f"cuda:0=H200/8GiB@{link},cpu:0=100GiB"
+        rc, r = plan(capsys, *MOE35, "--rig", rig, "--experts-on", "host")
+        gpu, cpu = r["devices"]
+        assert rc == 0 and r["chunk"] == 2048 and cpu["expert_stream_min_tokens"] is None
+        assert gpu["expert_stream_min_tokens"] == stream_min_tokens(layer, LINKS[link])
+        assert (gpu["expert_stream_min_tokens"] <= 2048) == streams
+        main(["plan", *MOE35, "--rig", rig, "--experts-on", "host"])
+        out = capsys.readouterr().out
+        said = "are streamed to it" if streams else "stay on the CPU"
+        assert f"in prefill runs of 2,048 tokens its host-RAM experts {said}" in out
+        assert f"streaming wins from {gpu['expert_stream_min_tokens']:,} tokens" in out
+
+
 def test_experts_on_auto_fills_the_card_first(capsys):
     rc, r = plan(capsys, *MOE35, "--rig", "cuda:0=P104-100,cpu:0=32GiB", "--experts-on", "auto")
     assert rc == 0 and r["fits"]
