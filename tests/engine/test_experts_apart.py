@@ -293,9 +293,10 @@ def test_a_per_layer_map_survives_json_and_old_files_still_load():
 
 def test_the_stream_threshold_falls_as_the_link_gets_faster():
     from minecart.engine.placement import (
-        CPU_EXPERT_DECODE_EFFICIENCY,
         CPU_SPEED,
+        HOST_EXPERT_LAYER_SECONDS,
         Link,
+        _decode_seconds,
         host_expert_seconds,
         stream_min_tokens,
     )
@@ -305,10 +306,12 @@ def test_the_stream_threshold_falls_as_the_link_gets_faster():
     p = _costs35().part("layer.0")
     t = [stream_min_tokens(p, LINKS[name]) for name in ("gen1x1", "gen3x4", "gen4x16")]
     assert t[0] > t[1] > t[2] >= 1
-    # the CPU's side is the integer kernels' time for a token's used experts (8 of 256: their bytes)
+    # the CPU's side is the integer kernels' time for a token's used experts (8 of 256: their bytes),
+    # the price of the same layer's experts in a decoded token less its round trip
     used = p.expert_bytes * 8 / 256
     per_token = host_expert_seconds(used, CPU_SPEED)
-    assert per_token == pytest.approx(used / (CPU_SPEED.bandwidth * CPU_EXPERT_DECODE_EFFICIENCY), rel=0.02)
+    decode = _decode_seconds([p], CPU_SPEED, 0, "f16", True, True) - HOST_EXPERT_LAYER_SECONDS
+    assert per_token == pytest.approx(decode, rel=0.02)
     # behind Gen1 x1 a layer's copy takes longer than a runtime chunk's 2,048 tokens on the CPU, so the
     # runtime computes them there; Gen3 x4 streams them
     assert t[0] > 2048 > t[1]
