@@ -230,9 +230,9 @@ __global__ void __launch_bounds__(256) gemm_fma(
 //   broadcast: one wavefront).
 // - 16 and 32 tokens, the row-quad map: thread (tx, ty) holds rows 4 tx .. 4 tx + 3 and tokens TM ty ..
 //   TM ty + TM - 1 (TM = TT / 8, tx = tid % 16): one 128-bit weight load (4 wavefronts) per 4 TM DP4A.
-// What limits them (Nsight Compute, Q4_K 24576 x 4096, H200): the row-quad map at 8 tokens (TM = 2,
-// 128-row blocks) and at TM = 1 before it was bound by shared-memory wavefronts (the L1 data pipe at 88%
-// of peak for TM = 1). The K-parts map at 8 tokens issues 2.3 instructions a cycle with the FMA-heavy
+// What limits them (Nsight Compute, Q4_K 24576 x 4096, H200): the row-quad map at 8 tokens with TM = 1
+// was bound by shared-memory wavefronts (the L1 data pipe at 88% of peak); TM = 2 (128-row blocks)
+// halved the wavefronts per DP4A. The K-parts map at 8 tokens issues 2.3 instructions a cycle with the FMA-heavy
 // pipe (DP4A, integer multiply-adds) at 55% of peak: DP4A are 31% of its instructions, the rest the
 // weights' expansion when stored, the per-block scaling (4 fp32 operations per row, token and block) and
 // the loads. The 9B Q4_K step's matmuls at 8 tokens: 3.15 ms against the row-quad map's 3.35 (Q8_0 3.41
