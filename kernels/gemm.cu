@@ -236,9 +236,10 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // pipe (DP4A, integer multiply-adds) at 55% of peak: DP4A are 31% of its instructions, the rest the
 // weights' expansion when stored, the per-block scaling (4 fp32 operations per row, token and block) and
 // the loads. The 9B Q4_K step's matmuls at 8 tokens: 3.15 ms against the row-quad map's 3.35 (Q8_0 3.41
-// against 4.68); at 16 and 32 tokens the K-parts map (2 rows x 8 tokens a lane, a warp per token group)
-// was 5% slower than the row quads (Q4_K 32 tokens 8.28 against 7.87 ms), so they keep them. 4 rows a
-// lane (128-row blocks, 2 blocks a multiprocessor by registers) measured no faster.
+// against 4.68); the K-parts map with a warp per token group was 5% slower than the row quads at 32
+// tokens (Q4_K 8.28 against 7.87 ms, Q8_0 8.88 against 8.49; 9% more instructions) and mixed at 16
+// (Q4_K 4.79 against 5.12, Q8_0 5.50 against 5.29), so 16 and 32 keep the row quads. 4 rows a lane
+// (128-row blocks, 2 blocks a multiprocessor by registers) measured no faster.
 //
 // K loop: stages of 8 quant blocks (256 values: one K-quant super-block): the stage's weights and activations are loaded into
 // registers while the previous stage is computed from shared memory (software pipelining: one barrier
