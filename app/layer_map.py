@@ -223,6 +223,11 @@ class LayerMapModel(QAbstractItemModel):
         n = len(self.plan.assignment) if self.plan is not None else 0
         return code - n if code >= n else None
 
+    def layer_of(self, code: int) -> int:
+        """The part a child stands for: itself, or the layer whose routed experts' block it is."""
+        e = self.expert_part(code)
+        return code if e is None else e
+
     def device_specs(self) -> list[pl.DeviceSpec]:
         return [device_spec(d) for d in self.devices if d.kind != "missing"]
 
@@ -1142,7 +1147,7 @@ class LayerMapPanel(QWidget):
             act = QAction(f"Move to {dev.name} ({dev.id})", menu)
             act.triggered.connect(lambda _=False, d=dev.id: self.model.move_items(parts, d))
             menu.addAction(act)
-        layers = sorted({i if e is None else e for i, e in ((c, self.model.expert_part(c)) for c in parts)})
+        layers = sorted({self.model.layer_of(c) for c in parts})
         moe = [i for i in layers if self.model.plan is not None and self.model.plan.costs.parts[i].experts]
         if moe:
             menu.addSeparator()

@@ -1545,7 +1545,8 @@ def _speed_of(spec: DeviceSpec | None, name: str) -> DeviceSpeed:
     return CPU_SPEED if _is_cpu(name) else UNKNOWN_GPU
 
 
-def _link_of(spec: DeviceSpec | None) -> Link:
+def link_of(spec: DeviceSpec | None) -> Link:
+    """The link a device is priced behind: its own, else DEFAULT_LINK."""
     return spec.link if spec is not None and spec.link is not None else DEFAULT_LINK
 
 
@@ -1660,6 +1661,22 @@ def stream_min_tokens(part: PartCost, link: Link, cpu: DeviceSpeed = CPU_SPEED) 
                                  link)
 
 
+def _plan_stream_min_tokens(plan: Placement, part: PartCost, by_name: Mapping[str, DeviceSpec]) -> int:
+    """stream_min_tokens of a GPU layer whose experts `plan` keeps in host RAM, with the GPU's link and
+    the experts' device's speed as `devices` describe them."""
+    edev = plan.experts[part.name]
+    return stream_min_tokens(part, link_of(by_name.get(plan.device_of(part.name))),
+                             _speed_of(by_name.get(edev), edev))
+
+
+def expert_stream_min_tokens(plan: Placement, device: str, devices: Sequence[DeviceSpec]) -> int | None:
+    """The fewest tokens of a prefill run from which GPU `device` streams every layer's host-RAM experts
+    (the largest of its layers' stream_min_tokens, as predict_speed decides them); None when it holds no
+    such layer."""
+    by_name = {d.name: d for d in devices}
+    return max((_plan_stream_min_tokens(plan, p, by_name) for p in plan.streamed_parts(device)), default=None)
+
+
 def stream_min_tokens_for(expert_bytes: int, cpu_seconds_per_token: float, link: Link) -> int:
     """The same from the numbers: a layer's expert bytes (as the GPU holds them) and the seconds the
     CPU spends per token on that layer's experts. Copy seconds / CPU seconds per token, rounded up."""
@@ -1702,11 +1719,11 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         gdev, edev = plan.device_of(p.name), plan.experts[p.name]
         gspec = by_name.get(gdev)
         if not (gdev.startswith("cuda:") and edev.startswith("cpu:")) or \
-                chunk < stream_min_tokens(p, _link_of(gspec), _speed_of(by_name.get(edev), edev)):
+                chunk < _plan_stream_min_tokens(plan, p, by_name):
             continue
         streamed.append(p)
         stream_gpu[gdev] = stream_gpu.get(gdev, 0.0) + _prefill_seconds([p], _speed_of(gspec, gdev), chunk, True)
-        stream_copy[gdev] = stream_copy.get(gdev, 0.0) + _link_of(gspec).seconds(p.expert_bytes)
+        stream_copy[gdev] = stream_copy.get(gdev, 0.0) + link_of(gspec).seconds(p.expert_bytes)
     for k, seg in enumerate(segs):
         spec = by_name.get(seg.device)
         speed = _speed_of(spec, seg.device)
@@ -1728,7 +1745,7 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
             # one's) on the bridge's own thread while both cards compute other chunks: a pipeline
             # stage of its own (engine/execution.py HostBridge)
             nxt = by_name.get(segs[k + 1].device)
-            stages.append(_link_of(spec).seconds(chunk * hidden_bytes) + _link_of(nxt).seconds(chunk * hidden_bytes))
+            stages.append(link_of(spec).seconds(chunk * hidden_bytes) + link_of(nxt).seconds(chunk * hidden_bytes))
     for dev in dict.fromkeys(plan.experts[p.name] for p in apart_parts):
         spec = by_name.get(dev)
         speed = _speed_of(spec, dev)
@@ -1739,8 +1756,8 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
         # each layer's FFN input goes to the experts' device and its output comes back, over the
         # layer's card's link and (for a GPU holding the experts) that card's link too
         def hop(p: PartCost, n_bytes: int, dev: str = dev, spec: DeviceSpec | None = spec) -> float:
-            there = 0.0 if _is_cpu(dev) else _link_of(spec).seconds(n_bytes)
-            return 2 * (_link_of(by_name.get(plan.device_of(p.name))).seconds(n_bytes) + there)
+            there = 0.0 if _is_cpu(dev) else link_of(spec).seconds(n_bytes)
+            return 2 * (link_of(by_name.get(plan.device_of(p.name))).seconds(n_bytes) + there)
 
         hops_s = sum(hop(p, hidden_bytes) for p in experts)
         decode0[dev] += hops_s
@@ -1757,10 +1774,10 @@ def predict_speed(plan: Placement, devices: Sequence[DeviceSpec] = (), *, prompt
             stages.append(compute[-1] + sum(hop(p, chunk * hidden_bytes) for p in on_dev))
     links = 0.0
     for a, b in zip(segs, segs[1:], strict=False):
-        links += _link_of(by_name.get(a.device)).seconds(hidden_bytes) + _link_of(by_name.get(b.device)).seconds(hidden_bytes)
+        links += link_of(by_name.get(a.device)).seconds(hidden_bytes) + link_of(by_name.get(b.device)).seconds(hidden_bytes)
     if logits_over_link:  # to the sampler: its top logits, or the whole row
         n_bytes = 8 * sampled_logits if sampled_logits else 4 * plan.costs.vocab
-        links += _link_of(by_name.get(segs[-1].device)).seconds(n_bytes)
+        links += link_of(by_name.get(segs[-1].device)).seconds(n_bytes)
     # the host's time around the graphs: once a token, and a launch for each further stage
     host = HOST_SECONDS_PER_TOKEN + HOST_SECONDS_PER_STAGE * (len(segs) - 1)
     t0 = sum(decode0.values()) + links + host

@@ -30,7 +30,6 @@ from ..devices import format_bytes
 from ..errors import DeviceError, PlacementError
 from ..placement import (
     DEFAULT_KV_TYPE,
-    DEFAULT_LINK,
     EXPERTS_ON_HELP,
     GLOBAL,
     HEAD,
@@ -42,12 +41,13 @@ from ..placement import (
     PlanChoice,
     check_experts_on,
     costs_for_shape,
+    expert_stream_min_tokens,
     experts_map,
     fill_experts,
+    link_of,
     model_costs,
     plan_candidates,
     plan_choice,
-    stream_min_tokens,
 )
 
 RESERVE = 256 * MiB  # kept free on every device beyond the estimate (plan_auto's default)
@@ -312,9 +312,8 @@ def _report(costs: ModelCosts, devices: list[DeviceSpec], choice: PlanChoice, co
             "rounding_bytes": b.rounding if b else 0,
             # a GPU with host-RAM experts: the fewest tokens of a prefill run for which its link copies a
             # layer's experts sooner than the CPU's kernels run the run's tokens (the runtime's rule)
-            "expert_stream_min_tokens": max((stream_min_tokens(p, d.link or DEFAULT_LINK)
-                                             for p in plan.streamed_parts(d.name)), default=None),
-            "link_name": (d.link or DEFAULT_LINK).name,
+            "expert_stream_min_tokens": expert_stream_min_tokens(plan, d.name, devices),
+            "link_name": link_of(d).name,
             "decode_seconds_per_token": choice.speed.per_device.get(d.name, 0.0),
         })
     return {
