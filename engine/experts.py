@@ -37,6 +37,7 @@ from typing import Any
 
 from .backends.base import Backend, DeviceHooks, MoeShared, compose_moe_block
 from .backends.numpy_backend import NumpyBackend
+from .expert_pool import ExpertChannel, shared_pool
 from .placement import (
     CPU_SPEED,
     DEFAULT_LINK,
@@ -77,7 +78,7 @@ class ExpertsApart:
         self._layer_of: dict[int, int] = {}  # id() of a held layer's first expert tensor -> layer index
         self.device = inner.device
         self.name = inner.name
-        self.host_moe_calls = 0
+        self._host_calls = 0  # MoE blocks run on the host by this thread (the pool counts its own)
         self.streamed_moe_calls = 0
         rig_link = inner.rig_device.link if isinstance(inner, RigBackend) else None
         self.link = link or rig_link or DEFAULT_LINK
@@ -100,6 +101,12 @@ class ExpertsApart:
         self._pinned: dict[int, tuple[Any, Any]] = {}
         self._host_error: BaseException | None = None
         self._host_fn = self._run_host  # one bound method: its identity names the host function
+        # a GPU's layers whose experts the integer kernels take: the expert pool's channel of this
+        # device, each layer's entry in the pool, and the channel's answers before this proxy's first
+        self._channel: ExpertChannel | None = None
+        self._entries: dict[int, int] = {}
+        self._answered_before = 0
+        self.use_pool = not os.environ.get("MINECART_NO_EXPERT_POOL")
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._inner, attr)
@@ -110,6 +117,12 @@ class ExpertsApart:
     @property
     def inner(self) -> Backend:
         return self._inner
+
+    @property
+    def host_moe_calls(self) -> int:
+        """MoE blocks whose routed experts ran on the host (by the expert pool or a host function)."""
+        served = 0 if self._channel is None else self._channel.answered - self._answered_before
+        return self._host_calls + served
 
     @property
     def stream(self) -> Any:
@@ -144,9 +157,22 @@ class ExpertsApart:
             key = self._layer_of.pop(id(w), None)
             if key is not None and key in self._routers and key not in self._layer_of.values():
                 self._inner.free(self._routers.pop(key))
+                self._drop_entry(key)
+
+    def _drop_entry(self, layer: int) -> None:
+        entry = self._entries.pop(layer, None)
+        if entry is not None and self._channel is not None:
+            self._channel.pool.drop_entries([entry])
 
     def close(self) -> None:
-        """Let go of the staging buffers and page-locked copies (waiting for any copy in flight)."""
+        """Let go of the staging buffers and page-locked copies (waiting for any copy in flight), and
+        of this device's entries and channel in the expert pool."""
+        if self._channel is not None:
+            pool = self._channel.pool
+            pool.drop_entries(list(self._entries.values()))
+            self._entries.clear()
+            pool.release_channel(self._channel)
+            self._host_calls, self._channel = self.host_moe_calls, None
         if self._stream is not None:
             self._stream.close()
             self._stream = None
@@ -192,7 +218,7 @@ class ExpertsApart:
             return self._streamed_moe(layer, x, gate_exps, up_exps, down_exps, k)
         if self._host_nodes:
             return self._host_moe(layer, x, gate_exps, up_exps, down_exps, k)
-        self.host_moe_calls += 1
+        self._host_calls += 1
         xe = self.experts.asarray(self._inner.to_numpy(x))
         y = self.experts.moe(xe, router, gate_exps, up_exps, down_exps, k)
         return self._inner.asarray(self.experts.to_numpy(y))
@@ -211,9 +237,30 @@ class ExpertsApart:
         self._host_args[layer] = (gate_exps, up_exps, down_exps, int(k))
         rows = self._inner.moe_route_rows(x, self._routers[layer], int(k))  # (T, H + 2k)
         host_x, host_y = self._host_buffers(T, H, int(k))
-        y = self._inner.host_round_trip(rows, host_x, host_y, self._host_fn, (layer << 32) | T)
-        self._raise_host_error()  # eagerly the host function has run by now (in a capture: it will)
+        entry = self._pool_entry(layer, gate_exps, up_exps, down_exps)
+        if entry is not None:
+            assert self._channel is not None
+            y = self._inner.expert_call(rows, host_x, host_y, self._channel, entry)
+        else:
+            y = self._inner.host_round_trip(rows, host_x, host_y, self._host_fn, (layer << 32) | T)
+        self._raise_host_error()  # eagerly the experts have run by now (in a capture: they will)
         return y
+
+    def _pool_entry(self, layer: int, gate_exps, up_exps, down_exps) -> int | None:
+        """Layer `layer`'s entry in the expert pool (engine/expert_pool.py), registered on its first
+        call; None where the pool does not serve it (a host inner backend, expert types without integer
+        kernels, no numba, or `use_pool` off): then the round trip is a host function."""
+        entry = self._entries.get(layer)
+        if entry is not None or not self.use_pool or not self._inner.pins_host_memory or self._host is None:
+            return entry
+        stacks = self._host.int_expert_stacks(gate_exps, up_exps, down_exps)
+        if stacks is None:
+            return None
+        if self._channel is None:
+            self._channel = shared_pool(self._host.expert_thread_count(), self._inner.pinned_empty).channel()
+            self._answered_before = self._channel.answered
+        entry = self._entries[layer] = self._channel.pool.add_entry(*stacks)
+        return entry
 
     def _host_buffers(self, T: int, H: int, k: int) -> tuple[Any, Any]:
         """(x, y) host rows for T tokens: views of page-locked float32 buffers, (rows, H + 2k) for the
@@ -246,7 +293,7 @@ class ExpertsApart:
             host_y[:T] = self._host.moe_routed(rows[:, :H], rows[:, H : H + k], rows[:, H + k : H + 2 * k],
                                                gate_exps, up_exps, down_exps,
                                                one_by_one=self._inner.pins_host_memory)
-            self.host_moe_calls += 1
+            self._host_calls += 1
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             host_y[:T] = float("nan")
             if self._host_error is None:
@@ -254,6 +301,11 @@ class ExpertsApart:
 
     def _raise_host_error(self) -> None:
         exc, self._host_error = self._host_error, None
+        if exc is None and self._channel is not None:
+            try:
+                self._channel.check()
+            except (IndexError, RuntimeError) as found:
+                exc = found
         if exc is not None:
             raise RuntimeError(f"routed experts on the host failed: {exc}") from exc
 
@@ -292,6 +344,8 @@ class ExpertsApart:
         device: that round trip goes through this thread and cannot be captured."""
         if self._held and not self._host_nodes:
             return None
+        if self._channel is not None:
+            self._channel.pool.ensure_running()  # a replay's expert calls need the pool's threads up
         try:
             return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch,
                                           host_in=host_in, host_out=host_out, after=after, wait=wait,

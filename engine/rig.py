@@ -339,16 +339,24 @@ class RigBackend:
         this device's link charged for the rows going down and coming back: on a CUDA device as a hold
         of its stream queued before the round trip (inside a captured graph too), on a host device as
         a wait."""
+        self._charge_round_trip(host_x, host_y)
+        return self._inner.host_round_trip(x, host_x, host_y, fn, arg)
+
+    def expert_call(self, x, host_x, host_y, channel, entry: int):
+        """The real backend's call to the expert pool (DeviceHooks.expert_call) with this device's link
+        charged for the rows going down and coming back, as host_round_trip charges them."""
+        self._charge_round_trip(host_x, host_y)
+        return self._inner.expert_call(x, host_x, host_y, channel, entry)
+
+    def _charge_round_trip(self, host_x, host_y) -> None:
         link = self.rig_device.link
         if link is None:
-            return self._inner.host_round_trip(x, host_x, host_y, fn, arg)
-        n = int(host_x.nbytes) + int(host_y.nbytes)
+            return
         seconds = link.seconds(int(host_x.nbytes)) + link.seconds(int(host_y.nbytes))
         self._hold(seconds)
         with self._lock:
-            self.transferred_bytes += n
+            self.transferred_bytes += int(host_x.nbytes) + int(host_y.nbytes)
             self.transfer_seconds += seconds
-        return self._inner.host_round_trip(x, host_x, host_y, fn, arg)
 
     def _hold(self, seconds: float) -> None:
         """The link's `seconds`, from now: on a CUDA device the real backend's graph stream is held

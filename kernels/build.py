@@ -136,6 +136,7 @@ def module_specs() -> list[ModuleSpec]:
                             ("topk_stage1", "topk_stage2", "moe_route", "moe_combine")))
     specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))
     specs.append(ModuleSpec("link", ("link.cu",), (), ("link_hold",)))  # simulated links (link.py)
+    specs.append(ModuleSpec("expert_call", ("expert_call.cu",), (), ("expert_call",)))  # expert_call.py
     # -- MoE (moe.py): one module per expert format (gate and up of one format) --
     for t in DP4A_TYPES:
         q = QT[t]

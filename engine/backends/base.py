@@ -30,9 +30,12 @@ import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..sampling import TopLogits
+
+if TYPE_CHECKING:
+    from ..expert_pool import ExpertChannel
 
 Array = Any
 Weight = Any
@@ -324,6 +327,16 @@ class DeviceHooks:
         fn(arg)
         return self.asarray(host_y)  # type: ignore[attr-defined]
 
+    def expert_call(self, x: Array, host_x: Any, host_y: Any, channel: ExpertChannel, entry: int) -> Array:
+        """Routed experts of the expert pool's entry `entry` (engine/expert_pool.py) for the rows x
+        (T, H + 2k) float32 on this backend: x -> the host array host_x, the pool runs the entry into
+        host_y (T, H), host_y -> a new array here. On a CUDA device one kernel queued on the current
+        stream posts the call into the pool's shared memory and waits there for the answer (a captured
+        decode graph holds it); here the host posts it (`channel.post`) and waits."""
+        host_x[...] = self.to_numpy(x).reshape(host_x.shape)  # type: ignore[attr-defined]
+        channel.post(entry, host_x, host_y)
+        return self.asarray(host_y)  # type: ignore[attr-defined]
+
     def alongside(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """Queue fn() (ops of this backend on arrays ready now) to run beside the work queued after
         this call, and return `join`: join() orders the work queued after it behind fn's and returns
@@ -527,6 +540,8 @@ class Backend(Protocol):
     def part_arena(self, tensors: Sequence[tuple[Any, str]]) -> contextlib.AbstractContextManager[None]: ...
 
     def host_round_trip(self, x: Array, host_x: Any, host_y: Any, fn: Callable[[int], None], arg: int) -> Array: ...
+
+    def expert_call(self, x: Array, host_x: Any, host_y: Any, channel: ExpertChannel, entry: int) -> Array: ...
 
     def alongside(self, fn: Callable[[], Any]) -> Callable[[], Any]: ...
 

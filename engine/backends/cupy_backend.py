@@ -31,6 +31,7 @@ from typing import Any
 
 import cupy as cp
 import numpy as np
+from minecart.kernels import expert_call as expert_call_kernel
 from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, layout, link, ops
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
@@ -616,6 +617,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._arena: WeightArena | None = None  # the part being loaded (part_arena)
         self._hold_done: Any = None  # the event `hold` records again after each simulated link's hold
         self._sleeper: Any = None  # the _sleep_event of waits for host functions (host_round_trip)
+        self._expert_seqs: dict[int, Any] = {}  # an expert pool channel's word -> its request counter here
         self._side: Any = None  # (stream, fork event, join event) of `alongside`, made on first use
         self.use_graphs = not os.environ.get("MINECART_NO_CUDA_GRAPH")
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
@@ -707,6 +709,35 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             else:
                 self._capture.sleeper = self._sleeper  # the graph's replays are waited for the same way
             # (under a capture, x and out came from the capture's allocator: the graph keeps them)
+            return out
+
+    def expert_call(self, x, host_x, host_y, channel, entry: int):
+        """DeviceHooks.expert_call as one kernel on the current stream (kernels/expert_call.cu): it writes
+        the rows into the page-locked host_x, posts the call into the channel's words of the pool's
+        control block, waits there for the pool's answer and reads host_y's rows back into a new array.
+        Eagerly the stream is waited for before returning (so the caller can check the channel's
+        status); under a capture the kernel is a node of the decode graph."""
+        if host_x.dtype != np.float32 or host_y.dtype != np.float32:
+            raise ValueError(f"host buffers must be float32, got {host_x.dtype} and {host_y.dtype}")
+        with self._dev:
+            stream = cp.cuda.get_current_stream()
+            x = cp.ascontiguousarray(x, dtype=cp.float32)
+            if x.shape != host_x.shape or host_y.shape[0] != x.shape[0]:
+                raise ValueError(f"{x.shape} does not fit the host buffers {host_x.shape} / {host_y.shape}")
+            seq = self._expert_seqs.get(channel.word)
+            if seq is None:  # the channel's request counter on this device, from the last one answered
+                seq = cp.full((1,), channel.answered, dtype=cp.uint64)
+                self._expert_seqs[channel.word] = seq
+            out = cp.empty(host_y.shape, dtype=cp.float32)
+            channel.pool.ensure_running()
+            expert_call_kernel.call(x, out, channel.word_address, host_x.ctypes.data, host_y.ctypes.data, seq,
+                                    entry, channel.timeout_s)
+            if self._sleeper is None:
+                self._sleeper = _sleep_event()
+            if self._capture is None:
+                _wait_stream(stream, self._sleeper)  # sleeping: the pool's threads want every core
+            else:
+                self._capture.sleeper = self._sleeper  # the graph's replays are waited for the same way
             return out
 
     def alongside(self, fn):

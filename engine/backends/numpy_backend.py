@@ -211,7 +211,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         self.expert_threads = expert_threads
         self.rows_kernel = rows_kernel
         # a MoE layer's expert tensors as cpu_experts stacks, made on first use: (weights, stacks) by
-        # the weights' ids (_int_expert_stacks)
+        # the weights' ids (int_expert_stacks)
         self._stacks: dict[tuple[int, int, int], tuple[tuple[Any, ...], Any]] = {}
 
     def __repr__(self) -> str:
@@ -336,7 +336,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         # same float32 arithmetic in another order; BLAS's GEMM packs the whole weight for so few rows
         if (self.rows_kernel and x.ndim == 2 and dense.flags.c_contiguous
                 and cpu_matmul.ROWS_MIN <= x.shape[0] <= cpu_matmul.ROWS_MAX and cpu_matmul.available()):
-            return cpu_matmul.rows_matmul(x, dense, threads=self._expert_threads())
+            return cpu_matmul.rows_matmul(x, dense, threads=self.expert_thread_count())
         return x @ dense.T
 
     # ---- positions and attention ---------------------------------------------------------------
@@ -547,7 +547,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
 
     def moe(self, x, router, gate_exps, up_exps, down_exps, k: int):
         x = np.asarray(x, F32)
-        if x.shape[0] == 1 and self._int_expert_stacks(gate_exps, up_exps, down_exps) is not None:
+        if x.shape[0] == 1 and self.int_expert_stacks(gate_exps, up_exps, down_exps) is not None:
             from .. import cpu_experts  # one token for the CPU kernels: routing without a BLAS call
 
             tok_ids, tok_w = cpu_experts.route(x[0], router.dense(), k)
@@ -573,12 +573,12 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         x = np.asarray(x, F32)
         ids = np.asarray(ids).astype(np.int64)
         if x.shape[0] == 1 or one_by_one:
-            stacks = self._int_expert_stacks(gate_exps, up_exps, down_exps)
+            stacks = self.int_expert_stacks(gate_exps, up_exps, down_exps)
             if stacks is not None:
                 from .. import cpu_experts
 
                 gate, up, down = stacks
-                w, threads = np.asarray(weights), self._expert_threads()
+                w, threads = np.asarray(weights), self.expert_thread_count()
                 each = [cpu_experts.routed_experts(x[t], ids[t], w[t], gate, up, down, threads=threads)
                         for t in range(x.shape[0])]
                 return np.stack(each) if each else np.zeros(x.shape, F32)
@@ -599,7 +599,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
             out[rows] += weights[rows, slot][:, None] * (h @ down_exps.expert(e).T)
         return out.astype(F32)
 
-    def _int_expert_stacks(self, gate_exps, up_exps, down_exps):
+    def int_expert_stacks(self, gate_exps, up_exps, down_exps):
         """The expert tensors as cpu_experts stacks when the integer path applies, else None."""
         if self.int_experts is False:
             return None
@@ -628,7 +628,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         self._stacks[key] = ((gate_exps, up_exps, down_exps), stacks)
         return stacks
 
-    def _expert_threads(self) -> int:
+    def expert_thread_count(self) -> int:
         if self.expert_threads is None:  # --threads N, else the engine's rule for BLAS
             from ..threads import expert_threads
 

@@ -36,15 +36,15 @@ def test_without_the_flag_the_machine_default(process_threads):
     process_threads(None)
     assert expert_threads() == default_threads(usable_cores())
     assert [expert_threads(cores=n) for n in (2, 6, 16, 64)] == [1, 3, 8, 8]
-    assert NumpyBackend()._expert_threads() == default_threads(usable_cores())
+    assert NumpyBackend().expert_thread_count() == default_threads(usable_cores())
 
 
 def test_the_flag_sets_the_expert_threads(process_threads):
     choice = process_threads(12)
     assert choice.threads == 12 and os.environ["OPENBLAS_NUM_THREADS"] == "12"
     assert expert_threads() == 12 and expert_threads(cores=2) == 12  # the flag wins over the default
-    assert NumpyBackend()._expert_threads() == 12
-    assert NumpyBackend(expert_threads=3)._expert_threads() == 3  # an explicit count still wins
+    assert NumpyBackend().expert_thread_count() == 12
+    assert NumpyBackend(expert_threads=3).expert_thread_count() == 3  # an explicit count still wins
     configure_threads(5, env={})  # another environment (tests, tools): not the process's flag
     assert expert_threads() == 12
     with pytest.raises(ValueError, match="at least 1"):
@@ -59,7 +59,7 @@ def test_cli_threads_flag_reaches_the_backend(fixtures_dir):
               "from minecart.engine.cli import main\n"
               "from minecart.engine.backends.numpy_backend import NumpyBackend\n"
               "main(sys.argv[1:])\n"
-              "print(NumpyBackend()._expert_threads())\n")
+              "print(NumpyBackend().expert_thread_count())\n")
     env = {k: v for k, v in os.environ.items() if k not in THREAD_ENV_VARS}
     vocab = str(fixtures_dir / "qwen35-vocab.gguf")  # refused after parsing: quick
     for extra, expected in (([], default_threads(usable_cores())), (["--threads", "7"], 7)):
@@ -83,11 +83,11 @@ def test_host_experts_of_a_gpu_take_every_core(monkeypatch):
 
     host = NumpyBackend()
     ExpertsApart(PinnedInner(), host)
-    assert host._expert_threads() == 16
+    assert host.expert_thread_count() == 16
     cpu_only = NumpyBackend()
     ExpertsApart(NumpyBackend("cpu:1"), cpu_only)
-    assert cpu_only._expert_threads() == threads.default_threads(16) == 8
+    assert cpu_only.expert_thread_count() == threads.default_threads(16) == 8
     monkeypatch.setattr(threads, "_flag_threads", 6)
     flagged = NumpyBackend()
     ExpertsApart(PinnedInner(), flagged)
-    assert flagged._expert_threads() == 6
+    assert flagged.expert_thread_count() == 6

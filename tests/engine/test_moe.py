@@ -143,7 +143,7 @@ def test_one_by_one_runs_each_token_on_the_integer_kernels(moe_file):
     sent = be.moe_routed(f, ids.astype(np.float32), wts.astype(np.float32), gate, up, down, one_by_one=True)
     np.testing.assert_array_equal(sent, got)
     dense = be.moe_routed(f, ids, wts, gate, up, down)
-    if be._int_expert_stacks(gate, up, down) is None:
+    if be.int_expert_stacks(gate, up, down) is None:
         assert not fused  # F16 experts: no integer kernels, the same path for every T
         np.testing.assert_array_equal(got, dense)
     else:
