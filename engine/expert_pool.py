@@ -239,16 +239,16 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
     s0, s1, s2, s3 = (_share_for(k) for k in padded)
 
     @_njit(nogil=True, cache=False)
-    def worker(w, n, gen, ctrl, n_channels, gates, ups, downs, table, table_f, gu, hq, hd, hs, k_max):  # pragma: no cover - compiled
+    def worker(w, n, gen, seen0, ctrl, n_channels, gates, ups, downs, table, table_f, gu, hq, hd, hs, k_max):  # pragma: no cover - compiled
         """table[e]: kind, fe, H of entry e; gates/ups/downs[e]: its stacks' blocks; table_f: the
         fp16 table; gen: JOB_GEN when the threads were started (every thread must begin from the same
-        value: a thread that read it after the leader's first hand-over would wait for the next one).
+        value: a thread that read it after the leader's first hand-over would wait for the next one);
+        seen0: each channel's REQ then (a request left from before, one a GPU stopped waiting for, is
+        not served: its words may be half rewritten by the next one; posters start the threads first).
         Returns when STOP is set."""
         idx = np.empty(k_max, np.int64)
         w32 = np.empty(k_max, np.float32)
-        seen = np.zeros(n_channels, np.int64)
-        for c in range(n_channels):
-            seen[c] = _load_acquire(ctrl, CHANNEL_BASE + CHANNEL_WORDS * c + DONE)
+        seen = seen0.copy()
         idle = 0
         while True:
             spin = _load_acquire(ctrl, SPIN)
@@ -365,7 +365,11 @@ class ExpertChannel:
         self.pool = pool
         self.index = index
         self.word = CHANNEL_BASE + CHANNEL_WORDS * index  # first word of this channel in ctrl
-        self._seq = self.answered
+
+    @property
+    def posted(self) -> int:
+        """The number of the last request posted on this channel (a poster's next is one more)."""
+        return int(self.pool.ctrl[self.word + REQ])
 
     @property
     def answered(self) -> int:
@@ -387,12 +391,12 @@ class ExpertChannel:
         e.check_rows(x.shape, y.shape)
         self.pool.ensure_running()
         ctrl, w = self.pool.ctrl, self.word
-        self._seq += 1
+        seq = self.posted + 1
         ctrl[w + ENTRY], ctrl[w + T_WORD] = entry, T
         ctrl[w + X_PTR], ctrl[w + Y_PTR], ctrl[w + W_WORD] = x.ctypes.data, y.ctypes.data, x.shape[1]
-        ctrl[w + REQ] = self._seq  # last (x86 keeps stores in order; the pool's acquire pairs with it)
+        ctrl[w + REQ] = seq  # last (x86 keeps stores in order; the pool's acquire pairs with it)
         end = time.monotonic() + timeout
-        while int(ctrl[w + DONE]) != self._seq:
+        while int(ctrl[w + DONE]) != seq:
             if time.monotonic() > end:
                 raise TimeoutError(f"the expert pool did not answer within {timeout:g} s")
             if not self.pool.running:
@@ -532,15 +536,16 @@ class ExpertPool:
         args = (ctrl, len(self._channels), gates, ups, downs, table, ce._F16_TABLE, gu, hq, hd, hs, k_max)
         # compiled here, in the caller's thread (a first start compiles for seconds, which a GPU waiting
         # for its first answer should not wait through): with STOP set the loop returns at once
+        seen = np.array([ctrl[c.word + REQ] for c in self._channels], np.int64)
         ctrl[STOP] = 1
-        worker(0, n, int(ctrl[JOB_GEN]), *args)
+        worker(0, n, int(ctrl[JOB_GEN]), seen, *args)
         ctrl[STOP] = 0
         ctrl[BAR_COUNT] = 0
         gen = int(ctrl[JOB_GEN])
 
         def run(w: int) -> None:
             try:
-                worker(w, n, gen, *args)
+                worker(w, n, gen, seen, *args)
             except BaseException as exc:  # noqa: BLE001 - reported by ensure_running
                 self._errors.append(exc)
 

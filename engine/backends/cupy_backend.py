@@ -725,8 +725,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             if x.shape != host_x.shape or host_y.shape[0] != x.shape[0]:
                 raise ValueError(f"{x.shape} does not fit the host buffers {host_x.shape} / {host_y.shape}")
             seq = self._expert_seqs.get(channel.word)
-            if seq is None:  # the channel's request counter on this device, from the last one answered
-                seq = cp.full((1,), channel.answered, dtype=cp.uint64)
+            if seq is None:  # the channel's request counter on this device, from the last one posted
+                seq = cp.full((1,), channel.posted, dtype=cp.uint64)
                 self._expert_seqs[channel.word] = seq
             out = cp.empty(host_y.shape, dtype=cp.float32)
             channel.pool.ensure_running()

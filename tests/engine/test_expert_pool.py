@@ -200,3 +200,39 @@ def test_idle_threads_nap_instead_of_spinning(blocks):
         np.testing.assert_array_equal(_bits(y), _bits(_want(rows, 3, blocks["fused"])))
     finally:
         pool.close()
+
+
+@pytest.fixture(scope="module")
+def fused_moe(tmp_path_factory):
+    from tests._moe import tiny_moe_file
+
+    return tiny_moe_file(tmp_path_factory, "fused")  # Q8_0 experts: the integer kernels take them
+
+
+def test_a_layer_device_gets_the_same_rows_from_the_pool_as_from_a_host_function(fused_moe):
+    """ExpertsApart on a layer device that pins host memory (as a GPU does; here a NumPy backend told
+    so) posts each MoE layer's rows to the pool. The prefill and four decode steps give the same logits,
+    to the bit, as the same model running the experts through a host function (use_pool off), and the
+    pool answers once per MoE layer and token."""
+    from minecart.engine.experts import ExpertsApart
+    from minecart.engine.model import load_model
+
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 640, size=9)]
+    runs = {}
+    for use_pool in (True, False):
+        with load_model(fused_moe, devices=["cpu:0"], experts="cpu:1") as model:
+            proxy = model.backends["layer.0"]
+            assert isinstance(proxy, ExpertsApart)
+            proxy.use_pool = use_pool
+            proxy.inner.pins_host_memory = True  # the GPU's condition for the pool (and one-by-one tokens)
+            n_moe = sum(1 for p in model.device_plan if p.endswith(".experts"))
+            s = model.new_session(64)
+            logits = [s.prefill(prompt)]
+            calls = proxy.host_moe_calls
+            for _ in range(4):
+                logits.append(s.step(int(np.argmax(logits[-1]))))
+            assert proxy.host_moe_calls - calls == 4 * n_moe
+            assert (proxy._channel is not None) == use_pool
+            s.close()
+            runs[use_pool] = np.stack(logits)
+    np.testing.assert_array_equal(_bits(runs[True]), _bits(runs[False]))

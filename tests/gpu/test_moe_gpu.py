@@ -127,7 +127,7 @@ def test_moe_with_experts_in_host_ram(moe_file, gpu_path):
         assert r["top1_agree"] >= 0.9 and agree >= 4
 
 
-def _host_experts(path, graphs: bool):
+def _host_experts(path, graphs: bool, pool: bool = True):
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.engine.experts import ExpertsApart
     from minecart.engine.model import load_model
@@ -138,13 +138,66 @@ def _host_experts(path, graphs: bool):
     proxy = model.backends["layer.0"]
     assert isinstance(proxy, ExpertsApart)
     proxy.streaming = False  # every chunk's experts on the host: the round trip under test
+    proxy.use_pool = pool  # the expert pool (integer-kernel types: the fused Q8_0 file), or host functions
     return model, be, proxy
 
 
+def test_the_expert_pool_and_a_host_function_give_the_same_logits(moe_file):
+    """Experts in host RAM: the GPU posting each MoE layer's rows to the expert pool
+    (kernels/expert_call.cu, engine/expert_pool.py) and the GPU queueing a host function that runs the
+    same integer kernels give the same logits to the bit, eagerly and in replayed graphs. F16 experts
+    (the separate file) have no integer kernels: they never reach the pool."""
+    path, layout = moe_file
+    ids = _prompt(30, seed=5)
+    runs = {}
+    for pool in (True, False):
+        model, gbe, proxy = _host_experts(path, graphs=True, pool=pool)
+        n_moe = sum(1 for p in model.device_plan if p.endswith(".experts"))
+        s = model.new_session(64)
+        logits = [s.prefill(ids)]
+        before = proxy.host_moe_calls
+        for _ in range(6):  # the first eagerly, then captured and replayed
+            logits.append(s.step(int(np.argmax(logits[-1]))))
+        assert proxy.host_moe_calls - before == 6 * n_moe
+        assert gbe._graphs
+        assert (proxy._channel is not None) == (pool and layout == "fused")
+        runs[pool] = np.stack(logits)
+        model.close()
+    print(f"\nMoE {layout}: pool vs host function, max |diff| {np.abs(runs[True] - runs[False]).max():.3g}")
+    np.testing.assert_array_equal(runs[True].view(np.int32), runs[False].view(np.int32))
+
+
+def test_a_pool_that_does_not_answer_gives_nan_rows_and_a_clear_error(moe_file, monkeypatch):
+    """The GPU waits for the pool's answer at most the channel's timeout: with the pool's threads
+    stopped, the eager step's rows are NaN and the step raises; once the threads are back, the next
+    step is answered (the request left behind is skipped, not served half-rewritten)."""
+    path, layout = moe_file
+    if layout != "fused":
+        pytest.skip("F16 experts never reach the pool")
+    from minecart.engine.expert_pool import ExpertChannel
+
+    model, gbe, proxy = _host_experts(path, graphs=False)
+    s = model.new_session(64)
+    logits = s.prefill(_prompt(20, seed=3))
+    pool = proxy._channel.pool
+    monkeypatch.setattr(ExpertChannel, "timeout_s", 0.5)
+    monkeypatch.setattr(pool, "ensure_running", lambda: None)
+    pool.stop()
+    with pytest.raises(RuntimeError, match="did not answer in time"):
+        s.step(int(np.argmax(logits)))
+    monkeypatch.undo()
+    fresh = model.new_session(64)
+    got = fresh.prefill(_prompt(20, seed=3))
+    np.testing.assert_array_equal(got, logits)
+    assert np.isfinite(fresh.step(int(np.argmax(got)))).all()
+    model.close()
+
+
 def test_host_experts_decode_replays_as_one_graph(moe_file):
-    """Experts in host RAM: each MoE layer's round trip (copy to pinned memory, the CPU experts as a
-    host function, copy back) is part of the captured decode graph; replays equal the eager steps and
-    run the host experts once per MoE layer per token."""
+    """Experts in host RAM: each MoE layer's round trip (the expert pool's kernel for the fused Q8_0
+    file; for F16 experts a copy to pinned memory, the CPU experts as a host function, a copy back) is
+    part of the captured decode graph; replays equal the eager steps and run the host experts once per
+    MoE layer per token."""
     path, layout = moe_file
     ids = _prompt(30, seed=9)
     mg, gbe, proxy = _host_experts(path, graphs=True)
@@ -166,7 +219,7 @@ def test_a_failing_host_expert_call_raises_from_the_graph_step(moe_file):
     """A host function that fails leaves NaN rows and the step raises a clear error, in a replay as
     eagerly: the driver's thread never sees the exception and nothing hangs."""
     path, _ = moe_file
-    model, gbe, proxy = _host_experts(path, graphs=True)
+    model, gbe, proxy = _host_experts(path, graphs=True, pool=False)
     s = model.new_session(64)
     logits = s.prefill(_prompt(20, seed=3))
     for _ in range(3):  # captured, then replayed
