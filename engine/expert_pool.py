@@ -44,6 +44,7 @@ threads, and the next `ensure_running` starts them with the new table.
 from __future__ import annotations
 
 import ctypes
+import platform
 import sys
 import threading
 import time
@@ -156,6 +157,24 @@ def _nap(idle, spin):  # pragma: no cover - compiled
         _NAP(np.uint32(max(1, us // _NAP_DIV)))
 
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+@ce._intrinsic
+def _relax(typingctx):  # pragma: no cover - compiled
+    """A spin-wait hint (x86 `pause`: the waiting thread yields its core's pipeline to a hyperthread
+    sibling, and a hypervisor sees a spinning virtual CPU); nothing elsewhere."""
+    from numba.core import types
+
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fn = ce._declare(builder, "llvm.x86.sse2.pause", ce._ir.VoidType(), [])
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 @_njit(inline="always")
 def _barrier(ctrl, n):  # pragma: no cover - compiled
     """All n threads meet: the last to arrive resets the count, then moves the generation on."""
@@ -166,7 +185,7 @@ def _barrier(ctrl, n):  # pragma: no cover - compiled
     else:  # a pure spin (no call, so the token shares that inline it stay cacheable): the pool has no
         # more threads than cores
         while _load_acquire(ctrl, BAR_GEN) == g:
-            pass
+            _relax()
 
 
 @_njit(inline="always")
@@ -265,6 +284,7 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
                             break
                     if found < 0:
                         idle += 1
+                        _relax()
                         _nap(idle, spin)
                 if found < 0:
                     _store_release(ctrl, JOB_CH, -1)
@@ -276,6 +296,7 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
             else:
                 while _load_acquire(ctrl, JOB_GEN) == gen:
                     idle += 1
+                    _relax()
                     _nap(idle, spin)
                 gen += 1
             idle = 0
