@@ -194,11 +194,42 @@ def _run_of(n, w, nthreads):  # pragma: no cover - compiled
     return n * w // nthreads, n * (w + 1) // nthreads
 
 
+def _named(fn: Callable, name: str, **options: Any) -> Any:
+    """fn compiled under a name of its own: the pool's loop calls several of these factories' products,
+    and numba names compiled functions by their Python names and argument types (two closures named
+    alike were linked as one)."""
+    fn.__name__ = fn.__qualname__ = name
+    return _njit(nogil=True, cache=True, **options)(fn)
+
+
+def _job_runs(t_g: int, t_u: int, t_d: int) -> tuple[Any, Any, Any]:
+    """A thread's run of gate/up jobs [lo, hi) of one stack pair, of up jobs alone (two types), and its
+    down-sum job, compiled without numba's reference counting: each job takes views of the expert rows,
+    and counting them (an atomic add and subtract each) made a serial run of gate/up jobs 35% slower than
+    the same jobs as a parallel loop's body, which numba compiles without it."""
+
+    def gate_up(lo, hi, g_raw, u_raw, per, jobs, idx, xq, xd, xs, table, gu):  # pragma: no cover - compiled
+        for i in range(lo, hi):
+            ce._matvec_job(t_g, i, g_raw, u_raw, per, jobs, idx, xq, xd, xs, 0, table, gu)
+
+    def up_only(lo, hi, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, table, gu):  # pragma: no cover - compiled
+        for i in range(lo, hi):
+            ce._matvec_job(t_u, per_u + i, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, 0, table, gu)
+
+    def down(j, rows, d_raw, idx, w32, hq, hd, hs, table, out):  # pragma: no cover - compiled
+        ce._down_sum_job(t_d, j, rows, d_raw, idx, w32, hq, hd, hs, table, out)
+
+    tag = f"{t_g}_{t_u}_{t_d}"
+    return (_named(gate_up, f"pool_gate_up_{tag}", _nrt=False), _named(up_only, f"pool_up_{tag}", _nrt=False),
+            _named(down, f"pool_down_{tag}", _nrt=False))
+
+
 def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
     """One thread's share of one token's routed experts, for these types and gate/up layout (the
     one-call kernel's steps, `cpu_experts._token_kernel`, with barriers where it ends a region):
     returns the first bad slot (nothing computed; every thread finds the same), else -1 with `out`
     written once all threads return."""
+    gate_up, up_only, down = _job_runs(t_g, t_u, t_d)
 
     def share(w, n, ctrl, x, ids, wts, g_raw, u_raw, d_raw, fe, table, idx, w32, xq, xd, xs, gu, hq, hd, hs,
               out):  # pragma: no cover - compiled
@@ -209,13 +240,11 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
         jobs, per = ce._matvec_jobs(t_g, g_raw.shape[1], k)
         n_gu = 2 * per if mode == ce._ONE_REGION else per
         lo, hi = _run_of(n_gu, w, n)
-        for i in range(lo, hi):
-            ce._matvec_job(t_g, i, g_raw, u_raw, per, jobs, idx, xq, xd, xs, 0, table, gu)
+        gate_up(lo, hi, g_raw, u_raw, per, jobs, idx, xq, xd, xs, table, gu)
         if mode == ce._TWO_REGIONS:
             jobs_u, per_u = ce._matvec_jobs(t_u, u_raw.shape[1], k)
             lo, hi = _run_of(per_u, w, n)
-            for i in range(lo, hi):
-                ce._matvec_job(t_u, per_u + i, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, 0, table, gu)
+            up_only(lo, hi, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, table, gu)
         _barrier(ctrl, n)
         for s in range(w, k, n):  # a slot a thread
             if mode == ce._FUSED:
@@ -225,14 +254,11 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
         _barrier(ctrl, n)
         rows, n_jobs = ce._down_jobs(d_raw.shape[1], n)
         if w < n_jobs:
-            ce._down_sum_job(t_d, w, rows, d_raw, idx, w32, hq, hd, hs, table, out)
+            down(w, rows, d_raw, idx, w32, hq, hd, hs, table, out)
         _barrier(ctrl, n)  # out is whole; gu and h may be written again
         return -1
 
-    # a name of its own: the pool's loop calls several of these, and numba names compiled functions by
-    # their Python names and argument types (two closures named alike were linked as one)
-    share.__name__ = share.__qualname__ = f"pool_share_{t_g}_{t_u}_{t_d}_{mode}"
-    return _njit(nogil=True, cache=True)(share)
+    return _named(share, f"pool_share_{t_g}_{t_u}_{t_d}_{mode}")
 
 
 MAX_KINDS = 4  # (gate, up, down types, layout) combinations one pool serves
