@@ -1496,10 +1496,14 @@ EXPERT_DECODE_EFFICIENCY = 0.55
 KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.51, "q8_0": 0.22, "q3": 0.17}
 # The CPU (NumPy backend) reads its float32 weights with BLAS: bytes only, at CPU_DECODE_EFFICIENCY;
 # routed experts held in host RAM run on the integer kernels of engine/cpu_experts.py for each token
-# (inside the GPU's decode graph as host functions, engine/experts.py), priced by their active bytes at
-# CPU_EXPERT_DECODE_EFFICIENCY of CPU_SPEED's bandwidth, plus HOST_EXPERT_LAYER_SECONDS for each such
-# layer's round trip (the host function and its copies, the GPU's composed MoE ops around it, the
-# expert threads' two parallel-region starts). Measured on the H200's 16-core host (2026-12-02 04:10,
+# (inside the GPU's decode graph: one kernel that posts the call to the expert pool's threads,
+# engine/expert_pool.py), priced by their active bytes at CPU_EXPERT_DECODE_EFFICIENCY of CPU_SPEED's
+# bandwidth, plus HOST_EXPERT_LAYER_SECONDS for each such layer's round trip (the call and its rows over
+# the bus, the pool's hand-over and barriers, the GPU's composed MoE ops around it). That constant was
+# 0.20 ms with a host function (its copies, the driver's thread, the Python entry, two starts of numba's
+# parallel regions); the pool took 0.137 ms a layer off it (2026-12-03 13:29-13:32, same host, same
+# file, alternating: host functions 50.8 / 49.7 tokens/s, the pool 64.5 / 66.6 (15 threads) / 58.4 in
+# the next call; docs/BENCHMARKS.md v23). Measured on the H200's 16-core host (2026-12-02 04:10,
 # 35B-A3B Q4_K, 30 of 40 layers' experts in host RAM, 16 expert threads, routing on the GPU,
 # docs/BENCHMARKS.md v13): `minecart bench` 46.8 tokens/s = 21.4 ms a token for 424.7 MB of active
 # experts; tools/diag_host_decode.py split its tokens into the experts' calls (12.9-18.1 ms) and the time
@@ -1509,7 +1513,7 @@ KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.51, "q8_0": 0.22, "q3": 0.17}
 # the threads a machine gives.
 CPU_DECODE_EFFICIENCY = 0.50
 CPU_EXPERT_DECODE_EFFICIENCY = 2.81
-HOST_EXPERT_LAYER_SECONDS = 0.20e-3
+HOST_EXPERT_LAYER_SECONDS = 0.063e-3
 # ... plus a fixed time per layer and token: the NumPy backend's ~25 array operations of a layer, each
 # with its Python and dispatch overhead whatever the model's size. Measured on the 2-core CI machine
 # (2026-12-01, `minecart bench --shape tiny-dense --quant q8_0 --device cpu:0`): 269.2 tokens/s =
