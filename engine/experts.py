@@ -20,9 +20,11 @@ experts run where it pays:
 `ExpertsApart` is the device backend of such a device: a thin proxy that passes every op to the real
 backend except `moe` on expert weights held by the experts' backend. Every part on that device shares
 the one proxy (the executor runs a device's parts through one backend). With the experts in host
-RAM the round trip is queued as the GPU's own stream work (a copy to pinned memory, a host function
-that runs the experts on the CPU, a copy back: DeviceHooks.host_round_trip), so a decode step still
-replays as one CUDA graph; experts on another GPU go through the calling thread and that device's
+RAM the round trip is queued as the GPU's own stream work, so a decode step still replays as one CUDA
+graph: one kernel that posts the call to the expert pool's waiting CPU threads and waits for their
+answer (DeviceHooks.expert_call, engine/expert_pool.py) where the integer kernels take the experts'
+types, else a copy to pinned memory, a host function that runs the experts on the CPU, a copy back
+(DeviceHooks.host_round_trip); experts on another GPU go through the calling thread and that device's
 decode runs eagerly.
 
 What this is not: the placement of experts (engine/placement.py prices and plans them per layer;
