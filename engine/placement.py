@@ -1501,9 +1501,10 @@ KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.51, "q8_0": 0.22, "q3": 0.17}
 # bandwidth, plus HOST_EXPERT_LAYER_SECONDS for each such layer's round trip (the call and its rows over
 # the bus, the pool's hand-over and barriers, the GPU's composed MoE ops around it). That constant was
 # 0.20 ms with a host function (its copies, the driver's thread, the Python entry, two starts of numba's
-# parallel regions); the pool took 0.137 ms a layer off it (2026-12-03 13:29-13:32, same host, same
-# file, alternating: host functions 50.8 / 49.7 tokens/s, the pool 64.5 / 66.6 (15 threads) / 58.4 in
-# the next call; docs/BENCHMARKS.md v23). Measured on the H200's 16-core host (2026-12-02 04:10,
+# parallel regions); the pool took 0.137 ms a layer off it (2026-12-03, same host type and file: host
+# functions 50.8 / 49.7 tokens/s alternating with the pool's 64.5 / 66.6 (15 threads) in one call, the
+# pool 58.4 in the next; the three pool runs' mean, 15.8 ms a token, against the host functions' 19.9
+# ms; docs/BENCHMARKS.md v23). Measured on the H200's 16-core host (2026-12-02 04:10,
 # 35B-A3B Q4_K, 30 of 40 layers' experts in host RAM, 16 expert threads, routing on the GPU,
 # docs/BENCHMARKS.md v13): `minecart bench` 46.8 tokens/s = 21.4 ms a token for 424.7 MB of active
 # experts; tools/diag_host_decode.py split its tokens into the experts' calls (12.9-18.1 ms) and the time
