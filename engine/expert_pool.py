@@ -43,6 +43,7 @@ threads, and the next `ensure_running` starts them with the new table.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import platform
 import sys
@@ -626,5 +627,14 @@ def shared_pool(threads: int, alloc: Callable[[tuple[int, ...], str], Any]) -> E
     with _POOLS_LOCK:
         pool = _POOLS.get(int(threads))
         if pool is None:
+            if not _POOLS:
+                # the threads stop before the interpreter (and the library whose page-locked memory they
+                # read) is torn down: atexit runs the handlers registered last first
+                atexit.register(_stop_all)
             pool = _POOLS[int(threads)] = ExpertPool(threads, alloc)
         return pool
+
+
+def _stop_all() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()
