@@ -236,3 +236,31 @@ def test_a_layer_device_gets_the_same_rows_from_the_pool_as_from_a_host_function
             s.close()
             runs[use_pool] = np.stack(logits)
     np.testing.assert_array_equal(_bits(runs[True]), _bits(runs[False]))
+
+
+def test_a_simulated_link_charges_the_pools_calls_as_it_charges_host_functions(fused_moe):
+    """A rig device's link pays for each MoE layer's rows going to the pool and back exactly what it
+    pays for a host function's round trip (engine/rig.py), and the step's logits are the same bits."""
+    from minecart.engine.model import load_model
+    from minecart.engine.rig import Rig, RigBackend
+
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 640, size=7)]
+    runs = {}
+    for use_pool in (True, False):
+        with load_model(fused_moe, devices=Rig.cpus(1, link="100MB/s"), experts="cpu:1") as model:
+            proxy = model.backends["layer.0"]
+            rig = proxy.inner
+            assert isinstance(rig, RigBackend)
+            proxy.use_pool = use_pool
+            rig.inner.pins_host_memory = True  # as a GPU's backend
+            s = model.new_session(32)
+            logits = s.prefill(prompt)
+            before = rig.transferred_bytes, rig.transfer_seconds
+            step = s.step(int(np.argmax(logits)))
+            runs[use_pool] = (step, rig.transferred_bytes - before[0], rig.transfer_seconds - before[1],
+                              proxy._channel is not None)
+            s.close()
+    (a, bytes_a, sec_a, pooled), (b, bytes_b, sec_b, hosted) = runs[True], runs[False]
+    assert pooled and not hosted
+    assert bytes_a == bytes_b > 0 and sec_a == pytest.approx(sec_b)
+    np.testing.assert_array_equal(_bits(a), _bits(b))
