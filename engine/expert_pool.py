@@ -131,38 +131,20 @@ def _f32_pointer(typingctx, addr):  # pragma: no cover - compiled
     return types.CPointer(types.float32)(types.int64), codegen
 
 
-@ce._intrinsic
-def _usleep(typingctx, us):  # pragma: no cover - compiled
-    """libc's usleep(us) called by its symbol, which the process has: no ctypes pointer in the code, so
-    the threads' loop stays in numba's cache (a ctypes function's address is not the same in the next
-    process, and code holding one is compiled anew each time: seconds at every first start)."""
-    from numba.core import types
-
-    def codegen(context, builder, sig, args):
-        i32 = ce._ir.IntType(32)
-        fn = ce._declare(builder, "usleep", i32, [i32])
-        builder.call(fn, [builder.trunc(args[0], i32)])
-        return context.get_dummy_value()
-
-    return types.void(types.int64), codegen
+def _nap_function() -> Any:
+    """A C function that sleeps about `us` microseconds (callable from compiled code): usleep, or
+    Windows' Sleep in milliseconds (its shortest sleep is a millisecond or more)."""
+    if sys.platform == "win32":
+        fn = ctypes.windll.kernel32.Sleep  # type: ignore[attr-defined]
+        fn.argtypes, fn.restype = [ctypes.c_uint32], None
+        return fn, 1000
+    fn = ctypes.CDLL(None).usleep
+    fn.argtypes, fn.restype = [ctypes.c_uint32], ctypes.c_int
+    return fn, 1
 
 
-def _windows_sleep() -> Any:
-    fn = ctypes.windll.kernel32.Sleep  # type: ignore[attr-defined]
-    fn.argtypes, fn.restype = [ctypes.c_uint32], None
-    return fn
+_NAP, _NAP_DIV = _nap_function()
 
-
-if sys.platform == "win32":  # Sleep takes milliseconds (its shortest sleep is a millisecond or more)
-    _SLEEP_MS = _windows_sleep()
-
-    @_njit(inline="always")
-    def _sleep(us):  # pragma: no cover - compiled
-        _SLEEP_MS(np.uint32(max(1, us // 1000)))
-else:
-    @_njit(inline="always")
-    def _sleep(us):  # pragma: no cover - compiled
-        _usleep(np.int64(us))
 
 
 @_njit(inline="always")
@@ -172,7 +154,8 @@ def _nap(idle, spin):  # pragma: no cover - compiled
     second; the first call after a long idle waits up to that long once)."""
     over = idle - spin
     if over > 0:
-        _sleep(NAP_US if over < NAPS_SHORT else (1000 if over < NAPS_SHORT + NAPS_MEDIUM else 5000))
+        us = NAP_US if over < NAPS_SHORT else (1000 if over < NAPS_SHORT + NAPS_MEDIUM else 5000)
+        _NAP(np.uint32(max(1, us // _NAP_DIV)))
 
 
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
@@ -212,16 +195,42 @@ def _run_of(n, w, nthreads):  # pragma: no cover - compiled
     return n * w // nthreads, n * (w + 1) // nthreads
 
 
+def _named(fn: Callable, name: str, **options: Any) -> Any:
+    """fn compiled under a name of its own: the pool's loop calls several of these factories' products,
+    and numba names compiled functions by their Python names and argument types (two closures named
+    alike were linked as one)."""
+    fn.__name__ = fn.__qualname__ = name
+    return _njit(nogil=True, cache=True, **options)(fn)
+
+
+def _job_runs(t_g: int, t_u: int, t_d: int) -> tuple[Any, Any, Any]:
+    """A thread's run of gate/up jobs [lo, hi) of one stack pair, of up jobs alone (two types), and its
+    down-sum job, compiled without numba's reference counting: each job takes views of the expert rows,
+    and counting them (an atomic add and subtract each) made a serial run of gate/up jobs 35% slower than
+    the same jobs as a parallel loop's body, which numba compiles without it."""
+
+    def gate_up(lo, hi, g_raw, u_raw, per, jobs, idx, xq, xd, xs, table, gu):  # pragma: no cover - compiled
+        for i in range(lo, hi):
+            ce._matvec_job(t_g, i, g_raw, u_raw, per, jobs, idx, xq, xd, xs, 0, table, gu)
+
+    def up_only(lo, hi, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, table, gu):  # pragma: no cover - compiled
+        for i in range(lo, hi):
+            ce._matvec_job(t_u, per_u + i, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, 0, table, gu)
+
+    def down(j, rows, d_raw, idx, w32, hq, hd, hs, table, out):  # pragma: no cover - compiled
+        ce._down_sum_job(t_d, j, rows, d_raw, idx, w32, hq, hd, hs, table, out)
+
+    tag = f"{t_g}_{t_u}_{t_d}"
+    return (_named(gate_up, f"pool_gate_up_{tag}", _nrt=False), _named(up_only, f"pool_up_{tag}", _nrt=False),
+            _named(down, f"pool_down_{tag}", _nrt=False))
+
+
 def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
     """One thread's share of one token's routed experts, for these types and gate/up layout (the
     one-call kernel's steps, `cpu_experts._token_kernel`, with barriers where it ends a region):
     returns the first bad slot (nothing computed; every thread finds the same), else -1 with `out`
-    written once all threads return.
-
-    Compiled without numba's reference counting (`_nrt=False`): each job takes views of the expert rows,
-    and counting them (an atomic add and subtract each) made a serial run of gate/up jobs 35% slower than
-    the same jobs as a parallel loop's body, which numba compiles without it. Its closure holds only the
-    four integers, so numba's cache keeps it between processes."""
+    written once all threads return."""
+    gate_up, up_only, down = _job_runs(t_g, t_u, t_d)
 
     def share(w, n, ctrl, x, ids, wts, g_raw, u_raw, d_raw, fe, table, idx, w32, xq, xd, xs, gu, hq, hd, hs,
               out):  # pragma: no cover - compiled
@@ -232,13 +241,11 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
         jobs, per = ce._matvec_jobs(t_g, g_raw.shape[1], k)
         n_gu = 2 * per if mode == ce._ONE_REGION else per
         lo, hi = _run_of(n_gu, w, n)
-        for i in range(lo, hi):
-            ce._matvec_job(t_g, i, g_raw, u_raw, per, jobs, idx, xq, xd, xs, 0, table, gu)
+        gate_up(lo, hi, g_raw, u_raw, per, jobs, idx, xq, xd, xs, table, gu)
         if mode == ce._TWO_REGIONS:
             jobs_u, per_u = ce._matvec_jobs(t_u, u_raw.shape[1], k)
             lo, hi = _run_of(per_u, w, n)
-            for i in range(lo, hi):
-                ce._matvec_job(t_u, per_u + i, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, 0, table, gu)
+            up_only(lo, hi, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, table, gu)
         _barrier(ctrl, n)
         for s in range(w, k, n):  # a slot a thread
             if mode == ce._FUSED:
@@ -248,14 +255,11 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
         _barrier(ctrl, n)
         rows, n_jobs = ce._down_jobs(d_raw.shape[1], n)
         if w < n_jobs:
-            ce._down_sum_job(t_d, w, rows, d_raw, idx, w32, hq, hd, hs, table, out)
+            down(w, rows, d_raw, idx, w32, hq, hd, hs, table, out)
         _barrier(ctrl, n)  # out is whole; gu and h may be written again
         return -1
 
-    # a name of its own: the pool's loop calls several of these, and numba names compiled functions by
-    # their Python names and argument types (two closures named alike were linked as one)
-    share.__name__ = share.__qualname__ = f"pool_share_{t_g}_{t_u}_{t_d}_{mode}"
-    return _njit(nogil=True, cache=True, _nrt=False)(share)
+    return _named(share, f"pool_share_{t_g}_{t_u}_{t_d}_{mode}")
 
 
 MAX_KINDS = 4  # (gate, up, down types, layout) combinations one pool serves
@@ -280,7 +284,7 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
     padded = list(kinds) + [kinds[0]] * (MAX_KINDS - len(kinds))
     s0, s1, s2, s3 = (_share_for(k) for k in padded)
 
-    @_njit(nogil=True, cache=True)
+    @_njit(nogil=True, cache=False)
     def worker(w, n, gen, seen0, ctrl, n_channels, gates, ups, downs, table, table_f, gu, hq, hd, hs, k_max):  # pragma: no cover - compiled
         """table[e]: kind, fe, H of entry e; gates/ups/downs[e]: its stacks' blocks; table_f: the
         fp16 table; gen: JOB_GEN when the threads were started (every thread must begin from the same
