@@ -146,7 +146,6 @@ def _nap_function() -> Any:
 _NAP, _NAP_DIV = _nap_function()
 
 
-
 @_njit(inline="always")
 def _nap(idle, spin):  # pragma: no cover - compiled
     """Sleep after `idle` polls without a call, once past `spin`: 50 us naps for the first NAPS_SHORT,
@@ -391,7 +390,6 @@ class _Entry:
     kind: tuple[int, int, int, int]
     fe: int
 
-
     def check_rows(self, x_shape: tuple[int, ...], y_shape: tuple[int, ...]) -> None:
         """Raise ValueError unless rows x (T, H + 2k), 1 <= k <= the experts, and y (T, H) fit."""
         H, E = self.gate.n_in, self.gate.n_experts
@@ -405,13 +403,12 @@ class _Entry:
 class ExpertChannel:
     """One poster's (a GPU's) slot in the pool's control block. `post` is the host's way to post
     (tests, and any caller without a GPU kernel); a GPU posts with kernels/expert_call.cu, given
-    `ctrl_address` and `word`."""
+    `word_address`."""
 
     timeout_s = 120.0  # how long a GPU waits for an answer before its rows turn NaN (TIMEOUT)
 
     def __init__(self, pool: ExpertPool, index: int):
         self.pool = pool
-        self.index = index
         self.word = CHANNEL_BASE + CHANNEL_WORDS * index  # first word of this channel in ctrl
 
     @property
@@ -470,8 +467,8 @@ class ExpertPool:
     """Threads (`threads` of them) that serve routed-expert calls posted into `ctrl`.
 
     alloc(shape, dtype) makes the control block (a GPU backend's `pinned_empty`: page-locked memory
-    its kernels can write; plain NumPy memory serves host posters). Entries (a layer's stacks and k)
-    are added with add_entry; channels with channel(). The threads start on `ensure_running` and stop
+    its kernels can write; plain NumPy memory serves host posters). Entries (a layer's stacks; k comes
+    with each call) are added with add_entry; channels with channel(). The threads start on `ensure_running` and stop
     on `stop` / `close`."""
 
     def __init__(self, threads: int, alloc: Callable[[tuple[int, ...], str], Any] | None = None):
@@ -542,7 +539,7 @@ class ExpertPool:
 
     def ensure_running(self) -> None:
         """Start the threads if they are not up (cheap when they are)."""
-        if self._threads and all(t.is_alive() for t in self._threads):
+        if self.running:
             return
         with self._lock:
             if self._errors:

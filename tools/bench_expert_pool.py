@@ -15,22 +15,15 @@ import argparse
 import time
 
 import numpy as np
+from bench_moe_cpu import random_info  # tools/ is the script's folder
 from minecart.engine import cpu_experts as C
 from minecart.engine import expert_pool as P
 from minecart.engine import quants as Q
 
 
 def random_stack(rng, t: int, n_experts: int, n_out: int, n_in: int) -> C.ExpertStack:
-    bv, bb = Q.BLOCK_SIZES[t]
-    raw = rng.integers(0, 256, (n_experts, n_out, n_in // bv, bb), dtype=np.uint8)
-    scale = (rng.standard_normal((n_experts, n_out, n_in // bv, 1)) * 1e-3).astype("<f2").view(np.uint8)
-    if t in (Q.Q4_K, Q.Q5_K):
-        raw[..., 0:2], raw[..., 2:4] = scale, scale
-    elif t == Q.Q6_K:
-        raw[..., 208:210] = scale
-    else:
-        raw[..., 0:2] = scale
-    return C.ExpertStack(raw.reshape(n_experts, n_out, -1), t, n_in)
+    """Random blocks of type t (bench_moe_cpu.random_info's) as an expert stack."""
+    return C.ExpertStack(random_info(rng, "exps", t, (n_experts, n_out, n_in)).raw, t, n_in)
 
 
 def main() -> None:
