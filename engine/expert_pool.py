@@ -72,6 +72,13 @@ REQ, ENTRY, T_WORD, X_PTR, Y_PTR, W_WORD = 0, 1, 2, 3, 4, 5
 DONE, STATUS, BAD, TIMEOUT = 8, 9, 10, 11
 CTRL_WORDS = CHANNEL_BASE + CHANNEL_WORDS * MAX_CHANNELS
 
+# the leader's time counters (`ExpertPool.profile`): requests and tokens served, then cycles spent in
+# each step of a request, added up (the leader's clock: a step that ends at a barrier ends when the
+# slowest thread arrives)
+P_REQUESTS, P_TOKENS, P_WAIT, P_SETUP, P_GU_OWN, P_GU, P_SWIGLU, P_DOWN_OWN, P_DOWN, P_TAIL = range(10)
+PROF_WORDS = 16
+PROF_STEPS = ("wait", "setup", "gate_up_own", "gate_up", "swiglu", "down_own", "down", "tail")
+
 DEFAULT_SPIN = 200_000  # polls before an idle thread naps (about a millisecond of spinning)
 NAP_US = 50
 NAPS_SHORT, NAPS_MEDIUM = 400, 1000
@@ -175,6 +182,45 @@ def _relax(typingctx):  # pragma: no cover - compiled
     return types.void(), codegen
 
 
+@ce._intrinsic
+def _cycles(typingctx):  # pragma: no cover - compiled
+    """The CPU's cycle counter (x86: the invariant TSC; `_cycle_seconds` calibrates it)."""
+    from numba.core import types
+
+    def codegen(context, builder, sig, args):
+        fn = ce._declare(builder, "llvm.readcyclecounter", ce._ir.IntType(64), [])
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
+@_njit(nogil=True, cache=True)
+def _cycles_now():  # pragma: no cover - compiled
+    return _cycles()
+
+
+_CYCLE_SECONDS: list[float] = []
+
+
+def _cycle_seconds() -> float:
+    """Seconds per count of `_cycles` (measured once against the monotonic clock over 20 ms; 0.0 where
+    the counter does not move)."""
+    if not _CYCLE_SECONDS:
+        c0, t0 = _cycles_now(), time.perf_counter()
+        time.sleep(0.02)
+        c1, t1 = _cycles_now(), time.perf_counter()
+        _CYCLE_SECONDS.append((t1 - t0) / (c1 - c0) if c1 > c0 else 0.0)
+    return _CYCLE_SECONDS[0]
+
+
+@_njit(inline="always")
+def _lap(prof, word, t0):  # pragma: no cover - compiled
+    """Add the cycles since t0 to prof[word]; returns now."""
+    t = _cycles()
+    prof[word] += t - t0
+    return t
+
+
 @_njit(inline="always")
 def _barrier(ctrl, n):  # pragma: no cover - compiled
     """All n threads meet: the last to arrive resets the count, then moves the generation on."""
@@ -232,7 +278,9 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
     gate_up, up_only, down = _job_runs(t_g, t_u, t_d)
 
     def share(w, n, ctrl, x, ids, wts, g_raw, u_raw, d_raw, fe, table, idx, w32, xq, xd, xs, gu, hq, hd, hs,
-              out):  # pragma: no cover - compiled
+              out, prof):  # pragma: no cover - compiled
+        lead = w == 0
+        t = _cycles()
         k = ids.shape[0]
         bad = ce._token_nb(x, ids, wts, g_raw.shape[0], idx, w32, xq, xd, xs)
         if bad >= 0:
@@ -245,17 +293,27 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
             jobs_u, per_u = ce._matvec_jobs(t_u, u_raw.shape[1], k)
             lo, hi = _run_of(per_u, w, n)
             up_only(lo, hi, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, table, gu)
+        if lead:
+            _lap(prof, P_GU_OWN, t)
         _barrier(ctrl, n)
+        if lead:
+            t = _lap(prof, P_GU, t)
         for s in range(w, k, n):  # a slot a thread
             if mode == ce._FUSED:
                 ce._swiglu_quantize_nb(gu[:, s : s + 1], 0, fe, fe, hq[s : s + 1], hd[s : s + 1], hs[s : s + 1])
             else:
                 ce._swiglu_quantize_nb(gu[:, s : s + 1], 1, 0, fe, hq[s : s + 1], hd[s : s + 1], hs[s : s + 1])
         _barrier(ctrl, n)
+        if lead:
+            t = _lap(prof, P_SWIGLU, t)
         rows, n_jobs = ce._down_jobs(d_raw.shape[1], n)
         if w < n_jobs:
             down(w, rows, d_raw, idx, w32, hq, hd, hs, table, out)
+        if lead:
+            _lap(prof, P_DOWN_OWN, t)
         _barrier(ctrl, n)  # out is whole; gu and h may be written again
+        if lead:
+            _lap(prof, P_DOWN, t)
         return -1
 
     return _named(share, f"pool_share_{t_g}_{t_u}_{t_d}_{mode}")
@@ -284,17 +342,19 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
     s0, s1, s2, s3 = (_share_for(k) for k in padded)
 
     @_njit(nogil=True, cache=False)
-    def worker(w, n, gen, seen0, ctrl, n_channels, gates, ups, downs, table, table_f, gu, hq, hd, hs, k_max):  # pragma: no cover - compiled
+    def worker(w, n, gen, seen0, ctrl, prof, n_channels, gates, ups, downs, table, table_f, gu, hq, hd, hs,
+               k_max):  # pragma: no cover - compiled
         """table[e]: kind, fe, H of entry e; gates/ups/downs[e]: its stacks' blocks; table_f: the
         fp16 table; gen: JOB_GEN when the threads were started (every thread must begin from the same
         value: a thread that read it after the leader's first hand-over would wait for the next one);
         seen0: each channel's REQ then (a request left from before, one a GPU stopped waiting for, is
-        not served: its words may be half rewritten by the next one; posters start the threads first).
-        Returns when STOP is set."""
+        not served: its words may be half rewritten by the next one; posters start the threads first);
+        prof: the leader's time counters (P_*). Returns when STOP is set."""
         idx = np.empty(k_max, np.int64)
         w32 = np.empty(k_max, np.float32)
         seen = seen0.copy()
         idle = 0
+        t_done = 0
         while True:
             spin = _load_acquire(ctrl, SPIN)
             if w == 0:  # the leader finds a request and hands it to everyone
@@ -329,6 +389,10 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
             c = _load_acquire(ctrl, JOB_CH)
             if c < 0:
                 return
+            if w == 0:
+                t_found = _cycles()
+                if t_done:  # the time since the last answer: the posters' own work, or idle
+                    prof[P_WAIT] += t_found - t_done
             seq = _load_acquire(ctrl, JOB_SEQ)
             base = CHANNEL_BASE + CHANNEL_WORDS * c
             e = _load_acquire(ctrl, base + ENTRY)
@@ -349,6 +413,8 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
             xd = np.empty((1, H // 32), np.float32)
             xs = np.empty((1, H // 32), np.int32)
             ik, wk = idx[:k], w32[:k]
+            if w == 0:
+                prof[P_SETUP] += _cycles() - t_found
             for t in range(T):
                 for j in range(H):
                     xv[0, j] = xrows[t, j]
@@ -358,25 +424,30 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
                 out = yrows[t]
                 if kind == 0:
                     bad = s0(w, n, ctrl, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd, xs,
-                             gu, hq, hd, hs, out)
+                             gu, hq, hd, hs, out, prof)
                 elif kind == 1:
                     bad = s1(w, n, ctrl, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd, xs,
-                             gu, hq, hd, hs, out)
+                             gu, hq, hd, hs, out, prof)
                 elif kind == 2:
                     bad = s2(w, n, ctrl, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd, xs,
-                             gu, hq, hd, hs, out)
+                             gu, hq, hd, hs, out, prof)
                 else:
                     bad = s3(w, n, ctrl, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd, xs,
-                             gu, hq, hd, hs, out)
+                             gu, hq, hd, hs, out, prof)
                 if bad >= 0 and w == 0:
                     for j in range(H):
                         out[j] = np.nan
                     if _load_acquire(ctrl, base + STATUS) == 0:
                         _store_release(ctrl, base + BAD, np.int64(id_bits[bad]))
                         _store_release(ctrl, base + STATUS, bad + 1)
+            t_tail = _cycles()
             _barrier(ctrl, n)
             if w == 0:
                 _store_release(ctrl, base + DONE, seq)
+                t_done = _cycles()
+                prof[P_TAIL] += t_done - t_tail
+                prof[P_REQUESTS] += 1
+                prof[P_TOKENS] += T
 
     _WORKERS[key] = worker
     return worker
@@ -480,6 +551,7 @@ class ExpertPool:
         ctrl[...] = 0
         ctrl[SPIN] = DEFAULT_SPIN
         self.ctrl: np.ndarray = ctrl
+        self.prof = np.zeros(PROF_WORDS, np.int64)  # the leader's counters (`profile`)
         self._entries: dict[int, _Entry] = {}
         self._next_entry = 0
         self._channels: list[ExpertChannel] = []
@@ -578,10 +650,11 @@ class ExpertPool:
         hs = np.empty((k_max, fe_max // 32), np.int32)
         ctrl = self.ctrl
         n = self.threads
-        args = (ctrl, len(self._channels), gates, ups, downs, table, ce._F16_TABLE, gu, hq, hd, hs, k_max)
+        args = (ctrl, self.prof, len(self._channels), gates, ups, downs, table, ce._F16_TABLE, gu, hq, hd, hs, k_max)
         # compiled here, in the caller's thread (a first start compiles for seconds, which a GPU waiting
         # for its first answer should not wait through): with STOP set the loop returns at once
         seen = np.array([ctrl[c.word + REQ] for c in self._channels], np.int64)
+        _cycle_seconds()  # calibrated now, not when a profile is read between calls
         ctrl[STOP] = 1
         worker(0, n, int(ctrl[JOB_GEN]), seen, *args)
         ctrl[STOP] = 0
@@ -598,6 +671,20 @@ class ExpertPool:
                          for w in range(n)]
         for t in self._threads:
             t.start()
+
+    def profile(self) -> dict[str, float]:
+        """The leader's counters since the pool was made: "requests" and "tokens" served, then seconds
+        spent in each step of a request (PROF_STEPS): "wait" between one answer and the next request
+        (the posters' own work between calls, or idle), "setup" (the hand-over and the rows' copy),
+        "gate_up" up to the barrier after the gate/up jobs ("gate_up_own": the leader's own run of
+        them; the difference is the wait for the slowest thread), "swiglu", "down" ("down_own"), and
+        "tail" (the last barrier and the answer). Subtract two readings to time a stretch of calls."""
+        p = self.prof.copy()
+        sec = _cycle_seconds()
+        out = {"requests": float(p[P_REQUESTS]), "tokens": float(p[P_TOKENS])}
+        for i, name in enumerate(PROF_STEPS):
+            out[name] = float(p[P_WAIT + i]) * sec
+        return out
 
     def stop(self) -> None:
         """Stop the threads (between calls: a request in flight is finished first)."""

@@ -39,7 +39,7 @@ from typing import Any
 
 from .backends.base import Backend, DeviceHooks, MoeShared, compose_moe_block
 from .backends.numpy_backend import NumpyBackend
-from .expert_pool import ExpertChannel, shared_pool
+from .expert_pool import ExpertChannel, ExpertPool, shared_pool
 from .placement import (
     CPU_SPEED,
     DEFAULT_LINK,
@@ -125,6 +125,12 @@ class ExpertsApart:
         """MoE blocks whose routed experts ran on the host (by the expert pool or a host function)."""
         served = 0 if self._channel is None else self._channel.answered - self._answered_before
         return self._host_calls + served
+
+    @property
+    def expert_pool(self) -> ExpertPool | None:
+        """The expert pool serving this device's host-RAM layers (None until its first call, or where
+        host functions run them)."""
+        return None if self._channel is None else self._channel.pool
 
     @property
     def stream(self) -> Any:

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..errors import DeviceError, MinecartError
 from ..execution import make_backend
+from ..expert_pool import PROF_STEPS, ExpertPool
 from ..experts import ExpertsApart
 from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from ..placement import EXPERTS_ON_HELP
@@ -236,13 +237,16 @@ def _prefill_seconds(model: Model, backend: Backend, ids: list[int], chunk: int)
     return dt
 
 
-def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, chunk: int) -> float:
-    """Seconds of `steps` greedy decode steps after a prefill of `ids` and one untimed step. Each step
-    returns its largest logit only (top=1), as a greedy generation's does (engine/sampling.py)."""
+def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, chunk: int,
+                    pool: ExpertPool | None = None) -> tuple[float, dict[str, float]]:
+    """Seconds of `steps` greedy decode steps after a prefill of `ids` and one untimed step, and what
+    the expert pool's counters (`ExpertPool.profile`) moved by over them (empty without a pool). Each
+    step returns its largest logit only (top=1), as a greedy generation's does (engine/sampling.py)."""
     s = model.new_session(len(ids) + steps + 8)
     logits = s.prefill(ids, chunk=chunk or len(ids))
     assert logits is not None
     top = s.step(int(np.argmax(logits)), top=1)  # first step outside the timing
+    before = pool.profile() if pool is not None else {}
 
     def decode() -> None:
         nonlocal top
@@ -251,8 +255,9 @@ def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, 
             top = s.step(int(top.ids[0, 0]), top=1)
 
     dt = _timed(decode, backend)
+    moved = {key: v - before[key] for key, v in pool.profile().items()} if pool is not None else {}
     s.close()
-    return dt
+    return dt, moved
 
 
 def _with_ceiling(row: dict[str, Any], ceiling: float | None) -> dict[str, Any]:
@@ -299,10 +304,14 @@ def bench(model: Model, *, prefill: Sequence[int] = (512, 2048, 8192, 18432),
             row["streamed_bytes_per_s"] = (sum(st.streamed_bytes for st in streams) - moved) / dt
         res["prefill"].append(row)
         say(f"prefill {n} tokens: {row['tokens_per_s']:,.1f} tok/s")
+    pool = proxy.expert_pool if isinstance(proxy, ExpertsApart) else None
     for ctx in decode_ctx:
         ids = [int(t) for t in rng.integers(0, min(vocab, 50000), max(ctx, 1))]
-        dt = _decode_seconds(model, backend, ids, decode_tokens, chunk)
+        dt, moved = _decode_seconds(model, backend, ids, decode_tokens, chunk, pool)
         row = {"context": ctx, "tokens": decode_tokens, "tokens_per_s": decode_tokens / dt}
+        if moved.get("requests"):  # the expert pool's own account of the steps (its leader's clock)
+            row["pool_ms_per_token"] = {key: 1e3 * moved[key] / decode_tokens for key in PROF_STEPS}
+            row["pool_requests_per_token"] = moved["requests"] / decode_tokens
         row = _with_ceiling(row, decode_ceiling)
         res["decode"].append(row)
         say(f"decode at context {ctx}: {row['tokens_per_s']:,.1f} tok/s")
@@ -355,8 +364,21 @@ def host_expert_rates(model: Model, proxy: ExpertsApart, res: dict[str, Any]) ->
                                    "vs_link": r["streamed_bytes_per_s"] / proxy.link.bandwidth})
     for r in res["decode"]:
         gbs = active * r["tokens_per_s"] / 1e9
-        out["decode"].append({"context": r["context"], "cpu_expert_gbs": gbs, "vs_cpu_copy": gbs / cpu["copy_gbs"]})
+        row = {"context": r["context"], "cpu_expert_gbs": gbs, "vs_cpu_copy": gbs / cpu["copy_gbs"]}
+        if "pool_ms_per_token" in r:
+            row["pool_ms_per_token"] = r["pool_ms_per_token"]
+            row["pool_requests_per_token"] = r["pool_requests_per_token"]
+        out["decode"].append(row)
     return out
+
+
+def format_pool_steps(ms: dict[str, float], requests: float) -> str:
+    """One line: where a decode token's time went by the expert pool's clock (ms a token)."""
+    served = sum(ms[k] for k in ("setup", "gate_up", "swiglu", "down", "tail"))
+    return (f"expert pool, ms a token over {requests:.0f} calls: serving {served:.2f} (gate/up {ms['gate_up']:.2f}, "
+            f"its slowest-thread wait {ms['gate_up'] - ms['gate_up_own']:.2f}; SwiGLU {ms['swiglu']:.2f}; "
+            f"down {ms['down']:.2f}, wait {ms['down'] - ms['down_own']:.2f}; setup + answer "
+            f"{ms['setup'] + ms['tail']:.2f}); between calls (the GPU's part) {ms['wait']:.2f}")
 
 
 def format_ceilings(c: dict[str, float]) -> str:
@@ -424,6 +446,8 @@ def format_table(res: dict[str, Any]) -> str:
         for r in h["decode"]:
             lines.append(f"  decode @ {r['context']}: CPU experts read {r['cpu_expert_gbs']:.2f} GB/s "
                          f"({r['vs_cpu_copy']:.0%} of the CPU's {h['cpu_copy_gbs']:.1f} GB/s copy)")
+            if "pool_ms_per_token" in r:
+                lines.append("    " + format_pool_steps(r["pool_ms_per_token"], r["pool_requests_per_token"]))
     return "\n".join(lines)
 
 

@@ -46,3 +46,33 @@ def test_bench_reports_host_experts(capsys):
     (d,) = h["decode"]
     want = h["expert_bytes_per_token"] * res["decode"][0]["tokens_per_s"] / 1e9
     assert d["cpu_expert_gbs"] == want and d["vs_cpu_copy"] == want / h["cpu_copy_gbs"]
+
+
+def test_bench_shows_the_expert_pools_steps_per_token(tmp_path_factory):
+    """A layer device that pins host memory (as a GPU does; here a NumPy backend told so) runs its
+    host-RAM experts in the expert pool: each decode row carries the pool's own account of the timed
+    steps, one call per MoE layer and token, and the table prints it."""
+    import pytest
+    from minecart.engine import cpu_experts
+    from minecart.engine.cli.bench_cmd import bench, format_table
+    from minecart.engine.experts import ExpertsApart
+
+    if not cpu_experts.HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    path = tiny_moe_file(tmp_path_factory, "fused")  # Q8_0 experts: the integer kernels take them
+    with load_model(path, devices=["cpu:0"], experts="cpu:1") as model:
+        proxy = model.backends["layer.0"]
+        assert isinstance(proxy, ExpertsApart)
+        proxy.inner.pins_host_memory = True
+        n_moe = sum(1 for p in model.device_plan if p.endswith(".experts"))
+        res = bench(model, prefill=(16,), decode_ctx=(0,), decode_tokens=3)
+        assert proxy.expert_pool is not None
+    (row,) = res["decode"]
+    assert row["pool_requests_per_token"] == n_moe
+    ms = row["pool_ms_per_token"]
+    assert ms["gate_up"] >= ms["gate_up_own"] > 0 and ms["down"] >= ms["down_own"] > 0
+    served = sum(ms[k] for k in ("setup", "gate_up", "swiglu", "down", "tail"))
+    assert served + ms["wait"] <= 1e3 / row["tokens_per_s"] * 1.05  # within the timed steps
+    (h,) = res["host_experts"]["decode"]
+    assert h["pool_ms_per_token"] == ms
+    assert f"expert pool, ms a token over {n_moe} calls: serving {served:.2f}" in format_table(res)

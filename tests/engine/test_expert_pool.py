@@ -106,6 +106,34 @@ def test_two_channels_posting_at_once_each_get_their_own_rows(blocks):
         pool.close()
 
 
+def test_the_leaders_time_counters_account_for_the_calls(blocks):
+    """`profile`: requests and tokens counted as posted; the steps' seconds are >= 0, a step that ends
+    at a barrier takes at least the leader's own run of it, and the steps of a request (setup to tail)
+    add up to no more than the posters' wall time around the calls, nor much less than the pool's own
+    serving of them (the rest is the wait between calls)."""
+    rng = np.random.default_rng(5)
+    pool = P.ExpertPool(2)
+    try:
+        e = pool.add_entry(*blocks["fused"])
+        ch = pool.channel()
+        ch.post(e, _rows(rng, 1, 2), np.empty((1, H), np.float32))  # starts and compiles
+        before = pool.profile()
+        t0 = time.perf_counter()
+        for T in (1, 3, 2, 1):
+            ch.post(e, _rows(rng, T, 4), np.empty((T, H), np.float32))
+        wall = time.perf_counter() - t0
+        after = pool.profile()
+        d = {key: after[key] - before[key] for key in after}
+        assert d["requests"] == 4 and d["tokens"] == 7
+        assert all(d[name] >= 0 for name in P.PROF_STEPS)
+        assert d["gate_up"] >= d["gate_up_own"] > 0 and d["down"] >= d["down_own"] > 0
+        served = sum(d[name] for name in ("setup", "gate_up", "swiglu", "down", "tail"))
+        assert 0 < served <= wall
+        assert d["wait"] > 0  # the poster's Python between one answer and its next post
+    finally:
+        pool.close()
+
+
 def test_an_id_that_is_not_an_experts_gives_a_nan_row_and_a_clear_error(blocks):
     """Token 1's slot 2 names expert E + 2: its row is NaN, the other tokens' rows are right, the error
     names the slot and the id once, and the next call is clean."""
