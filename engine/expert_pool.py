@@ -79,6 +79,11 @@ P_REQUESTS, P_TOKENS, P_WAIT, P_SETUP, P_GU_OWN, P_GU, P_SWIGLU, P_DOWN_OWN, P_D
 PROF_WORDS = 16
 PROF_STEPS = ("wait", "setup", "gate_up_own", "gate_up", "swiglu", "down_own", "down", "tail")
 
+# work stealing of the gate/up jobs: rows a thread takes at a time, and the int64 words between two
+# threads' counters (one cache line each)
+STEAL_ROWS = 32
+STEAL_STRIDE = 8
+
 DEFAULT_SPIN = 200_000  # polls before an idle thread naps (about a millisecond of spinning)
 NAP_US = 50
 NAPS_SHORT, NAPS_MEDIUM = 400, 1000
@@ -272,13 +277,20 @@ def _job_runs(t_g: int, t_u: int, t_d: int) -> tuple[Any, Any, Any]:
 
 def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
     """One thread's share of one token's routed experts, for these types and gate/up layout (the
-    one-call kernel's steps, `cpu_experts._token_kernel`, with barriers where it ends a region):
+    one-call kernel's steps, `cpu_experts._token_kernel`, with a barrier where each region ends):
     returns the first bad slot (nothing computed; every thread finds the same), else -1 with `out`
-    written once all threads return."""
+    written once all threads return.
+
+    The gate/up jobs are split into contiguous runs, one a thread, taken STEAL_ROWS rows at a time
+    through a counter per run (`steal`): a thread done with its own run takes the rest of the others'
+    runs, so a thread the system holds up (a core shared with the posting process, an interrupt) no
+    longer holds every other thread at the barrier. Each thread then runs SwiGLU and h's quantization
+    of every slot itself, into its own h (a second barrier cost more than the repeated ~6 us), and
+    its down-sum job."""
     gate_up, up_only, down = _job_runs(t_g, t_u, t_d)
 
-    def share(w, n, ctrl, x, ids, wts, g_raw, u_raw, d_raw, fe, table, idx, w32, xq, xd, xs, gu, hq, hd, hs,
-              out, prof):  # pragma: no cover - compiled
+    def share(w, n, ctrl, steal, x, ids, wts, g_raw, u_raw, d_raw, fe, table, idx, w32, xq, xd, xs, gu, hq, hd,
+              hs, out, prof):  # pragma: no cover - compiled
         lead = w == 0
         t = _cycles()
         k = ids.shape[0]
@@ -287,23 +299,38 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
             return bad
         jobs, per = ce._matvec_jobs(t_g, g_raw.shape[1], k)
         n_gu = 2 * per if mode == ce._ONE_REGION else per
-        lo, hi = _run_of(n_gu, w, n)
-        gate_up(lo, hi, g_raw, u_raw, per, jobs, idx, xq, xd, xs, table, gu)
+        chunk = max(1, STEAL_ROWS // ce._rows_per_job(t_g))
+        for v0 in range(n):  # this thread's run, then what is left of the others'
+            v = w + v0 - (n if w + v0 >= n else 0)
+            lo, hi = _run_of(n_gu, v, n)
+            while True:
+                i0 = lo + chunk * _fetch_add(steal, STEAL_STRIDE * v, 1)
+                if i0 >= hi:
+                    break
+                gate_up(i0, min(i0 + chunk, hi), g_raw, u_raw, per, jobs, idx, xq, xd, xs, table, gu)
         if mode == ce._TWO_REGIONS:
             jobs_u, per_u = ce._matvec_jobs(t_u, u_raw.shape[1], k)
-            lo, hi = _run_of(per_u, w, n)
-            up_only(lo, hi, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, table, gu)
+            chunk_u = max(1, STEAL_ROWS // ce._rows_per_job(t_u))
+            for v0 in range(n):
+                v = w + v0 - (n if w + v0 >= n else 0)
+                lo, hi = _run_of(per_u, v, n)
+                while True:
+                    i0 = lo + chunk_u * _fetch_add(steal, STEAL_STRIDE * v + 1, 1)
+                    if i0 >= hi:
+                        break
+                    up_only(i0, min(i0 + chunk_u, hi), g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, table, gu)
         if lead:
             _lap(prof, P_GU_OWN, t)
         _barrier(ctrl, n)
+        # no thread takes from these runs again before the next token's (two barriers later)
+        _store_release(steal, STEAL_STRIDE * w, 0)
+        _store_release(steal, STEAL_STRIDE * w + 1, 0)
         if lead:
             t = _lap(prof, P_GU, t)
-        for s in range(w, k, n):  # a slot a thread
-            if mode == ce._FUSED:
-                ce._swiglu_quantize_nb(gu[:, s : s + 1], 0, fe, fe, hq[s : s + 1], hd[s : s + 1], hs[s : s + 1])
-            else:
-                ce._swiglu_quantize_nb(gu[:, s : s + 1], 1, 0, fe, hq[s : s + 1], hd[s : s + 1], hs[s : s + 1])
-        _barrier(ctrl, n)
+        if mode == ce._FUSED:
+            ce._swiglu_quantize_nb(gu[:, :k], 0, fe, fe, hq[:k], hd[:k], hs[:k])
+        else:
+            ce._swiglu_quantize_nb(gu[:, :k], 1, 0, fe, hq[:k], hd[:k], hs[:k])
         if lead:
             t = _lap(prof, P_SWIGLU, t)
         rows, n_jobs = ce._down_jobs(d_raw.shape[1], n)
@@ -311,7 +338,7 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
             down(w, rows, d_raw, idx, w32, hq, hd, hs, table, out)
         if lead:
             _lap(prof, P_DOWN_OWN, t)
-        _barrier(ctrl, n)  # out is whole; gu and h may be written again
+        _barrier(ctrl, n)  # out is whole; gu may be written again
         if lead:
             _lap(prof, P_DOWN, t)
         return -1
@@ -342,16 +369,26 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
     s0, s1, s2, s3 = (_share_for(k) for k in padded)
 
     @_njit(nogil=True, cache=False)
-    def worker(w, n, gen, seen0, ctrl, prof, n_channels, gates, ups, downs, table, table_f, gu, hq, hd, hs,
-               k_max):  # pragma: no cover - compiled
+    def worker(w, n, gen, seen0, ctrl, prof, steal, n_channels, gates, ups, downs, table, table_f, gu, hq_all,
+               hd_all, hs_all, k_max, h_max):  # pragma: no cover - compiled
         """table[e]: kind, fe, H of entry e; gates/ups/downs[e]: its stacks' blocks; table_f: the
         fp16 table; gen: JOB_GEN when the threads were started (every thread must begin from the same
         value: a thread that read it after the leader's first hand-over would wait for the next one);
         seen0: each channel's REQ then (a request left from before, one a GPU stopped waiting for, is
         not served: its words may be half rewritten by the next one; posters start the threads first);
-        prof: the leader's time counters (P_*). Returns when STOP is set."""
+        prof: the leader's time counters (P_*); steal: the gate/up runs' counters; hq/hd/hs_all[w]:
+        this thread's h. Returns when STOP is set."""
         idx = np.empty(k_max, np.int64)
         w32 = np.empty(k_max, np.float32)
+        hq, hd, hs = hq_all[w], hd_all[w], hs_all[w]
+        # this thread's copy of a request's token (values, ids and weights, x's int8 blocks), at the
+        # largest entry's sizes: each request uses the first H / k
+        xv_all = np.empty(h_max, np.float32)
+        iv_all = np.empty(k_max, np.float32)
+        wv_all = np.empty(k_max, np.float32)
+        xq_all = np.empty(h_max, np.int8)
+        xd_all = np.empty(h_max // 32, np.float32)
+        xs_all = np.empty(h_max // 32, np.int32)
         seen = seen0.copy()
         idle = 0
         t_done = 0
@@ -403,15 +440,10 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
             xrows = ce._numba.carray(_f32_pointer(_load_acquire(ctrl, base + X_PTR)), (T, W))
             yrows = ce._numba.carray(_f32_pointer(_load_acquire(ctrl, base + Y_PTR)), (T, H))
             g_raw, u_raw, d_raw = gates[e], ups[e], downs[e]
-            # this request's own rows (one token's values, ids and weights, its int8 blocks): contiguous
-            # arrays of the entry's sizes
-            xv = np.empty((1, H), np.float32)
-            iv = np.empty(k, np.float32)
-            wv = np.empty(k, np.float32)
+            xv, iv, wv = xv_all[:H].reshape((1, H)), iv_all[:k], wv_all[:k]
             id_bits = iv.view(np.int32)
-            xq = np.empty((1, H), np.int8)
-            xd = np.empty((1, H // 32), np.float32)
-            xs = np.empty((1, H // 32), np.int32)
+            xq, xd = xq_all[:H].reshape((1, H)), xd_all[: H // 32].reshape((1, H // 32))
+            xs = xs_all[: H // 32].reshape((1, H // 32))
             ik, wk = idx[:k], w32[:k]
             if w == 0:
                 prof[P_SETUP] += _cycles() - t_found
@@ -423,26 +455,27 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
                     wv[s] = xrows[t, H + k + s]
                 out = yrows[t]
                 if kind == 0:
-                    bad = s0(w, n, ctrl, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd, xs,
-                             gu, hq, hd, hs, out, prof)
+                    bad = s0(w, n, ctrl, steal, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
+                             xs, gu, hq, hd, hs, out, prof)
                 elif kind == 1:
-                    bad = s1(w, n, ctrl, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd, xs,
-                             gu, hq, hd, hs, out, prof)
+                    bad = s1(w, n, ctrl, steal, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
+                             xs, gu, hq, hd, hs, out, prof)
                 elif kind == 2:
-                    bad = s2(w, n, ctrl, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd, xs,
-                             gu, hq, hd, hs, out, prof)
+                    bad = s2(w, n, ctrl, steal, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
+                             xs, gu, hq, hd, hs, out, prof)
                 else:
-                    bad = s3(w, n, ctrl, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd, xs,
-                             gu, hq, hd, hs, out, prof)
+                    bad = s3(w, n, ctrl, steal, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
+                             xs, gu, hq, hd, hs, out, prof)
                 if bad >= 0 and w == 0:
                     for j in range(H):
                         out[j] = np.nan
                     if _load_acquire(ctrl, base + STATUS) == 0:
                         _store_release(ctrl, base + BAD, np.int64(id_bits[bad]))
                         _store_release(ctrl, base + STATUS, bad + 1)
-            t_tail = _cycles()
-            _barrier(ctrl, n)
+            # every thread has passed the last token's final barrier (or found the same bad slot): the
+            # rows are whole
             if w == 0:
+                t_tail = _cycles()
                 _store_release(ctrl, base + DONE, seq)
                 t_done = _cycles()
                 prof[P_TAIL] += t_done - t_tail
@@ -644,13 +677,16 @@ class ExpertPool:
         k_max = max(e.gate.n_experts for e in es)  # k is the poster's (W = H + 2k), at most every expert
         rows_max = max(e.gate.n_out for e in es)
         fe_max = max(e.fe for e in es)
-        gu = np.empty((2, k_max, rows_max), np.float32)
-        hq = np.empty((k_max, fe_max), np.int8)
-        hd = np.empty((k_max, fe_max // 32), np.float32)
-        hs = np.empty((k_max, fe_max // 32), np.int32)
-        ctrl = self.ctrl
+        h_max = max(e.gate.n_in for e in es)
         n = self.threads
-        args = (ctrl, self.prof, len(self._channels), gates, ups, downs, table, ce._F16_TABLE, gu, hq, hd, hs, k_max)
+        gu = np.empty((2, k_max, rows_max), np.float32)
+        hq = np.empty((n, k_max, fe_max), np.int8)  # each thread's own h
+        hd = np.empty((n, k_max, fe_max // 32), np.float32)
+        hs = np.empty((n, k_max, fe_max // 32), np.int32)
+        steal = np.zeros(STEAL_STRIDE * n, np.int64)
+        ctrl = self.ctrl
+        args = (ctrl, self.prof, steal, len(self._channels), gates, ups, downs, table, ce._F16_TABLE, gu, hq, hd,
+                hs, k_max, h_max)
         # compiled here, in the caller's thread (a first start compiles for seconds, which a GPU waiting
         # for its first answer should not wait through): with STOP set the loop returns at once
         seen = np.array([ctrl[c.word + REQ] for c in self._channels], np.int64)
