@@ -70,14 +70,20 @@ CHANNEL_WORDS = 16
 # channel words
 REQ, ENTRY, T_WORD, X_PTR, Y_PTR, W_WORD = 0, 1, 2, 3, 4, 5
 DONE, STATUS, BAD, TIMEOUT = 8, 9, 10, 11
+G_START, G_POSTED, G_SEEN, G_END = 12, 13, 14, 15  # a GPU poster's stamps of its last call
 CTRL_WORDS = CHANNEL_BASE + CHANNEL_WORDS * MAX_CHANNELS
 
 # the leader's time counters (`ExpertPool.profile`): requests and tokens served, then cycles spent in
 # each step of a request, added up (the leader's clock: a step that ends at a barrier ends when the
 # slowest thread arrives)
 P_REQUESTS, P_TOKENS, P_WAIT, P_SETUP, P_GU_OWN, P_GU, P_SWIGLU, P_DOWN_OWN, P_DOWN, P_TAIL = range(10)
-PROF_WORDS = 16
 PROF_STEPS = ("wait", "setup", "gate_up_own", "gate_up", "swiglu", "down_own", "down", "tail")
+# and the GPU's side, from the stamps kernels/expert_call.cu writes into its channel (nanoseconds of the
+# GPU's clock, added up by the leader): calls counted, the kernel's start to its post, the post to the
+# answer seen, the answer to the rows back, and one call's end to the next one's start on that channel
+P_GPU_CALLS, P_GPU_POST, P_GPU_WAIT, P_GPU_READ, P_GPU_BETWEEN = range(10, 15)
+GPU_STEPS = ("gpu_post", "gpu_wait", "gpu_read", "gpu_between")
+PROF_WORDS = 16
 
 # work stealing of the gate/up jobs: rows a thread takes at a time, and the int64 words between two
 # threads' counters (one cache line each)
@@ -224,6 +230,24 @@ def _lap(prof, word, t0):  # pragma: no cover - compiled
     t = _cycles()
     prof[word] += t - t0
     return t
+
+
+@_njit(inline="always")
+def _gpu_stamps(ctrl, base, last, prof):  # pragma: no cover - compiled
+    """At a request on the channel at `base`: add up the GPU's stamps of the channel's previous call
+    (whose start and post `last` holds) and the gap to this one's start; keep this one's. A host poster
+    writes no stamps (zeros: nothing added), and a set that is not in order (a call that timed out,
+    a first call) is skipped."""
+    start, posted = _load_acquire(ctrl, base + G_START), _load_acquire(ctrl, base + G_POSTED)
+    p_start, p_posted = last[0], last[1]
+    p_seen, p_end = _load_acquire(ctrl, base + G_SEEN), _load_acquire(ctrl, base + G_END)
+    if 0 < p_start <= p_posted <= p_seen <= p_end <= start <= posted:
+        prof[P_GPU_CALLS] += 1
+        prof[P_GPU_POST] += p_posted - p_start
+        prof[P_GPU_WAIT] += p_seen - p_posted
+        prof[P_GPU_READ] += p_end - p_seen
+        prof[P_GPU_BETWEEN] += start - p_end
+    last[0], last[1] = start, posted
 
 
 @_njit(inline="always")
@@ -392,6 +416,7 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
         seen = seen0.copy()
         idle = 0
         t_done = 0
+        stamps = np.zeros((n_channels, 2), np.int64)  # the last call's start and post, per channel
         while True:
             spin = _load_acquire(ctrl, SPIN)
             if w == 0:  # the leader finds a request and hands it to everyone
@@ -426,12 +451,13 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
             c = _load_acquire(ctrl, JOB_CH)
             if c < 0:
                 return
+            seq = _load_acquire(ctrl, JOB_SEQ)
+            base = CHANNEL_BASE + CHANNEL_WORDS * c
             if w == 0:
                 t_found = _cycles()
                 if t_done:  # the time since the last answer: the posters' own work, or idle
                     prof[P_WAIT] += t_found - t_done
-            seq = _load_acquire(ctrl, JOB_SEQ)
-            base = CHANNEL_BASE + CHANNEL_WORDS * c
+                _gpu_stamps(ctrl, base, stamps[c], prof)
             e = _load_acquire(ctrl, base + ENTRY)
             T = _load_acquire(ctrl, base + T_WORD)
             kind, fe, H = table[e, 0], table[e, 1], table[e, 2]
@@ -714,12 +740,18 @@ class ExpertPool:
         (the posters' own work between calls, or idle), "setup" (the hand-over and the rows' copy),
         "gate_up" up to the barrier after the gate/up jobs ("gate_up_own": the leader's own run of
         them; the difference is the wait for the slowest thread), "swiglu", "down" ("down_own"), and
-        "tail" (the last barrier and the answer). Subtract two readings to time a stretch of calls."""
+        "tail" (the answer). A GPU poster's calls (kernels/expert_call.cu's stamps, its own clock) add
+        "gpu_calls" and the seconds of GPU_STEPS: "gpu_post" (the kernel's start to its request written),
+        "gpu_wait" (to the answer seen), "gpu_read" (to the rows back) and "gpu_between" (one call's end
+        to the channel's next call's start: the GPU's work between). Subtract two readings to time a
+        stretch of calls."""
         p = self.prof.copy()
         sec = _cycle_seconds()
-        out = {"requests": float(p[P_REQUESTS]), "tokens": float(p[P_TOKENS])}
+        out = {"requests": float(p[P_REQUESTS]), "tokens": float(p[P_TOKENS]), "gpu_calls": float(p[P_GPU_CALLS])}
         for i, name in enumerate(PROF_STEPS):
             out[name] = float(p[P_WAIT + i]) * sec
+        for i, name in enumerate(GPU_STEPS):
+            out[name] = float(p[P_GPU_POST + i]) * 1e-9
         return out
 
     def stop(self) -> None:

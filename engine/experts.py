@@ -242,13 +242,13 @@ class ExpertsApart:
         T, H = int(x.shape[0]), int(x.shape[1])
         if T >= 1 << 31 or layer >= 1 << 31:
             raise ValueError(f"{T} tokens at layer {layer}: too many for one host round trip")
-        rows = self._inner.moe_route_rows(x, self._routers[layer], int(k))  # (T, H + 2k)
         host_x, host_y = self._host_buffers(T, H, int(k))
         entry = self._pool_entry(layer, gate_exps, up_exps, down_exps)
         if entry is not None:
             assert self._channel is not None
-            y = self._inner.expert_call(rows, host_x, host_y, self._channel, entry)
+            y = self._inner.expert_call(x, self._routers[layer], int(k), host_x, host_y, self._channel, entry)
         else:
+            rows = self._inner.moe_route_rows(x, self._routers[layer], int(k))  # (T, H + 2k)
             self._host_args[layer] = (gate_exps, up_exps, down_exps, int(k))  # what the host function reads
             y = self._inner.host_round_trip(rows, host_x, host_y, self._host_fn, (layer << 32) | T)
         self._raise_host_error()  # eagerly the experts have run by now (in a capture: they will)

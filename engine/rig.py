@@ -342,11 +342,11 @@ class RigBackend:
         self._charge_round_trip(host_x, host_y)
         return self._inner.host_round_trip(x, host_x, host_y, fn, arg)
 
-    def expert_call(self, x, host_x, host_y, channel, entry: int):
+    def expert_call(self, x, router, k: int, host_x, host_y, channel, entry: int):
         """The real backend's call to the expert pool (DeviceHooks.expert_call) with this device's link
         charged for the rows going down and coming back, as host_round_trip charges them."""
         self._charge_round_trip(host_x, host_y)
-        return self._inner.expert_call(x, host_x, host_y, channel, entry)
+        return self._inner.expert_call(x, router, k, host_x, host_y, channel, entry)
 
     def _charge_round_trip(self, host_x, host_y) -> None:
         link = self.rig_device.link

@@ -1,9 +1,14 @@
 // Routed experts in host RAM asked of the CPU from inside the stream (engine/expert_pool.py): one block
-// copies the token rows into page-locked host memory, posts a request into the pool's control block,
-// waits for the pool's answer there, and copies the output rows back. In a captured decode graph this is
-// one kernel node per MoE layer, where copies and a driver host function took three.
+// writes the tokens' rows (values, then their routing) into page-locked host memory, posts a request into
+// the pool's control block, waits for the pool's answer there, and copies the output rows back. In a
+// captured decode graph this is one kernel node per MoE layer, where copies and a driver host function
+// took three (and the rows' packing three more launches).
 //
-// ctrl: the channel's first word (int64 words: REQ 0, ENTRY 1, T 2, X 3, Y 4, W 5, DONE 8, TIMEOUT 11).
+// x (T, H), ids (T, k) int32, wts (T, k): a row of hx is [x | ids as float32 | wts] (W = H + 2k floats;
+// expert ids < 2^24 are exact in float32).
+// ctrl: the channel's first word (int64 words: REQ 0, ENTRY 1, T 2, X 3, Y 4, W 5, DONE 8, TIMEOUT 11,
+// and the call's %globaltimer stamps: START 12 when the kernel began, POSTED 13 once REQ was written,
+// SEEN 14 when DONE was read, END 15 once the rows were back; the pool's leader adds them up).
 // seq: this channel's last request number, kept on the device (a graph replays the same arguments).
 // Memory order: every thread's stores to hx are fenced at system scope before the block's barrier, and
 // REQ is written after the other words and a second fence; DONE is read volatile, then a fence, then the
@@ -12,17 +17,30 @@
 
 #define EXPERT_CALL_UNROLL 4
 
-extern "C" __global__ void expert_call(const float* __restrict__ rows, float* __restrict__ out,
+__device__ __forceinline__ unsigned long long expert_call_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+extern "C" __global__ void expert_call(const float* __restrict__ x, const int* __restrict__ ids,
+                                       const float* __restrict__ wts, float* __restrict__ out,
                                        long long* ctrl, float* hx, const float* hy,
-                                       unsigned long long* seq, long long entry, int T, int W, int H,
+                                       unsigned long long* seq, long long entry, int T, int k, int H,
                                        unsigned long long timeout_ns) {
+    volatile long long* c = ctrl;
+    if (threadIdx.x == 0) c[12] = (long long)expert_call_now();
+    const int W = H + 2 * k;
     const int n = T * W;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) hx[i] = rows[i];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int t = i / W;
+        const int j = i - t * W;
+        hx[i] = j < H ? x[t * H + j] : (j < H + k ? (float)ids[t * k + (j - H)] : wts[t * k + (j - H - k)]);
+    }
     __threadfence_system();
     __syncthreads();
     __shared__ int answered;
     if (threadIdx.x == 0) {
-        volatile long long* c = ctrl;
         const long long s = (long long)(*seq + 1ull);
         *seq = (unsigned long long)s;
         c[1] = entry;
@@ -33,18 +51,18 @@ extern "C" __global__ void expert_call(const float* __restrict__ rows, float* __
         __threadfence_system();
         c[0] = s;
         __threadfence_system();
-        unsigned long long t0, t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        const unsigned long long t0 = expert_call_now();
+        c[13] = (long long)t0;
         int ok = 1;
         while (c[8] != s) {
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-            if (t - t0 > timeout_ns) {
+            if (expert_call_now() - t0 > timeout_ns) {
                 ok = 0;
                 c[11] = s;
                 break;
             }
         }
         __threadfence_system();
+        c[14] = (long long)expert_call_now();
         answered = ok;
     }
     __syncthreads();
@@ -65,4 +83,6 @@ extern "C" __global__ void expert_call(const float* __restrict__ rows, float* __
             if (i < m) out[i] = answered ? v[j] : nan;
         }
     }
+    __syncthreads();
+    if (threadIdx.x == 0) c[15] = (long long)expert_call_now();
 }

@@ -327,13 +327,17 @@ class DeviceHooks:
         fn(arg)
         return self.asarray(host_y)  # type: ignore[attr-defined]
 
-    def expert_call(self, x: Array, host_x: Any, host_y: Any, channel: ExpertChannel, entry: int) -> Array:
-        """Routed experts of the expert pool's entry `entry` (engine/expert_pool.py) for the rows x
-        (T, H + 2k) float32 on this backend: x -> the host array host_x, the pool runs the entry into
-        host_y (T, H), host_y -> a new array here. On a CUDA device one kernel queued on the current
-        stream posts the call into the pool's shared memory and waits there for the answer (a captured
-        decode graph holds it); here the host posts it (`channel.post`) and waits."""
-        host_x[...] = self.to_numpy(x).reshape(host_x.shape)  # type: ignore[attr-defined]
+    def expert_call(self, x: Array, router: Weight, k: int, host_x: Any, host_y: Any, channel: ExpertChannel,
+                    entry: int) -> Array:
+        """Routed experts of the expert pool's entry `entry` (engine/expert_pool.py) for the tokens x
+        (T, H) float32 on this backend, routed by `router` as `moe` routes them (k experts a token): the
+        rows with their routing (`moe_route_rows`) -> the host array host_x (T, H + 2k), the pool runs
+        the entry into host_y (T, H), host_y -> a new array here. On a CUDA device the routing and one
+        kernel are queued on the current stream; the kernel writes the rows, posts the call into the
+        pool's shared memory and waits there for the answer (a captured decode graph holds it); here the
+        host posts it (`channel.post`) and waits."""
+        rows = self.moe_route_rows(x, router, k)  # type: ignore[attr-defined]
+        host_x[...] = self.to_numpy(rows).reshape(host_x.shape)  # type: ignore[attr-defined]
         channel.post(entry, host_x, host_y)
         return self.asarray(host_y)  # type: ignore[attr-defined]
 
@@ -541,7 +545,8 @@ class Backend(Protocol):
 
     def host_round_trip(self, x: Array, host_x: Any, host_y: Any, fn: Callable[[int], None], arg: int) -> Array: ...
 
-    def expert_call(self, x: Array, host_x: Any, host_y: Any, channel: ExpertChannel, entry: int) -> Array: ...
+    def expert_call(self, x: Array, router: Weight, k: int, host_x: Any, host_y: Any, channel: ExpertChannel,
+                    entry: int) -> Array: ...
 
     def alongside(self, fn: Callable[[], Any]) -> Callable[[], Any]: ...
 

@@ -711,27 +711,31 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             # (under a capture, x and out came from the capture's allocator: the graph keeps them)
             return out
 
-    def expert_call(self, x, host_x, host_y, channel, entry: int):
-        """DeviceHooks.expert_call as one kernel on the current stream (kernels/expert_call.cu): it writes
-        the rows into the page-locked host_x, posts the call into the channel's words of the pool's
-        control block, waits there for the pool's answer and reads host_y's rows back into a new array.
-        Eagerly the stream is waited for before returning (so the caller can check the channel's
-        status); under a capture the kernel is a node of the decode graph."""
+    def expert_call(self, x, router: CupyWeight, k: int, host_x, host_y, channel, entry: int):
+        """DeviceHooks.expert_call as the routing and one kernel on the current stream
+        (kernels/expert_call.cu): the kernel writes the rows and their routing into the page-locked
+        host_x, posts the call into the channel's words of the pool's control block, waits there for the
+        pool's answer and reads host_y's rows back into a new array. Eagerly the stream is waited for
+        before returning (so the caller can check the channel's status); under a capture the kernel is a
+        node of the decode graph."""
         if host_x.dtype != np.float32 or host_y.dtype != np.float32:
             raise ValueError(f"host buffers must be float32, got {host_x.dtype} and {host_y.dtype}")
         with self._dev:
             stream = cp.cuda.get_current_stream()
-            x = cp.ascontiguousarray(x, dtype=cp.float32)
-            if x.shape != host_x.shape or host_y.shape[0] != x.shape[0]:
-                raise ValueError(f"{x.shape} does not fit the host buffers {host_x.shape} / {host_y.shape}")
+            x = _f32(x)
+            T, H = (int(d) for d in x.shape)
+            if host_x.shape != (T, H + 2 * int(k)) or host_y.shape != (T, H):
+                raise ValueError(f"{x.shape} with {k} experts a token does not fit the host buffers "
+                                 f"{host_x.shape} / {host_y.shape}")
+            ids, wts = self._route(x, router, k)
             seq = self._expert_seqs.get(channel.word)
             if seq is None:  # the channel's request counter on this device, from the last one posted
                 seq = cp.full((1,), channel.posted, dtype=cp.uint64)
                 self._expert_seqs[channel.word] = seq
             out = cp.empty(host_y.shape, dtype=cp.float32)
             channel.pool.ensure_running()
-            expert_call_kernel.call(x, out, channel.word_address, host_x.ctypes.data, host_y.ctypes.data, seq,
-                                    entry, channel.timeout_s)
+            expert_call_kernel.call(x, ids, wts, out, channel.word_address, host_x.ctypes.data, host_y.ctypes.data,
+                                    seq, entry, channel.timeout_s)
             if self._sleeper is None:
                 self._sleeper = _sleep_event()
             if self._capture is None:

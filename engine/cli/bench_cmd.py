@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import DeviceError, MinecartError
 from ..execution import make_backend
-from ..expert_pool import PROF_STEPS, ExpertPool
+from ..expert_pool import GPU_STEPS, PROF_STEPS, ExpertPool
 from ..experts import ExpertsApart
 from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from ..placement import EXPERTS_ON_HELP
@@ -310,8 +310,9 @@ def bench(model: Model, *, prefill: Sequence[int] = (512, 2048, 8192, 18432),
         dt, moved = _decode_seconds(model, backend, ids, decode_tokens, chunk, pool)
         row = {"context": ctx, "tokens": decode_tokens, "tokens_per_s": decode_tokens / dt}
         if moved.get("requests"):  # the expert pool's own account of the steps (its leader's clock)
-            row["pool_ms_per_token"] = {key: 1e3 * moved[key] / decode_tokens for key in PROF_STEPS}
+            row["pool_ms_per_token"] = {key: 1e3 * moved[key] / decode_tokens for key in PROF_STEPS + GPU_STEPS}
             row["pool_requests_per_token"] = moved["requests"] / decode_tokens
+            row["pool_gpu_calls_per_token"] = moved["gpu_calls"] / decode_tokens
         row = _with_ceiling(row, decode_ceiling)
         res["decode"].append(row)
         say(f"decode at context {ctx}: {row['tokens_per_s']:,.1f} tok/s")
@@ -366,19 +367,25 @@ def host_expert_rates(model: Model, proxy: ExpertsApart, res: dict[str, Any]) ->
         gbs = active * r["tokens_per_s"] / 1e9
         row = {"context": r["context"], "cpu_expert_gbs": gbs, "vs_cpu_copy": gbs / cpu["copy_gbs"]}
         if "pool_ms_per_token" in r:
-            row["pool_ms_per_token"] = r["pool_ms_per_token"]
-            row["pool_requests_per_token"] = r["pool_requests_per_token"]
+            for key in ("pool_ms_per_token", "pool_requests_per_token", "pool_gpu_calls_per_token"):
+                row[key] = r[key]
         out["decode"].append(row)
     return out
 
 
-def format_pool_steps(ms: dict[str, float], requests: float) -> str:
-    """One line: where a decode token's time went by the expert pool's clock (ms a token)."""
+def format_pool_steps(ms: dict[str, float], requests: float, gpu_calls: float) -> str:
+    """Where a decode token's time went by the expert pool's clock (ms a token), and by the GPU's
+    stamps of its calls where it posted them (kernels/expert_call.cu)."""
     served = sum(ms[k] for k in ("setup", "gate_up", "swiglu", "down", "tail"))
-    return (f"expert pool, ms a token over {requests:.0f} calls: serving {served:.2f} (gate/up {ms['gate_up']:.2f}, "
+    line = (f"expert pool, ms a token over {requests:.0f} calls: serving {served:.2f} (gate/up {ms['gate_up']:.2f}, "
             f"its slowest-thread wait {ms['gate_up'] - ms['gate_up_own']:.2f}; SwiGLU {ms['swiglu']:.2f}; "
             f"down {ms['down']:.2f}, wait {ms['down'] - ms['down_own']:.2f}; setup + answer "
             f"{ms['setup'] + ms['tail']:.2f}); between calls (the GPU's part) {ms['wait']:.2f}")
+    if gpu_calls:
+        line += (f"\n    the GPU's clock over {gpu_calls:.0f} calls a token: rows posted {ms['gpu_post']:.2f}, "
+                 f"waiting for the answer {ms['gpu_wait']:.2f}, rows read back {ms['gpu_read']:.2f}, "
+                 f"its work between calls {ms['gpu_between']:.2f}")
+    return line
 
 
 def format_ceilings(c: dict[str, float]) -> str:
@@ -447,7 +454,8 @@ def format_table(res: dict[str, Any]) -> str:
             lines.append(f"  decode @ {r['context']}: CPU experts read {r['cpu_expert_gbs']:.2f} GB/s "
                          f"({r['vs_cpu_copy']:.0%} of the CPU's {h['cpu_copy_gbs']:.1f} GB/s copy)")
             if "pool_ms_per_token" in r:
-                lines.append("    " + format_pool_steps(r["pool_ms_per_token"], r["pool_requests_per_token"]))
+                lines.append("    " + format_pool_steps(r["pool_ms_per_token"], r["pool_requests_per_token"],
+                                                        r["pool_gpu_calls_per_token"]))
     return "\n".join(lines)
 
 

@@ -134,6 +134,32 @@ def test_the_leaders_time_counters_account_for_the_calls(blocks):
         pool.close()
 
 
+def test_the_gpus_stamps_are_added_up_per_call(blocks):
+    """A GPU poster's kernel stamps its call into the channel (start, posted, then the answer seen and
+    the rows back); here the host writes the same words around its posts. The leader adds up each call's
+    steps and the gap to the next call once that next call arrives, and skips calls without stamps."""
+    rng = np.random.default_rng(6)
+    pool = P.ExpertPool(2)
+    try:
+        e = pool.add_entry(*blocks["separate"])
+        ch = pool.channel()
+        w = ch.word
+        ch.post(e, _rows(rng, 1, 2), np.empty((1, H), np.float32))  # no stamps: nothing added
+        before = pool.profile()
+        for i in range(1, 5):
+            start = 1000 * i + 10
+            pool.ctrl[w + P.G_START], pool.ctrl[w + P.G_POSTED] = start, start + 1
+            ch.post(e, _rows(rng, 1, 2), np.empty((1, H), np.float32))
+            pool.ctrl[w + P.G_SEEN], pool.ctrl[w + P.G_END] = start + 6, start + 8
+        after = pool.profile()
+        d = {key: after[key] - before[key] for key in after}
+        assert d["gpu_calls"] == 3  # the 4th call's end is added when a 5th comes
+        assert d["gpu_post"] == pytest.approx(3e-9) and d["gpu_wait"] == pytest.approx(15e-9)
+        assert d["gpu_read"] == pytest.approx(6e-9) and d["gpu_between"] == pytest.approx(3 * 992e-9)
+    finally:
+        pool.close()
+
+
 def test_an_id_that_is_not_an_experts_gives_a_nan_row_and_a_clear_error(blocks):
     """Token 1's slot 2 names expert E + 2: its row is NaN, the other tokens' rows are right, the error
     names the slot and the id once, and the next call is clean."""

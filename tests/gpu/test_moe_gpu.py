@@ -156,11 +156,16 @@ def test_the_expert_pool_and_a_host_function_give_the_same_logits(moe_file):
         s = model.new_session(64)
         logits = [s.prefill(ids)]
         before = proxy.host_moe_calls
+        stamps = proxy.expert_pool.profile() if proxy.expert_pool is not None else None
         for _ in range(6):  # the first eagerly, then captured and replayed
             logits.append(s.step(int(np.argmax(logits[-1]))))
         assert proxy.host_moe_calls - before == 6 * n_moe
         assert gbe._graphs
         assert (proxy._channel is not None) == (pool and layout == "fused")
+        if stamps is not None:  # the kernel's stamps of its calls, added up by the pool's leader
+            now = proxy.expert_pool.profile()
+            assert now["gpu_calls"] - stamps["gpu_calls"] >= 6 * n_moe - 1
+            assert all(now[k] > stamps[k] for k in ("gpu_post", "gpu_wait", "gpu_between"))
         runs[pool] = np.stack(logits)
         model.close()
     print(f"\nMoE {layout}: pool vs host function, max |diff| {np.abs(runs[True] - runs[False]).max():.3g}")
