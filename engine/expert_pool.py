@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import os
 import platform
 import sys
 import threading
@@ -70,7 +71,9 @@ CHANNEL_WORDS = 16
 # channel words
 REQ, ENTRY, T_WORD, X_PTR, Y_PTR, W_WORD = 0, 1, 2, 3, 4, 5
 DONE, STATUS, BAD, TIMEOUT = 8, 9, 10, 11
-G_START, G_POSTED, G_SEEN, G_END = 12, 13, 14, 15  # a GPU poster's stamps of its last call
+# a GPU poster's stamps: this call's start (written before REQ), and the last finished call's start,
+# post, answer seen and end (written together when it ends)
+G_NOW, G_START, G_POSTED, G_SEEN, G_END = 6, 12, 13, 14, 15
 CTRL_WORDS = CHANNEL_BASE + CHANNEL_WORDS * MAX_CHANNELS
 
 # the leader's time counters (`ExpertPool.profile`): requests and tokens served, then cycles spent in
@@ -233,21 +236,19 @@ def _lap(prof, word, t0):  # pragma: no cover - compiled
 
 
 @_njit(inline="always")
-def _gpu_stamps(ctrl, base, last, prof):  # pragma: no cover - compiled
-    """At a request on the channel at `base`: add up the GPU's stamps of the channel's previous call
-    (whose start and post `last` holds) and the gap to this one's start; keep this one's. A host poster
-    writes no stamps (zeros: nothing added), and a set that is not in order (a call that timed out,
-    a first call) is skipped."""
+def _gpu_stamps(ctrl, base, prof):  # pragma: no cover - compiled
+    """At a request on the channel at `base`: add up the GPU's stamps of the channel's last finished
+    call and the gap from its end to this call's start. A host poster writes no stamps (zeros: nothing
+    added), and a set that is not in order (a call that timed out, a first call) is skipped."""
+    now = _load_acquire(ctrl, base + G_NOW)
     start, posted = _load_acquire(ctrl, base + G_START), _load_acquire(ctrl, base + G_POSTED)
-    p_start, p_posted = last[0], last[1]
-    p_seen, p_end = _load_acquire(ctrl, base + G_SEEN), _load_acquire(ctrl, base + G_END)
-    if 0 < p_start <= p_posted <= p_seen <= p_end <= start <= posted:
+    seen, end = _load_acquire(ctrl, base + G_SEEN), _load_acquire(ctrl, base + G_END)
+    if 0 < start <= posted <= seen <= end <= now:
         prof[P_GPU_CALLS] += 1
-        prof[P_GPU_POST] += p_posted - p_start
-        prof[P_GPU_WAIT] += p_seen - p_posted
-        prof[P_GPU_READ] += p_end - p_seen
-        prof[P_GPU_BETWEEN] += start - p_end
-    last[0], last[1] = start, posted
+        prof[P_GPU_POST] += posted - start
+        prof[P_GPU_WAIT] += seen - posted
+        prof[P_GPU_READ] += end - seen
+        prof[P_GPU_BETWEEN] += now - end
 
 
 @_njit(inline="always")
@@ -308,12 +309,13 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
     The gate/up jobs are split into contiguous runs, one a thread, taken STEAL_ROWS rows at a time
     through a counter per run (`steal`): a thread done with its own run takes the rest of the others'
     runs, so a thread the system holds up (a core shared with the posting process, an interrupt) no
-    longer holds every other thread at the barrier. Each thread then runs SwiGLU and h's quantization
-    of every slot itself, into its own h (a second barrier cost more than the repeated ~6 us), and
-    its down-sum job."""
+    longer holds every other thread at the barrier (`steal` 0: each thread its own run only). Then
+    SwiGLU and h's quantization a slot a thread, a barrier, and each thread's down-sum job. (Tried:
+    every thread running SwiGLU of every slot into its own h, one barrier less: on the H200 host the
+    step took 66-88 us a layer against 19, every thread reading every other's gate/up rows.)"""
     gate_up, up_only, down = _job_runs(t_g, t_u, t_d)
 
-    def share(w, n, ctrl, steal, x, ids, wts, g_raw, u_raw, d_raw, fe, table, idx, w32, xq, xd, xs, gu, hq, hd,
+    def share(w, n, ctrl, steal, stealing, x, ids, wts, g_raw, u_raw, d_raw, fe, table, idx, w32, xq, xd, xs, gu, hq, hd,
               hs, out, prof):  # pragma: no cover - compiled
         lead = w == 0
         t = _cycles()
@@ -324,7 +326,7 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
         jobs, per = ce._matvec_jobs(t_g, g_raw.shape[1], k)
         n_gu = 2 * per if mode == ce._ONE_REGION else per
         chunk = max(1, STEAL_ROWS // ce._rows_per_job(t_g))
-        for v0 in range(n):  # this thread's run, then what is left of the others'
+        for v0 in range(n if stealing else 1):  # this thread's run, then what is left of the others'
             v = w + v0 - (n if w + v0 >= n else 0)
             lo, hi = _run_of(n_gu, v, n)
             while True:
@@ -335,7 +337,7 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
         if mode == ce._TWO_REGIONS:
             jobs_u, per_u = ce._matvec_jobs(t_u, u_raw.shape[1], k)
             chunk_u = max(1, STEAL_ROWS // ce._rows_per_job(t_u))
-            for v0 in range(n):
+            for v0 in range(n if stealing else 1):
                 v = w + v0 - (n if w + v0 >= n else 0)
                 lo, hi = _run_of(per_u, v, n)
                 while True:
@@ -351,10 +353,12 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
         _store_release(steal, STEAL_STRIDE * w + 1, 0)
         if lead:
             t = _lap(prof, P_GU, t)
-        if mode == ce._FUSED:
-            ce._swiglu_quantize_nb(gu[:, :k], 0, fe, fe, hq[:k], hd[:k], hs[:k])
-        else:
-            ce._swiglu_quantize_nb(gu[:, :k], 1, 0, fe, hq[:k], hd[:k], hs[:k])
+        for s in range(w, k, n):  # a slot a thread
+            if mode == ce._FUSED:
+                ce._swiglu_quantize_nb(gu[:, s : s + 1], 0, fe, fe, hq[s : s + 1], hd[s : s + 1], hs[s : s + 1])
+            else:
+                ce._swiglu_quantize_nb(gu[:, s : s + 1], 1, 0, fe, hq[s : s + 1], hd[s : s + 1], hs[s : s + 1])
+        _barrier(ctrl, n)
         if lead:
             t = _lap(prof, P_SWIGLU, t)
         rows, n_jobs = ce._down_jobs(d_raw.shape[1], n)
@@ -393,18 +397,17 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
     s0, s1, s2, s3 = (_share_for(k) for k in padded)
 
     @_njit(nogil=True, cache=False)
-    def worker(w, n, gen, seen0, ctrl, prof, steal, n_channels, gates, ups, downs, table, table_f, gu, hq_all,
-               hd_all, hs_all, k_max, h_max):  # pragma: no cover - compiled
+    def worker(w, n, gen, seen0, ctrl, prof, steal, stealing, n_channels, gates, ups, downs, table, table_f, gu, hq,
+               hd, hs, k_max, h_max):  # pragma: no cover - compiled
         """table[e]: kind, fe, H of entry e; gates/ups/downs[e]: its stacks' blocks; table_f: the
         fp16 table; gen: JOB_GEN when the threads were started (every thread must begin from the same
         value: a thread that read it after the leader's first hand-over would wait for the next one);
         seen0: each channel's REQ then (a request left from before, one a GPU stopped waiting for, is
         not served: its words may be half rewritten by the next one; posters start the threads first);
-        prof: the leader's time counters (P_*); steal: the gate/up runs' counters; hq/hd/hs_all[w]:
-        this thread's h. Returns when STOP is set."""
+        prof: the leader's time counters (P_*); steal: the gate/up runs' counters (stealing: whether
+        threads take from each other's runs). Returns when STOP is set."""
         idx = np.empty(k_max, np.int64)
         w32 = np.empty(k_max, np.float32)
-        hq, hd, hs = hq_all[w], hd_all[w], hs_all[w]
         # this thread's copy of a request's token (values, ids and weights, x's int8 blocks), at the
         # largest entry's sizes: each request uses the first H / k
         xv_all = np.empty(h_max, np.float32)
@@ -416,7 +419,6 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
         seen = seen0.copy()
         idle = 0
         t_done = 0
-        stamps = np.zeros((n_channels, 2), np.int64)  # the last call's start and post, per channel
         while True:
             spin = _load_acquire(ctrl, SPIN)
             if w == 0:  # the leader finds a request and hands it to everyone
@@ -457,7 +459,7 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
                 t_found = _cycles()
                 if t_done:  # the time since the last answer: the posters' own work, or idle
                     prof[P_WAIT] += t_found - t_done
-                _gpu_stamps(ctrl, base, stamps[c], prof)
+                _gpu_stamps(ctrl, base, prof)
             e = _load_acquire(ctrl, base + ENTRY)
             T = _load_acquire(ctrl, base + T_WORD)
             kind, fe, H = table[e, 0], table[e, 1], table[e, 2]
@@ -481,16 +483,16 @@ def _worker(kinds: tuple[tuple[int, int, int, int], ...]) -> Any:
                     wv[s] = xrows[t, H + k + s]
                 out = yrows[t]
                 if kind == 0:
-                    bad = s0(w, n, ctrl, steal, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
+                    bad = s0(w, n, ctrl, steal, stealing, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
                              xs, gu, hq, hd, hs, out, prof)
                 elif kind == 1:
-                    bad = s1(w, n, ctrl, steal, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
+                    bad = s1(w, n, ctrl, steal, stealing, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
                              xs, gu, hq, hd, hs, out, prof)
                 elif kind == 2:
-                    bad = s2(w, n, ctrl, steal, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
+                    bad = s2(w, n, ctrl, steal, stealing, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
                              xs, gu, hq, hd, hs, out, prof)
                 else:
-                    bad = s3(w, n, ctrl, steal, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
+                    bad = s3(w, n, ctrl, steal, stealing, xv, iv, wv, g_raw, u_raw, d_raw, fe, table_f, ik, wk, xq, xd,
                              xs, gu, hq, hd, hs, out, prof)
                 if bad >= 0 and w == 0:
                     for j in range(H):
@@ -611,6 +613,9 @@ class ExpertPool:
         ctrl[SPIN] = DEFAULT_SPIN
         self.ctrl: np.ndarray = ctrl
         self.prof = np.zeros(PROF_WORDS, np.int64)  # the leader's counters (`profile`)
+        # threads take the rest of each other's gate/up runs (MINECART_EXPERT_POOL_STEAL=0: each its own
+        # run only, the form before; for comparisons)
+        self.stealing = os.environ.get("MINECART_EXPERT_POOL_STEAL", "1") != "0"
         self._entries: dict[int, _Entry] = {}
         self._next_entry = 0
         self._channels: list[ExpertChannel] = []
@@ -706,12 +711,12 @@ class ExpertPool:
         h_max = max(e.gate.n_in for e in es)
         n = self.threads
         gu = np.empty((2, k_max, rows_max), np.float32)
-        hq = np.empty((n, k_max, fe_max), np.int8)  # each thread's own h
-        hd = np.empty((n, k_max, fe_max // 32), np.float32)
-        hs = np.empty((n, k_max, fe_max // 32), np.int32)
+        hq = np.empty((k_max, fe_max), np.int8)
+        hd = np.empty((k_max, fe_max // 32), np.float32)
+        hs = np.empty((k_max, fe_max // 32), np.int32)
         steal = np.zeros(STEAL_STRIDE * n, np.int64)
         ctrl = self.ctrl
-        args = (ctrl, self.prof, steal, len(self._channels), gates, ups, downs, table, ce._F16_TABLE, gu, hq, hd,
+        args = (ctrl, self.prof, steal, self.stealing, len(self._channels), gates, ups, downs, table, ce._F16_TABLE, gu, hq, hd,
                 hs, k_max, h_max)
         # compiled here, in the caller's thread (a first start compiles for seconds, which a GPU waiting
         # for its first answer should not wait through): with STOP set the loop returns at once

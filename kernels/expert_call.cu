@@ -7,8 +7,9 @@
 // x (T, H), ids (T, k) int32, wts (T, k): a row of hx is [x | ids as float32 | wts] (W = H + 2k floats;
 // expert ids < 2^24 are exact in float32).
 // ctrl: the channel's first word (int64 words: REQ 0, ENTRY 1, T 2, X 3, Y 4, W 5, DONE 8, TIMEOUT 11,
-// and the call's %globaltimer stamps: START 12 when the kernel began, POSTED 13 once REQ was written,
-// SEEN 14 when DONE was read, END 15 once the rows were back; the pool's leader adds them up).
+// and %globaltimer stamps the pool's leader adds up: NOW 6, this call's start, written with the request;
+// then, written together as the call ends, its START 12, POSTED 13 once REQ was written, SEEN 14 when
+// DONE was read, END 15 once the rows were back).
 // seq: this channel's last request number, kept on the device (a graph replays the same arguments).
 // Memory order: every thread's stores to hx are fenced at system scope before the block's barrier, and
 // REQ is written after the other words and a second fence; DONE is read volatile, then a fence, then the
@@ -29,7 +30,8 @@ extern "C" __global__ void expert_call(const float* __restrict__ x, const int* _
                                        unsigned long long* seq, long long entry, int T, int k, int H,
                                        unsigned long long timeout_ns) {
     volatile long long* c = ctrl;
-    if (threadIdx.x == 0) c[12] = (long long)expert_call_now();
+    const unsigned long long start = expert_call_now();
+    unsigned long long posted = 0, seen = 0;
     const int W = H + 2 * k;
     const int n = T * W;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
@@ -48,21 +50,21 @@ extern "C" __global__ void expert_call(const float* __restrict__ x, const int* _
         c[3] = (long long)hx;
         c[4] = (long long)hy;
         c[5] = W;
+        c[6] = (long long)start;
         __threadfence_system();
         c[0] = s;
         __threadfence_system();
-        const unsigned long long t0 = expert_call_now();
-        c[13] = (long long)t0;
+        posted = expert_call_now();
         int ok = 1;
         while (c[8] != s) {
-            if (expert_call_now() - t0 > timeout_ns) {
+            if (expert_call_now() - posted > timeout_ns) {
                 ok = 0;
                 c[11] = s;
                 break;
             }
         }
         __threadfence_system();
-        c[14] = (long long)expert_call_now();
+        seen = expert_call_now();
         answered = ok;
     }
     __syncthreads();
@@ -84,5 +86,11 @@ extern "C" __global__ void expert_call(const float* __restrict__ x, const int* _
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) c[15] = (long long)expert_call_now();
+    if (threadIdx.x == 0) {
+        c[12] = (long long)start;
+        c[13] = (long long)posted;
+        c[14] = (long long)seen;
+        c[15] = (long long)expert_call_now();
+        __threadfence_system();
+    }
 }

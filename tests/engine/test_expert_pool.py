@@ -55,12 +55,14 @@ def blocks():
     return layouts
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_pool_rows_equal_the_one_call_kernel_bit_for_bit(blocks, threads):
+@pytest.mark.parametrize("threads, stealing", [(1, True), (2, True), (3, True), (3, False)])
+def test_pool_rows_equal_the_one_call_kernel_bit_for_bit(blocks, threads, stealing):
     """Four kinds of entries in one pool (the most it serves), requests of 1-4 tokens and k of 1, 2, 3
-    and 8 (k comes with each request): every row equals routed_experts' to the bit."""
+    and 8 (k comes with each request): every row equals routed_experts' to the bit, with the threads
+    taking from each other's gate/up runs or not."""
     rng = np.random.default_rng(threads)
     pool = P.ExpertPool(threads)
+    pool.stealing = stealing
     try:
         entries = {name: pool.add_entry(*stacks) for name, stacks in blocks.items()}
         ch = pool.channel()
@@ -135,9 +137,10 @@ def test_the_leaders_time_counters_account_for_the_calls(blocks):
 
 
 def test_the_gpus_stamps_are_added_up_per_call(blocks):
-    """A GPU poster's kernel stamps its call into the channel (start, posted, then the answer seen and
-    the rows back); here the host writes the same words around its posts. The leader adds up each call's
-    steps and the gap to the next call once that next call arrives, and skips calls without stamps."""
+    """A GPU poster's kernel writes its start with each request and, as the call ends, its start, post,
+    answer seen and rows back; here the host writes the same words around its posts. At each request
+    the leader adds up the last finished call's steps and the gap from its end to this call's start,
+    and skips calls without stamps."""
     rng = np.random.default_rng(6)
     pool = P.ExpertPool(2)
     try:
@@ -148,9 +151,9 @@ def test_the_gpus_stamps_are_added_up_per_call(blocks):
         before = pool.profile()
         for i in range(1, 5):
             start = 1000 * i + 10
-            pool.ctrl[w + P.G_START], pool.ctrl[w + P.G_POSTED] = start, start + 1
+            pool.ctrl[w + P.G_NOW] = start
             ch.post(e, _rows(rng, 1, 2), np.empty((1, H), np.float32))
-            pool.ctrl[w + P.G_SEEN], pool.ctrl[w + P.G_END] = start + 6, start + 8
+            pool.ctrl[w + P.G_START : w + P.G_END + 1] = start, start + 1, start + 6, start + 8
         after = pool.profile()
         d = {key: after[key] - before[key] for key in after}
         assert d["gpu_calls"] == 3  # the 4th call's end is added when a 5th comes
