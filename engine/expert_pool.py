@@ -20,6 +20,8 @@ The shared memory (`ctrl`, int64 words, page-locked so the GPU reads and writes 
   - DONE (the pool writes it when Y is complete): the sequence number served;
   - STATUS, BAD (the pool: 1 + the slot of an expert id that is not an expert's, and the id's float32
     bits; that token's row is NaN), TIMEOUT (the GPU: the sequence number it stopped waiting for);
+  - the GPU's clock: NOW (this call's start, written with the request), then START, POSTED, SEEN and
+    END of the last finished call (written as it ends); the leader adds them up (`profile`);
 - global words: STOP, the job's generation / channel / sequence number (the leader, thread 0,
   hands every thread the same request), a barrier's count and generation, SPIN (how many polls an
   idle thread spins before it starts to nap between polls: 50 us naps, then 1 ms, then 5 ms, so an
@@ -27,16 +29,18 @@ The shared memory (`ctrl`, int64 words, page-locked so the GPU reads and writes 
 
 Each request runs token after token; a token is the one-call kernel's work (`routed_experts`) split
 over the threads with barriers in between: x quantized (each thread its own copy: cheaper than a
-barrier), gate and up jobs in contiguous runs per thread, SwiGLU and h's quantization a slot per
+barrier), gate and up jobs in contiguous runs per thread, taken 32 rows at a time through a counter
+per run so that a thread done early takes the rest of the others' runs (work stealing: a thread the
+system holds up no longer holds the rest at the barrier), SwiGLU and h's quantization a slot per
 thread, then one down-sum job per thread. Every row is computed by the same job functions as the
-one-call kernel and in the same order, so the pool's output equals `routed_experts` bit for bit
-(tests/engine/test_expert_pool.py).
+one-call kernel and in the same order, whichever thread runs it, so the pool's output equals
+`routed_experts` bit for bit (tests/engine/test_expert_pool.py).
 
 Memory order: the GPU writes the rows, fences (system scope), then writes REQ; the threads read REQ
-with an acquire load. The threads write Y, meet at a barrier, and the leader writes DONE with a release
-store; the GPU reads DONE (volatile), fences, then reads Y.
+with an acquire load. The threads write Y and meet at the barrier that ends the down-sum, and the
+leader writes DONE with a release store; the GPU reads DONE (volatile), fences, then reads Y.
 
-What this is not: the GPU side (kernels/expert_call.cu), the routing (the GPU's `moe_route_rows`), or a
+What this is not: the GPU side (kernels/expert_call.cu), the routing (the GPU's `moe_route`), or a
 general thread pool. Entries are the layers of models loaded now; adding or dropping one stops the
 threads, and the next `ensure_running` starts them with the new table.
 """

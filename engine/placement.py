@@ -1495,26 +1495,26 @@ EXPERT_DECODE_EFFICIENCY = 0.55
 # (the earlier fused figure, 0.17).
 KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.51, "q8_0": 0.22, "q3": 0.17}
 # The CPU (NumPy backend) reads its float32 weights with BLAS: bytes only, at CPU_DECODE_EFFICIENCY;
-# routed experts held in host RAM run on the integer kernels of engine/cpu_experts.py for each token
-# (inside the GPU's decode graph: one kernel that posts the call to the expert pool's threads,
-# engine/expert_pool.py), priced by their active bytes at CPU_EXPERT_DECODE_EFFICIENCY of CPU_SPEED's
-# bandwidth, plus HOST_EXPERT_LAYER_SECONDS for each such layer's round trip (the call and its rows over
-# the bus, the pool's hand-over and barriers, the GPU's composed MoE ops around it). That constant was
-# 0.20 ms with a host function (its copies, the driver's thread, the Python entry, two starts of numba's
-# parallel regions); the pool took 0.137 ms a layer off it (2026-12-03, same host type and file: host
-# functions 50.8 / 49.7 tokens/s alternating with the pool's 64.5 / 66.6 (15 threads) in one call, the
-# pool 58.4 in the next; the three pool runs' mean, 15.8 ms a token, against the host functions' 19.9
-# ms; docs/BENCHMARKS.md v23). Measured on the H200's 16-core host (2026-12-02 04:10,
-# 35B-A3B Q4_K, 30 of 40 layers' experts in host RAM, 16 expert threads, routing on the GPU,
-# docs/BENCHMARKS.md v13): `minecart bench` 46.8 tokens/s = 21.4 ms a token for 424.7 MB of active
-# experts; tools/diag_host_decode.py split its tokens into the experts' calls (12.9-18.1 ms) and the time
-# between them (8.4-9.2 ms, of which the planner's GPU part ~2.9 ms): ~0.2 ms a layer beside the
-# experts, and the experts at ~33.7 GB/s (12.6 ms), 2.81 x CPU_SPEED's one-core 12 GB/s. (v12, before
-# the GPU routed and the kernels' fixed cost was cut: 0.74; before that a guess, 0.036.) It scales with
-# the threads a machine gives.
+# routed experts held in host RAM run on the integer kernels of engine/cpu_experts.py for each token,
+# priced by their active bytes against CPU_SPEED's bandwidth:
+# - a GPU layer's experts in host RAM (decode, and the tokens of a prefill chunk that is not streamed)
+#   are served by the expert pool's threads (engine/expert_pool.py; one kernel in the GPU's decode graph
+#   posts the call) at POOL_EXPERT_DECODE_EFFICIENCY, plus HOST_EXPERT_LAYER_SECONDS for each layer's
+#   round trip. Measured on the H200's 16-core host (2026-12-03, docs/BENCHMARKS.md v24; 35B-A3B Q4_K,
+#   30 of 40 layers' experts in host RAM, 16 threads, `minecart bench` 90.4 / 87.0 tokens/s with the
+#   threads taking from each other's runs): the pool's own clock served a token's 424.8 MB of active
+#   experts in 8.31 / 8.42 ms (50.8 GB/s: 4.23 x CPU_SPEED's one-core 12 GB/s), and the GPU's stamps of
+#   its calls put the round trip beside the experts at 0.10 ms a token posting the rows, 0.05 reading
+#   them back and 0.13-0.14 between the pool's answer and the GPU seeing it: 0.0095 ms a layer. (Before:
+#   0.063 ms a layer, which held the pool's barrier waits, and 0.20 ms with a host function: v23.)
+# - a CPU layer's own experts (a model on the CPU) run on the one-call kernel at
+#   CPU_EXPERT_DECODE_EFFICIENCY: measured on the same host (2026-12-02 04:10, docs/BENCHMARKS.md v13)
+#   at ~33.7 GB/s, 2.81 x 12 GB/s. (v12, before the GPU routed and the kernels' fixed cost was cut:
+#   0.74; before that a guess, 0.036.) Both scale with the threads a machine gives.
 CPU_DECODE_EFFICIENCY = 0.50
 CPU_EXPERT_DECODE_EFFICIENCY = 2.81
-HOST_EXPERT_LAYER_SECONDS = 0.063e-3
+POOL_EXPERT_DECODE_EFFICIENCY = 4.23
+HOST_EXPERT_LAYER_SECONDS = 0.0095e-3
 # ... plus a fixed time per layer and token: the NumPy backend's ~25 array operations of a layer, each
 # with its Python and dispatch overhead whatever the model's size. Measured on the 2-core CI machine
 # (2026-12-01, `minecart bench --shape tiny-dense --quant q8_0 --device cpu:0`): 269.2 tokens/s =
@@ -1582,7 +1582,8 @@ def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int,
         experts = set(p.experts)
         if experts_here is not False and experts:
             used = _expert_bytes_per_token(p)
-            t += host_expert_seconds(used, speed) if cpu else used / (bw * EXPERT_DECODE_EFFICIENCY)
+            t += host_expert_seconds(used, speed, pool=experts_here is True) if cpu else \
+                used / (bw * EXPERT_DECODE_EFFICIENCY)
             if not cpu:
                 t += MOE_DECODE_SECONDS
             elif experts_here is True:  # a GPU layer's experts in host RAM: its round trip
@@ -1650,12 +1651,13 @@ def _expert_bytes_per_token(part: PartCost) -> float:
     return sum(held for name, _, held, _ in part.matmuls if name in experts) * part.expert_fraction
 
 
-def host_expert_seconds(used_bytes: float, cpu: DeviceSpeed = CPU_SPEED) -> float:
+def host_expert_seconds(used_bytes: float, cpu: DeviceSpeed = CPU_SPEED, pool: bool = True) -> float:
     """Seconds the CPU's integer expert kernels (engine/cpu_experts.py) spend on one token's routed
     experts of `used_bytes` in host RAM: a decode token's, and each token of a GPU's prefill chunk that
-    is not streamed (those run one after another on the same kernels, engine/experts.py), at
-    CPU_EXPERT_DECODE_EFFICIENCY of the CPU's bandwidth."""
-    return used_bytes / (cpu.bandwidth * CPU_EXPERT_DECODE_EFFICIENCY)
+    is not streamed (those run one after another on the same kernels, engine/experts.py). pool: a GPU
+    layer's experts, served by the expert pool (POOL_EXPERT_DECODE_EFFICIENCY of the CPU's bandwidth);
+    False: a CPU layer's own, on the one-call kernel (CPU_EXPERT_DECODE_EFFICIENCY)."""
+    return used_bytes / (cpu.bandwidth * (POOL_EXPERT_DECODE_EFFICIENCY if pool else CPU_EXPERT_DECODE_EFFICIENCY))
 
 
 def stream_min_tokens(part: PartCost, link: Link, cpu: DeviceSpeed = CPU_SPEED) -> int:

@@ -186,7 +186,7 @@ def test_a_long_chunk_streams_each_layer_and_prefetches_the_next(moe_path):
 
 def test_the_stream_threshold_is_copy_time_over_cpu_time_per_token(moe_path):
     from minecart.engine.placement import (
-        CPU_EXPERT_DECODE_EFFICIENCY,
+        POOL_EXPERT_DECODE_EFFICIENCY,
         DeviceSpeed,
         Link,
         stream_min_tokens_for,
@@ -195,8 +195,8 @@ def test_the_stream_threshold_is_copy_time_over_cpu_time_per_token(moe_path):
     with load_model(moe_path, devices=["cpu:0"], experts="cpu:1") as model:
         host = model.backends["layer.0"]
         st = _LoggedStream()
-        # the integer kernels read 5e5 bytes/s here: 1 active byte per token (the stand-in) is 2 us
-        cpu = DeviceSpeed("test CPU", 5e5 / CPU_EXPERT_DECODE_EFFICIENCY, 0.0, 1e9)
+        # the expert pool reads 5e5 bytes/s here: 1 active byte per token (the stand-in) is 2 us
+        cpu = DeviceSpeed("test CPU", 5e5 / POOL_EXPERT_DECODE_EFFICIENCY, 0.0, 1e9)
         proxy = ExpertsApart(host.inner, host.experts, stream=st, link=Link(1e6, 0.0), cpu=cpu)
         proxy.hold(model.weights["layer.0.experts"])
         want = stream_min_tokens_for(st.layer_bytes(0), 2e-6, Link(1e6, 0.0))
@@ -358,8 +358,8 @@ def test_streamed_prefill_is_predicted_link_bound():
     moe = [p for p in costs.parts if p.experts]
     assert all(stream_min_tokens(p, LINKS["gen1x1"]) > 4096 > stream_min_tokens(p, LINKS["gen1x4"]) for p in moe)
     cpu_s = sum(4096 * host_expert_seconds(p.expert_bytes * 8 / 256) + HOST_EXPERT_LAYER_SECONDS for p in moe)
-    # (one chunk: the GPU's own layers and the hidden rows' trips add to the CPU's time, ~15% here)
-    assert 4096 / cpu_s * 0.8 <= speeds["gen1x1"].prefill_tokens_per_s <= 4096 / cpu_s
+    # (one chunk: the GPU's own layers and the hidden rows' trips add to the CPU's time, ~21% here)
+    assert 4096 / cpu_s * 0.75 <= speeds["gen1x1"].prefill_tokens_per_s <= 4096 / cpu_s
     link_s = sum(LINKS["gen1x4"].seconds(p.expert_bytes) for p in moe)
     assert 4096 / link_s * 0.95 <= speeds["gen1x4"].prefill_tokens_per_s <= 4096 / link_s
 
