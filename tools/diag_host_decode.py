@@ -10,6 +10,10 @@ host call's end and the next one's start (between: the GPU's work, the copies, t
 start-up, and from a token's last layer to the next token's first, the rest of the step). The BLAS thread count is
 the process's (set OPENBLAS_NUM_THREADS before running to compare). Prints one line per thread count.
 
+This times the host-function path (the expert pool is turned off here: its threads run compiled code
+this tool cannot wrap). For the pool, `minecart bench --experts-on ...` prints the pool's own clock of
+each step and the GPU's stamps of its calls (engine/expert_pool.py ExpertPool.profile).
+
 What this is not: a benchmark with ceilings (`minecart bench` is); a diagnostic of one setting.
 """
 
@@ -77,6 +81,8 @@ def main() -> None:
           f"{cpu_experts._numba.config.NUMBA_NUM_THREADS}", flush=True)
     proxies = [b for b in model.backends.values() if isinstance(b, ExpertsApart)]
     proxy = proxies[0]
+    for p_ in proxies:
+        p_.use_pool = False  # host functions, which the timers below wrap
     host = proxy.experts
     assert isinstance(host, NumpyBackend)
     cpu_experts.routed_experts = timed("experts", cpu_experts.routed_experts)
