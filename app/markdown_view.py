@@ -12,7 +12,7 @@ Not here: the Markdown rules (markdown.py) or the message's frame and buttons (c
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QSize, Qt
 from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from .markdown import FENCE, split_blocks, to_html
@@ -21,6 +21,8 @@ STREAM_PIECE_LINES = 40
 # Blocks are shown in labels of about this many characters: every label costs the layout a little on
 # each update (Qt asks them all for their height), every character costs the label that re-renders.
 GROUP_CHARS = 1000
+# a block label's minimum width, and its hint's width before the layout has given it one
+MIN_WIDTH, HINT_WIDTH = 120, 600
 
 
 def stream_pieces(block: str, size: int = STREAM_PIECE_LINES) -> list[str]:
@@ -72,6 +74,18 @@ class _BlockLabel(QLabel):
     def setText(self, text: str) -> None:
         self._heights.clear()
         super().setText(text)
+
+    def minimumSizeHint(self) -> QSize:
+        """A fixed narrow minimum: QLabel's own lays a word-wrapped text out at width 0 (a word a
+        line) to find its longest word, every time the text changes (~4 ms for one block)."""
+        return QSize(MIN_WIDTH, 0)
+
+    def sizeHint(self) -> QSize:
+        """The height for the width the label has now, from the same cache as heightForWidth (QLabel's
+        own hint lays the text out again at a width of its choosing; the column's width comes from
+        the scroll area, not from this hint)."""
+        width = self.width() if self.width() > MIN_WIDTH else HINT_WIDTH
+        return QSize(width, self.heightForWidth(width))
 
     def heightForWidth(self, width: int) -> int:
         h = self._heights.get(width)
