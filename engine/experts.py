@@ -59,6 +59,18 @@ def _bucket(T: int) -> int:
     return 1 << max(0, T - 1).bit_length()
 
 
+def _measured_link(inner: Backend, experts: Backend) -> Link | None:
+    """The GPU's own link to host RAM as measured on it (DeviceHooks.host_copy_rate), when `experts`
+    are in host RAM: a card on a Gen1 x1 riser is not the desktop slot DEFAULT_LINK assumes, and the
+    stream threshold set from the slot's rate would stream every 2K-token chunk's experts over the
+    riser (a 35B-A3B's 13.6 GB: 54 s a chunk, where the CPU takes 21 s)."""
+    if not str(experts.device).startswith("cpu"):
+        return None
+    gpu = inner.inner if isinstance(inner, RigBackend) else inner
+    rate = gpu.host_copy_rate() if isinstance(gpu, DeviceHooks) else None
+    return None if rate is None else Link(rate[0], rate[1], "measured on the card")
+
+
 class ExpertsApart:
     """`inner` runs everything except the routed experts whose weights `experts` holds.
 
@@ -66,7 +78,7 @@ class ExpertsApart:
     backend and `experts` a host one (set `streaming = False`, or the environment variable
     MINECART_NO_EXPERT_STREAM, to compute every chunk on the host). `min_stream_tokens` overrides
     the computed threshold (tests); `link` / `cpu` are its inputs: the GPU's link (a rig's simulated
-    link when there is one, else DEFAULT_LINK) and the host's speed, whose integer expert kernels run a
+    link when there is one, else the card's own as measured on it, else DEFAULT_LINK) and the host's speed, whose integer expert kernels run a
     chunk that is not streamed one token after another (placement.host_expert_seconds).
     Counters: host_moe_calls (MoE blocks run on the host), streamed_moe_calls (run on the GPU with
     streamed experts)."""
@@ -83,7 +95,7 @@ class ExpertsApart:
         self._host_calls = 0  # MoE blocks run on the host by this thread (the pool counts its own)
         self.streamed_moe_calls = 0
         rig_link = inner.rig_device.link if isinstance(inner, RigBackend) else None
-        self.link = link or rig_link or DEFAULT_LINK
+        self.link = link or rig_link or _measured_link(inner, experts) or DEFAULT_LINK
         self.cpu = cpu or CPU_SPEED
         self.min_stream_tokens: int | None = None
         self.streaming = not os.environ.get("MINECART_NO_EXPERT_STREAM")

@@ -303,6 +303,11 @@ class DeviceHooks:
 
         return np.empty(shape, dtype)
 
+    def host_copy_rate(self) -> tuple[float, float] | None:
+        """(bytes per second, seconds per copy) of copies from page-locked host memory to this device,
+        measured on it; None where there is no link to measure (a host backend)."""
+        return None
+
     def to_numpy_into(self, x: Array, out: Any) -> None:
         """Copy x into the host array `out` (the bridges' staging buffers)."""
         host = self.to_numpy(x)  # type: ignore[attr-defined]

@@ -619,6 +619,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._sleeper: Any = None  # the _sleep_event of waits for host functions (host_round_trip)
         self._expert_seqs: dict[int, Any] = {}  # an expert pool channel's word -> its request counter here
         self._side: Any = None  # (stream, fork event, join event) of `alongside`, made on first use
+        self._copy_rate: tuple[float, float] | None = None  # host_copy_rate, once measured
         self.use_graphs = not os.environ.get("MINECART_NO_CUDA_GRAPH")
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
@@ -676,6 +677,35 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         mem = cp.cuda.alloc_pinned_memory(max(n, 1))
         return np.frombuffer(mem, dtype, int(np.prod(shape))).reshape(shape)
+
+    def host_copy_rate(self) -> tuple[float, float]:
+        """(bytes/s, seconds per copy) of pinned host -> device copies on this card's real link (a
+        riser's x1 lane, the slot's generation), measured once: the best of 3 copies of 16 MiB and of
+        5 copies of 4 KiB, timed by events on a stream of their own. At most ~0.3 s (a Gen1 x1
+        riser), ~1 ms on a Gen4 x16 slot."""
+        if self._copy_rate is None:
+            small, big = 4096, 16 << 20
+            host = self.pinned_empty((big,), "uint8")
+            host[:] = 1
+            with self._dev:
+                dev = cp.empty(big, cp.uint8)
+                stream = cp.cuda.Stream(non_blocking=True)
+
+                def seconds(n: int) -> float:
+                    start, end = cp.cuda.Event(), cp.cuda.Event()
+                    start.record(stream)
+                    dev[:n].set(host[:n], stream=stream)
+                    end.record(stream)
+                    end.synchronize()
+                    return cp.cuda.get_elapsed_time(start, end) / 1e3
+
+                seconds(1 << 20)  # the first copy also maps the buffers
+                t_small = min(seconds(small) for _ in range(5))
+                t_big = min(seconds(big) for _ in range(3))
+                del dev
+            rate = (big - small) / max(t_big - t_small, 1e-9)
+            self._copy_rate = (rate, max(t_small - small / rate, 1e-6))
+        return self._copy_rate
 
     def to_numpy_into(self, x, out: np.ndarray) -> None:
         """Copy x into the host array `out` (blocking)."""

@@ -344,9 +344,9 @@ def _expert_streams(model: Model) -> list[Any]:
 
 def host_expert_rates(model: Model, proxy: ExpertsApart, res: dict[str, Any]) -> dict[str, Any]:
     """Routed experts in host RAM: prefill streams them over the link (bytes per second beside the
-    link's rate: a rig's simulated link, else the one assumed for the threshold); decode runs a
-    token's experts on the CPU (the active expert bytes it reads per second, beside the CPU's copy
-    bandwidth measured now)."""
+    link's rate: a rig's simulated link, else the card's own as measured at load, which also sets
+    the stream threshold); decode runs a token's experts on the CPU (the active expert bytes it reads
+    per second, beside the CPU's copy bandwidth measured now)."""
     cfg = model.config
     host = {p: ws for p, ws in model.weights.items()
             if p.endswith(".experts") and model.device_plan[p].startswith("cpu")}

@@ -203,6 +203,34 @@ def test_the_stream_threshold_is_copy_time_over_cpu_time_per_token(moe_path):
         assert proxy.stream_min_tokens(0, 2) == want == -(-st.layer_bytes(0) // 2)
 
 
+def test_a_real_cards_threshold_takes_its_link_as_measured_on_it(moe_path, monkeypatch):
+    """Without a simulated link the stream threshold takes the card's own link as measured on it
+    (DeviceHooks.host_copy_rate), not a desktop slot's: a card on a Gen1 x1 riser streams a layer's
+    experts ~60x slower than DEFAULT_LINK says. A rig's simulated link still wins."""
+    from minecart.engine.backends.numpy_backend import NumpyBackend
+    from minecart.engine.placement import DEFAULT_LINK, Link
+    from minecart.engine.rig import Rig
+
+    with load_model(moe_path, devices=["cpu:0"], experts="cpu:1") as model:
+        assert model.backends["layer.0"].link == DEFAULT_LINK  # a host backend: no link to measure
+    measured: list[str] = []
+
+    def riser(self):
+        measured.append(str(self.device))
+        return 250e6, 20e-6
+
+    monkeypatch.setattr(NumpyBackend, "host_copy_rate", riser)
+    riser_link = Link(250e6, 20e-6, "measured on the card")
+    for devices in (["cpu:0"], Rig.cpus(1, caps=[8 << 30])):  # a bare device; one under a rig's cap only
+        measured.clear()
+        with load_model(moe_path, devices=devices, experts="cpu:1") as model:
+            proxy = model.backends["layer.0"]
+            assert isinstance(proxy, ExpertsApart) and proxy.link == riser_link
+            assert measured == ["cpu:0"]  # the layers' device, once
+    with load_model(moe_path, devices=Rig.cpus(1, link="100MB/s"), experts="cpu:1") as model:
+        assert model.backends["layer.0"].link.bandwidth == 1e8
+
+
 def test_the_first_n_layers_keep_their_experts(moe_path):
     with load_model(moe_path, devices=["cpu:0"]) as ref:
         want = ref.logits(PROMPT)

@@ -204,6 +204,40 @@ def test_a_failed_moe_settles_the_prefetched_copy(moe_file):
     model.close()
 
 
+def test_the_real_link_is_measured_on_the_card(moe_file):
+    """Without a simulated link the proxy prices streaming with the card's link as measured on it
+    (CupyBackend.host_copy_rate, once): a rate a PCIe link can have, which one 64 MiB copy timed
+    apart here agrees with."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+
+    path, _ = moe_file
+    model, proxy = _streamed(path)
+    gpu = proxy.inner
+    assert isinstance(gpu, CupyBackend)
+    rate, latency = gpu.host_copy_rate()
+    assert proxy.link.name == "measured on the card"
+    assert (proxy.link.bandwidth, proxy.link.latency) == (rate, latency)
+    assert gpu.host_copy_rate() == (rate, latency)  # measured once
+    assert 1e8 <= rate <= 2e11 and 1e-6 <= latency <= 1e-3
+    n = 64 << 20
+    host = gpu.pinned_empty((n,), "uint8")
+    host[:] = 3
+    dev = cp.empty(n, cp.uint8)
+    walls = []
+    for _ in range(3):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        dev.set(host)
+        cp.cuda.Device().synchronize()
+        walls.append(time.perf_counter() - t0)
+    proxy.min_stream_tokens = None
+    print(f"\nhost -> device: {rate / 1e9:.2f} GB/s + {latency * 1e6:.1f} us a copy measured; one 64 MiB copy "
+          f"timed apart {n / min(walls) / 1e9:.2f} GB/s; threshold {proxy.stream_min_tokens(0, 2)} tokens "
+          "without the test's override")
+    assert 0.5 <= n / min(walls) / rate <= 2.0
+    model.close()
+
+
 def test_a_simulated_link_paces_the_copies(moe_file):
     """cuda:0 behind a 2 MB/s link (engine/rig.py): the streamed bytes take at least bytes / rate."""
     from minecart.engine.rig import Rig
