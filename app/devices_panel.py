@@ -50,12 +50,15 @@ class DeviceCard(QFrame):
         bits = [dev.id]
         if dev.compute_capability:
             bits.append(f"compute {dev.compute_capability[0]}.{dev.compute_capability[1]} ({dev.sm})")
+        if dev.pcie:  # the link the planner prices this card's crossings and expert streaming with
+            bits.append(f"PCIe\u00a0Gen{dev.pcie[0]}\u00a0x{dev.pcie[1]}")  # wrapped whole, if at all
         if dev.kind == "cpu":
             bits.append(f"{dev.extra.get('threads', '?')} threads")
         if dev.source == "simulated":
             bits.append("simulated")
         self.sub = QLabel(" · ".join(bits))
         self.sub.setObjectName("Subtle")
+        self.sub.setWordWrap(True)  # a second line on a narrow card rather than a wider card
         lay.addWidget(self.sub)
         self.bar = QProgressBar()
         self.bar.setTextVisible(False)

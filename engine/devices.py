@@ -28,6 +28,10 @@ class DeviceInfo:
     uuid:      NVML UUID ("GPU-…"), "" for the CPU.
     probe:     one line from the kernel probe cache ("tensor cores throttled; DP4A full speed"), or "".
     source:    how the numbers were read: "nvml", "cupy" or "os".
+    pcie:      (generation, lanes) of the card's PCIe link as NVML reads it: the highest generation the
+               card and the slot both allow, and the lanes the link trained at (a mining riser's x1),
+               so an idle card's power-saving lower generation is not taken for its link; None where
+               unknown (no NVML, the CPU).
     """
 
     id: str
@@ -40,6 +44,7 @@ class DeviceInfo:
     uuid: str = ""
     probe: str = ""
     source: str = ""
+    pcie: tuple[int, int] | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -79,9 +84,16 @@ def _nvml_devices() -> list[DeviceInfo] | None:
                 total, used, free = int(mem.total), int(mem.used), int(mem.free)
             except Exception:
                 total = used = free = -1
+            try:
+                pcie: tuple[int, int] | None = (int(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h)),
+                                                int(pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)))
+            except Exception:  # NotSupported on some boards and virtual GPUs
+                pcie = None
+            if pcie is not None and min(pcie) < 1:
+                pcie = None
             out.append(DeviceInfo(id=f"cuda:{i}", kind="cuda", name=name, total_bytes=total,
                                   used_bytes=used, free_bytes=free, compute_capability=cc,
-                                  uuid=uuid, source="nvml"))
+                                  uuid=uuid, source="nvml", pcie=pcie))
     except Exception:
         return out or None
     finally:
@@ -221,6 +233,8 @@ def describe_devices(devices: list[DeviceInfo] | None = None) -> list[str]:
             cc = d.compute_capability
             ccs = f"compute {cc[0]}.{cc[1]} ({d.sm})" if cc else "compute capability unknown"
             line = f"{d.id}: {d.name}, {ccs}, VRAM {mem}"
+            if d.pcie:
+                line += f", PCIe Gen{d.pcie[0]} x{d.pcie[1]}"
             if d.uuid:
                 line += f", {d.uuid}"
         if d.probe:

@@ -170,16 +170,34 @@ def allocated_bytes(obj, _seen: set | None = None, _depth: int = 0) -> int:
 # Logical devices
 
 
+# usable one-way bytes/s of one lane and the fixed cost of a copy, by PCIe generation (as LINKS)
+_LANE = {1: (250e6, 20e-6), 2: (500e6, 15e-6), 3: (984.4e6, 10e-6), 4: (1968.75e6, 10e-6),
+         5: (3937.5e6, 10e-6), 6: (7875e6, 10e-6)}
+
+
+def pcie_link(generation: int, lanes: int) -> Link:
+    """The link of a PCIe generation and lane count (LINKS' own entry where it has one)."""
+    if generation < 1 or lanes < 1:
+        raise DeviceError(f"PCIe Gen{generation} x{lanes} is not a link")
+    known = LINKS.get(f"gen{generation}x{lanes}")
+    if known is not None:
+        return known
+    rate, latency = _LANE[min(generation, max(_LANE))]
+    return Link(rate * lanes, latency, f"PCIe Gen{generation} x{lanes}")
+
+
 def device_spec(info: DeviceInfo, free_bytes: int | None = None) -> DeviceSpec:
     """What placement needs to know about a listed device (engine/devices.py): its name, the bytes it
-    can give (its free memory unless `free_bytes` says otherwise), its name for people and, for a card
-    resources/gpu_profiles.json knows, its speed and its own PCIe link (for the speed prediction and
+    can give (its free memory unless `free_bytes` says otherwise), its name for people, its PCIe link
+    as NVML read it (a card on an x1 riser is priced as one), else the link of its
+    resources/gpu_profiles.json profile, and that profile's speed (for the speed prediction and
     speed-aware splits). Used by the engine's automatic plans, `minecart plan` and the app's map."""
     free = info.free_bytes if free_bytes is None else free_bytes
     profile = gpu_profiles.find(info.name) if info.kind == "cuda" else None
+    read = pcie_link(*info.pcie) if info.pcie is not None else None
     if profile is None:
-        return DeviceSpec(info.id, int(free), info.name)
-    return DeviceSpec(info.id, int(free), info.name, speed=profile.speed, link=LINKS.get(profile.link))
+        return DeviceSpec(info.id, int(free), info.name, link=read)
+    return DeviceSpec(info.id, int(free), info.name, speed=profile.speed, link=read or LINKS.get(profile.link))
 
 
 @dataclass(frozen=True)

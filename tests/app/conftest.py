@@ -120,7 +120,7 @@ def two_gpus():
     gib = 1 << 30
     return [
         DeviceInfo(id="cuda:0", kind="cuda", name="Test GPU A", total_bytes=8 * gib, used_bytes=gib // 4,
-                   free_bytes=8 * gib - gib // 4, compute_capability=(6, 1), source="nvml"),
+                   free_bytes=8 * gib - gib // 4, compute_capability=(6, 1), source="nvml", pcie=(1, 1)),
         DeviceInfo(id="cuda:1", kind="cuda", name="Test GPU B", total_bytes=6 * gib, used_bytes=gib // 4,
                    free_bytes=6 * gib - gib // 4, compute_capability=(7, 5), source="nvml"),
         DeviceInfo(id="cpu:0", kind="cpu", name="Test CPU", total_bytes=32 * gib, used_bytes=4 * gib,

@@ -4,6 +4,7 @@ layer map's legend lists only the kinds of layer the model has."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -38,7 +39,9 @@ def test_every_page_fits_960_px(qtbot, make_bridge, tiny_model):
 
 def test_four_device_cards_fit_a_1280_px_window(qtbot, make_bridge, two_gpus):
     cpu = [d for d in two_gpus if d.kind == "cpu"]
-    devices = simulated_devices("NVIDIA P104-100:8,NVIDIA CMP 30HX:6,NVIDIA P106-090:6") + cpu
+    # with the longest sub line a card shows: each on an x1 riser, as NVML reads it
+    devices = [dataclasses.replace(d, pcie=(1, 1))
+               for d in simulated_devices("NVIDIA P104-100:8,NVIDIA CMP 30HX:6,NVIDIA P106-090:6")] + cpu
     win = _window(qtbot, make_bridge(), devices)
     win.resize(1280, 800)
     win.show_page("layers")

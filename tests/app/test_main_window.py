@@ -140,6 +140,8 @@ def test_devices_panel_shows_each_device(qtbot, two_gpus):
     qtbot.addWidget(panel)
     assert [c.device.id for c in panel.cards] == ["cuda:0", "cuda:1", "cpu:0"]
     assert "compute 7.5 (sm_75)" in panel.cards[1].sub.text()
+    assert panel.cards[0].sub.text().endswith(" · PCIe\u00a0Gen1\u00a0x1")  # the link NVML read (a riser)
+    assert "PCIe" not in panel.cards[1].sub.text()  # none read: none shown
     assert "free" in panel.cards[0].mem.text() and panel.cards[0].bar.value() > 0
     sims = simulated_devices("Rig card:4,Other:2")
     assert [d.total_bytes for d in sims] == [4 << 30, 2 << 30]
