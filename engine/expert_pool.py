@@ -274,6 +274,23 @@ def _run_of(n, w, nthreads):  # pragma: no cover - compiled
     return n * w // nthreads, n * (w + 1) // nthreads
 
 
+@_njit(inline="always")
+def _next_chunk(steal, word, w, n, stealing, n_jobs, chunk, v0):  # pragma: no cover - compiled
+    """Thread w's next chunk [i0, i1) of n_jobs jobs split into n contiguous runs, each taken `chunk`
+    jobs at a time through its counter (word `word` of the run's stride in `steal`): from its own
+    run (v0 = 0) first, then, when `stealing`, from what is left of the others' in turn. Returns
+    (i0, i1, the run it came from, to pass back as v0); i0 == i1 when nothing is left."""
+    last = n if stealing else 1
+    while v0 < last:
+        v = w + v0 - (n if w + v0 >= n else 0)
+        lo, hi = _run_of(n_jobs, v, n)
+        i0 = lo + chunk * _fetch_add(steal, STEAL_STRIDE * v + word, 1)
+        if i0 < hi:
+            return i0, min(i0 + chunk, hi), v0
+        v0 += 1
+    return 0, 0, v0
+
+
 def _named(fn: Callable, name: str, **options: Any) -> Any:
     """fn compiled under a name of its own: the pool's loop calls several of these factories' products,
     and numba names compiled functions by their Python names and argument types (two closures named
@@ -330,25 +347,17 @@ def _token_share(t_g: int, t_u: int, t_d: int, mode: int) -> Any:
         jobs, per = ce._matvec_jobs(t_g, g_raw.shape[1], k)
         n_gu = 2 * per if mode == ce._ONE_REGION else per
         chunk = max(1, STEAL_ROWS // ce._rows_per_job(t_g))
-        for v0 in range(n if stealing else 1):  # this thread's run, then what is left of the others'
-            v = w + v0 - (n if w + v0 >= n else 0)
-            lo, hi = _run_of(n_gu, v, n)
-            while True:
-                i0 = lo + chunk * _fetch_add(steal, STEAL_STRIDE * v, 1)
-                if i0 >= hi:
-                    break
-                gate_up(i0, min(i0 + chunk, hi), g_raw, u_raw, per, jobs, idx, xq, xd, xs, table, gu)
+        i0, i1, v0 = _next_chunk(steal, 0, w, n, stealing, n_gu, chunk, 0)
+        while i0 < i1:
+            gate_up(i0, i1, g_raw, u_raw, per, jobs, idx, xq, xd, xs, table, gu)
+            i0, i1, v0 = _next_chunk(steal, 0, w, n, stealing, n_gu, chunk, v0)
         if mode == ce._TWO_REGIONS:
             jobs_u, per_u = ce._matvec_jobs(t_u, u_raw.shape[1], k)
             chunk_u = max(1, STEAL_ROWS // ce._rows_per_job(t_u))
-            for v0 in range(n if stealing else 1):
-                v = w + v0 - (n if w + v0 >= n else 0)
-                lo, hi = _run_of(per_u, v, n)
-                while True:
-                    i0 = lo + chunk_u * _fetch_add(steal, STEAL_STRIDE * v + 1, 1)
-                    if i0 >= hi:
-                        break
-                    up_only(i0, min(i0 + chunk_u, hi), g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, table, gu)
+            i0, i1, v0 = _next_chunk(steal, 1, w, n, stealing, per_u, chunk_u, 0)
+            while i0 < i1:
+                up_only(i0, i1, g_raw, u_raw, per_u, jobs_u, idx, xq, xd, xs, table, gu)
+                i0, i1, v0 = _next_chunk(steal, 1, w, n, stealing, per_u, chunk_u, v0)
         if lead:
             _lap(prof, P_GU_OWN, t)
         _barrier(ctrl, n)

@@ -732,12 +732,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             rt.memcpyAsync(host_x.ctypes.data, x.data.ptr, x.nbytes, rt.memcpyDeviceToHost, stream.ptr)
             host_func.launch(stream.ptr, fn, arg)
             rt.memcpyAsync(out.data.ptr, host_y.ctypes.data, out.nbytes, rt.memcpyHostToDevice, stream.ptr)
-            if self._sleeper is None:
-                self._sleeper = _sleep_event()
-            if self._capture is None:
-                _wait_stream(stream, self._sleeper)  # sleeping: fn's CPU threads need every core
-            else:
-                self._capture.sleeper = self._sleeper  # the graph's replays are waited for the same way
+            self._wait_for_host_work(stream)
             # (under a capture, x and out came from the capture's allocator: the graph keeps them)
             return out
 
@@ -766,13 +761,19 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             channel.pool.ensure_running()
             expert_call_kernel.call(x, ids, wts, out, channel.word_address, host_x.ctypes.data, host_y.ctypes.data,
                                     seq, entry, channel.timeout_s)
-            if self._sleeper is None:
-                self._sleeper = _sleep_event()
-            if self._capture is None:
-                _wait_stream(stream, self._sleeper)  # sleeping: the pool's threads want every core
-            else:
-                self._capture.sleeper = self._sleeper  # the graph's replays are waited for the same way
+            self._wait_for_host_work(stream)
             return out
+
+    def _wait_for_host_work(self, stream) -> None:
+        """After stream work that waits for the host's threads (a host function, the expert pool):
+        eagerly, wait for the stream asleep (_wait_stream: those threads want every core); under a
+        capture, have the graph's replays waited for the same way."""
+        if self._sleeper is None:
+            self._sleeper = _sleep_event()
+        if self._capture is None:
+            _wait_stream(stream, self._sleeper)
+        else:
+            self._capture.sleeper = self._sleeper
 
     def alongside(self, fn):
         """DeviceHooks.alongside on a second stream of this device: it waits for the current stream's
