@@ -289,3 +289,15 @@ def test_host_expert_decode_prediction_follows_the_h200_measurement(capsys):
                  "cuda:0=H200/8GiB@gen5x16,cpu:0=100GiB", "--experts-on", "auto")
     assert rc == 0 and r["fits"] and len(r["experts"]) == 30
     assert r["predicted"]["decode_tokens_per_s"] == pytest.approx(88.7, rel=0.15)
+
+
+@pytest.mark.parametrize("link, measured", [("gen3x4", 585.6), ("gen1x1", 97.8)])
+def test_host_expert_prefill_prediction_follows_the_simulated_links(capsys, link, measured):
+    """The same model and cap behind simulated PCIe links (docs/BENCHMARKS.md v25, `minecart bench
+    --experts-link`): Gen3 x4 streams the experts of its 2,048-token runs at 99% of the link, 585.6
+    tokens/s of a 4K prompt; behind Gen1 x1 a 2,048-token run stays on the CPU, 97.8 tokens/s. The
+    plan's prefill within 15% (593.7 and 96 when this was written)."""
+    rc, r = plan(capsys, "--shape", "qwen3.6-35b-a3b", "--quant", "q4_k", "--rig",
+                 f"cuda:0=H200/8GiB@{link},cpu:0=100GiB", "--experts-on", "auto")
+    assert rc == 0 and r["fits"] and len(r["experts"]) == 30
+    assert r["predicted"]["prefill_tokens_per_s"] == pytest.approx(measured, rel=0.15)
