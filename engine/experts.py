@@ -78,8 +78,9 @@ class ExpertsApart:
     backend and `experts` a host one (set `streaming = False`, or the environment variable
     MINECART_NO_EXPERT_STREAM, to compute every chunk on the host). `min_stream_tokens` overrides
     the computed threshold (tests); `link` / `cpu` are its inputs: the GPU's link (a rig's simulated
-    link when there is one, else the card's own as measured on it, else DEFAULT_LINK) and the host's speed, whose integer expert kernels run a
-    chunk that is not streamed one token after another (placement.host_expert_seconds).
+    link when there is one, else the card's own as measured on it, else DEFAULT_LINK) and the host's
+    speed, whose integer expert kernels run a chunk that is not streamed one token after another
+    (placement.host_expert_seconds).
     Counters: host_moe_calls (MoE blocks run on the host), streamed_moe_calls (run on the GPU with
     streamed experts)."""
 
