@@ -85,6 +85,9 @@ CTRL_WORDS = CHANNEL_BASE + CHANNEL_WORDS * MAX_CHANNELS
 # slowest thread arrives)
 P_REQUESTS, P_TOKENS, P_WAIT, P_SETUP, P_GU_OWN, P_GU, P_SWIGLU, P_DOWN_OWN, P_DOWN, P_TAIL = range(10)
 PROF_STEPS = ("wait", "setup", "gate_up_own", "gate_up", "swiglu", "down_own", "down", "tail")
+SERVED_STEPS = ("setup", "gate_up", "swiglu", "down", "tail")  # a request's serving, end to end
+# token-layers served before seconds_per_token answers (fewer: the first calls' warm-up would weigh)
+RATE_MIN_TOKENS = 256
 # and the GPU's side, from the stamps kernels/expert_call.cu writes into its channel (nanoseconds of the
 # GPU's clock, added up by the leader): calls counted, the kernel's start to its post, the post to the
 # answer seen, the answer to the rows back, and one call's end to the next one's start on that channel
@@ -771,6 +774,16 @@ class ExpertPool:
         for i, name in enumerate(GPU_STEPS):
             out[name] = float(p[P_GPU_POST + i]) * 1e-9
         return out
+
+    def seconds_per_token(self) -> float | None:
+        """Seconds the pool has taken to serve one token of one layer's experts, over everything it
+        served since it was made (the SERVED_STEPS of `profile`, not the waits between requests);
+        None before RATE_MIN_TOKENS token-layers. The machine's own rate, where the planner has one
+        figure for every CPU (placement.host_expert_seconds)."""
+        p = self.profile()
+        if p["tokens"] < RATE_MIN_TOKENS:
+            return None
+        return sum(p[s] for s in SERVED_STEPS) / p["tokens"]
 
     def stop(self) -> None:
         """Stop the threads (between calls: a request in flight is finished first)."""

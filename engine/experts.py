@@ -80,7 +80,7 @@ class ExpertsApart:
     the computed threshold (tests); `link` / `cpu` are its inputs: the GPU's link (a rig's simulated
     link when there is one, else the card's own as measured on it, else DEFAULT_LINK) and the host's
     speed, whose integer expert kernels run a chunk that is not streamed one token after another
-    (placement.host_expert_seconds).
+    (placement.host_expert_seconds, until the expert pool has measured its own rate).
     Counters: host_moe_calls (MoE blocks run on the host), streamed_moe_calls (run on the GPU with
     streamed experts)."""
 
@@ -218,11 +218,17 @@ class ExpertsApart:
 
     # ---- the MoE block ------------------------------------------------------------------------------
     def stream_min_tokens(self, layer: int, k: int) -> int:
-        """Fewest tokens of a chunk for which layer `layer`'s experts are streamed to the GPU."""
+        """Fewest tokens of a chunk for which layer `layer`'s experts are streamed to the GPU: the
+        link's time for the layer's expert bytes over the host's time for a token of them. The host's
+        time is the expert pool's own once it has served enough (ExpertPool.seconds_per_token: a rig's
+        two-core CPU is not the 16-thread host the planner's figure was fitted on, and behind a slow
+        link it should stream sooner), else the planner's (placement.host_expert_seconds)."""
         if self.min_stream_tokens is not None:
             return self.min_stream_tokens
         st = self._stream
-        per_token = host_expert_seconds(st.active_bytes(layer, k), self.cpu)
+        pool = self.expert_pool
+        measured = pool.seconds_per_token() if pool is not None else None
+        per_token = measured if measured is not None else host_expert_seconds(st.active_bytes(layer, k), self.cpu)
         return stream_min_tokens_for(st.layer_bytes(layer), per_token, self.link)
 
     def _apart_layer(self, gate_exps) -> int | None:
@@ -235,7 +241,8 @@ class ExpertsApart:
         if layer is None:
             return self._inner.moe(x, router, gate_exps, up_exps, down_exps, k)
         st = self._stream
-        if st is not None and self.streaming and int(x.shape[0]) >= self.stream_min_tokens(layer, k):
+        T = int(x.shape[0])  # one token (decode) never pays for a layer's copy
+        if st is not None and self.streaming and T > 1 and T >= self.stream_min_tokens(layer, k):
             return self._streamed_moe(layer, x, gate_exps, up_exps, down_exps, k)
         if self._host_nodes:
             return self._host_moe(layer, x, gate_exps, up_exps, down_exps, k)

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import DeviceError, MinecartError
 from ..execution import make_backend
-from ..expert_pool import GPU_STEPS, PROF_STEPS, ExpertPool
+from ..expert_pool import GPU_STEPS, PROF_STEPS, SERVED_STEPS, ExpertPool
 from ..experts import ExpertsApart
 from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from ..placement import EXPERTS_ON_HELP
@@ -376,7 +376,7 @@ def host_expert_rates(model: Model, proxy: ExpertsApart, res: dict[str, Any]) ->
 def format_pool_steps(ms: dict[str, float], requests: float, gpu_calls: float) -> str:
     """Where a decode token's time went by the expert pool's clock (ms a token), and by the GPU's
     stamps of its calls where it posted them (kernels/expert_call.cu)."""
-    served = sum(ms[k] for k in ("setup", "gate_up", "swiglu", "down", "tail"))
+    served = sum(ms[k] for k in SERVED_STEPS)
     line = (f"expert pool, ms a token over {requests:.0f} calls: serving {served:.2f} (gate/up {ms['gate_up']:.2f}, "
             f"its slowest-thread wait {ms['gate_up'] - ms['gate_up_own']:.2f}; SwiGLU {ms['swiglu']:.2f}; "
             f"down {ms['down']:.2f}, wait {ms['down'] - ms['down_own']:.2f}; setup + answer "

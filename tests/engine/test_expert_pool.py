@@ -129,9 +129,31 @@ def test_the_leaders_time_counters_account_for_the_calls(blocks):
         assert d["requests"] == 4 and d["tokens"] == 7
         assert all(d[name] >= 0 for name in P.PROF_STEPS)
         assert d["gate_up"] >= d["gate_up_own"] > 0 and d["down"] >= d["down_own"] > 0
-        served = sum(d[name] for name in ("setup", "gate_up", "swiglu", "down", "tail"))
+        served = sum(d[name] for name in P.SERVED_STEPS)
         assert 0 < served <= wall
         assert d["wait"] > 0  # the poster's Python between one answer and its next post
+    finally:
+        pool.close()
+
+
+def test_the_pools_rate_is_its_serving_seconds_over_its_tokens(blocks):
+    """seconds_per_token: None until RATE_MIN_TOKENS token-layers are served, then the serving steps'
+    seconds (not the waits between requests) over the tokens."""
+    rng = np.random.default_rng(8)
+    pool = P.ExpertPool(2)
+    try:
+        e = pool.add_entry(*blocks["fused"])
+        ch = pool.channel()
+        T = 32
+        for _ in range(P.RATE_MIN_TOKENS // T - 1):
+            ch.post(e, _rows(rng, T, 2), np.empty((T, H), np.float32))
+            assert pool.seconds_per_token() is None
+        ch.post(e, _rows(rng, T, 2), np.empty((T, H), np.float32))
+        time.sleep(0.05)  # the leader's last lap (the answer) is added as it leaves
+        rate, p = pool.seconds_per_token(), pool.profile()
+        assert p["tokens"] == P.RATE_MIN_TOKENS and p["wait"] > 0
+        assert rate is not None and rate == pytest.approx(sum(p[k] for k in P.SERVED_STEPS) / p["tokens"])
+        assert 0 < rate * p["tokens"] < sum(p[k] for k in ("wait",) + P.SERVED_STEPS)
     finally:
         pool.close()
 

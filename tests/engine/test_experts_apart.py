@@ -203,6 +203,31 @@ def test_the_stream_threshold_is_copy_time_over_cpu_time_per_token(moe_path):
         assert proxy.stream_min_tokens(0, 2) == want == -(-st.layer_bytes(0) // 2)
 
 
+def test_once_the_pool_has_a_rate_the_threshold_takes_it(moe_path, monkeypatch):
+    """The expert pool's own seconds a token (ExpertPool.seconds_per_token) replace the planner's
+    figure in the threshold: a CPU 4x slower than that figure streams from a quarter of the tokens."""
+    from minecart.engine.placement import Link, stream_min_tokens_for
+
+    class Pool:
+        rate: float | None = None
+
+        def seconds_per_token(self):
+            return self.rate
+
+    pool = Pool()
+    monkeypatch.setattr(ExpertsApart, "expert_pool", property(lambda self: pool))
+    with load_model(moe_path, devices=["cpu:0"], experts="cpu:1") as model:
+        host = model.backends["layer.0"]
+        st = _LoggedStream()
+        proxy = ExpertsApart(host.inner, host.experts, stream=st, link=Link(1e6, 0.0))
+        proxy.hold(model.weights["layer.0.experts"])
+        planned = proxy.stream_min_tokens(0, 2)  # no rate yet: the planner's
+        per_token = st.layer_bytes(0) / 1e6 / planned
+        pool.rate = 4 * per_token
+        assert proxy.stream_min_tokens(0, 2) == stream_min_tokens_for(st.layer_bytes(0), 4 * per_token, proxy.link)
+        assert proxy.stream_min_tokens(0, 2) == pytest.approx(planned / 4, abs=1)
+
+
 def test_a_real_cards_threshold_takes_its_link_as_measured_on_it(moe_path, monkeypatch):
     """Without a simulated link the stream threshold takes the card's own link as measured on it
     (DeviceHooks.host_copy_rate), not a desktop slot's: a card on a Gen1 x1 riser streams a layer's
