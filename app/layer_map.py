@@ -105,10 +105,18 @@ def runnable_kv_type(kv_type: str | None) -> str:
 
 
 def runnable_plan(plan: pl.Placement | None) -> pl.Placement | None:
-    """The plan with a KV cache type the engine runs (a copy when it had to change)."""
-    if plan is None or plan.kv_type in KV_TYPES:
-        return plan
-    return plan.with_settings(kv_type=DEFAULT_KV_TYPE)
+    """The plan as the engine runs it (a copy when it had to change): a KV cache type the engine runs,
+    and, where a GPU layer's routed experts sit in host RAM, prefill runs of at least
+    placement.STREAMED_EXPERTS_CHUNK tokens, as load_model runs them, so the cards' activation memory
+    and the predicted prefill are priced for those runs. (Moved back, the experts leave the longer
+    runs in place: the engine runs the plan's chunk, and the map prices it.)"""
+    if plan is None:
+        return None
+    if plan.kv_type not in KV_TYPES:
+        plan = plan.with_settings(kv_type=DEFAULT_KV_TYPE)
+    if plan.chunk < pl.STREAMED_EXPERTS_CHUNK and any(plan.streamed_parts(d) for d in plan.devices_used()):
+        plan = plan.with_settings(chunk=pl.STREAMED_EXPERTS_CHUNK)
+    return plan
 
 
 def card_profile(dev: DeviceInfo) -> gpu_profiles.CardProfile | None:
@@ -539,7 +547,7 @@ class LayerMapModel(QAbstractItemModel):
                 dev = self.plan.experts_of(part)
                 where = "with the layer" if dev == self.plan.assignment[part] else f"on {dev}"
                 if dev.startswith("cpu:"):
-                    where = f"in host RAM ({dev}), streamed to the GPU for prefill"
+                    where = self.host_experts_where(part)
                 lines.append(f"routed experts {format_bytes(cost.expert_bytes)}, {where} · drag its X block or right-click to move them")
             lines.append(f"on {self.plan.assignment[part]} · drag to another device, or Alt+↑/↓")
             return "<br>".join(lines)
@@ -555,6 +563,21 @@ class LayerMapModel(QAbstractItemModel):
             return cost.weight_bytes
         return None
 
+    def host_experts_where(self, layer: int) -> str:
+        """Where part `layer`'s host-RAM experts run, as the runtime decides it: on the CPU in decode;
+        in prefill, streamed to the layer's GPU when this plan's runs reach the GPU's threshold over its
+        link (placement.expert_stream_min_tokens, the rule `minecart plan` states), else on the CPU."""
+        edev, ldev = self.plan.experts_of(layer), self.plan.assignment[layer]
+        specs = self.device_specs()
+        n = pl.expert_stream_min_tokens(self.plan, ldev, specs) if not self._is_cpu(ldev) else None
+        if n is None:
+            return f"in host RAM ({edev}), where their layer runs"
+        link = pl.link_of(next((d for d in specs if d.name == ldev), None)).name
+        run = self.plan.chunk
+        how = f"streamed to {ldev}" if run >= n else "kept on the CPU"
+        return (f"in host RAM ({edev}): the CPU runs them in decode; this plan's {run:,}-token prefill runs "
+                f"are {how} (over {link} streaming wins from {n:,} tokens)")
+
     def _experts_data(self, layer: int, code: int, role):
         """data() of the routed experts' block of part `layer` (child code `code`)."""
         cost = self.plan.costs.parts[layer]
@@ -562,8 +585,7 @@ class LayerMapModel(QAbstractItemModel):
         if role == Qt.ItemDataRole.DisplayRole:
             return "X" + cost.name.split(".", 1)[1]
         if role == Qt.ItemDataRole.ToolTipRole:
-            where = (f"in host RAM ({dev}), streamed to the GPU for prefill" if dev.startswith("cpu:")
-                     else f"with their layer on {dev}")
+            where = self.host_experts_where(layer) if dev.startswith("cpu:") else f"with their layer on {dev}"
             return (f"<b>{cost.name}</b> — its routed experts, {format_bytes(cost.expert_bytes)}, {where}"
                     f"<br>drag to the CPU for host RAM, or back to the layer's device")
         if role == Qt.ItemDataRole.AccessibleTextRole:

@@ -115,7 +115,11 @@ def test_experts_in_host_ram_shrinks_the_cards_and_changes_the_prediction(qtbot,
     assert per["cuda:0"].weights <= gpu_before - expert_bytes
     # less to hold on the card, beside the arenas' padding to whole 2 MiB pages (a tiny model's parts
     # round to the same pages with or without their experts)
-    assert per["cuda:0"].total - per["cuda:0"].rounding < gpu_before - before.rounding
+    # (and the activations of the longer prefill runs the card streams them in: more, on this tiny
+    # model, than the experts it no longer holds)
+    assert per["cuda:0"].activations > before.activations
+    assert (per["cuda:0"].total - per["cuda:0"].rounding - per["cuda:0"].activations
+            < gpu_before - before.rounding - before.activations)
     # the CPU lane holds no block but the experts' memory, and says so
     cpu_lane = panel.lanes[2]
     assert "routed experts" in cpu_lane.numbers.text() and cpu_lane.bar.used == per["cpu:0"].total
@@ -126,9 +130,12 @@ def test_experts_in_host_ram_shrinks_the_cards_and_changes_the_prediction(qtbot,
     assert "in host RAM (cpu:0)" in layer.data(Qt.ItemDataRole.ToolTipRole)
     expected = pl.predict_speed(model.plan, _expected_specs(devices))
     assert _shown(expected) in panel.speed.text() and panel.speed.text() != speed_before
+    # the card's prefill then runs in the engine's longer runs (load_model's), and the map prices those
+    assert model.plan.chunk == pl.STREAMED_EXPERTS_CHUNK > pl.Placement(costs, ["cuda:0"] * len(costs.parts)).chunk
     # one undo step puts them back
     model.undo_stack.undo()
     assert model.plan.experts_device == "" and not panel.experts_host.isChecked()
+    assert model.plan.chunk < pl.STREAMED_EXPERTS_CHUNK
 
 
 def test_auto_split_keeps_the_experts_in_host_ram(qtbot, moe_path):
@@ -294,6 +301,35 @@ def test_one_layers_experts_to_host_ram_and_back(qtbot, moe_path):
     model.undo_stack.undo()  # the auto-split
     model.undo_stack.undo()  # the per-layer move
     assert model.plan.experts == {} and not model.part_label(first).endswith("+X")
+
+
+def test_an_expert_blocks_tooltip_says_whether_prefill_streams_it(qtbot, moe_path):
+    """A host-RAM experts block says what the runtime will do with it: the CPU in decode; in prefill,
+    streamed to its layer's card when this plan's runs reach that card's threshold over its link (the
+    link NVML read: the same P104-100 on an x1 riser and in an x16 slot), else kept on the CPU."""
+    from dataclasses import replace
+
+    from minecart.engine.rig import device_spec
+
+    costs = costs_for_file(moe_path)
+    first = next(i for i, p in enumerate(costs.parts) if p.experts)
+    seen = {}
+    for lanes in (1, 16):
+        devices = [replace(d, pcie=(3, lanes)) if d.kind == "cuda" else d for d in _rig()]
+        model, _ = _panel(qtbot, devices, pl.Placement.single(costs, "cuda:0"))
+        assert model.set_experts_apart([first], True)
+        n = pl.expert_stream_min_tokens(model.plan, "cuda:0", [device_spec(d) for d in devices])
+        block = model.index(0, 0, model.index(2, 0))  # the CPU lane's one block: those experts
+        assert model.layer_of(model.part_of(block)) == first
+        tip = block.data(Qt.ItemDataRole.ToolTipRole)
+        how = "streamed to cuda:0" if model.plan.chunk >= n else "kept on the CPU"
+        assert f"prefill runs are {how} (over PCIe Gen3 x{lanes} streaming wins from {n:,} tokens)" in tip
+        gpu = model.index(0, 0)
+        layer = next(model.index(r, 0, gpu) for r in range(model.rowCount(gpu))
+                     if model.part_of(model.index(r, 0, gpu)) == first)
+        assert f"are {how}" in layer.data(Qt.ItemDataRole.ToolTipRole)  # the layer's own block says it too
+        seen[lanes] = n
+    assert seen[1] > seen[16]  # one lane: 16x the copy, so more tokens before the copy pays
 
 
 def test_expert_blocks_drag_to_host_ram_and_back(qtbot, qtmodeltester, moe_path):
