@@ -1224,6 +1224,20 @@ def fill_experts(plan: Placement, devices: Sequence[DeviceSpec], *, host: str = 
     return dict(trial.experts)
 
 
+def experts_auto_choices(costs: ModelCosts, devices: Sequence[DeviceSpec], *, host: str, reserve: int = 256 * MiB,
+                         **settings: Any) -> list[PlanChoice]:
+    """--experts-on auto over the speed-aware search: every candidate split of plan_candidates with all
+    routed experts in host RAM (`host`), then its GPUs filled back (fill_experts); fitting plans first,
+    then the fastest decode, then the longest context. Every split, not only the best with all the
+    experts on the host: the host holds its experts twice (the file's pages and the pinned copy), so on
+    a small host only a split that keeps some on the GPUs fits at all. settings: plan_candidates'."""
+    filled = [plan_choice(c.plan.with_settings(experts=fill_experts(c.plan, devices, host=host, reserve=reserve)),
+                          devices, reserve=reserve)
+              for c in plan_candidates(costs, devices, reserve=reserve, experts_device=host, **settings)]
+    filled.sort(key=lambda c: (not c.fits, -c.speed.decode_tokens_per_s, -c.max_context))
+    return filled
+
+
 def plan_choice(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 * MiB) -> PlanChoice:
     """A plan priced the way plan_candidates prices its candidates."""
     return PlanChoice(plan, fits(plan, devices, reserve=reserve), predict_speed(plan, devices),

@@ -373,3 +373,31 @@ def test_expert_blocks_drag_to_host_ram_and_back(qtbot, qtmodeltester, moe_path)
     _drop(panel.lanes[0].view, [n + first], model)
     assert model.plan.experts == {} and not model.part_label(first).endswith("+X")
     qtmodeltester.check(model, force_py=True)
+
+
+def test_a_big_moe_on_a_small_card_gets_its_experts_in_host_ram_by_itself():
+    """A model's first plan (and Auto-split) for an MoE model that does not fit the card: the layers
+    on the card and the routed experts that do not fit in host RAM (`minecart plan --experts-on auto`),
+    when that decodes faster than splitting the layers onto the CPU; a card that holds it all keeps the
+    experts with their layers, and a map the user made is kept."""
+    from dataclasses import replace
+
+    from minecart.app.layer_map import _layer_split_plan, auto_split_plan
+
+    costs = pl.costs_for_shape("qwen3.6-35b-a3b", "Q4_K")
+    small = [DeviceInfo(id="cuda:0", kind="cuda", name="NVIDIA P104-100", total_bytes=8 * GIB, used_bytes=0,
+                        free_bytes=8 * GIB, compute_capability=(6, 1), source="nvml"), _rig()[2]]
+    specs = _expected_specs(small)
+    plan = auto_split_plan(costs, specs, context=4096)
+    assert set(plan.assignment) == {"cuda:0"} and set(plan.experts.values()) == {"cpu:0"}
+    assert plan.chunk == pl.STREAMED_EXPERTS_CHUNK  # the engine's runs with streamed experts
+    assert not any(i.severity == "error" for i in pl.validate(plan, specs))
+    layers_split = _layer_split_plan(costs, specs, None, context=4096)  # what it was before
+    assert "cpu:0" in layers_split.assignment and not layers_split.experts
+    faster = pl.predict_speed(plan, specs).decode_tokens_per_s / pl.predict_speed(layers_split, specs).decode_tokens_per_s
+    assert faster > 5  # 56.0 against 5.7 tokens/s when this was written
+    big = [replace(small[0], name="NVIDIA H200", total_bytes=140 * GIB, free_bytes=140 * GIB), small[1]]
+    whole = auto_split_plan(costs, _expected_specs(big), context=4096)
+    assert set(whole.assignment) == {"cuda:0"} and not whole.experts
+    mine = {[p.name for p in costs.parts if p.experts][-1]: "cpu:0"}
+    assert auto_split_plan(costs, specs, context=4096, experts=mine).experts == mine

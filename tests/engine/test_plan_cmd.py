@@ -301,3 +301,21 @@ def test_host_expert_prefill_prediction_follows_the_simulated_links(capsys, link
                  f"cuda:0=H200/8GiB@{link},cpu:0=100GiB", "--experts-on", "auto")
     assert rc == 0 and r["fits"] and len(r["experts"]) == 30
     assert r["predicted"]["prefill_tokens_per_s"] == pytest.approx(measured, rel=0.15)
+
+
+def test_a_plan_with_moe_layers_on_the_cpu_names_the_faster_experts_plan(capsys):
+    """Without --experts-on, a 35B-A3B on one 8 GiB card splits its layers onto the CPU; the table is
+    followed by the experts-in-host-RAM plan's decode speed and how many times faster it is, which
+    --experts-on auto then plans. A dense model, or a plan with no layer on the CPU, gets no such line."""
+    rig = ["--shape", "qwen3.6-35b-a3b", "--quant", "q4_k", "--rig", "cuda:0=P104-100,cpu:0=64GiB"]
+    assert main(["plan", *rig]) == 0
+    err = capsys.readouterr().err
+    rc, plain = plan(capsys, *rig)
+    rc_auto, auto = plan(capsys, *rig, "--experts-on", "auto")
+    assert rc == rc_auto == 0 and any(d["name"] == "cpu:0" and d["parts"] for d in plain["devices"])
+    slow, fast = plain["predicted"]["decode_tokens_per_s"], auto["predicted"]["decode_tokens_per_s"]
+    assert "faster: --experts-on auto" in err and f"decode {fast:.1f} tokens/s, {fast / slow:.1f}x" in err
+    for other in (["--shape", "qwen3.5-9b", "--quant", "q4_k", "--rig", "cuda:0=P104-100,cpu:0=64GiB"],
+                  ["--shape", "qwen3.6-35b-a3b", "--quant", "q4_k", "--rig", "cuda:0=H200,cpu:0=64GiB"]):
+        assert main(["plan", *other]) == 0
+        assert "faster:" not in capsys.readouterr().err
