@@ -1224,16 +1224,15 @@ def fill_experts(plan: Placement, devices: Sequence[DeviceSpec], *, host: str = 
     return dict(trial.experts)
 
 
-def experts_auto_choices(costs: ModelCosts, devices: Sequence[DeviceSpec], *, host: str, reserve: int = 256 * MiB,
-                         **settings: Any) -> list[PlanChoice]:
-    """--experts-on auto over the speed-aware search: every candidate split of plan_candidates with all
-    routed experts in host RAM (`host`), then its GPUs filled back (fill_experts); fitting plans first,
-    then the fastest decode, then the longest context. Every split, not only the best with all the
-    experts on the host: the host holds its experts twice (the file's pages and the pinned copy), so on
-    a small host only a split that keeps some on the GPUs fits at all. settings: plan_candidates'."""
+def experts_auto_choices(candidates: Sequence[PlanChoice], devices: Sequence[DeviceSpec], *, host: str,
+                         reserve: int = 256 * MiB) -> list[PlanChoice]:
+    """--experts-on auto over the speed-aware search: each of plan_candidates' splits made with every
+    routed expert in host RAM (its experts_device `host`), its GPUs filled back (fill_experts); fitting
+    plans first, then the fastest decode, then the longest context. Every split, not only the best with
+    all the experts on the host: the host holds its experts twice (the file's pages and the pinned
+    copy), so on a small host only a split that keeps some on the GPUs fits at all."""
     filled = [plan_choice(c.plan.with_settings(experts=fill_experts(c.plan, devices, host=host, reserve=reserve)),
-                          devices, reserve=reserve)
-              for c in plan_candidates(costs, devices, reserve=reserve, experts_device=host, **settings)]
+                          devices, reserve=reserve) for c in candidates]
     filled.sort(key=lambda c: (not c.fits, -c.speed.decode_tokens_per_s, -c.max_context))
     return filled
 

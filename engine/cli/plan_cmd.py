@@ -118,7 +118,7 @@ def run(args) -> int:
     choices = plan_candidates(costs, devices, reserve=RESERVE, **settings,
                               experts_device="" if experts is not None else experts_device, experts=experts)
     if experts_on == "auto":  # each split with its GPUs filled back with experts: the fastest that fits
-        choices = experts_auto_choices(costs, devices, host=experts_device, reserve=RESERVE, **settings)[:1] + choices
+        choices = experts_auto_choices(choices, devices, host=experts_device, reserve=RESERVE)[:1] + choices
     best = choices[0]
     advice = [] if best.fits else _advice(costs, devices, args, choices, experts_device)
     report = _report(costs, devices, best, args.context, args.kv_type, advice, args.parallel)
@@ -141,8 +141,9 @@ def _experts_hint(costs: ModelCosts, devices: list[DeviceSpec], best: PlanChoice
     if not any(p.experts for p in costs.parts) or not cpus or not any(d.name.startswith("cuda") for d in devices) \
             or not any(dev.startswith("cpu:") for dev in best.plan.assignment):
         return None
-    auto = experts_auto_choices(costs, devices, host=cpus[0], reserve=RESERVE,
-                                **{**settings, "chunk": max(settings["chunk"], STREAMED_EXPERTS_CHUNK)})[0]
+    longer = {**settings, "chunk": max(settings["chunk"], STREAMED_EXPERTS_CHUNK)}
+    auto = experts_auto_choices(plan_candidates(costs, devices, reserve=RESERVE, experts_device=cpus[0], **longer),
+                                devices, host=cpus[0], reserve=RESERVE)[0]
     if not auto.fits or auto.speed.decode_tokens_per_s <= best.speed.decode_tokens_per_s:
         return None
     return (f"\nfaster: --experts-on auto (every layer on the GPUs, the routed experts that do not fit there "
