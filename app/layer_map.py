@@ -1322,9 +1322,7 @@ def auto_split_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec],
     host = next((s.name for s in specs if not s.is_cuda), None)
     if host is None or not any(s.is_cuda for s in specs):
         return plan
-    settings = {**settings, "chunk": max(settings.get("chunk", pl.Placement.chunk), pl.STREAMED_EXPERTS_CHUNK)}
-    candidates = pl.plan_candidates(costs, specs, experts_device=host, **settings)
-    apart = next((c for c in pl.experts_auto_choices(candidates, specs, host=host) if not _errors(c.plan, specs)),
+    apart = next((c for c in pl.experts_auto_plans(costs, specs, host=host, **settings) if not _errors(c.plan, specs)),
                  None)
     if apart is None or not apart.plan.experts:
         return plan

@@ -1237,6 +1237,15 @@ def experts_auto_choices(candidates: Sequence[PlanChoice], devices: Sequence[Dev
     return filled
 
 
+def experts_auto_plans(costs: ModelCosts, devices: Sequence[DeviceSpec], *, host: str, reserve: int = 256 * MiB,
+                       **settings: Any) -> list[PlanChoice]:
+    """experts_auto_choices of plan_candidates' splits made for it (settings: plan_candidates'), in the
+    longer prefill runs the engine streams host-RAM experts in (STREAMED_EXPERTS_CHUNK)."""
+    settings["chunk"] = max(settings.get("chunk", Placement.chunk), STREAMED_EXPERTS_CHUNK)
+    return experts_auto_choices(plan_candidates(costs, devices, reserve=reserve, experts_device=host, **settings),
+                                devices, host=host, reserve=reserve)
+
+
 def plan_choice(plan: Placement, devices: Sequence[DeviceSpec], *, reserve: int = 256 * MiB) -> PlanChoice:
     """A plan priced the way plan_candidates prices its candidates."""
     return PlanChoice(plan, fits(plan, devices, reserve=reserve), predict_speed(plan, devices),

@@ -43,6 +43,7 @@ from ..placement import (
     costs_for_shape,
     expert_stream_min_tokens,
     experts_auto_choices,
+    experts_auto_plans,
     experts_map,
     link_of,
     model_costs,
@@ -141,9 +142,7 @@ def _experts_hint(costs: ModelCosts, devices: list[DeviceSpec], best: PlanChoice
     if not any(p.experts for p in costs.parts) or not cpus or not any(d.name.startswith("cuda") for d in devices) \
             or not any(dev.startswith("cpu:") for dev in best.plan.assignment):
         return None
-    longer = {**settings, "chunk": max(settings["chunk"], STREAMED_EXPERTS_CHUNK)}
-    auto = experts_auto_choices(plan_candidates(costs, devices, reserve=RESERVE, experts_device=cpus[0], **longer),
-                                devices, host=cpus[0], reserve=RESERVE)[0]
+    auto = experts_auto_plans(costs, devices, host=cpus[0], reserve=RESERVE, **settings)[0]
     if not auto.fits or auto.speed.decode_tokens_per_s <= best.speed.decode_tokens_per_s:
         return None
     return (f"\nfaster: --experts-on auto (every layer on the GPUs, the routed experts that do not fit there "
