@@ -19,6 +19,10 @@ above); per line the GPU time per call, per token, the GB/s of weight bytes
 against the copy bandwidth, and the time over the single-token call; then the GEMV time of a 9B batched
 decode step per T and variant. About a minute on an H200.
 
+`--prefill T` times the prefill GEMM (gemm_dp4a, one and two quant blocks a stage) of T tokens at the
+same shapes but the LM head, in TOPS against the DP4A rate measured in the same run, and the GEMM time
+of a 9B prefill of T tokens.
+
 Not here: correctness (tests/gpu/test_kquant_gemv.py, tests/gpu/test_gemv_multi.py, tests/gpu/test_fused.py)
 and the choice of the default variant (ops._gemv_kq, ops._gemv_split, ops._gemv_kq_mt).
 """
@@ -36,7 +40,7 @@ import numpy as np
 
 from . import kquant_layout, ops
 from .build import GEMV_KQ_MT, GEMV_MT
-from .probe import measure_copy, random_q8_0, time_gpu
+from .probe import measure_copy, measure_dp4a, random_q8_0, time_gpu
 
 # (rows, row length, residual epilogue) of the 9B single-token GEMVs: attention output / FFN down with
 # the residual, the fused GDN input projections, gate+up, the fused attention q/k/v/gate, the LM head
@@ -220,6 +224,56 @@ def run_multi(shapes=SHAPES_9B, types=TYPES, tokens=TOKENS_MULTI,
     return rows
 
 
+@dataclass(frozen=True)
+class PrefillRow:
+    type_name: str
+    R: int
+    K: int
+    T: int
+    path: str  # ops.matmul's: "dp4a" (gemm_dp4a, one quant block a stage) or "dp4a2" (two)
+    seconds: float  # GPU time per call
+    tops: float  # 2 T R K / seconds, 1e12 int8 operations a second
+    dp4a_share: float  # tops / the DP4A rate measured in the same run
+
+
+def run_prefill(shapes=SHAPES_9B, types=TYPES, T: int = 4096, reps: int = 3, out=None) -> list[PrefillRow]:
+    """Time the prefill GEMM (gemm_dp4a, both stage depths) of T tokens at every shape but the LM head
+    (a prefill computes its last row only); print a line each and the GEMM time of a 9B prefill of T
+    tokens per format and path, against the DP4A rate measured in the same run."""
+    rate = measure_dp4a()
+    if out is not None:
+        print(f"DP4A {rate:.1f} TOPS", file=out)
+    rows: list[PrefillRow] = []
+    rng = np.random.default_rng(0)
+    for type_name in types:
+        for R, K, with_res in shapes:
+            if R > 100_000:
+                continue
+            w = random_weight(type_name, R, K, 0)
+            x = cp.asarray(rng.standard_normal((T, K)).astype(np.float32))
+            res = cp.asarray(rng.standard_normal((T, R)).astype(np.float32)) if with_res else None
+            for path in ("dp4a", "dp4a2"):
+                t = time_gpu(lambda w=w, x=x, res=res, path=path: ops.matmul(x, w, path, residual=res), reps)
+                tops = 2 * T * R * K / t / 1e12
+                row = PrefillRow(type_name, R, K, T, path, t, tops, tops / rate)
+                rows.append(row)
+                if out is not None:
+                    print(f"{type_name} {R}x{K}{' +res' if with_res else ''} T={T} {path:5s} {t * 1e3:8.3f} ms "
+                          f"{tops:6.1f} TOPS {100 * row.dp4a_share:4.0f}% of DP4A", file=out)
+            del w, x, res
+            cp.get_default_memory_pool().free_all_blocks()
+    if out is not None:
+        for type_name in types:
+            for path in ("dp4a", "dp4a2"):
+                sel = [r for r in rows if r.type_name == type_name and r.path == path and (r.R, r.K) in CALLS_9B]
+                if sel:
+                    step = sum(r.seconds * CALLS_9B[(r.R, r.K)] for r in sel)
+                    ops_ = sum(2 * T * r.R * r.K * CALLS_9B[(r.R, r.K)] for r in sel)
+                    print(f"{type_name}: GEMM time of a 9B prefill of {T} tokens ({path}) {step * 1e3:.1f} ms, "
+                          f"{ops_ / step / 1e12:.1f} TOPS = {100 * ops_ / step / 1e12 / rate:.0f}% of DP4A", file=out)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minecart.kernels.bench_gemv", description=__doc__.split("\n\n")[0])
     p.add_argument("--types", default=",".join(TYPES), help=f"comma-separated formats (default {','.join(TYPES)})")
@@ -227,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--multi", action="store_true",
                    help="time the multi-token matmuls of a batched decode step (T = 1..32 tokens) instead "
                         "of the single-token GEMVs")
+    p.add_argument("--prefill", type=int, default=0, metavar="T",
+                   help="time the prefill GEMM of T tokens (both stage depths) against the DP4A rate instead")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS_MULTI)),
                    help=f"with --multi: comma-separated token counts (default {','.join(map(str, TOKENS_MULTI))})")
     p.add_argument("--shapes", default="",
@@ -242,8 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     bad = [t for t in types if t not in TYPES]
     if bad:
         p.error(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(TYPES)}")
-    rows: list[Row] | list[MultiRow]
-    if args.multi:
+    rows: list[Row] | list[MultiRow] | list[PrefillRow]
+    if args.prefill > 0:
+        rows = run_prefill(shapes=shapes, types=types, T=args.prefill, out=sys.stdout)
+    elif args.multi:
         try:
             tokens = tuple(int(t) for t in args.tokens.split(",") if t)
         except ValueError:
