@@ -113,7 +113,7 @@ def module_specs() -> list[ModuleSpec]:
     norms = [f"row_norm<{w}, {m}>" for w in ("true", "false") for m in range(4)]
     ew = [f"ewise<{op}>" for op in range(8)]
     specs.append(ModuleSpec("elementwise", ("elementwise.cu",), tuple(norms + ew),
-                            ("gdn_gates", "rope_neox", "split_cols", "l2_prefetch")))
+                            ("gdn_gates", "rope_neox", "split_cols")))
     att = [f"flash_prefill{v}<{d}>" for v in ("", "_g") for d in HEAD_DIMS]
     att += [f"flash_decode{v}<{d}, {g}>" for v in ("", "_batch") for d in HEAD_DIMS for g in DECODE_GROUPS]
     specs.append(ModuleSpec("attention", ("attention.cu", "attn_prep.cu"), tuple(att),

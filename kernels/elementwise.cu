@@ -125,15 +125,3 @@ extern "C" __global__ void split_cols(const float* __restrict__ y, float* __rest
     const long long t = local / w;
     out[i] = y[t * R + lo + (local - t * w)];
 }
-
-// l2_prefetch: ask the L2 cache for bytes [0, n) of p, one 128-byte line a thread at a time
-// (prefetch.global.L2: no register is written, so a thread issues its lines and exits without waiting
-// for them). A decode step's graph runs it on a branch beside the kernels before a matmul, for the
-// leading bytes of that matmul's weights (engine/backends/cupy_backend.py _WeightPrefetch): the lines
-// come in while the card's memory would otherwise idle (small kernels, a GEMV's ramp and tail) and the
-// GEMV then reads them from L2. Touches no data: a wrong or stale range costs bandwidth, never results.
-extern "C" __global__ void l2_prefetch(const unsigned char* __restrict__ p, long long n) {
-    long long step = (long long)gridDim.x * blockDim.x * 128;
-    for (long long off = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * 128; off < n; off += step)
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(p + off));
-}

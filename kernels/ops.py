@@ -590,19 +590,6 @@ def embed(w: QWeight, ids: cp.ndarray) -> cp.ndarray:
     return out
 
 
-L2_PREFETCH_THREADS = 4096  # threads of an l2_prefetch launch (each a 128-byte line at a time)
-
-
-def l2_prefetch(a: cp.ndarray, n_bytes: int) -> None:
-    """Ask the L2 cache for the first n_bytes (at most a.nbytes) of device array a (elementwise.cu
-    l2_prefetch); nothing is read into registers or written."""
-    n = min(int(n_bytes), int(a.nbytes))
-    if n <= 0:
-        return
-    blocks = max(1, min(L2_PREFETCH_THREADS, -(-n // 128)) // 128)
-    get_kernel("elementwise", "l2_prefetch")((blocks,), (128,), (a, np.int64(n)))
-
-
 # ---- norms and elementwise ------------------------------------------------------------------------
 
 def _row_norm(mode: int, x, other, w, eps: float, want_sum: bool = False):

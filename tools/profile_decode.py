@@ -43,8 +43,6 @@ def main() -> None:
                          "kernels, without it the graphed step's wall time against its GPU time")
     ap.add_argument("--json", default=None)
     ap.add_argument("--summarize", default=None, help="an ncu --csv file: print time per kernel name")
-    ap.add_argument("--prefetch-shares", default="",
-                    help="comma-separated L2 prefetch shares to capture the step with in turn (0: none)")
     ap.add_argument("--ablate", action="store_true",
                     help="the graphed step's GPU time with each group of kernels stubbed out, against the whole")
     ap.add_argument("--context", type=int, default=64,
@@ -65,9 +63,6 @@ def main() -> None:
     model = load_model(path, devices=["cuda:0"])
     if args.ablate:
         _ablate(model, args.context, args.json)
-        return
-    if args.prefetch_shares:
-        _prefetch_ab(model, args.context, [float(v) for v in args.prefetch_shares.split(",")], args.json)
         return
     if args.batch > 1:
         if args.ncu:
@@ -271,20 +266,6 @@ def _step_gpu_ms(model, s, tok: int, n: int = 64) -> tuple[float, float]:
     wall = (time.perf_counter() - t0) / n
     rec = next(r for r in be._graphs.values() if r.states is s.states)
     return _graph_gpu_ms(rec, n), wall * 1e3
-
-
-def _prefetch_ab(model, context: int, shares: list[float], json_path: str | None) -> None:
-    """The decode step captured with each L2 prefetch share in turn (CupyBackend.l2_prefetch_share; the
-    list may repeat values, to alternate them): graph GPU ms and wall ms per step for each."""
-    be = model.backends["global"]
-    s, tok = _prefilled(model, context)
-    rows = []
-    for share in shares:
-        be.l2_prefetch_share = share
-        gpu, wall = _step_gpu_ms(model, s, tok)
-        rows.append({"share": share, "gpu_ms": gpu, "wall_ms": wall})
-        print(f"l2 prefetch share {share:.2f}: graph {gpu:.3f} ms GPU, {wall:.3f} ms wall per step")
-    _emit({"context": context, "prefetch": rows}, json_path)
 
 
 def _ablate(model, context: int, json_path: str | None) -> None:

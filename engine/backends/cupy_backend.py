@@ -588,50 +588,6 @@ def _rows_first(q: ops.QWeight) -> bool:
         (q.wd is None or q.wd.shape[0] == q.rows)
 
 
-L2_PREFETCH_SHARE = 0.5  # of the card's L2 cache: the most of one matmul's weights a decode graph prefetches
-
-
-class _WeightPrefetch:
-    """The L2 prefetch branch of a captured decode step. Before each matmul the step launches, a kernel
-    on a side stream asks the L2 cache for the leading bytes of that matmul's weights (at most
-    `budget`, ops.l2_prefetch). The branch waits only for the point before the *previous* matmul, so the
-    graph runs it beside that matmul and the small kernels after it (norms, the mixers, attention),
-    while the memory would otherwise idle between a GEMV's tail and the next one's first loads. Rows are
-    read in order by every decode matmul, so the leading bytes are the ones wanted first. The branch
-    rejoins the step at its end; it reads nothing into registers and writes nothing."""
-
-    def __init__(self, budget: int):
-        self.budget = int(budget)
-        self.stream = cp.cuda.Stream(non_blocking=True)
-        self.prev = cp.cuda.Event(disable_timing=True)  # the capture stream before the previous matmul
-        self.done = cp.cuda.Event(disable_timing=True)
-        self.used = False
-
-    def start(self, main) -> None:
-        self.prev.record(main)
-        self.used = False
-
-    def before(self, q: ops.QWeight) -> None:
-        """Queue the prefetch of q's leading bytes, then mark the point before q's matmul."""
-        if self.budget <= 0 or q.wq is None:
-            return
-        main = cp.cuda.get_current_stream()
-        self.stream.wait_event(self.prev)
-        share = min(1.0, self.budget / max(1, int(q.wq.nbytes) + (0 if q.wd is None else int(q.wd.nbytes))))
-        with self.stream:
-            ops.l2_prefetch(q.wq, int(share * q.wq.nbytes))
-            if q.wd is not None:
-                ops.l2_prefetch(q.wd, int(share * q.wd.nbytes))
-        self.prev.record(main)
-        self.used = True
-
-    def join(self, main) -> None:
-        if self.used:
-            self.done.record(self.stream)
-            main.wait_event(self.done)
-            self.used = False
-
-
 class CupyBackend(FusedOpsMixin, DeviceHooks):
     name = "cupy"
 
@@ -664,11 +620,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._expert_seqs: dict[int, Any] = {}  # an expert pool channel's word -> its request counter here
         self._side: Any = None  # (stream, fork event, join event) of `alongside`, made on first use
         self._copy_rate: tuple[float, float] | None = None  # host_copy_rate, once measured
-        # share of the L2 cache a captured decode step prefetches of each matmul's weights (_WeightPrefetch;
-        # 0: none). Read when a step is captured.
-        self.l2_prefetch_share = L2_PREFETCH_SHARE
-        self._prefetch: _WeightPrefetch | None = None
-        self._l2_bytes: int | None = None  # the card's L2 cache, read at the first capture
         self.use_graphs = not os.environ.get("MINECART_NO_CUDA_GRAPH")
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
@@ -1097,7 +1048,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             lead = x.shape[:-1]
             x2 = _f32(x).reshape(-1, x.shape[-1])
             path = self._matmul_path(x2.shape[0], w.q)
-            self._prefetch_before(w.q)
             y = ops.matmul(x2, w.q, path)
             return y.reshape(*lead, w.q.rows)
 
@@ -1298,7 +1248,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             lead = x.shape[:-1]
             x2 = _f32(x).reshape(-1, x.shape[-1])
             path = self._matmul_path(x2.shape[0], big)
-            self._prefetch_before(big)
             outs = ops.matmul_split(x2, big, ranges, path)  # contiguous (T, rows) each
             return [o.reshape(*lead, b - a) for o, (a, b) in zip(outs, ranges, strict=True)]
 
@@ -1308,7 +1257,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             path = self._matmul_path(x2.shape[0], w.q)
             if path not in ("dp4a", "dp4a2", "fma") or residual.size != x2.shape[0] * w.q.rows:
                 return super().matmul_add(x, w, residual)
-            self._prefetch_before(w.q)
             y = ops.matmul(x2, w.q, path, residual=residual)  # residual added in the GEMV epilogue
             return y.reshape(*x.shape[:-1], w.q.rows)
 
@@ -1601,21 +1549,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                     from minecart.kernels.probe import begin_capture
 
                     begin_capture(stream)
-                    pf = self._prefetcher(stream)
-                    ok = False
                     try:
                         cap.copy_inputs()
                         body()
-                        ok = True
                     finally:
-                        try:
-                            if pf is not None:
-                                pf.join(stream)  # the prefetch branch rejoins before the capture ends
-                        except Exception:
-                            if ok:
-                                raise
-                        finally:
-                            graph = stream.end_capture()
+                        graph = stream.end_capture()
                 finally:
                     cp.cuda.set_allocator(pool.malloc)
         except Exception:
@@ -1671,26 +1609,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 self._hold_done = cp.cuda.Event(disable_timing=True)
             self._hold_done.record(stream)
         return self._hold_done
-
-    def _prefetcher(self, stream) -> _WeightPrefetch | None:
-        """The weight prefetch branch for a capture starting on `stream` (None with l2_prefetch_share 0),
-        made on first use; its budget follows l2_prefetch_share as it is now."""
-        if self._l2_bytes is None:
-            self._l2_bytes = int(self._dev.attributes["L2CacheSize"])
-        budget = int(self.l2_prefetch_share * self._l2_bytes)
-        if budget <= 0:
-            self._prefetch = None
-            return None
-        if self._prefetch is None:
-            self._prefetch = _WeightPrefetch(budget)
-        self._prefetch.budget = budget
-        self._prefetch.start(stream)
-        return self._prefetch
-
-    def _prefetch_before(self, q: ops.QWeight) -> None:
-        """While a decode step is captured: prefetch q's leading bytes on the branch (_WeightPrefetch)."""
-        if self._capture is not None and self._prefetch is not None:
-            self._prefetch.before(q)
 
     def _capture_stream(self):
         """The non-blocking stream decode graphs are captured on (made on first use; see _record)."""
