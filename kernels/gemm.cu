@@ -35,61 +35,51 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     int nst = (nb + NBLK - 1) / NBLK;
     i64 wstride = row_bytes<QT>(K);
 
-    // Loader roles. NBLK 1: threads 0..127 load one weight row's block, 128..255 one token's. NBLK 2:
-    // thread t loads block t >> 7 of the stage for weight row t & 127 and for token t & 127, so every
-    // thread does one weight block's expansion (K-quants: the scales and nibbles, several times a
-    // token block's load) and the barrier does not wait on half the threads doing all of it.
-    constexpr bool spread = (NBLK == 2);
-    constexpr int LB = spread ? 1 : NBLK;  // blocks a thread loads a stage, per role
+    // Loader roles: threads 0..127 load one weight row's blocks, 128..255 one token's blocks.
     int lrow = tid & 127;
-    int lu0 = spread ? (tid >> 7) : 0;
-    bool loads_w = spread || tid < 128;
-    bool loads_x = spread || tid >= 128;
+    bool loads_w = tid < 128;
     int wr = min(r0 + lrow, R - 1);
     int xt = min(t0 + lrow, T - 1);
     const u8* wrow = wq + (i64)wr * wstride;
     const u16* wdrow = wd + (i64)wr * nb;
 
-    WBlock wb[LB];
-    int4 xa[LB], xc[LB];
-    float fxd[LB], fxs[LB];
+    WBlock wb[NBLK];
+    int4 xa[NBLK], xc[NBLK];
+    float fxd[NBLK], fxs[NBLK];
     auto gload = [&](int st) {
 #pragma unroll
-        for (int k = 0; k < LB; k++) {
-            int b = st * NBLK + lu0 + k;
+        for (int u = 0; u < NBLK; u++) {
+            int b = st * NBLK + u;
             bool ok = b < nb;
             if (loads_w) {
-                if (ok) load_wblock<QT>(wrow, wdrow, b, wb[k]);
-                else { for (int i = 0; i < 8; i++) wb[k].q[i] = 0; wb[k].dlo = wb[k].dhi = wb[k].m = 0.0f; }
-            }
-            if (loads_x) {
+                if (ok) load_wblock<QT>(wrow, wdrow, b, wb[u]);
+                else { for (int k = 0; k < 8; k++) wb[u].q[k] = 0; wb[u].dlo = wb[u].dhi = wb[u].m = 0.0f; }
+            } else {
                 if (ok) {
                     i64 xb = (i64)xt * nb + b;
                     const int4* p = (const int4*)(xq + xb * 32);
-                    xa[k] = p[0]; xc[k] = p[1];
-                    fxd[k] = xd[xb]; fxs[k] = xs[xb];
+                    xa[u] = p[0]; xc[u] = p[1];
+                    fxd[u] = xd[xb]; fxs[u] = xs[xb];
                 } else {
-                    xa[k] = xc[k] = make_int4(0, 0, 0, 0);
-                    fxd[k] = fxs[k] = 0.0f;
+                    xa[u] = xc[u] = make_int4(0, 0, 0, 0);
+                    fxd[u] = fxs[u] = 0.0f;
                 }
             }
         }
     };
     auto sstore = [&](int buf) {
 #pragma unroll
-        for (int k = 0; k < LB; k++) {
-            int u = lu0 + k;
+        for (int u = 0; u < NBLK; u++) {
             int* A = (int*)As4[buf][u];
             int* B = (int*)Bs4[buf][u];
             if (loads_w) {
 #pragma unroll
-                for (int i = 0; i < 8; i++) B[i * GB_N + lrow] = wb[k].q[i];
-                sdlo[buf][u][lrow] = wb[k].dlo; sdhi[buf][u][lrow] = wb[k].dhi; sm[buf][u][lrow] = wb[k].m;
-            }
-            if (loads_x) {
-                A[0 * GB_M + lrow] = xa[k].x; A[1 * GB_M + lrow] = xa[k].y; A[2 * GB_M + lrow] = xa[k].z; A[3 * GB_M + lrow] = xa[k].w;
-                A[4 * GB_M + lrow] = xc[k].x; A[5 * GB_M + lrow] = xc[k].y; A[6 * GB_M + lrow] = xc[k].z; A[7 * GB_M + lrow] = xc[k].w;
-                sxd[buf][u][lrow] = fxd[k]; sxs[buf][u][lrow] = fxs[k];
+                for (int k = 0; k < 8; k++) B[k * GB_N + lrow] = wb[u].q[k];
+                sdlo[buf][u][lrow] = wb[u].dlo; sdhi[buf][u][lrow] = wb[u].dhi; sm[buf][u][lrow] = wb[u].m;
+            } else {
+                A[0 * GB_M + lrow] = xa[u].x; A[1 * GB_M + lrow] = xa[u].y; A[2 * GB_M + lrow] = xa[u].z; A[3 * GB_M + lrow] = xa[u].w;
+                A[4 * GB_M + lrow] = xc[u].x; A[5 * GB_M + lrow] = xc[u].y; A[6 * GB_M + lrow] = xc[u].z; A[7 * GB_M + lrow] = xc[u].w;
+                sxd[buf][u][lrow] = fxd[u]; sxs[buf][u][lrow] = fxs[u];
             }
         }
     };
