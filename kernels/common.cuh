@@ -246,55 +246,35 @@ __device__ __forceinline__ void kq_raw_scales(const KqRaw& r, int ddsh, float& d
     }
 }
 
-// Block b of a K-quant row, self-contained (one thread), in two steps: kq_load_block issues the loads
-// into a KqBlockRaw (16 nibble bytes, the high bits (Q5_K 4, Q6_K 8 bytes), the wd entry and, Q4_K /
-// Q5_K, the super-block's 16 wd bytes for dd (a broadcast among the threads of one super-block), Q6_K
-// its d), and kq_block_expand turns them into q[i] (values 4i..4i+3 as bytes; value = dlo * q + m for
-// 0..15, dhi * q + m for 16..31). A kernel that loads blocks ahead of their use (gemm_dp4a) expands
-// them only where it needs them, so no thread waits for its loads where it issues them.
-struct KqBlockRaw {
-    uint4 v, w;  // the nibble bytes; Q4_K / Q5_K the super-block's wd words (Q6_K: w.x its d)
-    u32 e, h0, h1;
-};
-
-template <int QT>
-__device__ __forceinline__ void kq_load_block(const u8* wrow, const u16* wdrow, int b, KqBlockRaw& r) {
-    r.v = *(const uint4*)kq_quants<QT>(wrow, b);
-    r.h0 = r.h1 = 0u;
-    if (QT == QT_Q5_K) r.h0 = *(const u32*)kq_high<QT>(wrow, b);
-    if (QT == QT_Q6_K) {
-        uint2 h = *(const uint2*)kq_high<QT>(wrow, b);
-        r.h0 = h.x;
-        r.h1 = h.y;
-        r.w = make_uint4(kq6_d(wrow, b), 0u, 0u, 0u);
-    } else {
-        r.w = *(const uint4*)(wdrow + (b & ~7));
-    }
-    r.e = wdrow[b];
-}
-
-template <int QT>
-__device__ __forceinline__ void kq_block_expand(const KqBlockRaw& r, int* q, float& dlo, float& dhi, float& m) {
-    if (QT == QT_Q6_K) {
-        float d = h2f((u16)r.w.x);
-        dlo = __fmul_rn(d, s8_to_f(r.e));
-        dhi = __fmul_rn(d, s8_to_f(r.e >> 8));
-        m = 0.0f;
-    } else {
-        kq_affine(r.e, kq_dd(r.w.x, r.w.y, r.w.z, r.w.w), dlo, m);
-        dhi = dlo;
-    }
-    u32 vv[4] = {r.v.x, r.v.y, r.v.z, r.v.w};
-#pragma unroll
-    for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], r.h0, r.h1, k, q[k], q[4 + k]);
-}
-
+// Block b of a K-quant row, self-contained (one thread): q[i] holds values 4i..4i+3 as bytes (value
+// = dlo * q + m for 0..15, dhi * q + m for 16..31). Loads: 16 nibble bytes, the high bits (Q5_K 4,
+// Q6_K 8 bytes), the wd entry and, Q4_K/Q5_K, the super-block's 16 wd bytes for dd (a broadcast among
+// the threads of one super-block), Q6_K its d.
 template <int QT>
 __device__ __forceinline__ void kq_load(const u8* wrow, const u16* wdrow, int b, int* q, float& dlo,
                                         float& dhi, float& m) {
-    KqBlockRaw r;
-    kq_load_block<QT>(wrow, wdrow, b, r);
-    kq_block_expand<QT>(r, q, dlo, dhi, m);
+    uint4 v = *(const uint4*)kq_quants<QT>(wrow, b);
+    u32 h0 = 0u, h1 = 0u;
+    if (QT == QT_Q5_K) h0 = *(const u32*)kq_high<QT>(wrow, b);
+    if (QT == QT_Q6_K) {
+        uint2 h = *(const uint2*)kq_high<QT>(wrow, b);
+        h0 = h.x;
+        h1 = h.y;
+    }
+    u32 e = wdrow[b];
+    if (QT == QT_Q6_K) {
+        float d = h2f(kq6_d(wrow, b));
+        dlo = __fmul_rn(d, s8_to_f(e));
+        dhi = __fmul_rn(d, s8_to_f(e >> 8));
+        m = 0.0f;
+    } else {
+        uint4 w = *(const uint4*)(wdrow + (b & ~7));
+        kq_affine(e, kq_dd(w.x, w.y, w.z, w.w), dlo, m);
+        dhi = dlo;
+    }
+    u32 vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], h0, h1, k, q[k], q[4 + k]);
 }
 
 // ---- Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS ("Q32" formats: one scale per 32 values) ----------------------

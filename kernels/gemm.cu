@@ -43,12 +43,7 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     const u8* wrow = wq + (i64)wr * wstride;
     const u16* wdrow = wd + (i64)wr * nb;
 
-    // K-quants: the loads go to raw registers here and are expanded in sstore, after the stage's
-    // compute, so the weight loaders do not wait for them before computing (kq_load_block).
-    constexpr bool raw_w = kq_format(QT);
-    WBlock wb[raw_w ? 1 : NBLK];
-    KqBlockRaw wraw[raw_w ? NBLK : 1];
-    bool wok[NBLK];
+    WBlock wb[NBLK];
     int4 xa[NBLK], xc[NBLK];
     float fxd[NBLK], fxs[NBLK];
     auto gload = [&](int st) {
@@ -57,15 +52,8 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
             int b = st * NBLK + u;
             bool ok = b < nb;
             if (loads_w) {
-                wok[u] = ok;
-                if (raw_w) {
-                    if (ok) kq_load_block<QT>(wrow, wdrow, b, wraw[u]);
-                } else if (ok) {
-                    load_wblock<QT>(wrow, wdrow, b, wb[u]);
-                } else {
-                    for (int k = 0; k < 8; k++) wb[u].q[k] = 0;
-                    wb[u].dlo = wb[u].dhi = wb[u].m = 0.0f;
-                }
+                if (ok) load_wblock<QT>(wrow, wdrow, b, wb[u]);
+                else { for (int k = 0; k < 8; k++) wb[u].q[k] = 0; wb[u].dlo = wb[u].dhi = wb[u].m = 0.0f; }
             } else {
                 if (ok) {
                     i64 xb = (i64)xt * nb + b;
@@ -85,18 +73,9 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
             int* A = (int*)As4[buf][u];
             int* B = (int*)Bs4[buf][u];
             if (loads_w) {
-                WBlock& w = wb[raw_w ? 0 : u];
-                if (raw_w) {
-                    if (wok[u]) {
-                        kq_block_expand<QT>(wraw[u], w.q, w.dlo, w.dhi, w.m);
-                    } else {
-                        for (int k = 0; k < 8; k++) w.q[k] = 0;
-                        w.dlo = w.dhi = w.m = 0.0f;
-                    }
-                }
 #pragma unroll
-                for (int k = 0; k < 8; k++) B[k * GB_N + lrow] = w.q[k];
-                sdlo[buf][u][lrow] = w.dlo; sdhi[buf][u][lrow] = w.dhi; sm[buf][u][lrow] = w.m;
+                for (int k = 0; k < 8; k++) B[k * GB_N + lrow] = wb[u].q[k];
+                sdlo[buf][u][lrow] = wb[u].dlo; sdhi[buf][u][lrow] = wb[u].dhi; sm[buf][u][lrow] = wb[u].m;
             } else {
                 A[0 * GB_M + lrow] = xa[u].x; A[1 * GB_M + lrow] = xa[u].y; A[2 * GB_M + lrow] = xa[u].z; A[3 * GB_M + lrow] = xa[u].w;
                 A[4 * GB_M + lrow] = xc[u].x; A[5 * GB_M + lrow] = xc[u].y; A[6 * GB_M + lrow] = xc[u].z; A[7 * GB_M + lrow] = xc[u].w;
