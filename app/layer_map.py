@@ -1317,20 +1317,7 @@ def auto_split_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec],
     predicted to decode faster wins (a 35B-A3B Q4_K on a P104-100: 56.0 tokens/s predicted against 5.7
     with 25 of its 40 layers on the CPU, `minecart plan` with and without --experts-on auto)."""
     plan = _layer_split_plan(costs, specs, experts, **settings)
-    if experts or not any(p.experts for p in costs.parts):
-        return plan
-    host = next((s.name for s in specs if not s.is_cuda), None)
-    if host is None or not any(s.is_cuda for s in specs):
-        return plan
-    apart = next((c for c in pl.experts_auto_plans(costs, specs, host=host, **settings) if not _errors(c.plan, specs)),
-                 None)
-    if apart is None or not apart.plan.experts:
-        return plan
-    if not _errors(plan, specs):
-        here = pl.predict_speed(plan, specs).decode_tokens_per_s
-        if apart.speed.decode_tokens_per_s <= here:
-            return plan
-    return apart.plan
+    return plan if experts else pl.faster_with_experts_apart(plan, costs, specs, **settings)
 
 
 def _layer_split_plan(costs: pl.ModelCosts, specs: list[pl.DeviceSpec], experts: dict[str, str] | None,

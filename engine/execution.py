@@ -63,6 +63,7 @@ from .placement import (
     DeviceSpec,
     GiB,
     Placement,
+    faster_with_experts_apart,
     model_costs,
     plan_auto,
     streams_experts,
@@ -195,7 +196,9 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
 
     placement: a Placement, a part -> device Mapping, or None; devices: device names, DeviceSpecs, or
     an engine.rig.Rig (its logical devices then provide the backends). Several devices without a
-    placement are planned with plan_auto (in proportion to free memory, contiguous)."""
+    placement are planned with plan_auto (in proportion to free memory, contiguous; an MoE model over GPUs
+    and the CPU with its routed experts in host RAM instead when that is predicted to decode faster:
+    placement.faster_with_experts_apart, the returned Placement's `experts`)."""
     parts = part_names(config)
     rig = devices if isinstance(devices, Rig) else None
     names = None
@@ -209,7 +212,10 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
         return model_costs(config, gguf_file, layout="numpy" if cpu_only else "stored")
 
     if placement is None and names is not None and len(names) > 1:
-        placement = plan_auto(costs(names), devices=device_specs(devices))
+        specs = device_specs(devices)
+        split = costs(names)
+        # an MoE model over GPUs and the CPU: its experts in host RAM when that decodes faster
+        placement = faster_with_experts_apart(plan_auto(split, devices=specs), split, specs)
     if isinstance(placement, Placement):
         plan = {p: normalize_device(placement.device_of(p)) for p in parts}
     else:

@@ -450,23 +450,24 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     t0 = time.perf_counter()
     if kv_type is None:
         kv_type = placement.kv_type if isinstance(placement, Placement) else DEFAULT_KV_TYPE
-    apart: dict[str, str] | None = None  # "layer.N" -> the device of its routed experts, when apart
-    if experts is None and isinstance(placement, Placement) and placement.experts:
-        apart = dict(placement.experts)  # the plan put these layers' routed experts there
-    elif experts is not None:
+    if experts is not None:
         experts = check_experts_on(experts)
     check_kv_type(kv_type)
     gf, config = open_model_file(path)
     module = module_for(config.architecture)
-    roles = spec_for(config.architecture).tensor_roles(config, set(gf.tensors),
-                                                       experts_apart=experts is not None or bool(apart))
     if backend is not None:
         plan = {p: str(backend.device) for p in part_names(config)}
         backends = dict.fromkeys(plan, backend)
         by_device = {str(backend.device): backend}
     else:
+        # several devices without a plan get one here (an MoE model's may put experts in host RAM)
         placement, plan, by_device = resolve_devices(config, gf, placement, devices)
         backends = {p: by_device[d] for p, d in plan.items()}
+    apart: dict[str, str] | None = None  # "layer.N" -> the device of its routed experts, when apart
+    if experts is None and isinstance(placement, Placement) and placement.experts:
+        apart = dict(placement.experts)  # the plan put these layers' routed experts there
+    roles = spec_for(config.architecture).tensor_roles(config, set(gf.tensors),
+                                                       experts_apart=experts is not None or bool(apart))
     if context is not None and not isinstance(placement, Placement):
         # backend= without a plan: the one-device plan, to carry the context
         layout = "numpy" if str(backend.device).startswith("cpu") else "stored"

@@ -515,3 +515,75 @@ def test_a_simulated_link_charges_the_host_experts_round_trips(moe_path):
         assert rig.transferred_bytes - before_bytes == (routed + row) * n + logits_row
         assert rig.transfer_seconds - before_s == pytest.approx(n * (40e-6 + (routed + row) / 100e6)
                                                                 + 20e-6 + logits_row / 100e6)
+
+
+@pytest.fixture(scope="module")
+def wide_moe_path(tmp_path_factory):
+    """tiny-moe with 128 experts of 512 values a layer (Q8_0, 53 MB of routed experts): enough experts
+    that moving them to host RAM outweighs the longer prefill runs' activations on the card."""
+    from dataclasses import replace
+
+    from minecart.engine.synth import SHAPES, write_synthetic
+
+    path = tmp_path_factory.mktemp("wide-moe") / "wide-moe.gguf"
+    write_synthetic(path, replace(SHAPES["tiny-moe"], vocab_size=640, n_experts=128, expert_ffn=512), "q8_0", seed=3)
+    return path
+
+
+def test_a_model_over_a_small_gpu_and_the_cpu_gets_its_experts_in_host_ram_by_itself(wide_moe_path, monkeypatch):
+    """load_model over a GPU and the CPU with no plan and no --experts-on: an MoE model too big for the
+    card runs its layers there and the routed experts that do not fit in host RAM when that is
+    predicted to decode faster than a split of whole layers (placement.faster_with_experts_apart, the
+    app's first plan too), and computes what the model alone computes. The "GPU" is a NumPy backend
+    named cuda:0 with the memory, speed and link of a P104-100 (resources/gpu_profiles.json)."""
+    from minecart.engine import execution
+    from minecart.engine import model as model_mod
+    from minecart.engine.backends.numpy_backend import NumpyBackend
+    from minecart.engine.config import ModelConfig
+    from minecart.engine.gguf_file import GGUFFile
+    from minecart.engine.gpu_profiles import find
+    from minecart.engine.placement import (
+        STREAMED_EXPERTS_CHUNK,
+        DeviceSpec,
+        Placement,
+        faster_with_experts_apart,
+        model_costs,
+        plan_auto,
+        predict_speed,
+    )
+    from minecart.engine.rig import LINKS
+
+    with GGUFFile(wide_moe_path) as gf:
+        costs = model_costs(ModelConfig.from_gguf(gf), gf, layout="stored")
+    experts = sum(b for p in costs.parts for n, b in p.tensors if "exps" in n)
+    whole = Placement.single(costs, "cuda:0").with_settings(chunk=STREAMED_EXPERTS_CHUNK)
+    prof = find("NVIDIA P104-100")
+    assert prof is not None
+    # a card that holds everything but half the routed experts (and the plans' 256 MiB reserve)
+    free = whole.bytes_per_device()["cuda:0"].total + 256 * 2**20 - experts // 2
+    gpu = DeviceSpec("cuda:0", free, "NVIDIA P104-100", speed=prof.speed, link=LINKS[prof.link])
+    specs = [gpu, DeviceSpec("cpu:0", 64 << 30)]
+    split = plan_auto(costs, devices=specs)
+    assert "cpu:0" in split.devices_used() and not split.experts  # whole layers on the CPU
+    chosen = faster_with_experts_apart(split, costs, specs)
+    assert chosen.experts and set(chosen.experts.values()) == {"cpu:0"} and set(chosen.assignment) == {"cuda:0"}
+    assert len(chosen.experts) < costs.n_layers  # the card keeps some layers' experts
+    assert predict_speed(chosen, specs).decode_tokens_per_s > predict_speed(split, specs).decode_tokens_per_s
+
+    def numpy_as(device):  # the card is a NumPy backend that answers to its name
+        be = NumpyBackend(device="cpu:1" if device.startswith("cuda") else device)
+        be.device = device
+        return be
+
+    monkeypatch.setattr(execution, "make_backend", numpy_as)
+    monkeypatch.setattr(model_mod, "make_backend", numpy_as)
+    with load_model(wide_moe_path, devices=["cpu:0"]) as ref:
+        want = ref.logits(PROMPT)
+    with load_model(wide_moe_path, devices=specs) as model:
+        assert model.placement.experts == chosen.experts
+        kept = [i for i in range(model.config.n_layers) if f"layer.{i}" not in chosen.experts]
+        apart = [i for i in range(model.config.n_layers) if f"layer.{i}" in chosen.experts]
+        assert apart and all(model.device_plan[f"layer.{i}.experts"] == "cpu:0" for i in apart)
+        assert all(model.device_plan[f"layer.{i}"] == "cuda:0" for i in kept + apart)
+        assert isinstance(model.backends[f"layer.{apart[0]}"], ExpertsApart)
+        np.testing.assert_allclose(model.logits(PROMPT), want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
