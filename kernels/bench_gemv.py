@@ -283,8 +283,6 @@ def main(argv: list[str] | None = None) -> int:
                         "of the single-token GEMVs")
     p.add_argument("--prefill", type=int, default=0, metavar="T",
                    help="time the prefill GEMM of T tokens (both stage depths) against the DP4A rate instead")
-    p.add_argument("--gemm-tm", type=int, default=0, choices=(0, 4, 8),
-                   help="with --prefill: gemm_dp4a's tokens a thread (ops.GEMM_TM; 0: its default)")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS_MULTI)),
                    help=f"with --multi: comma-separated token counts (default {','.join(map(str, TOKENS_MULTI))})")
     p.add_argument("--shapes", default="",
@@ -301,8 +299,6 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"unknown format(s) {', '.join(bad)}; choose from {', '.join(TYPES)}")
     rows: list[Row] | list[MultiRow] | list[PrefillRow]
-    if args.gemm_tm:
-        ops.GEMM_TM = args.gemm_tm
     if args.prefill > 0:
         rows = run_prefill(shapes=shapes, types=types, T=args.prefill, out=sys.stdout)
     elif args.multi:

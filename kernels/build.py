@@ -66,7 +66,6 @@ GEMV_TOKENS = (1, 2, 4, 8)  # tokens per GEMV launch; other counts are split int
 GEMV_SPLIT = ((1, 0), (2, 0), (4, 0), (1, 1), (2, 1))
 GEMV_STREAM = (1, 2)  # blocks per lane a round of gemv_dp4a_stream<QT, NU> (ops.GEMV_VARIANT "streamN")
 GEMM_STAGE_BLOCKS = (1, 2)  # quant blocks per shared-memory stage of gemm_dp4a (the probe picks)
-GEMM_TOKENS_PER_THREAD = (8, 4)  # gemm_dp4a's tile: TM tokens x 8 rows a thread (ops.GEMM_TM)
 GEMM_BATCH_TOKENS = (8, 16, 32)  # token tiles of gemm_batch (batched decode: T <= 32 sequences)
 HEAD_DIMS = (64, 128, 256)  # attention head dims compiled
 DECODE_GROUPS = (2, 4, 8)  # flash_decode<D, GM>: query heads per KV head up to GM (ops.decode_group)
@@ -95,7 +94,7 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
         names += [f"gemv_dp4a<{q}, {nt}>" for nt in GEMV_TOKENS]
         names += [f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>" for wpr, pf in GEMV_SPLIT]
         names += [f"gemv_dp4a_stream<{q}, {nu}>" for nu in GEMV_STREAM]
-        names += [f"gemm_dp4a<{q}, {nb}, {tm}>" for nb in GEMM_STAGE_BLOCKS for tm in GEMM_TOKENS_PER_THREAD]
+        names += [f"gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
         names += [f"gemm_batch<{q}, {tt}>" for tt in GEMM_BATCH_TOKENS]
     if type_name in KQUANT_TYPES:
         names += [f"gemv_kq<{q}, {wpr}, {nu}>" for wpr, nu in GEMV_KQ]

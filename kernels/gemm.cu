@@ -1,7 +1,6 @@
 // Matrix-matrix products for prefill: Y (T, R) = X (T, K) @ W (R, K)^T.
 //
-// gemm_dp4a<QT, NBLK, TM>: 16 TM tokens x 128 weight rows per block of 256 threads, each thread a TM x 8
-//   tile (TM 8; or 4: 64-token tiles, two blocks a multiprocessor); the K
+// gemm_dp4a<QT, NBLK>: 128 tokens x 128 weight rows per block of 256 threads, each thread an 8 x 8 tile; the K
 //   loop walks one 32-value quant block at a time (one scale per block), staged through double-buffered
 //   shared memory with the next block prefetched into registers. Inside a block the products are exact
 //   int32 (DP4A); at the block's end they are scaled into fp32 accumulators. The int32 accumulators
@@ -17,31 +16,28 @@
 #define MAGIC_I 0x4B400000
 #define MAGIC_F 12582912.0f
 
-template <int QT, int NBLK, int TM>
-__global__ void __launch_bounds__(256, TM == 4 ? 2 : 1) gemm_dp4a(
+template <int QT, int NBLK>
+__global__ void __launch_bounds__(256) gemm_dp4a(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         int T, int R, int K) {
     // NBLK quant blocks (32 values each) per shared-memory stage: 2 halves the barriers per K.
-    // TM tokens a thread (8, or 4: a 64-token tile, fewer registers, two blocks a multiprocessor).
-    constexpr int BM = 16 * TM;  // tokens a block
-    __shared__ int4 As4[2][NBLK][8][BM / 4];
+    __shared__ int4 As4[2][NBLK][8][GB_M / 4];
     __shared__ int4 Bs4[2][NBLK][8][GB_N / 4];
-    __shared__ float sxd[2][NBLK][BM], sxs[2][NBLK][BM];
+    __shared__ float sxd[2][NBLK][GB_M], sxs[2][NBLK][GB_M];
     __shared__ float sdlo[2][NBLK][GB_N], sdhi[2][NBLK][GB_N], sm[2][NBLK][GB_N];
     const bool split = (QT == QT_Q6_K);
     const bool has_m = qt_has_offset(QT);
 
     int tid = threadIdx.x;
-    int t0 = blockIdx.y * BM, r0 = blockIdx.x * GB_N;
+    int t0 = blockIdx.y * GB_M, r0 = blockIdx.x * GB_N;
     int nb = K >> 5;
     int nst = (nb + NBLK - 1) / NBLK;
     i64 wstride = row_bytes<QT>(K);
 
-    // Loader roles: threads 0..127 load one weight row's blocks, 128..128 + BM - 1 one token's blocks.
+    // Loader roles: threads 0..127 load one weight row's blocks, 128..255 one token's blocks.
     int lrow = tid & 127;
     bool loads_w = tid < 128;
-    bool loads_x = !loads_w && lrow < BM;
     int wr = min(r0 + lrow, R - 1);
     int xt = min(t0 + lrow, T - 1);
     const u8* wrow = wq + (i64)wr * wstride;
@@ -58,7 +54,7 @@ __global__ void __launch_bounds__(256, TM == 4 ? 2 : 1) gemm_dp4a(
             if (loads_w) {
                 if (ok) load_wblock<QT>(wrow, wdrow, b, wb[u]);
                 else { for (int k = 0; k < 8; k++) wb[u].q[k] = 0; wb[u].dlo = wb[u].dhi = wb[u].m = 0.0f; }
-            } else if (loads_x) {
+            } else {
                 if (ok) {
                     i64 xb = (i64)xt * nb + b;
                     const int4* p = (const int4*)(xq + xb * 32);
@@ -80,18 +76,18 @@ __global__ void __launch_bounds__(256, TM == 4 ? 2 : 1) gemm_dp4a(
 #pragma unroll
                 for (int k = 0; k < 8; k++) B[k * GB_N + lrow] = wb[u].q[k];
                 sdlo[buf][u][lrow] = wb[u].dlo; sdhi[buf][u][lrow] = wb[u].dhi; sm[buf][u][lrow] = wb[u].m;
-            } else if (loads_x) {
-                A[0 * BM + lrow] = xa[u].x; A[1 * BM + lrow] = xa[u].y; A[2 * BM + lrow] = xa[u].z; A[3 * BM + lrow] = xa[u].w;
-                A[4 * BM + lrow] = xc[u].x; A[5 * BM + lrow] = xc[u].y; A[6 * BM + lrow] = xc[u].z; A[7 * BM + lrow] = xc[u].w;
+            } else {
+                A[0 * GB_M + lrow] = xa[u].x; A[1 * GB_M + lrow] = xa[u].y; A[2 * GB_M + lrow] = xa[u].z; A[3 * GB_M + lrow] = xa[u].w;
+                A[4 * GB_M + lrow] = xc[u].x; A[5 * GB_M + lrow] = xc[u].y; A[6 * GB_M + lrow] = xc[u].z; A[7 * GB_M + lrow] = xc[u].w;
                 sxd[buf][u][lrow] = fxd[u]; sxs[buf][u][lrow] = fxs[u];
             }
         }
     };
 
     int tx = tid & 15, ty = tid >> 4;
-    float acc[TM][8];
+    float acc[8][8];
 #pragma unroll
-    for (int i = 0; i < TM; i++)
+    for (int i = 0; i < 8; i++)
 #pragma unroll
         for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
 
@@ -103,9 +99,9 @@ __global__ void __launch_bounds__(256, TM == 4 ? 2 : 1) gemm_dp4a(
         if (st + 1 < nst) gload(st + 1);
 #pragma unroll
         for (int u = 0; u < NBLK; u++) {
-            int ai[TM][8];
+            int ai[8][8];
 #pragma unroll
-            for (int i = 0; i < TM; i++)
+            for (int i = 0; i < 8; i++)
 #pragma unroll
                 for (int j = 0; j < 8; j++) ai[i][j] = MAGIC_I;
 #pragma unroll
@@ -113,12 +109,12 @@ __global__ void __launch_bounds__(256, TM == 4 ? 2 : 1) gemm_dp4a(
 #pragma unroll
                 for (int kk = 0; kk < 4; kk++) {
                     int k4 = half * 4 + kk;
-                    int4 a0 = As4[buf][u][k4][ty], a1 = As4[buf][u][k4][(BM / 8 + ty) % (BM / 4)];
+                    int4 a0 = As4[buf][u][k4][ty], a1 = As4[buf][u][k4][16 + ty];
                     int4 b0 = Bs4[buf][u][k4][tx], b1 = Bs4[buf][u][k4][16 + tx];
                     int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
                     int bv[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
-                    for (int i = 0; i < TM; i++)
+                    for (int i = 0; i < 8; i++)
 #pragma unroll
                         for (int j = 0; j < 8; j++) ai[i][j] = dp4a(av[i], bv[j], ai[i][j]);
                 }
@@ -132,8 +128,8 @@ __global__ void __launch_bounds__(256, TM == 4 ? 2 : 1) gemm_dp4a(
                         mw[j] = sm[buf][u][rj];
                     }
 #pragma unroll
-                    for (int i = 0; i < TM; i++) {
-                        int ti = (i < 4) ? ty * 4 + i : BM / 2 + ty * 4 + i - 4;
+                    for (int i = 0; i < 8; i++) {
+                        int ti = (i < 4) ? ty * 4 + i : 64 + ty * 4 + i - 4;
                         float dx = sxd[buf][u][ti], sx = sxs[buf][u][ti];
 #pragma unroll
                         for (int j = 0; j < 8; j++) {
@@ -150,8 +146,8 @@ __global__ void __launch_bounds__(256, TM == 4 ? 2 : 1) gemm_dp4a(
         __syncthreads();
     }
 #pragma unroll
-    for (int i = 0; i < TM; i++) {
-        int t = t0 + ((i < 4) ? ty * 4 + i : BM / 2 + ty * 4 + i - 4);
+    for (int i = 0; i < 8; i++) {
+        int t = t0 + ((i < 4) ? ty * 4 + i : 64 + ty * 4 + i - 4);
         if (t >= T) continue;
 #pragma unroll
         for (int j = 0; j < 8; j++) {

@@ -475,9 +475,6 @@ def matmul_split(x: cp.ndarray, w: QWeight, ranges, path: str = "dp4a") -> list[
     return split_columns(y, ranges)
 
 
-GEMM_TM = 8  # tokens a thread of gemm_dp4a (build.GEMM_TOKENS_PER_THREAD): 128-token tiles (4: 64-token tiles)
-
-
 def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None = None,
            residual: cp.ndarray | None = None, segments: tuple[int, ...] | None = None) -> cp.ndarray:
     """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations; "dp4a2" = the GEMM
@@ -547,8 +544,8 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         del nb
         return y
     if use_dp4a:
-        k = _mm_kernel(w, f"gemm_dp4a<{q}, {2 if path == 'dp4a2' else 1}, {GEMM_TM}>")
-        k((math.ceil(R / 128), math.ceil(T / (16 * GEMM_TM))), (256,),
+        k = _mm_kernel(w, f"gemm_dp4a<{q}, {2 if path == 'dp4a2' else 1}>")
+        k((math.ceil(R / 128), math.ceil(T / 128)), (256,),
           (w.wq, wd, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K)))
     else:
         k = _mm_kernel(w, f"gemm_fma<{q}>")

@@ -107,25 +107,6 @@ def test_gemm_two_block_stages(nb, poison, type_name, K):
     assert nerr(y, q8_1_emulation(x, nb.load_weight(info).dense())) < 2e-5
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("path", ["dp4a", "dp4a2"])
-def test_gemm_64_token_tiles(nb, poison, monkeypatch, type_name, path):
-    """gemm_dp4a<QT, NBLK, 4> (4 tokens x 8 rows a thread, 64-token tiles; ops.GEMM_TM = 4) against the
-    q8_1 emulation, with a partial last token tile and an odd number of quant blocks per K."""
-    from minecart.engine.backends.cupy_backend import CupyBackend
-    from minecart.kernels import ops
-
-    monkeypatch.setattr(ops, "GEMM_TM", 4)
-    be = CupyBackend("cuda:0", path=path)
-    for T, R, K in ((200, 300, 768), (64, 131, 2304), (65, 67, 256)):
-        rng = np.random.default_rng(T + K)
-        info = make_tensor(rng, type_name, (R, K), 0.05)
-        x = rng.standard_normal((T, K)).astype(np.float32)
-        poison()
-        y = be.to_numpy(be.matmul(be.asarray(x), be.load_weight(info)))
-        assert nerr(y, q8_1_emulation(x, nb.load_weight(info).dense())) < 2e-5, (T, R, K)
-
-
 @pytest.mark.parametrize("type_name", list(TYPES))
 def test_embed(nb, gb, poison, type_name):
     rng = np.random.default_rng(7)
