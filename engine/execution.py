@@ -189,16 +189,17 @@ def device_specs(devices) -> list[DeviceSpec]:
 
 
 def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None, *,
-                    make: Callable[[str], Backend] | None = None
+                    make: Callable[[str], Backend] | None = None, plan_experts: bool = True
                     ) -> tuple[Placement, dict[str, str], dict[str, Backend]]:
     """What load_model needs from a placement and/or devices: (Placement, part -> device, device ->
     backend).
 
     placement: a Placement, a part -> device Mapping, or None; devices: device names, DeviceSpecs, or
     an engine.rig.Rig (its logical devices then provide the backends). Several devices without a
-    placement are planned with plan_auto (in proportion to free memory, contiguous; an MoE model over GPUs
-    and the CPU with its routed experts in host RAM instead when that is predicted to decode faster:
-    placement.faster_with_experts_apart, the returned Placement's `experts`)."""
+    placement are planned with plan_auto (in proportion to free memory, contiguous; with plan_experts, an
+    MoE model over GPUs and the CPU with its routed experts in host RAM instead when that is predicted
+    to decode faster: placement.faster_with_experts_apart, the returned Placement's `experts`).
+    plan_experts=False: the caller places the experts itself (load_model's `experts`)."""
     parts = part_names(config)
     rig = devices if isinstance(devices, Rig) else None
     names = None
@@ -215,7 +216,9 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
         specs = device_specs(devices)
         split = costs(names)
         # an MoE model over GPUs and the CPU: its experts in host RAM when that decodes faster
-        placement = faster_with_experts_apart(plan_auto(split, devices=specs), split, specs)
+        placement = plan_auto(split, devices=specs)
+        if plan_experts:
+            placement = faster_with_experts_apart(placement, split, specs)
     if isinstance(placement, Placement):
         plan = {p: normalize_device(placement.device_of(p)) for p in parts}
     else:

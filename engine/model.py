@@ -461,7 +461,7 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         by_device = {str(backend.device): backend}
     else:
         # several devices without a plan get one here (an MoE model's may put experts in host RAM)
-        placement, plan, by_device = resolve_devices(config, gf, placement, devices)
+        placement, plan, by_device = resolve_devices(config, gf, placement, devices, plan_experts=experts is None)
         backends = {p: by_device[d] for p, d in plan.items()}
     apart: dict[str, str] | None = None  # "layer.N" -> the device of its routed experts, when apart
     if experts is None and isinstance(placement, Placement) and placement.experts:

@@ -587,3 +587,6 @@ def test_a_model_over_a_small_gpu_and_the_cpu_gets_its_experts_in_host_ram_by_it
         assert all(model.device_plan[f"layer.{i}"] == "cuda:0" for i in kept + apart)
         assert isinstance(model.backends[f"layer.{apart[0]}"], ExpertsApart)
         np.testing.assert_allclose(model.logits(PROMPT), want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+    # an --experts-on the caller gives places the experts itself: the layers stay where plan_auto put them
+    with load_model(wide_moe_path, devices=specs, experts="host") as model:
+        assert all(model.device_plan[p] == split.device_of(p) for p in split.costs.part_names)
