@@ -137,7 +137,8 @@ def run(args) -> int:
 
 def _experts_hint(costs: ModelCosts, devices: list[DeviceSpec], best: PlanChoice, settings: dict) -> str | None:
     """For an MoE model whose best split puts layers on the CPU: the experts-in-host-RAM plan's speed,
-    when it fits and decodes faster (the app's first plan picks it by itself; layer_map.auto_split_plan)."""
+    when it fits and decodes faster (the app's first plan, and `run` / `serve` over GPUs and the CPU
+    without --experts-on, pick it by themselves: placement.faster_with_experts_apart)."""
     cpus = [d.name for d in devices if d.name.startswith("cpu:")]
     if not any(p.experts for p in costs.parts) or not cpus or not any(d.name.startswith("cuda") for d in devices) \
             or not any(dev.startswith("cpu:") for dev in best.plan.assignment):
@@ -147,7 +148,8 @@ def _experts_hint(costs: ModelCosts, devices: list[DeviceSpec], best: PlanChoice
         return None
     return (f"\nfaster: --experts-on auto (every layer on the GPUs, the routed experts that do not fit there "
             f"in host RAM): decode {auto.speed.decode_tokens_per_s:.1f} tokens/s, "
-            f"{auto.speed.decode_tokens_per_s / best.speed.decode_tokens_per_s:.1f}x this plan's")
+            f"{auto.speed.decode_tokens_per_s / best.speed.decode_tokens_per_s:.1f}x this plan's; run and serve "
+            f"given these devices without --experts-on take it by themselves")
 
 
 # ---- inputs -------------------------------------------------------------------------------------------
