@@ -69,7 +69,7 @@ from .placement import (
     streams_experts,
 )
 from .rig import Rig, device_spec
-from .sampling import TopLogits
+from .sampling import LaunchedStep, TopLogits
 
 HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
 
@@ -497,6 +497,24 @@ class Executor:
         got = [o for o in out if o is not None]
         return got[-1] if rows == "last" else (got[0] if len(got) == 1 else np.concatenate(got, axis=0))
 
+    def launch_decode(self, token: int, states: list, positions, top: int = 0) -> LaunchedStep:
+        """One decode step (`token` at `positions`, (1,) or (3, 1)) launched without a host wait where
+        the stages' graphs replay: the host may work meanwhile, and result() gives what
+        forward([token], states, positions, top=top) returns. Anything else (no graphs, a capture, an
+        eager step, a sequence's first token) runs here and comes back done."""
+        top = self._top(top)
+        positions = np.asarray(positions)
+        c = _Chunk(0, [int(token)], positions, None, "last", top)
+        first = int(positions.reshape(-1)[0]) == 0
+        inline = not self.pipelined or self.inline_single_chunk
+        if first or not inline:
+            out = self.forward(c.ids, states, positions, top=top)
+            assert out is not None  # rows="last" always has logits
+            return LaunchedStep.done(out)
+        with self._call_lock:  # the launch is serialized with other passes; its wait is the caller's
+            launched = self._decode_step(c.ids, states, positions, top, defer=True)
+        return launched if isinstance(launched, LaunchedStep) else LaunchedStep.done(launched)
+
     def _top(self, top: int) -> int:
         """A requested number of top logits as the head gives them: 0 (whole rows) from the
         vocabulary size up."""
@@ -580,7 +598,9 @@ class Executor:
         # capture there failed once and switched the backend's graphs off (tests/gpu/test_batch_mixers.py)
         first = int(np.asarray(c.positions).reshape(-1)[0]) == 0
         if len(c.ids) == 1 and c.rows == "last" and hook is None and c.override is None and not first:
-            return self._decode_step(c.ids, states, c.positions, c.top)
+            out = self._decode_step(c.ids, states, c.positions, c.top)
+            assert not isinstance(out, LaunchedStep)  # waited for (defer is False)
+            return out
         x: Any = c.ids
         for s, stage in enumerate(self.stages):
             if s:
@@ -640,24 +660,26 @@ class Executor:
         return out
 
     # ---- decode: one token, each stage through its backend's graph_step ---------------------------------
-    def _decode_step(self, ids: list[int], states: list, positions, top: int) -> np.ndarray | TopLogits:
+    def _decode_step(self, ids: list[int], states: list, positions, top: int,
+                     defer: bool = False) -> np.ndarray | TopLogits | LaunchedStep:
+        """defer: the last stage's graph may be launched without a host wait (a LaunchedStep)."""
         last = len(self.stages) - 1
         out = pending = None
         for s, stage in enumerate(self.stages):
             host_in = self.bridges[s - 1].step_buffer if s else None
             host_out = self.bridges[s].step_buffer if s < last else None
             out, pending = self._decode_stage(s, stage, ids, states, positions, host_in, host_out, pending,
-                                              top if s == last else 0)
+                                              top if s == last else 0, defer and s == last)
             if host_out is not None:
                 self.bridges[s].bytes_moved += host_out.nbytes
         assert out is not None
         return out
 
     def _decode_stage(self, s: int, stage: Stage, ids, states, positions, host_in, host_out, pending,
-                      top: int):
-        """One stage of a decode step -> (host logits of the last stage (TopLogits with top > 0) or None,
-        the event of a graph launched without a host wait or None). pending: such an event of the
-        previous stage."""
+                      top: int, defer: bool = False):
+        """One stage of a decode step -> (host logits of the last stage (TopLogits with top > 0; with
+        defer, possibly a LaunchedStep not waited for) or None, the event of a graph launched without a
+        host wait or None). pending: such an event of the previous stage."""
         be = stage.backend
 
         def run(x):
@@ -666,7 +688,8 @@ class Executor:
         if self.use_graphs:
             done = be.graph_step(("stage", s, top), run, ids, positions, owner=states,
                                  watch=[states[i] for i in stage.layers], host_in=host_in,
-                                 host_out=host_out, after=pending, wait=not self.chain_graphs)
+                                 host_out=host_out, after=pending,
+                                 wait=not defer if host_out is None else not self.chain_graphs)
             if done is not None:
                 self.graphed_stage_steps += 1
                 if host_out is None:

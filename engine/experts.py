@@ -375,8 +375,10 @@ class ExpertsApart:
         if self._channel is not None:
             self._channel.pool.ensure_running()  # a replay's expert calls need the pool's threads up
         try:
+            # the last stage's logits are waited for here (wait=True without host_out), so a host
+            # function's error is raised by this step, not by a later wait
             return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch,
-                                          host_in=host_in, host_out=host_out, after=after, wait=wait,
-                                          link_seconds=link_seconds)
+                                          host_in=host_in, host_out=host_out, after=after,
+                                          wait=wait or host_out is None, link_seconds=link_seconds)
         finally:
             self._raise_host_error()

@@ -313,10 +313,14 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
             if clock.n_gen >= max_tokens or clock.n_prompt + clock.n_gen >= limit:
                 yield clock.event(token, shown + held_text(), "length")
                 return
+            # the token goes on: its step is launched before its event is handed out, so the device
+            # computes while the consumer shows or sends the token (the same steps as stepping after)
+            launched = session.launch_step(token, top=sampler.candidates)
             yield clock.event(token, shown)
             if cancel is not None and cancel.is_set():
+                launched.result()  # the session's states are settled before the loop ends
                 yield clock.event(None, held_text(), "cancelled")
                 return
-            logits = session.step(token, top=sampler.candidates)
+            logits = launched.result()
     finally:
         session.checkpoint()

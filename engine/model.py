@@ -48,6 +48,7 @@ from .placement import (
     model_costs,
     streams_experts,
 )
+from .sampling import LaunchedStep
 from .session import Session, initial_capacity
 from .tokenizer import Tokenizer
 from .vision import VisionTower, attach_vision
@@ -174,6 +175,11 @@ class Model:
         Returns host float32 logits, TopLogits or None."""
         return self.executor.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
                                      chunk=chunk, cancel=cancel, embed_override=embed_override, top=top)
+
+    def launch_decode(self, token: int, states, positions, top: int = 0) -> LaunchedStep:
+        """One decode step launched without a host wait where the device allows it (the executor's
+        launch_decode): result() gives what forward([token], ...) would have returned."""
+        return self.executor.launch_decode(token, states, positions, top=top)
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         # default: the whole context limit of a planned model (its memory estimate assumed it; see

@@ -70,6 +70,37 @@ class TopLogits:
         return np.asarray(self.fetch(self.first + i), np.float32).reshape(-1)
 
 
+class LaunchedStep:
+    """A decode step's output (host logits, or TopLogits) that may still be computing: the step was
+    launched on the device and the host went on with other work (a generate loop hands the previous
+    token to its consumer meanwhile; engine/generation.py). result() waits for it the first time and
+    returns the same object after that. `LaunchedStep.done(x)`: an output computed already (a backend
+    without graphs, an eager step)."""
+
+    def __init__(self, finish: Callable[[], np.ndarray | TopLogits]):
+        self._finish: Callable[[], np.ndarray | TopLogits] | None = finish
+        self._value: np.ndarray | TopLogits | None = None
+
+    @classmethod
+    def done(cls, value: np.ndarray | TopLogits) -> LaunchedStep:
+        step = cls(lambda: value)
+        step.result()
+        return step
+
+    @property
+    def waited(self) -> bool:
+        """True once the output is on the host (result() returns at once)."""
+        return self._finish is None
+
+    def result(self) -> np.ndarray | TopLogits:
+        if self._finish is not None:
+            finish = self._finish
+            self._value = finish()
+            self._finish = None
+        assert self._value is not None
+        return self._value
+
+
 def top_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k largest of each row of logits ((T, V) or (V,)) -> (values (T, k) float32, ids (T, k)
     int64), each row descending, equal values in ascending id order, and of the values equal to the

@@ -42,7 +42,7 @@ from .execution import Override, shift_override
 from .generation import GenerationEvent, check_fits_context, generate
 from .prefix_cache import CacheStart, PrefixCache
 from .prompt import PromptInput
-from .sampling import SamplingParams, TopLogits
+from .sampling import LaunchedStep, SamplingParams, TopLogits
 from .session import Session
 
 _T = TypeVar("_T")
@@ -169,6 +169,13 @@ class BatchedModel:
                                       chunk=chunk, cancel=cancel, embed_override=embed_override, top=top)
         return self.scheduler.run_pass(ids, states, positions, chunk=chunk, cancel=cancel,
                                        embed_override=embed_override, top=top)
+
+    def launch_decode(self, token: int, states, positions, top: int = 0) -> LaunchedStep:
+        """As Model.launch_decode: the pass joins the coming steps at once and result() waits for it,
+        so the caller's thread works (hands out its previous token) while the step gathers and runs."""
+        work = self.scheduler.submit_pass([int(token)], states, positions, chunk=None, cancel=None,
+                                          embed_override=None, top=top)
+        return LaunchedStep(lambda: self.scheduler.wait_pass(work))
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         return self.model.new_state(capacity, kv_type=kv_type)
@@ -360,6 +367,13 @@ class Scheduler:
                  top: int = 0) -> np.ndarray | TopLogits:
         """One session's forward pass (last-row logits, or their `top` largest) as rows of the coming
         steps; blocks until its last chunk ran. Called by BatchedModel.forward on the caller's thread."""
+        work = self.submit_pass(ids, states, positions, chunk=chunk, cancel=cancel,
+                                embed_override=embed_override, top=top)
+        return self.wait_pass(work)
+
+    def submit_pass(self, ids: Sequence[int], states: list, positions, *, chunk: int | None,
+                    cancel: threading.Event | None, embed_override: Override | None, top: int = 0) -> _Pass:
+        """run_pass without its wait: the pass joins the coming steps; wait_pass(work) waits for it."""
         step = self.chunk if not chunk else min(int(chunk), self.chunk)
         work = _Pass([int(t) for t in ids], states, np.asarray(positions), step, cancel, embed_override,
                      int(top))
@@ -370,6 +384,11 @@ class Scheduler:
                 raise GenerationCancelled("the scheduler is shut down")
             self._passes.append(work)
             self._cond.notify_all()
+        return work
+
+    @staticmethod
+    def wait_pass(work: _Pass) -> np.ndarray | TopLogits:
+        """The logits of a submitted pass, once its last chunk ran (its error, raised, if it failed)."""
         work.finished.wait()
         if work.error is not None:
             raise work.error

@@ -40,7 +40,7 @@ from .backends.base import LayerState
 from .errors import ContextFullError, GenerationCancelled
 from .execution import shift_override
 from .placement import Placement
-from .sampling import TopLogits
+from .sampling import LaunchedStep, TopLogits
 
 # Turn boundaries kept per session: enough for "regenerate" (after the prompt) and "edit the last
 # message" (end of the previous turn). Each holds the recurrent state on the host: ~50 MiB for 9B,
@@ -141,6 +141,7 @@ class Session:
         self.computed_tokens = 0  # tokens run through the model by the last sync/prefill (stats)
         self._row_values: dict[int, np.ndarray] = {}  # history key -> embedding row (images)
         self.max_snapshots = MAX_SNAPSHOTS
+        self._launched: LaunchedStep | None = None  # the last launch_step, until its result is taken
 
     # ---- basic properties ----------------------------------------------------------------------------
     @property
@@ -187,12 +188,11 @@ class Session:
         return ids, (np.array(rows), np.stack([self._row_values[keys[i]] for i in rows]))
 
     # ---- running tokens ----------------------------------------------------------------------------
-    def _advance(self, ids: list[int], positions=None, rows: str | None = "last", embed_override=None,
-                 chunk: int | None = None, cancel=None, top: int = 0):
-        T = len(ids)
+    def _new_positions(self, T: int, positions) -> tuple[np.ndarray, list[int], list[tuple[int, int, int]]]:
+        """For T new tokens: their positions ((T,), or the given (3, T) M-RoPE ones), the position
+        that follows each, and each one's (t, h, w)."""
         if len(self.tokens) + T > self.limit:
             raise context_full(len(self.tokens) + T, self.limit, int(self.model.config.context_length or 0))
-        keys = self._keys(ids, embed_override)
         if positions is None:
             start = self.position
             positions = np.arange(start, start + T)
@@ -202,7 +202,14 @@ class Session:
             flat = positions if positions.ndim == 1 else positions.max(axis=0)
             next_pos = [int(p) + 1 for p in np.maximum.accumulate(np.maximum(flat, self.position - 1))]
         pos3 = np.broadcast_to(positions, (3, T)) if positions.ndim == 1 else positions
-        pos3 = [tuple(int(c) for c in col) for col in pos3.T]
+        return positions, next_pos, [(int(col[0]), int(col[1]), int(col[2])) for col in pos3.T]
+
+    def _advance(self, ids: list[int], positions=None, rows: str | None = "last", embed_override=None,
+                 chunk: int | None = None, cancel=None, top: int = 0):
+        self._settle()
+        T = len(ids)
+        positions, next_pos, pos3 = self._new_positions(T, positions)
+        keys = self._keys(ids, embed_override)
         try:
             logits = self.model.forward(ids, self.states, positions, rows=rows, chunk=chunk,
                                         cancel=cancel, embed_override=embed_override, top=top)
@@ -245,16 +252,43 @@ class Session:
     def step(self, token: int, top: int = 0) -> np.ndarray | TopLogits:
         """Append one token; return its logits (vocab,), or with top > 0 its `top` largest logits
         (TopLogits (1, top); what a sampler needs, engine/sampling.py Sampler.candidates)."""
+        return self.launch_step(token, top).result()
+
+    def launch_step(self, token: int, top: int = 0) -> LaunchedStep:
+        """step() without waiting for it where the device allows (the model's launch_decode): the
+        token counts as appended at once; result() returns what step() returns. Take the result before
+        anything else uses this session."""
+        self._settle()
         self.computed_tokens = 0
-        out = self._advance([int(token)], top=top)
-        if isinstance(out, TopLogits):
-            return out
-        assert self.last_logits is not None  # one token with rows="last" always has logits
-        return self.last_logits
+        positions, next_pos, pos3 = self._new_positions(1, None)
+        launched = self.model.launch_decode(int(token), self.states, positions, top=top)
+        self.tokens.append(int(token))
+        self._next_positions.extend(next_pos)
+        self._positions.extend(pos3)
+        self.computed_tokens = 1
+        self.last_logits = None
+
+        def finish() -> np.ndarray | TopLogits:
+            out = launched.result()
+            self._launched = None
+            if isinstance(out, TopLogits):
+                return out
+            self.last_logits = np.asarray(out)[-1]
+            return self.last_logits
+
+        self._launched = LaunchedStep(finish)
+        return self._launched
+
+    def _settle(self) -> None:
+        """Wait for a launched step whose result was not taken (its states are in use until then)."""
+        if self._launched is not None:
+            launched, self._launched = self._launched, None
+            launched.result()
 
     # ---- snapshots -----------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         """The current point (recurrent arrays copied to the host, KV by length)."""
+        self._settle()
         recurrent = []
         for i, st in enumerate(self.states):
             be = self._layer_backend(i)
@@ -275,6 +309,7 @@ class Session:
 
     def restore(self, snap: Snapshot) -> None:
         """Return to `snap`. Raises ValueError if the history diverged before the snapshot's end."""
+        self._settle()
         if not self.can_restore(snap):
             raise ValueError("snapshot no longer matches this session's history (the tokens before it "
                              "changed); take a fork() instead when you need to come back later")
@@ -300,6 +335,7 @@ class Session:
     def checkpoint(self) -> None:
         """Remember the current point as a turn boundary (no-op without recurrent state, or when it is
         already remembered). Keeps the latest `max_snapshots` still-valid snapshots."""
+        self._settle()
         if not self.has_recurrent_state or not self.tokens:
             return
         self.snapshots = [s for s in self.snapshots if self.can_restore(s)]
@@ -311,6 +347,7 @@ class Session:
 
     def reset(self) -> None:
         """Back to an empty sequence (zero state)."""
+        self._settle()
         for i, st in enumerate(self.states):
             be = self._layer_backend(i)
             for name, arr in st.recurrent.items():
@@ -326,6 +363,7 @@ class Session:
     def _rewind(self, n: int) -> int:
         """Cheaply bring the state to at most n tokens of the current history; returns the length
         reached (<= n). Attention-only: exactly n. Recurrent: the best valid snapshot, or 0."""
+        self._settle()
         if n >= len(self.tokens):
             return len(self.tokens)
         if not self.has_recurrent_state:
@@ -396,6 +434,7 @@ class Session:
     # ---- copies ----------------------------------------------------------------------------------------
     def fork(self) -> Session:
         """An independent session with the same history and state (KV caches copied on their devices)."""
+        self._settle()
         twin = Session.__new__(Session)
         twin.model = self.model
         twin.capacity = self.capacity
@@ -414,10 +453,14 @@ class Session:
         twin.max_snapshots = self.max_snapshots
         twin.snapshots = list(self.snapshots)  # immutable host data; validity is checked per session
         twin.computed_tokens = 0
+        twin._launched = None
         return twin
 
     def close(self) -> None:
         """Release device memory held by this session's state."""
-        self.model._free_states(self.states)
-        self.states = []
-        self.snapshots = []
+        try:
+            self._settle()  # a launched step still uses the states (its error, if any, is raised after)
+        finally:
+            self.model._free_states(self.states)
+            self.states = []
+            self.snapshots = []

@@ -36,7 +36,7 @@ from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, layout,
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
-from ..sampling import TopLogits
+from ..sampling import LaunchedStep, TopLogits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache, arena_aligned, whole_pages
 from .graph_watch import StateReader
 
@@ -405,6 +405,11 @@ class _DecodeGraph:
         """After a launch: True when the output went to the host buffer, else a copy of what the step
         returns (logits, or the top logits)."""
         return True if self.sends else _host_copy(self.cap.result, self)
+
+    def finish(self):
+        """The wait and the result of a launch that did not wait (replay with wait=False)."""
+        self.cap.wait()
+        return self.result()
 
     def guarded(self, fetch):
         """fetch (TopLogits.fetch of this graph's rows), refusing once the graph has run again."""
@@ -1484,7 +1489,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         states `run` touches (default owner; a reallocation invalidates the graph, as does a cache
         that must grow: that step runs eagerly and the next one re-captures).
         after: a CUDA event (of the previous stage, on any device) this step must follow; wait=False
-        (with host_out): launch and return an event the next stage can follow instead of waiting.
+        (with host_out): launch and return an event the next stage can follow instead of waiting;
+        wait=False without host_out: launch and return a LaunchedStep whose result() waits for the
+        host logits (a replay; a capture runs the step and returns its logits).
         link_seconds: (before the copy from host_in, after the copy to host_out) a simulated riser's
         time (engine/rig.py), held on the graph's stream by nodes of the graph itself, where a real
         riser's copies would take it.
@@ -1513,6 +1520,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 if after is not None:
                     after.synchronize()  # capturing runs the step once, with a host wait
                 return self._capture_graph(key, run, ids, pos, owner, watch, io, link_seconds)
+            if host_out is None and not wait:  # host logits the caller takes later (Executor.launch_decode)
+                rec.replay(int(ids[0]), pos, after, wait=False)
+                return LaunchedStep(rec.finish)
             return rec.replay(int(ids[0]), pos, after, wait or host_out is None)
 
     def _record(self, cap, body) -> tuple[Any, list]:

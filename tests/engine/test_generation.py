@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from minecart.engine.generation import GenerationEvent, StopStrings, TextStream, generate
 from minecart.engine.model import load_model
-from minecart.engine.sampling import greedy_params
+from minecart.engine.sampling import LaunchedStep, greedy_params
 
 EOS = 256
 
@@ -56,10 +56,10 @@ class ScriptedSession:
         self.computed_tokens = len(ids)
         return self._logits()
 
-    def step(self, token, top=0):  # whole rows whatever `top` asks: a sampler takes either
+    def launch_step(self, token, top=0):  # whole rows whatever `top` asks: a sampler takes either
         time.sleep(self.delay)
         self.tokens.append(token)
-        return self._logits()
+        return LaunchedStep.done(self._logits())
 
     def checkpoint(self):
         self.checkpoints += 1
@@ -152,6 +152,52 @@ def test_cancel_takes_effect_within_one_token():
     assert len(events) == 6
     assert events[-1].finish_reason == "cancelled" and events[-1].token is None
     assert events[-1].generated_tokens == 5
+
+
+class LaunchLog(ScriptedSession):
+    """A scripted session whose launched steps finish only when their result is taken, logging both."""
+
+    def __init__(self, script, log):
+        super().__init__(script)
+        self.log = log
+
+    def launch_step(self, token, top=0):
+        self.tokens.append(token)
+        n = len(self.tokens)
+        self.log.append(("launch", n))
+
+        def finish():
+            self.log.append(("result", n))
+            return self._logits()
+
+        return LaunchedStep(finish)
+
+
+def test_the_next_step_runs_while_the_consumer_has_the_token():
+    """generate launches the step of a token before handing the token's event out and takes its
+    result after: the device computes while the consumer shows or sends the token. The steps are the
+    ones stepping afterwards would run (no step for the last token), and a cancel settles the launched
+    step before the loop ends."""
+    log = []
+    model = ScriptedModel([ord("a")] * 5 + [EOS])
+    model.session = LaunchLog([ord("a")] * 5 + [EOS], log)
+    for ev in generate(model, [1], greedy_params()):
+        log.append(("event", ev.generated_tokens))
+    prompt = 1  # the session holds the prompt token first
+    want = []
+    for i in range(1, 6):
+        want += [("launch", prompt + i), ("event", i), ("result", prompt + i)]
+    assert log == want + [("event", 6)]  # the end token is not stepped
+    assert model.session.tokens == [1] + [ord("a")] * 5
+
+    log.clear()
+    cancel = threading.Event()
+    model.session = LaunchLog([ord("b")] * 100, log)
+    for ev in generate(model, [1], greedy_params(max_tokens=100), cancel=cancel):
+        log.append(("event", ev.finish_reason))
+        if len(model.session.tokens) == 3:
+            cancel.set()
+    assert log[-3:] == [("event", None), ("result", 3), ("event", "cancelled")]
 
 
 def test_cancel_from_another_thread():
@@ -280,6 +326,29 @@ def test_logits_fresh_state_and_session_agree(model):
     assert _close(row, full[-1])
     assert s.position == len(ids) and s.n_tokens == len(ids)
     s.close()
+
+
+def test_a_launched_step_is_a_step_and_settles_before_the_session_is_used(model):
+    """Session.launch_step appends the token at once and its result is step()'s; any other use of the
+    session (a snapshot here) waits for a launched step first, and a second launch needs no result of
+    the first (the NumPy backend computes at launch: the device path is tests/gpu/test_model.py)."""
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    a, b = model.new_session(), model.new_session()
+    a.prefill(ids[:4])
+    b.prefill(ids[:4])
+    for t in ids[4:]:
+        launched = b.launch_step(t, top=3)
+        assert b.tokens[-1] == t and b.position == a.position + 1
+        want = a.step(t, top=3)
+        got = launched.result()
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_array_equal(got.values, want.values)
+    b.launch_step(7)
+    snap = b.snapshot()  # settles the launched step
+    assert snap.n_tokens == len(ids) + 1 and b.last_logits is not None
+    assert _close(b.last_logits, a.step(7))
+    a.close()
+    b.close()
 
 
 # ---------------------------------------------------------------------------------------------------

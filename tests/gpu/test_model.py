@@ -107,3 +107,39 @@ def test_graph_decode_matches_eager(fixtures_dir, gpu_path):
     worst = graph_vs_eager(sg, se, prompt, 40, truncate_at=20)
     print(f"\ngraph vs eager decode ({gpu_path}): max rel err {worst:.2e}")
     assert graph_be._graphs, "decode never used a CUDA graph"
+
+
+@pytest.mark.parametrize("top", [1, 20, 0])
+def test_launched_steps_are_the_waited_steps(fixtures_dir, top):
+    """A decode step launched without a host wait (Session.launch_step: the graph replays while the host
+    hands out the previous token) gives the same logits, bit for bit, as the step waited for at once,
+    and really returns before the device is done: its result is not on the host yet."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.model import load_model
+    from minecart.engine.sampling import TopLogits
+
+    seqs = {s["name"]: s for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
+    prompt = seqs["len70"]["ids"]
+    model = load_model(fixtures_dir / FIXTURES["q8_0"], backend=CupyBackend("cuda:0", path="dp4a"))
+    a, b = model.new_session(len(prompt) + 64), model.new_session(len(prompt) + 64)
+    a.prefill(prompt)
+    b.prefill(prompt)
+    token, pending = int(prompt[-1]), 0
+    for _ in range(24):
+        want = a.step(token, top=top)
+        launched = b.launch_step(token, top=top)
+        pending += not launched.waited
+        got = launched.result()
+        if isinstance(want, TopLogits):
+            assert isinstance(got, TopLogits)
+            np.testing.assert_array_equal(got.values, want.values)
+            np.testing.assert_array_equal(got.ids, want.ids)
+            token = int(want.ids[0, 0])
+        else:
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(b.last_logits, a.last_logits)
+            token = int(np.argmax(want))
+    assert a.tokens == b.tokens and a.position == b.position
+    assert pending >= 20, f"only {pending} of 24 launched steps came back before their result was taken"
+    b.close()
+    a.close()

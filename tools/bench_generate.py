@@ -1,0 +1,90 @@
+"""Decode speed as a user of the generate loop sees it, against the bare step loop of `minecart bench`.
+
+`minecart bench` times `Session.step` back to back: the device's speed. A chat, the CLI and the server
+go through `generate` (engine/generation.py): a pick by the sampler, the text of the token, stop
+strings, an event, and the consumer's own work on it (a Qt signal, a line on the terminal, a
+server-sent event). This prints, for the same model and prompt: the bare step loop's tokens/s, then
+`generate`'s decode tokens/s with greedy and with sampled picks (temperature 0.7, top-k 20, top-p 0.8,
+a fixed seed), each with a consumer that takes nothing and one that busies its thread for
+`--consumer-us` microseconds per token (a stand-in for a server's or an app's work on each event).
+
+    python3 tools/bench_generate.py MODEL.gguf [--device cuda:0] [--tokens 256] [--consumer-us 100]
+
+What this is not: a benchmark with ceilings (`minecart bench` is).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+from minecart.engine import load_model
+from minecart.engine.generation import generate
+from minecart.engine.sampling import SamplingParams, TopLogits, greedy_params
+
+
+def _bare(model, ids: list[int], n: int) -> float:
+    s = model.new_session(len(ids) + n + 8)
+    logits = s.prefill(ids)
+    top = s.step(int(np.argmax(logits)), top=1)
+    t = time.perf_counter()
+    for _ in range(n):
+        assert isinstance(top, TopLogits)
+        top = s.step(int(top.ids[0, 0]), top=1)
+    dt = time.perf_counter() - t
+    s.close()
+    return n / dt
+
+
+def _through_generate(model, ids: list[int], params: SamplingParams, busy_s: float) -> tuple[float, int]:
+    s = model.new_session(len(ids) + (params.max_tokens or 0) + 8)
+    first = last = None
+    n = 0
+    for ev in generate(model, ids, params, session=s):
+        if ev.token is None:
+            continue
+        n += 1
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        last = now
+        if busy_s:
+            end = now + busy_s
+            while time.perf_counter() < end:
+                pass
+    s.close()
+    assert first is not None and last is not None
+    return (n - 1) / (last - first) if n > 1 else 0.0, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--consumer-us", type=float, default=100.0)
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args(argv)
+    model = load_model(args.model, devices=[args.device])
+    rng = np.random.default_rng(0)
+    ids = [int(t) for t in rng.integers(1000, 50000, args.prompt)]
+    _bare(model, ids[:64], 16)  # warm-up: kernels compiled, graphs captured
+    n = args.tokens
+    picks = {"greedy": greedy_params(max_tokens=n),
+             "sampled": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=7, max_tokens=n)}
+    for r in range(args.repeat):
+        print(f"run {r + 1}: bare step loop {_bare(model, ids, n):.1f} tok/s", flush=True)
+        for name, params in picks.items():
+            for busy in (0.0, args.consumer_us):
+                tps, got = _through_generate(model, ids, params, busy * 1e-6)
+                print(f"  generate, {name}, consumer {busy:.0f} us/token: {tps:.1f} tok/s ({got} tokens)",
+                      flush=True)
+    model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
