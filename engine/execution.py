@@ -515,6 +515,30 @@ class Executor:
             launched = self._decode_step(c.ids, states, positions, top, defer=True)
         return launched if isinstance(launched, LaunchedStep) else LaunchedStep.done(launched)
 
+    def launch_next(self, states: list, positions, top: int) -> LaunchedStep | None:
+        """The decode step whose token is the greedy pick (the top logits' first id) of this sequence's
+        previous step, launched behind that step before the host has seen the pick: the device goes
+        from one token to the next without waiting for the host. positions: the new token's. None when
+        that is not possible (several stages, graphs off, whole rows, a previous step that did not
+        leave its pick on the device, a capture that failed): the caller takes the previous step's
+        result and launches its pick with launch_decode."""
+        top = self._top(top)
+        if len(self.stages) != 1 or not self.use_graphs or not top:
+            return None
+        stage = self.stages[0]
+        positions = np.asarray(positions)
+
+        def run(x):
+            return self.run_stage(stage, x, positions, states, "last", top=top)
+
+        with self._call_lock:
+            done = stage.backend.graph_step(("stage", 0, top), run, [0], positions, owner=states,
+                                            watch=[states[i] for i in stage.layers], wait=False, chained=True)
+        if done is None:
+            return None
+        self.graphed_stage_steps += 1
+        return done if isinstance(done, LaunchedStep) else LaunchedStep.done(done)
+
     def _top(self, top: int) -> int:
         """A requested number of top logits as the head gives them: 0 (whole rows) from the
         vocabulary size up."""

@@ -366,11 +366,12 @@ class ExpertsApart:
         return y
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)) -> Any:
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
+                   chained: bool = False) -> Any:
         """The inner backend's captured step: with experts in host RAM the graph holds each layer's round
         trip (copies and a host function, `_host_moe`). None (run eagerly) when experts sit on another
         device: that round trip goes through this thread and cannot be captured."""
-        if self._held and not self._host_nodes:
+        if (self._held and not self._host_nodes) or chained:  # chained: every step is waited for here
             return None
         if self._channel is not None:
             self._channel.pool.ensure_running()  # a replay's expert calls need the pool's threads up

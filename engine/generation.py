@@ -34,7 +34,7 @@ import numpy as np
 from .errors import GenerationCancelled, RequestError
 from .execution import shift_override
 from .prompt import PromptInput, PromptMode, render_prompt
-from .sampling import Sampler, SamplingParams
+from .sampling import LaunchedStep, Sampler, SamplingParams
 from .session import PREFILL_CHUNK, Session, context_full, context_limit
 from .vision.insert import has_images as has_images_in
 from .vision.insert import prepare_chat
@@ -291,6 +291,9 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
         shown, _ = stops.feed(tail)
         return shown + stops.flush()
 
+    # greedy without penalties: the device feeds each pick to the next step itself, one step ahead
+    chain = sampler.chains and sampler.candidates == 1
+    ahead: LaunchedStep | None = None  # the step of the token about to be picked, launched already
     try:
         if max_tokens == 0:
             yield clock.event(None, "", "length")
@@ -315,7 +318,15 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
                 return
             # the token goes on: its step is launched before its event is handed out, so the device
             # computes while the consumer shows or sends the token (the same steps as stepping after)
-            launched = session.launch_step(token, top=sampler.candidates)
+            if ahead is not None and session.tokens[-1] != token:
+                raise RuntimeError(f"the device fed token {session.tokens[-1]} where the pick was {token}")
+            launched = ahead if ahead is not None else session.launch_step(token, top=sampler.candidates)
+            ahead = None
+            # and, picking greedily, the step of the next pick behind it, unless that pick is the last
+            # token (an end token found then leaves one step run past the answer, which the next turn
+            # either reuses or rewinds)
+            if chain and clock.n_gen + 1 < max_tokens and clock.n_prompt + clock.n_gen + 1 < limit:
+                ahead = session.launch_next(launched, top=1)
             yield clock.event(token, shown)
             if cancel is not None and cancel.is_set():
                 launched.result()  # the session's states are settled before the loop ends

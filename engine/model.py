@@ -181,6 +181,11 @@ class Model:
         launch_decode): result() gives what forward([token], ...) would have returned."""
         return self.executor.launch_decode(token, states, positions, top=top)
 
+    def launch_next(self, states, positions, top: int = 1) -> LaunchedStep | None:
+        """The step of the previous step's greedy pick, launched on the device before the host has it
+        (the executor's launch_next), or None when that is not possible."""
+        return self.executor.launch_next(states, positions, top=top)
+
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         # default: the whole context limit of a planned model (its memory estimate assumed it; see
         # engine/session.py initial_capacity), so a session's caches never grow past the plan

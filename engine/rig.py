@@ -329,7 +329,8 @@ class RigBackend:
             self.transfer_seconds += link.seconds(n_bytes)
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)):
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
+                   chained: bool = False):
         """The real backend's captured decode step (engine/execution.py) with this device's link charged
         for the hidden state the step receives (`host_in`) and sends (`host_out`), where a riser's copy
         would take it: inside a CUDA device's graph, the stream is held for the link's time before the
@@ -340,12 +341,14 @@ class RigBackend:
         link = self.rig_device.link
         if link is None or (host_in is None and host_out is None):
             return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch, host_in=host_in,
-                                          host_out=host_out, after=after, wait=wait, link_seconds=link_seconds)
+                                          host_out=host_out, after=after, wait=wait, link_seconds=link_seconds,
+                                          chained=chained)
         crossed = [0 if b is None else int(b.nbytes) for b in (host_in, host_out)]
         held = (0.0 if host_in is None else link.seconds(crossed[0]),
                 0.0 if host_out is None else link.seconds(crossed[1]))
         done = self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch, host_in=host_in,
-                                      host_out=host_out, after=after, wait=wait, link_seconds=held)
+                                      host_out=host_out, after=after, wait=wait, link_seconds=held,
+                                      chained=chained)
         if done is not None:
             with self._lock:
                 self.transferred_bytes += sum(crossed)

@@ -320,6 +320,12 @@ class Sampler:
         return prm.repetition_penalty != 1.0 or bool(prm.presence_penalty) or bool(prm.frequency_penalty)
 
     @property
+    def chains(self) -> bool:
+        """True when the pick is the step's largest logit whatever came before (greedy, no penalties):
+        the device can feed it to the next step itself (Session.launch_next)."""
+        return self.params.greedy and not self.penalized
+
+    @property
     def candidates(self) -> int:
         """How many of a row's largest logits this sampler asks a step for (TopLogits), or 0 when it
         needs the whole row: greedy 1, top-k k (up to TOP_CANDIDATES_MAX); with penalties that only

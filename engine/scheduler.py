@@ -177,6 +177,10 @@ class BatchedModel:
                                           embed_override=None, top=top)
         return LaunchedStep(lambda: self.scheduler.wait_pass(work))
 
+    def launch_next(self, states, positions, top: int = 1) -> LaunchedStep | None:
+        """None: a batch step takes every sequence's token from its thread (no chained steps)."""
+        return None
+
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         return self.model.new_state(capacity, kv_type=kv_type)
 

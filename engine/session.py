@@ -42,6 +42,10 @@ from .execution import shift_override
 from .placement import Placement
 from .sampling import LaunchedStep, TopLogits
 
+# The id a chained step's token holds in Session.tokens until the step before it is waited for
+# (Session.launch_next); never a token id or an image row's key (those are >= 0, or a crc32 below -1).
+_PICK_PENDING = -(1 << 40)
+
 # Turn boundaries kept per session: enough for "regenerate" (after the prompt) and "edit the last
 # message" (end of the previous turn). Each holds the recurrent state on the host: ~50 MiB for 9B,
 # ~150 MiB for 27B, so a runtime with several sessions must not keep many.
@@ -141,7 +145,7 @@ class Session:
         self.computed_tokens = 0  # tokens run through the model by the last sync/prefill (stats)
         self._row_values: dict[int, np.ndarray] = {}  # history key -> embedding row (images)
         self.max_snapshots = MAX_SNAPSHOTS
-        self._launched: LaunchedStep | None = None  # the last launch_step, until its result is taken
+        self._launched: list[LaunchedStep] = []  # launched steps whose results were not taken, in order
 
     # ---- basic properties ----------------------------------------------------------------------------
     @property
@@ -263,27 +267,50 @@ class Session:
         positions, next_pos, pos3 = self._new_positions(1, None)
         launched = self.model.launch_decode(int(token), self.states, positions, top=top)
         self.tokens.append(int(token))
+        return self._launched_now(launched, next_pos, pos3)
+
+    def launch_next(self, prev: LaunchedStep, top: int = 1) -> LaunchedStep | None:
+        """The step of prev's greedy pick (its top logits' first id), launched on the device behind
+        prev before the host has seen that pick (the model's launch_next), so the device never waits
+        for the host between them. prev: this session's last launch, its result not taken yet. The
+        pick counts as appended at once (its id is filled in when prev's result is taken). None: not
+        possible here (take prev.result() and launch_step its pick)."""
+        if len(self._launched) != 1 or self._launched[0] is not prev or prev.waited:
+            return None
+        positions, next_pos, pos3 = self._new_positions(1, None)
+        launched = self.model.launch_next(self.states, positions, top=top)
+        if launched is None:
+            return None
+        self.tokens.append(_PICK_PENDING)  # prev's result writes the id (finish below)
+        return self._launched_now(launched, next_pos, pos3)
+
+    def _launched_now(self, launched: LaunchedStep, next_pos: list[int],
+                      pos3: list[tuple[int, int, int]]) -> LaunchedStep:
         self._next_positions.extend(next_pos)
         self._positions.extend(pos3)
         self.computed_tokens = 1
         self.last_logits = None
+        at = len(self.tokens)  # where the greedy pick of this step goes if a next step is chained on it
 
         def finish() -> np.ndarray | TopLogits:
             out = launched.result()
-            self._launched = None
+            self._launched.remove(mine)
+            if at < len(self.tokens) and self.tokens[at] == _PICK_PENDING:
+                assert isinstance(out, TopLogits)  # launch_next needs top logits
+                self.tokens[at] = int(out.ids[0, 0])
             if isinstance(out, TopLogits):
                 return out
             self.last_logits = np.asarray(out)[-1]
             return self.last_logits
 
-        self._launched = LaunchedStep(finish)
-        return self._launched
+        mine = LaunchedStep(finish)
+        self._launched.append(mine)
+        return mine
 
     def _settle(self) -> None:
-        """Wait for a launched step whose result was not taken (its states are in use until then)."""
-        if self._launched is not None:
-            launched, self._launched = self._launched, None
-            launched.result()
+        """Wait for launched steps whose results were not taken (their states are in use until then)."""
+        while self._launched:
+            self._launched[0].result()
 
     # ---- snapshots -----------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
@@ -453,7 +480,7 @@ class Session:
         twin.max_snapshots = self.max_snapshots
         twin.snapshots = list(self.snapshots)  # immutable host data; validity is checked per session
         twin.computed_tokens = 0
-        twin._launched = None
+        twin._launched = []
         return twin
 
     def close(self) -> None:

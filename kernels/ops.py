@@ -865,14 +865,17 @@ TOPK_SLICE = 4096
 TOPK_MAX = 128
 
 
-def top_k(logits: cp.ndarray, k: int):
-    """Largest k of each row -> (values (T, k) fp32, ids (T, k) int32) on the device, descending."""
+def top_k(logits: cp.ndarray, k: int, out_ids: cp.ndarray | None = None):
+    """Largest k of each row -> (values (T, k) fp32, ids (T, k) int32) on the device, descending.
+    out_ids: a contiguous int32 (T, k) array the ids are written to (k at most TOPK_MAX)."""
     logits = cp.ascontiguousarray(logits, dtype=cp.float32)
     if logits.ndim == 1:
         logits = logits[None, :]
     T, V = logits.shape
     k = max(1, min(int(k), V))
     if k > TOPK_MAX or math.ceil(V / TOPK_SLICE) * k > 8192:
+        if out_ids is not None:
+            raise ValueError(f"top_k: out_ids needs k <= {TOPK_MAX} and the two-stage kernels")
         idx = cp.argsort(-logits, axis=1)[:, :k].astype(cp.int32)
         return cp.take_along_axis(logits, idx, axis=1), idx
     n_slices = math.ceil(V / TOPK_SLICE)
@@ -880,7 +883,9 @@ def top_k(logits: cp.ndarray, k: int):
     cand_i = cp.empty((T, n_slices * k), dtype=cp.int32)
     get_kernel("sampling", "topk_stage1")((n_slices, T), (256,), (logits, np.int32(V), np.int32(k), cand_v, cand_i))
     out_v = cp.empty((T, k), dtype=cp.float32)
-    out_i = cp.empty((T, k), dtype=cp.int32)
+    out_i = cp.empty((T, k), dtype=cp.int32) if out_ids is None else out_ids
+    if out_i.shape != (T, k) or out_i.dtype != cp.int32 or not out_i.flags.c_contiguous:
+        raise ValueError(f"top_k: out_ids must be contiguous int32 {(T, k)}, got {out_i.dtype} {out_i.shape}")
     n_cand = n_slices * k
     get_kernel("sampling", "topk_stage2")((T,), (256,), (cand_v, cand_i, np.int32(n_cand), np.int32(k), out_v, out_i),
                                           shared_mem=4 * n_cand)

@@ -356,7 +356,8 @@ class DeviceHooks:
         return lambda: out
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)) -> Any:
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
+                   chained: bool = False) -> Any:
         """Run `run` for one decode token as a captured graph (see CupyBackend.graph_step); None =
         this backend has no graphs: the caller runs the step eagerly."""
         return None
@@ -556,6 +557,7 @@ class Backend(Protocol):
     def alongside(self, fn: Callable[[], Any]) -> Callable[[], Any]: ...
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)) -> Any: ...
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
+                   chained: bool = False) -> Any: ...
 
     def prepare_lm_head(self, weight: Weight) -> None: ...

@@ -273,6 +273,20 @@ def _wait_stream(stream, sleeper=None) -> None:
     sleeper.synchronize()
 
 
+class _Feed:
+    """The token input of one sequence's decode graphs that embed their token (a device int32 array of
+    ops.TOPK_MAX): a launch with a token from the host copies it here first, and the step's top-k writes
+    its ids here, so that ids[0], the step's greedy pick, is the input of a next step launched chained
+    (graph_step chained=True) before the host has seen that pick. fresh: this sequence's last step was
+    such a launch with top logits (arr[0] holds its pick); parity: which of the sequence's two graphs of
+    a key a chained launch takes, so that it never rewrites the pinned buffers of the one still running."""
+
+    def __init__(self):
+        self.arr = cp.zeros(ops.TOPK_MAX, dtype=cp.int32)
+        self.fresh = False
+        self.parity = 0
+
+
 class _Capture:
     """Book-keeping while a decode step is captured: the pinned input buffer and its device copy,
     the caches the step appends to, and the host buffers the step's outputs are copied into."""
@@ -290,6 +304,7 @@ class _Capture:
         self._out_dev: list = []
         # a _sleep_event when the step holds host functions (CupyBackend.host_round_trip), else None
         self.sleeper: Any = None
+        self.feed: _Feed | None = None  # where the step reads its token and leaves its pick (if it embeds)
 
     def wait(self) -> None:
         """Wait for the work queued on the capture's stream (a launch of its graph). A graph with host
@@ -309,7 +324,13 @@ class _Capture:
     def ids_dev(self, ids):
         if len(ids) != 1:
             raise RuntimeError("a captured decode step embeds exactly one token")
-        return self.dev[0:1]
+        return self.dev[0:1] if self.feed is None else self.feed.arr[0:1]
+
+    def send_token(self) -> None:
+        """Queue the copy of the host's token (slot 0 of the pinned inputs) into the feed."""
+        assert self.feed is not None
+        cp.cuda.runtime.memcpyAsync(self.feed.arr.data.ptr, self.host.ctypes.data, 4,
+                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
 
     def positions_dev(self, pos):
         return self.dev[1:4].reshape(3, 1)
@@ -422,18 +443,23 @@ class _DecodeGraph:
 
         return read
 
-    def replay(self, token: int, pos: np.ndarray, after=None, wait: bool = True):
+    def replay(self, token: int, pos: np.ndarray, after=None, wait: bool = True, chained: bool = False):
         """Launch for the next token. after: an event the graph must follow (the previous stage of a
         split, still running); wait=False: return the event recorded after the launch instead of
-        waiting (the inputs stay in the pinned buffer until the caller's final wait)."""
+        waiting (the inputs stay in the pinned buffer until the caller's final wait). chained: the
+        token is the previous step's greedy pick, already in the feed on the device (`token` unused)."""
         cap = self.cap
         cap.write_inputs(token, pos)
         for i, (c, _) in enumerate(cap.caches):
             cap.host[4 + i] = c.length
         if after is not None:
             cap.stream.wait_event(after)
+        if cap.feed is not None and not chained:
+            cap.send_token()
         self.launches += 1
         self.graph.launch(cap.stream)
+        if cap.feed is not None:
+            cap.feed.fresh = isinstance(cap.result, TopLogits)
         for c, _ in cap.caches:
             c.length += 1
         if not wait:
@@ -481,6 +507,7 @@ class _BatchCapture(_Capture):
         self.sleeper = None
         self.cache_base = 7 * n
         self._seq_of: dict[int, int] = {}
+        self.feed = None  # a batch step's tokens come from the host
 
     def bind(self, positions) -> None:
         self._seq_of = {id(p): b for b, p in enumerate(positions)}
@@ -610,7 +637,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._rope_tables: dict = {}
         self.probe_record: dict | None = None
         self._capture: _Capture | None = None  # set while a decode step is being captured
-        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graphs: dict[Any, _DecodeGraph] = {}
+        self._new_feed: tuple[Any, _Feed] | None = None  # a feed made for a sequence before its first graph
         self._graph_stream = None
         self._cap_stream = None
         self._batch_graphs: dict[Any, _BatchGraph] = {}  # batched decode steps, most recently used last
@@ -1466,7 +1494,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         dev = self._dev
         with dev:
             logits = cp.ascontiguousarray(logits, dtype=cp.float32).reshape(-1, logits.shape[-1])
-            vals, ids = ops.top_k(logits, int(k))
+            cap = self._capture
+            out_ids = None
+            if cap is not None and cap.feed is not None and logits.shape[0] == 1:
+                kk = max(1, min(int(k), logits.shape[1]))
+                out_ids = cap.feed.arr[:kk].reshape(1, kk)  # ids[0]: a chained next step's token
+            vals, ids = ops.top_k(logits, int(k), out_ids=out_ids)
 
             def fetch(r: int):  # the whole row, for a pick the top logits do not decide
                 with dev:
@@ -1476,7 +1509,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
 
     # ---- CUDA-graph decode ---------------------------------------------------------------------------
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0)):
+                   after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
+                   chained: bool = False):
         """Run `run` for one decode token as a CUDA graph kept under `key` (captured on the first call,
         replayed after that while it stays valid): each stage of a model's decode step
         (engine/execution.py; a single device is one stage). One launch per token instead of ~1,000
@@ -1492,6 +1526,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         (with host_out): launch and return an event the next stage can follow instead of waiting;
         wait=False without host_out: launch and return a LaunchedStep whose result() waits for the
         host logits (a replay; a capture runs the step and returns its logits).
+        chained (a stage that embeds its token, wait=False): the token is the greedy pick of this
+        sequence's previous step, which must have been a graph launch with top logits and may still be
+        running: the step is launched behind it without the host seeing that pick (ids unused), on the
+        other of the sequence's two graphs of this key (_Feed). None: not possible now (the caller
+        waits for the previous step and launches with its token).
         link_seconds: (before the copy from host_in, after the copy to host_out) a simulated riser's
         time (engine/rig.py), held on the graph's stream by nodes of the graph itself, where a real
         riser's copies would take it.
@@ -1511,6 +1550,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return None
         watch = owner if watch is None else watch
         io = (host_in, host_out)
+        feed = self._feed_of(owner) if host_in is None else None
+        if chained and (feed is None or not feed.fresh or wait or host_out is not None):
+            return None
+        if feed is not None and chained:
+            feed.parity ^= 1  # the graph not running now
+        key = (key, feed.parity if feed is not None else 0)
         rec = self._graphs.get(key)
         if rec is not None and not rec.valid(owner, watch, io, link_seconds):
             self._graphs.pop(key, None)
@@ -1519,11 +1564,23 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             if rec is None:
                 if after is not None:
                     after.synchronize()  # capturing runs the step once, with a host wait
-                return self._capture_graph(key, run, ids, pos, owner, watch, io, link_seconds)
+                out = self._capture_graph(key, run, ids, pos, owner, watch, io, link_seconds, feed, chained)
+                if out is None and feed is not None:
+                    feed.fresh = False  # the caller runs the step eagerly: its pick is not in the feed
+                return out
             if host_out is None and not wait:  # host logits the caller takes later (Executor.launch_decode)
-                rec.replay(int(ids[0]), pos, after, wait=False)
+                rec.replay(int(ids[0]), pos, after, wait=False, chained=chained)
                 return LaunchedStep(rec.finish)
             return rec.replay(int(ids[0]), pos, after, wait or host_out is None)
+
+    def _feed_of(self, owner) -> _Feed:
+        """The token feed of `owner`'s decode graphs (shared by them all), new for a sequence without one."""
+        for rec in self._graphs.values():
+            if rec.states is owner and rec.cap.feed is not None:
+                return rec.cap.feed
+        if self._new_feed is None or self._new_feed[0] is not owner:
+            self._new_feed = (owner, _Feed())
+        return self._new_feed[1]
 
     def _record(self, cap, body) -> tuple[Any, list]:
         """Capture body() into a CUDA graph (launched on this backend's graph stream), with `cap` (a _Capture or
@@ -1575,9 +1632,10 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             cap.stream = replay_stream
         return graph, kept
 
-    def _capture_graph(self, key, run, ids, pos, owner, watch, io, link_seconds):
+    def _capture_graph(self, key, run, ids, pos, owner, watch, io, link_seconds, feed=None, chained=False):
         host_in, host_out = io
         cap = _Capture(self._graph_stream_for_capture())
+        cap.feed = feed
         cap.write_inputs(int(ids[0]), pos)
 
         def body() -> None:
@@ -1600,7 +1658,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         # the live graphs of one sequence (one per stage this backend runs); others are dropped
         self._graphs = {k: g for k, g in self._graphs.items() if g.states is owner}
         self._graphs[key] = rec
+        self._new_feed = None  # the feed is found through the graph from now on
+        if feed is not None and not chained:
+            cap.send_token()
         graph.launch(cap.stream)
+        if feed is not None:
+            feed.fresh = isinstance(cap.result, TopLogits)
         cap.wait()
         return rec.result()
 
@@ -1740,6 +1803,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         is measured alone: a small array left alive keeps its whole pool chunk). The RoPE tables go too;
         they are made again when next needed."""
         self._graphs = {}
+        self._new_feed = None
         self._batch_graphs = {}  # [batched decode]
         self._rope_tables = {}
         from minecart.kernels import hfma2

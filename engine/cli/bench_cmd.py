@@ -241,7 +241,9 @@ def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, 
                     pool: ExpertPool | None = None) -> tuple[float, dict[str, float]]:
     """Seconds of `steps` greedy decode steps after a prefill of `ids` and one untimed step, and what
     the expert pool's counters (`ExpertPool.profile`) moved by over them (empty without a pool). Each
-    step returns its largest logit only (top=1), as a greedy generation's does (engine/sampling.py)."""
+    step returns its largest logit only (top=1) and is launched behind the one before it, which feeds it
+    its pick on the device, as a greedy generation's steps are (engine/generation.py; where that is not
+    possible, after the host has the pick)."""
     s = model.new_session(len(ids) + steps + 8)
     logits = s.prefill(ids, chunk=chunk or len(ids))
     assert logits is not None
@@ -250,9 +252,14 @@ def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, 
 
     def decode() -> None:
         nonlocal top
-        for _ in range(steps):
-            assert isinstance(top, TopLogits)
-            top = s.step(int(top.ids[0, 0]), top=1)
+        assert isinstance(top, TopLogits)
+        launched = s.launch_step(int(top.ids[0, 0]), top=1)
+        for _ in range(steps - 1):
+            ahead = s.launch_next(launched, top=1)
+            out = launched.result()
+            assert isinstance(out, TopLogits)
+            launched = ahead if ahead is not None else s.launch_step(int(out.ids[0, 0]), top=1)
+        top = launched.result()
 
     dt = _timed(decode, backend)
     moved = {key: v - before[key] for key, v in pool.profile().items()} if pool is not None else {}

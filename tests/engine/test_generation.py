@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from minecart.engine.generation import GenerationEvent, StopStrings, TextStream, generate
 from minecart.engine.model import load_model
-from minecart.engine.sampling import LaunchedStep, greedy_params
+from minecart.engine.sampling import LaunchedStep, TopLogits, greedy_params
+from minecart.engine.session import Session
 
 EOS = 256
 
@@ -60,6 +61,9 @@ class ScriptedSession:
         time.sleep(self.delay)
         self.tokens.append(token)
         return LaunchedStep.done(self._logits())
+
+    def launch_next(self, prev, top=1):  # no device to feed a pick to the next step
+        return None
 
     def checkpoint(self):
         self.checkpoints += 1
@@ -198,6 +202,97 @@ def test_the_next_step_runs_while_the_consumer_has_the_token():
         if len(model.session.tokens) == 3:
             cancel.set()
     assert log[-3:] == [("event", None), ("result", 3), ("event", "cancelled")]
+
+
+class ChainModel:
+    """A model under a real Session whose greedy pick after token t is (7 t + 3) % 256, with the
+    launches a device runs: launch_decode's and launch_next's steps finish only when waited for, and a
+    launch_next step knows its token only as the pick of the step launched before it."""
+
+    is_base_model = False
+    vision = None
+    placement = None
+    chat_template = None
+
+    def __init__(self, chain=True):
+        self.tokenizer = ByteTokenizer()
+        self.config = SimpleNamespace(context_length=0, vocab_size=EOS + 1)
+        self.path = Path("chain.gguf")
+        self.chain = chain
+        self.launched: list[int] = []  # the token of each launch, as the device would see it
+        self.chained = 0
+        self.waits: list[int] = []  # the token of each step whose result was taken
+
+    @staticmethod
+    def pick(t):
+        return (7 * t + 3) % 256
+
+    def _row(self, token, top):
+        if top:
+            return TopLogits(np.array([[10.0]], np.float32), np.array([[self.pick(token)]], np.int32))
+        row = np.zeros((1, EOS + 1), np.float32)
+        row[0, self.pick(token)] = 10.0
+        return row
+
+    def new_state(self, capacity=None):
+        return []
+
+    def new_session(self, capacity=None):
+        return Session(self, capacity=64)
+
+    def _free_states(self, states):
+        pass
+
+    def forward(self, ids, states, positions, **kw):
+        return self._row(ids[-1], kw.get("top", 0))
+
+    def _launch(self, token, top):
+        self.launched.append(token)
+
+        def finish():
+            self.waits.append(token)
+            return self._row(token, top)
+
+        return LaunchedStep(finish)
+
+    def launch_decode(self, token, states, positions, top=0):
+        return self._launch(token, top)
+
+    def launch_next(self, states, positions, top=1):
+        if not self.chain:
+            return None
+        self.chained += 1
+        return self._launch(self.pick(self.launched[-1]), top)
+
+
+def test_greedy_steps_are_chained_and_the_session_fills_in_their_tokens():
+    """Picking greedily, generate launches the step of the next pick behind the step of this token
+    (Session.launch_next), before the host has that pick: the tokens are the ones stepping one at a
+    time gives, the session's history holds each pick once its step before is waited for, and the last
+    token (max_tokens) gets no step of its own."""
+    want = [5]
+    for _ in range(12):
+        want.append(ChainModel.pick(want[-1]))
+    runs = {}
+    for chain in (True, False):
+        model = ChainModel(chain)
+        session = model.new_session()
+        events = list(generate(model, [5], greedy_params(max_tokens=12), session=session))
+        runs[chain] = (model, session, [e.token for e in events])
+    (on, s_on, got_on), (off, s_off, got_off) = runs[True], runs[False]
+    assert got_on == got_off == want[1:]
+    assert s_on.tokens == s_off.tokens == want[:12]  # the 12th token is not stepped
+    assert on.launched == off.launched == want[1:12] and on.waits == want[1:12]  # the prompt: forward
+    assert on.chained == 10 and off.chained == 0  # every step but the first
+    s_on.close()
+    s_off.close()
+    # an end token seen while its own step runs already: that step is waited for before generate ends
+    model = ChainModel(True)
+    session = model.new_session()
+    events = list(generate(model, [5], greedy_params(max_tokens=12, stop_token_ids=[want[6]]), session=session))
+    assert events[-1].finish_reason == "stop" and events[-1].token == want[6]
+    assert session.tokens == want[:7] and model.waits == want[1:7]  # one step past the answer
+    session.close()
 
 
 def test_cancel_from_another_thread():

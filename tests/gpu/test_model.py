@@ -143,3 +143,51 @@ def test_launched_steps_are_the_waited_steps(fixtures_dir, top):
     assert pending >= 20, f"only {pending} of 24 launched steps came back before their result was taken"
     b.close()
     a.close()
+
+
+def test_chained_steps_are_the_greedy_steps(fixtures_dir):
+    """Steps launched behind each other with the pick fed on the device (Session.launch_next: the host
+    never sees a token before the next step starts) give the greedy continuation of steps taken one at
+    a time, bit for bit, through a KV cache that must grow on the way (a step that cannot be chained
+    then runs with its token from the host, and chaining picks up again), and a greedy generate gives
+    the same tokens."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.model import load_model
+    from minecart.engine.sampling import TopLogits, greedy_params
+
+    seqs = {s["name"]: s for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
+    prompt = seqs["len70"]["ids"]
+    model = load_model(fixtures_dir / FIXTURES["q8_0"], backend=CupyBackend("cuda:0", path="dp4a"))
+    a, b = model.new_session(len(prompt) + 4), model.new_session(len(prompt) + 4)  # caches must grow
+    first = int(np.argmax(a.prefill(prompt)))
+    b.prefill(prompt)
+    n = 48
+    want, token = [], first
+    for _ in range(n):
+        top = a.step(token, top=1)
+        want.append((float(top.values[0, 0]), int(top.ids[0, 0])))
+        token = int(top.ids[0, 0])
+    got, chained = [], 0
+    launched = b.launch_step(first, top=1)
+    for i in range(n):
+        ahead = b.launch_next(launched, top=1) if i + 1 < n else None
+        chained += ahead is not None
+        out = launched.result()
+        assert isinstance(out, TopLogits)
+        got.append((float(out.values[0, 0]), int(out.ids[0, 0])))
+        if i + 1 < n:
+            launched = ahead if ahead is not None else b.launch_step(int(out.ids[0, 0]), top=1)
+    assert got == want
+    assert b.tokens == a.tokens and b.position == a.position
+    assert 40 <= chained < n - 1, f"{chained} of {n - 1} steps chained"  # growth steps are not
+    c = model.new_session()  # the capacity generate gives its own session: no growth on the way
+    c.prefill(prompt)
+    alone, token = [first], first
+    for _ in range(n - 1):
+        token = int(c.step(token, top=1).ids[0, 0])
+        alone.append(token)
+    events = list(model.generate(prompt, greedy_params(max_tokens=n)))
+    assert [e.token for e in events] == alone
+    c.close()
+    b.close()
+    a.close()
