@@ -428,8 +428,13 @@ class _DecodeGraph:
         return True if self.sends else _host_copy(self.cap.result, self)
 
     def finish(self):
-        """The wait and the result of a launch that did not wait (replay with wait=False)."""
-        self.cap.wait()
+        """The wait and the result of a launch that did not wait (replay with wait=False): for this
+        launch's end only (`done`, recorded after it), not for a chained step launched behind it on the
+        same stream; a graph with host functions is waited for through its sleeper (cap.wait)."""
+        if self.cap.sleeper is None:
+            self.done.synchronize()
+        else:
+            self.cap.wait()
         return self.result()
 
     def guarded(self, fetch):

@@ -247,7 +247,13 @@ def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, 
     s = model.new_session(len(ids) + steps + 8)
     logits = s.prefill(ids, chunk=chunk or len(ids))
     assert logits is not None
-    top = s.step(int(np.argmax(logits)), top=1)  # first step outside the timing
+    # two steps outside the timing, the second chained: each captures its graph (CupyBackend keeps two
+    # a sequence, so that a chained step never rewrites the buffers of the one before it)
+    launched = s.launch_step(int(np.argmax(logits)), top=1)
+    ahead = s.launch_next(launched, top=1)
+    out = launched.result()
+    assert isinstance(out, TopLogits)
+    top = ahead.result() if ahead is not None else s.step(int(out.ids[0, 0]), top=1)
     before = pool.profile() if pool is not None else {}
 
     def decode() -> None:
