@@ -331,6 +331,7 @@ class Session:
 
     def can_restore(self, snap: Snapshot) -> bool:
         """True while the KV prefix the snapshot refers to is intact (its tokens prefix the history)."""
+        self._settle()
         n = snap.n_tokens
         return n <= len(self.tokens) and tuple(self.tokens[:n]) == snap.tokens
 
@@ -411,6 +412,7 @@ class Session:
 
     def truncate(self, n_tokens: int, chunk: int | None = PREFILL_CHUNK) -> None:
         """Keep only the first n_tokens of the history (re-prefilling from a snapshot where needed)."""
+        self._settle()
         n = int(n_tokens)
         if not 0 <= n <= len(self.tokens):
             raise ValueError(f"cannot truncate a session of {len(self.tokens)} tokens to {n}")
@@ -429,6 +431,7 @@ class Session:
         Reuses the longest common prefix with the current history; `computed_tokens` tells how many
         tokens actually ran. `positions` ((T,) or (3, T)) and `embed_override` describe the whole
         prompt, as for prefill; rows given as embeddings match only the same embeddings."""
+        self._settle()
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("sync needs at least one token")
