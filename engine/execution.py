@@ -316,6 +316,12 @@ class HostBridge:
 # Stages and the executor
 
 
+def _first_token(positions) -> bool:
+    """Whether a one-token pass is its sequence's very first token (position 0): it runs eagerly, its
+    states being fresh (a capture there failed once and switched the backend's graphs off)."""
+    return int(np.asarray(positions).reshape(-1)[0]) == 0
+
+
 @dataclass
 class Stage:
     """A run of consecutive parts on one device."""
@@ -504,15 +510,13 @@ class Executor:
         eager step, a sequence's first token) runs here and comes back done."""
         top = self._top(top)
         positions = np.asarray(positions)
-        c = _Chunk(0, [int(token)], positions, None, "last", top)
-        first = int(positions.reshape(-1)[0]) == 0
-        inline = not self.pipelined or self.inline_single_chunk
-        if first or not inline:
-            out = self.forward(c.ids, states, positions, top=top)
+        ids = [int(token)]
+        if _first_token(positions) or (self.pipelined and not self.inline_single_chunk):
+            out = self.forward(ids, states, positions, top=top)
             assert out is not None  # rows="last" always has logits
             return LaunchedStep.done(out)
         with self._call_lock:  # the launch is serialized with other passes; its wait is the caller's
-            launched = self._decode_step(c.ids, states, positions, top, defer=True)
+            launched = self._decode_step(ids, states, positions, top, defer=True)
         return launched if isinstance(launched, LaunchedStep) else LaunchedStep.done(launched)
 
     def launch_next(self, states: list, positions, top: int) -> LaunchedStep | None:
@@ -620,8 +624,8 @@ class Executor:
         stage through the bridges (nothing to overlap; thread hand-offs would only add latency)."""
         # a sequence's very first token (a one-token prompt) runs eagerly: its states are fresh, and a
         # capture there failed once and switched the backend's graphs off (tests/gpu/test_batch_mixers.py)
-        first = int(np.asarray(c.positions).reshape(-1)[0]) == 0
-        if len(c.ids) == 1 and c.rows == "last" and hook is None and c.override is None and not first:
+        if len(c.ids) == 1 and c.rows == "last" and hook is None and c.override is None and \
+                not _first_token(c.positions):
             out = self._decode_step(c.ids, states, c.positions, c.top)
             assert not isinstance(out, LaunchedStep)  # waited for (defer is False)
             return out

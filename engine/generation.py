@@ -292,7 +292,7 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
         return shown + stops.flush()
 
     # greedy without penalties: the device feeds each pick to the next step itself, one step ahead
-    chain = sampler.chains and sampler.candidates == 1
+    chain = sampler.chains
     ahead: LaunchedStep | None = None  # the step of the token about to be picked, launched already
     try:
         if max_tokens == 0:

@@ -326,11 +326,16 @@ class _Capture:
             raise RuntimeError("a captured decode step embeds exactly one token")
         return self.dev[0:1] if self.feed is None else self.feed.arr[0:1]
 
-    def send_token(self) -> None:
-        """Queue the copy of the host's token (slot 0 of the pinned inputs) into the feed."""
-        assert self.feed is not None
-        cp.cuda.runtime.memcpyAsync(self.feed.arr.data.ptr, self.host.ctypes.data, 4,
-                                    cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+    def launch(self, graph, chained: bool = False) -> None:
+        """Launch the step's graph on this capture's stream. With a feed, the host's token (slot 0 of
+        the pinned inputs) is copied there first, unless the step is chained (its token is there
+        already); after it the feed holds this step's pick when the step leaves top logits."""
+        if self.feed is not None and not chained:
+            cp.cuda.runtime.memcpyAsync(self.feed.arr.data.ptr, self.host.ctypes.data, 4,
+                                        cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        graph.launch(self.stream)
+        if self.feed is not None:
+            self.feed.fresh = isinstance(self.result, TopLogits)
 
     def positions_dev(self, pos):
         return self.dev[1:4].reshape(3, 1)
@@ -459,12 +464,8 @@ class _DecodeGraph:
             cap.host[4 + i] = c.length
         if after is not None:
             cap.stream.wait_event(after)
-        if cap.feed is not None and not chained:
-            cap.send_token()
         self.launches += 1
-        self.graph.launch(cap.stream)
-        if cap.feed is not None:
-            cap.feed.fresh = isinstance(cap.result, TopLogits)
+        cap.launch(self.graph, chained)
         for c, _ in cap.caches:
             c.length += 1
         if not wait:
@@ -643,7 +644,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self.probe_record: dict | None = None
         self._capture: _Capture | None = None  # set while a decode step is being captured
         self._graphs: dict[Any, _DecodeGraph] = {}
-        self._new_feed: tuple[Any, _Feed] | None = None  # a feed made for a sequence before its first graph
         self._graph_stream = None
         self._cap_stream = None
         self._batch_graphs: dict[Any, _BatchGraph] = {}  # batched decode steps, most recently used last
@@ -1555,10 +1555,10 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return None
         watch = owner if watch is None else watch
         io = (host_in, host_out)
-        feed = self._feed_of(owner) if host_in is None else None
-        if chained and (feed is None or not feed.fresh or wait or host_out is not None):
-            return None
-        if feed is not None and chained:
+        feed = self._feed_of(owner)  # None before the sequence's first graph
+        if chained:
+            if feed is None or not feed.fresh or wait or host_in is not None or host_out is not None:
+                return None
             feed.parity ^= 1  # the graph not running now
         key = (key, feed.parity if feed is not None else 0)
         rec = self._graphs.get(key)
@@ -1578,14 +1578,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 return LaunchedStep(rec.finish)
             return rec.replay(int(ids[0]), pos, after, wait or host_out is None)
 
-    def _feed_of(self, owner) -> _Feed:
-        """The token feed of `owner`'s decode graphs (shared by them all), new for a sequence without one."""
+    def _feed_of(self, owner) -> _Feed | None:
+        """The token feed of `owner`'s decode graphs (shared by them all), or None before its first one."""
         for rec in self._graphs.values():
             if rec.states is owner and rec.cap.feed is not None:
                 return rec.cap.feed
-        if self._new_feed is None or self._new_feed[0] is not owner:
-            self._new_feed = (owner, _Feed())
-        return self._new_feed[1]
+        return None
 
     def _record(self, cap, body) -> tuple[Any, list]:
         """Capture body() into a CUDA graph (launched on this backend's graph stream), with `cap` (a _Capture or
@@ -1640,7 +1638,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
     def _capture_graph(self, key, run, ids, pos, owner, watch, io, link_seconds, feed=None, chained=False):
         host_in, host_out = io
         cap = _Capture(self._graph_stream_for_capture())
-        cap.feed = feed
+        if host_in is None:  # the stage embeds its token: from the sequence's feed (a new one at first)
+            cap.feed = feed if feed is not None else _Feed()
         cap.write_inputs(int(ids[0]), pos)
 
         def body() -> None:
@@ -1663,12 +1662,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         # the live graphs of one sequence (one per stage this backend runs); others are dropped
         self._graphs = {k: g for k, g in self._graphs.items() if g.states is owner}
         self._graphs[key] = rec
-        self._new_feed = None  # the feed is found through the graph from now on
-        if feed is not None and not chained:
-            cap.send_token()
-        graph.launch(cap.stream)
-        if feed is not None:
-            feed.fresh = isinstance(cap.result, TopLogits)
+        cap.launch(graph, chained)
         cap.wait()
         return rec.result()
 
@@ -1808,7 +1802,6 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         is measured alone: a small array left alive keeps its whole pool chunk). The RoPE tables go too;
         they are made again when next needed."""
         self._graphs = {}
-        self._new_feed = None
         self._batch_graphs = {}  # [batched decode]
         self._rope_tables = {}
         from minecart.kernels import hfma2

@@ -247,25 +247,28 @@ def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, 
     s = model.new_session(len(ids) + steps + 8)
     logits = s.prefill(ids, chunk=chunk or len(ids))
     assert logits is not None
-    # two steps outside the timing, the second chained: each captures its graph (CupyBackend keeps two
-    # a sequence, so that a chained step never rewrites the buffers of the one before it)
-    launched = s.launch_step(int(np.argmax(logits)), top=1)
-    ahead = s.launch_next(launched, top=1)
-    out = launched.result()
-    assert isinstance(out, TopLogits)
-    top = ahead.result() if ahead is not None else s.step(int(out.ids[0, 0]), top=1)
-    before = pool.profile() if pool is not None else {}
 
-    def decode() -> None:
-        nonlocal top
-        assert isinstance(top, TopLogits)
-        launched = s.launch_step(int(top.ids[0, 0]), top=1)
-        for _ in range(steps - 1):
+    def greedy(token: int, n: int) -> TopLogits:
+        """n greedy steps from `token`, each launched behind the one before it (Session.launch_next)
+        where the device allows, else after the host has the pick; the last step's top logit."""
+        launched = s.launch_step(token, top=1)
+        for _ in range(n - 1):
             ahead = s.launch_next(launched, top=1)
             out = launched.result()
             assert isinstance(out, TopLogits)
             launched = ahead if ahead is not None else s.launch_step(int(out.ids[0, 0]), top=1)
-        top = launched.result()
+        out = launched.result()
+        assert isinstance(out, TopLogits)
+        return out
+
+    # two steps outside the timing, the second chained: each captures its graph (CupyBackend keeps two
+    # a sequence, so that a chained step never rewrites the buffers of the one before it)
+    top = greedy(int(np.argmax(logits)), 2)
+    before = pool.profile() if pool is not None else {}
+
+    def decode() -> None:
+        nonlocal top
+        top = greedy(int(top.ids[0, 0]), steps)
 
     dt = _timed(decode, backend)
     moved = {key: v - before[key] for key, v in pool.profile().items()} if pool is not None else {}
