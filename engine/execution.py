@@ -69,7 +69,7 @@ from .placement import (
     streams_experts,
 )
 from .rig import Rig, device_spec
-from .sampling import LaunchedStep, TopLogits
+from .sampling import LaunchedStep, PickSpec, TopLogits
 
 HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
 
@@ -435,6 +435,7 @@ class Executor:
         # simulated link passes its time inside their graphs (engine/rig.py RigBackend.graph_step)
         self.chain_graphs = True
         self.graphed_stage_steps = 0  # decode stage runs replayed (or captured) as graphs
+        self.chained_steps = 0  # of those, steps launched on the device's pick of the step before (launch_next)
         self.eager_stage_steps = 0  # decode stage runs done eagerly (no graph, or not valid this step)
         self.batch_graph_steps = 0  # batched decode steps replayed (or captured) as one graph
         self._last_batch: tuple[int, ...] = ()  # ids of the previous batched decode step's sequences
@@ -503,11 +504,14 @@ class Executor:
         got = [o for o in out if o is not None]
         return got[-1] if rows == "last" else (got[0] if len(got) == 1 else np.concatenate(got, axis=0))
 
-    def launch_decode(self, token: int, states: list, positions, top: int = 0) -> LaunchedStep:
+    def launch_decode(self, token: int, states: list, positions, top: int = 0,
+                      pick: PickSpec | None = None) -> LaunchedStep:
         """One decode step (`token` at `positions`, (1,) or (3, 1)) launched without a host wait where
         the stages' graphs replay: the host may work meanwhile, and result() gives what
         forward([token], states, positions, top=top) returns. Anything else (no graphs, a capture, an
-        eager step, a sequence's first token) runs here and comes back done."""
+        eager step, a sequence's first token) runs here and comes back done. pick: how a graphed step
+        draws the next token from its top logits on the device (TopLogits.picks; a next step can then
+        be chained on it, launch_next)."""
         top = self._top(top)
         positions = np.asarray(positions)
         ids = [int(token)]
@@ -516,16 +520,16 @@ class Executor:
             assert out is not None  # rows="last" always has logits
             return LaunchedStep.done(out)
         with self._call_lock:  # the launch is serialized with other passes; its wait is the caller's
-            launched = self._decode_step(ids, states, positions, top, defer=True)
+            launched = self._decode_step(ids, states, positions, top, defer=True, pick=pick)
         return launched if isinstance(launched, LaunchedStep) else LaunchedStep.done(launched)
 
-    def launch_next(self, states: list, positions, top: int) -> LaunchedStep | None:
-        """The decode step whose token is the greedy pick (the top logits' first id) of this sequence's
-        previous step, launched behind that step before the host has seen the pick: the device goes
-        from one token to the next without waiting for the host. positions: the new token's. None when
-        that is not possible (several stages, graphs off, whole rows, a previous step that did not
-        leave its pick on the device, a capture that failed): the caller takes the previous step's
-        result and launches its pick with launch_decode."""
+    def launch_next(self, states: list, positions, top: int, pick: PickSpec) -> LaunchedStep | None:
+        """The decode step whose token is the device's pick of this sequence's previous step (launched
+        with a PickSpec), launched behind that step before the host has seen the pick: the device goes
+        from one token to the next without waiting for the host. positions: the new token's; pick: how
+        this step draws its own. None when that is not possible (several stages, graphs off, whole
+        rows, a previous step that did not leave its pick on the device, a capture that failed): the
+        caller takes the previous step's result and launches its pick with launch_decode."""
         top = self._top(top)
         if len(self.stages) != 1 or not self.use_graphs or not top:
             return None
@@ -537,10 +541,12 @@ class Executor:
 
         with self._call_lock:
             done = stage.backend.graph_step(("stage", 0, top), run, [0], positions, owner=states,
-                                            watch=[states[i] for i in stage.layers], wait=False, chained=True)
+                                            watch=[states[i] for i in stage.layers], wait=False, chained=True,
+                                            pick=pick)
         if done is None:
             return None
         self.graphed_stage_steps += 1
+        self.chained_steps += 1
         return done if isinstance(done, LaunchedStep) else LaunchedStep.done(done)
 
     def _top(self, top: int) -> int:
@@ -689,22 +695,24 @@ class Executor:
 
     # ---- decode: one token, each stage through its backend's graph_step ---------------------------------
     def _decode_step(self, ids: list[int], states: list, positions, top: int,
-                     defer: bool = False) -> np.ndarray | TopLogits | LaunchedStep:
-        """defer: the last stage's graph may be launched without a host wait (a LaunchedStep)."""
+                     defer: bool = False, pick: PickSpec | None = None) -> np.ndarray | TopLogits | LaunchedStep:
+        """defer: the last stage's graph may be launched without a host wait (a LaunchedStep); pick:
+        the last stage's (graph_step)."""
         last = len(self.stages) - 1
         out = pending = None
         for s, stage in enumerate(self.stages):
             host_in = self.bridges[s - 1].step_buffer if s else None
             host_out = self.bridges[s].step_buffer if s < last else None
             out, pending = self._decode_stage(s, stage, ids, states, positions, host_in, host_out, pending,
-                                              top if s == last else 0, defer and s == last)
+                                              top if s == last else 0, defer and s == last,
+                                              pick if s == last else None)
             if host_out is not None:
                 self.bridges[s].bytes_moved += host_out.nbytes
         assert out is not None
         return out
 
     def _decode_stage(self, s: int, stage: Stage, ids, states, positions, host_in, host_out, pending,
-                      top: int, defer: bool = False):
+                      top: int, defer: bool = False, pick: PickSpec | None = None):
         """One stage of a decode step -> (host logits of the last stage (TopLogits with top > 0; with
         defer, possibly a LaunchedStep not waited for) or None, the event of a graph launched without a
         host wait or None). pending: such an event of the previous stage."""
@@ -717,7 +725,7 @@ class Executor:
             done = be.graph_step(("stage", s, top), run, ids, positions, owner=states,
                                  watch=[states[i] for i in stage.layers], host_in=host_in,
                                  host_out=host_out, after=pending,
-                                 wait=not defer if host_out is None else not self.chain_graphs)
+                                 wait=not defer if host_out is None else not self.chain_graphs, pick=pick)
             if done is not None:
                 self.graphed_stage_steps += 1
                 if host_out is None:

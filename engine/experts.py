@@ -49,6 +49,7 @@ from .placement import (
     stream_min_tokens_for,
 )
 from .rig import RigBackend
+from .sampling import PickSpec
 from .threads import expert_threads
 
 _LAYER = re.compile(r"blk\.(\d+)\.")
@@ -367,7 +368,7 @@ class ExpertsApart:
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
-                   chained: bool = False) -> Any:
+                   chained: bool = False, pick: PickSpec | None = None) -> Any:
         """The inner backend's captured step: with experts in host RAM the graph holds each layer's round
         trip (copies and a host function, `_host_moe`). None (run eagerly) when experts sit on another
         device: that round trip goes through this thread and cannot be captured."""
@@ -380,6 +381,6 @@ class ExpertsApart:
             # function's error is raised by this step, not by a later wait
             return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch,
                                           host_in=host_in, host_out=host_out, after=after,
-                                          wait=wait or host_out is None, link_seconds=link_seconds)
+                                          wait=wait or host_out is None, link_seconds=link_seconds, pick=pick)
         finally:
             self._raise_host_error()

@@ -291,7 +291,8 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
         shown, _ = stops.feed(tail)
         return shown + stops.flush()
 
-    # greedy without penalties: the device feeds each pick to the next step itself, one step ahead
+    # no penalties, greedy or top-k: the device draws each pick and feeds it to the next step itself,
+    # one step ahead (the uniform numbers in the sampler's order: Sampler.pick_spec)
     chain = sampler.chains
     ahead: LaunchedStep | None = None  # the step of the token about to be picked, launched already
     try:
@@ -320,13 +321,16 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
             # computes while the consumer shows or sends the token (the same steps as stepping after)
             if ahead is not None and session.tokens[-1] != token:
                 raise RuntimeError(f"the device fed token {session.tokens[-1]} where the pick was {token}")
-            launched = ahead if ahead is not None else session.launch_step(token, top=sampler.candidates)
+            launched = ahead if ahead is not None else \
+                session.launch_step(token, top=sampler.candidates, pick=sampler.pick_spec(0))
             ahead = None
-            # and, picking greedily, the step of the next pick behind it, unless that pick is the last
-            # token (an end token found then leaves one step run past the answer, which the next turn
-            # either reuses or rewinds)
+            # and, where the device picks, the step of the next pick behind it, unless that pick is the
+            # last token (an end token found then leaves one step run past the answer, which the next
+            # turn either reuses or rewinds)
             if chain and clock.n_gen + 1 < max_tokens and clock.n_prompt + clock.n_gen + 1 < limit:
-                ahead = session.launch_next(launched, top=1)
+                spec = sampler.pick_spec(1)
+                assert spec is not None  # the sampler chains
+                ahead = session.launch_next(launched, top=sampler.candidates, pick=spec)
             yield clock.event(token, shown)
             if cancel is not None and cancel.is_set():
                 launched.result()  # the session's states are settled before the loop ends

@@ -48,7 +48,7 @@ from .placement import (
     model_costs,
     streams_experts,
 )
-from .sampling import LaunchedStep
+from .sampling import LaunchedStep, PickSpec
 from .session import Session, initial_capacity
 from .tokenizer import Tokenizer
 from .vision import VisionTower, attach_vision
@@ -176,15 +176,17 @@ class Model:
         return self.executor.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
                                      chunk=chunk, cancel=cancel, embed_override=embed_override, top=top)
 
-    def launch_decode(self, token: int, states, positions, top: int = 0) -> LaunchedStep:
+    def launch_decode(self, token: int, states, positions, top: int = 0,
+                      pick: PickSpec | None = None) -> LaunchedStep:
         """One decode step launched without a host wait where the device allows it (the executor's
-        launch_decode): result() gives what forward([token], ...) would have returned."""
-        return self.executor.launch_decode(token, states, positions, top=top)
+        launch_decode): result() gives what forward([token], ...) would have returned; with `pick` the
+        device also draws the next token (TopLogits.picks)."""
+        return self.executor.launch_decode(token, states, positions, top=top, pick=pick)
 
-    def launch_next(self, states, positions, top: int = 1) -> LaunchedStep | None:
-        """The step of the previous step's greedy pick, launched on the device before the host has it
+    def launch_next(self, states, positions, top: int, pick: PickSpec) -> LaunchedStep | None:
+        """The step of the previous step's device pick, launched on the device before the host has it
         (the executor's launch_next), or None when that is not possible."""
-        return self.executor.launch_next(states, positions, top=top)
+        return self.executor.launch_next(states, positions, top=top, pick=pick)
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         # default: the whole context limit of a planned model (its memory estimate assumed it; see

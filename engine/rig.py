@@ -50,6 +50,7 @@ from .devices import DeviceInfo
 from .errors import DeviceError, OutOfDeviceMemory
 from .gguf_file import TensorInfo
 from .placement import DeviceSpec, DeviceSpeed, GiB, KiB, Link, MiB, check_device_name, format_bytes
+from .sampling import PickSpec
 
 # ------------------------------------------------------------------------------------------------
 # Links (Link itself lives in engine/placement.py, whose speed prediction prices them)
@@ -330,7 +331,7 @@ class RigBackend:
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
-                   chained: bool = False):
+                   chained: bool = False, pick: PickSpec | None = None):
         """The real backend's captured decode step (engine/execution.py) with this device's link charged
         for the hidden state the step receives (`host_in`) and sends (`host_out`), where a riser's copy
         would take it: inside a CUDA device's graph, the stream is held for the link's time before the
@@ -342,13 +343,13 @@ class RigBackend:
         if link is None or (host_in is None and host_out is None):
             return self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch, host_in=host_in,
                                           host_out=host_out, after=after, wait=wait, link_seconds=link_seconds,
-                                          chained=chained)
+                                          chained=chained, pick=pick)
         crossed = [0 if b is None else int(b.nbytes) for b in (host_in, host_out)]
         held = (0.0 if host_in is None else link.seconds(crossed[0]),
                 0.0 if host_out is None else link.seconds(crossed[1]))
         done = self._inner.graph_step(key, run, ids, positions, owner=owner, watch=watch, host_in=host_in,
                                       host_out=host_out, after=after, wait=wait, link_seconds=held,
-                                      chained=chained)
+                                      chained=chained, pick=pick)
         if done is not None:
             with self._lock:
                 self.transferred_bytes += sum(crossed)

@@ -22,13 +22,19 @@ outside them (the smallest candidate bounds those, and a penalty never raises on
 reads the whole row from where the step left it (`TopLogits.whole_row`: still on the device until the
 sequence's next step).
 
+A pick from the top logits can also be made by the device, at the end of the step (`PickSpec`: the
+kernel pick_top in kernels/sampling.cu does what `draw_from_top` does here, in float64), so that the
+step of the next token starts before the host has seen it (Session.launch_next). The uniform number of
+each pick is drawn in the same order either way (Sampler.pick_spec looks ahead in the sampler's own
+stream), so a seeded generation gives the same tokens whichever side picks.
+
 What this file is not: the generate loop (generation.py) or stop handling.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -57,10 +63,15 @@ class TopLogits:
     ids: np.ndarray
     fetch: Callable[[int], np.ndarray] | None = field(default=None, repr=False, compare=False)
     first: int = 0  # row 0 here is row `first` of what fetch reads
+    # (T,) the token the device drew from each row with the PickSpec the step was launched with (the
+    # token a chained next step was fed); None: the step was launched without one
+    picks: np.ndarray | None = None
 
     def row(self, i: int) -> TopLogits:
         """Row i alone, (1, k), copied (a view would keep the whole step's arrays alive)."""
-        return TopLogits(self.values[i : i + 1].copy(), self.ids[i : i + 1].copy(), self.fetch, self.first + i)
+        picks = None if self.picks is None else self.picks[i : i + 1].copy()
+        return TopLogits(self.values[i : i + 1].copy(), self.ids[i : i + 1].copy(), self.fetch, self.first + i,
+                         picks)
 
     def whole_row(self, i: int = 0) -> np.ndarray:
         """Row i's whole logits (vocab,) float32 (a copy from the device, for a pick the top logits do
@@ -68,6 +79,25 @@ class TopLogits:
         if self.fetch is None:
             raise RuntimeError("these top logits were returned without their whole rows")
         return np.asarray(self.fetch(self.first + i), np.float32).reshape(-1)
+
+
+@dataclass(frozen=True)
+class PickSpec:
+    """How the device draws the next token from a decode step's top logits (kernels/sampling.cu
+    pick_top, `draw_from_top` on the host): u the uniform number of this pick, and the sampler's
+    temperature (0: the first id, greedy), top_p and min_p. The top-k is the step's own k."""
+
+    u: float
+    temperature: float
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def as_array(self) -> np.ndarray:
+        """The four float64 values in the order the kernel reads them."""
+        return np.array([self.u, self.temperature, self.top_p, self.min_p], np.float64)
+
+
+GREEDY_PICK = PickSpec(0.0, 0.0)
 
 
 class LaunchedStep:
@@ -252,14 +282,15 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray,
     return _filtered(ids, w / total, params)
 
 
-def _kept_of_top(values: np.ndarray, ids: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def _kept_of_top(values: np.ndarray, ids: np.ndarray,
+                 params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
     """kept_tokens when top-k decides first: the k largest logits (descending, ties by id) and their
     ids. The filters after it see the renormalized top-k distribution."""
     w = np.exp((values.astype(np.float64) - float(values[0])) / float(params.temperature))
     return _filtered(np.asarray(ids, np.int64), w / w.sum(), params)
 
 
-def _filtered(ids: np.ndarray, p: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def _filtered(ids: np.ndarray, p: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
     """The top-p and min-p filters over candidate ids with probabilities p, renormalized."""
     if params.top_p < 1.0:
         order = np.lexsort((ids, -p))  # descending probability, lower id first on ties
@@ -271,6 +302,31 @@ def _filtered(ids: np.ndarray, p: np.ndarray, params: SamplingParams) -> tuple[n
         keep = p >= params.min_p * p.max()
         ids, p = ids[keep], p[keep]
     return ids, p / p.sum()
+
+
+def draw_from_top(values: np.ndarray, ids: np.ndarray, spec: PickSpec) -> int:
+    """The token a pick with `spec` draws from one row's k largest logits (descending, equal values in
+    ascending id order) and their ids: the first id when greedy, else the inverse CDF at spec.u over
+    the tempered, top-p and min-p filtered distribution of the k (float64). What the device's pick_top
+    computes (kernels/sampling.cu), and the host's pick from top logits."""
+    if spec.temperature <= 0:
+        return int(ids[0])
+    kept, p = _kept_of_top(np.asarray(values), np.asarray(ids, np.int64), spec)
+    idx = int(np.searchsorted(np.cumsum(p), spec.u, side="right"))
+    return int(kept[min(idx, len(kept) - 1)])
+
+
+def _could_draw(values: np.ndarray, ids: np.ndarray, spec: PickSpec, token: int, eps: float = 1e-9) -> bool:
+    """Whether `token` is what draw_from_top gives for a spec within eps of `spec` (u, top_p, min_p): a
+    pick the device's float64 arithmetic, summed in another order, may make where u or a filter's
+    threshold lies within rounding of a boundary."""
+    for du in (-eps, eps):
+        for dp in (-eps, eps):
+            for dm in (-eps, eps):
+                near = PickSpec(spec.u + du, spec.temperature, min(1.0, spec.top_p + dp), max(0.0, spec.min_p + dm))
+                if draw_from_top(values, ids, near) == token:
+                    return True
+    return False
 
 
 def filtered_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -306,6 +362,7 @@ class Sampler:
         self.prompt_ids = list(prompt_ids)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(params.seed)
+        self._ahead: deque[float] = deque()  # uniform numbers drawn for picks to come (pick_spec)
 
     def __call__(self, logits: np.ndarray | TopLogits) -> int:
         """Pick the next token from a (vocab,) row, or from its largest logits (at least `candidates`
@@ -321,9 +378,28 @@ class Sampler:
 
     @property
     def chains(self) -> bool:
-        """True when the pick is the step's largest logit whatever came before (greedy, no penalties):
-        the device can feed it to the next step itself (Session.launch_next)."""
-        return self.params.greedy and not self.penalized
+        """True when the device can make this sampler's picks itself from a step's top logits and feed
+        each to the next step (Session.launch_next): no penalties (they depend on the output so far),
+        and greedy or a top-k of at most TOP_CANDIDATES_MAX."""
+        prm = self.params
+        return not self.penalized and (prm.greedy or 0 < prm.top_k <= TOP_CANDIDATES_MAX)
+
+    def pick_spec(self, ahead: int = 0) -> PickSpec | None:
+        """How the device makes the pick `ahead` picks from now (0: the next one) when this sampler
+        chains, else None: its uniform number is drawn now from the sampler's stream, and that pick
+        (on the host or from the device) uses that number."""
+        if not self.chains:
+            return None
+        prm = self.params
+        if prm.greedy:
+            return GREEDY_PICK
+        while len(self._ahead) <= ahead:
+            self._ahead.append(float(self.rng.random()))
+        return PickSpec(self._ahead[ahead], float(prm.temperature), float(prm.top_p), float(prm.min_p))
+
+    def _uniform(self) -> float:
+        """The next pick's uniform number: one a step, in order, reproducible for a seed."""
+        return self._ahead.popleft() if self._ahead else float(self.rng.random())
 
     @property
     def candidates(self) -> int:
@@ -349,7 +425,7 @@ class Sampler:
         x = apply_penalties(logits, self.params, self.prompt_ids, self.generated)
         if self.params.greedy:
             return int(np.argmax(x))
-        u = self.rng.random()  # one uniform number per step: reproducible for a seed
+        u = self._uniform()
         prm = self.params
         if not (prm.top_k and prm.top_k < x.size) and prm.top_p >= 1.0 and prm.min_p <= 0.0:
             # the whole vocabulary: inverse CDF straight over the tempered exponentials
@@ -373,9 +449,12 @@ class Sampler:
             if not pv[order[-1]] > vals[-1]:  # a logit outside the candidates could be among them
                 return self.pick(top.whole_row())
             vals, ids = pv[order], ids[order]
-        if prm.greedy:
-            return int(ids[0])
-        u = self.rng.random()
-        kept, p = _kept_of_top(vals[:k], ids[:k], prm)
-        idx = int(np.searchsorted(np.cumsum(p), u, side="right"))
-        return int(kept[min(idx, len(kept) - 1)])
+        spec = GREEDY_PICK if prm.greedy else PickSpec(self._uniform(), prm.temperature, prm.top_p, prm.min_p)
+        token = draw_from_top(vals[:k], ids[:k], spec)
+        if top.picks is not None and not self.penalized:
+            # the device drew this row's token with the same spec (it fed it to a next step already):
+            # where rounding decides between two tokens, its token is the one the history holds
+            dev = int(top.picks[0])
+            if dev != token and _could_draw(vals[:k], ids[:k], spec, dev):
+                return dev
+        return token

@@ -42,7 +42,7 @@ from .execution import Override, shift_override
 from .generation import GenerationEvent, check_fits_context, generate
 from .prefix_cache import CacheStart, PrefixCache
 from .prompt import PromptInput
-from .sampling import LaunchedStep, SamplingParams, TopLogits
+from .sampling import LaunchedStep, PickSpec, SamplingParams, TopLogits
 from .session import Session
 
 _T = TypeVar("_T")
@@ -170,14 +170,15 @@ class BatchedModel:
         return self.scheduler.run_pass(ids, states, positions, chunk=chunk, cancel=cancel,
                                        embed_override=embed_override, top=top)
 
-    def launch_decode(self, token: int, states, positions, top: int = 0) -> LaunchedStep:
+    def launch_decode(self, token: int, states, positions, top: int = 0,
+                      pick: PickSpec | None = None) -> LaunchedStep:
         """As Model.launch_decode: the pass joins the coming steps at once and result() waits for it,
         so the caller's thread works (hands out its previous token) while the step gathers and runs."""
         work = self.scheduler.submit_pass([int(token)], states, positions, chunk=None, cancel=None,
                                           embed_override=None, top=top)
         return LaunchedStep(lambda: self.scheduler.wait_pass(work))
 
-    def launch_next(self, states, positions, top: int = 1) -> LaunchedStep | None:
+    def launch_next(self, states, positions, top: int, pick: PickSpec) -> LaunchedStep | None:
         """None: a batch step takes every sequence's token from its thread (no chained steps)."""
         return None
 

@@ -40,7 +40,7 @@ from .backends.base import LayerState
 from .errors import ContextFullError, GenerationCancelled
 from .execution import shift_override
 from .placement import Placement
-from .sampling import LaunchedStep, TopLogits
+from .sampling import LaunchedStep, PickSpec, TopLogits
 
 # The id a chained step's token holds in Session.tokens until the step before it is waited for
 # (Session.launch_next); never a token id or an image row's key (those are >= 0, or a crc32 below -1).
@@ -258,27 +258,29 @@ class Session:
         (TopLogits (1, top); what a sampler needs, engine/sampling.py Sampler.candidates)."""
         return self.launch_step(token, top).result()
 
-    def launch_step(self, token: int, top: int = 0) -> LaunchedStep:
+    def launch_step(self, token: int, top: int = 0, pick: PickSpec | None = None) -> LaunchedStep:
         """step() without waiting for it where the device allows (the model's launch_decode): the
         token counts as appended at once; result() returns what step() returns. Take the result before
-        anything else uses this session."""
+        anything else uses this session. pick (with top > 0): how the device draws the next token from
+        the step's top logits (Sampler.pick_spec), so that its step can be chained (launch_next)."""
         self._settle()
         self.computed_tokens = 0
         positions, next_pos, pos3 = self._new_positions(1, None)
-        launched = self.model.launch_decode(int(token), self.states, positions, top=top)
+        launched = self.model.launch_decode(int(token), self.states, positions, top=top, pick=pick)
         self.tokens.append(int(token))
         return self._launched_now(launched, next_pos, pos3)
 
-    def launch_next(self, prev: LaunchedStep, top: int = 1) -> LaunchedStep | None:
-        """The step of prev's greedy pick (its top logits' first id), launched on the device behind
-        prev before the host has seen that pick (the model's launch_next), so the device never waits
-        for the host between them. prev: this session's last launch, its result not taken yet. The
-        pick counts as appended at once (its id is filled in when prev's result is taken). None: not
-        possible here (take prev.result() and launch_step its pick)."""
+    def launch_next(self, prev: LaunchedStep, top: int, pick: PickSpec) -> LaunchedStep | None:
+        """The step of prev's pick (drawn on the device with the PickSpec prev was launched with),
+        launched on the device behind prev before the host has seen that pick (the model's
+        launch_next), so the device never waits for the host between them; `pick`: how this step draws
+        the token after it. prev: this session's last launch, its result not taken yet. The pick counts
+        as appended at once (its id is filled in when prev's result is taken). None: not possible here
+        (take prev.result() and launch_step its pick)."""
         if len(self._launched) != 1 or self._launched[0] is not prev or prev.waited:
             return None
         positions, next_pos, pos3 = self._new_positions(1, None)
-        launched = self.model.launch_next(self.states, positions, top=top)
+        launched = self.model.launch_next(self.states, positions, top=top, pick=pick)
         if launched is None:
             return None
         self.tokens.append(_PICK_PENDING)  # prev's result writes the id (finish below)
@@ -290,14 +292,14 @@ class Session:
         self._positions.extend(pos3)
         self.computed_tokens = 1
         self.last_logits = None
-        at = len(self.tokens)  # where the greedy pick of this step goes if a next step is chained on it
+        at = len(self.tokens)  # where the device's pick of this step goes if a next step is chained on it
 
         def finish() -> np.ndarray | TopLogits:
             out = launched.result()
             self._launched.remove(mine)
             if at < len(self.tokens) and self.tokens[at] == _PICK_PENDING:
-                assert isinstance(out, TopLogits)  # launch_next needs top logits
-                self.tokens[at] = int(out.ids[0, 0])
+                assert isinstance(out, TopLogits) and out.picks is not None  # what launch_next fed on
+                self.tokens[at] = int(out.picks[0])
             if isinstance(out, TopLogits):
                 return out
             self.last_logits = np.asarray(out)[-1]

@@ -865,17 +865,15 @@ TOPK_SLICE = 4096
 TOPK_MAX = 128
 
 
-def top_k(logits: cp.ndarray, k: int, out_ids: cp.ndarray | None = None):
-    """Largest k of each row -> (values (T, k) fp32, ids (T, k) int32) on the device, descending.
-    out_ids: a contiguous int32 (T, k) array the ids are written to (k at most TOPK_MAX)."""
+def top_k(logits: cp.ndarray, k: int):
+    """Largest k of each row -> (values (T, k) fp32, ids (T, k) int32) on the device, descending,
+    equal values in ascending id order."""
     logits = cp.ascontiguousarray(logits, dtype=cp.float32)
     if logits.ndim == 1:
         logits = logits[None, :]
     T, V = logits.shape
     k = max(1, min(int(k), V))
     if k > TOPK_MAX or math.ceil(V / TOPK_SLICE) * k > 8192:
-        if out_ids is not None:
-            raise ValueError(f"top_k: out_ids needs k <= {TOPK_MAX} and the two-stage kernels")
         idx = cp.argsort(-logits, axis=1)[:, :k].astype(cp.int32)
         return cp.take_along_axis(logits, idx, axis=1), idx
     n_slices = math.ceil(V / TOPK_SLICE)
@@ -883,13 +881,30 @@ def top_k(logits: cp.ndarray, k: int, out_ids: cp.ndarray | None = None):
     cand_i = cp.empty((T, n_slices * k), dtype=cp.int32)
     get_kernel("sampling", "topk_stage1")((n_slices, T), (256,), (logits, np.int32(V), np.int32(k), cand_v, cand_i))
     out_v = cp.empty((T, k), dtype=cp.float32)
-    out_i = cp.empty((T, k), dtype=cp.int32) if out_ids is None else out_ids
-    if out_i.shape != (T, k) or out_i.dtype != cp.int32 or not out_i.flags.c_contiguous:
-        raise ValueError(f"top_k: out_ids must be contiguous int32 {(T, k)}, got {out_i.dtype} {out_i.shape}")
+    out_i = cp.empty((T, k), dtype=cp.int32)
     n_cand = n_slices * k
     get_kernel("sampling", "topk_stage2")((T,), (256,), (cand_v, cand_i, np.int32(n_cand), np.int32(k), out_v, out_i),
                                           shared_mem=4 * n_cand)
     return out_v, out_i
+
+
+def pick_top(vals: cp.ndarray, ids: cp.ndarray, prm: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndarray:
+    """The token drawn from each row's k largest logits (top_k's output, (T, k), k <= TOPK_MAX) with
+    that row's float64 (u, temperature, top_p, min_p) in prm (T, 4) -> (T,) int32 ids, written into
+    `out` when given (engine/sampling.py draw_from_top is the host's form)."""
+    T, k = vals.shape
+    if not 0 < k <= TOPK_MAX or ids.shape != (T, k) or ids.dtype != cp.int32 or vals.dtype != cp.float32:
+        raise ValueError(f"pick_top: float32 values and int32 ids (T, k <= {TOPK_MAX}), got {vals.dtype} "
+                         f"{vals.shape} / {ids.dtype} {ids.shape}")
+    if prm.dtype != cp.float64 or prm.size != 4 * T or not prm.flags.c_contiguous:
+        raise ValueError(f"pick_top: prm must be contiguous float64 (T, 4), got {prm.dtype} {prm.shape}")
+    out = cp.empty(T, dtype=cp.int32) if out is None else out
+    if out.dtype != cp.int32 or out.size != T or not out.flags.c_contiguous:
+        raise ValueError(f"pick_top: out must be contiguous int32 ({T},), got {out.dtype} {out.shape}")
+    if T:
+        get_kernel("sampling", "pick_top")((T,), (32,), (cp.ascontiguousarray(vals), cp.ascontiguousarray(ids),
+                                                         np.int32(k), prm, out))
+    return out
 
 
 def moe_route(logits: cp.ndarray, k: int):

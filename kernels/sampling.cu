@@ -3,6 +3,9 @@
 // topk_stage1: a block per (slice of TOPK_SLICE logits, row); the slice sits in shared memory and k
 //   rounds of block argmax (ties -> lower index) pull out its k largest.
 // topk_stage2: a block per row over the slices' candidates, the same k rounds.
+// pick_top:    a warp per row draws a token from the row's k largest logits (topk_stage2's output),
+//   as engine/sampling.py draw_from_top does: float64 tempered weights, the top-p prefix, the min-p
+//   cut, the inverse CDF at the row's uniform number.
 // moe_route:   a block per token: fp32 softmax over E router logits, top-k, renormalized weights.
 // moe_combine: out[t] = sum_s w[t, s] * y[t * k + s].
 
@@ -103,6 +106,76 @@ extern "C" __global__ void topk_stage2(const float* __restrict__ cand_v, const i
         if (i != 0x7fffffff && best_id == bi && v == bv) cbuf[i] = -INFINITY;
         __syncthreads();
     }
+}
+
+#define PICK_PER_LANE 4  // k <= 32 * PICK_PER_LANE (ops.TOPK_MAX)
+
+extern "C" __global__ void pick_top(const float* __restrict__ vals, const int* __restrict__ ids, int k,
+                                    const double* __restrict__ prm, int* __restrict__ out) {
+    // One warp a row. vals/ids (rows, k): descending, equal values in ascending id order. prm (rows, 4):
+    // u, temperature (<= 0: the first id), top_p, min_p. Lane l holds entries [l * e, l * e + e), so
+    // a prefix over lanes is a prefix over the entries in order.
+    int row = blockIdx.x, lane = threadIdx.x;
+    const float* v = vals + (i64)row * k;
+    const int* id = ids + (i64)row * k;
+    const double* q = prm + (i64)row * 4;
+    double u = q[0], t = q[1], top_p = q[2], min_p = q[3];
+    if (t <= 0.0 || k == 1) {
+        if (lane == 0) out[row] = id[0];
+        return;
+    }
+    int e = (k + 31) >> 5;
+    double v0 = (double)v[0];
+    double w[PICK_PER_LANE], c[PICK_PER_LANE];  // weights exp((v - v0) / t), their running sums
+    double s = 0.0;
+#pragma unroll
+    for (int j = 0; j < PICK_PER_LANE; j++) {
+        int at = lane * e + j;
+        w[j] = (j < e && at < k) ? exp(((double)v[at] - v0) / t) : 0.0;
+        s += w[j];
+        c[j] = s;
+    }
+    double incl = s;  // inclusive prefix of the lanes' sums
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        double n = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += n;
+    }
+    double before = incl - s, total = __shfl_sync(0xffffffffu, incl, 31);
+    // kept: the smallest prefix whose probability reaches top_p (the crossing entry included), then
+    // of those the entries with probability >= min_p * the largest (w[0] of lane 0 is exp(0) = 1)
+    int below = 0, under_min = 0;
+#pragma unroll
+    for (int j = 0; j < PICK_PER_LANE; j++) {
+        int at = lane * e + j;
+        c[j] += before;
+        bool real = j < e && at < k;
+        below += real && top_p < 1.0 && c[j] / total < top_p;
+        under_min += real && w[j] / total < min_p * (1.0 / total);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        below += __shfl_xor_sync(0xffffffffu, below, o);
+        under_min += __shfl_xor_sync(0xffffffffu, under_min, o);
+    }
+    int n = top_p < 1.0 ? min(k, below + 1) : k;
+    n = min(n, k - under_min);  // min-p cuts a suffix (the weights descend); the first entry stays
+    double kept = 0.0;  // the kept entries' sum: the running sum at entry n - 1
+#pragma unroll
+    for (int j = 0; j < PICK_PER_LANE; j++) {
+        double cj = __shfl_sync(0xffffffffu, c[j], (n - 1) / e);
+        if (j == (n - 1) % e) kept = cj;
+    }
+    // the pick: the number of kept entries whose renormalized running sum is <= u
+    int at_or_below = 0;
+#pragma unroll
+    for (int j = 0; j < PICK_PER_LANE; j++) {
+        int at = lane * e + j;
+        at_or_below += j < e && at < n && c[j] / kept <= u;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) at_or_below += __shfl_xor_sync(0xffffffffu, at_or_below, o);
+    if (lane == 0) out[row] = id[min(at_or_below, n - 1)];
 }
 
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, int k, int* __restrict__ ids,

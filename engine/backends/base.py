@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..sampling import TopLogits
+from ..sampling import PickSpec, TopLogits
 
 if TYPE_CHECKING:
     from ..expert_pool import ExpertChannel
@@ -357,7 +357,7 @@ class DeviceHooks:
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
-                   chained: bool = False) -> Any:
+                   chained: bool = False, pick: PickSpec | None = None) -> Any:
         """Run `run` for one decode token as a captured graph (see CupyBackend.graph_step); None =
         this backend has no graphs: the caller runs the step eagerly."""
         return None
@@ -558,6 +558,6 @@ class Backend(Protocol):
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
-                   chained: bool = False) -> Any: ...
+                   chained: bool = False, pick: PickSpec | None = None) -> Any: ...
 
     def prepare_lm_head(self, weight: Weight) -> None: ...

@@ -36,7 +36,7 @@ from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, layout,
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
-from ..sampling import LaunchedStep, TopLogits
+from ..sampling import GREEDY_PICK, LaunchedStep, PickSpec, TopLogits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache, arena_aligned, whole_pages
 from .graph_watch import StateReader
 
@@ -256,6 +256,7 @@ def _cache_full(exc: BaseException) -> bool:
 
 
 _SLOTS = 1024  # int32 inputs of a captured decode step: [token, pos t, pos h, pos w, cache lengths...]
+_PICK_SLOT = _SLOTS - 8  # ... and in the last 8, the step's PickSpec as 4 float64 (8-byte aligned)
 
 
 def _sleep_event():
@@ -274,15 +275,16 @@ def _wait_stream(stream, sleeper=None) -> None:
 
 
 class _Feed:
-    """The token input of one sequence's decode graphs that embed their token (a device int32 array of
-    ops.TOPK_MAX): a launch with a token from the host copies it here first, and the step's top-k writes
-    its ids here, so that ids[0], the step's greedy pick, is the input of a next step launched chained
-    (graph_step chained=True) before the host has seen that pick. fresh: this sequence's last step was
-    such a launch with top logits (arr[0] holds its pick); parity: which of the sequence's two graphs of
-    a key a chained launch takes, so that it never rewrites the pinned buffers of the one still running."""
+    """The token input of one sequence's decode graphs that embed their token (a device int32 (1,)): a
+    launch with a token from the host copies it here first, and a step that leaves top logits draws its
+    pick here at its end (ops.pick_top, with the PickSpec of its launch), so that the pick is the input
+    of a next step launched chained (graph_step chained=True) before the host has seen it. fresh: this
+    sequence's last step was such a launch with a PickSpec (arr holds its pick); parity: which of the
+    sequence's two graphs of a key a chained launch takes, so that it never rewrites the pinned buffers
+    of the one still running."""
 
     def __init__(self):
-        self.arr = cp.zeros(ops.TOPK_MAX, dtype=cp.int32)
+        self.arr = cp.zeros(1, dtype=cp.int32)
         self.fresh = False
         self.parity = 0
 
@@ -305,6 +307,7 @@ class _Capture:
         # a _sleep_event when the step holds host functions (CupyBackend.host_round_trip), else None
         self.sleeper: Any = None
         self.feed: _Feed | None = None  # where the step reads its token and leaves its pick (if it embeds)
+        self.picking = False  # this launch came with a PickSpec (its pick is the one it was asked for)
 
     def wait(self) -> None:
         """Wait for the work queued on the capture's stream (a launch of its graph). A graph with host
@@ -313,9 +316,15 @@ class _Capture:
         with the spinning wait, 20.3 with this one; docs/moe-cpu.md)."""
         _wait_stream(self.stream, self.sleeper)
 
-    def write_inputs(self, token: int, pos: np.ndarray) -> None:
+    def write_inputs(self, token: int, pos: np.ndarray, pick: PickSpec | None = None) -> None:
         self.host[0] = token
         self.host[1:4] = pos if pos.size == 3 else np.repeat(pos, 3)
+        self.host[_PICK_SLOT:].view(np.float64)[:] = (GREEDY_PICK if pick is None else pick).as_array()
+        self.picking = pick is not None
+
+    def pick_params(self):
+        """The device copy of the launch's PickSpec: float64 (1, 4) (ops.pick_top's prm)."""
+        return self.dev[_PICK_SLOT:].view(cp.float64).reshape(1, 4)
 
     def copy_inputs(self) -> None:
         cp.cuda.runtime.memcpyAsync(self.dev.data.ptr, self.host.ctypes.data, _SLOTS * 4,
@@ -335,7 +344,7 @@ class _Capture:
                                         cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         graph.launch(self.stream)
         if self.feed is not None:
-            self.feed.fresh = isinstance(self.result, TopLogits)
+            self.feed.fresh = isinstance(self.result, TopLogits) and self.result.picks is not None and self.picking
 
     def positions_dev(self, pos):
         return self.dev[1:4].reshape(3, 1)
@@ -344,7 +353,7 @@ class _Capture:
         if cache.length + 1 > cache.capacity:
             raise _CacheFull("KV cache full: this step grows it eagerly; the next one re-captures")
         i = len(self.caches)
-        if 4 + i >= _SLOTS:
+        if 4 + i >= _PICK_SLOT:
             raise RuntimeError("too many attention layers for one captured step")
         self.caches.append((cache, cache.length))
         self.host[4 + i] = cache.length
@@ -453,13 +462,15 @@ class _DecodeGraph:
 
         return read
 
-    def replay(self, token: int, pos: np.ndarray, after=None, wait: bool = True, chained: bool = False):
+    def replay(self, token: int, pos: np.ndarray, after=None, wait: bool = True, chained: bool = False,
+               pick: PickSpec | None = None):
         """Launch for the next token. after: an event the graph must follow (the previous stage of a
         split, still running); wait=False: return the event recorded after the launch instead of
         waiting (the inputs stay in the pinned buffer until the caller's final wait). chained: the
-        token is the previous step's greedy pick, already in the feed on the device (`token` unused)."""
+        token is the previous step's pick, already in the feed on the device (`token` unused). pick:
+        how this step draws its own pick into the feed (graph_step)."""
         cap = self.cap
-        cap.write_inputs(token, pos)
+        cap.write_inputs(token, pos, pick)
         for i, (c, _) in enumerate(cap.caches):
             cap.host[4 + i] = c.length
         if after is not None:
@@ -514,6 +525,7 @@ class _BatchCapture(_Capture):
         self.cache_base = 7 * n
         self._seq_of: dict[int, int] = {}
         self.feed = None  # a batch step's tokens come from the host
+        self.picking = False
 
     def bind(self, positions) -> None:
         self._seq_of = {id(p): b for b, p in enumerate(positions)}
@@ -553,7 +565,7 @@ class _BatchCapture(_Capture):
         self.host[i] = cache.length
         return self.dev[i : i + 1]
 
-    def write_inputs(self, token: int, pos: np.ndarray) -> None:
+    def write_inputs(self, token: int, pos: np.ndarray, pick: PickSpec | None = None) -> None:
         raise RuntimeError("a batch step's inputs are written by write_batch")
 
     # ---- what CupyBackend.gdn_decode_batch / gated_attention_batch ask of a capture --------
@@ -609,7 +621,8 @@ def _host_copy(out, rec: _DecodeGraph):
     logits keep a fetch of the whole rows, valid until then."""
     if isinstance(out, TopLogits):
         fetch = None if out.fetch is None else rec.guarded(out.fetch)
-        return TopLogits(np.array(out.values), np.array(out.ids), fetch, out.first)
+        picks = np.array(out.picks) if out.picks is not None and rec.cap.picking else None
+        return TopLogits(np.array(out.values), np.array(out.ids), fetch, out.first, picks)
     if not isinstance(out, np.ndarray):
         raise RuntimeError(f"a captured step returned {type(out).__name__}, not host logits")
     return np.array(out)
@@ -1499,23 +1512,24 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         dev = self._dev
         with dev:
             logits = cp.ascontiguousarray(logits, dtype=cp.float32).reshape(-1, logits.shape[-1])
+            vals, ids = ops.top_k(logits, int(k))
             cap = self._capture
-            out_ids = None
+            picks = None
             if cap is not None and cap.feed is not None and logits.shape[0] == 1:
-                kk = max(1, min(int(k), logits.shape[1]))
-                out_ids = cap.feed.arr[:kk].reshape(1, kk)  # ids[0]: a chained next step's token
-            vals, ids = ops.top_k(logits, int(k), out_ids=out_ids)
+                # a captured step of one sequence draws its pick into the feed: a chained next step's token
+                ops.pick_top(vals, ids, cap.pick_params(), out=cap.feed.arr)
+                picks = self.to_numpy(cap.feed.arr)
 
             def fetch(r: int):  # the whole row, for a pick the top logits do not decide
                 with dev:
                     return cp.asnumpy(logits[r])
 
-            return TopLogits(self.to_numpy(vals), self.to_numpy(ids), fetch=fetch)
+            return TopLogits(self.to_numpy(vals), self.to_numpy(ids), fetch=fetch, picks=picks)
 
     # ---- CUDA-graph decode ---------------------------------------------------------------------------
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
                    after=None, wait: bool = True, link_seconds: tuple[float, float] = (0.0, 0.0),
-                   chained: bool = False):
+                   chained: bool = False, pick: PickSpec | None = None):
         """Run `run` for one decode token as a CUDA graph kept under `key` (captured on the first call,
         replayed after that while it stays valid): each stage of a model's decode step
         (engine/execution.py; a single device is one stage). One launch per token instead of ~1,000
@@ -1531,8 +1545,10 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         (with host_out): launch and return an event the next stage can follow instead of waiting;
         wait=False without host_out: launch and return a LaunchedStep whose result() waits for the
         host logits (a replay; a capture runs the step and returns its logits).
-        chained (a stage that embeds its token, wait=False): the token is the greedy pick of this
-        sequence's previous step, which must have been a graph launch with top logits and may still be
+        pick (a stage that embeds its token and returns top logits): how the step draws the next token
+        from them on the device (ops.pick_top) into the sequence's feed; the TopLogits returned carry it
+        (picks). chained (a stage that embeds its token, wait=False): the token is the pick of this
+        sequence's previous step, which must have been a graph launch with a pick and may still be
         running: the step is launched behind it without the host seeing that pick (ids unused), on the
         other of the sequence's two graphs of this key (_Feed). None: not possible now (the caller
         waits for the previous step and launches with its token).
@@ -1569,14 +1585,14 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             if rec is None:
                 if after is not None:
                     after.synchronize()  # capturing runs the step once, with a host wait
-                out = self._capture_graph(key, run, ids, pos, owner, watch, io, link_seconds, feed, chained)
+                out = self._capture_graph(key, run, ids, pos, owner, watch, io, link_seconds, feed, chained, pick)
                 if out is None and feed is not None:
                     feed.fresh = False  # the caller runs the step eagerly: its pick is not in the feed
                 return out
             if host_out is None and not wait:  # host logits the caller takes later (Executor.launch_decode)
-                rec.replay(int(ids[0]), pos, after, wait=False, chained=chained)
+                rec.replay(int(ids[0]), pos, after, wait=False, chained=chained, pick=pick)
                 return LaunchedStep(rec.finish)
-            return rec.replay(int(ids[0]), pos, after, wait or host_out is None)
+            return rec.replay(int(ids[0]), pos, after, wait or host_out is None, pick=pick)
 
     def _feed_of(self, owner) -> _Feed | None:
         """The token feed of `owner`'s decode graphs (shared by them all), or None before its first one."""
@@ -1635,12 +1651,13 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             cap.stream = replay_stream
         return graph, kept
 
-    def _capture_graph(self, key, run, ids, pos, owner, watch, io, link_seconds, feed=None, chained=False):
+    def _capture_graph(self, key, run, ids, pos, owner, watch, io, link_seconds, feed=None, chained=False,
+                       pick: PickSpec | None = None):
         host_in, host_out = io
         cap = _Capture(self._graph_stream_for_capture())
         if host_in is None:  # the stage embeds its token: from the sequence's feed (a new one at first)
             cap.feed = feed if feed is not None else _Feed()
-        cap.write_inputs(int(ids[0]), pos)
+        cap.write_inputs(int(ids[0]), pos, pick)
 
         def body() -> None:
             y = run(ids if host_in is None else cap.receive(host_in, link_seconds[0]))

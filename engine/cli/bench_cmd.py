@@ -43,7 +43,7 @@ from ..experts import ExpertsApart
 from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from ..placement import EXPERTS_ON_HELP
 from ..rig import RigBackend
-from ..sampling import TopLogits
+from ..sampling import GREEDY_PICK, TopLogits
 from .run_cmd import add_threads_arg, experts_on_arg
 
 if TYPE_CHECKING:
@@ -251,12 +251,12 @@ def _decode_seconds(model: Model, backend: Backend, ids: list[int], steps: int, 
     def greedy(token: int, n: int) -> TopLogits:
         """n greedy steps from `token`, each launched behind the one before it (Session.launch_next)
         where the device allows, else after the host has the pick; the last step's top logit."""
-        launched = s.launch_step(token, top=1)
+        launched = s.launch_step(token, top=1, pick=GREEDY_PICK)
         for _ in range(n - 1):
-            ahead = s.launch_next(launched, top=1)
+            ahead = s.launch_next(launched, top=1, pick=GREEDY_PICK)
             out = launched.result()
             assert isinstance(out, TopLogits)
-            launched = ahead if ahead is not None else s.launch_step(int(out.ids[0, 0]), top=1)
+            launched = ahead if ahead is not None else s.launch_step(int(out.ids[0, 0]), top=1, pick=GREEDY_PICK)
         out = launched.result()
         assert isinstance(out, TopLogits)
         return out

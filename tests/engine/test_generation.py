@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 from minecart.engine.generation import GenerationEvent, StopStrings, TextStream, generate
 from minecart.engine.model import load_model
-from minecart.engine.sampling import LaunchedStep, TopLogits, greedy_params
+from minecart.engine.sampling import (
+    LaunchedStep,
+    SamplingParams,
+    TopLogits,
+    draw_from_top,
+    greedy_params,
+)
 from minecart.engine.session import Session
 
 EOS = 256
@@ -57,12 +63,12 @@ class ScriptedSession:
         self.computed_tokens = len(ids)
         return self._logits()
 
-    def launch_step(self, token, top=0):  # whole rows whatever `top` asks: a sampler takes either
+    def launch_step(self, token, top=0, pick=None):  # whole rows whatever `top` asks: a sampler takes either
         time.sleep(self.delay)
         self.tokens.append(token)
         return LaunchedStep.done(self._logits())
 
-    def launch_next(self, prev, top=1):  # no device to feed a pick to the next step
+    def launch_next(self, prev, top, pick):  # no device to feed a pick to the next step
         return None
 
     def checkpoint(self):
@@ -165,7 +171,7 @@ class LaunchLog(ScriptedSession):
         super().__init__(script)
         self.log = log
 
-    def launch_step(self, token, top=0):
+    def launch_step(self, token, top=0, pick=None):
         self.tokens.append(token)
         n = len(self.tokens)
         self.log.append(("launch", n))
@@ -205,9 +211,11 @@ def test_the_next_step_runs_while_the_consumer_has_the_token():
 
 
 class ChainModel:
-    """A model under a real Session whose greedy pick after token t is (7 t + 3) % 256, with the
-    launches a device runs: launch_decode's and launch_next's steps finish only when waited for, and a
-    launch_next step knows its token only as the pick of the step launched before it."""
+    """A model under a real Session whose logits after token t are 10 - j / 2 at ids (7 t + 3 + 13 j) %
+    256 for j < 16 (far below elsewhere): the greedy pick is (7 t + 3) % 256. The launches are a
+    device's: launch_decode's and launch_next's steps finish only when waited for, a step launched with
+    a PickSpec draws its pick as the device does (draw_from_top), and a launch_next step knows its
+    token only as that pick of the step launched before it."""
 
     is_base_model = False
     vision = None
@@ -220,6 +228,7 @@ class ChainModel:
         self.path = Path("chain.gguf")
         self.chain = chain
         self.launched: list[int] = []  # the token of each launch, as the device would see it
+        self.fed: int | None = None  # the device's pick of the last launch (None: launched without one)
         self.chained = 0
         self.waits: list[int] = []  # the token of each step whose result was taken
 
@@ -227,11 +236,19 @@ class ChainModel:
     def pick(t):
         return (7 * t + 3) % 256
 
-    def _row(self, token, top):
+    @staticmethod
+    def top(token):
+        return np.array([10.0 - j / 2 for j in range(16)], np.float32), \
+            np.array([(7 * token + 3 + 13 * j) % 256 for j in range(16)], np.int32)
+
+    def _row(self, token, top, pick=None):
+        vals, ids = self.top(token)
         if top:
-            return TopLogits(np.array([[10.0]], np.float32), np.array([[self.pick(token)]], np.int32))
-        row = np.zeros((1, EOS + 1), np.float32)
-        row[0, self.pick(token)] = 10.0
+            picks = None if pick is None else np.array([draw_from_top(vals[:top], ids[:top], pick)])
+            self.fed = None if picks is None else int(picks[0])
+            return TopLogits(vals[None, :top], ids[None, :top], picks=picks)
+        row = np.full((1, EOS + 1), -30.0, np.float32)
+        row[0, ids] = vals
         return row
 
     def new_state(self, capacity=None):
@@ -246,23 +263,24 @@ class ChainModel:
     def forward(self, ids, states, positions, **kw):
         return self._row(ids[-1], kw.get("top", 0))
 
-    def _launch(self, token, top):
+    def _launch(self, token, top, pick):
         self.launched.append(token)
+        row = self._row(token, top, pick)  # what the device computes, the pick it feeds on included
 
         def finish():
             self.waits.append(token)
-            return self._row(token, top)
+            return row
 
         return LaunchedStep(finish)
 
-    def launch_decode(self, token, states, positions, top=0):
-        return self._launch(token, top)
+    def launch_decode(self, token, states, positions, top=0, pick=None):
+        return self._launch(token, top, pick)
 
-    def launch_next(self, states, positions, top=1):
-        if not self.chain:
+    def launch_next(self, states, positions, top, pick):
+        if not self.chain or self.fed is None:
             return None
         self.chained += 1
-        return self._launch(self.pick(self.launched[-1]), top)
+        return self._launch(self.fed, top, pick)
 
 
 def test_greedy_steps_are_chained_and_the_session_fills_in_their_tokens():
@@ -293,6 +311,32 @@ def test_greedy_steps_are_chained_and_the_session_fills_in_their_tokens():
     assert events[-1].finish_reason == "stop" and events[-1].token == want[6]
     assert session.tokens == want[:7] and model.waits == want[1:7]  # one step past the answer
     session.close()
+
+
+def test_sampled_steps_are_chained_with_the_samplers_own_draws():
+    """Sampling with top-k (no penalties) chains too: each step is launched with the PickSpec of the
+    pick it makes (its uniform number drawn ahead in the sampler's own stream), the device's picks are
+    fed on, and a seeded generation gives the tokens of the same generation with every pick made on
+    the host."""
+    params = SamplingParams(temperature=1.0, top_k=8, top_p=0.95, min_p=0.01, seed=7, max_tokens=30)
+    runs = {}
+    for chain in (True, False):
+        model = ChainModel(chain)
+        session = model.new_session()
+        events = list(generate(model, [5], params, session=session))
+        runs[chain] = (model, session, [e.token for e in events])
+        session.close()
+    (on, s_on, got_on), (off, s_off, got_off) = runs[True], runs[False]
+    assert got_on == got_off and len(got_on) == 30
+    assert len({t for t in got_on}) > 1 and got_on != [ChainModel.pick(t) for t in [5] + got_on[:-1]]
+    assert s_on.tokens == s_off.tokens
+    assert on.chained == 28 and off.chained == 0
+    for seed in (8, 9):  # another seed draws other tokens: the picks are draws
+        other = list(generate(ChainModel(True), [5], SamplingParams(**{**params.__dict__, "seed": seed})))
+        if [e.token for e in other] != got_on:
+            break
+    else:
+        raise AssertionError("three seeds drew the same 30 tokens")
 
 
 def test_cancel_from_another_thread():

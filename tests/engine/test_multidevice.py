@@ -370,7 +370,7 @@ class _GraphStepBackend:
         return getattr(self._inner, name)
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait=True, link_seconds=(0.0, 0.0), chained=False):
+                   after=None, wait=True, link_seconds=(0.0, 0.0), chained=False, pick=None):
         self.calls += 1
         if len(ids) != 1 or chained or (self.refuse_every and self.calls % self.refuse_every == 0):
             return None  # chained: no device feeds this double's steps

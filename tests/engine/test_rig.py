@@ -93,7 +93,7 @@ class _StreamFake:
         self.calls: list = []
 
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
-                   after=None, wait=True, link_seconds=(0.0, 0.0), chained=False):
+                   after=None, wait=True, link_seconds=(0.0, 0.0), chained=False, pick=None):
         self.calls.append(("graph", after, tuple(round(x, 9) for x in link_seconds)))
         return ("graph done", key) if host_out is not None and not wait else "logits"
 

@@ -233,3 +233,52 @@ def test_a_penalized_pick_without_the_rows_says_so():
     vals = np.linspace(10, 9, 64, dtype=np.float32)[None, :]
     with pytest.raises(RuntimeError, match="without their whole rows"):
         s.pick(TopLogits(vals, np.arange(64)[None, :]))  # every candidate seen: they cannot decide
+
+
+def test_pick_specs_look_ahead_in_the_samplers_own_stream():
+    """Sampler.pick_spec(ahead) draws the uniform numbers of picks to come from the sampler's stream,
+    in order: a sampler asked for them ahead (what a generate loop that lets the device pick does)
+    picks the same tokens as one that is not, and the device's form of each pick (draw_from_top with
+    that spec) is the host's pick."""
+    from minecart.engine.sampling import GREEDY_PICK, TopLogits, draw_from_top, top_logits
+
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=3)
+    plain, ahead = Sampler(params), Sampler(params)
+    rng = np.random.default_rng(4)
+    specs = [ahead.pick_spec(0), ahead.pick_spec(1)]
+    for _ in range(200):
+        row = (rng.standard_normal(500) * 2).astype(np.float32)
+        vals, ids = top_logits(row, 20)
+        spec = specs.pop(0)
+        assert spec is not None and spec.temperature == 0.9 and spec.top_p == 0.9 and spec.min_p == 0.02
+        device = draw_from_top(vals[0], ids[0], spec)
+        token = ahead(TopLogits(vals, ids, picks=np.array([device])))
+        assert token == device == plain(TopLogits(vals, ids)) == plain.generated[-1]
+        specs.append(ahead.pick_spec(1))  # the pick after the next, drawn while that one is pending
+    assert len(set(plain.generated)) > 5  # a real draw, not the first candidate each time
+    assert Sampler(greedy_params()).pick_spec(1) == GREEDY_PICK
+    for unchained in (SamplingParams(top_k=0), SamplingParams(top_k=65), SamplingParams(repetition_penalty=1.1),
+                      greedy_params(presence_penalty=0.5)):
+        s = Sampler(unchained)
+        assert not s.chains and s.pick_spec(0) is None
+
+
+def test_a_device_pick_stands_only_where_rounding_decides():
+    """A step's device pick (TopLogits.picks) that differs from the host's draw with the same spec is
+    taken where the uniform number lies within rounding of the boundary between the two tokens (the
+    device sums in float64 in another order), and not otherwise."""
+    from minecart.engine.sampling import TopLogits
+
+    vals = np.array([[2.0, 1.0, 0.0]], np.float32)
+    ids = np.array([[10, 11, 12]])
+    w = np.exp(np.array([2.0, 1.0, 0.0]) - 2.0)
+    edge = float(w[0] / w.sum())  # u at which the draw goes from token 10 to token 11
+
+    class Fixed(Sampler):
+        def __init__(self, u):
+            super().__init__(SamplingParams(temperature=1.0, top_k=3, top_p=1.0))
+            self._ahead.append(u)
+
+    assert Fixed(edge - 1e-13)(TopLogits(vals, ids, picks=np.array([11]))) == 11  # rounding decides
+    assert Fixed(edge - 1e-13)(TopLogits(vals, ids)) == 10
+    assert Fixed(0.2)(TopLogits(vals, ids, picks=np.array([11]))) == 10  # far from it: the host's draw

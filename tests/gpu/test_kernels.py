@@ -286,6 +286,36 @@ def test_top_k(nb, gb, V, k, ties):
     np.testing.assert_array_equal(got.values, ref.values)
 
 
+@pytest.mark.parametrize("k", [1, 2, 7, 20, 33, 64, 128])
+def test_pick_top_is_the_hosts_draw(k):
+    """ops.pick_top (the device's draw from a step's top logits) against its host twin draw_from_top
+    (engine/sampling.py), on fresh random rows with ties, for temperatures from 0 (greedy) up, top-p
+    and min-p on and off: the same token every time, save where the uniform number or a filter's
+    threshold lies within rounding of a boundary (_could_draw), which random draws all but never hit."""
+    import cupy as cp
+    from minecart.engine.sampling import PickSpec, _could_draw, draw_from_top, top_logits
+    from minecart.kernels import ops
+
+    rng = np.random.default_rng(100 + k)
+    rows = 1500
+    x = (rng.standard_normal((rows, max(k, 300))) * rng.uniform(0.2, 6, (rows, 1))).astype(np.float32)
+    x[::3] = np.round(x[::3])  # ties, among the k largest too
+    vals, ids = top_logits(x, k)
+    specs = [PickSpec(float(rng.random()), float(rng.choice([0.0, 0.3, 0.7, 1.0, 1.6])),
+                      float(rng.choice([1.0, 0.95, 0.8, 0.3])), float(rng.choice([0.0, 0.0, 0.05, 0.2])))
+             for _ in range(rows)]
+    prm = np.stack([sp.as_array() for sp in specs])
+    got = cp.asnumpy(ops.pick_top(cp.asarray(vals), cp.asarray(ids.astype(np.int32)), cp.asarray(prm)))
+    want = np.array([draw_from_top(vals[r], ids[r], specs[r]) for r in range(rows)])
+    differ = np.flatnonzero(got != want)
+    assert all(_could_draw(vals[r], ids[r], specs[r], int(got[r])) for r in differ), differ
+    assert differ.size <= 1, f"{differ.size} of {rows} picks differ"
+    # the draws are spread over the candidates (not all the first one) when sampling
+    hot = [r for r in range(rows) if specs[r].temperature >= 1.0 and specs[r].top_p >= 0.95 and specs[r].min_p == 0]
+    if k >= 20:
+        assert np.mean(got[hot] != ids[hot, 0]) > 0.3
+
+
 def test_probe_and_cache(tmp_path, monkeypatch):
     from minecart.engine import probe_cache
     from minecart.kernels import probe

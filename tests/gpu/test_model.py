@@ -153,7 +153,7 @@ def test_chained_steps_are_the_greedy_steps(fixtures_dir):
     the same tokens."""
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.engine.model import load_model
-    from minecart.engine.sampling import TopLogits, greedy_params
+    from minecart.engine.sampling import GREEDY_PICK, TopLogits, greedy_params
 
     seqs = {s["name"]: s for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
     prompt = seqs["len70"]["ids"]
@@ -168,15 +168,15 @@ def test_chained_steps_are_the_greedy_steps(fixtures_dir):
         want.append((float(top.values[0, 0]), int(top.ids[0, 0])))
         token = int(top.ids[0, 0])
     got, chained = [], 0
-    launched = b.launch_step(first, top=1)
+    launched = b.launch_step(first, top=1, pick=GREEDY_PICK)
     for i in range(n):
-        ahead = b.launch_next(launched, top=1) if i + 1 < n else None
+        ahead = b.launch_next(launched, top=1, pick=GREEDY_PICK) if i + 1 < n else None
         chained += ahead is not None
         out = launched.result()
         assert isinstance(out, TopLogits)
         got.append((float(out.values[0, 0]), int(out.ids[0, 0])))
         if i + 1 < n:
-            launched = ahead if ahead is not None else b.launch_step(int(out.ids[0, 0]), top=1)
+            launched = ahead if ahead is not None else b.launch_step(int(out.ids[0, 0]), top=1, pick=GREEDY_PICK)
     assert got == want
     assert b.tokens == a.tokens and b.position == a.position
     assert 40 <= chained < n - 1, f"{chained} of {n - 1} steps chained"  # growth steps are not
@@ -191,3 +191,35 @@ def test_chained_steps_are_the_greedy_steps(fixtures_dir):
     c.close()
     b.close()
     a.close()
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.7, top_k=20, top_p=0.8),  # Qwen3.5's recommendation
+    dict(temperature=1.2, top_k=64, top_p=1.0, min_p=0.03),
+])
+def test_sampled_chained_steps_are_the_hosts_draws(fixtures_dir, params):
+    """A seeded sampled generate, whose steps draw their picks on the device and are chained on them
+    (Sampler.pick_spec, ops.pick_top), gives the tokens of the same seed drawn on the host from steps
+    taken one at a time (Session.step's top logits, Sampler): the device drew what the host would."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.model import load_model
+    from minecart.engine.sampling import Sampler, SamplingParams
+
+    seqs = {s["name"]: s for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
+    prompt = seqs["len70"]["ids"]
+    model = load_model(fixtures_dir / FIXTURES["q8_0"], backend=CupyBackend("cuda:0", path="dp4a"))
+    n = 40
+    prm = SamplingParams(**params, seed=11, max_tokens=n)
+    c = model.new_session()
+    sampler = Sampler(prm, prompt)
+    token = sampler(c.prefill(prompt))
+    alone = [token]
+    for _ in range(n - 1):
+        token = sampler(c.step(token, top=sampler.candidates))
+        alone.append(token)
+    before = model.executor.chained_steps
+    events = list(model.generate(prompt, prm))
+    assert [e.token for e in events] == alone
+    assert len(set(alone)) > 3  # a draw over several tokens (the tiny model's greedy text repeats one)
+    assert model.executor.chained_steps - before >= n - 5  # all but the first steps (graph captures)
+    c.close()
