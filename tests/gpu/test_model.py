@@ -194,13 +194,14 @@ def test_chained_steps_are_the_greedy_steps(fixtures_dir):
 
 
 @pytest.mark.parametrize("params", [
-    dict(temperature=0.7, top_k=20, top_p=0.8),  # Qwen3.5's recommendation
-    dict(temperature=1.2, top_k=64, top_p=1.0, min_p=0.03),
+    dict(temperature=0.7, top_k=20, top_p=0.8),  # Qwen3.5's recommendation (the tiny model: one token)
+    dict(temperature=40.0, top_k=64, top_p=0.97, min_p=0.005),  # flat enough to draw many tokens
 ])
 def test_sampled_chained_steps_are_the_hosts_draws(fixtures_dir, params):
     """A seeded sampled generate, whose steps draw their picks on the device and are chained on them
     (Sampler.pick_spec, ops.pick_top), gives the tokens of the same seed drawn on the host from steps
-    taken one at a time (Session.step's top logits, Sampler): the device drew what the host would."""
+    taken one at a time (Session.step's top logits, Sampler): the device drew what the host would.
+    (The tiny model's distribution is so peaked that only a high temperature draws more than one.)"""
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.engine.model import load_model
     from minecart.engine.sampling import Sampler, SamplingParams
@@ -220,6 +221,7 @@ def test_sampled_chained_steps_are_the_hosts_draws(fixtures_dir, params):
     before = model.executor.chained_steps
     events = list(model.generate(prompt, prm))
     assert [e.token for e in events] == alone
-    assert len(set(alone)) > 3  # a draw over several tokens (the tiny model's greedy text repeats one)
+    if params["temperature"] > 1:
+        assert len(set(alone)) > 10  # a draw over many tokens (the tiny model's greedy text repeats one)
     assert model.executor.chained_steps - before >= n - 5  # all but the first steps (graph captures)
     c.close()
