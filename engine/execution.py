@@ -438,7 +438,6 @@ class Executor:
         self.chained_steps = 0  # of those, steps launched on the device's pick of the step before (launch_next)
         self.eager_stage_steps = 0  # decode stage runs done eagerly (no graph, or not valid this step)
         self.batch_graph_steps = 0  # batched decode steps replayed (or captured) as one graph
-        self._last_batch: tuple[int, ...] = ()  # ids of the previous batched decode step's sequences
         self._call_lock = threading.Lock()
 
     @property
@@ -604,13 +603,11 @@ class Executor:
 
     def _batch_graph_step(self, c: _Chunk, owners: tuple, pos: tuple,
                           layer_rows: Callable[[], list]) -> np.ndarray | TopLogits | None:
-        """A batched decode step (one token per sequence) through the backend's graph_step: captured
-        the second time in a row the same sequences decode together (a batch that changes every step
-        never pays a capture), replayed while they keep doing so. None: run it eagerly (graphs off,
-        a split model, a backend without graphs, a cache that must grow, a new batch)."""
-        ident = tuple(id(o) for o in owners)
-        again, self._last_batch = ident == self._last_batch, ident
-        if not (self.use_graphs and again and len(self.stages) == 1):
+        """A batched decode step (one token per sequence) through the backend's graph_step (which keeps
+        a graph per batch size and binds it to the sequences of each step: CupyBackend.graph_step).
+        None: run it eagerly (graphs off, a split model, a backend without graphs, a cache that must
+        grow, a new batch no graph can take yet)."""
+        if not (self.use_graphs and len(self.stages) == 1):
             return None
         stage = self.stages[0]
         watch = [st for seq in owners for st in seq]

@@ -526,6 +526,9 @@ class _BatchCapture(_Capture):
         self._seq_of: dict[int, int] = {}
         self.feed = None  # a batch step's tokens come from the host
         self.picking = False
+        # the pointer tables the step reads its sequences' states through, each with the addresses it
+        # held at capture: owned by the graph and written outside it (_BatchGraph.bind)
+        self.tables: list[tuple[Any, tuple[int, ...]]] = []
 
     def bind(self, positions) -> None:
         self._seq_of = {id(p): b for b, p in enumerate(positions)}
@@ -589,18 +592,121 @@ class _BatchCapture(_Capture):
         """Keep a device array the graph reads (a pointer table) alive as long as the graph."""
         self._out_dev.append(table)
 
+    def table(self, arrays) -> Any:
+        """A device pointer table of the arrays' addresses for the step being captured: allocated here,
+        written after the capture (a copy inside it would be replayed every step), rewritten when the
+        graph is bound to other sequences (_BatchGraph.bind)."""
+        tab = cp.empty(len(arrays), dtype=cp.uint64)
+        self.tables.append((tab, tuple(int(a.data.ptr) for a in arrays)))
+        self.hold(tab)
+        return tab
+
+
+def _layout_of(states: list) -> tuple:
+    """What a batch graph bakes in of one sequence's states besides their addresses: every layer
+    state's cache type, array shapes and dtypes (capacity included) and recurrent arrays' names, shapes
+    and dtypes. Two sequences of one layout can take each other's place in a graph."""
+    out = []
+    for st in states:
+        kv = st.kv
+        cache = None if kv is None else (type(kv), kv.capacity, tuple(
+            (name, None if a is None else (a.shape, a.dtype.str)) for name, a in sorted(vars(kv).items())
+            if isinstance(a, cp.ndarray) or name in ("k", "v")))
+        rec = tuple((name, type(a), a.shape if isinstance(a, cp.ndarray) else None,
+                     a.dtype.str if isinstance(a, cp.ndarray) else None) for name, a in st.recurrent.items())
+        out.append((type(st), cache, rec))
+    return tuple(out)
+
+
+class _Rebinding:
+    """How a captured batch step is bound to other sequences of the same layouts: the (sequence,
+    index in its state walk) of each pointer-table entry, in table order; the (sequence, layer) of
+    each cache whose length the step reads; each sequence's layout."""
+
+    def __init__(self, entries: list[tuple[int, int]], caches: list[tuple[int, int]], layouts: list[tuple]):
+        self.entries = entries
+        self.caches = caches
+        self.layouts = layouts
+
+    @classmethod
+    def of(cls, cap: _BatchCapture, owners: tuple) -> _Rebinding | None:
+        """The rebinding of a step captured for `owners`, or None when the step reaches a state some
+        other way than through its pointer tables (a per-sequence path: q3 caches, Gemma 3's
+        attention), so that its addresses are baked into kernels."""
+        walks = [_GRAPH_STATES.watch(o).pointers for o in owners]
+        where: dict[int, tuple[int, int]] = {}
+        for b, ptrs in enumerate(walks):
+            for j, a in enumerate(ptrs):
+                where.setdefault(a, (b, j))
+        in_tables = [a for _, addrs in cap.tables for a in addrs]
+        if any(a not in where for a in in_tables) or set(where) - set(in_tables):
+            return None
+        layer_of = {id(st.kv): (b, i) for b, o in enumerate(owners) for i, st in enumerate(o) if st.kv is not None}
+        caches = [layer_of.get(id(c)) for c, _ in cap.caches]
+        if any(c is None for c in caches):
+            return None
+        return cls([where[a] for a in in_tables], [c for c in caches if c is not None],
+                   [_layout_of(o) for o in owners])
+
 
 class _BatchGraph(_DecodeGraph):
-    """A captured decode step of a fixed list of sequences (owner: their state lists, in order)."""
+    """A captured decode step of a list of sequences (owner: their state lists, in order). When the
+    step reads every state through its pointer tables (`rebinding`), the graph serves any sequences of
+    the same layouts: bind() writes their addresses into the tables, so a batch whose members changed
+    replays at once instead of running eagerly and being captured again (issue 17's graphs per batch
+    size)."""
+
+    rebinding: _Rebinding | None = None
+    released = False  # its sequences ended; kept, without their states, for others (bind)
 
     def valid(self, owner, watch, io=(None, None), link_seconds: tuple[float, float] = (0.0, 0.0)) -> bool:
-        if len(owner) != len(self.states) or any(a is not b for a, b in zip(owner, self.states, strict=True)):
+        if self.released or len(owner) != len(self.states) or \
+                any(a is not b for a, b in zip(owner, self.states, strict=True)):
             return False
         return self.alive() and self.watched.unchanged(watch)
 
     def alive(self) -> bool:
         """False once a sequence's cache was freed (its session closed) or has no room for a token."""
-        return all(c.k is not None and c.length + 1 <= c.capacity for c, _ in self.cap.caches)
+        return not self.released and all(c.k is not None and c.length + 1 <= c.capacity for c, _ in self.cap.caches)
+
+    def release(self) -> None:
+        """Let the states of the sequences it was made for go (their recurrent arrays are freed with
+        them), keeping the graph for other sequences."""
+        self.states = ()
+        self.cap.caches = []
+        self.released = True
+
+    def bind(self, owners: tuple, watch) -> bool:
+        """Make this graph the step of `owners` (their states' addresses into the pointer tables, their
+        caches' lengths into the inputs): False, nothing changed, when it cannot (no rebinding, another
+        number of sequences or another layout, a cache without room for the token)."""
+        rb = self.rebinding
+        if rb is None or len(owners) != len(rb.layouts):
+            return False
+        if [_layout_of(o) for o in owners] != rb.layouts:
+            return False
+        caches = [owners[b][i].kv for b, i in rb.caches]
+        if any(c.k is None or c.length + 1 > c.capacity for c in caches):
+            return False
+        self.write_tables([_GRAPH_STATES.watch(o).pointers for o in owners])
+        self.cap.caches = [(c, c.length) for c in caches]
+        self.states = owners
+        self.watched = _GRAPH_STATES.watch(watch)
+        self.released = False
+        return True
+
+    def write_tables(self, walks: list[list[int]] | None) -> None:
+        """Fill the pointer tables with the addresses at the rebinding's places in `walks` (each
+        sequence's state walk), or, with None, with the addresses they had at capture."""
+        cap = self.cap
+        assert isinstance(cap, _BatchCapture)
+        rb = self.rebinding
+        at = 0
+        for tab, addrs in cap.tables:
+            n = len(addrs)
+            ptrs = addrs if walks is None or rb is None else [walks[b][j] for b, j in rb.entries[at : at + n]]
+            tab.set(np.asarray(ptrs, dtype=np.uint64))
+            at += n
 
     def replay_batch(self, ids, positions) -> np.ndarray | TopLogits:
         cap = self.cap
@@ -661,6 +767,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self._cap_stream = None
         self._batch_graphs: dict[Any, _BatchGraph] = {}  # batched decode steps, most recently used last
         self._batch_eager: set[int] = set()  # batch sizes whose capture failed
+        self._batch_last: tuple[int, ...] = ()  # ids of the previous batched decode step's sequences
+        self.batch_rebinds = 0  # batch graphs bound to other sequences than they were captured for
         self.batch_capture_error = ""  # why the last of them failed (shown by tests and MINECART_DEBUG)
         self.graph_capture_error = ""  # why the last single-token capture failed
         self._pool_peak = 0  # the pool's highest total seen by sample_memory (memory_peak)
@@ -1364,17 +1472,17 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
 
     # ---- one decode token of each of B sequences (base.FusedOpsMixin; fused.py) --------
     def _pointer_table(self, arrays) -> Any:
-        """The device table of the arrays' addresses (fused.pointer_table). It is made by an eager step
-        (a host-to-device copy cannot be captured: a capture that misses it runs that step eagerly, the
-        next one captures) and held by the capture that uses it as long as its graph."""
+        """The device table of the arrays' addresses (fused.pointer_table): for an eager step the cached
+        one; in a batch capture the graph's own (_BatchCapture.table), written after the capture and
+        whenever the graph is bound to other sequences."""
+        if isinstance(self._capture, _BatchCapture):
+            return self._capture.table(arrays)  # the graph's own, written outside it
         ptrs = tuple(int(a.data.ptr) for a in arrays)
         tab = fused.cached_pointer_table(ptrs)
         if tab is None:
             if self._capture is not None:
                 raise _CacheFull("pointer tables are made by an eager step; the next one captures")
             tab = fused.pointer_table(ptrs)
-        if isinstance(self._capture, _BatchCapture):
-            self._capture.hold(tab)
         return tab
 
     def gdn_decode_batch(self, mixed, z, b, alpha, conv_states, ssm_states, conv_w, ssm_a, dt_bias, norm_w, *,
@@ -1716,21 +1824,36 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
     def _graph_batch_step(self, key, run, ids, positions, owners: tuple, watch):
         """graph_step for a decode step of B = len(ids) sequences, one token each (engine/execution.py
         forward_batch): positions holds each sequence's own position array ((1,) or (3, 1)), owners
-        each sequence's state list, watch every state the step touches. Kept per key (the executor's
-        ("batch", B, top)) while the same sequences decode; what `run` returns (host logits (B, vocab)
-        or their top logits), or None: run eagerly
-        (a cache must grow, or this batch size cannot be captured: it then stays eager)."""
+        each sequence's state list, watch every state the step touches. One graph per key (the
+        executor's ("batch", B, top)): replayed while the same sequences decode, bound to the new ones
+        when they changed (_BatchGraph.bind: any sequences of the same layouts); otherwise captured the
+        second time in a row the same sequences decode together, so a set that changes every step never
+        pays a capture. Returns what `run` returns (host logits (B, vocab) or their top logits), or
+        None: run eagerly (a new set no graph can take, a cache that must grow, or a batch size that
+        cannot be captured: it then stays eager)."""
         n = len(ids)
+        ident = tuple(map(id, owners))
+        again, self._batch_last = ident == self._batch_last, ident
         if n in self._batch_eager or len(positions) != n or len(owners) != n:
             return None
-        # graphs of sequences that have ended hold their states: let them go
-        self._batch_graphs = {k: g for k, g in self._batch_graphs.items() if g.alive()}
+        # graphs of sequences that have ended hold their states: let them go, and the graphs too unless
+        # they can be bound to others
+        for g in self._batch_graphs.values():
+            if not g.released and not g.alive() and g.rebinding is not None:
+                g.release()
+        self._batch_graphs = {k: g for k, g in self._batch_graphs.items() if g.alive() or g.released}
         rec = self._batch_graphs.pop(key, None)
-        if rec is not None and not rec.valid(owners, watch):
-            rec = None
         with self._dev:
+            if rec is not None and not rec.valid(owners, watch):
+                if rec.bind(owners, watch):
+                    self.batch_rebinds += 1
+                elif not again:
+                    self._batch_graphs[key] = rec  # kept for the sequences it may serve next
+                    return None
+                else:
+                    rec = None
             if rec is None:
-                return self._capture_batch(key, run, ids, positions, owners, watch)
+                return self._capture_batch(key, run, ids, positions, owners, watch) if again else None
             self._batch_graphs[key] = rec  # most recently used last
             return rec.replay_batch(ids, positions)
 
@@ -1753,6 +1876,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             self.batch_capture_error = "the captured step produced no host output"
             return None
         rec = _BatchGraph(graph, cap, kept, owners, watch)
+        rec.rebinding = _Rebinding.of(cap, owners)
+        rec.write_tables(None)  # the captured sequences' addresses
         while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:
             self._batch_graphs.pop(next(iter(self._batch_graphs)))
         self._batch_graphs[key] = rec

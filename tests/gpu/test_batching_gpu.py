@@ -260,3 +260,56 @@ def test_top_logits_steps_single_and_batched(files, k):
         _check_top(top, rows, k)
         np.testing.assert_allclose(got, rows, rtol=0, atol=1e-5 * float(np.max(np.abs(rows))))
     model.close()
+
+
+@pytest.mark.parametrize("which", ["qwen", "gemma"])
+def test_a_batch_graph_serves_the_next_sequences(files, which):
+    """A batch graph captured for some sequences is bound to others of the same layouts when they take
+    their place (their states' addresses into its pointer tables: CupyBackend's _BatchGraph.bind), so
+    a batch whose members changed replays at once: the new sequences' logits equal the same batch run
+    eagerly, step for step, also after the first sequences' sessions were closed. Gemma 3's attention
+    reads its caches per sequence (addresses baked into the graph): it is never bound to others and
+    is captured again as before."""
+    mg, be = _load(files[which], "dp4a", graphs=True)
+    me, _ = _load(files[which], "dp4a", graphs=False)
+    steps, batch = 5, 3
+    first, tokens = _work(mg, batch, steps, seed=21)
+    second, tokens2 = _work(mg, batch, steps, seed=22)
+    capacity = 64  # one capacity for every sequence: one layout, no growth
+    _batched(mg, first, tokens, capacity, {})  # captures the batch's graph (step 2), then replays
+    graphed0 = mg.executor.batch_graph_steps
+    assert graphed0 == steps - 1
+    got = _batched(mg, second, tokens2, capacity, {})  # new sessions: the graph is bound to them
+    want = _batched(me, second, tokens2, capacity, {})
+    if which == "qwen":
+        assert be.batch_rebinds == 1
+        assert mg.executor.batch_graph_steps - graphed0 == steps  # every step, the first included
+    else:
+        assert be.batch_rebinds == 0
+        assert mg.executor.batch_graph_steps - graphed0 == steps - 1  # the first step eager, then a capture
+    for b in range(batch):
+        err = float(np.max(np.abs(got[b] - want[b])) / np.max(np.abs(want[b])))
+        assert err <= 1e-5, f"sequence {b}: {err:.2e}"
+    # a third set joining while an earlier sequence is still open (a different set of the same size)
+    keep = mg.new_session(capacity=capacity)
+    keep.prefill(first[0])
+    third_prompts = [first[0], second[1], second[2]]
+    sessions = [keep] + [mg.new_session(capacity=capacity) for _ in range(2)]
+    twins = [me.new_session(capacity=capacity) for _ in range(3)]
+    for s, p in zip(sessions[1:], third_prompts[1:], strict=True):
+        s.prefill(p)
+    for s, p in zip(twins, third_prompts, strict=True):
+        s.prefill(p)
+    pos = [int(s.position) for s in sessions]
+    for k in range(3):
+        ids = [[int(tokens[k][b])] for b in range(3)]
+        at = [np.array([p + k]) for p in pos]
+        g = mg.executor.forward_batch(ids, [s.states for s in sessions], at)
+        e = me.executor.forward_batch(ids, [s.states for s in twins], [a.copy() for a in at])
+        assert float(np.max(np.abs(g - e)) / np.max(np.abs(e))) <= 1e-5
+    if which == "qwen":
+        assert be.batch_rebinds == 2
+    for s in sessions + twins:
+        s.close()
+    mg.close()
+    me.close()
