@@ -38,7 +38,7 @@ from minecart.kernels.build import kernel_build_tag
 
 from ..sampling import GREEDY_PICK, LaunchedStep, PickSpec, TopLogits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache, arena_aligned, whole_pages
-from .graph_watch import StateReader
+from .graph_watch import StateReader, WatchedPointers
 
 
 def device_count() -> int:
@@ -488,6 +488,7 @@ class _DecodeGraph:
 
 # ---- [batched decode graphs] a decode step of B sequences as one graph (engine/execution.py forward_batch)
 _BATCH_SLOTS = 8192  # int32 inputs of a captured batch step: 7 B token/position slots, then cache lengths
+_BATCH_TABLE_SLOTS = 8192  # pointer-table entries in one block a batch graph (2 x 32 layers x 32 sequences: 2,048)
 BATCH_GRAPHS_KEPT = 4  # batch graphs kept (the most recently used); each holds its step's activations
 
 
@@ -527,8 +528,12 @@ class _BatchCapture(_Capture):
         self.feed = None  # a batch step's tokens come from the host
         self.picking = False
         # the pointer tables the step reads its sequences' states through, each with the addresses it
-        # held at capture: owned by the graph and written outside it (_BatchGraph.bind)
+        # held at capture: owned by the graph, views of one block (one copy writes them all), written
+        # outside it (_BatchGraph.bind)
         self.tables: list[tuple[Any, tuple[int, ...]]] = []
+        self.table_block = cp.empty(_BATCH_TABLE_SLOTS, dtype=cp.uint64)
+        self.table_used = 0
+        self.table_offsets: list[int] = []  # each table's place in the block (-1: a table of its own)
 
     def bind(self, positions) -> None:
         self._seq_of = {id(p): b for b, p in enumerate(positions)}
@@ -596,7 +601,14 @@ class _BatchCapture(_Capture):
         """A device pointer table of the arrays' addresses for the step being captured: allocated here,
         written after the capture (a copy inside it would be replayed every step), rewritten when the
         graph is bound to other sequences (_BatchGraph.bind)."""
-        tab = cp.empty(len(arrays), dtype=cp.uint64)
+        n = len(arrays)
+        if self.table_used + n <= _BATCH_TABLE_SLOTS:
+            tab = self.table_block[self.table_used : self.table_used + n]
+            self.table_offsets.append(self.table_used)
+            self.table_used += n
+        else:
+            tab = cp.empty(n, dtype=cp.uint64)  # past the block: a table of its own
+            self.table_offsets.append(-1)
         self.tables.append((tab, tuple(int(a.data.ptr) for a in arrays)))
         self.hold(tab)
         return tab
@@ -629,11 +641,11 @@ class _Rebinding:
         self.layouts = layouts
 
     @classmethod
-    def of(cls, cap: _BatchCapture, owners: tuple) -> _Rebinding | None:
-        """The rebinding of a step captured for `owners`, or None when the step reaches a state some
-        other way than through its pointer tables (a per-sequence path: q3 caches, Gemma 3's
-        attention), so that its addresses are baked into kernels."""
-        walks = [_GRAPH_STATES.watch(o).pointers for o in owners]
+    def of(cls, cap: _BatchCapture, owners: tuple, walks: list[list[int]]) -> _Rebinding | None:
+        """The rebinding of a step captured for `owners` (walks: each one's state walk, the addresses in
+        order), or None when the step reaches a state some other way than through its pointer tables
+        (a per-sequence path: q3 caches, Gemma 3's attention), so that its addresses are baked into
+        kernels."""
         where: dict[int, tuple[int, int]] = {}
         for b, ptrs in enumerate(walks):
             for j, a in enumerate(ptrs):
@@ -653,17 +665,20 @@ class _BatchGraph(_DecodeGraph):
     """A captured decode step of a list of sequences (owner: their state lists, in order). When the
     step reads every state through its pointer tables (`rebinding`), the graph serves any sequences of
     the same layouts: bind() writes their addresses into the tables, so a batch whose members changed
-    replays at once instead of running eagerly and being captured again (issue 17's graphs per batch
+    replays at once instead of running eagerly and being captured again (one graph per batch
     size)."""
 
     rebinding: _Rebinding | None = None
     released = False  # its sequences ended; kept, without their states, for others (bind)
+    # each sequence's compiled state walk (what valid() checks, one sequence at a time, so that a bind
+    # walks only the sequences that are new to the graph)
+    owner_watches: list[WatchedPointers] = []
 
     def valid(self, owner, watch, io=(None, None), link_seconds: tuple[float, float] = (0.0, 0.0)) -> bool:
         if self.released or len(owner) != len(self.states) or \
                 any(a is not b for a, b in zip(owner, self.states, strict=True)):
             return False
-        return self.alive() and self.watched.unchanged(watch)
+        return self.alive() and all(map(WatchedPointers.unchanged, self.owner_watches, owner))
 
     def alive(self) -> bool:
         """False once a sequence's cache was freed (its session closed) or has no room for a token."""
@@ -683,15 +698,25 @@ class _BatchGraph(_DecodeGraph):
         rb = self.rebinding
         if rb is None or len(owners) != len(rb.layouts):
             return False
-        if [_layout_of(o) for o in owners] != rb.layouts:
-            return False
+        was = {id(o): i for i, o in enumerate(self.states)}
+        watches: list[WatchedPointers | None] = []
+        for b, o in enumerate(owners):
+            i = was.get(id(o))
+            if i is not None and self.owner_watches[i].unchanged(o):  # still here, its arrays unmoved
+                if rb.layouts[i] != rb.layouts[b]:
+                    return False
+                watches.append(self.owner_watches[i])
+            elif _layout_of(o) != rb.layouts[b]:
+                return False
+            else:
+                watches.append(None)  # new here: walked below
         caches = [owners[b][i].kv for b, i in rb.caches]
         if any(c.k is None or c.length + 1 > c.capacity for c in caches):
             return False
-        self.write_tables([_GRAPH_STATES.watch(o).pointers for o in owners])
+        self.owner_watches = [_GRAPH_STATES.watch(o) if w is None else w for w, o in zip(watches, owners, strict=True)]
+        self.write_tables([w.pointers for w in self.owner_watches])
         self.cap.caches = [(c, c.length) for c in caches]
         self.states = owners
-        self.watched = _GRAPH_STATES.watch(watch)
         self.released = False
         return True
 
@@ -701,12 +726,22 @@ class _BatchGraph(_DecodeGraph):
         cap = self.cap
         assert isinstance(cap, _BatchCapture)
         rb = self.rebinding
+        if walks is None or rb is None:
+            ptrs = [a for _, addrs in cap.tables for a in addrs]
+        else:
+            ptrs = [walks[b][j] for b, j in rb.entries]
+        host = np.asarray(ptrs, dtype=np.uint64)
+        block = np.empty(cap.table_used, dtype=np.uint64)
         at = 0
-        for tab, addrs in cap.tables:
+        for (tab, addrs), off in zip(cap.tables, cap.table_offsets, strict=True):
             n = len(addrs)
-            ptrs = addrs if walks is None or rb is None else [walks[b][j] for b, j in rb.entries[at : at + n]]
-            tab.set(np.asarray(ptrs, dtype=np.uint64))
+            if off >= 0:
+                block[off : off + n] = host[at : at + n]
+            else:  # a table past the block
+                tab.set(host[at : at + n])
             at += n
+        if cap.table_used:
+            cap.table_block[: cap.table_used].set(block)  # one copy for the block
 
     def replay_batch(self, ids, positions) -> np.ndarray | TopLogits:
         cap = self.cap
@@ -1876,7 +1911,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             self.batch_capture_error = "the captured step produced no host output"
             return None
         rec = _BatchGraph(graph, cap, kept, owners, watch)
-        rec.rebinding = _Rebinding.of(cap, owners)
+        rec.owner_watches = [_GRAPH_STATES.watch(o) for o in owners]
+        rec.rebinding = _Rebinding.of(cap, owners, [w.pointers for w in rec.owner_watches])
         rec.write_tables(None)  # the captured sequences' addresses
         while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:
             self._batch_graphs.pop(next(iter(self._batch_graphs)))
