@@ -685,9 +685,11 @@ class _BatchGraph(_DecodeGraph):
         return not self.released and all(c.k is not None and c.length + 1 <= c.capacity for c, _ in self.cap.caches)
 
     def release(self) -> None:
-        """Let the states of the sequences it was made for go (their recurrent arrays are freed with
-        them), keeping the graph for other sequences."""
-        self.states = ()
+        """Let the states of its sequences that ended go (their recurrent arrays are freed with them),
+        keeping the graph for other sequences and the others' walks for the next bind (they are still
+        held here, so their ids stay theirs)."""
+        self.states = tuple(None if any(st.kv is not None and st.kv.k is None for st in o) else o
+                            for o in self.states)
         self.cap.caches = []
         self.released = True
 
@@ -698,7 +700,7 @@ class _BatchGraph(_DecodeGraph):
         rb = self.rebinding
         if rb is None or len(owners) != len(rb.layouts):
             return False
-        was = {id(o): i for i, o in enumerate(self.states)}
+        was = {id(o): i for i, o in enumerate(self.states) if o is not None}
         watches: list[WatchedPointers | None] = []
         for b, o in enumerate(owners):
             i = was.get(id(o))
@@ -1874,7 +1876,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         # graphs of sequences that have ended hold their states: let them go, and the graphs too unless
         # they can be bound to others
         for g in self._batch_graphs.values():
-            if not g.released and not g.alive() and g.rebinding is not None:
+            if g.rebinding is not None and (g.released or not g.alive()):
                 g.release()
         self._batch_graphs = {k: g for k, g in self._batch_graphs.items() if g.alive() or g.released}
         rec = self._batch_graphs.pop(key, None)

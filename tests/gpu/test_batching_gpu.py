@@ -309,7 +309,21 @@ def test_a_batch_graph_serves_the_next_sequences(files, which):
         assert float(np.max(np.abs(g - e)) / np.max(np.abs(e))) <= 1e-5
     if which == "qwen":
         assert be.batch_rebinds == 2
+    # a graph kept for others holds no state of a sequence that ended (its recurrent arrays go with it)
+    import gc
+    import weakref
+
+    gone = weakref.ref(sessions[1].states[0])
     for s in sessions + twins:
+        s.close()
+    fourth = [mg.new_session(capacity=capacity) for _ in range(3)]
+    for s, p in zip(fourth, second, strict=True):
+        s.prefill(p)
+    mg.executor.forward_batch([[5]] * 3, [s.states for s in fourth], [np.array([s.position]) for s in fourth])
+    del sessions, s
+    gc.collect()
+    assert gone() is None, "a batch graph keeps an ended sequence's states"
+    for s in fourth:
         s.close()
     mg.close()
     me.close()
