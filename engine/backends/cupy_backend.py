@@ -688,7 +688,7 @@ class _BatchGraph(_DecodeGraph):
         """Let the states of its sequences that ended go (their recurrent arrays are freed with them),
         keeping the graph for other sequences and the others' walks for the next bind (they are still
         held here, so their ids stay theirs)."""
-        self.states = tuple(None if any(st.kv is not None and st.kv.k is None for st in o) else o
+        self.states = tuple(None if o is None or any(st.kv is not None and st.kv.k is None for st in o) else o
                             for o in self.states)
         self.cap.caches = []
         self.released = True
