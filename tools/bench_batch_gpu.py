@@ -50,7 +50,7 @@ from minecart.engine.synth import write_synthetic
 TARGETS = {"8": 5.0, "32": 12.0}  # aggregate decode rate vs one sequence, by batch size
 TTFT_TARGET = 2.0  # time to first token while --others decode, vs alone
 # untimed steps first: the first runs eagerly (kernels compile), the second captures the batch's
-# CUDA graph (engine/execution.py captures a batch the second time in a row it decodes together)
+# CUDA graph (CupyBackend captures a batch the second time in a row it decodes together)
 WARMUP_STEPS = 2
 
 
