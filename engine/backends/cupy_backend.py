@@ -614,6 +614,19 @@ class _BatchCapture(_Capture):
         return tab
 
 
+def _copy_to(dst, host: np.ndarray, stream) -> np.ndarray:
+    """Copy the host array into the front of the device array dst, queued on `stream` (the graph's):
+    the graph launched after it on that stream reads what was written (a copy on another stream, from
+    pageable memory, may still be in flight when a launch on this non-blocking one starts). Returns the
+    host array the copy reads: the caller keeps it until the stream has passed the copy."""
+    host = np.ascontiguousarray(host)
+    if host.nbytes > dst.nbytes:
+        raise ValueError(f"{host.nbytes} bytes do not fit a device array of {dst.nbytes}")
+    cp.cuda.runtime.memcpyAsync(dst.data.ptr, host.ctypes.data, host.nbytes, cp.cuda.runtime.memcpyHostToDevice,
+                                stream.ptr)
+    return host
+
+
 def _layout_of(states: list) -> tuple:
     """What a batch graph bakes in of one sequence's states besides their addresses: every layer
     state's cache type, array shapes and dtypes (capacity included) and recurrent arrays' names, shapes
@@ -673,6 +686,7 @@ class _BatchGraph(_DecodeGraph):
     # each sequence's compiled state walk (what valid() checks, one sequence at a time, so that a bind
     # walks only the sequences that are new to the graph)
     owner_watches: list[WatchedPointers] = []
+    _table_sources: list[np.ndarray] = []  # the host arrays of the last table copies (write_tables)
 
     def valid(self, owner, watch, io=(None, None), link_seconds: tuple[float, float] = (0.0, 0.0)) -> bool:
         if self.released or len(owner) != len(self.states) or \
@@ -734,16 +748,18 @@ class _BatchGraph(_DecodeGraph):
             ptrs = [walks[b][j] for b, j in rb.entries]
         host = np.asarray(ptrs, dtype=np.uint64)
         block = np.empty(cap.table_used, dtype=np.uint64)
+        sources = []  # what the queued copies read: kept until the next bind, after the launches' waits
         at = 0
         for (tab, addrs), off in zip(cap.tables, cap.table_offsets, strict=True):
             n = len(addrs)
             if off >= 0:
                 block[off : off + n] = host[at : at + n]
             else:  # a table past the block
-                tab.set(host[at : at + n])
+                sources.append(_copy_to(tab, host[at : at + n], cap.stream))
             at += n
         if cap.table_used:
-            cap.table_block[: cap.table_used].set(block)  # one copy for the block
+            sources.append(_copy_to(cap.table_block, block, cap.stream))  # one copy for the block
+        self._table_sources = sources
 
     def replay_batch(self, ids, positions) -> np.ndarray | TopLogits:
         cap = self.cap
