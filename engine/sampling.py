@@ -311,9 +311,13 @@ def draw_from_top(values: np.ndarray, ids: np.ndarray, spec: PickSpec) -> int:
     computes (kernels/sampling.cu), and the host's pick from top logits."""
     if spec.temperature <= 0:
         return int(ids[0])
-    kept, p = _kept_of_top(np.asarray(values), np.asarray(ids, np.int64), spec)
-    idx = int(np.searchsorted(np.cumsum(p), spec.u, side="right"))
-    return int(kept[min(idx, len(kept) - 1)])
+    return _draw_kept(*_kept_of_top(np.asarray(values), np.asarray(ids, np.int64), spec), spec.u)
+
+
+def _draw_kept(ids: np.ndarray, p: np.ndarray, u: float) -> int:
+    """The inverse CDF at u over kept token ids with probabilities p (summing to 1)."""
+    idx = int(np.searchsorted(np.cumsum(p), u, side="right"))
+    return int(ids[min(idx, len(ids) - 1)])
 
 
 def _could_draw(values: np.ndarray, ids: np.ndarray, spec: PickSpec, token: int, eps: float = 1e-9) -> bool:
@@ -430,9 +434,7 @@ class Sampler:
         if not (prm.top_k and prm.top_k < x.size) and prm.top_p >= 1.0 and prm.min_p <= 0.0:
             # the whole vocabulary: inverse CDF straight over the tempered exponentials
             return _inverse_cdf(np.exp((x - x.max()) / np.float32(prm.temperature)), u)
-        ids, p = kept_tokens(x, prm)
-        idx = int(np.searchsorted(np.cumsum(p), u, side="right"))  # inverse CDF over the kept tokens
-        return int(ids[min(idx, len(ids) - 1)])
+        return _draw_kept(*kept_tokens(x, prm), u)
 
     def _pick_top(self, top: TopLogits) -> int:
         """pick from a row's largest logits: the same token as from the whole row (module docstring)."""

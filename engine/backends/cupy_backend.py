@@ -344,7 +344,7 @@ class _Capture:
                                         cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
         graph.launch(self.stream)
         if self.feed is not None:
-            self.feed.fresh = isinstance(self.result, TopLogits) and self.result.picks is not None and self.picking
+            self.feed.fresh = self.picking and isinstance(self.result, TopLogits)  # its pick_top ran
 
     def positions_dev(self, pos):
         return self.dev[1:4].reshape(3, 1)
@@ -681,12 +681,15 @@ class _BatchGraph(_DecodeGraph):
     replays at once instead of running eagerly and being captured again (one graph per batch
     size)."""
 
-    rebinding: _Rebinding | None = None
-    released = False  # its sequences ended; kept, without their states, for others (bind)
-    # each sequence's compiled state walk (what valid() checks, one sequence at a time, so that a bind
-    # walks only the sequences that are new to the graph)
-    owner_watches: list[WatchedPointers] = []
-    _table_sources: list[np.ndarray] = []  # the host arrays of the last table copies (write_tables)
+    def __init__(self, graph, cap: _BatchCapture, kept: list, owners: tuple):
+        # the states are checked one sequence at a time (owner_watches, so that a bind walks only the
+        # sequences new to the graph), not as _DecodeGraph's one walk over them all
+        super().__init__(graph, cap, kept, owners, watch=[])
+        self.owner_watches: list[WatchedPointers] = [_GRAPH_STATES.watch(o) for o in owners]
+        self.rebinding = _Rebinding.of(cap, owners, [w.pointers for w in self.owner_watches])
+        self.released = False  # its sequences ended; kept, without their states, for others (bind)
+        self._table_sources: list[np.ndarray] = []  # the host arrays of the last table copies
+        self.write_tables(None)  # the captured sequences' addresses
 
     def valid(self, owner, watch, io=(None, None), link_seconds: tuple[float, float] = (0.0, 0.0)) -> bool:
         if self.released or len(owner) != len(self.states) or \
@@ -707,7 +710,7 @@ class _BatchGraph(_DecodeGraph):
         self.cap.caches = []
         self.released = True
 
-    def bind(self, owners: tuple, watch) -> bool:
+    def bind(self, owners: tuple) -> bool:
         """Make this graph the step of `owners` (their states' addresses into the pointer tables, their
         caches' lengths into the inputs): False, nothing changed, when it cannot (no rebinding, another
         number of sequences or another layout, a cache without room for the token)."""
@@ -1898,7 +1901,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         rec = self._batch_graphs.pop(key, None)
         with self._dev:
             if rec is not None and not rec.valid(owners, watch):
-                if rec.bind(owners, watch):
+                if rec.bind(owners):
                     self.batch_rebinds += 1
                 elif not again:
                     self._batch_graphs[key] = rec  # kept for the sequences it may serve next
@@ -1928,10 +1931,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             self._batch_eager.add(len(ids))
             self.batch_capture_error = "the captured step produced no host output"
             return None
-        rec = _BatchGraph(graph, cap, kept, owners, watch)
-        rec.owner_watches = [_GRAPH_STATES.watch(o) for o in owners]
-        rec.rebinding = _Rebinding.of(cap, owners, [w.pointers for w in rec.owner_watches])
-        rec.write_tables(None)  # the captured sequences' addresses
+        rec = _BatchGraph(graph, cap, kept, owners)
         while len(self._batch_graphs) >= BATCH_GRAPHS_KEPT:
             self._batch_graphs.pop(next(iter(self._batch_graphs)))
         self._batch_graphs[key] = rec
