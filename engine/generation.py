@@ -281,7 +281,7 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
     session.checkpoint()  # turn boundary: regenerate restarts from here
 
     max_tokens = params.resolved_max_tokens(templated=True)  # resolved by generate already
-    sampler = Sampler(params, ids)
+    sampler = Sampler(params, ids, vocab=model.config.vocab_size)  # penalties applied on the device too
     text = TextStream(tokenizer.decode) if tokenizer is not None else None
     stops = StopStrings(params.stop)
     clock.decode_t0 = time.perf_counter()
@@ -291,8 +291,8 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
         shown, _ = stops.feed(tail)
         return shown + stops.flush()
 
-    # no penalties, greedy or top-k: the device draws each pick and feeds it to the next step itself,
-    # one step ahead (the uniform numbers in the sampler's order: Sampler.pick_spec)
+    # greedy or top-k (penalties applied on the device): the device draws each pick and feeds it to the
+    # next step itself, one step ahead (the uniform numbers in the sampler's order: Sampler.pick_spec)
     chain = sampler.chains
     ahead: LaunchedStep | None = None  # the step of the token about to be picked, launched already
     try:

@@ -66,12 +66,15 @@ class TopLogits:
     # (T,) the token the device drew from each row with the PickSpec the step was launched with (the
     # token a chained next step was fed); None: the step was launched without one
     picks: np.ndarray | None = None
+    # True: the values are the rows' after the PickSpec's penalties (the device applied them to the whole
+    # rows before the top-k); False: the model's own logits
+    penalized: bool = False
 
     def row(self, i: int) -> TopLogits:
         """Row i alone, (1, k), copied (a view would keep the whole step's arrays alive)."""
         picks = None if self.picks is None else self.picks[i : i + 1].copy()
         return TopLogits(self.values[i : i + 1].copy(), self.ids[i : i + 1].copy(), self.fetch, self.first + i,
-                         picks)
+                         picks, self.penalized)
 
     def whole_row(self, i: int = 0) -> np.ndarray:
         """Row i's whole logits (vocab,) float32 (a copy from the device, for a pick the top logits do
@@ -81,20 +84,60 @@ class TopLogits:
         return np.asarray(self.fetch(self.first + i), np.float32).reshape(-1)
 
 
+@dataclass(frozen=True, eq=False)
+class PenaltyHistory:
+    """What a sampler's penalties apply to, for a device that penalizes a step's whole row before its
+    top-k (kernels/sampling.cu penalize): the prompt's ids and the generated ids so far (the sampler's
+    own lists, growing as it picks) and the vocabulary's size. The device keeps one int32 a token
+    (PROMPT_BIT: in the prompt; the low bits: times generated) that each step updates with the token it
+    embeds, which is always the last generated one; the backend rebuilds it from these lists when it is
+    not in step with them (a new generation, a step that ran without it)."""
+
+    prompt_ids: Sequence[int]
+    generated: Sequence[int]
+    vocab: int
+
+    def table(self, counted: int) -> tuple[np.ndarray, np.ndarray]:
+        """The device table's non-zero entries once the prompt and the first `counted` generated tokens
+        are in it: (token ids int32, values int32), ids in [0, vocab)."""
+        n = np.zeros(0, np.int64) if counted <= 0 else np.asarray(self.generated[:counted], np.int64)
+        ids, counts = np.unique(n[(n >= 0) & (n < self.vocab)], return_counts=True)
+        p = np.unique(np.asarray(self.prompt_ids, np.int64))
+        p = p[(p >= 0) & (p < self.vocab)]
+        keys = np.union1d(ids, p)
+        vals = np.zeros(keys.size, np.int64)
+        vals[np.searchsorted(keys, ids)] += counts
+        vals[np.searchsorted(keys, p)] |= PROMPT_BIT
+        return keys.astype(np.int32), vals.astype(np.int32)
+
+
+PROMPT_BIT = 1 << 30  # a penalty table's mark of a prompt token (PenaltyHistory; kernels/sampling.cu)
+
+
 @dataclass(frozen=True)
 class PickSpec:
     """How the device draws the next token from a decode step's top logits (kernels/sampling.cu
     pick_top, `draw_from_top` on the host): u the uniform number of this pick, and the sampler's
-    temperature (0: the first id, greedy), top_p and min_p. The top-k is the step's own k."""
+    temperature (0: the first id, greedy), top_p and min_p, over the first top_k of the step's top
+    logits (0: all of them). With `history`, the step first applies the sampler's penalties
+    (repetition, presence, frequency) to its whole row on the device (kernels/sampling.cu penalize),
+    so that its top logits are the penalized row's (TopLogits.penalized)."""
 
     u: float
     temperature: float
     top_p: float = 1.0
     min_p: float = 0.0
+    top_k: int = 0
+    repetition: float = 1.0
+    presence: float = 0.0
+    frequency: float = 0.0
+    history: PenaltyHistory | None = field(default=None, compare=False, repr=False)
 
     def as_array(self) -> np.ndarray:
-        """The four float64 values in the order the kernel reads them."""
-        return np.array([self.u, self.temperature, self.top_p, self.min_p], np.float64)
+        """The eight float64 values in the order the kernels read them: the pick's five (pick_top), then
+        the penalties' three (penalize)."""
+        return np.array([self.u, self.temperature, self.top_p, self.min_p, self.top_k, self.repetition,
+                         self.presence, self.frequency], np.float64)
 
 
 GREEDY_PICK = PickSpec(0.0, 0.0)
@@ -308,7 +351,10 @@ def draw_from_top(values: np.ndarray, ids: np.ndarray, spec: PickSpec) -> int:
     """The token a pick with `spec` draws from one row's k largest logits (descending, equal values in
     ascending id order) and their ids: the first id when greedy, else the inverse CDF at spec.u over
     the tempered, top-p and min-p filtered distribution of the k (float64). What the device's pick_top
-    computes (kernels/sampling.cu), and the host's pick from top logits."""
+    computes (kernels/sampling.cu), and the host's pick from top logits. A spec's top_k > 0 takes the
+    first top_k of them."""
+    if spec.top_k > 0:
+        values, ids = values[: spec.top_k], ids[: spec.top_k]
     if spec.temperature <= 0:
         return int(ids[0])
     return _draw_kept(*_kept_of_top(np.asarray(values), np.asarray(ids, np.int64), spec), spec.u)
@@ -327,7 +373,7 @@ def _could_draw(values: np.ndarray, ids: np.ndarray, spec: PickSpec, token: int,
     for du in (-eps, eps):
         for dp in (-eps, eps):
             for dm in (-eps, eps):
-                near = PickSpec(spec.u + du, spec.temperature, min(1.0, spec.top_p + dp), max(0.0, spec.min_p + dm))
+                near = replace(spec, u=spec.u + du, top_p=min(1.0, spec.top_p + dp), min_p=max(0.0, spec.min_p + dm))
                 if draw_from_top(values, ids, near) == token:
                     return True
     return False
@@ -359,14 +405,17 @@ def _inverse_cdf(weights: np.ndarray, u: float, block: int = 1024) -> int:
 
 
 class Sampler:
-    """Stateful sampler for one generation: remembers the prompt, the output so far and the RNG."""
+    """Stateful sampler for one generation: remembers the prompt, the output so far and the RNG.
+    vocab > 0 (the model's vocabulary size): a device may apply this sampler's penalties itself
+    (PickSpec.history), so that a penalized sampler's picks chain too."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = ()):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), vocab: int = 0):
         self.params = params
         self.prompt_ids = list(prompt_ids)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(params.seed)
         self._ahead: deque[float] = deque()  # uniform numbers drawn for picks to come (pick_spec)
+        self._history = PenaltyHistory(self.prompt_ids, self.generated, vocab) if vocab > 0 else None
 
     def __call__(self, logits: np.ndarray | TopLogits) -> int:
         """Pick the next token from a (vocab,) row, or from its largest logits (at least `candidates`
@@ -383,10 +432,13 @@ class Sampler:
     @property
     def chains(self) -> bool:
         """True when the device can make this sampler's picks itself from a step's top logits and feed
-        each to the next step (Session.launch_next): no penalties (they depend on the output so far),
-        and greedy or a top-k of at most TOP_CANDIDATES_MAX."""
+        each to the next step (Session.launch_next): greedy or a top-k of at most TOP_CANDIDATES_MAX,
+        and no penalties or penalties the device applies (a vocabulary given, and top logits that serve
+        a host pick too when a step runs without them: candidates)."""
         prm = self.params
-        return not self.penalized and (prm.greedy or 0 < prm.top_k <= TOP_CANDIDATES_MAX)
+        if self.penalized and (self._history is None or self.candidates == 0):
+            return False
+        return prm.greedy or 0 < prm.top_k <= TOP_CANDIDATES_MAX
 
     def pick_spec(self, ahead: int = 0) -> PickSpec | None:
         """How the device makes the pick `ahead` picks from now (0: the next one) when this sampler
@@ -396,10 +448,17 @@ class Sampler:
             return None
         prm = self.params
         if prm.greedy:
-            return GREEDY_PICK
-        while len(self._ahead) <= ahead:
-            self._ahead.append(float(self.rng.random()))
-        return PickSpec(self._ahead[ahead], float(prm.temperature), float(prm.top_p), float(prm.min_p))
+            spec = GREEDY_PICK
+        else:
+            while len(self._ahead) <= ahead:
+                self._ahead.append(float(self.rng.random()))
+            spec = PickSpec(self._ahead[ahead], float(prm.temperature), float(prm.top_p), float(prm.min_p))
+        if not self.penalized:
+            return spec
+        # over the first k of the candidates of the step's penalized row
+        return replace(spec, top_k=1 if prm.greedy else prm.top_k, repetition=float(prm.repetition_penalty),
+                       presence=float(prm.presence_penalty), frequency=float(prm.frequency_penalty),
+                       history=self._history)
 
     def _uniform(self) -> float:
         """The next pick's uniform number: one a step, in order, reproducible for a seed."""
@@ -445,7 +504,7 @@ class Sampler:
         prm = self.params
         k = 1 if prm.greedy else prm.top_k
         vals, ids = top.values[0, :want], np.asarray(top.ids[0, :want], np.int64)
-        if self.penalized:
+        if self.penalized and not top.penalized:
             pv = _penalized(vals, ids, prm, self.prompt_ids, self.generated)
             order = np.lexsort((ids, -pv))[:k]  # the k largest penalized, descending, ties by id
             if not pv[order[-1]] > vals[-1]:  # a logit outside the candidates could be among them
@@ -453,7 +512,7 @@ class Sampler:
             vals, ids = pv[order], ids[order]
         spec = GREEDY_PICK if prm.greedy else PickSpec(self._uniform(), prm.temperature, prm.top_p, prm.min_p)
         token = draw_from_top(vals[:k], ids[:k], spec)
-        if top.picks is not None and not self.penalized:
+        if top.picks is not None and (top.penalized or not self.penalized):
             # the device drew this row's token with the same spec (it fed it to a next step already):
             # where rounding decides between two tokens, its token is the one the history holds
             dev = int(top.picks[0])

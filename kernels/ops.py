@@ -888,16 +888,36 @@ def top_k(logits: cp.ndarray, k: int):
     return out_v, out_i
 
 
+def penalize(logits: cp.ndarray, token: cp.ndarray, table: cp.ndarray, prm: cp.ndarray) -> None:
+    """A sampler's penalties on one row of logits (V,) float32 in place, from `table` (V,) int32
+    (engine/sampling.py PenaltyHistory), which first counts `token` ((1,) int32 on the device: the
+    token the step embeds) as generated once more; prm: float64 (repetition, presence, frequency).
+    engine/sampling.py apply_penalties is the host's form."""
+    V = logits.shape[-1]
+    if logits.dtype != cp.float32 or logits.size != V or not logits.flags.c_contiguous:
+        raise ValueError(f"penalize: one contiguous float32 row, got {logits.dtype} {logits.shape}")
+    if table.dtype != cp.int32 or table.shape != (V,) or token.dtype != cp.int32 or token.size < 1:
+        raise ValueError(f"penalize: an int32 table of {V} and an int32 token, got {table.dtype} {table.shape} / "
+                         f"{token.dtype} {token.shape}")
+    if prm.dtype != cp.float64 or prm.size != 3 or not prm.flags.c_contiguous:
+        raise ValueError(f"penalize: prm must be 3 contiguous float64, got {prm.dtype} {prm.shape}")
+    get_kernel("sampling", "penalize")((math.ceil(V / 256),), (256,), (logits, np.int32(V), token, table, prm))
+
+
+PICK_PRM = 8  # float64 values a row of pick_top's prm (engine/sampling.py PickSpec.as_array)
+
+
 def pick_top(vals: cp.ndarray, ids: cp.ndarray, prm: cp.ndarray, out: cp.ndarray | None = None) -> cp.ndarray:
     """The token drawn from each row's k largest logits (top_k's output, (T, k), k <= TOPK_MAX) with
-    that row's float64 (u, temperature, top_p, min_p) in prm (T, 4) -> (T,) int32 ids, written into
+    that row's PickSpec in prm (T, PICK_PRM) float64 (PickSpec.as_array: u, temperature, top_p, min_p,
+    top_k > 0 for the first top_k of the row only, the penalties unread) -> (T,) int32 ids, written into
     `out` when given (engine/sampling.py draw_from_top is the host's form)."""
     T, k = vals.shape
     if not 0 < k <= TOPK_MAX or ids.shape != (T, k) or ids.dtype != cp.int32 or vals.dtype != cp.float32:
         raise ValueError(f"pick_top: float32 values and int32 ids (T, k <= {TOPK_MAX}), got {vals.dtype} "
                          f"{vals.shape} / {ids.dtype} {ids.shape}")
-    if prm.dtype != cp.float64 or prm.size != 4 * T or not prm.flags.c_contiguous:
-        raise ValueError(f"pick_top: prm must be contiguous float64 (T, 4), got {prm.dtype} {prm.shape}")
+    if prm.dtype != cp.float64 or prm.size != PICK_PRM * T or not prm.flags.c_contiguous:
+        raise ValueError(f"pick_top: prm must be contiguous float64 (T, {PICK_PRM}), got {prm.dtype} {prm.shape}")
     out = cp.empty(T, dtype=cp.int32) if out is None else out
     if out.dtype != cp.int32 or out.size != T or not out.flags.c_contiguous:
         raise ValueError(f"pick_top: out must be contiguous int32 ({T},), got {out.dtype} {out.shape}")

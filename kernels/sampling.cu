@@ -3,6 +3,9 @@
 // topk_stage1: a block per (slice of TOPK_SLICE logits, row); the slice sits in shared memory and k
 //   rounds of block argmax (ties -> lower index) pull out its k largest.
 // topk_stage2: a block per row over the slices' candidates, the same k rounds.
+// penalize:    a thread per token of one row: a sampler's repetition / presence / frequency penalties,
+//   from a table of one int32 a token that the step first updates with the token it embeds, as
+//   engine/sampling.py apply_penalties does (float64 arithmetic on each penalized entry).
 // pick_top:    a warp per row draws a token from the row's k largest logits (topk_stage2's output),
 //   as engine/sampling.py draw_from_top does: float64 tempered weights, the top-p prefix, the min-p
 //   cut, the inverse CDF at the row's uniform number.
@@ -108,18 +111,50 @@ extern "C" __global__ void topk_stage2(const float* __restrict__ cand_v, const i
     }
 }
 
-#define PICK_PER_LANE 4  // k <= 32 * PICK_PER_LANE (ops.TOPK_MAX)
+#define PROMPT_BIT (1 << 30)  // engine/sampling.py PROMPT_BIT
 
-extern "C" __global__ void pick_top(const float* __restrict__ vals, const int* __restrict__ ids, int k,
+extern "C" __global__ void penalize(float* __restrict__ logits, int V, const int* __restrict__ token,
+                                    int* __restrict__ table, const double* __restrict__ prm) {
+    // logits (V,) in place. table (V,): PROMPT_BIT for a prompt token, plus the times it was generated;
+    // *token (the token this step embeds, the last one generated) is counted first. prm: repetition,
+    // presence, frequency. A token in the table: its logit divided by the repetition penalty when
+    // positive, else multiplied; one generated n > 0 times then loses presence + frequency * n. The
+    // _rn intrinsics keep the compiler from fusing what the host rounds step by step.
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= V) return;
+    int h = table[i];
+    if (i == *token) {
+        h += 1;
+        table[i] = h;
+    }
+    if (h == 0) return;
+    double rep = prm[0], pres = prm[1], freq = prm[2];
+    int n = h & (PROMPT_BIT - 1);
+    float x = logits[i];
+    if (rep != 1.0) {
+        double d = (double)x;
+        x = (float)(d > 0.0 ? __ddiv_rn(d, rep) : __dmul_rn(d, rep));
+    }
+    if ((pres != 0.0 || freq != 0.0) && n > 0)
+        x = (float)__dsub_rn((double)x, __dadd_rn(pres, __dmul_rn(freq, (double)n)));
+    logits[i] = x;
+}
+
+#define PICK_PER_LANE 4  // k <= 32 * PICK_PER_LANE (ops.TOPK_MAX)
+#define PICK_PRM 8       // float64 values a row of prm (engine/sampling.py PickSpec.as_array)
+
+extern "C" __global__ void pick_top(const float* __restrict__ vals, const int* __restrict__ ids, int cols,
                                     const double* __restrict__ prm, int* __restrict__ out) {
-    // One warp a row. vals/ids (rows, k): descending, equal values in ascending id order. prm (rows, 4):
-    // u, temperature (<= 0: the first id), top_p, min_p. Lane l holds entries [l * e, l * e + e), so
-    // a prefix over lanes is a prefix over the entries in order.
+    // One warp a row. vals/ids (rows, cols): descending, equal values in ascending id order. prm (rows,
+    // PICK_PRM): u, temperature (<= 0: the first id), top_p, min_p, k (> 0: the first k of the row, else
+    // all cols), then the penalties (not read here). Lane l holds entries [l * e, l * e + e), so a
+    // prefix over lanes is a prefix over the entries in order.
     int row = blockIdx.x, lane = threadIdx.x;
-    const float* v = vals + (i64)row * k;
-    const int* id = ids + (i64)row * k;
-    const double* q = prm + (i64)row * 4;
+    const float* v = vals + (i64)row * cols;
+    const int* id = ids + (i64)row * cols;
+    const double* q = prm + (i64)row * PICK_PRM;
     double u = q[0], t = q[1], top_p = q[2], min_p = q[3];
+    int k = q[4] > 0.0 && q[4] < (double)cols ? (int)q[4] : cols;
     if (t <= 0.0 || k == 1) {
         if (lane == 0) out[row] = id[0];
         return;

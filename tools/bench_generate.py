@@ -4,8 +4,9 @@
 go through `generate` (engine/generation.py): a pick by the sampler, the text of the token, stop
 strings, an event, and the consumer's own work on it (a Qt signal, a line on the terminal, a
 server-sent event). This prints, for the same model and prompt: the bare step loop's tokens/s, then
-`generate`'s decode tokens/s with greedy and with sampled picks (temperature 0.7, top-k 20, top-p 0.8,
-a fixed seed), each with a consumer that takes nothing and one that busies its thread for
+`generate`'s decode tokens/s with greedy picks, sampled picks (temperature 0.7, top-k 20, top-p 0.8,
+a fixed seed) and the app's default picks (resources/default_settings.json: temperature 0.7, top-k 40,
+top-p 0.9, min-p 0.05, repetition penalty 1.05), each with a consumer that takes nothing and one that busies its thread for
 `--consumer-us` microseconds per token (a stand-in for a server's or an app's work on each event).
 
     python3 tools/bench_generate.py MODEL.gguf [--device cuda:0] [--tokens 256] [--consumer-us 100]
@@ -74,14 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     _bare(model, ids[:64], 16)  # warm-up: kernels compiled, graphs captured
     n = args.tokens
     picks = {"greedy": greedy_params(max_tokens=n),
-             "sampled": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=7, max_tokens=n)}
+             "sampled": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=7, max_tokens=n),
+             "app default": SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.05,
+                                           seed=7, max_tokens=n)}
     for r in range(args.repeat):
         print(f"run {r + 1}: bare step loop {_bare(model, ids, n):.1f} tok/s", flush=True)
         for name, params in picks.items():
             for busy in (0.0, args.consumer_us):
+                chained = model.executor.chained_steps
                 tps, got = _through_generate(model, ids, params, busy * 1e-6)
-                print(f"  generate, {name}, consumer {busy:.0f} us/token: {tps:.1f} tok/s ({got} tokens)",
-                      flush=True)
+                chained = model.executor.chained_steps - chained
+                print(f"  generate, {name}, consumer {busy:.0f} us/token: {tps:.1f} tok/s ({got} tokens, "
+                      f"{chained} steps chained)", flush=True)
     model.close()
     return 0
 

@@ -36,7 +36,7 @@ from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, layout,
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
 
-from ..sampling import GREEDY_PICK, LaunchedStep, PickSpec, TopLogits
+from ..sampling import GREEDY_PICK, LaunchedStep, PenaltyHistory, PickSpec, TopLogits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache, arena_aligned, whole_pages
 from .graph_watch import StateReader, WatchedPointers
 
@@ -256,7 +256,7 @@ def _cache_full(exc: BaseException) -> bool:
 
 
 _SLOTS = 1024  # int32 inputs of a captured decode step: [token, pos t, pos h, pos w, cache lengths...]
-_PICK_SLOT = _SLOTS - 8  # ... and in the last 8, the step's PickSpec as 4 float64 (8-byte aligned)
+_PICK_SLOT = _SLOTS - 16  # ... and in the last 16, the step's PickSpec as 8 float64 (8-byte aligned)
 
 
 def _sleep_event():
@@ -281,12 +281,39 @@ class _Feed:
     of a next step launched chained (graph_step chained=True) before the host has seen it. fresh: this
     sequence's last step was such a launch with a PickSpec (arr holds its pick); parity: which of the
     sequence's two graphs of a key a chained launch takes, so that it never rewrites the pinned buffers
-    of the one still running."""
+    of the one still running.
+
+    table: the sequence's penalty table (engine/sampling.py PenaltyHistory; kernels/sampling.cu
+    penalize) for steps launched with a penalized PickSpec, None before the first; table_of: the history
+    it was built from, counted: how many of its generated tokens are in it (each penalized launch counts
+    the token it embeds)."""
 
     def __init__(self):
         self.arr = cp.zeros(1, dtype=cp.int32)
         self.fresh = False
         self.parity = 0
+        self.table: Any = None
+        self.table_of: PenaltyHistory | None = None
+        self.counted = 0
+
+    def sync_table(self, history: PenaltyHistory, token: int, chained: bool) -> bool:
+        """Make the table hold the prompt and the generated tokens before the one this launch embeds
+        (`token`, which the launch counts itself; chained: the device's pick of the step before, not on
+        the host yet). False (chained only): it does not, and the launch must wait for that pick."""
+        if chained:
+            return self.table_of is history and self.counted == len(history.generated)
+        gen = history.generated
+        if not gen or int(gen[-1]) != token:
+            raise ValueError(f"a penalized pick's history must end with the token its step embeds ({token})")
+        if self.table is None or self.table.shape != (history.vocab,):
+            self.table, self.table_of = cp.zeros(history.vocab, dtype=cp.int32), None
+        if self.table_of is not history or self.counted != len(gen) - 1:
+            keys, vals = history.table(len(gen) - 1)
+            self.table.fill(0)
+            if keys.size:
+                self.table[cp.asarray(keys)] = cp.asarray(vals)
+            self.table_of, self.counted = history, len(gen) - 1
+        return True
 
 
 class _Capture:
@@ -308,6 +335,7 @@ class _Capture:
         self.sleeper: Any = None
         self.feed: _Feed | None = None  # where the step reads its token and leaves its pick (if it embeds)
         self.picking = False  # this launch came with a PickSpec (its pick is the one it was asked for)
+        self.penalizing = False  # ... with penalties, which the step applies from the feed's table
 
     def wait(self) -> None:
         """Wait for the work queued on the capture's stream (a launch of its graph). A graph with host
@@ -321,10 +349,15 @@ class _Capture:
         self.host[1:4] = pos if pos.size == 3 else np.repeat(pos, 3)
         self.host[_PICK_SLOT:].view(np.float64)[:] = (GREEDY_PICK if pick is None else pick).as_array()
         self.picking = pick is not None
+        self.penalizing = pick is not None and pick.history is not None and self.feed is not None
 
     def pick_params(self):
-        """The device copy of the launch's PickSpec: float64 (1, 4) (ops.pick_top's prm)."""
-        return self.dev[_PICK_SLOT:].view(cp.float64).reshape(1, 4)
+        """The device copy of the launch's PickSpec: float64 (1, 8) (ops.pick_top's prm)."""
+        return self.dev[_PICK_SLOT:].view(cp.float64).reshape(1, ops.PICK_PRM)
+
+    def penalty_params(self):
+        """The device copy of the launch's penalties: float64 (3,) (ops.penalize's prm)."""
+        return self.dev[_PICK_SLOT:].view(cp.float64)[5:8]
 
     def copy_inputs(self) -> None:
         cp.cuda.runtime.memcpyAsync(self.dev.data.ptr, self.host.ctypes.data, _SLOTS * 4,
@@ -345,6 +378,8 @@ class _Capture:
         graph.launch(self.stream)
         if self.feed is not None:
             self.feed.fresh = self.picking and isinstance(self.result, TopLogits)  # its pick_top ran
+            if self.penalizing:
+                self.feed.counted += 1  # its penalize counted the token it embeds
 
     def positions_dev(self, pos):
         return self.dev[1:4].reshape(3, 1)
@@ -784,7 +819,8 @@ def _host_copy(out, rec: _DecodeGraph):
     if isinstance(out, TopLogits):
         fetch = None if out.fetch is None else rec.guarded(out.fetch)
         picks = np.array(out.picks) if out.picks is not None and rec.cap.picking else None
-        return TopLogits(np.array(out.values), np.array(out.ids), fetch, out.first, picks)
+        return TopLogits(np.array(out.values), np.array(out.ids), fetch, out.first, picks,
+                         out.penalized and rec.cap.penalizing)
     if not isinstance(out, np.ndarray):
         raise RuntimeError(f"a captured step returned {type(out).__name__}, not host logits")
     return np.array(out)
@@ -1676,19 +1712,25 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         dev = self._dev
         with dev:
             logits = cp.ascontiguousarray(logits, dtype=cp.float32).reshape(-1, logits.shape[-1])
-            vals, ids = ops.top_k(logits, int(k))
             cap = self._capture
+            feed = cap.feed if cap is not None and logits.shape[0] == 1 else None  # a captured step of one sequence
+            penalized = False
+            if cap is not None and feed is not None and cap.penalizing:
+                # the sampler's penalties over the whole row first (the feed's table)
+                ops.penalize(logits[0], feed.arr, feed.table, cap.penalty_params())
+                penalized = True
+            vals, ids = ops.top_k(logits, int(k))
             picks = None
-            if cap is not None and cap.feed is not None and logits.shape[0] == 1:
-                # a captured step of one sequence draws its pick into the feed: a chained next step's token
-                ops.pick_top(vals, ids, cap.pick_params(), out=cap.feed.arr)
-                picks = self.to_numpy(cap.feed.arr)
+            if cap is not None and feed is not None:
+                # it draws its pick into the feed: a chained next step's token
+                ops.pick_top(vals, ids, cap.pick_params(), out=feed.arr)
+                picks = self.to_numpy(feed.arr)
 
             def fetch(r: int):  # the whole row, for a pick the top logits do not decide
                 with dev:
                     return cp.asnumpy(logits[r])
 
-            return TopLogits(self.to_numpy(vals), self.to_numpy(ids), fetch=fetch, picks=picks)
+            return TopLogits(self.to_numpy(vals), self.to_numpy(ids), fetch=fetch, picks=picks, penalized=penalized)
 
     # ---- CUDA-graph decode ---------------------------------------------------------------------------
     def graph_step(self, key, run, ids, positions, *, owner, watch=None, host_in=None, host_out=None,
@@ -1715,7 +1757,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         sequence's previous step, which must have been a graph launch with a pick and may still be
         running: the step is launched behind it without the host seeing that pick (ids unused), on the
         other of the sequence's two graphs of this key (_Feed). None: not possible now (the caller
-        waits for the previous step and launches with its token).
+        waits for the previous step and launches with its token). A pick with penalties (its history)
+        has the step apply them to its row first, from the sequence's table (_Feed.sync_table), in
+        graphs of their own; a stage that does not embed its token leaves them to the host.
         link_seconds: (before the copy from host_in, after the copy to host_out) a simulated riser's
         time (engine/rig.py), held on the graph's stream by nodes of the graph itself, where a real
         riser's copies would take it.
@@ -1736,11 +1780,18 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         watch = owner if watch is None else watch
         io = (host_in, host_out)
         feed = self._feed_of(owner)  # None before the sequence's first graph
+        history = pick.history if pick is not None and host_in is None else None
         if chained:
             if feed is None or not feed.fresh or wait or host_in is not None or host_out is not None:
                 return None
+            if history is not None and not feed.sync_table(history, 0, chained=True):
+                return None
             feed.parity ^= 1  # the graph not running now
-        key = (key, feed.parity if feed is not None else 0)
+        elif history is not None:
+            feed = _Feed() if feed is None else feed
+            with self._dev:
+                feed.sync_table(history, int(ids[0]), chained=False)
+        key = (key, feed.parity if feed is not None else 0, history is not None)
         rec = self._graphs.get(key)
         if rec is not None and not rec.valid(owner, watch, io, link_seconds):
             self._graphs.pop(key, None)

@@ -19,10 +19,13 @@ from minecart.engine.generation import GenerationEvent, StopStrings, TextStream,
 from minecart.engine.model import load_model
 from minecart.engine.sampling import (
     LaunchedStep,
+    Sampler,
     SamplingParams,
     TopLogits,
+    apply_penalties,
     draw_from_top,
     greedy_params,
+    top_logits,
 )
 from minecart.engine.session import Session
 
@@ -211,11 +214,12 @@ def test_the_next_step_runs_while_the_consumer_has_the_token():
 
 
 class ChainModel:
-    """A model under a real Session whose logits after token t are 10 - j / 2 at ids (7 t + 3 + 13 j) %
-    256 for j < 16 (far below elsewhere): the greedy pick is (7 t + 3) % 256. The launches are a
+    """A model under a real Session whose logits after token t are 10 - j / 8 at ids (7 t + 3 + 13 j) %
+    256 for j < 64 (far below elsewhere): the greedy pick is (7 t + 3) % 256. The launches are a
     device's: launch_decode's and launch_next's steps finish only when waited for, a step launched with
-    a PickSpec draws its pick as the device does (draw_from_top), and a launch_next step knows its
-    token only as that pick of the step launched before it."""
+    a PickSpec draws its pick as the device does (draw_from_top), after the spec's penalties over the
+    whole row when it has a history (the device's table: the history and the token the step embeds), and
+    a launch_next step knows its token only as that pick of the step launched before it."""
 
     is_base_model = False
     vision = None
@@ -231,6 +235,7 @@ class ChainModel:
         self.fed: int | None = None  # the device's pick of the last launch (None: launched without one)
         self.chained = 0
         self.waits: list[int] = []  # the token of each step whose result was taken
+        self.penalized = 0  # steps that applied a PickSpec's penalties
 
     @staticmethod
     def pick(t):
@@ -238,17 +243,29 @@ class ChainModel:
 
     @staticmethod
     def top(token):
-        return np.array([10.0 - j / 2 for j in range(16)], np.float32), \
-            np.array([(7 * token + 3 + 13 * j) % 256 for j in range(16)], np.int32)
+        return np.array([10.0 - j / 8 for j in range(64)], np.float32), \
+            np.array([(7 * token + 3 + 13 * j) % 256 for j in range(64)], np.int32)
 
-    def _row(self, token, top, pick=None):
+    def _row(self, token, top, pick=None, fed=None):
         vals, ids = self.top(token)
+        row = np.full((1, EOS + 1), -30.0, np.float32)
+        row[0, ids] = vals
+        if pick is not None and pick.history is not None and not self.chain:
+            pick = None  # a device without the penalty table: raw top logits, the host penalizes them
+        if top and pick is not None and pick.history is not None:
+            h = pick.history
+            prm = SamplingParams(repetition_penalty=pick.repetition, presence_penalty=pick.presence,
+                                 frequency_penalty=pick.frequency)
+            generated = list(h.generated) + ([] if fed is None else [fed])
+            vals, ids = top_logits(apply_penalties(row[0], prm, h.prompt_ids, generated), top)
+            picks = np.array([draw_from_top(vals[0], ids[0], pick)])
+            self.fed = int(picks[0])
+            self.penalized += 1
+            return TopLogits(vals, ids, picks=picks, penalized=True)
         if top:
             picks = None if pick is None else np.array([draw_from_top(vals[:top], ids[:top], pick)])
             self.fed = None if picks is None else int(picks[0])
             return TopLogits(vals[None, :top], ids[None, :top], picks=picks)
-        row = np.full((1, EOS + 1), -30.0, np.float32)
-        row[0, ids] = vals
         return row
 
     def new_state(self, capacity=None):
@@ -263,9 +280,9 @@ class ChainModel:
     def forward(self, ids, states, positions, **kw):
         return self._row(ids[-1], kw.get("top", 0))
 
-    def _launch(self, token, top, pick):
+    def _launch(self, token, top, pick, fed=None):
         self.launched.append(token)
-        row = self._row(token, top, pick)  # what the device computes, the pick it feeds on included
+        row = self._row(token, top, pick, fed)  # what the device computes, the pick it feeds on included
 
         def finish():
             self.waits.append(token)
@@ -280,7 +297,7 @@ class ChainModel:
         if not self.chain or self.fed is None:
             return None
         self.chained += 1
-        return self._launch(self.fed, top, pick)
+        return self._launch(self.fed, top, pick, fed=self.fed)
 
 
 def test_greedy_steps_are_chained_and_the_session_fills_in_their_tokens():
@@ -337,6 +354,32 @@ def test_sampled_steps_are_chained_with_the_samplers_own_draws():
             break
     else:
         raise AssertionError("three seeds drew the same 30 tokens")
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=8, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.4,
+                   frequency_penalty=0.3, seed=5, max_tokens=40),
+    greedy_params(repetition_penalty=2.0, frequency_penalty=1.0, max_tokens=40),
+])
+def test_penalized_steps_are_chained_with_the_penalties_on_the_device(params):
+    """With penalties the device applies them (PickSpec.history): each step penalizes its row with the
+    sampler's history and the token it embeds, draws its pick, and the next step is chained on it; the
+    tokens are those of the same seed with every pick made on the host from raw top logits (which
+    penalizes them itself). The penalties change the answer (the unpenalized greedy text is the
+    chain 5 -> (7 t + 3) % 256), and a sampler without a vocabulary (no device table) does not chain."""
+    runs = {}
+    prompt = [*range(100, 180), 5, 38]  # many ids the chain's picks come back to
+    for chain in (True, False):
+        model = ChainModel(chain)
+        session = model.new_session()
+        events = list(generate(model, prompt, params, session=session))
+        runs[chain] = (model, [e.token for e in events])
+        session.close()
+    (on, got_on), (off, got_off) = runs[True], runs[False]
+    assert got_on == got_off and len(got_on) == 40
+    assert on.chained == 38 and on.penalized == 39 and off.chained == off.penalized == 0
+    assert got_on != [ChainModel.pick(t) for t in [38] + got_on[:-1]]  # the penalties decided picks
+    assert Sampler(params, prompt, vocab=EOS + 1).chains and not Sampler(params, prompt).chains
 
 
 def test_cancel_from_another_thread():

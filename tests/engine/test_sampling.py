@@ -282,3 +282,51 @@ def test_a_device_pick_stands_only_where_rounding_decides():
     assert Fixed(edge - 1e-13)(TopLogits(vals, ids, picks=np.array([11]))) == 11  # rounding decides
     assert Fixed(edge - 1e-13)(TopLogits(vals, ids)) == 10
     assert Fixed(0.2)(TopLogits(vals, ids, picks=np.array([11]))) == 10  # far from it: the host's draw
+
+
+def test_penalty_table_and_penalized_pick_specs():
+    """The device's penalty table (PenaltyHistory.table): PROMPT_BIT for each prompt id, plus how many
+    times each id was generated among the first `counted`, ids outside the vocabulary left out; and a
+    sampler given the vocabulary chains with penalties that only lower logits, its PickSpec carrying
+    them, its top-k and its own lists."""
+    from minecart.engine.sampling import PROMPT_BIT, TOP_CANDIDATES_MAX, PenaltyHistory
+
+    h = PenaltyHistory([3, 3, 9, 70], [9, 4, 4, 1, 4, 99], vocab=50)
+    keys, vals = h.table(5)
+    assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == {1: 1, 3: PROMPT_BIT, 4: 3, 9: PROMPT_BIT + 1}
+    keys, vals = h.table(0)
+    assert dict(zip(keys.tolist(), vals.tolist(), strict=True)) == {3: PROMPT_BIT, 9: PROMPT_BIT}
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5,
+                            frequency_penalty=0.2, seed=1)
+    s = Sampler(params, [1, 2], vocab=1000)
+    assert s.chains and s.candidates == TOP_CANDIDATES_MAX
+    s.generated.append(7)
+    spec = s.pick_spec(0)
+    assert spec is not None and spec.history is not None
+    assert (spec.top_k, spec.repetition, spec.presence, spec.frequency) == (20, 1.1, 0.5, 0.2)
+    assert list(spec.history.prompt_ids) == [1, 2] and list(spec.history.generated) == [7]  # the sampler's
+    assert spec.as_array().tolist() == [spec.u, 0.8, 0.9, 0.0, 20, 1.1, 0.5, 0.2]
+    g = Sampler(greedy_params(repetition_penalty=1.3), vocab=1000).pick_spec(0)
+    assert g is not None and g.temperature == 0 and g.top_k == 1 and g.history is not None
+    for unchained in (SamplingParams(top_k=0, repetition_penalty=1.1), SamplingParams(repetition_penalty=0.9),
+                      SamplingParams(top_k=TOP_CANDIDATES_MAX, presence_penalty=0.5),
+                      greedy_params(presence_penalty=-0.5)):
+        assert not Sampler(unchained, vocab=1000).chains
+
+
+def test_a_penalized_rows_top_logits_are_drawn_from_as_given():
+    """Top logits the device penalized already (TopLogits.penalized) are not penalized again: the pick
+    is the draw over their first k, the token a host pick from the whole penalized row gives."""
+    from minecart.engine.sampling import TOP_CANDIDATES_MAX, TopLogits, apply_penalties, top_logits
+
+    rng = np.random.default_rng(8)
+    params = SamplingParams(temperature=0.9, top_k=12, top_p=0.95, repetition_penalty=1.4, frequency_penalty=0.3,
+                            seed=2)
+    prompt = rng.integers(0, 300, 40).tolist()
+    on_row, on_top = Sampler(params, prompt, vocab=300), Sampler(params, prompt, vocab=300)
+    for _ in range(60):
+        row = (rng.standard_normal(300) * 3).astype(np.float32)
+        pen = apply_penalties(row, params, prompt, on_top.generated)
+        vals, ids = top_logits(pen, TOP_CANDIDATES_MAX)
+        assert on_top(TopLogits(vals, ids, penalized=True)) == on_row(row)
+    assert on_top.generated == on_row.generated and len(set(on_row.generated)) > 5

@@ -302,7 +302,8 @@ def test_pick_top_is_the_hosts_draw(k):
     x[::3] = np.round(x[::3])  # ties, among the k largest too
     vals, ids = top_logits(x, k)
     specs = [PickSpec(float(rng.random()), float(rng.choice([0.0, 0.3, 0.7, 1.0, 1.6])),
-                      float(rng.choice([1.0, 0.95, 0.8, 0.3])), float(rng.choice([0.0, 0.0, 0.05, 0.2])))
+                      float(rng.choice([1.0, 0.95, 0.8, 0.3])), float(rng.choice([0.0, 0.0, 0.05, 0.2])),
+                      int(rng.choice([0, 0, 1, max(1, k // 2), k, k + 5])))  # top_k: the row's first ones
              for _ in range(rows)]
     prm = np.stack([sp.as_array() for sp in specs])
     got = cp.asnumpy(ops.pick_top(cp.asarray(vals), cp.asarray(ids.astype(np.int32)), cp.asarray(prm)))
@@ -311,7 +312,8 @@ def test_pick_top_is_the_hosts_draw(k):
     assert all(_could_draw(vals[r], ids[r], specs[r], int(got[r])) for r in differ), differ
     assert differ.size <= 1, f"{differ.size} of {rows} picks differ"
     # the draws are spread over the candidates (not all the first one) when sampling
-    hot = [r for r in range(rows) if specs[r].temperature >= 1.0 and specs[r].top_p >= 0.95 and specs[r].min_p == 0]
+    hot = [r for r in range(rows) if specs[r].temperature >= 1.0 and specs[r].top_p >= 0.95 and specs[r].min_p == 0
+           and specs[r].top_k in (0, k, k + 5)]
     if k >= 20:
         assert np.mean(got[hot] != ids[hot, 0]) > 0.3
 
@@ -328,3 +330,39 @@ def test_probe_and_cache(tmp_path, monkeypatch):
     assert probe_cache.get("GPU-test")["gemv"] == rec["gemv"]
     assert "decode path" in probe_cache.summary_for("GPU-test")
     print("probe:", rec)
+
+
+@pytest.mark.parametrize("V", [1000, 248320])
+def test_penalize_is_apply_penalties(V):
+    """ops.penalize (a step's penalties over its whole row from the sequence's table) against its host
+    twin apply_penalties (engine/sampling.py) on fresh random rows and histories: bit for bit, for
+    repetition penalties above and below 1 with presence and frequency penalties on and off, over
+    positive, negative and zero logits; and the table it leaves counts the token it was given, as the
+    host's table of the longer history does."""
+    import cupy as cp
+    from minecart.engine.sampling import PenaltyHistory, SamplingParams, apply_penalties
+    from minecart.kernels import ops
+
+    rng = np.random.default_rng(V)
+    for trial in range(12):
+        row = (rng.standard_normal(V) * rng.uniform(0.5, 8)).astype(np.float32)
+        row[rng.integers(0, V, 50)] = 0.0
+        prompt = rng.integers(0, V, int(rng.integers(0, 3000))).tolist()
+        generated = rng.integers(0, min(V, 400), int(rng.integers(1, 300))).tolist()  # repeats
+        params = SamplingParams(repetition_penalty=float(rng.choice([1.0, 1.05, 1.3, 0.8])),
+                                presence_penalty=float(rng.choice([0.0, 0.5, -0.3, 1.5])),
+                                frequency_penalty=float(rng.choice([0.0, 0.1, 0.7])))
+        h = PenaltyHistory(prompt, generated, V)
+        keys, vals = h.table(len(generated) - 1)
+        table = cp.zeros(V, dtype=cp.int32)
+        table[cp.asarray(keys)] = cp.asarray(vals)
+        prm = cp.asarray([params.repetition_penalty, params.presence_penalty, params.frequency_penalty], cp.float64)
+        x = cp.asarray(row)
+        ops.penalize(x, cp.asarray([generated[-1]], cp.int32), table, prm)
+        want = apply_penalties(row, params, prompt, generated)
+        np.testing.assert_array_equal(cp.asnumpy(x), want, err_msg=f"trial {trial}: {params}")
+        keys, vals = h.table(len(generated))
+        full = np.zeros(V, np.int32)
+        full[keys] = vals
+        np.testing.assert_array_equal(cp.asnumpy(table), full)
+        assert trial or not np.array_equal(want, row)  # the penalties changed something

@@ -194,6 +194,47 @@ def test_chained_steps_are_the_greedy_steps(fixtures_dir):
 
 
 @pytest.mark.parametrize("params", [
+    dict(temperature=40.0, top_k=40, top_p=0.97, min_p=0.005, repetition_penalty=1.3, presence_penalty=0.5,
+         frequency_penalty=0.4),
+    dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=1.0),  # greedy: the chain leaves one token
+    dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),  # the app's default
+])
+def test_penalized_chained_steps_are_the_hosts_picks(fixtures_dir, params):
+    """A seeded generate with penalties, whose steps apply them to their rows on the device (the
+    sequence's penalty table, ops.penalize) before drawing their picks and are chained on them, gives
+    the tokens the host picks from steps taken one at a time (raw top logits, penalized on the host),
+    through a KV cache that must grow on the way (a step that runs without its graph leaves the table
+    behind: the next launch rebuilds it from the sampler's lists)."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.generation import generate
+    from minecart.engine.model import load_model
+    from minecart.engine.sampling import Sampler, SamplingParams
+
+    seqs = {s["name"]: s for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
+    prompt = seqs["len70"]["ids"]
+    model = load_model(fixtures_dir / FIXTURES["q8_0"], backend=CupyBackend("cuda:0", path="dp4a"))
+    n = 48
+    prm = SamplingParams(**params, seed=12, max_tokens=n)
+    c = model.new_session()
+    sampler = Sampler(prm, prompt)  # no vocabulary: every pick on the host
+    token = sampler(c.prefill(prompt))
+    alone = [token]
+    for _ in range(n - 1):
+        token = sampler(c.step(token, top=sampler.candidates))
+        alone.append(token)
+    ex = model.executor
+    before, eager = ex.chained_steps, ex.eager_stage_steps
+    s = model.new_session(len(prompt) + 4)  # caches must grow
+    events = list(generate(model, prompt, prm, session=s))
+    assert [e.token for e in events] == alone
+    assert len(set(alone)) > 3  # the penalties (and the temperature) move the picks off one token
+    assert ex.eager_stage_steps > eager  # growth steps ran without their graphs
+    assert ex.chained_steps - before >= n - 12, f"{ex.chained_steps - before} of {n - 1} steps chained"
+    s.close()
+    c.close()
+
+
+@pytest.mark.parametrize("params", [
     dict(temperature=0.7, top_k=20, top_p=0.8),  # Qwen3.5's recommendation (the tiny model: one token)
     dict(temperature=40.0, top_k=64, top_p=0.97, min_p=0.005),  # flat enough to draw many tokens
 ])
