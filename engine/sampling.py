@@ -67,7 +67,8 @@ class TopLogits:
     # token a chained next step was fed); None: the step was launched without one
     picks: np.ndarray | None = None
     # True: the values are the rows' after the PickSpec's penalties (the device applied them to the whole
-    # rows before the top-k); False: the model's own logits
+    # rows before the top-k, and keeps only the pick's top_k of them; fetch reads the penalized rows);
+    # False: the model's own logits
     penalized: bool = False
 
     def row(self, i: int) -> TopLogits:
@@ -497,12 +498,12 @@ class Sampler:
 
     def _pick_top(self, top: TopLogits) -> int:
         """pick from a row's largest logits: the same token as from the whole row (module docstring)."""
-        want = self.candidates
+        prm = self.params
+        k = 1 if prm.greedy else prm.top_k
+        want = k if top.penalized and self.candidates else self.candidates  # a penalized row's top-k decides
         if want == 0 or top.values.ndim != 2 or top.values.shape[0] != 1 or top.values.shape[1] < want:
             raise ValueError(f"a pick with these sampling settings needs {want or 'the whole row of'} logits, "
                              f"got the largest {top.values.shape}")
-        prm = self.params
-        k = 1 if prm.greedy else prm.top_k
         vals, ids = top.values[0, :want], np.asarray(top.ids[0, :want], np.int64)
         if self.penalized and not top.penalized:
             pv = _penalized(vals, ids, prm, self.prompt_ids, self.generated)

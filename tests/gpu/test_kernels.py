@@ -310,7 +310,7 @@ def test_pick_top_is_the_hosts_draw(k):
     want = np.array([draw_from_top(vals[r], ids[r], specs[r]) for r in range(rows)])
     differ = np.flatnonzero(got != want)
     assert all(_could_draw(vals[r], ids[r], specs[r], int(got[r])) for r in differ), differ
-    assert differ.size <= 1, f"{differ.size} of {rows} picks differ"
+    assert differ.size <= 3, f"{differ.size} of {rows} picks differ"
     # the draws are spread over the candidates (not all the first one) when sampling
     hot = [r for r in range(rows) if specs[r].temperature >= 1.0 and specs[r].top_p >= 0.95 and specs[r].min_p == 0
            and specs[r].top_k in (0, k, k + 5)]
