@@ -133,7 +133,9 @@ def module_specs() -> list[ModuleSpec]:
                             + tuple(f"gdn_decode{v}<{d}>" for v in ("", "_batch") for d in GDN_KEY_DIMS),
                             ("swiglu_q8", "attn_merge_gate", "attn_merge_gate_batch")))
     specs.append(ModuleSpec("sampling", ("sampling.cu",), (),
-                            ("topk_stage1", "topk_stage2", "penalize", "pick_top", "moe_route", "moe_combine")))
+                            ("topk_stage1", "topk_stage2", "topk_group_max", "topk_threshold", "topk_gather", "topk_select",
+                             "penalize", "pick_top",
+                             "moe_route", "moe_combine")))
     specs.append(ModuleSpec("bench", ("bench.cu",), (), ("copy_f4", "peak_dp4a", "peak_fma")))
     specs.append(ModuleSpec("link", ("link.cu",), (), ("link_hold",)))  # simulated links (link.py)
     specs.append(ModuleSpec("expert_call", ("expert_call.cu",), (), ("expert_call",)))  # expert_call.py

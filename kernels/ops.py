@@ -863,6 +863,24 @@ def gdn_scan(q, k, v, g, beta, state):
 
 TOPK_SLICE = 4096
 TOPK_MAX = 128
+# top_k by k rounds of block argmax (topk_stage1/2) up to this k, above it in four passes whatever k
+# (topk_group_max, topk_threshold, topk_gather, topk_select: a threshold below which no logit of the top k
+# lies, then a sort of the few above it): a round's cost grows with k. Env MINECART_TOPK: "auto",
+# "rounds" or "select" (tests and tools/bench_topk.py set TOPK_VARIANT). H200, 248,320 logits, us a call
+# in a CUDA graph (tools/bench_topk.py, docs/BENCHMARKS.md v29), rounds / select: one row k 1 6.6 / 11.3,
+# k 4 10.8 / 12.0, k 8 17.5 / 12.5, k 20 39.7 / 14.0, k 40 85.1 / 14.4; eight rows k 8 21.4 / 22.1.
+TOPK_VARIANT = os.environ.get("MINECART_TOPK", "auto")
+TOPK_ROUNDS_MAX = 4
+TOPK_GROUPS_MAX = 8192  # sampling.cu: group maxima one block holds
+TOPK_CAND = 4096  # sampling.cu: candidates a row sorts (more: rounds over the row)
+
+
+def _topk_selects(k: int) -> bool:
+    """Whether top_k runs the four passes (topk_group_max ... topk_select) for this k."""
+    v = TOPK_VARIANT
+    if v not in ("auto", "rounds", "select"):
+        raise ValueError(f"MINECART_TOPK={v!r}: use auto, rounds or select")
+    return v == "select" or (v == "auto" and k > TOPK_ROUNDS_MAX)
 
 
 def top_k(logits: cp.ndarray, k: int):
@@ -873,16 +891,32 @@ def top_k(logits: cp.ndarray, k: int):
         logits = logits[None, :]
     T, V = logits.shape
     k = max(1, min(int(k), V))
+    out_v = cp.empty((T, k), dtype=cp.float32)
+    out_i = cp.empty((T, k), dtype=cp.int32)
+    if k <= TOPK_MAX and _topk_selects(k):
+        G = 32 * math.ceil(V / (32 * TOPK_GROUPS_MAX))  # logits a group (a multiple of a warp)
+        n_groups = math.ceil(V / G)
+        gmax = cp.empty((T, n_groups), dtype=cp.uint32)
+        thresh = cp.empty(T, dtype=cp.uint32)
+        count = cp.empty(T, dtype=cp.int32)
+        cand_v = cp.empty((T, TOPK_CAND), dtype=cp.float32)
+        cand_i = cp.empty((T, TOPK_CAND), dtype=cp.int32)
+        get_kernel("sampling", "topk_group_max")((math.ceil(n_groups / 8), T), (256,),
+                                                 (logits, np.int32(V), np.int32(G), np.int32(n_groups), gmax))
+        get_kernel("sampling", "topk_threshold")((T,), (1024,), (gmax, np.int32(n_groups), np.int32(k), thresh, count))
+        get_kernel("sampling", "topk_gather")((math.ceil(V / 256), T), (256,),
+                                              (logits, np.int32(V), thresh, count, cand_v, cand_i))
+        get_kernel("sampling", "topk_select")((T,), (256,), (logits, np.int32(V), np.int32(k), count, cand_v, cand_i,
+                                                             out_v, out_i))
+        return out_v, out_i
     if k > TOPK_MAX or math.ceil(V / TOPK_SLICE) * k > 8192:
         idx = cp.argsort(-logits, axis=1)[:, :k].astype(cp.int32)
         return cp.take_along_axis(logits, idx, axis=1), idx
     n_slices = math.ceil(V / TOPK_SLICE)
-    cand_v = cp.empty((T, n_slices * k), dtype=cp.float32)
-    cand_i = cp.empty((T, n_slices * k), dtype=cp.int32)
-    get_kernel("sampling", "topk_stage1")((n_slices, T), (256,), (logits, np.int32(V), np.int32(k), cand_v, cand_i))
-    out_v = cp.empty((T, k), dtype=cp.float32)
-    out_i = cp.empty((T, k), dtype=cp.int32)
     n_cand = n_slices * k
+    cand_v = cp.empty((T, n_cand), dtype=cp.float32)
+    cand_i = cp.empty((T, n_cand), dtype=cp.int32)
+    get_kernel("sampling", "topk_stage1")((n_slices, T), (256,), (logits, np.int32(V), np.int32(k), cand_v, cand_i))
     get_kernel("sampling", "topk_stage2")((T,), (256,), (cand_v, cand_i, np.int32(n_cand), np.int32(k), out_v, out_i),
                                           shared_mem=4 * n_cand)
     return out_v, out_i

@@ -111,6 +111,189 @@ extern "C" __global__ void topk_stage2(const float* __restrict__ cand_v, const i
     }
 }
 
+// The same top-k in four passes whatever k (ops.top_k picks by k: a round costs the same whatever k):
+// topk_group_max: the largest key of each group of G consecutive logits (a warp a group);
+// topk_threshold: a block per row finds t, the k-th largest of the groups' largest keys, by radix select
+//   (four 8-bit digits, histograms in shared memory). The k groups at or above t hold k distinct logits
+//   >= t, so every logit of the row's top k is >= t;
+// topk_gather:    the logits with key >= t, appended to the row's candidates (a count per row, warp-aggregated);
+// topk_select:    a block per row sorts its candidates best first (bitonic, in shared memory) and writes the
+//   first k; a row with more than TOPK_CAND candidates (a run of equal logits) takes its k by rounds over
+//   the whole row instead: slow, and right.
+// Order: larger value first, equal values by lower id (NaN counts as -inf, -0 as +0), so the order is
+// engine/sampling.py top_logits's.
+
+#define TOPK_GROUPS_MAX 8192
+#define TOPK_CAND 4096
+
+__device__ __forceinline__ float topk_clean(float x) { return isnan(x) ? -INFINITY : (x == 0.0f ? 0.0f : x); }
+
+__device__ __forceinline__ unsigned topk_key(float x) {
+    // order-preserving: a larger float gets a larger key; every key is > 0
+    unsigned u = __float_as_uint(topk_clean(x));
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ bool topk_before(float va, int ia, float vb, int ib) {
+    return va > vb || (va == vb && ia < ib);
+}
+
+__device__ __forceinline__ void bitonic_best_first(float* v, int* id, int n) {
+    for (int size = 2; size <= n; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int t = threadIdx.x; t < (n >> 1); t += blockDim.x) {
+                int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
+                bool up = (lo & size) == 0;  // this run ends best first (the last run: all of it)
+                float a = v[lo], b = v[hi];
+                int ia = id[lo], ib = id[hi];
+                if (topk_before(b, ib, a, ia) == up) {
+                    v[lo] = b; v[hi] = a;
+                    id[lo] = ib; id[hi] = ia;
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+extern "C" __global__ void topk_group_max(const float* __restrict__ logits, int V, int G, int n_groups,
+                                          unsigned* __restrict__ gmax) {
+    // grid (ceil(n_groups / 8), rows), 256 threads: warp w of block b takes group 8 b + w
+    int row = blockIdx.y, g = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (g >= n_groups) return;
+    const float* x = logits + (i64)row * V;
+    int end = min(V, (g + 1) * G);
+    unsigned m = 0;
+    for (int p = g * G + lane; p < end; p += 32) m = max(m, topk_key(x[p]));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) gmax[(i64)row * n_groups + g] = m;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) topk_threshold(const unsigned* __restrict__ gmax, int n_groups,
+                                                                   int k, unsigned* __restrict__ thresh,
+                                                                   int* __restrict__ count) {
+    // a block per row; n_groups <= TOPK_GROUPS_MAX. k > n_groups: t = 0 (every logit a candidate).
+    __shared__ unsigned keys[TOPK_GROUPS_MAX];
+    __shared__ int hist[256];
+    __shared__ unsigned s_prefix;
+    __shared__ int s_left;
+    int row = blockIdx.x, tid = threadIdx.x;
+    for (int i = tid; i < n_groups; i += blockDim.x) keys[i] = gmax[(i64)row * n_groups + i];
+    unsigned prefix = 0, mask = 0;
+    int left = k;  // how many of the keys matching prefix under mask are still to be passed, the last one t
+    if (k <= n_groups) {
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            if (tid < 256) hist[tid] = 0;
+            __syncthreads();
+            for (int i = tid; i < n_groups; i += blockDim.x) {
+                unsigned key = keys[i];
+                if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+            }
+            __syncthreads();
+            if (tid < 32) {
+                // lane l holds digits 255 - 8 l down to 248 - 8 l; a prefix sum over lanes from the top
+                int c[8], sum = 0;
+#pragma unroll
+                for (int j = 0; j < 8; j++) { c[j] = hist[255 - 8 * tid - j]; sum += c[j]; }
+                int incl = sum;
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    int nb = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (tid >= o) incl += nb;
+                }
+                int acc = incl - sum;  // keys in digits above this lane's
+                if (acc < left && left <= incl) {  // the digit of the left-th largest is this lane's
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        if (acc < left && left <= acc + c[j]) {
+                            s_prefix = prefix | ((unsigned)(255 - 8 * tid - j) << shift);
+                            s_left = left - acc;
+                        }
+                        acc += c[j];
+                    }
+                }
+            }
+            __syncthreads();
+            prefix = s_prefix;
+            left = s_left;
+            mask |= 255u << shift;
+            __syncthreads();
+        }
+    }
+    if (tid == 0) {
+        thresh[row] = prefix;
+        count[row] = 0;
+    }
+}
+
+extern "C" __global__ void topk_gather(const float* __restrict__ logits, int V, const unsigned* __restrict__ thresh,
+                                       int* __restrict__ count, float* __restrict__ cand_v, int* __restrict__ cand_i) {
+    // grid (ceil(V / 256), rows), 256 threads: a logit a thread
+    int row = blockIdx.y, p = blockIdx.x * blockDim.x + threadIdx.x, lane = threadIdx.x & 31;
+    float x = p < V ? logits[(i64)row * V + p] : -INFINITY;
+    bool in = p < V && topk_key(x) >= thresh[row];
+    unsigned ballot = __ballot_sync(0xffffffffu, in);
+    if (!ballot) return;
+    int base = 0;
+    if (lane == 0) base = atomicAdd(&count[row], __popc(ballot));
+    base = __shfl_sync(0xffffffffu, base, 0);
+    int at = base + __popc(ballot & ((1u << lane) - 1));
+    if (in && at < TOPK_CAND) {
+        cand_v[(i64)row * TOPK_CAND + at] = x;
+        cand_i[(i64)row * TOPK_CAND + at] = p;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) topk_select(const float* __restrict__ logits, int V, int k,
+                                                              const int* __restrict__ count,
+                                                              const float* __restrict__ cand_v,
+                                                              const int* __restrict__ cand_i,
+                                                              float* __restrict__ out_v, int* __restrict__ out_i) {
+    __shared__ float sv[TOPK_CAND];
+    __shared__ int si[TOPK_CAND];
+    __shared__ float bvs[32];
+    __shared__ int bis[32];
+    int row = blockIdx.x, n = count[row];
+    if (n <= TOPK_CAND) {
+        int n2 = 1;
+        while (n2 < n) n2 <<= 1;
+        for (int p = threadIdx.x; p < n2; p += blockDim.x) {
+            sv[p] = p < n ? topk_clean(cand_v[(i64)row * TOPK_CAND + p]) : -INFINITY;
+            si[p] = p < n ? cand_i[(i64)row * TOPK_CAND + p] : 0x7fffffff;
+        }
+        __syncthreads();
+        bitonic_best_first(sv, si, n2);
+        for (int r = threadIdx.x; r < k; r += blockDim.x) {
+            // the original value (a -0 stays -0); padding (fewer logits than k) as -inf, id -1
+            bool real = r < n;
+            out_v[(i64)row * k + r] = real ? logits[(i64)row * V + si[r]] : -INFINITY;
+            out_i[(i64)row * k + r] = real ? si[r] : -1;
+        }
+        return;
+    }
+    // more candidates than fit: k rounds over the whole row, each the best logit after the last one taken
+    const float* x = logits + (i64)row * V;
+    float lv = INFINITY;
+    int li = -1;
+    for (int r = 0; r < k; r++) {
+        float v = -INFINITY;
+        int i = 0x7fffffff;
+        for (int p = threadIdx.x; p < V; p += blockDim.x) {
+            float c = topk_clean(x[p]);
+            if (topk_before(lv, li, c, p) && topk_before(c, p, v, i)) { v = c; i = p; }
+        }
+        float bv; int bi;
+        block_argmax(v, i, bvs, bis, bv, bi);
+        if (threadIdx.x == 0) {
+            out_v[(i64)row * k + r] = bi < V ? x[bi] : -INFINITY;
+            out_i[(i64)row * k + r] = bi < V ? bi : -1;
+        }
+        lv = bv;
+        li = bi;
+    }
+}
+
 #define PROMPT_BIT (1 << 30)  // engine/sampling.py PROMPT_BIT
 
 extern "C" __global__ void penalize(float* __restrict__ logits, int V, const int* __restrict__ token,

@@ -271,15 +271,43 @@ def test_moe(nb, gb, gb_fma, poison, fused, T):
 
 
 @pytest.mark.parametrize("V", [1000, 100003, 248320])
-@pytest.mark.parametrize("k", [1, 5, 40, 64])
+@pytest.mark.parametrize("k", [1, 5, 40, 64, 128])
 @pytest.mark.parametrize("ties", [False, True])
-def test_top_k(nb, gb, V, k, ties):
-    """The device's top-k equals the host's (engine/sampling.py top_logits) value for value and id for
-    id, ties included (rounded logits: thousands of equal values across the 4096-wide slices)."""
-    rng = np.random.default_rng(V + k)
-    logits = (rng.standard_normal((3, V)) * 4).astype(np.float32)
+@pytest.mark.parametrize("variant", ["rounds", "select"])
+def test_top_k(nb, gb, V, k, ties, variant, monkeypatch):
+    """The device's top-k, by rounds and in four passes (ops.TOPK_VARIANT), equals the host's
+    (engine/sampling.py top_logits) value for value and id for id, ties included (rounded logits:
+    thousands of equal values across the 4096-wide slices), on fresh random rows."""
+    from minecart.kernels import ops
+
+    monkeypatch.setattr(ops, "TOPK_VARIANT", variant)
+    rng = np.random.default_rng()
+    logits = (rng.standard_normal((3, V)) * rng.uniform(0.5, 6)).astype(np.float32)
     if ties:
         logits = np.round(logits)
+    ref = nb.top_k(logits, k)
+    got = gb.top_k(gb.asarray(logits), k)
+    np.testing.assert_array_equal(got.ids, ref.ids)
+    np.testing.assert_array_equal(got.values, ref.values)
+
+
+@pytest.mark.parametrize("k", [8, 40, 128])
+def test_top_k_select_takes_masked_and_equal_rows(nb, gb, k, monkeypatch):
+    """In four passes, rows the threshold cannot thin out still give the host's top k: -inf logits
+    (masked tokens) reaching into it, in ascending id order after the finite ones; a row of one value
+    throughout (every logit a candidate: more than one block sorts, so the rounds over the row decide);
+    -0 and +0 as equal values; a row whose largest logits all sit in a few neighbouring groups."""
+    from minecart.kernels import ops
+
+    monkeypatch.setattr(ops, "TOPK_VARIANT", "select")
+    rng = np.random.default_rng()
+    V = 30000
+    logits = np.full((4, V), -np.inf, np.float32)
+    logits[0, rng.choice(V, 5, replace=False)] = rng.standard_normal(5).astype(np.float32)
+    logits[1] = 2.5
+    logits[2] = rng.choice(np.array([0.0, -0.0, 1.0, -1.0], np.float32), V)
+    logits[3] = rng.standard_normal(V).astype(np.float32)
+    logits[3, 1000:1200] = 50 + rng.standard_normal(200).astype(np.float32)
     ref = nb.top_k(logits, k)
     got = gb.top_k(gb.asarray(logits), k)
     np.testing.assert_array_equal(got.ids, ref.ids)
