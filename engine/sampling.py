@@ -26,7 +26,11 @@ A pick from the top logits can also be made by the device, at the end of the ste
 kernel pick_top in kernels/sampling.cu does what `draw_from_top` does here, in float64), so that the
 step of the next token starts before the host has seen it (Session.launch_next). The uniform number of
 each pick is drawn in the same order either way (Sampler.pick_spec looks ahead in the sampler's own
-stream), so a seeded generation gives the same tokens whichever side picks.
+stream), so a seeded generation gives the same tokens whichever side picks. A penalized sampler's
+picks are made there too when the sampler knows the vocabulary (`PickSpec.history`): the step first
+applies the penalties to its whole row (kernels/sampling.cu penalize, from a table of one int32 a token
+that each step updates with the token it embeds), so its top logits are the penalized row's
+(`TopLogits.penalized`) and the host draws from them as they are.
 
 What this file is not: the generate loop (generation.py) or stop handling.
 """
@@ -67,8 +71,7 @@ class TopLogits:
     # token a chained next step was fed); None: the step was launched without one
     picks: np.ndarray | None = None
     # True: the values are the rows' after the PickSpec's penalties (the device applied them to the whole
-    # rows before the top-k, and keeps only the pick's top_k of them; fetch reads the penalized rows);
-    # False: the model's own logits
+    # rows before the top-k; fetch reads the penalized rows); False: the model's own logits
     penalized: bool = False
 
     def row(self, i: int) -> TopLogits:
@@ -500,7 +503,7 @@ class Sampler:
         """pick from a row's largest logits: the same token as from the whole row (module docstring)."""
         prm = self.params
         k = 1 if prm.greedy else prm.top_k
-        want = k if top.penalized and self.candidates else self.candidates  # a penalized row's top-k decides
+        want = self.candidates
         if want == 0 or top.values.ndim != 2 or top.values.shape[0] != 1 or top.values.shape[1] < want:
             raise ValueError(f"a pick with these sampling settings needs {want or 'the whole row of'} logits, "
                              f"got the largest {top.values.shape}")

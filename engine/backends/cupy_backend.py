@@ -336,7 +336,6 @@ class _Capture:
         self.feed: _Feed | None = None  # where the step reads its token and leaves its pick (if it embeds)
         self.picking = False  # this launch came with a PickSpec (its pick is the one it was asked for)
         self.penalizing = False  # ... with penalties, which the step applies from the feed's table
-        self.width = 0  # > 0: a penalizing step's top logits are this many (its pick's top_k), not the step's
 
     def wait(self) -> None:
         """Wait for the work queued on the capture's stream (a launch of its graph). A graph with host
@@ -1717,10 +1716,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             feed = cap.feed if cap is not None and logits.shape[0] == 1 else None  # a captured step of one sequence
             penalized = False
             if cap is not None and feed is not None and cap.penalizing:
-                # the sampler's penalties over the whole row first (the feed's table); the penalized row's
-                # top-k is all its pick needs (a host pick from raw top logits needs more: Sampler.candidates)
+                # the sampler's penalties over the whole row first (the feed's table)
                 ops.penalize(logits[0], feed.arr, feed.table, cap.penalty_params())
-                penalized, k = True, (min(int(k), cap.width) if cap.width > 0 else k)
+                penalized = True
             vals, ids = ops.top_k(logits, int(k))
             picks = None
             if cap is not None and feed is not None:
@@ -1793,9 +1791,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             feed = _Feed() if feed is None else feed
             with self._dev:
                 feed.sync_table(history, int(ids[0]), chained=False)
-        # a penalizing step's graph returns its pick's top_k only (CupyBackend.top_k): a graph of its own
-        width = pick.top_k if pick is not None and history is not None else 0
-        key = (key, feed.parity if feed is not None else 0, width)
+        key = (key, feed.parity if feed is not None else 0, history is not None)  # penalizing: a graph of its own
         rec = self._graphs.get(key)
         if rec is not None and not rec.valid(owner, watch, io, link_seconds):
             self._graphs.pop(key, None)
@@ -1804,8 +1800,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             if rec is None:
                 if after is not None:
                     after.synchronize()  # capturing runs the step once, with a host wait
-                out = self._capture_graph(key, run, ids, pos, owner, watch, io, link_seconds, feed, chained, pick,
-                                          width)
+                out = self._capture_graph(key, run, ids, pos, owner, watch, io, link_seconds, feed, chained, pick)
                 if out is None and feed is not None:
                     feed.fresh = False  # the caller runs the step eagerly: its pick is not in the feed
                 return out
@@ -1872,10 +1867,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         return graph, kept
 
     def _capture_graph(self, key, run, ids, pos, owner, watch, io, link_seconds, feed=None, chained=False,
-                       pick: PickSpec | None = None, width: int = 0):
+                       pick: PickSpec | None = None):
         host_in, host_out = io
         cap = _Capture(self._graph_stream_for_capture())
-        cap.width = width
         if host_in is None:  # the stage embeds its token: from the sequence's feed (a new one at first)
             cap.feed = feed if feed is not None else _Feed()
         cap.write_inputs(int(ids[0]), pos, pick)

@@ -257,7 +257,7 @@ class ChainModel:
             prm = SamplingParams(repetition_penalty=pick.repetition, presence_penalty=pick.presence,
                                  frequency_penalty=pick.frequency)
             generated = list(h.generated) + ([] if fed is None else [fed])
-            vals, ids = top_logits(apply_penalties(row[0], prm, h.prompt_ids, generated), pick.top_k)  # all it needs
+            vals, ids = top_logits(apply_penalties(row[0], prm, h.prompt_ids, generated), top)
             picks = np.array([draw_from_top(vals[0], ids[0], pick)])
             self.fed = int(picks[0])
             self.penalized += 1
