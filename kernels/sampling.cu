@@ -170,7 +170,7 @@ extern "C" __global__ void topk_group_max(const float* __restrict__ logits, int 
     if (lane == 0) gmax[(i64)row * n_groups + g] = m;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) topk_threshold(const unsigned* __restrict__ gmax, int n_groups,
+extern "C" __global__ __launch_bounds__(1024) void topk_threshold(const unsigned* __restrict__ gmax, int n_groups,
                                                                    int k, unsigned* __restrict__ thresh,
                                                                    int* __restrict__ count) {
     // a block per row; n_groups <= TOPK_GROUPS_MAX. k > n_groups: t = 0 (every logit a candidate).
@@ -245,7 +245,7 @@ extern "C" __global__ void topk_gather(const float* __restrict__ logits, int V, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) topk_select(const float* __restrict__ logits, int V, int k,
+extern "C" __global__ __launch_bounds__(256) void topk_select(const float* __restrict__ logits, int V, int k,
                                                               const int* __restrict__ count,
                                                               const float* __restrict__ cand_v,
                                                               const int* __restrict__ cand_i,
