@@ -193,6 +193,22 @@ def test_chained_steps_are_the_greedy_steps(fixtures_dir):
     a.close()
 
 
+def _host_picks(model, prompt, prm, n: int) -> list[int]:
+    """n tokens of a seeded generation picked on the host from steps taken one at a time (Session.step's
+    top logits, a Sampler without the vocabulary, so penalties too are applied on the host)."""
+    from minecart.engine.sampling import Sampler
+
+    c = model.new_session()
+    sampler = Sampler(prm, prompt)
+    token = sampler(c.prefill(prompt))
+    picks = [token]
+    for _ in range(n - 1):
+        token = sampler(c.step(token, top=sampler.candidates))
+        picks.append(token)
+    c.close()
+    return picks
+
+
 @pytest.mark.parametrize("params, distinct", [
     (dict(temperature=40.0, top_k=40, top_p=0.97, min_p=0.005, repetition_penalty=1.3, presence_penalty=0.5,
           frequency_penalty=0.4), 10),
@@ -208,20 +224,14 @@ def test_penalized_chained_steps_are_the_hosts_picks(fixtures_dir, params, disti
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.engine.generation import generate
     from minecart.engine.model import load_model
-    from minecart.engine.sampling import Sampler, SamplingParams
+    from minecart.engine.sampling import SamplingParams
 
     seqs = {s["name"]: s for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
     prompt = seqs["len70"]["ids"]
     model = load_model(fixtures_dir / FIXTURES["q8_0"], backend=CupyBackend("cuda:0", path="dp4a"))
     n = 48
     prm = SamplingParams(**params, seed=12, max_tokens=n)
-    c = model.new_session()
-    sampler = Sampler(prm, prompt)  # no vocabulary: every pick on the host
-    token = sampler(c.prefill(prompt))
-    alone = [token]
-    for _ in range(n - 1):
-        token = sampler(c.step(token, top=sampler.candidates))
-        alone.append(token)
+    alone = _host_picks(model, prompt, prm, n)  # the sampler without a vocabulary: every pick on the host
     ex = model.executor
     before, eager = ex.chained_steps, ex.eager_stage_steps
     s = model.new_session(len(prompt) + 4)  # caches must grow
@@ -231,7 +241,6 @@ def test_penalized_chained_steps_are_the_hosts_picks(fixtures_dir, params, disti
     assert ex.eager_stage_steps > eager  # growth steps ran without their graphs
     assert ex.chained_steps - before >= n - 12, f"{ex.chained_steps - before} of {n - 1} steps chained"
     s.close()
-    c.close()
 
 
 @pytest.mark.parametrize("params", [
@@ -245,24 +254,17 @@ def test_sampled_chained_steps_are_the_hosts_draws(fixtures_dir, params):
     (The tiny model's distribution is so peaked that only a high temperature draws more than one.)"""
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.engine.model import load_model
-    from minecart.engine.sampling import Sampler, SamplingParams
+    from minecart.engine.sampling import SamplingParams
 
     seqs = {s["name"]: s for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
     prompt = seqs["len70"]["ids"]
     model = load_model(fixtures_dir / FIXTURES["q8_0"], backend=CupyBackend("cuda:0", path="dp4a"))
     n = 40
     prm = SamplingParams(**params, seed=11, max_tokens=n)
-    c = model.new_session()
-    sampler = Sampler(prm, prompt)
-    token = sampler(c.prefill(prompt))
-    alone = [token]
-    for _ in range(n - 1):
-        token = sampler(c.step(token, top=sampler.candidates))
-        alone.append(token)
+    alone = _host_picks(model, prompt, prm, n)
     before = model.executor.chained_steps
     events = list(model.generate(prompt, prm))
     assert [e.token for e in events] == alone
     if params["temperature"] > 1:
         assert len(set(alone)) > 10  # a draw over many tokens (the tiny model's greedy text repeats one)
     assert model.executor.chained_steps - before >= n - 5  # all but the first steps (graph captures)
-    c.close()
