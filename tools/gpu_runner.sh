@@ -152,6 +152,10 @@ if [ "$MODE" = profile ]; then
   # vs GPU time, the same for each batched step. PROFILE_ARGS (default: --shape qwen3.5-9b --quant q4_k).
   # Logs: profile_*.txt.
   PA=${PROFILE_ARGS:---shape qwen3.5-9b --quant q4_k}
+  # the card's probe first, outside Nsight Compute: run under it, its timings picked the HFMA2 path on
+  # the H200 (docs/BENCHMARKS.md v29) and the cache kept that pick for every run after
+  # shellcheck disable=SC2086
+  timeout 120 python3 tools/profile_decode.py $PA >"$OUT/profile_probe.txt" 2>&1
   for b in 1 ${PROFILE_BATCHES:-8}; do
     # shellcheck disable=SC2086
     timeout 240 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
