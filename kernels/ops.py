@@ -371,8 +371,10 @@ GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "4"))
 GEMM_BATCH_ROWS = 64
 # split K until the launch has about this many blocks per multiprocessor. H200, 9B Q4_K step's matmuls,
 # 8-token tile at 2 / 6 / 12 blocks per multiprocessor: 4.556 / 4.557 / 4.624 ms; 32-token tile at 2 / 4:
-# 7.711 / 7.643 ms
-GEMM_BATCH_BLOCKS_PER_SM = 2
+# 7.711 / 7.643 ms (env MINECART_GEMM_BATCH_BLOCKS_PER_SM; 0: never split). The whole batched step
+# (tools/bench_batch_gpu.py, v29), 8 sequences at 2 / 1 / 0: 1,804-1,818 / 1,606-1,683 / 1,284-1,359
+# tok/s: the split-K sums (7% of the step) cost less than the idle multiprocessors without them
+GEMM_BATCH_BLOCKS_PER_SM = int(os.environ.get("MINECART_GEMM_BATCH_BLOCKS_PER_SM", "2"))
 
 
 def _gemm_batch(type_name: str, T: int) -> int | None:
