@@ -31,6 +31,8 @@ _BATCHING: dict[str, tuple[str, str, str]] = {
     "decode_tokens": ("minecart_decode_tokens_total", "counter", "Generated tokens computed."),
     "prefill_tokens": ("minecart_prefill_tokens_total", "counter", "Prompt tokens computed."),
     "steps": ("minecart_steps_total", "counter", "Batched forward passes."),
+    "alone_steps": ("minecart_alone_steps_total", "counter",
+                    "Of those, decode steps a generation running alone launched itself (chained on a GPU)."),
     "rejected": ("minecart_requests_rejected_total", "counter",
                  "Requests refused because the queue was full (HTTP 429)."),
     "finished": ("minecart_requests_finished_total", "counter", "Generations that ended."),

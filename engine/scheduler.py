@@ -13,7 +13,11 @@ runs a *step* at a time:
 - a step starts when every admitted sequence has asked for its next pass (or `gather_s` after the
   first asked: a sequence that is busy elsewhere, or finishing, does not hold the others up);
 - a finished, cancelled or failed generation leaves at once (its thread stops asking); a prefill
-  whose cancel event is set ends at the next chunk boundary with GenerationCancelled(tokens_done).
+  whose cancel event is set ends at the next chunk boundary with GenerationCancelled(tokens_done);
+- a generation running alone (no other admitted, no pass waiting) launches its decode steps itself,
+  as a generation outside the scheduler does (`Scheduler.alone`): on a GPU each step is then chained
+  behind the one before on the device (Executor.launch_next) instead of going through this thread's
+  steps one at a time. The next request to arrive makes its steps batched again.
 
 Admission: at most `parallel` generations run at once; later ones wait in FIFO order, at most
 `max_queue` of them, and past that `generate` raises QueueFull (the server's 429 + Retry-After).
@@ -173,14 +177,24 @@ class BatchedModel:
     def launch_decode(self, token: int, states, positions, top: int = 0,
                       pick: PickSpec | None = None) -> LaunchedStep:
         """As Model.launch_decode: the pass joins the coming steps at once and result() waits for it,
-        so the caller's thread works (hands out its previous token) while the step gathers and runs."""
+        so the caller's thread works (hands out its previous token) while the step gathers and runs.
+        A generation running alone launches the step itself (Scheduler.alone), with its pick."""
+        if self.scheduler.alone():
+            self.scheduler.count_alone()
+            return self.model.launch_decode(token, states, positions, top=top, pick=pick)
         work = self.scheduler.submit_pass([int(token)], states, positions, chunk=None, cancel=None,
                                           embed_override=None, top=top)
         return LaunchedStep(lambda: self.scheduler.wait_pass(work))
 
     def launch_next(self, states, positions, top: int, pick: PickSpec) -> LaunchedStep | None:
-        """None: a batch step takes every sequence's token from its thread (no chained steps)."""
-        return None
+        """As Model.launch_next for a generation running alone (Scheduler.alone); None otherwise: a
+        batch step takes every sequence's token from its thread (no chained steps)."""
+        if not self.scheduler.alone():
+            return None
+        launched = self.model.launch_next(states, positions, top=top, pick=pick)
+        if launched is not None:
+            self.scheduler.count_alone()
+        return launched
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         return self.model.new_state(capacity, kv_type=kv_type)
@@ -203,6 +217,7 @@ class _Counters:
     rejected: int = 0  # QueueFull raised
     finished: int = 0
     memory_waits: int = 0  # admitted generations that waited for another to end before their memory
+    alone_steps: int = 0  # of the steps, decode steps a generation running alone launched itself
     recent: deque = field(default_factory=deque)  # (time, decode tokens) of recent steps
 
 
@@ -400,6 +415,19 @@ class Scheduler:
         assert work.logits is not None
         return work.logits
 
+    def alone(self) -> bool:
+        """Whether the one generation running may launch its decode step itself instead of through
+        this thread's steps: no other generation admitted and no pass waiting (a step of one sequence
+        would be that one's anyway, one thread hand-off later and never chained on the device)."""
+        with self._cond:
+            return not self._closed and self._running == 1 and not self._passes
+
+    def count_alone(self) -> None:
+        """Count a decode step a lone generation launched itself as a step of one sequence."""
+        self._count(1, 0, 1)
+        with self._cond:
+            self._counters.alone_steps += 1
+
     # ---- the scheduler thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -527,6 +555,7 @@ class Scheduler:
                 "rejected": c.rejected,
                 "finished": c.finished,
                 "memory_waits": c.memory_waits,
+                "alone_steps": c.alone_steps,
             }
         return out
 

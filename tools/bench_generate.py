@@ -10,6 +10,11 @@ top-p 0.9, min-p 0.05, repetition penalty 1.05), each with a consumer that takes
 `--consumer-us` microseconds per token (a stand-in for a server's or an app's work on each event).
 
     python3 tools/bench_generate.py MODEL.gguf [--device cuda:0] [--tokens 256] [--consumer-us 100]
+        [--scheduler N [--batched-steps]]
+
+--scheduler N runs the loops through a Scheduler with N slots (`minecart serve --parallel N`), one
+request at a time: a generation running alone launches its own steps (Scheduler.alone);
+--batched-steps makes every step go through the scheduler's thread, as before that.
 
 What this is not: a benchmark with ceilings (`minecart bench` is).
 """
@@ -24,6 +29,14 @@ import numpy as np
 from minecart.engine import load_model
 from minecart.engine.generation import generate
 from minecart.engine.sampling import SamplingParams, TopLogits, greedy_params
+from minecart.engine.scheduler import Scheduler
+
+
+class _BatchedSteps(Scheduler):
+    """A scheduler whose lone generation's steps go through its thread too (--batched-steps)."""
+
+    def alone(self) -> bool:
+        return False
 
 
 def _bare(model, ids: list[int], n: int) -> float:
@@ -39,11 +52,13 @@ def _bare(model, ids: list[int], n: int) -> float:
     return n / dt
 
 
-def _through_generate(model, ids: list[int], params: SamplingParams, busy_s: float) -> tuple[float, int]:
-    s = model.new_session(len(ids) + (params.max_tokens or 0) + 8)
+def _through_generate(model, ids: list[int], params: SamplingParams, busy_s: float,
+                      sched: Scheduler | None = None) -> tuple[float, int]:
+    s = (model if sched is None else sched).new_session(len(ids) + (params.max_tokens or 0) + 8)
     first = last = None
     n = 0
-    for ev in generate(model, ids, params, session=s):
+    events = generate(model, ids, params, session=s) if sched is None else sched.generate(ids, params, session=s)
+    for ev in events:
         if ev.token is None:
             continue
         n += 1
@@ -68,8 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--consumer-us", type=float, default=100.0)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--scheduler", type=int, default=0, metavar="N")
+    ap.add_argument("--batched-steps", action="store_true")
     args = ap.parse_args(argv)
     model = load_model(args.model, devices=[args.device])
+    sched = None
+    if args.scheduler:
+        sched = (_BatchedSteps if args.batched_steps else Scheduler)(model, parallel=args.scheduler)
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(1000, 50000, args.prompt)]
     _bare(model, ids[:64], 16)  # warm-up: kernels compiled, graphs captured
@@ -83,10 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, params in picks.items():
             for busy in (0.0, args.consumer_us):
                 chained = model.executor.chained_steps
-                tps, got = _through_generate(model, ids, params, busy * 1e-6)
+                tps, got = _through_generate(model, ids, params, busy * 1e-6, sched)
                 chained = model.executor.chained_steps - chained
                 print(f"  generate, {name}, consumer {busy:.0f} us/token: {tps:.1f} tok/s ({got} tokens, "
                       f"{chained} steps chained)", flush=True)
+    if sched is not None:
+        sched.close()
     model.close()
     return 0
 

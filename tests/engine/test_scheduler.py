@@ -77,6 +77,29 @@ def test_concurrent_generations_equal_one_at_a_time(fixture):
         sched.close()
 
 
+def test_a_generation_running_alone_launches_its_own_steps(fixture):
+    """A generation with no other admitted launches its decode steps itself (Scheduler.alone: on a GPU
+    they are chained on the device), with the tokens of the model's own generate; once a second one
+    runs, the decode steps are the scheduler's batched steps again, and both keep their tokens."""
+    model, prompts, expected = fixture
+    sched = Scheduler(model, parallel=4, max_queue=4, chunk=32)
+    try:
+        events = list(sched.generate(prompts["len70"], greedy_params(max_tokens=MAX_TOKENS)))
+        assert ([e.token for e in events], events[-1].finish_reason) == expected["len70"]
+        m = sched.metrics()
+        n = sum(e.token is not None for e in events)
+        assert m["alone_steps"] == m["decode_tokens"] == n - 1  # the first token is the prompt's
+        assert not sched.alone()  # nothing running
+        results = _run_all(sched, prompts, ["chat", "short"])
+        for i, name in enumerate(["chat", "short"]):
+            assert ([e.token for e in results[i]], results[i][-1].finish_reason) == expected[name], name
+        m2 = sched.metrics()
+        assert m2["batch_size_max"] >= 2  # the two shared steps
+        assert m2["decode_tokens"] - m["decode_tokens"] >= 2 * (MAX_TOKENS - 1)
+    finally:
+        sched.close()
+
+
 def test_prompt_prefills_in_chunks_between_decode_steps(fixture):
     """A 300-token prompt arriving while three sequences decode is prefilled 32 tokens per step, in
     the same passes as their decode rows (and still gives its own one-at-a-time tokens)."""

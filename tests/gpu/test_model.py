@@ -268,3 +268,31 @@ def test_sampled_chained_steps_are_the_hosts_draws(fixtures_dir, params):
     if params["temperature"] > 1:
         assert len(set(alone)) > 10  # a draw over many tokens (the tiny model's greedy text repeats one)
     assert model.executor.chained_steps - before >= n - 5  # all but the first steps (graph captures)
+
+
+def test_a_lone_scheduled_generation_chains_its_steps(fixtures_dir):
+    """A generation running alone under the continuous-batching scheduler launches its own decode
+    steps (Scheduler.alone), chained on the device like a generation outside it: the same tokens as
+    the model's own generate for a greedy and a penalized sampled sampler, nearly every step chained."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.model import load_model
+    from minecart.engine.sampling import SamplingParams, greedy_params
+    from minecart.engine.scheduler import Scheduler
+
+    seqs = {s["name"]: s for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
+    prompt = seqs["len70"]["ids"]
+    model = load_model(fixtures_dir / FIXTURES["q8_0"], backend=CupyBackend("cuda:0", path="dp4a"))
+    n = 32
+    sched = Scheduler(model, parallel=3)
+    try:
+        for prm in (greedy_params(max_tokens=n),
+                    SamplingParams(temperature=40.0, top_k=40, top_p=0.97, repetition_penalty=1.3, seed=4,
+                                   max_tokens=n)):
+            want = [e.token for e in model.generate(prompt, prm)]
+            before = model.executor.chained_steps
+            got = [e.token for e in sched.generate(prompt, prm)]
+            assert got == want
+            assert model.executor.chained_steps - before >= n - 6
+        assert sched.metrics()["alone_steps"] >= 2 * (n - 1) - 2
+    finally:
+        sched.close()
