@@ -111,7 +111,8 @@ extern "C" __global__ void topk_stage2(const float* __restrict__ cand_v, const i
     }
 }
 
-// The same top-k in four passes whatever k (ops.top_k picks by k: a round costs the same whatever k):
+// The same top-k in four passes whatever k (ops.top_k picks by k: the rounds above cost more the larger k,
+// these passes do not):
 // topk_group_max: the largest key of each group of G consecutive logits (a warp a group);
 // topk_threshold: a block per row finds t, the k-th largest of the groups' largest keys, by radix select
 //   (four 8-bit digits, histograms in shared memory). The k groups at or above t hold k distinct logits
