@@ -1,0 +1,23 @@
+"""tools/bench_generate.py on the CPU (NumPy backend) with the tiny fixture: every loop it times, on
+the model alone and through a Scheduler whose lone generation launches its own steps or, with
+--batched-steps, sends every step through the scheduler's thread."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools import bench_generate
+
+
+@pytest.fixture
+def fixture_file(fixtures_dir):
+    return fixtures_dir / "dense/qwen35-tiny-dense-q8_0.gguf"
+
+
+@pytest.mark.parametrize("scheduler", [[], ["--scheduler", "2"], ["--scheduler", "2", "--batched-steps"]])
+def test_every_loop_is_timed(fixture_file, capsys, scheduler):
+    assert bench_generate.main([str(fixture_file), "--device", "cpu:0", "--tokens", "6", "--prompt", "12",
+                                "--repeat", "1", "--consumer-us", "0", *scheduler]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  generate")]
+    assert [ln.split(",")[1].strip() for ln in lines] == ["greedy"] * 2 + ["sampled"] * 2 + ["app default"] * 2
+    assert all("(6 tokens, 0 steps chained)" in ln for ln in lines)  # no graphs on a CPU
