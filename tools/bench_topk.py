@@ -4,9 +4,9 @@ a sort of the few logits above it), as a decode step runs it: inside a CUDA grap
 
     python3 tools/bench_topk.py [--vocab 248320] [--rows 1,8] [--ks 1,2,4,8,20,40,64] [--reps 50]
 
-Each (rows, k, variant) is captured as one graph of `--reps` top-k calls on the same logits; the graph is
-replayed five times and the best replay's time per call is printed, in microseconds, with the ratio
-select / rounds. What this is not: the end-to-end decode (tools/bench_generate.py is).
+Each (rows, k, variant) is timed by kernels/probe.py time_gpu (`--reps` top-k calls on the same logits
+captured as one CUDA graph) three times; the best time per call is printed, in microseconds, with the
+ratio select / rounds. What this is not: the end-to-end decode (tools/bench_generate.py is).
 """
 
 from __future__ import annotations
@@ -16,39 +16,11 @@ import sys
 
 import cupy as cp
 from minecart.kernels import ops
-from minecart.kernels.probe import begin_capture
+from minecart.kernels.probe import time_gpu
 
 
 def _graph_us(logits: cp.ndarray, k: int, reps: int) -> float:
-    pool = cp.get_default_memory_pool()
-    kept: list = []
-
-    def keep(size: int):
-        mem = pool.malloc(size)
-        kept.append(mem)
-        return mem
-
-    stream = cp.cuda.Stream(non_blocking=True)
-    ops.top_k(logits, k)  # compiled before the capture
-    cp.cuda.Device().synchronize()
-    with stream:
-        cp.cuda.set_allocator(keep)
-        try:
-            begin_capture(stream)
-            for _ in range(reps):
-                ops.top_k(logits, k)
-            graph = stream.end_capture()
-        finally:
-            cp.cuda.set_allocator(pool.malloc)
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    best = float("inf")
-    for _ in range(5):
-        start.record(stream)
-        graph.launch(stream)
-        end.record(stream)
-        end.synchronize()
-        best = min(best, cp.cuda.get_elapsed_time(start, end) * 1e3 / reps)
-    return best
+    return 1e6 * min(time_gpu(lambda: ops.top_k(logits, k), reps) for _ in range(3))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args(argv)
     rs = cp.random.RandomState(0)
-    print(f"top-k of {args.vocab} logits, us a call inside a CUDA graph (best of 5 replays of {args.reps} calls)")
+    print(f"top-k of {args.vocab} logits, us a call inside a CUDA graph (best of 3 graphs of {args.reps} calls)")
     print("rows     k   rounds   select  select/rounds")
     for rows in (int(r) for r in args.rows.split(",")):
         logits = (rs.standard_normal((rows, args.vocab)) * 3).astype(cp.float32)

@@ -296,12 +296,14 @@ class _Feed:
         self.table_of: PenaltyHistory | None = None
         self.counted = 0
 
-    def sync_table(self, history: PenaltyHistory, token: int, chained: bool) -> bool:
-        """Make the table hold the prompt and the generated tokens before the one this launch embeds
-        (`token`, which the launch counts itself; chained: the device's pick of the step before, not on
-        the host yet). False (chained only): it does not, and the launch must wait for that pick."""
-        if chained:
-            return self.table_of is history and self.counted == len(history.generated)
+    def table_follows(self, history: PenaltyHistory) -> bool:
+        """Whether a chained launch (its token the device's pick of the step before, not on the host yet)
+        finds the table in step: built from `history` and holding all its generated tokens."""
+        return self.table_of is history and self.counted == len(history.generated)
+
+    def sync_table(self, history: PenaltyHistory, token: int) -> None:
+        """Make the table hold the prompt and the generated tokens before `token`, the last one, which
+        this launch embeds and counts itself (rebuilt from the lists when it is not in step)."""
         gen = history.generated
         if not gen or int(gen[-1]) != token:
             raise ValueError(f"a penalized pick's history must end with the token its step embeds ({token})")
@@ -313,7 +315,6 @@ class _Feed:
             if keys.size:
                 self.table[cp.asarray(keys)] = cp.asarray(vals)
             self.table_of, self.counted = history, len(gen) - 1
-        return True
 
 
 class _Capture:
@@ -1758,7 +1759,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         running: the step is launched behind it without the host seeing that pick (ids unused), on the
         other of the sequence's two graphs of this key (_Feed). None: not possible now (the caller
         waits for the previous step and launches with its token). A pick with penalties (its history)
-        has the step apply them to its row first, from the sequence's table (_Feed.sync_table), in
+        has the step apply them to its row first, from the sequence's table (_Feed), in
         graphs of their own; a stage that does not embed its token leaves them to the host.
         link_seconds: (before the copy from host_in, after the copy to host_out) a simulated riser's
         time (engine/rig.py), held on the graph's stream by nodes of the graph itself, where a real
@@ -1784,13 +1785,13 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         if chained:
             if feed is None or not feed.fresh or wait or host_in is not None or host_out is not None:
                 return None
-            if history is not None and not feed.sync_table(history, 0, chained=True):
+            if history is not None and not feed.table_follows(history):
                 return None
             feed.parity ^= 1  # the graph not running now
         elif history is not None:
             feed = _Feed() if feed is None else feed
             with self._dev:
-                feed.sync_table(history, int(ids[0]), chained=False)
+                feed.sync_table(history, int(ids[0]))
         key = (key, feed.parity if feed is not None else 0, history is not None)  # penalizing: a graph of its own
         rec = self._graphs.get(key)
         if rec is not None and not rec.valid(owner, watch, io, link_seconds):
