@@ -6,7 +6,7 @@
 // rms_norm_q8      rms_norm (MODE 0) or add_rms_norm (MODE 1) of rows of N values (N % 32 == 0), also
 //                  writing the q8_1 quantization of the output (the next DP4A matmul's input).
 // swiglu_q8        silu(gate) * up, with its q8_1 quantization.
-// gdn_decode       one token of a Gated DeltaNet mixer, blocks of 32 value columns: conv1d + SiLU with the
+// gdn_decode       one token of a Gated DeltaNet mixer, a block per value head: conv1d + SiLU with the
 //                  conv state update, L2 norms of q and k, q scale, gates, the delta-rule step on the
 //                  state in place, gated RMSNorm, and the q8_1 quantization of the output.
 // (attn_prep, the step before the scores, lives in attn_prep.cu: it writes the cache in its own type.)
@@ -79,23 +79,41 @@ extern "C" __global__ void swiglu_q8(const float* __restrict__ gate, const float
 }
 
 // ---- Gated DeltaNet, one token ----------------------------------------------------------------------
-// Grid (n_v, ceil(DV / 32)): block (j, cb) of 128 threads serves value columns c0 = 32 cb .. c0 + 31 of
-// value head j, whose key head is kh = j % n_k. Lane l of warp w owns column c0 + l and state rows
-// w DK/4 .. (w + 1) DK/4 - 1 (registers; each warp reads and writes whole 128-byte row segments):
-//   e = S^T k, r = S^T q (4 partial sums over the warps), a = exp(g), d = beta (v - a e),
-//   S <- a S + k d^T, o = a r + (k . q) d.
-// The state loads are issued first, so their latency overlaps the conv, the norms and the gates, which
-// every block recomputes for its key head (q, k) and its own 32 v channels.
-// Conv state: the v channels of columns c0.. belong to block (j, cb) alone and are shifted in place. The
-// q/k channels of key head kh are read by every block with j % n_k == kh, so they must be shifted only
-// after all of those blocks have read them: each block counts itself in counters[kh] after its reads, and
-// the last one writes the shifted rows (kept in shared memory) and resets the counter to 0 for the next
-// launch. No block waits for another.
-// Gated RMSNorm over the head needs all DV outputs: each block writes its o to y, and the last block of
-// head j (counters[n_k + j]) normalizes the whole head in place and writes its q8_1 blocks. With one
-// column block per head (DV <= 32) the block finishes alone.
+// Grid (n_v): block j of 128 ceil(DV / 32) threads serves value head j, whose key head is kh = j % n_k.
+// Lane l of warp w owns value column c = 32 (w / 4) + l and state rows (w % 4) DK/4 .. (w % 4 + 1) DK/4 - 1
+// (registers; each warp reads and writes whole 128-byte row segments):
+//   e = S^T k, r = S^T q (4 partial sums over the row quarters), a = exp(g), d = beta (v - a e),
+//   S <- a S + k d^T, o = a r + (k . q) d,
+// then the gated RMSNorm over the head's DV outputs and their q8_1 blocks, all inside the block: no block
+// waits for another, and no output makes a round trip through memory before it is normalized.
+// The state loads (and the norm's z and weights) are issued first, so their latency overlaps the conv,
+// the norms and the gates, which every block recomputes for its key head (q, k) and its own v channels.
+// Conv state: the v channels of head j belong to block j alone and are shifted in place. The q/k
+// channels of key head kh are read by every block with j % n_k == kh, so they must be shifted only after
+// all of those blocks have read them: each block counts itself in counters[kh] once its reads are done
+// (their values are in shared memory), and the block that counts last writes the shifted rows (kept in
+// shared memory) at its end and resets the counter to 0 for the next launch. The count's result is first
+// needed at the block's end, so its round trip overlaps the delta-rule step.
 
 #define GDN_MAX_KW 8
+#define GDN_MAX_DV 128  // fused.py GDN_MAX_DV: 4 column warps of 4 row-quarter warps, 512 threads
+
+// block_sum of three values at once, behind one barrier: every warp adds the warps' partial sums itself, in
+// the same order, so every thread gets the same sums (scratch is written once: one call per kernel)
+__device__ __forceinline__ void block_sum3(float& a, float& b, float& c, float (*scratch)[32]) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    c = warp_sum(c);
+    if (lane == 0) scratch[0][wid] = a, scratch[1][wid] = b, scratch[2][wid] = c;
+    __syncthreads();
+    a = lane < nw ? scratch[0][lane] : 0.0f;
+    b = lane < nw ? scratch[1][lane] : 0.0f;
+    c = lane < nw ? scratch[2][lane] : 0.0f;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    c = warp_sum(c);
+}
 
 template <int DK>
 __device__ __forceinline__ void gdn_decode_body(
@@ -106,89 +124,77 @@ __device__ __forceinline__ void gdn_decode_body(
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
     constexpr int RW = DK / 4;                        // state rows per warp
-    constexpr int NCH = (2 * DK + 32 + 127) / 128;    // conv channels per thread
     __shared__ __align__(16) float qs[DK];
     __shared__ __align__(16) float ks[DK];
-    __shared__ float vs[32];
+    __shared__ float vs[GDN_MAX_DV];
     __shared__ float newst[(GDN_MAX_KW - 1) * 2 * DK];
-    __shared__ float pe[4][32], pr[4][32];
+    __shared__ float pe[4][GDN_MAX_DV], pr[4][GDN_MAX_DV];
+    __shared__ float os[GDN_MAX_DV];
     __shared__ float scratch[32];
-    __shared__ int s_last, s_fin;
-    int tid = threadIdx.x, lane = tid & 31, wq = tid >> 5;
-    int j = blockIdx.x, kh = j % n_k, n_cb = gridDim.y;
-    int c0 = blockIdx.y * 32;
-    int nc = min(32, DV - c0);
-    int key_dim = n_k * DK;
-    int C = 2 * key_dim + n_v * DV;
-    int c = c0 + lane;
-    bool col = lane < nc;
+    __shared__ float scratch3[3][32];
+    __shared__ int s_last;
+    const int tid = threadIdx.x, lane = tid & 31, wq = (tid >> 5) & 3;
+    const int c = (tid >> 7) * 32 + lane;
+    const int j = blockIdx.x, kh = j % n_k;
+    const int key_dim = n_k * DK;
+    const int C = 2 * key_dim + n_v * DV;
+    const bool col = c < DV;
 
-    // 0. this thread's state rows of column c, and the gate inputs
+    // 0. this thread's state rows of column c, the gate inputs, and the norm's inputs for column tid
     float* sp = state + (i64)j * DK * DV + (i64)(wq * RW) * DV + c;
     float S[RW];
 #pragma unroll
     for (int i = 0; i < RW; i++) S[i] = col ? sp[(i64)i * DV] : 0.0f;
-    float a_raw = ssm_a[j], al = alpha[j], dtb = dt_bias[j], braw = bet[j];
+    const float a_raw = ssm_a[j], al = alpha[j], dtb = dt_bias[j], braw = bet[j];
+    const float zt = tid < DV ? z[(i64)j * DV + tid] : 0.0f;
+    const float nw = tid < DV ? norm_w[tid] : 0.0f;
 
-    // 1. causal depthwise conv + SiLU of the 2 DK q/k channels and this block's nc v channels
-    int nconv = 2 * DK + nc;
+    // 1. causal depthwise conv + SiLU of the 2 DK q/k channels and the DV v channels
+    const int nconv = 2 * DK + DV;
+    for (int idx = tid; idx < nconv; idx += blockDim.x) {
+        int ch = idx < DK ? kh * DK + idx
+                          : (idx < 2 * DK ? key_dim + kh * DK + (idx - DK) : 2 * key_dim + j * DV + (idx - 2 * DK));
+        float hist[GDN_MAX_KW];
+        float acc = 0.0f;
 #pragma unroll
-    for (int it = 0; it < NCH; it++) {
-        int idx = it * 128 + tid;
-        if (idx < nconv) {
-            int ch = idx < DK ? kh * DK + idx
-                              : (idx < 2 * DK ? key_dim + kh * DK + (idx - DK) : 2 * key_dim + j * DV + c0 + (idx - 2 * DK));
-            float hist[GDN_MAX_KW];
-            float acc = 0.0f;
-#pragma unroll
-            for (int r = 0; r < GDN_MAX_KW - 1; r++) {
-                if (r < KW - 1) {
-                    hist[r] = conv_state[(i64)r * C + ch];
-                    acc = fmaf(hist[r], conv_w[(i64)ch * KW + r], acc);
-                }
+        for (int r = 0; r < GDN_MAX_KW - 1; r++) {
+            if (r < KW - 1) {
+                hist[r] = conv_state[(i64)r * C + ch];
+                acc = fmaf(hist[r], conv_w[(i64)ch * KW + r], acc);
             }
-            float xin = mixed[ch];
-            acc = fmaf(xin, conv_w[(i64)ch * KW + KW - 1], acc);
-            float u = silu_f(acc);
-            if (idx < DK) qs[idx] = u;
-            else if (idx < 2 * DK) ks[idx - DK] = u;
-            else vs[idx - 2 * DK] = u;
-            // shifted state: row r <- old row r + 1, last row <- this token's input
+        }
+        float xin = mixed[ch];
+        acc = fmaf(xin, conv_w[(i64)ch * KW + KW - 1], acc);
+        float u = silu_f(acc);
+        if (idx < DK) qs[idx] = u;
+        else if (idx < 2 * DK) ks[idx - DK] = u;
+        else vs[idx - 2 * DK] = u;
+        // shifted state: row r <- old row r + 1, last row <- this token's input
 #pragma unroll
-            for (int r = 0; r < GDN_MAX_KW - 1; r++) {
-                if (r < KW - 1) {
-                    float nv = (r + 1 < KW - 1) ? hist[r + 1] : xin;
-                    if (idx >= 2 * DK) conv_state[(i64)r * C + ch] = nv;
-                    else newst[r * 2 * DK + idx] = nv;
-                }
+        for (int r = 0; r < GDN_MAX_KW - 1; r++) {
+            if (r < KW - 1) {
+                float nv = (r + 1 < KW - 1) ? hist[r + 1] : xin;
+                if (idx >= 2 * DK) conv_state[(i64)r * C + ch] = nv;
+                else newst[r * 2 * DK + idx] = nv;
             }
         }
     }
     __syncthreads();  // every read of the q/k conv state of this block is done (values in shared memory)
-    if (tid == 0) {
-        int readers = ((n_v - 1 - kh) / n_k + 1) * n_cb;  // blocks (j', cb) with j' % n_k == kh
-        __threadfence();
-        int prev = atomicAdd(&counters[kh], 1);
-        s_last = (prev == readers - 1);
-        if (s_last) atomicExch(&counters[kh], 0);
-    }
-    __syncthreads();
-    if (s_last) {
-        for (int idx = tid; idx < 2 * DK; idx += blockDim.x) {
-            int ch = idx < DK ? kh * DK + idx : key_dim + kh * DK + (idx - DK);
-            for (int r = 0; r < KW - 1; r++) conv_state[(i64)r * C + ch] = newst[r * 2 * DK + idx];
-        }
-    }
+    int prev = 0;
+    if (tid == 0) prev = atomicAdd(&counters[kh], 1);  // used at the end
 
-    // 2. L2 norms of q and k, q scaled by 1/sqrt(DK) (l2_norm then scale)
-    float sq = 0.0f, sk = 0.0f;
+    // 2. L2 norms of q and k, q scaled by 1/sqrt(DK) (l2_norm then scale), and k . q of the normalized
+    //    vectors from the same sums: (k_raw . q_raw) rk rq q_scale (one block reduction for all three)
+    float sq = 0.0f, sk = 0.0f, sqk = 0.0f;
     for (int i = tid; i < DK; i += blockDim.x) {
-        sq += qs[i] * qs[i];
-        sk += ks[i] * ks[i];
+        float qv = qs[i], kv = ks[i];
+        sq = fmaf(qv, qv, sq);
+        sk = fmaf(kv, kv, sk);
+        sqk = fmaf(qv, kv, sqk);
     }
-    sq = block_sum(sq, scratch);
-    sk = block_sum(sk, scratch);
+    block_sum3(sq, sk, sqk, scratch3);
     float rq = rsqrtf(sq + eps), rk = rsqrtf(sk + eps);
+    const float kq = ((sqk * rk) * rq) * q_scale;
     for (int i = tid; i < DK; i += blockDim.x) {
         qs[i] = (qs[i] * rq) * q_scale;
         ks[i] = ks[i] * rk;
@@ -208,66 +214,56 @@ __device__ __forceinline__ void gdn_decode_body(
         e2[i & 1] = fmaf(S[i], kw_[i], e2[i & 1]);
         r2[i & 1] = fmaf(S[i], qw_[i], r2[i & 1]);
     }
-    pe[wq][lane] = e2[0] + e2[1];
-    pr[wq][lane] = r2[0] + r2[1];
-    float kq4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < DK; i += 4) {
-        float4 kk = *(const float4*)&ks[i];
-        float4 qq = *(const float4*)&qs[i];
-        kq4[0] = fmaf(kk.x, qq.x, kq4[0]); kq4[1] = fmaf(kk.y, qq.y, kq4[1]);
-        kq4[2] = fmaf(kk.z, qq.z, kq4[2]); kq4[3] = fmaf(kk.w, qq.w, kq4[3]);
-    }
-    float kq = (kq4[0] + kq4[1]) + (kq4[2] + kq4[3]);
-    __syncthreads();
-    float e = (pe[0][lane] + pe[1][lane]) + (pe[2][lane] + pe[3][lane]);
-    float r = (pr[0][lane] + pr[1][lane]) + (pr[2][lane] + pr[3][lane]);
-    float a = __expf(g);
-    float d = col ? beta * (vs[lane] - a * e) : 0.0f;
     if (col) {
+        pe[wq][c] = e2[0] + e2[1];
+        pr[wq][c] = r2[0] + r2[1];
+    }
+    __syncthreads();
+    if (col) {
+        float e = (pe[0][c] + pe[1][c]) + (pe[2][c] + pe[3][c]);
+        float r = (pr[0][c] + pr[1][c]) + (pr[2][c] + pr[3][c]);
+        float a = __expf(g);
+        float d = beta * (vs[c] - a * e);
 #pragma unroll
         for (int i = 0; i < RW; i++) sp[(i64)i * DV] = fmaf(a, S[i], kw_[i] * d);
+        if (wq == 0) os[c] = fmaf(a, r, kq * d);
     }
-    float o = fmaf(a, r, kq * d);
+    __syncthreads();
 
-    // 5. o of this block's columns to y; the last block of the head finishes it
-    float* yh = y + (i64)j * DV;
-    if (wq == 0 && col) yh[c] = o;
-    if (n_cb > 1) {
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) {
-            int prev = atomicAdd(&counters[n_k + j], 1);
-            s_fin = (prev == n_cb - 1);
-            if (s_fin) atomicExch(&counters[n_k + j], 0);
-        }
-        __syncthreads();
-        if (!s_fin) return;  // the whole block leaves together
-        __threadfence();
-    } else {
-        __syncthreads();
-    }
-
-    // 6. gated RMSNorm over the head: rms_norm(o) * w * silu(z), then the q8_1 blocks
+    // 5. gated RMSNorm over the head: rms_norm(o) * w * silu(z), then the q8_1 blocks
     //    (DV % 32 == 0 when xq is given: warps below DV are whole blocks)
-    float ov = tid < DV ? __ldcg(yh + tid) : 0.0f;
+    float ov = tid < DV ? os[tid] : 0.0f;
     float ss = block_sum(ov * ov, scratch);
     float inv = rsqrtf(ss / (float)DV + eps);
     float out = 0.0f;
     if (tid < DV) {
         out = ov * inv;
-        out *= norm_w[tid];
-        out *= silu_f(z[(i64)j * DV + tid]);
-        yh[tid] = out;
+        out *= nw;
+        out *= silu_f(zt);
+        y[(i64)j * DV + tid] = out;
     }
     if (xq != 0 && (tid >> 5) * 32 < DV) {
         i64 b = ((i64)j * DV >> 5) + (tid >> 5);
         q8_1_block(out, xq + b * 32, xd + b, xs + b, lane);
     }
+
+    // 6. the block that counted last among the readers of key head kh shifts its q/k conv state
+    if (tid == 0) {
+        int readers = (n_v - 1 - kh) / n_k + 1;  // blocks j' with j' % n_k == kh
+        s_last = (prev == readers - 1);
+        if (s_last) atomicExch(&counters[kh], 0);
+    }
+    __syncthreads();
+    if (s_last) {
+        for (int idx = tid; idx < 2 * DK; idx += blockDim.x) {
+            int ch = idx < DK ? kh * DK + idx : key_dim + kh * DK + (idx - DK);
+            for (int r = 0; r < KW - 1; r++) conv_state[(i64)r * C + ch] = newst[r * 2 * DK + idx];
+        }
+    }
 }
 
 template <int DK>
-__global__ void __launch_bounds__(128) gdn_decode(
+__global__ void __launch_bounds__(512) gdn_decode(
         const float* __restrict__ mixed, const float* __restrict__ z, const float* __restrict__ bet,
         const float* __restrict__ alpha, float* __restrict__ conv_state, const float* __restrict__ conv_w,
         const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
@@ -278,25 +274,25 @@ __global__ void __launch_bounds__(128) gdn_decode(
                         counters, n_k, n_v, DV, KW, q_scale, eps);
 }
 
-// gdn_decode for one token of each of B sequences in one launch, grid (n_v, ceil(DV / 32), B): blockIdx.z
-// is the sequence s, whose rows of mixed (B, C), z and y (B, n_v DV), bet and alpha (B, n_v) sit at row s,
-// whose conv and delta-rule states are conv_states[s] and states[s] (device pointer tables: each
-// sequence's states stay where its session allocated them), and whose counters are the n_k + n_v at
-// counters + s (n_k + n_v). The q8_1 blocks of row s follow those of row s - 1 (quantize_q8_1 of (B, n_v DV)).
+// gdn_decode for one token of each of B sequences in one launch, grid (n_v, B): blockIdx.y is the
+// sequence s, whose rows of mixed (B, C), z and y (B, n_v DV), bet and alpha (B, n_v) sit at row s, whose
+// conv and delta-rule states are conv_states[s] and states[s] (device pointer tables: each sequence's
+// states stay where its session allocated them), and whose counters are the n_k at counters + s n_k.
+// The q8_1 blocks of row s follow those of row s - 1 (quantize_q8_1 of (B, n_v DV)).
 template <int DK>
-__global__ void __launch_bounds__(128) gdn_decode_batch(
+__global__ void __launch_bounds__(512) gdn_decode_batch(
         const float* __restrict__ mixed, const float* __restrict__ z, const float* __restrict__ bet,
         const float* __restrict__ alpha, float* const* __restrict__ conv_states, const float* __restrict__ conv_w,
         const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
         float* const* __restrict__ states, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
-    i64 s = blockIdx.z;
+    i64 s = blockIdx.y;
     i64 C = 2 * (i64)n_k * DK + (i64)n_v * DV, HV = (i64)n_v * DV;
     gdn_decode_body<DK>(mixed + s * C, z + s * HV, bet + s * n_v, alpha + s * n_v, conv_states[s], conv_w, ssm_a,
                         dt_bias, norm_w, states[s], y + s * HV, xq != 0 ? xq + s * HV : xq,
                         xd != 0 ? xd + s * (HV >> 5) : xd, xs != 0 ? xs + s * (HV >> 5) : xs,
-                        counters + s * (n_k + n_v), n_k, n_v, DV, KW, q_scale, eps);
+                        counters + s * n_k, n_k, n_v, DV, KW, q_scale, eps);
 }
 
 // One block of D threads (D % 32 == 0) per head h: o = merge of the splits (as flash_merge), times

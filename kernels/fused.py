@@ -20,7 +20,7 @@ from .build import GDN_KEY_DIMS, HEAD_DIMS, KV_CACHE_TYPES, get_kernel
 from .ops import DECODE_BLOCKS_PER_SM, decode_kernel, decode_partials, sm_count
 
 GDN_MAX_KW = 8  # fused.cu: longest conv kernel of gdn_decode
-GDN_MAX_DV = 128  # the head's gated RMSNorm: one thread per value column, 128 threads per block
+GDN_MAX_DV = 128  # fused.cu: a block of 128 threads per 32 value columns of a head, the whole head in one block
 
 
 def _q8_arrays(T: int, K: int):
@@ -89,7 +89,7 @@ _COUNTERS: dict[int, cp.ndarray] = {}
 
 
 def gdn_counters_ready(n: int) -> bool:
-    """Whether n of gdn_decode's counters (n_k + n_v for one mixer) exist on this device (they must be
+    """Whether n of gdn_decode's counters (n_k for one mixer) exist on this device (they must be
     made outside a graph capture, where a memset would only be recorded, not run)."""
     c = _COUNTERS.get(cp.cuda.Device().id)
     return c is not None and c.size >= n
@@ -116,6 +116,11 @@ def _counters(n: int) -> cp.ndarray:
     return _COUNTERS[cp.cuda.Device().id]
 
 
+def gdn_threads(dv: int) -> int:
+    """Threads of a gdn_decode block: 4 warps (the state's row quarters) per 32 value columns."""
+    return 128 * ((dv + 31) // 32)
+
+
 def gdn_decode_supported(n_k: int, n_v: int, dk: int, dv: int, kw: int) -> bool:
     return (dk in GDN_KEY_DIMS and 1 <= dv <= GDN_MAX_DV and 2 <= kw <= GDN_MAX_KW and 1 <= n_k <= n_v)
 
@@ -137,11 +142,11 @@ def gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias
     y = cp.empty((1, n_v * dv), dtype=cp.float32)
     q8 = _q8_arrays(1, n_v * dv) if want_q8 and dv % 32 == 0 else None
     nul = np.uint64(0)
-    # blocks of 32 value columns; counters: [0, n_k) the q/k conv state, [n_k, n_k + n_v) the head norms
+    # a block per value head; counters: one per key head (its q/k conv state's readers)
     get_kernel("fused", f"gdn_decode<{dk}>")(
-        (n_v, (dv + 31) // 32), (128,),
+        (n_v,), (gdn_threads(dv),),
         (mixed, z, b, alpha, conv_state, conv_w, _c32(ssm_a), _c32(dt_bias), _c32(norm_w), ssm_state, y,
-         q8[0] if q8 else nul, q8[1] if q8 else nul, q8[2] if q8 else nul, _counters(n_k + n_v), np.int32(n_k),
+         q8[0] if q8 else nul, q8[1] if q8 else nul, q8[2] if q8 else nul, _counters(n_k), np.int32(n_k),
          np.int32(n_v), np.int32(dv), np.int32(kw), np.float32(1.0 / math.sqrt(dk)), np.float32(eps)))
     return y, q8
 
@@ -187,8 +192,8 @@ def gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states, conv_table, ss
                      norm_w, *, n_k: int, n_v: int, dk: int, dv: int, eps: float, want_q8: bool):
     """gdn_decode for one token of each of B sequences: row s of mixed (B, C), z (B, n_v dv), b and alpha
     (B, n_v) with the states conv_states[s] (K-1, C) and ssm_states[s] (n_v, dk, dv), updated in place;
-    conv_table / ssm_table: pointer_table of those states' addresses. Needs make_gdn_counters(B (n_k +
-    n_v)). Returns (y (B, n_v dv), q8 or None)."""
+    conv_table / ssm_table: pointer_table of those states' addresses. Needs make_gdn_counters(B n_k).
+    Returns (y (B, n_v dv), q8 or None)."""
     B = mixed.shape[0]
     mixed, z, b, alpha = _c32(mixed), _c32(z), _c32(b), _c32(alpha)
     conv_w = _c32(conv_w)
@@ -214,9 +219,9 @@ def gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states, conv_table, ss
     q8 = _q8_arrays(B, n_v * dv) if want_q8 and dv % 32 == 0 else None
     nul = np.uint64(0)
     get_kernel("fused", f"gdn_decode_batch<{dk}>")(
-        (n_v, (dv + 31) // 32, B), (128,),
+        (n_v, B), (gdn_threads(dv),),
         (mixed, z, b, alpha, conv_table, conv_w, _c32(ssm_a), _c32(dt_bias), _c32(norm_w), ssm_table, y,
-         q8[0] if q8 else nul, q8[1] if q8 else nul, q8[2] if q8 else nul, _counters(B * (n_k + n_v)),
+         q8[0] if q8 else nul, q8[1] if q8 else nul, q8[2] if q8 else nul, _counters(B * n_k),
          np.int32(n_k), np.int32(n_v), np.int32(dv), np.int32(kw), np.float32(1.0 / math.sqrt(dk)),
          np.float32(eps)))
     return y, q8

@@ -1,5 +1,5 @@
 """fp32 NumPy pieces of the emulations of kernels/fused.cu gdn_decode, shared by the whole-head form
-(tests/engine/test_fused_ops.py) and the column-block form (tests/kernels/test_fused_emulation.py):
+(tests/engine/test_fused_ops.py) and the head-block form (tests/kernels/test_fused_emulation.py):
 random layer weights and activations, the conv + SiLU of one block's channels with the q/k conv-state
 hand-over to the key head's last reader, the q/k normalization and gates, and the head's gated RMSNorm.
 """

@@ -1516,11 +1516,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                    n_k: int, n_v: int, dk: int, dv: int, eps: float):
         kw = int(conv_w.shape[1])
         supported = fused.gdn_decode_supported(n_k, n_v, dk, dv, kw)
-        if supported and not fused.gdn_counters_ready(n_k + n_v):
+        if supported and not fused.gdn_counters_ready(n_k):
             if self._capture is not None:  # a memset in a capture is only recorded: make them eagerly
                 raise _CacheFull("gdn_decode counters are made by an eager step; the next one captures")
             with self._dev:
-                fused.make_gdn_counters(n_k + n_v)
+                fused.make_gdn_counters(n_k)
         if mixed.shape[0] != 1 or not supported:
             return super().gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias,
                                       norm_w, n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=eps)
@@ -1586,11 +1586,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 not fused.gdn_decode_supported(n_k, n_v, dk, dv, kw):
             return super().gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states, conv_w, ssm_a, dt_bias,
                                             norm_w, n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=eps)
-        if not fused.gdn_counters_ready(B * (n_k + n_v)):
+        if not fused.gdn_counters_ready(B * n_k):
             if self._capture is not None:  # a memset in a capture is only recorded: make them eagerly
                 raise _CacheFull("gdn_decode counters are made by an eager step; the next one captures")
             with self._dev:
-                fused.make_gdn_counters(B * (n_k + n_v))
+                fused.make_gdn_counters(B * n_k)
         with self._dev:
             y, q8 = fused.gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states,
                                            self._pointer_table(conv_states), self._pointer_table(ssm_states),

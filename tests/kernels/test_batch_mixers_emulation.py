@@ -1,13 +1,12 @@
 """NumPy emulations of the batched decode mixer launches, run on the CPU against the NumPy backend:
 
-- kernels/fused.cu gdn_decode_batch: grid (n_v, column blocks, B), sequence s's rows at offsets s C,
-  s n_v DV and s n_v of flat (B, ...) buffers, its states through a table (a list here), its counters at
-  s (n_k + n_v); the blocks of all sequences interleaved in a random order (disjoint counters: no
+- kernels/fused.cu gdn_decode_batch: grid (n_v, B), sequence s's rows at offsets s C, s n_v DV and
+  s n_v of flat (B, ...) buffers, its states through a table (a list here), its counters at s n_k; the blocks of all sequences interleaved in a random order (disjoint counters: no
   sequence's hand-over may see another's blocks);
 - attention.cu flash_decode_batch + attn_merge_gate_batch: one split count for the batch (sized for the
   longest capacity over B x n_kv heads, fused.decode_batch_splits), slices sized per sequence for its own
   device-side length; partial slabs per sequence.
-The column-block body itself is tests/kernels/test_fused_emulation.py's.
+The head block's body itself is tests/kernels/test_fused_emulation.py's.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ def test_gdn_decode_batch_layout(shape, B):
     n_k, n_v, dk, dv, kw = shape
     nb = NumpyBackend()
     rng = np.random.default_rng(sum(shape) * 3 + B)
-    C, HV, NC = 2 * n_k * dk + n_v * dv, n_v * dv, n_k + n_v
+    C, HV, NC = 2 * n_k * dk + n_v * dv, n_v * dv, n_k
     w = gdn_case(rng, n_k, n_v, dk, dv, kw)
     weights = [w[k] for k in ("conv_w", "ssm_a", "dt_bias", "norm_w")]
     cases = [gdn_case(rng, n_k, n_v, dk, dv, kw) for _ in range(B)]
@@ -43,8 +42,7 @@ def test_gdn_decode_batch_layout(shape, B):
     conv_tab = [c.copy() for c in conv]  # the states the kernel finds through its pointer tables
     ssm_tab = [s.copy() for s in ssm]
     counters = np.zeros(B * NC, np.int64)
-    n_cb = (dv + 31) // 32
-    blocks = [(s, j, cb) for s in range(B) for j in range(n_v) for cb in range(n_cb)]
+    blocks = [(s, j) for s in range(B) for j in range(n_v)]
     for step in range(3):
         acts = [np.concatenate(a) for a in zip(*(gdn_acts(rng, 1, n_k, n_v, dk, dv) for _ in range(B)),
                                                 strict=True)]
@@ -53,12 +51,12 @@ def test_gdn_decode_batch_layout(shape, B):
                                   eps=1e-6)
         flat = [a.reshape(-1) for a in acts]
         y = np.full(B * HV, np.nan, F32)
-        for s, j, cb in (blocks[i] for i in rng.permutation(len(blocks))):
+        for s, j in (blocks[i] for i in rng.permutation(len(blocks))):
             # what gdn_decode_batch hands its block body: row s of each input, its own states and counters
             emulate_gdn_decode(flat[0][s * C : (s + 1) * C], flat[1][s * HV : (s + 1) * HV],
                                flat[2][s * n_v : (s + 1) * n_v], flat[3][s * n_v : (s + 1) * n_v], conv_tab[s],
                                weights[0], weights[1], weights[2], weights[3], ssm_tab[s],
-                               y[s * HV : (s + 1) * HV], n_k, n_v, dk, dv, 1e-6, [(j, cb)],
+                               y[s * HV : (s + 1) * HV], n_k, n_v, dk, dv, 1e-6, [j],
                                counters[s * NC : (s + 1) * NC])
         assert np.all(counters == 0), "a sequence's counter was not reset by its last block"
         for s in range(B):

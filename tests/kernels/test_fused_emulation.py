@@ -1,6 +1,6 @@
 """NumPy emulations of the blocking of two fused decode kernels, run on the CPU against the NumPy
-backend: kernels/fused.cu gdn_decode (blocks of 32 value columns, the q/k conv-state hand-over to the
-last reader and the head's gated RMSNorm by the last column block, blocks in random orders) and the
+backend: kernels/fused.cu gdn_decode (a block per value head, the q/k conv-state hand-over to the key
+head's last reader, blocks in random orders) and the
 graph-style split of attention.cu flash_decode + flash_merge_len / attn_merge_gate (slices sized for the
 device-side length, splits past it skipped).
 """
@@ -20,43 +20,36 @@ F32 = np.float32
 
 def emulate_gdn_decode(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, norm_w, state, y, n_k, n_v,
                        dk, dv, eps, order, counters):
-    """One token; blocks (j, cb) run one after another in `order`, each to its end (or to its exit when it
-    is not the last column block of its head). counters: [0, n_k) conv, [n_k, n_k + n_v) head norms."""
+    """One token; blocks j (a value head each) run one after another in `order`, each to its end.
+    counters: [0, n_k), the readers of each key head's q/k conv state."""
     key_dim = n_k * dk
-    n_cb = (dv + 31) // 32
     rw = dk // 4
-    for j, cb in order:
+    for j in order:
         kh = j % n_k
-        c0 = cb * 32
-        nc = min(32, dv - c0)
-        S = state[j][:, c0 : c0 + nc].copy()  # 0. the block's state columns, loaded first
+        S = state[j].copy()  # 0. the head's state, loaded first
         chans = ([kh * dk + i for i in range(dk)] + [key_dim + kh * dk + i for i in range(dk)]
-                 + [2 * key_dim + j * dv + c0 + i for i in range(nc)])
-        readers = ((n_v - 1 - kh) // n_k + 1) * n_cb
+                 + [2 * key_dim + j * dv + i for i in range(dv)])
+        readers = (n_v - 1 - kh) // n_k + 1
         u = conv_silu_block(mixed, conv_state, conv_w, chans, dk, kh, counters, readers)  # 1. conv + SiLU
         qs, ks, vs, g, beta = qk_gates(u, dk, eps, j, ssm_a, alpha, dt_bias, bet)
         a = F32(np.exp(g))
-        # 4. four warps, each over rw state rows; partial sums added as ((p0 + p1) + (p2 + p3))
+        # 4. four row-quarter warps per column; partial sums added as ((p0 + p1) + (p2 + p3))
         pe = [ks[w * rw : (w + 1) * rw] @ S[w * rw : (w + 1) * rw] for w in range(4)]
         pr = [qs[w * rw : (w + 1) * rw] @ S[w * rw : (w + 1) * rw] for w in range(4)]
         e = ((pe[0] + pe[1]) + (pe[2] + pe[3])).astype(F32)
         r = ((pr[0] + pr[1]) + (pr[2] + pr[3])).astype(F32)
         dlt = (beta * (vs - a * e)).astype(F32)
-        state[j][:, c0 : c0 + nc] = (a * S + np.outer(ks, dlt)).astype(F32)
-        y[j * dv + c0 : j * dv + c0 + nc] = (a * r + F32(ks @ qs) * dlt).astype(F32)  # 5. o, not yet normed
-        if n_cb > 1:
-            prev = counters[n_k + j]
-            counters[n_k + j] += 1
-            if prev != n_cb - 1:
-                continue
-            counters[n_k + j] = 0
-        o = y[j * dv : (j + 1) * dv].copy()  # 6. the last column block normalizes the whole head
+        state[j] = (a * S + np.outer(ks, dlt)).astype(F32)
+        qr, kr = u[:dk], u[dk : 2 * dk]  # 2. k . q from the raw vectors' sums (one block reduction)
+        kq = F32(F32(qr @ kr) / np.sqrt(F32(kr @ kr) + F32(eps)) / np.sqrt(F32(qr @ qr) + F32(eps))
+                 * F32(1 / math.sqrt(dk)))
+        o = (a * r + kq * dlt).astype(F32)  # 5. o, normalized over the head in the block
         y[j * dv : (j + 1) * dv] = head_norm(o, z[j * dv : (j + 1) * dv], norm_w, eps)
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 16, 16, 4), (2, 4, 16, 64, 4), (3, 3, 8, 32, 3), (2, 6, 16, 48, 2),
                                    (1, 2, 32, 128, 4)])
-def test_gdn_decode_column_blocks(shape):
+def test_gdn_decode_head_blocks(shape):
     n_k, n_v, dk, dv, kw = shape
     nb = NumpyBackend()
     rng = np.random.default_rng(sum(shape) + 1)
@@ -64,14 +57,12 @@ def test_gdn_decode_column_blocks(shape):
     conv, ssm, conv_w, ssm_a, dt_bias, norm_w = (case[k] for k in ("conv", "ssm", "conv_w", "ssm_a", "dt_bias",
                                                                    "norm_w"))
     conv_e, ssm_e = conv.copy(), ssm.copy()
-    n_cb = (dv + 31) // 32
-    counters = np.zeros(n_k + n_v, np.int64)
-    blocks = [(j, cb) for j in range(n_v) for cb in range(n_cb)]
+    counters = np.zeros(n_k, np.int64)
     for step in range(3):
         mixed, z, b, alpha = gdn_acts(rng, 1, n_k, n_v, dk, dv)
         ref = nb.gdn_decode(mixed, z, b, alpha, conv, ssm, conv_w, ssm_a, dt_bias, norm_w, n_k=n_k, n_v=n_v,
                             dk=dk, dv=dv, eps=1e-6)
-        order = [blocks[i] for i in rng.permutation(len(blocks))]
+        order = [int(j) for j in rng.permutation(n_v)]
         y = np.full(n_v * dv, np.nan, F32)
         emulate_gdn_decode(mixed[0], z[0], b[0], alpha[0], conv_e, conv_w, ssm_a, dt_bias, norm_w, ssm_e, y,
                            n_k, n_v, dk, dv, 1e-6, order, counters)
