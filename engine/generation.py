@@ -338,4 +338,12 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
                 return
             logits = launched.result()
     finally:
-        session.checkpoint()
+        while True:
+            try:
+                session.checkpoint()
+                break
+            except GenerationCancelled:
+                if ahead is None:
+                    raise
+                # a step launched ahead of the answer's end was cancelled (a scheduler shut down): the
+                # generation ends here anyway, with its own outcome (each failed step is raised once)

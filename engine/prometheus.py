@@ -33,6 +33,8 @@ _BATCHING: dict[str, tuple[str, str, str]] = {
     "steps": ("minecart_steps_total", "counter", "Batched forward passes."),
     "alone_steps": ("minecart_alone_steps_total", "counter",
                     "Of those, decode steps a generation running alone launched itself (chained on a GPU)."),
+    "chained_passes": ("minecart_chained_passes_total", "counter",
+                       "Decode rows whose token the scheduler drew from the row before (no wait for the caller)."),
     "rejected": ("minecart_requests_rejected_total", "counter",
                  "Requests refused because the queue was full (HTTP 429)."),
     "finished": ("minecart_requests_finished_total", "counter", "Generations that ended."),

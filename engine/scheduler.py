@@ -17,7 +17,12 @@ runs a *step* at a time:
 - a generation running alone (no other admitted, no pass waiting) launches its decode steps itself,
   as a generation outside the scheduler does (`Scheduler.alone`): on a GPU each step is then chained
   behind the one before on the device (Executor.launch_next) instead of going through this thread's
-  steps one at a time. The next request to arrive makes its steps batched again.
+  steps one at a time. The next request to arrive makes its steps batched again;
+- a batched generation whose sampler chains without penalties hands in its next decode pass before
+  it has seen the token that pass embeds (`BatchedModel.launch_next`): that token is the draw its
+  sampler will make from the pass before (`_Pass.pick_token`, the sampler's own arithmetic), which this
+  thread makes itself as soon as that pass ran. So the step after runs at once, while the callers'
+  threads take their tokens, instead of waiting for every one of them to pick and ask again.
 
 Admission: at most `parallel` generations run at once; later ones wait in FIFO order, at most
 `max_queue` of them, and past that `generate` raises QueueFull (the server's 429 + Retry-After).
@@ -34,6 +39,7 @@ import ctypes
 import itertools
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -46,7 +52,7 @@ from .execution import Override, shift_override
 from .generation import GenerationEvent, check_fits_context, generate
 from .prefix_cache import CacheStart, PrefixCache
 from .prompt import PromptInput
-from .sampling import LaunchedStep, PickSpec, SamplingParams, TopLogits
+from .sampling import LaunchedStep, PickSpec, SamplingParams, TopLogits, draw_from_top, top_logits
 from .session import Session
 
 _T = TypeVar("_T")
@@ -56,6 +62,7 @@ if TYPE_CHECKING:
 
 DEFAULT_CHUNK = 128  # prompt tokens per step: bounds how long a new prompt stalls the running decodes
 RATE_WINDOW_S = 10.0  # decode tokens/s is measured over the steps of this many seconds
+CHAINED = -1  # the token of a chained pass until the scheduler draws it (_Pass.after)
 
 
 # Arrays at least this large are mapped from (and unmapped back to) the OS on every allocation (glibc
@@ -105,10 +112,51 @@ class _Pass:
     logits: np.ndarray | TopLogits | None = None
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
+    # a decode pass of a sampler that chains (no penalties, top > 0): how its generation draws the token
+    # after this pass from its top logits, so that a pass chained on it can be given that token here
+    pick: PickSpec | None = None
+    # a chained pass: its token is `after`'s pick, drawn once `after` ran (then `after` is let go)
+    after: _Pass | None = None
+    _picked: int | None = None
 
     @property
     def is_decode(self) -> bool:
         return len(self.ids) == 1 and self.override is None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the pass can be a row of the next step (a chained pass: once the pass before ran)."""
+        after = self.after
+        return after is None or after.finished.is_set()
+
+    def top_logits(self) -> TopLogits:
+        """The pass's logits as top logits (of `top` columns at least; made on the host from the whole
+        row when the step returned rows), once it ran without error."""
+        out = self.logits
+        if isinstance(out, TopLogits):
+            return out
+        row = np.asarray(out, np.float32).reshape(-1)
+        vals, ids = top_logits(row, self.top)
+        top = TopLogits(vals, ids, fetch=lambda _r: row)
+        self.logits = top
+        return top
+
+    def pick_token(self) -> int:
+        """The token the pick draws from this pass's logits once it ran: what its sampler draws from
+        them (engine/sampling.py Sampler._pick_top: draw_from_top over the first `top`), drawn once."""
+        if self._picked is None:
+            assert self.pick is not None
+            top = self.top_logits()
+            self._picked = draw_from_top(top.values[0, : self.top], top.ids[0, : self.top], self.pick)
+        return self._picked
+
+    def result(self) -> np.ndarray | TopLogits:
+        """What the pass's session gets once it ran (its error, raised, if it failed); a pass with a
+        pick gives its top logits with that pick (TopLogits.picks), which a pass chained on it embeds."""
+        out = Scheduler.wait_pass(self)
+        if self.pick is None:
+            return out
+        return replace(self.top_logits(), picks=np.array([self.pick_token()], np.int64))
 
 
 def _cache_accounted(ev: GenerationEvent, start: CacheStart) -> GenerationEvent:
@@ -155,6 +203,9 @@ class BatchedModel:
     def __init__(self, scheduler: Scheduler, model: Model):
         self.scheduler = scheduler
         self.model = model
+        # each session's last decode pass through the scheduler that a next pass may chain on (by the
+        # id of its states list; an entry goes with its pass, which holds that list)
+        self._tails: weakref.WeakValueDictionary[int, _Pass] = weakref.WeakValueDictionary()
 
     @property
     def config(self):  # the model's: a session reads its context limit from it (engine/session.py)
@@ -168,6 +219,7 @@ class BatchedModel:
                 chunk: int | None = None, cancel=None, embed_override=None, top: int = 0):
         """As Model.forward. Passes that want more than the last row, or a hidden-state hook, run
         directly (serialized with the steps by the executor's lock)."""
+        self._tails.pop(id(states), None)
         if rows != "last" or hidden_hook is not None:
             return self.model.forward(ids, states, positions, rows=rows, hidden_hook=hidden_hook,
                                       chunk=chunk, cancel=cancel, embed_override=embed_override, top=top)
@@ -179,22 +231,35 @@ class BatchedModel:
         """As Model.launch_decode: the pass joins the coming steps at once and result() waits for it,
         so the caller's thread works (hands out its previous token) while the step gathers and runs.
         A generation running alone launches the step itself (Scheduler.alone), with its pick."""
+        self._tails.pop(id(states), None)
         if self.scheduler.alone():
             self.scheduler.count_alone()
             return self.model.launch_decode(token, states, positions, top=top, pick=pick)
+        chains = pick is not None and pick.history is None and top > 0  # a pick drawn here (_Pass)
         work = self.scheduler.submit_pass([int(token)], states, positions, chunk=None, cancel=None,
-                                          embed_override=None, top=top)
-        return LaunchedStep(lambda: self.scheduler.wait_pass(work))
+                                          embed_override=None, top=top, pick=pick if chains else None)
+        if chains:
+            self._tails[id(states)] = work
+        return LaunchedStep(work.result)
 
     def launch_next(self, states, positions, top: int, pick: PickSpec) -> LaunchedStep | None:
-        """As Model.launch_next for a generation running alone (Scheduler.alone); None otherwise: a
-        batch step takes every sequence's token from its thread (no chained steps)."""
-        if not self.scheduler.alone():
+        """As Model.launch_next: for a generation running alone (Scheduler.alone), the model's own
+        (chained on the device); for a batched one whose last pass has a pick (no penalties), a pass
+        chained on that one: its token is that pick, drawn by the scheduler as soon as that pass ran
+        (_Pass.pick_token). None otherwise (the caller takes its last pass's result and launches its
+        pick with launch_decode)."""
+        prev = self._tails.pop(id(states), None)
+        if self.scheduler.alone():
+            launched = self.model.launch_next(states, positions, top=top, pick=pick)
+            if launched is not None:
+                self.scheduler.count_alone()
+            return launched
+        if prev is None or pick.history is not None or top <= 0:
             return None
-        launched = self.model.launch_next(states, positions, top=top, pick=pick)
-        if launched is not None:
-            self.scheduler.count_alone()
-        return launched
+        work = self.scheduler.submit_pass([CHAINED], states, positions, chunk=None, cancel=None,
+                                          embed_override=None, top=top, pick=pick, after=prev)
+        self._tails[id(states)] = work
+        return LaunchedStep(work.result)
 
     def new_state(self, capacity: int | None = None, kv_type: str | None = None) -> list:
         return self.model.new_state(capacity, kv_type=kv_type)
@@ -218,6 +283,7 @@ class _Counters:
     finished: int = 0
     memory_waits: int = 0  # admitted generations that waited for another to end before their memory
     alone_steps: int = 0  # of the steps, decode steps a generation running alone launched itself
+    chained_passes: int = 0  # decode rows whose token this thread drew (a pass chained on the one before)
     recent: deque = field(default_factory=deque)  # (time, decode tokens) of recent steps
 
 
@@ -392,11 +458,13 @@ class Scheduler:
         return self.wait_pass(work)
 
     def submit_pass(self, ids: Sequence[int], states: list, positions, *, chunk: int | None,
-                    cancel: threading.Event | None, embed_override: Override | None, top: int = 0) -> _Pass:
-        """run_pass without its wait: the pass joins the coming steps; wait_pass(work) waits for it."""
+                    cancel: threading.Event | None, embed_override: Override | None, top: int = 0,
+                    pick: PickSpec | None = None, after: _Pass | None = None) -> _Pass:
+        """run_pass without its wait: the pass joins the coming steps; wait_pass(work) waits for it.
+        pick / after: see _Pass (after: ids is [CHAINED], the token drawn from `after`)."""
         step = self.chunk if not chunk else min(int(chunk), self.chunk)
         work = _Pass([int(t) for t in ids], states, np.asarray(positions), step, cancel, embed_override,
-                     int(top))
+                     int(top), pick=pick, after=after)
         if threading.current_thread() is self._thread:
             raise RuntimeError("the scheduler thread cannot wait for its own steps")
         with self._cond:
@@ -429,6 +497,9 @@ class Scheduler:
             self._counters.alone_steps += 1
 
     # ---- the scheduler thread ------------------------------------------------------------------------
+    def _ready(self) -> list[_Pass]:
+        return [w for w in self._passes if w.ready]
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -437,13 +508,15 @@ class Scheduler:
                 if self._closed:
                     pending, self._passes = self._passes, []
                     break
+                # a generation has at most one ready pass (a pass chained on another is ready once that
+                # one ran), so a step waits for as many as there are generations
                 deadline = time.monotonic() + self.gather_s
-                while len(self._passes) < self._running and not self._closed:
+                while len(self._ready()) < self._running and not self._closed:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
-                passes = list(self._passes)
+                passes = self._ready()
             self._step(passes)
         for work in pending:
             self._finish(work, error=GenerationCancelled("the scheduler is shut down"))
@@ -459,7 +532,18 @@ class Scheduler:
     def _step(self, passes: list[_Pass]) -> None:
         """One forward pass over every waiting decode row plus prompt chunks, oldest prompt first,
         up to `chunk` prompt tokens in all (so a step's cost stays bounded whatever arrives)."""
-        decodes = [w for w in passes if w.is_decode]
+        chained = 0
+        for w in passes:
+            if w.after is not None:  # its token: the pick of the pass before, which ran
+                after, w.after = w.after, None
+                if after.error is not None:
+                    self._finish(w, error=after.error)
+                    continue
+                w.ids = [after.pick_token()]
+                chained += 1
+        # the same sequences in the same order step after step (a batch graph keeps its binding)
+        decodes = sorted((w for w in passes if w.is_decode and not w.finished.is_set()),
+                         key=lambda w: id(w.states))
         rows = list(decodes)
         ids, states, positions = [], [], []
         for w in decodes:
@@ -505,6 +589,9 @@ class Scheduler:
                 # a copy: a view would keep the whole (B, vocab) array alive while the session holds it
                 self._finish(w, logits=out.row(b) if isinstance(out, TopLogits) else out[b : b + 1].copy())
         self._count(len(decodes), prefilled, len(rows))
+        if chained:
+            with self._cond:
+                self._counters.chained_passes += chained
 
     def _run_override_chunk(self, w: _Pass) -> None:
         stop = min(len(w.ids), w.done + w.chunk)
@@ -556,6 +643,7 @@ class Scheduler:
                 "finished": c.finished,
                 "memory_waits": c.memory_waits,
                 "alone_steps": c.alone_steps,
+                "chained_passes": c.chained_passes,
             }
         return out
 

@@ -295,8 +295,11 @@ class Session:
         at = len(self.tokens)  # where the device's pick of this step goes if a next step is chained on it
 
         def finish() -> np.ndarray | TopLogits:
-            out = launched.result()
-            self._launched.remove(mine)
+            try:
+                out = launched.result()
+            finally:  # a step that failed leaves too: its error is raised once, by this call
+                if mine in self._launched:
+                    self._launched.remove(mine)
             if at < len(self.tokens) and self.tokens[at] == _PICK_PENDING:
                 assert isinstance(out, TopLogits) and out.picks is not None  # what launch_next fed on
                 self.tokens[at] = int(out.picks[0])

@@ -16,6 +16,12 @@ top-p 0.9, min-p 0.05, repetition penalty 1.05), each with a consumer that takes
 request at a time: a generation running alone launches its own steps (Scheduler.alone);
 --batched-steps makes every step go through the scheduler's thread, as before that.
 
+--concurrent C (with --scheduler N >= C, default C) runs C generations at once through the scheduler,
+each on its own random prompt, for each sampler, and prints their aggregate decode tokens/s while all C
+decode (from the last one's first token to the first one's last) and how many rows were chained passes
+(the scheduler drew their token itself); --unchained-passes makes every batched generation pick its
+token before asking for its next pass, as before those.
+
 What this is not: a benchmark with ceilings (`minecart bench` is).
 """
 
@@ -23,13 +29,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 
 import numpy as np
 from minecart.engine import load_model
 from minecart.engine.generation import generate
 from minecart.engine.sampling import SamplingParams, TopLogits, greedy_params
-from minecart.engine.scheduler import Scheduler
+from minecart.engine.scheduler import BatchedModel, Scheduler
 
 
 class _BatchedSteps(Scheduler):
@@ -37,6 +44,41 @@ class _BatchedSteps(Scheduler):
 
     def alone(self) -> bool:
         return False
+
+
+class _UnchainedPasses(BatchedModel):
+    """A scheduler's view whose batched generations hand in no pass before they picked its token
+    (--unchained-passes)."""
+
+    def launch_next(self, states, positions, top, pick):
+        return super().launch_next(states, positions, top, pick) if self.scheduler.alone() else None
+
+
+def _concurrent(sched: Scheduler, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:
+    """Aggregate decode tokens/s of len(prompts) generations at once while all of them decode, and the
+    chained passes among their rows."""
+    times: list[list[float]] = [[] for _ in prompts]
+    errors: list[BaseException] = []
+    chained = sched.metrics()["chained_passes"]
+
+    def run(i: int) -> None:
+        try:
+            for ev in sched.generate(prompts[i], params):
+                if ev.token is not None:
+                    times[i].append(time.perf_counter())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    lo, hi = max(t[0] for t in times), min(t[-1] for t in times)
+    n = sum(sum(1 for x in t if lo < x <= hi) for t in times)
+    return (n / (hi - lo) if hi > lo else 0.0), int(sched.metrics()["chained_passes"] - chained)
 
 
 def _bare(model, ids: list[int], n: int) -> float:
@@ -85,11 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--scheduler", type=int, default=0, metavar="N")
     ap.add_argument("--batched-steps", action="store_true")
+    ap.add_argument("--concurrent", type=int, default=0, metavar="C")
+    ap.add_argument("--unchained-passes", action="store_true")
     args = ap.parse_args(argv)
     model = load_model(args.model, devices=[args.device])
     sched = None
-    if args.scheduler:
-        sched = (_BatchedSteps if args.batched_steps else Scheduler)(model, parallel=args.scheduler)
+    if args.scheduler or args.concurrent:
+        sched = (_BatchedSteps if args.batched_steps else Scheduler)(
+            model, parallel=max(args.scheduler, args.concurrent))
+        if args.unchained_passes:
+            sched.view = _UnchainedPasses(sched, model)
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(1000, 50000, args.prompt)]
     _bare(model, ids[:64], 16)  # warm-up: kernels compiled, graphs captured
@@ -98,6 +145,17 @@ def main(argv: list[str] | None = None) -> int:
              "sampled": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=7, max_tokens=n),
              "app default": SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.05,
                                            seed=7, max_tokens=n)}
+    if args.concurrent:
+        assert sched is not None
+        prompts = [[int(t) for t in rng.integers(1000, 50000, args.prompt + i)] for i in range(args.concurrent)]
+        for r in range(args.repeat):
+            for name, params in picks.items():
+                tps, chained = _concurrent(sched, prompts, params)
+                print(f"run {r + 1}: {args.concurrent} at once, {name}: {tps:.1f} tok/s in all "
+                      f"({chained} chained passes)", flush=True)
+        sched.close()
+        model.close()
+        return 0
     for r in range(args.repeat):
         print(f"run {r + 1}: bare step loop {_bare(model, ids, n):.1f} tok/s", flush=True)
         for name, params in picks.items():

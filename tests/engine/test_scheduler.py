@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from minecart.engine.errors import GenerationCancelled
 from minecart.engine.model import load_model
-from minecart.engine.sampling import greedy_params
+from minecart.engine.sampling import SamplingParams, greedy_params
 from minecart.engine.scheduler import QueueFull, Scheduler
 
 SEQUENCES = ["single", "short", "len70", "len128", "chat", "random100", "len300"]
@@ -73,8 +73,56 @@ def test_concurrent_generations_equal_one_at_a_time(fixture):
         assert m["batch_size_mean"] > 1.5
         assert m["decode_tokens"] >= len(names) * (MAX_TOKENS - 1)
         assert m["running"] == 0 and m["queue_depth"] == 0 and m["finished"] == len(names)
+        assert m["chained_passes"] > 0  # rows whose token the scheduler drew without waiting for the caller
     finally:
         sched.close()
+
+
+def test_chained_passes_draw_what_each_sampler_draws(fixture):
+    """Batched generations whose samplers chain hand in their next pass before they picked its token;
+    the scheduler draws it from the pass before (_Pass.pick_token). Seeded sampled generations, a greedy
+    one, and one whose penalties need whole rows (so its batch mates' steps return whole rows too)
+    give the tokens each gives alone, through the model's own generate."""
+    model, prompts, _ = fixture
+    cases = [("chat", SamplingParams(temperature=4.0, top_k=20, seed=7, max_tokens=MAX_TOKENS)),
+             ("len70", SamplingParams(temperature=1.2, top_k=40, min_p=0.02, seed=3, max_tokens=MAX_TOKENS)),
+             ("short", greedy_params(max_tokens=MAX_TOKENS)),
+             ("random100", SamplingParams(temperature=0.8, top_k=20, repetition_penalty=0.9, seed=5,
+                                          max_tokens=MAX_TOKENS))]
+    alone = {name: [e.token for e in model.generate(prompts[name], prm)] for name, prm in cases}
+    # the first three together (top logits of 20, 40 and 1 in one step); then the greedy one with the one
+    # that needs whole rows
+    for group in (cases[:3], cases[2:]):
+        sched = Scheduler(model, parallel=4, max_queue=4, chunk=32)
+        try:
+            results = _generate_at_once(sched, prompts, group)
+            for name, _ in group:
+                assert results[name] == alone[name], name
+            m = sched.metrics()
+            assert m["batch_size_max"] >= 2 and m["chained_passes"] >= MAX_TOKENS - 3
+        finally:
+            sched.close()
+
+
+def _generate_at_once(sched: Scheduler, prompts: dict, cases: list) -> dict[str, list]:
+    """The tokens of each (prompt name, SamplingParams) generated at once through sched."""
+    results: dict[str, list] = {}
+    errors: list[BaseException] = []
+
+    def worker(name: str, prm: SamplingParams) -> None:
+        try:
+            results[name] = [e.token for e in sched.generate(prompts[name], prm)]
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=c) for c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive(), "a generation hung"
+    assert not errors, errors
+    return results
 
 
 def test_a_generation_running_alone_launches_its_own_steps(fixture):

@@ -21,3 +21,20 @@ def test_every_loop_is_timed(fixture_file, capsys, scheduler):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  generate")]
     assert [ln.split(",")[1].strip() for ln in lines] == ["greedy"] * 2 + ["sampled"] * 2 + ["app default"] * 2
     assert all("(6 tokens, 0 steps chained)" in ln for ln in lines)  # no graphs on a CPU
+
+
+@pytest.mark.parametrize("unchained", [[], ["--unchained-passes"]])
+def test_concurrent_generations_are_timed(fixture_file, capsys, unchained):
+    """--concurrent: three generations at once for each sampler; their rows are chained passes (the
+    greedy and sampled ones: the app default's penalties are drawn by its own thread) unless
+    --unchained-passes."""
+    assert bench_generate.main([str(fixture_file), "--device", "cpu:0", "--tokens", "8", "--prompt", "12",
+                                "--repeat", "1", "--concurrent", "3", *unchained]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("run 1: 3 at once")]
+    assert [ln.split(",")[1].split(":")[0].strip() for ln in lines] == ["greedy", "sampled", "app default"]
+    chained = [int(ln.split("(")[1].split()[0]) for ln in lines]
+    assert all(float(ln.split(": ")[2].split()[0]) > 0 for ln in lines)
+    if unchained:
+        assert chained == [0, 0, 0]
+    else:
+        assert chained[0] > 0 and chained[1] > 0 and chained[2] == 0
