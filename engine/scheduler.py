@@ -203,8 +203,9 @@ class BatchedModel:
     def __init__(self, scheduler: Scheduler, model: Model):
         self.scheduler = scheduler
         self.model = model
-        # each session's last decode pass through the scheduler that a next pass may chain on (by the
-        # id of its states list; an entry goes with its pass, which holds that list)
+        # each session's last decode pass through the scheduler, while it is its last step (by the id of
+        # its states list; an entry goes with its pass, which holds that list): a next pass may chain on
+        # it, and a step the model launches itself may not (the device never saw its pick)
         self._tails: weakref.WeakValueDictionary[int, _Pass] = weakref.WeakValueDictionary()
 
     @property
@@ -238,23 +239,25 @@ class BatchedModel:
         chains = pick is not None and pick.history is None and top > 0  # a pick drawn here (_Pass)
         work = self.scheduler.submit_pass([int(token)], states, positions, chunk=None, cancel=None,
                                           embed_override=None, top=top, pick=pick if chains else None)
-        if chains:
-            self._tails[id(states)] = work
+        self._tails[id(states)] = work
         return LaunchedStep(work.result)
 
     def launch_next(self, states, positions, top: int, pick: PickSpec) -> LaunchedStep | None:
-        """As Model.launch_next: for a generation running alone (Scheduler.alone), the model's own
-        (chained on the device); for a batched one whose last pass has a pick (no penalties), a pass
-        chained on that one: its token is that pick, drawn by the scheduler as soon as that pass ran
-        (_Pass.pick_token). None otherwise (the caller takes its last pass's result and launches its
-        pick with launch_decode)."""
+        """As Model.launch_next. After a pass of this scheduler's (batched) with a pick (no
+        penalties): a pass chained on it, whose token is that pick, drawn by the scheduler as soon as
+        that pass ran (_Pass.pick_token), even if the generation runs alone by now (the device holds
+        no pick of a batched step). After a step the model launched itself for a generation running
+        alone (Scheduler.alone): the model's own (chained on the device). None otherwise (the caller
+        takes its last step's result and launches its pick with launch_decode)."""
         prev = self._tails.pop(id(states), None)
-        if self.scheduler.alone():
+        if prev is None:
+            if not self.scheduler.alone():
+                return None
             launched = self.model.launch_next(states, positions, top=top, pick=pick)
             if launched is not None:
                 self.scheduler.count_alone()
             return launched
-        if prev is None or pick.history is not None or top <= 0:
+        if prev.pick is None or pick.history is not None or top <= 0:
             return None
         work = self.scheduler.submit_pass([CHAINED], states, positions, chunk=None, cancel=None,
                                           embed_override=None, top=top, pick=pick, after=prev)

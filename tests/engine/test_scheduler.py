@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from minecart.engine.errors import GenerationCancelled
 from minecart.engine.model import load_model
-from minecart.engine.sampling import SamplingParams, greedy_params
+from minecart.engine.sampling import GREEDY_PICK, PenaltyHistory, SamplingParams, greedy_params
 from minecart.engine.scheduler import QueueFull, Scheduler
 
 SEQUENCES = ["single", "short", "len70", "len128", "chat", "random100", "len300"]
@@ -123,6 +124,40 @@ def _generate_at_once(sched: Scheduler, prompts: dict, cases: list) -> dict[str,
         assert not t.is_alive(), "a generation hung"
     assert not errors, errors
     return results
+
+
+def test_a_step_after_a_batched_pass_is_never_the_devices_chained_step(fixture, monkeypatch):
+    """After a pass through the scheduler, the next step never goes to the model's own launch_next (on a
+    GPU that one would embed the device's last pick of a step the model launched itself, not this
+    pass's token), even once the generation runs alone: it is a pass chained on that one (a pick
+    without penalties) or nothing (with penalties: the caller picks first). The tokens are greedy's."""
+    model, prompts, _ = fixture
+    ids = prompts["short"]
+    want = [e.token for e in model.generate(ids, greedy_params(max_tokens=4))]
+    sched = Scheduler(model, parallel=2, max_queue=2, chunk=32)
+    own_launch_next = []
+    monkeypatch.setattr(model, "launch_next", lambda *a, **k: own_launch_next.append(a) or None)
+    alone = [False]
+    monkeypatch.setattr(sched, "alone", lambda: alone[0])
+    try:
+        s = sched.new_session()
+        tok = int(np.argmax(s.sync(ids)))
+        launched = s.launch_step(tok, top=1, pick=GREEDY_PICK)  # a batched pass, with a pick
+        alone[0] = True  # the others left
+        ahead = s.launch_next(launched, top=1, pick=GREEDY_PICK)
+        assert ahead is not None and not own_launch_next  # chained on the pass, through the scheduler
+        got = [tok, int(launched.result().ids[0, 0]), int(ahead.result().ids[0, 0])]
+        assert got == want[:3] and s.tokens[-2:] == want[1:3]
+        alone[0] = False
+        history = PenaltyHistory(ids, [], model.config.vocab_size)
+        penalized = replace(GREEDY_PICK, top_k=1, repetition=1.1, history=history)
+        launched = s.launch_step(got[-1], top=1, pick=penalized)  # batched, picked on its thread
+        alone[0] = True
+        assert s.launch_next(launched, top=1, pick=penalized) is None and not own_launch_next
+        launched.result()
+        s.close()
+    finally:
+        sched.close()
 
 
 def test_a_generation_running_alone_launches_its_own_steps(fixture):
