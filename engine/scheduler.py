@@ -243,21 +243,23 @@ class BatchedModel:
         return LaunchedStep(work.result)
 
     def launch_next(self, states, positions, top: int, pick: PickSpec) -> LaunchedStep | None:
-        """As Model.launch_next. After a pass of this scheduler's (batched) with a pick (no
-        penalties): a pass chained on it, whose token is that pick, drawn by the scheduler as soon as
-        that pass ran (_Pass.pick_token), even if the generation runs alone by now (the device holds
-        no pick of a batched step). After a step the model launched itself for a generation running
-        alone (Scheduler.alone): the model's own (chained on the device). None otherwise (the caller
-        takes its last step's result and launches its pick with launch_decode)."""
+        """As Model.launch_next. For a generation running alone (Scheduler.alone) after a step the
+        model launched itself: the model's own (chained on the device). For a batched one after a pass
+        of this scheduler's with a pick (no penalties): a pass chained on that one, whose token is that
+        pick, drawn by the scheduler as soon as that pass ran (_Pass.pick_token). None otherwise, the
+        caller then takes its last step's result and launches its pick with launch_decode: a batched
+        generation with penalties, and one that runs alone by now after a batched pass (the device
+        never saw that pass's pick; its next launch_decode goes to the model, and the launch_next
+        after that chains on the device again)."""
         prev = self._tails.pop(id(states), None)
-        if prev is None:
-            if not self.scheduler.alone():
+        if self.scheduler.alone():
+            if prev is not None:
                 return None
             launched = self.model.launch_next(states, positions, top=top, pick=pick)
             if launched is not None:
                 self.scheduler.count_alone()
             return launched
-        if prev.pick is None or pick.history is not None or top <= 0:
+        if prev is None or prev.pick is None or pick.history is not None or top <= 0:
             return None
         work = self.scheduler.submit_pass([CHAINED], states, positions, chunk=None, cancel=None,
                                           embed_override=None, top=top, pick=pick, after=prev)

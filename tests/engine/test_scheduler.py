@@ -129,11 +129,13 @@ def _generate_at_once(sched: Scheduler, prompts: dict, cases: list) -> dict[str,
 def test_a_step_after_a_batched_pass_is_never_the_devices_chained_step(fixture, monkeypatch):
     """After a pass through the scheduler, the next step never goes to the model's own launch_next (on a
     GPU that one would embed the device's last pick of a step the model launched itself, not this
-    pass's token), even once the generation runs alone: it is a pass chained on that one (a pick
-    without penalties) or nothing (with penalties: the caller picks first). The tokens are greedy's."""
+    pass's token). Batched, with a pick without penalties, it is a pass chained on that one; with
+    penalties, or once the generation runs alone, nothing: the caller takes the pass's result and
+    launches its pick, which a lone generation launches on the model itself, and the launch_next after
+    that is the model's own again. The tokens are greedy's."""
     model, prompts, _ = fixture
     ids = prompts["short"]
-    want = [e.token for e in model.generate(ids, greedy_params(max_tokens=4))]
+    want = [e.token for e in model.generate(ids, greedy_params(max_tokens=5))]
     sched = Scheduler(model, parallel=2, max_queue=2, chunk=32)
     own_launch_next = []
     monkeypatch.setattr(model, "launch_next", lambda *a, **k: own_launch_next.append(a) or None)
@@ -143,17 +145,23 @@ def test_a_step_after_a_batched_pass_is_never_the_devices_chained_step(fixture, 
         s = sched.new_session()
         tok = int(np.argmax(s.sync(ids)))
         launched = s.launch_step(tok, top=1, pick=GREEDY_PICK)  # a batched pass, with a pick
-        alone[0] = True  # the others left
         ahead = s.launch_next(launched, top=1, pick=GREEDY_PICK)
         assert ahead is not None and not own_launch_next  # chained on the pass, through the scheduler
         got = [tok, int(launched.result().ids[0, 0]), int(ahead.result().ids[0, 0])]
         assert got == want[:3] and s.tokens[-2:] == want[1:3]
+        launched = s.launch_step(got[-1], top=1, pick=GREEDY_PICK)  # batched again
+        alone[0] = True  # the others left
+        assert s.launch_next(launched, top=1, pick=GREEDY_PICK) is None and not own_launch_next
+        got.append(int(launched.result().ids[0, 0]))
+        launched = s.launch_step(got[-1], top=1, pick=GREEDY_PICK)  # the model's own step now
+        assert s.launch_next(launched, top=1, pick=GREEDY_PICK) is None and len(own_launch_next) == 1
+        got.append(int(launched.result().ids[0, 0]))
+        assert got == want[:5]
         alone[0] = False
         history = PenaltyHistory(ids, [], model.config.vocab_size)
         penalized = replace(GREEDY_PICK, top_k=1, repetition=1.1, history=history)
         launched = s.launch_step(got[-1], top=1, pick=penalized)  # batched, picked on its thread
-        alone[0] = True
-        assert s.launch_next(launched, top=1, pick=penalized) is None and not own_launch_next
+        assert s.launch_next(launched, top=1, pick=penalized) is None and len(own_launch_next) == 1
         launched.result()
         s.close()
     finally:
