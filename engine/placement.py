@@ -1520,10 +1520,12 @@ GEMV_LATENCY_OTHER = 3.0e-6
 # context (its KV read priced by KV_DECODE_EFFICIENCY), attn_merge_gate 5.51 -> 4.71, attn_prep 5.30 ->
 # 4.53; embed_rows 4.70 -> 4.01. A GDN layer: 23.3 us; an attention layer: 30.3 us. The norm since it is
 # spread over the card (v18): 1.46 us a launch inside the 9B decode graph (tools/profile_decode.py
-# --ablate: 0.095 ms for 65 launches).
+# --ablate: 0.095 ms for 65 launches). gdn_decode since its block-per-head form (v30): 9.6 -> 6.8 us a
+# launch with its states evicted first (tools/bench_gdn_decode.py), so 8.98 -> 6.36 us at the profile's
+# figures, of which the state traffic is still 1.83 us: 4.53 us of latency.
 NORM_SECONDS = 1.46e-6
 SWIGLU_SECONDS = 3.10e-6 * NCU_TO_GRAPH
-MIXER_SECONDS = {"gdn": 7.15e-6,
+MIXER_SECONDS = {"gdn": 4.53e-6,
                  "attention": (7.83e-6 + 5.51e-6 + 5.30e-6) * NCU_TO_GRAPH,
                  "sliding": (7.83e-6 + 5.51e-6 + 5.30e-6) * NCU_TO_GRAPH}
 EMBED_SECONDS = 4.70e-6 * NCU_TO_GRAPH
