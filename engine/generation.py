@@ -338,12 +338,10 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
                 return
             logits = launched.result()
     finally:
-        while True:
-            try:
-                session.checkpoint()
-                break
-            except GenerationCancelled:
-                if ahead is None:
-                    raise
-                # a step launched ahead of the answer's end was cancelled (a scheduler shut down): the
-                # generation ends here anyway, with its own outcome (each failed step is raised once)
+        try:
+            session.checkpoint()
+        except GenerationCancelled:
+            if ahead is None:
+                raise
+            # a step launched ahead of the answer's end was cancelled (a scheduler shut down): the
+            # generation ends here anyway, with its own outcome

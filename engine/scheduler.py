@@ -196,6 +196,12 @@ class _Stream(Iterator[GenerationEvent]):
         self.close()
 
 
+def _drawn_here(pick: PickSpec | None, top: int) -> PickSpec | None:
+    """The pick when the scheduler can draw it from a pass's top logits itself (_Pass.pick_token: no
+    penalties, top > 0), else None."""
+    return pick if pick is not None and pick.history is None and top > 0 else None
+
+
 class BatchedModel:
     """The model as a Session of the scheduler sees it: its forward passes become rows of the
     scheduler's steps; state allocation and freeing go to the model itself."""
@@ -236,9 +242,8 @@ class BatchedModel:
         if self.scheduler.alone():
             self.scheduler.count_alone()
             return self.model.launch_decode(token, states, positions, top=top, pick=pick)
-        chains = pick is not None and pick.history is None and top > 0  # a pick drawn here (_Pass)
         work = self.scheduler.submit_pass([int(token)], states, positions, chunk=None, cancel=None,
-                                          embed_override=None, top=top, pick=pick if chains else None)
+                                          embed_override=None, top=top, pick=_drawn_here(pick, top))
         self._tails[id(states)] = work
         return LaunchedStep(work.result)
 
@@ -259,7 +264,7 @@ class BatchedModel:
             if launched is not None:
                 self.scheduler.count_alone()
             return launched
-        if prev is None or prev.pick is None or pick.history is not None or top <= 0:
+        if prev is None or prev.pick is None or _drawn_here(pick, top) is None:
             return None
         work = self.scheduler.submit_pass([CHAINED], states, positions, chunk=None, cancel=None,
                                           embed_override=None, top=top, pick=pick, after=prev)

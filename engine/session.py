@@ -313,9 +313,16 @@ class Session:
         return mine
 
     def _settle(self) -> None:
-        """Wait for launched steps whose results were not taken (their states are in use until then)."""
+        """Wait for launched steps whose results were not taken (their states are in use until then):
+        every one, then the first failure among them is raised (a failed step leaves the list too)."""
+        error: Exception | None = None
         while self._launched:
-            self._launched[0].result()
+            try:
+                self._launched[0].result()
+            except Exception as exc:  # raised below, once all are settled
+                error = error if error is not None else exc
+        if error is not None:
+            raise error
 
     # ---- snapshots -----------------------------------------------------------------------------------
     def snapshot(self) -> Snapshot:

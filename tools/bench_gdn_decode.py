@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(best of 3 graphs of {args.reps}); the {FLUSH_BYTES >> 20} MiB copy: {t_flush * 1e6:.1f} us, "
           f"{2 * FLUSH_BYTES / t_flush / 1e9:.0f} GB/s")
     print("batch   warm   cold   state MB  cold GB/s  share of copy")
-    fused.make_gdn_counters(max(int(b) for b in args.batches.split(",")) * (n_k + n_v))
+    fused.make_gdn_counters(max(int(b) for b in args.batches.split(",")) * n_k)
     cp.cuda.Device().synchronize()
     for B in (int(b) for b in args.batches.split(",")):
         launch, ssms = _case(B, n_k, n_v, dk, dv, kw, C, f32, (conv_w, ssm_a, dt_bias, norm_w))
