@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -269,26 +270,28 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequ
                     generated_ids: Sequence[int] = ()) -> np.ndarray:
     """A float32 copy of `logits` with the penalties applied (computed in float64 on the few
     penalized entries)."""
-    return _penalized(logits, None, params, prompt_ids, generated_ids)
+    return _penalized(logits, None, params, {*prompt_ids, *generated_ids}, Counter(generated_ids))
 
 
-def _penalized(values: np.ndarray, ids: np.ndarray | None, params: SamplingParams, prompt_ids: Sequence[int],
-               generated_ids: Sequence[int]) -> np.ndarray:
+def _penalized(values: np.ndarray, ids: np.ndarray | None, params: SamplingParams, seen: AbstractSet[int],
+               counts: Mapping[int, int]) -> np.ndarray:
     """A float32 copy of `values`, the logits of token ids `ids` (None: a whole row, ids 0..V-1), with
     the penalties applied: float64 arithmetic on each penalized entry, the same whichever way it is
-    given, so a candidate's penalized value equals its value in the penalized row."""
+    given, so a candidate's penalized value equals its value in the penalized row. seen: the ids in the
+    prompt or generated (the repetition penalty's); counts: how often each id was generated."""
     out = np.array(values, dtype=np.float32).reshape(-1)
-    if params.repetition_penalty != 1.0:
-        seen = np.unique(np.fromiter((*prompt_ids, *generated_ids), dtype=np.int64))
-        at = seen if ids is None else np.flatnonzero(np.isin(ids, seen))
+    if params.repetition_penalty != 1.0 and seen:
+        if ids is None:
+            at = np.fromiter(seen, dtype=np.int64, count=len(seen))
+        else:
+            at = np.flatnonzero(np.fromiter((int(i) in seen for i in ids), dtype=bool, count=len(ids)))
         if at.size:
             vals = out[at].astype(np.float64)
             out[at] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and len(generated_ids):
-        counts = Counter(int(t) for t in generated_ids)
+    if (params.presence_penalty or params.frequency_penalty) and counts:
         if ids is None:
-            at = np.fromiter(counts.keys(), dtype=np.int64)
-            n = np.fromiter(counts.values(), dtype=np.float64)
+            at = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
+            n = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
         else:
             n = np.array([counts.get(int(i), 0) for i in ids], np.float64)
             at = np.flatnonzero(n)
@@ -420,6 +423,11 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
         self._ahead: deque[float] = deque()  # uniform numbers drawn for picks to come (pick_spec)
         self._history = PenaltyHistory(self.prompt_ids, self.generated, vocab) if vocab > 0 else None
+        # the penalties' view of prompt_ids + generated (_penalty_view), kept up to date as tokens are
+        # generated instead of rebuilt from the whole history at every pick
+        self._seen: set[int] = set()
+        self._counts: Counter[int] = Counter()
+        self._folded = -1  # of `generated`, the tokens in _seen and _counts (-1: the prompt is not either)
 
     def __call__(self, logits: np.ndarray | TopLogits) -> int:
         """Pick the next token from a (vocab,) row, or from its largest logits (at least `candidates`
@@ -464,6 +472,18 @@ class Sampler:
                        presence=float(prm.presence_penalty), frequency=float(prm.frequency_penalty),
                        history=self._history)
 
+    def _penalty_view(self) -> tuple[set[int], Counter[int]]:
+        """(the ids in the prompt or generated, how often each id was generated): what _penalized takes,
+        updated with the tokens generated since the last call (rebuilt if `generated` shrank)."""
+        gen = self.generated
+        if self._folded < 0 or self._folded > len(gen):
+            self._seen, self._counts, self._folded = {int(t) for t in self.prompt_ids}, Counter(), 0
+        for t in gen[self._folded :]:
+            self._seen.add(int(t))
+            self._counts[int(t)] += 1
+        self._folded = len(gen)
+        return self._seen, self._counts
+
     def _uniform(self) -> float:
         """The next pick's uniform number: one a step, in order, reproducible for a seed."""
         return self._ahead.popleft() if self._ahead else float(self.rng.random())
@@ -489,7 +509,7 @@ class Sampler:
         if isinstance(logits, TopLogits):
             return self._pick_top(logits)
         logits = np.asarray(logits).reshape(-1)
-        x = apply_penalties(logits, self.params, self.prompt_ids, self.generated)
+        x = _penalized(logits, None, self.params, *self._penalty_view())
         if self.params.greedy:
             return int(np.argmax(x))
         u = self._uniform()
@@ -509,7 +529,7 @@ class Sampler:
                              f"got the largest {top.values.shape}")
         vals, ids = top.values[0, :want], np.asarray(top.ids[0, :want], np.int64)
         if self.penalized and not top.penalized:
-            pv = _penalized(vals, ids, prm, self.prompt_ids, self.generated)
+            pv = _penalized(vals, ids, prm, *self._penalty_view())
             order = np.lexsort((ids, -pv))[:k]  # the k largest penalized, descending, ties by id
             if not pv[order[-1]] > vals[-1]:  # a logit outside the candidates could be among them
                 return self.pick(top.whole_row())

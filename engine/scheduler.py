@@ -593,15 +593,24 @@ class Scheduler:
             for w in rows:
                 self._finish(w, error=exc)
             return
+        ended = []
         for b, w in enumerate(rows):
             w.done += len(ids[b])
             if w.done == len(w.ids):
                 # a copy: a view would keep the whole (B, vocab) array alive while the session holds it
-                self._finish(w, logits=out.row(b) if isinstance(out, TopLogits) else out[b : b + 1].copy())
+                w.logits = out.row(b) if isinstance(out, TopLogits) else out[b : b + 1].copy()
+                if w.pick is not None:
+                    # drawn before any generation's thread wakes (they would compete with this thread
+                    # for the interpreter): the pass chained on this one needs it for the next step
+                    w.pick_token()
+                ended.append(w)
         self._count(len(decodes), prefilled, len(rows))
-        if chained:
-            with self._cond:
-                self._counters.chained_passes += chained
+        with self._cond:
+            self._counters.chained_passes += chained
+            gone = {id(w) for w in ended}
+            self._passes = [w for w in self._passes if id(w) not in gone]
+        for w in ended:  # the generations' threads wake from here on
+            w.finished.set()
 
     def _run_override_chunk(self, w: _Pass) -> None:
         stop = min(len(w.ids), w.done + w.chunk)

@@ -22,6 +22,11 @@ decode (from the last one's first token to the first one's last) and how many ro
 (the scheduler drew their token itself); --unchained-passes makes every batched generation pick its
 token before asking for its next pass, as before those.
 
+--stub-step-ms MS (with --concurrent) measures the host's share alone: every batched step is replaced
+by a wait of MS milliseconds (the interpreter released, as while a device computes) that
+returns random top logits, and the rates are printed against C / MS, what the generations would get if
+the host took no time between steps. Runs on any device, the CPU included.
+
 What this is not: a benchmark with ceilings (`minecart bench` is).
 """
 
@@ -81,6 +86,28 @@ def _concurrent(sched: Scheduler, prompts: list[list[int]], params: SamplingPara
     return (n / (hi - lo) if hi > lo else 0.0), int(sched.metrics()["chained_passes"] - chained)
 
 
+def _stub_steps(model, step_s: float) -> None:
+    """Replace the model's batched steps by a wait of step_s seconds that returns random top logits
+    (whole random rows when a step asks for them) without an end token among them."""
+    vocab = model.config.vocab_size
+    eos = set(model.tokenizer.eos_ids) if model.tokenizer is not None else set()
+    rng = np.random.default_rng(1)
+    usable = np.array([t for t in range(min(vocab, 4096)) if t not in eos], np.int64)
+
+    def forward_batch(ids, states, positions, top=0):
+        time.sleep(step_s)
+        B = len(ids)
+        if not top:
+            rows = np.full((B, vocab), -30.0, np.float32)
+            rows[:, usable] = rng.standard_normal((B, usable.size)).astype(np.float32) * 3
+            return rows
+        vals = -np.sort(-rng.standard_normal((B, top)).astype(np.float32) * 3, axis=1)
+        picks = np.stack([rng.choice(usable, top, replace=False) for _ in range(B)])
+        return TopLogits(vals, picks, fetch=None)
+
+    model.executor.forward_batch = forward_batch
+
+
 def _bare(model, ids: list[int], n: int) -> float:
     s = model.new_session(len(ids) + n + 8)
     logits = s.prefill(ids)
@@ -129,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batched-steps", action="store_true")
     ap.add_argument("--concurrent", type=int, default=0, metavar="C")
     ap.add_argument("--unchained-passes", action="store_true")
+    ap.add_argument("--stub-step-ms", type=float, default=0.0, metavar="MS")
     args = ap.parse_args(argv)
+    if args.stub_step_ms and not args.concurrent:
+        ap.error("--stub-step-ms needs --concurrent")
     model = load_model(args.model, devices=[args.device])
     sched = None
     if args.scheduler or args.concurrent:
@@ -139,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             sched.view = _UnchainedPasses(sched, model)
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(1000, 50000, args.prompt)]
-    _bare(model, ids[:64], 16)  # warm-up: kernels compiled, graphs captured
+    if not args.stub_step_ms:
+        _bare(model, ids[:64], 16)  # warm-up: kernels compiled, graphs captured
     n = args.tokens
     picks = {"greedy": greedy_params(max_tokens=n),
              "sampled": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=7, max_tokens=n),
@@ -147,12 +178,20 @@ def main(argv: list[str] | None = None) -> int:
                                            seed=7, max_tokens=n)}
     if args.concurrent:
         assert sched is not None
-        prompts = [[int(t) for t in rng.integers(1000, 50000, args.prompt + i)] for i in range(args.concurrent)]
+        top_id = min(50000, model.config.vocab_size)
+        prompts = [[int(t) for t in rng.integers(min(1000, top_id // 2), top_id, args.prompt + i)]
+                   for i in range(args.concurrent)]
+        ideal = ""
+        if args.stub_step_ms:
+            _stub_steps(model, args.stub_step_ms / 1e3)
+            ideal_tps = args.concurrent / (args.stub_step_ms / 1e3)
         for r in range(args.repeat):
             for name, params in picks.items():
                 tps, chained = _concurrent(sched, prompts, params)
+                if args.stub_step_ms:
+                    ideal = f", {tps / ideal_tps:.3f} of the {ideal_tps:.0f} with no host time"
                 print(f"run {r + 1}: {args.concurrent} at once, {name}: {tps:.1f} tok/s in all "
-                      f"({chained} chained passes)", flush=True)
+                      f"({chained} chained passes{ideal})", flush=True)
         sched.close()
         model.close()
         return 0

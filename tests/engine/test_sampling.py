@@ -208,6 +208,29 @@ def test_penalized_picks_from_top_logits_equal_whole_rows(params):
     assert whole.generated == top.generated
 
 
+def test_penalties_follow_the_history_as_it_grows():
+    """A greedy sampler with all three penalties picks the argmax of each row penalized by the formulas
+    over the prompt and every token generated so far, those appended to its history from outside (a
+    device's picks) included: the penalties' running view of the history stays in step with it."""
+    rng = np.random.default_rng(5)
+    V, rep, pres, freq = 400, 1.7, 0.4, 0.3
+    prompt = [int(t) for t in rng.integers(0, V, 30)]
+    s = Sampler(greedy_params(repetition_penalty=rep, presence_penalty=pres, frequency_penalty=freq), prompt)
+    for step in range(60):
+        row = rng.standard_normal(V).astype(np.float64) * 2
+        hot = np.array((prompt + s.generated)[-6:], np.int64)
+        row[hot] += 3.0  # recent tokens near the top, so the penalties decide
+        row = row.astype(np.float32)
+        want = row.astype(np.float64)
+        for t in set(prompt) | set(s.generated):
+            want[t] = want[t] / rep if want[t] > 0 else want[t] * rep
+        for t in set(s.generated):
+            want[t] -= pres + freq * s.generated.count(t)
+        assert s(row) == int(np.argmax(want.astype(np.float32))), step
+        if step % 7 == 3:
+            s.generated.append(int(rng.integers(0, V)))
+
+
 def test_penalized_top_logits_decide_or_fetch_the_row():
     """Greedy with a repetition penalty over tokens 0..63: when all 64 candidates are seen tokens just
     above an unseen one, the penalty drops them below it, which only the whole row shows (fetched);

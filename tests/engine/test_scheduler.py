@@ -105,6 +105,35 @@ def test_chained_passes_draw_what_each_sampler_draws(fixture):
             sched.close()
 
 
+def test_the_scheduler_draws_each_chained_token_before_its_generation_wakes(fixture, monkeypatch):
+    """A pass with a pick has its token drawn on the scheduler's thread when its step ends, before the
+    pass is finished (so the generations' threads, woken then, do not hold up the draws of the next
+    step): every first draw of _Pass.pick_token runs there and finds the pass not yet finished."""
+    from minecart.engine import scheduler as sched_module
+
+    model, prompts, _ = fixture
+    draws: list[tuple[str, bool]] = []
+    real = sched_module._Pass.pick_token
+
+    def pick_token(self):
+        if self._picked is None:
+            draws.append((threading.current_thread().name, self.finished.is_set()))
+        return real(self)
+
+    monkeypatch.setattr(sched_module._Pass, "pick_token", pick_token)
+    cases = [("chat", SamplingParams(temperature=2.0, top_k=20, seed=1, max_tokens=MAX_TOKENS)),
+             ("len70", SamplingParams(temperature=0.9, top_k=8, top_p=0.9, seed=2, max_tokens=MAX_TOKENS)),
+             ("short", greedy_params(max_tokens=MAX_TOKENS))]
+    sched = Scheduler(model, parallel=3, max_queue=3, chunk=32)
+    try:
+        _generate_at_once(sched, prompts, cases)
+        scheduler_thread = sched._thread.name
+    finally:
+        sched.close()
+    assert len(draws) >= 3 * (MAX_TOKENS - 3)
+    assert {d for d in draws} == {(scheduler_thread, False)}
+
+
 def _generate_at_once(sched: Scheduler, prompts: dict, cases: list) -> dict[str, list]:
     """The tokens of each (prompt name, SamplingParams) generated at once through sched."""
     results: dict[str, list] = {}

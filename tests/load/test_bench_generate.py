@@ -38,3 +38,16 @@ def test_concurrent_generations_are_timed(fixture_file, capsys, unchained):
         assert chained == [0, 0, 0]
     else:
         assert chained[0] > 0 and chained[1] > 0 and chained[2] == 0
+
+
+def test_a_stubbed_step_measures_the_hosts_share(fixture_file, capsys):
+    """--stub-step-ms: the steps are waits returning random logits; each sampler's rate is printed as a
+    share of concurrent / step time, which the host's time between steps keeps below 1."""
+    assert bench_generate.main([str(fixture_file), "--device", "cpu:0", "--tokens", "40", "--prompt", "12",
+                                "--repeat", "1", "--concurrent", "3", "--stub-step-ms", "5"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("run 1: 3 at once")]
+    assert len(lines) == 3
+    for ln in lines:
+        share = float(ln.split("passes, ")[1].split()[0])
+        assert 0.05 < share < 1.0, ln
+        assert "of the 600 with no host time" in ln
