@@ -39,8 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -270,25 +269,51 @@ def apply_penalties(logits: np.ndarray, params: SamplingParams, prompt_ids: Sequ
                     generated_ids: Sequence[int] = ()) -> np.ndarray:
     """A float32 copy of `logits` with the penalties applied (computed in float64 on the few
     penalized entries)."""
-    return _penalized(logits, None, params, {*prompt_ids, *generated_ids}, Counter(generated_ids))
+    view = PenaltyView(prompt_ids)
+    view.add(generated_ids)
+    return _penalized(logits, None, _penalties_of(params), view)
 
 
-def _penalized(values: np.ndarray, ids: np.ndarray | None, params: SamplingParams, seen: AbstractSet[int],
-               counts: Mapping[int, int]) -> np.ndarray:
+class PenaltyView:
+    """What the penalties read of a prompt and the tokens generated after it, extended token by token
+    (not rebuilt from the whole history at every pick): the ids seen in either (the repetition
+    penalty's) and how often each id was generated (the presence and frequency penalties')."""
+
+    def __init__(self, prompt_ids: Sequence[int] = ()):
+        self.seen: set[int] = {int(t) for t in prompt_ids}
+        self.counts: Counter[int] = Counter()
+        self.tokens = 0  # generated tokens added
+
+    def add(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.seen.add(int(t))
+            self.counts[int(t)] += 1
+        self.tokens += len(tokens)
+
+
+Penalties = tuple[float, float, float]  # (repetition, presence, frequency)
+
+
+def _penalties_of(params: SamplingParams) -> Penalties:
+    return float(params.repetition_penalty), float(params.presence_penalty), float(params.frequency_penalty)
+
+
+def _penalized(values: np.ndarray, ids: np.ndarray | None, penalties: Penalties, view: PenaltyView) -> np.ndarray:
     """A float32 copy of `values`, the logits of token ids `ids` (None: a whole row, ids 0..V-1), with
     the penalties applied: float64 arithmetic on each penalized entry, the same whichever way it is
-    given, so a candidate's penalized value equals its value in the penalized row. seen: the ids in the
-    prompt or generated (the repetition penalty's); counts: how often each id was generated."""
+    given, so a candidate's penalized value equals its value in the penalized row."""
+    repetition, presence, frequency = penalties
     out = np.array(values, dtype=np.float32).reshape(-1)
-    if params.repetition_penalty != 1.0 and seen:
+    seen, counts = view.seen, view.counts
+    if repetition != 1.0 and seen:
         if ids is None:
             at = np.fromiter(seen, dtype=np.int64, count=len(seen))
         else:
             at = np.flatnonzero(np.fromiter((int(i) in seen for i in ids), dtype=bool, count=len(ids)))
         if at.size:
             vals = out[at].astype(np.float64)
-            out[at] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and counts:
+            out[at] = np.where(vals > 0, vals / repetition, vals * repetition)
+    if (presence or frequency) and counts:
         if ids is None:
             at = np.fromiter(counts.keys(), dtype=np.int64, count=len(counts))
             n = np.fromiter(counts.values(), dtype=np.float64, count=len(counts))
@@ -296,11 +321,11 @@ def _penalized(values: np.ndarray, ids: np.ndarray | None, params: SamplingParam
             n = np.array([counts.get(int(i), 0) for i in ids], np.float64)
             at = np.flatnonzero(n)
             n = n[at]
-        out[at] = out[at].astype(np.float64) - (params.presence_penalty + params.frequency_penalty * n)
+        out[at] = out[at].astype(np.float64) - (presence + frequency * n)
     return out
 
 
-def kept_tokens(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
     """(ids, probabilities) a draw chooses from: softmax(logits / T) restricted by top-k, top-p and
     min-p, renormalized to sum to 1 (float64).
 
@@ -373,6 +398,33 @@ def _draw_kept(ids: np.ndarray, p: np.ndarray, u: float) -> int:
     return int(ids[min(idx, len(ids) - 1)])
 
 
+def _pick_row(x: np.ndarray, sel: SamplingParams | PickSpec, u: float) -> int:
+    """The token a pick with `sel`'s temperature and filters draws at uniform number u from a whole row
+    of (penalized) logits: argmax when greedy (lowest id on a tie), else the inverse CDF over the kept
+    tokens (over the tempered exponentials of the whole row when no filter applies)."""
+    if sel.temperature <= 0:
+        return int(np.argmax(x))
+    if not (sel.top_k and sel.top_k < x.size) and sel.top_p >= 1.0 and sel.min_p <= 0.0:
+        return _inverse_cdf(np.exp((x - x.max()) / np.float32(sel.temperature)), u)
+    return _draw_kept(*kept_tokens(x, sel), u)
+
+
+def pick_penalized(top: TopLogits, spec: PickSpec, view: PenaltyView, candidates: int) -> int:
+    """The token a penalized pick (spec: its u, filters and penalties; its top_k the k of the sampler,
+    1 when greedy) draws from a row's unpenalized largest logits, the first `candidates` of them, with
+    the penalties over `view`: from the k largest penalized candidates when they decide (the k-th stays
+    above the smallest candidate, which bounds every logit outside them), else from the whole row,
+    read through top.whole_row(). The same token either way (module docstring)."""
+    k = max(1, spec.top_k)
+    vals, ids = top.values[0, :candidates], np.asarray(top.ids[0, :candidates], np.int64)
+    penalties = (spec.repetition, spec.presence, spec.frequency)
+    pv = _penalized(vals, ids, penalties, view)
+    order = np.lexsort((ids, -pv))[:k]  # the k largest penalized, descending, ties by id
+    if pv[order[-1]] > vals[-1]:
+        return draw_from_top(pv[order], ids[order], replace(spec, top_k=0))
+    return _pick_row(_penalized(top.whole_row(), None, penalties, view), spec, spec.u)
+
+
 def _could_draw(values: np.ndarray, ids: np.ndarray, spec: PickSpec, token: int, eps: float = 1e-9) -> bool:
     """Whether `token` is what draw_from_top gives for a spec within eps of `spec` (u, top_p, min_p): a
     pick the device's float64 arithmetic, summed in another order, may make where u or a filter's
@@ -423,11 +475,7 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
         self._ahead: deque[float] = deque()  # uniform numbers drawn for picks to come (pick_spec)
         self._history = PenaltyHistory(self.prompt_ids, self.generated, vocab) if vocab > 0 else None
-        # the penalties' view of prompt_ids + generated (_penalty_view), kept up to date as tokens are
-        # generated instead of rebuilt from the whole history at every pick
-        self._seen: set[int] = set()
-        self._counts: Counter[int] = Counter()
-        self._folded = -1  # of `generated`, the tokens in _seen and _counts (-1: the prompt is not either)
+        self._view: PenaltyView | None = None  # the penalties' view of prompt_ids + generated
 
     def __call__(self, logits: np.ndarray | TopLogits) -> int:
         """Pick the next token from a (vocab,) row, or from its largest logits (at least `candidates`
@@ -458,31 +506,32 @@ class Sampler:
         (on the host or from the device) uses that number."""
         if not self.chains:
             return None
+        if self.params.greedy:
+            return self._spec(0.0)
+        while len(self._ahead) <= ahead:
+            self._ahead.append(float(self.rng.random()))
+        return self._spec(self._ahead[ahead])
+
+    def _spec(self, u: float) -> PickSpec:
+        """The PickSpec of a pick at uniform number u (unused when greedy): the sampler's temperature and
+        filters and, when it is penalized, its penalties and history, over the first k of a step's
+        candidates (k = 1 when greedy)."""
         prm = self.params
-        if prm.greedy:
-            spec = GREEDY_PICK
-        else:
-            while len(self._ahead) <= ahead:
-                self._ahead.append(float(self.rng.random()))
-            spec = PickSpec(self._ahead[ahead], float(prm.temperature), float(prm.top_p), float(prm.min_p))
+        spec = GREEDY_PICK if prm.greedy else PickSpec(u, float(prm.temperature), float(prm.top_p), float(prm.min_p))
         if not self.penalized:
             return spec
-        # over the first k of the candidates of the step's penalized row
         return replace(spec, top_k=1 if prm.greedy else prm.top_k, repetition=float(prm.repetition_penalty),
                        presence=float(prm.presence_penalty), frequency=float(prm.frequency_penalty),
                        history=self._history)
 
-    def _penalty_view(self) -> tuple[set[int], Counter[int]]:
-        """(the ids in the prompt or generated, how often each id was generated): what _penalized takes,
-        updated with the tokens generated since the last call (rebuilt if `generated` shrank)."""
-        gen = self.generated
-        if self._folded < 0 or self._folded > len(gen):
-            self._seen, self._counts, self._folded = {int(t) for t in self.prompt_ids}, Counter(), 0
-        for t in gen[self._folded :]:
-            self._seen.add(int(t))
-            self._counts[int(t)] += 1
-        self._folded = len(gen)
-        return self._seen, self._counts
+    def _penalty_view(self) -> PenaltyView:
+        """The penalties' view of the prompt and `generated`, extended with the tokens generated since
+        the last pick (made again if `generated` shrank)."""
+        view, gen = self._view, self.generated
+        if view is None or view.tokens > len(gen):
+            view = self._view = PenaltyView(self.prompt_ids)
+        view.add(gen[view.tokens :])
+        return view
 
     def _uniform(self) -> float:
         """The next pick's uniform number: one a step, in order, reproducible for a seed."""
@@ -508,16 +557,8 @@ class Sampler:
     def pick(self, logits: np.ndarray | TopLogits) -> int:
         if isinstance(logits, TopLogits):
             return self._pick_top(logits)
-        logits = np.asarray(logits).reshape(-1)
-        x = _penalized(logits, None, self.params, *self._penalty_view())
-        if self.params.greedy:
-            return int(np.argmax(x))
-        u = self._uniform()
-        prm = self.params
-        if not (prm.top_k and prm.top_k < x.size) and prm.top_p >= 1.0 and prm.min_p <= 0.0:
-            # the whole vocabulary: inverse CDF straight over the tempered exponentials
-            return _inverse_cdf(np.exp((x - x.max()) / np.float32(prm.temperature)), u)
-        return _draw_kept(*kept_tokens(x, prm), u)
+        x = _penalized(np.asarray(logits).reshape(-1), None, _penalties_of(self.params), self._penalty_view())
+        return _pick_row(x, self.params, 0.0 if self.params.greedy else self._uniform())
 
     def _pick_top(self, top: TopLogits) -> int:
         """pick from a row's largest logits: the same token as from the whole row (module docstring)."""
@@ -527,16 +568,12 @@ class Sampler:
         if want == 0 or top.values.ndim != 2 or top.values.shape[0] != 1 or top.values.shape[1] < want:
             raise ValueError(f"a pick with these sampling settings needs {want or 'the whole row of'} logits, "
                              f"got the largest {top.values.shape}")
+        if self.penalized and not top.penalized:  # penalized here, from the candidates or the whole row
+            return pick_penalized(top, self._spec(0.0 if prm.greedy else self._uniform()), self._penalty_view(), want)
         vals, ids = top.values[0, :want], np.asarray(top.ids[0, :want], np.int64)
-        if self.penalized and not top.penalized:
-            pv = _penalized(vals, ids, prm, *self._penalty_view())
-            order = np.lexsort((ids, -pv))[:k]  # the k largest penalized, descending, ties by id
-            if not pv[order[-1]] > vals[-1]:  # a logit outside the candidates could be among them
-                return self.pick(top.whole_row())
-            vals, ids = pv[order], ids[order]
         spec = GREEDY_PICK if prm.greedy else PickSpec(self._uniform(), prm.temperature, prm.top_p, prm.min_p)
         token = draw_from_top(vals[:k], ids[:k], spec)
-        if top.picks is not None and (top.penalized or not self.penalized):
+        if top.picks is not None:
             # the device drew this row's token with the same spec (it fed it to a next step already):
             # where rounding decides between two tokens, its token is the one the history holds
             dev = int(top.picks[0])

@@ -18,10 +18,12 @@ runs a *step* at a time:
   as a generation outside the scheduler does (`Scheduler.alone`): on a GPU each step is then chained
   behind the one before on the device (Executor.launch_next) instead of going through this thread's
   steps one at a time. The next request to arrive makes its steps batched again;
-- a batched generation whose sampler chains without penalties hands in its next decode pass before
-  it has seen the token that pass embeds (`BatchedModel.launch_next`): that token is the draw its
-  sampler will make from the pass before (`_Pass.pick_token`, the sampler's own arithmetic), which this
-  thread makes itself as soon as that pass ran. So the step after runs at once, while the callers'
+- a batched generation whose sampler chains (greedy or top-k, with or without penalties that only
+  lower logits) hands in its next decode pass before it has seen the token that pass embeds
+  (`BatchedModel.launch_next`): that token is the draw its sampler will make from the pass before
+  (`_Pass.pick_token`, the sampler's own arithmetic; with penalties over the history up to that pass),
+  which this thread makes itself as soon as that pass ran, before it wakes any generation's thread (they
+  would compete with it for the interpreter). So the step after runs at once, while the callers'
   threads take their tokens, instead of waiting for every one of them to pick and ask again.
 
 Admission: at most `parallel` generations run at once; later ones wait in FIFO order, at most
@@ -52,7 +54,16 @@ from .execution import Override, shift_override
 from .generation import GenerationEvent, check_fits_context, generate
 from .prefix_cache import CacheStart, PrefixCache
 from .prompt import PromptInput
-from .sampling import LaunchedStep, PickSpec, SamplingParams, TopLogits, draw_from_top, top_logits
+from .sampling import (
+    LaunchedStep,
+    PenaltyView,
+    PickSpec,
+    SamplingParams,
+    TopLogits,
+    draw_from_top,
+    pick_penalized,
+    top_logits,
+)
 from .session import Session
 
 _T = TypeVar("_T")
@@ -112,11 +123,17 @@ class _Pass:
     logits: np.ndarray | TopLogits | None = None
     error: BaseException | None = None
     finished: threading.Event = field(default_factory=threading.Event)
-    # a decode pass of a sampler that chains (no penalties, top > 0): how its generation draws the token
-    # after this pass from its top logits, so that a pass chained on it can be given that token here
+    # a decode pass of a sampler that chains (top > 0): how its generation draws the token after this
+    # pass from its top logits, so that a pass chained on it can be given that token here
     pick: PickSpec | None = None
     # a chained pass: its token is `after`'s pick, drawn once `after` ran (then `after` is let go)
     after: _Pass | None = None
+    chained: bool = False  # made with `after` (its token is not in its pick's history yet)
+    # a pick with penalties (pick.history): the history's generated tokens when the pass was handed in
+    # (then its own token, when chained, follows them), and the penalties' view of the history, made by
+    # the first pass of a chain and handed along it (each pass's draw extends it)
+    counted: int = 0
+    view: PenaltyView | None = None
     _picked: int | None = None
 
     @property
@@ -143,12 +160,39 @@ class _Pass:
 
     def pick_token(self) -> int:
         """The token the pick draws from this pass's logits once it ran: what its sampler draws from
-        them (engine/sampling.py Sampler._pick_top: draw_from_top over the first `top`), drawn once."""
+        them (engine/sampling.py Sampler._pick_top: draw_from_top over the first `top`, or with
+        penalties pick_penalized over the history up to this pass's token), drawn once."""
         if self._picked is None:
-            assert self.pick is not None
+            spec = self.pick
+            assert spec is not None
             top = self.top_logits()
-            self._picked = draw_from_top(top.values[0, : self.top], top.ids[0, : self.top], self.pick)
+            if spec.history is None:
+                self._picked = draw_from_top(top.values[0, : self.top], top.ids[0, : self.top], spec)
+            else:
+                self._picked = self._pick_penalized(top, spec)
         return self._picked
+
+    def _pick_penalized(self, top: TopLogits, spec: PickSpec) -> int:
+        history, view = spec.history, self.view
+        assert history is not None and view is not None and view.tokens <= self.counted
+        assert not top.penalized  # a step of the scheduler's applies no penalties
+        view.add(history.generated[view.tokens : self.counted])
+        if self.chained:
+            view.add(self.ids)
+        # the whole row, if the pick reads it, is read now (the sequence's next step replaces it) and kept
+        # for the sampler's own pick
+        fetch = top.fetch
+        rows: dict[int, np.ndarray] = {}
+
+        def kept(r: int) -> np.ndarray:
+            if r not in rows:
+                assert fetch is not None
+                rows[r] = np.array(fetch(r), np.float32)
+            return rows[r]
+
+        top = replace(top, fetch=kept if fetch is not None else None)
+        self.logits = top
+        return pick_penalized(top, spec, view, self.top)
 
     def result(self) -> np.ndarray | TopLogits:
         """What the pass's session gets once it ran (its error, raised, if it failed); a pass with a
@@ -197,9 +241,9 @@ class _Stream(Iterator[GenerationEvent]):
 
 
 def _drawn_here(pick: PickSpec | None, top: int) -> PickSpec | None:
-    """The pick when the scheduler can draw it from a pass's top logits itself (_Pass.pick_token: no
-    penalties, top > 0), else None."""
-    return pick if pick is not None and pick.history is None and top > 0 else None
+    """The pick when the scheduler can draw it from a pass's top logits itself (_Pass.pick_token: top >
+    0; with penalties, from the candidates or the whole row), else None."""
+    return pick if pick is not None and top > 0 else None
 
 
 class BatchedModel:
@@ -250,12 +294,12 @@ class BatchedModel:
     def launch_next(self, states, positions, top: int, pick: PickSpec) -> LaunchedStep | None:
         """As Model.launch_next. For a generation running alone (Scheduler.alone) after a step the
         model launched itself: the model's own (chained on the device). For a batched one after a pass
-        of this scheduler's with a pick (no penalties): a pass chained on that one, whose token is that
-        pick, drawn by the scheduler as soon as that pass ran (_Pass.pick_token). None otherwise, the
-        caller then takes its last step's result and launches its pick with launch_decode: a batched
-        generation with penalties, and one that runs alone by now after a batched pass (the device
-        never saw that pass's pick; its next launch_decode goes to the model, and the launch_next
-        after that chains on the device again)."""
+        of this scheduler's with a pick: a pass chained on that one, whose token is that pick, drawn
+        by the scheduler as soon as that pass ran (_Pass.pick_token). None otherwise, the caller then
+        takes its last step's result and launches its pick with launch_decode: a batched generation
+        whose sampler needs whole rows, and one that runs alone by now after a batched pass (the
+        device never saw that pass's pick; its next launch_decode goes to the model, and the
+        launch_next after that chains on the device again)."""
         prev = self._tails.pop(id(states), None)
         if self.scheduler.alone():
             if prev is not None:
@@ -474,7 +518,11 @@ class Scheduler:
         pick / after: see _Pass (after: ids is [CHAINED], the token drawn from `after`)."""
         step = self.chunk if not chunk else min(int(chunk), self.chunk)
         work = _Pass([int(t) for t in ids], states, np.asarray(positions), step, cancel, embed_override,
-                     int(top), pick=pick, after=after)
+                     int(top), pick=pick, after=after, chained=after is not None)
+        if pick is not None and pick.history is not None:
+            work.counted = len(pick.history.generated)
+            if after is None:  # the first pass of a chain (a chained one takes `after`'s view)
+                work.view = PenaltyView(pick.history.prompt_ids)
         if threading.current_thread() is self._thread:
             raise RuntimeError("the scheduler thread cannot wait for its own steps")
         with self._cond:
@@ -550,6 +598,7 @@ class Scheduler:
                     self._finish(w, error=after.error)
                     continue
                 w.ids = [after.pick_token()]
+                w.view = after.view
                 chained += 1
         # the same sequences in the same order step after step (a batch graph keeps its binding)
         decodes = sorted((w for w in passes if w.is_decode and not w.finished.is_set()),
@@ -602,7 +651,10 @@ class Scheduler:
                 if w.pick is not None:
                     # drawn before any generation's thread wakes (they would compete with this thread
                     # for the interpreter): the pass chained on this one needs it for the next step
-                    w.pick_token()
+                    try:
+                        w.pick_token()
+                    except Exception as exc:  # its generation gets the failure, and a pass chained on it
+                        w.error = exc
                 ended.append(w)
         self._count(len(decodes), prefilled, len(rows))
         with self._cond:

@@ -82,18 +82,24 @@ def test_concurrent_generations_equal_one_at_a_time(fixture):
 def test_chained_passes_draw_what_each_sampler_draws(fixture):
     """Batched generations whose samplers chain hand in their next pass before they picked its token;
     the scheduler draws it from the pass before (_Pass.pick_token). Seeded sampled generations, a greedy
-    one, and one whose penalties need whole rows (so its batch mates' steps return whole rows too)
-    give the tokens each gives alone, through the model's own generate."""
+    one, penalized ones (drawn with their penalties over the history up to the pass: strong enough to
+    change the tokens), and one whose penalties need whole rows (so its batch mates' steps return whole
+    rows too) give the tokens each gives alone, through the model's own generate."""
     model, prompts, _ = fixture
     cases = [("chat", SamplingParams(temperature=4.0, top_k=20, seed=7, max_tokens=MAX_TOKENS)),
              ("len70", SamplingParams(temperature=1.2, top_k=40, min_p=0.02, seed=3, max_tokens=MAX_TOKENS)),
              ("short", greedy_params(max_tokens=MAX_TOKENS)),
              ("random100", SamplingParams(temperature=0.8, top_k=20, repetition_penalty=0.9, seed=5,
-                                          max_tokens=MAX_TOKENS))]
+                                          max_tokens=MAX_TOKENS)),
+             ("len128", greedy_params(repetition_penalty=3.0, presence_penalty=2.0, max_tokens=MAX_TOKENS)),
+             ("single", SamplingParams(temperature=0.9, top_k=30, top_p=0.9, frequency_penalty=2.5, seed=11,
+                                       max_tokens=MAX_TOKENS))]
     alone = {name: [e.token for e in model.generate(prompts[name], prm)] for name, prm in cases}
-    # the first three together (top logits of 20, 40 and 1 in one step); then the greedy one with the one
-    # that needs whole rows
-    for group in (cases[:3], cases[2:]):
+    plain = [e.token for e in model.generate(prompts["len128"], greedy_params(max_tokens=MAX_TOKENS))]
+    assert alone["len128"] != plain  # the penalties decide tokens here
+    # the first three together (top logits of 20, 40 and 1 in one step); the greedy one with the one
+    # that needs whole rows; the penalized ones with a sampled one
+    for group in (cases[:3], cases[2:4], [cases[0], *cases[4:]]):
         sched = Scheduler(model, parallel=4, max_queue=4, chunk=32)
         try:
             results = _generate_at_once(sched, prompts, group)
@@ -158,10 +164,10 @@ def _generate_at_once(sched: Scheduler, prompts: dict, cases: list) -> dict[str,
 def test_a_step_after_a_batched_pass_is_never_the_devices_chained_step(fixture, monkeypatch):
     """After a pass through the scheduler, the next step never goes to the model's own launch_next (on a
     GPU that one would embed the device's last pick of a step the model launched itself, not this
-    pass's token). Batched, with a pick without penalties, it is a pass chained on that one; with
-    penalties, or once the generation runs alone, nothing: the caller takes the pass's result and
-    launches its pick, which a lone generation launches on the model itself, and the launch_next after
-    that is the model's own again. The tokens are greedy's."""
+    pass's token). Batched, with a pick (penalized or not), it is a pass chained on that one; once the
+    generation runs alone, nothing: the caller takes the pass's result and launches its pick, which a
+    lone generation launches on the model itself, and the launch_next after that is the model's own
+    again. The tokens are greedy's."""
     model, prompts, _ = fixture
     ids = prompts["short"]
     want = [e.token for e in model.generate(ids, greedy_params(max_tokens=5))]
@@ -189,9 +195,11 @@ def test_a_step_after_a_batched_pass_is_never_the_devices_chained_step(fixture, 
         alone[0] = False
         history = PenaltyHistory(ids, [], model.config.vocab_size)
         penalized = replace(GREEDY_PICK, top_k=1, repetition=1.1, history=history)
-        launched = s.launch_step(got[-1], top=1, pick=penalized)  # batched, picked on its thread
-        assert s.launch_next(launched, top=1, pick=penalized) is None and len(own_launch_next) == 1
+        launched = s.launch_step(got[-1], top=1, pick=penalized)  # batched, with penalties
+        ahead = s.launch_next(launched, top=1, pick=penalized)
+        assert ahead is not None and len(own_launch_next) == 1  # chained through the scheduler too
         launched.result()
+        ahead.result()
         s.close()
     finally:
         sched.close()
