@@ -566,6 +566,14 @@ class Executor:
         The rows of all sequences go through `forward`'s loop as one chunk (see the module docstring);
         each sequence's logits equal running it alone up to fp32 rounding. A batch of one is `forward`
         itself, so a lone decode keeps its captured graph."""
+        return self.launch_batch(ids, states, positions, top).result()
+
+    def launch_batch(self, ids: Sequence[Sequence[int]], states: Sequence[list],
+                     positions: Sequence[Any], top: int = 0) -> LaunchedStep:
+        """forward_batch without its host wait where a batch graph replays: result() gives what
+        forward_batch returns (the step's own error, raised there, included); the host may work
+        meanwhile (the scheduler wakes the previous step's callers). Anything else runs here and comes
+        back done. Take the result before the next pass of any of these sequences."""
         B = len(ids)
         if not B or len(states) != B or len(positions) != B:
             raise ValueError(f"forward_batch needs as many state lists and position arrays as sequences "
@@ -576,7 +584,7 @@ class Executor:
         if B == 1:
             out = self.forward(ids[0], states[0], positions[0], rows="last", top=top)
             assert out is not None  # rows="last" always returns logits
-            return out
+            return LaunchedStep.done(out)
         flat = [int(t) for seq in ids for t in seq]
         bounds = [0]
         for seq in ids:
@@ -592,21 +600,22 @@ class Executor:
                     for i in range(self.config.n_layers)]
 
         chunk = _Chunk(0, flat, stacked, None, tuple(b - 1 for b in bounds[1:]), top)
-        with self._call_lock:
-            out = None
+        with self._call_lock:  # the launch is serialized with other passes; a replay's wait is the caller's
             if len(flat) == B:  # every sequence decodes one token
-                out = self._batch_graph_step(chunk, tuple(states), tuple(pos), layer_rows)
-            if out is None:
-                out = self._one_chunk(chunk, layer_rows(), None)
+                launched = self._batch_graph_step(chunk, tuple(states), tuple(pos), layer_rows)
+                if launched is not None:
+                    return launched
+            out = self._one_chunk(chunk, layer_rows(), None)
         assert out is not None  # row indices always reach the head
-        return out
+        return LaunchedStep.done(out)
 
     def _batch_graph_step(self, c: _Chunk, owners: tuple, pos: tuple,
-                          layer_rows: Callable[[], list]) -> np.ndarray | TopLogits | None:
+                          layer_rows: Callable[[], list]) -> LaunchedStep | None:
         """A batched decode step (one token per sequence) through the backend's graph_step (which keeps
-        a graph per batch size and binds it to the sequences of each step: CupyBackend.graph_step).
-        None: run it eagerly (graphs off, a split model, a backend without graphs, a cache that must
-        grow, a new batch no graph can take yet)."""
+        a graph per batch size and binds it to the sequences of each step: CupyBackend.graph_step),
+        launched without its host wait when the graph replays. None: run it eagerly (graphs off, a
+        split model, a backend without graphs, a cache that must grow, a new batch no graph can take
+        yet)."""
         if not (self.use_graphs and len(self.stages) == 1):
             return None
         stage = self.stages[0]
@@ -616,11 +625,11 @@ class Executor:
             return self.run_stage(stage, x, c.positions, layer_rows(), c.rows, top=c.top)
 
         out = stage.backend.graph_step(("batch", len(owners), c.top), run, c.ids, pos, owner=owners,
-                                       watch=watch)
+                                       watch=watch, wait=False)
         if out is None:
             return None
         self.batch_graph_steps += 1
-        return out
+        return out if isinstance(out, LaunchedStep) else LaunchedStep.done(out)
 
     def _one_chunk(self, c: _Chunk, states: list, hook) -> np.ndarray | TopLogits | None:
         """One chunk on the calling thread: a decode step through the stages' graphs, or stage after

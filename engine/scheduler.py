@@ -129,6 +129,9 @@ class _Pass:
     # a chained pass: its token is `after`'s pick, drawn once `after` ran (then `after` is let go)
     after: _Pass | None = None
     chained: bool = False  # made with `after` (its token is not in its pick's history yet)
+    # its logits (or error) are in: a pass chained on it can run, though its caller may not be woken
+    # yet (`finished`: Scheduler._complete)
+    ran: bool = False
     # a pick with penalties (pick.history): the history's generated tokens when the pass was handed in
     # (then its own token, when chained, follows them), and the penalties' view of the history, made by
     # the first pass of a chain and handed along it (each pass's draw extends it)
@@ -144,7 +147,7 @@ class _Pass:
     def ready(self) -> bool:
         """Whether the pass can be a row of the next step (a chained pass: once the pass before ran)."""
         after = self.after
-        return after is None or after.finished.is_set()
+        return after is None or after.ran
 
     def top_logits(self) -> TopLogits:
         """The pass's logits as top logits (of `top` columns at least; made on the host from the whole
@@ -323,6 +326,19 @@ class BatchedModel:
 
     def _free_states(self, states: list) -> None:  # Session.close frees through its model
         self.model._free_states(states)
+
+
+@dataclass
+class _Step:
+    """A step in flight: its rows (passes), each row's tokens in it, the decode rows, prompt tokens and
+    chained passes among them, and the executor's launch."""
+
+    rows: list[_Pass]
+    sizes: list[int]
+    decodes: int
+    prefilled: int
+    chained: int
+    launched: LaunchedStep
 
 
 @dataclass
@@ -559,7 +575,14 @@ class Scheduler:
         return [w for w in self._passes if w.ready]
 
     def _loop(self) -> None:
+        # the passes that ended in the last step, when every running generation had its next pass ready
+        # then: their callers are woken once the next step is launched, so that their threads' turns at
+        # the interpreter fall while the device computes, not between two steps
+        unwoken: list[_Pass] = []
         while True:
+            if unwoken and not self._has_ready():
+                self._wake(unwoken)
+                unwoken = []
             with self._cond:
                 while not self._passes and not self._closed:
                     self._cond.wait()
@@ -569,27 +592,40 @@ class Scheduler:
                 # a generation has at most one ready pass (a pass chained on another is ready once that
                 # one ran), so a step waits for as many as there are generations
                 deadline = time.monotonic() + self.gather_s
-                while len(self._ready()) < self._running and not self._closed:
+                while not unwoken and len(self._ready()) < self._running and not self._closed:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         break
                     self._cond.wait(left)
                 passes = self._ready()
-            self._step(passes)
+            launched = self._launch(passes)
+            self._wake(unwoken)
+            unwoken = self._complete(launched) if launched is not None else []
+        self._wake(unwoken)
         for work in pending:
             self._finish(work, error=GenerationCancelled("the scheduler is shut down"))
 
+    def _has_ready(self) -> bool:
+        with self._cond:
+            return any(w.ready for w in self._passes)
+
+    @staticmethod
+    def _wake(ended: list[_Pass]) -> None:
+        for w in ended:
+            w.finished.set()
+
     def _finish(self, work: _Pass, logits: np.ndarray | TopLogits | None = None,
                 error: BaseException | None = None) -> None:
-        work.logits, work.error = logits, error
+        work.logits, work.error, work.ran = logits, error, True
         with self._cond:
             if work in self._passes:
                 self._passes.remove(work)
         work.finished.set()
 
-    def _step(self, passes: list[_Pass]) -> None:
-        """One forward pass over every waiting decode row plus prompt chunks, oldest prompt first,
-        up to `chunk` prompt tokens in all (so a step's cost stays bounded whatever arrives)."""
+    def _launch(self, passes: list[_Pass]) -> _Step | None:
+        """Launch one forward pass over every waiting decode row plus prompt chunks, oldest prompt first,
+        up to `chunk` prompt tokens in all (so a step's cost stays bounded whatever arrives). None:
+        nothing to run, or the launch failed (its rows have the error)."""
         chained = 0
         for w in passes:
             if w.after is not None:  # its token: the pick of the pass before, which ran
@@ -601,8 +637,7 @@ class Scheduler:
                 w.view = after.view
                 chained += 1
         # the same sequences in the same order step after step (a batch graph keeps its binding)
-        decodes = sorted((w for w in passes if w.is_decode and not w.finished.is_set()),
-                         key=lambda w: id(w.states))
+        decodes = sorted((w for w in passes if w.is_decode and not w.ran), key=lambda w: id(w.states))
         rows = list(decodes)
         ids, states, positions = [], [], []
         for w in decodes:
@@ -630,39 +665,55 @@ class Scheduler:
             budget -= stop - w.done
             prefilled += stop - w.done
         if not rows:
-            return
+            return None
         # the largest logits when the sampler of every row that ends its pass here takes them (as many
         # as the most any asks), else whole rows for all (a prompt's last chunk, top-k off): a sampler
         # takes either
         tops = [w.top for b, w in enumerate(rows) if w.done + len(ids[b]) == len(w.ids)]
         top = 0 if not tops or min(tops) == 0 else max(tops)
         try:
-            out = self.model.executor.forward_batch(ids, states, positions, top=top)
+            launched = self.model.executor.launch_batch(ids, states, positions, top=top)
         except BaseException as exc:  # every caller in the step gets the failure
             for w in rows:
                 self._finish(w, error=exc)
-            return
+            return None
+        return _Step(rows, [len(t) for t in ids], len(decodes), prefilled, chained, launched)
+
+    def _complete(self, step: _Step) -> list[_Pass]:
+        """Take a launched step's output: each row's logits, and the token each pick draws from them
+        (before any generation's thread wakes: they would compete with this thread for the
+        interpreter, and the pass chained on the row needs it for the next step). Returns the passes
+        that ended, for their callers to be woken after the next launch, when every running generation
+        has its next pass ready now (else they are woken here and nothing is returned)."""
+        try:
+            out = step.launched.result()
+        except BaseException as exc:  # every caller in the step gets the failure
+            for w in step.rows:
+                self._finish(w, error=exc)
+            return []
         ended = []
-        for b, w in enumerate(rows):
-            w.done += len(ids[b])
+        for b, w in enumerate(step.rows):
+            w.done += step.sizes[b]
             if w.done == len(w.ids):
                 # a copy: a view would keep the whole (B, vocab) array alive while the session holds it
                 w.logits = out.row(b) if isinstance(out, TopLogits) else out[b : b + 1].copy()
                 if w.pick is not None:
-                    # drawn before any generation's thread wakes (they would compete with this thread
-                    # for the interpreter): the pass chained on this one needs it for the next step
                     try:
                         w.pick_token()
                     except Exception as exc:  # its generation gets the failure, and a pass chained on it
                         w.error = exc
+                w.ran = True
                 ended.append(w)
-        self._count(len(decodes), prefilled, len(rows))
+        self._count(step.decodes, step.prefilled, len(step.rows))
         with self._cond:
-            self._counters.chained_passes += chained
+            self._counters.chained_passes += step.chained
             gone = {id(w) for w in ended}
             self._passes = [w for w in self._passes if id(w) not in gone]
-        for w in ended:  # the generations' threads wake from here on
-            w.finished.set()
+            defer = bool(ended) and not self._closed and len(self._ready()) >= self._running
+        if defer:
+            return ended
+        self._wake(ended)
+        return []
 
     def _run_override_chunk(self, w: _Pass) -> None:
         stop = min(len(w.ids), w.done + w.chunk)

@@ -40,7 +40,7 @@ import time
 import numpy as np
 from minecart.engine import load_model
 from minecart.engine.generation import generate
-from minecart.engine.sampling import SamplingParams, TopLogits, greedy_params
+from minecart.engine.sampling import LaunchedStep, SamplingParams, TopLogits, greedy_params
 from minecart.engine.scheduler import BatchedModel, Scheduler
 
 
@@ -87,25 +87,33 @@ def _concurrent(sched: Scheduler, prompts: list[list[int]], params: SamplingPara
 
 
 def _stub_steps(model, step_s: float) -> None:
-    """Replace the model's batched steps by a wait of step_s seconds that returns random top logits
-    (whole random rows when a step asks for them) without an end token among them."""
+    """Replace the model's batched steps by launches that take step_s seconds (result() waits for the rest
+    of them, as for a device's step) and return random top logits (whole random rows when a step asks
+    for them) without an end token among them."""
     vocab = model.config.vocab_size
     eos = set(model.tokenizer.eos_ids) if model.tokenizer is not None else set()
     rng = np.random.default_rng(1)
     usable = np.array([t for t in range(min(vocab, 4096)) if t not in eos], np.int64)
 
-    def forward_batch(ids, states, positions, top=0):
-        time.sleep(step_s)
+    def launch_batch(ids, states, positions, top=0):
+        end = time.perf_counter() + step_s
         B = len(ids)
+        out: np.ndarray | TopLogits
         if not top:
-            rows = np.full((B, vocab), -30.0, np.float32)
-            rows[:, usable] = rng.standard_normal((B, usable.size)).astype(np.float32) * 3
-            return rows
-        vals = -np.sort(-rng.standard_normal((B, top)).astype(np.float32) * 3, axis=1)
-        picks = np.stack([rng.choice(usable, top, replace=False) for _ in range(B)])
-        return TopLogits(vals, picks, fetch=None)
+            out = np.full((B, vocab), -30.0, np.float32)
+            out[:, usable] = rng.standard_normal((B, usable.size)).astype(np.float32) * 3
+        else:
+            vals = -np.sort(-rng.standard_normal((B, top)).astype(np.float32) * 3, axis=1)
+            picks = np.stack([rng.choice(usable, top, replace=False) for _ in range(B)])
+            out = TopLogits(vals, picks, fetch=None)
 
-    model.executor.forward_batch = forward_batch
+        def result() -> np.ndarray | TopLogits:
+            time.sleep(max(0.0, end - time.perf_counter()))
+            return out
+
+        return LaunchedStep(result)
+
+    model.executor.launch_batch = launch_batch
 
 
 def _bare(model, ids: list[int], n: int) -> float:

@@ -800,7 +800,9 @@ class _BatchGraph(_DecodeGraph):
             sources.append(_copy_to(cap.table_block, block, cap.stream))  # one copy for the block
         self._table_sources = sources
 
-    def replay_batch(self, ids, positions) -> np.ndarray | TopLogits:
+    def launch_batch(self, ids, positions) -> LaunchedStep:
+        """Replay for these tokens; result() waits for the replay and copies its host outputs (before
+        the next replay, which rewrites them)."""
         cap = self.cap
         assert isinstance(cap, _BatchCapture)
         cap.write_batch(ids, positions)
@@ -810,8 +812,12 @@ class _BatchGraph(_DecodeGraph):
         self.graph.launch(cap.stream)
         for c, _ in cap.caches:
             c.length += 1
-        cap.wait()
-        return _host_copy(cap.result, self)
+
+        def finish() -> np.ndarray | TopLogits:
+            cap.wait()
+            return _host_copy(cap.result, self)
+
+        return LaunchedStep(finish)
 
 
 def _host_copy(out, rec: _DecodeGraph):
@@ -1768,11 +1774,12 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         be once that event completes, or None when this step cannot use a graph (nothing ran and
         `after` was not waited for: the caller waits for it and runs the step eagerly).
 
-        A batched decode step (engine/execution.py forward_batch: len(ids) = B > 1 sequences, one token
+        A batched decode step (engine/execution.py launch_batch: len(ids) = B > 1 sequences, one token
         each) comes with owner = a tuple of the sequences' state lists and positions = a tuple of their
-        own position arrays; it returns host logits (B, vocab) or None (see _graph_batch_step)."""
+        own position arrays; it returns host logits (B, vocab) (with wait=False a replay returns a
+        LaunchedStep of them) or None (see _graph_batch_step)."""
         if self.use_graphs and self._capture is None and len(ids) > 1 and isinstance(owner, tuple):
-            return self._graph_batch_step(key, run, ids, positions, owner, watch)  # [batched decode]
+            return self._graph_batch_step(key, run, ids, positions, owner, watch, wait)  # [batched decode]
         if not self.use_graphs or self._capture is not None or len(ids) != 1:
             return None
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
@@ -1929,16 +1936,17 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         return self._graph_stream
 
     # ---- [batched decode graphs] -------------------------------------------------------------------
-    def _graph_batch_step(self, key, run, ids, positions, owners: tuple, watch):
+    def _graph_batch_step(self, key, run, ids, positions, owners: tuple, watch, wait: bool = True):
         """graph_step for a decode step of B = len(ids) sequences, one token each (engine/execution.py
-        forward_batch): positions holds each sequence's own position array ((1,) or (3, 1)), owners
+        launch_batch): positions holds each sequence's own position array ((1,) or (3, 1)), owners
         each sequence's state list, watch every state the step touches. One graph per key (the
         executor's ("batch", B, top)): replayed while the same sequences decode, bound to the new ones
         when they changed (_BatchGraph.bind: any sequences of the same layouts); otherwise captured the
         second time in a row the same sequences decode together, so a set that changes every step never
-        pays a capture. Returns what `run` returns (host logits (B, vocab) or their top logits), or
-        None: run eagerly (a new set no graph can take, a cache that must grow, or a batch size that
-        cannot be captured: it then stays eager)."""
+        pays a capture. Returns what `run` returns (host logits (B, vocab) or their top logits; a replay
+        with wait=False: a LaunchedStep of them, its wait left to result()), or None: run eagerly (a
+        new set no graph can take, a cache that must grow, or a batch size that cannot be captured: it
+        then stays eager)."""
         n = len(ids)
         ident = tuple(map(id, owners))
         again, self._batch_last = ident == self._batch_last, ident
@@ -1963,7 +1971,8 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             if rec is None:
                 return self._capture_batch(key, run, ids, positions, owners, watch) if again else None
             self._batch_graphs[key] = rec  # most recently used last
-            return rec.replay_batch(ids, positions)
+            launched = rec.launch_batch(ids, positions)
+            return launched.result() if wait else launched
 
     def _capture_batch(self, key, run, ids, positions, owners: tuple, watch):
         cap = _BatchCapture(self._graph_stream_for_capture(), len(ids))

@@ -75,13 +75,13 @@ def _scheduled(model, prompts, params) -> tuple[dict, list[int]]:
     batched step)."""
     sched = Scheduler(model, parallel=len(SEQUENCES), max_queue=4, chunk=64)
     tops: list[int] = []
-    inner = model.executor.forward_batch
+    inner = model.executor.launch_batch
 
     def spy(ids, states, positions, top=0):
         tops.append(top)
         return inner(ids, states, positions, top=top)
 
-    model.executor.forward_batch = spy
+    model.executor.launch_batch = spy
     results: dict = {}
     try:
         def run(name):
@@ -94,7 +94,7 @@ def _scheduled(model, prompts, params) -> tuple[dict, list[int]]:
             t.join(120)
             assert not t.is_alive(), "a generation hung"
     finally:
-        del model.executor.forward_batch
+        del model.executor.launch_batch
         sched.close()
     return results, tops
 
