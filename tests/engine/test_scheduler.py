@@ -13,7 +13,13 @@ import numpy as np
 import pytest
 from minecart.engine.errors import GenerationCancelled
 from minecart.engine.model import load_model
-from minecart.engine.sampling import GREEDY_PICK, PenaltyHistory, SamplingParams, greedy_params
+from minecart.engine.sampling import (
+    GREEDY_PICK,
+    LaunchedStep,
+    PenaltyHistory,
+    SamplingParams,
+    greedy_params,
+)
 from minecart.engine.scheduler import QueueFull, Scheduler
 
 SEQUENCES = ["single", "short", "len70", "len128", "chat", "random100", "len300"]
@@ -138,6 +144,58 @@ def test_the_scheduler_draws_each_chained_token_before_its_generation_wakes(fixt
         sched.close()
     assert len(draws) >= 3 * (MAX_TOKENS - 3)
     assert {d for d in draws} == {(scheduler_thread, False)}
+
+
+def test_a_steps_callers_wake_while_the_next_step_runs(fixture, monkeypatch):
+    """When every running generation's next pass is ready (chained on the one that just ran), the
+    scheduler launches the next step before it wakes the callers of the last one, so their threads work
+    while the device computes. Steps here are launched as on a GPU (the launch returns at once, result()
+    waits out 30 ms): nearly every token reaches its caller while a step is in flight, and the tokens
+    are greedy's alone."""
+    model, prompts, expected = fixture
+    names = ["chat", "len70", "short"]
+    counts = {"launched": 0, "taken": 0}
+    real = model.executor.launch_batch
+
+    def launch_batch(ids, states, positions, top=0):
+        out = real(ids, states, positions, top=top).result()
+        counts["launched"] += 1
+        end = time.perf_counter() + 0.03
+
+        def result():
+            time.sleep(max(0.0, end - time.perf_counter()))
+            counts["taken"] += 1
+            return out
+
+        return LaunchedStep(result)
+
+    monkeypatch.setattr(model.executor, "launch_batch", launch_batch)
+    in_flight: dict[str, list[bool]] = {n: [] for n in names}
+    tokens: dict[str, list] = {}
+
+    def worker(name: str) -> None:
+        got = []
+        for ev in sched.generate(prompts[name], greedy_params(max_tokens=MAX_TOKENS)):
+            got.append(ev.token)
+            in_flight[name].append(counts["launched"] > counts["taken"])
+        tokens[name] = got
+
+    sched = Scheduler(model, parallel=3, max_queue=3, chunk=32)
+    try:
+        threads = [threading.Thread(target=worker, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive(), "a generation hung"
+    finally:
+        sched.close()
+    for name in names:
+        assert tokens[name] == expected[name][0], name
+    # the middle tokens (all three decoding, each chained): woken while the next step runs (woken after
+    # their step's result, with nothing in flight, they would all be False)
+    middle = [f for n in names for f in in_flight[n][3:-3]]
+    assert len(middle) == 3 * (MAX_TOKENS - 6) and sum(middle) >= 0.75 * len(middle), in_flight
 
 
 def _generate_at_once(sched: Scheduler, prompts: dict, cases: list) -> dict[str, list]:
