@@ -339,7 +339,8 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[
     n = x.size
     if params.top_k and params.top_k < n:
         vals, ids = top_logits(x, params.top_k)
-        return _kept_of_top(vals[0], ids[0], params)
+        kept, p = _kept_of_top(vals[0], ids[0], params)
+        return np.asarray(kept, np.int64), np.asarray(p, np.float64)
     top = float(x.max())
     e = np.exp((x - np.float32(top)) / np.float32(t))  # float32 pass over the vocabulary
     total = e.sum(dtype=np.float64)
@@ -357,12 +358,37 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[
     return _filtered(ids, w / total, params)
 
 
-def _kept_of_top(values: np.ndarray, ids: np.ndarray,
-                 params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
-    """kept_tokens when top-k decides first: the k largest logits (descending, ties by id) and their
-    ids. The filters after it see the renormalized top-k distribution."""
-    w = np.exp((values.astype(np.float64) - float(values[0])) / float(params.temperature))
-    return _filtered(np.asarray(ids, np.int64), w / w.sum(), params)
+def _kept_of_top(values: Sequence[float] | np.ndarray, ids: Sequence[int] | np.ndarray,
+                 params: SamplingParams | PickSpec) -> tuple[list[int], list[float]]:
+    """kept_tokens when top-k decides first, from the k largest logits (descending, ties by id) and
+    their ids: the kept ids and their probabilities (float64, summing to 1). The filters after top-k see
+    its renormalized distribution. In Python floats (a step's k <= 64 candidates: array calls would
+    cost more than the arithmetic)."""
+    v = values.tolist() if isinstance(values, np.ndarray) else [float(x) for x in values]
+    kept = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
+    t, v0 = float(params.temperature), v[0]
+    w = [math.exp((x - v0) / t) for x in v]
+    total = sum(w)
+    p = [x / total for x in w]
+    if params.top_p < 1.0:
+        n = len(p)
+        if any(p[i] < p[i + 1] or (p[i] == p[i + 1] and kept[i] > kept[i + 1]) for i in range(n - 1)):
+            order = sorted(range(n), key=lambda i: (-p[i], kept[i]))  # descending, lower id first on ties
+            p, kept = [p[i] for i in order], [kept[i] for i in order]
+        # the smallest prefix whose mass reaches top_p (the token that crosses it included)
+        cum, n_keep = 0.0, n
+        for i, x in enumerate(p):
+            cum += x
+            if cum >= params.top_p:
+                n_keep = i + 1
+                break
+        p, kept = p[:n_keep], kept[:n_keep]
+    if params.min_p > 0.0:
+        floor = params.min_p * max(p)
+        kept = [i for i, x in zip(kept, p, strict=True) if x >= floor]
+        p = [x for x in p if x >= floor]
+    total = sum(p)
+    return kept, [x / total for x in p]
 
 
 def _filtered(ids: np.ndarray, p: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -389,13 +415,18 @@ def draw_from_top(values: np.ndarray, ids: np.ndarray, spec: PickSpec) -> int:
         values, ids = values[: spec.top_k], ids[: spec.top_k]
     if spec.temperature <= 0:
         return int(ids[0])
-    return _draw_kept(*_kept_of_top(np.asarray(values), np.asarray(ids, np.int64), spec), spec.u)
+    return _draw_kept(*_kept_of_top(values, ids, spec), spec.u)
 
 
-def _draw_kept(ids: np.ndarray, p: np.ndarray, u: float) -> int:
-    """The inverse CDF at u over kept token ids with probabilities p (summing to 1)."""
-    idx = int(np.searchsorted(np.cumsum(p), u, side="right"))
-    return int(ids[min(idx, len(ids) - 1)])
+def _draw_kept(ids: Sequence[int] | np.ndarray, p: Sequence[float] | np.ndarray, u: float) -> int:
+    """The inverse CDF at u over kept token ids with probabilities p (summing to 1): the first id whose
+    running sum of p exceeds u (the last one if none does)."""
+    cum = 0.0
+    for i, x in enumerate(p.tolist() if isinstance(p, np.ndarray) else p):
+        cum += x
+        if cum > u:
+            return int(ids[i])
+    return int(ids[len(ids) - 1])
 
 
 def _pick_row(x: np.ndarray, sel: SamplingParams | PickSpec, u: float) -> int:

@@ -197,14 +197,13 @@ class Session:
         that follows each, and each one's (t, h, w)."""
         if len(self.tokens) + T > self.limit:
             raise context_full(len(self.tokens) + T, self.limit, int(self.model.config.context_length or 0))
-        if positions is None:
+        if positions is None:  # text: each position (t, h, w) = (p, p, p)
             start = self.position
-            positions = np.arange(start, start + T)
-            next_pos = list(range(start + 1, start + T + 1))
-        else:
-            positions = np.asarray(positions)
-            flat = positions if positions.ndim == 1 else positions.max(axis=0)
-            next_pos = [int(p) + 1 for p in np.maximum.accumulate(np.maximum(flat, self.position - 1))]
+            return np.arange(start, start + T), list(range(start + 1, start + T + 1)), \
+                [(p, p, p) for p in range(start, start + T)]
+        positions = np.asarray(positions)
+        flat = positions if positions.ndim == 1 else positions.max(axis=0)
+        next_pos = [int(p) + 1 for p in np.maximum.accumulate(np.maximum(flat, self.position - 1))]
         pos3 = np.broadcast_to(positions, (3, T)) if positions.ndim == 1 else positions
         return positions, next_pos, [(int(col[0]), int(col[1]), int(col[2])) for col in pos3.T]
 

@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrent", type=int, default=0, metavar="C")
     ap.add_argument("--unchained-passes", action="store_true")
     ap.add_argument("--stub-step-ms", type=float, default=0.0, metavar="MS")
+    ap.add_argument("--samplers", default="greedy,sampled,app default",
+                    help="which of greedy, sampled and app default to run (comma-separated)")
     args = ap.parse_args(argv)
     if args.stub_step_ms and not args.concurrent:
         ap.error("--stub-step-ms needs --concurrent")
@@ -184,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
              "sampled": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=7, max_tokens=n),
              "app default": SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.05,
                                            seed=7, max_tokens=n)}
+    wanted = [name.strip() for name in args.samplers.split(",")]
+    if unknown := [name for name in wanted if name not in picks]:
+        ap.error(f"--samplers: unknown {unknown}; use {', '.join(picks)}")
+    picks = {name: picks[name] for name in wanted}
     if args.concurrent:
         assert sched is not None
         top_id = min(50000, model.config.vocab_size)
