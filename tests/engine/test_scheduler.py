@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -171,23 +172,10 @@ def test_a_steps_callers_wake_while_the_next_step_runs(fixture, monkeypatch):
 
     monkeypatch.setattr(model.executor, "launch_batch", launch_batch)
     in_flight: dict[str, list[bool]] = {n: [] for n in names}
-    tokens: dict[str, list] = {}
-
-    def worker(name: str) -> None:
-        got = []
-        for ev in sched.generate(prompts[name], greedy_params(max_tokens=MAX_TOKENS)):
-            got.append(ev.token)
-            in_flight[name].append(counts["launched"] > counts["taken"])
-        tokens[name] = got
-
     sched = Scheduler(model, parallel=3, max_queue=3, chunk=32)
     try:
-        threads = [threading.Thread(target=worker, args=(n,)) for n in names]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-            assert not t.is_alive(), "a generation hung"
+        tokens = _generate_at_once(sched, prompts, [(n, greedy_params(max_tokens=MAX_TOKENS)) for n in names],
+                                   on_event=lambda n: in_flight[n].append(counts["launched"] > counts["taken"]))
     finally:
         sched.close()
     for name in names:
@@ -198,14 +186,21 @@ def test_a_steps_callers_wake_while_the_next_step_runs(fixture, monkeypatch):
     assert len(middle) == 3 * (MAX_TOKENS - 6) and sum(middle) >= 0.75 * len(middle), in_flight
 
 
-def _generate_at_once(sched: Scheduler, prompts: dict, cases: list) -> dict[str, list]:
-    """The tokens of each (prompt name, SamplingParams) generated at once through sched."""
+def _generate_at_once(sched: Scheduler, prompts: dict, cases: list,
+                      on_event: Callable[[str], None] | None = None) -> dict[str, list]:
+    """The tokens of each (prompt name, SamplingParams) generated at once through sched; on_event(name)
+    is called on the generation's thread as each of its events arrives."""
     results: dict[str, list] = {}
     errors: list[BaseException] = []
 
     def worker(name: str, prm: SamplingParams) -> None:
         try:
-            results[name] = [e.token for e in sched.generate(prompts[name], prm)]
+            got = []
+            for e in sched.generate(prompts[name], prm):
+                got.append(e.token)
+                if on_event is not None:
+                    on_event(name)
+            results[name] = got
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             errors.append(exc)
 
