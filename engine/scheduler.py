@@ -580,10 +580,10 @@ class Scheduler:
         # the interpreter fall while the device computes, not between two steps
         unwoken: list[_Pass] = []
         while True:
-            if unwoken and not self._has_ready():
-                self._wake(unwoken)
-                unwoken = []
             with self._cond:
+                if unwoken and not self._ready():  # no step to launch first: their callers wake now
+                    self._wake(unwoken)
+                    unwoken = []
                 while not self._passes and not self._closed:
                     self._cond.wait()
                 if self._closed:
@@ -604,10 +604,6 @@ class Scheduler:
         self._wake(unwoken)
         for work in pending:
             self._finish(work, error=GenerationCancelled("the scheduler is shut down"))
-
-    def _has_ready(self) -> bool:
-        with self._cond:
-            return any(w.ready for w in self._passes)
 
     @staticmethod
     def _wake(ended: list[_Pass]) -> None:
