@@ -2,6 +2,7 @@
 
     python -m minecart.kernels.check [--arch sm_61 ...] [--dump DIR] [--jobs N]
     python -m minecart.kernels.check --emit-ptx DIR --arch compute_61
+    python -m minecart.kernels.check --resources [REGEX] [--module M] [--arch sm_90]
 
 Compiles each module of build.module_specs() (every template instantiation) to PTX with NVRTC 12.x,
 loaded through ctypes from the PyPI wheel `nvidia-cuda-nvrtc-cu12` (no CuPy, no GPU, no driver), for
@@ -14,6 +15,11 @@ loads when MINECART_KERNEL_PTX=DIR: DIR/<module>.ptx for every module and DIR/ke
 name expression to its lowered symbol (build.py, "precompiled PTX directories"). The emitted set is
 build.module_specs(), the list get_kernel compiles from, so a new module or instantiation is included
 without a change here. The same tensor-core scan runs on the emitted PTX.
+
+`--resources [REGEX]` compiles to machine code instead and prints each kernel's registers, stack and
+spilled bytes as NVRTC 12's ptxas reports them (template names matching REGEX; every kernel takes
+minutes), exit 1 if any spills: the one way to read them for sm_61 and sm_70, which CUDA 13's ptxas
+dropped.
 
 This checks the PTX that NVRTC emits; it is not a performance or correctness test.
 """
@@ -28,6 +34,7 @@ import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from .build import (
@@ -139,6 +146,92 @@ class Nvrtc:
             return buf.value.decode(), lowered
         finally:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+    def ptxas_info(self, source: str, name: str, arch: str, name_expressions=(), options=()) -> str:
+        """ptxas's verbose report (registers, stack, spills, shared memory per kernel) of `source` compiled
+        to machine code for `arch` (sm_XX)."""
+        prog = ctypes.c_void_p()
+        self._ok(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
+                                             0, None, None), "nvrtcCreateProgram")
+        try:
+            for expr in name_expressions:
+                self._ok(self.lib.nvrtcAddNameExpression(prog, expr.encode()), f"name expression {expr}")
+            opts = [f"--gpu-architecture={arch.replace('compute_', 'sm_')}", "-Xptxas=-v", *options]
+            arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+            rc = self.lib.nvrtcCompileProgram(prog, len(opts), arr)
+            size = ctypes.c_size_t()
+            self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            self.lib.nvrtcGetProgramLog(prog, log)
+            text = log.value.decode(errors="replace")
+            if rc != 0:
+                raise NvrtcError(f"{name} for {arch} does not compile:\n{text}")
+            return text
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    symbol: str
+    registers: int
+    stack: int  # bytes of stack frame
+    spill_stores: int
+    spill_loads: int
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas_info(log: str) -> list[KernelResources]:
+    """The kernels of a ptxas verbose report, in its order."""
+    out: list[KernelResources] = []
+    symbol, frame = None, None
+    for line in log.splitlines():
+        if (m := _PTXAS_ENTRY.search(line)) is not None:
+            symbol, frame = m.group(1), None
+        elif (m := _PTXAS_FRAME.search(line)) is not None:
+            frame = m
+        elif (m := _PTXAS_REGS.search(line)) is not None and symbol is not None:
+            st, ss, sl = (int(frame.group(i)) for i in (1, 2, 3)) if frame is not None else (0, 0, 0)
+            out.append(KernelResources(symbol, int(m.group(1)), st, ss, sl))
+            symbol = None
+    return out
+
+
+def resources(specs: list[ModuleSpec], archs, pattern: str = "", jobs: int = 2,
+              sources: dict[str, str] | None = None, out=sys.stdout) -> int:
+    """Print registers, stack and spills of every kernel (whose template name or symbol matches `pattern`)
+    of `specs` for each architecture, as NVRTC 12's ptxas reports them; returns 1 if any of them spills."""
+    nvrtc = Nvrtc()
+    rx = re.compile(pattern) if pattern else None
+    sources = sources or {}
+
+    def one(item):
+        spec, arch = item
+        exprs = tuple(e for e in spec.name_expressions if rx is None or rx.search(e))
+        plain = tuple(k for k in spec.extern_c if rx is None or rx.search(k))
+        if not exprs and not plain:
+            return spec, arch, {}, []
+        src = sources.get(spec.name) or module_source(spec)
+        _, lowered = nvrtc.compile_ptx_lowered(src, spec.name, arch, exprs, COMPILE_OPTIONS)
+        names = {sym: expr for expr, sym in lowered.items()} | {k: k for k in plain}
+        rows = parse_ptxas_info(nvrtc.ptxas_info(src, spec.name, arch, exprs, COMPILE_OPTIONS))
+        return spec, arch, names, [r for r in rows if r.symbol in names]
+
+    status = 0
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for fut in [pool.submit(one, (s, a)) for s in specs for a in archs]:
+            spec, arch, names, rows = fut.result()
+            for r in rows:
+                spills = r.spill_stores + r.spill_loads
+                status = max(status, 1 if spills else 0)
+                print(f"{arch} {spec.name:<16} {names[r.symbol]:<36} {r.registers:4d} registers, "
+                      f"{r.stack:4d} B stack, {r.spill_stores} / {r.spill_loads} B spilled (stores / loads)", file=out)
+    print("no spills" if status == 0 else "SPILLS", file=out)
+    return status
 
 
 def tensor_core_lines(ptx: str) -> list[str]:
@@ -265,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--emit-ptx", type=Path, metavar="DIR",
                    help="write a PTX directory for MINECART_KERNEL_PTX (every module and instantiation, "
                         "with the name map kernels.json) for the one --arch given")
+    p.add_argument("--resources", metavar="REGEX", nargs="?", const="",
+                   help="instead: registers, stack and spills of each kernel (template names matching REGEX, "
+                        "default all) as ptxas reports them for each --arch; exit 1 if any spills")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="parallel compilations")
     a = p.parse_args(argv)
     try:
@@ -275,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.module:
         specs = [s for s in specs if s.name in a.module]
     try:
+        if a.resources is not None:
+            return resources(specs, archs, a.resources, a.jobs)
         if a.emit_ptx is not None:
             if len(archs) != 1:
                 p.error("--emit-ptx needs exactly one --arch (e.g. --arch compute_61)")

@@ -219,35 +219,40 @@ __global__ void __launch_bounds__(256) gemm_fma(
 
 // gemm_batch<QT, TT>: Y (T, R) = X (T, K) @ W (R, K)^T for a batched decode step, T <= TT tokens (TT = 8,
 // 16 or 32: one sequence's token each), DP4A on every format load_wblock reads (K-quants in their
-// repacked layout). The weights are streamed once for all T tokens: each is expanded to int8 once, into
-// shared memory, and used from there by every token.
+// repacked layout). The weights are streamed once for all T tokens. Two thread maps:
 //
-// Thread maps (GbTile): a block of 128 threads computes 64 weight rows x TT tokens.
-// - 8 tokens, the K-parts map: lane l of warp w holds rows 2 l and 2 l + 1 and all 8 tokens, for blocks
-//   2 w and 2 w + 1 of every stage of 8; the four warps' sums are added at the end through shared memory
-//   in warp order (deterministic). Each weight int read from shared memory (one 64-bit load: the lane's
-//   two rows) feeds 8 DP4A, one per token, and a warp's activation loads all read one address (a
-//   broadcast: one wavefront).
-// - 16 and 32 tokens, the row-quad map: thread (tx, ty) holds rows 4 tx .. 4 tx + 3 and tokens TM ty ..
-//   TM ty + TM - 1 (TM = TT / 8, tx = tid % 16): one 128-bit weight load (4 wavefronts) per 4 TM DP4A.
-// What limits them (Nsight Compute, Q4_K 24576 x 4096, H200): the row-quad map at 8 tokens with TM = 1
-// was bound by shared-memory wavefronts (the L1 data pipe at 88% of peak); TM = 2 (128-row blocks)
-// halved the wavefronts per DP4A. The K-parts map at 8 tokens issues 2.3 instructions a cycle with the FMA-heavy
-// pipe (DP4A, integer multiply-adds) at 55% of peak: DP4A are 31% of its instructions, the rest the
-// weights' expansion when stored, the per-block scaling (4 fp32 operations per row, token and block) and
-// the loads. The 9B Q4_K step's matmuls at 8 tokens: 3.15 ms against the row-quad map's 3.35 (Q8_0 3.41
-// against 4.68); the K-parts map with a warp per token group was 5% slower than the row quads at 32
-// tokens (Q4_K 8.28 against 7.87 ms, Q8_0 8.88 against 8.49; 9% more instructions) and mixed at 16
-// (Q4_K 4.79 against 5.12, Q8_0 5.50 against 5.29), so 16 and 32 keep the row quads. 4 rows a lane
-// (128-row blocks, 2 blocks a multiprocessor by registers) measured no faster.
+// The rows map (8 and 16 tokens, gb_rows): a block of 128 threads computes 32 weight rows x TT tokens.
+// Lane s of each group of 8 lanes (lanes 8 g .. 8 g + 7 of warp w) takes block s of every stage of 8
+// quant blocks (256 values: one K-quant super-block) of the group's 2 rows (8 w + g and 8 w + 4 + g),
+// so the 8 lanes of a row read its stage's 128+ contiguous bytes in one coalesced load straight into
+// their registers (K-quants: the super-block's d and dmin gathered by gemv_kq's three xor-shuffles inside
+// the group), expand each block to int8 once and dot it with all TT tokens. The stage's activations (TT
+// tokens x 8 blocks, q8_1) are staged in shared memory, double-buffered (one barrier a stage): a lane
+// reads its block of token t as two 16-byte loads and one 8-byte (xd, xs) load, one address for the 4
+// groups of a warp and 8 contiguous ones over its 8 lanes (one wavefront), used for both rows. The next
+// stage's weights and activations are loaded into registers while the current one is computed. At the
+// end each lane holds 2 x TT partial sums (its block of every stage); the 8 lanes of a group add them in
+// a fixed tree of xor-shuffles that halves the values each round (lane s keeps flat entries VL s ..
+// VL s + VL - 1 of the row-major 2 x TT tile, VL = TT / 4), deterministic.
+// - Against the K-parts map it replaced at 8 tokens (loader threads expanded the weights into shared
+//   memory for the lanes that dot them) and the row quads at 16, H200, bench_gemv --multi, the 9B step's
+//   matmuls (docs/BENCHMARKS.md v32): 8 tokens Q4_K 3.158 -> 2.799 ms, Q6_K 3.954 -> 3.632, Q8_0 3.414 ->
+//   3.395; 16 tokens Q4_K 5.215 -> 4.446, Q6_K 5.791 -> 5.150, Q8_0 5.423 -> 5.315.
+// - 4 rows a lane (64-row blocks) was faster for Q4_K at 8 tokens (2.758) but slower for Q8_0 (4.120) and
+//   Q6_K (3.988): 146-168 registers, 3 blocks a multiprocessor and one wave of 384 blocks for the
+//   24576-row matrix; capping it at 128 registers spilled. At 32 tokens (one row a lane, 16-row blocks)
+//   every block re-reads the stage's 32 tokens of activations for 16 rows: about twice the row quads'
+//   time (Q4_K 24576 x 4096: 169 against 93 us).
+// - What limits it (Nsight Compute, Q4_K 24576 x 4096, 8 tokens, 4 rows a lane): 2.46 instructions a
+//   cycle (issue slots 56% busy), stalls mostly fixed-latency dependencies and the math pipe's
+//   throttle, achieved occupancy 15%; DRAM 38% of its peak. Executed instructions 8% fewer than the
+//   K-parts map's.
 //
-// K loop: stages of 8 quant blocks (256 values: one K-quant super-block): the stage's weights and activations are loaded into
-// registers while the previous stage is computed from shared memory (software pipelining: one barrier
-// pair per stage). Weight loads: the 8 lanes of a group read the 8 blocks of one row's stage (a K-quant
-// super-block's 128+ contiguous bytes; Q4_K / Q5_K d and dmin gathered by gemv_kq_mt's three
-// xor-shuffles), ROWS / 16 passes of 16 rows, expanded to int8 once when stored. Activation loads: 16
-// threads read one token's 256 stage bytes. Shared layouts padded so that stores and loads are free of
-// bank conflicts.
+// The row-quad map (32 tokens, gb_quads): thread (tx, ty) holds rows 4 tx .. 4 tx + 3 and tokens 4 ty ..
+// 4 ty + 3 (tx = tid % 16) of a 64-row tile: one 128-bit weight load (4 wavefronts) per 16 DP4A. Weight
+// loads: the 8 lanes of a group read the 8 blocks of one row's stage, 4 passes of 16 rows, expanded to
+// int8 once into shared memory; activations: 16 threads read one token's 256 stage bytes. Software
+// pipelined as above (one barrier pair a stage), shared layouts padded free of bank conflicts.
 //
 // Inside a block the products are exact int32 started at 0x4B400000 (gemm_dp4a's int -> float by one
 // subtraction; a 32-value block sums at most 516,128 < 2^22); per block they are scaled into fp32
@@ -274,29 +279,207 @@ __device__ __forceinline__ i64 seg_index(const int* bounds, int T, int t, int r,
     return (i64)T * lo + (i64)t * (hi - lo) + (r - lo);
 }
 
-template <int TT>
-struct GbTile {
-    static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
-    static constexpr bool KP = TT == 8;       // the K-parts map (8 tokens) or the row-quad map (16, 32)
-    static constexpr int ROWS = 64;           // weight rows per block (ops.GEMM_BATCH_ROWS)
-    static constexpr int PASSES = ROWS / 16;  // weight load passes per stage
-    static constexpr int XJ = TT / 8;         // activation int4 loads per thread per stage
-    static constexpr int NP = 4;              // K-parts map: a warp each, 2 of a stage's 8 blocks
-    static constexpr int TM = TT / 8;         // row-quad map: tokens per thread
-    static constexpr int RQ = 128 / (TT / TM);  // row-quad map: threads over the rows (16)
-    static constexpr int AR = KP ? 2 : 4;     // a thread's rows
-    static constexpr int AT = KP ? 8 : TM;    // a thread's tokens
-};
+// One round of gemm_batch's group sum: v[0 .. N) becomes the half of v[0 .. 2 N) named by `hi` plus the
+// partner lane's (lane ^ o) copy of that half.
+template <int N>
+__device__ __forceinline__ void gb_halve(float* v, int o, bool hi) {
+#pragma unroll
+    for (int k = 0; k < N; k++) {
+        const float send = hi ? v[k] : v[N + k];
+        const float keep = hi ? v[N + k] : v[k];
+        v[k] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+}
+
+// A block of a row as a lane holds it from its load to its use: K-quants raw (KqRaw, expanded at use),
+// the other formats expanded at load (WBlock).
+template <int QT, bool KQ = kq_format(QT)> struct GbRaw { typedef WBlock T; };
+template <int QT> struct GbRaw<QT, true> { typedef KqRaw T; };
 
 template <int QT, int TT>
-__global__ void __launch_bounds__(128, 3) gemm_batch(
+__device__ __forceinline__ void gb_rows(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
         const int* __restrict__ seg, int nseg) {
-    using G = GbTile<TT>;
-    constexpr int ROWS = G::ROWS, PASSES = G::PASSES, XJ = G::XJ, NP = G::NP, TM = G::TM, RQ = G::RQ;
-    constexpr int AR = G::AR, AT = G::AT;
+    static_assert(TT == 8 || TT == 16, "gemm_batch's rows map: 8 or 16 tokens");
+    constexpr int RL = 2;                   // rows a lane (32 a block: ops.GEMM_BATCH_ROWS)
+    constexpr int V = RL * TT, VL = V / 8;  // a lane's sums; what it keeps of them after the group sum
+    constexpr int XJ = TT / 8;   // activation int4 loads a thread a stage
+    constexpr int XC = (TT + 15) / 16;  // activation (xd, xs) loads a thread a stage
+    constexpr bool KQ = kq_format(QT);
+    constexpr bool SPLIT = (QT == QT_Q6_K);  // two scales per block
+    constexpr bool HAS_M = qt_has_offset(QT);
+    static_assert(!(SPLIT && HAS_M), "gemm_batch: a block has a second scale or an offset, not both");
+    typedef typename GbRaw<QT>::T Raw;
+    __shared__ __align__(16) int4 sxv[2][2][TT][8];  // [buffer][half][token][block]: values 16 h .. 16 h + 15
+    __shared__ __align__(16) float2 sxc[2][TT][8];   // (xd, xs): [buffer][token][block]
+    __shared__ int bounds[9];
+
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 3, s = lane & 7;
+    const int r0 = blockIdx.x * 16 * RL;
+    const int nb = K >> 5;
+    const int nst = (nb + 7) >> 3;
+    const int st0 = blockIdx.y * stages;
+    const int st1 = min(nst, st0 + stages);
+    const i64 wstride = row_bytes<QT>(K);
+    const int ddsh = kq_dd_shift(s);
+    if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
+    int rows[RL];  // the lane's rows, clamped to R - 1
+#pragma unroll
+    for (int i = 0; i < RL; i++) rows[i] = min(r0 + 4 * RL * warp + 4 * i + g, R - 1);
+
+    Raw cur[RL], nxt[RL];
+    int4 xv[XJ];
+    float2 xcv[XC];
+    auto load_w = [&](int st, Raw* w) {
+        const int b = st * 8 + s;
+#pragma unroll
+        for (int i = 0; i < RL; i++) {
+            const u8* wrow = wq + (i64)rows[i] * wstride;
+            const u16* wdrow = wd + (i64)rows[i] * nb;
+            if constexpr (KQ) {
+                kq_load_raw<QT>(wrow, wdrow, b, true, w[i]);  // K % 256 == 0: every block of the stage exists
+            } else if (b < nb) {
+                load_wblock<QT>(wrow, wdrow, b, w[i]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) w[i].q[k] = 0;
+                w[i].dlo = w[i].dhi = w[i].m = 0.0f;
+            }
+        }
+    };
+    auto load_x = [&](int st) {
+#pragma unroll
+        for (int j = 0; j < XJ; j++) {  // int4 j: token idx / 16, block (idx % 16) / 2, half idx % 2
+            const int idx = tid + 128 * j;
+            const int t = idx >> 4, b = st * 8 + ((idx & 15) >> 1);
+            xv[j] = make_int4(0, 0, 0, 0);
+            if (t < T && b < nb) xv[j] = ((const int4*)(xq + ((i64)t * nb + b) * 32))[idx & 1];
+        }
+#pragma unroll
+        for (int j = 0; j < XC; j++) {  // scales: token idx / 8, block idx % 8
+            const int idx = tid + 128 * j;
+            const int t = idx >> 3, b = st * 8 + (idx & 7);
+            xcv[j] = make_float2(0.0f, 0.0f);
+            if (idx < TT * 8 && t < T && b < nb) xcv[j] = make_float2(xd[(i64)t * nb + b], xs[(i64)t * nb + b]);
+        }
+    };
+    auto store_x = [&](int buf) {
+#pragma unroll
+        for (int j = 0; j < XJ; j++) {
+            const int idx = tid + 128 * j;
+            sxv[buf][idx & 1][idx >> 4][(idx & 15) >> 1] = xv[j];
+        }
+#pragma unroll
+        for (int j = 0; j < XC; j++) {
+            const int idx = tid + 128 * j;
+            if (idx < TT * 8) sxc[buf][idx >> 3][idx & 7] = xcv[j];
+        }
+    };
+
+    float acc[RL][TT];
+#pragma unroll
+    for (int i = 0; i < RL; i++)
+#pragma unroll
+        for (int j = 0; j < TT; j++) acc[i][j] = 0.0f;
+
+    if (st0 < st1) {
+        load_x(st0);
+        store_x(0);
+        load_w(st0, cur);
+    }
+    for (int st = st0; st < st1; st++) {
+        const int buf = (st - st0) & 1;
+        __syncthreads();  // this stage's activations are stored; every warp is done with the other buffer
+        const bool more = st + 1 < st1;
+        if (more) {  // in flight while this stage computes
+            load_x(st + 1);
+            load_w(st + 1, nxt);
+        }
+        int q[RL][8];
+        float dlo[RL], e[RL];  // e: dhi (Q6_K) or m
+#pragma unroll
+        for (int i = 0; i < RL; i++) {
+            if constexpr (KQ) {
+                float dhi, m;
+                kq_raw_scales<QT>(cur[i], ddsh, dlo[i], dhi, m);
+                e[i] = SPLIT ? dhi : m;
+                const u32 vv[4] = {cur[i].v.x, cur[i].v.y, cur[i].v.z, cur[i].v.w};
+#pragma unroll
+                for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], cur[i].h0, cur[i].h1, k, q[i][k], q[i][4 + k]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) q[i][k] = cur[i].q[k];
+                dlo[i] = cur[i].dlo;
+                e[i] = SPLIT ? cur[i].dhi : cur[i].m;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < TT; j++) {
+            const int4 x0 = sxv[buf][0][j][s], x1 = sxv[buf][1][j][s];
+            const float2 xc = sxc[buf][j][s];  // (xd, xs)
+#pragma unroll
+            for (int i = 0; i < RL; i++) {
+                int a = MAGIC_I;
+                a = dp4a(q[i][0], x0.x, a);
+                a = dp4a(q[i][1], x0.y, a);
+                a = dp4a(q[i][2], x0.z, a);
+                a = dp4a(q[i][3], x0.w, a);
+                if (SPLIT) {  // the first half-block's exact sum, with its own scale
+                    acc[i][j] = fmaf(__int_as_float(a) - MAGIC_F, xc.x * dlo[i], acc[i][j]);
+                    a = MAGIC_I;
+                }
+                a = dp4a(q[i][4], x1.x, a);
+                a = dp4a(q[i][5], x1.y, a);
+                a = dp4a(q[i][6], x1.z, a);
+                a = dp4a(q[i][7], x1.w, a);
+                acc[i][j] = fmaf(__int_as_float(a) - MAGIC_F, xc.x * (SPLIT ? e[i] : dlo[i]), acc[i][j]);
+                if (HAS_M) acc[i][j] = fmaf(e[i], xc.y, acc[i][j]);
+            }
+        }
+        if (more) {
+            store_x(buf ^ 1);
+#pragma unroll
+            for (int i = 0; i < RL; i++) cur[i] = nxt[i];
+        }
+    }
+    // The group's 8 lanes add their blocks' sums: three xor-shuffle rounds, each keeping half the values
+    // (the half named by the lane's bit) and adding the partner's copy of that half.
+    float v[V];
+#pragma unroll
+    for (int f = 0; f < V; f++) v[f] = acc[f / TT][f % TT];
+    gb_halve<V / 2>(v, 4, (s & 4) != 0);
+    gb_halve<V / 4>(v, 2, (s & 2) != 0);
+    gb_halve<V / 8>(v, 1, (s & 1) != 0);
+    __syncthreads();  // bounds[] is written
+    // lane s holds the sums of flat entries VL s .. VL s + VL - 1 (row i = f / TT, token j = f % TT)
+    const bool split = gridDim.y > 1;
+    float* out = split ? part + (i64)blockIdx.y * T * R : y;
+#pragma unroll
+    for (int k = 0; k < VL; k++) {
+        const int f = VL * s + k;
+        const int t = f % TT, r = r0 + 4 * RL * warp + 4 * (f / TT) + g;
+        if (t >= T || r >= R) continue;
+        const i64 at = (i64)t * R + r;
+        if (split) out[at] = v[k];
+        else out[seg != nullptr ? seg_index(bounds, T, t, r, R) : at] = res != nullptr ? v[k] + res[at] : v[k];
+    }
+}
+
+template <int QT, int TT>
+__device__ __forceinline__ void gb_quads(
+        const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+        const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
+        float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
+        const int* __restrict__ seg, int nseg) {
+    constexpr int ROWS = 64;          // weight rows a block (ops.gemm_batch_rows)
+    constexpr int PASSES = ROWS / 16;  // weight load passes a stage
+    constexpr int XJ = TT / 8;         // activation int4 loads a thread a stage
+    constexpr int TM = TT / 8;         // tokens a thread
+    constexpr int RQ = 16;             // threads over the rows
     constexpr bool KQ = kq_format(QT);
     constexpr bool SPLIT = (QT == QT_Q6_K);  // two scales per block
     constexpr bool HAS_M = qt_has_offset(QT);
@@ -305,11 +488,9 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
     __shared__ __align__(16) float swc[2][8][ROWS + 4];    // dlo; dhi (Q6_K) or m: [block][row]
     __shared__ __align__(16) int sx[8][TT][12];            // [block][token][int k] (+4 pad)
     __shared__ __align__(16) float2 sxc[8][TT];            // (xd, xs): [block][token]
-    static_assert(sizeof(sw) >= sizeof(float) * 128 * 2 * 8, "gemm_batch: the parts' sums fit in sw");
 
     const int tid = threadIdx.x;
-    const int lane = tid & 31, pp = tid >> 5;  // K-parts map: the warp's part of each stage
-    const int tx = tid % RQ, ty = tid / RQ;    // row-quad map: rows 4 tx .., tokens TM ty ..
+    const int tx = tid % RQ, ty = tid / RQ;  // rows 4 tx .., tokens TM ty ..
     const int r0 = blockIdx.x * ROWS;
     const int nb = K >> 5;
     const int nst = (nb + 7) >> 3;
@@ -396,11 +577,11 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
         }
     };
 
-    float acc[AR][AT];
+    float acc[4][TM];
 #pragma unroll
-    for (int i = 0; i < AR; i++)
+    for (int i = 0; i < 4; i++)
 #pragma unroll
-        for (int j = 0; j < AT; j++) acc[i][j] = 0.0f;
+        for (int j = 0; j < TM; j++) acc[i][j] = 0.0f;
 
     if (st0 < st1) gload(st0);
     for (int st = st0; st < st1; st++) {
@@ -408,45 +589,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
         sstore();
         __syncthreads();
         if (st + 1 < st1) gload(st + 1);  // in flight while this stage computes
-        if constexpr (G::KP) {
-#pragma unroll 1
-            for (int uu = 0; uu < 8 / NP; uu++) {
-                const int u = pp * (8 / NP) + uu;
-                int2 w[8];  // the block's 8 ints of the lane's two rows
-#pragma unroll
-                for (int k = 0; k < 8; k++) w[k] = *(const int2*)&sw[u][k * ROWS + 2 * lane];
-                const float2 d2 = *(const float2*)&swc[0][u][2 * lane];
-                float2 e2 = d2;  // dhi (Q6_K) or m
-                if (SPLIT || HAS_M) e2 = *(const float2*)&swc[1][u][2 * lane];
-                const float dlo[2] = {d2.x, d2.y}, e[2] = {e2.x, e2.y};
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const int4 x0 = *(const int4*)&sx[u][j][0];
-                    const int4 x1 = *(const int4*)&sx[u][j][4];
-                    const float2 xc = sxc[u][j];  // (xd, xs)
-#pragma unroll
-                    for (int i = 0; i < 2; i++) {
-                        auto wk = [&](int k) { return i == 0 ? w[k].x : w[k].y; };
-                        int a = MAGIC_I;
-                        a = dp4a(wk(0), x0.x, a);
-                        a = dp4a(wk(1), x0.y, a);
-                        a = dp4a(wk(2), x0.z, a);
-                        a = dp4a(wk(3), x0.w, a);
-                        if (SPLIT) {  // the first half-block's exact sum, with its own scale
-                            acc[i][j] = fmaf(__int_as_float(a) - MAGIC_F, xc.x * dlo[i], acc[i][j]);
-                            a = MAGIC_I;
-                        }
-                        a = dp4a(wk(4), x1.x, a);
-                        a = dp4a(wk(5), x1.y, a);
-                        a = dp4a(wk(6), x1.z, a);
-                        a = dp4a(wk(7), x1.w, a);
-                        const float v = __int_as_float(a) - MAGIC_F;
-                        acc[i][j] = fmaf(v, xc.x * (SPLIT ? e[i] : dlo[i]), acc[i][j]);
-                        if (HAS_M) acc[i][j] = fmaf(e[i], xc.y, acc[i][j]);
-                    }
-                }
-            }
-        } else {
+        {
 #pragma unroll 2
             for (int u = 0; u < 8; u++) {
                 int ai[4][TM];
@@ -497,43 +640,35 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
     }
     __shared__ int bounds[9];
     if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
-    if constexpr (G::KP) {  // the parts of K added in part order (deterministic) by the warp of part 0
-        float* red = (float*)&sw[0][0];  // [part][row i * 8 + token j][lane]
-        __syncthreads();  // every warp is done with sw
-        if (pp > 0) {
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int j = 0; j < 8; j++) red[(pp * 16 + i * 8 + j) * 32 + lane] = acc[i][j];
-        }
-        __syncthreads();
-        if (pp > 0) return;
-#pragma unroll
-        for (int q = 1; q < NP; q++)
-#pragma unroll
-            for (int i = 0; i < 2; i++)
-#pragma unroll
-                for (int j = 0; j < 8; j++) acc[i][j] += red[(q * 16 + i * 8 + j) * 32 + lane];
-    } else {
-        __syncthreads();
-    }
-    // write out: the thread's rows (K-parts: 2 lane, 2 lane + 1; row quads: 4 tx ..) and tokens (K-parts:
-    // all 8; row quads: TM ty ..)
+    __syncthreads();  // bounds[] is written
+    // write out: the thread's rows 4 tx .. and tokens TM ty ..
     const bool split = gridDim.y > 1;
     float* out = split ? part + (i64)blockIdx.y * T * R : y;
 #pragma unroll
-    for (int j = 0; j < AT; j++) {
-        const int t = G::KP ? j : TM * ty + j;
+    for (int j = 0; j < TM; j++) {
+        const int t = TM * ty + j;
         if (t >= T) continue;
 #pragma unroll
-        for (int i = 0; i < AR; i++) {
-            const int r = r0 + (G::KP ? 2 * lane : 4 * tx) + i;
+        for (int i = 0; i < 4; i++) {
+            const int r = r0 + 4 * tx + i;
             if (r >= R) continue;
             const i64 at = (i64)t * R + r;
             if (split) out[at] = acc[i][j];
             else out[seg != nullptr ? seg_index(bounds, T, t, r, R) : at] = res != nullptr ? acc[i][j] + res[at] : acc[i][j];
         }
     }
+}
+
+
+template <int QT, int TT>
+__global__ void __launch_bounds__(128, 3) gemm_batch(
+        const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
+        const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
+        float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
+        const int* __restrict__ seg, int nseg) {
+    static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
+    if constexpr (TT == 32) gb_quads<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg);
+    else gb_rows<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg);
 }
 
 // splitk_sum: y = the sum over s < splits of part[s] (T, R) (+ res), in split order: gemm_batch's split-K

@@ -358,7 +358,8 @@ def gemv_max_t(w: QWeight) -> int:
 
 # -- batched decode GEMM (gemm_batch, kernels/gemm.cu) --
 # DP4A matmuls of GEMM_BATCH_MIN_T..32 tokens (a batched decode step of that many sequences) run as one
-# gemm_batch launch (64-row x 8/16/32-token tiles, weights read once, split over K to fill the card)
+# gemm_batch launch (32 x 8, 32 x 16 or 64 x 32 row x token tiles, weights read once, split over K to fill
+# the card)
 # instead of passes of the multi-token GEMVs (K-quants, Q8_0) or the 128x128-tile prefill GEMM (the other
 # formats above 8 tokens). Env MINECART_GEMM_BATCH: "auto" (from GEMM_BATCH_MIN_T tokens), "on" (from 2
 # tokens), "off" (the kernels before it); MINECART_GEMM_BATCH_MIN_T.
@@ -367,8 +368,6 @@ GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
 # 3.52 with the multi-token GEMVs (H200, bench_gemv --multi, docs/BENCHMARKS.md v15; the tile's row-quad
 # map then, 6% slower at 8 tokens than its K-parts map now, v22).
 GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "4"))
-# weight rows per block of every token tile (gemm.cu GbTile::ROWS)
-GEMM_BATCH_ROWS = 64
 # split K until the launch has about this many blocks per multiprocessor. H200, 9B Q4_K step's matmuls,
 # 8-token tile at 2 / 6 / 12 blocks per multiprocessor: 4.556 / 4.557 / 4.624 ms; 32-token tile at 2 / 4:
 # 7.711 / 7.643 ms (env MINECART_GEMM_BATCH_BLOCKS_PER_SM; 0: never split). The whole batched step
@@ -390,12 +389,23 @@ def _gemm_batch(type_name: str, T: int) -> int | None:
     return next(tt for tt in GEMM_BATCH_TOKENS if T <= tt)
 
 
-def gemm_batch_splits(R: int, K: int, sms: int) -> tuple[int, int]:
-    """(splits over K, stages of 256 values per split) of a gemm_batch launch (any token tile: each has
-    GEMM_BATCH_ROWS-row blocks) on a card with `sms` multiprocessors: a matrix with fewer row tiles than GEMM_BATCH_BLOCKS_PER_SM blocks
-    per multiprocessor is split along K (a 4096 x 4096 matrix in 64-row tiles: 4 splits of 4 stages on
-    132 multiprocessors), each split at least one stage."""
-    tiles = -(-R // GEMM_BATCH_ROWS)
+# weight rows a block of each gemm_batch token tile (gemm.cu: the rows map's 32 at 8 and 16 tokens, the row
+# quads' 64 at 32)
+GEMM_BATCH_ROWS = {8: 32, 16: 32, 32: 64}
+
+
+def gemm_batch_rows(tt: int) -> int:
+    """Weight rows a block of gemm_batch's token tile `tt` computes."""
+    return GEMM_BATCH_ROWS[tt]
+
+
+def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int]:
+    """(splits over K, stages of 256 values per split) of a gemm_batch launch of token tile `tt` on a card
+    with `sms` multiprocessors: a matrix with fewer row tiles (gemm_batch_rows) than
+    GEMM_BATCH_BLOCKS_PER_SM blocks per multiprocessor is split along K (a 4096 x 4096 matrix in the
+    8-token tile's 32-row tiles: 3 splits of at most 6 stages on 132 multiprocessors), each split at
+    least one stage."""
+    tiles = -(-R // gemm_batch_rows(tt))
     stages = -(-(K // 32) // 8)
     want = -(-(GEMM_BATCH_BLOCKS_PER_SM * sms) // tiles)
     splits = max(1, min(stages, want))
@@ -500,12 +510,12 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
     if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
-        splits, per = gemm_batch_splits(R, K, sm_count())
+        splits, per = gemm_batch_splits(R, K, sm_count(), tt)
         part = cp.empty((splits, T, R), dtype=cp.float32) if splits > 1 else np.uint64(0)
         res = residual if residual is not None else np.uint64(0)
         seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
         nseg = np.int32(len(segments) - 1 if segments is not None else 1)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS), splits), (128,),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / gemm_batch_rows(tt)), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, y, part, np.int32(T), np.int32(R),
                                                  np.int32(K), np.int32(per), res, seg, nseg))
         if splits > 1:

@@ -73,7 +73,7 @@ def test_every_format_tile_and_split(monkeypatch, poison, launches, type_name, T
         seen = set()
         for per_sm in (0, 2, 6, 10_000):  # one split; the default; more splits; one stage per split
             monkeypatch.setattr(ops, "GEMM_BATCH_BLOCKS_PER_SM", per_sm)
-            splits, per = ops.gemm_batch_splits(R, K, ops.sm_count())
+            splits, per = ops.gemm_batch_splits(R, K, ops.sm_count(), tt)
             assert splits * per >= stages > (splits - 1) * per
             seen.add(splits)
             for res in (None, gr):

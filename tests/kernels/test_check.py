@@ -86,3 +86,48 @@ def test_probe_cache_roundtrip(tmp_path, monkeypatch):
     assert probe_cache.summary_for("GPU-none") == ""
     (tmp_path / probe_cache.FILE_NAME).write_text("{not json")
     assert probe_cache.load_all() == {}
+
+
+def test_ptxas_reports_are_parsed_per_kernel():
+    log = "\n".join([
+        "ptxas info    : 0 bytes gmem",
+        "ptxas info    : Compiling entry function '_Z3fooILi8EEvPf' for 'sm_90'",
+        "ptxas info    : Function properties for _Z3fooILi8EEvPf",
+        "ptxas         .     24 bytes stack frame, 20 bytes spill stores, 16 bytes spill loads",
+        "ptxas info    : Used 128 registers, used 1 barriers, 24 bytes cumulative stack size, 10276 bytes smem",
+        "ptxas info    : Compiling entry function 'bar' for 'sm_90'",
+        "ptxas info    : Function properties for bar",
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+        "ptxas info    : Used 32 registers, used 1 barriers, 36 bytes smem",
+    ])
+    assert check.parse_ptxas_info(log) == [check.KernelResources("_Z3fooILi8EEvPf", 128, 24, 20, 16),
+                                           check.KernelResources("bar", 32, 0, 0, 0)]
+
+
+@needs_nvrtc
+def test_resources_names_each_kernel_and_flags_spills():
+    """--resources compiles to machine code and reports each instantiation by its template name; a kernel
+    forced to spill (a large indexed local array, 32 registers at most) makes it exit 1."""
+    from minecart.kernels.build import module_specs
+
+    spec = next(s for s in module_specs() if s.name == "matmul_Q4_K")
+    out = io.StringIO()
+    assert check.resources([spec], ("sm_90",), r"^gemm_batch<12, 8>$", out=out) == 0, out.getvalue()
+    line, verdict = out.getvalue().strip().split("\n")
+    assert line.startswith("sm_90 matmul_Q4_K") and "gemm_batch<12, 8>" in line and "registers" in line
+    assert verdict == "no spills"
+    spilling = ModuleSpec("spill", ("bench.cu",), (), ("spills",))
+    src = module_source(ModuleSpec("spill", ("bench.cu",), ())) + r"""
+extern "C" __global__ void __launch_bounds__(1024, 2) spills(float* out, const float* in, int n) {
+    float v[96];
+    #pragma unroll
+    for (int i = 0; i < 96; i++) v[i] = in[i * n + threadIdx.x];
+    float s = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < 96; i++) s += v[i] * v[(i * 7) % 96];
+    out[threadIdx.x] = s;
+}
+"""
+    out = io.StringIO()
+    assert check.resources([spilling], ("sm_90",), sources={"spill": src}, out=out) == 1, out.getvalue()
+    assert "spills" in out.getvalue() and out.getvalue().strip().endswith("SPILLS")
