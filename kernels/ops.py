@@ -365,8 +365,8 @@ def gemv_max_t(w: QWeight) -> int:
 # tokens), "off" (the kernels before it); MINECART_GEMM_BATCH_MIN_T.
 GEMM_BATCH_VARIANT = os.environ.get("MINECART_GEMM_BATCH", "auto")
 # From 4 tokens: the 9B Q4_K step's matmuls at 4 sequences took 3.26 ms with the 8-token tile against
-# 3.52 with the multi-token GEMVs (H200, bench_gemv --multi, docs/BENCHMARKS.md v15; the tile's row-quad
-# map then, 6% slower at 8 tokens than its K-parts map now, v22).
+# 3.52 with the multi-token GEMVs (H200, bench_gemv --multi, docs/BENCHMARKS.md v15; that tile's map was
+# 11% slower at 8 tokens than its rows map now, v32; 2 and 3 tokens not re-measured since).
 GEMM_BATCH_MIN_T = int(os.environ.get("MINECART_GEMM_BATCH_MIN_T", "4"))
 # split K until the launch has about this many blocks per multiprocessor. H200, 9B Q4_K step's matmuls,
 # 8-token tile at 2 / 6 / 12 blocks per multiprocessor: 4.556 / 4.557 / 4.624 ms; 32-token tile at 2 / 4:
