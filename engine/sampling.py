@@ -38,6 +38,7 @@ What this file is not: the generate loop (generation.py) or stop handling.
 from __future__ import annotations
 
 import math
+import operator
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -325,6 +326,26 @@ def _penalized(values: np.ndarray, ids: np.ndarray | None, penalties: Penalties,
     return out
 
 
+def _penalized_top(values: list[float], ids: list[int], penalties: Penalties, view: PenaltyView) -> list[float]:
+    """_penalized over a step's <= 64 candidates in Python floats (array calls would cost more than the
+    arithmetic): the same float64 operations, each result rounded to float32 as _penalized stores it."""
+    repetition, presence, frequency = penalties
+    seen, counts = view.seen, view.counts
+    rep = repetition != 1.0 and bool(seen)
+    pf = bool(presence or frequency) and bool(counts)
+    if not (rep or pf):
+        return values
+    out = list(values)
+    for i, t in enumerate(ids):
+        x = out[i]
+        if rep and t in seen:
+            x = float(np.float32(x / repetition if x > 0 else x * repetition))
+        if pf and (n := counts.get(t, 0)):
+            x = float(np.float32(x - (presence + frequency * n)))
+        out[i] = x
+    return out
+
+
 def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
     """(ids, probabilities) a draw chooses from: softmax(logits / T) restricted by top-k, top-p and
     min-p, renormalized to sum to 1 (float64).
@@ -358,21 +379,23 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[
     return _filtered(ids, w / total, params)
 
 
-def _kept_of_top(values: Sequence[float] | np.ndarray, ids: Sequence[int] | np.ndarray,
+def _kept_of_top(values: list[float] | np.ndarray, ids: list[int] | np.ndarray,
                  params: SamplingParams | PickSpec) -> tuple[list[int], list[float]]:
     """kept_tokens when top-k decides first, from the k largest logits (descending, ties by id) and
-    their ids: the kept ids and their probabilities (float64, summing to 1). The filters after top-k see
-    its renormalized distribution. In Python floats (a step's k <= 64 candidates: array calls would
-    cost more than the arithmetic)."""
-    v = values.tolist() if isinstance(values, np.ndarray) else [float(x) for x in values]
-    kept = ids.tolist() if isinstance(ids, np.ndarray) else [int(i) for i in ids]
+    their ids (arrays, or lists of Python floats and ints): the kept ids and their probabilities
+    (float64, summing to 1). The filters after top-k see its renormalized distribution. In Python
+    floats (a step's k <= 64 candidates: array calls would cost more than the arithmetic)."""
+    v = values.tolist() if isinstance(values, np.ndarray) else values
+    kept = ids.tolist() if isinstance(ids, np.ndarray) else ids
     t, v0 = float(params.temperature), v[0]
     w = [math.exp((x - v0) / t) for x in v]
     total = sum(w)
     p = [x / total for x in w]
     if params.top_p < 1.0:
         n = len(p)
-        if any(p[i] < p[i + 1] or (p[i] == p[i + 1] and kept[i] > kept[i + 1]) for i in range(n - 1)):
+        # out of order: a rise, or equal probabilities (exp may round two logits to one) ids descending
+        if any(map(operator.lt, p, p[1:])) or (len(set(p)) < n and any(
+                a == b and i > j for a, b, i, j in zip(p, p[1:], kept, kept[1:], strict=False))):
             order = sorted(range(n), key=lambda i: (-p[i], kept[i]))  # descending, lower id first on ties
             p, kept = [p[i] for i in order], [kept[i] for i in order]
         # the smallest prefix whose mass reaches top_p (the token that crosses it included)
@@ -385,8 +408,9 @@ def _kept_of_top(values: Sequence[float] | np.ndarray, ids: Sequence[int] | np.n
         p, kept = p[:n_keep], kept[:n_keep]
     if params.min_p > 0.0:
         floor = params.min_p * max(p)
-        kept = [i for i, x in zip(kept, p, strict=True) if x >= floor]
-        p = [x for x in p if x >= floor]
+        if p[-1] < floor:
+            kept = [i for i, x in zip(kept, p, strict=True) if x >= floor]
+            p = [x for x in p if x >= floor]
     total = sum(p)
     return kept, [x / total for x in p]
 
@@ -447,12 +471,13 @@ def pick_penalized(top: TopLogits, spec: PickSpec, view: PenaltyView, candidates
     above the smallest candidate, which bounds every logit outside them), else from the whole row,
     read through top.whole_row(). The same token either way (module docstring)."""
     k = max(1, spec.top_k)
-    vals, ids = top.values[0, :candidates], np.asarray(top.ids[0, :candidates], np.int64)
+    vals, ids = top.values[0, :candidates].tolist(), top.ids[0, :candidates].tolist()
     penalties = (spec.repetition, spec.presence, spec.frequency)
-    pv = _penalized(vals, ids, penalties, view)
-    order = np.lexsort((ids, -pv))[:k]  # the k largest penalized, descending, ties by id
-    if pv[order[-1]] > vals[-1]:
-        return draw_from_top(pv[order], ids[order], replace(spec, top_k=0))
+    # the k largest penalized, descending, ties by id
+    best = sorted(zip(map(operator.neg, _penalized_top(vals, ids, penalties, view)), ids, strict=True))[:k]
+    if -best[-1][0] > vals[-1]:
+        kept = [-x for x, _ in best], [i for _, i in best]
+        return kept[1][0] if spec.temperature <= 0 else _draw_kept(*_kept_of_top(*kept, spec), spec.u)
     return _pick_row(_penalized(top.whole_row(), None, penalties, view), spec, spec.u)
 
 
