@@ -27,6 +27,7 @@ This checks the PTX that NVRTC emits; it is not a performance or correctness tes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import glob
 import json
@@ -118,21 +119,8 @@ class Nvrtc:
                             options=()) -> tuple[str, dict[str, str]]:
         """The PTX of `source` for `arch` (sm_XX or compute_XX), and each name expression's lowered
         (mangled) symbol, the name the PTX's .entry carries."""
-        prog = ctypes.c_void_p()
-        self._ok(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
-                                             0, None, None), "nvrtcCreateProgram")
-        try:
-            for expr in name_expressions:
-                self._ok(self.lib.nvrtcAddNameExpression(prog, expr.encode()), f"name expression {expr}")
-            opts = [f"--gpu-architecture=compute_{arch.split('_')[1]}", *options]
-            arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-            rc = self.lib.nvrtcCompileProgram(prog, len(opts), arr)
-            if rc != 0:
-                size = ctypes.c_size_t()
-                self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-                log = ctypes.create_string_buffer(size.value)
-                self.lib.nvrtcGetProgramLog(prog, log)
-                raise NvrtcError(f"{name} for {arch} does not compile:\n{log.value.decode(errors='replace')}")
+        opts = [f"--gpu-architecture=compute_{arch.split('_')[1]}", *options]
+        with self._compiled(source, name, arch, name_expressions, opts) as (prog, _):
             size = ctypes.c_size_t()
             self._ok(self.lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
             buf = ctypes.create_string_buffer(size.value)
@@ -144,19 +132,24 @@ class Nvrtc:
                          f"lowered name of {expr}")
                 lowered[expr] = (out.value or b"").decode()
             return buf.value.decode(), lowered
-        finally:
-            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
     def ptxas_info(self, source: str, name: str, arch: str, name_expressions=(), options=()) -> str:
         """ptxas's verbose report (registers, stack, spills, shared memory per kernel) of `source` compiled
         to machine code for `arch` (sm_XX)."""
+        opts = [f"--gpu-architecture={arch.replace('compute_', 'sm_')}", "-Xptxas=-v", *options]
+        with self._compiled(source, name, arch, name_expressions, opts) as (_, log):
+            return log
+
+    @contextlib.contextmanager
+    def _compiled(self, source: str, name: str, arch: str, name_expressions, opts: list[str]):
+        """A program of `source` compiled with `opts` (NvrtcError with its log if it does not compile),
+        and its log; destroyed on leaving."""
         prog = ctypes.c_void_p()
         self._ok(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(),
                                              0, None, None), "nvrtcCreateProgram")
         try:
             for expr in name_expressions:
                 self._ok(self.lib.nvrtcAddNameExpression(prog, expr.encode()), f"name expression {expr}")
-            opts = [f"--gpu-architecture={arch.replace('compute_', 'sm_')}", "-Xptxas=-v", *options]
             arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
             rc = self.lib.nvrtcCompileProgram(prog, len(opts), arr)
             size = ctypes.c_size_t()
@@ -166,7 +159,7 @@ class Nvrtc:
             text = log.value.decode(errors="replace")
             if rc != 0:
                 raise NvrtcError(f"{name} for {arch} does not compile:\n{text}")
-            return text
+            yield prog, text
         finally:
             self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
 

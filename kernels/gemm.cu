@@ -296,6 +296,44 @@ __device__ __forceinline__ void gb_halve(float* v, int o, bool hi) {
 template <int QT, bool KQ = kq_format(QT)> struct GbRaw { typedef WBlock T; };
 template <int QT> struct GbRaw<QT, true> { typedef KqRaw T; };
 
+// Block b of a row into w, as both maps load it: K-quants raw (K % 256 == 0: every block of a stage
+// exists), the other formats expanded, zeros past the row's nb blocks.
+template <int QT>
+__device__ __forceinline__ void gb_load_w(const u8* wrow, const u16* wdrow, int b, int nb, typename GbRaw<QT>::T& w) {
+    if constexpr (kq_format(QT)) {
+        kq_load_raw<QT>(wrow, wdrow, b, true, w);
+    } else if (b < nb) {
+        load_wblock<QT>(wrow, wdrow, b, w);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) w.q[k] = 0;
+        w.dlo = w.dhi = w.m = 0.0f;
+    }
+}
+
+// Thread tid's share of stage st's activations (TT tokens x 8 blocks of q8_1), as both maps load them:
+// int4 j holds half idx % 2 of block (idx % 16) / 2 of token idx / 16 (idx = tid + 128 j); (xd, xs) j
+// those of block idx % 8 of token idx / 8. Zeros past T tokens and nb blocks.
+template <int TT>
+__device__ __forceinline__ void gb_load_x(const i8* __restrict__ xq, const float* __restrict__ xd,
+                                          const float* __restrict__ xs, int T, int nb, int st, int tid,
+                                          int4 (&xv)[TT / 8], float2 (&xc)[(TT + 15) / 16]) {
+#pragma unroll
+    for (int j = 0; j < TT / 8; j++) {
+        const int idx = tid + 128 * j;
+        const int t = idx >> 4, b = st * 8 + ((idx & 15) >> 1);
+        xv[j] = make_int4(0, 0, 0, 0);
+        if (t < T && b < nb) xv[j] = ((const int4*)(xq + ((i64)t * nb + b) * 32))[idx & 1];
+    }
+#pragma unroll
+    for (int j = 0; j < (TT + 15) / 16; j++) {
+        const int idx = tid + 128 * j;
+        const int t = idx >> 3, b = st * 8 + (idx & 7);
+        xc[j] = make_float2(0.0f, 0.0f);
+        if (idx < TT * 8 && t < T && b < nb) xc[j] = make_float2(xd[(i64)t * nb + b], xs[(i64)t * nb + b]);
+    }
+}
+
 template <int QT, int TT>
 __device__ __forceinline__ void gb_rows(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
@@ -335,38 +373,11 @@ __device__ __forceinline__ void gb_rows(
     int4 xv[XJ];
     float2 xcv[XC];
     auto load_w = [&](int st, Raw* w) {
-        const int b = st * 8 + s;
 #pragma unroll
-        for (int i = 0; i < RL; i++) {
-            const u8* wrow = wq + (i64)rows[i] * wstride;
-            const u16* wdrow = wd + (i64)rows[i] * nb;
-            if constexpr (KQ) {
-                kq_load_raw<QT>(wrow, wdrow, b, true, w[i]);  // K % 256 == 0: every block of the stage exists
-            } else if (b < nb) {
-                load_wblock<QT>(wrow, wdrow, b, w[i]);
-            } else {
-#pragma unroll
-                for (int k = 0; k < 8; k++) w[i].q[k] = 0;
-                w[i].dlo = w[i].dhi = w[i].m = 0.0f;
-            }
-        }
+        for (int i = 0; i < RL; i++)
+            gb_load_w<QT>(wq + (i64)rows[i] * wstride, wd + (i64)rows[i] * nb, st * 8 + s, nb, w[i]);
     };
-    auto load_x = [&](int st) {
-#pragma unroll
-        for (int j = 0; j < XJ; j++) {  // int4 j: token idx / 16, block (idx % 16) / 2, half idx % 2
-            const int idx = tid + 128 * j;
-            const int t = idx >> 4, b = st * 8 + ((idx & 15) >> 1);
-            xv[j] = make_int4(0, 0, 0, 0);
-            if (t < T && b < nb) xv[j] = ((const int4*)(xq + ((i64)t * nb + b) * 32))[idx & 1];
-        }
-#pragma unroll
-        for (int j = 0; j < XC; j++) {  // scales: token idx / 8, block idx % 8
-            const int idx = tid + 128 * j;
-            const int t = idx >> 3, b = st * 8 + (idx & 7);
-            xcv[j] = make_float2(0.0f, 0.0f);
-            if (idx < TT * 8 && t < T && b < nb) xcv[j] = make_float2(xd[(i64)t * nb + b], xs[(i64)t * nb + b]);
-        }
-    };
+    auto load_x = [&](int st) { gb_load_x<TT>(xq, xd, xs, T, nb, st, tid, xv, xcv); };
     auto store_x = [&](int buf) {
 #pragma unroll
         for (int j = 0; j < XJ; j++) {
@@ -477,7 +488,8 @@ __device__ __forceinline__ void gb_quads(
         const int* __restrict__ seg, int nseg) {
     constexpr int ROWS = 64;          // weight rows a block (ops.gemm_batch_rows)
     constexpr int PASSES = ROWS / 16;  // weight load passes a stage
-    constexpr int XJ = TT / 8;         // activation int4 loads a thread a stage
+    constexpr int XJ = TT / 8;         // activation int4 loads a thread a stage (gb_load_x)
+    constexpr int XC = (TT + 15) / 16;  // activation (xd, xs) loads a thread a stage
     constexpr int TM = TT / 8;         // tokens a thread
     constexpr int RQ = 16;             // threads over the rows
     constexpr bool KQ = kq_format(QT);
@@ -501,45 +513,17 @@ __device__ __forceinline__ void gb_quads(
     // weight loads: pass p -> row p * 16 + tid / 8 of the tile, block s = tid % 8 of the stage
     const int s = tid & 7;
     const int ddsh = kq_dd_shift(s);
-    KqRaw kr[PASSES];
-    WBlock wb[PASSES];
+    typename GbRaw<QT>::T w[PASSES];
     int4 xv[XJ];
-    float fxd[2], fxs[2];
+    float2 xcv[XC];
 
     auto gload = [&](int st) {
 #pragma unroll
         for (int p = 0; p < PASSES; p++) {
-            const int b = st * 8 + s;
             const int r = min(r0 + p * 16 + (tid >> 3), R - 1);
-            const u8* wrow = wq + (i64)r * wstride;
-            const u16* wdrow = wd + (i64)r * nb;
-            if (KQ) {  // K % 256 == 0: every block of the stage exists
-                kq_load_raw<QT>(wrow, wdrow, b, true, kr[p]);
-            } else if (b < nb) {
-                load_wblock<QT>(wrow, wdrow, b, wb[p]);
-            } else {
-#pragma unroll
-                for (int k = 0; k < 8; k++) wb[p].q[k] = 0;
-                wb[p].dlo = wb[p].dhi = wb[p].m = 0.0f;
-            }
+            gb_load_w<QT>(wq + (i64)r * wstride, wd + (i64)r * nb, st * 8 + s, nb, w[p]);
         }
-#pragma unroll
-        for (int j = 0; j < XJ; j++) {  // int4 j: token idx / 16, block (idx % 16) / 2, half idx % 2
-            const int idx = tid + 128 * j;
-            const int t = idx >> 4, b = st * 8 + ((idx & 15) >> 1);
-            xv[j] = make_int4(0, 0, 0, 0);
-            if (t < T && b < nb) xv[j] = ((const int4*)(xq + ((i64)t * nb + b) * 32))[idx & 1];
-        }
-#pragma unroll
-        for (int j = 0; j < 2; j++) {  // scales: token idx / 8, block idx % 8
-            const int idx = tid + 128 * j;
-            const int t = idx >> 3, b = st * 8 + (idx & 7);
-            fxd[j] = fxs[j] = 0.0f;
-            if (idx < TT * 8 && t < T && b < nb) {
-                fxd[j] = xd[(i64)t * nb + b];
-                fxs[j] = xs[(i64)t * nb + b];
-            }
-        }
+        gb_load_x<TT>(xq, xd, xs, T, nb, st, tid, xv, xcv);
     };
     auto sstore = [&]() {
 #pragma unroll
@@ -547,17 +531,17 @@ __device__ __forceinline__ void gb_quads(
             const int r = p * 16 + (tid >> 3);
             int q[8];
             float dlo, dhi, m;
-            if (KQ) {
-                kq_raw_scales<QT>(kr[p], ddsh, dlo, dhi, m);
-                const u32 vv[4] = {kr[p].v.x, kr[p].v.y, kr[p].v.z, kr[p].v.w};
+            if constexpr (KQ) {
+                kq_raw_scales<QT>(w[p], ddsh, dlo, dhi, m);
+                const u32 vv[4] = {w[p].v.x, w[p].v.y, w[p].v.z, w[p].v.w};
 #pragma unroll
-                for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], kr[p].h0, kr[p].h1, k, q[k], q[4 + k]);
+                for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], w[p].h0, w[p].h1, k, q[k], q[4 + k]);
             } else {
 #pragma unroll
-                for (int k = 0; k < 8; k++) q[k] = wb[p].q[k];
-                dlo = wb[p].dlo;
-                dhi = wb[p].dhi;
-                m = wb[p].m;
+                for (int k = 0; k < 8; k++) q[k] = w[p].q[k];
+                dlo = w[p].dlo;
+                dhi = w[p].dhi;
+                m = w[p].m;
             }
 #pragma unroll
             for (int k = 0; k < 8; k++) sw[s][k * ROWS + r] = q[k];
@@ -571,9 +555,9 @@ __device__ __forceinline__ void gb_quads(
             *(int4*)&sx[(idx & 15) >> 1][idx >> 4][4 * (idx & 1)] = xv[j];
         }
 #pragma unroll
-        for (int j = 0; j < 2; j++) {
+        for (int j = 0; j < XC; j++) {
             const int idx = tid + 128 * j;
-            if (idx < TT * 8) sxc[idx & 7][idx >> 3] = make_float2(fxd[j], fxs[j]);
+            if (idx < TT * 8) sxc[idx & 7][idx >> 3] = xcv[j];
         }
     };
 
