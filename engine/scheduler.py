@@ -662,11 +662,11 @@ class Scheduler:
             prefilled += stop - w.done
         if not rows:
             return None
-        # the largest logits when the sampler of every row that ends its pass here takes them (as many
-        # as the most any asks), else whole rows for all (a prompt's last chunk, top-k off): a sampler
-        # takes either
-        tops = [w.top for b, w in enumerate(rows) if w.done + len(ids[b]) == len(w.ids)]
-        top = 0 if not tops or min(tops) == 0 else max(tops)
+        # the largest logits, as many as the most any row that ends its pass here asks; a row whose
+        # sampler takes whole rows (a prompt's last chunk, top-k off) reads its own through the step's
+        # fetch (_complete), so one such row does not make the step copy every row whole. Whole rows
+        # for all only when no ending row takes top logits; one logit when no row ends its pass here.
+        top = max((w.top for b, w in enumerate(rows) if w.done + len(ids[b]) == len(w.ids)), default=1)
         try:
             launched = self.model.executor.launch_batch(ids, states, positions, top=top)
         except BaseException as exc:  # every caller in the step gets the failure
@@ -692,7 +692,12 @@ class Scheduler:
             w.done += step.sizes[b]
             if w.done == len(w.ids):
                 # a copy: a view would keep the whole (B, vocab) array alive while the session holds it
-                w.logits = out.row(b) if isinstance(out, TopLogits) else out[b : b + 1].copy()
+                if not isinstance(out, TopLogits):
+                    w.logits = out[b : b + 1].copy()
+                elif w.top:
+                    w.logits = out.row(b)
+                else:  # its whole row, read now: the sequence's next step replaces it
+                    w.logits = out.whole_row(b)[None, :].copy()
                 if w.pick is not None:
                     try:
                         w.pick_token()

@@ -90,8 +90,8 @@ def test_chained_passes_draw_what_each_sampler_draws(fixture):
     """Batched generations whose samplers chain hand in their next pass before they picked its token;
     the scheduler draws it from the pass before (_Pass.pick_token). Seeded sampled generations, a greedy
     one, penalized ones (drawn with their penalties over the history up to the pass: strong enough to
-    change the tokens), and one whose penalties need whole rows (so its batch mates' steps return whole
-    rows too) give the tokens each gives alone, through the model's own generate."""
+    change the tokens), and one whose penalties need whole rows (read through its steps' fetch while its
+    batch mates take top logits) give the tokens each gives alone, through the model's own generate."""
     model, prompts, _ = fixture
     cases = [("chat", SamplingParams(temperature=4.0, top_k=20, seed=7, max_tokens=MAX_TOKENS)),
              ("len70", SamplingParams(temperature=1.2, top_k=40, min_p=0.02, seed=3, max_tokens=MAX_TOKENS)),
@@ -116,6 +116,39 @@ def test_chained_passes_draw_what_each_sampler_draws(fixture):
             assert m["batch_size_max"] >= 2 and m["chained_passes"] >= MAX_TOKENS - 3
         finally:
             sched.close()
+
+
+def test_a_row_that_takes_its_whole_logits_does_not_make_the_others_whole(fixture, monkeypatch):
+    """A generation whose sampler takes whole rows (top-k off: every prompt's last chunk, and here every
+    step) shares steps with top-k generations: those steps return top logits, as many as the most any
+    row asks, and that row reads its own whole row through the step's fetch (before, one such row made
+    the step copy every row whole, a (rows, vocab) copy each time a request joined a running batch).
+    Every generation gives the tokens it gives alone."""
+    model, prompts, _ = fixture
+    cases = [("chat", SamplingParams(temperature=1.5, top_k=0, seed=4, max_tokens=MAX_TOKENS)),  # whole rows
+             ("len70", SamplingParams(temperature=1.2, top_k=20, seed=6, max_tokens=MAX_TOKENS)),
+             ("short", greedy_params(max_tokens=MAX_TOKENS))]
+    alone = {name: [e.token for e in model.generate(prompts[name], prm)] for name, prm in cases}
+    launches: list[tuple[int, int]] = []  # (decode rows, top)
+    real = model.executor.launch_batch
+
+    def launch_batch(ids, states, positions, top=0):
+        launches.append((sum(len(i) == 1 for i in ids), top))
+        return real(ids, states, positions, top=top)
+
+    monkeypatch.setattr(model.executor, "launch_batch", launch_batch)
+    sched = Scheduler(model, parallel=3, max_queue=3, chunk=32)
+    try:
+        results = _generate_at_once(sched, prompts, cases)
+    finally:
+        sched.close()
+    for name, _ in cases:
+        assert results[name] == alone[name], name
+    # steps that decode two or more of them (at most one is the whole-row one's): top logits, as many
+    # as len70's 20 (its steps' top); before, every one of them returned whole rows
+    shared = [top for decodes, top in launches if decodes > 1]
+    assert len(shared) >= MAX_TOKENS - 3, launches
+    assert set(shared) <= {1, 20} and shared.count(20) >= MAX_TOKENS - 3, launches
 
 
 def test_the_scheduler_draws_each_chained_token_before_its_generation_wakes(fixture, monkeypatch):

@@ -108,5 +108,5 @@ def test_batched_generation_picks_the_tokens_of_whole_rows(fixture, params, monk
     with monkeypatch.context() as m:
         m.setattr(Sampler, "candidates", property(lambda self: 0))
         want, tops_whole = _scheduled(model, prompts, params)
-    assert set(tops_whole) == {0}
+    assert 0 in tops_whole and set(tops_whole) <= {0, 1}  # whole rows; 1: a step that ends no row's pass
     assert got == want
