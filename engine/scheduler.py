@@ -697,7 +697,10 @@ class Scheduler:
                 elif w.top:
                     w.logits = out.row(b)
                 else:  # its whole row, read now: the sequence's next step replaces it
-                    w.logits = out.whole_row(b)[None, :].copy()
+                    try:
+                        w.logits = out.whole_row(b)[None, :].copy()
+                    except Exception as exc:  # its generation gets the failure, not the scheduler
+                        w.error = exc
                 if w.pick is not None:
                     try:
                         w.pick_token()

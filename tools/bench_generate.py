@@ -102,10 +102,16 @@ def _stub_steps(model, step_s: float) -> None:
         if not top:
             out = np.full((B, vocab), -30.0, np.float32)
             out[:, usable] = rng.standard_normal((B, usable.size)).astype(np.float32) * 3
-        else:
+        else:  # and their whole rows, as a device's step keeps them (a prompt's last row reads its own)
             vals = -np.sort(-rng.standard_normal((B, top)).astype(np.float32) * 3, axis=1)
             picks = np.stack([rng.choice(usable, top, replace=False) for _ in range(B)])
-            out = TopLogits(vals, picks, fetch=None)
+
+            def fetch(r: int, vals=vals, picks=picks) -> np.ndarray:
+                row = np.full(vocab, -30.0, np.float32)
+                row[picks[r]] = vals[r]
+                return row
+
+            out = TopLogits(vals, picks, fetch=fetch)
 
         def result() -> np.ndarray | TopLogits:
             time.sleep(max(0.0, end - time.perf_counter()))

@@ -151,6 +151,55 @@ def test_a_row_that_takes_its_whole_logits_does_not_make_the_others_whole(fixtur
     assert set(shared) <= {1, 20} and shared.count(20) >= MAX_TOKENS - 3, launches
 
 
+def test_a_whole_row_that_cannot_be_read_fails_its_generation_only(fixture, monkeypatch):
+    """Steps whose top logits come without their whole rows (an executor that keeps none): the generation
+    that needs its whole row gets the error; the scheduler's thread lives on, its batch mates get their
+    tokens, and a generation after them runs."""
+    from minecart.engine.sampling import LaunchedStep, TopLogits
+
+    model, prompts, expected = fixture
+    real = model.executor.launch_batch
+
+    def launch_batch(ids, states, positions, top=0):
+        launched = real(ids, states, positions, top=top)
+
+        def result():
+            out = launched.result()
+            return replace(out, fetch=None) if isinstance(out, TopLogits) else out
+
+        return LaunchedStep(result)
+
+    monkeypatch.setattr(model.executor, "launch_batch", launch_batch)
+    sched = Scheduler(model, parallel=2, max_queue=2, chunk=32)
+    errors: list[BaseException] = []
+    got: dict[str, list] = {}
+
+    def run(name: str, prm: SamplingParams) -> None:
+        try:
+            got[name] = [e.token for e in sched.generate(prompts[name], prm)]
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    try:
+        # "short" decodes (top 1) while "len70" prefills in 32-token chunks and ends its prompt (whole
+        # row) in a step with short's decode row
+        first = threading.Thread(target=run, args=("short", greedy_params(max_tokens=40)))
+        second = threading.Thread(target=run, args=("len70", SamplingParams(temperature=1.0, top_k=0, seed=1,
+                                                                             max_tokens=MAX_TOKENS)))
+        first.start()
+        second.start()
+        for th in (first, second):
+            th.join(60)
+            assert not th.is_alive(), "a generation hung"
+        assert [str(e) for e in errors] == ["these top logits were returned without their whole rows"]
+        assert got["short"][:MAX_TOKENS] == expected["short"][0][:MAX_TOKENS]
+        assert sched._thread.is_alive()
+        run("chat", greedy_params(max_tokens=MAX_TOKENS))
+        assert got["chat"] == expected["chat"][0]
+    finally:
+        sched.close()
+
+
 def test_the_scheduler_draws_each_chained_token_before_its_generation_wakes(fixture, monkeypatch):
     """A pass with a pick has its token drawn on the scheduler's thread when its step ends, before the
     pass is finished (so the generations' threads, woken then, do not hold up the draws of the next
