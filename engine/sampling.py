@@ -408,7 +408,7 @@ def _kept_of_top(values: list[float] | np.ndarray, ids: list[int] | np.ndarray,
         p, kept = p[:n_keep], kept[:n_keep]
     if params.min_p > 0.0:
         floor = params.min_p * max(p)
-        if p[-1] < floor:
+        if min(p) < floor:
             kept = [i for i, x in zip(kept, p, strict=True) if x >= floor]
             p = [x for x in p if x >= floor]
     total = sum(p)

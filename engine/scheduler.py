@@ -701,7 +701,7 @@ class Scheduler:
                         w.logits = out.whole_row(b)[None, :].copy()
                     except Exception as exc:  # its generation gets the failure, not the scheduler
                         w.error = exc
-                if w.pick is not None:
+                if w.pick is not None and w.error is None:
                     try:
                         w.pick_token()
                     except Exception as exc:  # its generation gets the failure, and a pass chained on it
