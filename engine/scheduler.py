@@ -161,6 +161,23 @@ class _Pass:
         self.logits = top
         return top
 
+    def take(self, out: np.ndarray | TopLogits, b: int) -> None:
+        """Its logits from row b of the step it ended in, and the token its pick draws from them: then it
+        ran. A failure in either is the pass's error (its generation's, and a pass chained on it), not
+        the scheduler's."""
+        try:
+            if not isinstance(out, TopLogits):  # a copy: a view would keep the whole (B, vocab) array alive
+                self.logits = out[b : b + 1].copy()
+            elif self.top:
+                self.logits = out.row(b)
+            else:  # its whole row, read now: the sequence's next step replaces it
+                self.logits = out.whole_row(b)[None, :].copy()
+            if self.pick is not None:
+                self.pick_token()
+        except Exception as exc:
+            self.error = exc
+        self.ran = True
+
     def pick_token(self) -> int:
         """The token the pick draws from this pass's logits once it ran: what its sampler draws from
         them (engine/sampling.py Sampler._pick_top: draw_from_top over the first `top`, or with
@@ -691,22 +708,7 @@ class Scheduler:
         for b, w in enumerate(step.rows):
             w.done += step.sizes[b]
             if w.done == len(w.ids):
-                # a copy: a view would keep the whole (B, vocab) array alive while the session holds it
-                if not isinstance(out, TopLogits):
-                    w.logits = out[b : b + 1].copy()
-                elif w.top:
-                    w.logits = out.row(b)
-                else:  # its whole row, read now: the sequence's next step replaces it
-                    try:
-                        w.logits = out.whole_row(b)[None, :].copy()
-                    except Exception as exc:  # its generation gets the failure, not the scheduler
-                        w.error = exc
-                if w.pick is not None and w.error is None:
-                    try:
-                        w.pick_token()
-                    except Exception as exc:  # its generation gets the failure, and a pass chained on it
-                        w.error = exc
-                w.ran = True
+                w.take(out, b)
                 ended.append(w)
         self._count(step.decodes, step.prefilled, len(step.rows))
         with self._cond:

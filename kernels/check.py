@@ -125,20 +125,24 @@ class Nvrtc:
             self._ok(self.lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
             buf = ctypes.create_string_buffer(size.value)
             self._ok(self.lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
-            lowered: dict[str, str] = {}
-            for expr in name_expressions:
-                out = ctypes.c_char_p()
-                self._ok(self.lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)),
-                         f"lowered name of {expr}")
-                lowered[expr] = (out.value or b"").decode()
-            return buf.value.decode(), lowered
+            return buf.value.decode(), self._lowered(prog, name_expressions)
 
-    def ptxas_info(self, source: str, name: str, arch: str, name_expressions=(), options=()) -> str:
+    def ptxas_info(self, source: str, name: str, arch: str, name_expressions=(),
+                   options=()) -> tuple[str, dict[str, str]]:
         """ptxas's verbose report (registers, stack, spills, shared memory per kernel) of `source` compiled
-        to machine code for `arch` (sm_XX)."""
+        to machine code for `arch` (sm_XX), and each name expression's lowered symbol (the report's
+        names)."""
         opts = [f"--gpu-architecture={arch.replace('compute_', 'sm_')}", "-Xptxas=-v", *options]
-        with self._compiled(source, name, arch, name_expressions, opts) as (_, log):
-            return log
+        with self._compiled(source, name, arch, name_expressions, opts) as (prog, log):
+            return log, self._lowered(prog, name_expressions)
+
+    def _lowered(self, prog, name_expressions) -> dict[str, str]:
+        lowered: dict[str, str] = {}
+        for expr in name_expressions:
+            out = ctypes.c_char_p()
+            self._ok(self.lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)), f"lowered name of {expr}")
+            lowered[expr] = (out.value or b"").decode()
+        return lowered
 
     @contextlib.contextmanager
     def _compiled(self, source: str, name: str, arch: str, name_expressions, opts: list[str]):
@@ -209,9 +213,9 @@ def resources(specs: list[ModuleSpec], archs, pattern: str = "", jobs: int = 2,
         if not exprs and not plain:
             return spec, arch, {}, []
         src = sources.get(spec.name) or module_source(spec)
-        _, lowered = nvrtc.compile_ptx_lowered(src, spec.name, arch, exprs, COMPILE_OPTIONS)
+        log, lowered = nvrtc.ptxas_info(src, spec.name, arch, exprs, COMPILE_OPTIONS)
         names = {sym: expr for expr, sym in lowered.items()} | {k: k for k in plain}
-        rows = parse_ptxas_info(nvrtc.ptxas_info(src, spec.name, arch, exprs, COMPILE_OPTIONS))
+        rows = parse_ptxas_info(log)
         return spec, arch, names, [r for r in rows if r.symbol in names]
 
     status = 0
