@@ -37,8 +37,8 @@ What this file is not: the generate loop (generation.py) or stop handling.
 
 from __future__ import annotations
 
+import functools
 import math
-import operator
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -326,24 +326,116 @@ def _penalized(values: np.ndarray, ids: np.ndarray | None, penalties: Penalties,
     return out
 
 
-def _penalized_top(values: list[float], ids: list[int], penalties: Penalties, view: PenaltyView) -> list[float]:
-    """_penalized over a step's <= 64 candidates in Python floats (array calls would cost more than the
-    arithmetic): the same float64 operations, each result rounded to float32 as _penalized stores it."""
+def _penalized_best(values: np.ndarray, ids: np.ndarray, k: int, penalties: Penalties,
+                    view: PenaltyView) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest of a step's candidates (values descending with equal values in ascending id
+    order, as top_logits gives them) once _penalized applies, and their ids: float64 values and int64
+    ids. A set intersection finds the candidates the penalties touch; none: the first k as given."""
     repetition, presence, frequency = penalties
     seen, counts = view.seen, view.counts
-    rep = repetition != 1.0 and bool(seen)
-    pf = bool(presence or frequency) and bool(counts)
-    if not (rep or pf):
-        return values
-    out = list(values)
-    for i, t in enumerate(ids):
-        x = out[i]
-        if rep and t in seen:
-            x = float(np.float32(x / repetition if x > 0 else x * repetition))
-        if pf and (n := counts.get(t, 0)):
-            x = float(np.float32(x - (presence + frequency * n)))
-        out[i] = x
-    return out
+    listed = ids.tolist()
+    hit_rep = seen.intersection(listed) if repetition != 1.0 and seen else set()
+    hit_pf = counts.keys() & listed if (presence or frequency) and counts else set()
+    values = np.asarray(values, np.float64)
+    ids = np.asarray(ids, np.int64)
+    if not (hit_rep or hit_pf):
+        return values[:k], ids[:k]
+    seen_at = np.zeros(len(listed), np.bool_)
+    seen_at[[listed.index(t) for t in hit_rep]] = True  # a row's ids are distinct
+    count_at = np.zeros(len(listed), np.int64)
+    for t in hit_pf:
+        count_at[listed.index(t)] = counts[t]
+    return _candidate_loops()[0](values, ids, k, seen_at, count_at, repetition, presence, frequency)
+
+
+def _penalized_best_loop(values: np.ndarray, ids: np.ndarray, k: int, seen_at: np.ndarray, count_at: np.ndarray,
+                         repetition: float, presence: float, frequency: float) -> tuple[np.ndarray, np.ndarray]:
+    """_penalized_best's arithmetic (compiled by _candidate_loops): each touched candidate's logit
+    penalized in float64 and rounded to float32 after each penalty, as _penalized stores it, and
+    inserted into its place (descending, equal values by ascending id; the candidates come in order,
+    so the insertion sort moves only the penalized ones)."""
+    n = values.size
+    v = np.empty(n)
+    o = np.empty(n, np.int64)
+    for i in range(n):
+        x = values[i]
+        if seen_at[i]:
+            x = np.float64(np.float32(x / repetition if x > 0 else x * repetition))
+        if count_at[i]:
+            x = np.float64(np.float32(x - (presence + frequency * count_at[i])))
+        t = ids[i]
+        j = i
+        while j > 0 and (v[j - 1] < x or (v[j - 1] == x and o[j - 1] > t)):
+            v[j] = v[j - 1]
+            o[j] = o[j - 1]
+            j -= 1
+        v[j] = x
+        o[j] = t
+    return v[:k], o[:k]
+
+
+def _kept_of_top_loop(v: np.ndarray, ids: np.ndarray, temperature: float, top_p: float,
+                      min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """_kept_of_top's arithmetic (compiled by _candidate_loops) over float64 logits and int64 ids."""
+    n = v.size
+    p = np.empty(n)
+    total = 0.0
+    for i in range(n):
+        p[i] = math.exp((v[i] - v[0]) / temperature)
+        total += p[i]
+    for i in range(n):
+        p[i] = p[i] / total
+    kept = ids.copy()
+    n_keep = n
+    if top_p < 1.0:
+        # descending probability, lower id first on ties: the logits come in order, but exp may round
+        # two of them to one probability whose ids then come in either order
+        for i in range(1, n):
+            x, t = p[i], kept[i]
+            j = i
+            while j > 0 and (p[j - 1] < x or (p[j - 1] == x and kept[j - 1] > t)):
+                p[j] = p[j - 1]
+                kept[j] = kept[j - 1]
+                j -= 1
+            p[j] = x
+            kept[j] = t
+        # the smallest prefix whose mass reaches top_p (the token that crosses it included)
+        cum = 0.0
+        for i in range(n):
+            cum += p[i]
+            if cum >= top_p:
+                n_keep = i + 1
+                break
+    floor = min_p * p[:n_keep].max() if min_p > 0.0 else 0.0
+    m = 0
+    for i in range(n_keep):  # the min-p filter, in place
+        if p[i] >= floor:
+            p[m] = p[i]
+            kept[m] = kept[i]
+            m += 1
+    total = 0.0
+    for i in range(m):
+        total += p[i]
+    for i in range(m):
+        p[i] = p[i] / total
+    return kept[:m], p[:m]
+
+
+_LoopPair = tuple[Callable[..., tuple[np.ndarray, np.ndarray]], Callable[..., tuple[np.ndarray, np.ndarray]]]
+
+
+@functools.cache
+def _candidate_loops() -> _LoopPair:
+    """(_penalized_best_loop, _kept_of_top_loop), compiled by numba (cached on disk, the interpreter
+    released while they run) the first time a pick needs them: a step's picks are drawn one after
+    another between two steps (engine/scheduler.py), where the same loops in the interpreter took
+    most of 25 us a pick. Without numba they run as written (the same arithmetic, slower)."""
+    try:
+        from numba import njit
+    except ImportError:
+        return _penalized_best_loop, _kept_of_top_loop
+    jit = njit(cache=True, nogil=True)
+    return jit(_penalized_best_loop), jit(_kept_of_top_loop)
 
 
 def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -360,8 +452,7 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[
     n = x.size
     if params.top_k and params.top_k < n:
         vals, ids = top_logits(x, params.top_k)
-        kept, p = _kept_of_top(vals[0], ids[0], params)
-        return np.asarray(kept, np.int64), np.asarray(p, np.float64)
+        return _kept_of_top(vals[0], ids[0], params)
     top = float(x.max())
     e = np.exp((x - np.float32(top)) / np.float32(t))  # float32 pass over the vocabulary
     total = e.sum(dtype=np.float64)
@@ -379,40 +470,22 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[
     return _filtered(ids, w / total, params)
 
 
-def _kept_of_top(values: list[float] | np.ndarray, ids: list[int] | np.ndarray,
-                 params: SamplingParams | PickSpec) -> tuple[list[int], list[float]]:
+def compile_candidate_loops() -> None:
+    """Compile the loops of a pick from a step's candidates now (or load them from numba's disk cache:
+    about 2 s the first time, 0.15 s after), not inside a first token."""
+    best, kept = _candidate_loops()
+    values, ids = np.array([1.0, 0.5]), np.arange(2, dtype=np.int64)
+    best(values, ids, 1, np.ones(2, np.bool_), np.ones(2, np.int64), 1.1, 0.1, 0.1)
+    kept(values, ids, 1.0, 0.9, 0.05)
+
+
+def _kept_of_top(values: np.ndarray, ids: np.ndarray,
+                 params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
     """kept_tokens when top-k decides first, from the k largest logits (descending, ties by id) and
-    their ids (arrays, or lists of Python floats and ints): the kept ids and their probabilities
-    (float64, summing to 1). The filters after top-k see its renormalized distribution. In Python
-    floats (a step's k <= 64 candidates: array calls would cost more than the arithmetic)."""
-    v = values.tolist() if isinstance(values, np.ndarray) else values
-    kept = ids.tolist() if isinstance(ids, np.ndarray) else ids
-    t, v0 = float(params.temperature), v[0]
-    w = [math.exp((x - v0) / t) for x in v]
-    total = sum(w)
-    p = [x / total for x in w]
-    if params.top_p < 1.0:
-        n = len(p)
-        # out of order: a rise, or equal probabilities (exp may round two logits to one) ids descending
-        if any(map(operator.lt, p, p[1:])) or (len(set(p)) < n and any(
-                a == b and i > j for a, b, i, j in zip(p, p[1:], kept, kept[1:], strict=False))):
-            order = sorted(range(n), key=lambda i: (-p[i], kept[i]))  # descending, lower id first on ties
-            p, kept = [p[i] for i in order], [kept[i] for i in order]
-        # the smallest prefix whose mass reaches top_p (the token that crosses it included)
-        cum, n_keep = 0.0, n
-        for i, x in enumerate(p):
-            cum += x
-            if cum >= params.top_p:
-                n_keep = i + 1
-                break
-        p, kept = p[:n_keep], kept[:n_keep]
-    if params.min_p > 0.0:
-        floor = params.min_p * max(p)
-        if min(p) < floor:
-            kept = [i for i, x in zip(kept, p, strict=True) if x >= floor]
-            p = [x for x in p if x >= floor]
-    total = sum(p)
-    return kept, [x / total for x in p]
+    their ids: the kept ids (int64) and their probabilities (float64, summing to 1). The filters after
+    top-k see its renormalized distribution."""
+    return _candidate_loops()[1](np.asarray(values, np.float64), np.asarray(ids, np.int64),
+                                 float(params.temperature), float(params.top_p), float(params.min_p))
 
 
 def _filtered(ids: np.ndarray, p: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -470,14 +543,11 @@ def pick_penalized(top: TopLogits, spec: PickSpec, view: PenaltyView, candidates
     the penalties over `view`: from the k largest penalized candidates when they decide (the k-th stays
     above the smallest candidate, which bounds every logit outside them), else from the whole row,
     read through top.whole_row(). The same token either way (module docstring)."""
-    k = max(1, spec.top_k)
-    vals, ids = top.values[0, :candidates].tolist(), top.ids[0, :candidates].tolist()
+    vals, ids = top.values[0, :candidates], top.ids[0, :candidates]
     penalties = (spec.repetition, spec.presence, spec.frequency)
-    # the k largest penalized, descending, ties by id
-    best = sorted(zip(map(operator.neg, _penalized_top(vals, ids, penalties, view)), ids, strict=True))[:k]
-    if -best[-1][0] > vals[-1]:
-        kept = [-x for x, _ in best], [i for _, i in best]
-        return kept[1][0] if spec.temperature <= 0 else _draw_kept(*_kept_of_top(*kept, spec), spec.u)
+    best, best_ids = _penalized_best(vals, ids, max(1, spec.top_k), penalties, view)
+    if best[-1] > vals[-1]:
+        return int(best_ids[0]) if spec.temperature <= 0 else _draw_kept(*_kept_of_top(best, best_ids, spec), spec.u)
     return _pick_row(_penalized(top.whole_row(), None, penalties, view), spec, spec.u)
 
 

@@ -353,3 +353,32 @@ def test_a_penalized_rows_top_logits_are_drawn_from_as_given():
         vals, ids = top_logits(pen, TOP_CANDIDATES_MAX)
         assert on_top(TopLogits(vals, ids, penalized=True)) == on_row(row)
     assert on_top.generated == on_row.generated and len(set(on_row.generated)) > 5
+
+
+def test_the_compiled_candidate_loops_equal_their_source_run_as_written():
+    """The loops of a pick from a step's candidates, compiled by numba (what every pick runs), give the
+    same bits as the same functions run by the interpreter, on fresh random candidates: penalties on
+    some of them (ties among the penalized and the rest included), every filter, every k."""
+    pytest.importorskip("numba")
+    from minecart.engine.sampling import _candidate_loops, _kept_of_top_loop, _penalized_best_loop
+
+    best_jit, kept_jit = _candidate_loops()
+    assert best_jit is not _penalized_best_loop and kept_jit is not _kept_of_top_loop
+    rng = np.random.default_rng()
+    for case in range(400):
+        n = int(rng.integers(1, 65))
+        v = np.sort((rng.standard_normal(n) * rng.uniform(0.1, 5)).astype(np.float32))[::-1]
+        if case % 4 == 0:
+            v = np.round(v * 2) / 2  # equal values
+        ids = np.sort(rng.choice(100_000, n, replace=False)).astype(np.int64)
+        order = np.lexsort((ids, -v))  # descending, ties by ascending id: as a step gives them
+        v, ids = v[order].astype(np.float64), ids[order]
+        seen_at = rng.random(n) < 0.3
+        count_at = np.where(rng.random(n) < 0.2, rng.integers(1, 4, n), 0).astype(np.int64)
+        k = int(rng.integers(1, n + 1))
+        pen = (float(rng.choice([1.0, 1.05, 1.5, 0.9])), float(rng.choice([0.0, 0.5])), float(rng.choice([0.0, 0.25])))
+        got, want = best_jit(v, ids, k, seen_at, count_at, *pen), _penalized_best_loop(v, ids, k, seen_at, count_at, *pen)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), case
+        filters = (float(rng.uniform(0.1, 2)), float(rng.choice([1.0, 0.9, 0.5])), float(rng.choice([0.0, 0.05, 0.3])))
+        got, want = kept_jit(*want, *filters), _kept_of_top_loop(*want, *filters)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), case  # bit for bit
