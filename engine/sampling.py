@@ -537,6 +537,15 @@ def _pick_row(x: np.ndarray, sel: SamplingParams | PickSpec, u: float) -> int:
     return _draw_kept(*kept_tokens(x, sel), u)
 
 
+_FEW = 4096  # logits sorted outright (np.lexsort) rather than selected from a whole row (top_logits)
+
+
+def _lowering(penalties: Penalties) -> bool:
+    """Whether penalties can only lower a logit (repetition >= 1, presence and frequency >= 0)."""
+    repetition, presence, frequency = penalties
+    return repetition >= 1.0 and presence >= 0 and frequency >= 0
+
+
 def pick_penalized(top: TopLogits, spec: PickSpec, view: PenaltyView, candidates: int) -> int:
     """The token a penalized pick (spec: its u, filters and penalties; its top_k the k of the sampler,
     1 when greedy) draws from a row's unpenalized largest logits, the first `candidates` of them, with
@@ -545,10 +554,20 @@ def pick_penalized(top: TopLogits, spec: PickSpec, view: PenaltyView, candidates
     read through top.whole_row(). The same token either way (module docstring)."""
     vals, ids = top.values[0, :candidates], top.ids[0, :candidates]
     penalties = (spec.repetition, spec.presence, spec.frequency)
-    best, best_ids = _penalized_best(vals, ids, max(1, spec.top_k), penalties, view)
-    if best[-1] > vals[-1]:
-        return int(best_ids[0]) if spec.temperature <= 0 else _draw_kept(*_kept_of_top(best, best_ids, spec), spec.u)
-    return _pick_row(_penalized(top.whole_row(), None, penalties, view), spec, spec.u)
+    k = max(1, spec.top_k)
+    best, best_ids = _penalized_best(vals, ids, k, penalties, view)
+    if not best[-1] > vals[-1]:  # the whole row's k largest penalized, as kept_tokens takes them
+        x = _penalized(top.whole_row(), None, penalties, view)
+        # each is at or above the candidates' k-th penalized when the penalties only lower logits (the
+        # candidates give k at that level): the few there are sorted instead of the whole row selected
+        at = np.flatnonzero(x >= best[-1]) if _lowering(penalties) else None
+        if at is not None and at.size <= _FEW:
+            order = np.lexsort((at, -x[at]))[:k]  # descending, lower id first on ties
+            best, best_ids = x[at[order]], at[order]
+        else:
+            top_vals, top_ids = top_logits(x, k)
+            best, best_ids = top_vals[0], top_ids[0]
+    return int(best_ids[0]) if spec.temperature <= 0 else _draw_kept(*_kept_of_top(best, best_ids, spec), spec.u)
 
 
 def _could_draw(values: np.ndarray, ids: np.ndarray, spec: PickSpec, token: int, eps: float = 1e-9) -> bool:
@@ -676,9 +695,8 @@ class Sampler:
             return 0
         if not self.penalized:
             return k
-        lowering = prm.repetition_penalty >= 1.0 and prm.presence_penalty >= 0 and prm.frequency_penalty >= 0
         # (k = TOP_CANDIDATES_MAX would leave no candidate below the k-th to bound the rest: whole rows)
-        return TOP_CANDIDATES_MAX if lowering and k < TOP_CANDIDATES_MAX else 0
+        return TOP_CANDIDATES_MAX if _lowering(_penalties_of(prm)) and k < TOP_CANDIDATES_MAX else 0
 
     def pick(self, logits: np.ndarray | TopLogits) -> int:
         if isinstance(logits, TopLogits):

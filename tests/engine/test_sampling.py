@@ -382,3 +382,47 @@ def test_the_compiled_candidate_loops_equal_their_source_run_as_written():
         filters = (float(rng.uniform(0.1, 2)), float(rng.choice([1.0, 0.9, 0.5])), float(rng.choice([0.0, 0.05, 0.3])))
         got, want = kept_jit(*want, *filters), _kept_of_top_loop(*want, *filters)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), case  # bit for bit
+
+
+def test_a_penalized_pick_the_candidates_do_not_decide_is_the_whole_rows():
+    """When the penalized candidates do not decide a pick, pick_penalized reads the whole row and draws
+    what the whole penalized row gives (kept_tokens' route): from the few logits at or above the
+    candidates' k-th penalized one, or, when thousands tie there, from the whole row's top-k; on fresh
+    random rows with most candidates seen, flat rows and ties, every filter and k."""
+    from minecart.engine.sampling import (
+        _FEW,
+        PenaltyView,
+        PickSpec,
+        TopLogits,
+        _penalized,
+        _penalized_best,
+        _pick_row,
+        pick_penalized,
+        top_logits,
+    )
+
+    rng = np.random.default_rng()
+    V = 12_000
+    routes = {"few": 0, "many": 0}
+    for case in range(300):
+        row = (rng.standard_normal(V) * rng.uniform(0.02, 3)).astype(np.float32)
+        if case % 3 == 0:
+            row = np.round(row * 2) / 2  # ties
+        if case % 10 == 0:
+            row[:] = 1.0  # one value everywhere: every logit ties with the candidates' k-th
+        vals, ids = top_logits(row, 64)
+        view = PenaltyView(rng.choice(ids[0], int(rng.integers(30, 65)), replace=False).tolist())
+        view.add(rng.choice(ids[0], int(rng.integers(0, 8))).tolist())
+        spec = PickSpec(float(rng.random()), float(rng.choice([0.0, 0.7, 1.2])), float(rng.choice([1.0, 0.9])),
+                        float(rng.choice([0.0, 0.05])), top_k=int(rng.choice([1, 20, 40, 63])),
+                        repetition=float(rng.choice([1.05, 1.3])), presence=float(rng.choice([0.0, 0.4])),
+                        frequency=float(rng.choice([0.0, 0.2])))
+        penalties = (spec.repetition, spec.presence, spec.frequency)
+        best, _ = _penalized_best(vals[0], ids[0], spec.top_k, penalties, view)
+        if best[-1] > vals[0, -1]:
+            continue  # the candidates decide: other tests
+        whole = _penalized(row, None, penalties, view)
+        routes["few" if np.count_nonzero(whole >= best[-1]) <= _FEW else "many"] += 1
+        got = pick_penalized(TopLogits(vals, ids, fetch=lambda r, row=row: row), spec, view, 64)
+        assert got == _pick_row(whole, spec, spec.u), case
+    assert routes["few"] > 50 and routes["many"] > 10, routes
