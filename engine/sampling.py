@@ -190,17 +190,33 @@ def top_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if k == 1:  # greedy: argmax takes the first (lowest-id) maximum
         ids1 = np.argmax(x, axis=1)[:, None]
         return np.take_along_axis(x, ids1, axis=1), ids1.astype(np.int64)
-    kth = -np.partition(-x, k - 1, axis=1)[:, k - 1]  # the k-th largest value of each row
     vals = np.empty((T, k), np.float32)
     ids = np.empty((T, k), np.int64)
     for r in range(T):
-        above = np.flatnonzero(x[r] > kth[r])
-        tied = np.flatnonzero(x[r] == kth[r])[: k - above.size]
-        sel = np.concatenate([above, tied])
+        sel = _at_or_above_kth(x[r], k)
         v = x[r, sel]
-        order = np.lexsort((sel, -v))  # descending value, ascending id
+        order = np.lexsort((sel, -v))[:k]  # descending value, ascending id
         vals[r], ids[r] = v[order], sel[order]
     return vals, ids
+
+
+_SAMPLE_STRIDE = 16
+
+
+def _at_or_above_kth(row: np.ndarray, k: int) -> np.ndarray:
+    """The ids (ascending) of a row's logits at or above its k-th largest, and maybe a few below it:
+    those at or above the k-th largest of every 16th logit, which are k at least (that k-th is at most
+    the row's), about 16 k on a row in no particular order, instead of selecting from the whole row
+    (1.9 -> 0.2 ms on a 262,144-logit row on the 2-core machine); the whole row's selection when the
+    sample is too small or that leaves too many (a sorted row, thousands of ties)."""
+    V = row.size
+    sample = row[::_SAMPLE_STRIDE]
+    if sample.size >= 4 * k:
+        t = np.partition(sample, sample.size - k)[sample.size - k]
+        sel = np.flatnonzero(row >= t)
+        if k <= sel.size <= V // 8:
+            return sel
+    return np.flatnonzero(row >= np.partition(row, V - k)[V - k])
 
 
 @dataclass

@@ -180,6 +180,32 @@ def test_top_logits_order_and_a_short_candidate_list():
         Sampler(SamplingParams(top_k=0)).pick(TopLogits(vals, ids))
 
 
+def test_top_logits_equal_a_sort_of_the_whole_row():
+    """top_logits against a full sort of each row (descending value, ascending id), on fresh random rows:
+    in no order (the sampled threshold's route), sorted either way, flat, with ties at the k-th, small
+    rows and every k (the whole row's selection where the sample cannot bound it)."""
+    from minecart.engine.sampling import _SAMPLE_STRIDE, top_logits
+
+    rng = np.random.default_rng()
+    for case in range(240):
+        V = int(rng.choice([3, 64, 1000, 40_000, 262_144]))
+        x = (rng.standard_normal((int(rng.integers(1, 4)), V)) * rng.uniform(0.01, 5)).astype(np.float32)
+        shape = case % 5
+        if shape == 1:
+            x = np.round(x * 2) / 2  # ties at the k-th
+        elif shape == 2:
+            x = np.sort(x, axis=1)[:, :: int(rng.choice([1, -1]))].copy()  # every sample's k-th below the row's
+        elif shape == 3:
+            x[:] = 1.0
+        k = int(rng.choice([1, 2, 20, 64, 256, V // _SAMPLE_STRIDE // 3 + 1]))
+        vals, ids = top_logits(x, k)
+        kk = min(k, V)
+        for r in range(x.shape[0]):
+            want = np.lexsort((np.arange(V), -x[r]))[:kk]
+            np.testing.assert_array_equal(ids[r], want)
+            np.testing.assert_array_equal(vals[r], x[r, want])
+
+
 @pytest.mark.parametrize("params", [
     greedy_params(repetition_penalty=1.3),
     SamplingParams(top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.05),  # the app's defaults
