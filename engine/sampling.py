@@ -460,8 +460,9 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[
 
     Cost matters here (one call per generated token over a 248k vocabulary): whole-vocabulary passes
     are float32 (selection, and the softmax denominator with float64 accumulation); the kept tokens'
-    probabilities are float64. Without top-k, top-p is found among the most probable tokens only (a
-    partial sort of 1024, widened until they hold the top-p mass). Ties go to the lower id.
+    probabilities are float64. Without top-k, top-p is found among the most probable tokens only (the
+    1024 largest logits and every tie at the 1024th, widened until they hold the top-p mass). Ties go
+    to the lower id.
     """
     x = np.asarray(logits, np.float32).reshape(-1)
     t = float(params.temperature)
@@ -475,7 +476,7 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[
     if params.top_p < 1.0:
         m = min(n, 1024)
         while True:
-            ids = np.argpartition(x, n - m)[n - m :] if m < n else np.arange(n)
+            ids = _at_or_above_kth(x, m) if m < n else np.arange(n)  # the m largest and every tie at the m-th
             if m == n or e[ids].sum(dtype=np.float64) >= params.top_p * total:
                 break
             m = min(n, m * 8)
