@@ -13,6 +13,8 @@ Prints, in microseconds a call (the median of five timings, each over every case
 - `draw_from_top`: a top-k 20 sampled pick (temperature 0.7, top-p 0.8) from a step's 20 candidates.
 - `top_logits`: the 64 largest of 1 and of 8 rows of the vocabulary (a CPU step's rows for a sampler
   that takes top-k candidates).
+- `a whole row, top-k off`: a sampler without top-k (temperature 0.7, top-p 0.95) picking from a whole
+  row (Sampler.pick: a request that turns top-k off reads its own row every step).
 
 Rows are Gaussian logits (scale 3). To compare two trees, run this file with each tree's package first
 on PYTHONPATH. What this is not: the scheduler's share of a step (tools/bench_generate.py
@@ -30,6 +32,8 @@ import numpy as np
 from minecart.engine.sampling import (
     PenaltyView,
     PickSpec,
+    Sampler,
+    SamplingParams,
     TopLogits,
     draw_from_top,
     pick_penalized,
@@ -76,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     for rows in (1, 8):
         x = (rng.standard_normal((rows, V)) * 3).astype(np.float32)
         print(f"top_logits, {rows} row(s): {_us(lambda x=x: top_logits(x, 64), 1):.0f} us")
+    rows = [(rng.standard_normal(V) * 3).astype(np.float32) for _ in range(max(1, args.cases // 5))]
+    sampler = Sampler(SamplingParams(temperature=0.7, top_k=0, top_p=0.95, seed=args.seed))
+    print(f"a whole row, top-k off: {_us(lambda: [sampler.pick(r) for r in rows], len(rows)):.0f} us")
     return 0
 
 
