@@ -48,7 +48,7 @@ from .placement import (
     model_costs,
     streams_experts,
 )
-from .sampling import LaunchedStep, PickSpec, compile_candidate_loops
+from .sampling import LaunchedStep, PickSpec, compile_candidate_loop
 from .session import Session, initial_capacity
 from .tokenizer import Tokenizer
 from .vision import VisionTower, attach_vision
@@ -539,7 +539,7 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         # (Building the tokenizer on a thread beside the weights was measured slower on 2 cores:
         # its Python loops hold the GIL, and every NumPy call of the weight load waits for it.)
         _warm_lm_head(backends["head"], weights["head"])
-        compile_candidate_loops()  # the host's picks from top logits (engine/sampling.py)
+        compile_candidate_loop()  # the host's picks from top logits (engine/sampling.py)
     backends = _wire_experts(plan, backends, weights)
     model = Model(path, gf, config, module, plan, backends, weights, placement, roles)
     model.kv_type = kv_type

@@ -342,81 +342,79 @@ def _penalized(values: np.ndarray, ids: np.ndarray | None, penalties: Penalties,
     return out
 
 
-def _penalized_best(values: np.ndarray, ids: np.ndarray, k: int, penalties: Penalties,
-                    view: PenaltyView) -> tuple[np.ndarray, np.ndarray]:
-    """The k largest of a step's candidates (values descending with equal values in ascending id
-    order, as top_logits gives them) once _penalized applies, and their ids: float64 values and int64
-    ids. A set intersection finds the candidates the penalties touch; none: the first k as given."""
-    repetition, presence, frequency = penalties
-    seen, counts = view.seen, view.counts
-    listed = ids.tolist()
-    hit_rep = seen.intersection(listed) if repetition != 1.0 and seen else set()
-    hit_pf = counts.keys() & listed if (presence or frequency) and counts else set()
-    values = np.asarray(values, np.float64)
-    ids = np.asarray(ids, np.int64)
-    if not (hit_rep or hit_pf):
-        return values[:k], ids[:k]
-    seen_at = np.zeros(len(listed), np.bool_)
-    seen_at[[listed.index(t) for t in hit_rep]] = True  # a row's ids are distinct
-    count_at = np.zeros(len(listed), np.int64)
-    for t in hit_pf:
-        count_at[listed.index(t)] = counts[t]
-    return _candidate_loops()[0](values, ids, k, seen_at, count_at, repetition, presence, frequency)
+def _candidates(values: np.ndarray, ids: np.ndarray, k: int, params: SamplingParams | PickSpec,
+                penalties: Penalties = (1.0, 0.0, 0.0),
+                view: PenaltyView | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step's candidates (its largest logits, descending with equal values in ascending id order, as
+    top_logits gives them; their ids) -> the k largest once _penalized applies over `view` (float64
+    values, int64 ids), then what a draw with `params` keeps of those k (kept_tokens: the kept ids and
+    their float64 probabilities; the first id when greedy). A set intersection finds the candidates the
+    penalties touch; the arithmetic is _candidate_loop's."""
+    values, ids = np.asarray(values, np.float64), np.asarray(ids, np.int64)
+    seen_at, count_at = _UNMARKED
+    if view is not None:
+        repetition, presence, frequency = penalties
+        listed = ids.tolist()
+        hit_rep = view.seen.intersection(listed) if repetition != 1.0 and view.seen else set()
+        hit_pf = view.counts.keys() & listed if (presence or frequency) and view.counts else set()
+        if hit_rep or hit_pf:
+            seen_at = np.zeros(len(listed), np.bool_)
+            seen_at[[listed.index(t) for t in hit_rep]] = True  # a row's ids are distinct
+            count_at = np.zeros(len(listed), np.int64)
+            for t in hit_pf:
+                count_at[listed.index(t)] = view.counts[t]
+    return _compiled_candidate_loop()(values, ids, k, seen_at, count_at, *penalties, float(params.temperature),
+                                      float(params.top_p), float(params.min_p))
 
 
-def _penalized_best_loop(values: np.ndarray, ids: np.ndarray, k: int, seen_at: np.ndarray, count_at: np.ndarray,
-                         repetition: float, presence: float, frequency: float) -> tuple[np.ndarray, np.ndarray]:
-    """_penalized_best's arithmetic (compiled by _candidate_loops): each touched candidate's logit
-    penalized in float64 and rounded to float32 after each penalty, as _penalized stores it, and
-    inserted into its place (descending, equal values by ascending id; the candidates come in order,
-    so the insertion sort moves only the penalized ones)."""
-    n = values.size
-    v = np.empty(n)
-    o = np.empty(n, np.int64)
-    for i in range(n):
-        x = values[i]
-        if seen_at[i]:
-            x = np.float64(np.float32(x / repetition if x > 0 else x * repetition))
-        if count_at[i]:
-            x = np.float64(np.float32(x - (presence + frequency * count_at[i])))
-        t = ids[i]
+_UNMARKED = np.zeros(0, np.bool_), np.zeros(0, np.int64)  # no candidate penalized
+
+
+def _candidate_loop(values: np.ndarray, ids: np.ndarray, k: int, seen_at: np.ndarray, count_at: np.ndarray,
+                    repetition: float, presence: float, frequency: float, temperature: float, top_p: float,
+                    min_p: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """_candidates' arithmetic, compiled by _compiled_candidate_loop. Each marked candidate's logit is
+    penalized in float64 and rounded to float32 after each penalty, as _penalized stores it, and moved
+    into its place (the candidates come in order, so only the penalized move). Then the k largest are
+    tempered and filtered as _filtered does: top-p over them in descending probability (exp may round
+    two logits to one probability, whose ids then come in either order), min-p, renormalized."""
+
+    def settle(a: np.ndarray, o: np.ndarray, i: int) -> None:
+        # a[i] (its id o[i]) back into place among a[:i]: descending, equal values by ascending id
+        x, t = a[i], o[i]
         j = i
-        while j > 0 and (v[j - 1] < x or (v[j - 1] == x and o[j - 1] > t)):
-            v[j] = v[j - 1]
+        while j > 0 and (a[j - 1] < x or (a[j - 1] == x and o[j - 1] > t)):
+            a[j] = a[j - 1]
             o[j] = o[j - 1]
             j -= 1
-        v[j] = x
+        a[j] = x
         o[j] = t
-    return v[:k], o[:k]
 
-
-def _kept_of_top_loop(v: np.ndarray, ids: np.ndarray, temperature: float, top_p: float,
-                      min_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """_kept_of_top's arithmetic (compiled by _candidate_loops) over float64 logits and int64 ids."""
-    n = v.size
-    p = np.empty(n)
+    v, o = values.copy(), ids.copy()
+    if seen_at.size:
+        for i in range(v.size):
+            if seen_at[i]:
+                v[i] = np.float64(np.float32(v[i] / repetition if v[i] > 0 else v[i] * repetition))
+            if count_at[i]:
+                v[i] = np.float64(np.float32(v[i] - (presence + frequency * count_at[i])))
+            settle(v, o, i)
+    best, best_ids = v[:k], o[:k]
+    n = best.size
+    p = np.ones(n)
+    kept = best_ids.copy()
+    if temperature <= 0:
+        return best, best_ids, kept[:1], p[:1]
     total = 0.0
     for i in range(n):
-        p[i] = math.exp((v[i] - v[0]) / temperature)
+        p[i] = math.exp((best[i] - best[0]) / temperature)
         total += p[i]
     for i in range(n):
         p[i] = p[i] / total
-    kept = ids.copy()
     n_keep = n
     if top_p < 1.0:
-        # descending probability, lower id first on ties: the logits come in order, but exp may round
-        # two of them to one probability whose ids then come in either order
         for i in range(1, n):
-            x, t = p[i], kept[i]
-            j = i
-            while j > 0 and (p[j - 1] < x or (p[j - 1] == x and kept[j - 1] > t)):
-                p[j] = p[j - 1]
-                kept[j] = kept[j - 1]
-                j -= 1
-            p[j] = x
-            kept[j] = t
-        # the smallest prefix whose mass reaches top_p (the token that crosses it included)
-        cum = 0.0
+            settle(p, kept, i)
+        cum = 0.0  # the smallest prefix whose mass reaches top_p (the token that crosses it included)
         for i in range(n):
             cum += p[i]
             if cum >= top_p:
@@ -434,24 +432,20 @@ def _kept_of_top_loop(v: np.ndarray, ids: np.ndarray, temperature: float, top_p:
         total += p[i]
     for i in range(m):
         p[i] = p[i] / total
-    return kept[:m], p[:m]
-
-
-_LoopPair = tuple[Callable[..., tuple[np.ndarray, np.ndarray]], Callable[..., tuple[np.ndarray, np.ndarray]]]
+    return best, best_ids, kept[:m], p[:m]
 
 
 @functools.cache
-def _candidate_loops() -> _LoopPair:
-    """(_penalized_best_loop, _kept_of_top_loop), compiled by numba (cached on disk, the interpreter
-    released while they run) the first time a pick needs them: a step's picks are drawn one after
-    another between two steps (engine/scheduler.py), where the same loops in the interpreter took
-    most of 25 us a pick. Without numba they run as written (the same arithmetic, slower)."""
+def _compiled_candidate_loop() -> Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """_candidate_loop compiled by numba (cached on disk; the interpreter released while it runs) the
+    first time a pick needs it: a step's picks are drawn one after another between two steps
+    (engine/scheduler.py), where the same loops in the interpreter took most of 30 us a pick. Without
+    numba it runs as written (the same arithmetic, slower)."""
     try:
         from numba import njit
     except ImportError:
-        return _penalized_best_loop, _kept_of_top_loop
-    jit = njit(cache=True, nogil=True)
-    return jit(_penalized_best_loop), jit(_kept_of_top_loop)
+        return _candidate_loop
+    return njit(cache=True, nogil=True)(_candidate_loop)
 
 
 def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -487,13 +481,11 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[
     return _filtered(ids, w / total, params)
 
 
-def compile_candidate_loops() -> None:
-    """Compile the loops of a pick from a step's candidates now (or load them from numba's disk cache:
+def compile_candidate_loop() -> None:
+    """Compile the loop of a pick from a step's candidates now (or load it from numba's disk cache:
     about 2 s the first time, 0.15 s after), not inside a first token."""
-    best, kept = _candidate_loops()
-    values, ids = np.array([1.0, 0.5]), np.arange(2, dtype=np.int64)
-    best(values, ids, 1, np.ones(2, np.bool_), np.ones(2, np.int64), 1.1, 0.1, 0.1)
-    kept(values, ids, 1.0, 0.9, 0.05)
+    _candidates(np.array([1.0, 0.5]), np.arange(2), 1, PickSpec(0.5, 1.0, 0.9, 0.05), (1.1, 0.1, 0.1),
+                PenaltyView([0, 1]))
 
 
 def _kept_of_top(values: np.ndarray, ids: np.ndarray,
@@ -501,8 +493,8 @@ def _kept_of_top(values: np.ndarray, ids: np.ndarray,
     """kept_tokens when top-k decides first, from the k largest logits (descending, ties by id) and
     their ids: the kept ids (int64) and their probabilities (float64, summing to 1). The filters after
     top-k see its renormalized distribution."""
-    return _candidate_loops()[1](np.asarray(values, np.float64), np.asarray(ids, np.int64),
-                                 float(params.temperature), float(params.top_p), float(params.min_p))
+    _, _, kept, p = _candidates(values, ids, len(values), params)
+    return kept, p
 
 
 def _filtered(ids: np.ndarray, p: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -572,7 +564,7 @@ def pick_penalized(top: TopLogits, spec: PickSpec, view: PenaltyView, candidates
     vals, ids = top.values[0, :candidates], top.ids[0, :candidates]
     penalties = (spec.repetition, spec.presence, spec.frequency)
     k = max(1, spec.top_k)
-    best, best_ids = _penalized_best(vals, ids, k, penalties, view)
+    best, best_ids, kept, p = _candidates(vals, ids, k, spec, penalties, view)
     if not best[-1] > vals[-1]:  # the whole row's k largest penalized, as kept_tokens takes them
         x = _penalized(top.whole_row(), None, penalties, view)
         # each is at or above the candidates' k-th penalized when the penalties only lower logits (the
@@ -584,7 +576,8 @@ def pick_penalized(top: TopLogits, spec: PickSpec, view: PenaltyView, candidates
         else:
             top_vals, top_ids = top_logits(x, k)
             best, best_ids = top_vals[0], top_ids[0]
-    return int(best_ids[0]) if spec.temperature <= 0 else _draw_kept(*_kept_of_top(best, best_ids, spec), spec.u)
+        kept, p = _kept_of_top(best, best_ids, spec)
+    return int(best_ids[0]) if spec.temperature <= 0 else _draw_kept(kept, p, spec.u)
 
 
 def _could_draw(values: np.ndarray, ids: np.ndarray, spec: PickSpec, token: int, eps: float = 1e-9) -> bool:

@@ -381,15 +381,15 @@ def test_a_penalized_rows_top_logits_are_drawn_from_as_given():
     assert on_top.generated == on_row.generated and len(set(on_row.generated)) > 5
 
 
-def test_the_compiled_candidate_loops_equal_their_source_run_as_written():
-    """The loops of a pick from a step's candidates, compiled by numba (what every pick runs), give the
-    same bits as the same functions run by the interpreter, on fresh random candidates: penalties on
-    some of them (ties among the penalized and the rest included), every filter, every k."""
+def test_the_compiled_candidate_loop_equals_its_source_run_as_written():
+    """The loop of a pick from a step's candidates, compiled by numba (what every pick runs), gives the
+    same bits as the same function run by the interpreter, on fresh random candidates: penalties on
+    some of them (ties among the penalized and the rest included), every filter, every k, greedy."""
     pytest.importorskip("numba")
-    from minecart.engine.sampling import _candidate_loops, _kept_of_top_loop, _penalized_best_loop
+    from minecart.engine.sampling import _candidate_loop, _compiled_candidate_loop
 
-    best_jit, kept_jit = _candidate_loops()
-    assert best_jit is not _penalized_best_loop and kept_jit is not _kept_of_top_loop
+    compiled = _compiled_candidate_loop()
+    assert compiled is not _candidate_loop
     rng = np.random.default_rng()
     for case in range(400):
         n = int(rng.integers(1, 65))
@@ -399,15 +399,15 @@ def test_the_compiled_candidate_loops_equal_their_source_run_as_written():
         ids = np.sort(rng.choice(100_000, n, replace=False)).astype(np.int64)
         order = np.lexsort((ids, -v))  # descending, ties by ascending id: as a step gives them
         v, ids = v[order].astype(np.float64), ids[order]
-        seen_at = rng.random(n) < 0.3
-        count_at = np.where(rng.random(n) < 0.2, rng.integers(1, 4, n), 0).astype(np.int64)
-        k = int(rng.integers(1, n + 1))
-        pen = (float(rng.choice([1.0, 1.05, 1.5, 0.9])), float(rng.choice([0.0, 0.5])), float(rng.choice([0.0, 0.25])))
-        got, want = best_jit(v, ids, k, seen_at, count_at, *pen), _penalized_best_loop(v, ids, k, seen_at, count_at, *pen)
-        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), case
-        filters = (float(rng.uniform(0.1, 2)), float(rng.choice([1.0, 0.9, 0.5])), float(rng.choice([0.0, 0.05, 0.3])))
-        got, want = kept_jit(*want, *filters), _kept_of_top_loop(*want, *filters)
-        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), case  # bit for bit
+        marks = (rng.random(n) < 0.3, np.where(rng.random(n) < 0.2, rng.integers(1, 4, n), 0).astype(np.int64))
+        if case % 5 == 0:
+            marks = (np.zeros(0, np.bool_), np.zeros(0, np.int64))  # none penalized
+        args = (v, ids, int(rng.integers(1, n + 1)), *marks, float(rng.choice([1.0, 1.05, 1.5, 0.9])),
+                float(rng.choice([0.0, 0.5])), float(rng.choice([0.0, 0.25])),
+                float(rng.choice([0.0, 0.3, 1.0, 2.0])), float(rng.choice([1.0, 0.9, 0.5])),
+                float(rng.choice([0.0, 0.05, 0.3])))
+        for got, want in zip(compiled(*args), _candidate_loop(*args), strict=True):
+            assert got.dtype == want.dtype and np.array_equal(got, want), case  # bit for bit
 
 
 def test_a_penalized_pick_the_candidates_do_not_decide_is_the_whole_rows():
@@ -420,8 +420,8 @@ def test_a_penalized_pick_the_candidates_do_not_decide_is_the_whole_rows():
         PenaltyView,
         PickSpec,
         TopLogits,
+        _candidates,
         _penalized,
-        _penalized_best,
         _pick_row,
         pick_penalized,
         top_logits,
@@ -444,7 +444,7 @@ def test_a_penalized_pick_the_candidates_do_not_decide_is_the_whole_rows():
                         repetition=float(rng.choice([1.05, 1.3])), presence=float(rng.choice([0.0, 0.4])),
                         frequency=float(rng.choice([0.0, 0.2])))
         penalties = (spec.repetition, spec.presence, spec.frequency)
-        best, _ = _penalized_best(vals[0], ids[0], spec.top_k, penalties, view)
+        best = _candidates(vals[0], ids[0], spec.top_k, spec, penalties, view)[0]
         if best[-1] > vals[0, -1]:
             continue  # the candidates decide: other tests
         whole = _penalized(row, None, penalties, view)
