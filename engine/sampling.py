@@ -390,8 +390,9 @@ def _candidate_loop(values: np.ndarray, ids: np.ndarray, k: int, seen_at: np.nda
         a[j] = x
         o[j] = t
 
-    v, o = values.copy(), ids.copy()
+    v, o = values, ids
     if seen_at.size:
+        v, o = values.copy(), ids.copy()
         for i in range(v.size):
             if seen_at[i]:
                 v[i] = np.float64(np.float32(v[i] / repetition if v[i] > 0 else v[i] * repetition))
