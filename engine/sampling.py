@@ -74,6 +74,9 @@ class TopLogits:
     # True: the values are the rows' after the PickSpec's penalties (the device applied them to the whole
     # rows before the top-k; fetch reads the penalized rows); False: the model's own logits
     penalized: bool = False
+    # whole rows read through fetch (whole_row), by row; shared with a copy made by dataclasses.replace
+    # (Scheduler: the top logits handed to the request with its pick)
+    read_rows: dict[int, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def row(self, i: int) -> TopLogits:
         """Row i alone, (1, k), copied (a view would keep the whole step's arrays alive)."""
@@ -82,11 +85,17 @@ class TopLogits:
                          picks, self.penalized)
 
     def whole_row(self, i: int = 0) -> np.ndarray:
-        """Row i's whole logits (vocab,) float32 (a copy from the device, for a pick the top logits do
-        not decide). Valid until the sequence's next step; raises RuntimeError when not kept or stale."""
-        if self.fetch is None:
-            raise RuntimeError("these top logits were returned without their whole rows")
-        return np.asarray(self.fetch(self.first + i), np.float32).reshape(-1)
+        """Row i's whole logits (vocab,) float32, for a pick the top logits do not decide: read (copied)
+        through fetch the first time, which must come before the sequence's next step (RuntimeError
+        when not kept or stale), then kept with these top logits (the scheduler's draw of a pick and
+        the request's own pick read it once). Not to be written to."""
+        r = self.first + i
+        row = self.read_rows.get(r)
+        if row is None:
+            if self.fetch is None:
+                raise RuntimeError("these top logits were returned without their whole rows")
+            row = self.read_rows[r] = np.array(self.fetch(r), np.float32).reshape(-1)
+        return row
 
 
 @dataclass(frozen=True, eq=False)

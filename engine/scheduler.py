@@ -200,18 +200,7 @@ class _Pass:
         if self.chained:
             view.add(self.ids)
         # the whole row, if the pick reads it, is read now (the sequence's next step replaces it) and kept
-        # for the sampler's own pick
-        fetch = top.fetch
-        rows: dict[int, np.ndarray] = {}
-
-        def kept(r: int) -> np.ndarray:
-            if r not in rows:
-                assert fetch is not None
-                rows[r] = np.array(fetch(r), np.float32)
-            return rows[r]
-
-        top = replace(top, fetch=kept if fetch is not None else None)
-        self.logits = top
+        # with the top logits for the sampler's own pick (TopLogits.whole_row)
         return pick_penalized(top, spec, view, self.top)
 
     def result(self) -> np.ndarray | TopLogits:

@@ -18,8 +18,10 @@ from minecart.engine.sampling import (
     GREEDY_PICK,
     LaunchedStep,
     PenaltyHistory,
+    Sampler,
     SamplingParams,
     greedy_params,
+    top_logits,
 )
 from minecart.engine.scheduler import QueueFull, Scheduler
 
@@ -266,6 +268,55 @@ def test_a_steps_callers_wake_while_the_next_step_runs(fixture, monkeypatch):
     # their step's result, with nothing in flight, they would all be False)
     middle = [f for n in names for f in in_flight[n][3:-3]]
     assert len(middle) == 3 * (MAX_TOKENS - 6) and sum(middle) >= 0.75 * len(middle), in_flight
+
+
+def test_a_whole_row_a_pick_read_stays_after_the_next_step(fixture, monkeypatch):
+    """Batched penalized picks whose candidates do not decide: the scheduler's draw reads the whole row
+    before the next step, and the request's own pick reads it again after that step was launched, when
+    a device no longer keeps it (a graph's fetch refuses then: CupyBackend). The row stays with the
+    step's top logits, so the second read needs no fetch, and the tokens are those of whole rows.
+    (Stubbed steps: every row is the same made-up logits, its 64 largest all prompt tokens that a 4.0
+    repetition penalty drops below a token outside them.)"""
+    from minecart.engine.sampling import TopLogits
+
+    model, _, _ = fixture
+    V = model.config.vocab_size
+    row = np.full(V, -5.0, np.float32)
+    row[1000:1064] = np.linspace(10.3, 10.0, 64, dtype=np.float32)
+    row[5000] = 9.9  # the only one of the rest above the penalized candidates, until it is seen
+    prompts = {"a": list(range(1000, 1064)) + [7, 8], "b": list(range(1063, 999, -1)) + [9]}
+    params = greedy_params(repetition_penalty=4.0, max_tokens=MAX_TOKENS)
+    launches, reads = [0], []
+
+    def launch_batch(ids, states, positions, top=0):
+        launches[0] += 1
+        mine, B = launches[0], len(ids)
+        if not top:
+            return LaunchedStep.done(np.tile(row, (B, 1)))
+        vals, tops = top_logits(row, top)
+
+        def fetch(r: int) -> np.ndarray:
+            if launches[0] != mine:
+                raise RuntimeError("the device holds a later step's logits now")
+            reads.append(r)
+            return row
+
+        return LaunchedStep.done(TopLogits(np.repeat(vals, B, 0), np.repeat(tops, B, 0), fetch=fetch))
+
+    def at_once() -> dict[str, list]:
+        sched = Scheduler(model, parallel=2, max_queue=2, chunk=128)
+        try:
+            return _generate_at_once(sched, prompts, [(name, params) for name in prompts])
+        finally:
+            sched.close()
+
+    monkeypatch.setattr(model.executor, "launch_batch", launch_batch)
+    got = at_once()
+    assert len(reads) >= MAX_TOKENS, reads  # most picks read their rows
+    monkeypatch.setattr(Sampler, "candidates", property(lambda self: 0))
+    want = at_once()
+    assert got == want and all(len(t) == MAX_TOKENS for t in got.values())
+    assert got["a"][:2] == [5000, 1000]  # the token outside the candidates, then the penalized best
 
 
 def _generate_at_once(sched: Scheduler, prompts: dict, cases: list,
