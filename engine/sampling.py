@@ -447,15 +447,17 @@ def _candidate_loop(values: np.ndarray, ids: np.ndarray, k: int, seen_at: np.nda
 
 @functools.cache
 def _compiled_candidate_loop() -> Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """_candidate_loop compiled by numba (cached on disk; the interpreter released while it runs) the
-    first time a pick needs it: a step's picks are drawn one after another between two steps
-    (engine/scheduler.py), where the same loops in the interpreter took most of 30 us a pick. Without
-    numba it runs as written (the same arithmetic, slower)."""
+    """_candidate_loop compiled by numba (cached on disk) the first time a pick needs it: a step's picks
+    are drawn one after another between two steps (engine/scheduler.py), where the same loops in the
+    interpreter took most of 30 us a pick. It keeps the interpreter while it runs (a few
+    microseconds): released, a busy thread could take it and hold the scheduler's thread up to a
+    switch interval (5 ms) between two picks. Without numba it runs as written (the same arithmetic,
+    slower)."""
     try:
         from numba import njit
     except ImportError:
         return _candidate_loop
-    return njit(cache=True, nogil=True)(_candidate_loop)
+    return njit(cache=True)(_candidate_loop)
 
 
 def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
