@@ -38,6 +38,7 @@ What this file is not: the generate loop (generation.py) or stop handling.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -45,6 +46,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 # Default lengths when a request gives none. A chat answer may think for a while before it answers
 # (Qwen3.5's reasoning often runs past a thousand tokens); a plain-text continuation of a base model
@@ -451,13 +454,23 @@ def _compiled_candidate_loop() -> Callable[..., tuple[np.ndarray, np.ndarray, np
     are drawn one after another between two steps (engine/scheduler.py), where the same loops in the
     interpreter took most of 30 us a pick. It keeps the interpreter while it runs (a few
     microseconds): released, a busy thread could take it and hold the scheduler's thread up to a
-    switch interval (5 ms) between two picks. Without numba it runs as written (the same arithmetic,
-    slower)."""
+    switch interval (5 ms) between two picks. It is compiled here, on arguments of the types every
+    pick passes; without numba, or with one that cannot compile it, the loop runs as written (the same
+    arithmetic, slower), with a warning in the log for the second."""
     try:
         from numba import njit
     except ImportError:
         return _candidate_loop
-    return njit(cache=True)(_candidate_loop)
+    try:
+        compiled = njit(cache=True)(_candidate_loop)
+        ids = np.arange(2, dtype=np.int64)
+        compiled(np.array([1.0, 0.5]), ids, 1, np.ones(2, np.bool_), np.ones(2, np.int64), 1.1, 0.1, 0.1,
+                 1.0, 0.9, 0.05)
+        compiled(np.array([1.0, 0.5]), ids, 2, *_UNMARKED, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+    except Exception as exc:  # noqa: BLE001 - any failure of the compiler leaves the loop as written
+        log.warning("the pick's candidate loop runs uncompiled: numba failed to compile it (%s)", exc)
+        return _candidate_loop
+    return compiled
 
 
 def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -496,8 +509,7 @@ def kept_tokens(logits: np.ndarray, params: SamplingParams | PickSpec) -> tuple[
 def compile_candidate_loop() -> None:
     """Compile the loop of a pick from a step's candidates now (or load it from numba's disk cache:
     about 2 s the first time, 0.15 s after), not inside a first token."""
-    _candidates(np.array([1.0, 0.5]), np.arange(2), 1, PickSpec(0.5, 1.0, 0.9, 0.05), (1.1, 0.1, 0.1),
-                PenaltyView([0, 1]))
+    _compiled_candidate_loop()
 
 
 def _kept_of_top(values: np.ndarray, ids: np.ndarray,

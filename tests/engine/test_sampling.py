@@ -452,3 +452,37 @@ def test_a_penalized_pick_the_candidates_do_not_decide_is_the_whole_rows():
         got = pick_penalized(TopLogits(vals, ids, fetch=lambda r, row=row: row), spec, view, 64)
         assert got == _pick_row(whole, spec, spec.u), case
     assert routes["few"] > 50 and routes["many"] > 10, routes
+
+
+def test_a_numba_that_cannot_compile_the_loop_leaves_it_as_written(monkeypatch, caplog):
+    """When numba is there but fails to compile the candidate loop, picks still work: the loop runs as
+    written, and the log says so once."""
+    numba = pytest.importorskip("numba")
+    from minecart.engine import sampling
+    from minecart.engine.sampling import (
+        PickSpec,
+        _candidate_loop,
+        _compiled_candidate_loop,
+        draw_from_top,
+    )
+
+    def broken_njit(*_args, **_kwargs):
+        def wrap(_fn):
+            def compiled(*_a):
+                raise numba.core.errors.TypingError("no compiler here")
+            return compiled
+        return wrap
+
+    vals = np.array([3.0, 2.0, 1.0], np.float32)
+    ids = np.array([7, 5, 9], np.int64)
+    spec = PickSpec(0.99, 1.0, 1.0, 0.0)
+    want = draw_from_top(vals, ids, spec)
+    monkeypatch.setattr(numba, "njit", broken_njit)
+    _compiled_candidate_loop.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=sampling.__name__):
+            assert _compiled_candidate_loop() is _candidate_loop
+            assert draw_from_top(vals, ids, spec) == want == 9
+        assert "runs uncompiled" in caplog.text and "no compiler here" in caplog.text
+    finally:
+        _compiled_candidate_loop.cache_clear()
