@@ -362,7 +362,8 @@ def _candidates(values: np.ndarray, ids: np.ndarray, k: int, params: SamplingPar
     values, int64 ids), then what a draw with `params` keeps of those k (kept_tokens: the kept ids and
     their float64 probabilities; the first id when greedy). A set intersection finds the candidates the
     penalties touch; the arithmetic is _candidate_loop's."""
-    values, ids = np.asarray(values, np.float64), np.asarray(ids, np.int64)
+    # contiguous float64 / int64, the one signature the loop is compiled for (_compiled_candidate_loop)
+    values, ids = np.ascontiguousarray(values, np.float64), np.ascontiguousarray(ids, np.int64)
     seen_at, count_at = _UNMARKED
     if view is not None:
         repetition, presence, frequency = penalties
