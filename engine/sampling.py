@@ -466,8 +466,7 @@ def _compiled_candidate_loop() -> Callable[..., tuple[np.ndarray, np.ndarray, np
         compiled = njit(cache=True)(_candidate_loop)
         ids = np.arange(2, dtype=np.int64)
         compiled(np.array([1.0, 0.5]), ids, 1, np.ones(2, np.bool_), np.ones(2, np.int64), 1.1, 0.1, 0.1,
-                 1.0, 0.9, 0.05)
-        compiled(np.array([1.0, 0.5]), ids, 2, *_UNMARKED, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+                 1.0, 0.9, 0.05)  # every pick's one signature (_candidates)
     except Exception as exc:  # noqa: BLE001 - any failure of the compiler leaves the loop as written
         log.warning("the pick's candidate loop runs uncompiled: numba failed to compile it (%s)", exc)
         return _candidate_loop

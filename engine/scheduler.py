@@ -170,8 +170,8 @@ class _Pass:
                 self.logits = out[b : b + 1].copy()
             elif self.top:
                 self.logits = out.row(b)
-            else:  # its whole row, read now: the sequence's next step replaces it
-                self.logits = out.whole_row(b)[None, :].copy()
+            else:  # its whole row, read now (a copy kept with the step's top logits): the next step replaces it
+                self.logits = out.whole_row(b)[None, :]
             if self.pick is not None:
                 self.pick_token()
         except Exception as exc:

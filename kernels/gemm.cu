@@ -486,7 +486,7 @@ __device__ __forceinline__ void gb_quads(
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
         const int* __restrict__ seg, int nseg) {
-    constexpr int ROWS = 64;          // weight rows a block (ops.gemm_batch_rows)
+    constexpr int ROWS = 64;          // weight rows a block (ops.GEMM_BATCH_ROWS)
     constexpr int PASSES = ROWS / 16;  // weight load passes a stage
     constexpr int XJ = TT / 8;         // activation int4 loads a thread a stage (gb_load_x)
     constexpr int XC = (TT + 15) / 16;  // activation (xd, xs) loads a thread a stage

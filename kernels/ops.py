@@ -394,18 +394,13 @@ def _gemm_batch(type_name: str, T: int) -> int | None:
 GEMM_BATCH_ROWS = {8: 32, 16: 32, 32: 64}
 
 
-def gemm_batch_rows(tt: int) -> int:
-    """Weight rows a block of gemm_batch's token tile `tt` computes."""
-    return GEMM_BATCH_ROWS[tt]
-
-
 def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int]:
     """(splits over K, stages of 256 values per split) of a gemm_batch launch of token tile `tt` on a card
-    with `sms` multiprocessors: a matrix with fewer row tiles (gemm_batch_rows) than
+    with `sms` multiprocessors: a matrix with fewer row tiles (GEMM_BATCH_ROWS) than
     GEMM_BATCH_BLOCKS_PER_SM blocks per multiprocessor is split along K (a 4096 x 4096 matrix in the
     8-token tile's 32-row tiles: 3 splits of at most 6 stages on 132 multiprocessors), each split at
     least one stage."""
-    tiles = -(-R // gemm_batch_rows(tt))
+    tiles = -(-R // GEMM_BATCH_ROWS[tt])
     stages = -(-(K // 32) // 8)
     want = -(-(GEMM_BATCH_BLOCKS_PER_SM * sms) // tiles)
     splits = max(1, min(stages, want))
@@ -515,7 +510,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         res = residual if residual is not None else np.uint64(0)
         seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
         nseg = np.int32(len(segments) - 1 if segments is not None else 1)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / gemm_batch_rows(tt)), splits), (128,),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS[tt]), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, y, part, np.int32(T), np.int32(R),
                                                  np.int32(K), np.int32(per), res, seg, nseg))
         if splits > 1:
