@@ -47,13 +47,23 @@ export MINECART_CACHE_DIR=/tmp/minecart-cache
   python3 -c "import minecart.kernels.ops, minecart.engine.backends.cupy_backend as c; print('backend import ok; gpus', c.device_count())"
 } >>"$OUT/env.txt" 2>&1
 
+# the test files a list of pytest arguments names (folders expanded as pytest orders them, selectors cut)
+test_files() {
+  for t in "$@"; do
+    t=${t%%::*}
+    if [ -d "$t" ]; then ls "$t"/test_*.py; else echo "$t"; fi
+  done
+}
+
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
-  # GPU_TESTS: the files to run (default the whole tests/gpu)
+  # GPU_TESTS: the files to run (default the whole tests/gpu, which takes more than one call's 600 s:
+  # run it in parts). -v, so that a run cut off by TEST_TIMEOUT still says what passed (summary below)
   # shellcheck disable=SC2086
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider --timeout 240 -s ${GPU_TESTS:-tests/gpu} "$@" \
+  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 240 -s ${GPU_TESTS:-tests/gpu} "$@" \
     >"$OUT/gpu_tests.log" 2>&1
   echo "gpu tests exit $?" | tee -a "$OUT/gpu_tests.log"
-  tail -5 "$OUT/gpu_tests.log"
+  # shellcheck disable=SC2086
+  python3 tools/gpu_test_summary.py "$OUT/gpu_tests.log" $(test_files ${GPU_TESTS:-tests/gpu}) | tee -a "$OUT/gpu_tests.log"
 fi
 
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
@@ -292,6 +302,8 @@ sys.exit(1 if problems else 0)" "$dir" >"$log" 2>&1; then
       ${PTX_TESTS:-$DEFAULT_PTX_TESTS} "$@" >>"$log" 2>&1
     echo "compute_$arch PTX gpu tests exit $?" | tee -a "$log"
     grep -E "^(FAILED|ERROR)|KernelPtxError|passed|failed" "$log" | tail -15
+    # shellcheck disable=SC2086
+    python3 tools/gpu_test_summary.py "$log" $(test_files ${PTX_TESTS:-$DEFAULT_PTX_TESTS}) | tee -a "$log"
   done
   rm -rf .gpu/ptx61 .gpu/ptx70  # unpacked copies only (~48 MiB): never carried back or along
 fi
