@@ -257,31 +257,23 @@ class EngineBridge(QObject):
 
     def chat(self, messages: list[dict], sampling: dict | None = None, thinking: bool = False,
              conversation_id=None) -> bool:
-        if self.runtime is None:
-            self.chat_error.emit(self.runtime_error or "the engine is not available")
-            return False
-        if self._chat is not None:
-            self._chat.cancel()
-
-        def request():
-            return self.runtime.chat(messages, sampling_params(sampling or {}),
-                                     enable_thinking=thinking, conversation_id=conversation_id)
-
-        return self._submit("_chat", request, self.chat_error, self._on_chat_event)
+        return self._submit_chat(lambda runtime: runtime.chat(
+            messages, sampling_params(sampling or {}), enable_thinking=thinking, conversation_id=conversation_id))
 
     def complete(self, prompt: str, sampling: dict | None = None, conversation_id=None) -> bool:
         """Continue raw text without the chat template (base models); events as for chat."""
-        if self.runtime is None:
+        return self._submit_chat(lambda runtime: runtime.complete(
+            prompt, sampling_params(sampling or {}), conversation_id=conversation_id))
+
+    def _submit_chat(self, request) -> bool:
+        """Start `request(runtime)` as the chat's generation, cancelling the one running."""
+        runtime = self.runtime
+        if runtime is None:
             self.chat_error.emit(self.runtime_error or "the engine is not available")
             return False
         if self._chat is not None:
             self._chat.cancel()
-
-        def request():
-            return self.runtime.complete(prompt, sampling_params(sampling or {}),
-                                         conversation_id=conversation_id)
-
-        return self._submit("_chat", request, self.chat_error, self._on_chat_event)
+        return self._submit("_chat", lambda: request(runtime), self.chat_error, self._on_chat_event)
 
     def stop(self) -> None:
         if self._chat is not None:

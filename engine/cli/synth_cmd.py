@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -84,17 +85,9 @@ def run(args: argparse.Namespace) -> int:
         raise RequestError("synth needs --shape NAME and an output path (see `minecart synth --list`)")
     print(f"writing {args.out}: {args.shape}, {args.quant}, seed {args.seed}"
           + (f", {args.layers} layers" if args.layers is not None else ""), file=sys.stderr)
-    progress = _Progress()
-    try:
-        info = write_synthetic(args.out, args.shape, args.quant, seed=args.seed, n_layers=args.layers,
-                               mtp=not args.no_mtp, fuse_gate_up=args.fuse_gate_up, progress=progress)
-    except OSError as exc:
-        raise RequestError(f"cannot write {args.out}: {exc}; check the folder and free disk space") from exc
-    finally:
-        progress.end()
-    print(f"wrote {info['path']}: {info['bytes'] / 1e9:.3f} GB, {info['tensors']} tensors in "
-          f"{info['seconds']:.1f} s ({info['mb_per_s']:.0f} MB/s)")
-    return 0
+    return _write(args.out, lambda progress: write_synthetic(
+        args.out, args.shape, args.quant, seed=args.seed, n_layers=args.layers, mtp=not args.no_mtp,
+        fuse_gate_up=args.fuse_gate_up, progress=progress))
 
 
 def _run_tower(args: argparse.Namespace) -> int:
@@ -105,11 +98,20 @@ def _run_tower(args: argparse.Namespace) -> int:
         raise RequestError("synth --tower needs an output path, e.g. /tmp/mmproj-27b-f16.gguf")
     quant = args.quant  # matrices; rows that do not split into blocks fall back to F16
     print(f"writing {args.out}: {args.tower} vision tower, {quant}, seed {args.seed}", file=sys.stderr)
+    return _write(args.out, lambda progress: write_synthetic_mmproj(args.out, args.tower, quant, seed=args.seed,
+                                                                    progress=progress))
+
+
+def _write(out: str, write: Callable[[_Progress], dict]) -> int:
+    """Run a synthesizer `write(progress)` with a progress meter and print what it wrote; a file that
+    cannot be written is a RequestError."""
+    from ..errors import RequestError
+
     progress = _Progress()
     try:
-        info = write_synthetic_mmproj(args.out, args.tower, quant, seed=args.seed, progress=progress)
+        info = write(progress)
     except OSError as exc:
-        raise RequestError(f"cannot write {args.out}: {exc}; check the folder and free disk space") from exc
+        raise RequestError(f"cannot write {out}: {exc}; check the folder and free disk space") from exc
     finally:
         progress.end()
     print(f"wrote {info['path']}: {info['bytes'] / 1e9:.3f} GB, {info['tensors']} tensors in "
