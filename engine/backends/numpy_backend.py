@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import cpu_matmul
+from .. import cpu_gdn, cpu_matmul
 from ..sampling import TopLogits, top_logits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
@@ -198,18 +198,20 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     name = "numpy"
 
     def __init__(self, device: str = "cpu:0", *, int_experts: bool | None = None,
-                 expert_threads: int | None = None, rows_kernel: bool = True):
+                 expert_threads: int | None = None, rows_kernel: bool = True, gdn_kernel: bool = True):
         """int_experts: a decode token's routed experts on the integer kernels (engine/cpu_experts.py);
         None: wherever numba imports. expert_threads: their threads, and those of the rows kernel (None:
         engine.threads.expert_threads: --threads N, else the BLAS rule). rows_kernel: matmuls of
         2-16 rows (a batched decode step) on engine/cpu_matmul.py's kernel where numba imports; False
-        keeps BLAS."""
+        keeps BLAS. gdn_kernel: a decode token's Gated DeltaNet recurrence on engine/cpu_gdn.py's
+        kernel where numba imports; False keeps its NumPy twin."""
         if not str(device).startswith("cpu"):
             raise ValueError(f"NumpyBackend runs on the CPU; got device '{device}' (use 'cpu:0')")
         self.device = str(device)
         self.int_experts = int_experts
         self.expert_threads = expert_threads
         self.rows_kernel = rows_kernel
+        self.gdn_kernel = gdn_kernel
         # a MoE layer's expert tensors as cpu_experts stacks, made on first use: (weights, stacks) by
         # the weights' ids (int_expert_stacks)
         self._stacks: dict[tuple[int, int, int], tuple[tuple[Any, ...], Any]] = {}
@@ -469,29 +471,11 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         g = np.asarray(ssm_a, F64) * _softplus(a)
         return g.astype(F32), _sigmoid64(beta).astype(F32)
 
-    @staticmethod
-    def _heads_for_values(q, k, n_v):
-        """q, k per value head: value head j uses key head j % n_k (GGUF tiled order)."""
-        n_k = q.shape[1]
-        key_head = np.arange(n_v) % n_k
-        return np.asarray(q, F64)[:, key_head], np.asarray(k, F64)[:, key_head]
-
     def gdn_step(self, q, k, v, g, beta, state):
-        T, n_v, dv = v.shape
-        qv, kv = self._heads_for_values(q, k, n_v)  # (T, n_v, dk)
-        S = state.astype(F64)  # (n_v, dk, dv)
-        vv = np.asarray(v, F64)
-        decay = np.exp(np.asarray(g, F64))  # (T, n_v)
-        b = np.asarray(beta, F64)
-        out = np.empty((T, n_v, dv), F64)
-        for t in range(T):
-            S *= decay[t][:, None, None]
-            predicted = np.einsum("hkv,hk->hv", S, kv[t])  # S^T k
-            delta = b[t][:, None] * (vv[t] - predicted)
-            S += kv[t][:, :, None] * delta[:, None, :]  # rank-1 write k delta^T
-            out[t] = np.einsum("hkv,hk->hv", S, qv[t])  # S^T q
-        state[...] = S.astype(F32)
-        return out.astype(F32)
+        # the delta rule token by token (engine/cpu_gdn.py): compiled where numba imports, else its twin
+        if self.gdn_kernel and cpu_gdn.available() and state.dtype == F32 and state.flags.c_contiguous:
+            return cpu_gdn.gdn_step(q, k, v, g, beta, state)
+        return cpu_gdn.gdn_step_twin(q, k, v, g, beta, state)
 
     def gdn_chunk(self, q, k, v, g, beta, state, chunk: int = 64):
         """docs/qwen35.md 3.4.1, per chunk of `chunk` tokens, all heads at once.
@@ -500,7 +484,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         nothing, so this is the same algebra.
         """
         T, n_v, dv = v.shape
-        qv, kv = self._heads_for_values(q, k, n_v)
+        qv, kv = cpu_gdn.heads_for_values(q, k, n_v)
         S = state.astype(F64)  # (n_v, dk, dv), S[key, value]
         out = np.empty((T, n_v, dv), F64)
         for start in range(0, T, chunk):
