@@ -8,7 +8,8 @@ decode steps only. One sequence alone runs through the same call (a batch of one
 The machine this runs on is often shared, so each batch size is measured --repeat times, the sizes
 taking turns, and the best run counts. Besides wall-clock rates it prints rates over the process's
 CPU time (the engine runs one thread here), which other programs' load disturbs far less.
---rows-kernel off runs the batch's matmuls on BLAS instead of engine/cpu_matmul.py (the "before").
+--rows-kernel off runs the batch's matmuls on BLAS instead of engine/cpu_matmul.py, --gdn-kernel off
+the Gated DeltaNet recurrence on its NumPy twin instead of engine/cpu_gdn.py (the "befores").
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the best of each size counts")
     ap.add_argument("--rows-kernel", choices=("on", "off"), default="on",
                     help="off: batched matmuls on BLAS instead of engine/cpu_matmul.py")
+    ap.add_argument("--gdn-kernel", choices=("on", "off"), default="on",
+                    help="off: the Gated DeltaNet recurrence on NumPy instead of engine/cpu_gdn.py")
     args = ap.parse_args()
     paths = [Path(p) for p in args.models]
     if not paths:
@@ -72,11 +75,12 @@ def main() -> None:
         for st in model.executor.stages:
             if isinstance(st.backend, NumpyBackend):
                 st.backend.rows_kernel = args.rows_kernel == "on"
+                st.backend.gdn_kernel = args.gdn_kernel == "on"
         decode_rate(model, max(batches), 2)  # warm-up (and the kernel's compilation)
         rates = measure(model, batches, args.steps, args.repeat)
         base = min(batches)
         for i, label in ((0, "wall"), (1, "cpu time")):
-            print(f"{path.name} [{label}, rows kernel {args.rows_kernel}]: " + ", ".join(
+            print(f"{path.name} [{label}, rows kernel {args.rows_kernel}, gdn kernel {args.gdn_kernel}]: " + ", ".join(
                 f"B={b}: {r[i]:.1f} tok/s ({r[i] / rates[base][i]:.2f}x)" for b, r in rates.items()),
                 flush=True)
         model.close()
