@@ -115,6 +115,11 @@ def _kernel_compiled() -> Callable[..., None]:
     return _compiled[0]
 
 
+def compile_kernel() -> None:
+    """Compile the kernel now (or load it from numba's disk cache), not inside a first token."""
+    _kernel_compiled()
+
+
 def gdn_step(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
              state: np.ndarray) -> np.ndarray:
     """gdn_step_twin's result from the compiled kernel (same arguments; state float32, C-contiguous,

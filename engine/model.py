@@ -38,7 +38,7 @@ from .generation import generate
 from .gguf_file import GGUFFile
 from .kvquant import DEFAULT_KV_TYPE, check_kv_type
 from .models import module_for, spec_for
-from .models.spec import ArchSpec
+from .models.spec import GDN, ArchSpec
 from .placement import (
     STREAMED_EXPERTS_CHUNK,
     Placement,
@@ -539,6 +539,8 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         # (Building the tokenizer on a thread beside the weights was measured slower on 2 cores:
         # its Python loops hold the GIL, and every NumPy call of the weight load waits for it.)
         _warm_lm_head(backends["head"], weights["head"])
+        for be in {id(b): b for b in backends.values()}.values():
+            be.prepare_kernels(GDN in config.layer_types)
         compile_candidate_loop()  # the host's picks from top logits (engine/sampling.py)
     backends = _wire_experts(plan, backends, weights)
     model = Model(path, gf, config, module, plan, backends, weights, placement, roles)

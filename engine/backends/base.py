@@ -365,6 +365,10 @@ class DeviceHooks:
     def prepare_lm_head(self, weight: Weight) -> None:
         """Decode a lazily decoded LM-head table now (at load time) rather than in the first token."""
 
+    def prepare_kernels(self, gdn: bool) -> None:
+        """Compile (or load from a disk cache) the host kernels this backend decodes with now (at load
+        time) rather than in the first token; gdn: the model has Gated DeltaNet layers."""
+
 
 @runtime_checkable
 class Backend(Protocol):
@@ -561,3 +565,5 @@ class Backend(Protocol):
                    chained: bool = False, pick: PickSpec | None = None) -> Any: ...
 
     def prepare_lm_head(self, weight: Weight) -> None: ...
+
+    def prepare_kernels(self, gdn: bool) -> None: ...

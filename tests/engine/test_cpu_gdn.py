@@ -88,3 +88,21 @@ def test_the_backend_runs_the_kernel_or_the_twin(monkeypatch):
     got = NumpyBackend().gdn_step(q, k, v, g, beta, state)
     _close(got, want)
     _close(state, twin_state)
+
+
+@pytest.mark.parametrize("which", ["qwen", "gemma"])
+def test_a_load_with_progress_compiles_the_recurrence_of_a_gdn_model(which, fixtures_dir, tmp_path, monkeypatch):
+    """A person waits for a load that reports progress: a model with Gated DeltaNet layers on the CPU has
+    its recurrence compiled then, not in its first token; Gemma 3 (no such layers) does not."""
+    from minecart.engine.model import load_model
+
+    from tests._gemma3 import tiny_gemma3_file
+
+    calls = []
+    monkeypatch.setattr(cpu_gdn, "compile_kernel", lambda: calls.append(1))
+    path = (fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf" if which == "qwen"
+            else tiny_gemma3_file(tmp_path / "gemma.gguf"))
+    with load_model(path, devices=["cpu:0"], mmproj=False):
+        assert calls == []  # no one waits: nothing compiled ahead
+    with load_model(path, devices=["cpu:0"], mmproj=False, progress=lambda f, m: None):
+        assert calls == ([1] if which == "qwen" and cpu_gdn.available() else [])
