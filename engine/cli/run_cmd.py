@@ -112,8 +112,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "generation tokens/s to stderr.",
     )
     add_model_args(p)
+    p.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT",
+                   help="the user message, after MODEL (or give it with -p)")
     p.add_argument("-p", "--prompt", default=None,
-                   help="the user message (default: read stdin when it is not a terminal)")
+                   help="the user message (default: PROMPT, else stdin when it is not a terminal)")
     add_sampling_args(p)
     p.add_argument("--image", action="append", default=[], metavar="PIC",
                    help="attach a picture to the prompt (repeatable; vision models only)")
@@ -344,10 +346,13 @@ def stream_reply(handle: RequestHandle, printer: StreamPrinter) -> RuntimeEvent:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompt = args.prompt
+    if args.prompt is not None and args.prompt_text is not None:
+        raise RequestError(f"two prompts: {args.prompt_text!r} after the model and {args.prompt!r} with -p; "
+                           "give one")
+    prompt = args.prompt if args.prompt is not None else args.prompt_text
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():  # None: started with stdin closed
-            raise RequestError("give a prompt with -p/--prompt (or pipe it on stdin)")
+            raise RequestError("give a prompt after the model or with -p/--prompt (or pipe it on stdin)")
         prompt = sys.stdin.read().strip()
     if not prompt:
         raise RequestError("the prompt is empty")

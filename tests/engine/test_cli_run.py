@@ -75,6 +75,16 @@ def test_run_streams_the_greedy_answer_and_speeds(tiny_model):
     assert "Traceback" not in r.stderr
 
 
+def test_run_takes_the_prompt_after_the_model(tiny_model):
+    """`minecart run MODEL "prompt"` is `-p "prompt"`; both at once is refused, not one of them dropped."""
+    r = minecart("run", tiny_model, "The quick brown fox jumps over the lazy dog.", "--raw", "--temp", "0",
+                 "--max-tokens", "6", "--devices", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == " Sunt" * 6 + "\n"
+    r = minecart("run", tiny_model, "one", "-p", "two", "--devices", "cpu")
+    assert r.returncode == 1 and "two prompts" in r.stderr and "Traceback" not in r.stderr
+
+
 @needs_template
 def test_run_with_chat_template_and_no_think(tiny_model):
     r = minecart("run", tiny_model, "-p", "What is the capital of France?", "--system",
