@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import base64
 import mimetypes
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -350,6 +351,11 @@ def run(args: argparse.Namespace) -> int:
         raise RequestError(f"two prompts: {args.prompt_text!r} after the model and {args.prompt!r} with -p; "
                            "give one")
     prompt = args.prompt if args.prompt is not None else args.prompt_text
+    if (prompt is None and args.model is not None and not args.model.lower().endswith(".gguf")
+            and not Path(args.model).exists()):
+        # `minecart run "a question"`: the one word given is MODEL, and it names no file
+        raise RequestError(f"no model file {args.model!r}; to ask the default model, give the prompt with -p: "
+                           f"minecart run -p {shlex.quote(args.model)}")
     if prompt is None:
         if sys.stdin is None or sys.stdin.isatty():  # None: started with stdin closed
             raise RequestError("give a prompt after the model or with -p/--prompt (or pipe it on stdin)")

@@ -83,6 +83,9 @@ def test_run_takes_the_prompt_after_the_model(tiny_model):
     assert r.stdout == " Sunt" * 6 + "\n"
     r = minecart("run", tiny_model, "one", "-p", "two", "--devices", "cpu")
     assert r.returncode == 1 and "two prompts" in r.stderr and "Traceback" not in r.stderr
+    # a question alone is taken for MODEL: the error says how to ask the default model
+    r = minecart("run", "Why is the sky blue?", "--devices", "cpu")
+    assert r.returncode == 1 and "minecart run -p 'Why is the sky blue?'" in r.stderr, r.stderr
 
 
 @needs_template

@@ -168,7 +168,7 @@ def test_lone_surrogates_reach_the_model_as_replacement_characters(dense_path):
 def test_run_and_chat_with_stdin_closed(monkeypatch, dense_path, capsys):
     monkeypatch.setattr(sys, "stdin", None)
     assert cli_main(["run", str(dense_path)]) == 1
-    assert "give a prompt with -p" in capsys.readouterr().err
+    assert "give a prompt after the model or with -p" in capsys.readouterr().err
     assert cli_main(["chat", str(dense_path)]) == 1
     err = capsys.readouterr().err
     assert "stdin, which is closed" in err and "Traceback" not in err
