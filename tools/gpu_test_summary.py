@@ -5,8 +5,8 @@ by its time limit (tools/gpu_runner.sh prints this after `tests` and `ptx`):
 
 FILE...: the test files the run was given, in its order. Prints one line per file: its passed, failed,
 error and skipped counts; "cut off in TEST" for the test that had started when the log ends without its
-result; "not reached" for the files after it. A device call that ran past its limit then says which
-files to run in the next one. Exit status 0 when every given file ran to the end with no failure or
+result; "not reached" for the files after it (and for a file whose tests a -k deselected). A device
+call that ran past its limit then says which files to run in the next one. Exit status 0 when every given file ran to the end with no failure or
 error, else 1.
 """
 
