@@ -139,6 +139,12 @@ def _kernel_for(parallel: bool) -> Callable[..., None]:
     return _compiled[parallel]
 
 
+def compile_kernel(threads: int = 1) -> None:
+    """Compile now (or load from numba's disk cache) the kernel rows_matmul calls with `threads`, not
+    inside a first batched step."""
+    _kernel_for(threads > 1)
+
+
 def rows_matmul_twin(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """The NumPy twin: x @ w.T in float32 (BLAS)."""
     return np.asarray(x, F32) @ np.asarray(w, F32).T

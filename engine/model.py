@@ -539,8 +539,9 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         # (Building the tokenizer on a thread beside the weights was measured slower on 2 cores:
         # its Python loops hold the GIL, and every NumPy call of the weight load waits for it.)
         _warm_lm_head(backends["head"], weights["head"])
-        for be in {id(b): b for b in backends.values()}.values():
-            be.prepare_kernels(GDN in config.layer_types)
+        for be in {id(b): b for b in backends.values()}.values():  # gdn: it runs a GDN layer's mixer
+            be.prepare_kernels(any(backends[f"layer.{i}"] is be for i, kind in enumerate(config.layer_types)
+                                   if kind == GDN))
         compile_candidate_loop()  # the host's picks from top logits (engine/sampling.py)
     backends = _wire_experts(plan, backends, weights)
     model = Model(path, gf, config, module, plan, backends, weights, placement, roles)

@@ -267,8 +267,11 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
             weight.dense()
 
     def prepare_kernels(self, gdn: bool) -> None:
-        """The compiled Gated DeltaNet recurrence (engine/cpu_gdn.py: 0.9 s the first time, 0.3 s from
-        numba's disk cache) when GDN layers decode here with it."""
+        """The compiled kernels this backend decodes with (numba: each about 0.8 s the first time, a
+        few hundredths of a second from its disk cache): the few-rows matmul of a batched step
+        (engine/cpu_matmul.py), and, when GDN layers decode here, their recurrence (engine/cpu_gdn.py)."""
+        if self.rows_kernel and cpu_matmul.available():
+            cpu_matmul.compile_kernel(self.expert_thread_count())
         if gdn and self.gdn_kernel and cpu_gdn.available():
             cpu_gdn.compile_kernel()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from minecart.engine import cpu_gdn
+from minecart.engine import cpu_gdn, cpu_matmul
 from minecart.engine.backends.numpy_backend import NumpyBackend
 
 needs_numba = pytest.mark.skipif(not cpu_gdn.available(), reason="numba is not installed")
@@ -91,18 +91,22 @@ def test_the_backend_runs_the_kernel_or_the_twin(monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["qwen", "gemma"])
-def test_a_load_with_progress_compiles_the_recurrence_of_a_gdn_model(which, fixtures_dir, tmp_path, monkeypatch):
-    """A person waits for a load that reports progress: a model with Gated DeltaNet layers on the CPU has
-    its recurrence compiled then, not in its first token; Gemma 3 (no such layers) does not."""
+def test_a_load_with_progress_compiles_the_host_kernels(which, fixtures_dir, tmp_path, monkeypatch):
+    """A person waits for a load that reports progress: the CPU's kernels are compiled then, not in a
+    first token: the few-rows matmul of a batched step, and the recurrence of a model with Gated
+    DeltaNet layers (Gemma 3 has none)."""
     from minecart.engine.model import load_model
 
     from tests._gemma3 import tiny_gemma3_file
 
     calls = []
-    monkeypatch.setattr(cpu_gdn, "compile_kernel", lambda: calls.append(1))
+    monkeypatch.setattr(cpu_gdn, "compile_kernel", lambda: calls.append("gdn"))
+    monkeypatch.setattr(cpu_matmul, "compile_kernel", lambda threads: calls.append("rows"))
     path = (fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf" if which == "qwen"
             else tiny_gemma3_file(tmp_path / "gemma.gguf"))
     with load_model(path, devices=["cpu:0"], mmproj=False):
         assert calls == []  # no one waits: nothing compiled ahead
     with load_model(path, devices=["cpu:0"], mmproj=False, progress=lambda f, m: None):
-        assert calls == ([1] if which == "qwen" and cpu_gdn.available() else [])
+        want = (["rows"] if cpu_matmul.available() else []) + (
+            ["gdn"] if which == "qwen" and cpu_gdn.available() else [])
+        assert calls == want
