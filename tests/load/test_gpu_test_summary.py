@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 from tools import gpu_test_summary
 
@@ -50,25 +51,35 @@ def test_a_finished_run_with_its_short_summary(tmp_path, capsys):
 
 
 def test_a_real_pytest_log_cut_off_by_its_time_limit(tmp_path):
+    started = tmp_path / "started"
     (tmp_path / "test_quick.py").write_text(
         "import pytest\n"
         "def test_ok():\n    print('some output')\n"
         "@pytest.mark.parametrize('n', [1, 2])\n"
         "def test_param(n):\n    assert n == 1\n"
         "def test_skipped():\n    pytest.skip('why')\n")
-    (tmp_path / "test_slow.py").write_text("import time\ndef test_sleeps():\n    print('started')\n"
-                                           "    time.sleep(60)\n")
+    (tmp_path / "test_slow.py").write_text(f"import pathlib, time\ndef test_sleeps():\n    print('started')\n"
+                                           f"    pathlib.Path({str(started)!r}).touch()\n    time.sleep(120)\n")
     (tmp_path / "test_after.py").write_text("def test_never():\n    pass\n")
     files = ["tests/test_quick.py", "tests/test_slow.py", "tests/test_after.py"]
     # the node ids start with tests/ as in the runner's logs: run from a folder above a tests/ link
     root = tmp_path / "root"
     root.mkdir()
     (root / "tests").symlink_to(tmp_path)
-    run = subprocess.run(["timeout", "8", sys.executable, "-m", "pytest", "-v", "-s", "-p", "no:cacheprovider",
-                          "-c", "/dev/null", "--rootdir", str(root), *files],
-                         cwd=root, capture_output=True, text=True)
-    assert run.returncode == 124, run.stdout + run.stderr
-    results = {r.path: r for r in gpu_test_summary.summarize(run.stdout, files)}
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-s", "-p", "no:cacheprovider", "-c",
+                                 "/dev/null", "--rootdir", str(root), *files], cwd=root, stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:  # the time limit: stopped once the slow test has started, as `timeout` stops a device run
+            deadline = time.monotonic() + 120
+            while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert started.exists(), log.read_text()
+        finally:
+            proc.kill()
+            proc.wait()
+    results = {r.path: r for r in gpu_test_summary.summarize(log.read_text(), files)}
     assert results["tests/test_quick.py"].counts == {"PASSED": 2, "FAILED": 1, "SKIPPED": 1}
     assert results["tests/test_slow.py"].counts == {}
     assert results["tests/test_slow.py"].cut_off == "test_sleeps"
