@@ -141,8 +141,8 @@ def _kernel_for(parallel: bool) -> Callable[..., None]:
 
 def compile_kernel(threads: int = 1) -> None:
     """Compile now (or load from numba's disk cache) the kernel rows_matmul calls with `threads`, not
-    inside a first batched step."""
-    _kernel_for(threads > 1)
+    inside a first batched step: one call on a few zeros, of the types and layouts a step passes."""
+    rows_matmul(np.zeros((ROWS_MIN, 4), F32), np.zeros((4, 4), F32), threads=threads)
 
 
 def rows_matmul_twin(x: np.ndarray, w: np.ndarray) -> np.ndarray:

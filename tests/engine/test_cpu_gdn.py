@@ -110,3 +110,22 @@ def test_a_load_with_progress_compiles_the_host_kernels(which, fixtures_dir, tmp
         want = (["rows"] if cpu_matmul.available() else []) + (
             ["gdn"] if which == "qwen" and cpu_gdn.available() else [])
         assert calls == want
+
+
+@needs_numba
+def test_compile_kernel_compiles_the_signature_a_decode_token_uses(fixtures_dir):
+    """The warm-up at load compiles what a real step then calls: a decode token through the backend adds
+    no second compiled signature (so no compile waits inside it); the same for the few-rows matmul."""
+    from minecart.engine.model import load_model
+
+    cpu_gdn.compile_kernel()
+    cpu_matmul.compile_kernel(NumpyBackend().expert_thread_count())
+    with load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf", devices=["cpu:0"], mmproj=False) as m:
+        sessions = [m.new_session(capacity=32) for _ in range(2)]
+        for s in sessions:
+            s.prefill([1, 2, 3])
+        m.executor.forward_batch([[4], [5]], [s.states for s in sessions], [np.array([3]), np.array([3])])
+        for s in sessions:
+            s.close()
+    assert len(cpu_gdn._compiled[0].signatures) == 1
+    assert cpu_matmul._compiled and all(len(k.signatures) == 1 for k in cpu_matmul._compiled.values())
