@@ -18,6 +18,7 @@ int8 dot products, no fused kernels.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,8 @@ import numpy as np
 from .. import cpu_gdn, cpu_matmul
 from ..sampling import TopLogits, top_logits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
+
+log = logging.getLogger(__name__)
 
 F32 = np.float32
 F64 = np.float64
@@ -269,11 +272,23 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     def prepare_kernels(self, gdn: bool) -> None:
         """The compiled kernels this backend decodes with (numba: each about 0.8 s the first time, a
         few hundredths of a second from its disk cache): the few-rows matmul of a batched step
-        (engine/cpu_matmul.py), and, when GDN layers decode here, their recurrence (engine/cpu_gdn.py)."""
+        (engine/cpu_matmul.py), and, when GDN layers decode here, their recurrence (engine/cpu_gdn.py).
+        One that does not compile is switched off with a warning: its NumPy twin runs."""
+        # a kernel numba fails to compile is switched off here (its NumPy twin runs), with a warning
         if self.rows_kernel and cpu_matmul.available():
-            cpu_matmul.compile_kernel(self.expert_thread_count())
+            try:
+                cpu_matmul.compile_kernel(self.expert_thread_count())
+            except Exception as exc:  # noqa: BLE001 - numba/LLVM raise many kinds
+                log.warning("the few-rows matmul kernel did not compile (%s: %s); BLAS runs instead",
+                            type(exc).__name__, exc)
+                self.rows_kernel = False
         if gdn and self.gdn_kernel and cpu_gdn.available():
-            cpu_gdn.compile_kernel()
+            try:
+                cpu_gdn.compile_kernel()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("the Gated DeltaNet kernel did not compile (%s: %s); its NumPy twin runs "
+                            "instead", type(exc).__name__, exc)
+                self.gdn_kernel = False
 
     def free(self, obj) -> None:
         """Nothing to release on the host but the expert stacks made over obj's bytes."""

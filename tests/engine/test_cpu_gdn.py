@@ -129,3 +129,33 @@ def test_compile_kernel_compiles_the_signature_a_decode_token_uses(fixtures_dir)
             s.close()
     assert len(cpu_gdn._compiled[0].signatures) == 1
     assert cpu_matmul._compiled and all(len(k.signatures) == 1 for k in cpu_matmul._compiled.values())
+
+
+def test_a_kernel_that_does_not_compile_is_switched_off_not_fatal(fixtures_dir, monkeypatch, caplog):
+    """numba installed but failing to compile (a broken LLVM, say): the load still succeeds, says so in the
+    log, and the backend runs the NumPy twins, whose logits a load without the kernels gives too."""
+    from minecart.engine.model import load_model
+
+    def broken(*_a):
+        raise RuntimeError("LLVM is broken")
+
+    path = fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf"
+    monkeypatch.setattr(cpu_gdn, "compile_kernel", broken)
+    monkeypatch.setattr(cpu_matmul, "compile_kernel", broken)
+    monkeypatch.setattr(cpu_gdn, "available", lambda: True)
+    monkeypatch.setattr(cpu_matmul, "available", lambda: True)
+    with caplog.at_level("WARNING"), load_model(path, devices=["cpu:0"], mmproj=False,
+                                                progress=lambda f, m: None) as m:
+        backends = {id(b): b for b in m.backends.values()}.values()
+        assert all(not b.rows_kernel and not b.gdn_kernel for b in backends)
+        s = m.new_session(capacity=16)
+        s.prefill([1, 2, 3, 4])
+        got = s.prefill([5])  # one token: the decode form of the recurrence
+    assert "did not compile" in caplog.text and "LLVM is broken" in caplog.text
+    monkeypatch.undo()
+    with load_model(path, devices=["cpu:0"], mmproj=False, backend=NumpyBackend(gdn_kernel=False,
+                                                                               rows_kernel=False)) as m:
+        s = m.new_session(capacity=16)
+        s.prefill([1, 2, 3, 4])
+        want = s.prefill([5])
+    np.testing.assert_array_equal(got, want)
