@@ -525,8 +525,9 @@ def load_model(path, placement=None, devices=None, *, backend=None,
                     by_device[edev] = make_backend(edev)
                 plan[part] = edev
                 backends[part] = by_device[edev]
+    distinct = list({id(b): b for b in backends.values()}.values())  # each backend once
     if kv_type != "f32":  # fail before loading weights when a device or the head dims cannot take it
-        for be in {id(b): b for b in backends.values()}.values():
+        for be in distinct:
             be.free(be.new_kv_cache(config.n_kv_heads, config.head_dim, config.value_head_dim, 1,
                                     kv_type=kv_type))
     if progress is not None:
@@ -539,9 +540,9 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         # (Building the tokenizer on a thread beside the weights was measured slower on 2 cores:
         # its Python loops hold the GIL, and every NumPy call of the weight load waits for it.)
         _warm_lm_head(backends["head"], weights["head"])
-        for be in {id(b): b for b in backends.values()}.values():  # gdn: it runs a GDN layer's mixer
-            be.prepare_kernels(any(backends[f"layer.{i}"] is be for i, kind in enumerate(config.layer_types)
-                                   if kind == GDN))
+        gdn_runners = {id(backends[f"layer.{i}"]) for i, kind in enumerate(config.layer_types) if kind == GDN}
+        for be in distinct:
+            be.prepare_kernels(id(be) in gdn_runners)
         compile_candidate_loop()  # the host's picks from top logits (engine/sampling.py)
     backends = _wire_experts(plan, backends, weights)
     model = Model(path, gf, config, module, plan, backends, weights, placement, roles)

@@ -192,6 +192,17 @@ def _softplus(x: np.ndarray) -> np.ndarray:
     return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
 
 
+def _compiles(compile_kernel, what: str, instead: str) -> bool:
+    """Whether compile_kernel() succeeds; a failure (numba / LLVM raise many kinds) is a warning, and the
+    caller switches the kernel off so that `instead` runs."""
+    try:
+        compile_kernel()
+    except Exception as exc:  # noqa: BLE001
+        log.warning("%s did not compile (%s: %s); %s runs instead", what, type(exc).__name__, exc, instead)
+        return False
+    return True
+
+
 def _sigmoid64(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, F64)
     return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free form of 1 / (1 + e^-x)
@@ -274,21 +285,12 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         few hundredths of a second from its disk cache): the few-rows matmul of a batched step
         (engine/cpu_matmul.py), and, when GDN layers decode here, their recurrence (engine/cpu_gdn.py).
         One that does not compile is switched off with a warning: its NumPy twin runs."""
-        # a kernel numba fails to compile is switched off here (its NumPy twin runs), with a warning
         if self.rows_kernel and cpu_matmul.available():
-            try:
-                cpu_matmul.compile_kernel(self.expert_thread_count())
-            except Exception as exc:  # noqa: BLE001 - numba/LLVM raise many kinds
-                log.warning("the few-rows matmul kernel did not compile (%s: %s); BLAS runs instead",
-                            type(exc).__name__, exc)
-                self.rows_kernel = False
+            threads = self.expert_thread_count()
+            self.rows_kernel = _compiles(lambda: cpu_matmul.compile_kernel(threads),
+                                         "the few-rows matmul kernel", "BLAS")
         if gdn and self.gdn_kernel and cpu_gdn.available():
-            try:
-                cpu_gdn.compile_kernel()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("the Gated DeltaNet kernel did not compile (%s: %s); its NumPy twin runs "
-                            "instead", type(exc).__name__, exc)
-                self.gdn_kernel = False
+            self.gdn_kernel = _compiles(cpu_gdn.compile_kernel, "the Gated DeltaNet kernel", "its NumPy twin")
 
     def free(self, obj) -> None:
         """Nothing to release on the host but the expert stacks made over obj's bytes."""
