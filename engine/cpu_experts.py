@@ -783,6 +783,33 @@ _MATVEC = {t: _matvec_kernel(t) for t in sorted(KERNEL_TYPES)}
 _DOWN_SUM = {t: _down_sum_kernel(t) for t in sorted(KERNEL_TYPES)}
 
 
+def _dense_kernel(t: int) -> Any:
+    """The rows region for a one-matrix stack of type t: (w, xq, xd, xs, table, out); out[s, r] = row
+    r of w[0] dotted with activation row s. Each job is a group of weight rows (4, or 1 for Q8_0 and
+    Q6_K) taken with every activation row in turn, so the group's blocks are read from memory once
+    and then from L1 (a batched decode step's few rows, or a prefill chunk's many)."""
+
+    @njit(parallel=True, cache=True)
+    def dense(w, xq, xd, xs, table, out):  # pragma: no cover - compiled
+        g = _rows_per_job(t)
+        n_out = w.shape[1]
+        for j in prange((n_out + g - 1) // g):
+            r0 = g * j
+            r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+            for s in range(xq.shape[0]):
+                a0, a1, a2, a3 = _dot_rows(t, w, 0, r0, r1, r2, r3, xq[s], xd[s], xs[s], table)
+                out[s, r0] = a0
+                if g == 4:  # a repeated last row gets the same value again
+                    out[s, r1] = a1
+                    out[s, r2] = a2
+                    out[s, r3] = a3
+
+    return dense
+
+
+_DENSE = {t: _dense_kernel(t) for t in sorted(KERNEL_TYPES)}
+
+
 # ------------------------------------------------------------------------------------------------
 # SwiGLU of the gate and up products, h = silu(g) * u = g / (1 + exp(-g)) * u, in float64 rounded to
 # float32, then h quantized (quantize_rows), in one compiled call. exp is computed here, from IEEE
@@ -1006,6 +1033,29 @@ def weighted_matvec(w: ExpertStack, ids: Sequence[int] | np.ndarray, weights: np
     xq, xd, xs = _kernel_rows(x)
     out = np.full(w.n_out, np.nan, F32)
     _down_sum(w, idx, np.ascontiguousarray(w32), xq, xd, xs, threads, out)
+    return out
+
+
+def dense_matmul(w: ExpertStack, x: np.ndarray, *, fast: bool = True,
+                 threads: int | None = None) -> np.ndarray:
+    """(T, n_out) float32 = x @ W.T for float32 activations x (T, n_in) and one weight matrix W held
+    as a one-matrix stack (n_experts 1: a dense layer's weight as the file stores it). x is quantized
+    to int8 blocks first (quantize_rows); each output is the same float32 sum of block terms, in the
+    same order, as expert_matvec's for that row, in the kernel and in its twin (fast=False)."""
+    if w.n_experts != 1:
+        raise ValueError(f"a dense weight is a one-matrix stack, got {w.n_experts} matrices")
+    xv = np.ascontiguousarray(x, dtype=F32)
+    if xv.ndim != 2 or xv.shape[1] != w.n_in:
+        raise ValueError(f"activations must be (T, {w.n_in}), got {xv.shape}")
+    xr = quantize_rows(xv, fast=fast)
+    if not fast:
+        return expert_matvec(w, np.zeros(xv.shape[0], np.int64), xr, fast=False)
+    _need_numba()
+    set_threads(threads)
+    out = np.full((xv.shape[0], w.n_out), np.nan, F32)  # poisoned: a skipped row shows as NaN
+    if xv.shape[0]:
+        xq, xd, xs = _kernel_rows(xr)
+        _DENSE[w.ggml_type](w.raw, xq, xd, xs, _F16_TABLE, out)
     return out
 
 

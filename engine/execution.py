@@ -208,7 +208,8 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
                                                    for d in devices]
 
     def costs(device_names):
-        # CPU devices run the NumPy reference backend, which holds float32 weights
+        # the CPU alone: the NumPy reference backend's float32 weights; beside a GPU, its layers' weights
+        # as stored (NumpyBackend.hold_weights; other types than the integer kernels' stay float32)
         cpu_only = all(str(d).startswith("cpu") for d in device_names)
         return model_costs(config, gguf_file, layout="numpy" if cpu_only else "stored")
 
@@ -226,6 +227,8 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
         placement = Placement(costs(plan.values()), [plan[p] for p in parts])
     factory = rig.backend if rig is not None else (make or make_backend)
     by_device = {dev: factory(dev) for dev in dict.fromkeys(plan.values())}
+    for be in by_device.values():  # the CPU holds its layers' weights as the plan priced them
+        be.hold_weights(placement.costs.layout)
     return placement, plan, by_device
 
 

@@ -259,10 +259,13 @@ class Model:
         moved = [p for p in new_plan if new_plan[p] != self.device_plan.get(p)]
         backends = {p: _unwrapped(b) for p, b in self.backends.items()}
         by_device = {self.device_plan[p]: backends[p] for p in backends}
+        layout = placement.costs.layout if isinstance(placement, Placement) else None
         for p in moved:
             dev = new_plan[p]
             if dev not in by_device:
                 by_device[dev] = make_backend(dev)
+            if layout is not None:  # the moved parts are held as the new plan priced them
+                by_device[dev].hold_weights(layout)
             backends[p] = by_device[dev]
         kept = {p: ws for p, ws in self.weights.items() if p not in moved}
         new_weights = _load_parts(self.gguf, {p: self._roles[p] for p in moved}, backends,

@@ -316,6 +316,11 @@ class DeviceHooks:
     def bind_thread(self) -> None:
         """Make this backend's device current on the calling thread (a device worker's first act)."""
 
+    def hold_weights(self, layout: str) -> None:
+        """Hold the weights loaded from now on as the plan priced them (engine/placement.py
+        WEIGHT_LAYOUTS: "stored", the file's blocks; "numpy", float32 copies). A device backend holds
+        the file's blocks either way; the host backend overrides this."""
+
     def part_arena(self, tensors: Sequence[tuple[Any, str]]) -> contextlib.AbstractContextManager[None]:
         """A context inside which one part's weights (`tensors`: (tensor info, role) of every one it will
         load) are loaded. A device backend lays them out in one allocation of whole driver pages
@@ -550,6 +555,8 @@ class Backend(Protocol):
     def to_numpy_into(self, x: Array, out: Any) -> None: ...
 
     def bind_thread(self) -> None: ...
+
+    def hold_weights(self, layout: str) -> None: ...
 
     def part_arena(self, tensors: Sequence[tuple[Any, str]]) -> contextlib.AbstractContextManager[None]: ...
 

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 F32 = np.float32
 F64 = np.float64
 ATTN_QUERY_BLOCK = 256  # queries per block in attention (bounds the score matrix memory)
+# stored weights: the most rows of a matmul on the integer kernels; past it the weight is decoded for
+# the call and BLAS multiplies (2 cores, 3584 x 1024: 64 rows Q8_0 7.6 ms against 8.1 + 4.3 decoded,
+# Q4_K 16.0 against 13.7 + 4.0; 256 rows 31-49 ms against 18-22)
+INT_ROWS_MAX = 64
 
 
 # ------------------------------------------------------------------------------------------------
@@ -54,15 +58,19 @@ def _dequantize_rows(info, ids: np.ndarray) -> np.ndarray:
 class NumpyWeight:
     """A weight on the CPU: float32 data (decoded at load), or, for embeddings, the raw GGUF tensor.
 
-    shape is the logical row-major shape; a 1-D "matmul" weight is seen as (1, n).
+    shape is the logical row-major shape; a 1-D "matmul" weight is seen as (1, n). stored: the
+    tensor's blocks as the integer kernels read them (a one-matrix cpu_experts.ExpertStack over the
+    file's bytes), for a backend that holds weights as stored (NumpyBackend.hold_weights); the
+    matmul then never makes a float32 copy that stays.
     """
 
-    def __init__(self, info, role: str, data: np.ndarray | None):
+    def __init__(self, info, role: str, data: np.ndarray | None, stored: Any = None):
         self.name = info.name
         self.type_name = info.type_name
         self.role = role
         self.info = info
         self._data = data
+        self.stored = stored
         shape = tuple(info.shape)
         self.shape = (1, shape[0]) if role == "matmul" and len(shape) == 1 else shape
 
@@ -212,13 +220,17 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     name = "numpy"
 
     def __init__(self, device: str = "cpu:0", *, int_experts: bool | None = None,
-                 expert_threads: int | None = None, rows_kernel: bool = True, gdn_kernel: bool = True):
+                 expert_threads: int | None = None, rows_kernel: bool = True, gdn_kernel: bool = True,
+                 int_weights: bool = False):
         """int_experts: a decode token's routed experts on the integer kernels (engine/cpu_experts.py);
         None: wherever numba imports. expert_threads: their threads, and those of the rows kernel (None:
         engine.threads.expert_threads: --threads N, else the BLAS rule). rows_kernel: matmuls of
         2-16 rows (a batched decode step) on engine/cpu_matmul.py's kernel where numba imports; False
         keeps BLAS. gdn_kernel: a decode token's Gated DeltaNet recurrence on engine/cpu_gdn.py's
-        kernel where numba imports; False keeps its NumPy twin."""
+        kernel where numba imports; False keeps its NumPy twin. int_weights: matmul weights of the
+        integer kernels' types held as the file stores them and multiplied on int8 activations
+        (engine/cpu_experts.py dense_matmul; see hold_weights); False: decoded to float32 at load, the
+        reference."""
         if not str(device).startswith("cpu"):
             raise ValueError(f"NumpyBackend runs on the CPU; got device '{device}' (use 'cpu:0')")
         self.device = str(device)
@@ -226,6 +238,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         self.expert_threads = expert_threads
         self.rows_kernel = rows_kernel
         self.gdn_kernel = gdn_kernel
+        self.int_weights = int_weights
         # a MoE layer's expert tensors as cpu_experts stacks, made on first use: (weights, stacks) by
         # the weights' ids (int_expert_stacks)
         self._stacks: dict[tuple[int, int, int], tuple[tuple[Any, ...], Any]] = {}
@@ -246,13 +259,34 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     def zeros(self, shape, dtype: str = "float32") -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
 
+    def hold_weights(self, layout: str) -> None:
+        """DeviceHooks.hold_weights: "stored" (a plan over GPUs and the CPU, which prices the CPU's
+        layers at their file bytes) holds the matmul weights of the integer kernels' types as stored
+        (int_weights); "numpy" (a plan on the CPU alone) decodes them to float32, the reference. Weights
+        of other types are float32 either way."""
+        self.int_weights = layout == "stored"
+
+    def _stored(self, info, role: str) -> Any:
+        """The one-matrix stack of a 2-D matmul or embedding weight, when this backend holds weights as
+        stored and the integer kernels take its type; else None."""
+        from .. import cpu_experts
+
+        if not self.int_weights or len(info.shape) != 2 or not cpu_experts.numba_available():
+            return None
+        if int(info.ggml_type) not in cpu_experts.KERNEL_TYPES or role not in ("matmul", "embedding"):
+            return None
+        n_out, n_in = (int(d) for d in info.shape)
+        raw = np.asarray(info.raw).reshape(1, n_out, -1)
+        return cpu_experts.ExpertStack(raw, int(info.ggml_type), n_in)
+
     def load_weight(self, info, *, role: str = "matmul"):
         if role == "vector":
             return _dequantize(info)
         if role == "embedding":
-            return NumpyWeight(info, role, None)
+            return NumpyWeight(info, role, None, self._stored(info, role))
         if role == "matmul":
-            return NumpyWeight(info, role, _dequantize(info))
+            stored = self._stored(info, role)
+            return NumpyWeight(info, role, None if stored is not None else _dequantize(info), stored)
         if role == "experts":  # kept as stored; moe decodes the experts a call uses
             return NumpyWeight(info, role, None)
         raise ValueError(f"unknown weight role '{role}' for tensor '{info.name}'")
@@ -263,7 +297,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         row lengths are loaded apart. The group is never held twice: one tensor at a time is decoded and
         copied into its rows."""
         shapes = [(1, int(i.shape[0])) if len(i.shape) == 1 else tuple(int(d) for d in i.shape) for i in infos]
-        if len({s[1:] for s in shapes}) != 1 or any(len(s) != 2 for s in shapes):
+        if (len({s[1:] for s in shapes}) != 1 or any(len(s) != 2 for s in shapes)
+                or any(self._stored(i, "matmul") is not None for i in infos)):
             return super().load_fused(infos)
         group = np.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=F32)
         out, r0 = [], 0
@@ -277,7 +312,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         """Decode a tied embedding/LM-head table to float32 now (load time), not in the first token.
         (engine.model calls it when a person waits); the one table then serves both the
         lookup and the head, so there is never a second float32 copy."""
-        if isinstance(weight, NumpyWeight) and weight.role == "embedding":
+        if isinstance(weight, NumpyWeight) and weight.role == "embedding" and weight.stored is None:
             weight.dense()
 
     def prepare_kernels(self, gdn: bool) -> None:
@@ -359,6 +394,14 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         # float32 BLAS with float32 accumulation: relative error ~1e-7 * sqrt(n_in), well inside the
         # 1e-4 budget, and the same arithmetic class as the float32 references.
         x = np.asarray(x, F32)
+        if w.stored is not None:
+            # [stored weights] decode rows and short chunks on the integer kernels; a longer prefill
+            # chunk decodes the weight for this call only (BLAS's GEMM is ~2x the integer kernel there)
+            if x.ndim == 2 and x.shape[0] <= INT_ROWS_MAX:
+                from .. import cpu_experts
+
+                return cpu_experts.dense_matmul(w.stored, x, threads=self.expert_thread_count())
+            return x @ _dequantize(w.info).reshape(w.shape).T
         dense = w.dense()
         # [batched decode] 2-16 rows (a batch of decoding sequences): engine/cpu_matmul.py's kernel,
         # same float32 arithmetic in another order; BLAS's GEMM packs the whole weight for so few rows
