@@ -227,8 +227,9 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
         placement = Placement(costs(plan.values()), [plan[p] for p in parts])
     factory = rig.backend if rig is not None else (make or make_backend)
     by_device = {dev: factory(dev) for dev in dict.fromkeys(plan.values())}
-    for be in by_device.values():  # the CPU holds its layers' weights as the plan priced them
-        be.hold_weights(placement.costs.layout)
+    for dev, be in by_device.items():  # the CPU holds its layers' weights as the plan priced them
+        if dev.startswith("cpu"):
+            be.hold_weights(placement.costs.layout)
     return placement, plan, by_device
 
 

@@ -264,7 +264,7 @@ class Model:
             dev = new_plan[p]
             if dev not in by_device:
                 by_device[dev] = make_backend(dev)
-            if layout is not None:  # the moved parts are held as the new plan priced them
+            if layout is not None and dev.startswith("cpu"):  # held as the new plan priced them
                 by_device[dev].hold_weights(layout)
             backends[p] = by_device[dev]
         kept = {p: ws for p, ws in self.weights.items() if p not in moved}

@@ -12,8 +12,13 @@ tokens picks; a single token (decode) instead runs the integer kernels of engine
 activations, numba, parallel threads) when its experts are of a type they support and numba is installed.
 `NumpyBackend(int_experts=False)` keeps the dequantize-then-matmul reference for that case too.
 
-What this file is not: a fast CPU engine. Apart from that one MoE decode path it has no threading, no
-int8 dot products, no fused kernels.
+Beside a GPU (a plan that prices the CPU's layers at their file bytes: hold_weights("stored")), the
+matmul weights of the integer kernels' types stay as the file stores them too, and decode rows and
+short chunks multiply int8 activations on engine/cpu_experts.py's dense_matmul (a float32 copy would
+take 4-7x the RAM the plan priced); longer prefill chunks decode such a weight for the call only.
+
+What this file is not: a fast CPU engine. Besides those integer paths it has the few-rows matmul and
+the Gated DeltaNet recurrence compiled (engine/cpu_matmul.py, engine/cpu_gdn.py), and no fused kernels.
 """
 
 from __future__ import annotations

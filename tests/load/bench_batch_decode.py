@@ -10,6 +10,9 @@ taking turns, and the best run counts. Besides wall-clock rates it prints rates 
 CPU time (the engine runs one thread here), which other programs' load disturbs far less.
 --rows-kernel off runs the batch's matmuls on BLAS instead of engine/cpu_matmul.py, --gdn-kernel off
 the Gated DeltaNet recurrence on its NumPy twin instead of engine/cpu_gdn.py (the "befores").
+--weights stored holds the matmul weights as the file stores them and multiplies int8 activations
+(engine/cpu_experts.py dense_matmul, as a plan beside a GPU holds the CPU's layers); float32 is the
+reference backend's decoded copies.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ def main() -> None:
                     help="off: batched matmuls on BLAS instead of engine/cpu_matmul.py")
     ap.add_argument("--gdn-kernel", choices=("on", "off"), default="on",
                     help="off: the Gated DeltaNet recurrence on NumPy instead of engine/cpu_gdn.py")
+    ap.add_argument("--weights", choices=("float32", "stored"), default="float32",
+                    help="stored: matmul weights as the file stores them, on the integer kernels")
     args = ap.parse_args()
     paths = [Path(p) for p in args.models]
     if not paths:
@@ -71,16 +76,15 @@ def main() -> None:
         paths = [demo_model_path(), Path("/work/shared/fixtures/dense/qwen35-tiny-dense-f16.gguf")]
     batches = [int(x) for x in args.batches.split(",")]
     for path in paths:
-        model = load_model(path, devices=["cpu:0"])
-        for st in model.executor.stages:
-            if isinstance(st.backend, NumpyBackend):
-                st.backend.rows_kernel = args.rows_kernel == "on"
-                st.backend.gdn_kernel = args.gdn_kernel == "on"
+        model = load_model(path, backend=NumpyBackend(rows_kernel=args.rows_kernel == "on",
+                                                      gdn_kernel=args.gdn_kernel == "on",
+                                                      int_weights=args.weights == "stored"))
         decode_rate(model, max(batches), 2)  # warm-up (and the kernel's compilation)
         rates = measure(model, batches, args.steps, args.repeat)
         base = min(batches)
         for i, label in ((0, "wall"), (1, "cpu time")):
-            print(f"{path.name} [{label}, rows kernel {args.rows_kernel}, gdn kernel {args.gdn_kernel}]: " + ", ".join(
+            print(f"{path.name} [{label}, {args.weights} weights, rows kernel {args.rows_kernel}, "
+                  f"gdn kernel {args.gdn_kernel}]: " + ", ".join(
                 f"B={b}: {r[i]:.1f} tok/s ({r[i] / rates[base][i]:.2f}x)" for b, r in rates.items()),
                 flush=True)
         model.close()
