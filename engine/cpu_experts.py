@@ -783,20 +783,65 @@ _MATVEC = {t: _matvec_kernel(t) for t in sorted(KERNEL_TYPES)}
 _DOWN_SUM = {t: _down_sum_kernel(t) for t in sorted(KERNEL_TYPES)}
 
 
+@njit(inline="always")
+def _dot_row_x4(t, w, r, x0, x1, x2, x3, d0, d1, d2, d3, table):  # pragma: no cover - compiled
+    """float32 dot products of row r of w[0] (Q8_0 or Q6_K) with four int8 activation rows (their
+    block scales d0..d3), in one pass over the row's blocks: four independent accumulator chains per
+    block (each row's terms in file order, as _dot_rows adds them), the block read once from memory."""
+    row = w[0, r]
+    nbytes = w.shape[2]
+    a0 = a1 = a2 = a3 = np.float32(0.0)
+    if t == _Q6_K:
+        for b in range(nbytes // 210):
+            o, xo, bo = 210 * b, 256 * b, 8 * b
+            a0 = _q6_k_block(row, o, x0, xo, d0, bo, table, a0)
+            a1 = _q6_k_block(row, o, x1, xo, d1, bo, table, a1)
+            a2 = _q6_k_block(row, o, x2, xo, d2, bo, table, a2)
+            a3 = _q6_k_block(row, o, x3, xo, d3, bo, table, a3)
+    else:  # Q8_0
+        nb = nbytes // 34
+        n8 = nb // 8
+        for c in range(n8):
+            o, xo, bo = 272 * c, 256 * c, 8 * c
+            a0 = _q8_0_blocks8(row, o, x0, xo, d0, bo, table, a0)
+            a1 = _q8_0_blocks8(row, o, x1, xo, d1, bo, table, a1)
+            a2 = _q8_0_blocks8(row, o, x2, xo, d2, bo, table, a2)
+            a3 = _q8_0_blocks8(row, o, x3, xo, d3, bo, table, a3)
+        for b in range(8 * n8, nb):
+            a0 = _q8_0_block1(row, 34 * b, x0, 32 * b, d0, b, table, a0)
+            a1 = _q8_0_block1(row, 34 * b, x1, 32 * b, d1, b, table, a1)
+            a2 = _q8_0_block1(row, 34 * b, x2, 32 * b, d2, b, table, a2)
+            a3 = _q8_0_block1(row, 34 * b, x3, 32 * b, d3, b, table, a3)
+    return a0, a1, a2, a3
+
+
 def _dense_kernel(t: int) -> Any:
     """The rows region for a one-matrix stack of type t: (w, xq, xd, xs, table, out); out[s, r] = row
     r of w[0] dotted with activation row s. Each job is a group of weight rows (4, or 1 for Q8_0 and
     Q6_K) taken with every activation row in turn, so the group's blocks are read from memory once
-    and then from L1 (a batched decode step's few rows, or a prefill chunk's many)."""
+    and then from L1 (a batched decode step's few rows, or a prefill chunk's many). Q8_0's and Q6_K's
+    one row goes with four activation rows at a time (_dot_row_x4): four accumulator chains in
+    flight, as the others' four weight rows have."""
 
     @njit(parallel=True, cache=True)
     def dense(w, xq, xd, xs, table, out):  # pragma: no cover - compiled
         g = _rows_per_job(t)
         n_out = w.shape[1]
+        n = xq.shape[0]
         for j in prange((n_out + g - 1) // g):
             r0 = g * j
+            if g == 1 and n > 1:  # one weight row, four activation rows at a time (the last repeat)
+                for s0 in range(0, n, 4):
+                    s1, s2, s3 = min(s0 + 1, n - 1), min(s0 + 2, n - 1), min(s0 + 3, n - 1)
+                    a0, a1, a2, a3 = _dot_row_x4(t, w, r0, xq[s0], xq[s1], xq[s2], xq[s3], xd[s0], xd[s1],
+                                                 xd[s2], xd[s3], table)
+                    out[s0, r0] = a0
+                    out[s1, r0] = a1
+                    out[s2, r0] = a2
+                    out[s3, r0] = a3
+                continue
             r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
-            for s in range(xq.shape[0]):
+            for s in range(n):
                 a0, a1, a2, a3 = _dot_rows(t, w, 0, r0, r1, r2, r3, xq[s], xd[s], xs[s], table)
                 out[s, r0] = a0
                 if g == 4:  # a repeated last row gets the same value again

@@ -189,8 +189,8 @@ def device_specs(devices) -> list[DeviceSpec]:
 
 
 def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None, *,
-                    make: Callable[[str], Backend] | None = None, plan_experts: bool = True
-                    ) -> tuple[Placement, dict[str, str], dict[str, Backend]]:
+                    make: Callable[[str], Backend] | None = None, plan_experts: bool = True,
+                    cpu_weights: str | None = None) -> tuple[Placement, dict[str, str], dict[str, Backend]]:
     """What load_model needs from a placement and/or devices: (Placement, part -> device, device ->
     backend).
 
@@ -199,7 +199,9 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
     placement are planned with plan_auto (in proportion to free memory, contiguous; with plan_experts, an
     MoE model over GPUs and the CPU with its routed experts in host RAM instead when that is predicted
     to decode faster: placement.faster_with_experts_apart, the returned Placement's `experts`).
-    plan_experts=False: the caller places the experts itself (load_model's `experts`)."""
+    plan_experts=False: the caller places the experts itself (load_model's `experts`). cpu_weights:
+    load_model's (CPU_WEIGHTS): "stored" holds them as stored on the CPU alone too (beside a GPU they
+    always are); a given Placement's layout decides for itself."""
     parts = part_names(config)
     rig = devices if isinstance(devices, Rig) else None
     names = None
@@ -211,7 +213,7 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
         # the CPU alone: the NumPy reference backend's float32 weights; beside a GPU, its layers' weights
         # as stored (NumpyBackend.hold_weights; other types than the integer kernels' stay float32)
         cpu_only = all(str(d).startswith("cpu") for d in device_names)
-        return model_costs(config, gguf_file, layout="numpy" if cpu_only else "stored")
+        return model_costs(config, gguf_file, layout="numpy" if cpu_only and cpu_weights != "stored" else "stored")
 
     if placement is None and names is not None and len(names) > 1:
         specs = device_specs(devices)

@@ -40,6 +40,7 @@ from .kvquant import DEFAULT_KV_TYPE, check_kv_type
 from .models import module_for, spec_for
 from .models.spec import GDN, ArchSpec
 from .placement import (
+    CPU_WEIGHTS,
     STREAMED_EXPERTS_CHUNK,
     Placement,
     check_experts_on,
@@ -443,7 +444,8 @@ def check_model_file(path) -> None:
 def load_model(path, placement=None, devices=None, *, backend=None,
                progress: Callable[[float, str], None] | None = None, cancel=None,
                mmproj=None, max_image_tokens: int | None = None, kv_type: str | None = None,
-               experts: str | None = None, context: int | None = None) -> Model:
+               experts: str | None = None, context: int | None = None,
+               cpu_weights: str | None = None) -> Model:
     """Open a GGUF model and load its weights.
 
     placement: a part -> device plan (see plan_devices); devices: device strings to spread the layers
@@ -462,8 +464,15 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     context: the context limit in tokens (engine/session.py context_limit: every session is allocated
     for it and never holds more); it replaces the placement's context; None = the placement's (4096
     when no placement is given).
+    cpu_weights: how a model on the CPU alone holds its matmul weights when no placement is given
+    (CPU_WEIGHTS): "float32" (None: decoded copies, the reference, exact) or "stored" (as the file
+    stores them, int8 activations on engine/cpu_experts.py's kernels: 4-7x less RAM, 2-3x the decode
+    speed). Beside a GPU the CPU's layers are always held as stored; a given placement's
+    costs.layout decides for itself.
     """
     t0 = time.perf_counter()
+    if cpu_weights is not None and cpu_weights not in CPU_WEIGHTS:
+        raise ValueError(f"cpu_weights '{cpu_weights}' is not known; use one of {', '.join(CPU_WEIGHTS)}")
     if kv_type is None:
         kv_type = placement.kv_type if isinstance(placement, Placement) else DEFAULT_KV_TYPE
     if experts is not None:
@@ -477,7 +486,8 @@ def load_model(path, placement=None, devices=None, *, backend=None,
         by_device = {str(backend.device): backend}
     else:
         # several devices without a plan get one here (an MoE model's may put experts in host RAM)
-        placement, plan, by_device = resolve_devices(config, gf, placement, devices, plan_experts=experts is None)
+        placement, plan, by_device = resolve_devices(config, gf, placement, devices, plan_experts=experts is None,
+                                                     cpu_weights=cpu_weights)
         backends = {p: by_device[d] for p, d in plan.items()}
     apart: dict[str, str] | None = None  # "layer.N" -> the device of its routed experts, when apart
     if experts is None and isinstance(placement, Placement) and placement.experts:

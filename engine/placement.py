@@ -144,6 +144,7 @@ DEFAULT_KV_TYPE = kvquant.DEFAULT_KV_TYPE
 # How a backend holds weights: "stored" = GGUF blocks as in the file (CUDA backend); "numpy" = the
 # reference backend (float32, embedding rows read from the file, float32 copy of a tied LM head).
 WEIGHT_LAYOUTS = ("stored", "numpy")
+CPU_WEIGHTS = ("float32", "stored")  # load_model(cpu_weights=): "numpy" / "stored" layout on the CPU alone
 
 GLOBAL = "global"
 HEAD = "head"
@@ -920,6 +921,10 @@ class Placement:
             kv_bytes = int(round(kv * self.context * per_value)) * self.n_sequences
             cuda = dev.startswith("cuda:")
             weights = sum(tensors.values())
+            if _is_cpu(dev) and self.costs.layout == "stored":
+                # the CPU keeps the integer kernels' types as stored and decodes the others to float32
+                weights += sum(4 * values - b for p in on_dev for name, kind, b, values in p.matmuls
+                               if name in tensors and kind not in CPU_INT_DECODE_EFFICIENCY and kind != "F32")
             if cuda:
                 # a captured decode graph keeps the recurrent state of the sequence it was captured for
                 # until a graph for the next sequence replaces it (CupyBackend._DecodeGraph.states)
@@ -1567,6 +1572,14 @@ KV_DECODE_EFFICIENCY = {"f32": 0.48, "f16": 0.51, "q8_0": 0.22, "q3": 0.17}
 #   at ~33.7 GB/s, 2.81 x 12 GB/s. (v12, before the GPU routed and the kernels' fixed cost was cut:
 #   0.74; before that a guess, 0.036.) Both scale with the threads a machine gives.
 CPU_DECODE_EFFICIENCY = 0.50
+# Beside a GPU (a plan that prices weights as stored), the CPU's layers keep the integer kernels' types as
+# the file stores them and decode on engine/cpu_experts.py's dense_matmul: their bytes at these
+# efficiencies; other types are float32 copies (4 bytes a value) at CPU_DECODE_EFFICIENCY. Measured on
+# the 2-core CI machine with one thread (2026-12-05, docs/BENCHMARKS.md v35): `tests/load/
+# bench_batch_decode.py --weights stored` on 0.8B-shaped synth files decoded 16.4 tokens/s on Q8_0
+# (799 MB of matrices) and 14.3 on Q4_K (423 MB); less CPU_LAYER_SECONDS that is 15.7 and 7.0 GB/s; Q6_K,
+# Q4_0 and Q5_K from the kernel alone on 24 3584 x 1024 matrices in turn (8.6, 5.7, 4.9 GB/s).
+CPU_INT_DECODE_EFFICIENCY = {"Q8_0": 1.31, "Q4_K": 0.58, "Q6_K": 0.72, "Q4_0": 0.48, "Q5_K": 0.41}
 CPU_EXPERT_DECODE_EFFICIENCY = 2.81
 POOL_EXPERT_DECODE_EFFICIENCY = 4.23
 HOST_EXPERT_LAYER_SECONDS = 0.0095e-3
@@ -1625,6 +1638,19 @@ def _gemv_launches(p: PartCost, skip: Collection[str]) -> list[tuple[str, int]]:
     return out
 
 
+def _cpu_matmul_seconds(p: PartCost, skip: Collection[str], bw: float) -> float:
+    """Seconds of one decode token's matmuls of `p` on the CPU (the tensors in `skip` left out): as
+    stored on the integer kernels (CPU_INT_DECODE_EFFICIENCY), else float32 bytes (layout "numpy", or a
+    type those kernels do not take) at CPU_DECODE_EFFICIENCY."""
+    t = 0.0
+    for name, kind, b, values in p.matmuls:
+        if name in skip:
+            continue
+        eff = CPU_INT_DECODE_EFFICIENCY.get(kind)
+        t += b / (bw * eff) if eff is not None else 4 * values / (bw * CPU_DECODE_EFFICIENCY)
+    return t
+
+
 def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int, kv_type: str,
                     experts_here: bool | None, cpu: bool = False) -> float:
     """Seconds one decoded token spends on a device holding `parts` (the kernel chain of the comments
@@ -1645,10 +1671,10 @@ def _decode_seconds(parts: Sequence[PartCost], speed: DeviceSpeed, context: int,
                 t += HOST_EXPERT_LAYER_SECONDS
         if experts_here is True:
             continue
-        for kind, b in _gemv_launches(p, experts):
-            if cpu:
-                t += b / (bw * CPU_DECODE_EFFICIENCY)
-            else:
+        if cpu:
+            t += _cpu_matmul_seconds(p, experts, bw)
+        else:
+            for kind, b in _gemv_launches(p, experts):
                 t += GEMV_LATENCY.get(kind, GEMV_LATENCY_OTHER) + b / (bw * GEMV_EFFICIENCY.get(kind, GEMV_EFFICIENCY_OTHER))
         # the KV rows attention reads and the recurrent state read and written back
         kv = p.kv_values_per_token * context * kv_per_value

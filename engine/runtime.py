@@ -455,16 +455,17 @@ class Runtime:
     def load(self, path: str | Path, devices: list[str] | None = None, placement: Any = None, *,
              mmproj: str | Path | bool | None = None, max_image_tokens: int | None = None,
              kv_type: str | None = None, experts: str | None = None,
-             context: int | None = None) -> RequestHandle:
+             context: int | None = None, cpu_weights: str | None = None) -> RequestHandle:
         """Load a GGUF model (replacing the current one). Events: "progress"..., then "done" with
         data["model"] = ModelInfo. mmproj: the vision projector file (default: found beside the
         model; False: none); max_image_tokens: cap per picture (engine/vision); kv_type: KV cache
         type ("f32" default, "q3": 3-bit, engine/kvquant.py); experts: the device of an MoE model's
         routed experts ("cpu:0" = host RAM; engine/experts.py), default with their layers; context:
-        the context limit in tokens (load_model(context=); default the placement's)."""
+        the context limit in tokens (load_model(context=); default the placement's); cpu_weights: how a
+        model on the CPU alone holds its weights (load_model(cpu_weights=): "float32" or "stored")."""
         options = {k: v for k, v in (("mmproj", mmproj), ("max_image_tokens", max_image_tokens),
                                     ("kv_type", kv_type), ("experts", experts),
-                                    ("context", context)) if v is not None}
+                                    ("context", context), ("cpu_weights", cpu_weights)) if v is not None}
         return self._submit("load", path=str(path), devices=devices, placement=placement, **options)
 
     def unload(self) -> RequestHandle:
@@ -1038,8 +1039,9 @@ def return_freed_memory() -> None:
 
 
 def _load_options(args: dict[str, Any]) -> dict[str, Any]:
-    """The load's options that were given (mmproj, max_image_tokens, kv_type, experts), for the loader."""
-    return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type", "experts", "context")
+    """The load's options that were given (mmproj, max_image_tokens, kv_type, experts, context,
+    cpu_weights), for the loader."""
+    return {k: args[k] for k in ("mmproj", "max_image_tokens", "kv_type", "experts", "context", "cpu_weights")
             if args.get(k) is not None}
 
 

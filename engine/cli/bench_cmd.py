@@ -44,7 +44,7 @@ from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from ..placement import EXPERTS_ON_HELP
 from ..rig import RigBackend
 from ..sampling import GREEDY_PICK, TopLogits
-from .run_cmd import add_threads_arg, experts_on_arg
+from .run_cmd import add_cpu_weights_arg, add_threads_arg, experts_on_arg
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -97,6 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --experts-on: cap the GPU's memory at SIZE (e.g. 8GiB; engine/rig.py), as "
                         "on a card that size: with --experts-on auto the planner keeps the experts that "
                         "fit on it and puts the rest in host RAM")
+    add_cpu_weights_arg(p)
     add_threads_arg(p)
     p.set_defaults(func=run)
 
@@ -632,9 +633,10 @@ def _measure(path: Path, args: argparse.Namespace, load_model: Callable[..., Mod
         desc = args.device + (f"={args.experts_cap}" if args.experts_cap else "") + \
             (f"@{args.experts_link}" if args.experts_link else "")
         devices: Any = Rig.parse(desc) if desc != args.device else [args.device]
-        model = load_model(path, devices=devices, kv_type=args.kv_type, experts=args.experts_on)
+        model = load_model(path, devices=devices, kv_type=args.kv_type, experts=args.experts_on,
+                           cpu_weights=args.cpu_weights)
     else:
-        model = load_model(path, devices=[args.device], kv_type=args.kv_type)
+        model = load_model(path, devices=[args.device], kv_type=args.kv_type, cpu_weights=args.cpu_weights)
     try:
         print(f"loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr)
 
@@ -647,6 +649,8 @@ def _measure(path: Path, args: argparse.Namespace, load_model: Callable[..., Mod
         model.close()
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     res["kv_type"] = args.kv_type
+    if args.cpu_weights is not None:
+        res["cpu_weights"] = args.cpu_weights
     return res
 
 

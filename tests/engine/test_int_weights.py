@@ -181,3 +181,73 @@ def test_placement_layout_picks_how_the_cpu_holds_weights(fixtures_dir):
     finally:
         model.close()
         gc.collect()
+
+
+def test_planner_prices_the_cpu_as_it_holds_and_reads_weights(fixtures_dir):
+    """Beside a GPU (layout "stored") the CPU's Q8_0 matrices are priced at their file bytes and read at
+    CPU_INT_DECODE_EFFICIENCY; an F16 file's matrices, which the CPU decodes to float32, at 4 bytes a
+    value (what the backend holds once the head ran) and CPU_DECODE_EFFICIENCY."""
+    from minecart.engine.placement import (
+        CPU_DECODE_EFFICIENCY,
+        CPU_INT_DECODE_EFFICIENCY,
+        DeviceSpec,
+        predict_speed,
+    )
+
+    def plan(name):
+        gf, config = open_model_file(fixtures_dir / "dense" / name)
+        costs = model_costs(config, gf, layout="stored")
+        return costs, Placement.single(costs, "cpu:0"), Placement.single(costs, "cuda:0")
+
+    costs, cpu, gpu = plan("qwen35-tiny-dense-q8_0.gguf")
+    assert cpu.bytes_per_device()["cpu:0"].weights == gpu.bytes_per_device()["cuda:0"].weights
+    costs16, cpu16, gpu16 = plan("qwen35-tiny-dense-f16.gguf")
+    f16 = sum(b for p in costs16.parts for _, kind, b, _ in p.matmuls if kind == "F16")
+    assert f16 > 0
+    assert cpu16.bytes_per_device()["cpu:0"].weights == gpu16.bytes_per_device()["cuda:0"].weights + f16
+    model = load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", placement=cpu16)
+    try:
+        model.new_session().prefill([1, 2])  # the tied head decodes its float32 copy here
+        held = {id(w): w.nbytes for ws in model.weights.values() for w in ws.values()
+                if isinstance(w, NumpyWeight) and w._data is not None}
+        held.update({id(w): w.nbytes for ws in model.weights.values() for w in ws.values()
+                     if isinstance(w, np.ndarray)})
+        assert sum(held.values()) == cpu16.bytes_per_device()["cpu:0"].weights
+    finally:
+        model.close()
+    # decode: the Q8_0 matrices at the integer kernels' rate, the same file's float32 copies slower
+    spec = [DeviceSpec("cpu:0", 1 << 36)]
+    stored = predict_speed(cpu, spec).decode_tokens_per_s
+    gf, config = open_model_file(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf")
+    as_f32 = predict_speed(Placement.single(model_costs(config, gf, layout="numpy"), "cpu:0"), spec)
+    assert CPU_INT_DECODE_EFFICIENCY["Q8_0"] * 4 / 1.0625 > CPU_DECODE_EFFICIENCY
+    assert stored > as_f32.decode_tokens_per_s
+
+
+def test_cpu_weights_option_on_the_cpu_alone(fixtures_dir):
+    """load_model(cpu_weights="stored") on the CPU alone: a plan priced as stored, the weights held so;
+    an unknown value is refused before anything loads."""
+    path = _q8(fixtures_dir)
+    with pytest.raises(ValueError, match="cpu_weights 'int8' is not known"):
+        load_model(path, devices=["cpu:0"], cpu_weights="int8")
+    model = load_model(path, devices=["cpu:0"], cpu_weights="stored")
+    try:
+        assert model.placement.costs.layout == "stored"
+        held = [w for w in model.weights["layer.3"].values() if isinstance(w, NumpyWeight) and w.type_name == "Q8_0"]
+        assert held and all(w.stored is not None for w in held)
+    finally:
+        model.close()
+
+
+def test_cli_run_with_stored_cpu_weights(fixtures_dir):
+    """`minecart run --cpu-weights stored`: the fixture's greedy answer to the "short" sequence is
+    " Sunt" on the float32 reference, transformers and llama.cpp alike (large logit margins); int8
+    activations keep it."""
+    from tests.engine.test_cli_run import minecart
+
+    r = minecart("run", str(_q8(fixtures_dir)), "-p", "The quick brown fox jumps over the lazy dog.", "--raw",
+                 "--temp", "0", "--max-tokens", "4", "--devices", "cpu", "--cpu-weights", "stored")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == " Sunt" * 4 + "\n"
+    r = minecart("run", str(_q8(fixtures_dir)), "-p", "x", "--cpu-weights", "int8")
+    assert r.returncode == 2 and "invalid choice: 'int8'" in r.stderr
