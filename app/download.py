@@ -227,12 +227,13 @@ def plan_fit(file: RemoteFile, devices: list[DeviceInfo], context: int = 4096,
              cancel: threading.Event | None = None) -> PlanFit:
     """Plan `file` on `devices` as the layer map would once it is downloaded, from its header alone:
     the header is fetched with Range requests into a sparse stand-in of the file's full size (the
-    tensor data is never fetched or read), priced with engine/placement.py model_costs, and
-    plan_candidates picks the fastest plan that fits."""
+    tensor data is never fetched or read), priced as the load will hold it (engine/execution.py
+    costs_for_devices), and plan_candidates picks the fastest plan that fits."""
     import tempfile
 
+    from minecart.engine.execution import costs_for_devices
     from minecart.engine.model import open_model_file
-    from minecart.engine.placement import model_costs, plan_candidates, validate
+    from minecart.engine.placement import plan_candidates, validate
 
     from .layer_map import DEFAULT_KV_TYPE
 
@@ -253,8 +254,7 @@ def plan_fit(file: RemoteFile, devices: list[DeviceInfo], context: int = 4096,
         except Exception as exc:  # noqa: BLE001 - the engine's message names the key or tensor
             raise DownloadError(f"{file.name} cannot be planned: {exc}") from exc
         try:
-            layout = "stored" if any(s.is_cuda for s in specs) else "numpy"
-            costs = model_costs(config, gf, layout=layout)
+            costs = costs_for_devices(config, gf, [s.name for s in specs])  # as the load will hold it
         finally:
             gf.close()
     best = plan_candidates(costs, specs, context=context, kv_type=DEFAULT_KV_TYPE)[0]

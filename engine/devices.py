@@ -143,7 +143,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine() or "CPU"
 
 
-def _ram_bytes() -> tuple[int, int]:
+def ram_bytes() -> tuple[int, int]:
     """(total, available) system memory in bytes; (-1, -1) where the OS does not say."""
     try:
         info = {}
@@ -181,7 +181,7 @@ def _ram_bytes() -> tuple[int, int]:
 
 
 def cpu_device() -> DeviceInfo:
-    total, avail = _ram_bytes()
+    total, avail = ram_bytes()
     used = total - avail if total >= 0 and avail >= 0 else -1
     return DeviceInfo(id=CPU_ID, kind="cpu", name=_cpu_name(), total_bytes=total, used_bytes=used,
                       free_bytes=avail, extra={"threads": os.cpu_count() or 1}, source="os")
@@ -208,6 +208,18 @@ def _with_probe(dev: DeviceInfo) -> DeviceInfo:
 
     probe = _probe_summary(dev)
     return replace(dev, probe=probe) if probe else dev
+
+
+# what a model's weights may take of the RAM available when it loads (the rest: activations, caches,
+# the OS and the programs beside it)
+RAM_FOR_WEIGHTS = 0.8
+
+
+def fits_in_ram(n_bytes: int) -> bool:
+    """Whether n_bytes fit in RAM_FOR_WEIGHTS of the memory available now (True where the OS does
+    not say)."""
+    avail = ram_bytes()[1]
+    return avail <= 0 or n_bytes <= RAM_FOR_WEIGHTS * avail
 
 
 def format_bytes(n: int) -> str:

@@ -44,24 +44,27 @@ parallelism (a layer never spans two devices). Which sequences share a batch is 
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .backends.base import Backend
 from .config import ModelConfig
-from .devices import DeviceInfo
+from .devices import DeviceInfo, fits_in_ram, format_bytes, ram_bytes
 from .errors import DeviceError, GenerationCancelled
 from .models.batch import SequenceRows
 from .placement import (
     STREAMED_EXPERTS_CHUNK,
     DeviceSpec,
     GiB,
+    ModelCosts,
     Placement,
     faster_with_experts_apart,
     model_costs,
@@ -70,6 +73,8 @@ from .placement import (
 )
 from .rig import Rig, device_spec
 from .sampling import LaunchedStep, PickSpec, TopLogits
+
+log = logging.getLogger(__name__)
 
 HEAD_ROWS = 256  # rows per LM-head block when full logit rows are requested
 
@@ -188,6 +193,25 @@ def device_specs(devices) -> list[DeviceSpec]:
     return out
 
 
+def costs_for_devices(config: ModelConfig, gguf_file, device_names: Sequence[str],
+                      cpu_weights: str | None = None) -> ModelCosts:
+    """model_costs in the layout the devices will hold the weights in. Beside a GPU: "stored" (the CPU's
+    layers too: NumpyBackend.hold_weights; its types other than the integer kernels' stay float32).
+    On the CPU alone: "numpy" (the reference backend's float32 copies) unless cpu_weights is "stored",
+    or is None and those copies would not fit in the RAM available (devices.fits_in_ram): then
+    "stored", with a warning that says so."""
+    cpu_only = all(str(d).startswith("cpu") for d in device_names)
+    if not cpu_only or cpu_weights == "stored":
+        return model_costs(config, gguf_file, layout="stored")
+    as_f32 = model_costs(config, gguf_file, layout="numpy")
+    if cpu_weights is None and not fits_in_ram(as_f32.weight_bytes):
+        log.warning("float32 copies of %s's weights (%s) would not fit in the RAM available (%s): holding "
+                    "them as the file stores them (--cpu-weights stored)", Path(str(gguf_file.path)).name,
+                    format_bytes(as_f32.weight_bytes), format_bytes(ram_bytes()[1]))
+        return model_costs(config, gguf_file, layout="stored")
+    return as_f32
+
+
 def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None, *,
                     make: Callable[[str], Backend] | None = None, plan_experts: bool = True,
                     cpu_weights: str | None = None) -> tuple[Placement, dict[str, str], dict[str, Backend]]:
@@ -210,10 +234,7 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
                                                    for d in devices]
 
     def costs(device_names):
-        # the CPU alone: the NumPy reference backend's float32 weights; beside a GPU, its layers' weights
-        # as stored (NumpyBackend.hold_weights; other types than the integer kernels' stay float32)
-        cpu_only = all(str(d).startswith("cpu") for d in device_names)
-        return model_costs(config, gguf_file, layout="numpy" if cpu_only and cpu_weights != "stored" else "stored")
+        return costs_for_devices(config, gguf_file, device_names, cpu_weights)
 
     if placement is None and names is not None and len(names) > 1:
         specs = device_specs(devices)

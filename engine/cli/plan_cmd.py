@@ -46,7 +46,6 @@ from ..placement import (
     experts_auto_plans,
     experts_map,
     link_of,
-    model_costs,
     plan_candidates,
 )
 
@@ -196,23 +195,22 @@ def _present_devices(args) -> list[DeviceSpec]:
 
 
 def _costs(args, devices: list[DeviceSpec]) -> ModelCosts:
-    # CPU-only rigs run the NumPy reference backend, which holds float32 weights (engine/execution.py)
-    layout = "numpy" if all(d.name.startswith("cpu:") for d in devices) else "stored"
     if args.shape:
         if args.model:
             raise DeviceError("give a GGUF file or --shape, not both")
-        if layout != "stored":
+        if all(d.name.startswith("cpu:") for d in devices):
             raise DeviceError("--shape prices the CUDA backend's weights; put at least one cuda device in the rig")
         return costs_for_shape(args.shape, (args.quant or "q8_0").upper())
     if not args.model:
         raise DeviceError("give a GGUF file, or --shape NAME --quant TYPE to price a model without its file")
     if args.quant:
         raise DeviceError("--quant goes with --shape; a file's types are its own")
+    from ..execution import costs_for_devices
     from ..model import open_model_file
 
     gf, config = open_model_file(args.model)
-    try:
-        return model_costs(config, gf, layout=layout)
+    try:  # as load_model will hold them (float32 on the CPU alone unless they would not fit in RAM)
+        return costs_for_devices(config, gf, [d.name for d in devices])
     finally:
         gf.close()
 

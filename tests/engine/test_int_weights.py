@@ -251,3 +251,32 @@ def test_cli_run_with_stored_cpu_weights(fixtures_dir):
     assert r.stdout == " Sunt" * 4 + "\n"
     r = minecart("run", str(_q8(fixtures_dir)), "-p", "x", "--cpu-weights", "int8")
     assert r.returncode == 2 and "invalid choice: 'int8'" in r.stderr
+
+
+def test_float32_copies_that_do_not_fit_in_ram_load_as_stored(fixtures_dir, monkeypatch, caplog):
+    """On the CPU alone with no choice made, a model whose float32 copies would not fit in the RAM
+    available loads as stored (with a warning that names the flag) instead of swapping or failing;
+    `cpu_weights="float32"` keeps the reference whatever the RAM. `minecart plan` prices what the load
+    will hold."""
+    import logging
+
+    from minecart.engine import devices
+    from minecart.engine.execution import costs_for_devices
+
+    path = _q8(fixtures_dir)
+    gf, config = open_model_file(path)
+    f32 = model_costs(config, gf, layout="numpy").weight_bytes
+    assert costs_for_devices(config, gf, ["cpu:0"]).layout == "numpy"  # this machine has the RAM
+    monkeypatch.setattr(devices, "ram_bytes", lambda: (f32, f32 // 2))  # half of what they need
+    with caplog.at_level(logging.WARNING, logger="minecart.engine.execution"):
+        assert costs_for_devices(config, gf, ["cpu:0"]).layout == "stored"
+    assert "would not fit in the RAM available" in caplog.text and "--cpu-weights stored" in caplog.text
+    assert costs_for_devices(config, gf, ["cpu:0"], cpu_weights="float32").layout == "numpy"
+    assert costs_for_devices(config, gf, ["cpu:0", "cuda:0"]).layout == "stored"
+    model = load_model(path, devices=["cpu:0"])
+    try:
+        assert model.placement.costs.layout == "stored"
+        assert all(w.stored is not None for w in model.weights["layer.0"].values()
+                   if isinstance(w, NumpyWeight) and w.type_name == "Q8_0")
+    finally:
+        model.close()
