@@ -5,8 +5,10 @@ layer live in host RAM. The token's activations are quantized to int8 in blocks 
 float32 scale per block, like ggml's Q8_0 activations); each weight block is multiplied with its
 activation block in integers straight from the GGUF bytes (integer sums per 32 values, which fit in
 int32; never a float32 copy of the weights), and only then do the fp16/fp32 scales enter, in float32.
-Weight types: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, as stored in the 3-D expert tensors
-`ffn_{gate,up,down}_exps` / `ffn_gate_up_exps` (E, n_out, n_in).
+Weight types: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, as stored in the 3-D expert tensors
+`ffn_{gate,up,down}_exps` / `ffn_gate_up_exps` (E, n_out, n_in). The same kernels multiply a dense
+layer's weight held as stored (a one-matrix stack: `dense_matmul`, the NumPy backend beside a GPU)
+with a decode step's few activation rows.
 
 Every kernel comes twice:
 - a numba kernel (`fast=True`), parallel over (expert, output rows) with `prange`, whose per-block
@@ -19,7 +21,7 @@ tests/engine/test_cpu_experts.py checks that, and checks the twins against `gguf
 dequantize-then-fp64 products.
 
 The per-block float32 formulas (dx: activation block scale, isum/bsum: int32 sums over the block):
-  Q8_0, Q4_0  acc += (d * dx) * isum                       isum = sum(q * xq), Q4_0's q minus 8
+  Q8_0, Q4_0, Q5_0  acc += (d * dx) * isum      isum = sum(q * xq), Q4_0's q minus 8, Q5_0's minus 16
   Q4_K, Q5_K  acc += (d * dx) * (sc * isum) - (dmin * dx) * (m * bsum)    bsum = sum(xq)
   Q6_K        acc += (d * dx) * (sc_lo * isum_lo + sc_hi * isum_hi)      two 16-value halves, q - 32
 
@@ -34,8 +36,8 @@ The token's routing comes with them: `route` (router logits in float64, softmax,
 renormalized, as the NumPy backend's moe_route) as a numba kernel that reads the float32 router
 directly, so a decode token's MoE on the CPU calls no BLAS at all, and its NumPy twin.
 
-What this is not: a prefill path (several tokens at once stay on dequantize-then-matmul in the NumPy
-backend), a GPU kernel, or a general matmul: the weights are always one of the expert stacks above.
+What this is not: a prefill path (a long chunk stays on dequantize-then-matmul in the NumPy backend),
+a GPU kernel, or a general matmul: the weights are always stacks of the types above.
 numba is imported with this module; `numba_available` tells whether it is installed.
 """
 
@@ -88,7 +90,7 @@ prange = _numba.prange if HAVE_NUMBA else range
 
 F32 = np.float32
 QBLOCK = 32  # activation values per int8 block
-KERNEL_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+KERNEL_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
 
 # fp16 bit pattern -> float32, for the kernels (numba has no fp16 scalar type); the same conversion
 # NumPy's astype does, so the twins' scales are the same numbers
@@ -512,23 +514,33 @@ def _q6_k_ir(g: _Ir, row: Any, x: Any, dx: Any, acc: Any) -> Any:
     return g.add_in_order(acc, terms)
 
 
-def _small_blocks_ir(g: _Ir, row: Any, x: Any, dx: Any, acc: Any, n: int, q4: bool) -> Any:
-    """acc + the terms (d * dx) * isum of n (8 or 1) consecutive Q8_0 (Q4_0: q4) blocks at byte
-    pointer row. Q8_0: isum = sum |w| * (x with w's sign); Q4_0: value l < 16 is the low nibble of
-    quant byte l, value 16 + l its high nibble, minus 8."""
+_SMALL_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q5_0": 22}
+
+
+def _small_blocks_ir(g: _Ir, row: Any, x: Any, dx: Any, acc: Any, n: int, kind: str) -> Any:
+    """acc + the terms (d * dx) * isum of n (8 or 1) consecutive blocks of `kind` (q8_0, q4_0,
+    q5_0) at byte pointer row. Q8_0: isum = sum |w| * (x with w's sign); Q4_0: value l < 16 is the
+    low nibble of quant byte l, value 16 + l its high nibble, minus 8; Q5_0: the same nibbles (after
+    4 bytes qh) with bit l of the little-endian qh as value l's fifth bit, minus 16."""
     b = g.b
-    size = 18 if q4 else 34
+    size = _SMALL_BLOCK_BYTES[kind]
     v8f = _ir.VectorType(_FLOAT, 8)
+    v32 = _ir.VectorType(_I32, 32)
     sums = []
     d = _ir.Constant(v8f, None)
     for i in range(n):
         xv = g.bytes(x, 32 * i)
-        if q4:
-            qs = g.bytes(row, size * i + 2, 16)
+        if kind != "q8_0":
+            qs = g.bytes(row, size * i + size - 16, 16)
             q = b.shuffle_vector(b.and_(qs, g.const8(15, 16)), b.lshr(qs, g.const8(4, 16)),
                                  _lanes(list(range(32))))
-            neg8 = b.sub(_ir.Constant(_ir.VectorType(_I32, 8), None), g.dot4(g.const8(8), xv))
-            sums.append(g.dot4(q, xv, neg8))
+            if kind == "q5_0":  # lane l ORs in (qh >> l & 1) << 4
+                qh = g.splat(g.load(g.at(row, size * i + 2), _I32), 32)
+                bits = b.and_(b.lshr(qh, _ir.Constant(v32, list(range(32)))), _ir.Constant(v32, [1] * 32))
+                q = b.or_(q, b.shl(b.trunc(bits, _ir.VectorType(_I8, 32)), g.const8(4)))
+            off = 16 if kind == "q5_0" else 8
+            neg = b.sub(_ir.Constant(_ir.VectorType(_I32, 8), None), g.dot4(g.const8(off), xv))
+            sums.append(g.dot4(q, xv, neg))
         else:
             w = g.bytes(row, size * i + 2)
             zero = g.const8(0)
@@ -597,17 +609,18 @@ def _q6_k_block(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cov
     return _block_signature(row, x, dx, None, table), _offsets_codegen(_q6_k_ir, False)
 
 
-def _small_blocks_intrinsic(n: int, q4: bool) -> Any:
+def _small_blocks_intrinsic(n: int, kind: str) -> Any:
     @_intrinsic
     def blocks(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover - compiled
         return (_block_signature(row, x, dx, None, table),
-                _offsets_codegen(lambda g, r, xx, d, a: _small_blocks_ir(g, r, xx, d, a, n, q4), False))
+                _offsets_codegen(lambda g, r, xx, d, a: _small_blocks_ir(g, r, xx, d, a, n, kind), False))
 
     return blocks
 
 
-_q8_0_blocks8, _q8_0_block1 = _small_blocks_intrinsic(8, False), _small_blocks_intrinsic(1, False)
-_q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_intrinsic(1, True)
+_q8_0_blocks8, _q8_0_block1 = _small_blocks_intrinsic(8, "q8_0"), _small_blocks_intrinsic(1, "q8_0")
+_q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, "q4_0"), _small_blocks_intrinsic(1, "q4_0")
+_q5_0_blocks8, _q5_0_block1 = _small_blocks_intrinsic(8, "q5_0"), _small_blocks_intrinsic(1, "q5_0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -630,7 +643,7 @@ _q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, True), _small_blocks_in
 # code for a first token took 28 s on this machine, ~1 s a type now). numba's cache keeps each
 # closure's code apart (its key hashes the closure's constants).
 
-_Q4_K, _Q5_K, _Q6_K, _Q8_0, _Q4_0 = Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0
+_Q4_K, _Q5_K, _Q6_K, _Q8_0, _Q4_0, _Q5_0 = Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0
 
 
 @njit(inline="always")
@@ -645,6 +658,22 @@ def _k_affine_block(t, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cov
     if t == _Q4_K:
         return _q4_k_block(row, o, x, xo, dx, xs, bo, table, acc)
     return _q5_k_block(row, o, x, xo, dx, xs, bo, table, acc)
+
+
+@njit(inline="always")
+def _legacy_blocks8(t, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover - compiled
+    """8 Q4_0 or Q5_0 blocks' terms (t a constant: the other branch is folded away)."""
+    if t == _Q4_0:
+        return _q4_0_blocks8(row, o, x, xo, dx, bo, table, acc)
+    return _q5_0_blocks8(row, o, x, xo, dx, bo, table, acc)
+
+
+@njit(inline="always")
+def _legacy_block1(t, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover - compiled
+    """One Q4_0 or Q5_0 block's term."""
+    if t == _Q4_0:
+        return _q4_0_block1(row, o, x, xo, dx, bo, table, acc)
+    return _q5_0_block1(row, o, x, xo, dx, bo, table, acc)
 
 
 @njit(inline="always")
@@ -663,21 +692,22 @@ def _dot_rows(t, w, e, r0, r1, r2, r3, x, dx, xs, table):  # pragma: no cover - 
             a1 = _k_affine_block(t, w1, o, x, xo, dx, xs, bo, table, a1)
             a2 = _k_affine_block(t, w2, o, x, xo, dx, xs, bo, table, a2)
             a3 = _k_affine_block(t, w3, o, x, xo, dx, xs, bo, table, a3)
-    elif t == _Q4_0:
+    elif t == _Q4_0 or t == _Q5_0:
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
-        nb = nbytes // 18
+        bs = 18 if t == _Q4_0 else 22  # block bytes
+        nb = nbytes // bs
         n8 = nb // 8
         for c in range(n8):
-            o, xo, bo = 144 * c, 256 * c, 8 * c
-            a0 = _q4_0_blocks8(w0, o, x, xo, dx, bo, table, a0)
-            a1 = _q4_0_blocks8(w1, o, x, xo, dx, bo, table, a1)
-            a2 = _q4_0_blocks8(w2, o, x, xo, dx, bo, table, a2)
-            a3 = _q4_0_blocks8(w3, o, x, xo, dx, bo, table, a3)
+            o, xo, bo = 8 * bs * c, 256 * c, 8 * c
+            a0 = _legacy_blocks8(t, w0, o, x, xo, dx, bo, table, a0)
+            a1 = _legacy_blocks8(t, w1, o, x, xo, dx, bo, table, a1)
+            a2 = _legacy_blocks8(t, w2, o, x, xo, dx, bo, table, a2)
+            a3 = _legacy_blocks8(t, w3, o, x, xo, dx, bo, table, a3)
         for b in range(8 * n8, nb):
-            a0 = _q4_0_block1(w0, 18 * b, x, 32 * b, dx, b, table, a0)
-            a1 = _q4_0_block1(w1, 18 * b, x, 32 * b, dx, b, table, a1)
-            a2 = _q4_0_block1(w2, 18 * b, x, 32 * b, dx, b, table, a2)
-            a3 = _q4_0_block1(w3, 18 * b, x, 32 * b, dx, b, table, a3)
+            a0 = _legacy_block1(t, w0, bs * b, x, 32 * b, dx, b, table, a0)
+            a1 = _legacy_block1(t, w1, bs * b, x, 32 * b, dx, b, table, a1)
+            a2 = _legacy_block1(t, w2, bs * b, x, 32 * b, dx, b, table, a2)
+            a3 = _legacy_block1(t, w3, bs * b, x, 32 * b, dx, b, table, a3)
     elif t == _Q6_K:
         row = w[e, r0]
         for b in range(nbytes // 210):
@@ -984,6 +1014,18 @@ def _terms_q4_0(rows, x: QuantizedRows):
     return (_f16_field(blocks, 0) * x.d[:, None, :]) * isum.astype(F32)
 
 
+def _terms_q5_0(rows, x: QuantizedRows):
+    k, n_out, _ = rows.shape
+    blocks = rows.reshape(k, n_out, -1, 22)
+    qh = blocks[..., 2:6].copy().view("<u4").astype(np.int64)  # (k, n_out, nb, 1): bit l is value l's
+    high = (qh >> np.arange(32)) & 1
+    qs = blocks[..., 6:22].astype(np.int32)
+    q = (np.concatenate([qs & 15, qs >> 4], axis=3) | (high << 4).astype(np.int32)) - 16
+    xq = x.q.reshape(-1, 1, blocks.shape[2], 32).astype(np.int32)
+    isum = (q * xq).sum(axis=3, dtype=np.int32)
+    return (_f16_field(blocks, 0) * x.d[:, None, :]) * isum.astype(F32)
+
+
 def _terms_k_affine(blocks, q, x: QuantizedRows):
     """Q4_K / Q5_K: q (k, n_out, nsb, 8, 32) in 0..31; x = d*sc*q - dmin*m per sub-block of 32."""
     k, n_out, nsb = blocks.shape[:3]
@@ -1037,7 +1079,7 @@ def _terms_q6_k(rows, x: QuantizedRows):
     return (d * x.d[:, None, :]) * isum.astype(F32)
 
 
-_TWIN_TERMS = {Q.Q8_0: _terms_q8_0, Q.Q4_0: _terms_q4_0, Q.Q4_K: _terms_q4_k, Q.Q5_K: _terms_q5_k,
+_TWIN_TERMS = {Q.Q8_0: _terms_q8_0, Q.Q4_0: _terms_q4_0, Q.Q5_0: _terms_q5_0, Q.Q4_K: _terms_q4_k, Q.Q5_K: _terms_q5_k,
                Q.Q6_K: _terms_q6_k}
 
 

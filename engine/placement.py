@@ -1578,8 +1578,9 @@ CPU_DECODE_EFFICIENCY = 0.50
 # the 2-core CI machine with one thread (2026-12-05, docs/BENCHMARKS.md v35): `tests/load/
 # bench_batch_decode.py --weights stored` on 0.8B-shaped synth files decoded 16.4 tokens/s on Q8_0
 # (799 MB of matrices) and 14.3 on Q4_K (423 MB); less CPU_LAYER_SECONDS that is 15.7 and 7.0 GB/s; Q6_K,
-# Q4_0 and Q5_K from the kernel alone on 24 3584 x 1024 matrices in turn (8.6, 5.7, 4.9 GB/s).
-CPU_INT_DECODE_EFFICIENCY = {"Q8_0": 1.31, "Q4_K": 0.58, "Q6_K": 0.72, "Q4_0": 0.48, "Q5_K": 0.41}
+# Q4_0, Q5_0 and Q5_K from the kernel alone on 24 3584 x 1024 matrices in turn (12.2, 6.0, 4.3 and
+# 4.8 GB/s; Q8_0 and Q4_K there: 11.8 and 7.1).
+CPU_INT_DECODE_EFFICIENCY = {"Q8_0": 1.31, "Q4_K": 0.58, "Q6_K": 1.01, "Q4_0": 0.50, "Q5_0": 0.36, "Q5_K": 0.40}
 CPU_EXPERT_DECODE_EFFICIENCY = 2.81
 POOL_EXPERT_DECODE_EFFICIENCY = 4.23
 HOST_EXPERT_LAYER_SECONDS = 0.0095e-3

@@ -64,7 +64,7 @@ def add_cpu_weights_arg(p: argparse.ArgumentParser) -> None:
                    help="how a model on the CPU alone holds its weights: float32 (default: decoded "
                         "copies, exact) or stored (as the file stores them, multiplied on int8 "
                         "activations as llama.cpp does: 4-7x less RAM and 2-3x the decode speed for "
-                        "Q8_0, Q4_0, Q4_K, Q5_K and Q6_K; other types stay float32). Beside a GPU the "
+                        "Q8_0, Q4_0, Q5_0, Q4_K, Q5_K and Q6_K; other types stay float32). Beside a GPU the "
                         "CPU's layers are always held as stored")
 
 

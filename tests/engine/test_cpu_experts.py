@@ -20,7 +20,7 @@ from minecart.engine.model import load_model
 
 from tests._moe import tiny_moe_file
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 U = 2.0**-24  # float32 unit roundoff
 
 
@@ -33,7 +33,7 @@ def random_stack(rng, t, n_experts, n_out, n_in):
     bv, bb = Q.BLOCK_SIZES[t]
     raw = rng.integers(0, 256, (n_experts, n_out, n_in // bv, bb), dtype=np.uint8)
     sh = (n_experts, n_out, n_in // bv, 1)
-    if t in (Q.Q8_0, Q.Q4_0):
+    if t in (Q.Q8_0, Q.Q4_0, Q.Q5_0):
         raw[..., 0:2] = _f16_bytes(rng, sh, 0.02)
     elif t in (Q.Q4_K, Q.Q5_K):
         raw[..., 0:2] = _f16_bytes(rng, sh, 2e-3)
@@ -333,8 +333,8 @@ def test_non_finite_activations_give_nan_outputs_not_garbage():
 
 def test_expert_stack_rejects_unsupported_types_and_bad_rows():
     rng = np.random.default_rng(3)
-    with pytest.raises(ValueError, match="Q5_0"):
-        C.ExpertStack(rng.integers(0, 256, (2, 3, 22), dtype=np.uint8), Q.Q5_0, 32)
+    with pytest.raises(ValueError, match="Q5_1"):
+        C.ExpertStack(rng.integers(0, 256, (2, 3, 24), dtype=np.uint8), Q.Q5_1, 32)
     with pytest.raises(ValueError, match="bytes per row"):
         C.ExpertStack(rng.integers(0, 256, (2, 3, 36), dtype=np.uint8), Q.Q8_0, 32)
     w = random_stack(rng, Q.Q8_0, 2, 3, 32)

@@ -280,3 +280,11 @@ def test_float32_copies_that_do_not_fit_in_ram_load_as_stored(fixtures_dir, monk
                    if isinstance(w, NumpyWeight) and w.type_name == "Q8_0")
     finally:
         model.close()
+
+
+def test_planner_knows_every_type_the_cpu_holds_as_stored():
+    """The planner's CPU rates name exactly the integer kernels' types (a type the kernels gain or lose
+    would otherwise be priced in the wrong form, memory included)."""
+    from minecart.engine.placement import CPU_INT_DECODE_EFFICIENCY
+
+    assert set(CPU_INT_DECODE_EFFICIENCY) == {Q.type_name(t) for t in C.KERNEL_TYPES}
