@@ -649,8 +649,7 @@ def _measure(path: Path, args: argparse.Namespace, load_model: Callable[..., Mod
         model.close()
     res["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     res["kv_type"] = args.kv_type
-    if args.cpu_weights is not None:
-        res["cpu_weights"] = args.cpu_weights
+    res["cpu_weights"] = args.cpu_weights
     return res
 
 

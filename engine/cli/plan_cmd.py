@@ -48,6 +48,7 @@ from ..placement import (
     link_of,
     plan_candidates,
 )
+from .run_cmd import add_cpu_weights_arg
 
 RESERVE = 256 * MiB  # kept free on every device beyond the estimate (plan_auto's default)
 # KV types from the largest to the smallest, for the "a smaller KV type would fit" advice
@@ -85,6 +86,7 @@ def register(subparsers) -> None:
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="sequences held at once (minecart serve --parallel N, the app's \"Requests at once\"): "
                         "each keeps its own KV cache for the whole context and its own state; default 1")
+    add_cpu_weights_arg(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -210,7 +212,7 @@ def _costs(args, devices: list[DeviceSpec]) -> ModelCosts:
 
     gf, config = open_model_file(args.model)
     try:  # as load_model will hold them (float32 on the CPU alone unless they would not fit in RAM)
-        return costs_for_devices(config, gf, [d.name for d in devices])
+        return costs_for_devices(config, gf, [d.name for d in devices], args.cpu_weights)
     finally:
         gf.close()
 

@@ -60,12 +60,12 @@ def add_threads_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_cpu_weights_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cpu-weights", default=None, choices=CPU_WEIGHTS,
-                   help="how a model on the CPU alone holds its weights: float32 (default: decoded "
-                        "copies, exact) or stored (as the file stores them, multiplied on int8 "
-                        "activations as llama.cpp does: 4-7x less RAM and 2-3x the decode speed for "
-                        "Q8_0, Q4_0, Q5_0, Q4_K, Q5_K and Q6_K; other types stay float32). Beside a GPU the "
-                        "CPU's layers are always held as stored")
+    p.add_argument("--cpu-weights", default="stored", choices=CPU_WEIGHTS,
+                   help="how a model on the CPU alone holds its weights: stored (default: as the file "
+                        "stores them, multiplied on int8 activations as llama.cpp does; 3-6x less RAM "
+                        "and 2-3x the decode speed for Q8_0, Q4_0, Q5_0, Q4_K, Q5_K and Q6_K, other "
+                        "types stay float32) or float32 (decoded copies: the exact reference). Beside a "
+                        "GPU the CPU's layers are always held as stored")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -217,8 +217,7 @@ def start_runtime(args: argparse.Namespace, *, quiet: bool = False, sample_memor
         options["context"] = args.context
     if args.experts_on is not None:
         options["experts"] = args.experts_on  # load_model reads host / auto / N / a device
-    if args.cpu_weights is not None:
-        options["cpu_weights"] = args.cpu_weights
+    options["cpu_weights"] = args.cpu_weights
     handle = runtime.load(path, devices=devices, **options)
     tty = sys.stderr.isatty()
     try:

@@ -18,6 +18,7 @@ reference backend's decoded copies.
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 from pathlib import Path
 
@@ -87,6 +88,9 @@ def main() -> None:
                   f"gdn kernel {args.gdn_kernel}]: " + ", ".join(
                 f"B={b}: {r[i]:.1f} tok/s ({r[i] / rates[base][i]:.2f}x)" for b, r in rates.items()),
                 flush=True)
+        # Linux reports KiB; the peak of the whole process, so of this model only when it is the first
+        print(f"{path.name}: peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB "
+              f"({args.weights} weights)", flush=True)
         model.close()
 
 
