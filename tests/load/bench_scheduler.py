@@ -103,6 +103,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="rounds of the concurrent runs; best counts")
     ap.add_argument("--rows-kernel", choices=("on", "off"), default="on",
                     help="off: batched matmuls on BLAS instead of engine/cpu_matmul.py")
+    ap.add_argument("--cpu-weights", choices=("float32", "stored"), default="stored",
+                    help="how the model holds its weights (load_model(cpu_weights=)); stored is what "
+                         "minecart serve runs, float32 the exact reference")
     args = ap.parse_args()
     if args.model:
         path = Path(args.model)
@@ -110,7 +113,7 @@ def main() -> None:
         from minecart.engine.demo import demo_model_path
 
         path = demo_model_path()
-    model = load_model(path, devices=["cpu:0"])
+    model = load_model(path, devices=["cpu:0"], cpu_weights=args.cpu_weights)
     for st in model.executor.stages:
         if isinstance(st.backend, NumpyBackend):
             st.backend.rows_kernel = args.rows_kernel == "on"
@@ -126,7 +129,7 @@ def main() -> None:
     finally:
         sched.close()
     for i, label in ((0, "wall"), (1, "cpu time")):
-        print(f"{path.name} [{label}, rows kernel {args.rows_kernel}]: " + ", ".join(
+        print(f"{path.name} [{label}, {args.cpu_weights} weights, rows kernel {args.rows_kernel}]: " + ", ".join(
             f"{n} concurrent: {r[i]:.1f} tok/s ({r[i] / rates[1][i]:.2f}x)" for n, r in rates.items())
             + f"; mean batch {m['batch_size_mean']:.2f}", flush=True)
     alone, busy = ttft_while_others_decode(model, 7, 128)
