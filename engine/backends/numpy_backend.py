@@ -41,6 +41,7 @@ ATTN_QUERY_BLOCK = 256  # queries per block in attention (bounds the score matri
 # the call and BLAS multiplies (2 cores, 3584 x 1024: 64 rows Q8_0 7.6 ms against 8.1 + 4.3 decoded,
 # Q4_K 16.0 against 13.7 + 4.0; 256 rows 31-49 ms against 18-22)
 INT_ROWS_MAX = 64
+DECODE_SLICE_VALUES = 1 << 24  # values of a stored weight decoded at once for a longer chunk (64 MB)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -58,6 +59,21 @@ def _dequantize_rows(info, ids: np.ndarray) -> np.ndarray:
     from .. import quants
 
     return np.asarray(quants.dequantize_rows(info, ids), dtype=F32).reshape(len(ids), info.shape[-1])
+
+
+def _decoded_matmul(x: np.ndarray, w: NumpyWeight) -> np.ndarray:
+    """x @ W.T for a weight held as stored, decoded to float32 for this call only, DECODE_SLICE_VALUES
+    at a time (rows of W), so a long chunk through a large weight (a 248K-row LM head is 4 GB as
+    float32) never holds more than one slice's copy."""
+    n_out, n_in = w.shape
+    lead = x.shape[:-1]
+    xr = x.reshape(-1, n_in)
+    out = np.empty((xr.shape[0], n_out), F32)
+    step = max(1, DECODE_SLICE_VALUES // n_in)
+    for r0 in range(0, n_out, step):
+        rows = np.arange(r0, min(n_out, r0 + step))
+        out[:, r0 : r0 + rows.size] = xr @ _dequantize_rows(w.info, rows).T
+    return out.reshape(*lead, n_out)
 
 
 class NumpyWeight:
@@ -406,7 +422,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
                 from .. import cpu_experts
 
                 return cpu_experts.dense_matmul(w.stored, x, threads=self.expert_thread_count())
-            return x @ _dequantize(w.info).reshape(w.shape).T
+            return _decoded_matmul(x, w)
         dense = w.dense()
         # [batched decode] 2-16 rows (a batch of decoding sequences): engine/cpu_matmul.py's kernel,
         # same float32 arithmetic in another order; BLAS's GEMM packs the whole weight for so few rows

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from minecart.engine import cpu_experts as C
 from minecart.engine import quants as Q
+from minecart.engine.backends import numpy_backend
 from minecart.engine.backends.numpy_backend import INT_ROWS_MAX, NumpyBackend, NumpyWeight
 from minecart.engine.model import load_model, open_model_file
 from minecart.engine.placement import Placement, model_costs
@@ -87,7 +88,7 @@ def _info(rng, t: int, n_out: int, n_in: int, name: str = "w") -> _Info:
     return _Info(name, t, np.array(w.raw[0]), (n_out, n_in))
 
 
-def test_backend_holds_stored_bytes_and_routes_by_rows():
+def test_backend_holds_stored_bytes_and_routes_by_rows(monkeypatch):
     rng = np.random.default_rng(4)
     info = _info(rng, Q.Q4_K, 40, 512)
     ref_be, be = NumpyBackend(), NumpyBackend(int_weights=True, expert_threads=2)
@@ -100,6 +101,9 @@ def test_backend_holds_stored_bytes_and_routes_by_rows():
     x = rng.standard_normal((INT_ROWS_MAX + 1, 512)).astype(np.float32)  # longer: float32 for the call
     np.testing.assert_allclose(be.matmul(x, w), ref_be.matmul(x, ref_w), rtol=1e-5, atol=1e-5)
     assert w.nbytes == info.n_bytes  # no float32 copy stayed behind
+    # decoded a slice of rows at a time (7 rows of 40: five slices and a tail of 5), same products
+    monkeypatch.setattr(numpy_backend, "DECODE_SLICE_VALUES", 7 * 512)
+    np.testing.assert_allclose(be.matmul(x, w), ref_be.matmul(x, ref_w), rtol=1e-5, atol=1e-5)
     # types the kernels do not take stay float32; so does everything on the reference backend
     f16 = _Info("f", Q.F16, rng.standard_normal((8, 64)).astype(np.float16).view(np.uint8), (8, 64))
     assert be.load_weight(f16).stored is None
