@@ -886,6 +886,98 @@ _DENSE = {t: _dense_kernel(t) for t in sorted(KERNEL_TYPES)}
 
 
 # ------------------------------------------------------------------------------------------------
+# decoding rows of a stored weight to float32 (a long prefill chunk multiplies them with BLAS): the
+# float32 operations of engine/quants.py's dequantizers, in their order (a product per value; the
+# K-quants' scale * q - offset with both factors rounded first), so the values are bit-identical;
+# compiled per type and parallel over rows, where NumPy's vectorized unpacking runs at ~0.25 G values/s.
+
+
+@njit(inline="always")
+def _f16_at(row, o, table):  # pragma: no cover - compiled
+    return table[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
+
+
+@njit(inline="always")
+def _k_scale_min(p, j):  # pragma: no cover - compiled
+    """(sc, m) of sub-block j from the 12-byte K-quant scale field p (k_scales_mins)."""
+    if j < 4:
+        return p[j] & 63, p[4 + j] & 63
+    return (p[8 + j - 4] & 15) | ((p[j - 4] >> 6) << 4), (p[8 + j - 4] >> 4) | ((p[4 + j - 4] >> 6) << 4)
+
+
+@njit(inline="always")
+def _decode_row(t, row, table, out):  # pragma: no cover - compiled
+    nbytes = row.shape[0]
+    if t == _Q8_0:
+        for b in range(nbytes // 34):
+            d = _f16_at(row, 34 * b, table)
+            for l in range(32):
+                v = np.int32(row[34 * b + 2 + l])
+                out[32 * b + l] = np.float32(v - 256 if v >= 128 else v) * d
+    elif t == _Q4_0 or t == _Q5_0:
+        bs = 18 if t == _Q4_0 else 22
+        for b in range(nbytes // bs):
+            o = bs * b
+            d = _f16_at(row, o, table)
+            qh = np.int64(0)
+            if t == _Q5_0:
+                qh = (np.int64(row[o + 2]) | (np.int64(row[o + 3]) << 8) | (np.int64(row[o + 4]) << 16)
+                      | (np.int64(row[o + 5]) << 24))
+            qs = o + bs - 16
+            for l in range(16):
+                lo, hi = np.int64(row[qs + l] & 15), np.int64(row[qs + l] >> 4)
+                if t == _Q5_0:
+                    lo = (lo | (((qh >> l) & 1) << 4)) - 16
+                    hi = (hi | (((qh >> (l + 16)) & 1) << 4)) - 16
+                else:
+                    lo, hi = lo - 8, hi - 8
+                out[32 * b + l] = d * np.float32(lo)
+                out[32 * b + 16 + l] = d * np.float32(hi)
+    elif t == _Q4_K or t == _Q5_K:
+        sb = 144 if t == _Q4_K else 176
+        qs0 = 16 if t == _Q4_K else 48
+        for b in range(nbytes // sb):
+            o = sb * b
+            d, dmin = _f16_at(row, o, table), _f16_at(row, o + 2, table)
+            p = row[o + 4 : o + 16]
+            for j in range(8):
+                sc, m = _k_scale_min(p, j)
+                scale = d * np.float32(sc)
+                offset = dmin * np.float32(m)
+                g = o + qs0 + 32 * (j // 2)
+                for l in range(32):
+                    q = np.int64(row[g + l] >> 4) if j % 2 else np.int64(row[g + l] & 15)
+                    if t == _Q5_K:
+                        q |= ((np.int64(row[o + 16 + l]) >> j) & 1) << 4
+                    out[256 * b + 32 * j + l] = scale * np.float32(q) - offset
+    else:  # Q6_K
+        for b in range(nbytes // 210):
+            o = 210 * b
+            d = _f16_at(row, o + 208, table)
+            for h in range(2):
+                for v in range(128):
+                    ql = row[o + 64 * h + (v % 64)]
+                    low = np.int64(ql & 15) if v < 64 else np.int64(ql >> 4)
+                    top = (np.int64(row[o + 128 + 32 * h + v % 32]) >> (2 * (v // 32))) & 3
+                    i = 128 * h + v
+                    sc = np.int64(row[o + 192 + i // 16])
+                    scale = d * np.float32(sc - 256 if sc >= 128 else sc)
+                    out[256 * b + i] = scale * np.float32((low | (top << 4)) - 32)
+
+
+def _decode_kernel(t: int) -> Any:
+    @njit(parallel=True, cache=True)
+    def decode(w, r0, table, out):  # pragma: no cover - compiled
+        for r in prange(out.shape[0]):
+            _decode_row(t, w[0, r0 + r], table, out[r])
+
+    return decode
+
+
+_DECODE = {t: _decode_kernel(t) for t in sorted(KERNEL_TYPES)}
+
+
+# ------------------------------------------------------------------------------------------------
 # SwiGLU of the gate and up products, h = silu(g) * u = g / (1 + exp(-g)) * u, in float64 rounded to
 # float32, then h quantized (quantize_rows), in one compiled call. exp is computed here, from IEEE
 # operations only (+, -, *, /, rint, a product with an exact power of two), in the same order in the
@@ -1143,6 +1235,21 @@ def dense_matmul(w: ExpertStack, x: np.ndarray, *, fast: bool = True,
     if xv.shape[0]:
         xq, xd, xs = _kernel_rows(xr)
         _DENSE[w.ggml_type](w.raw, xq, xd, xs, _F16_TABLE, out)
+    return out
+
+
+def decode_rows(w: ExpertStack, r0: int, r1: int, *, fast: bool = True,
+                threads: int | None = None) -> np.ndarray:
+    """Rows r0..r1-1 of a one-matrix stack as float32 (r1 - r0, n_in): the values engine/quants.py's
+    dequantizers give (its twin, fast=False), bit for bit."""
+    if w.n_experts != 1 or not 0 <= r0 <= r1 <= w.n_out:
+        raise ValueError(f"rows {r0}..{r1} of a one-matrix stack of {w.n_out} rows")
+    if not fast:
+        return Q.dequantize_blocks(w.raw[0, r0:r1], w.ggml_type).reshape(r1 - r0, w.n_in)
+    _need_numba()
+    set_threads(threads)
+    out = np.empty((r1 - r0, w.n_in), F32)
+    _DECODE[w.ggml_type](w.raw, r0, _F16_TABLE, out)
     return out
 
 

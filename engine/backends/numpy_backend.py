@@ -61,18 +61,21 @@ def _dequantize_rows(info, ids: np.ndarray) -> np.ndarray:
     return np.asarray(quants.dequantize_rows(info, ids), dtype=F32).reshape(len(ids), info.shape[-1])
 
 
-def _decoded_matmul(x: np.ndarray, w: NumpyWeight) -> np.ndarray:
-    """x @ W.T for a weight held as stored, decoded to float32 for this call only, DECODE_SLICE_VALUES
-    at a time (rows of W), so a long chunk through a large weight (a 248K-row LM head is 4 GB as
-    float32) never holds more than one slice's copy."""
+def _decoded_matmul(x: np.ndarray, w: NumpyWeight, threads: int) -> np.ndarray:
+    """x @ W.T for a weight held as stored, decoded to float32 for this call only (engine/cpu_experts.py
+    decode_rows: quants' values, compiled), DECODE_SLICE_VALUES at a time (rows of W), so a long chunk
+    through a large weight (a 248K-row LM head is 4 GB as float32) never holds more than one slice's
+    copy."""
+    from .. import cpu_experts
+
     n_out, n_in = w.shape
     lead = x.shape[:-1]
     xr = x.reshape(-1, n_in)
     out = np.empty((xr.shape[0], n_out), F32)
     step = max(1, DECODE_SLICE_VALUES // n_in)
     for r0 in range(0, n_out, step):
-        rows = np.arange(r0, min(n_out, r0 + step))
-        out[:, r0 : r0 + rows.size] = xr @ _dequantize_rows(w.info, rows).T
+        r1 = min(n_out, r0 + step)
+        out[:, r0:r1] = xr @ cpu_experts.decode_rows(w.stored, r0, r1, threads=threads).T
     return out.reshape(*lead, n_out)
 
 
@@ -422,7 +425,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
                 from .. import cpu_experts
 
                 return cpu_experts.dense_matmul(w.stored, x, threads=self.expert_thread_count())
-            return _decoded_matmul(x, w)
+            return _decoded_matmul(x, w, self.expert_thread_count())
         dense = w.dense()
         # [batched decode] 2-16 rows (a batch of decoding sequences): engine/cpu_matmul.py's kernel,
         # same float32 arithmetic in another order; BLAS's GEMM packs the whole weight for so few rows

@@ -292,3 +292,20 @@ def test_planner_knows_every_type_the_cpu_holds_as_stored():
     from minecart.engine.placement import CPU_INT_DECODE_EFFICIENCY
 
     assert set(CPU_INT_DECODE_EFFICIENCY) == {Q.type_name(t) for t in C.KERNEL_TYPES}
+
+
+@pytest.mark.parametrize("t", TYPES, ids=Q.type_name)
+def test_decode_rows_equals_the_dequantizer(t):
+    """The compiled decoder of a long chunk's weight gives engine/quants.py's values bit for bit (and
+    gguf's to float32 rounding), for any run of rows."""
+    import gguf
+
+    rng = np.random.default_rng([t, 5])
+    w = random_stack(rng, t, 1, 13, _n_in(t))
+    whole = C.decode_rows(w, 0, 13, threads=2)
+    np.testing.assert_array_equal(whole, C.decode_rows(w, 0, 13, fast=False))
+    np.testing.assert_array_equal(C.decode_rows(w, 5, 9), whole[5:9])
+    ref = gguf.quants.dequantize(np.asarray(w.raw[0]), gguf.GGMLQuantizationType(t)).reshape(13, -1)
+    np.testing.assert_allclose(whole, ref, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="rows 9..14"):
+        C.decode_rows(w, 9, 14)
