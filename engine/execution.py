@@ -204,10 +204,11 @@ def costs_for_devices(config: ModelConfig, gguf_file, device_names: Sequence[str
     if not cpu_only or cpu_weights == "stored":
         return model_costs(config, gguf_file, layout="stored")
     as_f32 = model_costs(config, gguf_file, layout="numpy")
-    if cpu_weights is None and not fits_in_ram(as_f32.weight_bytes):
+    f32_bytes = as_f32.weight_bytes
+    if cpu_weights is None and not fits_in_ram(f32_bytes):
         log.warning("float32 copies of %s's weights (%s) would not fit in the RAM available (%s): holding "
                     "them as the file stores them (--cpu-weights stored)", Path(str(gguf_file.path)).name,
-                    format_bytes(as_f32.weight_bytes), format_bytes(ram_bytes()[1]))
+                    format_bytes(f32_bytes), format_bytes(ram_bytes()[1]))
         return model_costs(config, gguf_file, layout="stored")
     return as_f32
 
@@ -250,10 +251,17 @@ def resolve_devices(config: ModelConfig, gguf_file, placement=None, devices=None
         placement = Placement(costs(plan.values()), [plan[p] for p in parts])
     factory = rig.backend if rig is not None else (make or make_backend)
     by_device = {dev: factory(dev) for dev in dict.fromkeys(plan.values())}
-    for dev, be in by_device.items():  # the CPU holds its layers' weights as the plan priced them
-        if dev.startswith("cpu"):
-            be.hold_weights(placement.costs.layout)
+    hold_as_priced(by_device, placement.costs.layout)
     return placement, plan, by_device
+
+
+def hold_as_priced(by_device: Mapping[str, Backend], layout: str) -> None:
+    """Tell the CPU devices' backends to hold the weights they load as the plan priced them (its costs'
+    layout: Backend.hold_weights). A backend that answers to a GPU's name is not told: a GPU holds the
+    file's blocks whatever the layout."""
+    for dev, be in by_device.items():
+        if dev.startswith("cpu"):
+            be.hold_weights(layout)
 
 
 # ------------------------------------------------------------------------------------------------

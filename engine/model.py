@@ -27,6 +27,7 @@ from .errors import GenerationCancelled, GGUFError, TokenizerError, UnsupportedA
 from .execution import (
     Executor,
     device_specs,  # the devices' free memory, for --experts-on auto
+    hold_as_priced,
     make_backend,
     normalize_device,
     part_names,
@@ -260,14 +261,13 @@ class Model:
         moved = [p for p in new_plan if new_plan[p] != self.device_plan.get(p)]
         backends = {p: _unwrapped(b) for p, b in self.backends.items()}
         by_device = {self.device_plan[p]: backends[p] for p in backends}
-        layout = placement.costs.layout if isinstance(placement, Placement) else None
         for p in moved:
             dev = new_plan[p]
             if dev not in by_device:
                 by_device[dev] = make_backend(dev)
-            if layout is not None and dev.startswith("cpu"):  # held as the new plan priced them
-                by_device[dev].hold_weights(layout)
             backends[p] = by_device[dev]
+        if isinstance(placement, Placement):  # the moved parts are held as the new plan priced them
+            hold_as_priced({new_plan[p]: by_device[new_plan[p]] for p in moved}, placement.costs.layout)
         kept = {p: ws for p, ws in self.weights.items() if p not in moved}
         new_weights = _load_parts(self.gguf, {p: self._roles[p] for p in moved}, backends,
                                   spec_for(self.config.architecture),

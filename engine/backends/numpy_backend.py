@@ -290,15 +290,21 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         of other types are float32 either way."""
         self.int_weights = layout == "stored"
 
-    def _stored(self, info, role: str) -> Any:
-        """The one-matrix stack of a 2-D matmul or embedding weight, when this backend holds weights as
-        stored and the integer kernels take its type; else None."""
+    def _holds_stored(self, info, role: str) -> bool:
+        """Whether this backend holds a 2-D matmul or embedding weight as stored: it holds weights so
+        and the integer kernels take the type."""
+        if not self.int_weights or len(info.shape) != 2 or role not in ("matmul", "embedding"):
+            return False
         from .. import cpu_experts
 
-        if not self.int_weights or len(info.shape) != 2 or not cpu_experts.numba_available():
+        return cpu_experts.numba_available() and int(info.ggml_type) in cpu_experts.KERNEL_TYPES
+
+    def _stored(self, info, role: str) -> Any:
+        """The one-matrix stack of a weight this backend holds as stored (_holds_stored), else None."""
+        if not self._holds_stored(info, role):
             return None
-        if int(info.ggml_type) not in cpu_experts.KERNEL_TYPES or role not in ("matmul", "embedding"):
-            return None
+        from .. import cpu_experts
+
         n_out, n_in = (int(d) for d in info.shape)
         raw = np.asarray(info.raw).reshape(1, n_out, -1)
         return cpu_experts.ExpertStack(raw, int(info.ggml_type), n_in)
@@ -322,7 +328,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         copied into its rows."""
         shapes = [(1, int(i.shape[0])) if len(i.shape) == 1 else tuple(int(d) for d in i.shape) for i in infos]
         if (len({s[1:] for s in shapes}) != 1 or any(len(s) != 2 for s in shapes)
-                or any(self._stored(i, "matmul") is not None for i in infos)):
+                or any(self._holds_stored(i, "matmul") for i in infos)):
             return super().load_fused(infos)
         group = np.empty((sum(s[0] for s in shapes), shapes[0][1]), dtype=F32)
         out, r0 = [], 0
