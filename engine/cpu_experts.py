@@ -813,76 +813,283 @@ _MATVEC = {t: _matvec_kernel(t) for t in sorted(KERNEL_TYPES)}
 _DOWN_SUM = {t: _down_sum_kernel(t) for t in sorted(KERNEL_TYPES)}
 
 
-@njit(inline="always")
-def _dot_row_x4(t, w, r, x0, x1, x2, x3, d0, d1, d2, d3, table):  # pragma: no cover - compiled
-    """float32 dot products of row r of w[0] (Q8_0 or Q6_K) with four int8 activation rows (their
-    block scales d0..d3), in one pass over the row's blocks: four independent accumulator chains per
-    block (each row's terms in file order, as _dot_rows adds them), the block read once from memory."""
-    row = w[0, r]
-    nbytes = w.shape[2]
-    a0 = a1 = a2 = a3 = np.float32(0.0)
-    if t == _Q6_K:
-        for b in range(nbytes // 210):
-            o, xo, bo = 210 * b, 256 * b, 8 * b
-            a0 = _q6_k_block(row, o, x0, xo, d0, bo, table, a0)
-            a1 = _q6_k_block(row, o, x1, xo, d1, bo, table, a1)
-            a2 = _q6_k_block(row, o, x2, xo, d2, bo, table, a2)
-            a3 = _q6_k_block(row, o, x3, xo, d3, bo, table, a3)
-    else:  # Q8_0
-        nb = nbytes // 34
-        n8 = nb // 8
-        for c in range(n8):
-            o, xo, bo = 272 * c, 256 * c, 8 * c
-            a0 = _q8_0_blocks8(row, o, x0, xo, d0, bo, table, a0)
-            a1 = _q8_0_blocks8(row, o, x1, xo, d1, bo, table, a1)
-            a2 = _q8_0_blocks8(row, o, x2, xo, d2, bo, table, a2)
-            a3 = _q8_0_blocks8(row, o, x3, xo, d3, bo, table, a3)
-        for b in range(8 * n8, nb):
-            a0 = _q8_0_block1(row, 34 * b, x0, 32 * b, d0, b, table, a0)
-            a1 = _q8_0_block1(row, 34 * b, x1, 32 * b, d1, b, table, a1)
-            a2 = _q8_0_block1(row, 34 * b, x2, 32 * b, d2, b, table, a2)
-            a3 = _q8_0_block1(row, 34 * b, x3, 32 * b, d3, b, table, a3)
-    return a0, a1, a2, a3
-
-
 def _dense_kernel(t: int) -> Any:
-    """The rows region for a one-matrix stack of type t: (w, xq, xd, xs, table, out); out[s, r] = row
-    r of w[0] dotted with activation row s. Each job is a group of weight rows (4, or 1 for Q8_0 and
-    Q6_K) taken with every activation row in turn, so the group's blocks are read from memory once
-    and then from L1 (a batched decode step's few rows, or a prefill chunk's many). Q8_0's and Q6_K's
-    one row goes with four activation rows at a time (_dot_row_x4): four accumulator chains in
-    flight, as the others' four weight rows have."""
+    """The one-row region for a one-matrix stack of type t: (w, xq, xd, xs, table, out); out[0, r] =
+    row r of w[0] dotted with the activation row (a decode step of one sequence: the weight read
+    once, straight through). Several activation rows take the tile region (_tile_kernel)."""
 
     @njit(parallel=True, cache=True)
     def dense(w, xq, xd, xs, table, out):  # pragma: no cover - compiled
         g = _rows_per_job(t)
         n_out = w.shape[1]
-        n = xq.shape[0]
         for j in prange((n_out + g - 1) // g):
             r0 = g * j
-            if g == 1 and n > 1:  # one weight row, four activation rows at a time (the last repeat)
-                for s0 in range(0, n, 4):
-                    s1, s2, s3 = min(s0 + 1, n - 1), min(s0 + 2, n - 1), min(s0 + 3, n - 1)
-                    a0, a1, a2, a3 = _dot_row_x4(t, w, r0, xq[s0], xq[s1], xq[s2], xq[s3], xd[s0], xd[s1],
-                                                 xd[s2], xd[s3], table)
-                    out[s0, r0] = a0
-                    out[s1, r0] = a1
-                    out[s2, r0] = a2
-                    out[s3, r0] = a3
-                continue
             r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
-            for s in range(n):
-                a0, a1, a2, a3 = _dot_rows(t, w, 0, r0, r1, r2, r3, xq[s], xd[s], xs[s], table)
-                out[s, r0] = a0
-                if g == 4:  # a repeated last row gets the same value again
-                    out[s, r1] = a1
-                    out[s, r2] = a2
-                    out[s, r3] = a3
+            a0, a1, a2, a3 = _dot_rows(t, w, 0, r0, r1, r2, r3, xq[0], xd[0], xs[0], table)
+            out[0, r0] = a0
+            if g == 4:  # a repeated last row gets the same value again
+                out[0, r1] = a1
+                out[0, r2] = a2
+                out[0, r3] = a3
 
     return dense
 
 
+# ------------------------------------------------------------------------------------------------
+# the tile: 4 weight rows x 8 activation rows (a batched decode step's sequences, a short prefill
+# chunk's tokens), for T >= 2 activation rows. The one-row kernels put a block's 32 products in 8
+# int32 lanes and must then sum the lanes (a transposed tree per 8 blocks) before the float32 work,
+# and with the Q8_0 sign trick that is ~125 instructions per 256 multiply-adds. Here a lane is an
+# activation row instead:
+# - the activations are packed once per call (`_pack_lanes`): for each group of 8 rows and each 4
+#   values k..k+3, one 32-byte vector holding those 4 bytes of each of the 8 rows;
+# - a weight row's 4 values k..k+3 are one 32-bit word, broadcast to the 8 lanes; one u8 x s8
+#   multiply-add (`_Ir.dot4`) of it with the packed vector adds those 4 products to each row's lane.
+#   8 such per block leave each lane with its row's whole block sum: no horizontal sums at all;
+# - a packed vector is loaded once for the tile's 4 weight rows;
+# - the float32 terms are then vectors over the 8 rows, each lane the scalar formula's operations in
+#   the twin's order (one add per block into the row's accumulator, blocks in order): so the tile
+#   gives the one-row kernels' and the twins' float32 bits exactly.
+# The weights are the unsigned operand, as in the one-row intrinsics: nibbles and 6-bit values as
+# they are, their offsets subtracted as offset * (the activation block's sum, packed per lane); Q8_0
+# enters as w + 128 (its bits xor 0x80) with 128 * the block sum subtracted (VNNI and plain IR sum
+# exactly in int32; AVX2's vpmaddubsw would saturate 255 * 127 * 2 at int16, so there Q8_0 keeps the
+# sign trick: |w| with w's sign moved onto x, the largest pair 128 * 127 * 2 = 32512).
+# The loop over blocks is in the IR (its accumulators registers after numba's SROA); the numba kernel
+# loops over tiles, a thread taking runs of 4-row jobs, each job's rows with every group in turn (so
+# the rows are read from memory once).
+
+TILE_ROWS, TILE_LANES = 4, 8
+TILE_CHUNKS_PER_THREAD = 8  # runs of jobs a thread's share is cut into (a late thread's share is taken up)
+
+
+@dataclass(frozen=True)
+class PackedLanes:
+    """T int8 activation rows in groups of TILE_LANES lanes (padded with zero rows; a zero row has
+    scale 0, so its terms are 0 and it is never stored):
+    x (groups, K/4, lanes, 4) int8 flat: the bytes 4i..4i+3 of each lane's row, lane after lane;
+    d, s (groups, K/32, lanes) float32 / int32 flat: block scales and block sums per lane;
+    h (groups, K/32, 2, lanes) int32 flat: sums of each block's two 16-value halves (Q6_K's offset),
+    or one zero where the type has no use for them."""
+
+    rows: int
+    blocks: int
+    x: np.ndarray
+    d: np.ndarray
+    s: np.ndarray
+    h: np.ndarray
+
+
+def _pack_lanes(x: QuantizedRows, halves: bool) -> PackedLanes:
+    t, k = x.q.shape
+    nb = k // QBLOCK
+    groups = -(-t // TILE_LANES)
+    pad = groups * TILE_LANES
+
+    def padded(a: np.ndarray, dtype: Any) -> np.ndarray:
+        out = np.zeros((pad, *a.shape[1:]), dtype)
+        out[:t] = a
+        return out
+
+    def lanes_last(a: np.ndarray) -> np.ndarray:  # (pad, *rest) -> (groups, *rest, lanes), flat
+        a = a.reshape(groups, TILE_LANES, *a.shape[1:])
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1)).reshape(-1)
+
+    q = padded(x.q, np.int8)
+    xp = np.ascontiguousarray(q.reshape(groups, TILE_LANES, k // 4, 4).transpose(0, 2, 1, 3)).reshape(-1)
+    h = (lanes_last(q.reshape(pad, nb, 2, 16).sum(axis=3, dtype=np.int32)) if halves
+         else np.zeros(1, np.int32))
+    return PackedLanes(t, nb, xp, lanes_last(padded(x.d, F32)), lanes_last(padded(x.s, np.int32)), h)
+
+
+def _word_splat(g: _Ir, word: Any) -> Any:
+    """<32 x i8>: the i32 `word`'s 4 bytes in each of the 8 lanes."""
+    return g.b.bitcast(g.splat(word), _ir.VectorType(_I8, 32))
+
+
+def _i32(v: int) -> Any:
+    return _ir.Constant(_I32, v)
+
+
+def _tile_values(g: _Ir, kind: str, p: Any, j: int) -> Any:
+    """<32 x i8>: the unsigned weight values of 32-value block j (the sub-block within a K-quant
+    super-block; 0 otherwise) of the block or super-block at byte pointer p."""
+    b = g.b
+    if kind in ("q4_0", "q5_0"):  # value l < 16: low nibble of byte l; 16 + l: its high nibble
+        qs = g.bytes(p, 2 if kind == "q4_0" else 6, 16)
+        q = b.shuffle_vector(b.and_(qs, g.const8(15, 16)), b.lshr(qs, g.const8(4, 16)), _lanes(list(range(32))))
+        if kind == "q5_0":  # bit l of the little-endian qh is value l's fifth bit
+            v32i = _ir.VectorType(_I32, 32)
+            qh = g.splat(g.load(g.at(p, 2), _I32), 32)
+            bits = b.and_(b.lshr(qh, _ir.Constant(v32i, list(range(32)))), _ir.Constant(v32i, [1] * 32))
+            q = b.or_(q, b.shl(b.trunc(bits, _ir.VectorType(_I8, 32)), g.const8(4)))
+        return q
+    if kind in ("q4_k", "q5_k"):  # sub-block j: low (j even) or high nibbles of 32 bytes 32 * (j >> 1)
+        qs = g.bytes(p, (16 if kind == "q4_k" else 48) + 32 * (j >> 1))
+        q = b.and_(b.lshr(qs, g.const8(4 * (j & 1))), g.const8(15))
+        if kind == "q5_k":  # bit j of qh byte l is value l's fifth bit
+            q = b.or_(q, b.shl(b.and_(b.lshr(g.bytes(p, 16), g.const8(j)), g.const8(1)), g.const8(4)))
+        return q
+    # q6_k: sub-block j = 4h + i; low nibbles of ql bytes 64h + 32 (i & 1) (i < 2) or their high
+    # nibbles, bits 2i..2i+1 of qh bytes 128 + 32h as bits 4-5
+    h, i = j >> 2, j & 3
+    low = b.and_(b.lshr(g.bytes(p, 64 * h + 32 * (i & 1)), g.const8(4 * (i >> 1))), g.const8(15))
+    top = b.and_(b.lshr(g.bytes(p, 128 + 32 * h), g.const8(2 * i)), g.const8(3))
+    return b.or_(low, b.shl(top, g.const8(4)))
+
+
+def _word_of(g: _Ir, q: Any, m: int) -> Any:
+    """<32 x i8>: bytes 4m..4m+3 of q in each of the 8 lanes."""
+    v8 = _ir.VectorType(_I32, 8)
+    words = g.b.bitcast(q, v8)
+    return g.b.bitcast(g.b.shuffle_vector(words, words, _lanes([m] * 8)), _ir.VectorType(_I8, 32))
+
+
+_TILE_BLOCK = {"q8_0": (34, 1), "q4_0": (18, 1), "q5_0": (22, 1), "q4_k": (144, 8), "q5_k": (176, 8),
+               "q6_k": (210, 8)}  # (bytes of a block or super-block, 32-value blocks in it)
+
+
+def _tile_ir(g: _Ir, kind: str, rows: list[Any], x: Any, dx: Any, xs: Any, xh: Any, nb: Any, ahead: Any,
+             res: Any) -> None:
+    """res[8k + l] = row k of `rows` (byte pointers) dotted with lane l's activation row, over nb
+    32-value blocks: x, dx, xs, xh point at the group's packed bytes, scales, sums and half sums. The
+    IR loop takes a block or a K-quant super-block (its 8 blocks written out) an iteration, and asks
+    for the bytes `ahead` of each block (the next tile's rows: without that, reading the rows from
+    memory and multiplying them took turns, 10.3 ms for a 262K-row head's quarter where the two
+    alone take 3.8 and ~6)."""
+    b = g.b
+    size, per = _TILE_BLOCK[kind]
+    accs = [_cgutils.alloca_once_value(b, _ir.Constant(_ir.VectorType(_FLOAT, 8), None)) for _ in rows]
+    count = b.udiv(nb, _ir.Constant(nb.type, per)) if per > 1 else nb
+    with _cgutils.for_range(b, count) as loop:
+        ps = [g.at(r, b.mul(loop.index, _ir.Constant(_I64, size))) for r in rows]
+        for p in ps:  # the rows' next blocks, on their way while these are multiplied
+            b.call(_declare(b, "llvm.prefetch.p0i8", _ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
+                   [g.at(p, ahead), _i32(0), _i32(3), _i32(1)])
+        for j in range(per):
+            bi = b.add(b.mul(loop.index, _ir.Constant(_I64, per)), _ir.Constant(_I64, j))
+            terms = _tile_block_terms(g, kind, ps, j, bi, x, dx, xs, xh)
+            for acc, term in zip(accs, terms, strict=True):
+                b.store(b.fadd(b.load(acc), term), acc)
+    for k, acc in enumerate(accs):
+        b.store(b.load(acc), b.bitcast(g.at(res, 8 * k), _ir.VectorType(_FLOAT, 8).as_pointer()), align=4)
+
+
+def _tile_block_terms(g: _Ir, kind: str, ps: list[Any], j: int, bi: Any, x: Any, dx: Any, xs: Any,
+                      xh: Any) -> list[Any]:
+    """<8 x float> terms of 32-value block bi (j within its super-block) of each row (its block or
+    super-block at ps[k]) with the 8 lanes."""
+    b = g.b
+    v8, v8f = _ir.VectorType(_I32, 8), _ir.VectorType(_FLOAT, 8)
+    sign_trick = kind == "q8_0" and _DOT4 == "avx2"
+    xb = g.at(x, b.mul(bi, _ir.Constant(_I64, 256)))
+    lane = b.mul(bi, _ir.Constant(_I64, 8))
+    dxv = g.load(g.at(dx, lane), v8f)
+    xsv = g.load(g.at(xs, lane), v8)
+    sums: list[list[Any]] = [[None, None] for _ in ps]  # Q6_K: two halves; else [sum, None]
+    values = [None if kind == "q8_0" else _tile_values(g, kind, p, j) for p in ps]
+    for m in range(8):
+        xv = g.bytes(xb, 32 * m)
+        half = 1 if kind == "q6_k" and m >= 4 else 0
+        for k, p in enumerate(ps):
+            if kind == "q8_0":
+                w = _word_splat(g, g.load(g.at(p, 2 + 4 * m), _I32))
+                if sign_trick:
+                    zero = g.const8(0)
+                    neg = b.icmp_signed("<", w, zero)
+                    sx = b.select(neg, b.sub(zero, xv), b.select(b.icmp_signed("==", w, zero), zero, xv))
+                    u, s = b.select(neg, b.sub(zero, w), w), sx
+                else:
+                    u, s = b.xor(w, g.const8(-128)), xv
+            else:
+                u, s = _word_of(g, values[k], m), xv
+            sums[k][half] = g.dot4(u, s, sums[k][half])
+    terms = []
+    for k, p in enumerate(ps):
+        lo, hi = sums[k]
+        offset = {"q8_0": 0 if sign_trick else 128, "q4_0": 8, "q5_0": 16}.get(kind, 0)
+        if offset:
+            lo = b.sub(lo, b.mul(xsv, _ir.Constant(v8, [offset] * 8)))
+        if kind in ("q8_0", "q4_0", "q5_0"):
+            terms.append(b.fmul(b.fmul(g.splat(g.f16(p, 0)), dxv), b.sitofp(lo, v8f)))
+        elif kind in ("q4_k", "q5_k"):
+            sc, mn = _k_scales_mins_ir(g, g.at(p, 4))
+            scj, mnj = (g.splat(b.extract_element(v, _i32(j))) for v in (sc, mn))
+            terms.append(b.fsub(b.fmul(b.fmul(g.splat(g.f16(p, 0)), dxv), b.sitofp(b.mul(scj, lo), v8f)),
+                                b.fmul(b.fmul(g.splat(g.f16(p, 2)), dxv), b.sitofp(b.mul(mnj, xsv), v8f))))
+        else:  # q6_k: each half minus 32 * its activation sum, times its int8 scale
+            hsum = g.at(xh, b.mul(bi, _ir.Constant(_I64, 16)))
+            scale = [g.splat(b.sext(g.load(g.at(p, 192 + 2 * j + e), _I8), _I32)) for e in (0, 1)]
+            diffs = [b.sub(v, b.mul(g.load(g.at(hsum, 8 * e), v8), _ir.Constant(v8, [32] * 8)))
+                     for e, v in enumerate((lo, hi))]
+            s = b.add(b.mul(diffs[0], scale[0]), b.mul(diffs[1], scale[1]))
+            terms.append(b.fmul(b.fmul(g.splat(g.f16(p, 208)), dxv), b.sitofp(s, v8f)))
+    return terms
+
+
+def _tile_intrinsic(kind: str) -> Any:
+    """The tile of `kind` as an intrinsic: (w0, w1, w2, w3: weight rows, uint8; xp, dp, sp, hp: the
+    packed lanes' arrays; xo, so: the group's offsets into xp and into dp / sp (hp's is 2 * so); nb:
+    32-value blocks a row; ahead: bytes from a row's block to the one to prefetch; table:
+    _F16_TABLE; res: float32, 32 values written)."""
+
+    @_intrinsic
+    def tile(typingctx, w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res):  # pragma: no cover - compiled
+        from numba import types as nbt
+
+        want = [(w, nbt.uint8) for w in (w0, w1, w2, w3)] + [(xp, nbt.int8), (dp, nbt.float32), (sp, nbt.int32),
+                                                             (hp, nbt.int32), (table, nbt.float32), (res, nbt.float32)]
+        for ty, dtype in want:
+            if not (isinstance(ty, nbt.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == dtype):
+                raise TypeError(f"tile intrinsic: a C-contiguous 1-D {dtype} array, got {ty}")
+        sig = nbt.none(w0, w1, w2, w3, xp, dp, sp, hp, nbt.intp, nbt.intp, nbt.intp, nbt.intp, table, res)
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Sequence[Any]) -> Any:
+            g = _Ir(context, builder, sig, args, 12)
+            rows = [builder.bitcast(g.elem(i, 0), _I8.as_pointer()) for i in range(4)]
+            so = args[9]
+            _tile_ir(g, kind, rows, builder.bitcast(g.elem(4, args[8]), _I8.as_pointer()), g.elem(5, so),
+                     g.elem(6, so), g.elem(7, builder.mul(so, _ir.Constant(so.type, 2))), args[10], args[11],
+                     g.elem(13, 0))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_TILE_KIND = {_Q8_0: "q8_0", _Q4_0: "q4_0", _Q5_0: "q5_0", _Q4_K: "q4_k", _Q5_K: "q5_k", _Q6_K: "q6_k"}
+
+
+def _tile_kernel(t: int) -> Any:
+    """The tile region for a one-matrix stack of type t: (w, xp, dp, sp, hp, n, nb, table, chunks, out);
+    out[s, r] = row r of w[0] dotted with activation row s (n of them, packed)."""
+    tile = _tile_intrinsic(_TILE_KIND[t])
+
+    @njit(parallel=True, cache=True)
+    def rows(w, xp, dp, sp, hp, n, nb, table, chunks, out):  # pragma: no cover - compiled
+        n_out = w.shape[1]
+        jobs = (n_out + 3) // 4
+        groups = (n + 7) // 8
+        ahead = 4 * w.shape[2]  # the next job's rows
+        chunks = max(1, min(chunks, jobs))
+        for c in prange(chunks):
+            res = np.empty(32, np.float32)
+            for job in range(jobs * c // chunks, jobs * (c + 1) // chunks):
+                r0 = 4 * job
+                r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
+                for gi in range(groups):
+                    tile(w[0, r0], w[0, r1], w[0, r2], w[0, r3], xp, dp, sp, hp, 256 * nb * gi, 8 * nb * gi,
+                         nb, ahead, table, res)
+                    for k in range(min(4, n_out - r0)):
+                        for lane in range(min(8, n - 8 * gi)):
+                            out[8 * gi + lane, r0 + k] = res[8 * k + lane]
+
+    return rows
+
+
 _DENSE = {t: _dense_kernel(t) for t in sorted(KERNEL_TYPES)}
+_TILE = {t: _tile_kernel(t) for t in sorted(KERNEL_TYPES)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1230,11 +1437,15 @@ def dense_matmul(w: ExpertStack, x: np.ndarray, *, fast: bool = True,
     if not fast:
         return expert_matvec(w, np.zeros(xv.shape[0], np.int64), xr, fast=False)
     _need_numba()
-    set_threads(threads)
+    n_threads = set_threads(threads)
     out = np.full((xv.shape[0], w.n_out), np.nan, F32)  # poisoned: a skipped row shows as NaN
-    if xv.shape[0]:
+    if xv.shape[0] == 1:
         xq, xd, xs = _kernel_rows(xr)
         _DENSE[w.ggml_type](w.raw, xq, xd, xs, _F16_TABLE, out)
+    elif xv.shape[0]:
+        lanes = _pack_lanes(xr, halves=w.ggml_type == Q.Q6_K)
+        _TILE[w.ggml_type](w.raw, lanes.x, lanes.d, lanes.s, lanes.h, lanes.rows, lanes.blocks, _F16_TABLE,
+                           TILE_CHUNKS_PER_THREAD * n_threads, out)
     return out
 
 

@@ -144,9 +144,10 @@ _FORM_MARK = {"vnni": "vpdpbusd", "avx2": "vpmaddubsw"}
 
 @pytest.mark.parametrize("form", ["vnni", "avx2", "ir"])
 def test_every_dot_product_form_equals_twin(form, monkeypatch):
-    """The byte products are summed by VNNI, AVX2 or plain IR, whichever the CPU has best; both
-    region kernels of every type compiled here with each form this CPU can run give the twins' bits,
-    and their code has the form's instructions (so the form really was the one compiled)."""
+    """The byte products are summed by VNNI, AVX2 or plain IR, whichever the CPU has best; the
+    region kernels (matvec, down sum, and the dense rows' tile) of every type compiled here with
+    each form this CPU can run give the twins' bits, and their code has the form's instructions (so
+    the form really was the one compiled)."""
     import numba
 
     best = C._dot4_kind()
@@ -171,7 +172,15 @@ def test_every_dot_product_form_equals_twin(form, monkeypatch):
         down_sum(w.raw, ids, wts, xa.q, xa.d, xa.s, C._F16_TABLE, 2, summed)
         np.testing.assert_array_equal(summed.view(np.int32),
                                       C.weighted_matvec(w, ids, wts, xa, fast=False).view(np.int32))
-        for kernel in (matvec, down_sum):
+        tile = numba.njit(C._TILE[t].py_func)
+        one = random_stack(rng, t, 1, 9, _n_in(t, 2))
+        x = (rng.standard_normal((10, one.n_in)) * 3).astype(np.float32)  # two groups of lanes, one partial
+        lanes = C._pack_lanes(C.quantize_rows(x), halves=t == Q.Q6_K)
+        rows = np.full((10, one.n_out), np.nan, np.float32)
+        tile(one.raw, lanes.x, lanes.d, lanes.s, lanes.h, lanes.rows, lanes.blocks, C._F16_TABLE, 3, rows)
+        np.testing.assert_array_equal(rows.view(np.int32), C.dense_matmul(one, x, fast=False).view(np.int32),
+                                      err_msg=f"{form} {t} tile")
+        for kernel in (matvec, down_sum, tile):
             asm = kernel.inspect_asm(kernel.signatures[0])
             for f, mark in _FORM_MARK.items():
                 assert (mark in asm) == (f == form), f"{form} {t}: {mark} {'missing' if f == form else 'present'}"
