@@ -6,9 +6,11 @@ float32 scale per block, like ggml's Q8_0 activations); each weight block is mul
 activation block in integers straight from the GGUF bytes (integer sums per 32 values, which fit in
 int32; never a float32 copy of the weights), and only then do the fp16/fp32 scales enter, in float32.
 Weight types: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, as stored in the 3-D expert tensors
-`ffn_{gate,up,down}_exps` / `ffn_gate_up_exps` (E, n_out, n_in). The same kernels multiply a dense
-layer's weight held as stored (a one-matrix stack: `dense_matmul`, the NumPy backend beside a GPU)
-with a decode step's few activation rows.
+`ffn_{gate,up,down}_exps` / `ffn_gate_up_exps` (E, n_out, n_in). The same block work multiplies a
+dense layer's weight held as stored (a one-matrix stack: `dense_matmul`, the NumPy backend beside a
+GPU or when asked) with any number of activation rows: one row straight through the weight, several
+through a tile of 4 weight rows x 8 activation rows whose lanes are the activation rows (see "the
+tile" below), bit-identical to the one-row kernels.
 
 Every kernel comes twice:
 - a numba kernel (`fast=True`), parallel over (expert, output rows) with `prange`, whose per-block
@@ -36,8 +38,8 @@ The token's routing comes with them: `route` (router logits in float64, softmax,
 renormalized, as the NumPy backend's moe_route) as a numba kernel that reads the float32 router
 directly, so a decode token's MoE on the CPU calls no BLAS at all, and its NumPy twin.
 
-What this is not: a prefill path (a long chunk stays on dequantize-then-matmul in the NumPy backend),
-a GPU kernel, or a general matmul: the weights are always stacks of the types above.
+What this is not: a GPU kernel, or a general matmul: the weights are always stacks of the types
+above, and a MoE prefill chunk's experts still go through the NumPy backend's decoded path.
 numba is imported with this module; `numba_available` tells whether it is installed.
 """
 
@@ -321,9 +323,11 @@ def route(x: np.ndarray, router: np.ndarray, k: int, *, fast: bool = True) -> tu
 #   multiply-add: VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd, or plain IR where neither exists
 #   (`_DOT4`, from the features numba compiles for). The weights are the unsigned operand: nibbles
 #   and 6-bit K-quants as they are, their offsets (Q4_0's 8, Q6_K's 32) subtracted as offset * x in
-#   the same lanes; Q8_0's signed weights enter as |w| with the sign moved onto x. AVX2 saturates a
-#   pair of products at int16: the largest pair here is 128 * 127 * 2 = 32512 (|x| <= 127, as
-#   quantize_rows makes it for blocks whose largest value is a normal float32), so it never does;
+#   the same lanes; Q8_0's signed weights enter as w + 128 (bits xor 0x80) with 128 * x subtracted
+#   (VNNI and plain IR sum in int32, exactly), or, on AVX2, as |w| with the sign moved onto x. AVX2
+#   saturates a pair of products at int16: the largest pair there is 128 * 127 * 2 = 32512 (|x| <=
+#   127, as quantize_rows makes it for blocks whose largest value is a normal float32), so it never
+#   does (w + 128 would reach 255 * 127 * 2);
 # - the 8 sub-block sums of a super-block are reduced together (a transposed tree, 7 horizontal adds
 #   for all 8, in order);
 # - the float32 terms of the 8 sub-blocks are one vector expression (elementwise, so each lane is
@@ -541,12 +545,15 @@ def _small_blocks_ir(g: _Ir, row: Any, x: Any, dx: Any, acc: Any, n: int, kind: 
             off = 16 if kind == "q5_0" else 8
             neg = b.sub(_ir.Constant(_ir.VectorType(_I32, 8), None), g.dot4(g.const8(off), xv))
             sums.append(g.dot4(q, xv, neg))
-        else:
+        elif _DOT4 == "avx2":  # |w| with w's sign moved onto x (w + 128 would saturate vpmaddubsw)
             w = g.bytes(row, size * i + 2)
             zero = g.const8(0)
             neg = b.icmp_signed("<", w, zero)
             signed_x = b.select(neg, b.sub(zero, xv), b.select(b.icmp_signed("==", w, zero), zero, xv))
             sums.append(g.dot4(b.select(neg, b.sub(zero, w), w), signed_x))
+        else:  # w + 128 (its bits xor 0x80), minus 128 * x in the same lanes
+            neg = b.sub(_ir.Constant(_ir.VectorType(_I32, 8), None), g.dot4(g.const8(-128), xv))
+            sums.append(g.dot4(b.xor(g.bytes(row, size * i + 2), g.const8(-128)), xv, neg))
         d = b.insert_element(d, g.f16(row, size * i), _ir.Constant(_I32, i))
     isum = g.lane_sums(sums)
     if n == 8:
@@ -1093,98 +1100,6 @@ _TILE = {t: _tile_kernel(t) for t in sorted(KERNEL_TYPES)}
 
 
 # ------------------------------------------------------------------------------------------------
-# decoding rows of a stored weight to float32 (a long prefill chunk multiplies them with BLAS): the
-# float32 operations of engine/quants.py's dequantizers, in their order (a product per value; the
-# K-quants' scale * q - offset with both factors rounded first), so the values are bit-identical;
-# compiled per type and parallel over rows, where NumPy's vectorized unpacking runs at ~0.25 G values/s.
-
-
-@njit(inline="always")
-def _f16_at(row, o, table):  # pragma: no cover - compiled
-    return table[np.int64(row[o]) | (np.int64(row[o + 1]) << 8)]
-
-
-@njit(inline="always")
-def _k_scale_min(p, j):  # pragma: no cover - compiled
-    """(sc, m) of sub-block j from the 12-byte K-quant scale field p (k_scales_mins)."""
-    if j < 4:
-        return p[j] & 63, p[4 + j] & 63
-    return (p[8 + j - 4] & 15) | ((p[j - 4] >> 6) << 4), (p[8 + j - 4] >> 4) | ((p[4 + j - 4] >> 6) << 4)
-
-
-@njit(inline="always")
-def _decode_row(t, row, table, out):  # pragma: no cover - compiled
-    nbytes = row.shape[0]
-    if t == _Q8_0:
-        for b in range(nbytes // 34):
-            d = _f16_at(row, 34 * b, table)
-            for l in range(32):
-                v = np.int32(row[34 * b + 2 + l])
-                out[32 * b + l] = np.float32(v - 256 if v >= 128 else v) * d
-    elif t == _Q4_0 or t == _Q5_0:
-        bs = 18 if t == _Q4_0 else 22
-        for b in range(nbytes // bs):
-            o = bs * b
-            d = _f16_at(row, o, table)
-            qh = np.int64(0)
-            if t == _Q5_0:
-                qh = (np.int64(row[o + 2]) | (np.int64(row[o + 3]) << 8) | (np.int64(row[o + 4]) << 16)
-                      | (np.int64(row[o + 5]) << 24))
-            qs = o + bs - 16
-            for l in range(16):
-                lo, hi = np.int64(row[qs + l] & 15), np.int64(row[qs + l] >> 4)
-                if t == _Q5_0:
-                    lo = (lo | (((qh >> l) & 1) << 4)) - 16
-                    hi = (hi | (((qh >> (l + 16)) & 1) << 4)) - 16
-                else:
-                    lo, hi = lo - 8, hi - 8
-                out[32 * b + l] = d * np.float32(lo)
-                out[32 * b + 16 + l] = d * np.float32(hi)
-    elif t == _Q4_K or t == _Q5_K:
-        sb = 144 if t == _Q4_K else 176
-        qs0 = 16 if t == _Q4_K else 48
-        for b in range(nbytes // sb):
-            o = sb * b
-            d, dmin = _f16_at(row, o, table), _f16_at(row, o + 2, table)
-            p = row[o + 4 : o + 16]
-            for j in range(8):
-                sc, m = _k_scale_min(p, j)
-                scale = d * np.float32(sc)
-                offset = dmin * np.float32(m)
-                g = o + qs0 + 32 * (j // 2)
-                for l in range(32):
-                    q = np.int64(row[g + l] >> 4) if j % 2 else np.int64(row[g + l] & 15)
-                    if t == _Q5_K:
-                        q |= ((np.int64(row[o + 16 + l]) >> j) & 1) << 4
-                    out[256 * b + 32 * j + l] = scale * np.float32(q) - offset
-    else:  # Q6_K
-        for b in range(nbytes // 210):
-            o = 210 * b
-            d = _f16_at(row, o + 208, table)
-            for h in range(2):
-                for v in range(128):
-                    ql = row[o + 64 * h + (v % 64)]
-                    low = np.int64(ql & 15) if v < 64 else np.int64(ql >> 4)
-                    top = (np.int64(row[o + 128 + 32 * h + v % 32]) >> (2 * (v // 32))) & 3
-                    i = 128 * h + v
-                    sc = np.int64(row[o + 192 + i // 16])
-                    scale = d * np.float32(sc - 256 if sc >= 128 else sc)
-                    out[256 * b + i] = scale * np.float32((low | (top << 4)) - 32)
-
-
-def _decode_kernel(t: int) -> Any:
-    @njit(parallel=True, cache=True)
-    def decode(w, r0, table, out):  # pragma: no cover - compiled
-        for r in prange(out.shape[0]):
-            _decode_row(t, w[0, r0 + r], table, out[r])
-
-    return decode
-
-
-_DECODE = {t: _decode_kernel(t) for t in sorted(KERNEL_TYPES)}
-
-
-# ------------------------------------------------------------------------------------------------
 # SwiGLU of the gate and up products, h = silu(g) * u = g / (1 + exp(-g)) * u, in float64 rounded to
 # float32, then h quantized (quantize_rows), in one compiled call. exp is computed here, from IEEE
 # operations only (+, -, *, /, rint, a product with an exact power of two), in the same order in the
@@ -1446,21 +1361,6 @@ def dense_matmul(w: ExpertStack, x: np.ndarray, *, fast: bool = True,
         lanes = _pack_lanes(xr, halves=w.ggml_type == Q.Q6_K)
         _TILE[w.ggml_type](w.raw, lanes.x, lanes.d, lanes.s, lanes.h, lanes.rows, lanes.blocks, _F16_TABLE,
                            TILE_CHUNKS_PER_THREAD * n_threads, out)
-    return out
-
-
-def decode_rows(w: ExpertStack, r0: int, r1: int, *, fast: bool = True,
-                threads: int | None = None) -> np.ndarray:
-    """Rows r0..r1-1 of a one-matrix stack as float32 (r1 - r0, n_in): the values engine/quants.py's
-    dequantizers give (its twin, fast=False), bit for bit."""
-    if w.n_experts != 1 or not 0 <= r0 <= r1 <= w.n_out:
-        raise ValueError(f"rows {r0}..{r1} of a one-matrix stack of {w.n_out} rows")
-    if not fast:
-        return Q.dequantize_blocks(w.raw[0, r0:r1], w.ggml_type).reshape(r1 - r0, w.n_in)
-    _need_numba()
-    set_threads(threads)
-    out = np.empty((r1 - r0, w.n_in), F32)
-    _DECODE[w.ggml_type](w.raw, r0, _F16_TABLE, out)
     return out
 
 

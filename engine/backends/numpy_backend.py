@@ -14,8 +14,8 @@ activations, numba, parallel threads) when its experts are of a type they suppor
 
 Beside a GPU (a plan that prices the CPU's layers at their file bytes: hold_weights("stored")), the
 matmul weights of the integer kernels' types stay as the file stores them too, and decode rows and
-short chunks multiply int8 activations on engine/cpu_experts.py's dense_matmul (a float32 copy would
-take 4-7x the RAM the plan priced); longer prefill chunks decode such a weight for the call only.
+prefill chunks alike multiply int8 activations on engine/cpu_experts.py's dense_matmul (a float32 copy
+would take 4-7x the RAM the plan priced).
 
 What this file is not: a fast CPU engine. Besides those integer paths it has the few-rows matmul and
 the Gated DeltaNet recurrence compiled (engine/cpu_matmul.py, engine/cpu_gdn.py), and no fused kernels.
@@ -37,11 +37,6 @@ log = logging.getLogger(__name__)
 F32 = np.float32
 F64 = np.float64
 ATTN_QUERY_BLOCK = 256  # queries per block in attention (bounds the score matrix memory)
-# stored weights: the most rows of a matmul on the integer kernels; past it the weight is decoded for
-# the call and BLAS multiplies (2 cores, 3584 x 1024: 64 rows Q8_0 7.6 ms against 8.1 + 4.3 decoded,
-# Q4_K 16.0 against 13.7 + 4.0; 256 rows 31-49 ms against 18-22)
-INT_ROWS_MAX = 64
-DECODE_SLICE_VALUES = 1 << 24  # values of a stored weight decoded at once for a longer chunk (64 MB)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,24 +54,6 @@ def _dequantize_rows(info, ids: np.ndarray) -> np.ndarray:
     from .. import quants
 
     return np.asarray(quants.dequantize_rows(info, ids), dtype=F32).reshape(len(ids), info.shape[-1])
-
-
-def _decoded_matmul(x: np.ndarray, w: NumpyWeight, threads: int) -> np.ndarray:
-    """x @ W.T for a weight held as stored, decoded to float32 for this call only (engine/cpu_experts.py
-    decode_rows: quants' values, compiled), DECODE_SLICE_VALUES at a time (rows of W), so a long chunk
-    through a large weight (a 248K-row LM head is 4 GB as float32) never holds more than one slice's
-    copy."""
-    from .. import cpu_experts
-
-    n_out, n_in = w.shape
-    lead = x.shape[:-1]
-    xr = x.reshape(-1, n_in)
-    out = np.empty((xr.shape[0], n_out), F32)
-    step = max(1, DECODE_SLICE_VALUES // n_in)
-    for r0 in range(0, n_out, step):
-        r1 = min(n_out, r0 + step)
-        out[:, r0:r1] = xr @ cpu_experts.decode_rows(w.stored, r0, r1, threads=threads).T
-    return out.reshape(*lead, n_out)
 
 
 class NumpyWeight:
@@ -425,13 +402,13 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         # 1e-4 budget, and the same arithmetic class as the float32 references.
         x = np.asarray(x, F32)
         if w.stored is not None:
-            # [stored weights] decode rows and short chunks on the integer kernels; a longer prefill
-            # chunk decodes the weight for this call only (BLAS's GEMM is ~2x the integer kernel there)
-            if x.ndim == 2 and x.shape[0] <= INT_ROWS_MAX:
-                from .. import cpu_experts
+            # [stored weights] int8 activation blocks on the integer kernels, whatever the row count: one
+            # row straight through the weight, several through its tile (faster than decoding the weight
+            # for the call and BLAS's GEMM at every chunk length measured, 64-2048 rows: docs/BENCHMARKS.md)
+            from .. import cpu_experts
 
-                return cpu_experts.dense_matmul(w.stored, x, threads=self.expert_thread_count())
-            return _decoded_matmul(x, w, self.expert_thread_count())
+            out = cpu_experts.dense_matmul(w.stored, x.reshape(-1, x.shape[-1]), threads=self.expert_thread_count())
+            return out.reshape(*x.shape[:-1], w.shape[0])
         dense = w.dense()
         # [batched decode] 2-16 rows (a batch of decoding sequences): engine/cpu_matmul.py's kernel,
         # same float32 arithmetic in another order; BLAS's GEMM packs the whole weight for so few rows

@@ -4,8 +4,8 @@
   kernels take (row counts with tails, 1 to 70 activation rows), and the twin against gguf's own
   dequantization times float64 products within the int8 rounding bound of test_cpu_experts.
 - The backend: such weights hold the file's bytes and nothing else (no float32 copy, before or after
-  a matmul); decode rows run on the kernel, longer chunks on a decoded-for-the-call float32 weight;
-  other types stay float32; the tied LM head stays as stored.
+  a matmul); decode rows and prefill chunks of any length run on the kernels; other types stay
+  float32; the tied LM head stays as stored.
 - The tiny Qwen3.5 Q8_0 fixture decoded token by token on stored weights, against transformers run on
   the decoded Q8_0 weights (`ref_hf_q8_0_dequant`), held to llama.cpp's own error on the same file
   (`llamacpp_q8_0`: llama.cpp also multiplies int8 activation blocks).
@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 from minecart.engine import cpu_experts as C
 from minecart.engine import quants as Q
-from minecart.engine.backends import numpy_backend
-from minecart.engine.backends.numpy_backend import INT_ROWS_MAX, NumpyBackend, NumpyWeight
+from minecart.engine.backends.numpy_backend import NumpyBackend, NumpyWeight
 from minecart.engine.model import load_model, open_model_file
 from minecart.engine.placement import Placement, model_costs
 
@@ -88,22 +87,19 @@ def _info(rng, t: int, n_out: int, n_in: int, name: str = "w") -> _Info:
     return _Info(name, t, np.array(w.raw[0]), (n_out, n_in))
 
 
-def test_backend_holds_stored_bytes_and_routes_by_rows(monkeypatch):
+def test_backend_holds_stored_bytes_and_multiplies_on_the_kernels():
     rng = np.random.default_rng(4)
     info = _info(rng, Q.Q4_K, 40, 512)
     ref_be, be = NumpyBackend(), NumpyBackend(int_weights=True, expert_threads=2)
     ref_w, w = ref_be.load_weight(info), be.load_weight(info)
     assert isinstance(w, NumpyWeight) and w.stored is not None and w.nbytes == info.n_bytes
     assert ref_w.stored is None and ref_w.nbytes == 40 * 512 * 4
-    for rows in (1, 8, INT_ROWS_MAX):  # decode rows and short chunks: the kernel
+    for rows in (1, 8, 65, 300):  # decode rows and prefill chunks: the kernels, whatever the count
         x = rng.standard_normal((rows, 512)).astype(np.float32)
         np.testing.assert_array_equal(be.matmul(x, w), C.dense_matmul(w.stored, x))
-    x = rng.standard_normal((INT_ROWS_MAX + 1, 512)).astype(np.float32)  # longer: float32 for the call
-    np.testing.assert_allclose(be.matmul(x, w), ref_be.matmul(x, ref_w), rtol=1e-5, atol=1e-5)
-    assert w.nbytes == info.n_bytes  # no float32 copy stayed behind
-    # decoded a slice of rows at a time (7 rows of 40: five slices and a tail of 5), same products
-    monkeypatch.setattr(numpy_backend, "DECODE_SLICE_VALUES", 7 * 512)
-    np.testing.assert_allclose(be.matmul(x, w), ref_be.matmul(x, ref_w), rtol=1e-5, atol=1e-5)
+    x3 = rng.standard_normal((2, 3, 512)).astype(np.float32)  # any leading shape: rows of the last axis
+    np.testing.assert_array_equal(be.matmul(x3, w), C.dense_matmul(w.stored, x3.reshape(6, 512)).reshape(2, 3, 40))
+    assert w.nbytes == info.n_bytes  # no float32 copy, before or after
     # types the kernels do not take stay float32; so does everything on the reference backend
     f16 = _Info("f", Q.F16, rng.standard_normal((8, 64)).astype(np.float16).view(np.uint8), (8, 64))
     assert be.load_weight(f16).stored is None
@@ -136,10 +132,11 @@ def test_fixture_decodes_on_stored_weights_as_llama_cpp_does(fixtures_dir):
     positions (its CPU path multiplies int8 activation blocks too), over all five sequences: at most
     1.6x its mean and 2x its largest deviation, and its argmax agreement less 5 points. (Per sequence
     the largest deviations scatter: 0.4x to 3.5x llama.cpp's on these 10- to 104-token prompts, where
-    the means stay within 0.96x-1.6x.)"""
+    the means stay within 0.96x-1.6x.) Each prompt prefilled as one chunk (its matmuls on the tile)
+    gives its last position's logits within the same largest deviation."""
     be = NumpyBackend(int_weights=True, expert_threads=2)
     model = load_model(_q8(fixtures_dir), backend=be, kv_type="f32")
-    ours, theirs, agree, peer_agree = [], [], [], []
+    ours, theirs, agree, peer_agree, prefilled = [], [], [], [], []
     try:
         head = model.weights["head"]["token_embd.weight"]
         assert head.stored is not None and head.nbytes == head.info.n_bytes  # the tied head as stored
@@ -150,6 +147,10 @@ def test_fixture_decodes_on_stored_weights_as_llama_cpp_does(fixtures_dir):
             rows = np.stack([session.step(int(t)) for t in ref["tokens"]])
             gen = np.stack([session.step(int(t)) for t in ref["gen_tokens"]])
             session.close()
+            whole = model.new_session()  # the prompt as one prefill chunk: the tile kernel
+            last = whole.prefill([int(t) for t in ref["tokens"]])
+            whole.close()
+            prefilled.append(np.abs(np.take(last, ref["top_ids"][-1]) - ref["top_vals"][-1]))
             ours += [_top_errors(rows, ref, ""), _top_errors(gen, ref, "gen_")]
             theirs += [np.abs(peer["top_vals"] - ref["top_vals"]), np.abs(peer["gen_top_vals"] - ref["gen_top_vals"])]
             agree.append(rows.argmax(1) == ref["top_ids"][:, 0])
@@ -160,6 +161,7 @@ def test_fixture_decodes_on_stored_weights_as_llama_cpp_does(fixtures_dir):
     assert o.mean() <= 1.6 * t.mean(), (o.mean(), t.mean())
     assert o.max() <= 2.0 * t.max(), (o.max(), t.max())
     assert o.max() > 1e-3  # int8 activations: not the float32 reference's numbers (1e-5 off)
+    assert np.concatenate(prefilled).max() <= 2.0 * t.max()  # each prompt's last logits, prefilled whole
     assert np.concatenate(agree).mean() >= np.concatenate(peer_agree).mean() - 0.05
 
 
@@ -292,20 +294,3 @@ def test_planner_knows_every_type_the_cpu_holds_as_stored():
     from minecart.engine.placement import CPU_INT_DECODE_EFFICIENCY
 
     assert set(CPU_INT_DECODE_EFFICIENCY) == {Q.type_name(t) for t in C.KERNEL_TYPES}
-
-
-@pytest.mark.parametrize("t", TYPES, ids=Q.type_name)
-def test_decode_rows_equals_the_dequantizer(t):
-    """The compiled decoder of a long chunk's weight gives engine/quants.py's values bit for bit (and
-    gguf's to float32 rounding), for any run of rows."""
-    import gguf
-
-    rng = np.random.default_rng([t, 5])
-    w = random_stack(rng, t, 1, 13, _n_in(t))
-    whole = C.decode_rows(w, 0, 13, threads=2)
-    np.testing.assert_array_equal(whole, C.decode_rows(w, 0, 13, fast=False))
-    np.testing.assert_array_equal(C.decode_rows(w, 5, 9), whole[5:9])
-    ref = gguf.quants.dequantize(np.asarray(w.raw[0]), gguf.GGMLQuantizationType(t)).reshape(13, -1)
-    np.testing.assert_allclose(whole, ref, rtol=1e-6, atol=0)
-    with pytest.raises(ValueError, match="rows 9..14"):
-        C.decode_rows(w, 9, 14)
