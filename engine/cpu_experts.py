@@ -5,7 +5,7 @@ layer live in host RAM. The token's activations are quantized to int8 in blocks 
 float32 scale per block, like ggml's Q8_0 activations); each weight block is multiplied with its
 activation block in integers straight from the GGUF bytes (integer sums per 32 values, which fit in
 int32; never a float32 copy of the weights), and only then do the fp16/fp32 scales enter, in float32.
-Weight types: Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, as stored in the 3-D expert tensors
+Weight types: Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, IQ4_NL, Q4_K, Q5_K, Q6_K, IQ4_XS, as stored in the 3-D expert tensors
 `ffn_{gate,up,down}_exps` / `ffn_gate_up_exps` (E, n_out, n_in). The same block work multiplies a
 dense layer's weight held as stored (a one-matrix stack: `dense_matmul`, the NumPy backend beside a
 GPU or when asked) with any number of activation rows: one row straight through the weight, several
@@ -24,8 +24,11 @@ dequantize-then-fp64 products.
 
 The per-block float32 formulas (dx: activation block scale, isum/bsum: int32 sums over the block):
   Q8_0, Q4_0, Q5_0  acc += (d * dx) * isum      isum = sum(q * xq), Q4_0's q minus 8, Q5_0's minus 16
-  Q4_K, Q5_K  acc += (d * dx) * (sc * isum) - (dmin * dx) * (m * bsum)    bsum = sum(xq)
+  IQ4_NL            acc += (d * dx) * isum      q: the code's level (quants.KVALUES)
+  Q4_1, Q5_1  acc += (d * dx) * isum + (m * dx) * bsum                   bsum = sum(xq)
+  Q4_K, Q5_K  acc += (d * dx) * (sc * isum) - (dmin * dx) * (m * bsum)
   Q6_K        acc += (d * dx) * (sc_lo * isum_lo + sc_hi * isum_hi)      two 16-value halves, q - 32
+  IQ4_XS      acc += (d * dx) * ((ls - 32) * isum)                       per 32-value sub-block
 
 A token's whole expert block, `routed_experts` (ids and weights given: by `route`, or by a GPU's
 routing), is one compiled call after a few integer checks: x quantized once (one activation row
@@ -92,7 +95,7 @@ prange = _numba.prange if HAVE_NUMBA else range
 
 F32 = np.float32
 QBLOCK = 32  # activation values per int8 block
-KERNEL_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K})
+KERNEL_TYPES = frozenset({Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS})
 
 # fp16 bit pattern -> float32, for the kernels (numba has no fp16 scalar type); the same conversion
 # NumPy's astype does, so the twins' scales are the same numbers
@@ -314,22 +317,24 @@ def route(x: np.ndarray, router: np.ndarray, k: int, *, fast: bool = True) -> tu
 
 
 # ------------------------------------------------------------------------------------------------
-# block intrinsics: the work of one weight row on one super-block (K-quants) or on 8 or 1 blocks
-# (Q8_0, Q4_0), written as LLVM IR through numba's @intrinsic. Why not plain numba loops: numba does
-# integer arithmetic in 64 bits, so a loop's byte products went 8 to a vector (vpmuldq), and every
-# 32-value sum ended in its own horizontal reduction, with the scalar float32 work per sub-block on
-# top (6-11 G multiply-adds/s on one Zen 5 core; these reach 22-35, docs/moe-cpu.md). Here:
+# block intrinsics: the work of one weight row on one super-block (K-quants, IQ4_XS) or on 8 or 1
+# blocks (the 32-value types), written as LLVM IR through numba's @intrinsic. Why not plain numba
+# loops: numba does integer arithmetic in 64 bits, so a loop's byte products went 8 to a vector
+# (vpmuldq), and every 32-value sum ended in its own horizontal reduction, with the scalar float32
+# work per sub-block on top (6-11 G multiply-adds/s on one Zen 5 core; these reach 22-35,
+# docs/moe-cpu.md). Here:
 # - the 32 byte products of a sub-block are summed in groups of 4 into 8 int32 lanes by one u8 x s8
 #   multiply-add: VNNI's vpdpbusd, or AVX2's vpmaddubsw + vpmaddwd, or plain IR where neither exists
-#   (`_DOT4`, from the features numba compiles for). The weights are the unsigned operand: nibbles
-#   and 6-bit K-quants as they are, their offsets (Q4_0's 8, Q6_K's 32) subtracted as offset * x in
-#   the same lanes; Q8_0's signed weights enter as w + 128 (bits xor 0x80) with 128 * x subtracted
-#   (VNNI and plain IR sum in int32, exactly), or, on AVX2, as |w| with the sign moved onto x. AVX2
-#   saturates a pair of products at int16: the largest pair there is 128 * 127 * 2 = 32512 (|x| <=
-#   127, as quantize_rows makes it for blocks whose largest value is a normal float32), so it never
-#   does (w + 128 would reach 255 * 127 * 2);
-# - the 8 sub-block sums of a super-block are reduced together (a transposed tree, 7 horizontal adds
-#   for all 8, in order);
+#   (`_DOT4`, from the features numba compiles for). The weights are the unsigned operand
+#   (`_tile_values`, shared with the tile below): nibbles, 5- and 6-bit values as they are, their
+#   offsets (Q4_0's 8, Q5_0's 16, Q6_K's 32) taken off as offset * the activations' sum; Q8_0's
+#   signed weights and IQ4's levels enter as value + 128 with 128 * the sum taken off (VNNI and plain
+#   IR sum in int32, exactly), or, on AVX2, as |value| with the sign moved onto x (`_signed_x`).
+#   AVX2 saturates a pair of products at int16: the largest pair there is 128 * 127 * 2 = 32512 (|x|
+#   <= 127, as quantize_rows makes it for blocks whose largest value is a normal float32), so it
+#   never does (value + 128 would reach 255 * 127 * 2);
+# - the 8 sub-block sums of a super-block (or 8 blocks) are reduced together (a transposed tree, 7
+#   horizontal adds for all 8, in order);
 # - the float32 terms of the 8 sub-blocks are one vector expression (elementwise, so each lane is
 #   the scalar formula's float, bit for bit; no fused multiply-add), and are then added into the
 #   row's accumulator one at a time, in sub-block order: the twins' float32 operations, in their
@@ -439,6 +444,29 @@ class _Ir:
         return _ir.Constant(_ir.VectorType(_I8, n), [v] * n)
 
 
+def _prefetch_ir(b: Any, ptr: Any) -> None:
+    """Ask for the cache line at byte pointer ptr (a read, kept in every cache level); a hint, never a
+    fault, so a pointer past the weights' end is harmless."""
+    fn = _declare(b, "llvm.prefetch.p0i8", _ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
+    b.call(fn, [ptr, _ir.Constant(_I32, 0), _ir.Constant(_I32, 3), _ir.Constant(_I32, 1)])
+
+
+@_intrinsic
+def _prefetch(typingctx, row, at):  # pragma: no cover - compiled
+    """_prefetch(row, at): the cache line at byte `at` of the uint8 array row (past its end too)."""
+    from numba import types as nbt
+
+    if not (isinstance(row, nbt.Array) and row.ndim == 1 and row.layout == "C" and row.dtype == nbt.uint8):
+        raise TypeError(f"prefetch: a C-contiguous 1-D uint8 array, got {row}")
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Sequence[Any]) -> Any:
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        _prefetch_ir(builder, builder.gep(builder.bitcast(ary.data, _I8.as_pointer()), [args[1]]))
+        return context.get_dummy_value()
+
+    return nbt.none(row, nbt.intp), codegen
+
+
 def _lanes(idx: list[int]) -> Any:
     return _ir.Constant(_ir.VectorType(_I32, len(idx)), idx)
 
@@ -518,50 +546,74 @@ def _q6_k_ir(g: _Ir, row: Any, x: Any, dx: Any, acc: Any) -> Any:
     return g.add_in_order(acc, terms)
 
 
-_SMALL_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q5_0": 22}
+_ROW_BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q5_0": 22, "q4_1": 20, "q5_1": 24, "iq4_nl": 18}
 
 
-def _small_blocks_ir(g: _Ir, row: Any, x: Any, dx: Any, acc: Any, n: int, kind: str) -> Any:
-    """acc + the terms (d * dx) * isum of n (8 or 1) consecutive blocks of `kind` (q8_0, q4_0,
-    q5_0) at byte pointer row. Q8_0: isum = sum |w| * (x with w's sign); Q4_0: value l < 16 is the
-    low nibble of quant byte l, value 16 + l its high nibble, minus 8; Q5_0: the same nibbles (after
-    4 bytes qh) with bit l of the little-endian qh as value l's fifth bit, minus 16."""
+def _row_blocks_ir(g: _Ir, row: Any, x: Any, dx: Any, xs: Any, acc: Any, n: int, kind: str) -> Any:
+    """acc + the terms of n (8 or 1) consecutive blocks of a 32-value `kind` (q8_0, q4_0, q5_0, q4_1,
+    q5_1, iq4_nl) at byte pointer row, or of the 8 sub-blocks of the iq4_xs super-block there: each
+    block's values unpacked by _tile_values (the tile's unpacking) and dotted with x, the 8 sums
+    reduced together (a transposed tree), then the block terms of _block_terms, one vector over the
+    blocks, added into acc one at a time."""
     b = g.b
-    size = _SMALL_BLOCK_BYTES[kind]
     v8f = _ir.VectorType(_FLOAT, 8)
-    v32 = _ir.VectorType(_I32, 32)
     sums = []
-    d = _ir.Constant(v8f, None)
     for i in range(n):
+        p, j = (row, i) if kind == "iq4_xs" else (g.at(row, _ROW_BLOCK_BYTES[kind] * i), 0)
         xv = g.bytes(x, 32 * i)
-        if kind != "q8_0":
-            qs = g.bytes(row, size * i + size - 16, 16)
-            q = b.shuffle_vector(b.and_(qs, g.const8(15, 16)), b.lshr(qs, g.const8(4, 16)),
-                                 _lanes(list(range(32))))
-            if kind == "q5_0":  # lane l ORs in (qh >> l & 1) << 4
-                qh = g.splat(g.load(g.at(row, size * i + 2), _I32), 32)
-                bits = b.and_(b.lshr(qh, _ir.Constant(v32, list(range(32)))), _ir.Constant(v32, [1] * 32))
-                q = b.or_(q, b.shl(b.trunc(bits, _ir.VectorType(_I8, 32)), g.const8(4)))
-            off = 16 if kind == "q5_0" else 8
-            neg = b.sub(_ir.Constant(_ir.VectorType(_I32, 8), None), g.dot4(g.const8(off), xv))
-            sums.append(g.dot4(q, xv, neg))
-        elif _DOT4 == "avx2":  # |w| with w's sign moved onto x (w + 128 would saturate vpmaddubsw)
-            w = g.bytes(row, size * i + 2)
-            zero = g.const8(0)
-            neg = b.icmp_signed("<", w, zero)
-            signed_x = b.select(neg, b.sub(zero, xv), b.select(b.icmp_signed("==", w, zero), zero, xv))
-            sums.append(g.dot4(b.select(neg, b.sub(zero, w), w), signed_x))
-        else:  # w + 128 (its bits xor 0x80), minus 128 * x in the same lanes
-            neg = b.sub(_ir.Constant(_ir.VectorType(_I32, 8), None), g.dot4(g.const8(-128), xv))
-            sums.append(g.dot4(b.xor(g.bytes(row, size * i + 2), g.const8(-128)), xv, neg))
-        d = b.insert_element(d, g.f16(row, size * i), _ir.Constant(_I32, i))
+        sums.append(g.dot4(_tile_values(g, kind, p, j), _signed_x(g, kind, p, j, xv)))
     isum = g.lane_sums(sums)
-    if n == 8:
-        dxv = g.load(dx, v8f)
+
+    def per_block(v: Any, ty: Any) -> Any:  # n == 8: the 8 values at v; n == 1: the one, in lane 0
+        return g.load(v, _ir.VectorType(ty, 8)) if n == 8 else \
+            b.insert_element(_ir.Constant(_ir.VectorType(ty, 8), None), b.load(v, typ=ty), _i32(0))
+
+    dxv, xsv = per_block(dx, _FLOAT), per_block(xs, _I32)
+    if kind == "iq4_xs":
+        d, scale = g.splat(g.f16(row, 0)), _iq4_xs_scales_ir(g, row)
+        terms = _block_terms(g, kind, isum, dxv, xsv, d, None, scale)
     else:
-        dxv = b.insert_element(_ir.Constant(v8f, None), b.load(dx, typ=_FLOAT), _ir.Constant(_I32, 0))
-    terms = b.fmul(b.fmul(d, dxv), b.sitofp(isum, v8f))
+        size = _ROW_BLOCK_BYTES[kind]
+        d = mins = _ir.Constant(v8f, None)
+        for i in range(n):
+            d = b.insert_element(d, g.f16(row, size * i), _i32(i))
+            if kind in ("q4_1", "q5_1"):
+                mins = b.insert_element(mins, g.f16(row, size * i + 2), _i32(i))
+        terms = _block_terms(g, kind, isum, dxv, xsv, d, mins, None)
     return g.add_in_order(acc, terms, n)
+
+
+def _iq4_xs_scales_ir(g: _Ir, p: Any) -> Any:
+    """<8 x i32>: the signed sub-block scales ls - 32 of the IQ4_XS super-block at byte pointer p (ls:
+    nibble j of the little-endian scales_l word at 4, with bits 2j..2j+1 of scales_h at 2 on top)."""
+    b = g.b
+    v8 = _ir.VectorType(_I32, 8)
+    low = b.and_(b.lshr(g.splat(g.load(g.at(p, 4), _I32)), _ir.Constant(v8, [4 * j for j in range(8)])),
+                 _ir.Constant(v8, [15] * 8))
+    high = b.and_(b.lshr(g.splat(b.zext(g.load(g.at(p, 2), _I16), _I32)), _ir.Constant(v8, [2 * j for j in range(8)])),
+                  _ir.Constant(v8, [3] * 8))
+    return b.sub(b.or_(low, b.shl(high, _ir.Constant(v8, [4] * 8))), _ir.Constant(v8, [32] * 8))
+
+
+def _block_terms(g: _Ir, kind: str, isum: Any, dxv: Any, xsv: Any, d: Any, mins: Any, scale: Any) -> Any:
+    """<8 x float> block terms, lane by lane (blocks of one row, or one block of 8 activation rows),
+    from the lanes' dot products `isum` of the unsigned operand (_tile_values) with x (_signed_x),
+    activation scales dxv and block sums xsv, and the weight's scales d, Q4_1 / Q5_1's mins, IQ4_XS's
+    sub-block scales (each <8 x ...>, lane by lane):
+      Q4_1, Q5_1  (d * dx) * isum + (m * dx) * bsum
+      IQ4_NL      (d * dx) * isum        IQ4_XS  (d * dx) * (ls * isum)
+    where isum has the offset of the operand taken off (128 * bsum for a code's value + 128)."""
+    b = g.b
+    v8, v8f = _ir.VectorType(_I32, 8), _ir.VectorType(_FLOAT, 8)
+    offset = _operand_offset(kind)
+    if offset:
+        isum = b.sub(isum, b.mul(xsv, _ir.Constant(v8, [offset] * 8)))
+    if kind == "iq4_xs":
+        isum = b.mul(scale, isum)
+    term = b.fmul(b.fmul(d, dxv), b.sitofp(isum, v8f))
+    if kind in ("q4_1", "q5_1"):
+        term = b.fadd(term, b.fmul(b.fmul(mins, dxv), b.sitofp(xsv, v8f)))
+    return term
 
 
 # The intrinsics. Arguments: row (a weight row, uint8), o (byte offset of the block in it), x (the
@@ -616,18 +668,22 @@ def _q6_k_block(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cov
     return _block_signature(row, x, dx, None, table), _offsets_codegen(_q6_k_ir, False)
 
 
-def _small_blocks_intrinsic(n: int, kind: str) -> Any:
+def _row_blocks_intrinsic(n: int, kind: str) -> Any:
     @_intrinsic
-    def blocks(typingctx, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover - compiled
-        return (_block_signature(row, x, dx, None, table),
-                _offsets_codegen(lambda g, r, xx, d, a: _small_blocks_ir(g, r, xx, d, a, n, kind), False))
+    def blocks(typingctx, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover - compiled
+        return (_block_signature(row, x, dx, xs, table),
+                _offsets_codegen(lambda g, r, xx, d, s, a: _row_blocks_ir(g, r, xx, d, s, a, n, kind), True))
 
     return blocks
 
 
-_q8_0_blocks8, _q8_0_block1 = _small_blocks_intrinsic(8, "q8_0"), _small_blocks_intrinsic(1, "q8_0")
-_q4_0_blocks8, _q4_0_block1 = _small_blocks_intrinsic(8, "q4_0"), _small_blocks_intrinsic(1, "q4_0")
-_q5_0_blocks8, _q5_0_block1 = _small_blocks_intrinsic(8, "q5_0"), _small_blocks_intrinsic(1, "q5_0")
+_q8_0_blocks8, _q8_0_block1 = _row_blocks_intrinsic(8, "q8_0"), _row_blocks_intrinsic(1, "q8_0")
+_q4_0_blocks8, _q4_0_block1 = _row_blocks_intrinsic(8, "q4_0"), _row_blocks_intrinsic(1, "q4_0")
+_q5_0_blocks8, _q5_0_block1 = _row_blocks_intrinsic(8, "q5_0"), _row_blocks_intrinsic(1, "q5_0")
+_q4_1_blocks8, _q4_1_block1 = _row_blocks_intrinsic(8, "q4_1"), _row_blocks_intrinsic(1, "q4_1")
+_q5_1_blocks8, _q5_1_block1 = _row_blocks_intrinsic(8, "q5_1"), _row_blocks_intrinsic(1, "q5_1")
+_iq4_nl_blocks8, _iq4_nl_block1 = _row_blocks_intrinsic(8, "iq4_nl"), _row_blocks_intrinsic(1, "iq4_nl")
+_iq4_xs_block = _row_blocks_intrinsic(8, "iq4_xs")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -651,6 +707,7 @@ _q5_0_blocks8, _q5_0_block1 = _small_blocks_intrinsic(8, "q5_0"), _small_blocks_
 # closure's code apart (its key hashes the closure's constants).
 
 _Q4_K, _Q5_K, _Q6_K, _Q8_0, _Q4_0, _Q5_0 = Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.Q5_0
+_Q4_1, _Q5_1, _IQ4_NL, _IQ4_XS = Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.IQ4_XS
 
 
 @njit(inline="always")
@@ -668,19 +725,65 @@ def _k_affine_block(t, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cov
 
 
 @njit(inline="always")
-def _legacy_blocks8(t, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover - compiled
-    """8 Q4_0 or Q5_0 blocks' terms (t a constant: the other branch is folded away)."""
-    if t == _Q4_0:
-        return _q4_0_blocks8(row, o, x, xo, dx, bo, table, acc)
-    return _q5_0_blocks8(row, o, x, xo, dx, bo, table, acc)
+def _legacy_bytes(t):  # pragma: no cover - compiled
+    """Bytes of a block of the 32-value types taken 8 blocks at a time, then one at a time."""
+    if t == _Q4_0 or t == _IQ4_NL:
+        return 18
+    if t == _Q5_0:
+        return 22
+    return 20 if t == _Q4_1 else 24
 
 
 @njit(inline="always")
-def _legacy_block1(t, row, o, x, xo, dx, bo, table, acc):  # pragma: no cover - compiled
-    """One Q4_0 or Q5_0 block's term."""
+def _legacy_blocks8(t, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover - compiled
+    """8 blocks' terms of a 32-value type other than Q8_0 (t a constant: the other branches are folded
+    away)."""
     if t == _Q4_0:
-        return _q4_0_block1(row, o, x, xo, dx, bo, table, acc)
-    return _q5_0_block1(row, o, x, xo, dx, bo, table, acc)
+        return _q4_0_blocks8(row, o, x, xo, dx, xs, bo, table, acc)
+    if t == _Q5_0:
+        return _q5_0_blocks8(row, o, x, xo, dx, xs, bo, table, acc)
+    if t == _Q4_1:
+        return _q4_1_blocks8(row, o, x, xo, dx, xs, bo, table, acc)
+    if t == _Q5_1:
+        return _q5_1_blocks8(row, o, x, xo, dx, xs, bo, table, acc)
+    return _iq4_nl_blocks8(row, o, x, xo, dx, xs, bo, table, acc)
+
+
+@njit(inline="always")
+def _legacy_block1(t, row, o, x, xo, dx, xs, bo, table, acc):  # pragma: no cover - compiled
+    """One block's term (the types of _legacy_blocks8)."""
+    if t == _Q4_0:
+        return _q4_0_block1(row, o, x, xo, dx, xs, bo, table, acc)
+    if t == _Q5_0:
+        return _q5_0_block1(row, o, x, xo, dx, xs, bo, table, acc)
+    if t == _Q4_1:
+        return _q4_1_block1(row, o, x, xo, dx, xs, bo, table, acc)
+    if t == _Q5_1:
+        return _q5_1_block1(row, o, x, xo, dx, xs, bo, table, acc)
+    return _iq4_nl_block1(row, o, x, xo, dx, xs, bo, table, acc)
+
+
+# The one-row kernels ask for the bytes they will read next: without that a row read straight through
+# ran at 12.7 GB/s (Q8_0, one thread, rows from memory) where this CPU reads 33; the hardware's own
+# prefetcher does not run far enough ahead of a loop this busy. A row read alone asks ROW_PREFETCH_BYTES
+# on (Q8_0 17.6 GB/s; 1x, 3x, 4x and 8x a 680-byte row tried, and 4 and 8 KB: ~3 KB was best for
+# rows of 680 and 4352 bytes); four rows in step ask for the next job's four rows at the same offset.
+ROW_PREFETCH_BYTES = 3072
+
+
+@njit(inline="always")
+def _ahead(row, at, span):  # pragma: no cover - compiled
+    """Prefetch the cache lines of row[at : at + span] (past row's end too: a hint never faults)."""
+    for line in range(0, span + 63, 64):
+        _prefetch(row, at + line)
+
+
+@njit(inline="always")
+def _ahead_4(w0, w1, w2, w3, at, span):  # pragma: no cover - compiled
+    _ahead(w0, at, span)
+    _ahead(w1, at, span)
+    _ahead(w2, at, span)
+    _ahead(w3, at, span)
 
 
 @njit(inline="always")
@@ -695,38 +798,51 @@ def _dot_rows(t, w, e, r0, r1, r2, r3, x, dx, xs, table):  # pragma: no cover - 
         sb = 144 if t == _Q4_K else 176  # super-block bytes
         for b in range(nbytes // sb):
             o, xo, bo = sb * b, 256 * b, 8 * b
+            _ahead_4(w0, w1, w2, w3, o + 4 * nbytes, sb)
             a0 = _k_affine_block(t, w0, o, x, xo, dx, xs, bo, table, a0)
             a1 = _k_affine_block(t, w1, o, x, xo, dx, xs, bo, table, a1)
             a2 = _k_affine_block(t, w2, o, x, xo, dx, xs, bo, table, a2)
             a3 = _k_affine_block(t, w3, o, x, xo, dx, xs, bo, table, a3)
-    elif t == _Q4_0 or t == _Q5_0:
+    elif t == _IQ4_XS:
         w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
-        bs = 18 if t == _Q4_0 else 22  # block bytes
+        for b in range(nbytes // 136):
+            o, xo, bo = 136 * b, 256 * b, 8 * b
+            _ahead_4(w0, w1, w2, w3, o + 4 * nbytes, 136)
+            a0 = _iq4_xs_block(w0, o, x, xo, dx, xs, bo, table, a0)
+            a1 = _iq4_xs_block(w1, o, x, xo, dx, xs, bo, table, a1)
+            a2 = _iq4_xs_block(w2, o, x, xo, dx, xs, bo, table, a2)
+            a3 = _iq4_xs_block(w3, o, x, xo, dx, xs, bo, table, a3)
+    elif t != _Q8_0 and t != _Q6_K:  # the other 32-value types
+        w0, w1, w2, w3 = w[e, r0], w[e, r1], w[e, r2], w[e, r3]
+        bs = _legacy_bytes(t)
         nb = nbytes // bs
         n8 = nb // 8
         for c in range(n8):
             o, xo, bo = 8 * bs * c, 256 * c, 8 * c
-            a0 = _legacy_blocks8(t, w0, o, x, xo, dx, bo, table, a0)
-            a1 = _legacy_blocks8(t, w1, o, x, xo, dx, bo, table, a1)
-            a2 = _legacy_blocks8(t, w2, o, x, xo, dx, bo, table, a2)
-            a3 = _legacy_blocks8(t, w3, o, x, xo, dx, bo, table, a3)
+            _ahead_4(w0, w1, w2, w3, o + 4 * nbytes, 8 * bs)
+            a0 = _legacy_blocks8(t, w0, o, x, xo, dx, xs, bo, table, a0)
+            a1 = _legacy_blocks8(t, w1, o, x, xo, dx, xs, bo, table, a1)
+            a2 = _legacy_blocks8(t, w2, o, x, xo, dx, xs, bo, table, a2)
+            a3 = _legacy_blocks8(t, w3, o, x, xo, dx, xs, bo, table, a3)
         for b in range(8 * n8, nb):
-            a0 = _legacy_block1(t, w0, bs * b, x, 32 * b, dx, b, table, a0)
-            a1 = _legacy_block1(t, w1, bs * b, x, 32 * b, dx, b, table, a1)
-            a2 = _legacy_block1(t, w2, bs * b, x, 32 * b, dx, b, table, a2)
-            a3 = _legacy_block1(t, w3, bs * b, x, 32 * b, dx, b, table, a3)
+            a0 = _legacy_block1(t, w0, bs * b, x, 32 * b, dx, xs, b, table, a0)
+            a1 = _legacy_block1(t, w1, bs * b, x, 32 * b, dx, xs, b, table, a1)
+            a2 = _legacy_block1(t, w2, bs * b, x, 32 * b, dx, xs, b, table, a2)
+            a3 = _legacy_block1(t, w3, bs * b, x, 32 * b, dx, xs, b, table, a3)
     elif t == _Q6_K:
         row = w[e, r0]
         for b in range(nbytes // 210):
+            _ahead(row, 210 * b + ROW_PREFETCH_BYTES, 210)
             a0 = _q6_k_block(row, 210 * b, x, 256 * b, dx, 8 * b, table, a0)
     else:  # Q8_0
         row = w[e, r0]
         nb = nbytes // 34
         n8 = nb // 8
         for c in range(n8):
-            a0 = _q8_0_blocks8(row, 272 * c, x, 256 * c, dx, 8 * c, table, a0)
+            _ahead(row, 272 * c + ROW_PREFETCH_BYTES, 272)
+            a0 = _q8_0_blocks8(row, 272 * c, x, 256 * c, dx, xs, 8 * c, table, a0)
         for b in range(8 * n8, nb):
-            a0 = _q8_0_block1(row, 34 * b, x, 32 * b, dx, b, table, a0)
+            a0 = _q8_0_block1(row, 34 * b, x, 32 * b, dx, xs, b, table, a0)
     return a0, a1, a2, a3
 
 
@@ -918,19 +1034,87 @@ def _i32(v: int) -> Any:
     return _ir.Constant(_I32, v)
 
 
-def _tile_values(g: _Ir, kind: str, p: Any, j: int) -> Any:
-    """<32 x i8>: the unsigned weight values of 32-value block j (the sub-block within a K-quant
-    super-block; 0 otherwise) of the block or super-block at byte pointer p."""
+def _nibble_values(g: _Ir, p: Any, at: int) -> Any:
+    """<32 x i8>: the 16 bytes at p + at as 32 values, value l < 16 the low nibble of byte l, 16 + l
+    its high nibble (Q4_0's, Q4_1's, Q5_x's low bits, IQ4's codes)."""
+    qs = g.bytes(p, at, 16)
+    return g.b.shuffle_vector(g.b.and_(qs, g.const8(15, 16)), g.b.lshr(qs, g.const8(4, 16)), _lanes(list(range(32))))
+
+
+def _fifth_bits(g: _Ir, q: Any, p: Any, at: int) -> Any:
+    """q with bit l of the little-endian u32 at p + at as value l's fifth bit (Q5_0, Q5_1)."""
     b = g.b
-    if kind in ("q4_0", "q5_0"):  # value l < 16: low nibble of byte l; 16 + l: its high nibble
-        qs = g.bytes(p, 2 if kind == "q4_0" else 6, 16)
-        q = b.shuffle_vector(b.and_(qs, g.const8(15, 16)), b.lshr(qs, g.const8(4, 16)), _lanes(list(range(32))))
-        if kind == "q5_0":  # bit l of the little-endian qh is value l's fifth bit
-            v32i = _ir.VectorType(_I32, 32)
-            qh = g.splat(g.load(g.at(p, 2), _I32), 32)
-            bits = b.and_(b.lshr(qh, _ir.Constant(v32i, list(range(32)))), _ir.Constant(v32i, [1] * 32))
-            q = b.or_(q, b.shl(b.trunc(bits, _ir.VectorType(_I8, 32)), g.const8(4)))
-        return q
+    v32i = _ir.VectorType(_I32, 32)
+    qh = g.splat(g.load(g.at(p, at), _I32), 32)
+    bits = b.and_(b.lshr(qh, _ir.Constant(v32i, list(range(32)))), _ir.Constant(v32i, [1] * 32))
+    return b.or_(q, b.shl(b.trunc(bits, _ir.VectorType(_I8, 32)), g.const8(4)))
+
+
+_IQ4_CODES_AT = {"iq4_nl": 2, "iq4_xs": 8}  # bytes to the codes of a block (iq4_xs: of sub-block 0)
+
+
+def _iq4_codes(g: _Ir, kind: str, p: Any, j: int) -> Any:
+    """<32 x i8>: the 4-bit codes of IQ4 block j (IQ4_XS: sub-block j of the super-block at p)."""
+    return _nibble_values(g, p, _IQ4_CODES_AT[kind] + (16 * j if kind == "iq4_xs" else 0))
+
+
+def _iq4_lookup(g: _Ir, codes: Any) -> Any:
+    """<32 x i8>: the unsigned operand of each code: its level + 128, or on AVX2 |level| (the sign then
+    goes onto x: _signed_x), by vpshufb on x86, else lane by lane."""
+    table = [abs(int(v)) if _DOT4 == "avx2" else int(v) + 128 for v in Q.KVALUES]
+    b = g.b
+    if _DOT4 in ("vnni", "avx2"):
+        v32 = _ir.VectorType(_I8, 32)
+        fn = _declare(b, "llvm.x86.avx2.pshuf.b", v32, [v32, v32])
+        return b.call(fn, [_ir.Constant(v32, [t - 256 if t > 127 else t for t in table * 2]), codes])
+    out = _ir.Constant(_ir.VectorType(_I8, 32), None)
+    levels = _ir.Constant(_ir.VectorType(_I8, 16), [t - 256 if t > 127 else t for t in table])
+    for lane in range(32):
+        code = b.extract_element(codes, _i32(lane))
+        out = b.insert_element(out, b.extract_element(levels, b.zext(code, _I32)), _i32(lane))
+    return out
+
+
+def _operand_offset(kind: str) -> int:
+    """What the unsigned operand adds to each weight value (taken off as offset * the block's
+    activation sum): Q4_0's 8, Q5_0's 16; Q8_0's and IQ4's 128 where w + 128 is the operand."""
+    if kind in ("q8_0", "iq4_nl", "iq4_xs"):
+        return 0 if _DOT4 == "avx2" else 128
+    return {"q4_0": 8, "q5_0": 16}.get(kind, 0)
+
+
+def _signed_x(g: _Ir, kind: str, p: Any, j: int, xv: Any) -> Any:
+    """The signed operand for block j's values against the activation bytes xv: xv, or on AVX2 for Q8_0
+    and IQ4 xv with the sign of each weight (IQ4: codes 0-7 are the negative levels)."""
+    if _DOT4 != "avx2" or kind not in ("q8_0", *_IQ4_CODES_AT):
+        return xv
+    if kind == "q8_0":  # x with w's sign (0 where w is 0)
+        b, w, zero = g.b, g.bytes(p, 2), g.const8(0)
+        return b.select(b.icmp_signed("<", w, zero), b.sub(zero, xv), b.select(b.icmp_signed("==", w, zero), zero, xv))
+    return _negated_where(g, _iq4_codes(g, kind, p, j), xv)
+
+
+def _negated_where(g: _Ir, codes: Any, xv: Any) -> Any:
+    b = g.b
+    return b.select(b.icmp_unsigned("<", codes, g.const8(8)), b.sub(g.const8(0), xv), xv)
+
+
+def _tile_values(g: _Ir, kind: str, p: Any, j: int) -> Any:
+    """<32 x i8>: the unsigned operand values of 32-value block j (the sub-block within a K-quant or
+    IQ4_XS super-block; 0 otherwise) of the block or super-block at byte pointer p: the weights' own
+    values (nibbles, 5- and 6-bit values), or IQ4's levels (+ 128, or |level| on AVX2)."""
+    b = g.b
+    if kind == "q8_0":  # w + 128 (bits xor 0x80), or |w| on AVX2 (w's sign then goes onto x)
+        w = g.bytes(p, 2)
+        if _DOT4 == "avx2":
+            return b.select(b.icmp_signed("<", w, g.const8(0)), b.sub(g.const8(0), w), w)
+        return b.xor(w, g.const8(-128))
+    if kind in ("q4_0", "q5_0", "q4_1", "q5_1"):
+        qs_at = {"q4_0": 2, "q5_0": 6, "q4_1": 4, "q5_1": 8}[kind]
+        q = _nibble_values(g, p, qs_at)
+        return _fifth_bits(g, q, p, qs_at - 4) if kind in ("q5_0", "q5_1") else q
+    if kind in _IQ4_CODES_AT:
+        return _iq4_lookup(g, _iq4_codes(g, kind, p, j))
     if kind in ("q4_k", "q5_k"):  # sub-block j: low (j even) or high nibbles of 32 bytes 32 * (j >> 1)
         qs = g.bytes(p, (16 if kind == "q4_k" else 48) + 32 * (j >> 1))
         q = b.and_(b.lshr(qs, g.const8(4 * (j & 1))), g.const8(15))
@@ -952,8 +1136,9 @@ def _word_of(g: _Ir, q: Any, m: int) -> Any:
     return g.b.bitcast(g.b.shuffle_vector(words, words, _lanes([m] * 8)), _ir.VectorType(_I8, 32))
 
 
-_TILE_BLOCK = {"q8_0": (34, 1), "q4_0": (18, 1), "q5_0": (22, 1), "q4_k": (144, 8), "q5_k": (176, 8),
-               "q6_k": (210, 8)}  # (bytes of a block or super-block, 32-value blocks in it)
+_TILE_BLOCK = {"q8_0": (34, 1), "q4_0": (18, 1), "q5_0": (22, 1), "q4_1": (20, 1), "q5_1": (24, 1),
+               "iq4_nl": (18, 1), "q4_k": (144, 8), "q5_k": (176, 8), "q6_k": (210, 8),
+               "iq4_xs": (136, 8)}  # (bytes of a block or super-block, 32-value blocks in it)
 
 
 def _tile_ir(g: _Ir, kind: str, rows: list[Any], x: Any, dx: Any, xs: Any, xh: Any, nb: Any, ahead: Any,
@@ -971,8 +1156,7 @@ def _tile_ir(g: _Ir, kind: str, rows: list[Any], x: Any, dx: Any, xs: Any, xh: A
     with _cgutils.for_range(b, count) as loop:
         ps = [g.at(r, b.mul(loop.index, _ir.Constant(_I64, size))) for r in rows]
         for p in ps:  # the rows' next blocks, on their way while these are multiplied
-            b.call(_declare(b, "llvm.prefetch.p0i8", _ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]),
-                   [g.at(p, ahead), _i32(0), _i32(3), _i32(1)])
+            _prefetch_ir(b, g.at(p, ahead))
         for j in range(per):
             bi = b.add(b.mul(loop.index, _ir.Constant(_I64, per)), _ir.Constant(_I64, j))
             terms = _tile_block_terms(g, kind, ps, j, bi, x, dx, xs, xh)
@@ -995,6 +1179,7 @@ def _tile_block_terms(g: _Ir, kind: str, ps: list[Any], j: int, bi: Any, x: Any,
     xsv = g.load(g.at(xs, lane), v8)
     sums: list[list[Any]] = [[None, None] for _ in ps]  # Q6_K: two halves; else [sum, None]
     values = [None if kind == "q8_0" else _tile_values(g, kind, p, j) for p in ps]
+    codes = [_iq4_codes(g, kind, p, j) if kind in _IQ4_CODES_AT and _DOT4 == "avx2" else None for p in ps]
     for m in range(8):
         xv = g.bytes(xb, 32 * m)
         half = 1 if kind == "q6_k" and m >= 4 else 0
@@ -1009,28 +1194,28 @@ def _tile_block_terms(g: _Ir, kind: str, ps: list[Any], j: int, bi: Any, x: Any,
                 else:
                     u, s = b.xor(w, g.const8(-128)), xv
             else:
-                u, s = _word_of(g, values[k], m), xv
+                u = _word_of(g, values[k], m)
+                s = xv if codes[k] is None else _negated_where(g, _word_of(g, codes[k], m), xv)
             sums[k][half] = g.dot4(u, s, sums[k][half])
     terms = []
     for k, p in enumerate(ps):
         lo, hi = sums[k]
-        offset = {"q8_0": 0 if sign_trick else 128, "q4_0": 8, "q5_0": 16}.get(kind, 0)
-        if offset:
-            lo = b.sub(lo, b.mul(xsv, _ir.Constant(v8, [offset] * 8)))
-        if kind in ("q8_0", "q4_0", "q5_0"):
-            terms.append(b.fmul(b.fmul(g.splat(g.f16(p, 0)), dxv), b.sitofp(lo, v8f)))
-        elif kind in ("q4_k", "q5_k"):
+        if kind in ("q4_k", "q5_k"):
             sc, mn = _k_scales_mins_ir(g, g.at(p, 4))
             scj, mnj = (g.splat(b.extract_element(v, _i32(j))) for v in (sc, mn))
             terms.append(b.fsub(b.fmul(b.fmul(g.splat(g.f16(p, 0)), dxv), b.sitofp(b.mul(scj, lo), v8f)),
                                 b.fmul(b.fmul(g.splat(g.f16(p, 2)), dxv), b.sitofp(b.mul(mnj, xsv), v8f))))
-        else:  # q6_k: each half minus 32 * its activation sum, times its int8 scale
+        elif kind == "q6_k":  # each half minus 32 * its activation sum, times its int8 scale
             hsum = g.at(xh, b.mul(bi, _ir.Constant(_I64, 16)))
-            scale = [g.splat(b.sext(g.load(g.at(p, 192 + 2 * j + e), _I8), _I32)) for e in (0, 1)]
+            halves = [g.splat(b.sext(g.load(g.at(p, 192 + 2 * j + e), _I8), _I32)) for e in (0, 1)]
             diffs = [b.sub(v, b.mul(g.load(g.at(hsum, 8 * e), v8), _ir.Constant(v8, [32] * 8)))
                      for e, v in enumerate((lo, hi))]
-            s = b.add(b.mul(diffs[0], scale[0]), b.mul(diffs[1], scale[1]))
+            s = b.add(b.mul(diffs[0], halves[0]), b.mul(diffs[1], halves[1]))
             terms.append(b.fmul(b.fmul(g.splat(g.f16(p, 208)), dxv), b.sitofp(s, v8f)))
+        else:  # the 32-value types and IQ4_XS: _block_terms, its lanes the activation rows
+            mins = g.splat(g.f16(p, 2)) if kind in ("q4_1", "q5_1") else None
+            scale = g.splat(b.extract_element(_iq4_xs_scales_ir(g, p), _i32(j))) if kind == "iq4_xs" else None
+            terms.append(_block_terms(g, kind, lo, dxv, xsv, g.splat(g.f16(p, 0)), mins, scale))
     return terms
 
 
@@ -1065,7 +1250,8 @@ def _tile_intrinsic(kind: str) -> Any:
     return tile
 
 
-_TILE_KIND = {_Q8_0: "q8_0", _Q4_0: "q4_0", _Q5_0: "q5_0", _Q4_K: "q4_k", _Q5_K: "q5_k", _Q6_K: "q6_k"}
+_TILE_KIND = {_Q8_0: "q8_0", _Q4_0: "q4_0", _Q5_0: "q5_0", _Q4_1: "q4_1", _Q5_1: "q5_1", _IQ4_NL: "iq4_nl",
+              _Q4_K: "q4_k", _Q5_K: "q5_k", _Q6_K: "q6_k", _IQ4_XS: "iq4_xs"}
 
 
 def _tile_kernel(t: int) -> Any:
@@ -1240,6 +1426,57 @@ def _terms_q5_0(rows, x: QuantizedRows):
     return (_f16_field(blocks, 0) * x.d[:, None, :]) * isum.astype(F32)
 
 
+def _terms_affine(rows, x: QuantizedRows, size: int, fifth: bool):
+    """Q4_1 / Q5_1: x = d*q + m; terms (d * dx) * isum + (m * dx) * bsum."""
+    k, n_out, _ = rows.shape
+    blocks = rows.reshape(k, n_out, -1, size)
+    qs = blocks[..., size - 16 : size].astype(np.int32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=3)
+    if fifth:
+        qh = blocks[..., 4:8].copy().view("<u4").astype(np.int64)
+        q = q | (((qh >> np.arange(32)) & 1) << 4).astype(np.int32)
+    xq = x.q.reshape(-1, 1, blocks.shape[2], 32).astype(np.int32)
+    isum = (q * xq).sum(axis=3, dtype=np.int32)
+    dx = x.d[:, None, :]
+    return (_f16_field(blocks, 0) * dx) * isum.astype(F32) + (_f16_field(blocks, 2) * dx) * x.s[:, None, :].astype(F32)
+
+
+def _terms_q4_1(rows, x: QuantizedRows):
+    return _terms_affine(rows, x, 20, False)
+
+
+def _terms_q5_1(rows, x: QuantizedRows):
+    return _terms_affine(rows, x, 24, True)
+
+
+def _iq4_levels(codes: np.ndarray) -> np.ndarray:
+    """(..., 16) code bytes -> (..., 32) int32 levels: value l < 16 from byte l's low nibble, 16 + l
+    from its high nibble."""
+    c = codes.astype(np.int32)
+    return Q.KVALUES.astype(np.int32)[np.concatenate([c & 15, c >> 4], axis=-1)]
+
+
+def _terms_iq4_nl(rows, x: QuantizedRows):
+    k, n_out, _ = rows.shape
+    blocks = rows.reshape(k, n_out, -1, 18)
+    xq = x.q.reshape(-1, 1, blocks.shape[2], 32).astype(np.int32)
+    isum = (_iq4_levels(blocks[..., 2:18]) * xq).sum(axis=3, dtype=np.int32)
+    return (_f16_field(blocks, 0) * x.d[:, None, :]) * isum.astype(F32)
+
+
+def _terms_iq4_xs(rows, x: QuantizedRows):
+    """x = d * (ls - 32) * level per sub-block of 32; terms (d * dx) * ((ls - 32) * isum)."""
+    k, n_out, _ = rows.shape
+    blocks = rows.reshape(k, n_out, -1, 136)
+    nsb = blocks.shape[2]
+    levels = _iq4_levels(blocks[..., 8:136].reshape(k, n_out, nsb * 8, 16))
+    xq = x.q.reshape(-1, 1, nsb * 8, 32).astype(np.int32)
+    isum = (levels * xq).sum(axis=3, dtype=np.int32)
+    ls = Q.iq4_xs_scales(blocks.reshape(-1, 136)).astype(np.int32).reshape(k, n_out, nsb * 8)
+    d = np.repeat(_f16_field(blocks, 0), 8, axis=2)
+    return (d * x.d[:, None, :]) * (ls * isum).astype(F32)
+
+
 def _terms_k_affine(blocks, q, x: QuantizedRows):
     """Q4_K / Q5_K: q (k, n_out, nsb, 8, 32) in 0..31; x = d*sc*q - dmin*m per sub-block of 32."""
     k, n_out, nsb = blocks.shape[:3]
@@ -1293,8 +1530,9 @@ def _terms_q6_k(rows, x: QuantizedRows):
     return (d * x.d[:, None, :]) * isum.astype(F32)
 
 
-_TWIN_TERMS = {Q.Q8_0: _terms_q8_0, Q.Q4_0: _terms_q4_0, Q.Q5_0: _terms_q5_0, Q.Q4_K: _terms_q4_k, Q.Q5_K: _terms_q5_k,
-               Q.Q6_K: _terms_q6_k}
+_TWIN_TERMS = {Q.Q8_0: _terms_q8_0, Q.Q4_0: _terms_q4_0, Q.Q5_0: _terms_q5_0, Q.Q4_1: _terms_q4_1,
+               Q.Q5_1: _terms_q5_1, Q.IQ4_NL: _terms_iq4_nl, Q.Q4_K: _terms_q4_k, Q.Q5_K: _terms_q5_k,
+               Q.Q6_K: _terms_q6_k, Q.IQ4_XS: _terms_iq4_xs}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from minecart.engine.model import load_model
 
 from tests._moe import tiny_moe_file
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_1, Q.Q5_1, Q.IQ4_NL, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+SUPER_BLOCK_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)  # 256 values a block
 U = 2.0**-24  # float32 unit roundoff
 
 
@@ -33,8 +34,13 @@ def random_stack(rng, t, n_experts, n_out, n_in):
     bv, bb = Q.BLOCK_SIZES[t]
     raw = rng.integers(0, 256, (n_experts, n_out, n_in // bv, bb), dtype=np.uint8)
     sh = (n_experts, n_out, n_in // bv, 1)
-    if t in (Q.Q8_0, Q.Q4_0, Q.Q5_0):
+    if t in (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.IQ4_NL):
         raw[..., 0:2] = _f16_bytes(rng, sh, 0.02)
+    elif t in (Q.Q4_1, Q.Q5_1):  # d and m
+        raw[..., 0:2] = _f16_bytes(rng, sh, 0.02)
+        raw[..., 2:4] = _f16_bytes(rng, sh, 0.1)
+    elif t == Q.IQ4_XS:
+        raw[..., 0:2] = _f16_bytes(rng, sh, 2e-3)
     elif t in (Q.Q4_K, Q.Q5_K):
         raw[..., 0:2] = _f16_bytes(rng, sh, 2e-3)
         raw[..., 2:4] = _f16_bytes(rng, sh, 2e-3)
@@ -46,7 +52,7 @@ def random_stack(rng, t, n_experts, n_out, n_in):
 def _n_in(t, seed=0):
     """Row lengths: K types 2, 1 or 3 super-blocks; the others 3, 10 or 17 blocks (the kernels take
     them 8 at a time, then one at a time: the tail alone, both, and two groups plus a tail)."""
-    if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    if t in SUPER_BLOCK_TYPES:
         return [512, 256, 768][seed]
     return [96, 320, 544][seed]
 
@@ -56,14 +62,17 @@ def _gguf_dense(w: C.ExpertStack) -> np.ndarray:
     return np.asarray(deq, np.float64).reshape(w.n_experts, w.n_out, w.n_in)
 
 
+_QUANTS_FROM = {Q.Q4_K: 16, Q.Q5_K: 16, Q.Q4_1: 4, Q.Q5_1: 4}  # affine types: where the quants start
+
+
 def _offsets(w: C.ExpertStack) -> np.ndarray:
-    """|dmin*m| per weight of a K-affine type (0 for the others), decoded by gguf from the same blocks
-    with every quant set to 0 (x = d*sc*0 - dmin*m)."""
-    if w.ggml_type not in (Q.Q4_K, Q.Q5_K):
+    """|offset| per weight of an affine type (0 for the others): dmin*m of a K-affine type, m of Q4_1 /
+    Q5_1, decoded by gguf from the same blocks with every quant set to 0 (x = d*sc*0 - dmin*m, d*0 + m)."""
+    if w.ggml_type not in _QUANTS_FROM:
         return np.zeros((w.n_experts, w.n_out, w.n_in))
     bb = Q.BLOCK_SIZES[w.ggml_type][1]
     raw = np.array(w.raw).reshape(w.n_experts, w.n_out, -1, bb)
-    raw[..., 16:] = 0
+    raw[..., _QUANTS_FROM[w.ggml_type]:] = 0
     return np.abs(_gguf_dense(C.ExpertStack(raw.reshape(w.raw.shape), w.ggml_type, w.n_in)))
 
 
@@ -342,8 +351,8 @@ def test_non_finite_activations_give_nan_outputs_not_garbage():
 
 def test_expert_stack_rejects_unsupported_types_and_bad_rows():
     rng = np.random.default_rng(3)
-    with pytest.raises(ValueError, match="Q5_1"):
-        C.ExpertStack(rng.integers(0, 256, (2, 3, 24), dtype=np.uint8), Q.Q5_1, 32)
+    with pytest.raises(ValueError, match="F16"):
+        C.ExpertStack(rng.integers(0, 256, (2, 3, 64), dtype=np.uint8), Q.F16, 32)
     with pytest.raises(ValueError, match="bytes per row"):
         C.ExpertStack(rng.integers(0, 256, (2, 3, 36), dtype=np.uint8), Q.Q8_0, 32)
     w = random_stack(rng, Q.Q8_0, 2, 3, 32)

@@ -25,13 +25,20 @@ from minecart.engine.backends.numpy_backend import NumpyBackend, NumpyWeight
 from minecart.engine.model import load_model, open_model_file
 from minecart.engine.placement import Placement, model_costs
 
-from tests.engine.test_cpu_experts import TYPES, _bounds, _gguf_dense, _offsets, random_stack
+from tests.engine.test_cpu_experts import (
+    SUPER_BLOCK_TYPES,
+    TYPES,
+    _bounds,
+    _gguf_dense,
+    _offsets,
+    random_stack,
+)
 
 pytestmark = pytest.mark.skipif(not C.numba_available(), reason="numba is not installed")
 
 
 def _n_in(t: int) -> int:
-    return 512 if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 544  # two super-blocks; 17 blocks (8 + 8 + 1)
+    return 512 if t in SUPER_BLOCK_TYPES else 544  # two super-blocks; 17 blocks (8 + 8 + 1)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=Q.type_name)
