@@ -600,9 +600,10 @@ def _block_terms(g: _Ir, kind: str, isum: Any, dxv: Any, xsv: Any, d: Any, mins:
     from the lanes' dot products `isum` of the unsigned operand (_tile_values) with x (_signed_x),
     activation scales dxv and block sums xsv, and the weight's scales d, Q4_1 / Q5_1's mins, IQ4_XS's
     sub-block scales (each <8 x ...>, lane by lane):
-      Q4_1, Q5_1  (d * dx) * isum + (m * dx) * bsum
-      IQ4_NL      (d * dx) * isum        IQ4_XS  (d * dx) * (ls * isum)
-    where isum has the offset of the operand taken off (128 * bsum for a code's value + 128)."""
+      Q8_0, Q4_0, Q5_0, IQ4_NL  (d * dx) * isum
+      Q4_1, Q5_1                (d * dx) * isum + (m * dx) * bsum
+      IQ4_XS                    (d * dx) * ((ls - 32) * isum)
+    where isum has the operand's offset taken off first (_operand_offset * bsum)."""
     b = g.b
     v8, v8f = _ir.VectorType(_I32, 8), _ir.VectorType(_FLOAT, 8)
     offset = _operand_offset(kind)
@@ -1007,22 +1008,38 @@ def _pack_lanes(x: QuantizedRows, halves: bool) -> PackedLanes:
     t, k = x.q.shape
     nb = k // QBLOCK
     groups = -(-t // TILE_LANES)
-    pad = groups * TILE_LANES
+    xp = np.zeros(groups * k * TILE_LANES, np.int8)
+    dp = np.zeros(groups * nb * TILE_LANES, F32)
+    sp = np.zeros(groups * nb * TILE_LANES, np.int32)
+    hp = np.zeros(groups * nb * 2 * TILE_LANES if halves else 1, np.int32)
+    q, d, s = _kernel_rows(x)
+    _pack_lanes_nb(q.view(np.int32), d, s, q, halves, xp.view(np.int32), dp, sp, hp)
+    return PackedLanes(t, nb, xp, dp, sp, hp)
 
-    def padded(a: np.ndarray, dtype: Any) -> np.ndarray:
-        out = np.zeros((pad, *a.shape[1:]), dtype)
-        out[:t] = a
-        return out
 
-    def lanes_last(a: np.ndarray) -> np.ndarray:  # (pad, *rest) -> (groups, *rest, lanes), flat
-        a = a.reshape(groups, TILE_LANES, *a.shape[1:])
-        return np.ascontiguousarray(np.moveaxis(a, 1, -1)).reshape(-1)
-
-    q = padded(x.q, np.int8)
-    xp = np.ascontiguousarray(q.reshape(groups, TILE_LANES, k // 4, 4).transpose(0, 2, 1, 3)).reshape(-1)
-    h = (lanes_last(q.reshape(pad, nb, 2, 16).sum(axis=3, dtype=np.int32)) if halves
-         else np.zeros(1, np.int32))
-    return PackedLanes(t, nb, xp, lanes_last(padded(x.d, F32)), lanes_last(padded(x.s, np.int32)), h)
+@njit(cache=True)
+def _pack_lanes_nb(q32, d, s, q, halves, xp32, dp, sp, hp):  # pragma: no cover - compiled
+    """Row r of the T rows into lane r % 8 of group r // 8 (the arrays zeroed by the caller: padding
+    lanes stay zero): its 4-byte words, block scales, block sums and (halves) half-block sums."""
+    t, words = q32.shape
+    nb = d.shape[1]
+    for r in range(t):
+        g, lane = r // 8, r % 8
+        base = g * words * 8
+        for i in range(words):
+            xp32[base + 8 * i + lane] = q32[r, i]
+        for b in range(nb):
+            at = (g * nb + b) * 8 + lane
+            dp[at] = d[r, b]
+            sp[at] = s[r, b]
+            if halves:
+                h0 = 0
+                h1 = 0
+                for c in range(16):
+                    h0 += q[r, 32 * b + c]
+                    h1 += q[r, 32 * b + 16 + c]
+                hp[(g * nb + b) * 16 + lane] = h0
+                hp[(g * nb + b) * 16 + 8 + lane] = h1
 
 
 def _word_splat(g: _Ir, word: Any) -> Any:
@@ -1177,7 +1194,9 @@ def _tile_block_terms(g: _Ir, kind: str, ps: list[Any], j: int, bi: Any, x: Any,
     lane = b.mul(bi, _ir.Constant(_I64, 8))
     dxv = g.load(g.at(dx, lane), v8f)
     xsv = g.load(g.at(xs, lane), v8)
-    sums: list[list[Any]] = [[None, None] for _ in ps]  # Q6_K: two halves; else [sum, None]
+    # two chains of dot products per row and half (even and odd words), added at the end: one chain of
+    # 8 dependent multiply-adds a block held the tile to the instruction's latency
+    sums: list[list[Any]] = [[None, None, None, None] for _ in ps]  # Q6_K: two halves; else one
     values = [None if kind == "q8_0" else _tile_values(g, kind, p, j) for p in ps]
     codes = [_iq4_codes(g, kind, p, j) if kind in _IQ4_CODES_AT and _DOT4 == "avx2" else None for p in ps]
     for m in range(8):
@@ -1196,10 +1215,12 @@ def _tile_block_terms(g: _Ir, kind: str, ps: list[Any], j: int, bi: Any, x: Any,
             else:
                 u = _word_of(g, values[k], m)
                 s = xv if codes[k] is None else _negated_where(g, _word_of(g, codes[k], m), xv)
-            sums[k][half] = g.dot4(u, s, sums[k][half])
+            chain = 2 * half + m % 2
+            sums[k][chain] = g.dot4(u, s, sums[k][chain])
     terms = []
     for k, p in enumerate(ps):
-        lo, hi = sums[k]
+        lo = b.add(sums[k][0], sums[k][1])
+        hi = b.add(sums[k][2], sums[k][3]) if kind == "q6_k" else None
         if kind in ("q4_k", "q5_k"):
             sc, mn = _k_scales_mins_ir(g, g.at(p, 4))
             scj, mnj = (g.splat(b.extract_element(v, _i32(j))) for v in (sc, mn))
@@ -1591,7 +1612,7 @@ def dense_matmul(w: ExpertStack, x: np.ndarray, *, fast: bool = True,
         return expert_matvec(w, np.zeros(xv.shape[0], np.int64), xr, fast=False)
     _need_numba()
     n_threads = set_threads(threads)
-    out = np.full((xv.shape[0], w.n_out), np.nan, F32)  # poisoned: a skipped row shows as NaN
+    out = np.empty((xv.shape[0], w.n_out), F32)  # every value is written (tests compare all with the twin)
     if xv.shape[0] == 1:
         xq, xd, xs = _kernel_rows(xr)
         _DENSE[w.ggml_type](w.raw, xq, xd, xs, _F16_TABLE, out)
