@@ -466,7 +466,7 @@ def load_model(path, placement=None, devices=None, *, backend=None,
     when no placement is given).
     cpu_weights: how a model on the CPU alone holds its matmul weights when no placement is given
     (CPU_WEIGHTS): "float32" (None: decoded copies, the reference, exact) or "stored" (as the file
-    stores them, int8 activations on engine/cpu_experts.py's kernels: 4-7x less RAM, 2-3x the decode
+    stores them, int8 activations on engine/cpu_experts.py's kernels: 4-7x less RAM, ~3x the decode
     speed). Beside a GPU the CPU's layers are always held as stored; a given placement's
     costs.layout decides for itself.
     """

@@ -1575,14 +1575,14 @@ CPU_DECODE_EFFICIENCY = 0.50
 # Beside a GPU (a plan that prices weights as stored), the CPU's layers keep the integer kernels' types as
 # the file stores them and decode on engine/cpu_experts.py's dense_matmul: their bytes at these
 # efficiencies; other types are float32 copies (4 bytes a value) at CPU_DECODE_EFFICIENCY. Measured on
-# the 2-core CI machine with one thread (2026-12-05, docs/BENCHMARKS.md v35 and v36): `tests/load/
-# bench_batch_decode.py --weights stored` on 0.8B-shaped synth files decoded 17.0 tokens/s on Q8_0
-# (799 MB of matrices; 16.4 before v36's Q8_0 blocks entered as w + 128) and 14.3 on Q4_K (423 MB);
-# less CPU_LAYER_SECONDS that is 16.2 and 7.0 GB/s; the others from the kernel alone on 24 3584 x 1024
-# matrices in turn: Q6_K, Q4_0, Q5_0, Q5_K 12.2, 6.0, 4.3, 4.8 GB/s (v35); Q4_1, Q5_1, IQ4_NL, IQ4_XS 4.5,
-# 3.8, 5.8, 7.9 (v36; Q8_0 and Q4_K there: 12.7 and 7.9).
-CPU_INT_DECODE_EFFICIENCY = {"Q8_0": 1.35, "Q4_K": 0.58, "Q6_K": 1.01, "Q4_0": 0.50, "Q5_0": 0.36, "Q5_K": 0.40,
-                             "Q4_1": 0.38, "Q5_1": 0.32, "IQ4_NL": 0.48, "IQ4_XS": 0.66}
+# the 2-core CI machine with one thread (2026-12-05, docs/BENCHMARKS.md v36, after the one-row kernels
+# began to prefetch): `tests/load/bench_batch_decode.py --weights stored` on 0.8B-shaped synth files
+# decoded 21.4 tokens/s on Q8_0 (799 MB of matrices) and 17.6 on Q4_K (423 MB); less CPU_LAYER_SECONDS
+# that is 21.5 and 9.0 GB/s. The other types from the kernel alone on 24 3584 x 1024 matrices in turn:
+# Q6_K 13.0, Q4_0 10.3, Q5_0 8.4, Q5_K 8.6, Q4_1 7.8, Q5_1 6.6, IQ4_NL 8.6, IQ4_XS 9.2 GB/s (Q8_0 and Q4_K
+# there: 17.1 and 9.1). v35's rates, before the prefetch, were 0.50-0.73x these.
+CPU_INT_DECODE_EFFICIENCY = {"Q8_0": 1.79, "Q4_K": 0.75, "Q6_K": 1.08, "Q4_0": 0.86, "Q5_0": 0.70, "Q5_K": 0.72,
+                             "Q4_1": 0.65, "Q5_1": 0.55, "IQ4_NL": 0.72, "IQ4_XS": 0.77}
 CPU_EXPERT_DECODE_EFFICIENCY = 2.81
 POOL_EXPERT_DECODE_EFFICIENCY = 4.23
 HOST_EXPERT_LAYER_SECONDS = 0.0095e-3

@@ -63,8 +63,8 @@ def add_cpu_weights_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-weights", default="stored", choices=CPU_WEIGHTS,
                    help="how a model on the CPU alone holds its weights: stored (default: as the file "
                         "stores them, multiplied on int8 activations as llama.cpp does; 3-6x less RAM "
-                        "and 2-3x the decode speed for Q8_0, Q4_0, Q5_0, Q4_K, Q5_K and Q6_K, other "
-                        "types stay float32) or float32 (decoded copies: the exact reference). Beside a "
+                        "and ~3x the decode speed; F16 and BF16 stay float32) or float32 (decoded "
+                        "copies: the exact reference). Beside a "
                         "GPU the CPU's layers are always held as stored")
 
 
