@@ -983,7 +983,7 @@ def _dense_kernel(t: int) -> Any:
 # loops over tiles, a thread taking runs of 4-row jobs, each job's rows with every group in turn (so
 # the rows are read from memory once).
 
-TILE_ROWS, TILE_LANES = 4, 8
+TILE_LANES = 8  # activation rows a tile takes (one lane each); it takes 4 weight rows
 TILE_CHUNKS_PER_THREAD = 8  # runs of jobs a thread's share is cut into (a late thread's share is taken up)
 
 
