@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import cpu_gdn, cpu_matmul
+from .. import cpu_attention, cpu_gdn, cpu_matmul
 from ..sampling import TopLogits, top_logits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
@@ -222,13 +222,15 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
 
     def __init__(self, device: str = "cpu:0", *, int_experts: bool | None = None,
                  expert_threads: int | None = None, rows_kernel: bool = True, gdn_kernel: bool = True,
-                 int_weights: bool = False):
+                 attention_kernel: bool = True, int_weights: bool = False):
         """int_experts: a decode token's routed experts on the integer kernels (engine/cpu_experts.py);
         None: wherever numba imports. expert_threads: their threads, and those of the rows kernel (None:
         engine.threads.expert_threads: --threads N, else the BLAS rule). rows_kernel: matmuls of
         2-16 rows (a batched decode step) on engine/cpu_matmul.py's kernel where numba imports; False
         keeps BLAS. gdn_kernel: a decode token's Gated DeltaNet recurrence on engine/cpu_gdn.py's
-        kernel where numba imports; False keeps its NumPy twin. int_weights: matmul weights of the
+        kernel where numba imports; False keeps its NumPy twin. attention_kernel: the attention of a
+        decode token or short chunk over a float32 / float16 cache on engine/cpu_attention.py's kernel
+        where numba imports; False keeps its NumPy twin. int_weights: matmul weights of the
         integer kernels' types held as the file stores them and multiplied on int8 activations
         (engine/cpu_experts.py dense_matmul; see hold_weights); False: decoded to float32 at load, the
         reference."""
@@ -239,6 +241,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         self.expert_threads = expert_threads
         self.rows_kernel = rows_kernel
         self.gdn_kernel = gdn_kernel
+        self.attention_kernel = attention_kernel
         self.int_weights = int_weights
         # a MoE layer's expert tensors as cpu_experts stacks, made on first use: (weights, stacks) by
         # the weights' ids (int_expert_stacks)
@@ -325,7 +328,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     def prepare_kernels(self, gdn: bool) -> None:
         """The compiled kernels this backend decodes with (numba: each about 0.8 s the first time, a
         few hundredths of a second from its disk cache): the few-rows matmul of a batched step
-        (engine/cpu_matmul.py), and, when GDN layers decode here, their recurrence (engine/cpu_gdn.py).
+        (engine/cpu_matmul.py), a decode token's attention (engine/cpu_attention.py), and, when GDN
+        layers decode here, their recurrence (engine/cpu_gdn.py).
         One that does not compile is switched off with a warning: its NumPy twin runs."""
         if self.rows_kernel and cpu_matmul.available():
             threads = self.expert_thread_count()
@@ -333,6 +337,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
                                          "the few-rows matmul kernel", "BLAS")
         if gdn and self.gdn_kernel and cpu_gdn.available():
             self.gdn_kernel = _compiles(cpu_gdn.compile_kernel, "the Gated DeltaNet kernel", "its NumPy twin")
+        if self.attention_kernel and cpu_attention.available():
+            self.attention_kernel = _compiles(cpu_attention.compile_kernel, "the decode attention kernel",
+                                              "its NumPy twin")
 
     def free(self, obj) -> None:
         """Nothing to release on the host but the expert stacks made over obj's bytes."""
@@ -458,35 +465,14 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         return NumpyKVCache(n_kv_heads, head_dim, value_dim, capacity)
 
     def attention(self, q, k, v, cache: NumpyKVCache, *, scale: float, window: int = 0):
-        T, nh, _ = q.shape
         cache.append(k, v)
         L = cache.length
-        n_kv = cache.n_kv_heads
-        group = nh // n_kv
-        keys, values = (a.astype(F64) for a in cache.read(L))  # (L, n_kv, d); f16/q8_0/q3 caches widen
-        k_pos = np.arange(L)
-        dv = cache.value_dim
-        out = np.empty((T, nh, dv), F32)
-        kh = keys.transpose(1, 2, 0)[:, None]  # (n_kv, 1, d, L)
-        vh = values.transpose(1, 0, 2)[:, None]  # (n_kv, 1, L, dv)
-        # every head at once (head h = kv * group + g: contiguous GQA grouping), queries in blocks of
-        # ATTN_QUERY_BLOCK / nh, so a long prompt never holds more than ATTN_QUERY_BLOCK rows of float64
-        # scores per key; a decode token is one block (a batch of sequences calls this once per sequence)
-        block = max(1, ATTN_QUERY_BLOCK // nh)
-        for q0 in range(0, T, block):
-            q1 = min(q0 + block, T)
-            q_pos = np.arange(L - T + q0, L - T + q1)  # absolute index of each query
-            visible = k_pos[None, :] <= q_pos[:, None]  # causal
-            if window > 0:
-                visible &= k_pos[None, :] > q_pos[:, None] - window
-            qh = q[q0:q1].astype(F64).reshape(q1 - q0, n_kv, group, -1).transpose(1, 2, 0, 3)
-            scores = (qh @ kh) * scale  # (n_kv, group, queries, L)
-            scores = np.where(visible, scores, -np.inf)
-            scores -= scores.max(axis=-1, keepdims=True)
-            p = np.exp(scores)
-            p /= p.sum(axis=-1, keepdims=True)
-            out[q0:q1] = (p @ vh).transpose(2, 0, 1, 3).reshape(q1 - q0, nh, dv)
-        return out
+        # a decode token or a short chunk over a float32 / float16 cache: compiled (engine/cpu_attention.py);
+        # a long chunk, or a quantized cache (its read dequantizes): the float64 NumPy twin
+        if self.attention_kernel and isinstance(cache, NumpyKVCache) and cpu_attention.takes(cache.k, q.shape[0]):
+            return cpu_attention.attend(q, cache.k[:L], cache.v[:L], scale=scale, window=window)
+        keys, values = cache.read(L)
+        return cpu_attention.attend_twin(q, keys, values, scale=scale, window=window)
 
     # ---- vision tower ----------------------------------------------------------------------------
     def layer_norm(self, x, w, b, eps: float):

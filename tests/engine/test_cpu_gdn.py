@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from minecart.engine import cpu_gdn, cpu_matmul
+from minecart.engine import cpu_attention, cpu_gdn, cpu_matmul
 from minecart.engine.backends.numpy_backend import NumpyBackend
 
 needs_numba = pytest.mark.skipif(not cpu_gdn.available(), reason="numba is not installed")
@@ -93,8 +93,8 @@ def test_the_backend_runs_the_kernel_or_the_twin(monkeypatch):
 @pytest.mark.parametrize("which", ["qwen", "gemma"])
 def test_a_load_with_progress_compiles_the_host_kernels(which, fixtures_dir, tmp_path, monkeypatch):
     """A person waits for a load that reports progress: the CPU's kernels are compiled then, not in a
-    first token: the few-rows matmul of a batched step, and the recurrence of a model with Gated
-    DeltaNet layers (Gemma 3 has none)."""
+    first token: the few-rows matmul of a batched step, the decode attention, and the recurrence of a
+    model with Gated DeltaNet layers (Gemma 3 has none)."""
     from minecart.engine.model import load_model
 
     from tests._gemma3 import tiny_gemma3_file
@@ -102,13 +102,15 @@ def test_a_load_with_progress_compiles_the_host_kernels(which, fixtures_dir, tmp
     calls = []
     monkeypatch.setattr(cpu_gdn, "compile_kernel", lambda: calls.append("gdn"))
     monkeypatch.setattr(cpu_matmul, "compile_kernel", lambda threads: calls.append("rows"))
+    monkeypatch.setattr(cpu_attention, "compile_kernel", lambda: calls.append("attention"))
     path = (fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf" if which == "qwen"
             else tiny_gemma3_file(tmp_path / "gemma.gguf"))
     with load_model(path, devices=["cpu:0"], mmproj=False):
         assert calls == []  # no one waits: nothing compiled ahead
     with load_model(path, devices=["cpu:0"], mmproj=False, progress=lambda f, m: None):
         want = (["rows"] if cpu_matmul.available() else []) + (
-            ["gdn"] if which == "qwen" and cpu_gdn.available() else [])
+            ["gdn"] if which == "qwen" and cpu_gdn.available() else []) + (
+            ["attention"] if cpu_attention.available() else [])
         assert calls == want
 
 
@@ -120,6 +122,7 @@ def test_compile_kernel_compiles_the_signature_a_decode_token_uses(fixtures_dir)
 
     cpu_gdn.compile_kernel()
     cpu_matmul.compile_kernel(NumpyBackend().expert_thread_count())
+    cpu_attention.compile_kernel()
     with load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf", devices=["cpu:0"], mmproj=False) as m:
         sessions = [m.new_session(capacity=32) for _ in range(2)]
         for s in sessions:
@@ -128,6 +131,7 @@ def test_compile_kernel_compiles_the_signature_a_decode_token_uses(fixtures_dir)
         for s in sessions:
             s.close()
     assert len(cpu_gdn._compiled[0].signatures) == 1
+    assert len(cpu_attention._compiled[0].signatures) == 2  # the float32 and float16 caches, no third
     assert cpu_matmul._compiled and all(len(k.signatures) == 1 for k in cpu_matmul._compiled.values())
 
 
@@ -142,19 +146,22 @@ def test_a_kernel_that_does_not_compile_is_switched_off_not_fatal(fixtures_dir, 
     path = fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf"
     monkeypatch.setattr(cpu_gdn, "compile_kernel", broken)
     monkeypatch.setattr(cpu_matmul, "compile_kernel", broken)
+    monkeypatch.setattr(cpu_attention, "compile_kernel", broken)
     monkeypatch.setattr(cpu_gdn, "available", lambda: True)
     monkeypatch.setattr(cpu_matmul, "available", lambda: True)
+    monkeypatch.setattr(cpu_attention, "available", lambda: True)
     with caplog.at_level("WARNING"), load_model(path, devices=["cpu:0"], mmproj=False,
                                                 progress=lambda f, m: None) as m:
         backends = {id(b): b for b in m.backends.values()}.values()
-        assert all(not b.rows_kernel and not b.gdn_kernel for b in backends)
+        assert all(not b.rows_kernel and not b.gdn_kernel and not b.attention_kernel for b in backends)
         s = m.new_session(capacity=16)
         s.prefill([1, 2, 3, 4])
         got = s.prefill([5])  # one token: the decode form of the recurrence
     assert "did not compile" in caplog.text and "LLVM is broken" in caplog.text
     monkeypatch.undo()
     with load_model(path, devices=["cpu:0"], mmproj=False, backend=NumpyBackend(gdn_kernel=False,
-                                                                               rows_kernel=False)) as m:
+                                                                               rows_kernel=False,
+                                                                               attention_kernel=False)) as m:
         s = m.new_session(capacity=16)
         s.prefill([1, 2, 3, 4])
         want = s.prefill([5])
