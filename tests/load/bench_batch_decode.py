@@ -9,7 +9,8 @@ The machine this runs on is often shared, so each batch size is measured --repea
 taking turns, and the best run counts. Besides wall-clock rates it prints rates over the process's
 CPU time (the engine runs one thread here), which other programs' load disturbs far less.
 --rows-kernel off runs the batch's matmuls on BLAS instead of engine/cpu_matmul.py, --gdn-kernel off
-the Gated DeltaNet recurrence on its NumPy twin instead of engine/cpu_gdn.py (the "befores").
+the Gated DeltaNet recurrence on its NumPy twin instead of engine/cpu_gdn.py, --attention-kernel off a
+decode token's attention on its NumPy twin instead of engine/cpu_attention.py (the "befores").
 --weights stored holds the matmul weights as the file stores them and multiplies int8 activations
 (engine/cpu_experts.py dense_matmul, as a plan beside a GPU holds the CPU's layers); float32 is the
 reference backend's decoded copies.
@@ -67,6 +68,8 @@ def main() -> None:
                     help="off: batched matmuls on BLAS instead of engine/cpu_matmul.py")
     ap.add_argument("--gdn-kernel", choices=("on", "off"), default="on",
                     help="off: the Gated DeltaNet recurrence on NumPy instead of engine/cpu_gdn.py")
+    ap.add_argument("--attention-kernel", choices=("on", "off"), default="on",
+                    help="off: a decode token's attention on NumPy instead of engine/cpu_attention.py")
     ap.add_argument("--weights", choices=("float32", "stored"), default="float32",
                     help="stored: matmul weights as the file stores them, on the integer kernels")
     args = ap.parse_args()
@@ -79,13 +82,14 @@ def main() -> None:
     for path in paths:
         model = load_model(path, backend=NumpyBackend(rows_kernel=args.rows_kernel == "on",
                                                       gdn_kernel=args.gdn_kernel == "on",
+                                                      attention_kernel=args.attention_kernel == "on",
                                                       int_weights=args.weights == "stored"))
         decode_rate(model, max(batches), 2)  # warm-up (and the kernel's compilation)
         rates = measure(model, batches, args.steps, args.repeat)
         base = min(batches)
         for i, label in ((0, "wall"), (1, "cpu time")):
             print(f"{path.name} [{label}, {args.weights} weights, rows kernel {args.rows_kernel}, "
-                  f"gdn kernel {args.gdn_kernel}]: " + ", ".join(
+                  f"gdn kernel {args.gdn_kernel}, attention kernel {args.attention_kernel}]: " + ", ".join(
                 f"B={b}: {r[i]:.1f} tok/s ({r[i] / rates[base][i]:.2f}x)" for b, r in rates.items()),
                 flush=True)
         # Linux reports KiB; the peak of the whole process, so of this model only when it is the first
