@@ -1,8 +1,9 @@
 """Concurrent completions through the scheduler, and a shared system prompt through its prefix cache.
 
 Run by hand, not by pytest: `python tests/load/bench_scheduler.py [MODEL.gguf]` (default: the demo
-model). Prints (1) aggregate generated tokens/s of 1, 4 and 8 concurrent greedy completions (each a
-different prompt, --tokens long), with the ratio to one alone; (2) time to first token of a
+model). Prints (1) aggregate generated tokens/s of 1, 4 and 8 concurrent greedy completions (each its
+own --prompt-token prompt, the same length for every request and count; --tokens long), with the ratio
+to one alone; (2) time to first token of a
 128-token prompt alone and while 7 others decode; (3) time to first token of 10 requests that share
 a --system-token prompt and differ in a short tail, the first one filling the cache.
 """
@@ -22,11 +23,12 @@ from minecart.engine.sampling import greedy_params
 from minecart.engine.scheduler import Scheduler
 
 
-def concurrent_rate(sched: Scheduler, n: int, tokens: int, seed: int) -> tuple[float, float]:
+def concurrent_rate(sched: Scheduler, n: int, tokens: int, seed: int, prompt: int = 20) -> tuple[float, float]:
     """(generated tokens/s over wall-clock time, the same over this process's CPU time) of n
-    concurrent greedy completions."""
+    concurrent greedy completions, each of its own `prompt`-token prompt: every request the same size
+    whatever n, so n at once against one alone compares the same work."""
     rng = np.random.default_rng(seed)
-    prompts = [[2] + [int(t) for t in rng.integers(1000, 20000, 10 + 3 * i)] for i in range(n)]
+    prompts = [[2] + [int(t) for t in rng.integers(1000, 20000, prompt - 1)] for _ in range(n)]
     counts = [0] * n
 
     def run(i: int) -> None:
@@ -99,6 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("model", nargs="?", help="GGUF file (default: the demo model)")
     ap.add_argument("--tokens", type=int, default=24, help="tokens per completion")
+    ap.add_argument("--prompt", type=int, default=20, help="tokens of each completion's prompt")
     ap.add_argument("--system", type=int, default=2048, help="tokens of the shared system prompt")
     ap.add_argument("--repeat", type=int, default=2, help="rounds of the concurrent runs; best counts")
     ap.add_argument("--rows-kernel", choices=("on", "off"), default="on",
@@ -126,7 +129,7 @@ def main() -> None:
         rates = {n: (0.0, 0.0) for n in (1, 4, 8)}
         for _ in range(args.repeat):  # the sizes take turns; the best of each counts
             for n in rates:
-                wall, cpu = concurrent_rate(sched, n, args.tokens, n)
+                wall, cpu = concurrent_rate(sched, n, args.tokens, n, args.prompt)
                 rates[n] = (max(rates[n][0], wall), max(rates[n][1], cpu))
         m = sched.metrics()
     finally:
