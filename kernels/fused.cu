@@ -86,8 +86,14 @@ extern "C" __global__ void swiglu_q8(const float* __restrict__ gate, const float
 //   S <- a S + k d^T, o = a r + (k . q) d,
 // then the gated RMSNorm over the head's DV outputs and their q8_1 blocks, all inside the block: no block
 // waits for another, and no output makes a round trip through memory before it is normalized.
-// The state loads (and the norm's z and weights) are issued first, so their latency overlaps the conv,
-// the norms and the gates, which every block recomputes for its key head (q, k) and its own v channels.
+// One sequence (gdn_decode, LATE false): the state loads (and the norm's z and weights) are issued first,
+// so their latency overlaps the conv, the norms and the gates, which every block recomputes for its key
+// head (q, k) and its own v channels; 95 registers a thread, one block a multiprocessor, and only n_v
+// blocks in all. A batch (gdn_decode_batch, LATE true: n_v x B blocks) loads the state after the conv
+// instead: 64 registers, so two blocks share a multiprocessor and one block's state stream overlaps the
+// other's conv and delta-rule step. H200, 9B shape, states out of L2 (tools/bench_gdn_decode.py,
+// docs/BENCHMARKS.md v37): 8 sequences 18.8 -> 13.7 us (44 -> 60% of the copy bandwidth), 32 sequences
+// 63.8 -> 43.8 us (52 -> 76%); one sequence keeps the early loads (6.9 us either way).
 // Conv state: the v channels of head j belong to block j alone and are shifted in place. The q/k
 // channels of key head kh are read by every block with j % n_k == kh, so they must be shifted only after
 // all of those blocks have read them: each block counts itself in counters[kh] once its reads are done
@@ -115,7 +121,7 @@ __device__ __forceinline__ void block_sum3(float& a, float& b, float& c, float (
     c = warp_sum(c);
 }
 
-template <int DK>
+template <int DK, bool LATE>
 __device__ __forceinline__ void gdn_decode_body(
         const float* __restrict__ mixed, const float* __restrict__ z, const float* __restrict__ bet,
         const float* __restrict__ alpha, float* __restrict__ conv_state, const float* __restrict__ conv_w,
@@ -143,8 +149,10 @@ __device__ __forceinline__ void gdn_decode_body(
     // 0. this thread's state rows of column c, the gate inputs, and the norm's inputs for column tid
     float* sp = state + (i64)j * DK * DV + (i64)(wq * RW) * DV + c;
     float S[RW];
+    if constexpr (!LATE) {
 #pragma unroll
-    for (int i = 0; i < RW; i++) S[i] = col ? sp[(i64)i * DV] : 0.0f;
+        for (int i = 0; i < RW; i++) S[i] = col ? sp[(i64)i * DV] : 0.0f;
+    }
     const float a_raw = ssm_a[j], al = alpha[j], dtb = dt_bias[j], braw = bet[j];
     const float zt = tid < DV ? z[(i64)j * DV + tid] : 0.0f;
     const float nw = tid < DV ? norm_w[tid] : 0.0f;
@@ -180,6 +188,10 @@ __device__ __forceinline__ void gdn_decode_body(
         }
     }
     __syncthreads();  // every read of the q/k conv state of this block is done (values in shared memory)
+    if constexpr (LATE) {
+#pragma unroll
+        for (int i = 0; i < RW; i++) S[i] = col ? sp[(i64)i * DV] : 0.0f;
+    }
     int prev = 0;
     if (tid == 0) prev = atomicAdd(&counters[kh], 1);  // used at the end
 
@@ -270,7 +282,7 @@ __global__ void __launch_bounds__(512) gdn_decode(
         float* __restrict__ state, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
-    gdn_decode_body<DK>(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, norm_w, state, y, xq, xd, xs,
+    gdn_decode_body<DK, false>(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, norm_w, state, y, xq, xd, xs,
                         counters, n_k, n_v, DV, KW, q_scale, eps);
 }
 
@@ -280,7 +292,7 @@ __global__ void __launch_bounds__(512) gdn_decode(
 // states stay where its session allocated them), and whose counters are the n_k at counters + s n_k.
 // The q8_1 blocks of row s follow those of row s - 1 (quantize_q8_1 of (B, n_v DV)).
 template <int DK>
-__global__ void __launch_bounds__(512) gdn_decode_batch(
+__global__ void __launch_bounds__(512, 2) gdn_decode_batch(
         const float* __restrict__ mixed, const float* __restrict__ z, const float* __restrict__ bet,
         const float* __restrict__ alpha, float* const* __restrict__ conv_states, const float* __restrict__ conv_w,
         const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
@@ -289,7 +301,7 @@ __global__ void __launch_bounds__(512) gdn_decode_batch(
         float eps) {
     i64 s = blockIdx.y;
     i64 C = 2 * (i64)n_k * DK + (i64)n_v * DV, HV = (i64)n_v * DV;
-    gdn_decode_body<DK>(mixed + s * C, z + s * HV, bet + s * n_v, alpha + s * n_v, conv_states[s], conv_w, ssm_a,
+    gdn_decode_body<DK, true>(mixed + s * C, z + s * HV, bet + s * n_v, alpha + s * n_v, conv_states[s], conv_w, ssm_a,
                         dt_bias, norm_w, states[s], y + s * HV, xq != 0 ? xq + s * HV : xq,
                         xd != 0 ? xd + s * (HV >> 5) : xd, xs != 0 ? xs + s * (HV >> 5) : xs,
                         counters + s * n_k, n_k, n_v, DV, KW, q_scale, eps);
