@@ -2,7 +2,7 @@
 NumPy twin.
 
 What this is: the NumPy backend's `attention` after the new keys and values are appended (docs/qwen35.md
-3.5; Gemma 3's sliding layers pass a window): for each query row t at absolute position p and head h,
+3.3; Gemma 3's sliding layers pass a window): for each query row t at absolute position p and head h,
 softmax over the visible keys l (l <= p, and l > p - window when a window is set) of
 scale * q[t, h] . K[l, h // group], then the values averaged with those weights. Heads share a key head
 in contiguous groups (GQA).
@@ -83,8 +83,9 @@ def _row_of(cache, l, hk, table, scratch):  # pragma: no cover - replaced by _ro
     """Key or value row (l, hk) of a cache to compute with: a float32 cache's own row, or a float16
     cache's row (held as its uint16 bit patterns) widened into `scratch` through `table`."""
     if cache.dtype == np.uint16:
-        scratch[: cache.shape[2]] = table[cache[l, hk]]
-        return scratch
+        n = cache.shape[2]
+        scratch[:n] = table[cache[l, hk]]
+        return scratch[:n]
     return cache[l, hk]
 
 
