@@ -36,7 +36,7 @@ import numpy as np
 F32 = np.float32
 F64 = np.float64
 
-ATTN_QUERY_BLOCK = 256  # the twin's query rows x heads per block (bounds the float64 score matrix)
+ATTN_QUERY_BLOCK = 256  # float64 score rows a block of queries holds per key (the twin; attention_full too)
 KERNEL_ROWS_MAX = 16  # query rows the kernel takes; longer chunks run the twin (BLAS matrix products)
 
 _HAVE_NUMBA = importlib.util.find_spec("numba") is not None

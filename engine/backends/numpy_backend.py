@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 F32 = np.float32
 F64 = np.float64
-ATTN_QUERY_BLOCK = 256  # queries per block in attention (bounds the score matrix memory)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -506,15 +505,16 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     def attention_full(self, q, k, v, *, scale: float):
         T, nh, _ = q.shape
         out = np.empty((T, nh, v.shape[-1]), F32)
+        block = cpu_attention.ATTN_QUERY_BLOCK  # bounded score memory for big images
         for h in range(nh):
             keys = np.asarray(k[:, h, :], F64)
             values = np.asarray(v[:, h, :], F64)
-            for q0 in range(0, T, ATTN_QUERY_BLOCK):  # bounded score memory for big images
-                scores = (np.asarray(q[q0 : q0 + ATTN_QUERY_BLOCK, h, :], F64) @ keys.T) * scale
+            for q0 in range(0, T, block):
+                scores = (np.asarray(q[q0 : q0 + block, h, :], F64) @ keys.T) * scale
                 scores -= scores.max(axis=1, keepdims=True)
                 p = np.exp(scores)
                 p /= p.sum(axis=1, keepdims=True)
-                out[q0 : q0 + ATTN_QUERY_BLOCK, h, :] = p @ values
+                out[q0 : q0 + block, h, :] = p @ values
         return out
 
     # ---- Gated DeltaNet ------------------------------------------------------------------------
