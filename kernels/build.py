@@ -103,7 +103,7 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
     if type_name in GEMV_MT_TYPES:
         names += [f"gemv_mt<{q}, {nt}, {wpr}, {nu}>" for nt in GEMV_KQ_MT_TOKENS for wpr, nu in GEMV_MT]
     names += [f"embed_rows<{q}>"]
-    return ModuleSpec(f"matmul_{type_name}", ("gemv.cu", "gemm.cu", "embed.cu"), tuple(names))
+    return ModuleSpec(f"matmul_{type_name}", ("gemv.cu", "gemm.cu", "embed.cu"), tuple(names), ("splitk_sum",))
 
 
 def module_specs() -> list[ModuleSpec]:

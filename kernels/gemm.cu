@@ -260,11 +260,10 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // other formats one chain, dlo = dhi).
 //
 // Split K: gridDim.y blocks share a row tile, each `stages` stages of K; with gridDim.y > 1 each writes its
-// partial sums to `part + blockIdx.y * T * R` (a (splits, T, R) scratch) and the tile's last block to finish
-// adds them in split order (deterministic) with the residual into y (gb_split_sum); with one split the
-// block writes y (+ res) itself. Rows past R load row R - 1 and write nothing; tokens past T and blocks
-// past K/32 load zeros.
-// Output layout (here and in gb_split_sum): with `seg` (nseg + 1 increasing row bounds, seg[0] = 0,
+// partial sums to `part + blockIdx.y * T * R` (a (splits, T, R) scratch) and splitk_sum adds them in split
+// order (deterministic) with the residual into y; with one split the block writes y (+ res) itself. Rows
+// past R load row R - 1 and write nothing; tokens past T and blocks past K/32 load zeros.
+// Output layout (here and in splitk_sum): with `seg` (nseg + 1 increasing row bounds, seg[0] = 0,
 // seg[nseg] = R, nseg <= 8) row r of segment j (seg[j] <= r < seg[j+1]) and token t go to
 // y[T * seg[j] + t * (seg[j+1] - seg[j]) + r - seg[j]]: each segment a contiguous (T, rows) block (a fused
 // group's outputs, split); without it y[t * R + r]. The residual is read at t * R + r.
@@ -278,37 +277,6 @@ __device__ __forceinline__ i64 seg_index(const int* bounds, int T, int t, int r,
         lo = bounds[k];
     }
     return (i64)T * lo + (i64)t * (hi - lo) + (r - lo);
-}
-
-// Split K's sum, at the end of every block of a split launch: the block's partial sums are stored (part);
-// the tile's blocks count themselves on `tick[blockIdx.x]` and the last one adds the tile's ROWS rows x T
-// tokens over every split, in split order, plus the residual, into y (bounds: the output layout above, in
-// shared memory; segmented: seg was given), then sets the counter back to 0 for the next launch. Launches
-// that share a counter array must not overlap (ops.py: one array a device and stream). This replaced a
-// separate splitk_sum launch after each split gemm_batch (64 a 9B step of 8 sequences), with the same
-// additions in the same order.
-template <int ROWS>
-__device__ __forceinline__ void gb_split_sum(const float* part, int T, int R, int r0, float* __restrict__ y,
-                                             const float* __restrict__ res, const int* bounds, bool segmented,
-                                             unsigned* __restrict__ tick) {
-    __shared__ int last;
-    __threadfence();  // this thread's partial sums reach L2 before the count says so
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(tick + blockIdx.x, 1u) == gridDim.y - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const i64 n = (i64)T * R;
-    for (int e = threadIdx.x; e < T * ROWS; e += blockDim.x) {
-        const int t = e / ROWS, r = r0 + e % ROWS;
-        if (r >= R) continue;
-        const i64 at = (i64)t * R + r;
-        float v = __ldcg(part + at);  // from L2: other multiprocessors wrote them
-        for (int s = 1; s < (int)gridDim.y; s++) v += __ldcg(part + s * n + at);
-        if (res != nullptr) v += res[at];
-        y[segmented ? seg_index(bounds, T, t, r, R) : at] = v;
-    }
-    if (threadIdx.x == 0) tick[blockIdx.x] = 0u;
 }
 
 // One round of gemm_batch's group sum: v[0 .. N) becomes the half of v[0 .. 2 N) named by `hi` plus the
@@ -371,7 +339,7 @@ __device__ __forceinline__ void gb_rows(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
-        const int* __restrict__ seg, int nseg, unsigned* __restrict__ tick) {
+        const int* __restrict__ seg, int nseg) {
     static_assert(TT == 8 || TT == 16, "gemm_batch's rows map: 8 or 16 tokens");
     constexpr int RL = 2;                   // rows a lane (32 a block: ops.GEMM_BATCH_ROWS)
     constexpr int V = RL * TT, VL = V / 8;  // a lane's sums; what it keeps of them after the group sum
@@ -510,7 +478,6 @@ __device__ __forceinline__ void gb_rows(
         if (split) out[at] = v[k];
         else out[seg != nullptr ? seg_index(bounds, T, t, r, R) : at] = res != nullptr ? v[k] + res[at] : v[k];
     }
-    if (split) gb_split_sum<16 * RL>(part, T, R, r0, y, res, bounds, seg != nullptr, tick);
 }
 
 template <int QT, int TT>
@@ -518,7 +485,7 @@ __device__ __forceinline__ void gb_quads(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
-        const int* __restrict__ seg, int nseg, unsigned* __restrict__ tick) {
+        const int* __restrict__ seg, int nseg) {
     constexpr int ROWS = 64;          // weight rows a block (ops.GEMM_BATCH_ROWS)
     constexpr int PASSES = ROWS / 16;  // weight load passes a stage
     constexpr int XJ = TT / 8;         // activation int4 loads a thread a stage (gb_load_x)
@@ -674,7 +641,6 @@ __device__ __forceinline__ void gb_quads(
             else out[seg != nullptr ? seg_index(bounds, T, t, r, R) : at] = res != nullptr ? acc[i][j] + res[at] : acc[i][j];
         }
     }
-    if (split) gb_split_sum<ROWS>(part, T, R, r0, y, res, bounds, seg != nullptr, tick);
 }
 
 
@@ -683,8 +649,28 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
-        const int* __restrict__ seg, int nseg, unsigned* __restrict__ tick) {
+        const int* __restrict__ seg, int nseg) {
     static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
-    if constexpr (TT == 32) gb_quads<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg, tick);
-    else gb_rows<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg, tick);
+    if constexpr (TT == 32) gb_quads<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg);
+    else gb_rows<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg);
 }
+
+// splitk_sum: y = the sum over s < splits of part[s] (T, R) (+ res), in split order: gemm_batch's split-K
+// partial sums, added deterministically, written in gemm_batch's output layout (seg: see above).
+extern "C" __global__ void splitk_sum(const float* __restrict__ part, int splits, int T, int R,
+                                      float* __restrict__ y, const float* __restrict__ res,
+                                      const int* __restrict__ seg, int nseg) {
+    __shared__ int bounds[9];
+    if (threadIdx.x < 9)
+        bounds[threadIdx.x] = threadIdx.x == 0 ? 0 : (seg != nullptr && (int)threadIdx.x <= nseg) ? seg[threadIdx.x] : R;
+    __syncthreads();
+    const i64 n = (i64)T * R;
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = part[i];
+    for (int s = 1; s < splits; s++) v += part[(i64)s * n + i];
+    if (res != nullptr) v += res[i];
+    const int t = (int)(i / R), r = (int)(i - (i64)t * R);
+    y[seg != nullptr ? seg_index(bounds, T, t, r, R) : i] = v;
+}
+

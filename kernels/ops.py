@@ -55,12 +55,6 @@ def _dummy():
 
 
 _SEGMENTS: dict[tuple[int, tuple[int, ...]], cp.ndarray] = {}
-# gemm_batch's split-K counters (gemm.cu gb_split_sum), one array per device and stream: a launch's row tiles
-# count their finished blocks there and the last block of each sets its counter back to 0, so launches in
-# one stream's order may share an array, launches that could overlap (another stream) must not. An array
-# outgrown by a larger launch stays alive (a captured graph may still use it).
-_SPLIT_TICKS: dict[tuple[int, int], cp.ndarray] = {}
-_OUTGROWN_TICKS: list[cp.ndarray] = []
 
 
 def _segment_bounds(bounds: tuple[int, ...]) -> cp.ndarray:
@@ -69,18 +63,6 @@ def _segment_bounds(bounds: tuple[int, ...]) -> cp.ndarray:
     if key not in _SEGMENTS:
         _SEGMENTS[key] = cp.asarray(np.asarray(bounds, dtype=np.int32))
     return _SEGMENTS[key]
-
-
-def _split_ticks(tiles: int) -> cp.ndarray:
-    """The split-K counters (uint32, all 0 between launches) for a gemm_batch launch of `tiles` row tiles
-    on the current device and stream."""
-    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
-    ticks = _SPLIT_TICKS.get(key)
-    if ticks is None or ticks.size < tiles:
-        if ticks is not None:
-            _OUTGROWN_TICKS.append(ticks)
-        ticks = _SPLIT_TICKS[key] = cp.zeros(max(tiles, 1024), dtype=cp.uint32)
-    return ticks
 
 
 def kept_type(type_name: str, cols: int) -> str:
@@ -522,17 +504,18 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         xq, xd, xs = quantize_cached(x)
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
-    if tt is not None:  # batched decode: one launch for all T tokens (split K summed by each tile's last block)
+    if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
         splits, per = gemm_batch_splits(R, K, sm_count(), tt)
-        tiles = math.ceil(R / GEMM_BATCH_ROWS[tt])
         part = cp.empty((splits, T, R), dtype=cp.float32) if splits > 1 else np.uint64(0)
-        ticks = _split_ticks(tiles) if splits > 1 else np.uint64(0)
         res = residual if residual is not None else np.uint64(0)
         seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
         nseg = np.int32(len(segments) - 1 if segments is not None else 1)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((tiles, splits), (128,),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS[tt]), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, y, part, np.int32(T), np.int32(R),
-                                                 np.int32(K), np.int32(per), res, seg, nseg, ticks))
+                                                 np.int32(K), np.int32(per), res, seg, nseg))
+        if splits > 1:
+            _mm_kernel(w, "splitk_sum")((math.ceil(T * R / 256),), (256,),
+                                        (part, np.int32(splits), np.int32(T), np.int32(R), y, res, seg, nseg))
         return y
     if segments is not None:
         raise ValueError("matmul: segments are laid out by gemm_batch only (use matmul_split)")
