@@ -36,6 +36,7 @@ template <int D>
 __global__ void __launch_bounds__(128) flash_prefill(
         const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
         float* __restrict__ out, int T, int nh, int n_kv, int start, int kv_len, float scale, int window) {
+    pdl_entry();
     __shared__ __align__(16) float Qc[FA_BQ][FA_PAD];
     __shared__ __align__(16) float Kc[FA_BK][FA_PAD];
     __shared__ __align__(16) float Vs[FA_BK][D];
@@ -180,6 +181,7 @@ template <int D>
 __global__ void __launch_bounds__(256, 2) flash_prefill_g(
         const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
         float* __restrict__ out, int T, int nh, int n_kv, int start, int kv_len, float scale, int window) {
+    pdl_entry();
     constexpr int DC = D >= 256 || FG_SMALL ? 16 : 32;     // head-dim chunk of the score product
     constexpr int NL = DC / 16;                 // float4 loads per thread per chunk (Q and K each)
     constexpr int KC = FG_VBUF / D;             // keys per V chunk
@@ -682,6 +684,7 @@ __global__ void __launch_bounds__(128, 3) flash_decode(
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
         int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
         int window) {
+    pdl_entry();
     flash_decode_body<D, GM>(q, kc, vc, po, pm, pl, nh, n_kv, kv_len, kv_len_ptr, split_len, scale, window);
 }
 
@@ -695,6 +698,7 @@ __global__ void __launch_bounds__(128, 3) flash_decode_batch(
         const float* __restrict__ q, const KV_ELEM* const* __restrict__ kcs, const KV_ELEM* const* __restrict__ vcs,
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl, int nh, int n_kv,
         const int* __restrict__ kv_lens, float scale, int window) {
+    pdl_entry();
     i64 s = blockIdx.z;
     i64 P = (i64)gridDim.y * nh;
     flash_decode_body<D, GM>(q + s * nh * D, kcs[s], vcs[s], po + s * P * D, pm + s * P, pl + s * P, nh, n_kv, 0,
@@ -744,6 +748,7 @@ __device__ __forceinline__ void merge_splits(const float* __restrict__ po, const
 extern "C" __global__ void flash_merge(const float* __restrict__ po, const float* __restrict__ pm,
                                        const float* __restrict__ pl, float* __restrict__ out,
                                        int n_splits, int nh, int D) {
+    pdl_entry();
     merge_splits(po, pm, pl, out, n_splits, nh, D);
 }
 
@@ -753,6 +758,7 @@ extern "C" __global__ void flash_merge_len(const float* __restrict__ po, const f
                                            const float* __restrict__ pl, float* __restrict__ out,
                                            int n_splits, int nh, int D, int kv_len,
                                            const int* __restrict__ kv_len_ptr, int split_len) {
+    pdl_entry();
     if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
     split_len = fd_split_len(split_len, kv_len, n_splits);
     merge_splits(po, pm, pl, out, min(n_splits, (kv_len + split_len - 1) / split_len), nh, D);
@@ -762,6 +768,7 @@ extern "C" __global__ void flash_merge_len(const float* __restrict__ po, const f
 extern "C" __global__ void kv_append(const float* __restrict__ k, const float* __restrict__ v,
                                      float* __restrict__ kc, float* __restrict__ vc,
                                      const int* __restrict__ row_ptr, int n_k, int n_v) {
+    pdl_entry();
     i64 row = *row_ptr;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n_k || i < n_v; i += gridDim.x * blockDim.x) {
         if (i < n_k) kc[row * n_k + i] = k[i];

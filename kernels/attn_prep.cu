@@ -62,6 +62,7 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
                                      const int* __restrict__ row_ptr, int row, const int* __restrict__ pos,
                                      const int* __restrict__ comp, const float* __restrict__ inv_freq, int nh,
                                      int n_kv, int D, int DV, int n_rot, float inv_scale, float eps) {
+    pdl_entry();
     attn_prep_body(qg, k, v, q_norm, k_norm, q_out, kc, vc, row_ptr, row, pos, comp, inv_freq, nh, n_kv, D, DV,
                    n_rot, inv_scale, eps);
 }
@@ -77,6 +78,7 @@ extern "C" __global__ void attn_prep_batch(const float* __restrict__ qg, const f
                                            const int* __restrict__ rows, const int* __restrict__ pos,
                                            const int* __restrict__ comp, const float* __restrict__ inv_freq,
                                            int nh, int n_kv, int D, int DV, int n_rot, float inv_scale, float eps) {
+    pdl_entry();
     i64 s = blockIdx.y;
     attn_prep_body(qg + s * 2 * nh * D, k + s * n_kv * D, v + s * n_kv * DV, q_norm, k_norm, q_out + s * nh * D,
                    kcs[s], vcs[s], rows + s, 0, pos + 3 * s, comp, inv_freq, nh, n_kv, D, DV, n_rot, inv_scale,

@@ -3,11 +3,13 @@
 // independent accumulators so latency is hidden; results are written so the compiler keeps the work.
 
 extern "C" __global__ void copy_f4(const float4* __restrict__ src, float4* __restrict__ dst, i64 n) {
+    pdl_entry();
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         dst[i] = src[i];
 }
 
 extern "C" __global__ void peak_dp4a(int* out, int iters, int seed) {
+    pdl_entry();
     int a[8], acc[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) { a[i] = seed * (i + 1) + threadIdx.x; acc[i] = i; }
@@ -24,6 +26,7 @@ extern "C" __global__ void peak_dp4a(int* out, int iters, int seed) {
 }
 
 extern "C" __global__ void peak_fma(float* out, int iters, float seed) {
+    pdl_entry();
     float a[8], acc[8];
 #pragma unroll
     for (int i = 0; i < 8; i++) { a[i] = seed * (i + 1) + threadIdx.x; acc[i] = (float)i; }

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .kquant_layout import KQUANT_TYPES
+from .launch import launch_pdl, pdl_wanted
 
 HERE = Path(__file__).resolve().parent
 
@@ -190,8 +191,48 @@ def get_module(name: str):
     return mod
 
 
-def get_kernel(module: str, name: str):
-    return get_module(module).get_function(name)
+class Kernel:
+    """A compiled kernel of a module: `kernel(grid, block, args, shared_mem=0)` launches it on the current
+    stream, as a CuPy RawKernel call does, with programmatic dependent launch where the card has it
+    (kernels/launch.py)."""
+
+    __slots__ = ("fn", "pdl")
+
+    def __init__(self, fn: Any, pdl: bool):
+        self.fn = fn
+        self.pdl = pdl
+
+    def __call__(self, grid: Any, block: Any, args: tuple, shared_mem: int = 0) -> None:
+        if self.pdl:
+            launch_pdl(self.fn.kernel.ptr, grid, block, args, shared_mem)
+        else:
+            self.fn(grid, block, args, shared_mem=shared_mem)
+
+    @property
+    def num_regs(self) -> int:  # registers a thread (ptxas)
+        return int(self.fn.num_regs)
+
+    @property
+    def local_size_bytes(self) -> int:  # local memory a thread: spills
+        return int(self.fn.local_size_bytes)
+
+    @property
+    def ptx_version(self) -> int:  # the virtual architecture of the code the driver loaded
+        return int(self.fn.ptx_version)
+
+
+_kernels: dict[tuple[str, str, int, str], Kernel] = {}
+
+
+def get_kernel(module: str, name: str) -> Kernel:
+    import cupy as cp
+
+    cc = int(cp.cuda.Device().compute_capability)
+    key = (module, name, cc, str(ptx_dir() or ""))
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = Kernel(get_module(module).get_function(name), pdl_wanted(cc))
+    return k
 
 
 # ---- precompiled PTX directories (MINECART_KERNEL_PTX) ----------------------------------------------

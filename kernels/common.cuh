@@ -30,6 +30,19 @@ typedef long long i64;
 #define NEG_BIG (-1.0e30f)
 #define INFINITY (__int_as_float(0x7f800000))
 
+// Programmatic dependent launch (sm_90 and later; build.Kernel launches with it where the card has it and
+// MINECART_PDL allows): the first statement of every kernel. The wait returns once the kernels before
+// this one in its stream have finished and their writes are visible, so nothing of this kernel runs
+// before its inputs are ready. Then it lets the next kernel launch: that one's blocks take free slots and
+// wait in their own pdl_entry, instead of being launched only after this kernel has ended. Without the
+// launch attribute, and on older cards (not compiled there), it does nothing.
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

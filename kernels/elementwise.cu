@@ -13,6 +13,7 @@ __device__ __forceinline__ float row_sum(float v, float* scratch) {
 template <bool WARP_ROW, int MODE>
 __global__ void row_norm(const float* __restrict__ x, const float* __restrict__ other, const float* __restrict__ w,
                          float* __restrict__ out, float* __restrict__ s_out, int n_rows, int N, float eps) {
+    pdl_entry();
     __shared__ float scratch[32];
     int row, tid, nth;
     if (WARP_ROW) {
@@ -52,6 +53,7 @@ __global__ void row_norm(const float* __restrict__ x, const float* __restrict__ 
 template <int OP>
 __global__ void ewise(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out,
                       i64 n, i64 n_b, float s) {
+    pdl_entry();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     float x = a[i];
@@ -74,6 +76,7 @@ __global__ void ewise(const float* __restrict__ a, const float* __restrict__ b, 
 extern "C" __global__ void gdn_gates(const float* __restrict__ alpha, const float* __restrict__ beta,
                                      const float* __restrict__ ssm_a, const float* __restrict__ dt_bias,
                                      float* __restrict__ g, float* __restrict__ b, int n, int n_v) {
+    pdl_entry();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     int j = i % n_v;
@@ -89,6 +92,7 @@ extern "C" __global__ void rope_neox(const float* __restrict__ x, float* __restr
                                      const int* __restrict__ pos, const int* __restrict__ comp,
                                      const float* __restrict__ inv_freq, int T, int nh, int d, int n_rot,
                                      float inv_scale) {
+    pdl_entry();
     i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     i64 n = (i64)T * nh * d;
     if (idx >= n) return;
@@ -113,6 +117,7 @@ extern "C" __global__ void rope_neox(const float* __restrict__ x, float* __restr
 extern "C" __global__ void split_cols(const float* __restrict__ y, float* __restrict__ out, long long T,
                                       int R, int n, int a1, int a2, int a3, int a4, int a5, int a6, int a7,
                                       int a8) {
+    pdl_entry();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= T * R) return;
     const int a[9] = {0, a1, a2, a3, a4, a5, a6, a7, a8};

@@ -2,6 +2,7 @@
 template <int QT>
 __global__ void embed_rows(const u8* __restrict__ wq, const u16* __restrict__ wd, const int* __restrict__ ids,
                            float* __restrict__ out, int T, int H) {
+    pdl_entry();
     int nb = H >> 5;
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)T * nb) return;

@@ -29,6 +29,7 @@ extern "C" __global__ void expert_call(const float* __restrict__ x, const int* _
                                        long long* ctrl, float* hx, const float* hy,
                                        unsigned long long* seq, long long entry, int T, int k, int H,
                                        unsigned long long timeout_ns) {
+    pdl_entry();
     volatile long long* c = ctrl;
     const unsigned long long start = expert_call_now();
     unsigned long long posted = 0, seen = 0;

@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(256) rms_norm_q8(const float* __restrict__ x, 
                             const float* __restrict__ w, float* __restrict__ out, float* __restrict__ s_out,
                             i8* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs, int N,
                             float eps) {
+    pdl_entry();
     // Row blockIdx.x. Every block sums the squares of the whole row itself (in the same order in every
     // block: each thread's float4 chunks in turn, then block_sum, so all get the same bits), then
     // normalizes the 256-value slices blockIdx.y, blockIdx.y + gridDim.y, ... of it, a warp per q8_1
@@ -69,6 +70,7 @@ __global__ void __launch_bounds__(256) rms_norm_q8(const float* __restrict__ x, 
 extern "C" __global__ void swiglu_q8(const float* __restrict__ gate, const float* __restrict__ up,
                                      float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
                                      float* __restrict__ xs, i64 n_blocks) {
+    pdl_entry();
     i64 blk = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= n_blocks) return;  // whole warps leave together
     int lane = threadIdx.x & 31;
@@ -282,6 +284,7 @@ __global__ void __launch_bounds__(512) gdn_decode(
         float* __restrict__ state, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
+    pdl_entry();
     gdn_decode_body<DK, false>(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, norm_w, state, y, xq, xd, xs,
                         counters, n_k, n_v, DV, KW, q_scale, eps);
 }
@@ -299,6 +302,7 @@ __global__ void __launch_bounds__(512, 2) gdn_decode_batch(
         float* const* __restrict__ states, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
+    pdl_entry();
     i64 s = blockIdx.y;
     i64 C = 2 * (i64)n_k * DK + (i64)n_v * DV, HV = (i64)n_v * DV;
     gdn_decode_body<DK, true>(mixed + s * C, z + s * HV, bet + s * n_v, alpha + s * n_v, conv_states[s], conv_w, ssm_a,
@@ -360,6 +364,7 @@ extern "C" __global__ void attn_merge_gate(const float* __restrict__ po, const f
                                            float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
                                            float* __restrict__ xs, int n_splits, int nh, int D, int kv_len,
                                            const int* __restrict__ kv_len_ptr, int split_len) {
+    pdl_entry();
     attn_merge_gate_body(po, pm, pl, qg, out, xq, xd, xs, n_splits, nh, D, kv_len, kv_len_ptr, split_len);
 }
 
@@ -372,6 +377,7 @@ extern "C" __global__ void attn_merge_gate_batch(const float* __restrict__ po, c
                                                  float* __restrict__ out, i8* __restrict__ xq,
                                                  float* __restrict__ xd, float* __restrict__ xs, int n_splits,
                                                  int nh, int D, const int* __restrict__ kv_lens) {
+    pdl_entry();
     i64 s = blockIdx.y;
     i64 P = (i64)n_splits * nh, HD = (i64)nh * D;
     attn_merge_gate_body(po + s * P * D, pm + s * P, pl + s * P, qg + s * 2 * HD, out + s * HD,

@@ -12,6 +12,7 @@
 extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float* __restrict__ state,
                                        const float* __restrict__ w, float* __restrict__ out,
                                        int T, int C, int KW) {
+    pdl_entry();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)T * C) return;
     int t = (int)(i / C), c = (int)(i % C);
@@ -28,6 +29,7 @@ extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float*
 // state rows (index t + T > t) before they are overwritten is safe.
 extern "C" __global__ void conv_state_update(const float* __restrict__ x, float* __restrict__ state,
                                              int T, int C, int KW) {
+    pdl_entry();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     for (int r = 0; r < KW - 1; r++) {
@@ -44,6 +46,7 @@ __global__ void __launch_bounds__(64) gdn_scan(
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
         const float* __restrict__ g, const float* __restrict__ beta, float* __restrict__ state,
         float* __restrict__ out, int T, int n_k, int n_v, int DV) {
+    pdl_entry();
     // Warp 0 computes; warp 1 stages the next GDN_TC tokens' q, k, v, g, beta into the other half
     // of a double buffer, so the global-memory latency is paid once per chunk, off the critical path.
     __shared__ __align__(16) float ks[2][GDN_TC][DK], qs[2][GDN_TC][DK];
@@ -154,6 +157,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(
         const float* __restrict__ g, const float* __restrict__ beta,
         float* __restrict__ W, float* __restrict__ Mq, float* __restrict__ Kd, float* __restrict__ U,
         float* __restrict__ PU, float* __restrict__ decay, int t_begin, int T, int n_k, int n_v, int DV) {
+    pdl_entry();
     constexpr int KS = DK < 64 ? DK : 64;  // key dims staged per pass for the dot products
     constexpr int KLD = KS + 1;            // staging row stride: conflict-free column reads
     constexpr int LD = GDN_CH + 1;         // row stride of the 64 x 64 matrices
@@ -349,6 +353,7 @@ __global__ void __launch_bounds__(256) gdn_chunk_state(
         const float* __restrict__ W, const float* __restrict__ Mq, const float* __restrict__ Kd,
         const float* __restrict__ U, const float* __restrict__ PU, const float* __restrict__ decay,
         float* __restrict__ state, float* __restrict__ out, int nch, int t_begin, int T, int n_v, int DV) {
+    pdl_entry();
     constexpr int RA = DK / 32;
     constexpr int STAGE = 2 * GDN_CH * 33 > 32 * (DK + 1) ? 2 * GDN_CH * 33 : 32 * (DK + 1);
     __shared__ __align__(16) float Ss[DK * 32];   // state slice, row-major (DK x 32)

@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         int T, int R, int K) {
+    pdl_entry();
     // NBLK quant blocks (32 values each) per shared-memory stage: 2 halves the barriers per K.
     __shared__ int4 As4[2][NBLK][8][GB_M / 4];
     __shared__ int4 Bs4[2][NBLK][8][GB_N / 4];
@@ -164,6 +165,7 @@ template <int QT>
 __global__ void __launch_bounds__(256) gemm_fma(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const float* __restrict__ x,
         float* __restrict__ y, int T, int R, int K) {
+    pdl_entry();
     __shared__ float4 As4[32][GF_M / 4];
     __shared__ float4 Bs4[32][GF_N / 4];
     int tid = threadIdx.x;
@@ -650,6 +652,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
         const int* __restrict__ seg, int nseg) {
+    pdl_entry();
     static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
     if constexpr (TT == 32) gb_quads<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg);
     else gb_rows<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg);
@@ -660,6 +663,7 @@ __global__ void __launch_bounds__(128, 3) gemm_batch(
 extern "C" __global__ void splitk_sum(const float* __restrict__ part, int splits, int T, int R,
                                       float* __restrict__ y, const float* __restrict__ res,
                                       const int* __restrict__ seg, int nseg) {
+    pdl_entry();
     __shared__ int bounds[9];
     if (threadIdx.x < 9)
         bounds[threadIdx.x] = threadIdx.x == 0 ? 0 : (seg != nullptr && (int)threadIdx.x <= nseg) ? seg[threadIdx.x] : R;

@@ -71,6 +71,7 @@ __global__ void gemv_dp4a(const u8* __restrict__ wq, const u16* __restrict__ wd,
                           const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
                           int R, int K, const int* __restrict__ ids, int x_div,
                           const float* __restrict__ res) {
+    pdl_entry();
     int warps = blockDim.x >> 5;
     int row = blockIdx.x * warps + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -118,6 +119,7 @@ template <int QT, int NT>
 __global__ void gemv_fma(const u8* __restrict__ wq, const u16* __restrict__ wd, const float* __restrict__ x,
                          float* __restrict__ y, int R, int K, const int* __restrict__ ids, int x_div,
                          const float* __restrict__ res) {
+    pdl_entry();
     int warps = blockDim.x >> 5;
     int row = blockIdx.x * warps + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -175,6 +177,7 @@ __global__ void __launch_bounds__(128, 8)
 gemv_dp4a_split(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                 const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
                 int R, int K, const float* __restrict__ res) {
+    pdl_entry();
     constexpr int RPB = 4 / WPR;  // rows per block (blockDim.x must be 128)
     __shared__ float part[4][NT];
     int warp = threadIdx.x >> 5;
@@ -288,6 +291,7 @@ __global__ void __launch_bounds__(128, NU > 4 ? 5 : 8)
 gemv_kq(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
         const float* __restrict__ res) {
+    pdl_entry();
     constexpr int RPB = 4 / WPR;  // rows per block (blockDim.x must be 128)
     __shared__ float part[4];
     int warp = threadIdx.x >> 5;
@@ -417,6 +421,7 @@ __global__ void __launch_bounds__(128, 6)
 gemv_kq_stream(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
                const float* __restrict__ res) {
+    pdl_entry();
     gemv_stream_body<QT, NU, KqStream<QT>>(wq, wd, xq, xd, xs, y, R, K, res);
 }
 
@@ -425,6 +430,7 @@ __global__ void __launch_bounds__(128, 6)
 gemv_dp4a_stream(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                  const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
                  const float* __restrict__ res) {
+    pdl_entry();
     gemv_stream_body<QT, NU, WbStream<QT>>(wq, wd, xq, xd, xs, y, R, K, res);
 }
 
@@ -451,6 +457,7 @@ __global__ void __launch_bounds__(128, NT > 4 ? 5 : 8)
 gemv_kq_mt(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
            const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
            const float* __restrict__ res) {
+    pdl_entry();
     static_assert(WPR == 2 || WPR == 4, "gemv_kq_mt: 2 or 4 warps per row group");
     constexpr int RPB = 16 / WPR;  // rows per block (blockDim.x must be 128)
     __shared__ float part[4][4][NT];  // (warp, row group, token) sums
@@ -555,6 +562,7 @@ __global__ void __launch_bounds__(128, NT > 4 ? 5 : 8)
 gemv_mt(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
         const float* __restrict__ res) {
+    pdl_entry();
     static_assert(WPR == 2 || WPR == 4, "gemv_mt: 2 or 4 warps per row group");
     constexpr int RPB = 16 / WPR;  // rows per block (blockDim.x must be 128)
     __shared__ float part[4][4][NT];  // (warp, row group, token) sums

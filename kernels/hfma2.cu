@@ -56,6 +56,7 @@ __device__ __forceinline__ bool finite_f(float v) { return fabsf(v) < INFINITY; 
 // One warp per block.
 extern "C" __global__ void quantize_h16(const float* __restrict__ x, u32* __restrict__ xh,
                                         float* __restrict__ xd, float* __restrict__ xs, i64 nb) {
+    pdl_entry();
     i64 b = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
     if (b >= nb) return;  // the whole warp shares b
@@ -125,6 +126,7 @@ template <int QT, int NT>
 __global__ void gemv_hfma2(const u8* __restrict__ wq, const u16* __restrict__ wd, const u32* __restrict__ xh,
                            const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
                            int R, int K, const float* __restrict__ res) {
+    pdl_entry();
     int warps = blockDim.x >> 5;
     int row = blockIdx.x * warps + (threadIdx.x >> 5);
     int lane = threadIdx.x & 31;
@@ -189,6 +191,7 @@ __global__ void __launch_bounds__(256) gemm_hfma2(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const u32* __restrict__ xh,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         int T, int R, int K) {
+    pdl_entry();
     __shared__ uint4 As4[2][16][GH_M / 4];  // [buffer][k-pair][token / 4]
     __shared__ uint4 Bs4[2][16][GH_N / 4];  // [buffer][k-pair][row / 4]
     __shared__ float sxd[2][GH_M], sxs[2][GH_M];

@@ -34,6 +34,7 @@ __device__ __forceinline__ void kv_store1(u16* __restrict__ p, i64 i, float x, i
 extern "C" __global__ void kv_append_f16(const float* __restrict__ k, const float* __restrict__ v,
                                          u16* __restrict__ kc, u16* __restrict__ vc, int start,
                                          const int* __restrict__ start_ptr, int T, int row_k, int row_v) {
+    pdl_entry();
     i64 s = start_ptr != 0 ? *start_ptr : start;
     i64 n_k = (i64)T * row_k, n_v = (i64)T * row_v;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n_k || i < n_v; i += (i64)gridDim.x * blockDim.x) {

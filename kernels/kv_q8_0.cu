@@ -67,6 +67,7 @@ __device__ __forceinline__ void kv_store1(u8* __restrict__ p, i64 i, float v, in
 // *start_ptr when given: a captured decode step). One warp per block of 32 values (kv_store1).
 extern "C" __global__ void kv_append_q8_0(const float* __restrict__ x, u8* __restrict__ cache, int start,
                                           const int* __restrict__ start_ptr, int T, int row) {
+    pdl_entry();
     i64 s = start_ptr != 0 ? *start_ptr : start;
     int lane = threadIdx.x & 31;
     i64 blk = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);

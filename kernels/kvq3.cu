@@ -96,6 +96,7 @@ template <int D, int BITS>
 __global__ void __launch_bounds__(D) kvq3_quantize(
         const float* __restrict__ x, u8* __restrict__ codes, u16* __restrict__ scales,
         int T, int n_kv, int start, const int* __restrict__ start_ptr, const float* __restrict__ ref) {
+    pdl_entry();
     __shared__ float y[D];
     __shared__ u8 cs[D];
     __shared__ float red[D / 32], red2[D / 32];
@@ -144,6 +145,7 @@ __global__ void __launch_bounds__(D) kvq3_quantize(
 
 template <int D>
 __global__ void __launch_bounds__(D) kvq3_rotate(const float* __restrict__ x, float* __restrict__ y) {
+    pdl_entry();
     __shared__ float s[D];
     int tid = threadIdx.x;
     i64 off = (i64)blockIdx.x * D;
@@ -154,6 +156,7 @@ __global__ void __launch_bounds__(D) kvq3_rotate(const float* __restrict__ x, fl
 
 template <int D>
 __global__ void __launch_bounds__(D) kvq3_unrotate(const float* __restrict__ y, float* __restrict__ x) {
+    pdl_entry();
     __shared__ float s[D];
     int tid = threadIdx.x;
     i64 off = (i64)blockIdx.x * D;
@@ -205,6 +208,7 @@ __global__ void __launch_bounds__(128) kvq3_flash_decode(
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
         int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
         int window) {
+    pdl_entry();
     if (kv_len_ptr != nullptr) kv_len = *kv_len_ptr + 1;
     __shared__ float qs[KVQ3_G][D];
     __shared__ float KV[KVQ3_TILE * (D + 1)];
@@ -269,6 +273,7 @@ __global__ void __launch_bounds__(128) kvq3_prefill(
         const float* __restrict__ q, const u8* __restrict__ k_codes, const u16* __restrict__ k_scales,
         const u8* __restrict__ v_codes, const u16* __restrict__ v_scales,
         float* __restrict__ out, int T, int nh, int n_kv, int start, int kv_len, float scale, int window) {
+    pdl_entry();
     __shared__ __align__(16) float Qc[KVQ3_BQ][KVQ3_PAD];
     __shared__ __align__(16) float Kc[KVQ3_TILE][KVQ3_PAD];
     __shared__ __align__(16) float Vs[KVQ3_TILE][D];

@@ -4,6 +4,7 @@
 // the other streams go on. No memory is touched.
 
 extern "C" __global__ void link_hold(unsigned long long ns) {
+    pdl_entry();
     unsigned long long t0, t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
     do {

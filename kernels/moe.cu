@@ -48,6 +48,7 @@ extern "C" __global__ void moe_sort(const int* __restrict__ ids, int P, int E, i
                                     int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ perm,
                                     int* __restrict__ tile_e, int* __restrict__ tile_r0,
                                     int* __restrict__ n_tiles) {
+    pdl_entry();
     extern __shared__ int sm_sort[];
     int NW = blockDim.x >> 5;
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -145,6 +146,7 @@ __global__ void __launch_bounds__(256) moe_gemm_dp4a(
         const int* __restrict__ perm, const int* __restrict__ offsets, const int* __restrict__ tile_e,
         const int* __restrict__ tile_r0, const int* __restrict__ n_tiles, int x_div, int gather,
         int scatter) {
+    pdl_entry();
     __shared__ int4 As4[2][NBLK][8][MOE_BM / 4];
     __shared__ int4 Bs4[2][NBLK][8][MOE_BN / 4];
     __shared__ float sxd[2][NBLK][MOE_BM], sxs[2][NBLK][MOE_BM];
@@ -298,6 +300,7 @@ __global__ void __launch_bounds__(256) moe_gemm_dp4a(
 extern "C" __global__ void moe_swiglu_q8(const float* __restrict__ g, const float* __restrict__ u, int ld,
                                          int F, i64 n_blocks, i8* __restrict__ hq, float* __restrict__ hd,
                                          float* __restrict__ hs, float* __restrict__ h) {
+    pdl_entry();
     i64 blk = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= n_blocks) return;  // whole warps leave together
     int lane = threadIdx.x & 31;
@@ -321,6 +324,7 @@ __global__ void __launch_bounds__(256) moe_gate_up_q8(
         const u16* __restrict__ ud, int RG, int RU, int up0, int F, int K, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, const int* __restrict__ ids, int x_div,
         i8* __restrict__ hq, float* __restrict__ hd, float* __restrict__ hs, float* __restrict__ h) {
+    pdl_entry();
     __shared__ float sh[32];
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = blockIdx.y;
@@ -393,6 +397,7 @@ __global__ void __launch_bounds__(128) moe_down_sum(
         const u8* __restrict__ wq, const u16* __restrict__ wd, int H, int F, const i8* __restrict__ hq,
         const float* __restrict__ hd, const float* __restrict__ hs, const int* __restrict__ ids,
         const float* __restrict__ wts, int k, float* __restrict__ out) {
+    pdl_entry();
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int c = blockIdx.x * 4 + w;
     int t = blockIdx.y;
@@ -498,6 +503,7 @@ __global__ void __launch_bounds__(512) moe_dec_router(
         const u16* __restrict__ sud, int Fs, const i8* __restrict__ xq, const float* __restrict__ xd,
         const float* __restrict__ xs, i8* __restrict__ hsq, float* __restrict__ hsd, float* __restrict__ hss,
         float* __restrict__ hsf) {
+    pdl_entry();
     __shared__ float sh[32];
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int t = blockIdx.y;
@@ -584,6 +590,7 @@ __global__ void __launch_bounds__(512) moe_dec_gate_up(
         const i8* __restrict__ xq, const float* __restrict__ xd, const float* __restrict__ xs,
         int* __restrict__ ids, float* __restrict__ wts, i8* __restrict__ hq, float* __restrict__ hd,
         float* __restrict__ hs) {
+    pdl_entry();
     extern __shared__ float sp_route[];
     __shared__ int ssel[MOE_DEC_MAXK];
     __shared__ float sselv[MOE_DEC_MAXK];
@@ -679,6 +686,7 @@ __global__ void __launch_bounds__(128) moe_dec_down(
         const u8* __restrict__ sq, const u16* __restrict__ sd, int Fs, const i8* __restrict__ hsq,
         const float* __restrict__ hsd, const float* __restrict__ hss, const float* __restrict__ ys,
         const float* __restrict__ res, float* __restrict__ out) {
+    pdl_entry();
     int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int c = blockIdx.x * 4 + w;
     int t = blockIdx.y;

@@ -6,6 +6,7 @@
 
 extern "C" __global__ void quantize_q8_1(const float* __restrict__ x, i8* __restrict__ xq,
                                          float* __restrict__ xd, float* __restrict__ xs, i64 n_blocks) {
+    pdl_entry();
     i64 blk = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (blk >= n_blocks) return;
     int lane = threadIdx.x & 31;

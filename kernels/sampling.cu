@@ -54,6 +54,7 @@ __device__ __forceinline__ void local_max(const float* buf, int n, float& v, int
 
 extern "C" __global__ void topk_stage1(const float* __restrict__ logits, int V, int k,
                                        float* __restrict__ cand_v, int* __restrict__ cand_i) {
+    pdl_entry();
     __shared__ float buf[TOPK_SLICE];
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -80,6 +81,7 @@ extern "C" __global__ void topk_stage1(const float* __restrict__ logits, int V, 
 
 extern "C" __global__ void topk_stage2(const float* __restrict__ cand_v, const int* __restrict__ cand_i,
                                        int n_cand, int k, float* __restrict__ out_v, int* __restrict__ out_i) {
+    pdl_entry();
     extern __shared__ float cbuf[];
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -159,6 +161,7 @@ __device__ __forceinline__ void bitonic_best_first(float* v, int* id, int n) {
 
 extern "C" __global__ void topk_group_max(const float* __restrict__ logits, int V, int G, int n_groups,
                                           unsigned* __restrict__ gmax) {
+    pdl_entry();
     // grid (ceil(n_groups / 8), rows), 256 threads: warp w of block b takes group 8 b + w
     int row = blockIdx.y, g = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (g >= n_groups) return;
@@ -174,6 +177,7 @@ extern "C" __global__ void topk_group_max(const float* __restrict__ logits, int 
 extern "C" __global__ __launch_bounds__(1024) void topk_threshold(const unsigned* __restrict__ gmax, int n_groups,
                                                                    int k, unsigned* __restrict__ thresh,
                                                                    int* __restrict__ count) {
+    pdl_entry();
     // a block per row; n_groups <= TOPK_GROUPS_MAX. k > n_groups: t = 0 (every logit a candidate).
     __shared__ unsigned keys[TOPK_GROUPS_MAX];
     __shared__ int hist[256];
@@ -230,6 +234,7 @@ extern "C" __global__ __launch_bounds__(1024) void topk_threshold(const unsigned
 
 extern "C" __global__ void topk_gather(const float* __restrict__ logits, int V, const unsigned* __restrict__ thresh,
                                        int* __restrict__ count, float* __restrict__ cand_v, int* __restrict__ cand_i) {
+    pdl_entry();
     // grid (ceil(V / 256), rows), 256 threads: a logit a thread
     int row = blockIdx.y, p = blockIdx.x * blockDim.x + threadIdx.x, lane = threadIdx.x & 31;
     float x = p < V ? logits[(i64)row * V + p] : -INFINITY;
@@ -251,6 +256,7 @@ extern "C" __global__ __launch_bounds__(256) void topk_select(const float* __res
                                                               const float* __restrict__ cand_v,
                                                               const int* __restrict__ cand_i,
                                                               float* __restrict__ out_v, int* __restrict__ out_i) {
+    pdl_entry();
     __shared__ float sv[TOPK_CAND];
     __shared__ int si[TOPK_CAND];
     __shared__ float bvs[32];
@@ -299,6 +305,7 @@ extern "C" __global__ __launch_bounds__(256) void topk_select(const float* __res
 
 extern "C" __global__ void penalize(float* __restrict__ logits, int V, const int* __restrict__ token,
                                     int* __restrict__ table, const double* __restrict__ prm) {
+    pdl_entry();
     // logits (V,) in place. table (V,): PROMPT_BIT for a prompt token, plus the times it was generated;
     // *token (the token this step embeds, the last one generated) is counted first. prm: repetition,
     // presence, frequency. A token in the table: its logit divided by the repetition penalty when
@@ -329,6 +336,7 @@ extern "C" __global__ void penalize(float* __restrict__ logits, int V, const int
 
 extern "C" __global__ void pick_top(const float* __restrict__ vals, const int* __restrict__ ids, int cols,
                                     const double* __restrict__ prm, int* __restrict__ out) {
+    pdl_entry();
     // One warp a row. vals/ids (rows, cols): descending, equal values in ascending id order. prm (rows,
     // PICK_PRM): u, temperature (<= 0: the first id), top_p, min_p, k (> 0: the first k of the row, else
     // all cols), then the penalties (not read here). Lane l holds entries [l * e, l * e + e), so a
@@ -399,6 +407,7 @@ extern "C" __global__ void pick_top(const float* __restrict__ vals, const int* _
 
 extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, int k, int* __restrict__ ids,
                                      float* __restrict__ wts) {
+    pdl_entry();
     extern __shared__ float p[];
     __shared__ float sv[32];
     __shared__ int si[32];
@@ -443,6 +452,7 @@ extern "C" __global__ void moe_route(const float* __restrict__ logits, int E, in
 
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ wts,
                                        float* __restrict__ out, int T, int k, int H) {
+    pdl_entry();
     i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (i64)T * H) return;
     int t = (int)(i / H), c = (int)(i % H);

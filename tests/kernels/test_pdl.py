@@ -1,0 +1,90 @@
+"""Programmatic dependent launch (kernels/launch.py, common.cuh pdl_entry): on a card that has it every
+kernel may start before the kernel ahead of it in its stream has finished, so every kernel must wait
+first. Checked here without a GPU: each kernel's body starts with pdl_entry(); the sm_90 code waits and
+the sm_61 code has no such instruction; which cards launch with it. The launches themselves (graph and
+eager results equal with and without it) run in tests/gpu/test_pdl.py."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from minecart.kernels import build, check, launch
+
+KERNELS = Path(build.__file__).resolve().parent
+
+
+def kernel_bodies(source: str) -> list[tuple[str, str]]:
+    """(signature, the body's first statement) of every __global__ definition in a .cu source (comment
+    lines skipped, declarations without a body too)."""
+    found = []
+    for m in re.finditer(r"__global__", source):
+        line_start = source.rfind("\n", 0, m.start()) + 1
+        if source[line_start:m.start()].lstrip().startswith("//"):
+            continue
+        depth, j = 0, m.end()
+        while j < len(source):
+            c = source[j]
+            depth += (c == "(") - (c == ")")
+            if depth == 0 and c in ";{":
+                break
+            j += 1
+        if j == len(source) or source[j] == ";":
+            continue
+        body = source[j + 1:].lstrip()
+        found.append((source[m.start():j].split("(")[0], body[:body.find(";") + 1]))
+    return found
+
+
+def test_the_scan_sees_a_missing_wait():
+    src = ("// __global__ in a comment\n__global__ void a(int* p) {\n    pdl_entry();\n    p[0] = 1;\n}\n"
+           "extern \"C\" __global__ void __launch_bounds__(128) b(int* p) {\n    p[0] = 2;\n}\n")
+    assert [s for _, s in kernel_bodies(src)] == ["pdl_entry();", "p[0] = 2;"]
+
+
+def test_every_kernel_waits_first():
+    sources = sorted(KERNELS.glob("*.cu"))
+    bodies = [(f.name, sig, first) for f in sources for sig, first in kernel_bodies(f.read_text())]
+    assert len(bodies) > 60, "too few kernels found: did the scan break?"
+    missing = [f"{name}: {sig}" for name, sig, first in bodies if first != "pdl_entry();"]
+    assert not missing, "kernels whose first statement is not pdl_entry():\n" + "\n".join(missing)
+
+
+def test_which_cards_launch_with_it(monkeypatch):
+    monkeypatch.setattr(launch, "PDL_VARIANT", "auto")
+    assert launch.pdl_wanted(90) and launch.pdl_wanted(100)
+    assert not any(launch.pdl_wanted(cc) for cc in (61, 70, 75, 86, 89))
+    monkeypatch.setattr(launch, "PDL_VARIANT", "off")
+    assert not launch.pdl_wanted(90)
+    monkeypatch.setattr(launch, "PDL_VARIANT", "on")
+    with pytest.raises(ValueError, match="MINECART_PDL"):
+        launch.pdl_wanted(90)
+
+
+def test_launch_dimensions():
+    assert launch._dim3((5,)) == (5, 1, 1)
+    assert launch._dim3((5, 3)) == (5, 3, 1)
+    assert launch._dim3((5, 3, 2)) == (5, 3, 2)
+    assert launch._dim3(7) == (7, 1, 1)
+
+
+try:
+    check.Nvrtc()
+    HAVE_NVRTC = True
+except (check.NvrtcError, OSError):
+    HAVE_NVRTC = False
+
+
+@pytest.mark.skipif(not HAVE_NVRTC, reason="nvidia-cuda-nvrtc-cu12 is not installed")
+def test_sm_90_code_waits_and_older_code_has_no_such_instruction():
+    spec = next(s for s in build.module_specs() if s.name == "fused")
+    nv = check.Nvrtc()
+    src = build.module_source(spec)
+    new = nv.compile_ptx(src, spec.name, "compute_90", spec.name_expressions, build.COMPILE_OPTIONS)
+    old = nv.compile_ptx(src, spec.name, "compute_61", spec.name_expressions, build.COMPILE_OPTIONS)
+    entries = len(re.findall(r"\.entry\s", new))
+    assert entries >= 6
+    assert new.count("griddepcontrol.wait") == entries
+    assert new.count("griddepcontrol.launch_dependents") == entries
+    assert "griddepcontrol" not in old
