@@ -194,7 +194,8 @@ def get_module(name: str):
 class Kernel:
     """A compiled kernel of a module: `kernel(grid, block, args, shared_mem=0)` launches it on the current
     stream, as a CuPy RawKernel call does, with programmatic dependent launch where the card has it
-    (kernels/launch.py)."""
+    (kernels/launch.py) and the stream is not the legacy default stream (which serializes every launch
+    anyway: there it goes through CuPy's own launch, which costs the host less)."""
 
     __slots__ = ("fn", "pdl")
 
@@ -203,7 +204,7 @@ class Kernel:
         self.pdl = pdl
 
     def __call__(self, grid: Any, block: Any, args: tuple, shared_mem: int = 0) -> None:
-        if self.pdl:
+        if self.pdl and _current_stream_ptr() != 0:
             launch_pdl(self.fn.kernel.ptr, grid, block, args, shared_mem)
         else:
             self.fn(grid, block, args, shared_mem=shared_mem)
@@ -222,6 +223,12 @@ class Kernel:
 
 
 _kernels: dict[tuple[str, str, int, str], Kernel] = {}
+
+
+def _current_stream_ptr() -> int:
+    import cupy as cp
+
+    return int(cp.cuda.get_current_stream().ptr)
 
 
 def get_kernel(module: str, name: str) -> Kernel:

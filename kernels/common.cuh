@@ -43,6 +43,18 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// pdl_entry for a kernel whose block streams `bytes` of weights from `p` (which no kernel writes): the
+// block first asks L2 for them (128-byte lines over its threads), so that their DRAM round trip runs
+// while the kernel before it is still finishing, then waits.
+__device__ __forceinline__ void pdl_entry_prefetch(const void* p, long long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const char* c = (const char*)p;
+    for (long long off = (long long)threadIdx.x * 128; off < bytes; off += (long long)blockDim.x * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+#endif
+    pdl_entry();
+}
+
 __device__ __forceinline__ float h2f(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));

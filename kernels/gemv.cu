@@ -177,8 +177,9 @@ __global__ void __launch_bounds__(128, 8)
 gemv_dp4a_split(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                 const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
                 int R, int K, const float* __restrict__ res) {
-    pdl_entry();
     constexpr int RPB = 4 / WPR;  // rows per block (blockDim.x must be 128)
+    pdl_entry_prefetch(wq + (i64)blockIdx.x * RPB * row_bytes<QT>(K),
+                       (i64)max(0, min(RPB, R - (int)blockIdx.x * RPB)) * row_bytes<QT>(K));
     __shared__ float part[4][NT];
     int warp = threadIdx.x >> 5;
     int lane = threadIdx.x & 31;
@@ -291,8 +292,9 @@ __global__ void __launch_bounds__(128, NU > 4 ? 5 : 8)
 gemv_kq(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
         const float* __restrict__ res) {
-    pdl_entry();
     constexpr int RPB = 4 / WPR;  // rows per block (blockDim.x must be 128)
+    pdl_entry_prefetch(wq + (i64)blockIdx.x * RPB * row_bytes<QT>(K),
+                       (i64)max(0, min(RPB, R - (int)blockIdx.x * RPB)) * row_bytes<QT>(K));
     __shared__ float part[4];
     int warp = threadIdx.x >> 5;
     int lane = threadIdx.x & 31;
@@ -390,6 +392,7 @@ __device__ __forceinline__ void gemv_stream_body(const u8* __restrict__ wq, cons
 #pragma unroll
         for (int u = 0; u < NU; u++) S::load(wq + row * rb, wd + (i64)row * nb, 32 * u + lane, nb, cur[u]);
     }
+    pdl_entry();  // the first weights are on their way; the activations are read after the wait
     float acc = 0.0f;
     while (row < R) {
         int nrow = row, nrd = rd + 1;
@@ -421,7 +424,6 @@ __global__ void __launch_bounds__(128, 6)
 gemv_kq_stream(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
                const float* __restrict__ res) {
-    pdl_entry();
     gemv_stream_body<QT, NU, KqStream<QT>>(wq, wd, xq, xd, xs, y, R, K, res);
 }
 
@@ -430,7 +432,6 @@ __global__ void __launch_bounds__(128, 6)
 gemv_dp4a_stream(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                  const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y, int R, int K,
                  const float* __restrict__ res) {
-    pdl_entry();
     gemv_stream_body<QT, NU, WbStream<QT>>(wq, wd, xq, xd, xs, y, R, K, res);
 }
 

@@ -44,21 +44,41 @@ def sm90():
 
 
 def _pair(mod, reader: str, n: int = 1024, cycles: int = 2_000_000):
+    """slow_write then `reader` on a non-blocking stream (on the legacy default stream a launch waits
+    for the one before it whatever its attributes), eagerly and then replayed from a graph."""
     from minecart.kernels.launch import launch_pdl
+    from minecart.kernels.probe import begin_capture
 
     out = cp.zeros(n, dtype=cp.float32)
     dst = cp.full(n, -1.0, dtype=cp.float32)
-    launch_pdl(mod.get_function("slow_write").kernel.ptr, (1,), (256,), (out, np.int32(n), np.int64(cycles)))
-    launch_pdl(mod.get_function(reader).kernel.ptr, (1,), (256,), (out, dst, np.int32(n)))
-    cp.cuda.get_current_stream().synchronize()
-    return cp.asnumpy(dst)
+    got = []
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        def pair():
+            launch_pdl(mod.get_function("slow_write").kernel.ptr, (1,), (256,), (out, np.int32(n), np.int64(cycles)))
+            launch_pdl(mod.get_function(reader).kernel.ptr, (1,), (256,), (out, dst, np.int32(n)))
+
+        pair()
+        stream.synchronize()
+        got.append(cp.asnumpy(dst))
+        begin_capture(stream)
+        pair()
+        graph = stream.end_capture()
+        out[...] = 0
+        dst[...] = -1
+        stream.synchronize()
+        graph.launch(stream)
+        stream.synchronize()
+        got.append(cp.asnumpy(dst))
+    return got
 
 
 def test_a_launch_overlaps_the_kernel_before_it_and_the_wait_orders_it(sm90):
-    early = _pair(sm90, "read_at_once")
-    assert (early == 0.0).any(), "the second kernel never started early: the launch attribute had no effect"
+    for early, how in zip(_pair(sm90, "read_at_once"), ("eager", "graph"), strict=True):
+        assert (early == 0.0).any(), f"{how}: the second kernel never started early (the attribute had no effect)"
     for _ in range(3):
-        np.testing.assert_array_equal(_pair(sm90, "read_waiting"), np.ones(1024, np.float32))
+        for got in _pair(sm90, "read_waiting"):
+            np.testing.assert_array_equal(got, np.ones(1024, np.float32))
 
 
 def test_a_chain_of_project_kernels_equals_its_launches_without_it(monkeypatch):
@@ -82,9 +102,9 @@ def test_a_chain_of_project_kernels_equals_its_launches_without_it(monkeypatch):
     def run(pdl: bool):
         build._kernels.clear()
         monkeypatch.setattr(build, "pdl_wanted", lambda cc: pdl)
-        eager = cp.asnumpy(chain(x0))
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
+            eager = cp.asnumpy(chain(x0))
             begin_capture(stream)
             y = chain(x0)
             graph = stream.end_capture()
