@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .kquant_layout import KQUANT_TYPES
-from .launch import launch_pdl, pdl_wanted
+from .launch import capturing, launch_pdl, pdl_wanted
 
 HERE = Path(__file__).resolve().parent
 
@@ -193,9 +193,8 @@ def get_module(name: str):
 
 class Kernel:
     """A compiled kernel of a module: `kernel(grid, block, args, shared_mem=0)` launches it on the current
-    stream, as a CuPy RawKernel call does, with programmatic dependent launch where the card has it
-    (kernels/launch.py) and the stream is not the legacy default stream (which serializes every launch
-    anyway: there it goes through CuPy's own launch, which costs the host less)."""
+    stream, as a CuPy RawKernel call does; into a CUDA graph being captured, with programmatic dependent
+    launch where the card has it (kernels/launch.py)."""
 
     __slots__ = ("fn", "pdl")
 
@@ -204,10 +203,12 @@ class Kernel:
         self.pdl = pdl
 
     def __call__(self, grid: Any, block: Any, args: tuple, shared_mem: int = 0) -> None:
-        if self.pdl and _current_stream_ptr() != 0:
-            launch_pdl(self.fn.kernel.ptr, grid, block, args, shared_mem)
-        else:
-            self.fn(grid, block, args, shared_mem=shared_mem)
+        if self.pdl:
+            stream = _current_stream_ptr()
+            if stream != 0 and capturing(stream):
+                launch_pdl(self.fn.kernel.ptr, grid, block, args, shared_mem)
+                return
+        self.fn(grid, block, args, shared_mem=shared_mem)
 
     @property
     def num_regs(self) -> int:  # registers a thread (ptxas)

@@ -177,9 +177,8 @@ __global__ void __launch_bounds__(128, 8)
 gemv_dp4a_split(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
                 const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
                 int R, int K, const float* __restrict__ res) {
+    pdl_entry();
     constexpr int RPB = 4 / WPR;  // rows per block (blockDim.x must be 128)
-    pdl_entry_prefetch(wq + (i64)blockIdx.x * RPB * row_bytes<QT>(K),
-                       (i64)max(0, min(RPB, R - (int)blockIdx.x * RPB)) * row_bytes<QT>(K));
     __shared__ float part[4][NT];
     int warp = threadIdx.x >> 5;
     int lane = threadIdx.x & 31;

@@ -2,10 +2,14 @@
 and later), through the CUDA driver's cuLaunchKernelEx, which CuPy's RawKernel does not expose.
 
 A PDL launch lets the kernel start while the kernel before it in the stream is still finishing: its
-blocks take free slots and wait in `pdl_entry` (common.cuh, the first statement of every kernel) until
-that kernel has ended and its writes are visible. What it saves is the gap between two dependent
-kernels (the launch, the block scheduling), which inside a decode step's CUDA graph is paid at every one
-of its few hundred kernels. Stream capture records it as a programmatic edge of the graph.
+blocks take free slots and wait in `pdl_entry` (common.cuh, the first statement of every kernel; the
+single-token GEMVs first issue their weight loads, which no kernel writes) until that kernel has ended
+and its writes are visible. What it saves is the gap between two dependent kernels (the launch, the
+block scheduling, a GEMV's first trip to memory), which inside a decode step's CUDA graph is paid at
+every one of its few hundred kernels. Stream capture records it as a programmatic edge of the graph.
+
+Only launches into a graph being captured use it (build.Kernel): launched eagerly, a kernel did not
+start early on the H100 (tests/gpu/test_pdl.py measured it), and CuPy's own launch costs the host less.
 
 MINECART_PDL: "auto" (default: on where the card has it), "off". Older cards launch through CuPy as
 before; their kernels are compiled without the wait (nothing to wait for).
@@ -45,8 +49,19 @@ def _cuda() -> Any:
         lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         lib.cuLaunchKernelEx.restype = ctypes.c_int
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuStreamIsCapturing.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        lib.cuStreamIsCapturing.restype = ctypes.c_int
         _driver = lib
     return _driver
+
+
+def capturing(stream_ptr: int) -> bool:
+    """Whether the stream is being captured into a CUDA graph (cuStreamIsCapturing)."""
+    status = ctypes.c_int(0)
+    err = _cuda().cuStreamIsCapturing(ctypes.c_void_p(stream_ptr), ctypes.byref(status))
+    if err:
+        raise RuntimeError(f"cuStreamIsCapturing failed ({err})")
+    return status.value != 0
 
 
 def pdl_wanted(compute_capability: int) -> bool:

@@ -1,7 +1,7 @@
-"""Programmatic dependent launch on the GPU (kernels/launch.py): a kernel launched with it really starts
-before the kernel ahead of it has finished (a kernel without the wait reads what that one has not yet
-written), pdl_entry's wait keeps the results right (eagerly and replayed from a CUDA graph), and the
-project's kernels launched through build.Kernel give the bits they give without it. Needs a card of
+"""Programmatic dependent launch on the GPU (kernels/launch.py): in a CUDA graph a kernel launched with it
+really starts before the kernel ahead of it has finished (a kernel without the wait reads what that one
+has not yet written), pdl_entry's wait keeps the results right, and the project's kernels launched
+through build.Kernel give the bits they give without it. Needs a card of
 compute capability 9.0 or later (elsewhere nothing launches with it: tests/kernels/test_pdl.py)."""
 
 from __future__ import annotations
@@ -74,8 +74,12 @@ def _pair(mod, reader: str, n: int = 1024, cycles: int = 2_000_000):
 
 
 def test_a_launch_overlaps_the_kernel_before_it_and_the_wait_orders_it(sm90):
-    for early, how in zip(_pair(sm90, "read_at_once"), ("eager", "graph"), strict=True):
-        assert (early == 0.0).any(), f"{how}: the second kernel never started early (the attribute had no effect)"
+    """In a graph the second kernel starts early (a reader without the wait sees what is not yet
+    written); with the wait it sees everything, eagerly and in a graph. (Launched eagerly, the second
+    kernel did not start early on the H100: printed, not asserted; the engine uses PDL in graphs only.)"""
+    eager, graph = _pair(sm90, "read_at_once")
+    print(f"\nwithout the wait: eager saw {(eager == 0).sum()} of 1024 values unwritten, a graph {(graph == 0).sum()}")
+    assert (graph == 0.0).any(), "in a graph the second kernel never started early: the attribute had no effect"
     for _ in range(3):
         for got in _pair(sm90, "read_waiting"):
             np.testing.assert_array_equal(got, np.ones(1024, np.float32))

@@ -59,7 +59,7 @@ def test_the_scan_sees_a_missing_wait():
 
 # kernels that do something before the wait, and what: the single-token GEMVs, which only touch their
 # weights (no kernel writes those) before it
-PREFETCH_FIRST = {"gemv_kq", "gemv_dp4a_split"}  # a constexpr, then pdl_entry_prefetch(the block's rows)
+PREFETCH_FIRST = {"gemv_kq"}  # a constexpr, then pdl_entry_prefetch(the block's rows)
 LOADS_FIRST = {"gemv_kq_stream", "gemv_dp4a_stream"}  # gemv_stream_body: first weight loads, then the wait
 
 
