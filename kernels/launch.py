@@ -65,10 +65,17 @@ def capturing(stream_ptr: int) -> bool:
 
 
 def pdl_wanted(compute_capability: int) -> bool:
-    """Whether kernels on a card of this compute capability (e.g. 90) are launched with PDL."""
+    """Whether kernels on a card of this compute capability (e.g. 90) are launched with PDL (captured
+    into graphs): MINECART_PDL allows it, the card has it and the driver has cuLaunchKernelEx."""
     if PDL_VARIANT not in ("auto", "off"):
         raise ValueError(f"MINECART_PDL={PDL_VARIANT!r}: use auto or off")
-    return PDL_VARIANT == "auto" and compute_capability >= 90
+    if PDL_VARIANT == "off" or compute_capability < 90:
+        return False
+    try:
+        _cuda()
+    except (OSError, AttributeError):  # no driver library, or one older than CUDA 12
+        return False
+    return True
 
 
 def _dim3(d: Any) -> tuple[int, int, int]:

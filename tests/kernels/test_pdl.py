@@ -90,6 +90,7 @@ def test_the_streaming_gemvs_wait_before_reading_activations():
 
 def test_which_cards_launch_with_it(monkeypatch):
     monkeypatch.setattr(launch, "PDL_VARIANT", "auto")
+    monkeypatch.setattr(launch, "_driver", object())  # a driver library with cuLaunchKernelEx
     assert launch.pdl_wanted(90) and launch.pdl_wanted(100)
     assert not any(launch.pdl_wanted(cc) for cc in (61, 70, 75, 86, 89))
     monkeypatch.setattr(launch, "PDL_VARIANT", "off")
@@ -97,6 +98,17 @@ def test_which_cards_launch_with_it(monkeypatch):
     monkeypatch.setattr(launch, "PDL_VARIANT", "on")
     with pytest.raises(ValueError, match="MINECART_PDL"):
         launch.pdl_wanted(90)
+
+
+def test_no_driver_library_means_no_pdl(monkeypatch):
+    monkeypatch.setattr(launch, "PDL_VARIANT", "auto")
+    monkeypatch.setattr(launch, "_driver", None)
+
+    def missing(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(launch.ctypes, "CDLL", missing)
+    assert not launch.pdl_wanted(90)
 
 
 def test_launch_dimensions():
