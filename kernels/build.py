@@ -236,11 +236,29 @@ def get_kernel(module: str, name: str) -> Kernel:
     import cupy as cp
 
     cc = int(cp.cuda.Device().compute_capability)
-    key = (module, name, cc, str(ptx_dir() or ""))
+    ptx = ptx_dir()
+    key = (module, name, cc, str(ptx or ""))
     k = _kernels.get(key)
     if k is None:
-        k = _kernels[key] = Kernel(get_module(module).get_function(name), pdl_wanted(cc))
+        k = _kernels[key] = Kernel(get_module(module).get_function(name), launches_with_pdl(cc, ptx))
     return k
+
+
+def launches_with_pdl(cc: int, ptx: Path | None) -> bool:
+    """Whether kernels run on a card of compute capability `cc` from `ptx` (a PTX directory, None for
+    the compiled sources) launch with PDL. Code from a PTX directory is the architecture it was emitted
+    for: compute_61 PTX has no wait in pdl_entry, so it must not start early, whatever card runs it."""
+    return pdl_wanted(cc if ptx is None else min(cc, _ptx_arch(ptx)))
+
+
+@functools.lru_cache(maxsize=8)
+def _ptx_arch(directory: Path) -> int:
+    """The compute capability a PTX directory was emitted for (its manifest's arch, e.g. compute_61 -> 61)."""
+    arch = str(read_ptx_manifest(directory).get("arch", ""))
+    try:
+        return int(arch.split("_")[1])
+    except (IndexError, ValueError):
+        raise KernelPtxError(f"{directory / PTX_MANIFEST}: arch {arch!r} is not compute_XX") from None
 
 
 # ---- precompiled PTX directories (MINECART_KERNEL_PTX) ----------------------------------------------

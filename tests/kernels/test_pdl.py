@@ -137,3 +137,24 @@ def test_sm_90_code_waits_and_older_code_has_no_such_instruction():
     assert new.count("griddepcontrol.wait") == entries
     assert new.count("griddepcontrol.launch_dependents") == entries
     assert "griddepcontrol" not in old
+
+
+def test_code_from_older_ptx_never_starts_early(monkeypatch, tmp_path):
+    """compute_61 / compute_70 PTX (tools/gpu_runner.sh ptx, on an sm_90 card) has no wait in pdl_entry:
+    its kernels launch without PDL; compute_90 PTX and the compiled sources on that card launch with it."""
+    import json
+
+    monkeypatch.setattr(launch, "PDL_VARIANT", "auto")
+    monkeypatch.setattr(launch, "_driver", object())
+    for arch, want in (("compute_61", False), ("compute_70", False), ("compute_90", True)):
+        d = tmp_path / arch
+        d.mkdir()
+        (d / build.PTX_MANIFEST).write_text(json.dumps({"arch": arch, "modules": {}}))
+        assert build.launches_with_pdl(90, d) is want, arch
+    assert build.launches_with_pdl(90, None)
+    assert not build.launches_with_pdl(70, None)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / build.PTX_MANIFEST).write_text(json.dumps({"arch": "sm90", "modules": {}}))
+    with pytest.raises(build.KernelPtxError, match="compute_XX"):
+        build.launches_with_pdl(90, bad)
