@@ -31,7 +31,8 @@ typedef long long i64;
 #define INFINITY (__int_as_float(0x7f800000))
 
 // Programmatic dependent launch (sm_90 and later; build.Kernel launches with it where the card has it and
-// MINECART_PDL allows): the first statement of every kernel. The wait returns once the kernels before
+// MINECART_PDL allows): the first statement of every kernel (the single-token GEMVs first touch their
+// weights, which no kernel writes: gemv_stream_body, pdl_entry_prefetch). The wait returns once the kernels before
 // this one in its stream have finished and their writes are visible, so nothing of this kernel runs
 // before its inputs are ready. Then it lets the next kernel launch: that one's blocks take free slots and
 // wait in their own pdl_entry, instead of being launched only after this kernel has ended. Without the
