@@ -189,6 +189,27 @@ def test_every_dot_product_form_equals_twin(form, monkeypatch):
             assert (mark in asm) == (f == form), f"{form} {t}: {mark} {'missing' if f == form else 'present'}"
 
 
+@pytest.mark.parametrize("t", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_the_tile_takes_weight_words_by_broadcast_loads(t):
+    """_tile_block_terms stores a row's unpacked block and loads its words back broadcast: the K-quant
+    tile's code has its dot products and no shuffles that took the words out of registers (568 to 256
+    in a Q4_K tile before)."""
+    import numba
+
+    if C._dot4_kind() != "vnni":
+        pytest.skip("the count is for the VNNI form")
+    tile = numba.njit(C._TILE[t].py_func)
+    rng = np.random.default_rng(5)
+    one = random_stack(rng, t, 1, 5, _n_in(t, 1))
+    x = rng.standard_normal((8, one.n_in)).astype(np.float32)
+    lanes = C._pack_lanes(C.quantize_rows(x), halves=t == Q.Q6_K)
+    rows = np.empty((8, one.n_out), np.float32)
+    tile(one.raw, lanes.x, lanes.d, lanes.s, lanes.h, lanes.rows, lanes.blocks, C._F16_TABLE, 1, rows)
+    asm = tile.inspect_asm(tile.signatures[0])
+    assert asm.count("vpdpbusd") >= 256
+    assert asm.count("vpshufd") == 0 and asm.count("vpermq") == 0, (asm.count("vpshufd"), asm.count("vpermq"))
+
+
 @pytest.mark.parametrize("t", TYPES, ids=[Q.type_name(t) for t in TYPES])
 def test_two_stacks_in_one_region_equal_each_alone(t):
     """Gate and up of one type run in one parallel region: each output is the one-stack kernel's
