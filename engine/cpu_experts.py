@@ -1195,10 +1195,10 @@ def _opaque(b: Any, ptr: Any) -> None:
 
 
 def _tile_block_terms(g: _Ir, kind: str, ps: list[Any], j: int, bi: Any, x: Any, dx: Any, xs: Any,
-                      xh: Any, scratch: Any = None) -> list[Any]:
+                      xh: Any, scratch: Any) -> list[Any]:
     """<8 x float> terms of 32-value block bi (j within its super-block) of each row (its block or
-    super-block at ps[k]) with the 8 lanes. With `scratch` (an array of a <32 x i8> per row) each row's
-    unpacked block is stored there and its words are loaded back broadcast to the 8 lanes (a load),
+    super-block at ps[k]) with the 8 lanes. `scratch` (an array of a <32 x i8> per row; None for q8_0,
+    whose words are read from the rows themselves): each row's unpacked block is stored there and its words are loaded back broadcast to the 8 lanes (a load),
     where a word taken out of a register cost shuffles: a Q4_K tile of 4 rows and a super-block had 568
     shuffles to its 256 dot products, now none (`rows.inspect_asm()`). The barrier (_opaque) keeps the
     compiler from turning the loads back into shuffles of the stored value; without its memory clobber
@@ -1238,7 +1238,7 @@ def _tile_block_terms(g: _Ir, kind: str, ps: list[Any], j: int, bi: Any, x: Any,
                 else:
                     u, s = b.xor(w, g.const8(-128)), xv
             else:
-                u = _word_splat(g, b.load(b.gep(slots[k], [_i32(m)]))) if slots else _word_of(g, values[k], m)
+                u = _word_splat(g, b.load(b.gep(slots[k], [_i32(m)])))
                 s = xv if codes[k] is None else _negated_where(g, _word_of(g, codes[k], m), xv)
             chain = 2 * half + m % 2
             sums[k][chain] = g.dot4(u, s, sums[k][chain])

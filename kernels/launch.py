@@ -78,8 +78,9 @@ def pdl_wanted(compute_capability: int) -> bool:
 
 
 def _dim3(d: Any) -> tuple[int, int, int]:
-    t = tuple(int(v) for v in d) if isinstance(d, tuple | list) else (int(d),)
-    return (t + (1, 1))[:3] if len(t) < 3 else t[:3]  # type: ignore[return-value]
+    """A grid or block size as CuPy takes it (an int, or 1-3 ints) as three dimensions."""
+    x, y, z = (*(d if isinstance(d, tuple | list) else (d,)), 1, 1)[:3]
+    return int(x), int(y), int(z)
 
 
 def _arg_bytes(a: Any) -> bytes:
