@@ -203,15 +203,25 @@ class ExpertStream:
         if not idle:
             raise RuntimeError("both expert staging buffers are in use; release one before prefetching")
         slot = min(idle, key=lambda s: s.stamp)  # the one filled or read longest ago
-        if slot.buf is None or slot.buf.nbytes < layer.nbytes:
+        fresh = slot.buf is None or slot.buf.nbytes < layer.nbytes
+        if fresh:
             if slot.buf is not None:
                 if slot.free is not None:
                     slot.free.synchronize()  # its last reader has run before the buffer is dropped
+                if slot.ready is not None:
+                    slot.ready.synchronize()  # and its last copy has landed (an orphaned prefetch's)
                 self._free(slot.buf)
             slot.buf = None
             slot.buf = self._alloc(max(s.nbytes for s in self._layers.values()))
         with cp.cuda.Device(self.gpu.index):
-            if slot.free is not None:
+            if fresh:
+                # the new buffer is the compute stream's: its pool may hand over memory that work queued
+                # there still reads, and the allocation's own fill is queued there too. The copy stream
+                # waits for both (else a busy GPU lets the copy land first and the fill zero it).
+                allocated = cp.cuda.Event(block=False, disable_timing=True)
+                allocated.record(cp.cuda.get_current_stream())
+                self._copy.wait_event(allocated)
+            elif slot.free is not None:
                 self._copy.wait_event(slot.free)
             cp.cuda.runtime.memcpyAsync(slot.buf.data.ptr, layer.host.ctypes.data, layer.nbytes,
                                         cp.cuda.runtime.memcpyHostToDevice, self._copy.ptr)

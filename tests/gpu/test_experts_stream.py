@@ -95,6 +95,36 @@ def test_the_staging_buffer_holds_the_uploaded_bytes(moe_file):
     model.close()
 
 
+def test_a_new_staging_buffer_is_filled_after_the_compute_streams_work(moe_file):
+    """The first copy into a staging buffer waits for the compute stream: its allocation's fill is
+    queued there (and its pool may hand over memory that queued work still reads). Held busy for
+    0.2 s, the compute stream would otherwise zero the buffer after the copy landed (seen on a GPU
+    shared with another process: a streamed prefill's logits off by 60%, then an illegal address)."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.kernels import link
+
+    path, _layout = moe_file
+    model, proxy = _streamed(path)
+    gpu = CupyBackend("cuda:0", probe=False)
+    st = proxy.stream
+    for key in (0, 1):  # both buffers are new
+        experts = {n: w for n, w in model.weights[f"layer.{key}.experts"].items() if w.role == "experts"}
+        want = {n: gpu.load_weight(w.info, role=w.role) for n, w in experts.items()}
+        assert all(bool(cp.any(w.q.wq.view(cp.uint8))) for w in want.values())  # zeros would be told apart
+        cp.cuda.Device(0).synchronize()
+        link.hold(cp.cuda.get_current_stream(), 0.2)
+        staged = st.acquire(key)
+        try:
+            for n, w in want.items():
+                assert bool(cp.array_equal(staged[n].q.wq.view(cp.uint8), w.q.wq.view(cp.uint8))), \
+                    f"layer {key}: {n}'s staged bytes differ from the uploaded ones"
+        finally:
+            st.release(key)
+            for w in want.values():
+                gpu.free(w)
+    model.close()
+
+
 @pytest.mark.parametrize("gpu_path", ["fma", None])
 def test_streamed_prefill_matches_numpy_and_the_all_gpu_model(moe_file, gpu_path):
     from minecart.engine.backends.cupy_backend import CupyBackend
