@@ -948,6 +948,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             with self._dev:
                 dev = cp.empty(big, cp.uint8)
                 stream = cp.cuda.Stream(non_blocking=True)
+                # dev comes from the current stream's pool, which may hand over memory that work queued
+                # there still reads: the copies wait for that work
+                queued = cp.cuda.Event(disable_timing=True)
+                queued.record(cp.cuda.get_current_stream())
+                stream.wait_event(queued)
 
                 def seconds(n: int) -> float:
                     start, end = cp.cuda.Event(), cp.cuda.Event()
