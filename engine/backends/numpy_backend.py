@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import cpu_attention, cpu_gdn, cpu_matmul
+from .. import cpu_attention, cpu_gdn, cpu_matmul, cpu_pointwise
 from ..sampling import TopLogits, top_logits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache
 
@@ -211,17 +211,12 @@ def _compiles(compile_kernel, what: str, instead: str) -> bool:
     return True
 
 
-def _sigmoid64(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, F64)
-    return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free form of 1 / (1 + e^-x)
-
-
 class NumpyBackend(FusedOpsMixin, DeviceHooks):
     name = "numpy"
 
     def __init__(self, device: str = "cpu:0", *, int_experts: bool | None = None,
                  expert_threads: int | None = None, rows_kernel: bool = True, gdn_kernel: bool = True,
-                 attention_kernel: bool = True, int_weights: bool = False):
+                 attention_kernel: bool = True, pointwise_kernel: bool = True, int_weights: bool = False):
         """int_experts: a decode token's routed experts on the integer kernels (engine/cpu_experts.py);
         None: wherever numba imports. expert_threads: their threads, and those of the rows kernel (None:
         engine.threads.expert_threads: --threads N, else the BLAS rule). rows_kernel: matmuls of
@@ -229,7 +224,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         keeps BLAS. gdn_kernel: a decode token's Gated DeltaNet recurrence on engine/cpu_gdn.py's
         kernel where numba imports; False keeps its NumPy twin. attention_kernel: the attention of a
         decode token or short chunk over a float32 / float16 cache on engine/cpu_attention.py's kernel
-        where numba imports; False keeps its NumPy twin. int_weights: matmul weights of the
+        where numba imports; False keeps its NumPy twin. pointwise_kernel: RMS norms, GeGLU / SwiGLU and RoPE
+        of float32 rows on engine/cpu_pointwise.py's kernels where numba imports; False keeps
+        their NumPy twins. int_weights: matmul weights of the
         integer kernels' types held as the file stores them and multiplied on int8 activations
         (engine/cpu_experts.py dense_matmul; see hold_weights); False: decoded to float32 at load, the
         reference."""
@@ -241,6 +238,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         self.rows_kernel = rows_kernel
         self.gdn_kernel = gdn_kernel
         self.attention_kernel = attention_kernel
+        self.pointwise_kernel = pointwise_kernel
         self.int_weights = int_weights
         # a MoE layer's expert tensors as cpu_experts stacks, made on first use: (weights, stacks) by
         # the weights' ids (int_expert_stacks)
@@ -327,7 +325,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     def prepare_kernels(self, gdn: bool) -> None:
         """The compiled kernels this backend decodes with (numba: each about 0.8 s the first time, a
         few hundredths of a second from its disk cache): the few-rows matmul of a batched step
-        (engine/cpu_matmul.py), a decode token's attention (engine/cpu_attention.py), and, when GDN
+        (engine/cpu_matmul.py), a decode token's attention (engine/cpu_attention.py), the norms, gated
+        activations and RoPE (engine/cpu_pointwise.py), and, when GDN
         layers decode here, their recurrence (engine/cpu_gdn.py).
         One that does not compile is switched off with a warning: its NumPy twin runs."""
         if self.rows_kernel and cpu_matmul.available():
@@ -339,6 +338,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         if self.attention_kernel and cpu_attention.available():
             self.attention_kernel = _compiles(cpu_attention.compile_kernel, "the decode attention kernel",
                                               "its NumPy twin")
+        if self.pointwise_kernel and cpu_pointwise.available():
+            self.pointwise_kernel = _compiles(cpu_pointwise.compile_kernels, "the norm, activation and RoPE kernels",
+                                              "their NumPy twins")
 
     def free(self, obj) -> None:
         """Nothing to release on the host but the expert stacks made over obj's bytes."""
@@ -359,28 +361,30 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         return (np.asarray(x, F64) * s).astype(F32)
 
     def sigmoid(self, x):
-        return _sigmoid64(x).astype(F32)
+        return cpu_pointwise.sigmoid64(x).astype(F32)
 
     def silu(self, x):
         x64 = np.asarray(x, F64)
-        return (x64 * _sigmoid64(x64)).astype(F32)
+        return (x64 * cpu_pointwise.sigmoid64(x64)).astype(F32)
+
+    def _pointwise(self, *arrays) -> bool:
+        """Whether engine/cpu_pointwise.py's kernels take these arrays (else their twins run)."""
+        return self.pointwise_kernel and cpu_pointwise.available() and cpu_pointwise.takes(*arrays)
 
     def swiglu(self, gate, up):
-        g = np.asarray(gate, F64)
-        return (g * _sigmoid64(g) * up).astype(F32)
+        if self._pointwise(gate, up) and gate.shape == up.shape:
+            return cpu_pointwise.swiglu(gate, up)
+        return cpu_pointwise.swiglu_twin(gate, up)
 
     def geglu(self, gate, up):
-        g = np.asarray(gate, F64)
-        # g * g * g, not g**3: NumPy's float64 power is ~20x slower (17 of 155 ms of a batched step)
-        gelu = 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * (g * g * g))))
-        return (gelu * up).astype(F32)
+        if self._pointwise(gate, up) and gate.shape == up.shape:
+            return cpu_pointwise.geglu(gate, up)
+        return cpu_pointwise.geglu_twin(gate, up)
 
     def rms_norm(self, x, w, eps: float):
-        x64 = np.asarray(x, F64)
-        y = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
-        if w is not None:
-            y = y * w
-        return y.astype(F32)
+        if self._pointwise(x) and x.ndim >= 1 and (w is None or np.shape(w) == x.shape[-1:]):
+            return cpu_pointwise.rms_norm(x, w, eps)
+        return cpu_pointwise.rms_norm_twin(x, w, eps)
 
     def add_rms_norm(self, x, delta, w, eps: float):
         s = self.add(x, delta)
@@ -393,7 +397,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     def gated_rms_norm(self, x, z, w, eps: float):
         z64 = np.asarray(z, F64)
         normed = self.rms_norm(x, w, eps).astype(F64)
-        return (normed * z64 * _sigmoid64(z64)).astype(F32)
+        return (normed * z64 * cpu_pointwise.sigmoid64(z64)).astype(F32)
 
     # ---- matmuls and lookups -------------------------------------------------------------------
     def embed(self, table: NumpyWeight, ids) -> np.ndarray:
@@ -426,29 +430,10 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     # ---- positions and attention ---------------------------------------------------------------
     def rope(self, x, positions, n_rot: int, base: float, *, sections=(), scale: float = 1.0):
         x = np.asarray(x, F32)
-        T = x.shape[0]
-        half = n_rot // 2
-        pair = np.arange(half)
-        inv_freq = np.asarray(base, F64) ** (-2.0 * pair / n_rot)  # (half,)
-        pos = np.asarray(positions, dtype=np.int64)
-        if pos.ndim == 2:  # M-RoPE: (3, T) components (t, h, w)
-            comp = np.zeros(half, dtype=np.int64)
-            if sections:
-                s = list(sections) + [0, 0, 0]
-                comp[(pair % 3 == 1) & (pair < 3 * s[1])] = 1
-                comp[(pair % 3 == 2) & (pair < 3 * s[2])] = 2
-            pos_pair = pos[comp, :].T.astype(F64)  # (T, half)
-        else:
-            pos_pair = np.broadcast_to(pos.reshape(T, 1).astype(F64), (T, half))
-        angle = pos_pair / scale * inv_freq  # (T, half), float64 angles (docs/qwen35.md 3.3.1)
-        cos = np.cos(angle)[:, None, :]
-        sin = np.sin(angle)[:, None, :]
-        x1 = x[..., :half].astype(F64)
-        x2 = x[..., half:n_rot].astype(F64)
-        y = x.copy()
-        y[..., :half] = x1 * cos - x2 * sin
-        y[..., half:n_rot] = x1 * sin + x2 * cos
-        return y
+        angles = cpu_pointwise.rope_angles(positions, n_rot, base, sections, scale)  # docs/qwen35.md 3.3.1
+        if self._pointwise(x) and x.ndim == 3:
+            return cpu_pointwise.rope(x, angles, n_rot)
+        return cpu_pointwise.rope_twin(x, angles, n_rot)
 
     def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int,
                      kv_type: str = "f32"):
@@ -526,12 +511,12 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         for tap in range(K):  # tap K-1 multiplies the current token
             conv += X[tap : tap + T] * np.asarray(w[:, tap], F64)
         state[...] = X[T:].astype(F32)  # last K-1 raw inputs
-        return (conv * _sigmoid64(conv)).astype(F32)
+        return (conv * cpu_pointwise.sigmoid64(conv)).astype(F32)
 
     def gdn_gates(self, alpha, beta, ssm_a, dt_bias):
         a = np.asarray(alpha, F64) + np.asarray(dt_bias, F64)
         g = np.asarray(ssm_a, F64) * _softplus(a)
-        return g.astype(F32), _sigmoid64(beta).astype(F32)
+        return g.astype(F32), cpu_pointwise.sigmoid64(beta).astype(F32)
 
     def gdn_step(self, q, k, v, g, beta, state):
         # the delta rule token by token (engine/cpu_gdn.py): compiled where numba imports, else its twin

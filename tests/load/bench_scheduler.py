@@ -108,6 +108,8 @@ def main() -> None:
                     help="off: batched matmuls on BLAS instead of engine/cpu_matmul.py")
     ap.add_argument("--attention-kernel", choices=("on", "off"), default="on",
                     help="off: a decode token's attention on NumPy instead of engine/cpu_attention.py")
+    ap.add_argument("--pointwise-kernel", choices=("on", "off"), default="on",
+                    help="off: norms, gated activations and RoPE on NumPy instead of engine/cpu_pointwise.py")
     ap.add_argument("--cpu-weights", choices=("float32", "stored"), default="stored",
                     help="how the model holds its weights (load_model(cpu_weights=)); stored is what "
                          "minecart serve runs, float32 the exact reference")
@@ -123,6 +125,7 @@ def main() -> None:
         if isinstance(st.backend, NumpyBackend):
             st.backend.rows_kernel = args.rows_kernel == "on"
             st.backend.attention_kernel = args.attention_kernel == "on"
+            st.backend.pointwise_kernel = args.pointwise_kernel == "on"
     sched = Scheduler(model, parallel=8, max_queue=8)
     try:
         concurrent_rate(sched, 8, 2, 0)  # warm-up (and the rows kernel's compilation)
@@ -136,7 +139,7 @@ def main() -> None:
         sched.close()
     for i, label in ((0, "wall"), (1, "cpu time")):
         print(f"{path.name} [{label}, {args.cpu_weights} weights, rows kernel {args.rows_kernel}, attention "
-              f"kernel {args.attention_kernel}]: " + ", ".join(
+              f"kernel {args.attention_kernel}, pointwise kernels {args.pointwise_kernel}]: " + ", ".join(
             f"{n} concurrent: {r[i]:.1f} tok/s ({r[i] / rates[1][i]:.2f}x)" for n, r in rates.items())
             + f"; mean batch {m['batch_size_mean']:.2f}", flush=True)
     alone, busy = ttft_while_others_decode(model, 7, 128)
