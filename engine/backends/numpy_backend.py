@@ -224,12 +224,11 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         keeps BLAS. gdn_kernel: a decode token's Gated DeltaNet recurrence on engine/cpu_gdn.py's
         kernel where numba imports; False keeps its NumPy twin. attention_kernel: the attention of a
         decode token or short chunk over a float32 / float16 cache on engine/cpu_attention.py's kernel
-        where numba imports; False keeps its NumPy twin. pointwise_kernel: RMS norms, GeGLU / SwiGLU and RoPE
-        of float32 rows on engine/cpu_pointwise.py's kernels where numba imports; False keeps
-        their NumPy twins. int_weights: matmul weights of the
-        integer kernels' types held as the file stores them and multiplied on int8 activations
-        (engine/cpu_experts.py dense_matmul; see hold_weights); False: decoded to float32 at load, the
-        reference."""
+        where numba imports; False keeps its NumPy twin. pointwise_kernel: RMS norms, GeGLU / SwiGLU
+        and RoPE of float32 rows on engine/cpu_pointwise.py's kernels where numba imports; False keeps
+        their NumPy twins. int_weights: matmul weights of the integer kernels' types held as the file
+        stores them and multiplied on int8 activations (engine/cpu_experts.py dense_matmul; see
+        hold_weights); False: decoded to float32 at load, the reference."""
         if not str(device).startswith("cpu"):
             raise ValueError(f"NumpyBackend runs on the CPU; got device '{device}' (use 'cpu:0')")
         self.device = str(device)
@@ -326,8 +325,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         """The compiled kernels this backend decodes with (numba: each about 0.8 s the first time, a
         few hundredths of a second from its disk cache): the few-rows matmul of a batched step
         (engine/cpu_matmul.py), a decode token's attention (engine/cpu_attention.py), the norms, gated
-        activations and RoPE (engine/cpu_pointwise.py), and, when GDN
-        layers decode here, their recurrence (engine/cpu_gdn.py).
+        activations and RoPE (engine/cpu_pointwise.py), and, when GDN layers decode here, their
+        recurrence (engine/cpu_gdn.py).
         One that does not compile is switched off with a warning: its NumPy twin runs."""
         if self.rows_kernel and cpu_matmul.available():
             threads = self.expert_thread_count()
@@ -339,8 +338,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
             self.attention_kernel = _compiles(cpu_attention.compile_kernel, "the decode attention kernel",
                                               "its NumPy twin")
         if self.pointwise_kernel and cpu_pointwise.available():
-            self.pointwise_kernel = _compiles(cpu_pointwise.compile_kernels, "the norm, activation and RoPE kernels",
-                                              "their NumPy twins")
+            self.pointwise_kernel = _compiles(cpu_pointwise.compile_kernels,
+                                              "the norm, activation and RoPE kernels", "their NumPy twins")
 
     def free(self, obj) -> None:
         """Nothing to release on the host but the expert stacks made over obj's bytes."""
