@@ -16,9 +16,10 @@ The compiled forms (numba, serial, the interpreter released) go through each row
   tanh runs on that in place (numba has no vector math library here, and one C-library tanh a value
   measured slower than the whole twin), a second pass writes the float32 output. The same float64
   operations in the same order as the twin: the results are the twin's, bit for bit;
-- RoPE: the twin's angles (`rope_angles`, M-RoPE's position components included), each cosine and sine
-  (from the C library, not NumPy) taken once for every head.
-So the norm and RoPE agree with their twins to float32 rounding, the activations exactly
+- RoPE: the twin's table of cosines and sines (`rope_table`, M-RoPE's position components included),
+  which the backend makes once per step and base (every head and layer of the step reads it), then
+  one pass a row.
+So the norm agrees with its twin to float32 rounding, the activations and RoPE exactly
 (tests/engine/test_cpu_pointwise.py, on fresh random inputs).
 
 Not here: the GPU's kernels; the Gated DeltaNet output's norm (engine/cpu_gdn.py decodes it with its
@@ -79,10 +80,12 @@ def swiglu_twin(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return (g * sigmoid64(g) * up).astype(F32)
 
 
-def rope_angles(positions: np.ndarray, n_rot: int, base: float, sections: Sequence[int] = (),
-                scale: float = 1.0) -> np.ndarray:
-    """(T, n_rot // 2) float64 angles: position / scale * base^(-2i / n_rot) for pair i; positions (T,),
-    or (3, T) for M-RoPE, whose pair i takes component 1 or 2 (height, width) where `sections` say."""
+def rope_table(positions: np.ndarray, n_rot: int, base: float, sections: Sequence[int] = (),
+               scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) of the rotation angles, each (T, n_rot // 2) float64: position / scale x
+    base^(-2i / n_rot) for pair i; positions (T,), or (3, T) for M-RoPE, whose pair i takes component 1
+    or 2 (height, width) where `sections` say. One table serves every head and every layer of a step
+    that has these positions and this base."""
     half = n_rot // 2
     pair = np.arange(half)
     inv_freq = np.asarray(base, F64) ** (-2.0 * pair / n_rot)  # (half,)
@@ -96,16 +99,18 @@ def rope_angles(positions: np.ndarray, n_rot: int, base: float, sections: Sequen
         pos_pair = pos[comp, :].T.astype(F64)  # (T, half)
     else:
         pos_pair = np.broadcast_to(pos.reshape(-1, 1).astype(F64), (pos.shape[0], half))
-    return pos_pair / scale * inv_freq
+    angles = pos_pair / scale * inv_freq
+    return np.cos(angles), np.sin(angles)
 
 
-def rope_twin(x: np.ndarray, angles: np.ndarray, n_rot: int) -> np.ndarray:
+def rope_twin(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
     """x (T, heads, d) float32 with its first n_rot values of each head rotated in pairs (i, i + n_rot/2)
-    by `angles` (T, n_rot // 2); the rest of each head copied."""
+    by the angles whose cosines and sines are `cos` and `sin` (rope_table); the rest of each head
+    copied."""
     x = np.asarray(x, F32)
     half = n_rot // 2
-    cos = np.cos(angles)[:, None, :]
-    sin = np.sin(angles)[:, None, :]
+    cos = cos[:, None, :]
+    sin = sin[:, None, :]
     x1 = x[..., :half].astype(F64)
     x2 = x[..., half:n_rot].astype(F64)
     y = x.copy()
@@ -132,14 +137,14 @@ def _rms_norm_kernel(x, w, has_w, eps, out):  # pragma: no cover - compiled
                 out[r, i] = np.float64(x[r, i]) / den
 
 
-def _rope_kernel(x, angles, n_rot, out):  # pragma: no cover - compiled
-    """x, out (T, heads, d) float32; angles (T, n_rot // 2) float64."""
+def _rope_kernel(x, cos, sin, n_rot, out):  # pragma: no cover - compiled
+    """x, out (T, heads, d) float32; cos, sin (T, n_rot // 2) float64."""
     T, H, d = x.shape
     half = n_rot // 2
     for t in range(T):
         for i in range(half):
-            c = math.cos(angles[t, i])
-            s = math.sin(angles[t, i])
+            c = cos[t, i]
+            s = sin[t, i]
             for h in range(H):
                 x1 = np.float64(x[t, h, i])
                 x2 = np.float64(x[t, h, half + i])
@@ -190,7 +195,7 @@ def compile_kernels() -> None:
     rms_norm(z, np.ones(4, F32), 1e-6)
     rms_norm(z, None, 1e-6)
     geglu(z, z)
-    rope(z.reshape(1, 1, 4), np.zeros((1, 2)), 4)
+    rope(z.reshape(1, 1, 4), *rope_table(np.zeros(1, np.int64), 4, 10_000.0), 4)
 
 
 def takes(*arrays: np.ndarray) -> bool:
@@ -232,11 +237,13 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return _gated(SWIGLU, gate, up)
 
 
-def rope(x: np.ndarray, angles: np.ndarray, n_rot: int) -> np.ndarray:
-    """rope_twin's result (x (T, heads, d) float32, angles (T, n_rot // 2) float64)."""
-    if x.ndim != 3 or angles.shape != (x.shape[0], n_rot // 2) or not 0 < n_rot <= x.shape[2]:
-        raise ValueError(f"rope of {x.shape} rotating {n_rot} values a head needs angles "
-                         f"({x.shape[0]}, {n_rot // 2}), not {angles.shape}")
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int) -> np.ndarray:
+    """rope_twin's result, bit for bit (x (T, heads, d) float32; cos, sin (T, n_rot // 2) float64)."""
+    want = (x.shape[0], n_rot // 2) if x.ndim == 3 else None
+    if want is None or cos.shape != want or sin.shape != want or not 0 < n_rot <= x.shape[2]:
+        raise ValueError(f"rope of {x.shape} rotating {n_rot} values a head needs a table of "
+                         f"{want}, not {cos.shape} / {sin.shape}")
     out = np.empty(x.shape, F32)
-    _kernel("rope")(np.ascontiguousarray(x), np.ascontiguousarray(angles, F64), int(n_rot), out)
+    _kernel("rope")(np.ascontiguousarray(x), np.ascontiguousarray(cos, F64), np.ascontiguousarray(sin, F64),
+                    int(n_rot), out)
     return out

@@ -211,6 +211,9 @@ def _compiles(compile_kernel, what: str, instead: str) -> bool:
     return True
 
 
+_ROPE_TABLES_KEPT = 8  # a step's tables (a base per layer kind, Gemma 3 has two) and a few steps' more
+
+
 class NumpyBackend(FusedOpsMixin, DeviceHooks):
     name = "numpy"
 
@@ -239,6 +242,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         self.attention_kernel = attention_kernel
         self.pointwise_kernel = pointwise_kernel
         self.int_weights = int_weights
+        # rope tables of the last few steps (_rope_table): (positions, n_rot, base, sections, scale) -> (cos, sin)
+        self._rope_tables: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         # a MoE layer's expert tensors as cpu_experts stacks, made on first use: (weights, stacks) by
         # the weights' ids (int_expert_stacks)
         self._stacks: dict[tuple[int, int, int], tuple[tuple[Any, ...], Any]] = {}
@@ -429,10 +434,23 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
     # ---- positions and attention ---------------------------------------------------------------
     def rope(self, x, positions, n_rot: int, base: float, *, sections=(), scale: float = 1.0):
         x = np.asarray(x, F32)
-        angles = cpu_pointwise.rope_angles(positions, n_rot, base, sections, scale)  # docs/qwen35.md 3.3.1
+        cos, sin = self._rope_table(positions, n_rot, base, tuple(sections), scale)
         if self._pointwise(x) and x.ndim == 3:
-            return cpu_pointwise.rope(x, angles, n_rot)
-        return cpu_pointwise.rope_twin(x, angles, n_rot)
+            return cpu_pointwise.rope(x, cos, sin, n_rot)
+        return cpu_pointwise.rope_twin(x, cos, sin, n_rot)
+
+    def _rope_table(self, positions, n_rot: int, base: float, sections: tuple[int, ...], scale: float):
+        """cpu_pointwise.rope_table (docs/qwen35.md 3.3.1), kept for the last few (positions, n_rot, base,
+        sections, scale): every layer of a step rotates its queries and keys by the same table."""
+        pos = np.ascontiguousarray(positions, dtype=np.int64)
+        key = (pos.shape, pos.tobytes(), int(n_rot), float(base), sections, float(scale))
+        table = self._rope_tables.get(key)
+        if table is None:
+            table = cpu_pointwise.rope_table(pos, n_rot, base, sections, scale)
+            if len(self._rope_tables) >= _ROPE_TABLES_KEPT:
+                self._rope_tables.clear()  # (one call, whatever other threads decoding on this backend do)
+            self._rope_tables[key] = table
+        return table
 
     def new_kv_cache(self, n_kv_heads: int, head_dim: int, value_dim: int, capacity: int,
                      kv_type: str = "f32"):

@@ -70,31 +70,59 @@ def test_gated_activations_refuse_shapes_that_differ():
 
 @pytest.mark.parametrize("heads,d,n_rot", [(4, 256, 256), (8, 256, 64), (1, 64, 32), (2, 10, 6)])
 @pytest.mark.parametrize("rows", [1, 9])
-def test_rope_matches_its_twin(request, heads, d, n_rot, rows):
+def test_rope_is_its_twin_bit_for_bit(request, heads, d, n_rot, rows):
     rng = _rng(request)
     x = rng.standard_normal((rows, heads, d)).astype(np.float32)
     positions = rng.integers(0, 40_000, rows)
-    angles = pw.rope_angles(positions, n_rot, float(rng.choice([10_000.0, 1_000_000.0])),
-                            scale=float(rng.choice([1.0, 8.0])))
-    got = pw.rope(x, angles, n_rot)
-    _close(got, pw.rope_twin(x, angles, n_rot))
+    cos, sin = pw.rope_table(positions, n_rot, float(rng.choice([10_000.0, 1_000_000.0])),
+                             scale=float(rng.choice([1.0, 8.0])))
+    got = pw.rope(x, cos, sin, n_rot)
+    assert np.array_equal(got.view(np.int32), pw.rope_twin(x, cos, sin, n_rot).view(np.int32))
     assert np.array_equal(got[..., n_rot:], x[..., n_rot:])  # the values past n_rot are copied
+    # and the rotation spelled out for one head: pair i turned by position x base^(-2i / n_rot)
+    base = 10_000.0
+    cos, sin = pw.rope_table(positions, n_rot, base)
+    got = pw.rope(x, cos, sin, n_rot)
+    half = n_rot // 2
+    theta = positions[-1] * base ** (-2.0 * np.arange(half) / n_rot)
+    a, b = x[-1, 0, :half].astype(np.float64), x[-1, 0, half:n_rot].astype(np.float64)
+    np.testing.assert_allclose(got[-1, 0, :half], a * np.cos(theta) - b * np.sin(theta), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[-1, 0, half:n_rot], a * np.sin(theta) + b * np.cos(theta), rtol=1e-5, atol=1e-5)
 
 
-def test_rope_takes_m_rope_angles(request):
+def test_rope_takes_m_rope_tables(request):
     """M-RoPE's per-pair position components (the vision model's prompts) through the same kernel."""
     rng = _rng(request)
     rows, n_rot = 6, 64
     x = rng.standard_normal((rows, 2, 128)).astype(np.float32)
     positions = rng.integers(0, 500, (3, rows))
-    angles = pw.rope_angles(positions, n_rot, 10_000.0, sections=(11, 11, 10))
-    assert not np.allclose(angles, pw.rope_angles(positions[0], n_rot, 10_000.0))  # components differ
-    _close(pw.rope(x, angles, n_rot), pw.rope_twin(x, angles, n_rot))
+    cos, sin = pw.rope_table(positions, n_rot, 10_000.0, sections=(11, 11, 10))
+    assert not np.allclose(cos, pw.rope_table(positions[0], n_rot, 10_000.0)[0])  # components differ
+    got = pw.rope(x, cos, sin, n_rot)
+    assert np.array_equal(got.view(np.int32), pw.rope_twin(x, cos, sin, n_rot).view(np.int32))
 
 
-def test_rope_refuses_angles_of_another_shape():
-    with pytest.raises(ValueError, match="angles"):
-        pw.rope(np.ones((2, 1, 8), np.float32), np.zeros((2, 3)), 8)
+def test_rope_refuses_a_table_of_another_shape():
+    with pytest.raises(ValueError, match="table"):
+        pw.rope(np.ones((2, 1, 8), np.float32), np.zeros((2, 3)), np.zeros((2, 3)), 8)
+
+
+def test_the_backend_keeps_a_steps_rope_table(request):
+    """Every layer of a step rotates by one table: made once per (positions, base), and a backend
+    keeps only the last few."""
+    rng = _rng(request)
+    be = NumpyBackend()
+    x = rng.standard_normal((2, 2, 16)).astype(np.float32)
+    pos = np.array([5, 9])
+    first = be.rope(x, pos, 16, 10_000.0)
+    assert len(be._rope_tables) == 1
+    np.testing.assert_array_equal(be.rope(x, pos.copy(), 16, 10_000.0), first)
+    assert len(be._rope_tables) == 1  # the same positions and base: the same table
+    other = be.rope(x, pos + 1, 16, 10_000.0)
+    assert len(be._rope_tables) == 2 and not np.array_equal(other, first)
+    for step in range(20):
+        be.rope(x, pos + 2 + step, 16, 1_000_000.0)
+    assert len(be._rope_tables) <= 8
 
 
 def test_the_backend_runs_the_kernels_or_the_twins(request, monkeypatch):
