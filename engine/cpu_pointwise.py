@@ -1,7 +1,7 @@
 """The NumPy backend's RMS norm, gated activations (GeGLU, SwiGLU) and rotary position embedding
 compiled, each with its NumPy twin.
 
-What this is: the formulas of docs/qwen35.md 3.1 (RMS norm), 3.5 (SwiGLU; Gemma 3's GeGLU takes GELU's
+What this is: the formulas of docs/qwen35.md 3.2 (RMS norm), 3.5 (SwiGLU; Gemma 3's GeGLU takes GELU's
 tanh form) and 3.3.1 (RoPE) over rows of float32 values, computed in float64 and rounded to float32
 once, as the twins do. The twins (`*_twin`) are the specification: whole-array NumPy expressions in
 float64, one pass and one temporary array per operator. That costs most at a decode step's small
