@@ -1198,8 +1198,9 @@ def _tile_block_terms(g: _Ir, kind: str, ps: list[Any], j: int, bi: Any, x: Any,
                       xh: Any, scratch: Any) -> list[Any]:
     """<8 x float> terms of 32-value block bi (j within its super-block) of each row (its block or
     super-block at ps[k]) with the 8 lanes. `scratch` (an array of a <32 x i8> per row; None for q8_0,
-    whose words are read from the rows themselves): each row's unpacked block is stored there and its words are loaded back broadcast to the 8 lanes (a load),
-    where a word taken out of a register cost shuffles: a Q4_K tile of 4 rows and a super-block had 568
+    whose words are read from the rows themselves): each row's unpacked block is stored there and its
+    words are loaded back broadcast to the 8 lanes (a load), where a word taken out of a register cost
+    shuffles: a Q4_K tile of 4 rows and a super-block had 568
     shuffles to its 256 dot products, now none (`rows.inspect_asm()`). The barrier (_opaque) keeps the
     compiler from turning the loads back into shuffles of the stored value; without its memory clobber
     the Q4_K tile was slower (45-50 GMAC/s). Measured on the 2-core EPYC, one thread, 8 and 16 rows x a
