@@ -101,6 +101,8 @@ class Nvrtc:
         lib.nvrtcGetProgramLogSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
         lib.nvrtcGetProgramLog.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.nvrtcGetCUBINSize.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvrtcGetCUBIN.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
         lib.nvrtcGetLoweredName.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_char_p)]
 
     def version(self) -> tuple[int, int]:
@@ -126,6 +128,18 @@ class Nvrtc:
             buf = ctypes.create_string_buffer(size.value)
             self._ok(self.lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
             return buf.value.decode(), self._lowered(prog, name_expressions)
+
+    def compile_cubin(self, source: str, name: str, arch: str, name_expressions=(),
+                      options=()) -> tuple[bytes, dict[str, str]]:
+        """The machine code (cubin) of `source` for `arch` (sm_XX), and each name expression's lowered
+        symbol (kernels/sass.py disassembles it)."""
+        opts = [f"--gpu-architecture={arch.replace('compute_', 'sm_')}", *options]
+        with self._compiled(source, name, arch, name_expressions, opts) as (prog, _):
+            size = ctypes.c_size_t()
+            self._ok(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            buf = ctypes.create_string_buffer(size.value)
+            self._ok(self.lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+            return buf.raw[:size.value], self._lowered(prog, name_expressions)
 
     def ptxas_info(self, source: str, name: str, arch: str, name_expressions=(),
                    options=()) -> tuple[str, dict[str, str]]:
