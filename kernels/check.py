@@ -123,11 +123,8 @@ class Nvrtc:
         (mangled) symbol, the name the PTX's .entry carries."""
         opts = [f"--gpu-architecture=compute_{arch.split('_')[1]}", *options]
         with self._compiled(source, name, arch, name_expressions, opts) as (prog, _):
-            size = ctypes.c_size_t()
-            self._ok(self.lib.nvrtcGetPTXSize(prog, ctypes.byref(size)), "nvrtcGetPTXSize")
-            buf = ctypes.create_string_buffer(size.value)
-            self._ok(self.lib.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
-            return buf.value.decode(), self._lowered(prog, name_expressions)
+            ptx = self._output(prog, self.lib.nvrtcGetPTXSize, self.lib.nvrtcGetPTX, "PTX")
+            return ptx.rstrip(b"\0").decode(), self._lowered(prog, name_expressions)
 
     def compile_cubin(self, source: str, name: str, arch: str, name_expressions=(),
                       options=()) -> tuple[bytes, dict[str, str]]:
@@ -135,11 +132,16 @@ class Nvrtc:
         symbol (kernels/sass.py disassembles it)."""
         opts = [f"--gpu-architecture={arch.replace('compute_', 'sm_')}", *options]
         with self._compiled(source, name, arch, name_expressions, opts) as (prog, _):
-            size = ctypes.c_size_t()
-            self._ok(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-            buf = ctypes.create_string_buffer(size.value)
-            self._ok(self.lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
-            return buf.raw[:size.value], self._lowered(prog, name_expressions)
+            cubin = self._output(prog, self.lib.nvrtcGetCUBINSize, self.lib.nvrtcGetCUBIN, "CUBIN")
+            return cubin, self._lowered(prog, name_expressions)
+
+    def _output(self, prog, get_size, get, kind: str) -> bytes:
+        """A compiled program's PTX or CUBIN as bytes: get_size, then get (NVRTC's pair for `kind`)."""
+        size = ctypes.c_size_t()
+        self._ok(get_size(prog, ctypes.byref(size)), f"nvrtcGet{kind}Size")
+        buf = ctypes.create_string_buffer(size.value)
+        self._ok(get(prog, buf), f"nvrtcGet{kind}")
+        return buf.raw[:size.value]
 
     def ptxas_info(self, source: str, name: str, arch: str, name_expressions=(),
                    options=()) -> tuple[str, dict[str, str]]:
