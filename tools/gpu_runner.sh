@@ -25,8 +25,11 @@
 # Pascal/Volta code paths run on this card). Make the PTX BEFORE the device call, on the machine with
 # the NVRTC 12 wheel: `python tools/make_ptx.py` (writes .gpu/ptx.tar.xz; unpacked here). A stale
 # archive (kernel sources changed since) is refused up front. PTX_TESTS: the tests to run (default
-# tests/gpu without the split, vision and q3-model tests); PTX_TIMEOUT (s per architecture, default
-# 170); separate probe caches per build. Logs: ptx61_tests.log, ptx70_tests.log.
+# tests/gpu without the split, vision and q3-model tests); PTX_TIMEOUT (s per pytest run, default
+# 170); separate probe caches per build. PTX_GROUPS=N (default 1: one pytest run per architecture, one
+# after the other): N pytest processes per architecture, both architectures at once, then the files that
+# measure memory alone (the whole default list in about 240 s with N = 3 on an H100, docs/BENCHMARKS.md
+# v40; give PTX_TIMEOUT=430). Logs: ptx61_tests.log, ptx70_tests.log.
 set -u
 MODE=${1:-all}
 shift || true
@@ -280,6 +283,15 @@ if [ "$MODE" = ptx ]; then
   first="tests/gpu/test_ptx_route.py tests/gpu/test_kernels.py tests/gpu/test_model.py"
   DEFAULT_PTX_TESTS="$first $(ls tests/gpu/test_*.py | grep -v -x -F -e tests/gpu/test_split.py \
     -e tests/gpu/test_vision_gpu.py -e tests/gpu/test_kvq3_model.py $(printf -- '-e %s ' $first) | tr '\n' ' ')"
+  # pytest over some of the files with every kernel from compute_$1 PTX, appending to the log $3
+  ptx_pytest() {
+    # shellcheck disable=SC2086
+    MINECART_KERNEL_PTX="$ROOT/.gpu/ptx$1" MINECART_CACHE_DIR="/tmp/minecart-cache-ptx$1-$4" \
+      timeout "${PTX_TIMEOUT:-170}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 120 --durations=15 \
+      $2 "${@:5}" >>"$3" 2>&1
+    echo "compute_$1 PTX gpu tests ($4) exit $?" | tee -a "$3"
+  }
+  verified=""
   for arch in 61 70; do
     dir="$ROOT/.gpu/ptx$arch"
     log="$OUT/ptx${arch}_tests.log"
@@ -296,14 +308,37 @@ sys.exit(1 if problems else 0)" "$dir" >"$log" 2>&1; then
       echo "compute_$arch PTX refused (above): rebuild with python tools/make_ptx.py" | tee -a "$log"
       continue
     fi
+    verified="$verified $arch"
+  done
+  PTX_FILES=${PTX_TESTS:-$DEFAULT_PTX_TESTS}
+  if [ "${PTX_GROUPS:-1}" -le 1 ]; then
+    for arch in $verified; do ptx_pytest "$arch" "$PTX_FILES" "$OUT/ptx${arch}_tests.log" all "$@"; done
+  else
+    # PTX_GROUPS pytest processes per architecture, both architectures at once (the files dealt out in
+    # turn), then the files that measure memory alone, one architecture after the other
+    alone_re="-e tests/gpu/test_load_memory.py -e tests/gpu/test_context_limit_gpu.py -e tests/gpu/test_weight_arenas.py"
     # shellcheck disable=SC2086
-    MINECART_KERNEL_PTX="$dir" MINECART_CACHE_DIR="/tmp/minecart-cache-ptx$arch" \
-      timeout "${PTX_TIMEOUT:-170}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 120 --durations=15 \
-      ${PTX_TESTS:-$DEFAULT_PTX_TESTS} "$@" >>"$log" 2>&1
-    echo "compute_$arch PTX gpu tests exit $?" | tee -a "$log"
+    shared=$(printf '%s\n' $PTX_FILES | grep -v -x -F $alone_re)
+    # shellcheck disable=SC2086
+    alone=$(printf '%s\n' $PTX_FILES | grep -x -F $alone_re | tr '\n' ' ')
+    for arch in $verified; do
+      for g in $(seq 1 "$PTX_GROUPS"); do
+        grp=$(printf '%s\n' "$shared" | awk -v n="$PTX_GROUPS" -v g="$g" '(NR - 1) % n == g - 1' | tr '\n' ' ')
+        rm -f "/tmp/ptx${arch}_g$g.log"
+        ptx_pytest "$arch" "$grp" "/tmp/ptx${arch}_g$g.log" "group$g" "$@" &
+      done
+    done
+    wait
+    for arch in $verified; do
+      for g in $(seq 1 "$PTX_GROUPS"); do cat "/tmp/ptx${arch}_g$g.log" >>"$OUT/ptx${arch}_tests.log"; done
+      if [ -n "${alone// /}" ]; then ptx_pytest "$arch" "$alone" "$OUT/ptx${arch}_tests.log" alone "$@"; fi
+    done
+  fi
+  for arch in $verified; do
+    log="$OUT/ptx${arch}_tests.log"
     grep -E "^(FAILED|ERROR)|KernelPtxError|passed|failed" "$log" | tail -15
     # shellcheck disable=SC2086
-    python3 tools/gpu_test_summary.py "$log" $(test_files ${PTX_TESTS:-$DEFAULT_PTX_TESTS}) | tee -a "$log"
+    python3 tools/gpu_test_summary.py "$log" $(test_files $PTX_FILES) | tee -a "$log"
   done
   rm -rf .gpu/ptx61 .gpu/ptx70  # unpacked copies only (~48 MiB): never carried back or along
 fi
