@@ -6,7 +6,7 @@ Compiles one module of build.module_specs() to machine code for one architecture
 wheel kernels/check.py uses), disassembles it with `nvdisasm` and prints, for the whole
 kernel and for each loop (a backward branch and the instructions from its target to it), how many
 instructions it issues, how many of them are DP4A (`IDP.4A`), fp32 math, shared and global memory
-accesses, barriers and shuffles, the most common opcodes, and the registers ptxas gave it.
+accesses, barriers and shuffles, and the most common opcodes (registers: `check --resources`).
 
 What it tells and what it does not: the instruction mix of a loop body sets a floor on the body's time
 (each warp instruction takes an issue slot of its scheduler, a DP4A two slots of the integer pipe: half
@@ -160,9 +160,11 @@ def disassemble(cubin: bytes, nvdisasm: str) -> str:
         return res.stdout
 
 
-def kernel_sass(module: str, kernel: str, arch: str = "sm_90", nvdisasm: str | None = None) -> list[Instr]:
-    """The instructions of `kernel` (a name expression of `module`, or an extern "C" kernel's name) for
-    `arch`, compiled as the engine compiles it (COMPILE_OPTIONS)."""
+def module_sass(module: str, kernels: list[str], arch: str = "sm_90",
+                nvdisasm: str | None = None) -> dict[str, list[Instr]]:
+    """The instructions of each of `kernels` (name expressions of `module`, or its extern "C" kernels'
+    names) for `arch`, compiled as the engine compiles them (COMPILE_OPTIONS): one compile and one
+    disassembly for all of them."""
     from .check import Nvrtc
 
     spec = next((s for s in module_specs() if s.name == module), None)
@@ -171,15 +173,20 @@ def kernel_sass(module: str, kernel: str, arch: str = "sm_90", nvdisasm: str | N
     tool = nvdisasm or find_nvdisasm()
     if tool is None:
         raise RuntimeError("no nvdisasm: pip install nvidia-cuda-nvdisasm, or set $NVDISASM")
-    exprs = (kernel,) if kernel in spec.name_expressions else ()
-    if not exprs and kernel not in spec.extern_c:
-        raise ValueError(f"{module} has no kernel {kernel!r}; it has: {', '.join(spec.name_expressions + spec.extern_c)}")
+    unknown = [k for k in kernels if k not in spec.name_expressions and k not in spec.extern_c]
+    if unknown:
+        raise ValueError(f"{module} has no kernel {unknown[0]!r}; it has: "
+                         f"{', '.join(spec.name_expressions + spec.extern_c)}")
+    exprs = tuple(k for k in kernels if k in spec.name_expressions)
     cubin, lowered = Nvrtc().compile_cubin(module_source(spec), spec.name, arch, exprs, COMPILE_OPTIONS)
-    symbol = lowered.get(kernel, kernel)
     functions = parse(disassemble(cubin, tool))
-    if symbol not in functions:
-        raise RuntimeError(f"{symbol} not in the disassembly ({len(functions)} functions)")
-    return functions[symbol]
+    out: dict[str, list[Instr]] = {}
+    for k in kernels:
+        symbol = lowered.get(k, k)
+        if symbol not in functions:
+            raise RuntimeError(f"{symbol} not in the disassembly ({len(functions)} functions)")
+        out[k] = functions[symbol]
+    return out
 
 
 def _row(label: str, c: Counter[str]) -> str:
@@ -208,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=12, help="most common opcodes listed per loop (default 12)")
     a = p.parse_args(argv)
     try:
-        instrs = kernel_sass(a.module, a.kernel, a.arch)
+        instrs = module_sass(a.module, [a.kernel], a.arch)[a.kernel]
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

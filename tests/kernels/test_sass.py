@@ -62,9 +62,9 @@ def test_tensor_core_opcodes_but_not_hfma2_mma():
 
 def test_unknown_module_or_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="no module"):
-        sass.kernel_sass("no_such_module", "k", nvdisasm="/bin/true")
+        sass.module_sass("no_such_module", ["k"], nvdisasm="/bin/true")
     with pytest.raises(ValueError, match="has no kernel"):
-        sass.kernel_sass("matmul_Q8_0", "gemm_batch<99, 8>", nvdisasm="/bin/true")
+        sass.module_sass("matmul_Q8_0", ["gemm_batch<99, 8>"], nvdisasm="/bin/true")
 
 
 @needs_tools
@@ -72,7 +72,8 @@ def test_unknown_module_or_kernel_is_a_clear_error():
 def test_gemm_batch_main_loop_issues_its_stage_of_dp4a(qt, module):
     """gemm_batch's rows map at 8 tokens: a lane dots 2 rows x 8 tokens x 8 words a stage (gemm.cu), so
     the loop holding the DP4As issues a whole number of stages of 128, and only that loop issues them."""
-    instrs = sass.kernel_sass(module, f"gemm_batch<{qt}, 8>")
+    kernel = f"gemm_batch<{qt}, 8>"
+    instrs = sass.module_sass(module, [kernel])[kernel]
     total = sass.mix(instrs)["dp4a"]
     assert total > 0 and total % 128 == 0
     with_dp4a = [lp for lp in sass.loops(instrs) if sass.mix(lp.body(instrs))["dp4a"]]
@@ -89,8 +90,8 @@ def test_no_tensor_core_opcode_in_the_matmul_machine_code():
     PTX guard's result, checked after ptxas)."""
     for module in ("matmul_Q8_0", "matmul_Q4_K"):
         spec = next(s for s in module_specs() if s.name == module)
-        for kernel in [e for e in spec.name_expressions if e.startswith(("gemm_batch", "gemv_dp4a<", "gemm_fma"))]:
-            instrs = sass.kernel_sass(module, kernel)
+        kernels = [e for e in spec.name_expressions if e.startswith(("gemm_batch", "gemv_dp4a<", "gemm_fma"))]
+        for kernel, instrs in sass.module_sass(module, kernels).items():
             assert instrs and sass.tensor_core(instrs) == [], (module, kernel)
 
 
