@@ -343,21 +343,6 @@ __device__ __forceinline__ GbX<TT> gb_x_pos(int T, int nb, int tid) {
     return p;
 }
 
-// Keeps a thread's positions in registers (keep_reg).
-template <int TT>
-__device__ __forceinline__ void gb_keep_x(GbX<TT>& p) {
-#pragma unroll
-    for (int j = 0; j < TT / 8; j++) {
-        keep_reg(p.q[j]);
-        keep_reg(p.qlim[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < (TT + 15) / 16; j++) {
-        keep_reg(p.c[j]);
-        keep_reg(p.clim[j]);
-    }
-}
-
 // Stage st's share (zeros where the thread has none).
 template <int TT>
 __device__ __forceinline__ void gb_load_x(const i8* __restrict__ xq, const float* __restrict__ xd,
@@ -404,6 +389,7 @@ __device__ __forceinline__ void gb_rows(
     const int st0 = blockIdx.y * stages;
     const int st1 = min(nst, st0 + stages);
     const i64 wstride = row_bytes<QT>(K);
+    const int ddsh = kq_dd_shift(s);
     if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
     const u8* wrow[RL];  // the lane's rows (clamped to R - 1), worked out once
     const u16* wdrow[RL];
@@ -412,13 +398,8 @@ __device__ __forceinline__ void gb_rows(
         const int r = min(r0 + 4 * RL * warp + 4 * i + g, R - 1);
         wrow[i] = wq + (i64)r * wstride;
         wdrow[i] = wd + (i64)r * nb;
-        keep_reg(wrow[i]);  // in registers from here on, not worked out again each stage
-        keep_reg(wdrow[i]);
     }
-    GbX<TT> xpos = gb_x_pos<TT>(T, nb, tid);
-    int ddsh = kq_dd_shift(s);
-    keep_reg(ddsh);
-    gb_keep_x(xpos);
+    const GbX<TT> xpos = gb_x_pos<TT>(T, nb, tid);
 
     Raw wa[RL], wb[RL];  // two register sets: a stage's weights, and the next stage's on their way
     int4 xv[XJ];

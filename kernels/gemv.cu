@@ -418,13 +418,11 @@ __device__ __forceinline__ void gemv_stream_body(const u8* __restrict__ wq, cons
                                                  const i8* __restrict__ xq, const float* __restrict__ xd,
                                                  const float* __restrict__ xs, float* __restrict__ y, int R,
                                                  int K, const float* __restrict__ res) {
-    int lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31;
     const int nw = gridDim.x * (blockDim.x >> 5);
     const int nb = K >> 5;
     const int rounds = (nb + 32 * NU - 1) / (32 * NU);
-    int ctx = S::ctx(lane);
-    keep_reg(lane);  // not read again from the thread index each task
-    keep_reg(ctx);
+    const int ctx = S::ctx(lane);
     const i64 rb = row_bytes<QT>(K);
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // uniform over the warp
     int rd = 0;
