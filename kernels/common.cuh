@@ -148,6 +148,13 @@ template <int QT> __device__ __forceinline__ i64 row_bytes(int K) {
     return 0;  // no other format
 }
 
+// Keeps x in a register from where it is called: an empty asm the compiler cannot see through, so ptxas
+// cannot work the value out again at each use. (In gemm_batch's stage loop it recomputed the lanes' row
+// pointers and activation positions every stage, about 40 instructions a stage.)
+__device__ __forceinline__ void keep_reg(int& x) { asm("" : "+r"(x)); }
+template <class T>
+__device__ __forceinline__ void keep_reg(const T*& p) { asm("" : "+l"(p)); }
+
 // ---- K-quants (Q4_K, Q5_K, Q6_K) --------------------------------------------------------------------
 // Device layout (kernels/kquant_layout.py is its specification, made by ops.upload_weight): per row,
 // `wq` holds the quants only, each 32-value block's nibbles as 16 aligned bytes (byte i: value i in the

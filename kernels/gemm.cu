@@ -313,26 +313,65 @@ __device__ __forceinline__ void gb_load_w(const u8* wrow, const u16* wdrow, int 
     }
 }
 
-// Thread tid's share of stage st's activations (TT tokens x 8 blocks of q8_1), as both maps load them:
+// Thread tid's share of a stage's activations (TT tokens x 8 blocks of q8_1), as both maps load them:
 // int4 j holds half idx % 2 of block (idx % 16) / 2 of token idx / 16 (idx = tid + 128 j); (xd, xs) j
-// those of block idx % 8 of token idx / 8. Zeros past T tokens and nb blocks.
+// those of block idx % 8 of token idx / 8. GbX holds where they sit at stage 0 (q: int4 index, c: element
+// index) and the stages that have them (st * 8 < lim: past T tokens and nb blocks lim is at most 0);
+// a thread works it out once (gb_x_pos) and each stage is then an add and a compare a load.
 template <int TT>
-__device__ __forceinline__ void gb_load_x(const i8* __restrict__ xq, const float* __restrict__ xd,
-                                          const float* __restrict__ xs, int T, int nb, int st, int tid,
-                                          int4 (&xv)[TT / 8], float2 (&xc)[(TT + 15) / 16]) {
+struct GbX {
+    int q[TT / 8], qlim[TT / 8], c[(TT + 15) / 16], clim[(TT + 15) / 16];
+};
+
+template <int TT>
+__device__ __forceinline__ GbX<TT> gb_x_pos(int T, int nb, int tid) {
+    GbX<TT> p;
 #pragma unroll
     for (int j = 0; j < TT / 8; j++) {
         const int idx = tid + 128 * j;
-        const int t = idx >> 4, b = st * 8 + ((idx & 15) >> 1);
-        xv[j] = make_int4(0, 0, 0, 0);
-        if (t < T && b < nb) xv[j] = ((const int4*)(xq + ((i64)t * nb + b) * 32))[idx & 1];
+        const int t = idx >> 4, bo = (idx & 15) >> 1;
+        p.q[j] = 2 * (t * nb + bo) + (idx & 1);
+        p.qlim[j] = t < T ? nb - bo : 0;
     }
 #pragma unroll
     for (int j = 0; j < (TT + 15) / 16; j++) {
         const int idx = tid + 128 * j;
-        const int t = idx >> 3, b = st * 8 + (idx & 7);
+        const int t = idx >> 3, bo = idx & 7;
+        p.c[j] = t * nb + bo;
+        p.clim[j] = idx < TT * 8 && t < T ? nb - bo : 0;
+    }
+    return p;
+}
+
+// Keeps a thread's positions in registers (keep_reg).
+template <int TT>
+__device__ __forceinline__ void gb_keep_x(GbX<TT>& p) {
+#pragma unroll
+    for (int j = 0; j < TT / 8; j++) {
+        keep_reg(p.q[j]);
+        keep_reg(p.qlim[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < (TT + 15) / 16; j++) {
+        keep_reg(p.c[j]);
+        keep_reg(p.clim[j]);
+    }
+}
+
+// Stage st's share (zeros where the thread has none).
+template <int TT>
+__device__ __forceinline__ void gb_load_x(const i8* __restrict__ xq, const float* __restrict__ xd,
+                                          const float* __restrict__ xs, const GbX<TT>& p, int st,
+                                          int4 (&xv)[TT / 8], float2 (&xc)[(TT + 15) / 16]) {
+#pragma unroll
+    for (int j = 0; j < TT / 8; j++) {
+        xv[j] = make_int4(0, 0, 0, 0);
+        if (st * 8 < p.qlim[j]) xv[j] = ((const int4*)xq)[p.q[j] + 16 * st];
+    }
+#pragma unroll
+    for (int j = 0; j < (TT + 15) / 16; j++) {
         xc[j] = make_float2(0.0f, 0.0f);
-        if (idx < TT * 8 && t < T && b < nb) xc[j] = make_float2(xd[(i64)t * nb + b], xs[(i64)t * nb + b]);
+        if (st * 8 < p.clim[j]) xc[j] = make_float2(xd[p.c[j] + 8 * st], xs[p.c[j] + 8 * st]);
     }
 }
 
@@ -365,21 +404,30 @@ __device__ __forceinline__ void gb_rows(
     const int st0 = blockIdx.y * stages;
     const int st1 = min(nst, st0 + stages);
     const i64 wstride = row_bytes<QT>(K);
-    const int ddsh = kq_dd_shift(s);
     if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
-    int rows[RL];  // the lane's rows, clamped to R - 1
+    const u8* wrow[RL];  // the lane's rows (clamped to R - 1), worked out once
+    const u16* wdrow[RL];
 #pragma unroll
-    for (int i = 0; i < RL; i++) rows[i] = min(r0 + 4 * RL * warp + 4 * i + g, R - 1);
+    for (int i = 0; i < RL; i++) {
+        const int r = min(r0 + 4 * RL * warp + 4 * i + g, R - 1);
+        wrow[i] = wq + (i64)r * wstride;
+        wdrow[i] = wd + (i64)r * nb;
+        keep_reg(wrow[i]);  // in registers from here on, not worked out again each stage
+        keep_reg(wdrow[i]);
+    }
+    GbX<TT> xpos = gb_x_pos<TT>(T, nb, tid);
+    int ddsh = kq_dd_shift(s);
+    keep_reg(ddsh);
+    gb_keep_x(xpos);
 
-    Raw cur[RL], nxt[RL];
+    Raw wa[RL], wb[RL];  // two register sets: a stage's weights, and the next stage's on their way
     int4 xv[XJ];
     float2 xcv[XC];
-    auto load_w = [&](int st, Raw* w) {
+    auto load_w = [&](int st, Raw (&w)[RL]) {
 #pragma unroll
-        for (int i = 0; i < RL; i++)
-            gb_load_w<QT>(wq + (i64)rows[i] * wstride, wd + (i64)rows[i] * nb, st * 8 + s, nb, w[i]);
+        for (int i = 0; i < RL; i++) gb_load_w<QT>(wrow[i], wdrow[i], st * 8 + s, nb, w[i]);
     };
-    auto load_x = [&](int st) { gb_load_x<TT>(xq, xd, xs, T, nb, st, tid, xv, xcv); };
+    auto load_x = [&](int st) { gb_load_x<TT>(xq, xd, xs, xpos, st, xv, xcv); };
     auto store_x = [&](int buf) {
 #pragma unroll
         for (int j = 0; j < XJ; j++) {
@@ -399,12 +447,8 @@ __device__ __forceinline__ void gb_rows(
 #pragma unroll
         for (int j = 0; j < TT; j++) acc[i][j] = 0.0f;
 
-    if (st0 < st1) {
-        load_x(st0);
-        store_x(0);
-        load_w(st0, cur);
-    }
-    for (int st = st0; st < st1; st++) {
+    // stage st from cur (its activations in buffer (st - st0) & 1), the next stage's loads into nxt
+    auto stage = [&](int st, const Raw (&cur)[RL], Raw (&nxt)[RL]) {
         const int buf = (st - st0) & 1;
         __syncthreads();  // this stage's activations are stored; every warp is done with the other buffer
         const bool more = st + 1 < st1;
@@ -453,11 +497,18 @@ __device__ __forceinline__ void gb_rows(
                 if (HAS_M) acc[i][j] = fmaf(e[i], xc.y, acc[i][j]);
             }
         }
-        if (more) {
-            store_x(buf ^ 1);
-#pragma unroll
-            for (int i = 0; i < RL; i++) cur[i] = nxt[i];
-        }
+        if (more) store_x(buf ^ 1);
+    };
+
+    if (st0 < st1) {
+        load_x(st0);
+        store_x(0);
+        load_w(st0, wa);
+    }
+    // two stages a pass, so no stage's weights are copied from one register set to the other
+    for (int st = st0; st < st1; st += 2) {
+        stage(st, wa, wb);
+        if (st + 1 < st1) stage(st + 1, wb, wa);
     }
     // The group's 8 lanes add their blocks' sums: three xor-shuffle rounds, each keeping half the values
     // (the half named by the lane's bit) and adding the partner's copy of that half.
@@ -518,6 +569,7 @@ __device__ __forceinline__ void gb_quads(
     typename GbRaw<QT>::T w[PASSES];
     int4 xv[XJ];
     float2 xcv[XC];
+    const GbX<TT> xpos = gb_x_pos<TT>(T, nb, tid);
 
     auto gload = [&](int st) {
 #pragma unroll
@@ -525,7 +577,7 @@ __device__ __forceinline__ void gb_quads(
             const int r = min(r0 + p * 16 + (tid >> 3), R - 1);
             gb_load_w<QT>(wq + (i64)r * wstride, wd + (i64)r * nb, st * 8 + s, nb, w[p]);
         }
-        gb_load_x<TT>(xq, xd, xs, T, nb, st, tid, xv, xcv);
+        gb_load_x<TT>(xq, xd, xs, xpos, st, xv, xcv);
     };
     auto sstore = [&]() {
 #pragma unroll

@@ -249,7 +249,8 @@ gemv_dp4a_split(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8*
 
 // acc += block b of a K-quant row (held raw in w, as kq_load_raw left it) dotted with activation block
 // b (q8_1: xq, xd, xs). Every lane of the warp calls it (kq_raw_scales shuffles); lanes with b >= nb
-// add nothing.
+// add nothing. Q4_K / Q5_K: one DP4A chain over the 32 values (one scale); Q6_K: one per half (a scale
+// each).
 template <int QT>
 __device__ __forceinline__ void kq_block_dot(const KqRaw& w, int ddsh, int b, int nb, const i8* __restrict__ xq,
                                              const float* __restrict__ xd, const float* __restrict__ xs,
@@ -261,16 +262,24 @@ __device__ __forceinline__ void kq_block_dot(const KqRaw& w, int ddsh, int b, in
         int4 a = xp[0], c = xp[1];
         int xa[8] = {a.x, a.y, a.z, a.w, c.x, c.y, c.z, c.w};
         u32 vv[4] = {w.v.x, w.v.y, w.v.z, w.v.w};
-        int lo = 0, hi = 0;
+        int q[8];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            int ql, qh;
-            kq_expand<QT>(vv[k], w.h0, w.h1, k, ql, qh);
-            lo = dp4a(ql, xa[k], lo);
-            hi = dp4a(qh, xa[4 + k], hi);
+        for (int k = 0; k < 4; k++) kq_expand<QT>(vv[k], w.h0, w.h1, k, q[k], q[4 + k]);
+        if (QT == QT_Q6_K) {
+            int lo = 0, hi = 0;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                lo = dp4a(q[k], xa[k], lo);
+                hi = dp4a(q[4 + k], xa[4 + k], hi);
+            }
+            acc += xd[b] * (dlo * (float)lo + dhi * (float)hi);
+        } else {
+            int sum = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++) sum = dp4a(q[k], xa[k], sum);
+            acc = fmaf(xd[b] * dlo, (float)sum, acc);
+            acc = fmaf(m, xs[b], acc);
         }
-        acc += xd[b] * (dlo * (float)lo + dhi * (float)hi);
-        if (QT != QT_Q6_K) acc += m * xs[b];
     }
 }
 
@@ -344,6 +353,8 @@ gemv_kq(const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restr
 // compute, its warp sum and its change of row. Launched with at most as many blocks as the card holds
 // at once (ops._resident_blocks), so no block waits for its slowest warp before the next can start, and
 // a row of several rounds (the 12288-wide down projection) no longer waits a memory latency per round.
+// The loop takes two tasks a pass with two register sets (the loads of one land in the set the other
+// has just used), so no task's blocks are copied from one set to the other.
 // Optional residual `res` (1, R) as gemv_kq. S: how a block is held and dotted (KqStream, WbStream).
 template <int QT>
 struct KqStream {  // the K-quants' raw blocks (kq_load_raw), d/dmin by kq_block_dot's shuffles
@@ -373,48 +384,61 @@ struct WbStream {  // every other DP4A format: expanded blocks (load_wblock), as
     }
 };
 
+// One task of gemv_stream_body: issue the loads of the task after (row, rd) into nxt, dot cur (the task's
+// blocks) into acc, and at a row's last round write the row's sum; (row, rd) become the next task.
+template <int QT, int NU, class S>
+__device__ __forceinline__ void gemv_stream_task(const u8* __restrict__ wq, const u16* __restrict__ wd,
+                                                 const i8* __restrict__ xq, const float* __restrict__ xd,
+                                                 const float* __restrict__ xs, float* __restrict__ y, int R,
+                                                 const float* __restrict__ res, int nb, i64 rb, int rounds,
+                                                 int nw, int lane, int ctx, const typename S::Raw (&cur)[NU],
+                                                 typename S::Raw (&nxt)[NU], int& row, int& rd, float& acc) {
+    int nrow = row, nrd = rd + 1;
+    if (nrd == rounds) {
+        nrd = 0;
+        nrow = row + nw;
+    }
+    if (nrow < R) {
+#pragma unroll
+        for (int u = 0; u < NU; u++) S::load(wq + nrow * rb, wd + (i64)nrow * nb, 32 * (nrd * NU + u) + lane, nb, nxt[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < NU; u++) S::dot(cur[u], ctx, 32 * (rd * NU + u) + lane, nb, xq, xd, xs, acc);
+    if (nrd == 0) {
+        float s = warp_sum(acc);
+        if (lane == 0) y[row] = res != 0 ? s + res[row] : s;
+        acc = 0.0f;
+    }
+    row = nrow;
+    rd = nrd;
+}
+
 template <int QT, int NU, class S>
 __device__ __forceinline__ void gemv_stream_body(const u8* __restrict__ wq, const u16* __restrict__ wd,
                                                  const i8* __restrict__ xq, const float* __restrict__ xd,
                                                  const float* __restrict__ xs, float* __restrict__ y, int R,
                                                  int K, const float* __restrict__ res) {
-    const int lane = threadIdx.x & 31;
+    int lane = threadIdx.x & 31;
     const int nw = gridDim.x * (blockDim.x >> 5);
     const int nb = K >> 5;
     const int rounds = (nb + 32 * NU - 1) / (32 * NU);
-    const int ctx = S::ctx(lane);
+    int ctx = S::ctx(lane);
+    keep_reg(lane);  // not read again from the thread index each task
+    keep_reg(ctx);
     const i64 rb = row_bytes<QT>(K);
     int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // uniform over the warp
     int rd = 0;
-    typename S::Raw cur[NU], nxt[NU];
+    typename S::Raw a[NU], b[NU];
     if (row < R) {
 #pragma unroll
-        for (int u = 0; u < NU; u++) S::load(wq + row * rb, wd + (i64)row * nb, 32 * u + lane, nb, cur[u]);
+        for (int u = 0; u < NU; u++) S::load(wq + row * rb, wd + (i64)row * nb, 32 * u + lane, nb, a[u]);
     }
     pdl_entry();  // the first weights are on their way; the activations are read after the wait
     float acc = 0.0f;
     while (row < R) {
-        int nrow = row, nrd = rd + 1;
-        if (nrd == rounds) {
-            nrd = 0;
-            nrow = row + nw;
-        }
-        if (nrow < R) {
-#pragma unroll
-            for (int u = 0; u < NU; u++)
-                S::load(wq + nrow * rb, wd + (i64)nrow * nb, 32 * (nrd * NU + u) + lane, nb, nxt[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < NU; u++) S::dot(cur[u], ctx, 32 * (rd * NU + u) + lane, nb, xq, xd, xs, acc);
-        if (nrd == 0) {
-            float s = warp_sum(acc);
-            if (lane == 0) y[row] = res != 0 ? s + res[row] : s;
-            acc = 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < NU; u++) cur[u] = nxt[u];
-        row = nrow;
-        rd = nrd;
+        gemv_stream_task<QT, NU, S>(wq, wd, xq, xd, xs, y, R, res, nb, rb, rounds, nw, lane, ctx, a, b, row, rd, acc);
+        if (row >= R) break;
+        gemv_stream_task<QT, NU, S>(wq, wd, xq, xd, xs, y, R, res, nb, rb, rounds, nw, lane, ctx, b, a, row, rd, acc);
     }
 }
 

@@ -80,9 +80,14 @@ def test_every_kernel_waits_first():
 
 def test_the_streaming_gemvs_wait_before_reading_activations():
     src = (KERNELS / "gemv.cu").read_text()
-    gemv = (KERNELS / "gemv.cu").read_text().split("gemv_stream_body(")[1].split("\n}\n")[0]
+    gemv = src.split("gemv_stream_body(")[1].split("\n}\n")[0]
     wait = gemv.index("pdl_entry();")
-    assert gemv.index("S::load(") < wait < min(gemv.index("S::dot("), gemv.index("y[row]"))
+    # the first weights are asked for before the wait; activations are read (S::dot) and outputs written
+    # only in the tasks, which the body runs after it
+    assert gemv.index("S::load(") < wait < gemv.index("gemv_stream_task<")
+    assert "S::dot(" not in gemv and "y[row]" not in gemv
+    task = src.split("void gemv_stream_task(")[1].split("\n}\n")[0]
+    assert "S::dot(" in task and "y[row]" in task and "pdl_entry" not in task
     for k in PREFETCH_FIRST:
         body = src.split(f"\n{k}(")[1].split("{", 1)[1]
         assert body.index("pdl_entry_prefetch(wq") < min(body.index(x) for x in ("xq", "part[", "y["))
