@@ -647,16 +647,12 @@ __device__ __forceinline__ void flash_decode_body(
 #pragma unroll
             for (int u = 0; u < U; u++) ls += pv[g * U + u];
             l_run[g] = l_run[g] * alpha[g] + ls;
-            // alpha is warp-uniform and 1 whenever the running maximum held (most steps past the first
-            // few keys): o * 1 is o, so skipping the rescale leaves every bit as it was
-            if (alpha[g] != 1.0f) {
 #pragma unroll
-                for (int c = 0; c < NCH; c++) {
-                    o[g][c].x *= alpha[g];
-                    o[g][c].y *= alpha[g];
-                    o[g][c].z *= alpha[g];
-                    o[g][c].w *= alpha[g];
-                }
+            for (int c = 0; c < NCH; c++) {
+                o[g][c].x *= alpha[g];
+                o[g][c].y *= alpha[g];
+                o[g][c].z *= alpha[g];
+                o[g][c].w *= alpha[g];
             }
         }
 #pragma unroll
