@@ -28,8 +28,9 @@
 # tests/gpu without the split, vision and q3-model tests); PTX_TIMEOUT (s per pytest run, default
 # 170); separate probe caches per build. PTX_GROUPS=N (default 1: one pytest run per architecture, one
 # after the other): N pytest processes per architecture, both architectures at once, then the files that
-# measure memory alone (the whole default list in about 240 s with N = 3 on an H100, docs/BENCHMARKS.md
-# v40; give PTX_TIMEOUT=430). Logs: ptx61_tests.log, ptx70_tests.log.
+# measure memory alone (the whole default list in 406 s with N = 3 and PTX_TIMEOUT=320 on an H100,
+# docs/BENCHMARKS.md v42; the slowest group took 309 s of its 320). Logs: ptx61_tests.log,
+# ptx70_tests.log.
 set -u
 MODE=${1:-all}
 shift || true
