@@ -18,6 +18,8 @@
 # commit before a refactor) and by this tree, alternating old, new, old, new, so a change that must
 # not slow the engine is judged in one run (COMPARE_ARGS, default: --prefill 4096 --decode-ctx 0
 # --decode-tokens 64; COMPARE_KV: this tree's KV cache types, default f32; compare.log, compare_*.json).
+# `steps OLD_TREE ...` (not part of `all`): a decode step's GPU time, this tree against older ones, alternated
+# (below; docs/BENCHMARKS.md v42).
 # `kernel-profile` (not part of `all`): Nsight Compute's sections for a few launches of one kernel
 # (KP_KERNEL, default gemm_batch) inside bench_gemv --multi (KP_ARGS); KP_LOG (default kernel_profile.txt).
 # `ptx` (not part of `all`): the GPU tests with every kernel loaded from compute_61 PTX, then from
@@ -60,12 +62,49 @@ test_files() {
 }
 
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
-  # GPU_TESTS: the files to run (default the whole tests/gpu, which takes more than one call's 600 s:
-  # run it in parts). -v, so that a run cut off by TEST_TIMEOUT still says what passed (summary below)
-  # shellcheck disable=SC2086
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 240 -s ${GPU_TESTS:-tests/gpu} "$@" \
-    >"$OUT/gpu_tests.log" 2>&1
-  echo "gpu tests exit $?" | tee -a "$OUT/gpu_tests.log"
+  # GPU_TESTS: the files to run (default the whole tests/gpu, which takes more than one call's 600 s in
+  # one process: run it in parts, or in groups). -v, so that a run cut off by TEST_TIMEOUT still says
+  # what passed (summary below). TEST_GROUPS=N (default 1): N pytest processes at once on the card (the
+  # files dealt out in turn, each process with its own probe cache), then the files that measure memory
+  # and the split alone (the whole tests/gpu in 272-295 s with N = 4 on an H100, docs/BENCHMARKS.md v42;
+  # TEST_TIMEOUT then bounds each group and the alone run)
+  rm -f "$OUT/gpu_tests.log"
+  if [ "${TEST_GROUPS:-1}" -le 1 ]; then
+    # shellcheck disable=SC2086
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 240 -s ${GPU_TESTS:-tests/gpu} "$@" \
+      >"$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests exit $?" | tee -a "$OUT/gpu_tests.log"
+  else
+    alone_re="-e tests/gpu/test_load_memory.py -e tests/gpu/test_context_limit_gpu.py -e tests/gpu/test_weight_arenas.py -e tests/gpu/test_split.py"
+    # shellcheck disable=SC2086
+    files=$(test_files ${GPU_TESTS:-tests/gpu})
+    # shellcheck disable=SC2086
+    shared=$(printf '%s\n' $files | grep -v -x -F $alone_re)
+    # shellcheck disable=SC2086
+    alone=$(printf '%s\n' $files | grep -x -F $alone_re | tr '\n' ' ')
+    for g in $(seq 1 "$TEST_GROUPS"); do
+      grp=$(printf '%s\n' "$shared" | awk -v n="$TEST_GROUPS" -v g="$g" '(NR - 1) % n == g - 1' | tr '\n' ' ')
+      rm -f "/tmp/gpu_tests_g$g.log"
+      # an empty group runs nothing (pytest with no path would run every test)
+      [ -n "${grp// /}" ] && (
+        # shellcheck disable=SC2086
+        MINECART_CACHE_DIR="$MINECART_CACHE_DIR-g$g" timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE \
+          -p no:cacheprovider --timeout 240 -s $grp "$@" >"/tmp/gpu_tests_g$g.log" 2>&1
+        echo "gpu tests (group $g) exit $?" >>"/tmp/gpu_tests_g$g.log"
+      ) &
+    done
+    wait
+    for g in $(seq 1 "$TEST_GROUPS"); do
+      if [ -f "/tmp/gpu_tests_g$g.log" ]; then cat "/tmp/gpu_tests_g$g.log" >>"$OUT/gpu_tests.log"; fi
+    done
+    if [ -n "${alone// /}" ]; then
+      # shellcheck disable=SC2086
+      timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 240 -s $alone "$@" \
+        >>"$OUT/gpu_tests.log" 2>&1
+      echo "gpu tests (alone) exit $?" >>"$OUT/gpu_tests.log"
+    fi
+    grep -E "^(FAILED|ERROR)|exit [0-9]|passed|failed" "$OUT/gpu_tests.log" | tail -20
+  fi
   # shellcheck disable=SC2086
   python3 tools/gpu_test_summary.py "$OUT/gpu_tests.log" $(test_files ${GPU_TESTS:-tests/gpu}) | tee -a "$OUT/gpu_tests.log"
 fi
@@ -144,6 +183,62 @@ def pick(d, key):
 for which, ds in rows.items():
     for d in ds:
         print(which, "prefill", pick(d, "prefill"), "decode", pick(d, "decode"))
+PY
+fi
+
+if [ "$MODE" = steps ]; then
+  # a decode step's GPU time in this tree and in older checkouts, alternated: the replayed graph of one
+  # token's step and of each STEPS_BATCHES batched step (tools/profile_decode.py), tree after tree, for
+  # STEPS_ROUNDS rounds, on one synthesized file (STEPS_ARGS, default --shape qwen3.5-9b --quant q4_k).
+  # Each older tree is a folder with app/ engine/ kernels/ resources/ (a `git archive` of a commit). On
+  # an H100 the rounds agreed to 0.2%, where end-to-end tok/s of two runs one after the other moved by
+  # several percent (docs/BENCHMARKS.md v41 / v42), so a kernel change is judged this way.
+  #   bash tools/gpu_runner.sh steps OLD_TREE [OTHER_TREE ...]
+  # STEPS_BUDGET (s, default 480): no measurement starts past it. Log: steps.log (a line a measurement,
+  # then per tree and step the best GPU ms and its ratio to the first older tree's)
+  T0=$(date +%s)
+  SL="$OUT/steps.log"
+  : >"$SL"
+  trees="this"
+  i=0
+  for t in "$@"; do
+    i=$((i + 1))
+    d=$(cd "$t" && pwd) || { echo "steps: no tree $t" | tee -a "$SL"; exit 1; }
+    mkdir -p "/tmp/mc_t$i/minecart"
+    for x in app engine kernels resources; do ln -sfn "$d/$x" "/tmp/mc_t$i/minecart/$x"; done
+    trees="$trees t$i"
+    echo "tree t$i: $t" >>"$SL"
+  done
+  F=/tmp/bench/steps.gguf
+  mkdir -p /tmp/bench
+  # shellcheck disable=SC2086
+  timeout 240 python3 -m minecart.engine.cli synth ${STEPS_ARGS:---shape qwen3.5-9b --quant q4_k} "$F" >>"$SL" 2>&1
+  for round in $(seq 1 "${STEPS_ROUNDS:-3}"); do
+    for tree in $trees; do
+      path=/tmp/mc:/tmp/site
+      [ "$tree" = this ] || path="/tmp/mc_$tree:/tmp/site"
+      for b in 1 ${STEPS_BATCHES:-8 16}; do
+        if [ $(($(date +%s) - T0)) -ge "${STEPS_BUDGET:-480}" ]; then echo "budget spent" >>"$SL"; break 3; fi
+        rm -f /tmp/steps.json
+        PYTHONPATH=$path timeout 150 python3 tools/profile_decode.py --path "$F" --batch "$b" --json /tmp/steps.json \
+          >>"$OUT/steps_runs.log" 2>&1
+        ms=$(python3 -c "import json; d = json.load(open('/tmp/steps.json')); print(d['graph_gpu_ms_per_step'], d['wall_ms_per_step'])" \
+          2>/dev/null || echo "failed -")
+        echo "round $round tree $tree batch $b gpu_ms $ms" | tee -a "$SL"
+      done
+    done
+  done
+  python3 - "$SL" <<'PY' 2>&1 | tee -a "$SL"
+import sys
+best = {}
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) >= 8 and f[0] == "round" and f[7] != "failed":
+        key = (f[3], int(f[5]))
+        best[key] = min(best.get(key, float("inf")), float(f[7]))
+for (tree, b), ms in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    ref = best.get(("t1", b))
+    print(f"batch {b:>3} tree {tree:<5} best {ms:.4f} ms GPU" + (f"  vs t1 {ms / ref:.3f}" if ref else ""))
 PY
 fi
 
