@@ -41,9 +41,15 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ROOT=$(pwd)
 
+# link_tree DIR DEST: DEST/minecart/{app,engine,kernels,resources} -> DIR's folders, so DEST on PYTHONPATH
+# imports DIR's code without a build
+link_tree() {
+  mkdir -p "$2/minecart"
+  for d in app engine kernels resources; do ln -sfn "$1/$d" "$2/minecart/$d"; done
+}
+
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl >"$OUT/env.txt" 2>&1
-mkdir -p /tmp/mc/minecart
-for d in app engine kernels resources; do ln -sfn "$ROOT/$d" "/tmp/mc/minecart/$d"; done
+link_tree "$ROOT" /tmp/mc
 export PYTHONPATH=/tmp/mc:/tmp/site
 export MINECART_FIXTURES="$ROOT/.gpu/fixtures"
 export MINECART_CACHE_DIR=/tmp/minecart-cache
@@ -61,6 +67,38 @@ test_files() {
   done
 }
 
+# The files that measure memory or take both devices: with TEST_GROUPS / PTX_GROUPS they run alone,
+# after the groups. alone_files -v FILES...: the others; alone_files "" FILES...: these (space separated)
+ALONE_FILES="tests/gpu/test_load_memory.py tests/gpu/test_context_limit_gpu.py tests/gpu/test_weight_arenas.py tests/gpu/test_split.py"
+alone_files() {
+  local how=$1
+  shift
+  # shellcheck disable=SC2046,SC2086
+  printf '%s\n' "$@" | grep $how -x -F $(printf -- '-e %s ' $ALONE_FILES) | tr '\n' ' '
+}
+
+# start_groups N LOGBASE RUN FILES [pytest args...]: RUN (a command's words, called as RUN GROUP_FILES LOG
+# LABEL [pytest args...]) on each of N groups of FILES (dealt out in turn), all in the background, group
+# g logging to LOGBASE_gg.log; an empty group runs nothing (pytest with no path would run every test).
+# The caller waits, then collect_groups N LOGBASE LOG appends the groups' logs to LOG in group order.
+start_groups() {
+  local n=$1 base=$2 run=$3 files=$4 g grp
+  shift 4
+  for g in $(seq 1 "$n"); do
+    # shellcheck disable=SC2086
+    grp=$(printf '%s\n' $files | awk -v n="$n" -v g="$g" '(NR - 1) % n == g - 1' | tr '\n' ' ')
+    rm -f "${base}_g$g.log"
+    # shellcheck disable=SC2086
+    [ -n "${grp// /}" ] && $run "$grp" "${base}_g$g.log" "group$g" "$@" &
+  done
+}
+collect_groups() {
+  local g
+  for g in $(seq 1 "$1"); do
+    if [ -f "${2}_g$g.log" ]; then cat "${2}_g$g.log" >>"$3"; fi
+  done
+}
+
 if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
   # GPU_TESTS: the files to run (default the whole tests/gpu, which takes more than one call's 600 s in
   # one process: run it in parts, or in groups). -v, so that a run cut off by TEST_TIMEOUT still says
@@ -68,45 +106,34 @@ if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
   # files dealt out in turn, each process with its own probe cache), then the files that measure memory
   # and the split alone (the whole tests/gpu in 272-295 s with N = 4 on an H100, docs/BENCHMARKS.md v42;
   # TEST_TIMEOUT then bounds each group and the alone run)
-  rm -f "$OUT/gpu_tests.log"
+  # pytest over some of the files, appending to the log $2 (label $3: each group its own probe cache)
+  gpu_pytest() {
+    local cache=$MINECART_CACHE_DIR
+    [ "$3" = all ] || cache="$cache-$3"
+    # shellcheck disable=SC2086
+    MINECART_CACHE_DIR=$cache timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE -p no:cacheprovider \
+      --timeout 240 -s $1 "${@:4}" >>"$2" 2>&1
+    echo "gpu tests ($3) exit $?" | tee -a "$2"
+  }
+  log="$OUT/gpu_tests.log"
+  rm -f "$log"
+  # shellcheck disable=SC2086
+  files=$(test_files ${GPU_TESTS:-tests/gpu})
   if [ "${TEST_GROUPS:-1}" -le 1 ]; then
     # shellcheck disable=SC2086
-    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 240 -s ${GPU_TESTS:-tests/gpu} "$@" \
-      >"$OUT/gpu_tests.log" 2>&1
-    echo "gpu tests exit $?" | tee -a "$OUT/gpu_tests.log"
+    gpu_pytest "${GPU_TESTS:-tests/gpu}" "$log" all "$@"
   else
-    alone_re="-e tests/gpu/test_load_memory.py -e tests/gpu/test_context_limit_gpu.py -e tests/gpu/test_weight_arenas.py -e tests/gpu/test_split.py"
     # shellcheck disable=SC2086
-    files=$(test_files ${GPU_TESTS:-tests/gpu})
-    # shellcheck disable=SC2086
-    shared=$(printf '%s\n' $files | grep -v -x -F $alone_re)
-    # shellcheck disable=SC2086
-    alone=$(printf '%s\n' $files | grep -x -F $alone_re | tr '\n' ' ')
-    for g in $(seq 1 "$TEST_GROUPS"); do
-      grp=$(printf '%s\n' "$shared" | awk -v n="$TEST_GROUPS" -v g="$g" '(NR - 1) % n == g - 1' | tr '\n' ' ')
-      rm -f "/tmp/gpu_tests_g$g.log"
-      # an empty group runs nothing (pytest with no path would run every test)
-      [ -n "${grp// /}" ] && (
-        # shellcheck disable=SC2086
-        MINECART_CACHE_DIR="$MINECART_CACHE_DIR-g$g" timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE \
-          -p no:cacheprovider --timeout 240 -s $grp "$@" >"/tmp/gpu_tests_g$g.log" 2>&1
-        echo "gpu tests (group $g) exit $?" >>"/tmp/gpu_tests_g$g.log"
-      ) &
-    done
+    start_groups "$TEST_GROUPS" /tmp/gpu_tests gpu_pytest "$(alone_files -v $files)" "$@"
     wait
-    for g in $(seq 1 "$TEST_GROUPS"); do
-      if [ -f "/tmp/gpu_tests_g$g.log" ]; then cat "/tmp/gpu_tests_g$g.log" >>"$OUT/gpu_tests.log"; fi
-    done
-    if [ -n "${alone// /}" ]; then
-      # shellcheck disable=SC2086
-      timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 240 -s $alone "$@" \
-        >>"$OUT/gpu_tests.log" 2>&1
-      echo "gpu tests (alone) exit $?" >>"$OUT/gpu_tests.log"
-    fi
-    grep -E "^(FAILED|ERROR)|exit [0-9]|passed|failed" "$OUT/gpu_tests.log" | tail -20
+    collect_groups "$TEST_GROUPS" /tmp/gpu_tests "$log"
+    # shellcheck disable=SC2086
+    alone=$(alone_files "" $files)
+    if [ -n "${alone// /}" ]; then gpu_pytest "$alone" "$log" alone "$@"; fi
+    grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -20
   fi
   # shellcheck disable=SC2086
-  python3 tools/gpu_test_summary.py "$OUT/gpu_tests.log" $(test_files ${GPU_TESTS:-tests/gpu}) | tee -a "$OUT/gpu_tests.log"
+  python3 tools/gpu_test_summary.py "$log" $files | tee -a "$log"
 fi
 
 if [ "$MODE" = bench ] || [ "$MODE" = all ]; then
@@ -146,8 +173,7 @@ fi
 
 if [ "$MODE" = compare ]; then
   OLD_TREE=$(cd "${1:?compare needs the old tree}" && pwd)
-  mkdir -p /tmp/mc_old/minecart
-  for d in app engine kernels resources; do ln -sfn "$OLD_TREE/$d" "/tmp/mc_old/minecart/$d"; done
+  link_tree "$OLD_TREE" /tmp/mc_old
   timeout 240 python3 -m minecart.engine.cli synth ${BENCH_ARGS:---shape qwen3.5-9b --quant q8_0} /tmp/cmp.gguf \
     >"$OUT/compare.log" 2>&1
   # new runs once per KV type in COMPARE_KV (default "f32": the old code's cache; add f16 to see what
@@ -204,8 +230,7 @@ if [ "$MODE" = steps ]; then
   for t in "$@"; do
     i=$((i + 1))
     d=$(cd "$t" && pwd) || { echo "steps: no tree $t" | tee -a "$SL"; exit 1; }
-    mkdir -p "/tmp/mc_t$i/minecart"
-    for x in app engine kernels resources; do ln -sfn "$d/$x" "/tmp/mc_t$i/minecart/$x"; done
+    link_tree "$d" "/tmp/mc_t$i"
     trees="$trees t$i"
     echo "tree t$i: $t" >>"$SL"
   done
@@ -412,24 +437,13 @@ sys.exit(1 if problems else 0)" "$dir" >"$log" 2>&1; then
   else
     # PTX_GROUPS pytest processes per architecture, both architectures at once (the files dealt out in
     # turn), then the files that measure memory alone, one architecture after the other
-    alone_re="-e tests/gpu/test_load_memory.py -e tests/gpu/test_context_limit_gpu.py -e tests/gpu/test_weight_arenas.py"
     # shellcheck disable=SC2086
-    shared=$(printf '%s\n' $PTX_FILES | grep -v -x -F $alone_re)
+    alone=$(alone_files "" $PTX_FILES)
     # shellcheck disable=SC2086
-    alone=$(printf '%s\n' $PTX_FILES | grep -x -F $alone_re | tr '\n' ' ')
-    for arch in $verified; do
-      for g in $(seq 1 "$PTX_GROUPS"); do
-        grp=$(printf '%s\n' "$shared" | awk -v n="$PTX_GROUPS" -v g="$g" '(NR - 1) % n == g - 1' | tr '\n' ' ')
-        rm -f "/tmp/ptx${arch}_g$g.log"
-        # more groups than files: an empty group runs nothing (pytest with no path would run every test)
-        [ -n "${grp// /}" ] && ptx_pytest "$arch" "$grp" "/tmp/ptx${arch}_g$g.log" "group$g" "$@" &
-      done
-    done
+    for arch in $verified; do start_groups "$PTX_GROUPS" "/tmp/ptx$arch" "ptx_pytest $arch" "$(alone_files -v $PTX_FILES)" "$@"; done
     wait
     for arch in $verified; do
-      for g in $(seq 1 "$PTX_GROUPS"); do
-        if [ -f "/tmp/ptx${arch}_g$g.log" ]; then cat "/tmp/ptx${arch}_g$g.log" >>"$OUT/ptx${arch}_tests.log"; fi
-      done
+      collect_groups "$PTX_GROUPS" "/tmp/ptx$arch" "$OUT/ptx${arch}_tests.log"
       if [ -n "${alone// /}" ]; then ptx_pytest "$arch" "$alone" "$OUT/ptx${arch}_tests.log" alone "$@"; fi
     done
   fi
