@@ -88,9 +88,10 @@ extern "C" __global__ void swiglu_q8(const float* __restrict__ gate, const float
 //   S <- a S + k d^T, o = a r + (k . q) d,
 // then the gated RMSNorm over the head's DV outputs and their q8_1 blocks, all inside the block: no block
 // waits for another, and no output makes a round trip through memory before it is normalized.
-// One sequence (gdn_decode, LATE false): the state loads (and the norm's z and weights) are issued first,
-// so their latency overlaps the conv, the norms and the gates, which every block recomputes for its key
-// head (q, k) and its own v channels; 95 registers a thread, one block a multiprocessor, and only n_v
+// One sequence (gdn_decode, LATE false): the state loads are issued first, before the kernel's wait for
+// the one ahead of it, and the norm's z and weights next, so their latency overlaps the conv, the norms
+// and the gates, which every block recomputes for its key head (q, k) and its own v channels; 98-102
+// registers a thread (88-100 with the loads after the wait), one block a multiprocessor, and only n_v
 // blocks in all. A batch (gdn_decode_batch, LATE true: n_v x B blocks) loads the state after the conv
 // instead: 64 registers, so two blocks share a multiprocessor and one block's state stream overlaps the
 // other's conv and delta-rule step. H200, 9B shape, states out of L2 (tools/bench_gdn_decode.py,
@@ -123,6 +124,22 @@ __device__ __forceinline__ void block_sum3(float& a, float& b, float& c, float (
     c = warp_sum(c);
 }
 
+// The first of the state rows that thread (w, l) of block j updates: value column c = 32 (w / 4) + l,
+// rows (w % 4) DK/4 .. of value head j (state: (n_v, DK, DV) fp32).
+template <int DK>
+__device__ __forceinline__ float* gdn_state_rows(float* state, int DV) {
+    const int tid = threadIdx.x, wq = (tid >> 5) & 3, c = (tid >> 7) * 32 + (tid & 31);
+    return state + (i64)blockIdx.x * DK * DV + (i64)(wq * (DK / 4)) * DV + c;
+}
+
+// This thread's DK/4 state values (zeros for a column past DV).
+template <int DK>
+__device__ __forceinline__ void gdn_load_state(const float* sp, int DV, float (&S)[DK / 4]) {
+    const bool col = (threadIdx.x >> 7) * 32 + (threadIdx.x & 31) < DV;
+#pragma unroll
+    for (int i = 0; i < DK / 4; i++) S[i] = col ? sp[(i64)i * DV] : 0.0f;
+}
+
 template <int DK, bool LATE>
 __device__ __forceinline__ void gdn_decode_body(
         const float* __restrict__ mixed, const float* __restrict__ z, const float* __restrict__ bet,
@@ -130,7 +147,7 @@ __device__ __forceinline__ void gdn_decode_body(
         const float* __restrict__ ssm_a, const float* __restrict__ dt_bias, const float* __restrict__ norm_w,
         float* __restrict__ state, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
-        float eps) {
+        float eps, const float (&S0)[DK / 4]) {
     constexpr int RW = DK / 4;                        // state rows per warp
     __shared__ __align__(16) float qs[DK];
     __shared__ __align__(16) float ks[DK];
@@ -148,12 +165,13 @@ __device__ __forceinline__ void gdn_decode_body(
     const int C = 2 * key_dim + n_v * DV;
     const bool col = c < DV;
 
-    // 0. this thread's state rows of column c, the gate inputs, and the norm's inputs for column tid
-    float* sp = state + (i64)j * DK * DV + (i64)(wq * RW) * DV + c;
+    // 0. the gate inputs and the norm's inputs for column tid (this thread's state rows of column c: in S
+    //    already, read by gdn_decode before its wait, or read below after the conv, LATE)
+    float* sp = state + (i64)j * DK * DV + (i64)(wq * RW) * DV + c;  // = gdn_state_rows
     float S[RW];
     if constexpr (!LATE) {
 #pragma unroll
-        for (int i = 0; i < RW; i++) S[i] = col ? sp[(i64)i * DV] : 0.0f;
+        for (int i = 0; i < RW; i++) S[i] = S0[i];
     }
     const float a_raw = ssm_a[j], al = alpha[j], dtb = dt_bias[j], braw = bet[j];
     const float zt = tid < DV ? z[(i64)j * DV + tid] : 0.0f;
@@ -276,6 +294,9 @@ __device__ __forceinline__ void gdn_decode_body(
     }
 }
 
+// The kernel reads its state rows first, before the wait: only this kernel writes a layer's state, and its
+// launch for the token before has ended (graphs and eager steps follow each other in the stream), so they
+// are read while the projections' GEMV ahead of it finishes (programmatic dependent launch).
 template <int DK>
 __global__ void __launch_bounds__(512) gdn_decode(
         const float* __restrict__ mixed, const float* __restrict__ z, const float* __restrict__ bet,
@@ -284,9 +305,11 @@ __global__ void __launch_bounds__(512) gdn_decode(
         float* __restrict__ state, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
+    float S[DK / 4];
+    gdn_load_state<DK>(gdn_state_rows<DK>(state, DV), DV, S);
     pdl_entry();
     gdn_decode_body<DK, false>(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, norm_w, state, y, xq, xd, xs,
-                        counters, n_k, n_v, DV, KW, q_scale, eps);
+                        counters, n_k, n_v, DV, KW, q_scale, eps, S);
 }
 
 // gdn_decode for one token of each of B sequences in one launch, grid (n_v, B): blockIdx.y is the
@@ -303,12 +326,13 @@ __global__ void __launch_bounds__(512, 2) gdn_decode_batch(
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
     pdl_entry();
+    const float none[DK / 4] = {};  // the state is loaded after the conv (LATE)
     i64 s = blockIdx.y;
     i64 C = 2 * (i64)n_k * DK + (i64)n_v * DV, HV = (i64)n_v * DV;
     gdn_decode_body<DK, true>(mixed + s * C, z + s * HV, bet + s * n_v, alpha + s * n_v, conv_states[s], conv_w, ssm_a,
                         dt_bias, norm_w, states[s], y + s * HV, xq != 0 ? xq + s * HV : xq,
                         xd != 0 ? xd + s * (HV >> 5) : xd, xs != 0 ? xs + s * (HV >> 5) : xs,
-                        counters + s * n_k, n_k, n_v, DV, KW, q_scale, eps);
+                        counters + s * n_k, n_k, n_v, DV, KW, q_scale, eps, none);
 }
 
 // One block of D threads (D % 32 == 0) per head h: o = merge of the splits (as flash_merge), times
