@@ -375,11 +375,6 @@ __device__ __forceinline__ void gb_load_x(const i8* __restrict__ xq, const float
     }
 }
 
-#define GB_PARTS 3  // ops.GEMM_BATCH_PARTS: K-parts a rows-map block at most (128 threads each)
-
-// A barrier of the 128 threads of K-part p of a block (the parts run different numbers of stages).
-__device__ __forceinline__ void gb_part_sync(int p) { asm volatile("bar.sync %0, 128;" ::"r"(p + 1) : "memory"); }
-
 template <int QT, int TT>
 __device__ __forceinline__ void gb_rows(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
@@ -396,24 +391,20 @@ __device__ __forceinline__ void gb_rows(
     constexpr bool HAS_M = qt_has_offset(QT);
     static_assert(!(SPLIT && HAS_M), "gemm_batch: a block has a second scale or an offset, not both");
     typedef typename GbRaw<QT>::T Raw;
-    // per K-part: [buffer][half][token][block]: values 16 h .. 16 h + 15; (xd, xs): [buffer][token][block]
-    __shared__ __align__(16) int4 sxv_[GB_PARTS][2][2][TT][8];
-    __shared__ __align__(16) float2 sxc_[GB_PARTS][2][TT][8];
-    __shared__ float red[GB_PARTS - 1][128][V / 8];  // the other parts' sums, for part 0
+    __shared__ __align__(16) int4 sxv[2][2][TT][8];  // [buffer][half][token][block]: values 16 h .. 16 h + 15
+    __shared__ __align__(16) float2 sxc[2][TT][8];   // (xd, xs): [buffer][token][block]
     __shared__ int bounds[9];
 
-    const int tid = threadIdx.x & 127, part_id = threadIdx.x >> 7, parts = blockDim.x >> 7;
-    int4 (*sxv)[2][TT][8] = sxv_[part_id];
-    float2 (*sxc)[TT][8] = sxc_[part_id];
+    const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 3, s = lane & 7;
     const int r0 = blockIdx.x * 16 * RL;
     const int nb = K >> 5;
     const int nst = (nb + 7) >> 3;
-    const int st0 = (blockIdx.y * parts + part_id) * stages;
+    const int st0 = blockIdx.y * stages;
     const int st1 = min(nst, st0 + stages);
     const i64 wstride = row_bytes<QT>(K);
-    if (threadIdx.x < 9) bounds[threadIdx.x] = threadIdx.x == 0 ? 0 : (seg != nullptr && (int)threadIdx.x <= nseg) ? seg[threadIdx.x] : R;
+    if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
     const u8* wrow[RL];  // the lane's rows (clamped to R - 1), worked out once
     const u16* wdrow[RL];
 #pragma unroll
@@ -459,7 +450,7 @@ __device__ __forceinline__ void gb_rows(
     // stage st from cur (its activations in buffer (st - st0) & 1), the next stage's loads into nxt
     auto stage = [&](int st, const Raw (&cur)[RL], Raw (&nxt)[RL]) {
         const int buf = (st - st0) & 1;
-        gb_part_sync(part_id);  // this stage's activations are stored; every warp is done with the other buffer
+        __syncthreads();  // this stage's activations are stored; every warp is done with the other buffer
         const bool more = st + 1 < st1;
         if (more) {  // in flight while this stage computes
             load_x(st + 1);
@@ -527,17 +518,7 @@ __device__ __forceinline__ void gb_rows(
     gb_halve<V / 2>(v, 4, (s & 4) != 0);
     gb_halve<V / 4>(v, 2, (s & 2) != 0);
     gb_halve<V / 8>(v, 1, (s & 1) != 0);
-    // the K-parts' sums added by part 0 in part order (as splitk_sum adds splits)
-    if (part_id > 0) {
-#pragma unroll
-        for (int k = 0; k < VL; k++) red[part_id - 1][tid][k] = v[k];
-    }
-    __syncthreads();  // bounds[] and red[] are written
-    if (part_id > 0) return;
-    for (int p = 1; p < parts; p++) {
-#pragma unroll
-        for (int k = 0; k < VL; k++) v[k] += red[p - 1][tid][k];
-    }
+    __syncthreads();  // bounds[] is written
     // lane s holds the sums of flat entries VL s .. VL s + VL - 1 (row i = f / TT, token j = f % TT)
     const bool split = gridDim.y > 1;
     float* out = split ? part + (i64)blockIdx.y * T * R : y;
@@ -718,7 +699,7 @@ __device__ __forceinline__ void gb_quads(
 
 
 template <int QT, int TT>
-__global__ void __launch_bounds__(128 * GB_PARTS) gemm_batch(
+__global__ void __launch_bounds__(128, 3) gemm_batch(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,

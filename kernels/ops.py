@@ -392,27 +392,20 @@ def _gemm_batch(type_name: str, T: int) -> int | None:
 # weight rows a block of each gemm_batch token tile (gemm.cu: the rows map's 32 at 8 and 16 tokens, the row
 # quads' 64 at 32)
 GEMM_BATCH_ROWS = {8: 32, 16: 32, 32: 64}
-# K-parts a block of the rows map (8 and 16 tokens) runs side by side, 128 threads each, their sums added
-# inside the block in part order (gemm.cu GB_PARTS, the most): a split of K that needs no splitk_sum
-# launch. Env MINECART_GEMM_BATCH_PARTS (1: every split its own block, as before).
-GEMM_BATCH_PARTS = min(3, max(1, int(os.environ.get("MINECART_GEMM_BATCH_PARTS", "3"))))
 
 
-def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int, int]:
-    """(K-parts a block, blocks a row tile, stages of 256 values a part) of a gemm_batch launch of token
-    tile `tt` on a card with `sms` multiprocessors: a matrix with fewer row tiles (GEMM_BATCH_ROWS) than
+def gemm_batch_splits(R: int, K: int, sms: int, tt: int) -> tuple[int, int]:
+    """(splits over K, stages of 256 values per split) of a gemm_batch launch of token tile `tt` on a card
+    with `sms` multiprocessors: a matrix with fewer row tiles (GEMM_BATCH_ROWS) than
     GEMM_BATCH_BLOCKS_PER_SM blocks per multiprocessor is split along K (a 4096 x 4096 matrix in the
     8-token tile's 32-row tiles: 3 splits of at most 6 stages on 132 multiprocessors), each split at
-    least one stage; the rows map takes up to GEMM_BATCH_PARTS splits into one block, and only the blocks
-    of a row tile beyond one need splitk_sum (the 32-token row quads: a block a split)."""
+    least one stage."""
     tiles = -(-R // GEMM_BATCH_ROWS[tt])
     stages = -(-(K // 32) // 8)
     want = -(-(GEMM_BATCH_BLOCKS_PER_SM * sms) // tiles)
     splits = max(1, min(stages, want))
-    parts = min(splits, GEMM_BATCH_PARTS) if tt < 32 else 1
-    blocks = -(-splits // parts)
-    per = -(-stages // (parts * blocks))
-    return parts, -(-stages // (per * parts)), per
+    per = -(-stages // splits)
+    return -(-stages // per), per
 
 
 def _single_gemv(w: QWeight, R: int, K: int) -> tuple[str, object, int] | None:
@@ -512,12 +505,12 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
     if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
-        parts, splits, per = gemm_batch_splits(R, K, sm_count(), tt)
+        splits, per = gemm_batch_splits(R, K, sm_count(), tt)
         part = cp.empty((splits, T, R), dtype=cp.float32) if splits > 1 else np.uint64(0)
         res = residual if residual is not None else np.uint64(0)
         seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
         nseg = np.int32(len(segments) - 1 if segments is not None else 1)
-        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS[tt]), splits), (128 * parts,),
+        _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS[tt]), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, y, part, np.int32(T), np.int32(R),
                                                  np.int32(K), np.int32(per), res, seg, nseg))
         if splits > 1:
