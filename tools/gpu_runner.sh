@@ -33,9 +33,15 @@
 # measure memory alone (the whole default list in 406 s with N = 3 and PTX_TIMEOUT=320 on an H100,
 # docs/BENCHMARKS.md v42; the slowest group took 309 s of its 320). Logs: ptx61_tests.log,
 # ptx70_tests.log.
+# `setup`: only the install and the links above, for a call's own script (then PYTHONPATH=/tmp/mc:/tmp/site).
 set -u
 MODE=${1:-all}
 shift || true
+case "$MODE" in
+  all | tests | bench | ops | split | compare | steps | batch | profile | moe-host | host-diag | kernel-profile | ptx | setup) ;;
+  *) echo "gpu_runner.sh: no mode '$MODE' (all, tests, bench, ops, split, compare, steps, batch, profile, moe-host, host-diag, kernel-profile, ptx, setup)" >&2
+     exit 2 ;;
+esac
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -213,8 +219,9 @@ PY
 fi
 
 if [ "$MODE" = steps ]; then
-  # a decode step's GPU time in this tree and in older checkouts, alternated: the replayed graph of one
-  # token's step and of each STEPS_BATCHES batched step (tools/profile_decode.py), tree after tree, for
+  # a decode step's GPU time in this tree and in older checkouts, alternated: the replayed graph of the
+  # step of each STEPS_BATCHES size (default "1 8 16"; 1 = one token of one sequence, more = a batched
+  # step; tools/profile_decode.py), tree after tree, for
   # STEPS_ROUNDS rounds, on one synthesized file (STEPS_ARGS, default --shape qwen3.5-9b --quant q4_k).
   # Each older tree is a folder with app/ engine/ kernels/ resources/ (a `git archive` of a commit). On
   # an H100 the rounds agreed to 0.2%, where end-to-end tok/s of two runs one after the other moved by
@@ -242,7 +249,7 @@ if [ "$MODE" = steps ]; then
     for tree in $trees; do
       path=/tmp/mc:/tmp/site
       [ "$tree" = this ] || path="/tmp/mc_$tree:/tmp/site"
-      for b in 1 ${STEPS_BATCHES:-8 16}; do
+      for b in ${STEPS_BATCHES:-1 8 16}; do
         if [ $(($(date +%s) - T0)) -ge "${STEPS_BUDGET:-480}" ]; then echo "budget spent" >>"$SL"; break 3; fi
         rm -f /tmp/steps.json
         PYTHONPATH=$path timeout 150 python3 tools/profile_decode.py --path "$F" --batch "$b" --json /tmp/steps.json \
