@@ -37,11 +37,10 @@
 set -u
 MODE=${1:-all}
 shift || true
-case "$MODE" in
-  all | tests | bench | ops | split | compare | steps | batch | profile | moe-host | host-diag | kernel-profile | ptx | setup) ;;
-  *) echo "gpu_runner.sh: no mode '$MODE' (all, tests, bench, ops, split, compare, steps, batch, profile, moe-host, host-diag, kernel-profile, ptx, setup)" >&2
-     exit 2 ;;
-esac
+MODES="all tests bench ops split compare steps batch profile moe-host host-diag kernel-profile ptx setup"
+known=""
+for m in $MODES; do [ "$m" = "$MODE" ] && known=1; done
+if [ -z "$known" ]; then echo "gpu_runner.sh: no mode '$MODE' (one of: $MODES)" >&2; exit 2; fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
