@@ -541,7 +541,15 @@ __device__ __forceinline__ void fd_load(const KV_ELEM* __restrict__ kc, const KV
 template <int GM>
 __device__ constexpr int fd_keys() { return GM >= 8 ? 2 : 4; }
 
-template <int D, int GM>
+//
+// EARLY (the single-token kernel): the block issues its warps' first loads of keys and values before its
+// programmatic-dependent-launch wait (pdl_entry), so their DRAM round trip overlaps the kernel before it
+// (attn_prep). Those rows were written by earlier steps, inside earlier graph launches, which have ended;
+// only row kv_len - 1, this token's own, is written by attn_prep, so it is left out of the early loads
+// and the warp whose first keys hold it loads them again after the wait. q (attn_prep's output) and
+// everything else are read after the wait. The length on the device (kv_len_ptr) is written before the
+// step's graph runs. Without EARLY the caller has waited already.
+template <int D, int GM, bool EARLY>
 __device__ __forceinline__ void flash_decode_body(
         const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
@@ -567,13 +575,21 @@ __device__ __forceinline__ void flash_decode_body(
     int kvh = blockIdx.x, split = blockIdx.y;
     int G = nh / n_kv;
     int h0 = kvh * G;
+    int p = kv_len - 1;
+    int lo = split * split_len, hi = min(kv_len, lo + split_len);
+    if (window > 0) lo = max(lo, p - window + 1);
+    const i64 row_stride = (i64)n_kv * D;
+    kv_raw4_t kn[U][NCH], vn[U][NCH];  // the next step's keys, in flight while this step computes
+    int t0 = lo + w * U;
+    fd_load<U, D>(kc, vc, t0, EARLY ? min(hi, p) : hi, row_stride, kvh, lane, kn, vn);
+    if (EARLY) {
+        pdl_entry();
+        if (t0 < hi && t0 + U > p) fd_load<U, D>(kc, vc, t0, hi, row_stride, kvh, lane, kn, vn);
+    }
     for (int i = tid; i < GM * (D / 4); i += 128) {
         int g = i / (D / 4), c4 = i % (D / 4);
         qs[g][c4] = g < G ? *(const float4*)(q + (i64)(h0 + g) * D + 4 * c4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    int p = kv_len - 1;
-    int lo = split * split_len, hi = min(kv_len, lo + split_len);
-    if (window > 0) lo = max(lo, p - window + 1);
     float4 o[GM][NCH];
     float m_run[GM], l_run[GM];
 #pragma unroll
@@ -584,11 +600,7 @@ __device__ __forceinline__ void flash_decode_body(
         for (int c = 0; c < NCH; c++) o[g][c] = make_float4(0.f, 0.f, 0.f, 0.f);
     }
     __syncthreads();
-    const i64 row_stride = (i64)n_kv * D;
     const int my_v = lane >> SH, my_g = my_v / U, my_u = my_v % U;
-    kv_raw4_t kn[U][NCH], vn[U][NCH];  // the next step's keys, in flight while this step computes
-    int t0 = lo + w * U;
-    fd_load<U, D>(kc, vc, t0, hi, row_stride, kvh, lane, kn, vn);
     for (; t0 < hi; t0 += FD_WARPS * U) {
         kv_raw4_t kr[U][NCH], vr[U][NCH];
 #pragma unroll
@@ -684,8 +696,7 @@ __global__ void __launch_bounds__(128, 3) flash_decode(
         float* __restrict__ po, float* __restrict__ pm, float* __restrict__ pl,
         int nh, int n_kv, int kv_len, const int* __restrict__ kv_len_ptr, int split_len, float scale,
         int window) {
-    pdl_entry();
-    flash_decode_body<D, GM>(q, kc, vc, po, pm, pl, nh, n_kv, kv_len, kv_len_ptr, split_len, scale, window);
+    flash_decode_body<D, GM, true>(q, kc, vc, po, pm, pl, nh, n_kv, kv_len, kv_len_ptr, split_len, scale, window);
 }
 
 // flash_decode for one query token of each of B sequences, grid (n_kv, n_splits, B): blockIdx.z is the
@@ -701,51 +712,21 @@ __global__ void __launch_bounds__(128, 3) flash_decode_batch(
     pdl_entry();
     i64 s = blockIdx.z;
     i64 P = (i64)gridDim.y * nh;
-    flash_decode_body<D, GM>(q + s * nh * D, kcs[s], vcs[s], po + s * P * D, pm + s * P, pl + s * P, nh, n_kv, 0,
+    flash_decode_body<D, GM, false>(q + s * nh * D, kcs[s], vcs[s], po + s * P * D, pm + s * P, pl + s * P, nh, n_kv, 0,
                              kv_lens + s, 0, scale, window);
 }
 
-// The merge of a head's splits (one block per head h, blockDim a multiple of 32): the maximum and the
-// weighted sum over the splits are block reductions (each thread strides over the splits), and each
-// output column adds e^(m_s - m) o_s in split order with the weights staged in shared memory, 8 splits'
-// loads in flight per thread: the merge's cost stays small next to flash_decode at long context, where
-// there are hundreds of splits (one dependent load per split made it the larger of the two).
+// The merge of a head's splits, grid (nh, D / MERGE_COLS) of MERGE_THREADS threads (ops.py
+// merge_launch): common.cuh merge_head_splits.
 __device__ __forceinline__ void merge_splits(const float* __restrict__ po, const float* __restrict__ pm,
                                              const float* __restrict__ pl, float* __restrict__ out,
                                              int n_splits, int nh, int D) {
-    __shared__ float red[32];
-    __shared__ float wsh[256];
-    int h = blockIdx.x, tid = threadIdx.x, nt = blockDim.x, lane = tid & 31;
-    float m = NEG_BIG;
-    for (int s = tid; s < n_splits; s += nt) m = fmaxf(m, pm[(i64)s * nh + h]);
-    m = warp_max(m);
-    if (lane == 0) red[tid >> 5] = m;
-    __syncthreads();
-    m = red[0];
-    for (int w = 1; w < (nt >> 5); w++) m = fmaxf(m, red[w]);
-    float l = 0.0f;
-    for (int s = tid; s < n_splits; s += nt) l += __expf(pm[(i64)s * nh + h] - m) * pl[(i64)s * nh + h];
-    l = block_sum(l, red);  // its first barrier also orders the reads of red above before its writes
-    float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    for (int c0 = 0; c0 < D; c0 += nt) {
-        int c = c0 + tid;
-        float acc = 0.0f;
-        for (int s0 = 0; s0 < n_splits; s0 += nt) {
-            __syncthreads();
-            if (s0 + tid < n_splits) wsh[tid] = __expf(pm[(i64)(s0 + tid) * nh + h] - m);
-            __syncthreads();
-            int n = min(nt, n_splits - s0);
-            if (c < D) {
-                const float* p = po + ((i64)s0 * nh + h) * D + c;
-#pragma unroll 8
-                for (int s = 0; s < n; s++) acc += wsh[s] * p[(i64)s * nh * D];
-            }
-        }
-        if (c < D) out[(i64)h * D + c] = acc * inv;
-    }
+    const int c0 = blockIdx.y * MERGE_COLS;
+    const float r = merge_head_splits(po, pm, pl, n_splits, nh, blockIdx.x, D, c0);
+    if (threadIdx.x < MERGE_COLS) out[(i64)blockIdx.x * D + c0 + threadIdx.x] = r;
 }
 
-extern "C" __global__ void flash_merge(const float* __restrict__ po, const float* __restrict__ pm,
+extern "C" __global__ __launch_bounds__(MERGE_THREADS) void flash_merge(const float* __restrict__ po, const float* __restrict__ pm,
                                        const float* __restrict__ pl, float* __restrict__ out,
                                        int n_splits, int nh, int D) {
     pdl_entry();
@@ -754,7 +735,7 @@ extern "C" __global__ void flash_merge(const float* __restrict__ po, const float
 
 // flash_merge after a flash_decode launched with the same kv_len / kv_len_ptr / split_len: splits s with
 // s * split_len >= kv_len hold no keys (flash_decode left them unwritten) and are skipped.
-extern "C" __global__ void flash_merge_len(const float* __restrict__ po, const float* __restrict__ pm,
+extern "C" __global__ __launch_bounds__(MERGE_THREADS) void flash_merge_len(const float* __restrict__ po, const float* __restrict__ pm,
                                            const float* __restrict__ pl, float* __restrict__ out,
                                            int n_splits, int nh, int D, int kv_len,
                                            const int* __restrict__ kv_len_ptr, int split_len) {

@@ -115,6 +115,78 @@ __device__ __forceinline__ void q8_1_block(float v, i8* __restrict__ xq, float* 
     }
 }
 
+// The merge of one head's context-split partials of flash_decode (po (splits, nh, D), pm and pl (splits,
+// nh)) over splits [0, ns), for MERGE_COLS columns c0 .. c0 + MERGE_COLS - 1 of head h (D % MERGE_COLS
+// == 0): a block of MERGE_THREADS threads (ops.MERGE_THREADS; grids of D / MERGE_COLS blocks a head).
+// M, the maxima's maximum, and L = sum e^(m_s - M) l_s are block reductions (each thread strides over
+// the splits); the weights e^(m_s - M) are staged in shared memory. Thread tid takes 4 columns (c0 + 4
+// (tid % 16) ..., one 16-byte load a split) for part tid / 16 of the MERGE_THREADS / 16 parts: part p adds
+// w_s o_s over the splits p, p + P, ... in order, MERGE_LOADS loads in flight (all issued before the
+// first is used: one round up to 64 splits), and the parts' sums are added in part order through shared
+// memory (deterministic). Returns the column's o / L to the threads tid < MERGE_COLS (column c0 + tid: two
+// whole warps) and 0 to the others; every thread calls it. po 16-byte aligned.
+// One block of D threads a head, each thread a column over all the splits, left the merge a serial chain
+// of ns / 8 rounds of L2 loads: at 16K context (61 splits for the 9B's heads) it took 20.8 us under
+// Nsight Compute against flash_decode's 37.0 (H100, docs/BENCHMARKS.md v44).
+#define MERGE_COLS 64
+#define MERGE_THREADS 256
+#define MERGE_LOADS 4
+__device__ __forceinline__ float merge_head_splits(const float* __restrict__ po, const float* __restrict__ pm,
+                                                   const float* __restrict__ pl, int ns, int nh, int h, int D,
+                                                   int c0) {
+    constexpr int NT = MERGE_THREADS, TPR = MERGE_COLS / 4, P = NT / TPR;  // threads a split's row; parts
+    __shared__ float red[32];
+    __shared__ float wsh[NT];
+    __shared__ __align__(16) float4 sacc[P][TPR];
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int c4 = tid % TPR, part = tid / TPR;
+    float m = NEG_BIG;
+    for (int s = tid; s < ns; s += NT) m = fmaxf(m, pm[(i64)s * nh + h]);
+    m = warp_max(m);
+    if (lane == 0) red[tid >> 5] = m;
+    __syncthreads();
+    m = red[0];
+#pragma unroll
+    for (int w = 1; w < NT / 32; w++) m = fmaxf(m, red[w]);
+    float l = 0.0f;
+    for (int s = tid; s < ns; s += NT) l += __expf(pm[(i64)s * nh + h] - m) * pl[(i64)s * nh + h];
+    l = block_sum(l, red);  // its first barrier also orders the reads of red above before its writes
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const i64 stride = (i64)nh * D / 4, step = (i64)P * stride;  // in float4: a split's partials; P splits'
+    for (int s0 = 0; s0 < ns; s0 += NT) {
+        __syncthreads();
+        if (s0 + tid < ns) wsh[tid] = __expf(pm[(i64)s0 * nh + (i64)tid * nh + h] - m);
+        __syncthreads();
+        const int n = min(NT, ns - s0);
+        const float4* p = (const float4*)(po + ((i64)s0 * nh + h) * D + c0) + c4;
+        for (int s1 = part; s1 < n; s1 += MERGE_LOADS * P) {
+            float4 v[MERGE_LOADS];
+            const float4* q = p + s1 * stride;
+#pragma unroll
+            for (int k = 0; k < MERGE_LOADS; k++, q += step)
+                v[k] = s1 + k * P < n ? *q : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int k = 0; k < MERGE_LOADS; k++) {
+                if (s1 + k * P < n) {
+                    const float w = wsh[s1 + k * P];
+                    acc.x += w * v[k].x;
+                    acc.y += w * v[k].y;
+                    acc.z += w * v[k].z;
+                    acc.w += w * v[k].w;
+                }
+            }
+        }
+    }
+    sacc[part][c4] = acc;
+    __syncthreads();
+    if (tid >= MERGE_COLS) return 0.0f;
+    const float* sa = (const float*)sacc;
+    float r = sa[tid];
+#pragma unroll
+    for (int k = 1; k < P; k++) r += sa[k * MERGE_COLS + tid];
+    return r * (l > 0.0f ? 1.0f / l : 0.0f);
+}
+
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }

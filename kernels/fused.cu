@@ -335,55 +335,32 @@ __global__ void __launch_bounds__(512, 2) gdn_decode_batch(
                         counters + s * n_k, n_k, n_v, DV, KW, q_scale, eps, none);
 }
 
-// One block of D threads (D % 32 == 0) per head h: o = merge of the splits (as flash_merge), times
+// Grid (nh, D / MERGE_COLS) of MERGE_THREADS threads (ops.py merge_launch), a block per head h
+// and MERGE_COLS columns: o = the merge of the splits (common.cuh merge_head_splits, as flash_merge), times
 // sigmoid(gate) with gate = qg[h, D:2D]; xq given: the q8_1 quantization of the (nh * D) output row.
 // Only the splits below the context length are read (kv_len, or *kv_len_ptr + 1 in a captured graph;
-// split_len == 0: the slice length flash_decode derived from it, attention.cu fd_split_len). The max and
-// the sum over the splits are block reductions; the weights e^(m_s - m) go through shared memory in
-// chunks of D splits.
+// split_len == 0: the slice length flash_decode derived from it, attention.cu fd_split_len).
 __device__ __forceinline__ void attn_merge_gate_body(
         const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
         const float* __restrict__ qg, float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int n_splits, int nh, int D, int kv_len, const int* __restrict__ kv_len_ptr,
         int split_len) {
-    __shared__ float red[32];
-    __shared__ float wsh[256];
-    int h = blockIdx.x, c = threadIdx.x, nt = blockDim.x, lane = c & 31;
-    float gate = qg[(i64)h * 2 * D + D + c];
+    const int h = blockIdx.x, c = blockIdx.y * MERGE_COLS + threadIdx.x;
     if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
     if (split_len <= 0) split_len = max(32, (kv_len + 32 * n_splits - 1) / (32 * n_splits) * 32);
-    int ns = min(n_splits, (kv_len + split_len - 1) / split_len);
-    float m = NEG_BIG;
-    for (int s = c; s < ns; s += nt) m = fmaxf(m, pm[(i64)s * nh + h]);
-    m = warp_max(m);
-    if (lane == 0) red[c >> 5] = m;
-    __syncthreads();
-    m = red[0];
-    for (int w = 1; w < (nt >> 5); w++) m = fmaxf(m, red[w]);
-    float l = 0.0f;
-    for (int s = c; s < ns; s += nt) l += __expf(pm[(i64)s * nh + h] - m) * pl[(i64)s * nh + h];
-    l = block_sum(l, red);  // its first barrier also orders the reads of red above before its writes
-    float inv = l > 0.0f ? 1.0f / l : 0.0f;
-    float acc = 0.0f;
-    for (int s0 = 0; s0 < ns; s0 += nt) {
-        __syncthreads();
-        if (s0 + c < ns) wsh[c] = __expf(pm[(i64)(s0 + c) * nh + h] - m);
-        __syncthreads();
-        int n = min(nt, ns - s0);
-        const float* p = po + ((i64)s0 * nh + h) * D + c;
-#pragma unroll 8
-        for (int s = 0; s < n; s++) acc += wsh[s] * p[(i64)s * nh * D];
-    }
-    float r = (acc * inv) * sigmoid_f(gate);
-    i64 i = (i64)h * D + c;
+    const int ns = min(n_splits, (kv_len + split_len - 1) / split_len);
+    float r = merge_head_splits(po, pm, pl, ns, nh, h, D, blockIdx.y * MERGE_COLS);
+    if (threadIdx.x >= MERGE_COLS) return;
+    r *= sigmoid_f(qg[(i64)h * 2 * D + D + c]);
+    const i64 i = (i64)h * D + c;
     out[i] = r;
     if (xq != 0) {
-        i64 b = i >> 5;
-        q8_1_block(r, xq + b * 32, xd + b, xs + b, lane);
+        const i64 b = i >> 5;
+        q8_1_block(r, xq + b * 32, xd + b, xs + b, threadIdx.x & 31);
     }
 }
 
-extern "C" __global__ void attn_merge_gate(const float* __restrict__ po, const float* __restrict__ pm,
+extern "C" __global__ __launch_bounds__(MERGE_THREADS) void attn_merge_gate(const float* __restrict__ po, const float* __restrict__ pm,
                                            const float* __restrict__ pl, const float* __restrict__ qg,
                                            float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
                                            float* __restrict__ xs, int n_splits, int nh, int D, int kv_len,
@@ -392,17 +369,18 @@ extern "C" __global__ void attn_merge_gate(const float* __restrict__ po, const f
     attn_merge_gate_body(po, pm, pl, qg, out, xq, xd, xs, n_splits, nh, D, kv_len, kv_len_ptr, split_len);
 }
 
-// attn_merge_gate for one token of each of B sequences, grid (nh, B): blockIdx.y is the sequence s, whose
-// partials are the (n_splits, nh) slab s of flash_decode_batch's po / pm / pl, whose qg, out and q8_1
-// blocks sit at row s, and whose context length is kv_lens[s] + 1 (the length before this token's append,
-// as in a captured graph: the splits were sized on the device, split_len 0).
-extern "C" __global__ void attn_merge_gate_batch(const float* __restrict__ po, const float* __restrict__ pm,
+// attn_merge_gate for one token of each of B sequences, grid (nh, D / MERGE_COLS, B): blockIdx.z is the
+// sequence s, whose partials are the (n_splits, nh) slab s of flash_decode_batch's po / pm / pl, whose
+// qg, out and q8_1 blocks sit at row s, and whose context length is kv_lens[s] + 1 (the length before this
+// token's append, as in a captured graph: the splits were sized on the device, split_len 0).
+extern "C" __global__ __launch_bounds__(MERGE_THREADS) void attn_merge_gate_batch(
+                                                 const float* __restrict__ po, const float* __restrict__ pm,
                                                  const float* __restrict__ pl, const float* __restrict__ qg,
                                                  float* __restrict__ out, i8* __restrict__ xq,
                                                  float* __restrict__ xd, float* __restrict__ xs, int n_splits,
                                                  int nh, int D, const int* __restrict__ kv_lens) {
     pdl_entry();
-    i64 s = blockIdx.y;
+    i64 s = blockIdx.z;
     i64 P = (i64)n_splits * nh, HD = (i64)nh * D;
     attn_merge_gate_body(po + s * P * D, pm + s * P, pl + s * P, qg + s * 2 * HD, out + s * HD,
                          xq != 0 ? xq + s * HD : xq, xd != 0 ? xd + s * (HD >> 5) : xd,

@@ -17,7 +17,14 @@ import cupy as cp
 import numpy as np
 
 from .build import GDN_KEY_DIMS, HEAD_DIMS, KV_CACHE_TYPES, get_kernel
-from .ops import DECODE_BLOCKS_PER_SM, decode_kernel, decode_partials, sm_count
+from .ops import (
+    DECODE_BLOCKS_PER_SM,
+    MERGE_THREADS,
+    decode_kernel,
+    decode_partials,
+    merge_grid,
+    sm_count,
+)
 
 GDN_MAX_KW = 8  # fused.cu: longest conv kernel of gdn_decode
 GDN_MAX_DV = 128  # fused.cu: a block of 128 threads per 32 value columns of a head, the whole head in one block
@@ -274,8 +281,9 @@ def attention_decode_batch(qg, k, v, q_norm, k_norm, k_table, v_table, rows, pos
     q8 = _q8_arrays(B, nh * d) if want_q8 else None
     nul = np.uint64(0)
     get_kernel("fused", "attn_merge_gate_batch")(
-        (nh, B), (d,), (po, pm, pl, qg, out, q8[0] if q8 else nul, q8[1] if q8 else nul, q8[2] if q8 else nul,
-                        np.int32(n_splits), np.int32(nh), np.int32(d), rows))
+        (*merge_grid(nh, d), B), (MERGE_THREADS,),
+        (po, pm, pl, qg, out, q8[0] if q8 else nul, q8[1] if q8 else nul, q8[2] if q8 else nul, np.int32(n_splits),
+         np.int32(nh), np.int32(d), rows))
     return out, q8
 
 
@@ -329,7 +337,7 @@ def attention_decode_gated(q, qg, kc, vc, kv_len: int, scale: float, window: int
     q8 = _q8_arrays(1, nh * D) if want_q8 else None
     nul = np.uint64(0)
     get_kernel("fused", "attn_merge_gate")(
-        (nh,), (D,), (po, pm, pl, _c32(qg), out, q8[0] if q8 else nul, q8[1] if q8 else nul,
+        merge_grid(nh, D), (MERGE_THREADS,), (po, pm, pl, _c32(qg), out, q8[0] if q8 else nul, q8[1] if q8 else nul,
                       q8[2] if q8 else nul, np.int32(n_splits), np.int32(nh), np.int32(D), np.int32(kv_len), lp,
                       np.int32(split_len)))
     return out, q8

@@ -115,7 +115,7 @@ def flash_decode(q, k_codes, k_scales, v_codes, v_scales, kv_len: int, scale: fl
 
     kv_len_ptr (CUDA-graph decode): a device int32 holding the length before this token's append; the
     split is then sized for the whole cache capacity. Needs `fits_flash_decode`."""
-    from .ops import sm_count
+    from .ops import MERGE_THREADS, merge_grid, sm_count
 
     _, nh, D, n_kv = _check_cache(q, k_codes, k_scales, v_codes, v_scales)
     if q.shape[0] != 1 or not fits_flash_decode(nh, n_kv):
@@ -134,7 +134,7 @@ def flash_decode(q, k_codes, k_scales, v_codes, v_scales, kv_len: int, scale: fl
                                    kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
                                    np.int32(split_len), np.float32(scale), np.int32(window)))
     out_rot = cp.empty((nh, D), dtype=cp.float32)
-    get_kernel("attention", "flash_merge")((nh,), (min(256, max(32, D)),),
+    get_kernel("attention", "flash_merge")(merge_grid(nh, D), (MERGE_THREADS,),
                                      (po, pm, pl, out_rot, np.int32(n_splits), np.int32(nh), np.int32(D)))
     return unrotate(out_rot).reshape(1, nh, D)
 

@@ -723,6 +723,19 @@ def sm_count() -> int:
 DECODE_BLOCKS_PER_SM = int(os.environ.get("MINECART_FD_BLOCKS", "2"))
 
 
+# the split merges (flash_merge, flash_merge_len, fused.cu attn_merge_gate): a block of MERGE_THREADS
+# per head and MERGE_COLS columns (common.cuh merge_head_splits, whose #defines these equal)
+MERGE_COLS = 64
+MERGE_THREADS = 256
+
+
+def merge_grid(nh: int, D: int) -> tuple[int, int]:
+    """The grid of a split merge over nh heads of dim D (D % MERGE_COLS == 0: every head dim compiled)."""
+    if D % MERGE_COLS:
+        raise ValueError(f"the split merge takes head dims that are multiples of {MERGE_COLS}, got {D}")
+    return nh, D // MERGE_COLS
+
+
 def decode_kernel(D: int, nh: int, n_kv: int) -> str:
     """The flash_decode instantiation for head dim D and nh / n_kv query heads per KV head (<= 8): the
     smallest compiled group size GM that holds them (registers scale with GM)."""
@@ -782,7 +795,7 @@ def attention(q, kc, vc, start: int, kv_len: int, scale: float, window: int = 0,
             (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
                                        kv_len_ptr if kv_len_ptr is not None else np.uint64(0),
                                        np.int32(split_len), np.float32(scale), np.int32(window)))
-        get_kernel("attention", "flash_merge_len")((nh,), (min(256, max(32, D)),),
+        get_kernel("attention", "flash_merge_len")(merge_grid(nh, D), (MERGE_THREADS,),
                                                    (po, pm, pl, out, np.int32(n_splits), np.int32(nh), np.int32(D),
                                                     np.int32(kv_len), kv_len_ptr if kv_len_ptr is not None
                                                     else np.uint64(0), np.int32(split_len)))

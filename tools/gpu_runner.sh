@@ -221,7 +221,8 @@ if [ "$MODE" = steps ]; then
   # a decode step's GPU time in this tree and in older checkouts, alternated: the replayed graph of the
   # step of each STEPS_BATCHES size (default "1 8 16"; 1 = one token of one sequence, more = a batched
   # step; tools/profile_decode.py), tree after tree, for
-  # STEPS_ROUNDS rounds, on one synthesized file (STEPS_ARGS, default --shape qwen3.5-9b --quant q4_k).
+  # STEPS_ROUNDS rounds, on one synthesized file (STEPS_ARGS, default --shape qwen3.5-9b --quant q4_k); the
+  # one-token step after each of STEPS_CONTEXTS tokens of context (default 64; e.g. "64 16384").
   # Each older tree is a folder with app/ engine/ kernels/ resources/ (a `git archive` of a commit). On
   # an H100 the rounds agreed to 0.2%, where end-to-end tok/s of two runs one after the other moved by
   # several percent (docs/BENCHMARKS.md v41 / v42), so a kernel change is judged this way.
@@ -249,13 +250,17 @@ if [ "$MODE" = steps ]; then
       path=/tmp/mc:/tmp/site
       [ "$tree" = this ] || path="/tmp/mc_$tree:/tmp/site"
       for b in ${STEPS_BATCHES:-1 8 16}; do
-        if [ $(($(date +%s) - T0)) -ge "${STEPS_BUDGET:-480}" ]; then echo "budget spent" >>"$SL"; break 3; fi
-        rm -f /tmp/steps.json
-        PYTHONPATH=$path timeout 150 python3 tools/profile_decode.py --path "$F" --batch "$b" --json /tmp/steps.json \
-          >>"$OUT/steps_runs.log" 2>&1
-        ms=$(python3 -c "import json; d = json.load(open('/tmp/steps.json')); print(d['graph_gpu_ms_per_step'], d['wall_ms_per_step'])" \
-          2>/dev/null || echo "failed -")
-        echo "round $round tree $tree batch $b gpu_ms $ms" | tee -a "$SL"
+        ctxs=64
+        [ "$b" = 1 ] && ctxs=${STEPS_CONTEXTS:-64}
+        for ctx in $ctxs; do
+          if [ $(($(date +%s) - T0)) -ge "${STEPS_BUDGET:-480}" ]; then echo "budget spent" >>"$SL"; break 4; fi
+          rm -f /tmp/steps.json
+          PYTHONPATH=$path timeout 150 python3 tools/profile_decode.py --path "$F" --batch "$b" --context "$ctx" \
+            --json /tmp/steps.json >>"$OUT/steps_runs.log" 2>&1
+          ms=$(python3 -c "import json; d = json.load(open('/tmp/steps.json')); print(d['graph_gpu_ms_per_step'], d['wall_ms_per_step'])" \
+            2>/dev/null || echo "failed -")
+          echo "round $round tree $tree batch $b gpu_ms $ms context $ctx" | tee -a "$SL"
+        done
       done
     done
   done
@@ -264,12 +269,13 @@ import sys
 best = {}
 for line in open(sys.argv[1]):
     f = line.split()
-    if len(f) >= 8 and f[0] == "round" and f[7] != "failed":
-        key = (f[3], int(f[5]))
+    if len(f) >= 11 and f[0] == "round" and f[7] != "failed":
+        key = (f[3], int(f[5]), int(f[10]))
         best[key] = min(best.get(key, float("inf")), float(f[7]))
-for (tree, b), ms in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-    ref = best.get(("t1", b))
-    print(f"batch {b:>3} tree {tree:<5} best {ms:.4f} ms GPU" + (f"  vs t1 {ms / ref:.3f}" if ref else ""))
+for (tree, b, ctx), ms in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+    ref = best.get(("t1", b, ctx))
+    print(f"batch {b:>3} context {ctx:>6} tree {tree:<5} best {ms:.4f} ms GPU"
+          + (f"  vs t1 {ms / ref:.3f}" if ref else ""))
 PY
 fi
 

@@ -2,12 +2,15 @@
 backend: kernels/fused.cu gdn_decode (a block per value head, the q/k conv-state hand-over to the key
 head's last reader, blocks in random orders) and the
 graph-style split of attention.cu flash_decode + flash_merge_len / attn_merge_gate (slices sized for the
-device-side length, splits past it skipped).
+device-side length, splits past it skipped), and the blocking of the split merge itself (common.cuh
+merge_head_splits).
 """
 
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,3 +186,62 @@ def test_flash_decode_block_equals_softmax(U, lo, hi):
     e = np.exp(s - s.max(axis=1, keepdims=True))
     np.testing.assert_allclose(l, e.sum(axis=1), rtol=1e-5)
     np.testing.assert_allclose(o / l[:, None], (e @ v[lo:hi]) / e.sum(axis=1, keepdims=True), rtol=2e-5, atol=2e-6)
+
+
+# ---- the split merge (common.cuh merge_head_splits) ---------------------------------------------------
+
+def _defines(src: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"^#define (MERGE_\w+) (\d+)$", src, re.M)}
+
+
+def test_the_merge_launch_matches_the_kernels_geometry():
+    kernels = Path(__file__).resolve().parents[2] / "kernels"
+    d = _defines((kernels / "common.cuh").read_text())
+    ops_src = (kernels / "ops.py").read_text()
+    for name in ("MERGE_COLS", "MERGE_THREADS"):
+        assert re.search(rf"^{name} = {d[name]}$", ops_src, re.M), name
+    assert d["MERGE_COLS"] % 4 == 0 and d["MERGE_THREADS"] % (d["MERGE_COLS"] // 4) == 0
+    assert all(D % d["MERGE_COLS"] == 0 for D in (64, 128, 256))  # build.HEAD_DIMS
+
+
+def emulate_merge(po, pm, pl, ns, h, c0, cols, threads, loads):
+    """merge_head_splits for columns c0 .. c0 + cols of head h: the chunks of `threads` splits, part p's
+    rounds of `loads` splits p, p + P, ... (P = threads / (cols / 4)), the parts added in order; float32.
+    Returns (the merged columns, how often each split's partials were read)."""
+    tpr = cols // 4
+    P = threads // tpr
+    m = pm[:ns, h].max()
+    w = np.exp(pm[:ns, h] - m).astype(F32)
+    L = F32((w * pl[:ns, h]).sum())
+    acc = np.zeros((P, cols), F32)
+    reads = np.zeros(po.shape[0], np.int64)
+    for s0 in range(0, ns, threads):
+        n = min(threads, ns - s0)
+        for part in range(P):
+            for s1 in range(part, n, loads * P):
+                for k in range(loads):
+                    s = s1 + k * P
+                    if s < n:
+                        reads[s0 + s] += 1
+                        acc[part] += w[s0 + s] * po[s0 + s, h, c0 : c0 + cols]
+    r = acc[0].copy()
+    for k in range(1, P):
+        r += acc[k]
+    return r / L, reads
+
+
+@pytest.mark.parametrize("ns", [1, 3, 61, 64, 65, 257, 600])
+def test_the_merge_reads_every_split_below_the_length_once(ns):
+    rng = np.random.default_rng(ns)
+    nh, D, cap = 3, 128, 640
+    po = rng.standard_normal((cap, nh, D)).astype(F32)
+    pm = rng.standard_normal((cap, nh)).astype(F32)
+    pl = rng.uniform(0.5, 2.0, (cap, nh)).astype(F32)
+    po[ns:], pm[ns:], pl[ns:] = np.nan, np.nan, np.nan  # past the length: never read
+    for h in range(nh):
+        for c0 in range(0, D, 64):
+            got, reads = emulate_merge(po, pm, pl, ns, h, c0, 64, 256, 4)
+            assert (reads[:ns] == 1).all() and (reads[ns:] == 0).all()
+            w = np.exp(pm[:ns, h].astype(np.float64) - pm[:ns, h].max())
+            ref = (w[:, None] * po[:ns, h, c0 : c0 + 64]).sum(0) / (w * pl[:ns, h]).sum()
+            np.testing.assert_allclose(got, ref, rtol=2e-5, atol=1e-6)

@@ -64,6 +64,9 @@ LOADS_FIRST = {"gemv_kq_stream", "gemv_dp4a_stream"}  # gemv_stream_body: first 
 # the single-token Gated DeltaNet reads its layer's recurrent state first: only that kernel writes it, and
 # its launch for the token before has ended
 STATE_FIRST = {"gdn_decode"}  # float S[DK / 4]; gdn_load_state(...); then the wait
+# the single-token decode attention asks for its first keys and values (rows of earlier steps, in graph
+# launches that have ended) before the wait, inside flash_decode_body<..., EARLY = true>
+CACHE_FIRST = {"flash_decode"}
 
 
 def test_every_kernel_waits_first():
@@ -71,16 +74,30 @@ def test_every_kernel_waits_first():
     bodies = [(f.name, sig, first) for f in sources for sig, first in kernel_bodies(f.read_text())]
     assert len(bodies) > 60, "too few kernels found: did the scan break?"
     missing = [f"{name}: {sig}" for name, sig, first in bodies
-               if first != "pdl_entry();" and sig not in PREFETCH_FIRST | LOADS_FIRST | STATE_FIRST]
+               if first != "pdl_entry();" and sig not in PREFETCH_FIRST | LOADS_FIRST | STATE_FIRST | CACHE_FIRST]
     assert not missing, "kernels whose first statement is not pdl_entry():\n" + "\n".join(missing)
     named = {sig: first for _, sig, first in bodies}
-    assert PREFETCH_FIRST | LOADS_FIRST | STATE_FIRST <= set(named)
+    assert PREFETCH_FIRST | LOADS_FIRST | STATE_FIRST | CACHE_FIRST <= set(named)
     for k in PREFETCH_FIRST:
         assert named[k].startswith("constexpr int RPB"), (k, named[k])
     for k in LOADS_FIRST:
         assert named[k].startswith("gemv_stream_body<"), (k, named[k])
     for k in STATE_FIRST:
         assert named[k] == "float S[DK / 4];", (k, named[k])
+    for k in CACHE_FIRST:
+        assert named[k].startswith("flash_decode_body<D, GM, true>("), (k, named[k])
+
+
+def test_the_decode_attention_reads_this_tokens_row_and_query_after_the_wait():
+    src = (KERNELS / "attention.cu").read_text()
+    body = src.split("void flash_decode_body(")[1].split("\n}\n")[0]
+    early = body.index("fd_load<U, D>(kc, vc, t0, EARLY ? min(hi, p) : hi")  # row p = kv_len - 1 left out
+    wait = body.index("pdl_entry();")
+    again = body.index("if (t0 < hi && t0 + U > p) fd_load<U, D>(kc, vc, t0, hi,")  # the warp holding row p
+    assert early < wait < again < body.index("qs[g][c4] =") < body.index("fd_merge_warps")
+    assert body.count("pdl_entry();") == 1 and "if (EARLY) {" in body[early:wait]
+    batch = src.split("void __launch_bounds__(128, 3) flash_decode_batch(")[1].split("\n}\n")[0]
+    assert batch.index("pdl_entry();") < batch.index("flash_decode_body<D, GM, false>(")
 
 
 def test_the_streaming_gemvs_wait_before_reading_activations():
