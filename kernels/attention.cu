@@ -541,14 +541,14 @@ __device__ __forceinline__ void fd_load(const KV_ELEM* __restrict__ kc, const KV
 template <int GM>
 __device__ constexpr int fd_keys() { return GM >= 8 ? 2 : 4; }
 
-//
+
 // EARLY (the single-token kernel): the block issues its warps' first loads of keys and values before its
-// programmatic-dependent-launch wait (pdl_entry), so their DRAM round trip overlaps the kernel before it
-// (attn_prep). Those rows were written by earlier steps, inside earlier graph launches, which have ended;
-// only row kv_len - 1, this token's own, is written by attn_prep, so it is left out of the early loads
-// and the warp whose first keys hold it loads them again after the wait. q (attn_prep's output) and
-// everything else are read after the wait. The length on the device (kv_len_ptr) is written before the
-// step's graph runs. Without EARLY the caller has waited already.
+// programmatic-dependent-launch wait (pdl_entry), so their DRAM round trip overlaps the kernels before it
+// (attn_prep or the append). Those rows were written by earlier steps, inside earlier graph launches,
+// which have ended; this step writes only row kv_len - 1, its token's own, so that row is left out of the
+// early loads and the warp whose first keys hold it loads them again after the wait. q and everything
+// else are read after the wait. The length on the device (kv_len_ptr) is written before the step's graph
+// runs. Without EARLY the caller has waited already.
 template <int D, int GM, bool EARLY>
 __device__ __forceinline__ void flash_decode_body(
         const float* __restrict__ q, const KV_ELEM* __restrict__ kc, const KV_ELEM* __restrict__ vc,
@@ -712,12 +712,12 @@ __global__ void __launch_bounds__(128, 3) flash_decode_batch(
     pdl_entry();
     i64 s = blockIdx.z;
     i64 P = (i64)gridDim.y * nh;
-    flash_decode_body<D, GM, false>(q + s * nh * D, kcs[s], vcs[s], po + s * P * D, pm + s * P, pl + s * P, nh, n_kv, 0,
-                             kv_lens + s, 0, scale, window);
+    flash_decode_body<D, GM, false>(q + s * nh * D, kcs[s], vcs[s], po + s * P * D, pm + s * P, pl + s * P, nh,
+                                    n_kv, 0, kv_lens + s, 0, scale, window);
 }
 
 // The merge of a head's splits, grid (nh, D / MERGE_COLS) of MERGE_THREADS threads (ops.py
-// merge_launch): common.cuh merge_head_splits.
+// merge_grid): common.cuh merge_head_splits.
 __device__ __forceinline__ void merge_splits(const float* __restrict__ po, const float* __restrict__ pm,
                                              const float* __restrict__ pl, float* __restrict__ out,
                                              int n_splits, int nh, int D) {
@@ -726,19 +726,19 @@ __device__ __forceinline__ void merge_splits(const float* __restrict__ po, const
     if (threadIdx.x < MERGE_COLS) out[(i64)blockIdx.x * D + c0 + threadIdx.x] = r;
 }
 
-extern "C" __global__ __launch_bounds__(MERGE_THREADS) void flash_merge(const float* __restrict__ po, const float* __restrict__ pm,
-                                       const float* __restrict__ pl, float* __restrict__ out,
-                                       int n_splits, int nh, int D) {
+extern "C" __global__ __launch_bounds__(MERGE_THREADS) void flash_merge(
+        const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
+        float* __restrict__ out, int n_splits, int nh, int D) {
     pdl_entry();
     merge_splits(po, pm, pl, out, n_splits, nh, D);
 }
 
 // flash_merge after a flash_decode launched with the same kv_len / kv_len_ptr / split_len: splits s with
 // s * split_len >= kv_len hold no keys (flash_decode left them unwritten) and are skipped.
-extern "C" __global__ __launch_bounds__(MERGE_THREADS) void flash_merge_len(const float* __restrict__ po, const float* __restrict__ pm,
-                                           const float* __restrict__ pl, float* __restrict__ out,
-                                           int n_splits, int nh, int D, int kv_len,
-                                           const int* __restrict__ kv_len_ptr, int split_len) {
+extern "C" __global__ __launch_bounds__(MERGE_THREADS) void flash_merge_len(
+        const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
+        float* __restrict__ out, int n_splits, int nh, int D, int kv_len, const int* __restrict__ kv_len_ptr,
+        int split_len) {
     pdl_entry();
     if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
     split_len = fd_split_len(split_len, kv_len, n_splits);

@@ -126,8 +126,8 @@ __device__ __forceinline__ void q8_1_block(float v, i8* __restrict__ xq, float* 
 // memory (deterministic). Returns the column's o / L to the threads tid < MERGE_COLS (column c0 + tid: two
 // whole warps) and 0 to the others; every thread calls it. po 16-byte aligned.
 // One block of D threads a head, each thread a column over all the splits, left the merge a serial chain
-// of ns / 8 rounds of L2 loads: at 16K context (61 splits for the 9B's heads) it took 20.8 us under
-// Nsight Compute against flash_decode's 37.0 (H100, docs/BENCHMARKS.md v44).
+// of ns / 8 rounds of L2 loads: at 16K context (61 splits for the 9B's heads) it took 20.65 us under
+// Nsight Compute against flash_decode's 35.86; this form 7.18 (H100, docs/BENCHMARKS.md v44).
 #define MERGE_COLS 64
 #define MERGE_THREADS 256
 #define MERGE_LOADS 4

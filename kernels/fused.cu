@@ -335,8 +335,8 @@ __global__ void __launch_bounds__(512, 2) gdn_decode_batch(
                         counters + s * n_k, n_k, n_v, DV, KW, q_scale, eps, none);
 }
 
-// Grid (nh, D / MERGE_COLS) of MERGE_THREADS threads (ops.py merge_launch), a block per head h
-// and MERGE_COLS columns: o = the merge of the splits (common.cuh merge_head_splits, as flash_merge), times
+// Grid (nh, D / MERGE_COLS) of MERGE_THREADS threads (ops.py merge_grid), a block per head h and
+// MERGE_COLS columns: o = the merge of the splits (common.cuh merge_head_splits, as flash_merge), times
 // sigmoid(gate) with gate = qg[h, D:2D]; xq given: the q8_1 quantization of the (nh * D) output row.
 // Only the splits below the context length are read (kv_len, or *kv_len_ptr + 1 in a captured graph;
 // split_len == 0: the slice length flash_decode derived from it, attention.cu fd_split_len).
@@ -360,7 +360,8 @@ __device__ __forceinline__ void attn_merge_gate_body(
     }
 }
 
-extern "C" __global__ __launch_bounds__(MERGE_THREADS) void attn_merge_gate(const float* __restrict__ po, const float* __restrict__ pm,
+extern "C" __global__ __launch_bounds__(MERGE_THREADS) void attn_merge_gate(
+                                           const float* __restrict__ po, const float* __restrict__ pm,
                                            const float* __restrict__ pl, const float* __restrict__ qg,
                                            float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
                                            float* __restrict__ xs, int n_splits, int nh, int D, int kv_len,
