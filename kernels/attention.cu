@@ -396,13 +396,6 @@ __global__ void __launch_bounds__(256, 2) flash_prefill_g(
 }
 
 
-// Keys per slice of flash_decode: split_len, or with split_len == 0 (graph replay: the length is only
-// known on the device) ceil(kv_len / n_splits) rounded up to 32, at least 32. fused.cu attn_merge_gate
-// repeats this formula.
-__device__ __forceinline__ int fd_split_len(int split_len, int kv_len, int n_splits) {
-    return split_len > 0 ? split_len : max(32, (kv_len + 32 * n_splits - 1) / (32 * n_splits) * 32);
-}
-
 #define FD_WARPS 4
 
 // The 4-value chunks of a D-wide head each lane holds in flash_decode (D = 64: lanes 16..31 hold none).
@@ -740,9 +733,7 @@ extern "C" __global__ __launch_bounds__(MERGE_THREADS) void flash_merge_len(
         float* __restrict__ out, int n_splits, int nh, int D, int kv_len, const int* __restrict__ kv_len_ptr,
         int split_len) {
     pdl_entry();
-    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
-    split_len = fd_split_len(split_len, kv_len, n_splits);
-    merge_splits(po, pm, pl, out, min(n_splits, (kv_len + split_len - 1) / split_len), nh, D);
+    merge_splits(po, pm, pl, out, fd_live_splits(n_splits, kv_len, kv_len_ptr, split_len), nh, D);
 }
 
 // Append one token's K and V (n values each) at the row given on the device (graph-captured decode).

@@ -115,6 +115,21 @@ __device__ __forceinline__ void q8_1_block(float v, i8* __restrict__ xq, float* 
     }
 }
 
+// Keys per slice of flash_decode (attention.cu): split_len, or with split_len == 0 (graph replay: the
+// length is only known on the device) ceil(kv_len / n_splits) rounded up to 32, at least 32.
+__device__ __forceinline__ int fd_split_len(int split_len, int kv_len, int n_splits) {
+    return split_len > 0 ? split_len : max(32, (kv_len + 32 * n_splits - 1) / (32 * n_splits) * 32);
+}
+
+// The slices of a flash_decode launch that hold keys, the ones its merge reads: those below the context
+// length (kv_len, or *kv_len_ptr + 1 inside a captured graph), of fd_split_len keys each.
+__device__ __forceinline__ int fd_live_splits(int n_splits, int kv_len, const int* __restrict__ kv_len_ptr,
+                                              int split_len) {
+    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
+    split_len = fd_split_len(split_len, kv_len, n_splits);
+    return min(n_splits, (kv_len + split_len - 1) / split_len);
+}
+
 // The merge of one head's context-split partials of flash_decode (po (splits, nh, D), pm and pl (splits,
 // nh)) over splits [0, ns), for MERGE_COLS columns c0 .. c0 + MERGE_COLS - 1 of head h (D % MERGE_COLS
 // == 0): a block of MERGE_THREADS threads (ops.MERGE_THREADS; grids of D / MERGE_COLS blocks a head).

@@ -338,17 +338,14 @@ __global__ void __launch_bounds__(512, 2) gdn_decode_batch(
 // Grid (nh, D / MERGE_COLS) of MERGE_THREADS threads (ops.py merge_grid), a block per head h and
 // MERGE_COLS columns: o = the merge of the splits (common.cuh merge_head_splits, as flash_merge), times
 // sigmoid(gate) with gate = qg[h, D:2D]; xq given: the q8_1 quantization of the (nh * D) output row.
-// Only the splits below the context length are read (kv_len, or *kv_len_ptr + 1 in a captured graph;
-// split_len == 0: the slice length flash_decode derived from it, attention.cu fd_split_len).
+// Only the splits that hold keys are read (common.cuh fd_live_splits).
 __device__ __forceinline__ void attn_merge_gate_body(
         const float* __restrict__ po, const float* __restrict__ pm, const float* __restrict__ pl,
         const float* __restrict__ qg, float* __restrict__ out, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int n_splits, int nh, int D, int kv_len, const int* __restrict__ kv_len_ptr,
         int split_len) {
     const int h = blockIdx.x, c = blockIdx.y * MERGE_COLS + threadIdx.x;
-    if (kv_len_ptr != 0) kv_len = *kv_len_ptr + 1;
-    if (split_len <= 0) split_len = max(32, (kv_len + 32 * n_splits - 1) / (32 * n_splits) * 32);
-    const int ns = min(n_splits, (kv_len + split_len - 1) / split_len);
+    const int ns = fd_live_splits(n_splits, kv_len, kv_len_ptr, split_len);
     float r = merge_head_splits(po, pm, pl, ns, nh, h, D, blockIdx.y * MERGE_COLS);
     if (threadIdx.x >= MERGE_COLS) return;
     r *= sigmoid_f(qg[(i64)h * 2 * D + D + c]);

@@ -220,9 +220,9 @@ fi
 if [ "$MODE" = steps ]; then
   # a decode step's GPU time in this tree and in older checkouts, alternated: the replayed graph of the
   # step of each STEPS_BATCHES size (default "1 8 16"; 1 = one token of one sequence, more = a batched
-  # step; tools/profile_decode.py), tree after tree, for
-  # STEPS_ROUNDS rounds, on one synthesized file (STEPS_ARGS, default --shape qwen3.5-9b --quant q4_k); the
-  # one-token step after each of STEPS_CONTEXTS tokens of context (default 64; e.g. "64 16384").
+  # step; tools/profile_decode.py), tree after tree, for STEPS_ROUNDS rounds, on one synthesized file
+  # (STEPS_ARGS, default --shape qwen3.5-9b --quant q4_k); the one-token step after each of
+  # STEPS_CONTEXTS tokens of context (default 64; e.g. "64 16384").
   # Each older tree is a folder with app/ engine/ kernels/ resources/ (a `git archive` of a commit). On
   # an H100 the rounds agreed to 0.2%, where end-to-end tok/s of two runs one after the other moved by
   # several percent (docs/BENCHMARKS.md v41 / v42), so a kernel change is judged this way.

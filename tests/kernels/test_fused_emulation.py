@@ -78,7 +78,7 @@ def test_gdn_decode_head_blocks(shape):
 # ---- graph-style decode attention split ---------------------------------------------------------------
 
 def _fd_split_len(split_len, kv_len, n_splits):
-    """attention.cu fd_split_len."""
+    """common.cuh fd_split_len."""
     return split_len if split_len > 0 else max(32, (kv_len + 32 * n_splits - 1) // (32 * n_splits) * 32)
 
 
