@@ -71,6 +71,21 @@ __device__ __forceinline__ int dp4a(int a, int b, int c) {
     return d;
 }
 
+// Exact int32 block sums, scaled into fp32 (gemm_dp4a, gemm_batch, moe_gemm_dp4a). A sum starts at
+// MAGIC_I, the bits of the float 1.5 * 2^23, and DP4A adds the block's products s to it as an integer;
+// while |s| < 2^22 (a 32-value block sums at most 32 * 127 * 127 = 516,128) those bits read as a float
+// are 1.5 * 2^23 + s exactly, so no int -> float conversion (a quarter-rate I2F) is needed.
+// magic_scale(a, dw, magic_off(dw)) = (1.5 * 2^23 + s) * dw - 1.5 * 2^23 * dw in one FMA: s * dw rounded
+// once, in place of a subtraction and a multiply. It is exact because magic_off(dw) is: every block
+// scale of a DP4A format is an fp16 value times an integer of at most 8 bits (at most 19 significant
+// bits) and 1.5 * 2^23 adds at most 2 (tests/kernels/test_magic_scale.py checks every such product).
+#define MAGIC_I 0x4B400000
+#define MAGIC_F 12582912.0f
+
+__device__ __forceinline__ float magic_off(float dw) { return -MAGIC_F * dw; }
+
+__device__ __forceinline__ float magic_scale(int a, float dw, float off) { return fmaf(__int_as_float(a), dw, off); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

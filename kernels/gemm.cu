@@ -13,8 +13,6 @@
 
 #define GB_M 128
 #define GB_N 128
-#define MAGIC_I 0x4B400000
-#define MAGIC_F 12582912.0f
 
 template <int QT, int NBLK>
 __global__ void __launch_bounds__(256) gemm_dp4a(
@@ -121,11 +119,12 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
                 }
                 if (split || half == 1) {
                     // Scale this (half-)block's exact int sums into the fp32 accumulators.
-                    float dw[8], mw[8];
+                    float dw[8], dwo[8], mw[8];
 #pragma unroll
                     for (int j = 0; j < 8; j++) {
                         int rj = (j < 4) ? tx * 4 + j : 64 + tx * 4 + j - 4;
                         dw[j] = (split && half == 0) ? sdlo[buf][u][rj] : sdhi[buf][u][rj];
+                        dwo[j] = magic_off(dw[j]);
                         mw[j] = sm[buf][u][rj];
                     }
 #pragma unroll
@@ -134,8 +133,7 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
                         float dx = sxd[buf][u][ti], sx = sxs[buf][u][ti];
 #pragma unroll
                         for (int j = 0; j < 8; j++) {
-                            float v = __int_as_float(ai[i][j]) - MAGIC_F;
-                            acc[i][j] = fmaf(v, dx * dw[j], acc[i][j]);
+                            acc[i][j] = fmaf(magic_scale(ai[i][j], dw[j], dwo[j]), dx, acc[i][j]);
                             if (has_m) acc[i][j] = fmaf(mw[j], sx, acc[i][j]);
                             if (split) ai[i][j] = MAGIC_I;
                         }
@@ -458,6 +456,7 @@ __device__ __forceinline__ void gb_rows(
         }
         int q[RL][8];
         float dlo[RL], e[RL];  // e: dhi (Q6_K) or m
+        float dlo_off[RL], dhi_off[RL];  // magic_off of dlo and of the second half-block's scale
 #pragma unroll
         for (int i = 0; i < RL; i++) {
             if constexpr (KQ) {
@@ -473,6 +472,8 @@ __device__ __forceinline__ void gb_rows(
                 dlo[i] = cur[i].dlo;
                 e[i] = SPLIT ? cur[i].dhi : cur[i].m;
             }
+            dlo_off[i] = magic_off(dlo[i]);
+            dhi_off[i] = SPLIT ? magic_off(e[i]) : dlo_off[i];
         }
 #pragma unroll
         for (int j = 0; j < TT; j++) {
@@ -486,14 +487,14 @@ __device__ __forceinline__ void gb_rows(
                 a = dp4a(q[i][2], x0.z, a);
                 a = dp4a(q[i][3], x0.w, a);
                 if (SPLIT) {  // the first half-block's exact sum, with its own scale
-                    acc[i][j] = fmaf(__int_as_float(a) - MAGIC_F, xc.x * dlo[i], acc[i][j]);
+                    acc[i][j] = fmaf(magic_scale(a, dlo[i], dlo_off[i]), xc.x, acc[i][j]);
                     a = MAGIC_I;
                 }
                 a = dp4a(q[i][4], x1.x, a);
                 a = dp4a(q[i][5], x1.y, a);
                 a = dp4a(q[i][6], x1.z, a);
                 a = dp4a(q[i][7], x1.w, a);
-                acc[i][j] = fmaf(__int_as_float(a) - MAGIC_F, xc.x * (SPLIT ? e[i] : dlo[i]), acc[i][j]);
+                acc[i][j] = fmaf(magic_scale(a, SPLIT ? e[i] : dlo[i], dhi_off[i]), xc.x, acc[i][j]);
                 if (HAS_M) acc[i][j] = fmaf(e[i], xc.y, acc[i][j]);
             }
         }
@@ -663,10 +664,10 @@ __device__ __forceinline__ void gb_quads(
 #pragma unroll
                         for (int i = 0; i < 4; i++) {
                             const float dw = (SPLIT && h == 1) ? e[i] : dlo[i];
+                            const float dwo = magic_off(dw);
 #pragma unroll
                             for (int j = 0; j < TM; j++) {
-                                const float v = __int_as_float(ai[i][j]) - MAGIC_F;
-                                acc[i][j] = fmaf(v, xc[j].x * dw, acc[i][j]);
+                                acc[i][j] = fmaf(magic_scale(ai[i][j], dw, dwo), xc[j].x, acc[i][j]);
                                 if (HAS_M && h == 1) acc[i][j] = fmaf(e[i], xc[j].y, acc[i][j]);
                                 if (SPLIT) ai[i][j] = MAGIC_I;
                             }

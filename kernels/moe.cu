@@ -22,8 +22,6 @@
 
 #define MOE_BM 64    // sorted rows (pairs) per tile of moe_gemm_dp4a
 #define MOE_BN 128   // weight rows (output columns) per tile
-#define MOE_MAGIC_I 0x4B400000  // 1.5 * 2^23 as float bits: int -> float by one subtraction (gemm.cu)
-#define MOE_MAGIC_F 12582912.0f
 
 // Lanes of the warp whose `key` equals this lane's (keys in [0, 2^nbits)); lanes with !valid take part
 // in the ballots but match nobody. sm_61 has no match.any, so the mask is built one key bit at a time.
@@ -239,7 +237,7 @@ __global__ void __launch_bounds__(256) moe_gemm_dp4a(
 #pragma unroll
             for (int i = 0; i < 4; i++)
 #pragma unroll
-                for (int j = 0; j < 8; j++) ai[i][j] = MOE_MAGIC_I;
+                for (int j = 0; j < 8; j++) ai[i][j] = MAGIC_I;
 #pragma unroll
             for (int half = 0; half < 2; half++) {
 #pragma unroll
@@ -255,23 +253,23 @@ __global__ void __launch_bounds__(256) moe_gemm_dp4a(
                         for (int j = 0; j < 8; j++) ai[i][j] = dp4a(av[i], bv[j], ai[i][j]);
                 }
                 if (split || half == 1) {
-                    float dw[8], mw[8];
+                    // a weight row's scale at a time (column j outer): fewer live registers
+                    float dx[4], sx[4];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        dx[i] = sxd[buf][u][ty * 4 + i];
+                        sx[i] = sxs[buf][u][ty * 4 + i];
+                    }
 #pragma unroll
                     for (int j = 0; j < 8; j++) {
                         int rj = (j < 4) ? tx * 4 + j : 64 + tx * 4 + j - 4;
-                        dw[j] = (split && half == 0) ? sdlo[buf][u][rj] : sdhi[buf][u][rj];
-                        mw[j] = smw[buf][u][rj];
-                    }
+                        const float dw = (split && half == 0) ? sdlo[buf][u][rj] : sdhi[buf][u][rj];
+                        const float dwo = magic_off(dw), mw = smw[buf][u][rj];
 #pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        int ti = ty * 4 + i;
-                        float dx = sxd[buf][u][ti], sx = sxs[buf][u][ti];
-#pragma unroll
-                        for (int j = 0; j < 8; j++) {
-                            float v = __int_as_float(ai[i][j]) - MOE_MAGIC_F;
-                            acc[i][j] = fmaf(v, dx * dw[j], acc[i][j]);
-                            if (has_m) acc[i][j] = fmaf(mw[j], sx, acc[i][j]);
-                            if (split) ai[i][j] = MOE_MAGIC_I;
+                        for (int i = 0; i < 4; i++) {
+                            acc[i][j] = fmaf(magic_scale(ai[i][j], dw, dwo), dx[i], acc[i][j]);
+                            if (has_m) acc[i][j] = fmaf(mw, sx[i], acc[i][j]);
+                            if (split) ai[i][j] = MAGIC_I;
                         }
                     }
                 }
