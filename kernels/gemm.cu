@@ -4,10 +4,10 @@
 //   loop walks one 32-value quant block at a time (one scale per block), staged through double-buffered
 //   shared memory with the next block prefetched into registers. Inside a block the products are exact
 //   int32 (DP4A); at the block's end they are scaled into fp32 accumulators. The int32 accumulators
-//   start at 0x4B400000 (the float 1.5 * 2^23), so the int -> float conversion is one fp32 subtraction
-//   (exact while |sum| < 2^22; a block sums at most 32 * 127 * 127 = 516,128) instead of a quarter-rate
-//   I2F. Weights: any format load_wblock (gemv.cu) reads; Q6_K's two scales per block are applied at
-//   the two half-blocks.
+//   start at MAGIC_I (the float 1.5 * 2^23), so a block's sum times the weight's scale is one FMA
+//   (common.cuh magic_scale: no int -> float conversion, no subtraction), then one more FMA with the
+//   activation's scale. Weights: any format load_wblock (gemv.cu) reads; Q6_K's two scales per block are
+//   applied at the two half-blocks.
 // gemm_fma: 64 x 64 tiles, fp32 FMA on weights dequantized to fp32 in shared memory (fallback path and
 //   F32/F16/BF16 weights).
 
@@ -254,10 +254,9 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // int8 once into shared memory; activations: 16 threads read one token's 256 stage bytes. Software
 // pipelined as above (one barrier pair a stage), shared layouts padded free of bank conflicts.
 //
-// Inside a block the products are exact int32 started at 0x4B400000 (gemm_dp4a's int -> float by one
-// subtraction; a 32-value block sums at most 516,128 < 2^22); per block they are scaled into fp32
-// accumulators: acc += xd * (dlo * lo + dhi * hi) + m * xs (Q6_K: lo and hi chains of 16 values; the
-// other formats one chain, dlo = dhi).
+// Inside a block the products are exact int32 started at MAGIC_I; per block they are scaled into fp32
+// accumulators as gemm_dp4a does (magic_scale, then the activation's scale): acc += xd * (dlo * lo) +
+// xd * (dhi * hi) + m * xs (Q6_K: lo and hi chains of 16 values; the other formats one chain, dlo = dhi).
 //
 // Split K: gridDim.y blocks share a row tile, each `stages` stages of K; with gridDim.y > 1 each writes its
 // partial sums to `part + blockIdx.y * T * R` (a (splits, T, R) scratch) and splitk_sum adds them in split
