@@ -82,6 +82,17 @@ alone_files() {
   printf '%s\n' "$@" | grep $how -x -F $(printf -- '-e %s ' $ALONE_FILES) | tr '\n' ' '
 }
 
+# run_pytest LIMIT WHAT LOG ENV FILES [pytest args...]: one pytest process over FILES (-v, so that a run cut off
+# after LIMIT seconds still says what passed) with ENV (VAR=value words, no spaces inside) in its
+# environment, appending to LOG, then "WHAT exit N" there and on stdout (the tests and ptx modes)
+run_pytest() {
+  local limit=$1 what=$2 log=$3 envs=$4 files=$5
+  shift 5
+  # shellcheck disable=SC2086
+  timeout "$limit" env $envs python3 -m pytest -v -rfE -p no:cacheprovider $files "$@" >>"$log" 2>&1
+  echo "$what exit $?" | tee -a "$log"
+}
+
 # start_groups N LOGBASE RUN FILES [pytest args...]: RUN (a command's words, called as RUN GROUP_FILES LOG
 # LABEL [pytest args...]) on each of N groups of FILES (dealt out in turn), all in the background, group
 # g logging to LOGBASE_gg.log; an empty group runs nothing (pytest with no path would run every test).
@@ -115,10 +126,7 @@ if [ "$MODE" = tests ] || [ "$MODE" = all ]; then
   gpu_pytest() {
     local cache=$MINECART_CACHE_DIR
     [ "$3" = all ] || cache="$cache-$3"
-    # shellcheck disable=SC2086
-    MINECART_CACHE_DIR=$cache timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -v -rfE -p no:cacheprovider \
-      --timeout 240 -s $1 "${@:4}" >>"$2" 2>&1
-    echo "gpu tests ($3) exit $?" | tee -a "$2"
+    run_pytest "${TEST_TIMEOUT:-300}" "gpu tests ($3)" "$2" "MINECART_CACHE_DIR=$cache" "$1" --timeout 240 -s "${@:4}"
   }
   log="$OUT/gpu_tests.log"
   rm -f "$log"
@@ -418,11 +426,9 @@ if [ "$MODE" = ptx ]; then
     -e tests/gpu/test_vision_gpu.py -e tests/gpu/test_kvq3_model.py $(printf -- '-e %s ' $first) | tr '\n' ' ')"
   # pytest over some of the files with every kernel from compute_$1 PTX, appending to the log $3
   ptx_pytest() {
-    # shellcheck disable=SC2086
-    MINECART_KERNEL_PTX="$ROOT/.gpu/ptx$1" MINECART_CACHE_DIR="/tmp/minecart-cache-ptx$1-$4" \
-      timeout "${PTX_TIMEOUT:-170}" python3 -m pytest -v -rfE -p no:cacheprovider --timeout 120 --durations=15 \
-      $2 "${@:5}" >>"$3" 2>&1
-    echo "compute_$1 PTX gpu tests ($4) exit $?" | tee -a "$3"
+    run_pytest "${PTX_TIMEOUT:-170}" "compute_$1 PTX gpu tests ($4)" "$3" \
+      "MINECART_KERNEL_PTX=$ROOT/.gpu/ptx$1 MINECART_CACHE_DIR=/tmp/minecart-cache-ptx$1-$4" "$2" \
+      --timeout 120 --durations=15 "${@:5}"
   }
   verified=""
   for arch in 61 70; do
