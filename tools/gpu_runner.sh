@@ -19,7 +19,8 @@
 # not slow the engine is judged in one run (COMPARE_ARGS, default: --prefill 4096 --decode-ctx 0
 # --decode-tokens 64; COMPARE_KV: this tree's KV cache types, default f32; compare.log, compare_*.json).
 # `steps OLD_TREE ...` (not part of `all`): a decode step's GPU time, this tree against older ones, alternated
-# (below; docs/BENCHMARKS.md v42).
+# (below; docs/BENCHMARKS.md v42). `matmuls OLD_TREE ...` (not part of `all`): the same for the matmul kernels
+# alone, kernels/bench_gemv.py's 9B step lines (below; v45).
 # `kernel-profile` (not part of `all`): Nsight Compute's sections for a few launches of one kernel
 # (KP_KERNEL, default gemm_batch) inside bench_gemv --multi (KP_ARGS); KP_LOG (default kernel_profile.txt).
 # `ptx` (not part of `all`): the GPU tests with every kernel loaded from compute_61 PTX, then from
@@ -37,7 +38,7 @@
 set -u
 MODE=${1:-all}
 shift || true
-MODES="all tests bench ops split compare steps batch profile moe-host host-diag kernel-profile ptx setup"
+MODES="all tests bench ops split compare steps matmuls batch profile moe-host host-diag kernel-profile ptx setup"
 known=""
 for m in $MODES; do [ "$m" = "$MODE" ] && known=1; done
 if [ -z "$known" ]; then echo "gpu_runner.sh: no mode '$MODE' (one of: $MODES)" >&2; exit 2; fi
@@ -225,6 +226,22 @@ for which, ds in rows.items():
 PY
 fi
 
+# link_old_trees LOG TREE...: each older tree (a folder with app/ engine/ kernels/ resources/, e.g. a `git
+# archive` of a commit) linked at /tmp/mc_tN, so PYTHONPATH=/tmp/mc_tN:/tmp/site imports it; sets `trees`
+# to "this t1 t2 ..." and names each in LOG (the steps and matmuls modes)
+link_old_trees() {
+  local log=$1 t d i=0
+  shift
+  trees="this"
+  for t in "$@"; do
+    i=$((i + 1))
+    d=$(cd "$t" && pwd) || { echo "no tree $t" | tee -a "$log"; return 1; }
+    link_tree "$d" "/tmp/mc_t$i"
+    trees="$trees t$i"
+    echo "tree t$i: $t" >>"$log"
+  done
+}
+
 if [ "$MODE" = steps ]; then
   # a decode step's GPU time in this tree and in older checkouts, alternated: the replayed graph of the
   # step of each STEPS_BATCHES size (default "1 8 16"; 1 = one token of one sequence, more = a batched
@@ -240,15 +257,7 @@ if [ "$MODE" = steps ]; then
   T0=$(date +%s)
   SL="$OUT/steps.log"
   : >"$SL"
-  trees="this"
-  i=0
-  for t in "$@"; do
-    i=$((i + 1))
-    d=$(cd "$t" && pwd) || { echo "steps: no tree $t" | tee -a "$SL"; exit 1; }
-    link_tree "$d" "/tmp/mc_t$i"
-    trees="$trees t$i"
-    echo "tree t$i: $t" >>"$SL"
-  done
+  link_old_trees "$SL" "$@" || exit 1
   F=/tmp/bench/steps.gguf
   mkdir -p /tmp/bench
   # shellcheck disable=SC2086
@@ -285,6 +294,38 @@ for (tree, b, ctx), ms in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][2
     print(f"batch {b:>3} context {ctx:>6} tree {tree:<5} best {ms:.4f} ms GPU"
           + (f"  vs t1 {ms / ref:.3f}" if ref else ""))
 PY
+fi
+
+if [ "$MODE" = matmuls ]; then
+  # the matmul kernels alone (python -m minecart.kernels.bench_gemv) in this tree and in older checkouts,
+  # alternated, as docs/BENCHMARKS.md v45 measured them:
+  #   bash tools/gpu_runner.sh matmuls OLD_TREE [OTHER_TREE ...]
+  # MATMUL_RUNS: bench_gemv argument lists separated by ';' (default the batched step's matmuls at 8 and
+  # 32 sequences and the 4K prefill GEMMs, Q4_K and Q8_0), each run tree after tree, MATMUL_ROUNDS rounds
+  # (default 2); MATMUL_BUDGET (s, default 480): no run starts past it. Log: matmuls.log (the 9B step
+  # lines of each run, then per line and tree the best ms and its ratio to the first older tree's);
+  # matmuls_runs.log (every run's whole output).
+  T0=$(date +%s)
+  ML="$OUT/matmuls.log"
+  : >"$ML"
+  link_old_trees "$ML" "$@" || exit 1
+  IFS=';' read -r -a runs <<<"${MATMUL_RUNS:---multi --types Q4_K,Q8_0 --tokens 8,32;--prefill 4096 --types Q8_0,Q4_K}"
+  for round in $(seq 1 "${MATMUL_ROUNDS:-2}"); do
+    for tree in $trees; do
+      path=/tmp/mc:/tmp/site
+      [ "$tree" = this ] || path="/tmp/mc_$tree:/tmp/site"
+      for args in "${runs[@]}"; do
+        if [ $(($(date +%s) - T0)) -ge "${MATMUL_BUDGET:-480}" ]; then echo "budget spent" >>"$ML"; break 3; fi
+        echo "== round $round tree $tree: bench_gemv $args" | tee -a "$ML" >>"$OUT/matmuls_runs.log"
+        # shellcheck disable=SC2086
+        PYTHONPATH=$path timeout 150 python3 -m minecart.kernels.bench_gemv $args >/tmp/matmuls_run.log 2>&1
+        echo "rc $?" >>/tmp/matmuls_run.log
+        cat /tmp/matmuls_run.log >>"$OUT/matmuls_runs.log"
+        grep -E "time of a 9B|^rc [1-9]" /tmp/matmuls_run.log | sed "s/^/round $round tree $tree | /" >>"$ML"
+      done
+    done
+  done
+  python3 tools/matmuls_summary.py "$ML" 2>&1 | tee -a "$ML"
 fi
 
 if [ "$MODE" = batch ]; then
