@@ -242,6 +242,9 @@ link_old_trees() {
   done
 }
 
+# tree_path TREE: the PYTHONPATH that imports TREE's code ("this", or a tree link_old_trees linked)
+tree_path() { if [ "$1" = this ]; then echo /tmp/mc:/tmp/site; else echo "/tmp/mc_$1:/tmp/site"; fi; }
+
 if [ "$MODE" = steps ]; then
   # a decode step's GPU time in this tree and in older checkouts, alternated: the replayed graph of the
   # step of each STEPS_BATCHES size (default "1 8 16"; 1 = one token of one sequence, more = a batched
@@ -253,7 +256,7 @@ if [ "$MODE" = steps ]; then
   # several percent (docs/BENCHMARKS.md v41 / v42), so a kernel change is judged this way.
   #   bash tools/gpu_runner.sh steps OLD_TREE [OTHER_TREE ...]
   # STEPS_BUDGET (s, default 480): no measurement starts past it. Log: steps.log (a line a measurement,
-  # then per tree and step the best GPU ms and its ratio to the first older tree's)
+  # then per step and tree the best GPU ms and its ratio to the first older tree's: tools/rounds_summary.py)
   T0=$(date +%s)
   SL="$OUT/steps.log"
   : >"$SL"
@@ -264,8 +267,7 @@ if [ "$MODE" = steps ]; then
   timeout 240 python3 -m minecart.engine.cli synth ${STEPS_ARGS:---shape qwen3.5-9b --quant q4_k} "$F" >>"$SL" 2>&1
   for round in $(seq 1 "${STEPS_ROUNDS:-3}"); do
     for tree in $trees; do
-      path=/tmp/mc:/tmp/site
-      [ "$tree" = this ] || path="/tmp/mc_$tree:/tmp/site"
+      path=$(tree_path "$tree")
       for b in ${STEPS_BATCHES:-1 8 16}; do
         ctxs=64
         [ "$b" = 1 ] && ctxs=${STEPS_CONTEXTS:-64}
@@ -274,26 +276,14 @@ if [ "$MODE" = steps ]; then
           rm -f /tmp/steps.json
           PYTHONPATH=$path timeout 150 python3 tools/profile_decode.py --path "$F" --batch "$b" --context "$ctx" \
             --json /tmp/steps.json >>"$OUT/steps_runs.log" 2>&1
-          ms=$(python3 -c "import json; d = json.load(open('/tmp/steps.json')); print(d['graph_gpu_ms_per_step'], d['wall_ms_per_step'])" \
-            2>/dev/null || echo "failed -")
-          echo "round $round tree $tree batch $b gpu_ms $ms context $ctx" | tee -a "$SL"
+          ms=$(python3 -c "import json; d = json.load(open('/tmp/steps.json')); print(f\"{d['graph_gpu_ms_per_step']} ms GPU, {d['wall_ms_per_step']} ms wall\")" \
+            2>/dev/null) && line="batch $b context $ctx $ms" || line="rc failed (batch $b context $ctx)"
+          echo "round $round tree $tree | $line" | tee -a "$SL"
         done
       done
     done
   done
-  python3 - "$SL" <<'PY' 2>&1 | tee -a "$SL"
-import sys
-best = {}
-for line in open(sys.argv[1]):
-    f = line.split()
-    if len(f) >= 11 and f[0] == "round" and f[7] != "failed":
-        key = (f[3], int(f[5]), int(f[10]))
-        best[key] = min(best.get(key, float("inf")), float(f[7]))
-for (tree, b, ctx), ms in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
-    ref = best.get(("t1", b, ctx))
-    print(f"batch {b:>3} context {ctx:>6} tree {tree:<5} best {ms:.4f} ms GPU"
-          + (f"  vs t1 {ms / ref:.3f}" if ref else ""))
-PY
+  python3 tools/rounds_summary.py "$SL" 2>&1 | tee -a "$SL"
 fi
 
 if [ "$MODE" = matmuls ]; then
@@ -312,8 +302,7 @@ if [ "$MODE" = matmuls ]; then
   IFS=';' read -r -a runs <<<"${MATMUL_RUNS:---multi --types Q4_K,Q8_0 --tokens 8,32;--prefill 4096 --types Q8_0,Q4_K}"
   for round in $(seq 1 "${MATMUL_ROUNDS:-2}"); do
     for tree in $trees; do
-      path=/tmp/mc:/tmp/site
-      [ "$tree" = this ] || path="/tmp/mc_$tree:/tmp/site"
+      path=$(tree_path "$tree")
       for args in "${runs[@]}"; do
         if [ $(($(date +%s) - T0)) -ge "${MATMUL_BUDGET:-480}" ]; then echo "budget spent" >>"$ML"; break 3; fi
         echo "== round $round tree $tree: bench_gemv $args" | tee -a "$ML" >>"$OUT/matmuls_runs.log"
@@ -325,7 +314,7 @@ if [ "$MODE" = matmuls ]; then
       done
     done
   done
-  python3 tools/matmuls_summary.py "$ML" 2>&1 | tee -a "$ML"
+  python3 tools/rounds_summary.py "$ML" 2>&1 | tee -a "$ML"
 fi
 
 if [ "$MODE" = batch ]; then

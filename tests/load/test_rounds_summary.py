@@ -1,9 +1,9 @@
-"""tools/matmuls_summary.py: the best time per matmul line and tree of gpu_runner.sh's matmuls log, on lines
-bench_gemv wrote on an H100 (docs/BENCHMARKS.md v45) and in the runner's log format."""
+"""tools/rounds_summary.py: the best time per measured line and tree of gpu_runner.sh's matmuls and steps
+logs, on lines bench_gemv wrote on an H100 (docs/BENCHMARKS.md v45) and in the runner's log format."""
 
 from __future__ import annotations
 
-from tools import matmuls_summary
+from tools import rounds_summary
 
 LOG = """\
 tree t1: .gpu/old
@@ -19,7 +19,7 @@ round 2 tree t1 | Q4_K: GEMV time of a 9B decode step of  8 sequences (auto) 2.7
 
 
 def test_best_of_the_rounds_per_tree_against_t1():
-    rows, ok = matmuls_summary.summarize(LOG.splitlines())
+    rows, ok = rounds_summary.summarize(LOG.splitlines())
     assert ok
     assert rows == [
         "Q4_K: GEMV time of a 9B decode step of 8 sequences (auto) | this  best 2.695 ms  vs t1 0.995",
@@ -30,10 +30,10 @@ def test_best_of_the_rounds_per_tree_against_t1():
 
 
 def test_a_failed_run_or_an_empty_log_fails(tmp_path, capsys):
-    rows, ok = matmuls_summary.summarize((LOG + "round 2 tree t1 | rc 124\n").splitlines())
+    rows, ok = rounds_summary.summarize((LOG + "round 2 tree t1 | rc 124\n").splitlines())
     assert not ok and len(rows) == 4
-    assert matmuls_summary.summarize(["tree t1: .gpu/old", "budget spent"]) == ([], False)
+    assert rounds_summary.summarize(["tree t1: .gpu/old", "budget spent"]) == ([], False)
     log = tmp_path / "matmuls.log"
     log.write_text(LOG)
-    assert matmuls_summary.main([str(log)]) == 0
+    assert rounds_summary.main([str(log)]) == 0
     assert "vs t1 0.968" in capsys.readouterr().out

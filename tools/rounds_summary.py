@@ -1,13 +1,14 @@
-"""The best time of each 9B matmul line per tree, from tools/gpu_runner.sh's matmuls log, with its ratio to
-the first older tree's (t1):
+"""The best time of each measured line per tree, from a log of tools/gpu_runner.sh's steps or matmuls mode
+(trees alternated for some rounds), with its ratio to the first older tree's (t1):
 
-    python3 tools/matmuls_summary.py LOG
+    python3 tools/rounds_summary.py LOG
 
-LOG lines are "round R tree TREE | LINE", LINE a bench_gemv step line such as "Q4_K: GEMV time of a 9B
-decode step of  8 sequences (auto) 2.718 ms, 0.340 ms per sequence" or "Q8_0: GEMM time of a 9B prefill
-of 4096 tokens (dp4a2) 655.6 ms, ..." ("rc N" for a run that failed). Prints, for each line in the order
-first seen, one row per tree: the best (lowest) ms over the rounds, and for trees other than t1 the ratio
-to t1's. Exit status 1 when a run failed or the log holds no step line, else 0.
+LOG lines are "round R tree TREE | LINE", LINE a measurement whose first "<number> ms" is its time and
+whose text before it names it: a bench_gemv step line such as "Q4_K: GEMV time of a 9B decode step of
+8 sequences (auto) 2.718 ms, 0.340 ms per sequence", or the steps mode's "batch 1 context 64 2.1883 ms
+GPU, 2.31 ms wall"; "rc ..." for a run that failed. Prints, for each line in the order first seen, one
+row per tree: the best (lowest) time over the rounds, and for trees other than t1 the ratio to
+t1's. Exit status 1 when a run failed or the log holds no measurement, else 0.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import re
 import sys
 
 _ROW = re.compile(r"^round (\d+) tree (\S+) \| (.*)$")
-_STEP = re.compile(r"^(.*?\)) ([0-9.]+) ms\b")
+_STEP = re.compile(r"^(.*?) ([0-9.]+) ms\b")
 
 
 def summarize(lines: list[str]) -> tuple[list[str], bool]:
