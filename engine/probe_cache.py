@@ -20,9 +20,10 @@ import time
 from pathlib import Path
 
 FILE_NAME = "gpu_probe.json"
-VERSION = 2  # bump when the kernels change enough that old choices should be re-probed
+VERSION = 3  # bump when the kernels change enough that old choices should be re-probed
 # Version 2 added the fp16 HFMA2 path: version-1 records (DP4A / FMA timings only) are ignored, so a
-# card probed before it is simply probed again, three-way, at the next load.
+# card probed before it is simply probed again, three-way, at the next load. Version 3 added the
+# K-quants' own prefill stage depth (gemm_kquant).
 
 
 def cache_path() -> Path:
@@ -81,7 +82,7 @@ def summarize(rec: dict) -> str:
         parts.append(f"FP32 {rec['fma_tflops']:.1f} TFLOP/s")
     if "copy_gbs" in rec:
         parts.append(f"copy {rec['copy_gbs']:.0f} GB/s")
-    for label, what in (("gemv", "decode"), ("gemm", "prefill")):
+    for label, what in (("gemv", "decode"), ("gemm", "prefill"), ("gemm_kquant", "K-quant prefill")):
         chosen = rec.get(label)
         if not chosen:
             continue

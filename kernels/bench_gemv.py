@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass
 import cupy as cp
 import numpy as np
 
-from . import kquant_layout, ops
+from . import ops
 from .build import GEMV_KQ_MT, GEMV_MT
-from .probe import measure_copy, measure_dp4a, random_q8_0, time_gpu
+from .probe import measure_copy, measure_dp4a, random_weight, time_gpu
 
 # (rows, row length, residual epilogue) of the 9B single-token GEMVs: attention output / FFN down with
 # the residual, the fused GDN input projections, gate+up, the fused attention q/k/v/gate, the LM head
@@ -63,22 +63,6 @@ class Row:
     seconds: float  # GPU time per launch
     gbs: float  # weight bytes / time, 1e9 B/s
     copy_share: float  # gbs / copy bandwidth
-
-
-def random_weight(type_name: str, R: int, K: int, seed: int) -> ops.QWeight:
-    """A random (R, K) matrix of `type_name` made and laid out on the device."""
-    if type_name == "Q8_0":
-        return random_q8_0(R, K, seed)
-    if type_name not in kquant_layout.KQUANT_TYPES:
-        raise ValueError(f"bench_gemv covers Q8_0 and the K-quants, not {type_name}")
-    sb = kquant_layout.SUPER_BYTES[type_name]
-    rs = cp.random.RandomState(seed)
-    raw = rs.randint(0, 256, size=(R * (K // 256), sb), dtype=cp.int32).astype(cp.uint8)
-    scale = cp.asarray(np.frombuffer(np.array([1e-3], "<f2").tobytes(), np.uint8))
-    for off in ((208,) if type_name == "Q6_K" else (0, 2)):
-        raw[:, off:off + 2] = scale
-    wq, wd = ops._upload_kquant(raw.reshape(R, -1), type_name, K)
-    return ops.QWeight(type_name, R, K, 1, wq, wd)
 
 
 def _kernel_name(w: ops.QWeight) -> str:

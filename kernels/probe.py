@@ -4,7 +4,8 @@ ceilings.
 Mining cards throttle different units (CMP 100-210: tensor cores; CMP 30HX-170HX: also DP4A or FMA,
 some keeping full-rate fp16; Pascal consumer cards run fp16 at 1/64 rate), so the path is measured, not
 assumed. `run_probe()` times the Q8_0 GEMV (decode) and GEMM (prefill) in every variant on random data
-and returns a plain dict (stored per GPU UUID by engine/probe_cache.py). It takes well under a second
+and returns a plain dict (stored per GPU UUID by engine/probe_cache.py); where a DP4A GEMM wins, it also
+picks the K-quants' own stage depth (`pick_kquant_stage`). It takes well under a second
 after the kernels are compiled. Timings are GPU time (calls captured into a CUDA graph), not Python
 launch overhead. A variant that raises or whose result differs from the fp32 FMA result on the probe's
 own data by more than SANITY_REL_ERR (max abs error / max abs value) is excluded (`choose_fastest`).
@@ -24,9 +25,9 @@ import numpy as np
 try:
     import cupy as cp
 
-    from . import gdn_chunk, ops
+    from . import gdn_chunk, kquant_layout, ops
 except ImportError:  # CPU-only machine: only choose_fastest is usable
-    cp = ops = gdn_chunk = None
+    cp = ops = gdn_chunk = kquant_layout = None
 
 from .build import KV_CACHE_TYPES, get_kernel
 
@@ -112,6 +113,22 @@ def random_q8_0(R: int, K: int, seed: int = 0) -> ops.QWeight:
     return ops.QWeight("Q8_0", R, K, 1, wq, d.view(cp.uint16))
 
 
+def random_weight(type_name: str, R: int, K: int, seed: int = 0) -> ops.QWeight:
+    """A random (R, K) matrix of Q8_0 or a K-quant, made and laid out on the device."""
+    if type_name == "Q8_0":
+        return random_q8_0(R, K, seed)
+    if type_name not in kquant_layout.KQUANT_TYPES:
+        raise ValueError(f"random_weight makes Q8_0 and the K-quants, not {type_name}")
+    sb = kquant_layout.SUPER_BYTES[type_name]
+    rs = cp.random.RandomState(seed)
+    raw = rs.randint(0, 256, size=(R * (K // 256), sb), dtype=cp.int32).astype(cp.uint8)
+    scale = cp.asarray(np.frombuffer(np.array([1e-3], "<f2").tobytes(), np.uint8))
+    for off in ((208,) if type_name == "Q6_K" else (0, 2)):
+        raw[:, off:off + 2] = scale
+    wq, wd = ops._upload_kquant(raw.reshape(R, -1), type_name, K)
+    return ops.QWeight(type_name, R, K, 1, wq, wd)
+
+
 def measure_copy(n_bytes: int = 256 << 20, reps: int = 10) -> float:
     """Device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     n4 = n_bytes // 16
@@ -158,7 +175,8 @@ def run_probe() -> dict:
 
     Record: gemv / gemm (chosen paths), gemv_us / gemm_us (microseconds per call of every variant that
     ran; a variant that raised is missing), gemv_err / gemm_err (relative error against fp32 FMA),
-    gemv_excluded / gemm_excluded (variants left out and why), the ceilings, probe_s."""
+    gemv_excluded / gemm_excluded (variants left out and why), gemm_kquant / gemm_kquant_us (the
+    K-quants' stage depth when gemm is a DP4A path: pick_kquant_stage), the ceilings, probe_s."""
     t_start = time.perf_counter()
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
@@ -188,10 +206,26 @@ def run_probe() -> dict:
         if excluded:
             rec[f"{label}_excluded"] = excluded
         rec[label] = choose_fastest(times, errs)
+    if rec["gemm"].startswith("dp4a"):
+        rec.update(pick_kquant_stage())
     rec.update(measure_ceilings())
     rec["dp4a_throttled"] = not rec["gemm"].startswith("dp4a") and rec["gemv"] != "dp4a"
     rec["probe_s"] = round(time.perf_counter() - t_start, 3)
     return rec
+
+
+def pick_kquant_stage(R: int = 4096, K: int = 4096, T: int = 1024) -> dict:
+    """The prefill GEMM's stage depth for the K-quants: gemm_dp4a with one quant block a barrier
+    ("dp4a") or two ("dp4a2"), timed on a random Q4_K matrix at a prefill shape that fills the card
+    (T tokens: 256 blocks of 128 x 128). The Q8_0 matrix the probe picks the path on needs two blocks a
+    stage (its loads are a stage's only work), while a K-quant's expansion of its blocks is enough work
+    between barriers for one: on the H100 and H200 Q4_K and Q6_K ran 1-3% faster with one, Q8_0 25%
+    slower (docs/BENCHMARKS.md v26, v45). Record: gemm_kquant (the pick), gemm_kquant_us."""
+    w = random_weight("Q4_K", R, K, 3)
+    x = cp.random.RandomState(4).standard_normal((T, K), dtype=cp.float32)
+    times = {path: time_gpu(lambda path=path: ops.matmul(x, w, path), 10) for path in ("dp4a", "dp4a2")}
+    return {"gemm_kquant": min(times, key=times.get),
+            "gemm_kquant_us": {p: round(t * 1e6, 1) for p, t in times.items()}}
 
 
 def op_breakdown(T: int = 4096, ctx: int = 18432) -> dict:

@@ -22,7 +22,7 @@ import sys
 import cupy as cp
 import numpy as np
 from minecart.kernels import ops
-from minecart.kernels.bench_gemv import random_weight
+from minecart.kernels.probe import random_weight
 from minecart.kernels.probe import measure_copy, time_gpu
 
 _SRC = r"""

@@ -35,6 +35,7 @@ from minecart.kernels import expert_call as expert_call_kernel
 from minecart.kernels import fused, gdn_chunk, host_func, kvcache, kvq3, layout, link, ops
 from minecart.kernels import moe as moe_kernels
 from minecart.kernels.build import kernel_build_tag
+from minecart.kernels.kquant_layout import KQUANT_TYPES
 
 from ..sampling import GREEDY_PICK, LaunchedStep, PenaltyHistory, PickSpec, TopLogits
 from .base import DeviceHooks, FusedOpsMixin, GrowingKVCache, arena_aligned, whole_pages
@@ -881,10 +882,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self.use_graphs = not os.environ.get("MINECART_NO_CUDA_GRAPH")
         forced = path or os.environ.get("MINECART_MATMUL_PATH")
         self.gemv_path = self.gemm_path = "dp4a"
+        self.gemm_kquant_path = "dp4a"  # the prefill path of the K-quants (the probe's gemm_kquant)
         if forced:
             if forced not in ("dp4a", "dp4a2", "fma", "hfma2"):
                 raise ValueError(f"matmul path must be 'dp4a', 'dp4a2', 'fma' or 'hfma2', got '{forced}'")
-            self.gemm_path = forced
+            self.gemm_path = self.gemm_kquant_path = forced
             self.gemv_path = "dp4a" if forced == "dp4a2" else forced
         elif probe:
             self._choose_paths()
@@ -911,6 +913,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self.probe_record = rec
         self.gemv_path = rec.get("gemv", "dp4a")
         self.gemm_path = rec.get("gemm", "dp4a")
+        self.gemm_kquant_path = rec.get("gemm_kquant", self.gemm_path)
 
     # ---- data movement -------------------------------------------------------------------------
     def asarray(self, host_array):
@@ -1302,9 +1305,11 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         """The matmul path for T rows of activations against `q`: the decode (GEMV) path up to the rows
         its launches serve while reading the weights once (ops.gemv_max_t: more for the K-quants'
         multi-token GEMV, so a batch of up to 32 decoding sequences stays on it), the prefill (GEMM)
-        path above."""
+        path above, with the K-quants' own stage depth (kernels/probe.py pick_kquant_stage)."""
         limit = ops.gemv_max_t(q) if self.gemv_path.startswith("dp4a") else ops.GEMV_MAX_T
-        return self.gemv_path if T <= limit else self.gemm_path
+        if T <= limit:
+            return self.gemv_path
+        return self.gemm_kquant_path if q.type_name in KQUANT_TYPES else self.gemm_path
 
     def matmul(self, x, w: CupyWeight):
         with self._dev:

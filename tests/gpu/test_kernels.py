@@ -107,6 +107,32 @@ def test_gemm_two_block_stages(nb, poison, type_name, K):
     assert nerr(y, q8_1_emulation(x, nb.load_weight(info).dense())) < 2e-5
 
 
+@pytest.mark.parametrize("kquant", ["dp4a", "dp4a2"])
+def test_prefill_path_per_format(nb, poison, tmp_path, monkeypatch, kquant):
+    """A probe record whose K-quant stage depth differs from Q8_0's: a prefill of Q8_0 rows takes
+    `gemm`, one of K-quant rows `gemm_kquant`, decode rows the GEMV path either way; the results match
+    the emulation."""
+    from minecart.engine import probe_cache
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.kernels import ops
+
+    monkeypatch.setenv("MINECART_CACHE_DIR", str(tmp_path))
+    rec = {"name": "test", "gemv": "dp4a", "gemm": "dp4a2" if kquant == "dp4a" else "dp4a", "gemm_kquant": kquant}
+    monkeypatch.setattr(probe_cache, "get", lambda key: dict(rec))
+    be = CupyBackend("cuda:0")
+    assert be.gemm_path == rec["gemm"] and be.gemm_kquant_path == kquant
+    rng = np.random.default_rng(11)
+    for type_name in ("Q8_0", "Q4_K", "Q6_K"):
+        info = make_tensor(rng, type_name, (260, 512), 0.05)
+        w = be.load_weight(info)
+        want = kquant if type_name != "Q8_0" else rec["gemm"]
+        assert be._matmul_path(200, w.q) == want and be._matmul_path(1, w.q) == "dp4a"
+        assert be._matmul_path(ops.gemv_max_t(w.q), w.q) == "dp4a"
+        x = rng.standard_normal((200, 512)).astype(np.float32)
+        y = be.to_numpy(be.matmul(be.asarray(x), w))
+        assert nerr(y, q8_1_emulation(x, nb.load_weight(info).dense())) < 2e-5
+
+
 @pytest.mark.parametrize("type_name", list(TYPES))
 def test_embed(nb, gb, poison, type_name):
     rng = np.random.default_rng(7)
@@ -354,6 +380,11 @@ def test_probe_and_cache(tmp_path, monkeypatch):
     rec = probe.run_probe()
     assert rec["gemv"] in ("dp4a", "fma") and rec["gemm"] in ("dp4a", "dp4a2", "fma")
     assert rec["copy_gbs"] > 10 and rec["dp4a_tops"] > 0.5 and rec["fma_tflops"] > 0.5
+    if rec["gemm"].startswith("dp4a"):  # the K-quants' stage depth, timed on its own
+        assert rec["gemm_kquant"] in ("dp4a", "dp4a2") and set(rec["gemm_kquant_us"]) == {"dp4a", "dp4a2"}
+        assert rec["gemm_kquant_us"][rec["gemm_kquant"]] == min(rec["gemm_kquant_us"].values()) > 0
+    else:
+        assert "gemm_kquant" not in rec
     probe_cache.save("GPU-test", rec)
     assert probe_cache.get("GPU-test")["gemv"] == rec["gemv"]
     assert "decode path" in probe_cache.summary_for("GPU-test")

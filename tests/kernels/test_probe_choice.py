@@ -77,3 +77,17 @@ def test_version_1_records_are_probed_again(tmp_path, monkeypatch):
     assert probe_cache.summary_for("GPU-old") == ""
     probe_cache.save("GPU-new", {"name": "x", "gemv": "fma", "gemm": "fma"})
     assert probe_cache.get("GPU-new")["version"] == probe_cache.VERSION >= 2
+
+
+def test_kquant_stage_in_summary_and_version_2_reprobed(tmp_path, monkeypatch):
+    """A record with the K-quants' own prefill stage depth shows it; records from before it (version
+    2) read as absent, so a card that runs DP4A prefills is probed again and gets the pick."""
+    monkeypatch.setenv("MINECART_CACHE_DIR", str(tmp_path))
+    v2 = {"GPU-h100": {"name": "H100", "gemv": "dp4a", "gemm": "dp4a2", "version": 2}}
+    (tmp_path / probe_cache.FILE_NAME).write_text(json.dumps(v2))
+    assert probe_cache.get("GPU-h100") is None
+    probe_cache.save("GPU-h100", {"name": "H100", "gemv": "dp4a", "gemm": "dp4a2", "gemm_kquant": "dp4a",
+                                  "gemm_kquant_us": {"dp4a": 480.0, "dp4a2": 496.0}})
+    line = probe_cache.summary_for("GPU-h100")
+    assert "prefill path dp4a2;" in line and "K-quant prefill path dp4a (dp4a 480 us, dp4a2 496 us)" in line
+
