@@ -22,8 +22,7 @@ import sys
 import cupy as cp
 import numpy as np
 from minecart.kernels import ops
-from minecart.kernels.probe import random_weight
-from minecart.kernels.probe import measure_copy, time_gpu
+from minecart.kernels.probe import measure_copy, random_weight, time_gpu
 
 _SRC = r"""
 extern "C" __global__ void spacer(long long cycles, const char* a, long long na, const char* b, long long nb,
