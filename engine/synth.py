@@ -46,6 +46,51 @@ _FILE_TYPE = {Q.F32: 0, Q.F16: 1, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7, Q.Q5_0: 8, Q.
 # llama-quantize's fallback when a row is not a whole number of 256-value K blocks
 _K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
 
+
+@dataclass(frozen=True)
+class Mix:
+    """One of llama-quantize's K-quant mixes, the files people download most (`Q4_K_M`, `Q5_K_M`): most
+    matrices in `base`, and Q6_K where the mix spends more bits. For the tensors of this project's
+    architectures its rules come down to:
+    - output.weight (token_embd.weight when the embeddings are tied) is Q6_K, or Q8_0 when its rows are
+      not a whole number of 256-value blocks;
+    - attn_v and the Gated DeltaNet's fused attn_qkv, counted together in file order (i of n), are Q6_K
+      where `more_bits(i, n)`;
+    - ffn_down of layer i of n blocks (MTP blocks counted; routed and shared experts alike) is Q6_K
+      where `more_bits(i, n)`;
+    - everything else is `base`; a row too narrow for a 256-value block falls back as it does for a
+      single type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)."""
+
+    name: str
+    base: int
+    file_type: int  # general.file_type (llama.cpp's LlamaFileType)
+
+    @staticmethod
+    def more_bits(i: int, n: int) -> bool:
+        """The first and last eighth of the layers, and every third one between them."""
+        return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+    def types(self, names: list[str], n_blocks: int) -> list[int]:
+        """The type this mix gives each matrix of `names` (in file order), before the row-width fallback."""
+        attn_v = [n for n in names if n.endswith(("attn_v.weight", "attn_qkv.weight"))]
+        tied = "output.weight" not in names
+        out = []
+        for name in names:
+            if name == "output.weight" or (tied and name == "token_embd.weight"):
+                out.append(Q.Q6_K)
+            elif name in attn_v:
+                out.append(Q.Q6_K if self.more_bits(attn_v.index(name), len(attn_v)) else self.base)
+            elif "ffn_down" in name:
+                layer = int(name.split(".")[1])
+                out.append(Q.Q6_K if self.more_bits(layer, n_blocks) else self.base)
+            else:
+                out.append(self.base)
+        return out
+
+
+MIXES = {"q4_k_m": Mix("Q4_K_M", Q.Q4_K, 15), "q5_k_m": Mix("Q5_K_M", Q.Q5_K, 17)}
+QUANT_NAMES = [*QUANTS, *MIXES]  # what `--quant` takes
+
 # Qwen3.5/3.6 added tokens at their real ids (docs/qwen35.md, "Tokens"); type 3 CONTROL, 4 USER_DEFINED
 SPECIAL_TOKENS = {
     248044: "<|endoftext|>", 248045: "<|im_start|>", 248046: "<|im_end|>",
@@ -299,18 +344,25 @@ def _matrix_type(type_id: int, n_in: int) -> int:
     return Q.F16
 
 
-def plan_tensors(shape: SynthShape, type_id: int, *, fuse_gate_up: bool = False) -> list[PlannedTensor]:
+def plan_tensors(shape: SynthShape, quant: int | Mix, *, fuse_gate_up: bool = False) -> list[PlannedTensor]:
     """Every tensor of the model in converter order, with its GGML type and initialisation, as the
-    architecture's spec lists them (engine/models/qwen35.py SPEC)."""
+    architecture's spec lists them (engine/models/qwen35.py SPEC). quant: one type for every matrix, or
+    a llama-quantize mix."""
     config = shape.config()
     options = frozenset({qwen35.FUSED_GATE_UP}) if fuse_gate_up else frozenset()
+    specs = list(qwen35.SPEC.plan(config, options))
+    matrices = [name for name, t in specs if not t.f32]
+    if isinstance(quant, Mix):
+        picked = dict(zip(matrices, quant.types(matrices, shape.n_layers + shape.n_mtp), strict=True))
+    else:
+        picked = dict.fromkeys(matrices, quant)
     out: list[PlannedTensor] = []
-    for name, t in qwen35.SPEC.plan(config, options):
+    for name, t in specs:
         dims = t.shape(config)
         std = t.fill.std
         if t.fill.per_fan_in:
             std = min(t.fill.cap, std / np.sqrt(dims[-1]))
-        type_id_t = Q.F32 if t.f32 else _matrix_type(type_id, dims[-1])
+        type_id_t = Q.F32 if t.f32 else _matrix_type(picked[name], dims[-1])
         out.append(PlannedTensor(name, dims, type_id_t, t.fill.init, std))
     return out
 
@@ -347,7 +399,7 @@ def tokenizer_kvs(vocab_size: int) -> list[bytes]:
     ]
 
 
-def model_kvs(shape: SynthShape, type_id: int, seed: int) -> list[bytes]:
+def model_kvs(shape: SynthShape, quant: int | Mix, seed: int) -> list[bytes]:
     s, a = shape, shape.arch
     block_count = s.n_layers + s.n_mtp
     recurrent = [i < s.n_layers and (i + 1) % s.full_attention_interval != 0 for i in range(block_count)]
@@ -357,7 +409,7 @@ def model_kvs(shape: SynthShape, type_id: int, seed: int) -> list[bytes]:
         encode_kv("general.name", "STRING", f"synthetic {s.display}"),
         encode_kv("general.description", "STRING",
                   f"random weights with the shape of {s.display}, written by `minecart synth` (seed {seed})"),
-        encode_kv("general.file_type", "UINT32", _FILE_TYPE[type_id]),
+        encode_kv("general.file_type", "UINT32", quant.file_type if isinstance(quant, Mix) else _FILE_TYPE[quant]),
         encode_kv("general.quantization_version", "UINT32", 2),
         encode_kv("general.alignment", "UINT32", 32),
         encode_kv(f"{a}.block_count", "UINT32", block_count),
@@ -393,35 +445,36 @@ def model_kvs(shape: SynthShape, type_id: int, seed: int) -> list[bytes]:
     return kv + tokenizer_kvs(s.vocab_size)
 
 
-def resolve(shape: str | SynthShape, quant: str | int) -> tuple[SynthShape, int]:
+def resolve(shape: str | SynthShape, quant: str | int | Mix) -> tuple[SynthShape, int | Mix]:
     if isinstance(shape, str):
         if shape not in SHAPES:
             raise RequestError(f"unknown shape '{shape}'; choose one of {', '.join(SHAPES)}")
         shape = SHAPES[shape]
     if isinstance(quant, str):
-        if quant.lower() not in QUANTS:
-            raise RequestError(f"unknown quant type '{quant}'; choose one of {', '.join(QUANTS)}")
-        quant = QUANTS[quant.lower()]
+        name = quant.lower()
+        if name not in QUANT_NAMES:
+            raise RequestError(f"unknown quant type '{quant}'; choose one of {', '.join(QUANT_NAMES)}")
+        quant = MIXES[name] if name in MIXES else QUANTS[name]
     if shape.vocab_size < 256:
         raise RequestError(f"vocab_size {shape.vocab_size} is below the 256 byte-level tokens")
-    return shape, int(quant)
+    return shape, quant if isinstance(quant, Mix) else int(quant)
 
 
-def write_synthetic(path: str | Path, shape: str | SynthShape, quant: str | int = "q8_0", seed: int = 0,
+def write_synthetic(path: str | Path, shape: str | SynthShape, quant: str | int | Mix = "q8_0", seed: int = 0,
                     n_layers: int | None = None, *, mtp: bool = True, fuse_gate_up: bool = False,
                     progress: Callable[[int, int], None] | None = None) -> dict:
     """Write a synthetic GGUF; returns {"path", "bytes", "seconds", "mb_per_s", "tensors"}.
 
     n_layers keeps only the first N main layers (the MTP block, if any, follows them).
     """
-    shape, type_id = resolve(shape, quant)
+    shape, kind = resolve(shape, quant)
     if n_layers is not None and n_layers < 0:
         raise RequestError(f"--layers must be >= 0, got {n_layers}")
     shape = shape.truncated(n_layers, mtp)
     t0 = time.perf_counter()
     rng = np.random.Generator(np.random.SFC64(seed))  # the fastest raw bits numpy ships
-    tensors = plan_tensors(shape, type_id, fuse_gate_up=fuse_gate_up)
-    size = write_gguf(path, model_kvs(shape, type_id, seed), tensors, lambda t: _tensor_chunks(rng, t),
+    tensors = plan_tensors(shape, kind, fuse_gate_up=fuse_gate_up)
+    size = write_gguf(path, model_kvs(shape, kind, seed), tensors, lambda t: _tensor_chunks(rng, t),
                       progress=progress)
     seconds = time.perf_counter() - t0
     return {"path": str(path), "bytes": size, "seconds": seconds,

@@ -498,12 +498,12 @@ def check_devices(args: argparse.Namespace) -> None:
 
 def quant_list(text: str) -> list[str]:
     """`--quant q8_0,q4_k` -> ["q8_0", "q4_k"], each checked against the types synth can write."""
-    from ..synth import QUANTS
+    from ..synth import QUANT_NAMES
 
     quants = list(dict.fromkeys(q.strip().lower() for q in text.split(",") if q.strip()))
-    unknown = [q for q in quants if q not in QUANTS]
+    unknown = [q for q in quants if q not in QUANT_NAMES]
     if unknown or not quants:
-        raise MinecartError(f"unknown --quant {', '.join(unknown) or repr(text)}; choose among {', '.join(QUANTS)}")
+        raise MinecartError(f"unknown --quant {', '.join(unknown) or repr(text)}; choose among {', '.join(QUANT_NAMES)}")
     return quants
 
 

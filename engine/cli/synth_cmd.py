@@ -17,14 +17,15 @@ from collections.abc import Callable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..synth import QUANTS, SHAPES
+    from ..synth import QUANT_NAMES, SHAPES
 
     p = subparsers.add_parser("synth", help="write a random-weight GGUF with a real model's shape",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("out", nargs="?", help="the GGUF file to write")
     p.add_argument("--shape", choices=list(SHAPES), help="model shape to imitate")
-    p.add_argument("--quant", default="q8_0", choices=list(QUANTS),
-                   help="type of the matrices (small tensors stay F32); default q8_0")
+    p.add_argument("--quant", default="q8_0", choices=QUANT_NAMES,
+                   help="type of the matrices (small tensors stay F32), or q4_k_m / q5_k_m: llama-quantize's "
+                        "mixes of those names (Q6_K output, some attn_v / attn_qkv / ffn_down); default q8_0")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file); default 0")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N main layers")
     p.add_argument("--no-mtp", action="store_true", help="leave out the MTP block")
