@@ -71,6 +71,17 @@ class WeightGroup:
         self.ranges = ranges
 
 
+def _type_runs(infos: list) -> list[list]:
+    """infos cut into runs of neighbours of one GGML type, in order."""
+    runs: list[list] = []
+    for info in infos:
+        if runs and runs[-1][-1].type_name == info.type_name:
+            runs[-1].append(info)
+        else:
+            runs.append([info])
+    return runs
+
+
 def _logical_shape(info, role: str) -> tuple[int, ...]:
     """The shape CupyBackend.load_weight keeps a tensor in: a 1-D matmul weight as one row."""
     shape = tuple(int(s) for s in info.shape)
@@ -1143,15 +1154,27 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         field, each weight's QWeight a row range (view) of it. Tensor by tensor, upload_weight lays
         the tensor out for the kernels and its rows are copied into the group's arrays (allocated
         once the first tensor shows the layout); the tensor's own arrays are then dropped, so the
-        group is never on the device twice, only one tensor beside it. Loaded apart instead (each
-        its own weight) when the tensors differ in type or row length, or the layout does not keep a
+        group is never on the device twice, only one tensor beside it. Tensors of differing types (a
+        llama-quantize mix: Q6_K attn_qkv beside Q4_K attn_gate, ssm_beta and ssm_alpha) make one
+        group per run of neighbours of one type (matmul_many then runs one matmul per run). Loaded
+        apart instead (each its own weight) when the row lengths differ, or the layout does not keep a
         matrix's rows along its first axis (a concatenation of such layouts would not be one matrix)."""
         infos = list(infos)
         logical = [(1, int(i.shape[0])) if len(i.shape) == 1 else tuple(int(d) for d in i.shape)
                    for i in infos]
-        if len(infos) < 2 or any(len(s) != 2 for s in logical) or \
-                len({(i.type_name, s[1]) for i, s in zip(infos, logical, strict=True)}) != 1:
+        if len(infos) < 2 or any(len(s) != 2 for s in logical) or len({s[1] for s in logical}) != 1:
             return super().load_fused(infos)
+        runs = _type_runs(infos)
+        if len(runs) > 1:
+            loaded: list[CupyWeight] = []
+            try:
+                for run in runs:
+                    loaded += self.load_fused(run) if len(run) > 1 else [self.load_weight(run[0], role="matmul")]
+            except BaseException:
+                for done in loaded:
+                    self.free(done)
+                raise
+            return loaded
         total = sum(s[0] for s in logical)
         out: list[CupyWeight] = []
         ranges: list[tuple[int, int]] = []
@@ -1504,20 +1527,31 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
 
     # ---- fused decode ops (base.FusedOpsMixin; kernels/fused.py) ------------------------------------
     def matmul_many(self, x, ws):
-        """One matmul over a group's concatenated rows (the weights load_fused made, all of them, in
-        order), split into each weight's output; anything else runs as separate matmuls."""
+        """One matmul over each group's concatenated rows (the weights load_fused made: a whole group,
+        in order, is one matmul), split into each weight's output; any other weight runs alone."""
         ws = list(ws)
-        rec = ws[0].group if ws and isinstance(ws[0], CupyWeight) else None
-        if rec is None or rec.q is None or len(ws) != len(rec.ranges) or len(ws) < 2 or \
-                any(not isinstance(w, CupyWeight) or w.group is not rec or w.index != i for i, w in enumerate(ws)):
-            return super().matmul_many(x, ws)
-        big, ranges = rec.q, rec.ranges
-        with self._dev:
-            lead = x.shape[:-1]
-            x2 = _f32(x).reshape(-1, x.shape[-1])
-            path = self._matmul_path(x2.shape[0], big)
-            outs = ops.matmul_split(x2, big, ranges, path)  # contiguous (T, rows) each
-            return [o.reshape(*lead, b - a) for o, (a, b) in zip(outs, ranges, strict=True)]
+        out: list = []
+        i = 0
+        while i < len(ws):
+            w = ws[i]
+            rec = w.group if isinstance(w, CupyWeight) else None
+            n = len(rec.ranges) if rec is not None and rec.q is not None else 0
+            run = ws[i : i + n]
+            if n < 2 or len(run) != n or \
+                    any(not isinstance(m, CupyWeight) or m.group is not rec or m.index != j for j, m in enumerate(run)):
+                out.append(self.matmul(x, w))
+                i += 1
+                continue
+            assert rec is not None and rec.q is not None
+            big, ranges = rec.q, rec.ranges
+            with self._dev:
+                lead = x.shape[:-1]
+                x2 = _f32(x).reshape(-1, x.shape[-1])
+                path = self._matmul_path(x2.shape[0], big)
+                outs = ops.matmul_split(x2, big, ranges, path)  # contiguous (T, rows) each
+                out += [o.reshape(*lead, b - a) for o, (a, b) in zip(outs, ranges, strict=True)]
+            i += n
+        return out
 
     def matmul_add(self, x, w: CupyWeight, residual):
         with self._dev:

@@ -116,7 +116,7 @@ def test_first_steps_allocate_no_weight_memory_and_match_weights_apart(path):
     assert nerr(grouped, ref) < 1e-4
 
 
-def test_mixed_formats_load_apart_and_freeing_a_member_keeps_the_others(poison):
+def test_mixed_formats_load_as_runs_of_one_type_and_freeing_a_member_keeps_the_others(poison):
     from minecart.engine.backends.cupy_backend import CupyBackend
 
     gb = CupyBackend("cuda:0")
@@ -128,11 +128,27 @@ def test_mixed_formats_load_apart_and_freeing_a_member_keeps_the_others(poison):
     mixed = [make_tensor(rng, t, (R, K), 0.05, name=f"m{i}") for i, (t, R) in
              enumerate((("Q8_0", 96), ("Q4_K", 64), ("Q8_0", 32)))]
     ws = gb.load_fused(mixed)
-    assert all(w.group is None for w in ws)
+    assert all(w.group is None for w in ws)  # no two neighbours of one type: each apart
     ref = [gb.to_numpy(gb.matmul(gx, gb.load_weight(i))) for i in mixed]
     poison()
     for y, r in zip(gb.matmul_many(gx, ws), ref, strict=True):
         np.testing.assert_array_equal(gb.to_numpy(y), r)
+    # a llama-quantize mix's Gated DeltaNet group: Q6_K attn_qkv, then Q4_K attn_gate, ssm_beta, ssm_alpha
+    runs = [make_tensor(rng, t, (R, K), 0.05, name=f"r{i}") for i, (t, R) in
+            enumerate((("Q6_K", 96), ("Q4_K", 64), ("Q4_K", 32), ("Q4_K", 32), ("Q8_0", 64), ("Q8_0", 32)))]
+    ws = gb.load_fused(runs)
+    assert ws[0].group is None
+    assert ws[1].group is not None and [w.group for w in ws[1:4]] == [ws[1].group] * 3
+    assert [w.index for w in ws[1:4]] == [0, 1, 2] and ws[1].group.q.rows == 128
+    assert ws[4].group is not None and ws[5].group is ws[4].group and ws[4].group is not ws[1].group
+    for T in (1, 2, 40):  # the GEMV, the batched-decode tile and the prefill GEMM
+        xt = gb.asarray(rng.standard_normal((T, K)).astype(np.float32))
+        ref = [gb.to_numpy(gb.matmul(xt, gb.load_weight(i))) for i in runs]
+        poison()
+        outs = gb.matmul_many(xt, ws)
+        assert len(outs) == len(runs)
+        for y, r in zip(outs, ref, strict=True):
+            assert y.shape == r.shape and nerr(gb.to_numpy(y), r) < 1e-5
     same = [make_tensor(rng, "Q4_K", (R, K), 0.05, name=f"s{i}") for i, R in enumerate((256, 33, 7))]
     ws = gb.load_fused(same)
     rec = ws[0].group
@@ -144,3 +160,38 @@ def test_mixed_formats_load_apart_and_freeing_a_member_keeps_the_others(poison):
     outs = gb.matmul_many(gx, [ws[0], ws[2]])  # the group is gone: separate matmuls on the row views
     for y, r in zip(outs, (ref[0], ref[2]), strict=True):
         np.testing.assert_allclose(gb.to_numpy(y), r, rtol=1e-6, atol=1e-6 * np.abs(r).max())
+
+
+def test_a_q4_k_m_file_groups_each_run_of_one_type(tmp_path):
+    """A `minecart synth --quant q4_k_m` file (llama-quantize's mix): where a group mixes types, each run
+    of neighbours of one type is one array; the model's logits and decode steps equal weights apart."""
+    from minecart.engine.backends.cupy_backend import CupyBackend
+    from minecart.engine.synth import SHAPES, write_synthetic
+
+    p = tmp_path / "s08-q4_k_m.gguf"
+    write_synthetic(p, replace(SHAPES["qwen3.5-0.8b"], vocab_size=640), "q4_k_m", seed=3, n_layers=4, mtp=False)
+    with load_model(p, backend=CupyBackend("cuda:0")) as model:
+        flat = {n: w for ws in model.weights.values() for n, w in ws.items()}
+        # 4 attn_v-like tensors: more_bits raises the 3rd (layer 2's attn_qkv) and the 4th (layer 3's attn_v)
+        assert flat["blk.2.attn_qkv.weight"].type_name == "Q6_K" and flat["blk.2.attn_qkv.weight"].group is None
+        gdn = [flat[f"blk.2.{t}.weight"] for t in ("attn_gate", "ssm_beta", "ssm_alpha")]
+        assert gdn[0].group is not None and [w.group for w in gdn] == [gdn[0].group] * 3
+        q, k, v = (flat[f"blk.3.attn_{t}.weight"] for t in "qkv")
+        assert v.type_name == "Q6_K" and v.group is None and q.group is not None and k.group is q.group
+        assert flat["blk.0.attn_qkv.weight"].group is flat["blk.0.ssm_alpha.weight"].group is not None
+        grouped = model.logits(PROMPT)
+        states = model.new_state(64)
+        n = len(PROMPT)
+        model.forward(PROMPT, states, np.arange(n))
+        steps = [model.forward([11 + t], states, np.array([n + t])) for t in range(3)]
+        model._free_states(states)
+    with load_model(p, backend=_apart_backend()) as apart:
+        ref = apart.logits(PROMPT)
+        states = apart.new_state(64)
+        apart.forward(PROMPT, states, np.arange(n))
+        ref_steps = [apart.forward([11 + t], states, np.array([n + t])) for t in range(3)]
+        apart._free_states(states)
+    assert np.all(np.isfinite(grouped)) and nerr(grouped, ref) < 1e-4
+    for a, b in zip(steps, ref_steps, strict=True):
+        assert nerr(np.asarray(a), np.asarray(b)) < 1e-4
+
