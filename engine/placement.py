@@ -56,11 +56,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import kvquant
+from . import quants as Q
 from .backends.base import ARENA_ALIGN, DRIVER_PAGE, arena_aligned, whole_pages
 from .devices import format_bytes
 from .errors import PlacementError
 from .models import qwen35
 from .models.spec import ArchSpec, ModelConfig, spec_for
+from .quant_mix import matrix_types, parse_quant
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -541,19 +543,25 @@ def config_and_tensors_for_shape(name: str, quant: str = "Q8_0", n_layers: int |
                                  ) -> tuple[ModelConfig, dict[str, TensorSpec]]:
     """ModelConfig and the tensor list (with stored bytes) of a named Qwen3.5 shape, no file needed.
 
-    name: one of engine/models/qwen35.py SHAPES ("qwen3.5-9b", "qwen3.5-27b", ...); quant: GGML type of
-    the matrices (the tensors the spec stores as F32 stay F32, as the converter writes them); n_layers:
-    keep only the first n layers (the pattern stays "every 4th is attention"). The MTP block is left out
-    (it is not loaded). costs_for_shape turns the result into ModelCosts (for plan_auto or Placement).
+    name: one of engine/models/qwen35.py SHAPES ("qwen3.5-9b", "qwen3.5-27b", ...); quant: the matrices'
+    GGML type or a llama-quantize mix ("q4_k_m"), as `minecart synth` writes them (engine/quant_mix.py;
+    the tensors the spec stores as F32 stay F32, as the converter writes them); n_layers: keep only the
+    first n layers (the pattern stays "every 4th is attention"). The MTP block is left out (it is not
+    loaded), though a mix counts it as llama-quantize does. costs_for_shape turns the result into
+    ModelCosts (for plan_auto or Placement).
     """
     if name not in qwen35.SHAPES:
         raise PlacementError(f"unknown model shape '{name}'; known: {', '.join(qwen35.SHAPES)}")
-    config = qwen35.SHAPES[name].truncated(n_layers, mtp=False).config(name)
+    shape = qwen35.SHAPES[name].truncated(n_layers)
+    whole = shape.config(name)  # with the MTP block: the file's matrices, in file order
+    types = matrix_types([(t_name, t.shape(whole)[-1]) for t_name, t in qwen35.SPEC.plan(whole) if not t.f32],
+                         shape.n_layers + shape.n_mtp, parse_quant(quant))
+    config = shape.truncated(mtp=False).config(name)
     specs: dict[str, TensorSpec] = {}
     for tname, t in qwen35.SPEC.plan(config):
-        shape = t.shape(config)
-        type_name = "F32" if t.f32 else quant
-        specs[tname] = TensorSpec(tname, shape, type_name, _stored_bytes(shape, type_name))
+        dims = t.shape(config)
+        type_name = "F32" if t.f32 else Q.type_name(types[tname])
+        specs[tname] = TensorSpec(tname, dims, type_name, _stored_bytes(dims, type_name))
     return config, specs
 
 

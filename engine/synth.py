@@ -31,65 +31,14 @@ import numpy as np
 from . import quants as Q
 from .errors import RequestError
 from .models import qwen35
+from .quant_mix import MIXES, QUANT_NAMES, QUANTS, Mix, file_type, matrix_types, parse_quant
+
+__all__ = ["MIXES", "QUANTS", "QUANT_NAMES", "SHAPES", "Mix", "plan_tensors", "write_synthetic"]
 
 # The named shapes live with the architecture (engine/models/qwen35.py); synth writes files of them.
 SynthShape = qwen35.Shape
 SHAPES: dict[str, SynthShape] = qwen35.SHAPES
 
-# quant name -> ggml type id
-QUANTS = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
-          "q5_0": Q.Q5_0, "q5_1": Q.Q5_1, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K,
-          "iq4_nl": Q.IQ4_NL, "iq4_xs": Q.IQ4_XS}
-# general.file_type (llama.cpp LlamaFileType) of a file whose matrices are all of one type
-_FILE_TYPE = {Q.F32: 0, Q.F16: 1, Q.Q4_0: 2, Q.Q4_1: 3, Q.Q8_0: 7, Q.Q5_0: 8, Q.Q5_1: 9, Q.Q4_K: 14,
-              Q.Q5_K: 16, Q.Q6_K: 18, Q.BF16: 32, Q.IQ4_NL: 25, Q.IQ4_XS: 30}
-# llama-quantize's fallback when a row is not a whole number of 256-value K blocks
-_K_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
-
-
-@dataclass(frozen=True)
-class Mix:
-    """One of llama-quantize's K-quant mixes, the files people download most (`Q4_K_M`, `Q5_K_M`): most
-    matrices in `base`, and Q6_K where the mix spends more bits. For the tensors of this project's
-    architectures its rules come down to:
-    - output.weight (token_embd.weight when the embeddings are tied) is Q6_K, or Q8_0 when its rows are
-      not a whole number of 256-value blocks;
-    - attn_v and the Gated DeltaNet's fused attn_qkv, counted together in file order (i of n), are Q6_K
-      where `more_bits(i, n)`;
-    - ffn_down of layer i of n blocks (MTP blocks counted; routed and shared experts alike) is Q6_K
-      where `more_bits(i, n)`;
-    - everything else is `base`; a row too narrow for a 256-value block falls back as it does for a
-      single type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)."""
-
-    name: str
-    base: int
-    file_type: int  # general.file_type (llama.cpp's LlamaFileType)
-
-    @staticmethod
-    def more_bits(i: int, n: int) -> bool:
-        """The first and last eighth of the layers, and every third one between them."""
-        return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-    def types(self, names: list[str], n_blocks: int) -> list[int]:
-        """The type this mix gives each matrix of `names` (in file order), before the row-width fallback."""
-        attn_v = [n for n in names if n.endswith(("attn_v.weight", "attn_qkv.weight"))]
-        tied = "output.weight" not in names
-        out = []
-        for name in names:
-            if name == "output.weight" or (tied and name == "token_embd.weight"):
-                out.append(Q.Q6_K)
-            elif name in attn_v:
-                out.append(Q.Q6_K if self.more_bits(attn_v.index(name), len(attn_v)) else self.base)
-            elif "ffn_down" in name:
-                layer = int(name.split(".")[1])
-                out.append(Q.Q6_K if self.more_bits(layer, n_blocks) else self.base)
-            else:
-                out.append(self.base)
-        return out
-
-
-MIXES = {"q4_k_m": Mix("Q4_K_M", Q.Q4_K, 15), "q5_k_m": Mix("Q5_K_M", Q.Q5_K, 17)}
-QUANT_NAMES = [*QUANTS, *MIXES]  # what `--quant` takes
 
 # Qwen3.5/3.6 added tokens at their real ids (docs/qwen35.md, "Tokens"); type 3 CONTROL, 4 USER_DEFINED
 SPECIAL_TOKENS = {
@@ -335,35 +284,21 @@ def _tensor_chunks(rng: np.random.Generator, t: PlannedTensor) -> Iterator[np.nd
 # the model plan
 
 
-def _matrix_type(type_id: int, n_in: int) -> int:
-    if n_in % Q.BLOCK_SIZES[type_id][0] == 0:
-        return type_id
-    fallback = _K_FALLBACK.get(type_id)
-    if fallback is not None and n_in % Q.BLOCK_SIZES[fallback][0] == 0:
-        return fallback
-    return Q.F16
-
-
 def plan_tensors(shape: SynthShape, quant: int | Mix, *, fuse_gate_up: bool = False) -> list[PlannedTensor]:
     """Every tensor of the model in converter order, with its GGML type and initialisation, as the
     architecture's spec lists them (engine/models/qwen35.py SPEC). quant: one type for every matrix, or
-    a llama-quantize mix."""
+    a llama-quantize mix (engine/quant_mix.py)."""
     config = shape.config()
     options = frozenset({qwen35.FUSED_GATE_UP}) if fuse_gate_up else frozenset()
-    specs = list(qwen35.SPEC.plan(config, options))
-    matrices = [name for name, t in specs if not t.f32]
-    if isinstance(quant, Mix):
-        picked = dict(zip(matrices, quant.types(matrices, shape.n_layers + shape.n_mtp), strict=True))
-    else:
-        picked = dict.fromkeys(matrices, quant)
+    specs = [(name, t, t.shape(config)) for name, t in qwen35.SPEC.plan(config, options)]
+    types = matrix_types([(name, dims[-1]) for name, t, dims in specs if not t.f32],
+                         shape.n_layers + shape.n_mtp, quant)
     out: list[PlannedTensor] = []
-    for name, t in specs:
-        dims = t.shape(config)
+    for name, t, dims in specs:
         std = t.fill.std
         if t.fill.per_fan_in:
             std = min(t.fill.cap, std / np.sqrt(dims[-1]))
-        type_id_t = Q.F32 if t.f32 else _matrix_type(picked[name], dims[-1])
-        out.append(PlannedTensor(name, dims, type_id_t, t.fill.init, std))
+        out.append(PlannedTensor(name, dims, Q.F32 if t.f32 else types[name], t.fill.init, std))
     return out
 
 
@@ -409,7 +344,7 @@ def model_kvs(shape: SynthShape, quant: int | Mix, seed: int) -> list[bytes]:
         encode_kv("general.name", "STRING", f"synthetic {s.display}"),
         encode_kv("general.description", "STRING",
                   f"random weights with the shape of {s.display}, written by `minecart synth` (seed {seed})"),
-        encode_kv("general.file_type", "UINT32", quant.file_type if isinstance(quant, Mix) else _FILE_TYPE[quant]),
+        encode_kv("general.file_type", "UINT32", file_type(quant)),
         encode_kv("general.quantization_version", "UINT32", 2),
         encode_kv("general.alignment", "UINT32", 32),
         encode_kv(f"{a}.block_count", "UINT32", block_count),
@@ -450,14 +385,9 @@ def resolve(shape: str | SynthShape, quant: str | int | Mix) -> tuple[SynthShape
         if shape not in SHAPES:
             raise RequestError(f"unknown shape '{shape}'; choose one of {', '.join(SHAPES)}")
         shape = SHAPES[shape]
-    if isinstance(quant, str):
-        name = quant.lower()
-        if name not in QUANT_NAMES:
-            raise RequestError(f"unknown quant type '{quant}'; choose one of {', '.join(QUANT_NAMES)}")
-        quant = MIXES[name] if name in MIXES else QUANTS[name]
     if shape.vocab_size < 256:
         raise RequestError(f"vocab_size {shape.vocab_size} is below the 256 byte-level tokens")
-    return shape, quant if isinstance(quant, Mix) else int(quant)
+    return shape, parse_quant(quant)
 
 
 def write_synthetic(path: str | Path, shape: str | SynthShape, quant: str | int | Mix = "q8_0", seed: int = 0,

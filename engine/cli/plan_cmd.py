@@ -65,7 +65,8 @@ def register(subparsers) -> None:
     p.add_argument("model", nargs="?", help="a GGUF file (only its header is read)")
     p.add_argument("--shape", choices=list(SHAPES), help="price a named model shape instead of a file")
     p.add_argument("--quant", default=None, metavar="TYPE",
-                   help="GGML type of the shape's matrices, e.g. q4_k, q8_0 (with --shape; default q8_0)")
+                   help="GGML type of the shape's matrices, e.g. q4_k, q8_0, or llama-quantize's mix q4_k_m / "
+                        "q5_k_m (with --shape; default q8_0)")
     p.add_argument("--rig", default=None, metavar="SPEC",
                    help="devices, comma-separated NAME[=CAP|=CARD|=CARD/CAP][@LINK], e.g. "
                         "'cuda:0=P104-100@gen1x1,cuda:1=8GiB,cpu:0=64GiB'; default: the GPUs of this "

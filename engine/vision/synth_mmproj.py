@@ -22,7 +22,8 @@ import numpy as np
 
 from .. import quants as Q
 from ..errors import RequestError
-from ..synth import QUANTS, PlannedTensor, _matrix_type, _tensor_chunks, encode_kv, write_gguf
+from ..quant_mix import QUANTS, matrix_type
+from ..synth import PlannedTensor, _tensor_chunks, encode_kv, write_gguf
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def plan_mmproj(t: TowerShape, type_id: int) -> list[PlannedTensor]:
     ]
 
     def mat(name, rows, n_in, std):
-        out.append(PlannedTensor(name + ".weight", (rows, n_in), _matrix_type(type_id, n_in), "linear", std))
+        out.append(PlannedTensor(name + ".weight", (rows, n_in), matrix_type(type_id, n_in), "linear", std))
         out.append(PlannedTensor(name + ".bias", (rows,), small, "normal", 0.1))
 
     for i in range(t.depth):

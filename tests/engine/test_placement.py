@@ -670,3 +670,21 @@ def test_routed_experts_apart_are_counted_once():
     back = Placement.from_json(plan.to_json())
     assert back.experts_device == "cpu:0" and back.bytes_per_device() == per
     assert Placement.single(costs, "cuda:0").bytes_per_device()["cuda:0"].weights == costs.weight_bytes
+
+
+@pytest.mark.parametrize("quant", ["Q4_K_M", "q5_k_m", "Q4_K"])
+def test_shape_types_are_the_synth_files(quant):
+    """`plan --shape --quant` prices the very types `minecart synth` writes (engine/quant_mix.py),
+    llama-quantize's mixes included (the MTP block is left out of the plan)."""
+    from minecart.engine import quants as Q
+    from minecart.engine.quant_mix import parse_quant
+    from minecart.engine.synth import SHAPES, plan_tensors
+
+    _, specs = config_and_tensors_for_shape("qwen3.5-9b", quant)
+    written = {t.name: t for t in plan_tensors(SHAPES["qwen3.5-9b"], parse_quant(quant))}
+    assert set(specs) < set(written) and all(n.startswith("blk.32.") for n in set(written) - set(specs))
+    for name, spec in specs.items():
+        assert spec.type_name == Q.type_name(written[name].type_id) and spec.n_bytes == written[name].n_bytes, name
+    if quant.lower() != "q4_k":
+        assert specs["output.weight"].type_name == "Q6_K" and specs["blk.31.ffn_down.weight"].type_name == "Q6_K"
+        assert specs["blk.4.ffn_down.weight"].type_name == specs["blk.0.attn_gate.weight"].type_name != "Q6_K"

@@ -182,7 +182,7 @@ def test_a_fixture_file(capsys, fixtures_dir):
     (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--host-experts"], "no routed experts"),
     (["--shape", "qwen3.6-35b-a3b", "--rig", "cuda:0=8GiB", "--host-experts"], "add e.g. cpu:0"),
     (["--shape", "qwen3.5-9b", "--rig", "cpu:0=P104-100"], "CPU device"),
-    (["--shape", "qwen3.5-9b", "--quant", "zz", "--rig", "cuda:0=8GiB"], "'ZZ' is not a GGML type"),
+    (["--shape", "qwen3.5-9b", "--quant", "zz", "--rig", "cuda:0=8GiB"], "unknown quant type 'ZZ'; choose one of"),
     (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--context", "300000"], "trained for (262144 tokens)"),
     (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--context", "0"], "give 1 or more"),
     (["--shape", "qwen3.5-9b", "--rig", "cuda:0=8GiB", "--parallel", "0"], "give 1 or more sequences"),
