@@ -243,9 +243,13 @@ def _gemv_kq(type_name: str, R: int, K: int) -> KqGemv | None:
     2 blocks per lane, the fastest at every shape (4096x12288 +res 9.6 against 12.0 for a warp per row
     and 4 blocks, 12352x4096 9.6 against 10.9); Q5_K the same for rows of up to 4096 values in 8K-16K
     rows (12352x4096 12.0 against 12.9, 10240x4096 10.3 against 11.2), a warp per row and 4 blocks
-    elsewhere (its streaming form lost on 24576x4096, the head and the down projection); Q6_K a warp per
-    row and 2 blocks (its streaming form lost on the down projection, 18.9 against 15.4); rows of 32K
-    values or more, 4 warps per row and 4 blocks."""
+    elsewhere (its streaming form lost on 24576x4096, the head and the down projection); rows of 32K
+    values or more, 4 warps per row and 4 blocks. Q6_K by the H100's bench_gemv (2026-12-06,
+    docs/BENCHMARKS.md v46, us, against a warp per row and 2 blocks, its form before): the streaming form
+    with 2 blocks per lane on the larger matrices of 4K-value rows (12352x4096 17.6 against 20.2,
+    24576x4096 31.7 against 34.0, 10240x4096 14.3 against 15.8, the head 291.5 against 300.2), with 4
+    on 4096x4096 (6.2 against 6.9), a warp per row and 4 blocks on the down projection (4096x12288 19.1
+    against 21.7; streaming 21.2)."""
     v = GEMV_KQ_VARIANT
     if v == "split" or type_name not in kquant_layout.KQUANT_TYPES:
         return None
@@ -257,7 +261,9 @@ def _gemv_kq(type_name: str, R: int, K: int) -> KqGemv | None:
     if K >= 32768:
         return KqGemv(4, 4)
     if type_name == "Q6_K":
-        return KqGemv(1, 2)
+        if K >= 8192:
+            return KqGemv(1, 4)
+        return KqGemv(1, 4, True) if R * K <= 4096 * 4096 else KqGemv(1, 2, True)
     if type_name == "Q5_K" and not (K <= 4096 and 8192 <= R <= 16384):
         return KqGemv(1, 4)
     return KqGemv(1, 2, True)
