@@ -31,9 +31,7 @@ import numpy as np
 from . import quants as Q
 from .errors import RequestError
 from .models import qwen35
-from .quant_mix import MIXES, QUANT_NAMES, QUANTS, Mix, file_type, matrix_types, parse_quant
-
-__all__ = ["MIXES", "QUANTS", "QUANT_NAMES", "SHAPES", "Mix", "plan_tensors", "write_synthetic"]
+from .quant_mix import Mix, file_type, matrix_types, parse_quant
 
 # The named shapes live with the architecture (engine/models/qwen35.py); synth writes files of them.
 SynthShape = qwen35.Shape

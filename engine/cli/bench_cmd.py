@@ -498,7 +498,7 @@ def check_devices(args: argparse.Namespace) -> None:
 
 def quant_list(text: str) -> list[str]:
     """`--quant q8_0,q4_k` -> ["q8_0", "q4_k"], each checked against the types synth can write."""
-    from ..synth import QUANT_NAMES
+    from ..quant_mix import QUANT_NAMES
 
     quants = list(dict.fromkeys(q.strip().lower() for q in text.split(",") if q.strip()))
     unknown = [q for q in quants if q not in QUANT_NAMES]

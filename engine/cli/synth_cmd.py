@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from ..synth import QUANT_NAMES, SHAPES
+    from ..quant_mix import QUANT_NAMES
+    from ..synth import SHAPES
 
     p = subparsers.add_parser("synth", help="write a random-weight GGUF with a real model's shape",
                               description=__doc__.split("\n\n")[0])

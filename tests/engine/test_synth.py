@@ -11,7 +11,8 @@ import pytest
 from minecart.engine import quants as Q
 from minecart.engine.config import ModelConfig, validate_tensors
 from minecart.engine.gguf_file import GGUFFile
-from minecart.engine.synth import QUANTS, SHAPES, SPECIAL_TOKENS, plan_tensors, write_synthetic
+from minecart.engine.quant_mix import QUANTS
+from minecart.engine.synth import SHAPES, SPECIAL_TOKENS, plan_tensors, write_synthetic
 
 
 def small(name: str, vocab: int = 512):

@@ -12,7 +12,8 @@ import pytest
 from minecart.engine import quants as Q
 from minecart.engine.gguf_file import GGUFFile
 from minecart.engine.models.qwen35 import Shape
-from minecart.engine.synth import MIXES, plan_tensors, write_synthetic
+from minecart.engine.quant_mix import MIXES
+from minecart.engine.synth import plan_tensors, write_synthetic
 
 REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "llama_quantize_mixes.json").read_text())
 
