@@ -524,21 +524,6 @@ class TensorSpec:
     n_bytes: int
 
 
-def _stored_bytes(shape: tuple[int, ...], type_name: str) -> int:
-    import gguf
-
-    if type_name not in gguf.GGMLQuantizationType.__members__:
-        raise PlacementError(f"'{type_name}' is not a GGML type; use e.g. Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F16")
-    qtype = gguf.GGMLQuantizationType[type_name]
-    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    n = 1
-    for s in shape:
-        n *= s
-    if shape[-1] % block:
-        raise PlacementError(f"a row of {shape[-1]} values cannot be stored as {type_name} (blocks of {block})")
-    return n // block * type_size
-
-
 def config_and_tensors_for_shape(name: str, quant: str = "Q8_0", n_layers: int | None = None
                                  ) -> tuple[ModelConfig, dict[str, TensorSpec]]:
     """ModelConfig and the tensor list (with stored bytes) of a named Qwen3.5 shape, no file needed.
@@ -560,8 +545,9 @@ def config_and_tensors_for_shape(name: str, quant: str = "Q8_0", n_layers: int |
     specs: dict[str, TensorSpec] = {}
     for tname, t in qwen35.SPEC.plan(config):
         dims = t.shape(config)
-        type_name = "F32" if t.f32 else Q.type_name(types[tname])
-        specs[tname] = TensorSpec(tname, dims, type_name, _stored_bytes(dims, type_name))
+        type_id = Q.F32 if t.f32 else types[tname]
+        n_bytes = math.prod(dims[:-1]) * Q.bytes_per_row(type_id, dims[-1])
+        specs[tname] = TensorSpec(tname, dims, Q.type_name(type_id), n_bytes)
     return config, specs
 
 

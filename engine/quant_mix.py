@@ -36,7 +36,6 @@ class Mix:
     - everything else is `base`; a row too narrow for a 256-value block falls back as it does for a
       single type (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0)."""
 
-    name: str
     base: int
     file_type: int  # general.file_type (llama.cpp's LlamaFileType)
 
@@ -47,14 +46,14 @@ class Mix:
 
     def types(self, names: list[str], n_blocks: int) -> list[int]:
         """The type this mix gives each matrix of `names` (in file order), before the row-width fallback."""
-        attn_v = [n for n in names if n.endswith(("attn_v.weight", "attn_qkv.weight"))]
+        attn_v = {n: i for i, n in enumerate(n for n in names if n.endswith(("attn_v.weight", "attn_qkv.weight")))}
         tied = "output.weight" not in names
         out = []
         for name in names:
             if name == "output.weight" or (tied and name == "token_embd.weight"):
                 out.append(Q.Q6_K)
             elif name in attn_v:
-                out.append(Q.Q6_K if self.more_bits(attn_v.index(name), len(attn_v)) else self.base)
+                out.append(Q.Q6_K if self.more_bits(attn_v[name], len(attn_v)) else self.base)
             elif "ffn_down" in name:
                 layer = int(name.split(".")[1])
                 out.append(Q.Q6_K if self.more_bits(layer, n_blocks) else self.base)
@@ -63,7 +62,7 @@ class Mix:
         return out
 
 
-MIXES = {"q4_k_m": Mix("Q4_K_M", Q.Q4_K, 15), "q5_k_m": Mix("Q5_K_M", Q.Q5_K, 17)}
+MIXES = {"q4_k_m": Mix(Q.Q4_K, 15), "q5_k_m": Mix(Q.Q5_K, 17)}  # llama-quantize's Q4_K_M, Q5_K_M
 QUANT_NAMES = [*QUANTS, *MIXES]  # what `--quant` takes
 
 
