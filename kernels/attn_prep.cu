@@ -55,6 +55,16 @@ __device__ __forceinline__ void attn_prep_body(
             kv_store1(vc, ((i64)row * n_kv + h) * DV + i, v[(i64)h * DV + i], lane);
 }
 
+// Before the wait: ask L2 for the head's norm weights and the rotary tables (no kernel writes them), which
+// the body reads after the head's sum of squares.
+__device__ __forceinline__ void attn_prep_prefetch(const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                                                   const int* __restrict__ comp, const float* __restrict__ inv_freq,
+                                                   int nh, int D, int n_rot) {
+    const int t32 = threadIdx.x * 32;
+    if (t32 < D) prefetch_line((blockIdx.x < nh ? q_norm : k_norm) + t32);
+    if (t32 < n_rot / 2) prefetch_line(inv_freq + t32), prefetch_line(comp + t32);
+}
+
 extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* __restrict__ k,
                                      const float* __restrict__ v, const float* __restrict__ q_norm,
                                      const float* __restrict__ k_norm, float* __restrict__ q_out,
@@ -62,6 +72,7 @@ extern "C" __global__ void attn_prep(const float* __restrict__ qg, const float* 
                                      const int* __restrict__ row_ptr, int row, const int* __restrict__ pos,
                                      const int* __restrict__ comp, const float* __restrict__ inv_freq, int nh,
                                      int n_kv, int D, int DV, int n_rot, float inv_scale, float eps) {
+    attn_prep_prefetch(q_norm, k_norm, comp, inv_freq, nh, D, n_rot);
     pdl_entry();
     attn_prep_body(qg, k, v, q_norm, k_norm, q_out, kc, vc, row_ptr, row, pos, comp, inv_freq, nh, n_kv, D, DV,
                    n_rot, inv_scale, eps);
@@ -78,6 +89,7 @@ extern "C" __global__ void attn_prep_batch(const float* __restrict__ qg, const f
                                            const int* __restrict__ rows, const int* __restrict__ pos,
                                            const int* __restrict__ comp, const float* __restrict__ inv_freq,
                                            int nh, int n_kv, int D, int DV, int n_rot, float inv_scale, float eps) {
+    attn_prep_prefetch(q_norm, k_norm, comp, inv_freq, nh, D, n_rot);
     pdl_entry();
     i64 s = blockIdx.y;
     attn_prep_body(qg + s * 2 * nh * D, k + s * n_kv * D, v + s * n_kv * DV, q_norm, k_norm, q_out + s * nh * D,

@@ -44,14 +44,23 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
+// Ask L2 for the 128-byte line holding p, before pdl_entry's wait: p must be something no kernel of the
+// two before this one in its stream writes (weights; a recurrent state only this kernel writes), so its
+// DRAM round trip runs while the kernel ahead is still finishing. Only where the wait exists (sm_90 and
+// later): without it the line is asked for just before it is read, which buys nothing.
+__device__ __forceinline__ void prefetch_line(const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 // pdl_entry for a kernel whose block streams `bytes` of weights from `p` (which no kernel writes): the
-// block first asks L2 for them (128-byte lines over its threads), so that their DRAM round trip runs
-// while the kernel before it is still finishing, then waits.
+// block first asks L2 for them (128-byte lines over its threads), then waits.
 __device__ __forceinline__ void pdl_entry_prefetch(const void* p, long long bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const char* c = (const char*)p;
     for (long long off = (long long)threadIdx.x * 128; off < bytes; off += (long long)blockDim.x * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(c + off));
+        prefetch_line(c + off);
 #endif
     pdl_entry();
 }

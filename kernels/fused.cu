@@ -21,6 +21,11 @@ __global__ void __launch_bounds__(256) rms_norm_q8(const float* __restrict__ x, 
                             const float* __restrict__ w, float* __restrict__ out, float* __restrict__ s_out,
                             i8* __restrict__ xq, float* __restrict__ xd, float* __restrict__ xs, int N,
                             float eps) {
+    // The weight of this thread's value in the block's first slice (a decode row's only one), read before
+    // the wait: no kernel writes it, and read after the row's sum it put a DRAM round trip on every
+    // norm's critical path.
+    const int i0 = blockIdx.y * 256 + threadIdx.x;
+    const float w0 = (w != 0 && i0 < N) ? w[i0] : 1.0f;
     pdl_entry();
     // Row blockIdx.x. Every block sums the squares of the whole row itself (in the same order in every
     // block: each thread's float4 chunks in turn, then block_sum, so all get the same bits), then
@@ -59,7 +64,7 @@ __global__ void __launch_bounds__(256) rms_norm_q8(const float* __restrict__ x, 
                 s_out[base + i] = v;
             }
             float o = v * inv;
-            if (w != 0) o *= w[i];
+            if (w != 0) o *= i == i0 ? w0 : w[i];
             out[base + i] = o;
             i64 b = (base + i) >> 5;
             q8_1_block(o, xq + b * 32, xd + b, xs + b, lane);
@@ -138,6 +143,34 @@ __device__ __forceinline__ void gdn_load_state(const float* sp, int DV, float (&
     const bool col = (threadIdx.x >> 7) * 32 + (threadIdx.x & 31) < DV;
 #pragma unroll
     for (int i = 0; i < DK / 4; i++) S[i] = col ? sp[(i64)i * DV] : 0.0f;
+}
+
+// Before the wait, ask L2 for what the block reads that no kernel ahead of it writes: its conv channel's
+// taps and history (thread tid's first channel of the conv loop below; only this kernel writes the conv
+// state, and its launch for the token before has ended), the head's gate constants and norm weights, and
+// with `state` the thread's state rows (a warp's rows are whole 128-byte lines, one a lane). Those loads,
+// after the wait, then come from L2, not DRAM: the conv's and (for a batch, LATE) the state's round trip
+// leave the chain that runs after the projections' matmul.
+template <int DK>
+__device__ __forceinline__ void gdn_prefetch(const float* __restrict__ conv_state, const float* __restrict__ conv_w,
+                                             const float* __restrict__ ssm_a, const float* __restrict__ dt_bias,
+                                             const float* __restrict__ norm_w, const float* __restrict__ state,
+                                             int n_k, int n_v, int DV, int KW) {
+    const int tid = threadIdx.x, j = blockIdx.x, kh = j % n_k;
+    const int key_dim = n_k * DK, C = 2 * key_dim + n_v * DV;
+    if (tid < 2 * DK + DV) {
+        int ch = tid < DK ? kh * DK + tid : (tid < 2 * DK ? key_dim + kh * DK + (tid - DK) : 2 * key_dim + j * DV + (tid - 2 * DK));
+        prefetch_line(conv_w + (i64)ch * KW);
+        for (int r = 0; r < KW - 1; r++) prefetch_line(conv_state + (i64)r * C + ch);
+    }
+    if (tid == 0) prefetch_line(ssm_a + j), prefetch_line(dt_bias + j);
+    if (tid < DV && (tid & 31) == 0) prefetch_line(norm_w + tid);
+    if (state != 0) {
+        const int lane = tid & 31, wq = (tid >> 5) & 3, c0 = (tid >> 7) * 32;
+        if (c0 < DV)
+            for (int i = lane; i < DK / 4; i += 32)
+                prefetch_line(state + (i64)j * DK * DV + (i64)(wq * (DK / 4) + i) * DV + c0);
+    }
 }
 
 template <int DK, bool LATE>
@@ -306,6 +339,7 @@ __global__ void __launch_bounds__(512) gdn_decode(
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
     float S[DK / 4];
+    gdn_prefetch<DK>(conv_state, conv_w, ssm_a, dt_bias, norm_w, 0, n_k, n_v, DV, KW);
     gdn_load_state<DK>(gdn_state_rows<DK>(state, DV), DV, S);
     pdl_entry();
     gdn_decode_body<DK, false>(mixed, z, bet, alpha, conv_state, conv_w, ssm_a, dt_bias, norm_w, state, y, xq, xd, xs,
@@ -325,9 +359,10 @@ __global__ void __launch_bounds__(512, 2) gdn_decode_batch(
         float* const* __restrict__ states, float* __restrict__ y, i8* __restrict__ xq, float* __restrict__ xd,
         float* __restrict__ xs, int* __restrict__ counters, int n_k, int n_v, int DV, int KW, float q_scale,
         float eps) {
-    pdl_entry();
-    const float none[DK / 4] = {};  // the state is loaded after the conv (LATE)
     i64 s = blockIdx.y;
+    gdn_prefetch<DK>(conv_states[s], conv_w, ssm_a, dt_bias, norm_w, states[s], n_k, n_v, DV, KW);
+    pdl_entry();
+    const float none[DK / 4] = {};  // the state is loaded after the conv (LATE), from L2
     i64 C = 2 * (i64)n_k * DK + (i64)n_v * DV, HV = (i64)n_v * DV;
     gdn_decode_body<DK, true>(mixed + s * C, z + s * HV, bet + s * n_v, alpha + s * n_v, conv_states[s], conv_w, ssm_a,
                         dt_bias, norm_w, states[s], y + s * HV, xq != 0 ? xq + s * HV : xq,

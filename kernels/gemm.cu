@@ -401,7 +401,6 @@ __device__ __forceinline__ void gb_rows(
     const int st0 = blockIdx.y * stages;
     const int st1 = min(nst, st0 + stages);
     const i64 wstride = row_bytes<QT>(K);
-    if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
     const u8* wrow[RL];  // the lane's rows (clamped to R - 1), worked out once
     const u16* wdrow[RL];
 #pragma unroll
@@ -500,10 +499,14 @@ __device__ __forceinline__ void gb_rows(
         if (more) store_x(buf ^ 1);
     };
 
+    // The first stage's weights are asked for before the wait (their round trip overlaps the kernel
+    // ahead's end and this one's activation loads); everything the kernels ahead write is read after it.
+    if (st0 < st1) load_w(st0, wa);
+    pdl_entry();
+    if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
     if (st0 < st1) {
         load_x(st0);
         store_x(0);
-        load_w(st0, wa);
     }
     // two stages a pass, so no stage's weights are copied from one register set to the other
     for (int st = st0; st < st1; st += 2) {
@@ -571,12 +574,15 @@ __device__ __forceinline__ void gb_quads(
     float2 xcv[XC];
     const GbX<TT> xpos = gb_x_pos<TT>(T, nb, tid);
 
-    auto gload = [&](int st) {
+    auto wload = [&](int st) {
 #pragma unroll
         for (int p = 0; p < PASSES; p++) {
             const int r = min(r0 + p * 16 + (tid >> 3), R - 1);
             gb_load_w<QT>(wq + (i64)r * wstride, wd + (i64)r * nb, st * 8 + s, nb, w[p]);
         }
+    };
+    auto gload = [&](int st) {
+        wload(st);
         gb_load_x<TT>(xq, xd, xs, xpos, st, xv, xcv);
     };
     auto sstore = [&]() {
@@ -621,7 +627,10 @@ __device__ __forceinline__ void gb_quads(
 #pragma unroll
         for (int j = 0; j < TM; j++) acc[i][j] = 0.0f;
 
-    if (st0 < st1) gload(st0);
+    // the first stage's weights before the wait (as gb_rows), its activations after it
+    if (st0 < st1) wload(st0);
+    pdl_entry();
+    if (st0 < st1) gb_load_x<TT>(xq, xd, xs, xpos, st0, xv, xcv);
     for (int st = st0; st < st1; st++) {
         __syncthreads();  // the previous stage's compute is done with shared memory
         sstore();
@@ -698,13 +707,13 @@ __device__ __forceinline__ void gb_quads(
 }
 
 
+// No pdl_entry first: each map asks for its first stage's weights (no kernel writes them), then waits.
 template <int QT, int TT>
 __global__ void __launch_bounds__(128, 3) gemm_batch(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         float* __restrict__ part, int T, int R, int K, int stages, const float* __restrict__ res,
         const int* __restrict__ seg, int nseg) {
-    pdl_entry();
     static_assert(TT == 8 || TT == 16 || TT == 32, "gemm_batch: 8, 16 or 32 tokens");
     if constexpr (TT == 32) gb_quads<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg);
     else gb_rows<QT, TT>(wq, wd, xq, xd, xs, y, part, T, R, K, stages, res, seg, nseg);

@@ -245,6 +245,9 @@ link_old_trees() {
 # tree_path TREE: the PYTHONPATH that imports TREE's code ("this", or a tree link_old_trees linked)
 tree_path() { if [ "$1" = this ]; then echo /tmp/mc:/tmp/site; else echo "/tmp/mc_$1:/tmp/site"; fi; }
 
+# steps_file: the synthesized model the steps mode runs for the current STEPS_ARGS
+steps_file() { echo "/tmp/bench/steps_$(echo "${STEPS_ARGS:---shape qwen3.5-9b --quant q4_k}" | tr -c 'a-z0-9.\n' '_').gguf"; }
+
 if [ "$MODE" = steps ]; then
   # a decode step's GPU time in this tree and in older checkouts, alternated: the replayed graph of the
   # step of each STEPS_BATCHES size (default "1 8 16"; 1 = one token of one sequence, more = a batched
@@ -261,10 +264,13 @@ if [ "$MODE" = steps ]; then
   SL="$OUT/steps.log"
   : >"$SL"
   link_old_trees "$SL" "$@" || exit 1
-  F=/tmp/bench/steps.gguf
+  # one file per STEPS_ARGS, made once per machine (a call script may make it beside other work first:
+  # steps_file prints its path)
+  F=$(steps_file)
   mkdir -p /tmp/bench
   # shellcheck disable=SC2086
-  timeout 240 python3 -m minecart.engine.cli synth ${STEPS_ARGS:---shape qwen3.5-9b --quant q4_k} "$F" >>"$SL" 2>&1
+  [ -s "$F" ] || { timeout 240 python3 -m minecart.engine.cli synth ${STEPS_ARGS:---shape qwen3.5-9b --quant q4_k} \
+    "$F.part" >>"$SL" 2>&1 && mv "$F.part" "$F"; }
   for round in $(seq 1 "${STEPS_ROUNDS:-3}"); do
     for tree in $trees; do
       path=$(tree_path "$tree")

@@ -67,17 +67,36 @@ STATE_FIRST = {"gdn_decode"}  # float S[DK / 4]; gdn_load_state(...); then the w
 # the single-token decode attention asks for its first keys and values (rows of earlier steps, in graph
 # launches that have ended) before the wait, inside flash_decode_body<..., EARLY = true>
 CACHE_FIRST = {"flash_decode"}
+# the decode norm reads the norm weight of its block's first slice (a weight: no kernel writes it)
+WEIGHT_FIRST = {"rms_norm_q8"}
+# L2 prefetches only (common.cuh prefetch_line: a hint, never a value read early): the GDN batch's conv
+# taps, conv history and states, attn_prep's norm weights and rotary tables
+LINES_FIRST = {"gdn_decode_batch": "i64 s = blockIdx.y;", "attn_prep": "attn_prep_prefetch(",
+               "attn_prep_batch": "attn_prep_prefetch("}
+# the batched decode GEMM: its two thread maps (gb_rows, gb_quads) load their first stage's weights, then wait
+MAPS_WAIT = {"gemm_batch"}
+EARLY = PREFETCH_FIRST | LOADS_FIRST | STATE_FIRST | CACHE_FIRST | WEIGHT_FIRST | set(LINES_FIRST) | MAPS_WAIT
+
+
+def _before_wait(name: str) -> str:
+    """The source of kernel `name`'s body before its pdl_entry() (the kernel's first definition)."""
+    for f in sorted(KERNELS.glob("*.cu")):
+        src = f.read_text()
+        m = re.search(rf"__global__[^{{;]*?\b{name}\(", src)
+        if m:
+            body = src[src.index("{", m.end()):]
+            return re.sub(r"//[^\n]*", "", body[:body.index("pdl_entry();")])
+    raise AssertionError(f"no kernel {name}")
 
 
 def test_every_kernel_waits_first():
     sources = sorted(KERNELS.glob("*.cu"))
     bodies = [(f.name, sig, first) for f in sources for sig, first in kernel_bodies(f.read_text())]
     assert len(bodies) > 60, "too few kernels found: did the scan break?"
-    missing = [f"{name}: {sig}" for name, sig, first in bodies
-               if first != "pdl_entry();" and sig not in PREFETCH_FIRST | LOADS_FIRST | STATE_FIRST | CACHE_FIRST]
+    missing = [f"{name}: {sig}" for name, sig, first in bodies if first != "pdl_entry();" and sig not in EARLY]
     assert not missing, "kernels whose first statement is not pdl_entry():\n" + "\n".join(missing)
     named = {sig: first for _, sig, first in bodies}
-    assert PREFETCH_FIRST | LOADS_FIRST | STATE_FIRST | CACHE_FIRST <= set(named)
+    assert EARLY <= set(named)
     for k in PREFETCH_FIRST:
         assert named[k].startswith("constexpr int RPB"), (k, named[k])
     for k in LOADS_FIRST:
@@ -86,6 +105,42 @@ def test_every_kernel_waits_first():
         assert named[k] == "float S[DK / 4];", (k, named[k])
     for k in CACHE_FIRST:
         assert named[k].startswith("flash_decode_body<D, GM, true>("), (k, named[k])
+    for k, first in LINES_FIRST.items():
+        assert named[k].startswith(first), (k, named[k])
+    for k in MAPS_WAIT:
+        assert named[k].startswith("static_assert("), (k, named[k])
+
+
+def test_the_batched_gemm_waits_after_its_first_weights_only():
+    src = re.sub(r"//[^\n]*", "", (KERNELS / "gemm.cu").read_text())
+    kernel = src.split("void __launch_bounds__(128, 3) gemm_batch(")[1].split("\n}\n")[0]
+    assert "pdl_entry" not in kernel and "gb_quads<QT, TT>(" in kernel and "gb_rows<QT, TT>(" in kernel
+    for name, weights, after in (("gb_rows", "if (st0 < st1) load_w(st0, wa);", "load_x(st0);"),
+                                 ("gb_quads", "if (st0 < st1) wload(st0);",
+                                  "if (st0 < st1) gb_load_x<TT>(xq, xd, xs, xpos, st0, xv, xcv);")):
+        body = src.split(f"void {name}(")[1].split("\n}\n")[0]
+        assert body.count("pdl_entry();") == 1, name
+        before, rest = body.split("pdl_entry();")
+        # the last statement before the wait is the weight load; the activations, the group bounds (seg)
+        # and every store come after it
+        assert before.rstrip().endswith(weights), name
+        assert after in rest and "bounds[tid] =" not in before and "store_x(0)" not in before, name
+
+
+def test_what_runs_before_the_wait_reads_no_activation():
+    """Before its wait a kernel may read only what no kernel ahead of it writes: the norm its weight, the
+    single-token GDN its state (and L2 hints), the others nothing at all (L2 prefetches only)."""
+    norm = _before_wait("rms_norm_q8")
+    assert "w[i0]" in norm and not re.search(r"\b(x|delta|x4|d4)\[", norm)
+    gdn = _before_wait("gdn_decode")
+    assert "gdn_prefetch<DK>(" in gdn and "gdn_load_state<DK>(" in gdn and "mixed" not in gdn
+    for k in ("gdn_decode_batch", "attn_prep", "attn_prep_batch"):
+        head = _before_wait(k)
+        assert re.search(r"(gdn|attn_prep)_prefetch", head) and "[" not in head.replace("conv_states[s]", "").replace(
+            "states[s]", ""), (k, head)
+    src = (KERNELS / "fused.cu").read_text()
+    pre = src.split("void gdn_prefetch(")[1].split("\n}\n")[0]
+    assert "prefetch_line(" in pre and not re.search(r"=\s*(conv_|ssm_|dt_|norm_|state)\w*\[", pre)
 
 
 def test_the_decode_attention_reads_this_tokens_row_and_query_after_the_wait():
