@@ -56,7 +56,8 @@ def _aligned16(x):
 
 def rms_norm_q8(x, w, eps: float, delta=None):
     """rms_norm(x, w) (delta None) or add_rms_norm(x, delta, w) of (T, N) rows with N % 32 == 0.
-    Returns (out, q8) or (s, out, q8) with s = x + delta."""
+    Returns (out, q8) or (s, out, q8) with s = x + delta. w is a stored weight: the kernel reads it
+    before its launch wait (common.cuh pdl_entry), so no kernel launched just before may write it."""
     x = _aligned16(_c32(x))
     T, N = x.shape
     if N % 32:
