@@ -44,9 +44,10 @@ __device__ __forceinline__ void pdl_entry() {
 #endif
 }
 
-// Ask L2 for the 128-byte line holding p, before pdl_entry's wait: p must be something no kernel of the
-// two before this one in its stream writes (weights; a recurrent state only this kernel writes), so its
-// DRAM round trip runs while the kernel ahead is still finishing. Only where the wait exists (sm_90 and
+// Ask L2 for the 128-byte line holding p, before pdl_entry's wait, so that its DRAM round trip runs while
+// the kernel ahead is still finishing. A hint, not a read: nothing reaches a register, and a line a kernel
+// ahead still writes is only fetched in vain (L2 keeps the latest bytes). Worth it for what no kernel
+// ahead writes: weights, a recurrent state only this kernel writes. Only where the wait exists (sm_90 and
 // later): without it the line is asked for just before it is read, which buys nothing.
 __device__ __forceinline__ void prefetch_line(const void* p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
