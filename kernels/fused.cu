@@ -137,6 +137,13 @@ __device__ __forceinline__ float* gdn_state_rows(float* state, int DV) {
     return state + (i64)blockIdx.x * DK * DV + (i64)(wq * (DK / 4)) * DV + c;
 }
 
+// The channel of conv index idx of block j (key head kh) in a row of `mixed`: idx < DK the head's q
+// channels, then its k channels, then value head j's DV channels.
+template <int DK>
+__device__ __forceinline__ int gdn_conv_channel(int idx, int kh, int j, int key_dim, int DV) {
+    return idx < DK ? kh * DK + idx : (idx < 2 * DK ? key_dim + kh * DK + (idx - DK) : 2 * key_dim + j * DV + (idx - 2 * DK));
+}
+
 // This thread's DK/4 state values (zeros for a column past DV).
 template <int DK>
 __device__ __forceinline__ void gdn_load_state(const float* sp, int DV, float (&S)[DK / 4]) {
@@ -159,7 +166,7 @@ __device__ __forceinline__ void gdn_prefetch(const float* __restrict__ conv_stat
     const int tid = threadIdx.x, j = blockIdx.x, kh = j % n_k;
     const int key_dim = n_k * DK, C = 2 * key_dim + n_v * DV;
     if (tid < 2 * DK + DV) {
-        int ch = tid < DK ? kh * DK + tid : (tid < 2 * DK ? key_dim + kh * DK + (tid - DK) : 2 * key_dim + j * DV + (tid - 2 * DK));
+        const int ch = gdn_conv_channel<DK>(tid, kh, j, key_dim, DV);
         prefetch_line(conv_w + (i64)ch * KW);
         for (int r = 0; r < KW - 1; r++) prefetch_line(conv_state + (i64)r * C + ch);
     }
@@ -213,8 +220,7 @@ __device__ __forceinline__ void gdn_decode_body(
     // 1. causal depthwise conv + SiLU of the 2 DK q/k channels and the DV v channels
     const int nconv = 2 * DK + DV;
     for (int idx = tid; idx < nconv; idx += blockDim.x) {
-        int ch = idx < DK ? kh * DK + idx
-                          : (idx < 2 * DK ? key_dim + kh * DK + (idx - DK) : 2 * key_dim + j * DV + (idx - 2 * DK));
+        const int ch = gdn_conv_channel<DK>(idx, kh, j, key_dim, DV);
         float hist[GDN_MAX_KW];
         float acc = 0.0f;
 #pragma unroll

@@ -245,8 +245,11 @@ link_old_trees() {
 # tree_path TREE: the PYTHONPATH that imports TREE's code ("this", or a tree link_old_trees linked)
 tree_path() { if [ "$1" = this ]; then echo /tmp/mc:/tmp/site; else echo "/tmp/mc_$1:/tmp/site"; fi; }
 
-# steps_file: the synthesized model the steps mode runs for the current STEPS_ARGS
-steps_file() { echo "/tmp/bench/steps_$(echo "${STEPS_ARGS:---shape qwen3.5-9b --quant q4_k}" | tr -c 'a-z0-9.\n' '_').gguf"; }
+# steps_args: the synth arguments of the steps mode's model (STEPS_ARGS, default the 9B Q4_K shape);
+# steps_file: where that model is kept (a call script may make it beside other work first: source both,
+# `sed -n '/^steps_[a-z]*()/p' tools/gpu_runner.sh`)
+steps_args() { echo "${STEPS_ARGS:---shape qwen3.5-9b --quant q4_k}"; }
+steps_file() { echo "/tmp/bench/steps_$(steps_args | tr -c 'a-z0-9.\n' '_').gguf"; }
 
 if [ "$MODE" = steps ]; then
   # a decode step's GPU time in this tree and in older checkouts, alternated: the replayed graph of the
@@ -264,13 +267,12 @@ if [ "$MODE" = steps ]; then
   SL="$OUT/steps.log"
   : >"$SL"
   link_old_trees "$SL" "$@" || exit 1
-  # one file per STEPS_ARGS, made once per machine (a call script may make it beside other work first:
-  # steps_file prints its path)
+  # one file per STEPS_ARGS, made once per machine
   F=$(steps_file)
   mkdir -p /tmp/bench
-  # shellcheck disable=SC2086
-  [ -s "$F" ] || { timeout 240 python3 -m minecart.engine.cli synth ${STEPS_ARGS:---shape qwen3.5-9b --quant q4_k} \
-    "$F.part" >>"$SL" 2>&1 && mv "$F.part" "$F"; }
+  # shellcheck disable=SC2046
+  [ -s "$F" ] || { timeout 240 python3 -m minecart.engine.cli synth $(steps_args) "$F.part" >>"$SL" 2>&1 \
+    && mv "$F.part" "$F"; }
   for round in $(seq 1 "${STEPS_ROUNDS:-3}"); do
     for tree in $trees; do
       path=$(tree_path "$tree")

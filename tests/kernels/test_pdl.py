@@ -78,15 +78,16 @@ MAPS_WAIT = {"gemm_batch"}
 EARLY = PREFETCH_FIRST | LOADS_FIRST | STATE_FIRST | CACHE_FIRST | WEIGHT_FIRST | set(LINES_FIRST) | MAPS_WAIT
 
 
-def _before_wait(name: str) -> str:
-    """The source of kernel `name`'s body before its pdl_entry() (the kernel's first definition)."""
-    for f in sorted(KERNELS.glob("*.cu")):
-        src = f.read_text()
-        m = re.search(rf"__global__[^{{;]*?\b{name}\(", src)
-        if m:
-            body = src[src.index("{", m.end()):]
-            return re.sub(r"//[^\n]*", "", body[:body.index("pdl_entry();")])
-    raise AssertionError(f"no kernel {name}")
+def _function(src: str, head: str) -> str:
+    """The text of the function whose definition starts with `head` (up to its parameter list's opening
+    parenthesis), from there to its closing brace at the start of a line."""
+    return src.split(head, 1)[1].split("\n}\n")[0]
+
+
+def _before_wait(file: str, head: str) -> str:
+    """A kernel's body (comments dropped) before its pdl_entry()."""
+    body = re.sub(r"//[^\n]*", "", _function((KERNELS / file).read_text(), head))
+    return body[body.index("{"):body.index("pdl_entry();")]
 
 
 def test_every_kernel_waits_first():
@@ -113,12 +114,12 @@ def test_every_kernel_waits_first():
 
 def test_the_batched_gemm_waits_after_its_first_weights_only():
     src = re.sub(r"//[^\n]*", "", (KERNELS / "gemm.cu").read_text())
-    kernel = src.split("void __launch_bounds__(128, 3) gemm_batch(")[1].split("\n}\n")[0]
+    kernel = _function(src, "void __launch_bounds__(128, 3) gemm_batch(")
     assert "pdl_entry" not in kernel and "gb_quads<QT, TT>(" in kernel and "gb_rows<QT, TT>(" in kernel
     for name, weights, after in (("gb_rows", "if (st0 < st1) load_w(st0, wa);", "load_x(st0);"),
                                  ("gb_quads", "if (st0 < st1) wload(st0);",
                                   "if (st0 < st1) gb_load_x<TT>(xq, xd, xs, xpos, st0, xv, xcv);")):
-        body = src.split(f"void {name}(")[1].split("\n}\n")[0]
+        body = _function(src, f"void {name}(")
         assert body.count("pdl_entry();") == 1, name
         before, rest = body.split("pdl_entry();")
         # the last statement before the wait is the weight load; the activations, the group bounds (seg)
@@ -130,40 +131,42 @@ def test_the_batched_gemm_waits_after_its_first_weights_only():
 def test_what_runs_before_the_wait_reads_no_activation():
     """Before its wait a kernel may read only what no kernel ahead of it writes: the norm its weight, the
     single-token GDN its state (and L2 hints), the others nothing at all (L2 prefetches only)."""
-    norm = _before_wait("rms_norm_q8")
+    norm = _before_wait("fused.cu", "void __launch_bounds__(256) rms_norm_q8(")
     assert "w[i0]" in norm and not re.search(r"\b(x|delta|x4|d4)\[", norm)
-    gdn = _before_wait("gdn_decode")
+    gdn = _before_wait("fused.cu", "void __launch_bounds__(512) gdn_decode(")
     assert "gdn_prefetch<DK>(" in gdn and "gdn_load_state<DK>(" in gdn and "mixed" not in gdn
-    for k in ("gdn_decode_batch", "attn_prep", "attn_prep_batch"):
-        head = _before_wait(k)
+    for k, file, sig in (("gdn_decode_batch", "fused.cu", "void __launch_bounds__(512, 2) gdn_decode_batch("),
+                         ("attn_prep", "attn_prep.cu", "void attn_prep("),
+                         ("attn_prep_batch", "attn_prep.cu", "void attn_prep_batch(")):
+        head = _before_wait(file, sig)
         assert re.search(r"(gdn|attn_prep)_prefetch", head) and "[" not in head.replace("conv_states[s]", "").replace(
             "states[s]", ""), (k, head)
     src = (KERNELS / "fused.cu").read_text()
-    pre = src.split("void gdn_prefetch(")[1].split("\n}\n")[0]
+    pre = _function(src, "void gdn_prefetch(")
     assert "prefetch_line(" in pre and not re.search(r"=\s*(conv_|ssm_|dt_|norm_|state)\w*\[", pre)
 
 
 def test_the_decode_attention_reads_this_tokens_row_and_query_after_the_wait():
     src = (KERNELS / "attention.cu").read_text()
-    body = src.split("void flash_decode_body(")[1].split("\n}\n")[0]
+    body = _function(src, "void flash_decode_body(")
     early = body.index("fd_load<U, D>(kc, vc, t0, EARLY ? min(hi, p) : hi")  # row p = kv_len - 1 left out
     wait = body.index("pdl_entry();")
     again = body.index("if (t0 < hi && t0 + U > p) fd_load<U, D>(kc, vc, t0, hi,")  # the warp holding row p
     assert early < wait < again < body.index("qs[g][c4] =") < body.index("fd_merge_warps")
     assert body.count("pdl_entry();") == 1 and "if (EARLY) {" in body[early:wait]
-    batch = src.split("void __launch_bounds__(128, 3) flash_decode_batch(")[1].split("\n}\n")[0]
+    batch = _function(src, "void __launch_bounds__(128, 3) flash_decode_batch(")
     assert batch.index("pdl_entry();") < batch.index("flash_decode_body<D, GM, false>(")
 
 
 def test_the_streaming_gemvs_wait_before_reading_activations():
     src = (KERNELS / "gemv.cu").read_text()
-    gemv = src.split("gemv_stream_body(")[1].split("\n}\n")[0]
+    gemv = _function(src, "gemv_stream_body(")
     wait = gemv.index("pdl_entry();")
     # the first weights are asked for before the wait; activations are read (S::dot) and outputs written
     # only in the tasks, which the body runs after it
     assert gemv.index("S::load(") < wait < gemv.index("gemv_stream_task<")
     assert "S::dot(" not in gemv and "y[row]" not in gemv
-    task = src.split("void gemv_stream_task(")[1].split("\n}\n")[0]
+    task = _function(src, "void gemv_stream_task(")
     assert "S::dot(" in task and "y[row]" in task and "pdl_entry" not in task
     for k in PREFETCH_FIRST:
         body = src.split(f"\n{k}(")[1].split("{", 1)[1]
