@@ -40,6 +40,13 @@ __global__ void __launch_bounds__(256) rms_norm_q8(const float* __restrict__ x, 
     const float4* x4 = (const float4*)(x + base);
     const float4* d4 = (const float4*)(delta + base);
     const int n4 = N >> 2;
+    // this thread's value of its first slice, asked for beside the row's sum, not after it (an L2 round
+    // trip less on the norm's chain)
+    float v0 = 0.0f;
+    if (i0 < N) {
+        v0 = x[base + i0];
+        if (MODE == 1) v0 += delta[base + i0];
+    }
     float ss = 0.0f;
 #pragma unroll 4
     for (int i = tid; i < n4; i += 256) {
@@ -58,11 +65,12 @@ __global__ void __launch_bounds__(256) rms_norm_q8(const float* __restrict__ x, 
     for (int s0 = blockIdx.y * 256; s0 < N; s0 += gridDim.y * 256) {
         int i = s0 + tid;
         if (i < N) {  // whole warps: N % 32 == 0
-            float v = x[base + i];
-            if (MODE == 1) {
-                v += delta[base + i];
-                s_out[base + i] = v;
+            float v = v0;
+            if (i != i0) {
+                v = x[base + i];
+                if (MODE == 1) v += delta[base + i];
             }
+            if (MODE == 1) s_out[base + i] = v;
             float o = v * inv;
             if (w != 0) o *= i == i0 ? w0 : w[i];
             out[base + i] = o;
