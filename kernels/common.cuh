@@ -123,17 +123,39 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return s;
 }
 
+// max |v| over the warp. On sm_80 and later one redux.sync: |v| read as an unsigned integer orders as the
+// float does (a non-negative float's bits grow with it), so the result is the same float as warp_max's,
+// without its five dependent shuffles (a NaN wins here, where fmaxf drops it).
+__device__ __forceinline__ float warp_max_abs(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(fabsf(v))));
+#else
+    return warp_max(fabsf(v));
+#endif
+}
+
+// Sum of an int over the warp (redux.sync on sm_80 and later).
+__device__ __forceinline__ int warp_sum_int(int v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    return __reduce_add_sync(0xffffffffu, v);
+#else
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+#endif
+}
+
 // q8_1 quantization of one block of 32 values held one per lane (all 32 lanes of the warp call it):
 // d = max|v| / 127, q = round(v / d) (int8, 0 when the block is all zero), s = d * sum(q). Every producer
 // of DP4A activations (quantize_q8_1 and the fused kernels that publish their output quantized) uses
 // this one function, so their blocks are bit-identical.
 __device__ __forceinline__ void q8_1_block(float v, i8* __restrict__ xq, float* __restrict__ xd,
                                            float* __restrict__ xs, int lane) {
-    float amax = warp_max(fabsf(v));
+    float amax = warp_max_abs(v);
     float d = amax / 127.0f;
     int q = (amax > 0.0f) ? __float2int_rn(v / d) : 0;
     xq[lane] = (i8)q;
-    float qs = warp_sum((float)q);
+    float qs = (float)warp_sum_int(q);  // |sum| <= 32 x 127: exact either way
     if (lane == 0) {
         *xd = d;
         *xs = d * qs;

@@ -61,7 +61,7 @@ extern "C" __global__ void quantize_h16(const float* __restrict__ x, u32* __rest
     int lane = threadIdx.x & 31;
     if (b >= nb) return;  // the whole warp shares b
     float v = x[b * 32 + lane];
-    float amax = warp_max(fabsf(v));
+    float amax = warp_max_abs(v);
     float s = warp_sum(v);
     float inv = amax > 1.0e-30f ? 1.0f / amax : 0.0f;
     u32 h = (u32)f2h(v * inv);  // |v * inv| <= 1 (+ one fp32 rounding, which fp16 rounding removes)

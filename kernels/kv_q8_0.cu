@@ -50,7 +50,7 @@ __device__ __forceinline__ float kv_load1(const u8* __restrict__ p, i64 i) {
 // d = max|x| / 127, q = roundf(x * (1 / d)) (0 for an all-zero block), d stored as fp16 (rounded to
 // nearest even); the quantization uses the fp32 d.
 __device__ __forceinline__ void kv_store1(u8* __restrict__ p, i64 i, float v, int lane) {
-    float amax = warp_max(fabsf(v));
+    float amax = warp_max_abs(v);
     float d = amax / 127.0f;
     float id = d != 0.0f ? 1.0f / d : 0.0f;
     int q = (int)roundf(v * id);
