@@ -109,18 +109,18 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Sum over a block of blockDim.x threads (a multiple of 32, at most 1024). `scratch` holds 32 floats.
-// Every thread adds the warps' sums itself, in warp order, so all get the same bits behind two barriers
-// (the first lets the block's earlier readers of scratch finish; the second also makes the block's
-// shared-memory writes before the call visible to all).
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     v = warp_sum(v);
     __syncthreads();
     if (lane == 0) scratch[wid] = v;
     __syncthreads();
-    float s = scratch[0];
-    for (int w = 1; w < nw; w++) s += scratch[w];
-    return s;
+    int nw = blockDim.x >> 5;
+    v = (threadIdx.x < nw) ? scratch[threadIdx.x] : 0.0f;
+    if (wid == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) scratch[0] = v;
+    __syncthreads();
+    return scratch[0];
 }
 
 // max |v| over the warp. On sm_80 and later one redux.sync: |v| read as an unsigned integer orders as the

@@ -120,6 +120,23 @@ extern "C" __global__ void swiglu_q8(const float* __restrict__ gate, const float
 #define GDN_MAX_KW 8
 #define GDN_MAX_DV 128  // fused.py GDN_MAX_DV: 4 column warps of 4 row-quarter warps, 512 threads
 
+// block_sum of three values at once, behind one barrier: every warp adds the warps' partial sums itself, in
+// the same order, so every thread gets the same sums (scratch is written once: one call per kernel)
+__device__ __forceinline__ void block_sum3(float& a, float& b, float& c, float (*scratch)[32]) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    c = warp_sum(c);
+    if (lane == 0) scratch[0][wid] = a, scratch[1][wid] = b, scratch[2][wid] = c;
+    __syncthreads();
+    a = lane < nw ? scratch[0][lane] : 0.0f;
+    b = lane < nw ? scratch[1][lane] : 0.0f;
+    c = lane < nw ? scratch[2][lane] : 0.0f;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    c = warp_sum(c);
+}
+
 // The first of the state rows that thread (w, l) of block j updates: value column c = 32 (w / 4) + l,
 // rows (w % 4) DK/4 .. of value head j (state: (n_v, DK, DV) fp32).
 template <int DK>
@@ -185,17 +202,18 @@ __device__ __forceinline__ void gdn_decode_body(
     __shared__ float vs[GDN_MAX_DV];
     __shared__ float newst[(GDN_MAX_KW - 1) * 2 * DK];
     __shared__ float pe[4][GDN_MAX_DV], pr[4][GDN_MAX_DV];
-    __shared__ float ssum[GDN_MAX_DV / 32];
+    __shared__ float os[GDN_MAX_DV];
+    __shared__ float scratch[32];
+    __shared__ float scratch3[3][32];
     __shared__ int s_last;
-    const int tid = threadIdx.x, lane = tid & 31, wq = (tid >> 5) & 3, g32 = tid >> 7;
-    const int c = g32 * 32 + lane;
+    const int tid = threadIdx.x, lane = tid & 31, wq = (tid >> 5) & 3;
+    const int c = (tid >> 7) * 32 + lane;
     const int j = blockIdx.x, kh = j % n_k;
     const int key_dim = n_k * DK;
     const int C = 2 * key_dim + n_v * DV;
     const bool col = c < DV;
-    const bool outw = wq == 0;  // the warp of each 32 columns that writes their output
 
-    // 0. the gate inputs and the norm's inputs for column c (this thread's state rows of column c: in S
+    // 0. the gate inputs and the norm's inputs for column tid (this thread's state rows of column c: in S
     //    already, read by gdn_decode before its wait, or read below after the conv, LATE)
     float* sp = state + (i64)j * DK * DV + (i64)(wq * RW) * DV + c;  // = gdn_state_rows
     float S[RW];
@@ -204,8 +222,8 @@ __device__ __forceinline__ void gdn_decode_body(
         for (int i = 0; i < RW; i++) S[i] = S0[i];
     }
     const float a_raw = ssm_a[j], al = alpha[j], dtb = dt_bias[j], braw = bet[j];
-    const float zt = outw && col ? z[(i64)j * DV + c] : 0.0f;
-    const float nw = outw && col ? norm_w[c] : 0.0f;
+    const float zt = tid < DV ? z[(i64)j * DV + tid] : 0.0f;
+    const float nw = tid < DV ? norm_w[tid] : 0.0f;
 
     // 1. causal depthwise conv + SiLU of the 2 DK q/k channels and the DV v channels
     const int nconv = 2 * DK + DV;
@@ -244,30 +262,29 @@ __device__ __forceinline__ void gdn_decode_body(
     int prev = 0;
     if (tid == 0) prev = atomicAdd(&counters[kh], 1);  // used at the end
 
-    // 2. L2 norms of q and k: every warp sums the squares and k . q itself, in the same order, so every
-    //    thread has the same rq, rk (no barrier). q and k stay raw in shared memory: their scales are
-    //    applied to the dot products below, q's with 1/sqrt(DK) (q_scale), and k . q of the normalized
-    //    vectors is (k_raw . q_raw) rk rq q_scale
+    // 2. L2 norms of q and k, q scaled by 1/sqrt(DK) (l2_norm then scale), and k . q of the normalized
+    //    vectors from the same sums: (k_raw . q_raw) rk rq q_scale (one block reduction for all three)
     float sq = 0.0f, sk = 0.0f, sqk = 0.0f;
-    for (int i = lane; i < DK; i += 32) {
+    for (int i = tid; i < DK; i += blockDim.x) {
         float qv = qs[i], kv = ks[i];
         sq = fmaf(qv, qv, sq);
         sk = fmaf(kv, kv, sk);
         sqk = fmaf(qv, kv, sqk);
     }
-    sq = warp_sum(sq);
-    sk = warp_sum(sk);
-    sqk = warp_sum(sqk);
-    const float rq = rsqrtf(sq + eps), rk = rsqrtf(sk + eps);
-    const float kq = ((sqk * rk) * rq) * q_scale, qf = rq * q_scale;
+    block_sum3(sq, sk, sqk, scratch3);
+    float rq = rsqrtf(sq + eps), rk = rsqrtf(sk + eps);
+    const float kq = ((sqk * rk) * rq) * q_scale;
+    for (int i = tid; i < DK; i += blockDim.x) {
+        qs[i] = (qs[i] * rq) * q_scale;
+        ks[i] = ks[i] * rk;
+    }
+    __syncthreads();
 
     // 3. gates (gdn_gates)
     float g = a_raw * softplus_f(al + dtb);
     float beta = sigmoid_f(braw);
 
-    // 4. delta-rule step on rows wq RW.. of column c: e = rk (S^T k_raw), r = qf (S^T q_raw), and the
-    //    state's new rows a S + k_raw (rk d). Each of the column's 4 row-quarter warps adds the 4 partial
-    //    sums in the same order; the first of them (outw) keeps the column's output o.
+    // 4. delta-rule step on rows wq RW.. of column c
     const float* kw_ = ks + wq * RW;
     const float* qw_ = qs + wq * RW;
     float e2[2] = {0.f, 0.f}, r2[2] = {0.f, 0.f};
@@ -281,41 +298,32 @@ __device__ __forceinline__ void gdn_decode_body(
         pr[wq][c] = r2[0] + r2[1];
     }
     __syncthreads();
-    float o = 0.0f;
     if (col) {
-        float e = rk * ((pe[0][c] + pe[1][c]) + (pe[2][c] + pe[3][c]));
-        float r = qf * ((pr[0][c] + pr[1][c]) + (pr[2][c] + pr[3][c]));
+        float e = (pe[0][c] + pe[1][c]) + (pe[2][c] + pe[3][c]);
+        float r = (pr[0][c] + pr[1][c]) + (pr[2][c] + pr[3][c]);
         float a = __expf(g);
         float d = beta * (vs[c] - a * e);
-        const float kd = rk * d;
 #pragma unroll
-        for (int i = 0; i < RW; i++) sp[(i64)i * DV] = fmaf(a, S[i], kw_[i] * kd);
-        if (outw) o = fmaf(a, r, kq * d);
-    }
-
-    // 5. gated RMSNorm over the head: rms_norm(o) * w * silu(z), then the q8_1 blocks (DV % 32 == 0 when
-    //    xq is given: each output warp is a whole block). The sum of squares: a warp sum per 32 columns,
-    //    then the DV / 32 of them in order behind one barrier.
-    if (outw) {
-        const float part = warp_sum(o * o);
-        if (lane == 0) ssum[g32] = part;
+        for (int i = 0; i < RW; i++) sp[(i64)i * DV] = fmaf(a, S[i], kw_[i] * d);
+        if (wq == 0) os[c] = fmaf(a, r, kq * d);
     }
     __syncthreads();
-    float ss = 0.0f;
-    for (int k = 0; k * 32 < DV; k++) ss += ssum[k];
-    const float inv = rsqrtf(ss / (float)DV + eps);
-    if (outw) {
-        float out = 0.0f;
-        if (col) {
-            out = o * inv;
-            out *= nw;
-            out *= silu_f(zt);
-            y[(i64)j * DV + c] = out;
-        }
-        if (xq != 0) {
-            i64 b = ((i64)j * DV >> 5) + g32;
-            q8_1_block(out, xq + b * 32, xd + b, xs + b, lane);
-        }
+
+    // 5. gated RMSNorm over the head: rms_norm(o) * w * silu(z), then the q8_1 blocks
+    //    (DV % 32 == 0 when xq is given: warps below DV are whole blocks)
+    float ov = tid < DV ? os[tid] : 0.0f;
+    float ss = block_sum(ov * ov, scratch);
+    float inv = rsqrtf(ss / (float)DV + eps);
+    float out = 0.0f;
+    if (tid < DV) {
+        out = ov * inv;
+        out *= nw;
+        out *= silu_f(zt);
+        y[(i64)j * DV + tid] = out;
+    }
+    if (xq != 0 && (tid >> 5) * 32 < DV) {
+        i64 b = ((i64)j * DV >> 5) + (tid >> 5);
+        q8_1_block(out, xq + b * 32, xd + b, xs + b, lane);
     }
 
     // 6. the block that counted last among the readers of key head kh shifts its q/k conv state
