@@ -134,14 +134,13 @@ __device__ __forceinline__ float warp_max_abs(float v) {
 #endif
 }
 
-// Sum of an int over the warp (redux.sync on sm_80 and later).
-__device__ __forceinline__ int warp_sum_int(int v) {
+// Sum over the warp of small ints (|sum| < 2^24, so exact in float), as a float: one redux.sync on sm_80
+// and later, the float shuffles of warp_sum before (the code older cards ran before redux).
+__device__ __forceinline__ float warp_sum_small_int(int v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    return __reduce_add_sync(0xffffffffu, v);
+    return (float)__reduce_add_sync(0xffffffffu, v);
 #else
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
+    return warp_sum((float)v);
 #endif
 }
 
@@ -155,7 +154,7 @@ __device__ __forceinline__ void q8_1_block(float v, i8* __restrict__ xq, float* 
     float d = amax / 127.0f;
     int q = (amax > 0.0f) ? __float2int_rn(v / d) : 0;
     xq[lane] = (i8)q;
-    float qs = (float)warp_sum_int(q);  // |sum| <= 32 x 127: exact either way
+    float qs = warp_sum_small_int(q);  // |sum| <= 32 x 127
     if (lane == 0) {
         *xd = d;
         *xs = d * qs;
