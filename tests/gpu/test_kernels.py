@@ -15,6 +15,7 @@ from minecart.engine.backends.numpy_backend import NumpyBackend
 from minecart.engine.gguf_file import TensorInfo
 
 from tests._reference import gdn_inputs
+from tests.kernels.test_kq_mt_emulation import quantize_q8_1 as quantize_q8_1_twin
 
 cp = pytest.importorskip("cupy")
 
@@ -63,7 +64,8 @@ def make_tensor(rng, type_name: str, shape, std: float = 1.0, name: str = "w") -
 
 def test_quantize_q8_1_is_its_numpy_twin_bit_for_bit():
     """quantize_q8_1 (common.cuh q8_1_block: on sm_80 and later max |v| and sum(q) by redux.sync, before
-    by shuffles) bit for bit against d = max|v| / 127, q = rint(v / d), s = d sum(q) in float32 (flush to
+    by shuffles) bit for bit against its NumPy twin (tests/kernels/test_kq_mt_emulation.py quantize_q8_1:
+    d = max|v| / 127, q = rint(v / d), s = d sum(q) in float32) on inputs flushed to
     zero, as the kernels are compiled: a block of subnormal values quantizes to zeros), on fresh
     rows of scales from 1e-30 to 1e30 with all-zero, negative-zero, subnormal, one-spike and exact-tie
     blocks among them."""
@@ -79,15 +81,10 @@ def test_quantize_q8_1_is_its_numpy_twin_bit_for_bit():
     x[3, 70] = -5e3  # one spike: the rest round to 0 or +-1
     x[4, :32] = np.r_[127.0, np.arange(31) - 15.5]  # d = 1: every other value a tie, to even
     xq, xd, xs = (cp.asnumpy(a) for a in ops.quantize_q8_1(cp.asarray(x)))
-    b = x.reshape(-1, 32)
-    tiny = np.finfo(np.float32).tiny  # the kernels run flush-to-zero: a subnormal input or result is 0
-    b = np.where(np.abs(b) < tiny, np.float32(0), b)
-    amax = np.abs(b).max(axis=1)
-    d = amax / np.float32(127)
-    d = np.where(d < tiny, np.float32(0), d)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.where(amax[:, None] > 0, np.rint(b / d[:, None]), 0).astype(np.int32)
-    s = d * q.sum(axis=1).astype(np.float32)
+    tiny = np.finfo(np.float32).tiny  # the kernels run flush-to-zero: a subnormal input is 0
+    q, d, s = quantize_q8_1_twin(np.where(np.abs(x) < tiny, np.float32(0), x))
+    q = q.reshape(-1, 32).astype(np.int32)
+    d, s = d.reshape(-1), s.reshape(-1)
     np.testing.assert_array_equal(xq.reshape(-1, 32).astype(np.int32), q)
     np.testing.assert_array_equal(xd.reshape(-1).view(np.int32), d.view(np.int32))
     np.testing.assert_array_equal(xs.reshape(-1).view(np.int32), s.view(np.int32))
