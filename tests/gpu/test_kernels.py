@@ -65,10 +65,9 @@ def make_tensor(rng, type_name: str, shape, std: float = 1.0, name: str = "w") -
 def test_quantize_q8_1_is_its_numpy_twin_bit_for_bit():
     """quantize_q8_1 (common.cuh q8_1_block: on sm_80 and later max |v| and sum(q) by redux.sync, before
     by shuffles) bit for bit against its NumPy twin (tests/kernels/test_kq_mt_emulation.py quantize_q8_1:
-    d = max|v| / 127, q = rint(v / d), s = d sum(q) in float32) on inputs flushed to
-    zero, as the kernels are compiled: a block of subnormal values quantizes to zeros), on fresh
-    rows of scales from 1e-30 to 1e30 with all-zero, negative-zero, subnormal, one-spike and exact-tie
-    blocks among them."""
+    d = max|v| / 127, q = rint(v / d), s = d sum(q) in float32) on inputs flushed to zero, as the kernels
+    are compiled (a block of subnormal values quantizes to zeros), on fresh rows of scales from 1e-30 to
+    1e30 with all-zero, negative-zero, subnormal, one-spike and exact-tie blocks among them."""
     from minecart.kernels import ops
 
     rng = np.random.default_rng()
