@@ -16,6 +16,12 @@ times (one eager step, each kernel alone) do not say: the step is captured again
 backend ops replaced by stubs that launch nothing (they return zeros of the right shape, with their
 q8_1 blocks published so that no quantize launch takes their place) and its graph's GPU time is taken
 against the whole step's. The outputs are garbage; only the timings mean anything.
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum --csv \
+        python3 tools/profile_decode.py --prefill 4096 --ncu > prefill.csv
+
+does the same for one prefill of that many tokens (after one prefill of the same length that compiles
+and warms everything); without --ncu it prints that prefill's wall time and tokens/s, best of three.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ def main() -> None:
     ap.add_argument("--summarize", default=None, help="an ncu --csv file: print time per kernel name")
     ap.add_argument("--ablate", action="store_true",
                     help="the graphed step's GPU time with each group of kernels stubbed out, against the whole")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="one prefill of this many tokens instead of a decode step (with --ncu: its kernels)")
     ap.add_argument("--context", type=int, default=64,
                     help="tokens prefilled before the measured steps (single-sequence modes; e.g. 16384 for "
                          "the long-context step)")
@@ -63,6 +71,9 @@ def main() -> None:
     model = load_model(path, devices=["cuda:0"])
     if args.ablate:
         _ablate(model, args.context, args.json)
+        return
+    if args.prefill:
+        _prefill(model, args.prefill, args.ncu, args.json)
         return
     if args.batch > 1:
         if args.ncu:
@@ -135,6 +146,30 @@ def _batch_states(model, batch: int) -> tuple[list, list[int]]:
     for b, s in enumerate(sessions):
         s.prefill(list(range(100 + b, 164 + b)))
     return [s.states for s in sessions], [64] * batch
+
+
+def _prefill(model, n: int, ncu: bool, json_path: str | None) -> None:
+    """One prefill of n tokens from an empty context: under Nsight Compute, between cudaProfilerStart/Stop
+    after a warm-up prefill of the same length; otherwise its wall time, best of three."""
+    import cupy as cp
+
+    tokens = [100 + i % 1000 for i in range(n)]
+    walls = []
+    for i in range(2 if ncu else 4):
+        s = model.new_session(n + 16)
+        cp.cuda.runtime.deviceSynchronize()
+        if ncu and i == 1:
+            cp.cuda.profiler.start()
+        t0 = time.perf_counter()
+        s.prefill(tokens, chunk=n)  # one pass, as `minecart bench` times it
+        cp.cuda.runtime.deviceSynchronize()
+        walls.append(time.perf_counter() - t0)
+        if ncu and i == 1:
+            cp.cuda.profiler.stop()
+        del s
+    if not ncu:
+        best = min(walls[1:])
+        _emit({"prefill_tokens": n, "wall_ms": best * 1e3, "tokens_per_s": n / best}, json_path)
 
 
 def _profile_batch(model, batch: int) -> None:
