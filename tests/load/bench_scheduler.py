@@ -103,7 +103,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=24, help="tokens per completion")
     ap.add_argument("--prompt", type=int, default=20, help="tokens of each completion's prompt")
     ap.add_argument("--system", type=int, default=2048, help="tokens of the shared system prompt")
+    ap.add_argument("--context", type=int, default=None,
+                    help="the context the model is loaded with (default: the engine's; a 4,096-token system "
+                         "prompt needs more than 4,096)")
     ap.add_argument("--repeat", type=int, default=2, help="rounds of the concurrent runs; best counts")
+    ap.add_argument("--parts", default="concurrent,ttft,shared",
+                    help="which of the three measurements to run, comma separated (default all)")
     ap.add_argument("--rows-kernel", choices=("on", "off"), default="on",
                     help="off: batched matmuls on BLAS instead of engine/cpu_matmul.py")
     ap.add_argument("--attention-kernel", choices=("on", "off"), default="on",
@@ -120,35 +125,41 @@ def main() -> None:
         from minecart.engine.demo import demo_model_path
 
         path = demo_model_path()
-    model = load_model(path, devices=["cpu:0"], cpu_weights=args.cpu_weights)
+    model = load_model(path, devices=["cpu:0"], cpu_weights=args.cpu_weights, context=args.context)
     for st in model.executor.stages:
         if isinstance(st.backend, NumpyBackend):
             st.backend.rows_kernel = args.rows_kernel == "on"
             st.backend.attention_kernel = args.attention_kernel == "on"
             st.backend.pointwise_kernel = args.pointwise_kernel == "on"
-    sched = Scheduler(model, parallel=8, max_queue=8)
-    try:
-        concurrent_rate(sched, 8, 2, 0)  # warm-up (and the rows kernel's compilation)
-        rates = {n: (0.0, 0.0) for n in (1, 4, 8)}
-        for _ in range(args.repeat):  # the sizes take turns; the best of each counts
-            for n in rates:
-                wall, cpu = concurrent_rate(sched, n, args.tokens, n, args.prompt)
-                rates[n] = (max(rates[n][0], wall), max(rates[n][1], cpu))
-        m = sched.metrics()
-    finally:
-        sched.close()
-    for i, label in ((0, "wall"), (1, "cpu time")):
-        print(f"{path.name} [{label}, {args.cpu_weights} weights, rows kernel {args.rows_kernel}, attention "
-              f"kernel {args.attention_kernel}, pointwise kernels {args.pointwise_kernel}]: " + ", ".join(
-            f"{n} concurrent: {r[i]:.1f} tok/s ({r[i] / rates[1][i]:.2f}x)" for n, r in rates.items())
-            + f"; mean batch {m['batch_size_mean']:.2f}", flush=True)
-    alone, busy = ttft_while_others_decode(model, 7, 128)
-    print(f"time to first token of a 128-token prompt: alone {alone:.2f} s, while 7 others decode "
-          f"{busy:.2f} s ({busy / alone:.2f}x)", flush=True)
-    ttft = shared_prompt(model, args.system, 10)
-    later = max(ttft[1:])
-    print(f"shared {args.system}-token prompt, 10 requests: first TTFT {ttft[0]:.2f} s, later "
-          f"{min(ttft[1:]):.2f}-{later:.2f} s ({later / ttft[0]:.1%} of the first)", flush=True)
+    parts = set(args.parts.split(","))
+    if not parts <= {"concurrent", "ttft", "shared"}:
+        raise SystemExit(f"--parts: {args.parts!r} (concurrent, ttft, shared)")
+    if "concurrent" in parts:
+        sched = Scheduler(model, parallel=8, max_queue=8)
+        try:
+            concurrent_rate(sched, 8, 2, 0)  # warm-up (and the rows kernel's compilation)
+            rates = {n: (0.0, 0.0) for n in (1, 4, 8)}
+            for _ in range(args.repeat):  # the sizes take turns; the best of each counts
+                for n in rates:
+                    wall, cpu = concurrent_rate(sched, n, args.tokens, n, args.prompt)
+                    rates[n] = (max(rates[n][0], wall), max(rates[n][1], cpu))
+            m = sched.metrics()
+        finally:
+            sched.close()
+        for i, label in ((0, "wall"), (1, "cpu time")):
+            print(f"{path.name} [{label}, {args.cpu_weights} weights, rows kernel {args.rows_kernel}, attention "
+                  f"kernel {args.attention_kernel}, pointwise kernels {args.pointwise_kernel}]: " + ", ".join(
+                f"{n} concurrent: {r[i]:.1f} tok/s ({r[i] / rates[1][i]:.2f}x)" for n, r in rates.items())
+                + f"; mean batch {m['batch_size_mean']:.2f}", flush=True)
+    if "ttft" in parts:
+        alone, busy = ttft_while_others_decode(model, 7, 128)
+        print(f"time to first token of a 128-token prompt: alone {alone:.2f} s, while 7 others decode "
+              f"{busy:.2f} s ({busy / alone:.2f}x)", flush=True)
+    if "shared" in parts:
+        ttft = shared_prompt(model, args.system, 10)
+        later = max(ttft[1:])
+        print(f"shared {args.system}-token prompt, 10 requests: first TTFT {ttft[0]:.2f} s, later "
+              f"{min(ttft[1:]):.2f}-{later:.2f} s ({later / ttft[0]:.1%} of the first)", flush=True)
     model.close()
 
 
