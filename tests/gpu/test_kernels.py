@@ -65,9 +65,11 @@ def make_tensor(rng, type_name: str, shape, std: float = 1.0, name: str = "w") -
 def test_quantize_q8_1_is_its_numpy_twin_bit_for_bit():
     """quantize_q8_1 (common.cuh q8_1_block: on sm_80 and later max |v| and sum(q) by redux.sync, before
     by shuffles) bit for bit against its NumPy twin (tests/kernels/test_kq_mt_emulation.py quantize_q8_1:
-    d = max|v| / 127, q = rint(v / d), s = d sum(q) in float32) on inputs flushed to zero, as the kernels
-    are compiled (a block of subnormal values quantizes to zeros), on fresh rows of scales from 1e-30 to
-    1e30 with all-zero, negative-zero, subnormal, one-spike and exact-tie blocks among them."""
+    d = max|v| / 127, q = rint(v / d), s = d sum(q) in float32) on fresh rows of scales from 1e-30 to 1e30
+    with all-zero, negative-zero, subnormal, one-spike and exact-tie blocks among them. A block with
+    subnormal inputs may come out either way, as one whole block: flushed to zero (the native sm_90
+    build on an H100, docs/BENCHMARKS.md v48) or quantized like any other (the compute_61 / compute_70
+    PTX on the same card, v49); every other block exactly."""
     from minecart.kernels import ops
 
     rng = np.random.default_rng()
@@ -75,18 +77,28 @@ def test_quantize_q8_1_is_its_numpy_twin_bit_for_bit():
     x = x.astype(np.float32)
     x[0, :32] = 0.0
     x[1, 32:64] = -0.0
-    x[2, :32] = rng.standard_normal(32).astype(np.float32) * np.float32(1e-40)  # subnormal: flushed to zero
+    x[2, :32] = rng.standard_normal(32).astype(np.float32) * np.float32(1e-40)  # subnormal
     x[3, 64:96] = 1e-3
     x[3, 70] = -5e3  # one spike: the rest round to 0 or +-1
     x[4, :32] = np.r_[127.0, np.arange(31) - 15.5]  # d = 1: every other value a tie, to even
     xq, xd, xs = (cp.asnumpy(a) for a in ops.quantize_q8_1(cp.asarray(x)))
-    tiny = np.finfo(np.float32).tiny  # the kernels run flush-to-zero: a subnormal input is 0
-    q, d, s = quantize_q8_1_twin(np.where(np.abs(x) < tiny, np.float32(0), x))
-    q = q.reshape(-1, 32).astype(np.int32)
-    d, s = d.reshape(-1), s.reshape(-1)
-    np.testing.assert_array_equal(xq.reshape(-1, 32).astype(np.int32), q)
-    np.testing.assert_array_equal(xd.reshape(-1).view(np.int32), d.view(np.int32))
-    np.testing.assert_array_equal(xs.reshape(-1).view(np.int32), s.view(np.int32))
+    got = _q8_1_bits(xq, xd, xs)
+    kept = _q8_1_bits(*quantize_q8_1_twin(x))
+    tiny = np.finfo(np.float32).tiny
+    flushed = _q8_1_bits(*quantize_q8_1_twin(np.where(np.abs(x) < tiny, np.float32(0), x)))
+    sub = ((np.abs(x) < tiny) & (x != 0)).reshape(-1, 32).any(axis=1)
+    assert sub.sum() == 1  # the subnormal block (randn * 1e-40 is never 0)
+    either = np.all(got == kept, axis=1) | np.all(got == flushed, axis=1)
+    exact = np.all(got == kept, axis=1)
+    bad = np.flatnonzero(np.where(sub, ~either, ~exact))
+    assert bad.size == 0, (bad[:5], got[bad[:2]], kept[bad[:2]])
+
+
+def _q8_1_bits(q, d, s) -> np.ndarray:
+    """(blocks, 34) int32: a block's 32 quantized values, then the bits of its d and s."""
+    return np.concatenate([np.asarray(q).reshape(-1, 32).astype(np.int32),
+                           np.asarray(d, np.float32).reshape(-1, 1).view(np.int32),
+                           np.asarray(s, np.float32).reshape(-1, 1).view(np.int32)], axis=1)
 
 
 def q8_1_emulation(x: np.ndarray, w_dense: np.ndarray) -> np.ndarray:
@@ -406,7 +418,8 @@ def test_probe_and_cache(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MINECART_CACHE_DIR", str(tmp_path))
     rec = probe.run_probe()
-    assert rec["gemv"] in ("dp4a", "fma") and rec["gemm"] in ("dp4a", "dp4a2", "fma")
+    # any path the probe times may win: hfma2's GEMM did on an H100 running the compute_70 PTX (v49)
+    assert rec["gemv"] in probe.GEMV_PATHS and rec["gemm"] in probe.GEMM_PATHS
     assert rec["copy_gbs"] > 10 and rec["dp4a_tops"] > 0.5 and rec["fma_tflops"] > 0.5
     if rec["gemm"].startswith("dp4a"):  # the K-quants' stage depth, timed on its own
         assert rec["gemm_kquant"] in ("dp4a", "dp4a2") and set(rec["gemm_kquant_us"]) == {"dp4a", "dp4a2"}
