@@ -78,6 +78,12 @@ KVQ3_KERNELS = ("quantize<{d}, 3>", "quantize<{d}, 2>", "rotate<{d}>", "unrotate
                 "prefill<{d}>")
 
 COMPILE_OPTIONS = ("-std=c++17",)
+# What the engine's kernels are built with in the end: CuPy's compile adds -ftz=true after the caller's
+# options (cupy/cuda/compiler.py), so fp32 subnormals flush to zero in every kernel it builds (a block of
+# subnormal activations quantizes to zeros). The offline builds that stand for the engine's (the PTX of
+# MINECART_KERNEL_PTX, `check --resources`, kernels/sass.py) compile with these, so they compile what
+# the engine runs.
+BUILT_OPTIONS = (*COMPILE_OPTIONS, "-ftz=true")
 
 
 @dataclass(frozen=True)
@@ -296,7 +302,7 @@ def source_digest(spec: ModuleSpec, source: str | None = None) -> str:
     """What a module's PTX depends on: its joined source (`source`, else read now), name expressions
     and compile options."""
     h = hashlib.sha256((module_source(spec) if source is None else source).encode())
-    for part in (*spec.name_expressions, "\0", *COMPILE_OPTIONS):
+    for part in (*spec.name_expressions, "\0", *BUILT_OPTIONS):
         h.update(b"\0" + part.encode())
     return h.hexdigest()
 

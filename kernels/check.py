@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .build import (
-    COMPILE_OPTIONS,
+    BUILT_OPTIONS,
     PTX_MANIFEST,
     ModuleSpec,
     module_source,
@@ -229,7 +229,7 @@ def resources(specs: list[ModuleSpec], archs, pattern: str = "", jobs: int = 2,
         if not exprs and not plain:
             return spec, arch, {}, []
         src = sources.get(spec.name) or module_source(spec)
-        log, lowered = nvrtc.ptxas_info(src, spec.name, arch, exprs, COMPILE_OPTIONS)
+        log, lowered = nvrtc.ptxas_info(src, spec.name, arch, exprs, BUILT_OPTIONS)
         names = {sym: expr for expr, sym in lowered.items()} | {k: k for k in plain}
         rows = parse_ptxas_info(log)
         return spec, arch, names, [r for r in rows if r.symbol in names]
@@ -269,7 +269,7 @@ def check(specs: list[ModuleSpec] | None = None, archs=ARCHS, dump: Path | None 
     def one(item):
         spec, arch = item
         src = sources.get(spec.name) or module_source(spec)
-        ptx = nvrtc.compile_ptx(src, spec.name, arch, spec.name_expressions, COMPILE_OPTIONS)
+        ptx = nvrtc.compile_ptx(src, spec.name, arch, spec.name_expressions, BUILT_OPTIONS)
         if dump is not None:
             d = Path(dump) / arch
             d.mkdir(parents=True, exist_ok=True)
@@ -326,7 +326,7 @@ def emit_ptx(directory: Path, arch: str, specs: list[ModuleSpec] | None = None, 
     def one(spec: ModuleSpec):
         src = module_source(spec)  # read once: the digest must describe the text compiled
         ptx, lowered = nvrtc.compile_ptx_lowered(src, spec.name, compute, spec.name_expressions,
-                                                 COMPILE_OPTIONS)
+                                                 BUILT_OPTIONS)
         (directory / f"{spec.name}.ptx").write_text(ptx)
         return spec, ptx, lowered, source_digest(spec, src)
 
@@ -350,7 +350,7 @@ def emit_ptx(directory: Path, arch: str, specs: list[ModuleSpec] | None = None, 
             print(f"ok {spec.name:<16} {compute} ({len(lowered)} instantiations, {len(ptx) >> 10} KiB)",
                   file=out)
     manifest = {"arch": compute, "nvrtc": ".".join(map(str, nvrtc.version())),
-                "options": list(COMPILE_OPTIONS), "modules": modules}
+                "options": list(BUILT_OPTIONS), "modules": modules}
     (directory / PTX_MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     if status == 0:
         problems = verify_ptx_dir(directory, specs)

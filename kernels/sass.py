@@ -31,7 +31,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from .build import COMPILE_OPTIONS, module_source, module_specs
+from .build import BUILT_OPTIONS, module_source, module_specs
 
 # nvdisasm -c: a function starts at its symbol's label line, branch targets are local labels
 # (".L_x_12:" before the instruction they name), and an instruction is
@@ -163,7 +163,7 @@ def disassemble(cubin: bytes, nvdisasm: str) -> str:
 def module_sass(module: str, kernels: list[str], arch: str = "sm_90",
                 nvdisasm: str | None = None) -> dict[str, list[Instr]]:
     """The instructions of each of `kernels` (name expressions of `module`, or its extern "C" kernels'
-    names) for `arch`, compiled as the engine compiles them (COMPILE_OPTIONS): one compile and one
+    names) for `arch`, compiled as the engine compiles them (BUILT_OPTIONS): one compile and one
     disassembly for all of them."""
     from .check import Nvrtc
 
@@ -178,7 +178,7 @@ def module_sass(module: str, kernels: list[str], arch: str = "sm_90",
         raise ValueError(f"{module} has no kernel {unknown[0]!r}; it has: "
                          f"{', '.join(spec.name_expressions + spec.extern_c)}")
     exprs = tuple(k for k in kernels if k in spec.name_expressions)
-    cubin, lowered = Nvrtc().compile_cubin(module_source(spec), spec.name, arch, exprs, COMPILE_OPTIONS)
+    cubin, lowered = Nvrtc().compile_cubin(module_source(spec), spec.name, arch, exprs, BUILT_OPTIONS)
     functions = parse(disassemble(cubin, tool))
     out: dict[str, list[Instr]] = {}
     for k in kernels:

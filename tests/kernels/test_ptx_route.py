@@ -60,6 +60,24 @@ def test_emitted_directory_resolves_every_request(ptx61):
 
 
 @needs_nvrtc
+def test_emitted_ptx_flushes_subnormals_as_the_engines_build_does(ptx61):
+    """CuPy builds every kernel with -ftz=true added after the caller's options, so the PTX that stands
+    for that build carries the same flag: its fp32 division, the q8_1 quantizer's, is the flush-to-zero
+    form. Compiled from COMPILE_OPTIONS alone, the same source keeps subnormals (docs/BENCHMARKS.md v49:
+    the compute_61 / compute_70 PTX quantized a subnormal block that the native build flushed)."""
+    assert build.BUILT_OPTIONS[-1] == "-ftz=true"
+    manifest = json.loads((ptx61 / check.PTX_MANIFEST).read_text())
+    assert manifest["options"] == list(build.BUILT_OPTIONS)
+    ptx = (ptx61 / "quantize.ptx").read_text()
+    assert re.search(r"\bdiv\.rn\.ftz\.f32\b", ptx)
+    assert not re.search(r"\bdiv\.rn\.f32\b", ptx)
+    spec = next(sp for sp in build.module_specs() if sp.name == "quantize")
+    plain = check.Nvrtc().compile_ptx(build.module_source(spec), spec.name, "compute_61", spec.name_expressions,
+                                      build.COMPILE_OPTIONS)
+    assert re.search(r"\bdiv\.rn\.f32\b", plain) and ".ftz." not in plain
+
+
+@needs_nvrtc
 def test_emit_ptx_cli_rejects_several_archs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         check.main(["--emit-ptx", str(tmp_path), "--arch", "compute_61", "--arch", "compute_70"])
