@@ -34,11 +34,13 @@
 # measure memory alone (the whole default list in 406 s with N = 3 and PTX_TIMEOUT=320 on an H100,
 # docs/BENCHMARKS.md v42; the slowest group took 309 s of its 320). Logs: ptx61_tests.log,
 # ptx70_tests.log.
+# `sweep` (not part of `all`): one call's worth of the checks a session owes, in order, each begun only
+# while its time is left (below).
 # `setup`: only the install and the links above, for a call's own script (then PYTHONPATH=/tmp/mc:/tmp/site).
 set -u
 MODE=${1:-all}
 shift || true
-MODES="all tests bench ops split compare steps matmuls batch profile moe-host host-diag kernel-profile ptx setup"
+MODES="all tests bench ops split compare steps matmuls batch profile moe-host host-diag kernel-profile ptx sweep setup"
 known=""
 for m in $MODES; do [ "$m" = "$MODE" ] && known=1; done
 if [ -z "$known" ]; then echo "gpu_runner.sh: no mode '$MODE' (one of: $MODES)" >&2; exit 2; fi
@@ -510,4 +512,98 @@ sys.exit(1 if problems else 0)" "$dir" >"$log" 2>&1; then
     python3 tools/gpu_test_summary.py "$log" $(test_files $PTX_FILES) | tee -a "$log"
   done
   rm -rf .gpu/ptx61 .gpu/ptx70  # unpacked copies only (~48 MiB): never carried back or along
+fi
+
+if [ "$MODE" = sweep ]; then
+  # One device call's worth of checks, in order, each begun only while its time fits before SWEEP_END
+  # seconds from the start (default 560; a call may run 600): llama.cpp's build niced in the background
+  # (when ../shared/tools/llama-peer put .gpu/build-llama.sh there and no build is on this machine yet),
+  # then the SWEEP_PARTS (default "ptx decode profile peer"):
+  #   ptx      this runner's ptx mode (PTX_TESTS, PTX_GROUPS, PTX_TIMEOUT as there; needs PTX_TIMEOUT + 20 s)
+  #   tests    this runner's tests mode (GPU_TESTS, TEST_GROUPS, TEST_TIMEOUT as there)
+  #   decode   `minecart bench` on each 9B file of SWEEP_QUANTS (default "q4_k q8_0", synthesized once a
+  #            machine into /tmp/bench): decode at context 0 and prefill of SWEEP_PREFILL (default
+  #            512,4096) beside the ceilings of the same run (sweep_QUANT.json, sweep_bench.log)
+  #   profile  Nsight Compute over one prefill of SWEEP_PROFILE_TOKENS (default 4096) on the first of
+  #            SWEEP_QUANTS, every kernel's time summed by name (sweep_prefill_profile.txt)
+  #   peer     llama-bench on the same files (-p SWEEP_PREFILL -n 128 -fa 1 -ngl 99 -r 3), once the build is
+  #            done (sweep_peer.log)
+  # Log: sweep.log (what ran, what was skipped for time, each part's exit).
+  T0=$(date +%s)
+  SW="$OUT/sweep.log"
+  : >"$SW"
+  left() { echo $(( ${SWEEP_END:-560} - ($(date +%s) - T0) )); }
+  # fits NEED WHAT: whether NEED more seconds fit; says so in the log when not
+  fits() {
+    if [ "$(left)" -ge "$1" ]; then echo "$(date +%T) $2 (left $(left) s)" | tee -a "$SW"; return 0; fi
+    echo "$(date +%T) skipped $2: needs $1 s, $(left) left" | tee -a "$SW"; return 1
+  }
+  LB=/tmp/peer/build/bin/llama-bench
+  if [ -f .gpu/build-llama.sh ] && [ ! -x "$LB" ] && [ ! -f /tmp/peer_build.pid ]; then
+    (nice -n 19 bash .gpu/build-llama.sh >"$OUT/peer_build.log" 2>&1; rm -f /tmp/peer_build.pid) &
+    echo $! >/tmp/peer_build.pid
+    echo "$(date +%T) llama.cpp build started in the background" >>"$SW"
+  fi
+  PF=${SWEEP_PREFILL:-512,4096}
+  QS=${SWEEP_QUANTS:-q4_k q8_0}
+  mkdir -p /tmp/bench
+  for part in ${SWEEP_PARTS:-ptx decode profile peer}; do
+    case $part in
+      ptx)
+        fits $(( ${PTX_TIMEOUT:-170} + 20 )) ptx && { bash tools/gpu_runner.sh ptx; echo "ptx exit $?" >>"$SW"; } ;;
+      tests)
+        fits $(( ${TEST_TIMEOUT:-300} + 20 )) tests && { bash tools/gpu_runner.sh tests; echo "tests exit $?" >>"$SW"; } ;;
+      decode)
+        for q in $QS; do
+          need=150; [ -s "/tmp/bench/qwen3.5-9b-$q.gguf" ] || need=230
+          fits "$need" "decode + prefill $PF, 9B $q" || continue
+          timeout $((need - 10)) python3 -m minecart.engine.cli bench --shape qwen3.5-9b --quant "$q" \
+            --workdir /tmp/bench --prefill "$PF" --decode-ctx 0 --decode-tokens 128 --json \
+            >"$OUT/sweep_$q.json" 2>>"$OUT/sweep_bench.log"
+          echo "bench $q exit $?" | tee -a "$SW"
+        done ;;
+      profile)
+        q=${QS%% *}
+        F=/tmp/bench/qwen3.5-9b-$q.gguf
+        [ -s "$F" ] || { echo "skipped profile: no $F" | tee -a "$SW"; continue; }
+        fits 120 "Nsight Compute over one ${SWEEP_PROFILE_TOKENS:-4096}-token prefill, $q" || continue
+        P="$OUT/sweep_prefill_profile.txt"
+        timeout 110 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+          python3 tools/profile_decode.py --path "$F" --prefill "${SWEEP_PROFILE_TOKENS:-4096}" --ncu \
+          >/tmp/sweep_prefill.csv 2>"$P.err"
+        echo "ncu exit $?" | tee -a "$SW" >"$P"
+        python3 tools/profile_decode.py --summarize /tmp/sweep_prefill.csv >>"$P" 2>&1
+        head -45 "$P" ;;
+      peer)
+        fits 100 "llama-bench (waiting for the build first)" || continue
+        while [ -f /tmp/peer_build.pid ] && [ "$(left)" -ge 90 ]; do sleep 3; done
+        [ -x "$LB" ] || { echo "skipped peer: no llama-bench ($(tail -2 "$OUT/peer_build.log" 2>/dev/null))" | tee -a "$SW"; continue; }
+        for q in $QS; do
+          F=/tmp/bench/qwen3.5-9b-$q.gguf
+          [ -s "$F" ] || continue
+          fits 60 "llama-bench $q" || continue
+          timeout 120 "$LB" -m "$F" -p "$PF" -n 128 -fa 1 -ngl 99 -r 3 >>"$OUT/sweep_peer.log" 2>&1
+          echo "llama-bench $q exit $?" | tee -a "$SW"
+        done
+        grep -E "^\|" "$OUT/sweep_peer.log" | tail -8 ;;
+      *) echo "sweep: no part '$part'" | tee -a "$SW" ;;
+    esac
+  done
+  python3 - "$OUT" <<'PY' 2>&1 | tee -a "$SW"
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/sweep_*.json")):
+    name = f.rsplit("/", 1)[-1]
+    try:
+        d = json.load(open(f))
+    except Exception as exc:  # a run cut off leaves no JSON
+        print(name, "unreadable:", exc)
+        continue
+    print(name, "ceilings", d.get("ceilings"))
+    for kind in ("decode", "prefill"):
+        for r in d.get(kind, []):
+            share = f"{r['ratio']:.0%} of {r['ceiling_tokens_per_s']:.0f}" if r.get("ratio") else ""
+            print(name, kind, {k: v for k, v in r.items() if k in ("context", "tokens", "prompt_tokens")},
+                  round(r["tokens_per_s"], 1), "tok/s", share)
+PY
+  echo "sweep done at $(( $(date +%s) - T0 )) s" | tee -a "$SW"
 fi
