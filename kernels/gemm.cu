@@ -441,11 +441,7 @@ __device__ __forceinline__ void gb_rows(
     keep_reg(ddsh);
     gb_keep_x(xpos);
 
-    // The weights of D stages on their way while a stage computes: D + 1 register sets, taken in turn.
-    // D = 2 at 8 tokens (each warp twice the bytes in flight: the kernel waits on memory there), 1 at 16
-    // (its registers would spill at 3 blocks a multiprocessor).
-    constexpr int D = TT == 8 ? 2 : 1;
-    Raw wa[RL], wb[RL], wc[RL];
+    Raw wa[RL], wb[RL];  // two register sets: a stage's weights, and the next stage's on their way
     int4 xv[XJ];
     float2 xcv[XC];
     auto load_w = [&](int st, Raw (&w)[RL]) {
@@ -477,8 +473,10 @@ __device__ __forceinline__ void gb_rows(
         const int buf = (st - st0) & 1;
         __syncthreads();  // this stage's activations are stored; every warp is done with the other buffer
         const bool more = st + 1 < st1;
-        if (more) load_x(st + 1);  // in flight while this stage computes
-        if (st + D < st1) load_w(st + D, nxt);
+        if (more) {  // in flight while this stage computes
+            load_x(st + 1);
+            load_w(st + 1, nxt);
+        }
         int q[RL][8];
         float dlo[RL], e[RL];  // e: dhi (Q6_K) or m
         float dlo_off[RL], dhi_off[RL];  // magic_off of dlo and of the second half-block's scale
@@ -529,26 +527,16 @@ __device__ __forceinline__ void gb_rows(
     // The first stage's weights are asked for before the wait (their round trip overlaps the kernel
     // ahead's end and this one's activation loads); everything the kernels ahead write is read after it.
     if (st0 < st1) load_w(st0, wa);
-    if (D == 2 && st0 + 1 < st1) load_w(st0 + 1, wb);
     pdl_entry();
     seg_bounds(bounds, seg, nseg, R, tid);
     if (st0 < st1) {
         load_x(st0);
         store_x(0);
     }
-    // D + 1 stages a pass, so no stage's weights are copied from one register set to another: a stage
-    // computes from one set and loads the stage D ahead into the set the stage before it computed from
-    if constexpr (D == 1) {
-        for (int st = st0; st < st1; st += 2) {
-            stage(st, wa, wb);
-            if (st + 1 < st1) stage(st + 1, wb, wa);
-        }
-    } else {
-        for (int st = st0; st < st1; st += 3) {
-            stage(st, wa, wc);
-            if (st + 1 < st1) stage(st + 1, wb, wa);
-            if (st + 2 < st1) stage(st + 2, wc, wb);
-        }
+    // two stages a pass, so no stage's weights are copied from one register set to the other
+    for (int st = st0; st < st1; st += 2) {
+        stage(st, wa, wb);
+        if (st + 1 < st1) stage(st + 1, wb, wa);
     }
     // The group's 8 lanes add their blocks' sums: three xor-shuffle rounds, each keeping half the values
     // (the half named by the lane's bit) and adding the partner's copy of that half.
