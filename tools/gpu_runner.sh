@@ -67,6 +67,28 @@ export MINECART_CACHE_DIR=/tmp/minecart-cache
   python3 -c "import minecart.kernels.ops, minecart.engine.backends.cupy_backend as c; print('backend import ok; gpus', c.device_count())"
 } >>"$OUT/env.txt" 2>&1
 
+# llama.cpp's llama-bench for the peer comparisons (moe-host, sweep): built by ../shared/tools/llama-peer's
+# .gpu/build-llama.sh once a machine. start_peer_build [NICE] starts that build in the background unless the
+# binary is there or a build runs (/tmp/peer_build.pid holds its PID: a call's own script may start it
+# earlier); peer_building says whether one still runs.
+LB=/tmp/peer/build/bin/llama-bench
+peer_building() { [ -f /tmp/peer_build.pid ] && kill -0 "$(cat /tmp/peer_build.pid)" 2>/dev/null; }
+start_peer_build() {
+  if [ -x "$LB" ] || peer_building; then return 0; fi
+  (nice -n "${1:-0}" bash .gpu/build-llama.sh >"$OUT/peer_build.log" 2>&1) &
+  echo $! >/tmp/peer_build.pid
+}
+
+# ncu_kernel_times LIMIT CSV ERR ARGS...: Nsight Compute's GPU time of every kernel that
+# `tools/profile_decode.py ARGS --ncu` measures (one eager step, or one prefill), as CSV (profile, sweep;
+# summed by name with `tools/profile_decode.py --summarize CSV`)
+ncu_kernel_times() {
+  local limit=$1 csv=$2 err=$3
+  shift 3
+  timeout "$limit" ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    python3 tools/profile_decode.py "$@" --ncu >"$csv" 2>"$err"
+}
+
 # the test files a list of pytest arguments names (folders expanded as pytest orders them, selectors cut)
 test_files() {
   for t in "$@"; do
@@ -352,8 +374,7 @@ if [ "$MODE" = profile ]; then
   timeout 120 python3 tools/profile_decode.py $PA >"$OUT/profile_probe.txt" 2>&1
   for b in 1 ${PROFILE_BATCHES:-8}; do
     # shellcheck disable=SC2086
-    timeout 240 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-      python3 tools/profile_decode.py $PA --ncu --batch "$b" >"$OUT/ncu_b$b.csv" 2>"$OUT/profile_b$b.err"
+    ncu_kernel_times 240 "$OUT/ncu_b$b.csv" "$OUT/profile_b$b.err" $PA --batch "$b"
     echo "ncu batch $b exit $?" | tee "$OUT/profile_b$b.txt"
     python3 tools/profile_decode.py --summarize "$OUT/ncu_b$b.csv" 2>&1 | head -40 | tee -a "$OUT/profile_b$b.txt"
     rm -f "$OUT/ncu_b$b.csv"
@@ -378,10 +399,7 @@ if [ "$MODE" = moe-host ]; then
   # meanwhile too, and the timed runs start only when the build is done (it takes every core)
   T=${MOE_THREADS:-16}
   # (a build started earlier in the same call, e.g. in the background during the GPU tests, is waited for)
-  if [ -f /tmp/peer_build.pid ]; then BUILD=$(cat /tmp/peer_build.pid); else
-    (bash .gpu/build-llama.sh >"$OUT/peer_build.log" 2>&1) &
-    BUILD=$!
-  fi
+  start_peer_build
   F=/tmp/bench/qwen3.6-35b-a3b-q4_k.gguf
   mkdir -p /tmp/bench
   [ -f "$F" ] || timeout 300 python3 -m minecart.engine.cli synth --shape qwen3.6-35b-a3b --quant q4_k "$F" \
@@ -394,7 +412,7 @@ if [ "$MODE" = moe-host ]; then
     echo "moe tests exit $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/moe_tests.log" | tail -8
   fi
   wait "$SYNTH"
-  while kill -0 "$BUILD" 2>/dev/null; do sleep 2; done
+  while peer_building; do sleep 2; done
   # MOE_CHUNK: minecart's prefill chunk (0: the 4,096-token prompt in one pass; 2048: the runtime's
   # shortest run with streamed host-RAM experts, placement.STREAMED_EXPERTS_CHUNK)
   MB="--prefill 4096 --chunk ${MOE_CHUNK:-0} --decode-ctx 0 --decode-tokens 32 --threads $T --json"
@@ -409,8 +427,7 @@ if [ "$MODE" = moe-host ]; then
   echo "ours host-experts exit $?"; tail -8 "$OUT/moe_ours_host.err"
   N=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['host_experts']['layers'])" \
       "$OUT/moe_ours_host.json" 2>/dev/null || echo 30)
-  while kill -0 "$BUILD" 2>/dev/null; do sleep 2; done; tail -3 "$OUT/peer_build.log"
-  LB=/tmp/peer/build/bin/llama-bench
+  while peer_building; do sleep 2; done; tail -3 "$OUT/peer_build.log" 2>/dev/null
   {
     [ -n "${MOE_HOST_ONLY:-}" ] || { echo "== peer all on GPU"; timeout 150 $LB -m "$F" -ngl 99 -fa 1 -r 2 -p 4096 -n 32 -t "$T"; }
     echo "== peer --n-cpu-moe $N (the layers minecart put in host RAM)"
@@ -538,11 +555,9 @@ if [ "$MODE" = sweep ]; then
     if [ "$(left)" -ge "$1" ]; then echo "$(date +%T) $2 (left $(left) s)" | tee -a "$SW"; return 0; fi
     echo "$(date +%T) skipped $2: needs $1 s, $(left) left" | tee -a "$SW"; return 1
   }
-  LB=/tmp/peer/build/bin/llama-bench
-  if [ -f .gpu/build-llama.sh ] && [ ! -x "$LB" ] && [ ! -f /tmp/peer_build.pid ]; then
-    (nice -n 19 bash .gpu/build-llama.sh >"$OUT/peer_build.log" 2>&1; rm -f /tmp/peer_build.pid) &
-    echo $! >/tmp/peer_build.pid
-    echo "$(date +%T) llama.cpp build started in the background" >>"$SW"
+  if [ -f .gpu/build-llama.sh ]; then
+    start_peer_build 19
+    echo "$(date +%T) llama.cpp: $([ -x "$LB" ] && echo built || echo building in the background)" >>"$SW"
   fi
   PF=${SWEEP_PREFILL:-512,4096}
   QS=${SWEEP_QUANTS:-q4_k q8_0}
@@ -568,15 +583,13 @@ if [ "$MODE" = sweep ]; then
         [ -s "$F" ] || { echo "skipped profile: no $F" | tee -a "$SW"; continue; }
         fits 120 "Nsight Compute over one ${SWEEP_PROFILE_TOKENS:-4096}-token prefill, $q" || continue
         P="$OUT/sweep_prefill_profile.txt"
-        timeout 110 ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-          python3 tools/profile_decode.py --path "$F" --prefill "${SWEEP_PROFILE_TOKENS:-4096}" --ncu \
-          >/tmp/sweep_prefill.csv 2>"$P.err"
+        ncu_kernel_times 110 /tmp/sweep_prefill.csv "$P.err" --path "$F" --prefill "${SWEEP_PROFILE_TOKENS:-4096}"
         echo "ncu exit $?" | tee -a "$SW" >"$P"
         python3 tools/profile_decode.py --summarize /tmp/sweep_prefill.csv >>"$P" 2>&1
         head -45 "$P" ;;
       peer)
         fits 100 "llama-bench (waiting for the build first)" || continue
-        while [ -f /tmp/peer_build.pid ] && [ "$(left)" -ge 90 ]; do sleep 3; done
+        while peer_building && [ "$(left)" -ge 90 ]; do sleep 3; done
         [ -x "$LB" ] || { echo "skipped peer: no llama-bench ($(tail -2 "$OUT/peer_build.log" 2>/dev/null))" | tee -a "$SW"; continue; }
         for q in $QS; do
           F=/tmp/bench/qwen3.5-9b-$q.gguf
