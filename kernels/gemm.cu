@@ -7,9 +7,36 @@
 //   start at MAGIC_I (the float 1.5 * 2^23), so a block's sum times the weight's scale is one FMA
 //   (common.cuh magic_scale: no int -> float conversion, no subtraction), then one more FMA with the
 //   activation's scale. Weights: any format load_wblock (gemv.cu) reads; Q6_K's two scales per block are
-//   applied at the two half-blocks.
+//   applied at the two half-blocks. The epilogue adds the residual `res` (T, R) when given and writes a
+//   fused group's members apart with `seg` (the output layout below), as gemm_batch does.
 // gemm_fma: 64 x 64 tiles, fp32 FMA on weights dequantized to fp32 in shared memory (fallback path and
 //   F32/F16/BF16 weights).
+
+// Output layout (gemm_dp4a, gemm_batch and splitk_sum): with `seg` (nseg + 1 increasing row bounds, seg[0] = 0,
+// seg[nseg] = R, nseg <= 8) row r of segment j (seg[j] <= r < seg[j+1]) and token t go to
+// y[T * seg[j] + t * (seg[j+1] - seg[j]) + r - seg[j]]: each segment a contiguous (T, rows) block (a fused
+// group's outputs, split); without it y[t * R + r]. The residual is read at t * R + r.
+__device__ __forceinline__ void seg_range(const int* bounds, int r, int R, int& lo, int& hi) {
+    lo = 0;
+    hi = R;
+    for (int k = 1; k < 9; k++) {
+        if (r < bounds[k]) {
+            hi = bounds[k];
+            break;
+        }
+        lo = bounds[k];
+    }
+}
+__device__ __forceinline__ i64 seg_index(const int* bounds, int T, int t, int r, int R) {
+    int lo, hi;
+    seg_range(bounds, r, R, lo, hi);
+    return (i64)T * lo + (i64)t * (hi - lo) + (r - lo);
+}
+
+// seg_bounds: the 9 bounds seg_range reads, in shared memory (rows past nseg at R; without seg one segment)
+__device__ __forceinline__ void seg_bounds(int* bounds, const int* seg, int nseg, int R, int tid) {
+    if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
+}
 
 #define GB_M 128
 #define GB_N 128
@@ -18,7 +45,7 @@ template <int QT, int NBLK>
 __global__ void __launch_bounds__(256) gemm_dp4a(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
-        int T, int R, int K) {
+        int T, int R, int K, const float* __restrict__ res, const int* __restrict__ seg, int nseg) {
     pdl_entry();
     // NBLK quant blocks (32 values each) per shared-memory stage: 2 halves the barriers per K.
     __shared__ int4 As4[2][NBLK][8][GB_M / 4];
@@ -28,7 +55,9 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     const bool split = (QT == QT_Q6_K);
     const bool has_m = qt_has_offset(QT);
 
+    __shared__ int bounds[9];
     int tid = threadIdx.x;
+    seg_bounds(bounds, seg, nseg, R, tid);  // read by the epilogue, many barriers later
     int t0 = blockIdx.y * GB_M, r0 = blockIdx.x * GB_N;
     int nb = K >> 5;
     int nst = (nb + NBLK - 1) / NBLK;
@@ -144,6 +173,17 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
         if (st + 1 < nst) sstore(buf ^ 1);
         __syncthreads();
     }
+    // each column's place in y: its segment's start plus its offset there, and the segment's width (one
+    // segment of R rows without seg, so token t's row starts at t * R)
+    i64 col0[8];
+    int width[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        int r = r0 + ((j < 4) ? tx * 4 + j : 64 + tx * 4 + j - 4), lo, hi;
+        seg_range(bounds, r, R, lo, hi);
+        col0[j] = (i64)T * lo + (r - lo);
+        width[j] = hi - lo;
+    }
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         int t = t0 + ((i < 4) ? ty * 4 + i : 64 + ty * 4 + i - 4);
@@ -151,7 +191,8 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             int r = r0 + ((j < 4) ? tx * 4 + j : 64 + tx * 4 + j - 4);
-            if (r < R) y[(i64)t * R + r] = acc[i][j];
+            if (r >= R) continue;
+            y[col0[j] + (i64)t * width[j]] = res != nullptr ? acc[i][j] + res[(i64)t * R + r] : acc[i][j];
         }
     }
 }
@@ -262,22 +303,6 @@ __global__ void __launch_bounds__(256) gemm_fma(
 // partial sums to `part + blockIdx.y * T * R` (a (splits, T, R) scratch) and splitk_sum adds them in split
 // order (deterministic) with the residual into y; with one split the block writes y (+ res) itself. Rows
 // past R load row R - 1 and write nothing; tokens past T and blocks past K/32 load zeros.
-// Output layout (here and in splitk_sum): with `seg` (nseg + 1 increasing row bounds, seg[0] = 0,
-// seg[nseg] = R, nseg <= 8) row r of segment j (seg[j] <= r < seg[j+1]) and token t go to
-// y[T * seg[j] + t * (seg[j+1] - seg[j]) + r - seg[j]]: each segment a contiguous (T, rows) block (a fused
-// group's outputs, split); without it y[t * R + r]. The residual is read at t * R + r.
-__device__ __forceinline__ i64 seg_index(const int* bounds, int T, int t, int r, int R) {
-    int lo = 0, hi = R;
-    for (int k = 1; k < 9; k++) {
-        if (r < bounds[k]) {
-            hi = bounds[k];
-            break;
-        }
-        lo = bounds[k];
-    }
-    return (i64)T * lo + (i64)t * (hi - lo) + (r - lo);
-}
-
 // One round of gemm_batch's group sum: v[0 .. N) becomes the half of v[0 .. 2 N) named by `hi` plus the
 // partner lane's (lane ^ o) copy of that half.
 template <int N>
@@ -503,7 +528,7 @@ __device__ __forceinline__ void gb_rows(
     // ahead's end and this one's activation loads); everything the kernels ahead write is read after it.
     if (st0 < st1) load_w(st0, wa);
     pdl_entry();
-    if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
+    seg_bounds(bounds, seg, nseg, R, tid);
     if (st0 < st1) {
         load_x(st0);
         store_x(0);
@@ -686,7 +711,7 @@ __device__ __forceinline__ void gb_quads(
         }
     }
     __shared__ int bounds[9];
-    if (tid < 9) bounds[tid] = tid == 0 ? 0 : (seg != nullptr && tid <= nseg) ? seg[tid] : R;
+    seg_bounds(bounds, seg, nseg, R, tid);
     __syncthreads();  // bounds[] is written
     // write out: the thread's rows 4 tx .. and tokens TM ty ..
     const bool split = gridDim.y > 1;
@@ -726,8 +751,7 @@ extern "C" __global__ void splitk_sum(const float* __restrict__ part, int splits
                                       const int* __restrict__ seg, int nseg) {
     pdl_entry();
     __shared__ int bounds[9];
-    if (threadIdx.x < 9)
-        bounds[threadIdx.x] = threadIdx.x == 0 ? 0 : (seg != nullptr && (int)threadIdx.x <= nseg) ? seg[threadIdx.x] : R;
+    seg_bounds(bounds, seg, nseg, R, (int)threadIdx.x);
     __syncthreads();
     const i64 n = (i64)T * R;
     const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;

@@ -468,17 +468,27 @@ def matmul_io(x: cp.ndarray, w: QWeight, out: cp.ndarray | None, residual: cp.nd
     return x, y, residual
 
 
+def _writes_segments(w: QWeight, T: int, path: str) -> bool:
+    """Whether matmul(x, w, path) of T tokens runs a kernel that writes a fused group's members apart
+    (matmul's `segments`): gemm_batch (a batched decode step) and gemm_dp4a (prefill)."""
+    if T < 2 or not (path.startswith("dp4a") and w.dp4a_ok):
+        return False
+    if _gemm_batch(w.type_name, T) is not None:
+        return True
+    R, K = w.rows, w.cols
+    return T > GEMV_MAX_T and _gemv_kq_mt(w.type_name, T, R, K) is None and _gemv_mt(w.type_name, T, R) is None
+
+
 def matmul_split(x: cp.ndarray, w: QWeight, ranges, path: str = "dp4a") -> list[cp.ndarray]:
     """matmul of a fused group's rows, split into its members' outputs: the row ranges [(a, b), ...]
     (consecutive, covering 0..R) as contiguous (T, b - a) arrays, views of one buffer. gemm_batch
-    (a batched decode step) writes them in place; the other kernels write (T, R), which split_columns
-    splits (one token: the rows are already consecutive)."""
+    (a batched decode step) and gemm_dp4a (prefill) write them in place; the other kernels write (T, R),
+    which split_columns splits (one token: the rows are already consecutive)."""
     ranges = [(int(a), int(b)) for a, b in ranges]
     bounds = (0, *(b for _, b in ranges))
     T = x.shape[0]
-    if 1 < len(ranges) <= SPLIT_COLS_MAX and T > 1 and path.startswith("dp4a") and w.dp4a_ok \
-            and _gemm_batch(w.type_name, T) is not None and bounds == tuple(sorted(set(bounds))) \
-            and bounds[-1] == w.rows:
+    if 1 < len(ranges) <= SPLIT_COLS_MAX and _writes_segments(w, T, path) \
+            and bounds == tuple(sorted(set(bounds))) and bounds[-1] == w.rows:
         flat = matmul(x, w, path, segments=bounds).reshape(-1)
         return [flat[T * a : T * b].reshape(T, b - a) for a, b in ranges]
     y = matmul(x, w, path)
@@ -492,9 +502,9 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
            residual: cp.ndarray | None = None, segments: tuple[int, ...] | None = None) -> cp.ndarray:
     """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations; "dp4a2" = the GEMM
     variant staging two quant blocks per barrier) or "fma" (fp32). residual (T, R): added to the
-    result (in the GEMV epilogue for a few tokens, by a separate add otherwise). segments (only where
-    gemm_batch runs: matmul_split): row bounds (0, a_1, ..., R); the result's rows [a_j, a_j+1) then
-    lie as consecutive (T, a_j+1 - a_j) blocks of the returned buffer."""
+    result (in the DP4A kernels' epilogues; by a separate add on the FMA GEMM). segments (only where
+    gemm_batch or gemm_dp4a runs: matmul_split, _writes_segments): row bounds (0, a_1, ..., R); the
+    result's rows [a_j, a_j+1) then lie as consecutive (T, a_j+1 - a_j) blocks of the returned buffer."""
     if path == "hfma2":  # fp16 products, fp32 accumulation (hfma2.py)
         from . import hfma2
 
@@ -510,12 +520,12 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         xq, xd, xs = quantize_cached(x)
     nb = K // 32
     tt = _gemm_batch(w.type_name, T) if use_dp4a else None
+    seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
+    nseg = np.int32(len(segments) - 1 if segments is not None else 1)
     if tt is not None:  # batched decode: one launch for all T tokens (+ the split-K sum)
         splits, per = gemm_batch_splits(R, K, sm_count(), tt)
         part = cp.empty((splits, T, R), dtype=cp.float32) if splits > 1 else np.uint64(0)
         res = residual if residual is not None else np.uint64(0)
-        seg = _segment_bounds(segments) if segments is not None else np.uint64(0)
-        nseg = np.int32(len(segments) - 1 if segments is not None else 1)
         _mm_kernel(w, f"gemm_batch<{q}, {tt}>")((math.ceil(R / GEMM_BATCH_ROWS[tt]), splits), (128,),
                                                 (w.wq, wd, xq, xd, xs, y, part, np.int32(T), np.int32(R),
                                                  np.int32(K), np.int32(per), res, seg, nseg))
@@ -523,8 +533,8 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
             _mm_kernel(w, "splitk_sum")((math.ceil(T * R / 256),), (256,),
                                         (part, np.int32(splits), np.int32(T), np.int32(R), y, res, seg, nseg))
         return y
-    if segments is not None:
-        raise ValueError("matmul: segments are laid out by gemm_batch only (use matmul_split)")
+    if segments is not None and not _writes_segments(w, T, path):
+        raise ValueError("matmul: segments are laid out by gemm_batch and gemm_dp4a only (use matmul_split)")
     mt = _gemv_kq_mt(w.type_name, T, R, K) if use_dp4a else None
     mt_kernel = "gemv_kq_mt"
     if use_dp4a and mt is None:
@@ -559,12 +569,13 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     if use_dp4a:
         k = _mm_kernel(w, f"gemm_dp4a<{q}, {2 if path == 'dp4a2' else 1}>")
         k((math.ceil(R / 128), math.ceil(T / 128)), (256,),
-          (w.wq, wd, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K)))
-    else:
-        k = _mm_kernel(w, f"gemm_fma<{q}>")
-        k((math.ceil(R / 64), math.ceil(T / 64)), (256,), (w.wq, wd, x, y, np.int32(T), np.int32(R), np.int32(K)))
+          (w.wq, wd, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K),
+           residual if residual is not None else np.uint64(0), seg, nseg))
+        return y
+    k = _mm_kernel(w, f"gemm_fma<{q}>")
+    k((math.ceil(R / 64), math.ceil(T / 64)), (256,), (w.wq, wd, x, y, np.int32(T), np.int32(R), np.int32(K)))
     if residual is not None:
-        y += residual  # prefill: one extra elementwise launch per layer is negligible
+        y += residual  # one extra elementwise launch on the fallback path
     return y
 
 

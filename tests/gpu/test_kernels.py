@@ -136,6 +136,43 @@ def test_gemm_two_block_stages(nb, poison, type_name, K):
     assert nerr(y, q8_1_emulation(x, nb.load_weight(info).dense())) < 2e-5
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("path", ["dp4a", "dp4a2"])
+def test_prefill_gemm_epilogue(nb, poison, launches, type_name, path):
+    """gemm_dp4a's epilogue: the residual added there and a fused group's members written apart
+    (matmul_split), each in the one launch, bit for bit the plain launch's output (plus the residual,
+    one fp32 add) and its column ranges; the plain output against the DP4A emulation."""
+    from minecart.kernels import ops
+
+    rng = np.random.default_rng()
+    R, K, T = 301, 512, 200  # a partial row tile and a partial token tile; T past every decode kernel
+    info = make_tensor(rng, type_name, (R, K), 0.05)
+    w = ops.upload_weight(info.raw, type_name, (R, K))
+    name = f"gemm_dp4a<{ops.QT[type_name]}, {2 if path == 'dp4a2' else 1}>"
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    res = rng.standard_normal((T, R)).astype(np.float32)
+    gx, gres = cp.asarray(x), cp.asarray(res)
+    runs = {}
+    for what in ("plain", "residual"):
+        poison()
+        launches.clear()
+        runs[what] = cp.asnumpy(ops.matmul(gx, w, path, residual=gres if what == "residual" else None))
+        assert launches == [name], (what, launches)
+    plain = runs["plain"]
+    assert nerr(plain, q8_1_emulation(x, nb.load_weight(info).dense())) < 2e-5
+    np.testing.assert_array_equal(runs["residual"], plain + res)
+    cuts = np.sort(rng.choice(np.arange(1, R), size=int(rng.integers(1, ops.SPLIT_COLS_MAX)), replace=False))
+    bounds = [0, *(int(c) for c in cuts), R]
+    ranges = list(zip(bounds[:-1], bounds[1:], strict=True))
+    poison()
+    launches.clear()
+    outs = ops.matmul_split(gx, w, ranges, path)
+    assert launches == [name], launches  # no split_cols launch after it
+    for (a, b), o in zip(ranges, outs, strict=True):
+        assert o.shape == (T, b - a) and o.flags.c_contiguous
+        np.testing.assert_array_equal(cp.asnumpy(o), plain[:, a:b], err_msg=f"rows {a}..{b} of {bounds}")
+
+
 @pytest.mark.parametrize("kquant", ["dp4a", "dp4a2"])
 def test_prefill_path_per_format(nb, poison, tmp_path, monkeypatch, kquant):
     """A probe record whose K-quant stage depth differs from Q8_0's: a prefill of Q8_0 rows takes
