@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU machine (device tool `run`, carry [".gpu"]), from the repo root:
-#   bash tools/gpu_runner.sh [tests|bench|ops|split|all] [extra pytest args...]
+#   bash tools/gpu_runner.sh [tests|bench|ops|split|all] [test paths (tests/...) or extra pytest args...]
 # Installs the payload that tools/../shared/tools/gpu-payload put in .gpu/ (gguf, platformdirs wheels and
 # the fixtures), makes `minecart` importable without a build (links the package folders), runs the GPU
 # tests and/or the benchmark, and writes logs and JSON to $OUT (at most 8 files come back).
@@ -48,6 +48,30 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 ROOT=$(pwd)
+
+# tests / ptx: test paths given as arguments (tests/..., selectors included) name the files to run, as
+# GPU_TESTS / PTX_TESTS do; the other arguments go to pytest. (Before, such paths went to pytest beside the
+# whole default list, and a call meant for a few files ran the suite from its first file.)
+if [ "$MODE" = tests ] || [ "$MODE" = ptx ]; then
+  paths=""
+  rest=()
+  for a in "$@"; do
+    case $a in
+      tests/*) paths="$paths $a" ;;
+      *) rest+=("$a") ;;
+    esac
+  done
+  if [ -n "$paths" ]; then
+    var=GPU_TESTS
+    [ "$MODE" = ptx ] && var=PTX_TESTS
+    if [ -n "${!var:-}" ]; then
+      echo "gpu_runner.sh $MODE: test paths given both in $var and as arguments (${paths# }); name them once" >&2
+      exit 2
+    fi
+    export "$var=${paths# }"
+    set -- "${rest[@]}"
+  fi
+fi
 
 # link_tree DIR DEST: DEST/minecart/{app,engine,kernels,resources} -> DIR's folders, so DEST on PYTHONPATH
 # imports DIR's code without a build
