@@ -61,14 +61,15 @@ if [ "$MODE" = tests ] || [ "$MODE" = ptx ]; then
       *) rest+=("$a") ;;
     esac
   done
+  paths=${paths# }
   if [ -n "$paths" ]; then
     var=GPU_TESTS
     [ "$MODE" = ptx ] && var=PTX_TESTS
     if [ -n "${!var:-}" ]; then
-      echo "gpu_runner.sh $MODE: test paths given both in $var and as arguments (${paths# }); name them once" >&2
+      echo "gpu_runner.sh $MODE: test paths given both in $var and as arguments ($paths); name them once" >&2
       exit 2
     fi
-    export "$var=${paths# }"
+    export "$var=$paths"
     set -- "${rest[@]}"
   fi
 fi
