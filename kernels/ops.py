@@ -533,12 +533,13 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
             _mm_kernel(w, "splitk_sum")((math.ceil(T * R / 256),), (256,),
                                         (part, np.int32(splits), np.int32(T), np.int32(R), y, res, seg, nseg))
         return y
-    if segments is not None and not _writes_segments(w, T, path):
-        raise ValueError("matmul: segments are laid out by gemm_batch and gemm_dp4a only (use matmul_split)")
     mt = _gemv_kq_mt(w.type_name, T, R, K) if use_dp4a else None
     mt_kernel = "gemv_kq_mt"
     if use_dp4a and mt is None:
         mt, mt_kernel = _gemv_mt(w.type_name, T, R), "gemv_mt"
+    # decided by this dispatch itself, so no kernel that ignores `seg` is ever handed segments
+    if segments is not None and not (use_dp4a and mt is None and T > GEMV_MAX_T):
+        raise ValueError("matmul: segments are laid out by gemm_batch and gemm_dp4a only (use matmul_split)")
     if mt is not None:  # multi-token GEMV (batched decode), grid: 16 / wpr rows per block
         wpr, nu = mt
         for t0, nt in kq_passes(T):
