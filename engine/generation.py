@@ -263,6 +263,11 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
     end_ids = (set(tokenizer.eos_ids) if tokenizer is not None else set()) | set(params.stop_token_ids)
     limit = session.limit
 
+    grammar = None
+    if params.json_format is not None:  # the answer's format, checked before any token is computed
+        if tokenizer is None:
+            raise RequestError("a JSON answer format needs the model's tokenizer; this model has none")
+        grammar = params.json_format.matcher(tokenizer, end_ids, ids)
     if cancel is not None and cancel.is_set():
         yield clock.event(None, "", "cancelled")
         return
@@ -281,7 +286,8 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
     session.checkpoint()  # turn boundary: regenerate restarts from here
 
     max_tokens = params.resolved_max_tokens(templated=True)  # resolved by generate already
-    sampler = Sampler(params, ids, vocab=model.config.vocab_size)  # penalties applied on the device too
+    sampler = Sampler(params, ids, vocab=model.config.vocab_size,  # penalties applied on the device too
+                      grammar=grammar)
     text = TextStream(tokenizer.decode) if tokenizer is not None else None
     stops = StopStrings(params.stop)
     clock.decode_t0 = time.perf_counter()

@@ -43,9 +43,12 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .json_output import JsonFormat, JsonMatcher
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +251,8 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: tuple[str, ...] | list[str] = field(default_factory=tuple)  # stop strings (not shown)
     stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)  # besides the model's EOS
+    # the answer must be JSON of this format (the API's response_format; engine/json_output.py)
+    json_format: JsonFormat | None = None
 
     def __post_init__(self) -> None:
         # NaN passes every comparison below and inf turns the distribution into NaNs: refuse both
@@ -647,8 +652,11 @@ class Sampler:
     vocab > 0 (the model's vocabulary size): a device may apply this sampler's penalties itself
     (PickSpec.history), so that a penalized sampler's picks chain too."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), vocab: int = 0):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), vocab: int = 0,
+                 grammar: JsonMatcher | None = None):
         self.params = params
+        # the tokens this generation may draw next (params.json_format's matcher): see _pick_allowed
+        self.grammar = grammar
         self.prompt_ids = list(prompt_ids)
         self.generated: list[int] = []
         self.rng = np.random.default_rng(params.seed)
@@ -661,6 +669,8 @@ class Sampler:
         of them), and remember it."""
         token = self.pick(logits)
         self.generated.append(token)
+        if self.grammar is not None:
+            self.grammar.feed(token)
         return token
 
     @property
@@ -675,6 +685,8 @@ class Sampler:
         and no penalties or penalties the device applies (a vocabulary given, and top logits that serve
         a host pick too when a step runs without them: candidates)."""
         prm = self.params
+        if self.grammar is not None:
+            return False  # the host decides which tokens may come
         if self.penalized and (self._history is None or self.candidates == 0):
             return False
         return prm.greedy or 0 < prm.top_k <= TOP_CANDIDATES_MAX
@@ -724,6 +736,8 @@ class Sampler:
         TOP_CANDIDATES_MAX, of which the pick checks that they decide it (module docstring); other
         penalties and top-k off: 0."""
         prm = self.params
+        if self.grammar is not None:  # the largest TOP_CANDIDATES_MAX, penalized on the host: whole rows
+            return 0 if self.penalized else TOP_CANDIDATES_MAX
         k = 1 if prm.greedy else prm.top_k
         if not 0 < k <= TOP_CANDIDATES_MAX:
             return 0
@@ -733,10 +747,46 @@ class Sampler:
         return TOP_CANDIDATES_MAX if _lowering(_penalties_of(prm)) and k < TOP_CANDIDATES_MAX else 0
 
     def pick(self, logits: np.ndarray | TopLogits) -> int:
+        if self.grammar is not None:
+            return self._pick_allowed(logits, self.grammar)
         if isinstance(logits, TopLogits):
             return self._pick_top(logits)
         x = _penalized(np.asarray(logits).reshape(-1), None, _penalties_of(self.params), self._penalty_view())
         return _pick_row(x, self.params, 0.0 if self.params.greedy else self._uniform())
+
+    def _pick_allowed(self, logits: np.ndarray | TopLogits, grammar: JsonMatcher) -> int:
+        """A pick under a grammar: the sampler's filters over the allowed tokens among the row's
+        TOP_CANDIDATES_MAX largest (penalized) logits, or, when none of those is allowed, among the next
+        TOP_CANDIDATES_MAX in rank order that hold one, and so on (descending, ties by id): the
+        distribution of the allowed tokens, cut where the row's own ranking leaves them no weight to
+        speak of, without checking the whole vocabulary each token. Greedy: the largest allowed."""
+        prm = self.params
+        limit = 1 if prm.greedy else max(0, prm.top_k)
+        if isinstance(logits, TopLogits) and not self.penalized:
+            vals, ids = logits.values[0], np.asarray(logits.ids[0], np.int64)
+            mask = grammar.allowed(ids, limit)
+            if mask.any():
+                return self._draw_allowed(vals[mask], ids[mask])
+            row = logits.whole_row()
+        else:
+            row = logits.whole_row() if isinstance(logits, TopLogits) else np.asarray(logits).reshape(-1)
+        x = _penalized(row, None, _penalties_of(prm), self._penalty_view()) if self.penalized \
+            else np.asarray(row, np.float32).reshape(-1)
+        order = np.argsort(-x, kind="stable")  # descending, lower id first on ties
+        ids = grammar.first_allowed_window(order, TOP_CANDIDATES_MAX, limit)
+        if ids.size == 0:
+            raise RuntimeError("the JSON output format allows no token of the vocabulary here")
+        return self._draw_allowed(x[ids], ids)
+
+    def _draw_allowed(self, vals: np.ndarray, ids: np.ndarray) -> int:
+        """The pick from allowed candidates (descending, ties by id): greedy the first, else the
+        sampler's temperature, top-k, top-p and min-p over them (draw_from_top)."""
+        prm = self.params
+        if prm.greedy:
+            return int(ids[0])
+        spec = PickSpec(self._uniform(), float(prm.temperature), float(prm.top_p), float(prm.min_p),
+                        top_k=max(0, prm.top_k))
+        return draw_from_top(vals, ids, spec)
 
     def _pick_top(self, top: TopLogits) -> int:
         """pick from a row's largest logits: the same token as from the whole row (module docstring)."""

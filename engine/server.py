@@ -12,6 +12,8 @@ chat template; Qwen's `<tool_call>` output comes back as `tool_calls`), the usua
 extras, top_k, min_p and repetition_penalty. Thinking comes back as `reasoning_content`; it is turned off
 with `chat_template_kwargs: {"enable_thinking": false}`, `"enable_thinking": false`, or a `/no_think` in
 the last user or system message (`/think` turns it back on; both tags are removed from the text).
+`response_format` {"type": "json_object"} or {"type": "json_schema", ...} makes the answer JSON (of the
+schema), drawing only tokens that keep it so (engine/json_output.py; on both completion routes).
 `chat_template_mode` (an extra: "auto", "on", "off") chooses between the chat template and the plain
 text of the messages; "auto" (default) sends a pretrained base model plain text to continue.
 `conversation_id` (an extra) keeps a chat in its own engine session; without it, requests share one
@@ -60,6 +62,7 @@ from .errors import (
     RequestError,
     TemplateError,
 )
+from .json_output import JsonFormat, SchemaError, json_object_format, json_schema_format
 from .prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from .prometheus import engine_text
 from .prompt import PROMPT_MODES
@@ -282,6 +285,18 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field("response", min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(_Strict):
     """Fields both completion routes take (OpenAI's names, plus extras top_k, min_p,
     repetition_penalty and conversation_id)."""
@@ -303,6 +318,7 @@ class _Common(_Strict):
     stream_options: StreamOptions | None = None
     logprobs: Literal[False] | None = None
     top_logprobs: Literal[0] | None = None
+    response_format: ResponseFormat | None = None
     conversation_id: str | int | None = None
 
 
@@ -339,6 +355,8 @@ _FIELD_RULES = {
     "logprobs": "false (logprobs are not supported)", "top_logprobs": "0 (logprobs are not supported)",
     "echo": "false (echo is not supported)", "suffix": "empty (suffix is not supported)",
     "conversation_id": "a string or an integer",
+    "response_format": "{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                       "\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
     "tools": "an array of {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}",
     "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
     "chat_template_kwargs": "an object", "enable_thinking": "true or false",
@@ -417,10 +435,34 @@ def sampling_params(req: _Common, *, default_max_tokens: int | None, context_len
     max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
     if max_tokens is not None:
         kwargs["max_tokens"] = min(max_tokens, context_length) if context_length else max_tokens
+    kwargs["json_format"] = json_format(req)
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as exc:
         raise bad_request(f"invalid sampling parameters: {exc}") from exc
+
+
+def json_format(req: _Common) -> JsonFormat | None:
+    """The answer's format from response_format: none for "text", any JSON object for "json_object",
+    the schema's JSON for "json_schema" (engine/json_output.py: the keywords it holds answers to; any
+    other is a 400 naming it). With tools offered the answer could not be a tool call, so the two are
+    refused together."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if isinstance(req, ChatRequest) and req.tools and req.tool_choice != "none":
+        raise bad_request("response_format json_object / json_schema cannot be combined with tools (the "
+                          "answer could not be a tool call); send one or the other", "response_format")
+    if fmt.type == "json_object":
+        return json_object_format()
+    spec = fmt.json_schema
+    if spec is None or spec.schema_ is None:
+        raise bad_request("response_format of type json_schema needs json_schema.schema (a JSON Schema "
+                          "object)", "response_format")
+    try:
+        return json_schema_format(spec.schema_, spec.name)
+    except SchemaError as exc:
+        raise bad_request(f"response_format.json_schema.schema: {exc}", "response_format") from exc
 
 
 def stop_strings(req: _Common) -> list[str]:

@@ -331,6 +331,13 @@ class Tokenizer:
         """The raw bytes a token stands for (may be part of a UTF-8 character)."""
         return self._token_bytes[self._check_id(token_id)]
 
+    def text_token_bytes(self) -> list[bytes]:
+        """Every token's bytes, with b"" for the tokens that are not text (control, user-defined such
+        as <think>, unused, unknown): what may appear inside generated text that a format constrains
+        (engine/json_output.py). A new list each call."""
+        return [raw if ty in (TOKEN_NORMAL, TOKEN_BYTE) else b""
+                for raw, ty in zip(self._token_bytes, self._types, strict=True)]
+
     def token_to_piece(self, token_id: int) -> str:
         """The text of one token, as it would appear in decoded output (invalid UTF-8 -> U+FFFD)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
