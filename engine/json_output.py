@@ -23,8 +23,8 @@ ensure_ascii=False: "é", not "\\u00e9"). Any other keyword (pattern, minimum,
 multipleOf, ...) is refused with `SchemaError`: an answer that ignored it would not hold to the schema.
 
 Limits that keep a random or looping model from running forever inside one token class: at most
-MAX_WHITESPACE whitespace bytes in a row between JSON tokens, none after the value (the end token comes
-next), numbers of at most MAX_NUMBER bytes.
+MAX_WHITESPACE whitespace bytes in a row between JSON tokens, none before or after the value (it starts
+at once, and the end token follows it), numbers of at most MAX_NUMBER bytes.
 
 Thinking models: when the prompt leaves a `<think>` block open, the reasoning runs unconstrained (no
 end token, so the model has to close the block) and the JSON starts after `</think>`.
@@ -473,7 +473,7 @@ def _step(state: State, b: int, out: list[State]) -> None:
         _key_step(frame, rest, b, out)
         return
     if b in _WS:
-        if ws < MAX_WHITESPACE:
+        if ws < MAX_WHITESPACE and not (kind == "V" and rest is None):  # none before the value either
             out.append((stack, ws + 1))
         return
     if kind == "V":

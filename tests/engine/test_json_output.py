@@ -45,15 +45,15 @@ def _no_duplicates(pairs):
 
 def reference_parse(data: bytes):
     """(True, value) when data is one JSON text by RFC 8259 as Python's json reads it (strict UTF-8, no
-    NaN / Infinity, no duplicate keys), with no whitespace run past the documented cap and none after the
-    value; else (False, None)."""
+    NaN / Infinity, no duplicate keys), with no whitespace run past the documented cap and none before
+    or after the value; else (False, None)."""
     try:
         text = data.decode("utf-8")
         value = json.loads(text, parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
     except ValueError:
         return False, None
-    if re.search(rb"[ \t\n\r]{%d}" % (MAX_WHITESPACE + 1), data) or data != data.rstrip(b" \t\n\r"):
-        return False, None  # the documented limits: whitespace runs, nothing after the value
+    if re.search(rb"[ \t\n\r]{%d}" % (MAX_WHITESPACE + 1), data) or data != data.strip(b" \t\n\r"):
+        return False, None  # the documented limits: whitespace runs, none around the value
     return True, value
 
 
@@ -277,8 +277,9 @@ def test_limits_leave_no_dead_end():
     states = advance(initial_states(any_object()), b'{"' + b"k" * MAX_KEY)
     assert allowed_bytes(states) == [0x22]
     # whitespace past its cap
-    assert not advance(initial_states(any_object()), b" " * (MAX_WHITESPACE + 1))
-    assert advance(initial_states(any_object()), b" " * MAX_WHITESPACE + b"{")
+    assert not advance(initial_states(any_object()), b"{" + b" " * (MAX_WHITESPACE + 1))
+    assert advance(initial_states(any_object()), b"{" + b" " * MAX_WHITESPACE + b"}")
+    assert not advance(initial_states(any_object()), b" ")  # the value starts at once
     # nothing after the value, not even whitespace: the end token comes next
     assert allowed_bytes(advance(initial_states(any_object()), b"{}")) == []
 
@@ -292,7 +293,7 @@ class ByteVocab:
 
     def __init__(self, rng: random.Random):
         words = [b'{"', b'":', b'",', b'"}', b"true", b"null", b"12", b"-0.5", b" {", b"}\n", b"ab", b'\\u00',
-                 b"\xc3\xa9", b"\xc3", b"]]", b"[[", b'"name', b'"age"', b"  "]
+                 b"\xc3\xa9", b"\xc3", b"]]", b"[[", b'"name', b'"age"', b"  ", b"{ "]
         extra = [bytes(rng.choice(b'{}[]":, abc0123\\') for _ in range(rng.randint(2, 5))) for _ in range(60)]
         self.data = [bytes((b,)) for b in range(256)] + words + extra + [b"<ctl>", b"<end>"]
         self.end = len(self.data) - 1
