@@ -34,15 +34,34 @@ import numpy as np
 from .errors import GenerationCancelled, RequestError
 from .execution import shift_override
 from .prompt import PromptInput, PromptMode, render_prompt
-from .sampling import LaunchedStep, Sampler, SamplingParams
+from .sampling import LaunchedStep, Sampler, SamplingParams, TopLogits, log_softmax_at
 from .session import PREFILL_CHUNK, Session, context_full, context_limit
 from .vision.insert import has_images as has_images_in
 from .vision.insert import prepare_chat
 
 if TYPE_CHECKING:  # model.py imports this module to run Model.generate
     from .model import Model
+    from .tokenizer import Tokenizer
 
 __all__ = ["GenerationEvent", "SamplingParams", "StopStrings", "TextStream", "generate"]
+
+
+@dataclass(frozen=True)
+class TokenChoice:
+    """A token with its bytes and its log-probability under the model."""
+
+    token: int
+    data: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The generated token's TokenChoice and its row's most likely tokens (SamplingParams.logprobs of
+    them, descending)."""
+
+    chosen: TokenChoice
+    top: tuple[TokenChoice, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,6 +78,8 @@ class GenerationEvent:
     elapsed: float  # seconds since generate started
     cached_tokens: int = 0  # prompt tokens reused from the session
     image_tokens: int = 0  # prompt tokens that are image embeddings (engine/vision)
+    # the token's log-probabilities when SamplingParams.logprobs asked for them (never for an end token)
+    logprobs: TokenLogprobs | None = None
 
     @property
     def completion_tokens(self) -> int:  # the OpenAI name of generated_tokens
@@ -236,7 +257,8 @@ class _Clock:
     decode_t0: float | None = None
     n_gen: int = 0
 
-    def event(self, token: int | None, text: str, finish: str | None = None) -> GenerationEvent:
+    def event(self, token: int | None, text: str, finish: str | None = None,
+              logprobs: TokenLogprobs | None = None) -> GenerationEvent:
         now = time.perf_counter()
         decode_s = now - self.decode_t0 if self.decode_t0 is not None else 0.0
         return GenerationEvent(
@@ -250,7 +272,24 @@ class _Clock:
             elapsed=now - self.t0,
             cached_tokens=self.n_prompt - self.computed,
             image_tokens=self.image_tokens,
+            logprobs=logprobs,
         )
+
+
+def _token_logprobs(logits: np.ndarray | TopLogits, token: int, n: int, tokenizer: Tokenizer | None) -> TokenLogprobs:
+    """`token`'s log-probability under the row it was drawn from, and the row's n most likely tokens."""
+    row = logits.whole_row() if isinstance(logits, TopLogits) else np.asarray(logits).reshape(-1)
+    lp, alts = log_softmax_at(row, token, n)
+
+    def choice(t: int, value: float) -> TokenChoice:
+        data = tokenizer.token_bytes(t) if tokenizer is not None else b""
+        return TokenChoice(t, data, max(value, LOGPROB_FLOOR))
+
+    return TokenLogprobs(choice(token, lp), tuple(choice(t, v) for t, v in alts))
+
+
+# A log-probability below this (a logit of -inf) is reported as this, so that it stays a JSON number
+LOGPROB_FLOOR = -9999.0
 
 
 def _generate(model: Model, ids: list[int], params: SamplingParams, session: Session | None,
@@ -314,14 +353,15 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
             if token in end_ids:
                 yield clock.event(token, held_text(), "stop")
                 return
+            lp = None if params.logprobs is None else _token_logprobs(logits, token, params.logprobs, tokenizer)
             delta = text.add(token) if text is not None else ""
             shown, hit = stops.feed(delta)
             if hit:
-                yield clock.event(token, shown, "stop")
+                yield clock.event(token, shown, "stop", lp)
                 return
             # the context is full once the prompt and the answer so far leave no room for this token
             if clock.n_gen >= max_tokens or clock.n_prompt + clock.n_gen >= limit:
-                yield clock.event(token, shown + held_text(), "length")
+                yield clock.event(token, shown + held_text(), "length", lp)
                 return
             # the token goes on: its step is launched before its event is handed out, so the device
             # computes while the consumer shows or sends the token (the same steps as stepping after)
@@ -337,7 +377,7 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
                 spec = sampler.pick_spec(1)
                 assert spec is not None  # the sampler chains
                 ahead = session.launch_next(launched, top=sampler.candidates, pick=spec)
-            yield clock.event(token, shown)
+            yield clock.event(token, shown, logprobs=lp)
             if cancel is not None and cancel.is_set():
                 launched.result()  # the session's states are settled before the loop ends
                 yield clock.event(None, held_text(), "cancelled")

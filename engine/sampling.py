@@ -60,6 +60,8 @@ DEFAULT_MAX_TOKENS_TEXT = 256
 # The most candidates a sampler takes from a step instead of the whole row (top_k above it, or with
 # penalties from it: whole rows).
 TOP_CANDIDATES_MAX = 64
+# The most alternatives a token's log-probabilities list (OpenAI's top_logprobs bound)
+TOP_LOGPROBS_MAX = 20
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,20 @@ class LaunchedStep:
         return self._value
 
 
+def log_softmax_at(row: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` under a row of the model's own logits (log-softmax, before
+    temperature, penalties or a format; float64 sums) and the row's n most likely tokens with theirs
+    (descending, ties to the lower id)."""
+    x = np.asarray(row, np.float32).reshape(-1)
+    top = float(x.max())
+    lse = top + math.log(float(np.exp(x - np.float32(top)).sum(dtype=np.float64)))
+    alts: list[tuple[int, float]] = []
+    if n > 0:
+        vals, ids = top_logits(x, n)
+        alts = [(int(i), float(v) - lse) for v, i in zip(vals[0].tolist(), ids[0].tolist(), strict=True)]
+    return float(x[int(token)]) - lse, alts
+
+
 def top_logits(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k largest of each row of logits ((T, V) or (V,)) -> (values (T, k) float32, ids (T, k)
     int64), each row descending, equal values in ascending id order, and of the values equal to the
@@ -253,6 +269,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)  # besides the model's EOS
     # the answer must be JSON of this format (the API's response_format; engine/json_output.py)
     json_format: JsonFormat | None = None
+    # each generated token's log-probability and this many of its row's most likely tokens with theirs
+    # (0..TOP_LOGPROBS_MAX; None: none): the API's logprobs / top_logprobs
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # NaN passes every comparison below and inf turns the distribution into NaNs: refuse both
@@ -272,6 +291,8 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1)")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0 (1 = off)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS_MAX:
+            raise ValueError(f"logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}]")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
         if isinstance(self.stop, str):
@@ -685,8 +706,8 @@ class Sampler:
         and no penalties or penalties the device applies (a vocabulary given, and top logits that serve
         a host pick too when a step runs without them: candidates)."""
         prm = self.params
-        if self.grammar is not None:
-            return False  # the host decides which tokens may come
+        if self.grammar is not None or prm.logprobs is not None:
+            return False  # the host decides which tokens may come, or reads every row
         if self.penalized and (self._history is None or self.candidates == 0):
             return False
         return prm.greedy or 0 < prm.top_k <= TOP_CANDIDATES_MAX
@@ -736,6 +757,8 @@ class Sampler:
         TOP_CANDIDATES_MAX, of which the pick checks that they decide it (module docstring); other
         penalties and top-k off: 0."""
         prm = self.params
+        if prm.logprobs is not None:  # a token's log-probability needs its whole row
+            return 0
         if self.grammar is not None:  # the largest TOP_CANDIDATES_MAX, penalized on the host: whole rows
             return 0 if self.penalized else TOP_CANDIDATES_MAX
         k = 1 if prm.greedy else prm.top_k

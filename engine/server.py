@@ -14,6 +14,9 @@ with `chat_template_kwargs: {"enable_thinking": false}`, `"enable_thinking": fal
 the last user or system message (`/think` turns it back on; both tags are removed from the text).
 `response_format` {"type": "json_object"} or {"type": "json_schema", ...} makes the answer JSON (of the
 schema), drawing only tokens that keep it so (engine/json_output.py; on both completion routes).
+`logprobs` (chat: true with `top_logprobs` 0-20; completions: 0-5) returns each generated token's
+log-probability under the model's own logits (before temperature, penalties or a format) with its
+bytes, and the row's most likely alternatives; the reasoning's tokens are included.
 `chat_template_mode` (an extra: "auto", "on", "off") chooses between the chat template and the plain
 text of the messages; "auto" (default) sends a pretrained base model plain text to continue.
 `conversation_id` (an extra) keeps a chat in its own engine session; without it, requests share one
@@ -62,6 +65,7 @@ from .errors import (
     RequestError,
     TemplateError,
 )
+from .generation import GenerationEvent, TokenChoice
 from .json_output import JsonFormat, SchemaError, json_object_format, json_schema_format
 from .prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from .prometheus import engine_text
@@ -316,14 +320,14 @@ class _Common(_Strict):
     n: Literal[1] | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logprobs: Literal[False] | None = None
-    top_logprobs: Literal[0] | None = None
     response_format: ResponseFormat | None = None
     conversation_id: str | int | None = None
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -335,6 +339,7 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: (str | list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
              | list[str] | list[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]])
+    logprobs: int | None = Field(None, ge=0, le=5)
     echo: Literal[False] | None = None
     suffix: Literal[""] | None = None
 
@@ -352,7 +357,8 @@ _FIELD_RULES = {
     "stop": "a string or an array of at most 16 strings",
     "n": "1 (only n=1 is supported)", "stream": "true or false",
     "stream_options": "an object such as {\"include_usage\": true}",
-    "logprobs": "false (logprobs are not supported)", "top_logprobs": "0 (logprobs are not supported)",
+    "logprobs": "true or false (chat), an integer in [0, 5] (completions)",
+    "top_logprobs": "an integer in [0, 20] (with logprobs: true)",
     "echo": "false (echo is not supported)", "suffix": "empty (suffix is not supported)",
     "conversation_id": "a string or an integer",
     "response_format": "{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
@@ -436,10 +442,55 @@ def sampling_params(req: _Common, *, default_max_tokens: int | None, context_len
     if max_tokens is not None:
         kwargs["max_tokens"] = min(max_tokens, context_length) if context_length else max_tokens
     kwargs["json_format"] = json_format(req)
+    kwargs["logprobs"] = logprobs_asked(req)
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as exc:
         raise bad_request(f"invalid sampling parameters: {exc}") from exc
+
+
+def logprobs_asked(req: _Common) -> int | None:
+    """How many alternatives each token's log-probabilities list (None: no log-probabilities): chat's
+    logprobs + top_logprobs, or the legacy completions' logprobs integer."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    return None
+
+
+def _logprob_entry(c: TokenChoice) -> dict[str, Any]:
+    return {"token": c.data.decode("utf-8", errors="replace"), "logprob": c.logprob, "bytes": list(c.data)}
+
+
+def chat_logprobs(events: Sequence[GenerationEvent]) -> list[dict[str, Any]]:
+    """OpenAI chat `logprobs.content` entries of the tokens behind events (one per generated token
+    that is not an end token; the reasoning's tokens included)."""
+    out = []
+    for ev in events:
+        lp = ev.logprobs
+        if lp is not None:
+            out.append(dict(_logprob_entry(lp.chosen), top_logprobs=[_logprob_entry(c) for c in lp.top]))
+    return out
+
+
+def completion_logprobs(events: Sequence[GenerationEvent], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions `logprobs` object of the tokens behind events; text offsets count
+    characters from `offset`."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for ev in events:
+        lp = ev.logprobs
+        if lp is None:
+            continue
+        piece = lp.chosen.data.decode("utf-8", errors="replace")
+        tokens.append(piece)
+        lps.append(lp.chosen.logprob)
+        tops.append({c.data.decode("utf-8", errors="replace"): c.logprob for c in lp.top})
+        offsets.append(offset)
+        offset += len(piece)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def json_format(req: _Common) -> JsonFormat | None:
@@ -1084,19 +1135,24 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         completion_id = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
 
+        with_logprobs = params.logprobs is not None
         if stream:
             return StreamingResponse(
-                _chat_stream(request, handle, completion_id, created, model_id, tools, include_usage),
+                _chat_stream(request, handle, completion_id, created, model_id, tools, include_usage,
+                             with_logprobs),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         answer: list[str] = []
         thinking: list[str] = []
+        generated: list[GenerationEvent] = []
 
         def collect(ev):
             if ev.kind == "token":
                 answer.append(ev.text)
                 thinking.append(ev.thinking)
+                if ev.generation is not None:
+                    generated.append(ev.generation)
             return ev if ev.terminal else None
 
         final = None
@@ -1118,21 +1174,30 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
             finish = "tool_calls"
         return {"id": completion_id, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                             "logprobs": None}],
+                             "logprobs": ({"content": chat_logprobs(generated), "refusal": None}
+                                          if with_logprobs else None)}],
                 "usage": _usage_dict(final), "timings": _timings(final)}
 
-    async def _chat_stream(request, handle, completion_id, created, model_id, tools, include_usage):
+    async def _chat_stream(request, handle, completion_id, created, model_id, tools, include_usage,
+                           with_logprobs: bool):
         hold = ToolCallHold(active=bool(tools))
+        pending: list[dict[str, Any]] = []  # log-probabilities of tokens whose text no chunk carried yet
 
         def chunk(delta: dict, finish=None, usage=None) -> str:
+            lps = None
+            if with_logprobs and pending and delta:
+                lps = {"content": list(pending), "refusal": None}
+                pending.clear()
             obj = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
                    "model": model_id,
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lps}]}
             if usage is not None:
                 obj["usage"] = usage
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         def on_event(ev: RuntimeEvent):
+            if ev.kind == "token" and with_logprobs and ev.generation is not None:
+                pending.extend(chat_logprobs([ev.generation]))
             if ev.kind == "token":
                 out = []
                 if ev.thinking:
@@ -1156,6 +1221,8 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                             finish = "tool_calls"
                     elif content:
                         out.append(chunk({"content": content}))
+                if pending:  # tokens that showed no text (a stop string's, the held tool call's)
+                    out.append(chunk({"content": ""}))
                 out.append(chunk({}, finish=finish))
                 if include_usage:
                     obj = {"id": completion_id, "object": "chat.completion.chunk", "created": created,
@@ -1185,10 +1252,14 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         completion_id = "cmpl-" + uuid.uuid4().hex
         created = int(time.time())
 
-        def obj(text: str, finish=None, usage=None) -> dict:
+        with_logprobs = params.logprobs is not None
+        offset = 0  # characters of text sent so far (the legacy logprobs' text_offset)
+
+        def obj(text: str, finish=None, usage=None, generated: Sequence[GenerationEvent] = ()) -> dict:
+            lps = completion_logprobs(generated, offset) if with_logprobs and generated else None
             out = {"id": completion_id, "object": "text_completion", "created": created,
                    "model": model_id,
-                   "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+                   "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lps}]}
             if usage is not None:
                 out["usage"] = usage
             return out
@@ -1197,9 +1268,16 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
             def on_event(ev: RuntimeEvent):
+                nonlocal offset
                 if ev.kind == "token":
                     text = ev.thinking + ev.text
-                    return f"data: {json.dumps(obj(text), ensure_ascii=False)}\n\n" if text else None
+                    gen = [ev.generation] if with_logprobs and ev.generation is not None \
+                        and ev.generation.logprobs is not None else []
+                    if not text and not gen:
+                        return None
+                    piece = obj(text, generated=gen)
+                    offset += len(text)
+                    return f"data: {json.dumps(piece, ensure_ascii=False)}\n\n"
                 if ev.kind == "error":
                     err = error_from_exception(ev.error or MinecartError(ev.text))
                     return f"data: {json.dumps(err.body())}\n\n"
@@ -1216,10 +1294,13 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
             return StreamingResponse(gen(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         parts: list[str] = []
+        generated: list[GenerationEvent] = []
 
         def collect(ev):
             if ev.kind == "token":
                 parts.append(ev.thinking + ev.text)
+                if ev.generation is not None:
+                    generated.append(ev.generation)
             return ev if ev.terminal else None
 
         final = None
@@ -1229,7 +1310,8 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
             return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
         if final.kind == "error":
             raise error_from_exception(final.error or MinecartError(final.text))
-        out = obj("".join(parts), finish=final.finish_reason or "stop", usage=_usage_dict(final))
+        out = obj("".join(parts), finish=final.finish_reason or "stop", usage=_usage_dict(final),
+                  generated=generated)
         out["timings"] = _timings(final)
         return out
 

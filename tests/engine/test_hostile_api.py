@@ -105,7 +105,16 @@ def test_lone_surrogates_in_tools_are_400(fake, where):
     ({"messages": USER, "seed": -1}, "'seed'"),
     ({"messages": USER, "max_tokens": 2.5}, "'max_tokens'"),
     ({"messages": USER, "max_tokens": True}, "'max_tokens'"),
-    ({"messages": USER, "logprobs": True}, "logprobs"),
+    ({"messages": USER, "top_logprobs": 3}, "top_logprobs needs logprobs"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "'top_logprobs'"),
+    ({"messages": USER, "logprobs": "yes"}, "'logprobs'"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#"}}}},
+     "refers to itself"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": list(range(2000))}}}},
+     "more than 1024 values"),
+    ({"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "integer", "multipleOf": 3}}}}}}, "'multipleOf'"),
+    ({"messages": USER, "response_format": {"type": "json_object", "json_schema": 5}}, "response_format"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [

@@ -77,7 +77,11 @@ common = {
     "max_completion_tokens": maybe(st.integers(-2, 8)),
     "stop": maybe(text | st.lists(text, max_size=20)), "stream": maybe(st.booleans()),
     "stream_options": maybe(st.fixed_dictionaries({"include_usage": maybe(st.booleans())})),
-    "logprobs": maybe(st.booleans()), "conversation_id": maybe(text | st.integers()),
+    "logprobs": maybe(st.booleans() | st.integers(-1, 6)), "top_logprobs": maybe(st.integers(-1, 21)),
+    "conversation_id": maybe(text | st.integers()),
+    "response_format": maybe(st.fixed_dictionaries({"type": maybe(st.sampled_from(
+        ["text", "json_object", "json_schema", "xml"]))}, optional={"json_schema": maybe(st.fixed_dictionaries(
+            {}, optional={"name": maybe(text), "schema": maybe(schemas), "strict": maybe(st.booleans())}))})),
 }
 chat_bodies = st.fixed_dictionaries({"messages": maybe(messages)}, optional={
     **common, "tools": maybe(tools), "chat_template_kwargs": maybe(st.fixed_dictionaries(

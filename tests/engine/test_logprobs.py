@@ -1,0 +1,117 @@
+"""Log-probabilities of generated tokens (SamplingParams.logprobs, the API's logprobs / top_logprobs)
+against transformers' own numbers for the fixture model's greedy continuation (`gen_lse`,
+`gen_top_ids`, `gen_top_vals` in the fixtures' reference files), through the engine and over HTTP with
+the official `openai` client."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import openai
+import pytest
+from minecart.engine.generation import generate
+from minecart.engine.runtime import Runtime
+from minecart.engine.sampling import Sampler, SamplingParams, greedy_params, log_softmax_at
+from minecart.engine.server import ServerThread, create_app
+
+# the engine's decode logits hold to transformers' within 1e-4 of the row's size (tests/engine/
+# test_qwen35_fixtures.py), and these rows reach ~18: a log-probability (logit - log-sum-exp) within 1e-3
+TOL = 1e-3
+
+
+def _reference(fixtures_dir, name="short"):
+    """The prompt, the greedy continuation, and for the row each continuation token was drawn from its
+    log-sum-exp, 16 largest ids and their logits: the prompt's last row for the first, then the rows
+    after feeding each token (`gen_*[k]` is the row after gen_tokens[k], which gives gen_tokens[k + 1])."""
+    ref = np.load(fixtures_dir / "dense" / "ref_hf" / f"{name}.npz")
+    lse = np.concatenate([ref["logits_lse"][-1:], ref["gen_lse"][:-1]])
+    top_ids = np.concatenate([ref["top_ids"][-1:], ref["gen_top_ids"][:-1]])
+    top_vals = np.concatenate([ref["top_vals"][-1:], ref["gen_top_vals"][:-1]])
+    return ref["tokens"].tolist(), ref["gen_tokens"].tolist(), lse, top_ids, top_vals
+
+
+def test_log_softmax_at_matches_an_exact_sum():
+    rng = np.random.default_rng(0)
+    row = (rng.standard_normal(5000) * 7).astype(np.float32)
+    row[[3, 9]] = row.max()  # a tie at the top: the lower id first
+    lse = max(row.tolist()) + math.log(math.fsum(math.exp(v - max(row.tolist())) for v in row.tolist()))
+    lp, alts = log_softmax_at(row, 17, 4)
+    assert lp == pytest.approx(float(row[17]) - lse, abs=1e-6)  # float32 exponentials, float64 sum
+    assert [t for t, _ in alts][:2] == [3, 9]
+    assert all(a[1] >= b[1] for a, b in zip(alts, alts[1:], strict=False))
+    assert math.fsum(math.exp(v) for _, v in log_softmax_at(row, 0, 20)[1]) < 1.0
+
+
+def test_logprobs_make_the_sampler_read_whole_rows():
+    s = Sampler(SamplingParams(temperature=0.0, top_k=0, logprobs=3))
+    assert s.candidates == 0 and not s.chains
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+
+
+@pytest.fixture(scope="module")
+def f16_model(fixtures_dir):
+    from minecart.engine.model import load_model
+
+    return load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"])
+
+
+@pytest.mark.parametrize("name", ["short", "len70"])
+def test_greedy_logprobs_are_transformers(f16_model, fixtures_dir, name):
+    prompt, gen, lse, top_ids, top_vals = _reference(fixtures_dir, name)
+    n = 8
+    events = list(generate(f16_model, prompt, greedy_params(max_tokens=n, logprobs=5)))
+    assert [e.token for e in events] == gen[:n]
+    for k, ev in enumerate(events):
+        assert ev.logprobs is not None
+        want = top_vals[k] - lse[k]  # transformers' log-softmax of its 16 largest logits, descending
+        assert ev.logprobs.chosen.token == gen[k]
+        assert ev.logprobs.chosen.logprob == pytest.approx(float(want[0]), abs=TOL)
+        got_ids = [c.token for c in ev.logprobs.top]
+        got = np.array([c.logprob for c in ev.logprobs.top])
+        assert got_ids[0] == top_ids[k][0]
+        assert np.abs(got - want[:5]).max() < TOL
+        # below the top the order may swap where two logits lie within the tolerance
+        close = np.abs(np.diff(top_vals[k][:6])) < 2 * TOL
+        assert got_ids == top_ids[k][:5].tolist() or close.any()
+        assert ev.logprobs.chosen.data == f16_model.tokenizer.token_bytes(gen[k])
+
+
+def test_logprobs_over_http(fixtures_dir):
+    prompt, gen, lse, top_ids, top_vals = _reference(fixtures_dir, "short")
+    rt = Runtime(sample_memory_s=0)
+    try:
+        rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu"]).result(120)
+        with ServerThread(create_app(rt)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
+            model = client.models.list().data[0].id
+            # legacy completions: token pieces, their logprobs, the alternatives by piece, text offsets
+            done = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
+            lp = done.choices[0].logprobs
+            assert len(lp.tokens) == 4 and "".join(lp.tokens) == done.choices[0].text
+            assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+            for k in range(4):
+                assert lp.token_logprobs[k] == pytest.approx(float(top_vals[k][0] - lse[k]), abs=TOL)
+                assert len(lp.top_logprobs[k]) <= 3
+                assert max(lp.top_logprobs[k].values()) == pytest.approx(lp.token_logprobs[k], abs=1e-6)
+            # chat, plain and streamed: one entry per generated token, bytes that make up its text
+            kwargs = dict(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+                          logprobs=True, top_logprobs=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            full = client.chat.completions.create(**kwargs)
+            entries = full.choices[0].logprobs.content
+            assert len(entries) == full.usage.completion_tokens == 6
+            assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace") == full.choices[0].message.content
+            assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+                       and e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-6) for e in entries)
+            streamed = []
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for ch in chunk.choices:
+                    if ch.logprobs is not None and ch.logprobs.content:
+                        streamed.extend(ch.logprobs.content)
+            assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+            # without logprobs there are none
+            plain = client.chat.completions.create(**{**kwargs, "logprobs": None, "top_logprobs": None})
+            assert plain.choices[0].logprobs is None
+    finally:
+        rt.close()
