@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import mimetypes
 import shlex
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ImageError, PlacementError, RequestError
+from ..json_output import JsonFormat, SchemaError, json_object_format, json_schema_format
 from ..kvquant import DEFAULT_KV_TYPE, KV_TYPES
 from ..model import check_model_file
 from ..placement import CPU_WEIGHTS, EXPERTS_ON_HELP, check_experts_on
@@ -114,6 +116,11 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help=f"stop after N generated tokens (default: {DEFAULT_MAX_TOKENS_CHAT} for a chat "
                         f"answer, which may think first; {DEFAULT_MAX_TOKENS_TEXT} for plain text)")
     p.add_argument("--seed", type=int, default=None, metavar="N", help="random seed, for repeatable sampling")
+    p.add_argument("--json", action="store_true",
+                   help="answer with a JSON object (only tokens that keep the answer JSON are drawn)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="answer with JSON of the JSON Schema in FILE (the keywords engine/json_output.py "
+                        "holds answers to; others are refused)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -178,10 +185,29 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         "max_tokens": args.max_tokens,
         "seed": args.seed,
     }
+    values: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
+    values["json_format"] = json_format_arg(args)
     try:
-        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**values)
     except ValueError as exc:
         raise RequestError(f"invalid sampling option: {exc}") from exc
+
+
+def json_format_arg(args: argparse.Namespace) -> JsonFormat | None:
+    """--json / --json-schema FILE as the answer's format (None: free text)."""
+    if args.json_schema is not None:
+        path = Path(args.json_schema).expanduser()
+        try:
+            schema = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise RequestError(f"--json-schema: cannot read {path}: {exc.strerror or exc}") from exc
+        except ValueError as exc:
+            raise RequestError(f"--json-schema: {path} is not JSON ({exc})") from exc
+        try:
+            return json_schema_format(schema, path.stem)
+        except SchemaError as exc:
+            raise RequestError(f"--json-schema {path}: {exc}") from exc
+    return json_object_format() if args.json else None
 
 
 def check_runnable(path: str) -> None:

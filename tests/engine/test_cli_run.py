@@ -220,3 +220,21 @@ def test_cli_chooses_blas_threads_before_numpy_loads(fixtures_dir):
     r = subprocess.run([sys.executable, "-c", script, "run", vocab, "-p", "x"], capture_output=True,
                        text=True, timeout=120, cwd=REPO, env={**env, "OPENBLAS_NUM_THREADS": "2"})
     assert r.stdout.split()[0] == "2" and set(r.stdout.split()[1:]) == {"-"}  # the user's setting wins
+
+
+def test_run_answers_in_a_json_schema(tiny_model, tmp_path):
+    import json
+
+    schema = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "ok": {"type": "boolean"}},
+              "required": ["kind", "ok"], "additionalProperties": False}
+    path = tmp_path / "answer.json"
+    path.write_text(json.dumps(schema))
+    r = minecart("run", tiny_model, "-p", "An animal as JSON", "--no-think", "--temp", "0", "--max-tokens", "200",
+                 "--json-schema", str(path), "--devices", "cpu")
+    assert r.returncode == 0, r.stderr
+    answer = json.loads(r.stdout)
+    assert set(answer) == {"kind", "ok"} and answer["kind"] in ("cat", "dog") and isinstance(answer["ok"], bool)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "string", "pattern": "x"}))
+    r = minecart("run", tiny_model, "-p", "x", "--json-schema", str(bad), "--devices", "cpu", timeout=120)
+    assert r.returncode == 1 and "'pattern' is not supported" in r.stderr and "Traceback" not in r.stderr
