@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP API (FastAPI + uvicorn) over a Runtime.
 
 Endpoints: `GET /v1/models`, `POST /v1/chat/completions` (streaming SSE or one JSON body), `POST
-/v1/completions`, `GET /health`, `GET /metrics` (JSON snapshot of engine metrics; the Prometheus text
+/v1/completions`, `POST /v1/responses` and `GET /v1/responses/{id}` (OpenAI's Responses API, run as the
+chat request it stands for: engine/openai_responses.py), `GET /health`, `GET /metrics` (JSON snapshot of engine metrics; the Prometheus text
 format with `?format=prometheus` or an `Accept: text/plain` / OpenMetrics header, engine/prometheus.py).
 A runtime that batches (Runtime(parallel=N)) refuses a generation past its queue with 429 and a
 Retry-After header.
@@ -39,6 +40,7 @@ This module does no inference itself and never touches the model: everything goe
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
@@ -49,12 +51,20 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import (
@@ -67,11 +77,28 @@ from .errors import (
 )
 from .generation import GenerationEvent, TokenChoice
 from .json_output import JsonFormat, SchemaError, json_object_format, json_schema_format
+from .openai_responses import (
+    STORE_RESPONSES,
+    RequestShapeError,
+    ResponseEvents,
+    ResponsesRequest,
+    ResponseStore,
+    assistant_message,
+    chat_body,
+    created_now,
+    new_id,
+    output_items,
+    response_object,
+    responses_usage,
+)
 from .prometheus import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from .prometheus import engine_text
 from .prompt import PROMPT_MODES
 from .runtime import ModelInfo, RequestHandle, Runtime, RuntimeEvent
 from .scheduler import QueueFull
+
+if TYPE_CHECKING:
+    from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 # One JSON line per request when it has been answered (a stream: when it ended): time, client, method,
@@ -1111,9 +1138,8 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
             if not handle.done:
                 handle.cancel()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
-        model_id = check_model(req.model)
+    def start_chat(req: ChatRequest) -> tuple[RequestHandle, list[dict] | None, SamplingParams]:
+        """Submit a validated chat request to the runtime: its handle, the tools offered, the params."""
         messages = parse_messages(req.messages)
         tools = parse_tools(req)
         enable_thinking = thinking_switch(req, messages)
@@ -1127,11 +1153,17 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         if template_mode not in PROMPT_MODES:
             raise bad_request(f"'chat_template_mode' must be one of {', '.join(PROMPT_MODES)}, got "
                               f"{template_mode[:40]!r}", "chat_template_mode")
-        stream = bool(req.stream)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         handle = runtime.chat(messages, params, enable_thinking=enable_thinking,
                               conversation_id=conversation, tools=tools, stop=stops,
                               chat_template=template_mode)
+        return handle, tools, params
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        model_id = check_model(req.model)
+        stream = bool(req.stream)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        handle, tools, params = start_chat(req)
         completion_id = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
 
@@ -1235,6 +1267,107 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         yield chunk({"role": "assistant", "content": ""})
         async for piece in run_request(request, handle, on_event, stream=True):
             yield piece
+
+    stored = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, request: Request):
+        model_id = check_model(req.model)
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            found = stored.get(req.previous_response_id)
+            if found is None:
+                raise APIError(404, f"previous_response_id '{req.previous_response_id[:80]}' is not known: this "
+                               f"server keeps its last {STORE_RESPONSES} stored responses in memory",
+                               type="not_found_error", param="previous_response_id", code="response_not_found")
+            history = copy.deepcopy(found[1])
+        try:
+            body = chat_body(req, history)
+        except RequestShapeError as exc:
+            raise bad_request(str(exc), exc.param) from exc
+        try:
+            chat = ChatRequest.model_validate(body)
+        except ValidationError as exc:
+            raise validation_error(exc.errors(), body) from exc
+        conversation = body["messages"][1:] if req.instructions else body["messages"]
+        handle, tools, params = start_chat(chat)
+        resp_id, created = new_id("resp"), created_now()
+
+        def keep(response: dict[str, Any], reasoning: str, content: str, calls: list[dict[str, Any]]) -> None:
+            if req.store is not False:
+                stored.put(response, conversation + [assistant_message(reasoning, content, calls)])
+
+        if req.stream:
+            events = ResponseEvents(resp_id, created, model_id, req)
+            hold = ToolCallHold(active=bool(tools))
+            thinking_only = [0]  # tokens that only thought
+
+            def on_event(ev: RuntimeEvent):
+                if ev.kind == "token":
+                    out = events.reasoning_delta(ev.thinking) if ev.thinking else ""
+                    if ev.thinking and not ev.text and ev.generation is not None:
+                        thinking_only[0] += 1
+                    text = hold.feed(ev.text)
+                    return out + (events.text_delta(text) if text else "") or None
+                if ev.kind == "error":
+                    err = error_from_exception(ev.error or MinecartError(ev.text))
+                    return events.error(err.message, err.code or err.type)
+                if ev.terminal:
+                    out = ""
+                    calls: list[dict[str, Any]] = []
+                    if hold.buffer:
+                        content, calls = parse_tool_calls(hold.buffer, tools)
+                        if content and not calls:
+                            out += events.text_delta(content)
+                    tail, final = events.finish(calls, ev.finish_reason,
+                                                responses_usage(_usage_dict(ev), thinking_only[0]))
+                    keep(final, events.reasoning, events.text, calls)
+                    return out + tail
+                return None
+
+            async def gen():
+                yield events.start()
+                async for piece in run_request(request, handle, on_event, stream=True):
+                    yield piece
+
+            return StreamingResponse(gen(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        answer: list[str] = []
+        thinking: list[str] = []
+        thought = 0
+
+        def collect(ev):
+            nonlocal thought
+            if ev.kind == "token":
+                answer.append(ev.text)
+                thinking.append(ev.thinking)
+                thought += bool(ev.thinking and not ev.text and ev.generation is not None)
+            return ev if ev.terminal else None
+
+        final = None
+        async for ev in run_request(request, handle, collect, stream=False):
+            final = ev
+        if final is None:
+            return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
+        if final.kind == "error":
+            raise error_from_exception(final.error or MinecartError(final.text))
+        content, calls = parse_tool_calls("".join(answer), tools) if tools else ("".join(answer), [])
+        reasoning = "".join(thinking)
+        finish = final.finish_reason or "stop"
+        response = response_object(resp_id, created, model_id, req,
+                                   output_items(reasoning, content, calls, finish != "length"), finish,
+                                   responses_usage(_usage_dict(final), thought))
+        keep(response, reasoning, content, calls)
+        return response
+
+    @app.get("/v1/responses/{resp_id}")
+    async def get_response(resp_id: str):
+        found = stored.get(resp_id)
+        if found is None:
+            raise APIError(404, f"response '{resp_id[:80]}' is not known: this server keeps its last "
+                           f"{STORE_RESPONSES} stored responses in memory", type="not_found_error",
+                           code="response_not_found")
+        return found[0]
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

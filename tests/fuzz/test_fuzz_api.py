@@ -108,13 +108,39 @@ served_chats = st.fixed_dictionaries({"messages": st.lists(st.fixed_dictionaries
               "chat_template_kwargs": st.fixed_dictionaries({"enable_thinking": st.booleans()})})
 served_completions = st.fixed_dictionaries({"prompt": text.filter(bool) | st.lists(
     st.integers(0, 255), min_size=1, max_size=5)}, optional=served_options)
+# the Responses API: its input items, tools and formats, well-formed or not
+input_parts = st.lists(st.fixed_dictionaries({"type": maybe(st.sampled_from(
+    ["input_text", "output_text", "input_image", "refusal", "audio"]))}, optional={
+    "text": maybe(text), "image_url": maybe(st.sampled_from(["data:image/png;base64,iVBORw0KGgo=", "http://x/y"])),
+    "refusal": maybe(text)}), max_size=3)
+input_items = st.lists(st.one_of(
+    st.fixed_dictionaries({"role": maybe(st.sampled_from(["user", "system", "developer", "assistant", "tool"]))},
+                          optional={"type": maybe(st.just("message")), "content": maybe(text | input_parts)}),
+    st.fixed_dictionaries({"type": st.just("function_call")}, optional={
+        "call_id": maybe(text), "name": maybe(text), "arguments": maybe(text | st.just('{"city": "x"}'))}),
+    st.fixed_dictionaries({"type": st.just("function_call_output")}, optional={
+        "call_id": maybe(text), "output": maybe(text | input_parts)}),
+    st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "web_search_call", "nope"])})), max_size=4)
+responses_bodies = st.fixed_dictionaries({"input": maybe(text | input_items)}, optional={
+    "model": maybe(st.sampled_from(["fake-model", "gpt-5"])), "instructions": maybe(text),
+    "tools": maybe(st.lists(st.fixed_dictionaries({"type": maybe(st.sampled_from(["function", "web_search"]))},
+                                                  optional={"name": maybe(text), "parameters": maybe(schemas)}),
+                            max_size=2)),
+    "tool_choice": maybe(st.sampled_from(["none", "auto", "required", {"type": "function", "name": "f"}, 3])),
+    "temperature": maybe(numbers), "max_output_tokens": maybe(st.integers(-2, 8)), "stream": maybe(st.booleans()),
+    "store": maybe(st.booleans()), "previous_response_id": maybe(text),
+    "text": maybe(st.fixed_dictionaries({"format": maybe(st.fixed_dictionaries({"type": maybe(st.sampled_from(
+        ["text", "json_object", "json_schema", "xml"]))}, optional={"name": maybe(text),
+                                                                    "schema": maybe(schemas)}))})),
+    "reasoning": maybe(st.fixed_dictionaries({"effort": maybe(st.sampled_from(["none", "high", 5]))}))})
 requests = st.one_of(
+    st.tuples(st.just("/v1/responses"), responses_bodies),
     st.tuples(st.just("/v1/chat/completions"), served_chats),
     st.tuples(st.just("/v1/completions"), served_completions),
     st.tuples(st.just("/v1/chat/completions"), chat_bodies),
     st.tuples(st.just("/v1/chat/completions"), chat_bodies),
     st.tuples(st.just("/v1/completions"), completion_bodies),
-    st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions"]), json_values))
+    st.tuples(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/responses"]), json_values))
 
 
 @pytest.fixture(scope="module")
