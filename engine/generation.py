@@ -302,6 +302,9 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
     end_ids = (set(tokenizer.eos_ids) if tokenizer is not None else set()) | set(params.stop_token_ids)
     limit = session.limit
 
+    if params.logit_bias and max(t for t, _ in params.logit_bias) >= model.config.vocab_size:
+        far = max(t for t, _ in params.logit_bias)
+        raise RequestError(f"logit_bias names token {far}, outside the vocabulary (0..{model.config.vocab_size - 1})")
     grammar = None
     if params.json_format is not None:  # the answer's format, checked before any token is computed
         if tokenizer is None:

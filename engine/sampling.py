@@ -272,6 +272,9 @@ class SamplingParams:
     # each generated token's log-probability and this many of its row's most likely tokens with theirs
     # (0..TOP_LOGPROBS_MAX; None: none): the API's logprobs / top_logprobs
     logprobs: int | None = None
+    # (token id, bias) pairs added to the model's logits before the penalties (the API's logit_bias;
+    # -100..100, as OpenAI's): a bias of -100 all but bans a token, +100 all but forces it
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         # NaN passes every comparison below and inf turns the distribution into NaNs: refuse both
@@ -291,6 +294,10 @@ class SamplingParams:
             raise ValueError("min_p must be in [0, 1)")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0 (1 = off)")
+        self.logit_bias = tuple(sorted((int(t), float(b)) for t, b in self.logit_bias))
+        for t, b in self.logit_bias:
+            if t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0):
+                raise ValueError(f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got {t}: {b}")
         if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS_MAX:
             raise ValueError(f"logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}]")
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -706,7 +713,7 @@ class Sampler:
         and no penalties or penalties the device applies (a vocabulary given, and top logits that serve
         a host pick too when a step runs without them: candidates)."""
         prm = self.params
-        if self.grammar is not None or prm.logprobs is not None:
+        if self.grammar is not None or prm.logprobs is not None or prm.logit_bias:
             return False  # the host decides which tokens may come, or reads every row
         if self.penalized and (self._history is None or self.candidates == 0):
             return False
@@ -757,7 +764,7 @@ class Sampler:
         TOP_CANDIDATES_MAX, of which the pick checks that they decide it (module docstring); other
         penalties and top-k off: 0."""
         prm = self.params
-        if prm.logprobs is not None:  # a token's log-probability needs its whole row
+        if prm.logprobs is not None or prm.logit_bias:  # a token's log-probability, a bias: whole rows
             return 0
         if self.grammar is not None:  # the largest TOP_CANDIDATES_MAX, penalized on the host: whole rows
             return 0 if self.penalized else TOP_CANDIDATES_MAX
@@ -774,8 +781,17 @@ class Sampler:
             return self._pick_allowed(logits, self.grammar)
         if isinstance(logits, TopLogits):
             return self._pick_top(logits)
-        x = _penalized(np.asarray(logits).reshape(-1), None, _penalties_of(self.params), self._penalty_view())
-        return _pick_row(x, self.params, 0.0 if self.params.greedy else self._uniform())
+        return _pick_row(self._adjusted(logits), self.params, 0.0 if self.params.greedy else self._uniform())
+
+    def _adjusted(self, row: np.ndarray) -> np.ndarray:
+        """A whole row as the pick sees it: a float32 copy plus the logit bias, then the penalties."""
+        x = np.array(row, np.float32).reshape(-1)
+        if self.params.logit_bias:
+            ids = np.array([t for t, _ in self.params.logit_bias], np.int64)
+            bias = np.array([b for _, b in self.params.logit_bias], np.float32)
+            inside = ids < x.size
+            x[ids[inside]] += bias[inside]
+        return _penalized(x, None, _penalties_of(self.params), self._penalty_view())
 
     def _pick_allowed(self, logits: np.ndarray | TopLogits, grammar: JsonMatcher) -> int:
         """A pick under a grammar: the sampler's filters over the allowed tokens among the row's
@@ -785,7 +801,7 @@ class Sampler:
         speak of, without checking the whole vocabulary each token. Greedy: the largest allowed."""
         prm = self.params
         limit = 1 if prm.greedy else max(0, prm.top_k)
-        if isinstance(logits, TopLogits) and not self.penalized:
+        if isinstance(logits, TopLogits) and not self.penalized and not prm.logit_bias:
             vals, ids = logits.values[0], np.asarray(logits.ids[0], np.int64)
             mask = grammar.allowed(ids, limit)
             if mask.any():
@@ -793,8 +809,7 @@ class Sampler:
             row = logits.whole_row()
         else:
             row = logits.whole_row() if isinstance(logits, TopLogits) else np.asarray(logits).reshape(-1)
-        x = _penalized(row, None, _penalties_of(prm), self._penalty_view()) if self.penalized \
-            else np.asarray(row, np.float32).reshape(-1)
+        x = self._adjusted(row) if self.penalized or prm.logit_bias else np.asarray(row, np.float32).reshape(-1)
         order = np.argsort(-x, kind="stable")  # descending, lower id first on ties
         ids = grammar.first_allowed_window(order, TOP_CANDIDATES_MAX, limit)
         if ids.size == 0:

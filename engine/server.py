@@ -17,7 +17,8 @@ the last user or system message (`/think` turns it back on; both tags are remove
 schema), drawing only tokens that keep it so (engine/json_output.py; on both completion routes).
 `logprobs` (chat: true with `top_logprobs` 0-20; completions: 0-5) returns each generated token's
 log-probability under the model's own logits (before temperature, penalties or a format) with its
-bytes, and the row's most likely alternatives; the reasoning's tokens are included.
+bytes, and the row's most likely alternatives; the reasoning's tokens are included. `logit_bias` (token id
+strings to -100..100) is added to the logits before the penalties.
 `chat_template_mode` (an extra: "auto", "on", "off") chooses between the chat template and the plain
 text of the messages; "auto" (default) sends a pretrained base model plain text to continue.
 `conversation_id` (an extra) keeps a chat in its own engine session; without it, requests share one
@@ -348,6 +349,7 @@ class _Common(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    logit_bias: dict[str, Finite] | None = Field(None, max_length=300)
     conversation_id: str | int | None = None
 
 
@@ -386,6 +388,7 @@ _FIELD_RULES = {
     "stream_options": "an object such as {\"include_usage\": true}",
     "logprobs": "true or false (chat), an integer in [0, 5] (completions)",
     "top_logprobs": "an integer in [0, 20] (with logprobs: true)",
+    "logit_bias": "an object of at most 300 token ids (strings) to numbers in [-100, 100]",
     "echo": "false (echo is not supported)", "suffix": "empty (suffix is not supported)",
     "conversation_id": "a string or an integer",
     "response_format": "{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
@@ -470,6 +473,12 @@ def sampling_params(req: _Common, *, default_max_tokens: int | None, context_len
         kwargs["max_tokens"] = min(max_tokens, context_length) if context_length else max_tokens
     kwargs["json_format"] = json_format(req)
     kwargs["logprobs"] = logprobs_asked(req)
+    if req.logit_bias:
+        try:
+            kwargs["logit_bias"] = tuple((int(k), float(v)) for k, v in req.logit_bias.items())
+        except ValueError:
+            raise bad_request("logit_bias must map token ids (as strings of digits) to numbers in [-100, 100]",
+                              "logit_bias") from None
     try:
         return SamplingParams(**kwargs)
     except (TypeError, ValueError) as exc:

@@ -6,6 +6,7 @@ the official `openai` client."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import openai
@@ -113,5 +114,41 @@ def test_logprobs_over_http(fixtures_dir):
             # without logprobs there are none
             plain = client.chat.completions.create(**{**kwargs, "logprobs": None, "top_logprobs": None})
             assert plain.choices[0].logprobs is None
+    finally:
+        rt.close()
+
+
+def test_logit_bias_moves_the_greedy_pick(f16_model, fixtures_dir):
+    """A bias of -100 on transformers' argmax gives its runner-up; +100 forces any token."""
+    prompt, gen, lse, top_ids, top_vals = _reference(fixtures_dir, "short")
+    assert top_vals[0][1] - top_vals[0][2] > 10 * TOL  # the runner-up is clear of the third
+    banned = list(generate(f16_model, prompt, greedy_params(max_tokens=1, logit_bias=((gen[0], -100.0),),
+                                                            logprobs=1)))
+    assert banned[0].token == top_ids[0][1]
+    # the log-probabilities stay the model's own (before the bias)
+    assert banned[0].logprobs.chosen.logprob == pytest.approx(float(top_vals[0][1] - lse[0]), abs=TOL)
+    forced = list(generate(f16_model, prompt, greedy_params(max_tokens=3, logit_bias=((1234, 100.0),))))
+    assert [e.token for e in forced] == [1234] * 3
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((5, 101.0),))
+
+
+def test_logit_bias_over_http(fixtures_dir):
+    prompt, gen, lse, top_ids, top_vals = _reference(fixtures_dir, "short")
+    rt = Runtime(sample_memory_s=0)
+    try:
+        rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu"]).result(120)
+        with ServerThread(create_app(rt)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
+            model = client.models.list().data[0].id
+            done = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                             logit_bias={str(gen[0]): -100}, logprobs=1)
+            assert done.choices[0].logprobs.token_logprobs[0] == pytest.approx(float(top_vals[0][1] - lse[0]),
+                                                                              abs=TOL)
+            for bias, fragment in (({"abc": 1}, "logit_bias"), ({"5": 101}, "[-100, 100]"),
+                                   ({"999999999": 1}, "outside the vocabulary"),
+                                   ({str(i): 1 for i in range(301)}, "logit_bias")):
+                with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
+                    client.completions.create(model=model, prompt="x", max_tokens=1, logit_bias=bias)
     finally:
         rt.close()

@@ -79,6 +79,8 @@ common = {
     "stream_options": maybe(st.fixed_dictionaries({"include_usage": maybe(st.booleans())})),
     "logprobs": maybe(st.booleans() | st.integers(-1, 6)), "top_logprobs": maybe(st.integers(-1, 21)),
     "conversation_id": maybe(text | st.integers()),
+    "logit_bias": maybe(st.dictionaries(st.sampled_from(["0", "5", "-1", "abc", "248320", "99999999999", ""]),
+                                        numbers, max_size=3)),
     "response_format": maybe(st.fixed_dictionaries({"type": maybe(st.sampled_from(
         ["text", "json_object", "json_schema", "xml"]))}, optional={"json_schema": maybe(st.fixed_dictionaries(
             {}, optional={"name": maybe(text), "schema": maybe(schemas), "strict": maybe(st.booleans())}))})),
