@@ -1167,6 +1167,19 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                               chat_template=template_mode)
         return handle, tools, params
 
+    async def run_to_end(request: Request, handle: RequestHandle, collect) -> RuntimeEvent | None:
+        """A non-streamed request run to its terminal event (None: the client went away); an engine
+        error is raised as its HTTP error."""
+        final = None
+        async for ev in run_request(request, handle, collect, stream=False):
+            final = ev
+        if final is not None and final.kind == "error":
+            raise error_from_exception(final.error or MinecartError(final.text))
+        return final
+
+    def client_gone() -> JSONResponse:
+        return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         model_id = check_model(req.model)
@@ -1196,13 +1209,9 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                     generated.append(ev.generation)
             return ev if ev.terminal else None
 
-        final = None
-        async for ev in run_request(request, handle, collect, stream=False):
-            final = ev
-        if final is None:  # client went away
-            return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
-        if final.kind == "error":
-            raise error_from_exception(final.error or MinecartError(final.text))
+        final = await run_to_end(request, handle, collect)
+        if final is None:
+            return client_gone()
         content, calls = parse_tool_calls("".join(answer), tools) if tools else ("".join(answer), [])
         message: dict[str, Any] = {"role": "assistant", "content": content}
         reasoning = "".join(thinking)
@@ -1353,13 +1362,9 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                 thought += bool(ev.thinking and not ev.text and ev.generation is not None)
             return ev if ev.terminal else None
 
-        final = None
-        async for ev in run_request(request, handle, collect, stream=False):
-            final = ev
+        final = await run_to_end(request, handle, collect)
         if final is None:
-            return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
-        if final.kind == "error":
-            raise error_from_exception(final.error or MinecartError(final.text))
+            return client_gone()
         content, calls = parse_tool_calls("".join(answer), tools) if tools else ("".join(answer), [])
         reasoning = "".join(thinking)
         finish = final.finish_reason or "stop"
@@ -1445,13 +1450,9 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                     generated.append(ev.generation)
             return ev if ev.terminal else None
 
-        final = None
-        async for ev in run_request(request, handle, collect, stream=False):
-            final = ev
+        final = await run_to_end(request, handle, collect)
         if final is None:
-            return JSONResponse(APIError(499, "client disconnected").body(), status_code=499)
-        if final.kind == "error":
-            raise error_from_exception(final.error or MinecartError(final.text))
+            return client_gone()
         out = obj("".join(parts), finish=final.finish_reason or "stop", usage=_usage_dict(final),
                   generated=generated)
         out["timings"] = _timings(final)

@@ -29,6 +29,8 @@ from minecart.engine.json_output import (
 )
 from minecart.engine.sampling import Sampler, SamplingParams, TopLogits, top_logits
 
+from tests._json_schemas import ANSWER
+
 # -- references -----------------------------------------------------------------------------------
 
 
@@ -409,13 +411,6 @@ def test_thinking_runs_free_until_it_closes(fixtures_dir):
 
 # -- the fixture model through the engine ---------------------------------------------------------
 
-ANSWER = {
-    "type": "object",
-    "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"},
-                   "legs": {"enum": [0, 2, 4]}, "note": {"type": ["null", "boolean"]}},
-    "required": ["kind", "ok", "legs"],
-    "additionalProperties": False,
-}
 
 
 @pytest.fixture(scope="module")

@@ -79,43 +79,47 @@ def test_greedy_logprobs_are_transformers(f16_model, fixtures_dir, name):
         assert ev.logprobs.chosen.data == f16_model.tokenizer.token_bytes(gen[k])
 
 
-def test_logprobs_over_http(fixtures_dir):
-    prompt, gen, lse, top_ids, top_vals = _reference(fixtures_dir, "short")
+@pytest.fixture(scope="module")
+def f16_api(fixtures_dir):
+    """The official client on a real server running the f16 fixture on the CPU, and the model's id."""
     rt = Runtime(sample_memory_s=0)
-    try:
-        rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu"]).result(120)
-        with ServerThread(create_app(rt)) as server:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
-            model = client.models.list().data[0].id
-            # legacy completions: token pieces, their logprobs, the alternatives by piece, text offsets
-            done = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
-            lp = done.choices[0].logprobs
-            assert len(lp.tokens) == 4 and "".join(lp.tokens) == done.choices[0].text
-            assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
-            for k in range(4):
-                assert lp.token_logprobs[k] == pytest.approx(float(top_vals[k][0] - lse[k]), abs=TOL)
-                assert len(lp.top_logprobs[k]) <= 3
-                assert max(lp.top_logprobs[k].values()) == pytest.approx(lp.token_logprobs[k], abs=1e-6)
-            # chat, plain and streamed: one entry per generated token, bytes that make up its text
-            kwargs = dict(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
-                          logprobs=True, top_logprobs=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-            full = client.chat.completions.create(**kwargs)
-            entries = full.choices[0].logprobs.content
-            assert len(entries) == full.usage.completion_tokens == 6
-            assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace") == full.choices[0].message.content
-            assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
-                       and e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-6) for e in entries)
-            streamed = []
-            for chunk in client.chat.completions.create(stream=True, **kwargs):
-                for ch in chunk.choices:
-                    if ch.logprobs is not None and ch.logprobs.content:
-                        streamed.extend(ch.logprobs.content)
-            assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
-            # without logprobs there are none
-            plain = client.chat.completions.create(**{**kwargs, "logprobs": None, "top_logprobs": None})
-            assert plain.choices[0].logprobs is None
-    finally:
-        rt.close()
+    rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu"]).result(120)
+    with ServerThread(create_app(rt)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
+        yield client, client.models.list().data[0].id
+    rt.close()
+
+
+def test_logprobs_over_http(f16_api, fixtures_dir):
+    prompt, gen, lse, top_ids, top_vals = _reference(fixtures_dir, "short")
+    client, model = f16_api
+    # legacy completions: token pieces, their logprobs, the alternatives by piece, text offsets
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == 4 and "".join(lp.tokens) == done.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    for k in range(4):
+        assert lp.token_logprobs[k] == pytest.approx(float(top_vals[k][0] - lse[k]), abs=TOL)
+        assert len(lp.top_logprobs[k]) <= 3
+        assert max(lp.top_logprobs[k].values()) == pytest.approx(lp.token_logprobs[k], abs=1e-6)
+    # chat, plain and streamed: one entry per generated token, bytes that make up its text
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+                  logprobs=True, top_logprobs=2, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    full = client.chat.completions.create(**kwargs)
+    entries = full.choices[0].logprobs.content
+    assert len(entries) == full.usage.completion_tokens == 6
+    assert b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace") == full.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+               and e.logprob == pytest.approx(e.top_logprobs[0].logprob, abs=1e-6) for e in entries)
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for ch in chunk.choices:
+            if ch.logprobs is not None and ch.logprobs.content:
+                streamed.extend(ch.logprobs.content)
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    # without logprobs there are none
+    plain = client.chat.completions.create(**{**kwargs, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
 
 
 def test_logit_bias_moves_the_greedy_pick(f16_model, fixtures_dir):
@@ -133,22 +137,15 @@ def test_logit_bias_moves_the_greedy_pick(f16_model, fixtures_dir):
         SamplingParams(logit_bias=((5, 101.0),))
 
 
-def test_logit_bias_over_http(fixtures_dir):
+def test_logit_bias_over_http(f16_api, fixtures_dir):
     prompt, gen, lse, top_ids, top_vals = _reference(fixtures_dir, "short")
-    rt = Runtime(sample_memory_s=0)
-    try:
-        rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu"]).result(120)
-        with ServerThread(create_app(rt)) as server:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
-            model = client.models.list().data[0].id
-            done = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
-                                             logit_bias={str(gen[0]): -100}, logprobs=1)
-            assert done.choices[0].logprobs.token_logprobs[0] == pytest.approx(float(top_vals[0][1] - lse[0]),
-                                                                              abs=TOL)
-            for bias, fragment in (({"abc": 1}, "logit_bias"), ({"5": 101}, "[-100, 100]"),
-                                   ({"999999999": 1}, "outside the vocabulary"),
-                                   ({str(i): 1 for i in range(301)}, "logit_bias")):
-                with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
-                    client.completions.create(model=model, prompt="x", max_tokens=1, logit_bias=bias)
-    finally:
-        rt.close()
+    client, model = f16_api
+    done = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                     logit_bias={str(gen[0]): -100}, logprobs=1)
+    assert done.choices[0].logprobs.token_logprobs[0] == pytest.approx(float(top_vals[0][1] - lse[0]),
+                                                                      abs=TOL)
+    for bias, fragment in (({"abc": 1}, "logit_bias"), ({"5": 101}, "[-100, 100]"),
+                           ({"999999999": 1}, "outside the vocabulary"),
+                           ({str(i): 1 for i in range(301)}, "logit_bias")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
+            client.completions.create(model=model, prompt="x", max_tokens=1, logit_bias=bias)

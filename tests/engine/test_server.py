@@ -35,17 +35,6 @@ WEATHER_TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def fake_server():
-    model = FakeModel()
-    rt = Runtime(loader=fake_loader(model), sample_memory_s=0)
-    rt.load("/models/fake-model.gguf").result(TIMEOUT)
-    server = ServerThread(create_app(rt)).start()
-    yield server, rt, model
-    server.stop()
-    rt.close()
-
-
 @pytest.fixture
 def served(fake_server):
     server, rt, model = fake_server

@@ -13,7 +13,7 @@ import pytest
 from minecart.engine.runtime import Runtime
 from minecart.engine.server import ServerThread, create_app
 
-from tests.engine.fake_chat_model import FakeModel, default_reply, fake_loader
+from tests.engine.fake_chat_model import default_reply
 from tests.engine.test_server import QWEN_CALL
 
 TIMEOUT = 20.0
@@ -22,20 +22,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
                           "required": ["city"]}}
 
 
-@pytest.fixture(scope="module")
-def fake_server():
-    model = FakeModel()
-    rt = Runtime(loader=fake_loader(model), sample_memory_s=0)
-    rt.load("/models/fake-model.gguf").result(TIMEOUT)
-    server = ServerThread(create_app(rt)).start()
-    yield server, model
-    server.stop()
-    rt.close()
-
-
 @pytest.fixture
-def served(fake_server):
-    server, model = fake_server
+def served(fake_server):  # tests/engine/conftest.py
+    server, _, model = fake_server
     model.reply, model.delay_s, model.fail_after = default_reply, 0.0, None
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
     return server, model, client

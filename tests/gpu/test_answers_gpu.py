@@ -11,19 +11,13 @@ import json
 import numpy as np
 import pytest
 
+from tests._json_schemas import ANSWER
 from tests.gpu._compare import FIXTURES
 
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
 
-ANSWER = {
-    "type": "object",
-    "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "ok": {"type": "boolean"},
-                   "legs": {"enum": [0, 2, 4]}, "note": {"type": ["null", "boolean"]}},
-    "required": ["kind", "ok", "legs"],
-    "additionalProperties": False,
-}
 ASK = [{"role": "user", "content": "Describe an animal as JSON."}]
 
 
