@@ -52,7 +52,7 @@ class TokenChoice:
 
     token: int
     data: bytes
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to predict it)
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ class GenerationEvent:
     image_tokens: int = 0  # prompt tokens that are image embeddings (engine/vision)
     # the token's log-probabilities when SamplingParams.logprobs asked for them (never for an end token)
     logprobs: TokenLogprobs | None = None
+    # on the first event only, when SamplingParams.prompt_logprobs asked for them: each prompt token's
+    # log-probabilities given the tokens before it (the first one's logprob None)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def completion_tokens(self) -> int:  # the OpenAI name of generated_tokens
@@ -256,11 +259,13 @@ class _Clock:
     prefill_s: float = 0.0
     decode_t0: float | None = None
     n_gen: int = 0
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # handed to the next event, once
 
     def event(self, token: int | None, text: str, finish: str | None = None,
               logprobs: TokenLogprobs | None = None) -> GenerationEvent:
         now = time.perf_counter()
         decode_s = now - self.decode_t0 if self.decode_t0 is not None else 0.0
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         return GenerationEvent(
             token=token,
             text=text,
@@ -273,6 +278,7 @@ class _Clock:
             cached_tokens=self.n_prompt - self.computed,
             image_tokens=self.image_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -281,11 +287,28 @@ def _token_logprobs(logits: np.ndarray | TopLogits, token: int, n: int, tokenize
     row = logits.whole_row() if isinstance(logits, TopLogits) else np.asarray(logits).reshape(-1)
     lp, alts = log_softmax_at(row, token, n)
 
-    def choice(t: int, value: float) -> TokenChoice:
-        data = tokenizer.token_bytes(t) if tokenizer is not None else b""
-        return TokenChoice(t, data, max(value, LOGPROB_FLOOR))
+    return TokenLogprobs(_choice(token, lp, tokenizer), tuple(_choice(t, v, tokenizer) for t, v in alts))
 
-    return TokenLogprobs(choice(token, lp), tuple(choice(t, v) for t, v in alts))
+
+def _choice(token: int, value: float | None, tokenizer: Tokenizer | None) -> TokenChoice:
+    data = tokenizer.token_bytes(token) if tokenizer is not None else b""
+    return TokenChoice(token, data, None if value is None else max(value, LOGPROB_FLOOR))
+
+
+def _scored_prompt(session: Session, ids: list[int], n: int, tokenizer: Tokenizer | None,
+                   cancel: threading.Event | None) -> tuple[np.ndarray, tuple[TokenLogprobs, ...]]:
+    """The prompt run from an empty history with every position's logits (Session.score): the logits
+    after it, and each prompt token's log-probabilities given the tokens before it."""
+    out = [TokenLogprobs(_choice(ids[0], None, tokenizer))]
+
+    def on_rows(start: int, rows: np.ndarray) -> None:
+        for r in range(rows.shape[0]):
+            if start + r + 1 < len(ids):
+                out.append(_token_logprobs(rows[r], ids[start + r + 1], n, tokenizer))
+
+    logits = session.score(ids, on_rows, cancel=cancel)
+    assert logits is not None  # ids is not empty
+    return logits, tuple(out)
 
 
 # A log-probability below this (a logit of -inf) is reported as this, so that it stays a JSON number
@@ -313,9 +336,15 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
     if cancel is not None and cancel.is_set():
         yield clock.event(None, "", "cancelled")
         return
+    logits: np.ndarray | TopLogits
     try:
         pre_computed = before_prompt() if before_prompt is not None else 0  # turn-boundary snapshot
-        if positions is not None or embed_override is not None:
+        if params.prompt_logprobs is not None:
+            if positions is not None or embed_override is not None:
+                raise RequestError("prompt log-probabilities (echo) are for text prompts, not pictures")
+            logits, clock.prompt_logprobs = _scored_prompt(session, ids, params.prompt_logprobs, tokenizer,
+                                                           cancel)
+        elif positions is not None or embed_override is not None:
             logits = session.sync(ids, chunk=prefill_chunk, cancel=cancel, positions=positions,
                                   embed_override=embed_override)
         else:

@@ -275,6 +275,9 @@ class SamplingParams:
     # (token id, bias) pairs added to the model's logits before the penalties (the API's logit_bias;
     # -100..100, as OpenAI's): a bias of -100 all but bans a token, +100 all but forces it
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # each prompt token's log-probability given the ones before it, with this many alternatives (None:
+    # none; the API's echo): the prompt then runs from an empty history with every row's logits
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # NaN passes every comparison below and inf turns the distribution into NaNs: refuse both
@@ -298,8 +301,10 @@ class SamplingParams:
         for t, b in self.logit_bias:
             if t < 0 or not (math.isfinite(b) and -100.0 <= b <= 100.0):
                 raise ValueError(f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got {t}: {b}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS_MAX:
-            raise ValueError(f"logprobs must be an integer in [0, {TOP_LOGPROBS_MAX}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= TOP_LOGPROBS_MAX:
+                raise ValueError(f"{name} must be an integer in [0, {TOP_LOGPROBS_MAX}]")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
         if isinstance(self.stop, str):

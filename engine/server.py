@@ -18,7 +18,9 @@ schema), drawing only tokens that keep it so (engine/json_output.py; on both com
 `logprobs` (chat: true with `top_logprobs` 0-20; completions: 0-5) returns each generated token's
 log-probability under the model's own logits (before temperature, penalties or a format) with its
 bytes, and the row's most likely alternatives; the reasoning's tokens are included. `logit_bias` (token id
-strings to -100..100) is added to the logits before the penalties.
+strings to -100..100) is added to the logits before the penalties. Completions take `echo` (the prompt
+comes back before the answer, with each prompt token's log-probability given the ones before it when
+`logprobs` is set; `max_tokens` 0 scores the prompt alone, as evaluation harnesses ask).
 `chat_template_mode` (an extra: "auto", "on", "off") chooses between the chat template and the plain
 text of the messages; "auto" (default) sends a pretrained base model plain text to continue.
 `conversation_id` (an extra) keeps a chat in its own engine session; without it, requests share one
@@ -76,7 +78,7 @@ from .errors import (
     RequestError,
     TemplateError,
 )
-from .generation import GenerationEvent, TokenChoice
+from .generation import GenerationEvent, TokenChoice, TokenLogprobs
 from .json_output import JsonFormat, SchemaError, json_object_format, json_schema_format
 from .openai_responses import (
     STORE_RESPONSES,
@@ -369,7 +371,8 @@ class CompletionRequest(_Common):
     prompt: (str | list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
              | list[str] | list[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]])
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: Literal[False] | None = None
+    echo: bool | None = None
+    max_tokens: int | None = Field(None, ge=0)  # 0: only the prompt's log-probabilities (with echo)
     suffix: Literal[""] | None = None
 
 
@@ -389,7 +392,7 @@ _FIELD_RULES = {
     "logprobs": "true or false (chat), an integer in [0, 5] (completions)",
     "top_logprobs": "an integer in [0, 20] (with logprobs: true)",
     "logit_bias": "an object of at most 300 token ids (strings) to numbers in [-100, 100]",
-    "echo": "false (echo is not supported)", "suffix": "empty (suffix is not supported)",
+    "echo": "true or false", "suffix": "empty (suffix is not supported)",
     "conversation_id": "a string or an integer",
     "response_format": "{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
                        "\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
@@ -468,7 +471,13 @@ def sampling_params(req: _Common, *, default_max_tokens: int | None, context_len
         kwargs["top_k"] = max(0, req.top_k)
     if req.seed is not None:
         kwargs["seed"] = req.seed
-    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = asked if asked is not None else default_max_tokens
+    if isinstance(req, CompletionRequest) and req.echo:
+        kwargs["prompt_logprobs"] = req.logprobs or 0  # the echoed prompt's tokens and their logprobs
+    elif asked == 0:
+        raise bad_request("max_tokens 0 asks for nothing: it is for echo (the prompt's log-probabilities)",
+                          "max_tokens")
     if max_tokens is not None:
         kwargs["max_tokens"] = min(max_tokens, context_length) if context_length else max_tokens
     kwargs["json_format"] = json_format(req)
@@ -512,21 +521,36 @@ def chat_logprobs(events: Sequence[GenerationEvent]) -> list[dict[str, Any]]:
     return out
 
 
-def completion_logprobs(events: Sequence[GenerationEvent], offset: int = 0) -> dict[str, Any]:
-    """The legacy completions `logprobs` object of the tokens behind events; text offsets count
-    characters from `offset`."""
-    tokens, lps, tops, offsets = [], [], [], []
-    for ev in events:
-        lp = ev.logprobs
-        if lp is None:
-            continue
+def completion_logprobs(events: Sequence[GenerationEvent], offset: int = 0,
+                        prompt: Sequence[TokenLogprobs] = ()) -> dict[str, Any]:
+    """The legacy completions `logprobs` object of an echoed prompt's tokens and then the tokens behind
+    events; text offsets count characters from `offset`. The prompt's first token has none (null)."""
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[dict[str, float | None] | None] = []
+    offsets: list[int] = []
+    entries = list(prompt) + [ev.logprobs for ev in events if ev.logprobs is not None]
+    for lp in entries:
         piece = lp.chosen.data.decode("utf-8", errors="replace")
         tokens.append(piece)
         lps.append(lp.chosen.logprob)
-        tops.append({c.data.decode("utf-8", errors="replace"): c.logprob for c in lp.top})
+        first = lp.chosen.logprob is None
+        tops.append(None if first else {c.data.decode("utf-8", errors="replace"): c.logprob for c in lp.top})
         offsets.append(offset)
         offset += len(piece)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echoed_prompt(events: Sequence[GenerationEvent | None]) -> tuple[TokenLogprobs, ...]:
+    """The prompt's scored tokens (GenerationEvent.prompt_logprobs, on a generation's first event)."""
+    for ev in events:
+        if ev is not None and ev.prompt_logprobs is not None:
+            return ev.prompt_logprobs
+    return ()
+
+
+def prompt_text(prompt: Sequence[TokenLogprobs]) -> str:
+    return b"".join(lp.chosen.data for lp in prompt).decode("utf-8", errors="replace")
 
 
 def json_format(req: _Common) -> JsonFormat | None:
@@ -1400,10 +1424,13 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         created = int(time.time())
 
         with_logprobs = params.logprobs is not None
+        echo = bool(req.echo)
         offset = 0  # characters of text sent so far (the legacy logprobs' text_offset)
 
-        def obj(text: str, finish=None, usage=None, generated: Sequence[GenerationEvent] = ()) -> dict:
-            lps = completion_logprobs(generated, offset) if with_logprobs and generated else None
+        def obj(text: str, finish=None, usage=None, generated: Sequence[GenerationEvent] = (),
+                prompt: Sequence[TokenLogprobs] = ()) -> dict:
+            lps = completion_logprobs(generated, offset, prompt) if with_logprobs and (generated or prompt) \
+                else None
             out = {"id": completion_id, "object": "text_completion", "created": created,
                    "model": model_id,
                    "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lps}]}
@@ -1414,24 +1441,37 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+            def echo_chunk(ev: RuntimeEvent) -> str:
+                """The echoed prompt, as the first chunk, once its scores came (the first event's)."""
+                nonlocal offset, echo
+                prompt = echoed_prompt([ev.generation])
+                if not echo or not prompt:
+                    return ""
+                echo = False
+                text = prompt_text(prompt)
+                piece = obj(text, prompt=prompt)
+                offset += len(text)
+                return f"data: {json.dumps(piece, ensure_ascii=False)}\n\n"
+
             def on_event(ev: RuntimeEvent):
                 nonlocal offset
+                head = echo_chunk(ev)
                 if ev.kind == "token":
                     text = ev.thinking + ev.text
                     gen = [ev.generation] if with_logprobs and ev.generation is not None \
                         and ev.generation.logprobs is not None else []
                     if not text and not gen:
-                        return None
+                        return head or None
                     piece = obj(text, generated=gen)
                     offset += len(text)
-                    return f"data: {json.dumps(piece, ensure_ascii=False)}\n\n"
+                    return head + f"data: {json.dumps(piece, ensure_ascii=False)}\n\n"
                 if ev.kind == "error":
                     err = error_from_exception(ev.error or MinecartError(ev.text))
                     return f"data: {json.dumps(err.body())}\n\n"
                 if ev.terminal:
                     usage = _usage_dict(ev) if include_usage else None
                     last = obj("", finish=ev.finish_reason or "stop", usage=usage)
-                    return f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
+                    return head + f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n"
                 return None
 
             async def gen():
@@ -1453,8 +1493,9 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         final = await run_to_end(request, handle, collect)
         if final is None:
             return client_gone()
-        out = obj("".join(parts), finish=final.finish_reason or "stop", usage=_usage_dict(final),
-                  generated=generated)
+        prompt = echoed_prompt([*generated, final.generation]) if echo else ()
+        out = obj(prompt_text(prompt) + "".join(parts), finish=final.finish_reason or "stop",
+                  usage=_usage_dict(final), generated=generated, prompt=prompt)
         out["timings"] = _timings(final)
         return out
 

@@ -31,6 +31,7 @@ What this file is not: sampling or text handling (generation.py), or a scheduler
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -53,6 +54,7 @@ MAX_SNAPSHOTS = 3
 # Tokens per prefill run. Every prefill is chunked, whoever calls it: a chunk bounds the memory of one
 # run (activations grow with its length) and the latency of a cancel (checked between chunks).
 PREFILL_CHUNK = 512
+SCORE_CHUNK = 64  # positions whose whole logit rows one step of Session.score brings to the host
 # KV rows a session of a model loaded without a plan (load_model(backend=...): tests, benchmarks)
 # allocates at first; its caches grow by doubling up to the context limit.
 DEFAULT_CAPACITY = 8192
@@ -250,6 +252,23 @@ class Session:
         # checks `cancel` before each (engine/execution.py)
         self._advance(ids, positions, rows="last", embed_override=embed_override, chunk=step,
                       cancel=cancel)
+        return self.last_logits
+
+    def score(self, ids, on_rows: Callable[[int, np.ndarray], None], chunk: int = SCORE_CHUNK,
+              cancel=None) -> np.ndarray | None:
+        """Run `ids` from an empty history, handing every position's logits to on_rows(start, (n, vocab))
+        `chunk` positions at a time (a prompt's log-probabilities: each row is the distribution of the
+        token after it), and return the logits after the last one, as sync does. The chunks are small
+        because each one's logits cross to the host whole (64 x 248,320 float32: 64 MB)."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("score needs at least one token")
+        self.reset()
+        self.computed_tokens = 0
+        for start in range(0, len(ids), chunk):
+            logits = self._advance(ids[start:start + chunk], rows="all", chunk=chunk, cancel=cancel)
+            on_rows(start, np.asarray(logits))
+        self.computed_tokens = len(ids)
         return self.last_logits
 
     def step(self, token: int, top: int = 0) -> np.ndarray | TopLogits:

@@ -55,7 +55,8 @@ def test_logprobs_make_the_sampler_read_whole_rows():
 def f16_model(fixtures_dir):
     from minecart.engine.model import load_model
 
-    return load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"])
+    # the exact (f32) KV cache, as tests/engine/test_qwen35_fixtures.py compares with transformers
+    return load_model(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu:0"], kv_type="f32")
 
 
 @pytest.mark.parametrize("name", ["short", "len70"])
@@ -83,7 +84,7 @@ def test_greedy_logprobs_are_transformers(f16_model, fixtures_dir, name):
 def f16_api(fixtures_dir):
     """The official client on a real server running the f16 fixture on the CPU, and the model's id."""
     rt = Runtime(sample_memory_s=0)
-    rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu"]).result(120)
+    rt.load(fixtures_dir / "dense" / "qwen35-tiny-dense-f16.gguf", devices=["cpu"], kv_type="f32").result(120)
     with ServerThread(create_app(rt)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120, max_retries=0)
         yield client, client.models.list().data[0].id
@@ -149,3 +150,64 @@ def test_logit_bias_over_http(f16_api, fixtures_dir):
                            ({str(i): 1 for i in range(301)}, "logit_bias")):
         with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
             client.completions.create(model=model, prompt="x", max_tokens=1, logit_bias=bias)
+
+
+def _reference_rows(fixtures_dir, name: str, extra: int):
+    """The prompt `tokens + gen_tokens[:extra]` and, for each row r of it (the row that predicts token
+    r + 1), transformers' log-sum-exp, 16 largest ids and logits, and the logits at logit_columns."""
+    ref = np.load(fixtures_dir / "dense" / "ref_hf" / f"{name}.npz")
+    cols = np.load(fixtures_dir / "logit_columns.npy").tolist()
+    ids = ref["tokens"].tolist() + ref["gen_tokens"][:extra].tolist()
+    lse = np.concatenate([ref["logits_lse"], ref["gen_lse"][:extra]])
+    top_ids = np.concatenate([ref["top_ids"], ref["gen_top_ids"][:extra]])
+    top_vals = np.concatenate([ref["top_vals"], ref["gen_top_vals"][:extra]])
+    col_vals = np.concatenate([ref["logits_cols"], ref["gen_logits_cols"][:extra]])
+    return ids, lse, top_ids, top_vals, {t: i for i, t in enumerate(cols)}, col_vals
+
+
+@pytest.mark.parametrize("name", ["short", "len70"])
+def test_prompt_logprobs_are_transformers(f16_model, fixtures_dir, name):
+    ids, lse, top_ids, top_vals, col_of, col_vals = _reference_rows(fixtures_dir, name, 4)
+    events = list(generate(f16_model, ids, greedy_params(max_tokens=0, prompt_logprobs=3)))
+    assert len(events) == 1 and events[0].finish_reason == "length"
+    scored = events[0].prompt_logprobs
+    assert scored is not None and len(scored) == len(ids)
+    assert scored[0].chosen.token == ids[0] and scored[0].chosen.logprob is None and scored[0].top == ()
+    checked = 0
+    for k in range(1, len(ids)):
+        r = k - 1  # the row that predicts ids[k]
+        entry = scored[k]
+        assert entry.chosen.token == ids[k] and entry.chosen.data == f16_model.tokenizer.token_bytes(ids[k])
+        want_top = top_vals[r][:3] - lse[r]
+        assert np.abs(np.array([c.logprob for c in entry.top]) - want_top).max() < TOL
+        if ids[k] in col_of:
+            want = col_vals[r][col_of[ids[k]]] - lse[r]
+        elif ids[k] == top_ids[r][0]:
+            want = top_vals[r][0] - lse[r]
+        else:
+            continue
+        assert entry.chosen.logprob == pytest.approx(float(want), abs=TOL)
+        checked += 1
+    assert checked >= 5  # the continuation's 4 tokens at least, and the prompt tokens among the columns
+
+
+def test_echo_over_http(f16_api, fixtures_dir):
+    ids, lse, top_ids, top_vals, col_of, col_vals = _reference_rows(fixtures_dir, "short", 2)
+    client, model = f16_api
+    tok_text = client.completions.create(model=model, prompt=ids, max_tokens=0, echo=True, logprobs=2)
+    lp = tok_text.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == tok_text.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for k in (len(ids) - 2, len(ids) - 1):  # the two continuation tokens: transformers' argmax rows
+        assert lp.token_logprobs[k] == pytest.approx(float(top_vals[k - 1][0] - lse[k - 1]), abs=TOL)
+        assert len(lp.top_logprobs[k]) <= 2
+    assert tok_text.usage.completion_tokens == 0
+    # echo with a continuation, streamed: the prompt comes first, then the new tokens with theirs
+    chunks = list(client.completions.create(model=model, prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                            logprobs=1, stream=True))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert text.startswith(tok_text.choices[0].text) and len(tokens) == len(ids) + 3
+    assert "".join(tokens) == text
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0"):
+        client.completions.create(model=model, prompt="x", max_tokens=0)
