@@ -99,9 +99,16 @@ def test_logprobs_on_the_gpu_agree_with_numpy(fixtures_dir, quant, gpu_path, tol
 
     seqs = {s["name"]: s for s in json.loads((fixtures_dir / "sequences.json").read_text())["sequences"]}
     prompt = seqs["short"]["ids"]
-    ref = list(generate(load_model(fixtures_dir / FIXTURES[quant], backend=NumpyBackend()), prompt,
-                        greedy_params(max_tokens=6, logprobs=4)))
-    got = list(generate(_gpu_model(fixtures_dir, quant, gpu_path), prompt, greedy_params(max_tokens=6, logprobs=4)))
+    params = greedy_params(max_tokens=6, logprobs=4, prompt_logprobs=2)
+    ref = list(generate(load_model(fixtures_dir / FIXTURES[quant], backend=NumpyBackend()), prompt, params))
+    got = list(generate(_gpu_model(fixtures_dir, quant, gpu_path), prompt, params))
+    # the prompt's own tokens, scored from the device's whole rows (Session.score)
+    pa, pb = ref[0].prompt_logprobs, got[0].prompt_logprobs
+    assert pa is not None and pb is not None and len(pa) == len(pb) == len(prompt)
+    assert pb[0].chosen.logprob is None
+    diff = max(abs(a.chosen.logprob - b.chosen.logprob) for a, b in zip(pa[1:], pb[1:], strict=True))
+    print(f"{quant} {gpu_path} prompt: max |logprob diff| {diff:.2e}")
+    assert diff < tol
     for k, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert a.logprobs is not None and b.logprobs is not None
         if a.token != b.token:  # the DP4A path may take another token after a near tie: stop there
