@@ -90,7 +90,11 @@ def test_json_answers_batched_on_the_gpu(fixtures_dir):
         _check_answer(text)
 
 
-@pytest.mark.parametrize("quant, gpu_path, tol", [("f16", "fma", 1e-3), ("q8_0", "dp4a", 0.1)])
+# (absolute, relative to the log-probability): the fp32 path matches the NumPy backend to ~1e-5; the DP4A
+# path rounds activations to int8 per 32 values (its logits are held to top-1 >= 0.9 and mean KL < 1e-2 in
+# tests/gpu/test_model.py), an error that grows with the logit's size: the prompt tokens of this random
+# model lie at log-probabilities down to about -20, where 0.14 apart was measured (H100, 2026-12-07)
+@pytest.mark.parametrize("quant, gpu_path, tol", [("f16", "fma", (1e-3, 0.0)), ("q8_0", "dp4a", (0.05, 0.02))])
 def test_logprobs_on_the_gpu_agree_with_numpy(fixtures_dir, quant, gpu_path, tol):
     from minecart.engine.backends.numpy_backend import NumpyBackend
     from minecart.engine.generation import generate
@@ -106,9 +110,14 @@ def test_logprobs_on_the_gpu_agree_with_numpy(fixtures_dir, quant, gpu_path, tol
     pa, pb = ref[0].prompt_logprobs, got[0].prompt_logprobs
     assert pa is not None and pb is not None and len(pa) == len(pb) == len(prompt)
     assert pb[0].chosen.logprob is None
+    absolute, relative = tol
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= absolute + relative * abs(a)
+
     diff = max(abs(a.chosen.logprob - b.chosen.logprob) for a, b in zip(pa[1:], pb[1:], strict=True))
     print(f"{quant} {gpu_path} prompt: max |logprob diff| {diff:.2e}")
-    assert diff < tol
+    assert all(close(a.chosen.logprob, b.chosen.logprob) for a, b in zip(pa[1:], pb[1:], strict=True))
     for k, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert a.logprobs is not None and b.logprobs is not None
         if a.token != b.token:  # the DP4A path may take another token after a near tie: stop there
@@ -117,5 +126,5 @@ def test_logprobs_on_the_gpu_agree_with_numpy(fixtures_dir, quant, gpu_path, tol
         la = np.array([a.logprobs.chosen.logprob] + [c.logprob for c in a.logprobs.top])
         lb = np.array([b.logprobs.chosen.logprob] + [c.logprob for c in b.logprobs.top])
         print(f"{quant} {gpu_path} token {k}: max |logprob diff| {np.abs(la - lb).max():.2e}")
-        assert np.abs(la - lb).max() < tol
+        assert all(close(float(x), float(y)) for x, y in zip(la, lb, strict=True))
         assert b.logprobs.top[0].token == b.token  # greedy: the chosen is the most likely
