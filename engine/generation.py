@@ -329,10 +329,11 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
         far = max(t for t, _ in params.logit_bias)
         raise RequestError(f"logit_bias names token {far}, outside the vocabulary (0..{model.config.vocab_size - 1})")
     grammar = None
-    if params.json_format is not None:  # the answer's format, checked before any token is computed
+    if params.answer_format is not None:  # the answer's format, checked before any token is computed
         if tokenizer is None:
-            raise RequestError("a JSON answer format needs the model's tokenizer; this model has none")
-        grammar = params.json_format.matcher(tokenizer, end_ids, ids)
+            raise RequestError(f"an answer format ({params.answer_format.label}) needs the model's tokenizer; "
+                               "this model has none")
+        grammar = params.answer_format.matcher(tokenizer, end_ids, ids)
     if cancel is not None and cancel.is_set():
         yield clock.event(None, "", "cancelled")
         return

@@ -1,9 +1,9 @@
 """JSON output: the constraint behind the API's `response_format` (json_object, json_schema).
 
 A JSON Schema (the subset below) is compiled once into a tree of nodes (`compile_schema`,
-`any_object`); a generation then holds a `JsonMatcher`, a byte-level recognizer of the JSON texts the
-schema allows, and the sampler (engine/sampling.py) draws only tokens whose bytes keep the output a
-prefix of such a text, then an end token once the value is complete. Every prefix the matcher accepts
+`any_object`); a generation then holds a matcher (engine/grammar.py ByteMatcher over a `JsonRecognizer`)
+of the JSON texts the schema allows, and the sampler (engine/sampling.py) draws only tokens whose bytes
+keep the output a prefix of such a text, then an end token once the value is complete. Every prefix the matcher accepts
 can still be completed (no dead ends: object keys are matched against the names still allowed, a
 closed object cannot take a comma when no name is left), so an answer stops only at the end of a
 value or at max_tokens.
@@ -27,25 +27,30 @@ MAX_WHITESPACE whitespace bytes in a row between JSON tokens, none before or aft
 at once, and the end token follows it), numbers of at most MAX_NUMBER bytes.
 
 Thinking models: when the prompt leaves a `<think>` block open, the reasoning runs unconstrained (no
-end token, so the model has to close the block) and the JSON starts after `</think>`.
+end token, so the model has to close the block) and the JSON starts after `</think>` (engine/grammar.py).
 """
 
 from __future__ import annotations
 
 import json
-import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
+from .grammar import (
+    ByteMatcher,
+    TokenSource,
+    TokenTable,
+    prompt_bytes,
+    prompt_opens_thinking,
+    token_table,
+)
 
 MAX_WHITESPACE = 24  # whitespace bytes in a row between JSON tokens (an indented line fits)
 MAX_NUMBER = 32  # bytes of one number
 MAX_KEY = 256  # bytes of a free object key
 MAX_SCHEMA_NODES = 2000
 MAX_ENUM = 1024
-THINK_OPEN, THINK_CLOSE = b"<think>", b"</think>"
 
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")
@@ -614,128 +619,25 @@ def initial_states(root: Node) -> frozenset[State]:
 # ---------------------------------------------------------------------------------------------------
 # Vocabulary and the matcher a sampler holds
 
-class TokenSource(Protocol):
-    def token_bytes(self, token_id: int) -> bytes: ...
+class JsonRecognizer:
+    """The recognizer of one schema's JSON texts, for engine/grammar.py ByteMatcher."""
 
-    def text_token_bytes(self) -> list[bytes]: ...
+    def __init__(self, root: Node):
+        self.root = root
 
+    def initial(self) -> frozenset[State]:
+        return initial_states(self.root)
 
-@dataclass(frozen=True)
-class TokenTable:
-    """A vocabulary's bytes for the matcher: each text token's bytes (empty for the others: control,
-    user-defined and unused tokens, Tokenizer.text_token_bytes), and its first byte (256: none), built
-    once per tokenizer (`token_table`)."""
+    def advance(self, states: frozenset[State], data: bytes) -> frozenset[State]:
+        return advance(states, data)
 
-    data: tuple[bytes, ...]
-    first: np.ndarray  # (vocab,) int16
-
-    @classmethod
-    def build(cls, tokens: TokenSource) -> TokenTable:
-        data = tokens.text_token_bytes()
-        first = np.fromiter((raw[0] if raw else 256 for raw in data), np.int16, count=len(data))
-        return cls(tuple(data), first)
+    def accepts_end(self, states: frozenset[State]) -> bool:
+        return accepts_end(states)
 
 
-_TABLES: weakref.WeakKeyDictionary[Any, TokenTable] = weakref.WeakKeyDictionary()
-
-
-def token_table(tokens: TokenSource) -> TokenTable:
-    table = _TABLES.get(tokens)
-    if table is None:
-        table = _TABLES[tokens] = TokenTable.build(tokens)
-    return table
-
-
-class JsonMatcher:
-    """One generation's JSON constraint: which tokens may come next (`allowed`), and the bytes so far
-    (`feed`). end_ids: the tokens that end the answer (allowed only once the value is complete).
-    thinking: the prompt leaves a <think> block open (its reasoning runs unconstrained until
-    </think>)."""
-
-    def __init__(self, root: Node, table: TokenTable, end_ids: Iterable[int], thinking: bool = False,
-                 token_bytes: Callable[[int], bytes] | None = None):
-        self.table = table
-        self.end_ids = frozenset(int(t) for t in end_ids)
-        self.states = initial_states(root)
-        self.thinking = thinking
-        self._tail = b""  # the reasoning's last bytes (to find </think> across tokens)
-        self._raw = token_bytes  # a token's own bytes (special ones included: </think> may be one)
-
-    @property
-    def complete(self) -> bool:
-        return not self.thinking and accepts_end(self.states)
-
-    def allows(self, token: int) -> bool:
-        token = int(token)
-        if self.thinking:
-            return token not in self.end_ids
-        if token in self.end_ids:
-            return accepts_end(self.states)
-        data = self.table.data[token]
-        return bool(data) and bool(advance(self.states, data))
-
-    def allowed(self, ids: Sequence[int] | np.ndarray, limit: int = 0) -> np.ndarray:
-        """A boolean mask over ids; limit > 0: stop after that many allowed (the rest left False)."""
-        mask = np.zeros(len(ids), bool)
-        found = 0
-        for i, t in enumerate(np.asarray(ids, np.int64).tolist()):
-            if self.allows(t):
-                mask[i] = True
-                found += 1
-                if limit and found >= limit:
-                    break
-        return mask
-
-    def first_allowed_window(self, order: np.ndarray, window: int, limit: int = 0) -> np.ndarray:
-        """The allowed ids of the first run of `window` ranks of `order` (a whole vocabulary's ids, best
-        first) that holds one, in rank order (at most `limit` when limit > 0); empty when the format
-        allows no token at all. Only tokens whose first byte can come next are checked in full."""
-        if self.thinking:
-            cand = np.ones(order.size, bool)
-        else:
-            cand = self._first_bytes()[self.table.first[order]]
-            if self.end_ids and accepts_end(self.states):
-                cand |= np.isin(order, np.fromiter(self.end_ids, np.int64))
-        found: list[int] = []
-        run = -1
-        for p in np.flatnonzero(cand).tolist():
-            if run >= 0 and p // window != run:
-                break
-            t = int(order[p])
-            if self.allows(t):
-                found.append(t)
-                run = p // window
-                if limit and len(found) >= limit:
-                    break
-        return np.array(found, np.int64)
-
-    def _first_bytes(self) -> np.ndarray:
-        """(257,) which first bytes can start an allowed token (index 256, no text: False)."""
-        out = np.zeros(257, bool)
-        for b in range(256):
-            out[b] = bool(advance(self.states, bytes((b,))))
-        return out
-
-    def feed(self, token: int) -> None:
-        """The sampler drew `token` (an allowed one)."""
-        token = int(token)
-        if self.thinking:
-            raw = self._raw(token) if self._raw is not None else self.table.data[token]
-            self._tail = (self._tail + raw)[-64:]
-            if THINK_CLOSE in self._tail:
-                self.thinking = False
-            return
-        if token in self.end_ids:
-            return
-        nxt = advance(self.states, self.table.data[token])
-        if not nxt:
-            raise ValueError(f"token {token} does not continue the JSON output")
-        self.states = nxt
-
-
-def prompt_opens_thinking(tail: bytes) -> bool:
-    """Whether prompt bytes ending in `tail` leave a <think> block open."""
-    return tail.rfind(THINK_OPEN) > tail.rfind(THINK_CLOSE)
+def json_matcher(root: Node, table: TokenTable, end_ids: Iterable[int], thinking: bool = False) -> ByteMatcher:
+    """A matcher of root's JSON over a token table (tests; generations take JsonFormat.matcher)."""
+    return ByteMatcher(JsonRecognizer(root), table, end_ids, thinking)
 
 
 @dataclass(frozen=True, eq=False)
@@ -746,10 +648,9 @@ class JsonFormat:
     root: Node
     label: str = "json_object"
 
-    def matcher(self, tokens: TokenSource, end_ids: Iterable[int], prompt_ids: Sequence[int]) -> JsonMatcher:
-        tail = b"".join(tokens.token_bytes(int(t)) for t in list(prompt_ids)[-32:])
-        return JsonMatcher(self.root, token_table(tokens), end_ids, prompt_opens_thinking(tail),
-                           tokens.token_bytes)
+    def matcher(self, tokens: TokenSource, end_ids: Iterable[int], prompt_ids: Sequence[int]) -> ByteMatcher:
+        thinking = prompt_opens_thinking(prompt_bytes(tokens, prompt_ids, last=32))
+        return ByteMatcher(JsonRecognizer(self.root), token_table(tokens), end_ids, thinking, tokens.token_bytes)
 
 
 def json_object_format() -> JsonFormat:

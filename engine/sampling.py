@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from .json_output import JsonFormat, JsonMatcher
+    from .grammar import AnswerFormat, ByteMatcher
 
 log = logging.getLogger(__name__)
 
@@ -267,8 +267,9 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: tuple[str, ...] | list[str] = field(default_factory=tuple)  # stop strings (not shown)
     stop_token_ids: tuple[int, ...] | list[int] = field(default_factory=tuple)  # besides the model's EOS
-    # the answer must be JSON of this format (the API's response_format; engine/json_output.py)
-    json_format: JsonFormat | None = None
+    # the answer's format: JSON of a schema (the API's response_format; engine/json_output.py) or forced
+    # tool calls (tool_choice "required" or a named tool; engine/tool_call_grammar.py)
+    answer_format: AnswerFormat | None = None
     # each generated token's log-probability and this many of its row's most likely tokens with theirs
     # (0..TOP_LOGPROBS_MAX; None: none): the API's logprobs / top_logprobs
     logprobs: int | None = None
@@ -686,9 +687,9 @@ class Sampler:
     (PickSpec.history), so that a penalized sampler's picks chain too."""
 
     def __init__(self, params: SamplingParams, prompt_ids: Sequence[int] = (), vocab: int = 0,
-                 grammar: JsonMatcher | None = None):
+                 grammar: ByteMatcher | None = None):
         self.params = params
-        # the tokens this generation may draw next (params.json_format's matcher): see _pick_allowed
+        # the tokens this generation may draw next (params.answer_format's matcher): see _pick_allowed
         self.grammar = grammar
         self.prompt_ids = list(prompt_ids)
         self.generated: list[int] = []
@@ -798,7 +799,7 @@ class Sampler:
             x[ids[inside]] += bias[inside]
         return _penalized(x, None, _penalties_of(self.params), self._penalty_view())
 
-    def _pick_allowed(self, logits: np.ndarray | TopLogits, grammar: JsonMatcher) -> int:
+    def _pick_allowed(self, logits: np.ndarray | TopLogits, grammar: ByteMatcher) -> int:
         """A pick under a grammar: the sampler's filters over the allowed tokens among the row's
         TOP_CANDIDATES_MAX largest (penalized) logits, or, when none of those is allowed, among the next
         TOP_CANDIDATES_MAX in rank order that hold one, and so on (descending, ties by id): the

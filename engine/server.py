@@ -480,7 +480,7 @@ def sampling_params(req: _Common, *, default_max_tokens: int | None, context_len
                           "max_tokens")
     if max_tokens is not None:
         kwargs["max_tokens"] = min(max_tokens, context_length) if context_length else max_tokens
-    kwargs["json_format"] = json_format(req)
+    kwargs["answer_format"] = json_format(req)
     kwargs["logprobs"] = logprobs_asked(req)
     if req.logit_bias:
         try:

@@ -186,7 +186,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         "seed": args.seed,
     }
     values: dict[str, Any] = {k: v for k, v in overrides.items() if v is not None}
-    values["json_format"] = json_format_arg(args)
+    values["answer_format"] = json_format_arg(args)
     try:
         return SamplingParams(**values)
     except ValueError as exc:

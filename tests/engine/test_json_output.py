@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from minecart.engine.grammar import ByteMatcher, TokenTable
 from minecart.engine.json_output import (
     MAX_KEY,
     MAX_WHITESPACE,
-    JsonMatcher,
     SchemaError,
-    TokenTable,
     accepts_end,
     advance,
     any_object,
     compile_schema,
     initial_states,
+    json_matcher,
     json_object_format,
     json_schema_format,
 )
@@ -311,12 +311,12 @@ class ByteVocab:
         return [b"" if i >= self.end - 1 else d for i, d in enumerate(self.data)]
 
 
-def matcher_for(vocab: ByteVocab, schema=None) -> JsonMatcher:
+def matcher_for(vocab: ByteVocab, schema=None) -> ByteMatcher:
     root = any_object() if schema is None else compile_schema(schema)
-    return JsonMatcher(root, TokenTable.build(vocab), [vocab.end])
+    return json_matcher(root, TokenTable.build(vocab), [vocab.end])
 
 
-def brute_allowed(m: JsonMatcher, n: int) -> np.ndarray:
+def brute_allowed(m: ByteMatcher, n: int) -> np.ndarray:
     return np.array([m.allows(t) for t in range(n)])
 
 
@@ -434,7 +434,7 @@ def _answer(model, params, thinking=False):
     dict(temperature=0.7, top_k=20, top_p=0.8, seed=2, presence_penalty=0.5),
 ])
 def test_fixture_model_answers_in_the_schema(tiny_model, params):
-    text, finish = _answer(tiny_model, SamplingParams(max_tokens=400, json_format=json_schema_format(ANSWER),
+    text, finish = _answer(tiny_model, SamplingParams(max_tokens=400, answer_format=json_schema_format(ANSWER),
                                                       **params))
     assert finish == "stop", text
     jsonschema.validate(json.loads(text), ANSWER)
@@ -446,7 +446,7 @@ def test_fixture_model_answers_in_the_schema(tiny_model, params):
 
 def test_fixture_model_json_object_stays_a_prefix_of_json(tiny_model):
     text, finish = _answer(tiny_model, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=4,
-                                                      max_tokens=80, json_format=json_object_format()))
+                                                      max_tokens=80, answer_format=json_object_format()))
     root = any_object()
     data = text.encode()
     assert advance(initial_states(root), data), data

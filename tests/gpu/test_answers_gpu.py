@@ -50,7 +50,7 @@ def test_json_answers_on_the_gpu(fixtures_dir, params):
 
     model = _gpu_model(fixtures_dir)
     fmt = json_schema_format(ANSWER)
-    events = list(generate(model, ASK, SamplingParams(max_tokens=400, json_format=fmt, **params),
+    events = list(generate(model, ASK, SamplingParams(max_tokens=400, answer_format=fmt, **params),
                            enable_thinking=False))
     text = "".join(e.text for e in events)
     print(f"{params}: {len(events)} tokens, {text!r}")
@@ -72,7 +72,7 @@ def test_json_answers_batched_on_the_gpu(fixtures_dir):
 
         def one(seed: int) -> tuple[str, str]:
             handle = rt.chat(ASK, SamplingParams(temperature=1.0, top_k=0, top_p=1.0, seed=seed, max_tokens=400,
-                                                 json_format=json_schema_format(ANSWER)), enable_thinking=False)
+                                                 answer_format=json_schema_format(ANSWER)), enable_thinking=False)
             parts, finish = [], None
             for ev in handle.events(timeout=300):
                 if ev.kind == "token":
