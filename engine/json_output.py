@@ -566,6 +566,21 @@ def _utf8_lead(b: int) -> int:
     return _BAD
 
 
+def utf8_step(state: int, b: int) -> int:
+    """UTF-8 byte by byte (RFC 3629): the state after byte b (0 between characters), or -1 when b cannot
+    come here. For text outside JSON strings (engine/tool_call_grammar.py)."""
+    if state == 0:
+        if b < 0x80:
+            return 0
+        lead = _utf8_lead(b)
+        return lead if lead != _BAD else -1
+    left, rng = divmod(state - _U8, 8)
+    lo, hi = _U8_RANGES[rng]
+    if not lo <= b <= hi:
+        return -1
+    return 0 if left == 1 else _U8 + 8 * (left - 1)
+
+
 def _string_byte(esc: int, b: int) -> tuple[int, int]:
     """(esc after byte b, the characters b begins: 0 or 1); (_CLOSE, 0) for the closing quote, (_BAD, 0)
     when b cannot come here."""

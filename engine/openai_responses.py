@@ -132,6 +132,7 @@ class ResponsesRequest(_Strict):
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -207,7 +208,8 @@ def chat_body(req: ResponsesRequest, history: list[dict[str, Any]]) -> dict[str,
         body["response_format"] = rf
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["reasoning_effort"] = req.reasoning.effort
-    for key in ("temperature", "top_p", "top_k", "min_p", "seed", "chat_template_kwargs", "enable_thinking"):
+    for key in ("temperature", "top_p", "top_k", "min_p", "seed", "chat_template_kwargs", "enable_thinking",
+                "parallel_tool_calls"):
         value = getattr(req, key)
         if value is not None:
             body[key] = value
@@ -270,7 +272,8 @@ def response_object(resp_id: str, created: int, model_id: str, req: ResponsesReq
         "id": resp_id, "object": "response", "created_at": created, "status": status, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": model_id,
-        "output": output, "parallel_tool_calls": True, "previous_response_id": req.previous_response_id,
+        "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": req.previous_response_id,
         "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
         "store": req.store is not False, "temperature": req.temperature, "top_p": req.top_p,
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},

@@ -8,7 +8,8 @@ A runtime that batches (Runtime(parallel=N)) refuses a generation past its queue
 Retry-After header.
 
 Chat requests take messages with text and image parts, `tools` + `tool_choice` (rendered by the model's
-chat template; Qwen's `<tool_call>` output comes back as `tool_calls`), the usual sampling fields
+chat template; Qwen's `<tool_call>` output comes back as `tool_calls`; "required" or a named function
+makes the answer calls, drawn in the template's format: engine/tool_call_grammar.py), the usual sampling fields
 (temperature, top_p, max_tokens / max_completion_tokens, stop, seed, presence/frequency penalty) and, as
 extras, top_k, min_p and repetition_penalty. Thinking comes back as `reasoning_content`; it is turned off
 with `chat_template_kwargs: {"enable_thinking": false}`, `"enable_thinking": false`, or a `/no_think` in
@@ -53,6 +54,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -99,6 +101,7 @@ from .prometheus import engine_text
 from .prompt import PROMPT_MODES
 from .runtime import ModelInfo, RequestHandle, Runtime, RuntimeEvent
 from .scheduler import QueueFull
+from .tool_call_grammar import tool_call_format
 
 if TYPE_CHECKING:
     from .sampling import SamplingParams
@@ -361,6 +364,7 @@ class ChatRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     enable_thinking: bool | None = None
     reasoning_effort: str | None = None
@@ -398,6 +402,7 @@ _FIELD_RULES = {
                        "\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
     "tools": "an array of {\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}",
     "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+    "parallel_tool_calls": "true or false",
     "chat_template_kwargs": "an object", "enable_thinking": "true or false",
     "reasoning_effort": "a string", "chat_template_mode": "a string",
     "prompt": "a non-empty string, or an array of token ids in [0, 2**31) (batches are not supported)",
@@ -651,7 +656,7 @@ def parse_tools(req: ChatRequest) -> list[dict] | None:
         if not chosen:
             raise bad_request(f"tool_choice names '{choice.function.name}', which is not in 'tools'",
                               "tool_choice")
-        return chosen  # the template cannot force a call; offering only that tool comes closest
+        return chosen  # only that tool is offered, and start_chat's answer format calls it
     return tools or None
 
 
@@ -1186,6 +1191,11 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
         if template_mode not in PROMPT_MODES:
             raise bad_request(f"'chat_template_mode' must be one of {', '.join(PROMPT_MODES)}, got "
                               f"{template_mode[:40]!r}", "chat_template_mode")
+        if tools and (req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)):
+            # a call is required: the answer is drawn in the template's call format, among these tools
+            # (one call for a named function or parallel_tool_calls false)
+            parallel = req.parallel_tool_calls is not False and not isinstance(req.tool_choice, NamedToolChoice)
+            params = replace(params, answer_format=tool_call_format(tools, parallel))
         handle = runtime.chat(messages, params, enable_thinking=enable_thinking,
                               conversation_id=conversation, tools=tools, stop=stops,
                               chat_template=template_mode)
