@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import RequestError
 from .grammar import (
     ByteMatcher,
     TokenSource,
@@ -50,6 +51,10 @@ MAX_WHITESPACE = 24  # whitespace bytes in a row between JSON tokens (an indente
 MAX_NUMBER = 32  # bytes of one number
 MAX_KEY = 256  # bytes of a free object key
 MAX_SCHEMA_NODES = 2000
+# readings of the answer so far that may be open at once: anyOf alternatives that begin alike multiply
+# them as they nest ({"anyOf": [10 array schemas of the same]} four arrays deep: 10,000), so past this
+# the generation stops with FormatTooAmbiguous instead of slowing every token down without bound
+MAX_STATES = 256
 MAX_ENUM = 1024
 
 _WS = frozenset(b" \t\n\r")
@@ -65,6 +70,10 @@ _KNOWN = frozenset({"type", "properties", "required", "additionalProperties", "i
 
 class SchemaError(ValueError):
     """A schema this module cannot hold an answer to (the message says where and why)."""
+
+
+class FormatTooAmbiguous(RequestError):
+    """More than MAX_STATES readings of an answer so far were open at once (see MAX_STATES)."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -613,6 +622,11 @@ def advance(states: Iterable[State], data: bytes) -> frozenset[State]:
         if not out:
             return frozenset()
         cur = frozenset(out)
+        if len(cur) > MAX_STATES:
+            raise FormatTooAmbiguous(
+                f"the answer's JSON schema is too ambiguous to follow: more than {MAX_STATES} readings of the "
+                "answer so far are open at once (anyOf alternatives that begin alike, nested); make the "
+                "alternatives differ in their first keys or types")
     return cur
 
 

@@ -114,3 +114,24 @@ def test_bad_formats_are_400s_naming_the_problem(served, extra, fragment):
     # the server is still fine
     ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body=NO_THINK)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_schema_too_ambiguous_to_follow_is_a_clear_400(served, fixtures_dir):
+    """Ten array alternatives that begin alike, nested: the readings multiply by ten an array deep. A
+    logit bias on "[" makes the model nest them; past MAX_STATES readings the answer stops with a 400
+    that says why, and the server goes on."""
+    from minecart.engine.gguf_file import GGUFFile
+    from minecart.engine.tokenizer import Tokenizer
+
+    client, _ = served
+    bracket = Tokenizer.from_gguf(GGUFFile(fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf")).encode("[")
+    assert len(bracket) == 1
+    nested = {"$defs": {"u": {"anyOf": [{"type": "array", "items": {"$ref": "#/$defs/u"}} for _ in range(10)]
+                              + [{"type": "integer"}]}}, "$ref": "#/$defs/u"}
+    with pytest.raises(openai.BadRequestError, match="too ambiguous"):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, extra_body=NO_THINK,
+                                       logit_bias={str(bracket[0]): 100},
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "n", "schema": nested}})
+    ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, extra_body=NO_THINK)
+    assert ok.choices[0].finish_reason == "length"
