@@ -286,7 +286,6 @@ def _token_logprobs(logits: np.ndarray | TopLogits, token: int, n: int, tokenize
     """`token`'s log-probability under the row it was drawn from, and the row's n most likely tokens."""
     row = logits.whole_row() if isinstance(logits, TopLogits) else np.asarray(logits).reshape(-1)
     lp, alts = log_softmax_at(row, token, n)
-
     return TokenLogprobs(_choice(token, lp, tokenizer), tuple(_choice(t, v, tokenizer) for t, v in alts))
 
 
@@ -325,8 +324,8 @@ def _generate(model: Model, ids: list[int], params: SamplingParams, session: Ses
     end_ids = (set(tokenizer.eos_ids) if tokenizer is not None else set()) | set(params.stop_token_ids)
     limit = session.limit
 
-    if params.logit_bias and max(t for t, _ in params.logit_bias) >= model.config.vocab_size:
-        far = max(t for t, _ in params.logit_bias)
+    far = max((t for t, _ in params.logit_bias), default=-1)
+    if far >= model.config.vocab_size:
         raise RequestError(f"logit_bias names token {far}, outside the vocabulary (0..{model.config.vocab_size - 1})")
     grammar = None
     if params.answer_format is not None:  # the answer's format, checked before any token is computed

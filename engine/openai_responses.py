@@ -239,6 +239,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _message_item(item_id: str, status: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": parts}
+
+
 def output_items(reasoning: str, content: str, calls: list[dict[str, Any]], finished: bool,
                  ids: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """The output items of an answer: its thinking, its text (when any, or when nothing else came) and
@@ -251,8 +259,7 @@ def output_items(reasoning: str, content: str, calls: list[dict[str, Any]], fini
         out.append({"type": "reasoning", "id": ids.setdefault("reasoning", new_id("rs")), "summary": [],
                     "content": [{"type": "reasoning_text", "text": reasoning}], "status": status})
     if content or not calls:
-        out.append({"type": "message", "id": ids.setdefault("message", new_id("msg")), "status": status,
-                    "role": "assistant", "content": [{"type": "output_text", "text": content, "annotations": []}]})
+        out.append(_message_item(ids.setdefault("message", new_id("msg")), status, [_text_part(content)]))
     for k, call in enumerate(calls):
         fn = call["function"]
         out.append({"type": "function_call", "id": ids.setdefault(f"call{k}", new_id("fc")),
@@ -366,26 +373,29 @@ class ResponseEvents:
             self.index += 1
         elif self.open == "message":
             mid = self.ids["message"]
-            part = {"type": "output_text", "text": self.text, "annotations": []}
+            part = _text_part(self.text)
             out += self._event("response.output_text.done", item_id=mid, output_index=self.index,
                                content_index=0, text=self.text)
             out += self._event("response.content_part.done", item_id=mid, output_index=self.index,
                                content_index=0, part=part)
-            item = {"type": "message", "id": mid, "status": "completed", "role": "assistant", "content": [part]}
-            out += self._event("response.output_item.done", output_index=self.index, item=item)
+            out += self._event("response.output_item.done", output_index=self.index,
+                               item=_message_item(mid, "completed", [part]))
             self.index += 1
         self.open = None
+        return out
+
+    def _open_item(self, kind: str, item: dict[str, Any]) -> str:
+        """Close the item receiving deltas and announce `item` (of `kind`) as the next one."""
+        out = self._close_open() + self._event("response.output_item.added", output_index=self.index, item=item)
+        self.open = kind
         return out
 
     def reasoning_delta(self, delta: str) -> str:
         out = ""
         if self.open != "reasoning":
-            out += self._close_open()
             rid = self.ids.setdefault("reasoning", new_id("rs"))
-            out += self._event("response.output_item.added", output_index=self.index,
-                               item={"type": "reasoning", "id": rid, "summary": [], "content": [],
-                                     "status": "in_progress"})
-            self.open = "reasoning"
+            out += self._open_item("reasoning", {"type": "reasoning", "id": rid, "summary": [], "content": [],
+                                                 "status": "in_progress"})
         self.reasoning += delta
         return out + self._event("response.reasoning_text.delta", item_id=self.ids["reasoning"],
                                  output_index=self.index, content_index=0, delta=delta)
@@ -393,14 +403,10 @@ class ResponseEvents:
     def text_delta(self, delta: str) -> str:
         out = ""
         if self.open != "message":
-            out += self._close_open()
             mid = self.ids.setdefault("message", new_id("msg"))
-            out += self._event("response.output_item.added", output_index=self.index,
-                               item={"type": "message", "id": mid, "status": "in_progress", "role": "assistant",
-                                     "content": []})
+            out += self._open_item("message", _message_item(mid, "in_progress", []))
             out += self._event("response.content_part.added", item_id=mid, output_index=self.index,
-                               content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-            self.open = "message"
+                               content_index=0, part=_text_part(""))
         self.text += delta
         return out + self._event("response.output_text.delta", item_id=self.ids["message"],
                                  output_index=self.index, content_index=0, delta=delta)

@@ -815,11 +815,11 @@ class Sampler:
             row = logits.whole_row()
         else:
             row = logits.whole_row() if isinstance(logits, TopLogits) else np.asarray(logits).reshape(-1)
-        x = self._adjusted(row) if self.penalized or prm.logit_bias else np.asarray(row, np.float32).reshape(-1)
+        x = self._adjusted(row)
         order = np.argsort(-x, kind="stable")  # descending, lower id first on ties
         ids = grammar.first_allowed_window(order, TOP_CANDIDATES_MAX, limit)
         if ids.size == 0:
-            raise RuntimeError("the JSON output format allows no token of the vocabulary here")
+            raise RuntimeError("the answer's format allows no token of the vocabulary here")
         return self._draw_allowed(x[ids], ids)
 
     def _draw_allowed(self, vals: np.ndarray, ids: np.ndarray) -> int:

@@ -1201,7 +1201,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                               chat_template=template_mode)
         return handle, tools, params
 
-    async def run_to_end(request: Request, handle: RequestHandle, collect) -> RuntimeEvent | None:
+    async def run_to_end(request: Request, handle: RequestHandle, collect: Collected) -> RuntimeEvent | None:
         """A non-streamed request run to its terminal event (None: the client went away); an engine
         error is raised as its HTTP error."""
         final = None
@@ -1231,24 +1231,13 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        answer: list[str] = []
-        thinking: list[str] = []
-        generated: list[GenerationEvent] = []
-
-        def collect(ev):
-            if ev.kind == "token":
-                answer.append(ev.text)
-                thinking.append(ev.thinking)
-                if ev.generation is not None:
-                    generated.append(ev.generation)
-            return ev if ev.terminal else None
-
-        final = await run_to_end(request, handle, collect)
+        got = Collected()
+        final = await run_to_end(request, handle, got)
         if final is None:
             return client_gone()
-        content, calls = parse_tool_calls("".join(answer), tools) if tools else ("".join(answer), [])
+        content, calls = got.content_and_calls(tools)
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        reasoning = "".join(thinking)
+        reasoning = got.reasoning
         if reasoning:
             message["reasoning_content"] = reasoning
         if calls:
@@ -1258,7 +1247,7 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
             finish = "tool_calls"
         return {"id": completion_id, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                             "logprobs": ({"content": chat_logprobs(generated), "refusal": None}
+                             "logprobs": ({"content": chat_logprobs(got.generated), "refusal": None}
                                           if with_logprobs else None)}],
                 "usage": _usage_dict(final), "timings": _timings(final)}
 
@@ -1384,27 +1373,16 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
 
             return StreamingResponse(gen(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        answer: list[str] = []
-        thinking: list[str] = []
-        thought = 0
-
-        def collect(ev):
-            nonlocal thought
-            if ev.kind == "token":
-                answer.append(ev.text)
-                thinking.append(ev.thinking)
-                thought += bool(ev.thinking and not ev.text and ev.generation is not None)
-            return ev if ev.terminal else None
-
-        final = await run_to_end(request, handle, collect)
+        got = Collected()
+        final = await run_to_end(request, handle, got)
         if final is None:
             return client_gone()
-        content, calls = parse_tool_calls("".join(answer), tools) if tools else ("".join(answer), [])
-        reasoning = "".join(thinking)
+        content, calls = got.content_and_calls(tools)
+        reasoning = got.reasoning
         finish = final.finish_reason or "stop"
         response = response_object(resp_id, created, model_id, req,
                                    output_items(reasoning, content, calls, finish != "length"), finish,
-                                   responses_usage(_usage_dict(final), thought))
+                                   responses_usage(_usage_dict(final), got.thinking_only))
         keep(response, reasoning, content, calls)
         return response
 
@@ -1490,26 +1468,49 @@ def create_app(runtime: Runtime, *, model_name: str | None = None, default_max_t
 
             return StreamingResponse(gen(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        parts: list[str] = []
-        generated: list[GenerationEvent] = []
-
-        def collect(ev):
-            if ev.kind == "token":
-                parts.append(ev.thinking + ev.text)
-                if ev.generation is not None:
-                    generated.append(ev.generation)
-            return ev if ev.terminal else None
-
-        final = await run_to_end(request, handle, collect)
+        got = Collected()
+        final = await run_to_end(request, handle, got)
         if final is None:
             return client_gone()
-        prompt = echoed_prompt([*generated, final.generation]) if echo else ()
-        out = obj(prompt_text(prompt) + "".join(parts), finish=final.finish_reason or "stop",
-                  usage=_usage_dict(final), generated=generated, prompt=prompt)
+        prompt = echoed_prompt([*got.generated, final.generation]) if echo else ()
+        out = obj(prompt_text(prompt) + got.all_text, finish=final.finish_reason or "stop",
+                  usage=_usage_dict(final), generated=got.generated, prompt=prompt)
         out["timings"] = _timings(final)
         return out
 
     return app
+
+
+class Collected:
+    """A non-streamed generation's token events, gathered for its one response (run_to_end's collector)."""
+
+    def __init__(self) -> None:
+        self.answer: list[str] = []
+        self.thinking: list[str] = []
+        self.generated: list[GenerationEvent] = []
+        self.thinking_only = 0  # generated tokens that brought reasoning and no answer text
+
+    def __call__(self, ev: RuntimeEvent) -> RuntimeEvent | None:
+        if ev.kind == "token":
+            self.answer.append(ev.text)
+            self.thinking.append(ev.thinking)
+            if ev.generation is not None:
+                self.generated.append(ev.generation)
+                self.thinking_only += bool(ev.thinking and not ev.text)
+        return ev if ev.terminal else None
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.thinking)
+
+    @property
+    def all_text(self) -> str:
+        """Reasoning and answer as they came (a completion shows both)."""
+        return "".join(t + a for t, a in zip(self.thinking, self.answer, strict=True))
+
+    def content_and_calls(self, tools: list[dict] | None) -> tuple[str, list[dict]]:
+        text = "".join(self.answer)
+        return parse_tool_calls(text, tools) if tools else (text, [])
 
 
 def _too_large(limit: int) -> APIError:

@@ -264,11 +264,10 @@ class Session:
         if not ids:
             raise ValueError("score needs at least one token")
         self.reset()
-        self.computed_tokens = 0
+        self.computed_tokens = 0  # each chunk's _advance counts its tokens
         for start in range(0, len(ids), chunk):
             logits = self._advance(ids[start:start + chunk], rows="all", chunk=chunk, cancel=cancel)
             on_rows(start, np.asarray(logits))
-        self.computed_tokens = len(ids)
         return self.last_logits
 
     def step(self, token: int, top: int = 0) -> np.ndarray | TopLogits:

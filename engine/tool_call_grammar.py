@@ -128,6 +128,12 @@ def _closing_check(tail: bytes, b: int) -> tuple[bytes, str]:
     return tail, "ok"
 
 
+def _names(acc: bytes, encs: Sequence[bytes]) -> tuple[list[int], bool]:
+    """Which of the written names (each with its closing ">\n") `acc` completes, by index, and whether it
+    is still the start of another."""
+    return [i for i, e in enumerate(encs) if e == acc], any(e != acc and e.startswith(acc) for e in encs)
+
+
 class ToolCallRecognizer:
     """The calls of `tools` in the format above, at most `max_calls` of them, for engine/grammar.py
     ByteMatcher."""
@@ -194,26 +200,17 @@ class ToolCallRecognizer:
             self._lits(s[1], s[2], b, out)
         elif kind == "fname":
             acc, calls = s[1] + bytes((b,)), s[2]
-            partial = False
-            for i, spec in enumerate(self.tools):
-                if spec.enc == acc:
-                    out.append(("params", i, frozenset(), calls))
-                elif spec.enc.startswith(acc):
-                    partial = True
+            full, partial = _names(acc, [spec.enc for spec in self.tools])
+            out.extend(("params", i, frozenset(), calls) for i in full)
             if partial:
                 out.append(("fname", acc, calls))
         elif kind == "params":
             self._lits(self._params_options(s[1], s[2], s[3]), 0, b, out)
         elif kind == "pname":
             tool, seen, acc, calls = s[1], s[2], s[3] + bytes((b,)), s[4]
-            partial = False
-            for p in self.tools[tool].params:
-                if p.name in seen:
-                    continue
-                if p.enc == acc:
-                    out.append(self._value(tool, p, seen, calls))
-                elif p.enc.startswith(acc):
-                    partial = True
+            left = [p for p in self.tools[tool].params if p.name not in seen]
+            full, partial = _names(acc, [p.enc for p in left])
+            out.extend(self._value(tool, left[i], seen, calls) for i in full)
             if partial:
                 out.append(("pname", tool, seen, acc, calls))
         elif kind == "text":
