@@ -20,10 +20,11 @@ import time
 from pathlib import Path
 
 FILE_NAME = "gpu_probe.json"
-VERSION = 3  # bump when the kernels change enough that old choices should be re-probed
+VERSION = 4  # bump when the kernels change enough that old choices should be re-probed
 # Version 2 added the fp16 HFMA2 path: version-1 records (DP4A / FMA timings only) are ignored, so a
 # card probed before it is simply probed again, three-way, at the next load. Version 3 added the
-# K-quants' own prefill stage depth (gemm_kquant).
+# K-quants' own prefill stage depth (gemm_kquant). Version 4 added the requantized K-quant prefill
+# (gemm_kquant "dp4a_rq").
 
 
 def cache_path() -> Path:

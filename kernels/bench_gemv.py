@@ -19,7 +19,8 @@ above); per line the GPU time per call, per token, the GB/s of weight bytes
 against the copy bandwidth, and the time over the single-token call; then the GEMV time of a 9B batched
 decode step per T and variant. About a minute on an H200.
 
-`--prefill T` times the prefill GEMM (gemm_dp4a, one and two quant blocks a stage) of T tokens at the
+`--prefill T` times the prefill GEMM (gemm_dp4a, one and two quant blocks a stage; and the requantized
+path "dp4a_rq" for the formats other than Q8_0) of T tokens at the
 same shapes but the LM head, in TOPS against the DP4A rate measured in the same run, and the GEMM time
 of a 9B prefill of T tokens.
 
@@ -214,14 +215,20 @@ class PrefillRow:
     R: int
     K: int
     T: int
-    path: str  # ops.matmul's: "dp4a" (gemm_dp4a, one quant block a stage) or "dp4a2" (two)
+    path: str  # ops.matmul's: "dp4a" (gemm_dp4a, one quant block a stage), "dp4a2" (two) or "dp4a_rq" (requantized)
     seconds: float  # GPU time per call
     tops: float  # 2 T R K / seconds, 1e12 int8 operations a second
     dp4a_share: float  # tops / the DP4A rate measured in the same run
 
 
+def _prefill_paths(type_name: str) -> tuple[str, ...]:
+    return ("dp4a", "dp4a2", "dp4a_rq") if type_name in ops.REQUANT_TYPES else ("dp4a", "dp4a2")
+
+
 def run_prefill(shapes=SHAPES_9B, types=TYPES, T: int = 4096, reps: int = 3, out=None) -> list[PrefillRow]:
-    """Time the prefill GEMM (gemm_dp4a, both stage depths) of T tokens at every shape but the LM head
+    """Time the prefill GEMM (gemm_dp4a, both stage depths, and for the formats other than Q8_0 the
+    Q8_0 GEMM on the weights requantized, ops.REQUANT_TYPES, requantization included) of T tokens at every
+    shape but the LM head
     (a prefill computes its last row only); print a line each and the GEMM time of a 9B prefill of T
     tokens per format and path, against the DP4A rate measured in the same run."""
     rate = measure_dp4a()
@@ -236,19 +243,19 @@ def run_prefill(shapes=SHAPES_9B, types=TYPES, T: int = 4096, reps: int = 3, out
             w = random_weight(type_name, R, K, 0)
             x = cp.asarray(rng.standard_normal((T, K)).astype(np.float32))
             res = cp.asarray(rng.standard_normal((T, R)).astype(np.float32)) if with_res else None
-            for path in ("dp4a", "dp4a2"):
+            for path in _prefill_paths(type_name):
                 t = time_gpu(lambda w=w, x=x, res=res, path=path: ops.matmul(x, w, path, residual=res), reps)
                 tops = 2 * T * R * K / t / 1e12
                 row = PrefillRow(type_name, R, K, T, path, t, tops, tops / rate)
                 rows.append(row)
                 if out is not None:
-                    print(f"{type_name} {R}x{K}{' +res' if with_res else ''} T={T} {path:5s} {t * 1e3:8.3f} ms "
+                    print(f"{type_name} {R}x{K}{' +res' if with_res else ''} T={T} {path:7s} {t * 1e3:8.3f} ms "
                           f"{tops:6.1f} TOPS {100 * row.dp4a_share:4.0f}% of DP4A", file=out)
             del w, x, res
             cp.get_default_memory_pool().free_all_blocks()
     if out is not None:
         for type_name in types:
-            for path in ("dp4a", "dp4a2"):
+            for path in _prefill_paths(type_name):
                 sel = [r for r in rows if r.type_name == type_name and r.path == path and (r.R, r.K) in CALLS_9B]
                 if sel:
                     step = sum(r.seconds * CALLS_9B[(r.R, r.K)] for r in sel)

@@ -102,6 +102,8 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
         names += [f"gemv_dp4a_split<{q}, 1, {wpr}, {pf}>" for wpr, pf in GEMV_SPLIT]
         names += [f"gemv_dp4a_stream<{q}, {nu}>" for nu in GEMV_STREAM]
         names += [f"gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
+        if type_name != "Q8_0":
+            names += [f"requant_q8_0<{q}>"]
         names += [f"gemm_batch<{q}, {tt}>" for tt in GEMM_BATCH_TOKENS]
     if type_name in KQUANT_TYPES:
         names += [f"gemv_kq<{q}, {wpr}, {nu}>" for wpr, nu in GEMV_KQ]

@@ -72,6 +72,13 @@ __device__ __forceinline__ float h2f(u16 h) {
     return f;
 }
 
+// fp32 -> fp16 bits, rounded to nearest even (the KV caches' stores, the HFMA2 operands, requant_q8_0's scales)
+__device__ __forceinline__ u16 f2h_rn(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
 __device__ __forceinline__ float bf2f(u16 h) { return __int_as_float(((u32)h) << 16); }
 
 // a . b over four signed bytes, added to c (DP4A: full rate on sm_61 and newer).

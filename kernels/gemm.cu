@@ -8,7 +8,11 @@
 //   (common.cuh magic_scale: no int -> float conversion, no subtraction), then one more FMA with the
 //   activation's scale. Weights: any format load_wblock (gemv.cu) reads; Q6_K's two scales per block are
 //   applied at the two half-blocks. The epilogue adds the residual `res` (T, R) when given and writes a
-//   fused group's members apart with `seg` (the output layout below), as gemm_batch does.
+//   fused group's members apart with `seg` (the output layout below), as gemm_batch does. It computes the
+//   output rows [rlo, rhi) from `wq` / `wd` holding the matrix's rows from rlo on (the whole matrix: 0, R;
+//   a window: the rows requant_q8_0 wrote, with the output and residual still laid out for all R rows).
+// requant_q8_0<QT>: rows of a matrix in format QT rewritten in Q8_0's device layout, so that a K-quant
+//   prefill runs gemm_dp4a<Q8_0> (ops.matmul's path "dp4a_rq": kernels/ops.py REQUANT_TYPES).
 // gemm_fma: 64 x 64 tiles, fp32 FMA on weights dequantized to fp32 in shared memory (fallback path and
 //   F32/F16/BF16 weights).
 
@@ -45,7 +49,8 @@ template <int QT, int NBLK>
 __global__ void __launch_bounds__(256) gemm_dp4a(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
-        int T, int R, int K, const float* __restrict__ res, const int* __restrict__ seg, int nseg) {
+        int T, int R, int K, const float* __restrict__ res, const int* __restrict__ seg, int nseg, int rlo,
+        int rhi) {
     pdl_entry();
     // NBLK quant blocks (32 values each) per shared-memory stage: 2 halves the barriers per K.
     __shared__ int4 As4[2][NBLK][8][GB_M / 4];
@@ -58,7 +63,7 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     __shared__ int bounds[9];
     int tid = threadIdx.x;
     seg_bounds(bounds, seg, nseg, R, tid);  // read by the epilogue, many barriers later
-    int t0 = blockIdx.y * GB_M, r0 = blockIdx.x * GB_N;
+    int t0 = blockIdx.y * GB_M, r0 = rlo + blockIdx.x * GB_N;
     int nb = K >> 5;
     int nst = (nb + NBLK - 1) / NBLK;
     i64 wstride = row_bytes<QT>(K);
@@ -66,7 +71,7 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     // Loader roles: threads 0..127 load one weight row's blocks, 128..255 one token's blocks.
     int lrow = tid & 127;
     bool loads_w = tid < 128;
-    int wr = min(r0 + lrow, R - 1);
+    int wr = min(r0 + lrow, rhi - 1) - rlo;  // wq / wd hold rows rlo.. (a window of the matrix, or all of it)
     int xt = min(t0 + lrow, T - 1);
     const u8* wrow = wq + (i64)wr * wstride;
     const u16* wdrow = wd + (i64)wr * nb;
@@ -191,10 +196,45 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             int r = r0 + ((j < 4) ? tx * 4 + j : 64 + tx * 4 + j - 4);
-            if (r >= R) continue;
+            if (r >= rhi) continue;
             y[col0[j] + (i64)t * width[j]] = res != nullptr ? acc[i][j] + res[(i64)t * R + r] : acc[i][j];
         }
     }
+}
+
+// Rows rlo..rlo+rows-1 of a matrix in format QT (`wq`, `wd` as its kernels read them) -> those rows in Q8_0's
+// device layout: `oq` (rows, K) int8, `od` (rows, K/32) fp16 bits. Each 32-value block is dequantized as
+// deq_block32 does (engine/quants.py's values) and quantized as ggml's quantize_row_q8_0_ref quantizes:
+// d = max|x| / 127, q = roundf(x * (1 / d)) (0 for an all-zero block), d stored as fp16 (rounded to nearest
+// even; q from the fp32 d), kv_q8_0.cu's rule (NumPy twin: engine/kvquant.py quantize_q8_0). A thread a block.
+template <int QT>
+__global__ void __launch_bounds__(256) requant_q8_0(const u8* __restrict__ wq, const u16* __restrict__ wd, int K,
+                                                    int rlo, int rows, i8* __restrict__ oq, u16* __restrict__ od) {
+    pdl_entry();
+    int nb = K >> 5;
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (i64)rows * nb) return;
+    i64 r = rlo + i / nb;
+    int b = (int)(i % nb);
+    float v[32];
+    deq_block32<QT>(wq + r * row_bytes<QT>(K), wd + r * nb, b, v);
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int q[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        u32 w = 0u;
+#pragma unroll
+        for (int j = 0; j < 4; j++) w |= ((u32)(int)roundf(v[4 * k + j] * id) & 0xffu) << (8 * j);
+        q[k] = (int)w;
+    }
+    int4* dst = (int4*)(oq + i * 32);
+    dst[0] = make_int4(q[0], q[1], q[2], q[3]);
+    dst[1] = make_int4(q[4], q[5], q[6], q[7]);
+    od[i] = f2h_rn(d);
 }
 
 #define GF_M 64

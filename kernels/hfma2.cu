@@ -30,12 +30,6 @@ __device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
     return d;
 }
 
-__device__ __forceinline__ u16 f2h(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
 // Sum of the two fp16 lanes in fp32.
 __device__ __forceinline__ float fold_h2(u32 p) { return h2f((u16)(p & 0xffffu)) + h2f((u16)(p >> 16)); }
 
@@ -64,7 +58,7 @@ extern "C" __global__ void quantize_h16(const float* __restrict__ x, u32* __rest
     float amax = warp_max_abs(v);
     float s = warp_sum(v);
     float inv = amax > 1.0e-30f ? 1.0f / amax : 0.0f;
-    u32 h = (u32)f2h(v * inv);  // |v * inv| <= 1 (+ one fp32 rounding, which fp16 rounding removes)
+    u32 h = (u32)f2h_rn(v * inv);  // |v * inv| <= 1 (+ one fp32 rounding, which fp16 rounding removes)
     u32 up = __shfl_down_sync(0xffffffffu, h, 1);
     if ((lane & 1) == 0) xh[b * 16 + (lane >> 1)] = h | (up << 16);
     if (lane == 0) {

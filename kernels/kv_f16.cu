@@ -21,12 +21,6 @@ __device__ __forceinline__ float4 kv_load4(const u16* __restrict__ p, i64 i) { r
 
 __device__ __forceinline__ float kv_load1(const u16* __restrict__ p, i64 i) { return h2f(p[i]); }
 
-__device__ __forceinline__ u16 f2h_rn(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
 __device__ __forceinline__ void kv_store1(u16* __restrict__ p, i64 i, float x, int lane) { p[i] = f2h_rn(x); }
 
 // Rows start..start+T-1 of the K and V caches (start = *start_ptr when start_ptr is given: a captured

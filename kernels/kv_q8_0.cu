@@ -55,11 +55,7 @@ __device__ __forceinline__ void kv_store1(u8* __restrict__ p, i64 i, float v, in
     float id = d != 0.0f ? 1.0f / d : 0.0f;
     int q = (int)roundf(v * id);
     u8* dst = p + (i >> 5) * KVQ8_BLOCK;
-    if (lane == 0) {
-        u16 h;
-        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(d));
-        *(u16*)dst = h;
-    }
+    if (lane == 0) *(u16*)dst = f2h_rn(d);
     dst[2 + lane] = (u8)(i8)q;
 }
 

@@ -54,12 +54,6 @@ __device__ __forceinline__ float kvq3_sign(u32 i) {
     return (h >> 31) ? -1.0f : 1.0f;
 }
 
-__device__ __forceinline__ u16 kvq3_f2h_rn(float f) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-
 // In-place normalized Walsh-Hadamard transform of x[0..D) in shared memory; every thread of the
 // D-thread block calls it.
 template <int D>
@@ -131,7 +125,7 @@ __global__ void __launch_bounds__(D) kvq3_quantize(
     if ((tid & 63) == 0) {
         int b0 = w & ~1;
         float n2 = red[b0] + red[b0 + 1], d2 = red2[b0] + red2[b0 + 1];
-        scales[dst * (D / KVQ3_BLOCK) + (tid >> 6)] = kvq3_f2h_rn(fminf(n2 / d2, 65504.0f));
+        scales[dst * (D / KVQ3_BLOCK) + (tid >> 6)] = f2h_rn(fminf(n2 / d2, 65504.0f));
     }
     if (tid < D / 8) {
         u32 word = 0;

@@ -498,13 +498,69 @@ def matmul_split(x: cp.ndarray, w: QWeight, ranges, path: str = "dp4a") -> list[
     return split_columns(y, ranges)
 
 
+# ---- requantized prefill (path "dp4a_rq") ----
+# A prefill matmul of a format other than Q8_0 may run as the Q8_0 GEMM on its weights requantized to Q8_0
+# (gemm.cu requant_q8_0: each 32-value block dequantized exactly, then quantized as ggml's Q8_0 quantizer
+# does) a window of rows at a time, into a scratch of at most REQUANT_SCRATCH_BYTES. The Q8_0 kernel does
+# fewer instructions per DP4A than the K-quants' (no offset term, no nibble expansion, two quant blocks a
+# stage); the requantization reads the weights once and writes ~1.06 bytes a value, once per matmul of T
+# tokens, which is why it is taken from REQUANT_MIN_T tokens only. The probe picks it for the K-quants
+# where it is faster (kernels/probe.py pick_kquant_stage); its products carry a second rounding of the
+# weights (at most half a Q8_0 step, 1/254 of the block's largest magnitude) beside the int8
+# activations' own.
+MATMUL_PATHS = ("dp4a", "dp4a2", "dp4a_rq", "fma", "hfma2")  # ops.matmul's `path`
+REQUANT_TYPES = tuple(t for t in DP4A_TYPES if t != "Q8_0")
+REQUANT_MIN_T = int(os.environ.get("MINECART_REQUANT_MIN_T", "256"))
+REQUANT_SCRATCH_BYTES = 64 << 20
+
+
+def requant_rows(w: QWeight, rlo: int, rows: int, oq: cp.ndarray | None = None,
+                 od: cp.ndarray | None = None) -> tuple[cp.ndarray, cp.ndarray]:
+    """Rows rlo..rlo+rows-1 of w (a REQUANT_TYPES matrix, one expert) in Q8_0's device layout: (int8 (rows,
+    K), fp16 bits uint16 (rows, K / 32)), written into oq / od when given (at least `rows` rows each)."""
+    if w.type_name not in REQUANT_TYPES:
+        raise ValueError(f"requant_rows: {w.type_name} is not one of {', '.join(REQUANT_TYPES)}")
+    if not 0 <= rlo <= rlo + rows <= w.rows * w.experts:
+        raise ValueError(f"requant_rows: rows {rlo}..{rlo + rows} outside the matrix's {w.rows * w.experts}")
+    K = w.cols
+    oq = cp.empty((rows, K), dtype=cp.int8) if oq is None else oq
+    od = cp.empty((rows, K // 32), dtype=cp.uint16) if od is None else od
+    n = rows * (K // 32)
+    if n:
+        wd = w.wd if w.wd is not None else _dummy()
+        _mm_kernel(w, f"requant_q8_0<{QT[w.type_name]}>")((math.ceil(n / 256),), (256,),
+                                                           (w.wq, wd, np.int32(K), np.int32(rlo), np.int32(rows),
+                                                            oq, od))
+    return oq[:rows], od[:rows]
+
+
+def _gemm_requant(w: QWeight, xq, xd, xs, y, T: int, residual, seg, nseg) -> None:
+    """y = the Q8_0 GEMM (two quant blocks a stage) of w requantized, REQUANT_SCRATCH_BYTES of rows at a time."""
+    R, K = w.rows, w.cols
+    step = max(128, REQUANT_SCRATCH_BYTES // (K + K // 16) // 128 * 128)
+    step = min(step, -(-R // 128) * 128)
+    oq = cp.empty((step, K), dtype=cp.int8)
+    od = cp.empty((step, K // 32), dtype=cp.uint16)
+    k = get_kernel("matmul_Q8_0", f"gemm_dp4a<{QT['Q8_0']}, 2>")
+    res = residual if residual is not None else np.uint64(0)
+    for rlo in range(0, R, step):
+        rows = min(step, R - rlo)
+        requant_rows(w, rlo, rows, oq, od)
+        k((math.ceil(rows / 128), math.ceil(T / 128)), (256,),
+          (oq, od, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K), res, seg, nseg, np.int32(rlo),
+           np.int32(rlo + rows)))
+
+
 def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None = None,
            residual: cp.ndarray | None = None, segments: tuple[int, ...] | None = None) -> cp.ndarray:
-    """(T, K) @ W^T -> (T, R), fp32 accumulation. path: "dp4a" (int8 activations; "dp4a2" = the GEMM
-    variant staging two quant blocks per barrier) or "fma" (fp32). residual (T, R): added to the
+    """(T, K) @ W^T -> (T, R), fp32 accumulation. path (MATMUL_PATHS): "dp4a" (int8 activations; "dp4a2" =
+    the GEMM variant staging two quant blocks per barrier; "dp4a_rq" = a prefill GEMM of REQUANT_TYPES
+    weights from REQUANT_MIN_T tokens on the weights requantized to Q8_0, above) or "fma" (fp32). residual (T, R): added to the
     result (in the DP4A kernels' epilogues; by a separate add on the FMA GEMM). segments (only where
     gemm_batch or gemm_dp4a runs: matmul_split, _writes_segments): row bounds (0, a_1, ..., R); the
     result's rows [a_j, a_j+1) then lie as consecutive (T, a_j+1 - a_j) blocks of the returned buffer."""
+    if path not in MATMUL_PATHS:
+        raise ValueError(f"matmul path must be one of {', '.join(MATMUL_PATHS)}, got {path!r}")
     if path == "hfma2":  # fp16 products, fp32 accumulation (hfma2.py)
         from . import hfma2
 
@@ -568,10 +624,14 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         del nb
         return y
     if use_dp4a:
-        k = _mm_kernel(w, f"gemm_dp4a<{q}, {2 if path == 'dp4a2' else 1}>")
+        if path == "dp4a_rq" and w.type_name in REQUANT_TYPES and T >= REQUANT_MIN_T and w.experts == 1:
+            _gemm_requant(w, xq, xd, xs, y, T, residual, seg, nseg)
+            return y
+        nblk = 2 if path == "dp4a2" or (path == "dp4a_rq" and w.type_name == "Q8_0") else 1
+        k = _mm_kernel(w, f"gemm_dp4a<{q}, {nblk}>")
         k((math.ceil(R / 128), math.ceil(T / 128)), (256,),
           (w.wq, wd, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K),
-           residual if residual is not None else np.uint64(0), seg, nseg))
+           residual if residual is not None else np.uint64(0), seg, nseg, np.int32(0), np.int32(R)))
         return y
     k = _mm_kernel(w, f"gemm_fma<{q}>")
     k((math.ceil(R / 64), math.ceil(T / 64)), (256,), (w.wq, wd, x, y, np.int32(T), np.int32(R), np.int32(K)))

@@ -214,18 +214,27 @@ def run_probe() -> dict:
     return rec
 
 
+KQUANT_GEMM_PATHS = ("dp4a", "dp4a2", "dp4a_rq")  # pick_kquant_stage's candidates
+
+
 def pick_kquant_stage(R: int = 4096, K: int = 4096, T: int = 1024) -> dict:
-    """The prefill GEMM's stage depth for the K-quants: gemm_dp4a with one quant block a barrier
-    ("dp4a") or two ("dp4a2"), timed on a random Q4_K matrix at a prefill shape that fills the card
-    (T tokens: 256 blocks of 128 x 128). The Q8_0 matrix the probe picks the path on needs two blocks a
-    stage (its loads are a stage's only work), while a K-quant's expansion of its blocks is enough work
-    between barriers for one: on the H100 and H200 Q4_K and Q6_K ran 1-3% faster with one, Q8_0 25%
-    slower (docs/BENCHMARKS.md v26, v45). Record: gemm_kquant (the pick), gemm_kquant_us."""
+    """The prefill GEMM of the K-quants: gemm_dp4a with one quant block a barrier ("dp4a") or two
+    ("dp4a2"), or the Q8_0 GEMM on the weights requantized ("dp4a_rq", ops.REQUANT_TYPES; the
+    requantization included in its time), timed on a random Q4_K matrix at a prefill shape that fills
+    the card (T tokens: 256 blocks of 128 x 128). The Q8_0 matrix the probe picks the path on needs two
+    blocks a stage (its loads are a stage's only work), while a K-quant's expansion of its blocks is
+    enough work between barriers for one: on the H100 and H200 Q4_K and Q6_K ran 1-3% faster with one,
+    Q8_0 25% slower (docs/BENCHMARKS.md v26, v45). A candidate further than SANITY_REL_ERR from fp32 FMA
+    is left out, as run_probe leaves them out. Record: gemm_kquant (the pick), gemm_kquant_us,
+    gemm_kquant_err."""
     w = random_weight("Q4_K", R, K, 3)
     x = cp.random.RandomState(4).standard_normal((T, K), dtype=cp.float32)
-    times = {path: time_gpu(lambda path=path: ops.matmul(x, w, path), 10) for path in ("dp4a", "dp4a2")}
-    return {"gemm_kquant": min(times, key=times.get),
-            "gemm_kquant_us": {p: round(t * 1e6, 1) for p, t in times.items()}}
+    ref = ops.matmul(x, w, "fma")
+    errs = {path: _rel_err(ops.matmul(x, w, path), ref) for path in KQUANT_GEMM_PATHS}
+    times = {path: time_gpu(lambda path=path: ops.matmul(x, w, path), 10) for path in KQUANT_GEMM_PATHS}
+    return {"gemm_kquant": choose_fastest(times, errs),
+            "gemm_kquant_us": {p: round(t * 1e6, 1) for p, t in times.items()},
+            "gemm_kquant_err": {p: float(f"{e:.3g}") for p, e in errs.items()}}
 
 
 def op_breakdown(T: int = 4096, ctx: int = 18432) -> dict:

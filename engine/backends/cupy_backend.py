@@ -895,10 +895,10 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         self.gemv_path = self.gemm_path = "dp4a"
         self.gemm_kquant_path = "dp4a"  # the prefill path of the K-quants (the probe's gemm_kquant)
         if forced:
-            if forced not in ("dp4a", "dp4a2", "fma", "hfma2"):
-                raise ValueError(f"matmul path must be 'dp4a', 'dp4a2', 'fma' or 'hfma2', got '{forced}'")
+            if forced not in ops.MATMUL_PATHS:
+                raise ValueError(f"matmul path must be one of {', '.join(ops.MATMUL_PATHS)}, got '{forced}'")
             self.gemm_path = self.gemm_kquant_path = forced
-            self.gemv_path = "dp4a" if forced == "dp4a2" else forced
+            self.gemv_path = "dp4a" if forced.startswith("dp4a") else forced
         elif probe:
             self._choose_paths()
 
@@ -1557,7 +1557,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         with self._dev:
             x2 = _f32(x).reshape(-1, x.shape[-1])
             path = self._matmul_path(x2.shape[0], w.q)
-            if path not in ("dp4a", "dp4a2", "fma") or residual.size != x2.shape[0] * w.q.rows:
+            if path == "hfma2" or residual.size != x2.shape[0] * w.q.rows:
                 return super().matmul_add(x, w, residual)
             y = ops.matmul(x2, w.q, path, residual=residual)  # residual added in the GEMV epilogue
             return y.reshape(*x.shape[:-1], w.q.rows)

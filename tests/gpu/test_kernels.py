@@ -173,11 +173,12 @@ def test_prefill_gemm_epilogue(nb, poison, launches, type_name, path):
         np.testing.assert_array_equal(cp.asnumpy(o), plain[:, a:b], err_msg=f"rows {a}..{b} of {bounds}")
 
 
-@pytest.mark.parametrize("kquant", ["dp4a", "dp4a2"])
+@pytest.mark.parametrize("kquant", ["dp4a", "dp4a2", "dp4a_rq"])
 def test_prefill_path_per_format(nb, poison, tmp_path, monkeypatch, kquant):
     """A probe record whose K-quant stage depth differs from Q8_0's: a prefill of Q8_0 rows takes
     `gemm`, one of K-quant rows `gemm_kquant`, decode rows the GEMV path either way; the results match
-    the emulation."""
+    the emulation (200 tokens: "dp4a_rq" below ops.REQUANT_MIN_T runs the format's own GEMM; above it,
+    tests/gpu/test_requant.py)."""
     from minecart.engine import probe_cache
     from minecart.engine.backends.cupy_backend import CupyBackend
     from minecart.kernels import ops
@@ -447,9 +448,11 @@ def test_probe_and_cache(tmp_path, monkeypatch):
     # any path the probe times may win: hfma2's GEMM did on an H100 running the compute_70 PTX (v49)
     assert rec["gemv"] in probe.GEMV_PATHS and rec["gemm"] in probe.GEMM_PATHS
     assert rec["copy_gbs"] > 10 and rec["dp4a_tops"] > 0.5 and rec["fma_tflops"] > 0.5
-    if rec["gemm"].startswith("dp4a"):  # the K-quants' stage depth, timed on its own
-        assert rec["gemm_kquant"] in ("dp4a", "dp4a2") and set(rec["gemm_kquant_us"]) == {"dp4a", "dp4a2"}
-        assert rec["gemm_kquant_us"][rec["gemm_kquant"]] == min(rec["gemm_kquant_us"].values()) > 0
+    if rec["gemm"].startswith("dp4a"):  # the K-quants' prefill GEMM, timed on its own
+        us, err = rec["gemm_kquant_us"], rec["gemm_kquant_err"]
+        assert rec["gemm_kquant"] in probe.KQUANT_GEMM_PATHS and set(us) == set(err) == set(probe.KQUANT_GEMM_PATHS)
+        assert max(err.values()) < 2e-2
+        assert us[rec["gemm_kquant"]] == min(us.values()) > 0
     else:
         assert "gemm_kquant" not in rec
     probe_cache.save("GPU-test", rec)
