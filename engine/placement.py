@@ -133,6 +133,12 @@ STAGED_TYPES = ("Q8_0", "Q4_0", "Q5_0", "IQ4_NL")  # = kernels/layout.py SPLIT_S
 KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # = kernels/kquant_layout.py KQUANT_TYPES
 KQUANT_REPACK_CHUNK = 64 * 1024 * 1024  # = kernels/ops.py _KQ_CHUNK_BYTES
 KQUANT_REPACK_FACTOR = {"Q4_K": 5.6, "Q5_K": 4.95, "Q6_K": 6.5}
+# The requantized prefill (kernels/ops.py, path "dp4a_rq"): a prefill matmul of REQUANT_MIN_T tokens or
+# more on one of these types may hold a window of its rows in Q8_0's layout (17/16 bytes a value, at most
+# REQUANT_SCRATCH_BYTES) beside its input and output.
+REQUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q4_K", "Q5_K", "Q6_K")  # = ops.REQUANT_TYPES
+REQUANT_MIN_T = 256  # = kernels/ops.py REQUANT_MIN_T (its default)
+REQUANT_SCRATCH_BYTES = 64 << 20  # = kernels/ops.py REQUANT_SCRATCH_BYTES
 
 # Bytes per stored KV value, exactly what the backends' caches allocate (engine/kvquant.py): f16; q8_0 =
 # llama.cpp's Q8_0 blocks (32 int8 + an fp16 scale); q3 = the Walsh-Hadamard + Lloyd-Max cache
@@ -282,6 +288,17 @@ class PartCost:
         names = set(self.experts)
         return sum(b for n, b in self.tensors if n in names)
 
+    @property
+    def requant_scratch_bytes(self) -> int:
+        """At most what the requantized prefill's scratch holds while one of this layer's matmuls runs: the
+        cap, or all its dense REQUANT_TYPES matrices in Q8_0's layout if less (the LM head's prefill
+        matmul is one row, the experts take their own kernels)."""
+        if self.kind == "head":
+            return 0
+        experts = set(self.experts)
+        values = sum(v for n, kind, _, v in self.matmuls if kind in REQUANT_TYPES and n not in experts)
+        return min(REQUANT_SCRATCH_BYTES, values * 17 // 16)
+
     def activation_bytes(self, chunk: int) -> int:
         """Peak live activation bytes while this part runs a prefill chunk of `chunk` tokens."""
         vals = self.act_values_per_token * chunk + self.act_values_fixed
@@ -289,7 +306,7 @@ class PartCost:
             seg = min(chunk, GDN_SEGMENT_TOKENS)
             seg = -(-seg // GDN_CHUNK_TOKENS) * GDN_CHUNK_TOKENS
             vals = max(vals, self.mixer_values_per_token * chunk + self.segment_values_per_token * seg)
-        return 4 * vals
+        return 4 * vals + (self.requant_scratch_bytes if chunk >= REQUANT_MIN_T else 0)
 
     def kv_bytes(self, context: int, kv_type: str) -> int:
         return int(round(self.kv_values_per_token * context * _kv_bytes_per_value(kv_type)))

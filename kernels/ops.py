@@ -538,7 +538,7 @@ def _gemm_requant(w: QWeight, xq, xd, xs, y, T: int, residual, seg, nseg) -> Non
     """y = the Q8_0 GEMM (two quant blocks a stage) of w requantized, REQUANT_SCRATCH_BYTES of rows at a time."""
     R, K = w.rows, w.cols
     step = max(128, REQUANT_SCRATCH_BYTES // (K + K // 16) // 128 * 128)
-    step = min(step, -(-R // 128) * 128)
+    step = min(step, R)  # engine/placement.py prices this scratch: at most the cap, or the whole matrix
     oq = cp.empty((step, K), dtype=cp.int8)
     od = cp.empty((step, K // 32), dtype=cp.uint16)
     k = get_kernel("matmul_Q8_0", f"gemm_dp4a<{QT['Q8_0']}, 2>")

@@ -173,6 +173,29 @@ def test_weight_arenas_leave_less_than_a_page_per_part():
     assert _arena_padding(part, frozenset()) == 0
 
 
+def test_requantized_prefill_scratch_is_priced_from_its_threshold():
+    """A layer whose dense matmuls are Q4_K or Q6_K needs the requantized prefill's scratch beside its
+    activations from REQUANT_MIN_T tokens (kernels/ops.py "dp4a_rq"): the cap for a 9B layer (its fused
+    gate and up alone are 100M values), all its matrices in Q8_0's layout for a small one, nothing for a
+    Q8_0 layer or the LM head, and nothing below the threshold."""
+    from minecart.engine.placement import REQUANT_MIN_T, REQUANT_SCRATCH_BYTES
+
+    big = costs_for_shape("qwen3.5-9b", "Q4_K", n_layers=4)
+    small = costs_for_shape("qwen3.5-0.8b", "Q4_K", n_layers=4)
+    q8 = costs_for_shape("qwen3.5-9b", "Q8_0", n_layers=4)
+    layer = big.part("layer.0")
+    assert layer.requant_scratch_bytes == REQUANT_SCRATCH_BYTES
+    assert big.part("head").requant_scratch_bytes == 0 and q8.part("layer.0").requant_scratch_bytes == 0
+    s_layer = small.part("layer.0")
+    dense = sum(v for _, kind, _, v in s_layer.matmuls if kind in ("Q4_K", "Q6_K"))
+    assert 0 < s_layer.requant_scratch_bytes == dense * 17 // 16 < REQUANT_SCRATCH_BYTES
+    s_q8 = costs_for_shape("qwen3.5-0.8b", "Q8_0", n_layers=4).part("layer.0")
+    for part, same in ((layer, q8.part("layer.0")), (s_layer, s_q8)):  # the same shape held as Q8_0
+        for chunk in (1, REQUANT_MIN_T - 1, REQUANT_MIN_T, 4096):
+            extra = part.requant_scratch_bytes if chunk >= REQUANT_MIN_T else 0
+            assert part.activation_bytes(chunk) == same.activation_bytes(chunk) + extra, (part.name, chunk)
+
+
 # ---- automatic split --------------------------------------------------------------------------------
 
 

@@ -161,3 +161,14 @@ def test_requant_path_through_the_backend():
         assert nerr(y, q8_1_values(x) @ w8.astype(np.float64).T) < 2e-5
     with pytest.raises(ValueError, match="dp4a_rq"):
         CupyBackend("cuda:0", path="dp4a3")
+
+
+def test_the_plan_prices_this_scratch():
+    """engine/placement.py's copy of the requantized prefill's constants (the engine's planner does not
+    import the kernels) is ops'."""
+    from minecart.engine import placement
+    from minecart.kernels import ops
+
+    assert placement.REQUANT_TYPES == ops.REQUANT_TYPES
+    assert placement.REQUANT_SCRATCH_BYTES == ops.REQUANT_SCRATCH_BYTES
+    assert placement.REQUANT_MIN_T == ops.REQUANT_MIN_T  # the default (env MINECART_REQUANT_MIN_T unset)
