@@ -9,20 +9,41 @@
 // which is the recurrence of docs/qwen35.md 3.4 step 5 rearranged (decay folded in). State layout (n_v, DK, DV) as
 // the Backend protocol fixes it (value index fastest: a warp's loads of a state row are coalesced).
 
+// out[t, c] = silu(sum_k X[t + k, c] w[c, k]) over X = [state (KW-1 rows); x (T rows)], the fp32 FMA chain in
+// k order from 0. A thread per channel c and run of CONV_RUN tokens (grid (ceil(C / 256), ceil(T /
+// CONV_RUN))): its KW weights and a window of KW rows of X in registers, so each X value is read once per
+// run (before: a thread per output, KW loads each and a 64-bit division). KW <= CONV_KW_MAX (ops.py checks).
+#define CONV_RUN 16
+#define CONV_KW_MAX 8
 extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float* __restrict__ state,
                                        const float* __restrict__ w, float* __restrict__ out,
                                        int T, int C, int KW) {
     pdl_entry();
-    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (i64)T * C) return;
-    int t = (int)(i / C), c = (int)(i % C);
-    float acc = 0.0f;
-    for (int k = 0; k < KW; k++) {
-        int src = t + k;  // row of X = [state (KW-1 rows); x (T rows)]
-        float v = src < KW - 1 ? state[(i64)src * C + c] : x[(i64)(src - (KW - 1)) * C + c];
-        acc = fmaf(v, w[c * KW + k], acc);
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const int t0 = blockIdx.y * CONV_RUN;
+    if (c >= C) return;
+    auto xrow = [&](int r) {  // row r of X, column c
+        return r < KW - 1 ? state[(i64)r * C + c] : x[(i64)(r - (KW - 1)) * C + c];
+    };
+    float wk[CONV_KW_MAX], win[CONV_KW_MAX];
+#pragma unroll
+    for (int k = 0; k < CONV_KW_MAX; k++) {
+        wk[k] = k < KW ? w[c * KW + k] : 0.0f;
+        win[k] = k < KW - 1 ? xrow(t0 + k) : 0.0f;
     }
-    out[i] = silu_f(acc);
+    const int n = min(CONV_RUN, T - t0);
+    for (int u = 0; u < n; u++) {
+#pragma unroll
+        for (int k = 0; k < CONV_KW_MAX; k++)
+            if (k == KW - 1) win[k] = xrow(t0 + u + k);
+        float acc = 0.0f;
+#pragma unroll
+        for (int k = 0; k < CONV_KW_MAX; k++)
+            if (k < KW) acc = fmaf(win[k], wk[k], acc);
+        out[(i64)(t0 + u) * C + c] = silu_f(acc);
+#pragma unroll
+        for (int k = 0; k + 1 < CONV_KW_MAX; k++) win[k] = win[k + 1];
+    }
 }
 
 // New state = last KW-1 rows of X. One thread per channel, rows in increasing order, so reading old

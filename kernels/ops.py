@@ -915,14 +915,20 @@ def kv_append(k, v, kc, vc, row_ptr: cp.ndarray) -> None:
 
 # ---- Gated DeltaNet ---------------------------------------------------------------------------------
 
+CONV_RUN = 16  # gdn.cu: tokens a thread of conv1d_silu runs through
+CONV_KW_MAX = 8  # gdn.cu: the widest causal conv it takes (Qwen3.5: 4)
+
+
 def conv1d_silu(x, state, w):
     """x (T, C); state (K-1, C) updated in place; w (C, K). Returns silu(conv) (T, C)."""
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, C = x.shape
     KW = w.shape[1]
+    if not 1 <= KW <= CONV_KW_MAX:
+        raise ValueError(f"conv1d_silu: kernel width {KW} outside 1..{CONV_KW_MAX}")
     out = cp.empty_like(x)
     if T:
-        get_kernel("gdn", "conv1d_silu")((math.ceil(T * C / 256),), (256,),
+        get_kernel("gdn", "conv1d_silu")((math.ceil(C / 256), math.ceil(T / CONV_RUN)), (256,),
                                          (x, state, w, out, np.int32(T), np.int32(C), np.int32(KW)))
         get_kernel("gdn", "conv_state_update")((math.ceil(C / 256),), (256,),
                                                (x, state, np.int32(T), np.int32(C), np.int32(KW)))

@@ -302,18 +302,26 @@ def test_attention_long_decode_split(nb, gb, poison):
     assert nerr(y, ref) < 1e-5
 
 
-def test_conv1d(nb, gb, poison):
-    rng = np.random.default_rng(5)
-    C, KW = 100, 4
+@pytest.mark.parametrize("KW", [1, 2, 4])
+def test_conv1d(nb, gb, poison, KW):
+    """conv1d_silu (a thread per channel and run of ops.CONV_RUN tokens) and the state it carries, over calls
+    of one token, a few, and several runs with a partial last one, 300 channels (a partial block)."""
+    from minecart.kernels import ops
+
+    rng = np.random.default_rng()
+    C = 300
     w = rng.standard_normal((C, KW)).astype(np.float32)
     s_np = np.zeros((KW - 1, C), np.float32)
     s_gp = gb.zeros((KW - 1, C))
-    for T in (7, 1, 1, 2, 1):
+    for T in (7, 1, 1, 2, 1, 3 * ops.CONV_RUN + 5, ops.CONV_RUN):
         x = rng.standard_normal((T, C)).astype(np.float32)
         ref = nb.conv1d_silu(x, s_np, w)
+        poison()
         y = gb.to_numpy(gb.conv1d_silu(gb.asarray(x), s_gp, gb.asarray(w)))
         assert nerr(y, ref) < 1e-6
         assert nerr(gb.to_numpy(s_gp), s_np) < 1e-7
+    with pytest.raises(ValueError, match="kernel width"):
+        ops.conv1d_silu(gb.asarray(x), gb.zeros((8, C)), gb.asarray(np.zeros((C, 9), np.float32)))
 
 
 @pytest.mark.parametrize("dk,n_k,n_v,T", [(16, 2, 4, 150), (128, 2, 4, 70), (64, 1, 3, 9)])
