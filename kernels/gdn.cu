@@ -13,15 +13,19 @@
 // k order from 0. A thread per channel c and run of CONV_RUN tokens (grid (ceil(C / 256), ceil(T /
 // CONV_RUN))): its KW weights and a window of KW rows of X in registers, so each X value is read once per
 // run (before: a thread per output, KW loads each and a 64-bit division). KW <= CONV_KW_MAX (ops.py checks).
+// The output is cut at columns s1 <= s2 (C, C: uncut) into pieces [0, s1), [s1, s2), [s2, C), each written as a
+// contiguous (T, width) block at T * (its first column): the Gated DeltaNet's q, k and v, apart.
 #define CONV_RUN 16
 #define CONV_KW_MAX 8
 extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float* __restrict__ state,
                                        const float* __restrict__ w, float* __restrict__ out,
-                                       int T, int C, int KW) {
+                                       int T, int C, int KW, int s1, int s2) {
     pdl_entry();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int t0 = blockIdx.y * CONV_RUN;
     if (c >= C) return;
+    const int lo = c < s1 ? 0 : c < s2 ? s1 : s2, width = (c < s1 ? s1 : c < s2 ? s2 : C) - lo;
+    float* dst = out + (i64)T * lo + (c - lo);  // this column of its piece; rows width apart
     auto xrow = [&](int r) {  // row r of X, column c
         return r < KW - 1 ? state[(i64)r * C + c] : x[(i64)(r - (KW - 1)) * C + c];
     };
@@ -40,7 +44,7 @@ extern "C" __global__ void conv1d_silu(const float* __restrict__ x, const float*
 #pragma unroll
         for (int k = 0; k < CONV_KW_MAX; k++)
             if (k < KW) acc = fmaf(win[k], wk[k], acc);
-        out[(i64)(t0 + u) * C + c] = silu_f(acc);
+        dst[(i64)(t0 + u) * width] = silu_f(acc);
 #pragma unroll
         for (int k = 0; k + 1 < CONV_KW_MAX; k++) win[k] = win[k + 1];
     }

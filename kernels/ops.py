@@ -919,20 +919,27 @@ CONV_RUN = 16  # gdn.cu: tokens a thread of conv1d_silu runs through
 CONV_KW_MAX = 8  # gdn.cu: the widest causal conv it takes (Qwen3.5: 4)
 
 
-def conv1d_silu(x, state, w):
-    """x (T, C); state (K-1, C) updated in place; w (C, K). Returns silu(conv) (T, C)."""
+def conv1d_silu(x, state, w, cuts: tuple[int, ...] = ()) -> list[cp.ndarray]:
+    """x (T, C); state (K-1, C) updated in place; w (C, K). Returns silu(conv) (T, C) cut at the column
+    bounds `cuts` (at most two, increasing, inside 0..C), each piece a contiguous (T, width) array (the
+    kernel writes them apart: no copy of a column slice after it)."""
     x = cp.ascontiguousarray(x, dtype=cp.float32)
     T, C = x.shape
     KW = w.shape[1]
     if not 1 <= KW <= CONV_KW_MAX:
         raise ValueError(f"conv1d_silu: kernel width {KW} outside 1..{CONV_KW_MAX}")
-    out = cp.empty_like(x)
+    bounds = (0, *(int(c) for c in cuts), C)
+    if len(bounds) > 4 or any(a >= b for a, b in zip(bounds[:-1], bounds[1:], strict=False)):
+        raise ValueError(f"conv1d_silu: cuts {cuts} are not at most two increasing columns inside 0..{C}")
+    s1, s2 = (list(bounds[1:-1]) + [C, C])[:2]
+    out = cp.empty(T * C, dtype=cp.float32)
     if T:
         get_kernel("gdn", "conv1d_silu")((math.ceil(C / 256), math.ceil(T / CONV_RUN)), (256,),
-                                         (x, state, w, out, np.int32(T), np.int32(C), np.int32(KW)))
+                                         (x, state, w, out, np.int32(T), np.int32(C), np.int32(KW), np.int32(s1),
+                                          np.int32(s2)))
         get_kernel("gdn", "conv_state_update")((math.ceil(C / 256),), (256,),
                                                (x, state, np.int32(T), np.int32(C), np.int32(KW)))
-    return out
+    return [out[T * a:T * b].reshape(T, b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
 def gdn_inputs(q, k, v, g, beta, state, key_dims: tuple[int, ...], what: str):

@@ -214,10 +214,10 @@ class FusedOpsMixin:
         normalized output (T, n_v dv), the input of ssm_out."""
         T = mixed.shape[0]
         key_dim = n_k * dk
-        u = self.conv1d_silu(mixed, conv_state, conv_w)
-        q = u[:, :key_dim].reshape(T, n_k, dk)
-        k = u[:, key_dim : 2 * key_dim].reshape(T, n_k, dk)
-        v = u[:, 2 * key_dim :].reshape(T, n_v, dv)
+        uq, uk, uv = self.conv1d_silu(mixed, conv_state, conv_w, cuts=(key_dim, 2 * key_dim))
+        q = uq.reshape(T, n_k, dk)
+        k = uk.reshape(T, n_k, dk)
+        v = uv.reshape(T, n_v, dv)
         q = self.scale(self.l2_norm(q, eps), 1.0 / math.sqrt(dk))
         k = self.l2_norm(k, eps)
         g, beta = self.gdn_gates(alpha, b, ssm_a, dt_bias)
@@ -477,9 +477,12 @@ class Backend(Protocol):
         count; softmax(q k^T * scale) v per head in fp32 -> (T, nh, d). One image's patches."""
 
     # ---- Gated DeltaNet ------------------------------------------------------------------------
-    def conv1d_silu(self, x: Array, state: Array, w: Array) -> Array:
+    def conv1d_silu(self, x: Array, state: Array, w: Array, cuts: tuple[int, ...] = ()) -> list[Array]:
         """Causal depthwise conv + SiLU. x (T, C) new inputs; state (K-1, C) previous raw inputs,
-        updated in place to the last K-1 raw inputs; w (C, K) with w[:, K-1] on the current token."""
+        updated in place to the last K-1 raw inputs; w (C, K) with w[:, K-1] on the current token.
+        Returns the output (T, C) cut at the increasing column bounds `cuts` (0 < cut < C): [out[:, :c1],
+        out[:, c1:c2], ...] (one piece without cuts), each piece contiguous on the CUDA backend (the
+        Gated DeltaNet's q, k and v, which the kernels after it read as whole rows)."""
 
     def gdn_gates(self, alpha: Array, beta: Array, ssm_a: Array, dt_bias: Array) -> tuple[Array, Array]:
         """g = ssm_a * softplus(alpha + dt_bias) (log decay, <= 0), b = sigmoid(beta); (T, n_v) each."""

@@ -1505,9 +1505,9 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
             return cp.ascontiguousarray(out.transpose(1, 0, 2))
 
     # ---- Gated DeltaNet ------------------------------------------------------------------------
-    def conv1d_silu(self, x, state, w):
+    def conv1d_silu(self, x, state, w, cuts=()):
         with self._dev:
-            return ops.conv1d_silu(x, state, _f32(w))
+            return ops.conv1d_silu(x, state, _f32(w), cuts)
 
     def gdn_gates(self, alpha, beta, ssm_a, dt_bias):
         with self._dev:

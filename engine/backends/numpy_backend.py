@@ -520,7 +520,7 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         return out
 
     # ---- Gated DeltaNet ------------------------------------------------------------------------
-    def conv1d_silu(self, x, state, w):
+    def conv1d_silu(self, x, state, w, cuts=()):
         K = w.shape[1]
         T = x.shape[0]
         X = np.concatenate([state, x], axis=0).astype(F64)  # (K-1+T, C): history then new rows
@@ -528,7 +528,9 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         for tap in range(K):  # tap K-1 multiplies the current token
             conv += X[tap : tap + T] * np.asarray(w[:, tap], F64)
         state[...] = X[T:].astype(F32)  # last K-1 raw inputs
-        return (conv * cpu_pointwise.sigmoid64(conv)).astype(F32)
+        out = (conv * cpu_pointwise.sigmoid64(conv)).astype(F32)
+        bounds = (0, *cuts, out.shape[1])
+        return [out[:, a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def gdn_gates(self, alpha, beta, ssm_a, dt_bias):
         a = np.asarray(alpha, F64) + np.asarray(dt_bias, F64)

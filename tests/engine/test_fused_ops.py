@@ -32,7 +32,7 @@ def test_gdn_decode_equals_the_basic_ops(nb):
         conv2, ssm2 = case["conv"].copy(), case["ssm"].copy()
         y = nb.gdn_decode(mixed, z, b, alpha, case["conv"], case["ssm"], case["conv_w"], case["ssm_a"],
                           case["dt_bias"], case["norm_w"], n_k=n_k, n_v=n_v, dk=dk, dv=dv, eps=1e-6)
-        u = nb.conv1d_silu(mixed, conv2, case["conv_w"])
+        (u,) = nb.conv1d_silu(mixed, conv2, case["conv_w"])
         kd = n_k * dk
         q = nb.scale(nb.l2_norm(u[:, :kd].reshape(T, n_k, dk), 1e-6), 1.0 / math.sqrt(dk))
         k = nb.l2_norm(u[:, kd : 2 * kd].reshape(T, n_k, dk), 1e-6)

@@ -106,13 +106,18 @@ def test_conv1d_silu_matches_loop_and_carries_state():
             ref[t, ch] = sum(X[t + tap, ch] * w[ch, tap] for tap in range(K))
     ref = ref / (1 + np.exp(-ref))
     state = hist.copy()
-    np.testing.assert_allclose(be.conv1d_silu(x, state, w), ref, rtol=1e-5, atol=1e-6)
+    (whole,) = be.conv1d_silu(x, state, w)
+    np.testing.assert_allclose(whole, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(state, x[-(K - 1):])
     # two calls == one call
     state2 = hist.copy()
-    out2 = np.concatenate([be.conv1d_silu(x[:4], state2, w), be.conv1d_silu(x[4:], state2, w)])
+    out2 = np.concatenate([be.conv1d_silu(x[:4], state2, w)[0], be.conv1d_silu(x[4:], state2, w)[0]])
     np.testing.assert_allclose(out2, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(state2, state)
+    # cut into column pieces: the same values
+    pieces = be.conv1d_silu(x, hist.copy(), w, cuts=(3, 7))
+    assert [p.shape for p in pieces] == [(T, 3), (T, 4), (T, 4)]
+    np.testing.assert_array_equal(np.concatenate(pieces, axis=1), whole)
 
 
 def test_gdn_gates_softplus_threshold():

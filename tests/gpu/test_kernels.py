@@ -305,7 +305,8 @@ def test_attention_long_decode_split(nb, gb, poison):
 @pytest.mark.parametrize("KW", [1, 2, 4])
 def test_conv1d(nb, gb, poison, KW):
     """conv1d_silu (a thread per channel and run of ops.CONV_RUN tokens) and the state it carries, over calls
-    of one token, a few, and several runs with a partial last one, 300 channels (a partial block)."""
+    of one token, a few, and several runs with a partial last one, 300 channels (a partial block), its
+    output whole and cut into two or three contiguous pieces."""
     from minecart.kernels import ops
 
     rng = np.random.default_rng()
@@ -313,15 +314,21 @@ def test_conv1d(nb, gb, poison, KW):
     w = rng.standard_normal((C, KW)).astype(np.float32)
     s_np = np.zeros((KW - 1, C), np.float32)
     s_gp = gb.zeros((KW - 1, C))
-    for T in (7, 1, 1, 2, 1, 3 * ops.CONV_RUN + 5, ops.CONV_RUN):
+    for T, cuts in ((7, ()), (1, (50,)), (1, ()), (2, (1, 299)), (1, ()), (3 * ops.CONV_RUN + 5, (64, 128)),
+                    (ops.CONV_RUN, (100, 101))):
         x = rng.standard_normal((T, C)).astype(np.float32)
-        ref = nb.conv1d_silu(x, s_np, w)
+        ref = nb.conv1d_silu(x, s_np, w, cuts)
         poison()
-        y = gb.to_numpy(gb.conv1d_silu(gb.asarray(x), s_gp, gb.asarray(w)))
-        assert nerr(y, ref) < 1e-6
+        ys = gb.conv1d_silu(gb.asarray(x), s_gp, gb.asarray(w), cuts)
+        assert len(ys) == len(ref) == len(cuts) + 1
+        for y, r in zip(ys, ref, strict=True):
+            assert y.shape == r.shape and y.flags.c_contiguous
+            assert nerr(gb.to_numpy(y), r) < 1e-6
         assert nerr(gb.to_numpy(s_gp), s_np) < 1e-7
     with pytest.raises(ValueError, match="kernel width"):
         ops.conv1d_silu(gb.asarray(x), gb.zeros((8, C)), gb.asarray(np.zeros((C, 9), np.float32)))
+    with pytest.raises(ValueError, match="increasing"):
+        ops.conv1d_silu(gb.asarray(x), s_gp, gb.asarray(w), (100, 100))
 
 
 @pytest.mark.parametrize("dk,n_k,n_v,T", [(16, 2, 4, 150), (128, 2, 4, 70), (64, 1, 3, 9)])
