@@ -17,6 +17,8 @@ import pytest
 from minecart.engine import quants as Q
 from minecart.engine.kvquant import dequantize_q8_0, quantize_q8_0
 
+from tests.gpu.test_more_quants import q8_1_dequant as q8_1_values
+
 cp = pytest.importorskip("cupy")
 
 pytestmark = pytest.mark.gpu
@@ -49,15 +51,6 @@ def random_raw(rng, type_name: str, R: int, K: int) -> np.ndarray:
 
 def dense(raw: np.ndarray, type_name: str, R: int, K: int) -> np.ndarray:
     return Q.dequantize_blocks(raw, Q.TYPE_IDS[type_name]).reshape(R, K)
-
-
-def q8_1_values(x: np.ndarray) -> np.ndarray:
-    """x as the DP4A path sees it: rounded to int8 per 32 values with d = max|x| / 127."""
-    T, K = x.shape
-    xb = x.reshape(T, K // 32, 32).astype(np.float32)
-    d = np.abs(xb).max(axis=2, keepdims=True) / np.float32(127.0)
-    q = np.where(d > 0, np.rint(xb / np.where(d > 0, d, 1)), 0)
-    return (q * d).reshape(T, K).astype(np.float64)
 
 
 def requant_twin(raw, type_name, R, K):
