@@ -505,7 +505,7 @@ def matmul_split(x: cp.ndarray, w: QWeight, ranges, path: str = "dp4a") -> list[
 # fewer instructions per DP4A than the K-quants' (no offset term, no nibble expansion, two quant blocks a
 # stage); the requantization reads the weights once and writes ~1.06 bytes a value, once per matmul of T
 # tokens, which is why it is taken from REQUANT_MIN_T tokens only. The probe picks it for the K-quants
-# where it is faster (kernels/probe.py pick_kquant_stage); its products carry a second rounding of the
+# where it is faster (kernels/probe.py pick_kquant_gemm); its products carry a second rounding of the
 # weights (at most half a Q8_0 step, 1/254 of the block's largest magnitude) beside the int8
 # activations' own.
 MATMUL_PATHS = ("dp4a", "dp4a2", "dp4a_rq", "fma", "hfma2")  # ops.matmul's `path`
@@ -627,6 +627,8 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         if path == "dp4a_rq" and w.type_name in REQUANT_TYPES and T >= REQUANT_MIN_T and w.experts == 1:
             _gemm_requant(w, xq, xd, xs, y, T, residual, seg, nseg)
             return y
+        # "dp4a_rq" here: a Q8_0 matrix is already what requantizing gives (the same two-block GEMM); any
+        # other format below REQUANT_MIN_T takes its own one-block GEMM
         nblk = 2 if path == "dp4a2" or (path == "dp4a_rq" and w.type_name == "Q8_0") else 1
         k = _mm_kernel(w, f"gemm_dp4a<{q}, {nblk}>")
         k((math.ceil(R / 128), math.ceil(T / 128)), (256,),

@@ -5,7 +5,7 @@ Mining cards throttle different units (CMP 100-210: tensor cores; CMP 30HX-170HX
 some keeping full-rate fp16; Pascal consumer cards run fp16 at 1/64 rate), so the path is measured, not
 assumed. `run_probe()` times the Q8_0 GEMV (decode) and GEMM (prefill) in every variant on random data
 and returns a plain dict (stored per GPU UUID by engine/probe_cache.py); where a DP4A GEMM wins, it also
-picks the K-quants' own stage depth (`pick_kquant_stage`). It takes well under a second
+picks the K-quants' own prefill GEMM (`pick_kquant_gemm`: stage depth or requantized). It takes well under a second
 after the kernels are compiled. Timings are GPU time (calls captured into a CUDA graph), not Python
 launch overhead. A variant that raises or whose result differs from the fp32 FMA result on the probe's
 own data by more than SANITY_REL_ERR (max abs error / max abs value) is excluded (`choose_fastest`).
@@ -175,8 +175,8 @@ def run_probe() -> dict:
 
     Record: gemv / gemm (chosen paths), gemv_us / gemm_us (microseconds per call of every variant that
     ran; a variant that raised is missing), gemv_err / gemm_err (relative error against fp32 FMA),
-    gemv_excluded / gemm_excluded (variants left out and why), gemm_kquant / gemm_kquant_us (the
-    K-quants' stage depth when gemm is a DP4A path: pick_kquant_stage), the ceilings, probe_s."""
+    gemv_excluded / gemm_excluded (variants left out and why), gemm_kquant / gemm_kquant_us /
+    gemm_kquant_err (the K-quants' prefill GEMM when gemm is a DP4A path: pick_kquant_gemm), the ceilings, probe_s."""
     t_start = time.perf_counter()
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
@@ -207,17 +207,17 @@ def run_probe() -> dict:
             rec[f"{label}_excluded"] = excluded
         rec[label] = choose_fastest(times, errs)
     if rec["gemm"].startswith("dp4a"):
-        rec.update(pick_kquant_stage())
+        rec.update(pick_kquant_gemm())
     rec.update(measure_ceilings())
     rec["dp4a_throttled"] = not rec["gemm"].startswith("dp4a") and rec["gemv"] != "dp4a"
     rec["probe_s"] = round(time.perf_counter() - t_start, 3)
     return rec
 
 
-KQUANT_GEMM_PATHS = ("dp4a", "dp4a2", "dp4a_rq")  # pick_kquant_stage's candidates
+KQUANT_GEMM_PATHS = ("dp4a", "dp4a2", "dp4a_rq")  # pick_kquant_gemm's candidates
 
 
-def pick_kquant_stage(R: int = 4096, K: int = 4096, T: int = 1024) -> dict:
+def pick_kquant_gemm(R: int = 4096, K: int = 4096, T: int = 1024) -> dict:
     """The prefill GEMM of the K-quants: gemm_dp4a with one quant block a barrier ("dp4a") or two
     ("dp4a2"), or the Q8_0 GEMM on the weights requantized ("dp4a_rq", ops.REQUANT_TYPES; the
     requantization included in its time), timed on a random Q4_K matrix at a prefill shape that fills

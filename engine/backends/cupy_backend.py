@@ -1328,7 +1328,7 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
         """The matmul path for T rows of activations against `q`: the decode (GEMV) path up to the rows
         its launches serve while reading the weights once (ops.gemv_max_t: more for the K-quants'
         multi-token GEMV, so a batch of up to 32 decoding sequences stays on it), the prefill (GEMM)
-        path above, with the K-quants' own stage depth (kernels/probe.py pick_kquant_stage)."""
+        path above, the K-quants' own (kernels/probe.py pick_kquant_gemm)."""
         limit = ops.gemv_max_t(q) if self.gemv_path.startswith("dp4a") else ops.GEMV_MAX_T
         if T <= limit:
             return self.gemv_path
