@@ -13,11 +13,12 @@
 #      TEST_TIMEOUT (s, default 300), SPLIT_ARGS (default: --shape qwen3.5-9b --quant q8_0
 #      --split-prompt 18432 --decode-tokens 32), SPLIT_TEST_TIMEOUT (s, default 200),
 #      SPLIT_TIMEOUT (s, default 330; tests + bench stay under the 600 s of one device call).
-# `compare OLD_TREE` (not part of `all`): the same synthesized file benchmarked by an older checkout of
-# the code (OLD_TREE: a folder with app/ engine/ kernels/ resources/, e.g. a `git archive` of the
-# commit before a refactor) and by this tree, alternating old, new, old, new, so a change that must
-# not slow the engine is judged in one run (COMPARE_ARGS, default: --prefill 4096 --decode-ctx 0
-# --decode-tokens 64; COMPARE_KV: this tree's KV cache types, default f32; compare.log, compare_*.json).
+# `compare OLD_TREE [OLD_TREE ...]` (not part of `all`): the same synthesized file benchmarked by older
+# checkouts of the code (each a folder with app/ engine/ kernels/ resources/, e.g. a `git archive` of the
+# commit before a refactor; the first is "old", the others by their folder names) and by this tree,
+# alternating old, ..., new, old, ..., new, so a change that must not slow the engine is judged in one run
+# (COMPARE_ARGS, default: --prefill 4096 --decode-ctx 0 --decode-tokens 64; COMPARE_KV: this tree's KV
+# cache types, default f32; compare.log, compare_*.json).
 # `steps OLD_TREE ...` (not part of `all`): a decode step's GPU time, this tree against older ones, alternated
 # (below; docs/BENCHMARKS.md v42). `matmuls OLD_TREE ...` (not part of `all`): the same for the matmul kernels
 # alone, kernels/bench_gemv.py's 9B step lines (below; v45).
@@ -237,15 +238,21 @@ fi
 if [ "$MODE" = compare ]; then
   OLD_TREE=$(cd "${1:?compare needs the old tree}" && pwd)
   link_tree "$OLD_TREE" /tmp/mc_old
+  olds="old"
+  for t in "${@:2}"; do
+    name=$(basename "$t")
+    link_tree "$(cd "$t" && pwd)" "/tmp/mc_$name"
+    olds="$olds $name"
+  done
   timeout 240 python3 -m minecart.engine.cli synth ${BENCH_ARGS:---shape qwen3.5-9b --quant q8_0} /tmp/cmp.gguf \
     >"$OUT/compare.log" 2>&1
   # new runs once per KV type in COMPARE_KV (default "f32": the old code's cache; add f16 to see what
   # the default cache costs); the old tree has no --kv-type flag
   for round in 1 2; do
-    for which in old ${COMPARE_KV:-f32}; do
+    for which in $olds ${COMPARE_KV:-f32}; do
       path=/tmp/mc:/tmp/site
       extra="--kv-type $which"
-      [ "$which" = old ] && path=/tmp/mc_old:/tmp/site && extra=""
+      case " $olds " in *" $which "*) path=/tmp/mc_$which:/tmp/site && extra="" ;; esac
       # shellcheck disable=SC2086
       PYTHONPATH=$path timeout 200 python3 -m minecart.engine.cli bench /tmp/cmp.gguf \
         ${COMPARE_ARGS:---prefill 4096 --decode-ctx 0 --decode-tokens 64} $extra --json \
