@@ -247,19 +247,36 @@ if [ "$MODE" = compare ]; then
   timeout 240 python3 -m minecart.engine.cli synth ${BENCH_ARGS:---shape qwen3.5-9b --quant q8_0} /tmp/cmp.gguf \
     >"$OUT/compare.log" 2>&1
   # new runs once per KV type in COMPARE_KV (default "f32": the old code's cache; add f16 to see what
-  # the default cache costs); the old tree has no --kv-type flag
+  # the default cache costs); the older trees run with their own default cache
+  # the SM clock, power and temperature every 200 ms while the benchmarks run (compare_clocks.csv; a
+  # short burst measures the ceilings at the top clock, a long prefill may run below it): a summary per run
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader \
+    -lms 200 >"$OUT/compare_clocks.csv" 2>/dev/null &
+  clock_pid=$!
   for round in 1 2; do
     for which in $olds ${COMPARE_KV:-f32}; do
       path=/tmp/mc:/tmp/site
       extra="--kv-type $which"
       case " $olds " in *" $which "*) path=/tmp/mc_$which:/tmp/site && extra="" ;; esac
+      lines=$(wc -l <"$OUT/compare_clocks.csv")
       # shellcheck disable=SC2086
       PYTHONPATH=$path timeout 200 python3 -m minecart.engine.cli bench /tmp/cmp.gguf \
         ${COMPARE_ARGS:---prefill 4096 --decode-ctx 0 --decode-tokens 64} $extra --json \
         >"$OUT/compare_${which}_${round}.json" 2>>"$OUT/compare.log"
       echo "$which round $round exit $?" | tee -a "$OUT/compare.log"
+      # this run's samples while the card was busy (power within 80% of the run's highest: the prefill and
+      # the decode, not the load): their lowest SM clock and the clock at the highest power
+      tail -n +"$((lines + 1))" "$OUT/compare_clocks.csv" | awk -F', *' -v w="$which $round" '
+        NF > 3 { n++; c[n] = $2 + 0; p[n] = $4 + 0; top = $3 + 0; if (p[n] > pmax) { pmax = p[n]; cpk = c[n] } }
+        END {
+          if (!n) exit
+          lo = 0; busy = 0
+          for (i = 1; i <= n; i++) if (p[i] >= 0.8 * pmax) { busy++; if (!lo || c[i] < lo) lo = c[i] }
+          printf "%s clocks: %d of %d samples busy (power >= 80%% of %.0f W): SM %d MHz at the highest power, lowest %d (top %d)\n", w, busy, n, pmax, cpk, lo, top
+        }' | tee -a "$OUT/compare.log"
     done
   done
+  kill "$clock_pid" 2>/dev/null
   python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/compare.log"
 import glob, json, sys
 rows = {}
