@@ -176,18 +176,24 @@ __global__ void __launch_bounds__(64) gdn_scan(
 
 #define GDN_CH 64  // tokens per chunk
 
+// component i (0..3, known at compile time after unrolling) of a float4
+__device__ __forceinline__ float f4_at(const float4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
 template <int DK>
-__global__ void __launch_bounds__(256) gdn_chunk_prep(
+__global__ void __launch_bounds__(256, 3) gdn_chunk_prep(
         const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
         const float* __restrict__ g, const float* __restrict__ beta,
         float* __restrict__ W, float* __restrict__ Mq, float* __restrict__ Kd, float* __restrict__ U,
         float* __restrict__ PU, float* __restrict__ decay, int t_begin, int T, int n_k, int n_v, int DV) {
     pdl_entry();
     constexpr int KS = DK < 64 ? DK : 64;  // key dims staged per pass for the dot products
-    constexpr int KLD = KS + 1;            // staging row stride: conflict-free column reads
-    constexpr int LD = GDN_CH + 1;         // row stride of the 64 x 64 matrices
+    constexpr int KLD = KS + 4;            // staging row stride: 16-byte row reads, 8 rows over all banks
+    constexpr int LD = GDN_CH + 4;         // row stride of the 64 x 64 matrices (16-byte row reads)
     // slot 0: K slice, then A, then P, then R = P Tm; slot 1: Q slice, then Tm; slot 2: 32 columns of X
-    __shared__ float s0m[GDN_CH * LD], s1m[GDN_CH * LD], xs[GDN_CH * 33];
+    __shared__ __align__(16) float s0m[GDN_CH * LD], s1m[GDN_CH * LD];
+    __shared__ float xs[GDN_CH * 33];
     __shared__ float gam[GDN_CH], bet[GDN_CH], eg[GDN_CH], ed[GDN_CH];
     const int tid = threadIdx.x;
     const int c = blockIdx.x, nch = gridDim.x, j = blockIdx.y, kh = j % n_k;
@@ -220,29 +226,32 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(
 #pragma unroll
         for (int b = 0; b < 4; b++) aK[a][b] = aQ[a][b] = 0.0f;
     for (int k0 = 0; k0 < DK; k0 += KS) {
-        for (int e = tid; e < GDN_CH * KS; e += 256) {
-            int r = e / KS, kk = e % KS;
-            i64 src = ((i64)(t0 + r) * n_k + kh) * DK + k0 + kk;
-            s0m[r * KLD + kk] = r < n ? k[src] : 0.0f;
-            s1m[r * KLD + kk] = r < n ? q[src] : 0.0f;
+        for (int e = tid; e < GDN_CH * KS / 4; e += 256) {
+            int r = e / (KS / 4), kq = e % (KS / 4);
+            i64 src = ((i64)(t0 + r) * n_k + kh) * DK + k0 + 4 * kq;
+            const float4 z4 = make_float4(0.f, 0.f, 0.f, 0.f);
+            *(float4*)&s0m[r * KLD + 4 * kq] = r < n ? *(const float4*)&k[src] : z4;
+            *(float4*)&s1m[r * KLD + 4 * kq] = r < n ? *(const float4*)&q[src] : z4;
         }
         __syncthreads();
-#pragma unroll 4
-        for (int kk = 0; kk < KS; kk++) {
-            float ki[4], kj[4], qi[4];
+#pragma unroll 1
+        for (int kk = 0; kk < KS; kk += 4) {
+            float4 ki[4], kj[4], qi[4];
 #pragma unroll
             for (int a = 0; a < 4; a++) {
-                ki[a] = s0m[(ty + 16 * a) * KLD + kk];
-                qi[a] = s1m[(ty + 16 * a) * KLD + kk];
-                kj[a] = s0m[(tx + 16 * a) * KLD + kk];
+                ki[a] = *(const float4*)&s0m[(ty + 16 * a) * KLD + kk];
+                qi[a] = *(const float4*)&s1m[(ty + 16 * a) * KLD + kk];
+                kj[a] = *(const float4*)&s0m[(tx + 16 * a) * KLD + kk];
             }
 #pragma unroll
-            for (int a = 0; a < 4; a++)
+            for (int i = 0; i < 4; i++)
 #pragma unroll
-                for (int b = 0; b < 4; b++) {
-                    aK[a][b] = fmaf(ki[a], kj[b], aK[a][b]);
-                    aQ[a][b] = fmaf(qi[a], kj[b], aQ[a][b]);
-                }
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int b = 0; b < 4; b++) {
+                        aK[a][b] = fmaf(f4_at(ki[a], i), f4_at(kj[b], i), aK[a][b]);
+                        aQ[a][b] = fmaf(f4_at(qi[a], i), f4_at(kj[b], i), aQ[a][b]);
+                    }
         }
         __syncthreads();
     }
@@ -288,18 +297,21 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(
     for (int a = 0; a < 4; a++)
 #pragma unroll
         for (int b = 0; b < 4; b++) rr[a][b] = 0.0f;
-#pragma unroll 4
-    for (int kk = 0; kk < GDN_CH; kk++) {
-        float pi[4], tj[4];
+#pragma unroll 2
+    for (int kk = 0; kk < GDN_CH; kk += 4) {
+        float4 pi[4];
 #pragma unroll
-        for (int a = 0; a < 4; a++) {
-            pi[a] = s0m[(ty + 16 * a) * LD + kk];
-            tj[a] = s1m[kk * LD + tx + 16 * a];
+        for (int a = 0; a < 4; a++) pi[a] = *(const float4*)&s0m[(ty + 16 * a) * LD + kk];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            float tj[4];
+#pragma unroll
+            for (int b = 0; b < 4; b++) tj[b] = s1m[(kk + i) * LD + tx + 16 * b];
+#pragma unroll
+            for (int a = 0; a < 4; a++)
+#pragma unroll
+                for (int b = 0; b < 4; b++) rr[a][b] = fmaf(f4_at(pi[a], i), tj[b], rr[a][b]);
         }
-#pragma unroll
-        for (int a = 0; a < 4; a++)
-#pragma unroll
-            for (int b = 0; b < 4; b++) rr[a][b] = fmaf(pi[a], tj[b], rr[a][b]);
     }
     __syncthreads();
 #pragma unroll
@@ -328,23 +340,25 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(
         for (int a = 0; a < 4; a++)
 #pragma unroll
             for (int b = 0; b < 2; b++) at[a][b] = ar[a][b] = 0.0f;
-#pragma unroll 4
-        for (int kk = 0; kk < GDN_CH; kk++) {
-            float ti[4], ri[4], xj[2];
+#pragma unroll 2
+        for (int kk = 0; kk < GDN_CH; kk += 4) {
+            float4 ti[4], ri[4];
 #pragma unroll
             for (int a = 0; a < 4; a++) {
-                ti[a] = s1m[(ty + 16 * a) * LD + kk];
-                ri[a] = s0m[(ty + 16 * a) * LD + kk];
+                ti[a] = *(const float4*)&s1m[(ty + 16 * a) * LD + kk];
+                ri[a] = *(const float4*)&s0m[(ty + 16 * a) * LD + kk];
             }
-            xj[0] = xs[kk * 33 + tx];
-            xj[1] = xs[kk * 33 + tx + 16];
 #pragma unroll
-            for (int a = 0; a < 4; a++)
+            for (int i = 0; i < 4; i++) {
+                const float xj[2] = {xs[(kk + i) * 33 + tx], xs[(kk + i) * 33 + tx + 16]};
 #pragma unroll
-                for (int b = 0; b < 2; b++) {
-                    at[a][b] = fmaf(ti[a], xj[b], at[a][b]);
-                    ar[a][b] = fmaf(ri[a], xj[b], ar[a][b]);
-                }
+                for (int a = 0; a < 4; a++)
+#pragma unroll
+                    for (int b = 0; b < 2; b++) {
+                        at[a][b] = fmaf(f4_at(ti[a], i), xj[b], at[a][b]);
+                        ar[a][b] = fmaf(f4_at(ri[a], i), xj[b], ar[a][b]);
+                    }
+            }
         }
 #pragma unroll
         for (int a = 0; a < 4; a++)
@@ -371,33 +385,89 @@ __global__ void __launch_bounds__(256) gdn_chunk_prep(
 }
 
 // Sequential part: block = (value head j, 32 value columns c0..c0+31), 256 threads, chunks in order.
-// Thread (ty = tid / 8, tx = tid % 8) owns state rows ty + 32a (a < DK/32) and columns tx + 8b (b < 4)
-// in registers; a copy of the state slice in shared memory feeds [W; Mq] S0.
+// Each chunk is DK / 32 tiles of [W; Mq] (128 rows x 32 keys) for [W; Mq] S0, then two tiles of Kd
+// (32 tokens x DK) for the state update; every tile is staged through shared memory with 16-byte
+// loads, and the next tile's loads (the next chunk's first one after the last) are in flight in
+// registers while the current one is used, so the walk does not wait on memory at each tile.
+// Thread (ty = tid / 8, tx = tid % 8) owns columns 4 tx .. 4 tx + 3: rows ty + 32a (a < 4) of [W; Mq] S0
+// (a < 2: W, a >= 2: Mq) and state rows RA ty .. RA ty + RA - 1 (RA = DK / 32) in registers; a copy of the
+// state slice in shared memory (row-major DK x 32) feeds [W; Mq] S0. The sums run in the same order as
+// the emulation's (tests/kernels/test_gdn_chunk_emulation.py): keys ascending, then tokens ascending.
+template <int RA> __device__ __forceinline__ void ld_rows(const float* p, float (&v)[RA]) {
+    if constexpr (RA == 4) {
+        float4 t = *(const float4*)p;
+        v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+    } else if constexpr (RA == 2) {
+        float2 t = *(const float2*)p;
+        v[0] = t.x; v[1] = t.y;
+    } else {
+        v[0] = p[0];
+    }
+}
+
 template <int DK>
-__global__ void __launch_bounds__(256) gdn_chunk_state(
+__global__ void __launch_bounds__(256, 1) gdn_chunk_state(
         const float* __restrict__ W, const float* __restrict__ Mq, const float* __restrict__ Kd,
         const float* __restrict__ U, const float* __restrict__ PU, const float* __restrict__ decay,
         float* __restrict__ state, float* __restrict__ out, int nch, int t_begin, int T, int n_v, int DV) {
     pdl_entry();
-    constexpr int RA = DK / 32;
-    constexpr int STAGE = 2 * GDN_CH * 33 > 32 * (DK + 1) ? 2 * GDN_CH * 33 : 32 * (DK + 1);
-    __shared__ __align__(16) float Ss[DK * 32];   // state slice, row-major (DK x 32)
-    __shared__ float Vs[GDN_CH * 33];             // corrected values of the chunk (64 x 32, padded)
-    __shared__ float St[STAGE];                   // staged [W; Mq] key slice or Kd token slice
+    constexpr int RA = DK / 32;            // state rows a thread
+    constexpr int NKT = DK / 32;           // [W; Mq] key tiles a chunk
+    constexpr int NTILE = NKT + 2;         // and two Kd token tiles
+    constexpr int LDW = 36;                // row stride of a staged [W; Mq] tile: 4 rows' float4 in distinct banks
+    constexpr int LDK = DK + 4;            // row stride of a staged Kd tile
+    constexpr int LDV = 36;                // row stride of Vs
+    constexpr int STAGE = 128 * LDW > 32 * LDK ? 128 * LDW : 32 * LDK;
+    constexpr int KQ = DK / 4;             // float4 in a Kd row
+    constexpr int KDL = 32 * KQ / 256;     // float4 a thread loads of a Kd tile (DK / 32: 1, 2 or 4)
+    __shared__ __align__(16) float Ss[DK * 32];    // state slice, row-major (DK x 32)
+    __shared__ __align__(16) float Vs[GDN_CH * LDV];  // corrected values of the chunk (64 x 32)
+    __shared__ __align__(16) float St[STAGE];      // the staged tile
     const int tid = threadIdx.x, tx = tid & 7, ty = tid >> 3;
     const int slices = (DV + 31) / 32;
     const int j = blockIdx.x / slices, c0 = (blockIdx.x % slices) * 32;
     float* sp = state + (i64)j * DK * DV;
     float Sr[RA][4];
 #pragma unroll
-    for (int a = 0; a < RA; a++)
+    for (int a = 0; a < RA; a++) {
 #pragma unroll
         for (int b = 0; b < 4; b++) {
-            int col = c0 + tx + 8 * b;
-            Sr[a][b] = col < DV ? sp[(i64)(ty + 32 * a) * DV + col] : 0.0f;
-            Ss[(ty + 32 * a) * 32 + tx + 8 * b] = Sr[a][b];
+            int col = c0 + 4 * tx + b;
+            Sr[a][b] = col < DV ? sp[(i64)(RA * ty + a) * DV + col] : 0.0f;
         }
-    __syncthreads();
+        *(float4*)&Ss[(RA * ty + a) * 32 + 4 * tx] = make_float4(Sr[a][0], Sr[a][1], Sr[a][2], Sr[a][3]);
+    }
+
+    float4 pf[4];  // the next tile, in flight
+    // a [W; Mq] tile: float4 i of a thread is row wr + 32 i (i < 2: W, else Mq), keys 4 wk ..;
+    // a Kd tile: float4 i is token kt + (256 / KQ) i, keys 4 kk4 ..
+    const int wr = tid >> 3, wk = tid & 7, kt = tid / KQ, kk4 = tid % KQ;
+    auto fetch = [&](int c, int q) {
+        const i64 rb = ((i64)j * nch + c) * GDN_CH;
+        if (q < NKT) {
+            const float* w0 = W + (rb + wr) * DK + 32 * q + 4 * wk;
+            const float* m0 = Mq + (rb + wr) * DK + 32 * q + 4 * wk;
+            pf[0] = *(const float4*)w0;
+            pf[1] = *(const float4*)(w0 + 32 * DK);
+            pf[2] = *(const float4*)m0;
+            pf[3] = *(const float4*)(m0 + 32 * DK);
+        } else {
+            const float* k0 = Kd + (rb + 32 * (q - NKT) + kt) * DK + 4 * kk4;
+#pragma unroll
+            for (int i = 0; i < KDL; i++) pf[i] = *(const float4*)(k0 + (i64)(256 / KQ) * i * DK);
+        }
+    };
+    auto stash = [&](int q) {
+        if (q < NKT) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) *(float4*)&St[(wr + 32 * i) * LDW + 4 * wk] = pf[i];
+        } else {
+#pragma unroll
+            for (int i = 0; i < KDL; i++) *(float4*)&St[(kt + (256 / KQ) * i) * LDK + 4 * kk4] = pf[i];
+        }
+    };
+
+    if (nch > 0) fetch(0, 0);
     for (int c = 0; c < nch; c++) {
         const i64 rb = ((i64)j * nch + c) * GDN_CH;
         // this thread's U and PU entries and the chunk decay, loaded before the matmul needs them
@@ -406,85 +476,94 @@ __global__ void __launch_bounds__(256) gdn_chunk_state(
         for (int a = 0; a < 2; a++)
 #pragma unroll
             for (int b = 0; b < 4; b++) {
-                int r = ty + 32 * a, col = c0 + tx + 8 * b;
+                int r = ty + 32 * a, col = c0 + 4 * tx + b;
                 uu[a][b] = col < DV ? U[(rb + r) * DV + col] : 0.0f;
                 pp[a][b] = col < DV ? PU[(rb + r) * DV + col] : 0.0f;
             }
         const float dc = decay[(i64)j * nch + c];
-        // [W; Mq] (128 x DK) times S0 (DK x 32): rows ty, ty + 32 of W (a = 0, 1) and of Mq (a = 2, 3).
         float acc[4][4];
 #pragma unroll
         for (int a = 0; a < 4; a++)
 #pragma unroll
             for (int b = 0; b < 4; b++) acc[a][b] = 0.0f;
-        for (int s0 = 0; s0 < DK; s0 += 32) {
-            for (int e = tid; e < 2 * GDN_CH * 32; e += 256) {
-                int r = e >> 5, kk = e & 31;
-                const float* src = r < GDN_CH ? W : Mq;
-                St[r * 33 + kk] = src[(rb + (r & (GDN_CH - 1))) * DK + s0 + kk];
-            }
-            __syncthreads();
-#pragma unroll 8
-            for (int kk = 0; kk < 32; kk++) {
-                float sv[4], wv[4];
-#pragma unroll
-                for (int b = 0; b < 4; b++) sv[b] = Ss[(s0 + kk) * 32 + tx + 8 * b];
-#pragma unroll
-                for (int a = 0; a < 4; a++) wv[a] = St[(ty + 32 * a) * 33 + kk];
-#pragma unroll
-                for (int a = 0; a < 4; a++)
-#pragma unroll
-                    for (int b = 0; b < 4; b++) acc[a][b] = fmaf(wv[a], sv[b], acc[a][b]);
-            }
-            __syncthreads();
-        }
-        // Vnew = U - W S0 into shared; outputs O = Mq S0 + PU for the valid rows.
         const int t0 = t_begin + c * GDN_CH;
         const int n = min(GDN_CH, T - t0);
+#pragma unroll 1
+        for (int q = 0; q < NTILE; q++) {
+            if (q == NKT) {
+                // [W; Mq] S0 is complete: Vnew = U - W S0 into shared (published by the barrier below),
+                // outputs O = Mq S0 + PU for the valid rows, and the state decays before its update.
 #pragma unroll
-        for (int a = 0; a < 2; a++)
+                for (int a = 0; a < 2; a++) {
+                    int r = ty + 32 * a;
+                    *(float4*)&Vs[r * LDV + 4 * tx] = make_float4(uu[a][0] - acc[a][0], uu[a][1] - acc[a][1],
+                                                                 uu[a][2] - acc[a][2], uu[a][3] - acc[a][3]);
 #pragma unroll
-            for (int b = 0; b < 4; b++) {
-                int r = ty + 32 * a, col = c0 + tx + 8 * b;
-                Vs[r * 33 + tx + 8 * b] = uu[a][b] - acc[a][b];
-                if (r < n && col < DV) out[((i64)(t0 + r) * n_v + j) * DV + col] = acc[2 + a][b] + pp[a][b];
-            }
-        // S = decay S0 + Kd^T Vnew, Kd staged 32 tokens at a time (row stride DK + 1).
-#pragma unroll
-        for (int a = 0; a < RA; a++)
-#pragma unroll
-            for (int b = 0; b < 4; b++) Sr[a][b] *= dc;
-        for (int h = 0; h < GDN_CH; h += 32) {
-            for (int e = tid; e < 32 * DK; e += 256) {
-                int tt = e / DK, kk = e % DK;
-                St[tt * (DK + 1) + kk] = Kd[(rb + h + tt) * DK + kk];
-            }
-            __syncthreads();  // (the first one also publishes Vs)
-#pragma unroll 8
-            for (int tt = 0; tt < 32; tt++) {
-                float vv[4], kv[RA];
-#pragma unroll
-                for (int b = 0; b < 4; b++) vv[b] = Vs[(h + tt) * 33 + tx + 8 * b];
-#pragma unroll
-                for (int a = 0; a < RA; a++) kv[a] = St[tt * (DK + 1) + ty + 32 * a];
+                    for (int b = 0; b < 4; b++) {
+                        int col = c0 + 4 * tx + b;
+                        if (r < n && col < DV) out[((i64)(t0 + r) * n_v + j) * DV + col] = acc[2 + a][b] + pp[a][b];
+                    }
+                }
 #pragma unroll
                 for (int a = 0; a < RA; a++)
 #pragma unroll
-                    for (int b = 0; b < 4; b++) Sr[a][b] = fmaf(kv[a], vv[b], Sr[a][b]);
+                    for (int b = 0; b < 4; b++) Sr[a][b] *= dc;
             }
+            __syncthreads();  // the staging buffer is free (and Ss, Vs written before are published)
+            stash(q);
+            if (q + 1 < NTILE) fetch(c, q + 1);
+            else if (c + 1 < nch) fetch(c + 1, 0);
             __syncthreads();
+            if (q < NKT) {
+                // [W; Mq] (128 x 32 keys) times S0's rows 32q.. (32 x 32), four keys a step
+                const int s0 = 32 * q;
+#pragma unroll 1
+                for (int kk = 0; kk < 32; kk += 4) {
+                    float4 w[4], s[4];
+#pragma unroll
+                    for (int a = 0; a < 4; a++) w[a] = *(const float4*)&St[(ty + 32 * a) * LDW + kk];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) s[i] = *(const float4*)&Ss[(s0 + kk + i) * 32 + 4 * tx];
+#pragma unroll
+                    for (int a = 0; a < 4; a++) {
+                        const float wa[4] = {w[a].x, w[a].y, w[a].z, w[a].w};
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            acc[a][0] = fmaf(wa[i], s[i].x, acc[a][0]);
+                            acc[a][1] = fmaf(wa[i], s[i].y, acc[a][1]);
+                            acc[a][2] = fmaf(wa[i], s[i].z, acc[a][2]);
+                            acc[a][3] = fmaf(wa[i], s[i].w, acc[a][3]);
+                        }
+                    }
+                }
+            } else {
+                // S += Kd^T Vnew over 32 tokens of the chunk
+                const int h = 32 * (q - NKT);
+#pragma unroll 8
+                for (int tt = 0; tt < 32; tt++) {
+                    float kv[RA];
+                    ld_rows<RA>(&St[tt * LDK + RA * ty], kv);
+                    const float4 vv = *(const float4*)&Vs[(h + tt) * LDV + 4 * tx];
+#pragma unroll
+                    for (int a = 0; a < RA; a++) {
+                        Sr[a][0] = fmaf(kv[a], vv.x, Sr[a][0]);
+                        Sr[a][1] = fmaf(kv[a], vv.y, Sr[a][1]);
+                        Sr[a][2] = fmaf(kv[a], vv.z, Sr[a][2]);
+                        Sr[a][3] = fmaf(kv[a], vv.w, Sr[a][3]);
+                    }
+                }
+            }
         }
+        // the updated state into shared for the next chunk's [W; Mq] S0 (read after two barriers)
 #pragma unroll
         for (int a = 0; a < RA; a++)
-#pragma unroll
-            for (int b = 0; b < 4; b++) Ss[(ty + 32 * a) * 32 + tx + 8 * b] = Sr[a][b];
-        __syncthreads();
+            *(float4*)&Ss[(RA * ty + a) * 32 + 4 * tx] = make_float4(Sr[a][0], Sr[a][1], Sr[a][2], Sr[a][3]);
     }
 #pragma unroll
     for (int a = 0; a < RA; a++)
 #pragma unroll
         for (int b = 0; b < 4; b++) {
-            int col = c0 + tx + 8 * b;
-            if (col < DV) sp[(i64)(ty + 32 * a) * DV + col] = Sr[a][b];
+            int col = c0 + 4 * tx + b;
+            if (col < DV) sp[(i64)(RA * ty + a) * DV + col] = Sr[a][b];
         }
 }

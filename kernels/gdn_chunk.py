@@ -51,6 +51,8 @@ def gdn_chunked(q, k, v, g, beta, state):
                                                                  "chunked Gated DeltaNet")
     if not T:
         return out
+    # gdn_chunk_prep reads q and k rows with 16-byte loads (a contiguous view may start anywhere)
+    q, k = (a if a.data.ptr % 16 == 0 else a.copy() for a in (q, k))
     full = scratch_shapes(T, n_v, dk, dv)
     scratch = {name: cp.empty(shape, dtype=cp.float32) for name, shape in full.items()}
     prep = get_kernel("gdn", f"gdn_chunk_prep<{dk}>")
