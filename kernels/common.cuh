@@ -151,6 +151,16 @@ __device__ __forceinline__ float warp_sum_small_int(int v) {
 #endif
 }
 
+// ggml's Q8_0 rule (quantize_row_q8_0_ref) for a block of 32 values whose largest magnitude is amax: the
+// scale d = amax / 127 (returned; stored as fp16 by the callers) and `id`, what each value is multiplied by
+// before roundf (0 for an all-zero block). The weights' requantization (gemm.cu requant_q8_0) and the q8_0
+// KV cache (kv_q8_0.cu kv_store1) both use it; NumPy twin: engine/kvquant.py quantize_q8_0.
+__device__ __forceinline__ float q8_0_scale(float amax, float& id) {
+    float d = amax / 127.0f;
+    id = d != 0.0f ? 1.0f / d : 0.0f;
+    return d;
+}
+
 // q8_1 quantization of one block of 32 values held one per lane (all 32 lanes of the warp call it):
 // d = max|v| / 127, q = round(v / d) (int8, 0 when the block is all zero), s = d * sum(q). Every producer
 // of DP4A activations (quantize_q8_1 and the fused kernels that publish their output quantized) uses

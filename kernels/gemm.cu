@@ -206,7 +206,8 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
 // device layout: `oq` (rows, K) int8, `od` (rows, K/32) fp16 bits. Each 32-value block is dequantized as
 // deq_block32 does (engine/quants.py's values) and quantized as ggml's quantize_row_q8_0_ref quantizes:
 // d = max|x| / 127, q = roundf(x * (1 / d)) (0 for an all-zero block), d stored as fp16 (rounded to nearest
-// even; q from the fp32 d), kv_q8_0.cu's rule (NumPy twin: engine/kvquant.py quantize_q8_0). A thread a block.
+// even; q from the fp32 d): common.cuh q8_0_scale, as for kv_q8_0.cu's cache blocks (NumPy twin:
+// engine/kvquant.py quantize_q8_0). A thread a block.
 template <int QT>
 __global__ void __launch_bounds__(256) requant_q8_0(const u8* __restrict__ wq, const u16* __restrict__ wd, int K,
                                                     int rlo, int rows, i8* __restrict__ oq, u16* __restrict__ od) {
@@ -221,8 +222,8 @@ __global__ void __launch_bounds__(256) requant_q8_0(const u8* __restrict__ wq, c
     float amax = 0.0f;
 #pragma unroll
     for (int k = 0; k < 32; k++) amax = fmaxf(amax, fabsf(v[k]));
-    float d = amax / 127.0f;
-    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    float id;
+    float d = q8_0_scale(amax, id);
     int q[8];
 #pragma unroll
     for (int k = 0; k < 8; k++) {

@@ -51,8 +51,8 @@ __device__ __forceinline__ float kv_load1(const u8* __restrict__ p, i64 i) {
 // nearest even); the quantization uses the fp32 d.
 __device__ __forceinline__ void kv_store1(u8* __restrict__ p, i64 i, float v, int lane) {
     float amax = warp_max_abs(v);
-    float d = amax / 127.0f;
-    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    float id;
+    float d = q8_0_scale(amax, id);
     int q = (int)roundf(v * id);
     u8* dst = p + (i >> 5) * KVQ8_BLOCK;
     if (lane == 0) *(u16*)dst = f2h_rn(d);
