@@ -104,6 +104,8 @@ def _matmul_spec(type_name: str) -> ModuleSpec:
         names += [f"gemm_dp4a<{q}, {nb}>" for nb in GEMM_STAGE_BLOCKS]
         if type_name != "Q8_0":
             names += [f"requant_q8_0<{q}>"]
+        else:  # the gate and up rows of a feed-forward layer with SwiGLU in the epilogue (ops.matmul_swiglu)
+            names += [f"gemm_dp4a<{q}, 2, true>"]
         names += [f"gemm_batch<{q}, {tt}>" for tt in GEMM_BATCH_TOKENS]
     if type_name in KQUANT_TYPES:
         names += [f"gemv_kq<{q}, {wpr}, {nu}>" for wpr, nu in GEMV_KQ]

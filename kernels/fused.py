@@ -23,16 +23,12 @@ from .ops import (
     decode_kernel,
     decode_partials,
     merge_grid,
+    q8_arrays,
     sm_count,
 )
 
 GDN_MAX_KW = 8  # fused.cu: longest conv kernel of gdn_decode
 GDN_MAX_DV = 128  # fused.cu: a block of 128 threads per 32 value columns of a head, the whole head in one block
-
-
-def _q8_arrays(T: int, K: int):
-    return (cp.empty((T, K), dtype=cp.int8), cp.empty((T, K // 32), dtype=cp.float32),
-            cp.empty((T, K // 32), dtype=cp.float32))
 
 
 def _c32(x):
@@ -64,7 +60,7 @@ def rms_norm_q8(x, w, eps: float, delta=None):
         raise ValueError(f"rms_norm_q8: row length {N} is not a multiple of 32")
     out = cp.empty_like(x)
     s_out = cp.empty_like(x) if delta is not None else None
-    q8 = _q8_arrays(T, N)
+    q8 = q8_arrays(T, N)
     if T:
         delta = _aligned16(_c32(delta).reshape(T, N)) if delta is not None else None
         mode = 1 if delta is not None else 0
@@ -82,7 +78,7 @@ def swiglu_q8(gate, up):
     if F % 32 or up.shape != gate.shape:
         raise ValueError(f"swiglu_q8: shapes {gate.shape} and {up.shape} (need equal, last a multiple of 32)")
     out = cp.empty_like(gate)
-    q8 = _q8_arrays(T, F)
+    q8 = q8_arrays(T, F)
     nb = T * F // 32
     if nb:
         warps = 8
@@ -148,7 +144,7 @@ def gdn_decode(mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias
         if not a.flags.c_contiguous or a.dtype != cp.float32:
             raise ValueError(f"gdn_decode: the {name} must be a contiguous float32 array made by the backend")
     y = cp.empty((1, n_v * dv), dtype=cp.float32)
-    q8 = _q8_arrays(1, n_v * dv) if want_q8 and dv % 32 == 0 else None
+    q8 = q8_arrays(1, n_v * dv) if want_q8 and dv % 32 == 0 else None
     nul = np.uint64(0)
     # a block per value head; counters: one per key head (its q/k conv state's readers)
     get_kernel("fused", f"gdn_decode<{dk}>")(
@@ -224,7 +220,7 @@ def gdn_decode_batch(mixed, z, b, alpha, conv_states, ssm_states, conv_table, ss
     _check_table("gdn_decode_batch", conv_table, B)
     _check_table("gdn_decode_batch", ssm_table, B)
     y = cp.empty((B, n_v * dv), dtype=cp.float32)
-    q8 = _q8_arrays(B, n_v * dv) if want_q8 and dv % 32 == 0 else None
+    q8 = q8_arrays(B, n_v * dv) if want_q8 and dv % 32 == 0 else None
     nul = np.uint64(0)
     get_kernel("fused", f"gdn_decode_batch<{dk}>")(
         (n_v, B), (gdn_threads(dv),),
@@ -279,7 +275,7 @@ def attention_decode_batch(qg, k, v, q_norm, k_norm, k_table, v_table, rows, pos
         (n_kv, n_splits, B), (128,),
         (q, k_table, v_table, po, pm, pl, np.int32(nh), np.int32(n_kv), rows, np.float32(scale), np.int32(window)))
     out = cp.empty((B, nh * d), dtype=cp.float32)
-    q8 = _q8_arrays(B, nh * d) if want_q8 else None
+    q8 = q8_arrays(B, nh * d) if want_q8 else None
     nul = np.uint64(0)
     get_kernel("fused", "attn_merge_gate_batch")(
         (*merge_grid(nh, d), B), (MERGE_THREADS,),
@@ -335,7 +331,7 @@ def attention_decode_gated(q, qg, kc, vc, kv_len: int, scale: float, window: int
         (n_kv, n_splits), (128,), (q, kc, vc, po, pm, pl, np.int32(nh), np.int32(n_kv), np.int32(kv_len),
                                    lp, np.int32(split_len), np.float32(scale), np.int32(window)))
     out = cp.empty((1, nh * D), dtype=cp.float32)
-    q8 = _q8_arrays(1, nh * D) if want_q8 else None
+    q8 = q8_arrays(1, nh * D) if want_q8 else None
     nul = np.uint64(0)
     get_kernel("fused", "attn_merge_gate")(
         merge_grid(nh, D), (MERGE_THREADS,), (po, pm, pl, _c32(qg), out, q8[0] if q8 else nul, q8[1] if q8 else nul,

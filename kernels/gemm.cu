@@ -45,12 +45,59 @@ __device__ __forceinline__ void seg_bounds(int* bounds, const int* seg, int nseg
 #define GB_M 128
 #define GB_N 128
 
-template <int QT, int NBLK>
+// gemm_dp4a's PAIR epilogue (ops.matmul_swiglu): the thread's columns j < 4 are gate rows f .. f + 3 and
+// columns j >= 4 the up rows of the same f, so it writes h = silu(gate) * up for its 8 tokens and 4 f to
+// `h` (T, F) and h's q8_1 blocks to hq / hd / hs (the down projection's int8 input), as swiglu_q8 does
+// (silu_f, then q8_1_block's rule: d = max|h| / 127, q = round(h / d), s = d * sum(q)), so the results are
+// the same bits as the two-matrix GEMM followed by swiglu_q8. A 32-value block is 8 consecutive lanes
+// (tx 8m .. 8m + 7: 4 values each); every lane takes part in the shuffles, out-of-range ones with zeros.
+__device__ __forceinline__ void gemm_swiglu_epilogue(const float (&acc)[8][8], float* __restrict__ h,
+                                                     i8* __restrict__ hq, float* __restrict__ hd,
+                                                     float* __restrict__ hs, int T, int F, int t0, int f,
+                                                     int fhi, int ty, int tx) {
+    const bool fok = f < fhi;  // F is a multiple of 32, so a block's 8 lanes agree
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const int t = t0 + ((i < 4) ? ty * 4 + i : 64 + ty * 4 + i - 4);
+        float v[4], amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            v[j] = silu_f(acc[i][j]) * acc[i][j + 4];
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
+        const float d = amax / 127.0f;
+        int qs = 0;
+        u32 packed = 0u;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int q = (amax > 0.0f) ? __float2int_rn(v[j] / d) : 0;
+            qs += q;
+            packed |= ((u32)q & 0xffu) << (8 * j);
+        }
+        qs += __shfl_xor_sync(0xffffffffu, qs, 1);
+        qs += __shfl_xor_sync(0xffffffffu, qs, 2);
+        qs += __shfl_xor_sync(0xffffffffu, qs, 4);
+        if (t < T && fok) {
+            const i64 o = (i64)t * F + f;
+            *(float4*)(h + o) = make_float4(v[0], v[1], v[2], v[3]);
+            *(u32*)(hq + o) = packed;
+            if ((tx & 7) == 0) {
+                hd[o >> 5] = d;
+                hs[o >> 5] = d * (float)qs;
+            }
+        }
+    }
+}
+
+template <int QT, int NBLK, bool PAIR = false>
 __global__ void __launch_bounds__(256) gemm_dp4a(
         const u8* __restrict__ wq, const u16* __restrict__ wd, const i8* __restrict__ xq,
         const float* __restrict__ xd, const float* __restrict__ xs, float* __restrict__ y,
         int T, int R, int K, const float* __restrict__ res, const int* __restrict__ seg, int nseg, int rlo,
-        int rhi) {
+        int rhi, int uoff, i8* __restrict__ hq, float* __restrict__ hd, float* __restrict__ hs) {
     pdl_entry();
     // NBLK quant blocks (32 values each) per shared-memory stage: 2 halves the barriers per K.
     __shared__ int4 As4[2][NBLK][8][GB_M / 4];
@@ -63,7 +110,8 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     __shared__ int bounds[9];
     int tid = threadIdx.x;
     seg_bounds(bounds, seg, nseg, R, tid);  // read by the epilogue, many barriers later
-    int t0 = blockIdx.y * GB_M, r0 = rlo + blockIdx.x * GB_N;
+    // PAIR: the block's 128 rows are 64 gate rows f0.. and the same 64 up rows (below)
+    int t0 = blockIdx.y * GB_M, r0 = rlo + blockIdx.x * (PAIR ? GB_N / 2 : GB_N);
     int nb = K >> 5;
     int nst = (nb + NBLK - 1) / NBLK;
     i64 wstride = row_bytes<QT>(K);
@@ -71,7 +119,9 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
     // Loader roles: threads 0..127 load one weight row's blocks, 128..255 one token's blocks.
     int lrow = tid & 127;
     bool loads_w = tid < 128;
-    int wr = min(r0 + lrow, rhi - 1) - rlo;  // wq / wd hold rows rlo.. (a window of the matrix, or all of it)
+    // wq / wd hold rows rlo.. (a window of the matrix, or all of it); PAIR: the up row of gate row f at
+    // f - rlo + uoff
+    int wr = PAIR ? min(r0 + (lrow & 63), rhi - 1) - rlo + (lrow < 64 ? 0 : uoff) : min(r0 + lrow, rhi - 1) - rlo;
     int xt = min(t0 + lrow, T - 1);
     const u8* wrow = wq + (i64)wr * wstride;
     const u16* wdrow = wd + (i64)wr * nb;
@@ -177,6 +227,10 @@ __global__ void __launch_bounds__(256) gemm_dp4a(
         }
         if (st + 1 < nst) sstore(buf ^ 1);
         __syncthreads();
+    }
+    if constexpr (PAIR) {
+        gemm_swiglu_epilogue(acc, y, hq, hd, hs, T, R, t0, r0 + tx * 4, rhi, ty, tx);
+        return;
     }
     // each column's place in y: its segment's start plus its offset there, and the segment's width (one
     // segment of R rows without seg, so token t's row starts at t * R)

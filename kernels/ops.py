@@ -148,13 +148,17 @@ def _upload_kquant(host: np.ndarray, type_name: str, K: int, empty=cp.empty) -> 
 
 # ---- activation quantization and matmuls ------------------------------------------------------------
 
+def q8_arrays(T: int, K: int):
+    """Fresh (xq int8 (T, K), xd fp32 (T, K/32), xs fp32 (T, K/32)): q8_1 blocks of a (T, K) activation."""
+    return (cp.empty((T, K), dtype=cp.int8), cp.empty((T, K // 32), dtype=cp.float32),
+            cp.empty((T, K // 32), dtype=cp.float32))
+
+
 def quantize_q8_1(x: cp.ndarray):
     """x (T, K) fp32 -> (xq int8 (T, K), xd fp32 (T, K/32), xs fp32 (T, K/32))."""
     T, K = x.shape
     nb = T * (K // 32)
-    xq = cp.empty((T, K), dtype=cp.int8)
-    xd = cp.empty((T, K // 32), dtype=cp.float32)
-    xs = cp.empty((T, K // 32), dtype=cp.float32)
+    xq, xd, xs = q8_arrays(T, K)
     warps = 8
     get_kernel("quantize", "quantize_q8_1")((math.ceil(nb / warps),), (32 * warps,),
                                            (x, xq, xd, xs, np.int64(nb)))
@@ -534,6 +538,9 @@ def requant_rows(w: QWeight, rlo: int, rows: int, oq: cp.ndarray | None = None,
     return oq[:rows], od[:rows]
 
 
+_NO_PAIR = (np.int32(0), np.uint64(0), np.uint64(0), np.uint64(0))  # gemm_dp4a's PAIR-only arguments
+
+
 def _gemm_requant(w: QWeight, xq, xd, xs, y, T: int, residual, seg, nseg) -> None:
     """y = the Q8_0 GEMM (two quant blocks a stage) of w requantized, REQUANT_SCRATCH_BYTES of rows at a time."""
     R, K = w.rows, w.cols
@@ -548,7 +555,7 @@ def _gemm_requant(w: QWeight, xq, xd, xs, y, T: int, residual, seg, nseg) -> Non
         requant_rows(w, rlo, rows, oq, od)
         k((math.ceil(rows / 128), math.ceil(T / 128)), (256,),
           (oq, od, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K), res, seg, nseg, np.int32(rlo),
-           np.int32(rlo + rows)))
+           np.int32(rlo + rows), *_NO_PAIR))
 
 
 def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None = None,
@@ -633,7 +640,7 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         k = _mm_kernel(w, f"gemm_dp4a<{q}, {nblk}>")
         k((math.ceil(R / 128), math.ceil(T / 128)), (256,),
           (w.wq, wd, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K),
-           residual if residual is not None else np.uint64(0), seg, nseg, np.int32(0), np.int32(R)))
+           residual if residual is not None else np.uint64(0), seg, nseg, np.int32(0), np.int32(R), *_NO_PAIR))
         return y
     k = _mm_kernel(w, f"gemm_fma<{q}>")
     k((math.ceil(R / 64), math.ceil(T / 64)), (256,), (w.wq, wd, x, y, np.int32(T), np.int32(R), np.int32(K)))
@@ -641,6 +648,62 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
         y += residual  # one extra elementwise launch on the fallback path
     return y
 
+
+
+# ---- a feed-forward layer's gate and up with SwiGLU in the GEMM's epilogue ----
+# gemm_dp4a<Q8_0, 2, PAIR>: each block takes 64 gate rows and the same 64 up rows of a matrix holding a
+# layer's gate rows then its up rows (R = 2F: a fused group), and writes h = silu(gate) * up (T, F) with its
+# q8_1 blocks instead of the (T, 2F) products. The same bits as matmul (the gate and up products are
+# computed alike) followed by swiglu_q8 (same function, same quantization), for one launch and
+# (T x 2F) x 8 bytes of traffic less. Taken where the prefill GEMM ops.matmul would run is that kernel:
+# Q8_0 on "dp4a2" / "dp4a_rq", and REQUANT_TYPES on "dp4a_rq" from REQUANT_MIN_T tokens (windows of gate
+# rows and the same up rows requantized side by side).
+
+def swiglu_fusable(w: QWeight, T: int, path: str) -> bool:
+    """Whether matmul_swiglu runs for w (gate rows then up rows, R = 2F) at T tokens on `path`."""
+    if not (path.startswith("dp4a") and w.dp4a_ok and w.experts == 1 and w.rows % 64 == 0 and T > GEMV_MAX_T):
+        return False
+    if _gemm_batch(w.type_name, T) is not None or _gemv_kq_mt(w.type_name, T, w.rows, w.cols) is not None \
+            or _gemv_mt(w.type_name, T, w.rows) is not None:
+        return False
+    if w.type_name == "Q8_0":
+        return path in ("dp4a2", "dp4a_rq")
+    return path == "dp4a_rq" and w.type_name in REQUANT_TYPES and T >= REQUANT_MIN_T
+
+
+def matmul_swiglu(x: cp.ndarray, w: QWeight, path: str):
+    """silu(x @ gate^T) * (x @ up^T) for w = [gate; up] (R = 2F rows) -> (h (T, F) float32, h's q8_1 blocks
+    (q8_arrays)), where swiglu_fusable(w, T, path); the Q8_0 GEMM with the PAIR epilogue."""
+    if not swiglu_fusable(w, x.shape[0], path):
+        raise ValueError(f"matmul_swiglu: not for a {w.type_name} matrix of {w.rows} rows at {x.shape[0]} tokens "
+                         f"on path {path!r} (swiglu_fusable)")
+    x = cp.ascontiguousarray(x, dtype=cp.float32)
+    (T, K), F = x.shape, w.rows // 2
+    xq, xd, xs = quantize_cached(x)
+    h = cp.empty((T, F), dtype=cp.float32)
+    hq, hd, hs = q8_arrays(T, F)
+    k = get_kernel("matmul_Q8_0", f"gemm_dp4a<{QT['Q8_0']}, 2, true>")
+    no_seg = np.uint64(0)
+
+    def launch(wq, wd, flo: int, fhi: int, uoff: int) -> None:
+        k((math.ceil((fhi - flo) / 64), math.ceil(T / 128)), (256,),
+          (wq, wd, xq, xd, xs, h, np.int32(T), np.int32(F), np.int32(K), np.uint64(0), no_seg, np.int32(1),
+           np.int32(flo), np.int32(fhi), np.int32(uoff), hq, hd, hs))
+
+    if w.type_name == "Q8_0":
+        launch(w.wq, w.wd if w.wd is not None else _dummy(), 0, F, F)
+        return h, (hq, hd, hs)
+    # windows of f: gate rows flo..fhi and up rows F + flo.. requantized into the scratch's two halves
+    step = max(64, REQUANT_SCRATCH_BYTES // 2 // (K + K // 16) // 64 * 64)
+    step = min(step, F)
+    oq = cp.empty((2 * step, K), dtype=cp.int8)
+    od = cp.empty((2 * step, K // 32), dtype=cp.uint16)
+    for flo in range(0, F, step):
+        n = min(step, F - flo)
+        requant_rows(w, flo, n, oq, od)
+        requant_rows(w, F + flo, n, oq[n:], od[n:])
+        launch(oq, od, flo, flo + n, n)
+    return h, (hq, hd, hs)
 
 def matmul_experts(x: cp.ndarray, w: QWeight, ids: cp.ndarray, x_div: int, path: str = "dp4a") -> cp.ndarray:
     """Row p of the result = x[p // x_div] @ W[ids[p]]^T, for p < len(ids) (mixture of experts)."""

@@ -19,9 +19,10 @@ Conventions
   llama.cpp's C++ tools write 1-D).
 - Per-layer sequence state is a `LayerState` (below): a KV cache and/or named recurrent arrays. Sessions
   snapshot and restore it generically (KV: by length; recurrent arrays: by copy through the host).
-- Fused ops (`FusedOpsMixin`: matmul_many, matmul_add, gdn_decode, gated_attention) are defined by
-  composing the ops below; both backends inherit them, and a fast backend overrides them with single
-  kernels (the single-token decode path) without changing what they compute.
+- Fused ops (`FusedOpsMixin`: matmul_many, matmul_add, matmul_swiglu, gdn_decode, gated_attention) are
+  defined by composing the ops below; both backends inherit them, and a fast backend overrides them with
+  single kernels (the single-token decode path, the prefill's SwiGLU GEMM) without changing what they
+  compute.
 """
 
 from __future__ import annotations
@@ -176,8 +177,7 @@ def compose_moe_block(be: Backend, x, router, gate_exps, up_exps, down_exps, k: 
 
 def shared_expert(be: Backend, x, shared: MoeShared):
     """A MoE block's shared expert: sigmoid(x @ gate_inp.T) * SwiGLU FFN of x; x (T, H) -> (T, H)."""
-    gate, up = be.matmul_many(x, [shared.gate, shared.up])
-    s = be.matmul(be.swiglu(gate, up), shared.down)
+    s = be.matmul(be.matmul_swiglu(x, shared.gate, shared.up), shared.down)
     return be.mul(s, be.sigmoid(be.matmul(x, shared.gate_inp)))  # gate (T, 1)
 
 
@@ -204,6 +204,12 @@ class FusedOpsMixin:
     def matmul_add(self: Backend, x, w, residual):
         """residual + x @ W.T (the residual add of a layer, folded into its last matmul)."""
         return self.add(residual, self.matmul(x, w))
+
+    def matmul_swiglu(self: Backend, x, gate, up):
+        """silu(x @ gate.T) * (x @ up.T): a SwiGLU feed-forward's input side (gate and up usually one
+        fused group)."""
+        g, u = self.matmul_many(x, [gate, up])
+        return self.swiglu(g, u)
 
     def gdn_decode(self: Backend, mixed, z, b, alpha, conv_state, ssm_state, conv_w, ssm_a, dt_bias,
                    norm_w, *, n_k: int, n_v: int, dk: int, dv: int, eps: float):
@@ -527,6 +533,8 @@ class Backend(Protocol):
     def load_fused(self, infos: list) -> list: ...
 
     def matmul_add(self, x: Array, w: Weight, residual: Array) -> Array: ...
+
+    def matmul_swiglu(self, x: Array, gate: Weight, up: Weight) -> Array: ...
 
     def gdn_decode(self, mixed: Array, z: Array, b: Array, alpha: Array, conv_state: Array,
                    ssm_state: Array, conv_w: Array, ssm_a: Array, dt_bias: Array, norm_w: Array, *,

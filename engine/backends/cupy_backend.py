@@ -25,6 +25,7 @@ Not here: mixture-of-experts GEMVs have no HFMA2 kernel (the FMA kernel serves t
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -1552,6 +1553,25 @@ class CupyBackend(FusedOpsMixin, DeviceHooks):
                 out += [o.reshape(*lead, b - a) for o, (a, b) in zip(outs, ranges, strict=True)]
             i += n
         return out
+
+    def matmul_swiglu(self, x, gate, up):
+        """The SwiGLU feed-forward's gate and up: where they are one fused group [gate; up] of equal halves and
+        the prefill GEMM ops.matmul would run is the Q8_0 one (ops.swiglu_fusable), one GEMM launch with
+        silu(gate) * up and its q8_1 blocks (the down projection's input) in the epilogue; otherwise the
+        composition (matmul_many, then swiglu)."""
+        rec = gate.group if isinstance(gate, CupyWeight) else None
+        if rec is not None and rec.q is not None and isinstance(up, CupyWeight) and up.group is rec \
+                and (gate.index, up.index) == (0, 1) and len(rec.ranges) == 2 \
+                and rec.ranges[0][1] * 2 == rec.ranges[1][1]:
+            big = rec.q
+            T = math.prod(x.shape[:-1])
+            path = self._matmul_path(T, big)
+            if ops.swiglu_fusable(big, T, path):
+                with self._dev:
+                    h, q8 = ops.matmul_swiglu(_f32(x).reshape(T, x.shape[-1]), big, path)
+                    ops.register_quantized(h, q8)  # the down projection's int8 input
+                return h.reshape(*x.shape[:-1], big.rows // 2)
+        return super().matmul_swiglu(x, gate, up)
 
     def matmul_add(self, x, w: CupyWeight, residual):
         with self._dev:

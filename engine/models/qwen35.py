@@ -426,8 +426,7 @@ def _swiglu_ffn(be: Backend, w: Weights, prefix: str, suffix: str, f: Array,
                 residual: Array | None = None) -> Array:
     """(silu(f @ gate.T) * (f @ up.T)) @ down.T with tensors `{prefix}gate{suffix}.weight` etc., plus
     `residual` when given."""
-    gate, up = be.matmul_many(f, [w[f"{prefix}gate{suffix}.weight"], w[f"{prefix}up{suffix}.weight"]])
-    h = be.swiglu(gate, up)
+    h = be.matmul_swiglu(f, w[f"{prefix}gate{suffix}.weight"], w[f"{prefix}up{suffix}.weight"])
     down = w[f"{prefix}down{suffix}.weight"]
     return be.matmul(h, down) if residual is None else be.matmul_add(h, down, residual)
 
