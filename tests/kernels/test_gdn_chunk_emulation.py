@@ -106,8 +106,108 @@ def state_block(blk, nch, scr, state, out, t_begin, T, n_v, DK, DV):
     sp[base + rows_k[:, None] * DV + cols[None, live]] = Sr[:, live]
 
 
-def emulate(q, k, v, g, beta, state, segment=GDN_CHUNK_SEGMENT):
-    """gdn_chunk.gdn_chunked with the two launches replaced by the block emulations above."""
+def state_block_threads(blk, nch, scr, state, out, t_begin, T, n_v, DK, DV):
+    """gdn_chunk_state for one block thread by thread: its 256 threads' index formulas (every thread at
+    once, as arrays over tid), the staging buffer's tiles as the kernel stashes and reads them (a tile's
+    float4 loads in flight while the one before is used), the state slice in Ss and the corrected values
+    in Vs. The staging buffer is poisoned with NaN before each stash, so a read of an entry the stash
+    did not write shows up in the results; a stash writing one entry twice fails at once."""
+    RA = NKT = DK // 32
+    NTILE, LDW, LDK, LDV = NKT + 2, 36, DK + 4, 36
+    KQ = DK // 4
+    KDL = 32 * KQ // 256
+    stage = max(128 * LDW, 32 * LDK)
+    tid = np.arange(256)
+    tx, ty = tid & 7, tid >> 3
+    wr, wk, kt, kk4 = tid >> 3, tid & 7, tid // KQ, tid % KQ
+    f4 = np.arange(4)
+    slices = math.ceil(DV / 32)
+    j, c0 = blk // slices, (blk % slices) * 32
+    sp, of = state.reshape(-1), out.reshape(-1)
+    W, Mq, Kd = scr["W"], scr["Mq"], scr["Kd"]
+    base = j * DK * DV
+    col = c0 + 4 * tx[:, None] + f4[None, :]  # (256, 4): a thread's columns
+    live = col < DV
+    ccol = np.where(live, col, 0)
+    srow = RA * ty[:, None] + np.arange(RA)[None, :]  # (256, RA): its state rows
+    Sr = np.where(live[:, None, :], sp[base + srow[:, :, None] * DV + ccol[:, None, :]], 0).astype(F32)
+    Ss = np.full(DK * 32, np.nan, F32)
+    Ss[(srow * 32)[:, :, None] + 4 * tx[:, None, None] + f4] = Sr
+    Vs = np.full(64 * LDV, np.nan, F32)
+
+    def fetch(c, q):
+        rb = (j * nch + c) * CH
+        pf = np.zeros((256, 4, 4), F32)
+        if q < NKT:
+            w0 = (rb + wr) * DK + 32 * q + 4 * wk
+            for i, (src, off) in enumerate(((W, 0), (W, 32 * DK), (Mq, 0), (Mq, 32 * DK))):
+                pf[:, i] = src[(w0 + off)[:, None] + f4]
+        else:
+            k0 = (rb + 32 * (q - NKT) + kt) * DK + 4 * kk4
+            for i in range(KDL):
+                pf[:, i] = Kd[(k0 + (256 // KQ) * i * DK)[:, None] + f4]
+        return pf
+
+    def stash(q, pf, St):
+        St[:] = np.nan
+        if q < NKT:
+            idx = np.stack([((wr + 32 * i) * LDW + 4 * wk)[:, None] + f4 for i in range(4)], 1)
+            vals = pf
+        else:
+            idx = np.stack([((kt + (256 // KQ) * i) * LDK + 4 * kk4)[:, None] + f4 for i in range(KDL)], 1)
+            vals = pf[:, :KDL]
+        assert np.unique(idx).size == idx.size, "a stash writes an entry twice"
+        St[idx] = vals
+
+    St = np.full(stage, np.nan, F32)
+    pf = fetch(0, 0) if nch > 0 else None
+    a4 = np.arange(4)
+    for c in range(nch):
+        rb = (j * nch + c) * CH
+        urow = rb + ty[:, None] + 32 * np.arange(2)[None, :]  # (256, 2)
+        uu = np.where(live[:, None, :], scr["U"][urow[:, :, None] * DV + ccol[:, None, :]], 0).astype(F32)
+        pp = np.where(live[:, None, :], scr["PU"][urow[:, :, None] * DV + ccol[:, None, :]], 0).astype(F32)
+        dc = scr["decay"][j * nch + c]
+        acc = np.zeros((256, 4, 4), F32)
+        t0 = t_begin + c * CH
+        n = min(CH, T - t0)
+        for q in range(NTILE):
+            if q == NKT:
+                vrow = ty[:, None] + 32 * np.arange(2)[None, :]
+                Vs[(vrow * LDV)[:, :, None] + 4 * tx[:, None, None] + f4] = uu - acc[:, :2]
+                for a in range(2):
+                    r = ty + 32 * a
+                    ok = (r[:, None] < n) & live
+                    dst = ((t0 + r[:, None]) * n_v + j) * DV + col
+                    of[dst[ok]] = (acc[:, 2 + a] + pp[:, a])[ok]
+                Sr = (Sr * dc).astype(F32)
+            stash(q, pf, St)
+            if q + 1 < NTILE:
+                pf = fetch(c, q + 1)
+            elif c + 1 < nch:
+                pf = fetch(c + 1, 0)
+            if q < NKT:
+                s0 = 32 * q
+                for kk in range(0, 32, 4):
+                    w = St[((ty[:, None] + 32 * a4[None, :]) * LDW + kk)[:, :, None] + f4]  # (256, a, i)
+                    sv = Ss[((s0 + kk + f4) * 32)[None, :, None] + 4 * tx[:, None, None] + f4]  # (256, i, b)
+                    for i in range(4):
+                        acc = (acc + w[:, :, i, None] * sv[:, None, i, :]).astype(F32)
+            else:
+                h = 32 * (q - NKT)
+                for tt in range(32):
+                    kv = St[(tt * LDK + RA * ty)[:, None] + np.arange(RA)]  # (256, RA)
+                    vv = Vs[((h + tt) * LDV + 4 * tx)[:, None] + f4]  # (256, 4)
+                    Sr = (Sr + kv[:, :, None] * vv[:, None, :]).astype(F32)
+        Ss[(srow * 32)[:, :, None] + 4 * tx[:, None, None] + f4] = Sr
+    dst = base + srow[:, :, None] * DV + ccol[:, None, :]
+    keep = np.broadcast_to(live[:, None, :], dst.shape)
+    sp[dst[keep]] = Sr[keep]
+
+
+def emulate(q, k, v, g, beta, state, segment=GDN_CHUNK_SEGMENT, state_fn=state_block):
+    """gdn_chunk.gdn_chunked with the two launches replaced by the block emulations above (state_fn: the
+    sequential part's, block by block or thread by thread)."""
     T, n_k, DK = q.shape
     _, n_v, DV = v.shape
     out = np.full((T, n_v, DV), np.nan, F32)
@@ -121,7 +221,7 @@ def emulate(q, k, v, g, beta, state, segment=GDN_CHUNK_SEGMENT):
             for c in range(nch):
                 prep_block(c, j, nch, q, k, v, g, beta, scr, t_begin, T, n_k, n_v, DK, DV)
         for blk in range(n_v * math.ceil(DV / 32)):
-            state_block(blk, nch, scr, state, out, t_begin, T, n_v, DK, DV)
+            state_fn(blk, nch, scr, state, out, t_begin, T, n_v, DK, DV)
     return out
 
 
@@ -167,6 +267,24 @@ def test_emulation_matches_spec(T, n_k, n_v, dk, dv, segment):
     step = nb.gdn_step(q, k, v, g, beta, s_step)
     assert rel(y, step) < 2e-5
     assert rel(s_emu, s_step) < 2e-5
+
+
+@pytest.mark.parametrize("T,n_k,n_v,dk,dv,segment", [
+    (1, 1, 2, 32, 32, GDN_CHUNK_SEGMENT),
+    (70, 1, 2, 32, 40, GDN_CHUNK_SEGMENT),
+    (130, 2, 2, 64, 72, 128),
+    (129, 1, 1, 128, 128, GDN_CHUNK_SEGMENT),
+])
+def test_state_threads_match_the_block(T, n_k, n_v, dk, dv, segment):
+    """gdn_chunk_state's thread-level schedule (16-byte tiles, the next one in flight, rows ty + 32a of
+    [W; Mq] S0 and state rows RA ty .., columns 4 tx ..) computes what the block emulation does."""
+    rng = np.random.default_rng(T * 3 + dk + dv)
+    q, k, v, g, beta, s0 = make_inputs(rng, T, n_k, n_v, dk, dv)
+    s_blk, s_thr = s0.copy(), s0.copy()
+    y_blk = emulate(q, k, v, g, beta, s_blk, segment)
+    y_thr = emulate(q, k, v, g, beta, s_thr, segment, state_fn=state_block_threads)
+    assert rel(y_thr, y_blk) < 1e-5
+    assert rel(s_thr, s_blk) < 1e-5
 
 
 def test_dispatch_rule():
