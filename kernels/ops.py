@@ -649,7 +649,6 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
     return y
 
 
-
 # ---- a feed-forward layer's gate and up with SwiGLU in the GEMM's epilogue ----
 # gemm_dp4a<Q8_0, 2, PAIR>: each block takes 64 gate rows and the same 64 up rows of a matrix holding a
 # layer's gate rows then its up rows (R = 2F: a fused group), and writes h = silu(gate) * up (T, F) with its
@@ -704,6 +703,7 @@ def matmul_swiglu(x: cp.ndarray, w: QWeight, path: str):
         requant_rows(w, F + flo, n, oq[n:], od[n:])
         launch(oq, od, flo, flo + n, n)
     return h, (hq, hd, hs)
+
 
 def matmul_experts(x: cp.ndarray, w: QWeight, ids: cp.ndarray, x_div: int, path: str = "dp4a") -> cp.ndarray:
     """Row p of the result = x[p // x_div] @ W[ids[p]]^T, for p < len(ids) (mixture of experts)."""
