@@ -15,6 +15,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cupy as cp
 import numpy as np
@@ -541,11 +542,42 @@ def requant_rows(w: QWeight, rlo: int, rows: int, oq: cp.ndarray | None = None,
 _NO_PAIR = (np.int32(0), np.uint64(0), np.uint64(0), np.uint64(0))  # gemm_dp4a's PAIR-only arguments
 
 
+def requant_window(rows: int, K: int, granule: int, parts: int = 1) -> int:
+    """Rows of a K-column matrix requantized at a time: as many as `parts` such windows side by side fit in
+    REQUANT_SCRATCH_BYTES (K + K / 16 bytes a row: int8 values and fp16 scales), a multiple of `granule`
+    (the GEMM's rows a block) and at least one granule, at most `rows` (the whole matrix).
+    engine/placement.py prices this scratch: at most the cap, or the whole matrix."""
+    step = max(granule, REQUANT_SCRATCH_BYTES // parts // (K + K // 16) // granule * granule)
+    return min(step, rows)
+
+
+class PrefillGemm(NamedTuple):
+    """The DP4A prefill GEMM ops.matmul runs (prefill_gemm): gemm_dp4a<Q8_0, 2> on the weights requantized
+    a window at a time (requant), else gemm_dp4a<the stored format, nblk>."""
+    requant: bool
+    nblk: int
+
+
+def prefill_gemm(w: QWeight, T: int, path: str) -> PrefillGemm | None:
+    """Which gemm_dp4a ops.matmul runs for w at T tokens on `path`; None where it runs another kernel (the
+    batched-decode GEMM, a GEMV, the FMA / HFMA2 paths). matmul's dispatch and swiglu_fusable both ask
+    this, so the fused SwiGLU is taken exactly where the Q8_0 GEMM would run."""
+    if not (path.startswith("dp4a") and w.dp4a_ok) or T <= GEMV_MAX_T:
+        return None
+    if _gemm_batch(w.type_name, T) is not None or _gemv_kq_mt(w.type_name, T, w.rows, w.cols) is not None \
+            or _gemv_mt(w.type_name, T, w.rows) is not None:
+        return None
+    if path == "dp4a_rq" and w.type_name in REQUANT_TYPES and T >= REQUANT_MIN_T and w.experts == 1:
+        return PrefillGemm(True, 2)
+    # "dp4a_rq" here: a Q8_0 matrix is already what requantizing gives (the same two-block GEMM); any
+    # other format below REQUANT_MIN_T takes its own one-block GEMM
+    return PrefillGemm(False, 2 if path == "dp4a2" or (path == "dp4a_rq" and w.type_name == "Q8_0") else 1)
+
+
 def _gemm_requant(w: QWeight, xq, xd, xs, y, T: int, residual, seg, nseg) -> None:
     """y = the Q8_0 GEMM (two quant blocks a stage) of w requantized, REQUANT_SCRATCH_BYTES of rows at a time."""
     R, K = w.rows, w.cols
-    step = max(128, REQUANT_SCRATCH_BYTES // (K + K // 16) // 128 * 128)
-    step = min(step, R)  # engine/placement.py prices this scratch: at most the cap, or the whole matrix
+    step = requant_window(R, K, 128)
     oq = cp.empty((step, K), dtype=cp.int8)
     od = cp.empty((step, K // 32), dtype=cp.uint16)
     k = get_kernel("matmul_Q8_0", f"gemm_dp4a<{QT['Q8_0']}, 2>")
@@ -630,14 +662,12 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
                                         np.uint64(0), np.int32(1), res))
         del nb
         return y
-    if use_dp4a:
-        if path == "dp4a_rq" and w.type_name in REQUANT_TYPES and T >= REQUANT_MIN_T and w.experts == 1:
+    gemm = prefill_gemm(w, T, path) if use_dp4a else None
+    if gemm is not None:
+        if gemm.requant:
             _gemm_requant(w, xq, xd, xs, y, T, residual, seg, nseg)
             return y
-        # "dp4a_rq" here: a Q8_0 matrix is already what requantizing gives (the same two-block GEMM); any
-        # other format below REQUANT_MIN_T takes its own one-block GEMM
-        nblk = 2 if path == "dp4a2" or (path == "dp4a_rq" and w.type_name == "Q8_0") else 1
-        k = _mm_kernel(w, f"gemm_dp4a<{q}, {nblk}>")
+        k = _mm_kernel(w, f"gemm_dp4a<{q}, {gemm.nblk}>")
         k((math.ceil(R / 128), math.ceil(T / 128)), (256,),
           (w.wq, wd, xq, xd, xs, y, np.int32(T), np.int32(R), np.int32(K),
            residual if residual is not None else np.uint64(0), seg, nseg, np.int32(0), np.int32(R), *_NO_PAIR))
@@ -660,14 +690,10 @@ def matmul(x: cp.ndarray, w: QWeight, path: str = "dp4a", out: cp.ndarray | None
 
 def swiglu_fusable(w: QWeight, T: int, path: str) -> bool:
     """Whether matmul_swiglu runs for w (gate rows then up rows, R = 2F) at T tokens on `path`."""
-    if not (path.startswith("dp4a") and w.dp4a_ok and w.experts == 1 and w.rows % 64 == 0 and T > GEMV_MAX_T):
+    gemm = prefill_gemm(w, T, path)
+    if gemm is None or w.experts != 1 or w.rows % 64:
         return False
-    if _gemm_batch(w.type_name, T) is not None or _gemv_kq_mt(w.type_name, T, w.rows, w.cols) is not None \
-            or _gemv_mt(w.type_name, T, w.rows) is not None:
-        return False
-    if w.type_name == "Q8_0":
-        return path in ("dp4a2", "dp4a_rq")
-    return path == "dp4a_rq" and w.type_name in REQUANT_TYPES and T >= REQUANT_MIN_T
+    return gemm.requant or (w.type_name == "Q8_0" and gemm.nblk == 2)
 
 
 def matmul_swiglu(x: cp.ndarray, w: QWeight, path: str):
@@ -693,8 +719,7 @@ def matmul_swiglu(x: cp.ndarray, w: QWeight, path: str):
         launch(w.wq, w.wd if w.wd is not None else _dummy(), 0, F, F)
         return h, (hq, hd, hs)
     # windows of f: gate rows flo..fhi and up rows F + flo.. requantized into the scratch's two halves
-    step = max(64, REQUANT_SCRATCH_BYTES // 2 // (K + K // 16) // 64 * 64)
-    step = min(step, F)
+    step = requant_window(F, K, 64, parts=2)
     oq = cp.empty((2 * step, K), dtype=cp.int8)
     od = cp.empty((2 * step, K // 32), dtype=cp.uint16)
     for flo in range(0, F, step):

@@ -98,6 +98,42 @@ def test_swiglu_fusable_only_where_the_q8_gemm_runs():
         ops.matmul_swiglu(cp.zeros((big - 1, K), cp.float32), q4, "dp4a_rq")
 
 
+def test_prefill_gemm_names_the_kernel_matmul_launches(monkeypatch):
+    """ops.prefill_gemm, which swiglu_fusable asks, against the kernels ops.matmul really launches: across
+    formats, token counts (decode kernels, the batch GEMM, the GEMMs below and above REQUANT_MIN_T) and
+    paths, a gemm_dp4a launch happens exactly where it says, with its block count, on requantized weights
+    exactly where it says so."""
+    from minecart.kernels import ops
+
+    launched: list[str] = []
+    real = ops.get_kernel
+
+    def recording(module: str, name: str):
+        launched.append(name)
+        return real(module, name)
+
+    monkeypatch.setattr(ops, "get_kernel", recording)
+    rng = np.random.default_rng(5)
+    K = 256
+    big = ops.REQUANT_MIN_T
+    for type_name in ("Q8_0", "Q4_K", "Q6_K", "Q5_0"):
+        w = ops.upload_weight(gate_up_raw(rng, type_name, 64, K), type_name, (128, K))
+        for T in (1, 8, 32, ops.GEMV_MAX_T + 1, big - 1, big):
+            x = cp.asarray(rng.standard_normal((T, K)).astype(np.float32))
+            for path in ("dp4a", "dp4a2", "dp4a_rq", "fma"):
+                launched.clear()
+                ops.matmul(x, w, path)
+                gemms = [n for n in launched if n.startswith("gemm_dp4a<")]
+                gemm = ops.prefill_gemm(w, T, path)
+                where = (type_name, T, path, launched)
+                if gemm is None:
+                    assert not gemms, where
+                    continue
+                q = ops.QT["Q8_0"] if gemm.requant else ops.QT[type_name]
+                assert gemms == [f"gemm_dp4a<{q}, {gemm.nblk}>"], where
+                assert any(n.startswith("requant_q8_0<") for n in launched) == gemm.requant, where
+
+
 def test_backend_takes_it_for_a_fused_group():
     """CupyBackend.matmul_swiglu on [gate; up] loaded as one group: the fused launch at a prefill's size
     (its q8_1 blocks published for the down projection: the next matmul quantizes nothing), the
