@@ -1297,14 +1297,44 @@ def _tile_intrinsic(kind: str) -> Any:
     return tile
 
 
-_TILE_KIND = {_Q8_0: "q8_0", _Q4_0: "q4_0", _Q5_0: "q5_0", _Q4_1: "q4_1", _Q5_1: "q5_1", _IQ4_NL: "iq4_nl",
-              _Q4_K: "q4_k", _Q5_K: "q5_k", _Q6_K: "q6_k", _IQ4_XS: "iq4_xs"}
+# One module-level tile intrinsic per type, picked by _tile. A kernel must not hold an intrinsic in its
+# closure: numba keys its disk cache by the pickled closure, and an intrinsic pickles with a UUID of its
+# own (new in every process), so such a kernel was compiled again in every process (about 2 s at the
+# first prompt of several tokens) and its cache gained one more entry each time.
+_tile_q8_0, _tile_q4_0, _tile_q5_0 = _tile_intrinsic("q8_0"), _tile_intrinsic("q4_0"), _tile_intrinsic("q5_0")
+_tile_q4_1, _tile_q5_1, _tile_iq4_nl = _tile_intrinsic("q4_1"), _tile_intrinsic("q5_1"), _tile_intrinsic("iq4_nl")
+_tile_q4_k, _tile_q5_k, _tile_q6_k = _tile_intrinsic("q4_k"), _tile_intrinsic("q5_k"), _tile_intrinsic("q6_k")
+_tile_iq4_xs = _tile_intrinsic("iq4_xs")
+
+
+@njit(inline="always")
+def _tile(t, w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res):  # pragma: no cover - compiled
+    """The tile intrinsic of type t (a constant of the calling kernel: the other branches are pruned)."""
+    if t == _Q8_0:
+        _tile_q8_0(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
+    elif t == _Q4_0:
+        _tile_q4_0(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
+    elif t == _Q5_0:
+        _tile_q5_0(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
+    elif t == _Q4_1:
+        _tile_q4_1(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
+    elif t == _Q5_1:
+        _tile_q5_1(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
+    elif t == _IQ4_NL:
+        _tile_iq4_nl(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
+    elif t == _Q4_K:
+        _tile_q4_k(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
+    elif t == _Q5_K:
+        _tile_q5_k(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
+    elif t == _Q6_K:
+        _tile_q6_k(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
+    else:
+        _tile_iq4_xs(w0, w1, w2, w3, xp, dp, sp, hp, xo, so, nb, ahead, table, res)
 
 
 def _tile_kernel(t: int) -> Any:
     """The tile region for a one-matrix stack of type t: (w, xp, dp, sp, hp, n, nb, table, chunks, out);
     out[s, r] = row r of w[0] dotted with activation row s (n of them, packed)."""
-    tile = _tile_intrinsic(_TILE_KIND[t])
 
     @njit(parallel=True, cache=True)
     def rows(w, xp, dp, sp, hp, n, nb, table, chunks, out):  # pragma: no cover - compiled
@@ -1319,8 +1349,8 @@ def _tile_kernel(t: int) -> Any:
                 r0 = 4 * job
                 r1, r2, r3 = min(r0 + 1, n_out - 1), min(r0 + 2, n_out - 1), min(r0 + 3, n_out - 1)
                 for gi in range(groups):
-                    tile(w[0, r0], w[0, r1], w[0, r2], w[0, r3], xp, dp, sp, hp, 256 * nb * gi, 8 * nb * gi,
-                         nb, ahead, table, res)
+                    _tile(t, w[0, r0], w[0, r1], w[0, r2], w[0, r3], xp, dp, sp, hp, 256 * nb * gi, 8 * nb * gi,
+                          nb, ahead, table, res)
                     for k in range(min(4, n_out - r0)):
                         for lane in range(min(8, n - 8 * gi)):
                             out[8 * gi + lane, r0 + k] = res[8 * k + lane]
