@@ -60,3 +60,21 @@ def test_a_second_process_loads_the_kernels_from_the_disk_cache(tmp_path):
     second = _run(tmp_path)
     assert all(hits >= 1 and misses == 0 for hits, misses in second.values()), second
     assert _entries(tmp_path) == stored  # nothing compiled again, nothing added
+
+
+def test_no_cached_kernel_closes_over_an_object():
+    """Every disk-cached kernel the engine's CPU modules build closes over plain values only (type
+    codes, sizes, flags), whose pickles are the same in every process; anything else (an intrinsic, a
+    dispatcher, an array) would make its cache key change from process to process, as above."""
+    import gc
+
+    from minecart.engine import cpu_attention, cpu_gdn, cpu_matmul, cpu_pointwise, sampling  # noqa: F401
+    from numba.core.dispatcher import Dispatcher
+
+    plain = (int, float, str, bool, tuple, type(None))
+    cached = [d for d in gc.get_objects() if isinstance(d, Dispatcher) and d.py_func.__module__.startswith(
+        "minecart.") and d.py_func.__closure__ and d.stats.cache_path is not None]
+    assert len(cached) >= len(C._TILE) + len(C._DENSE)
+    for d in cached:
+        held = {type(c.cell_contents).__name__ for c in d.py_func.__closure__ if not isinstance(c.cell_contents, plain)}
+        assert not held, f"{d.py_func.__qualname__} closes over {held}"
