@@ -1679,19 +1679,6 @@ def dense_matmul(w: ExpertStack, x: np.ndarray, *, fast: bool = True,
     return out
 
 
-def compile_dense_kernels(t: int, threads: int | None = None) -> None:
-    """Compile now (or load from numba's disk cache) the regions dense_matmul runs for a stored weight of
-    type t: the one-row region and the tile region, not inside a first token or a first prompt. One
-    call of each on a small all-zero weight."""
-    if t not in KERNEL_TYPES:
-        raise ValueError(f"no integer kernels for ggml type {t}")
-    bv, bb = Q.BLOCK_SIZES[t]
-    n_in = 256
-    w = ExpertStack(np.zeros((1, 4, n_in // bv * bb), np.uint8), t, n_in)
-    for rows in (1, 2):
-        dense_matmul(w, np.zeros((rows, n_in), F32), threads=threads)
-
-
 def _weighted_sum_twin(y: np.ndarray, w32: np.ndarray) -> np.ndarray:
     out = np.zeros(y.shape[1], F32)
     for s in range(y.shape[0]):

@@ -247,7 +247,6 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         # a MoE layer's expert tensors as cpu_experts stacks, made on first use: (weights, stacks) by
         # the weights' ids (int_expert_stacks)
         self._stacks: dict[tuple[int, int, int], tuple[tuple[Any, ...], Any]] = {}
-        self._stored_types: set[int] = set()  # the ggml types of the weights held as stored (_stored)
 
     def __repr__(self) -> str:
         return f"NumpyBackend({self.device!r})"
@@ -289,7 +288,6 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
 
         n_out, n_in = (int(d) for d in info.shape)
         raw = np.asarray(info.raw).reshape(1, n_out, -1)
-        self._stored_types.add(int(info.ggml_type))
         return cpu_experts.ExpertStack(raw, int(info.ggml_type), n_in)
 
     def load_weight(self, info, *, role: str = "matmul"):
@@ -333,10 +331,8 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         few hundredths of a second from its disk cache): the few-rows matmul of a batched step
         (engine/cpu_matmul.py), a decode token's attention (engine/cpu_attention.py), the norms, gated
         activations and RoPE (engine/cpu_pointwise.py), and, when GDN layers decode here, their
-        recurrence (engine/cpu_gdn.py); and the integer matmul regions of the weights held as stored
-        (engine/cpu_experts.py compile_dense_kernels: one token's and a prompt's).
-        One that does not compile is switched off with a warning: its NumPy twin runs (the stored
-        weights' regions have none: their failure fails the load)."""
+        recurrence (engine/cpu_gdn.py).
+        One that does not compile is switched off with a warning: its NumPy twin runs."""
         if self.rows_kernel and cpu_matmul.available():
             threads = self.expert_thread_count()
             self.rows_kernel = _compiles(lambda: cpu_matmul.compile_kernel(threads),
@@ -349,11 +345,6 @@ class NumpyBackend(FusedOpsMixin, DeviceHooks):
         if self.pointwise_kernel and cpu_pointwise.available():
             self.pointwise_kernel = _compiles(cpu_pointwise.compile_kernels,
                                               "the norm, activation and RoPE kernels", "their NumPy twins")
-        if self._stored_types:  # the weights held as stored have no other path: a failure is the load's
-            from .. import cpu_experts
-
-            for t in sorted(self._stored_types):
-                cpu_experts.compile_dense_kernels(t, self.expert_thread_count())
 
     def free(self, obj) -> None:
         """Nothing to release on the host but the expert stacks made over obj's bytes."""

@@ -88,35 +88,3 @@ def test_no_cached_kernel_closes_over_an_object():
         held = {type(c.cell_contents).__name__ for c in d.py_func.__closure__ if not isinstance(c.cell_contents, plain)}
         assert not held, f"{d.py_func.__qualname__} closes over {held}"
 
-
-_LOAD = r"""
-import json, sys
-from minecart.engine import cpu_experts as C
-from minecart.engine import quants as Q
-from minecart.engine.model import load_model
-
-seen = []
-model = load_model(sys.argv[1], cpu_weights="stored", mmproj=False,
-                   progress=(lambda f, m: seen.append(m)) if sys.argv[2] == "progress" else None)
-model.close()
-json.dump({"q8_0": [len(C._DENSE[Q.Q8_0].signatures), len(C._TILE[Q.Q8_0].signatures)],
-           "others": sum(len(C._DENSE[t].signatures) + len(C._TILE[t].signatures) for t in C.KERNEL_TYPES
-                         if t != Q.Q8_0), "last": seen[-1] if seen else None}, sys.stdout)
-"""
-
-
-def test_a_load_that_shows_progress_readies_the_stored_weights_regions(fixtures_dir, tmp_path):
-    """A load with a person waiting (progress given) compiles, or loads from the cache, the integer
-    regions of the weights held as stored, one token's and a prompt's, so neither compiles inside the
-    first prompt; a load without progress (tests, logits-only callers) leaves them for first use. The
-    fixture's matmuls are Q8_0: only that type's regions are made."""
-    model = fixtures_dir / "dense" / "qwen35-tiny-dense-q8_0.gguf"
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    root = Path(__file__).resolve().parents[2]
-    got = {}
-    for mode in ("progress", "none"):
-        out = subprocess.run([sys.executable, "-c", _LOAD, str(model), mode], env=env, cwd=root,
-                             capture_output=True, text=True, timeout=600, check=True)
-        got[mode] = json.loads(out.stdout)
-    assert got["progress"] == {"q8_0": [1, 1], "others": 0, "last": "loaded"}, got
-    assert got["none"] == {"q8_0": [0, 0], "others": 0, "last": None}, got
